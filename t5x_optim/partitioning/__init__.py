@@ -1,0 +1,1 @@
+"""Partitioning of optimizer states: state partition rules, axis rules, meshes."""
