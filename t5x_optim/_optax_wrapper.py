@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, tree_like
+from t5x_optim._optimizer import (
+    Optimizer,
+    OptimizerDef,
+    OptimizerState,
+    structure_mismatch,
+    tree_like,
+)
 
 __all__ = ["OptaxHyperParams", "OptaxWrapper", "chain", "wrap_optax_optimizer"]
 
@@ -78,7 +84,8 @@ class OptaxWrapper(OptimizerDef):
   """Exposes an optax `GradientTransformation` as a T5X `OptimizerDef`.
 
   The state is `OptimizerState(step, param_states)` where `step` is an int32
-  array and `param_states` the optax state. Extra keyword arguments of
+  array and `param_states` the optax state (an `optax.MultiSteps` is taken
+  through its `gradient_transformation()`). Extra keyword arguments of
   `Optimizer.apply_gradient` (e.g. `value=` for `reduce_on_plateau`) are
   passed on to `update`.
 
@@ -92,8 +99,10 @@ class OptaxWrapper(OptimizerDef):
 
   accepts_extra_args = True
 
-  def __init__(self, optax_optimizer: optax.GradientTransformation):
+  def __init__(self, optax_optimizer: optax.GradientTransformation | optax.MultiSteps):
     super().__init__(hyper_params=OptaxHyperParams())
+    if isinstance(optax_optimizer, optax.MultiSteps):
+      optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
 
   def init_state(self, params: Any) -> OptimizerState:
@@ -109,7 +118,7 @@ class OptaxWrapper(OptimizerDef):
       grads: Any,
       **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
-    grads = tree_like(grads, params, name="grads")
+    grads = tree_like(grads, params)
     param_states = state.param_states
     if hyper_params.learning_rate is not None:
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
@@ -120,10 +129,16 @@ class OptaxWrapper(OptimizerDef):
           f"Extra arguments {sorted(extra_args)} were passed to apply_gradient, "
           "but the optax transformation does not take extra arguments."
       )
-    updates, new_param_states = self.optax_optimizer.update(
-        grads, param_states, params, **extra_args
-    )
-    new_params = optax.apply_updates(params, updates)
+    try:
+      updates, new_param_states = self.optax_optimizer.update(
+          grads, param_states, params, **extra_args
+      )
+      new_params = optax.apply_updates(params, updates)
+    except (TypeError, ValueError) as error:
+      mismatch = structure_mismatch(grads, params, name="grads")
+      if mismatch is None:
+        raise
+      raise ValueError(f"The grads do not fit the params: {mismatch}.") from error
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:

@@ -162,24 +162,30 @@ def _leaf_paths(tree: Any) -> set[str]:
   }
 
 
-def tree_like(value: Any, reference: Any, *, name: str) -> Any:
+def tree_like(value: Any, reference: Any) -> Any:
   """Returns `value` in `reference`'s container types (dict vs FrozenDict).
 
-  Raises:
-    ValueError: when the two trees differ in more than the mapping type; the
-      message names the paths only one side has.
+  Trees that differ in more than the mapping type come back unchanged.
   """
   ref_def = jax.tree.structure(reference)
   if jax.tree.structure(value) == ref_def:
     return value
-  plain_value = jax.tree.structure(flax.core.unfreeze(value))
-  plain_ref = jax.tree.structure(flax.core.unfreeze(reference))
-  if plain_value != plain_ref:
-    value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
-    raise ValueError(
-        f"The {name} do not match the params' structure: paths only in the "
-        f"{name}: {sorted(value_paths - ref_paths)}; paths only in the params: "
-        f"{sorted(ref_paths - value_paths)}; {name} tree: {plain_value}; params "
-        f"tree: {plain_ref}."
-    )
+  if jax.tree.structure(flax.core.unfreeze(value)) != jax.tree.structure(
+      flax.core.unfreeze(reference)
+  ):
+    return value
   return jax.tree.unflatten(ref_def, jax.tree.leaves(value))
+
+
+def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
+  """Describes how `value`'s structure differs from `reference`'s, or None."""
+  value_def = jax.tree.structure(flax.core.unfreeze(value))
+  ref_def = jax.tree.structure(flax.core.unfreeze(reference))
+  if value_def == ref_def:
+    return None
+  value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
+  return (
+      f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
+      f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
+      f"params tree: {ref_def}"
+  )

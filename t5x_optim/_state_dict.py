@@ -77,6 +77,37 @@ def _castable(value: Any, src: np.dtype, dst: np.dtype) -> bool:
   return False
 
 
+def _is_key(value: Any) -> bool:
+  dtype = getattr(value, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
+  """Restores a typed PRNG key from a key array or its raw `key_data`."""
+  if not _is_key(value):
+    if not isinstance(reference, jax.Array):
+      raise ValueError(
+          f"State dict mismatch at '{where}': the optimizer has an abstract PRNG "
+          f"key of dtype {reference.dtype}; restore it from a typed key array."
+      )
+    data_shape = jax.eval_shape(jax.random.key_data, reference).shape
+    if np.shape(value) != data_shape:
+      raise ValueError(
+          f"Shape mismatch at '{where}': the optimizer's PRNG key data has shape "
+          f"{data_shape}, the state dict has shape {np.shape(value)}."
+      )
+    value = jax.random.wrap_key_data(
+        np.asarray(value, np.uint32), impl=jax.random.key_impl(reference)
+    )
+  if value.dtype != reference.dtype or value.shape != reference.shape:
+    raise ValueError(
+        f"PRNG key mismatch at '{where}': the optimizer has {reference.dtype} "
+        f"{reference.shape}, the state dict has {value.dtype} {value.shape}."
+    )
+  sharding = getattr(reference, "sharding", None)
+  return jax.device_put(value, sharding) if sharding is not None else value
+
+
 def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   """Checks `value` against `reference` and returns it in the reference's form."""
   where = _join(path)
@@ -92,6 +123,8 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
         f"State dict mismatch at '{where}': expected an array with "
         f"{_describe(reference)}, got {_describe(value)}."
     )
+  if _is_key(reference):
+    return _convert_key(reference, value, where)
   ref_shape, ref_dtype = np.shape(reference), _dtype_of(reference)
   shape, dtype = np.shape(value), _dtype_of(value)
   if shape != ref_shape:
@@ -156,7 +189,8 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     reference: the pytree whose structure, shapes and dtypes are expected (its
       arrays may be real or `jax.ShapeDtypeStruct`s; their shardings are kept).
     state_dict: a state dict in `flax.serialization` form, possibly with empty
-      nodes removed. Leaves may be numpy or jax arrays or Python scalars.
+      nodes removed. Leaves may be numpy or jax arrays or Python scalars; a
+      typed PRNG key may also come as its raw `jax.random.key_data`.
 
   Returns:
     A new pytree of `reference`'s type; `reference` is left unchanged.

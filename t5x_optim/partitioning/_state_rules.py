@@ -1,0 +1,404 @@
+"""Logical partition specs for any optax optimizer state.
+
+``OptaxStatePartitionRules.derive_optax_logical_axes`` maps an optax state to
+a tree of the same structure whose leaves are logical ``PartitionSpec``s or
+None (replicated). Derivation runs in four steps:
+
+1. *Structure*: scalars (and leaves whose dimensions all have size 1) are
+   replicated; a subtree with the params' structure
+   (a "mirror", like adam's ``mu``) gives each leaf of its param's shape that
+   param's spec. This is the fast path: adamw, sgd, lion, ... end here.
+2. *Generic*: when ``transformation`` and ``params`` are given and leaves are
+   left, ``transformation.init`` is traced on abstract params sharded over an
+   abstract mesh of logical axes (sharding-in-types), so factored leaves
+   (adafactor ``v_row``, SM3 accumulators) and states of user-defined
+   transformations get the specs of the param dimensions they keep.
+3. *Rules*: registered per-state-type rules override what the first two steps
+   cannot know (L-BFGS history, GaLore projectors).
+4. *Validation*: every spec must fit its leaf (length == rank, no axis named
+   twice); anything else goes to the caller's ``StateRulesFallback``.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from flax.core import frozen_dict, meta
+from flax.linen import partitioning as flax_partitioning
+from jax.sharding import PartitionSpec
+
+from t5x_optim.partitioning import _state_rules_builtin  # noqa: F401  (registers the built-in rules)
+from t5x_optim.partitioning import _state_rules_generic as generic
+from t5x_optim.partitioning import _state_rules_registry as registry
+from t5x_optim.partitioning import _state_rules_specs as specs_lib
+
+_MAX_PATHS_IN_WARNING = 5
+
+
+class StateRulesFallback(enum.Enum):
+  """What to do with a state leaf whose spec cannot be derived or is invalid.
+
+  Attributes:
+    REPLICATE_WITH_WARNING: replicate the leaf (spec None) and warn once per
+      derivation, naming the leaves.
+    RAISE: raise a ValueError naming the leaf's tree path, shape and spec.
+  """
+
+  REPLICATE_WITH_WARNING = 'replicate_with_warning'
+  RAISE = 'raise'
+
+
+def _is_axes_input_leaf(x: Any) -> bool:
+  return (x is None or isinstance(x, (PartitionSpec, meta.AxisMetadata))
+          or _is_names_tuple(x))
+
+
+def _is_names_tuple(x: Any) -> bool:
+  return type(x) is tuple and all(  # pylint: disable=unidiomatic-typecheck
+      e is None or isinstance(e, str) or _is_names_tuple(e) for e in x)
+
+
+def _to_spec(path: Any, x: Any) -> PartitionSpec | None:
+  if x is None or isinstance(x, PartitionSpec):
+    return x
+  if isinstance(x, meta.AxisMetadata):
+    return meta.get_partition_spec(x)
+  if _is_names_tuple(x):
+    return PartitionSpec(*x)
+  if hasattr(x, 'shape'):
+    return None
+  raise TypeError(
+      f'params_axes leaf at {jax.tree_util.keystr(path)} is a '
+      f'{type(x).__name__}; expected a PartitionSpec, None, a tuple of axis '
+      'names, a flax LogicallyPartitioned box or an array')
+
+
+def _is_axes_collection(tree: Any) -> bool:
+  found = jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, flax_partitioning.AxisMetadata))
+  return bool(found) and all(
+      isinstance(x, flax_partitioning.AxisMetadata) for x in found)
+
+
+def logical_axes_from(params_axes: Any) -> Any:
+  """Normalises param axes, in any form users have, to a PartitionSpec tree.
+
+  Accepted forms:
+
+  * a tree of ``PartitionSpec`` (or tuples of names) and None (T5X form; dict
+    or FrozenDict, returned with its containers);
+  * params boxed by ``nn.with_logical_partitioning`` (``LogicallyPartitioned``
+    leaves become their spec; unboxed arrays become None, replicated);
+  * a T5X-style ``params_axes`` collection written by
+    ``flax.linen.partitioning.param_with_axes`` (``AxisMetadata`` leaves under
+    keys ending in ``_axes``), either the collection itself or
+    ``{'params_axes': collection}``; it is returned as plain dicts keyed like
+    the params.
+
+  Args:
+    params_axes: the param axes in one of the forms above.
+
+  Returns:
+    a tree with the params' structure whose leaves are ``PartitionSpec``s or
+    None.
+
+  Raises:
+    TypeError: if a leaf is none of the above, naming its tree path.
+
+  >>> logical_axes_from({'dense': {'kernel': ('embed', 'mlp'), 'bias': None}})
+  {'dense': {'bias': None, 'kernel': PartitionSpec('embed', 'mlp')}}
+  """
+  if (isinstance(params_axes, dict | frozen_dict.FrozenDict)
+      and set(params_axes) == {'params_axes'}):
+    params_axes = params_axes['params_axes']
+  if all(_is_spec_or_none(x) for x in jax.tree.leaves(
+      params_axes, is_leaf=_is_spec_or_none)):
+    return params_axes
+  if _is_axes_collection(params_axes):
+    return specs_lib.thaw(flax_partitioning.get_axis_names(params_axes))
+  return jax.tree_util.tree_map_with_path(
+      _to_spec, params_axes, is_leaf=_is_axes_input_leaf)
+
+
+def _is_spec_or_none(x: Any) -> bool:
+  return x is None or isinstance(x, PartitionSpec)
+
+
+class _ParamIndex:
+  """Flat, aligned view of the params and their logical specs."""
+
+  def __init__(self, params_axes: Any, params: Any | None):
+    spec_tree = logical_axes_from(params_axes)
+    raw, self.params_def = jax.tree.flatten(spec_tree, is_leaf=_is_spec_or_none)
+    self.specs: list[PartitionSpec | None] = [
+        specs_lib.drop_repeated_names(s) for s in raw]
+    self.mirror_defs = {self.params_def}
+    self.params = params
+    self.leaves: list[Any] | None = None
+    self.shapes: list[tuple[int, ...]] | None = None
+    if params is None:
+      thawed = specs_lib.thaw(spec_tree)
+      self.mirror_defs.add(jax.tree.structure(thawed, is_leaf=_is_spec_or_none))
+      self.mirror_defs.add(jax.tree.structure(
+          specs_lib.freeze_top(thawed), is_leaf=_is_spec_or_none))
+    else:
+      self._align(spec_tree)
+
+  def _align(self, spec_tree: Any) -> None:
+    leaves, params_def = jax.tree.flatten(self.params)
+    if params_def != self.params_def:
+      self.params = meta.unbox(self.params)
+      leaves, params_def = jax.tree.flatten(self.params)
+    if params_def != self.params_def:
+      spec_def = jax.tree.structure(specs_lib.thaw(spec_tree),
+                                    is_leaf=_is_spec_or_none)
+      if jax.tree.structure(specs_lib.thaw(self.params)) != spec_def:
+        raise ValueError(
+            f'params_axes does not have the structure of params: {spec_def} '
+            f'vs {params_def}')
+    self.leaves = leaves
+    self.params_def = params_def
+    self.mirror_defs = {params_def}
+    self.shapes = [specs_lib.leaf_shape(p) for p in leaves]
+    self.specs = [specs_lib.canonical(s, len(shape))
+                  for s, shape in zip(self.specs, self.shapes)]
+
+  def context(self) -> registry.StateRuleContext:
+    return registry.StateRuleContext(
+        param_specs=self.params_def.unflatten(self.specs), params=self.params)
+
+
+def _holey_mirror(node: jax.tree_util.PyTreeDef,
+                  params_def: jax.tree_util.PyTreeDef) -> list[int] | None:
+  """Param index of each leaf if ``node`` is the params with MaskedNode holes."""
+  indices: list[int] = []
+  stack = [(node, params_def)]
+  next_param = 0
+  while stack:
+    s, p = stack.pop()
+    if p.num_nodes == 1 and p.num_leaves == 1:
+      data = s.node_data()
+      if data is None:
+        indices.append(next_param)
+      elif data[0] is not optax.MaskedNode:
+        return None
+      next_param += 1
+      continue
+    data = s.node_data()
+    if data is not None and data[0] is optax.MaskedNode:
+      next_param += p.num_leaves
+      continue
+    if data != p.node_data():
+      return None
+    stack.extend(reversed(list(zip(s.children(), p.children()))))
+  return indices
+
+
+def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex,
+          rule_types: Sequence[type]):
+  """Finds params mirrors and rule-typed nodes in one walk.
+
+  Returns:
+    ``[(leaf offset, param index of each leaf)]`` for every subtree with the
+    params' structure (MaskedNode holes allowed), and ``[(leaf offset, node)]``
+    for every node whose type has a registered rule, outermost first.
+  """
+  mirrors: list[tuple[int, Sequence[int]]] = []
+  ruled: list[tuple[int, jax.tree_util.PyTreeDef]] = []
+  root_data = index.params_def.node_data()
+  dense = range(index.params_def.num_leaves)
+  stack = [(state_def, 0)]
+  while stack:
+    node, offset = stack.pop()
+    if node in index.mirror_defs:
+      mirrors.append((offset, dense))
+      continue
+    data = node.node_data()
+    holey = (_holey_mirror(node, index.params_def)
+             if data is not None and data == root_data else None)
+    if holey is not None:
+      mirrors.append((offset, holey))
+      continue
+    if data is not None and data[0] in rule_types:
+      ruled.append((offset, node))
+    start = offset
+    children = []
+    for child in node.children():
+      children.append((child, start))
+      start += child.num_leaves
+    stack.extend(reversed(children))
+  return mirrors, ruled
+
+
+def _known_param_shapes(index: _ParamIndex, mirrors, shapes, specs) -> list[Any]:
+  """Param shapes; without params, the one shape all rank-matching mirrors share.
+
+  Leaves already resolved (e.g. all-size-1 placeholders) do not count.
+  """
+  if index.shapes is not None:
+    return index.shapes
+  seen: list[set[tuple[int, ...]]] = [set() for _ in index.specs]
+  for offset, params in mirrors:
+    for k, j in enumerate(params):
+      spec = index.specs[j]
+      if (spec is not None and specs[offset + k] is specs_lib.UNDERIVED
+          and len(shapes[offset + k]) == len(spec)):
+        seen[j].add(shapes[offset + k])
+  return [s.pop() if len(s) == 1 else None for s in seen]
+
+
+def _mirror_specs(index: _ParamIndex, mirrors, shapes: list[tuple[int, ...]],
+                  specs: list[Any]) -> None:
+  """Fills mirror leaves in place: replicated params replicate their mirrors."""
+  param_shapes = _known_param_shapes(index, mirrors, shapes, specs)
+  param_specs = index.specs
+  if index.shapes is None:
+    param_specs = [None if s is None else specs_lib.canonical(s, len(s))
+                   for s in param_specs]
+  for offset, params in mirrors:
+    for k, j in enumerate(params):
+      i = offset + k
+      if specs[i] is not specs_lib.UNDERIVED:
+        continue
+      if param_specs[j] is None:
+        specs[i] = None
+      elif shapes[i] == param_shapes[j]:
+        specs[i] = param_specs[j]
+
+
+def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
+  """Runs registered rules on their nodes, innermost first, in place."""
+  context = index.context()
+  for offset, node in reversed(ruled):
+    end = offset + node.num_leaves
+    state_node = node.unflatten(state_leaves[offset:end])
+    out = rules[node.node_data()[0]](
+        state_node, node.unflatten(specs[offset:end]), context)
+    try:
+      specs[offset:end] = node.flatten_up_to(out)
+    except (ValueError, TypeError) as e:
+      where = paths()[offset] if node.num_leaves else '(empty node)'
+      raise ValueError(
+          f'the state rule for {type(state_node).__qualname__} at {where} '
+          f'returned a tree that does not match the state node: {out!r}') from e
+
+
+def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
+  """Validates every spec; invalid or underived ones go to ``fallback``."""
+  bad = [(i, p) for i, (s, shape) in enumerate(zip(specs, shapes))
+         if (p := specs_lib.spec_problem(s, shape)) is not None]
+  if not bad:
+    return specs
+  names = paths()
+  details = [f'{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})'
+             for i, p in bad]
+  why = f'; generic derivation: {reason}' if reason is not None else ''
+  if fallback is StateRulesFallback.RAISE:
+    raise ValueError(
+        f'cannot derive a valid logical spec for optimizer state leaf '
+        f'{details[0]}' + (f' and {len(bad) - 1} more' if len(bad) > 1 else '')
+        + why) from reason
+  shown = ', '.join(details[:_MAX_PATHS_IN_WARNING])
+  more = len(bad) - _MAX_PATHS_IN_WARNING
+  warnings.warn(
+      f'replicating {len(bad)} optimizer state leaves without a valid logical '
+      f'spec: {shown}' + (f' and {more} more' if more > 0 else '') + why,
+      stacklevel=3)
+  out = list(specs)
+  for i, _ in bad:
+    out[i] = None
+  return out
+
+
+def _lazy_paths(state: Any):
+  cache: list[list[str]] = []
+
+  def paths() -> list[str]:
+    if not cache:
+      flat, _ = jax.tree_util.tree_flatten_with_path(state)
+      cache.append([jax.tree_util.keystr(p) for p, _ in flat])
+    return cache[0]
+
+  return paths
+
+
+class OptaxStatePartitionRules:
+  """Derives logical partition specs for optax optimizer states.
+
+  Mirrors T5X's ``OptaxStatePartitionRules`` classmethod interface but covers
+  any optax transformation (see the module docstring for how).
+  """
+
+  @classmethod
+  def derive_optax_logical_axes(
+      cls,
+      optax_state: optax.OptState,
+      params_axes: Any,
+      *,
+      transformation: optax.GradientTransformation | None = None,
+      params: Any | None = None,
+      fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+  ) -> Any:
+    """Logical specs for every leaf of ``optax_state``.
+
+    Args:
+      optax_state: the state (arrays or ``jax.ShapeDtypeStruct``s, e.g. from
+        ``jax.eval_shape(tx.init, params)``).
+      params_axes: the params' logical axes in any form
+        ``logical_axes_from`` accepts.
+      transformation: the transformation that built ``optax_state``; with
+        ``params``, enables exact generic derivation for any state.
+      params: the params (arrays, ``jax.ShapeDtypeStruct``s or flax boxes) the
+        state was initialised with.
+      fallback: what to do with leaves that cannot be given a valid spec.
+
+    Returns:
+      a tree with exactly the structure of ``optax_state`` (``EmptyState`` and
+      ``MaskedNode`` kept) whose leaves are canonical logical
+      ``PartitionSpec``s (one entry per array dimension, at least one axis
+      named, no axis named twice) or None for replicated leaves.
+
+    Raises:
+      ValueError: with ``StateRulesFallback.RAISE``, for the first leaf
+        without a valid spec (its tree path, shape and spec); or if
+        ``params_axes`` and ``params`` have different structures.
+
+    >>> import jax.numpy as jnp
+    >>> params = {'w': jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+    >>> tx = optax.adamw(1e-3)
+    >>> OptaxStatePartitionRules.derive_optax_logical_axes(
+    ...     jax.eval_shape(tx.init, params), {'w': PartitionSpec('embed', 'mlp')},
+    ...     transformation=tx, params=params)[0].mu
+    {'w': PartitionSpec('embed', 'mlp')}
+    """
+    index = _ParamIndex(params_axes, params)
+    state_leaves, state_def = jax.tree.flatten(optax_state)
+    shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
+    specs: list[Any] = [
+        None if all(d == 1 for d in s) else specs_lib.UNDERIVED for s in shapes]
+    rules = registry.registered_rules()
+    mirrors, ruled = _scan(state_def, index, tuple(rules))
+    _mirror_specs(index, mirrors, shapes, specs)
+    paths = _lazy_paths(optax_state)
+    reason = None
+    if (transformation is not None and index.leaves is not None
+        and any(s is specs_lib.UNDERIVED for s in specs)):
+      try:
+        derived = generic.derive_generic(
+            transformation, index.leaves, index.params_def, index.specs,
+            state_def, shapes)
+      except generic.GenericDerivationError as e:
+        reason = e
+      else:
+        specs = [d if s is specs_lib.UNDERIVED else s
+                 for s, d in zip(specs, derived)]
+    if ruled:
+      _apply_rules(ruled, rules, state_leaves, specs, index, paths)
+    specs = _resolve(specs, shapes, paths, fallback, reason)
+    return state_def.unflatten(specs)
+

@@ -1,0 +1,157 @@
+"""Generic derivation of state specs by sharding-in-types (DESIGN.md 3.1).
+
+The params are given to ``transformation.init`` as abstract arrays sharded over
+an ``AbstractMesh`` whose axes are the logical names (size 1, Explicit), so
+every state leaf comes back carrying its logical spec. Nothing is allocated.
+
+Tracing ``init`` costs about 0.2 ms per param leaf. To keep large trees cheap,
+``init`` is first traced on a *probe*: one param per distinct
+``(shape, dtype, spec)``. The probe's state is expanded back to the full
+param tree and accepted only if it reproduces the real state's structure and
+every leaf's shape; otherwise (a transformation that looks at tree paths, a
+mask or label tree, a wrapper expecting a particular params container) the
+full tree is traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from t5x_optim.partitioning import _state_rules_specs as specs_lib
+
+_PROBE_KEY = '\x00t5x_optim_probe_{:07d}'
+
+
+class GenericDerivationError(Exception):
+  """Raised when tracing ``init`` cannot give specs for the given state."""
+
+
+def _abstract_mesh(param_specs: Sequence[PartitionSpec | None]) -> AbstractMesh:
+  names = sorted({n for s in set(param_specs) for n in specs_lib.spec_names(s)})
+  return AbstractMesh(
+      (1,) * len(names), tuple(names),
+      axis_types=(AxisType.Explicit,) * len(names))
+
+
+def _leaf_class(leaf: Any, spec: PartitionSpec | None) -> tuple[Any, ...]:
+  shape = specs_lib.leaf_shape(leaf)
+  if spec is None or len(spec) > len(shape):
+    spec = PartitionSpec()
+  return shape, leaf.dtype, getattr(leaf, 'weak_type', False), spec
+
+
+def _sharded(cls: tuple[Any, ...], mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
+  shape, dtype, weak_type, spec = cls
+  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,
+                              sharding=NamedSharding(mesh, spec))
+
+
+def _trace_init(transformation: optax.GradientTransformation, params: Any,
+                mesh: AbstractMesh) -> Any:
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.eval_shape(transformation.init, params)
+
+
+def _matching_specs(abstract_state: Any, state_def: jax.tree_util.PyTreeDef,
+                    state_shapes: Sequence[tuple[int, ...]]
+                    ) -> list[PartitionSpec | None] | None:
+  """Specs of ``abstract_state``'s leaves if it matches the real state."""
+  leaves, treedef = jax.tree.flatten(abstract_state)
+  if treedef != state_def:
+    return None
+  specs: dict[int, PartitionSpec | None] = {}
+  out = []
+  for leaf, expected in zip(leaves, state_shapes):
+    shape = specs_lib.leaf_shape(leaf)
+    if shape != expected:
+      return None
+    if id(leaf) not in specs:
+      spec = getattr(getattr(leaf, 'sharding', None), 'spec', None)
+      specs[id(leaf)] = specs_lib.canonical(spec, len(shape))
+    out.append(specs[id(leaf)])
+  return out
+
+
+def _probe_specs(transformation, classes, class_of, params_def, mesh,
+                 state_def, state_shapes):
+  """Specs from tracing ``init`` on one param per class, or None."""
+  keys = [_PROBE_KEY.format(i) for i in range(len(classes))]
+  key_set = set(keys)
+
+  def is_probe(node: Any) -> bool:
+    return type(node) is dict and node.keys() == key_set  # pylint: disable=unidiomatic-typecheck
+
+  def expand(node: Any) -> Any:
+    if is_probe(node):
+      return params_def.unflatten([node[keys[c]] for c in class_of])
+    return node
+
+  probe = {k: _sharded(c, mesh) for k, c in zip(keys, classes)}
+  try:
+    probe_state = _trace_init(transformation, probe, mesh)
+  except Exception:  # pylint: disable=broad-exception-caught
+    # Any failure on the probe (e.g. init expects another params container)
+    # only means the probe does not apply; the full trace decides.
+    return None
+  expanded = jax.tree.map(expand, probe_state, is_leaf=is_probe)
+  return _matching_specs(expanded, state_def, state_shapes)
+
+
+def derive_generic(
+    transformation: optax.GradientTransformation,
+    param_leaves: Sequence[Any],
+    params_def: jax.tree_util.PyTreeDef,
+    param_specs: Sequence[PartitionSpec | None],
+    state_def: jax.tree_util.PyTreeDef,
+    state_shapes: Sequence[tuple[int, ...]],
+) -> list[PartitionSpec | None]:
+  """Canonical specs of every state leaf, by tracing ``transformation.init``.
+
+  Args:
+    transformation: the optax transformation whose state is described.
+    param_leaves: flat params (arrays or ``jax.ShapeDtypeStruct``).
+    params_def: the params' tree structure.
+    param_specs: one logical spec (no repeated names) or None per param leaf.
+    state_def: the structure of the real optimizer state.
+    state_shapes: the shape of every leaf of the real optimizer state.
+
+  Returns:
+    one canonical spec (or None) per state leaf.
+
+  Raises:
+    GenericDerivationError: if ``init`` fails or its state does not match.
+
+  >>> import jax.numpy as jnp
+  >>> p = [jax.ShapeDtypeStruct((4, 8), jnp.float32)]
+  >>> d = jax.tree.structure(optax.sgd(1.0, momentum=0.9).init(p))
+  >>> derive_generic(optax.sgd(1.0, momentum=0.9), p, jax.tree.structure(p),
+  ...                [PartitionSpec('embed', 'mlp')], d, [(4, 8)])
+  [PartitionSpec('embed', 'mlp')]
+  """
+  mesh = _abstract_mesh(param_specs)
+  leaf_classes = [_leaf_class(p, s) for p, s in zip(param_leaves, param_specs)]
+  index: dict[tuple[Any, ...], int] = {}
+  class_of = [index.setdefault(c, len(index)) for c in leaf_classes]
+  if len(index) < len(class_of):
+    found = _probe_specs(transformation, list(index), class_of, params_def,
+                         mesh, state_def, state_shapes)
+    if found is not None:
+      return found
+  sharded = [_sharded(c, mesh) for c in leaf_classes]
+  try:
+    state = _trace_init(transformation, params_def.unflatten(sharded), mesh)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise GenericDerivationError(
+        f'tracing transformation.init on abstract sharded params failed: '
+        f'{type(e).__name__}: {e}') from e
+  found = _matching_specs(state, state_def, state_shapes)
+  if found is None:
+    raise GenericDerivationError(
+        'transformation.init(params) does not produce a state with the '
+        'structure and shapes of the given optax_state')
+  return found

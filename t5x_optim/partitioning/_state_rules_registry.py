@@ -1,0 +1,84 @@
+"""Registry of state rules: per-state-type overrides of derived specs."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+StateRule = Callable[[Any, Any, 'StateRuleContext'], Any]
+"""``rule(state, specs, context) -> specs`` for one state node.
+
+``state`` is the node of the optimizer state (arrays or ShapeDtypeStructs),
+``specs`` the specs derived so far for that node (same structure; leaves are
+canonical ``PartitionSpec``s, None for replicated, or ``UNDERIVED``), and the
+rule returns a tree of the node's structure with the specs to use.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRuleContext:
+  """What a state rule may know about the params.
+
+  Attributes:
+    param_specs: the params' logical specs, one ``PartitionSpec`` or None per
+      param (canonical when ``params`` is known: padded to the param's rank).
+      Use ``is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)``.
+    params: the params (arrays or ``jax.ShapeDtypeStruct``) or None if the
+      caller did not pass them.
+  """
+
+  param_specs: Any
+  params: Any | None
+
+
+_LOCK = threading.Lock()
+_RULES: dict[type, StateRule] = {}
+
+
+def register_state_rule(state_type: type, rule: StateRule, *,
+                        replace: bool = False) -> None:
+  """Registers ``rule`` to override the specs derived for ``state_type`` nodes.
+
+  Rules run after structural and generic derivation, innermost node first, and
+  their output is validated like any derived spec.
+
+  Args:
+    state_type: the exact type of the state node (e.g. a NamedTuple class).
+    rule: ``rule(state, specs, context) -> specs``, see ``StateRule``.
+    replace: allow replacing a rule already registered for ``state_type``.
+
+  Raises:
+    TypeError: if ``state_type`` is not a type or ``rule`` is not callable.
+    ValueError: if a rule for ``state_type`` exists and ``replace`` is False.
+
+  Example::
+
+    class MyState(NamedTuple):
+      history: Any
+
+    def my_rule(state, specs, context):
+      return MyState(history=jax.tree.map(
+          lambda s: None if s is None else PartitionSpec(None, *s),
+          context.param_specs, is_leaf=lambda x: x is None
+          or isinstance(x, PartitionSpec)))
+
+    register_state_rule(MyState, my_rule)
+  """
+  if not isinstance(state_type, type):
+    raise TypeError(f'state_type must be a type, got {state_type!r}')
+  if not callable(rule):
+    raise TypeError(f'rule must be callable, got {rule!r}')
+  with _LOCK:
+    if state_type in _RULES and not replace:
+      raise ValueError(
+          f'a state rule for {state_type.__module__}.{state_type.__qualname__}'
+          ' is already registered; pass replace=True to replace it')
+    _RULES[state_type] = rule
+
+
+def registered_rules() -> Mapping[type, StateRule]:
+  """A snapshot of the registered rules, keyed by state type."""
+  with _LOCK:
+    return dict(_RULES)

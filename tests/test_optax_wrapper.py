@@ -1,0 +1,305 @@
+"""OptaxWrapper against plain optax loops, over the one optimizer table."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+import t5x_optim
+from optimizer_table import (
+    ALL_FACTORIES,
+    DISCOVERED,
+    TABLE,
+    Case,
+    grads_and_extras,
+    initial_params,
+    make_params,
+    to_numpy,
+    tree_equal,
+)
+from t5x_optim import OptaxWrapper, optimizers
+
+STEPS = 5
+
+
+def plain_step(tx: optax.GradientTransformation, params: Any, state: Any) -> tuple[Any, Any]:
+  grads, extras = grads_and_extras(tx, params)
+  updates, state = tx.update(grads, state, params, **extras)
+  return optax.apply_updates(params, updates), state
+
+
+def wrapper_step(opt: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
+  grads, extras = grads_and_extras(opt.optimizer_def.optax_optimizer, opt.target)
+  return opt.apply_gradient(grads, **extras)
+
+
+@functools.cache
+def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
+  """Runs STEPS steps of the plain loop and of the wrapper (cached per case)."""
+  tx = case.make()
+  params = initial_params(case)
+  state = tx.init(params)
+  step = jax.jit(plain_step, static_argnums=0) if jit else plain_step
+  for _ in range(STEPS):
+    params, state = step(tx, params, state)
+  opt = OptaxWrapper(tx).create(initial_params(case))
+  apply = jax.jit(wrapper_step) if jit else wrapper_step
+  for _ in range(STEPS):
+    opt = apply(opt)
+  return params, state, opt
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_matches_plain_optax_loop_bit_for_bit(case: Case, jit: bool):
+  params, state, opt = run(case, jit)
+  assert tree_equal(opt.target, params)
+  assert tree_equal(opt.state.param_states, state)
+  assert opt.state.step.dtype == jnp.int32 and int(opt.state.step) == STEPS
+  assert type(opt.target) is type(params)
+
+
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_state_dict_round_trip(case: Case):
+  _, _, opt = run(case, True)
+  as_numpy = to_numpy(opt.state_dict())
+  restored = opt.restore_state(as_numpy)
+  assert tree_equal(restored.target, opt.target)
+  assert tree_equal(restored.state, opt.state)
+  fresh = opt.optimizer_def.create(initial_params(case)).restore_state(opt.state_dict())
+  assert tree_equal(fresh.state, opt.state)
+
+
+def test_discovery_covers_t5x_names_and_contrib():
+  t5x_names = {
+      "adabelief", "adagrad", "adam", "adamw", "fromage", "lars", "lamb", "lion",
+      "noisy_sgd", "radam", "rmsprop", "sgd", "yogi", "dpsgd",
+  }
+  assert t5x_names <= set(ALL_FACTORIES)
+  assert {"adafactor", "sm3", "lbfgs", "muon", "prodigy", "sophia"} <= set(ALL_FACTORIES)
+  assert len(DISCOVERED) >= 40
+  for name in ALL_FACTORIES:
+    wrapped = getattr(optimizers, name)
+    assert wrapped.__wrapped__ is ALL_FACTORIES[name]
+    assert name in optimizers.__all__
+
+
+def _flat_keys(state_dict: dict) -> list[str]:
+  return sorted("/".join(k) for k in traverse_util.flatten_dict(state_dict))
+
+
+def _params() -> dict:
+  return {"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+
+
+@pytest.mark.parametrize(
+    "opt_def, expected",
+    [
+        (
+            optimizers.adamw(1e-3),
+            ["state/param_states/0/count", "state/param_states/0/mu/dense/bias",
+             "state/param_states/0/mu/dense/kernel", "state/param_states/0/nu/dense/bias",
+             "state/param_states/0/nu/dense/kernel"],
+        ),
+        (
+            optimizers.chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)]),
+            ["state/param_states/1/0/count", "state/param_states/1/0/mu/dense/bias",
+             "state/param_states/1/0/mu/dense/kernel", "state/param_states/1/0/nu/dense/bias",
+             "state/param_states/1/0/nu/dense/kernel"],
+        ),
+        (
+            OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)),
+            ["state/param_states/count", "state/param_states/hyperparams/learning_rate",
+             "state/param_states/hyperparams/momentum",
+             "state/param_states/inner_state/0/trace/dense/bias",
+             "state/param_states/inner_state/0/trace/dense/kernel"],
+        ),
+    ],
+    ids=["adamw", "chain_clip_adam", "inject_hyperparams_sgd"],
+)
+def test_state_dict_keys_match_t5x(opt_def, expected):
+  keys = _flat_keys(opt_def.create(_params()).state_dict())
+  assert keys == sorted(expected + ["state/step", "target/dense/bias", "target/dense/kernel"])
+
+
+@pytest.fixture(name="adamw_opt", scope="module")
+def fixture_adamw_opt() -> t5x_optim.Optimizer:
+  opt = optimizers.adamw(1e-3).create(_params())
+  return opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()))
+
+
+def _edit(state_dict: dict, path: str, value: Any = None, *, delete: bool = False) -> dict:
+  flat = traverse_util.flatten_dict(state_dict, sep="/")
+  if delete:
+    del flat[path]
+  else:
+    flat[path] = value
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda sd: _edit(sd, "state/param_states/0/mu/dense/kernel", delete=True),
+         r"Missing key 'state/param_states/0/mu/dense/kernel'"),
+        (lambda sd: _edit(sd, "state/param_states/0/mu/dense/extra", np.zeros(3)),
+         r"Unexpected keys \['extra'\] at 'state/param_states/0/mu/dense'"),
+        (lambda sd: _edit(sd, "target/dense/kernel", np.zeros((3, 2), np.float32)),
+         r"Shape mismatch at 'target/dense/kernel': the optimizer has shape \(2, 3\), "
+         r"the state dict has shape \(3, 2\)"),
+        (lambda sd: _edit(sd, "state/param_states/0/nu/dense/bias", np.zeros(3, np.float64)),
+         r"Dtype mismatch at 'state/param_states/0/nu/dense/bias': the state dict has "
+         r"float64, which cannot be cast safely to the optimizer's float32"),
+        (lambda sd: _edit(sd, "state/step", np.asarray(2**40)),
+         r"Dtype mismatch at 'state/step'"),
+        (lambda sd: _edit(sd, "state/param_states/0/count", {"x": np.zeros(())}),
+         r"State dict mismatch at 'state/param_states/0/count'"),
+    ],
+    ids=["missing", "unexpected", "shape", "dtype", "int_overflow", "subtree_for_leaf"],
+)
+def test_bad_restore_names_path_and_leaves_optimizer_unchanged(adamw_opt, edit, message):
+  before = to_numpy(adamw_opt)
+  bad = edit(to_numpy(adamw_opt.state_dict()))
+  with pytest.raises(ValueError, match=message):
+    adamw_opt.restore_state(bad)
+  assert tree_equal(adamw_opt, before)
+
+
+def test_restore_accepts_safe_casts_and_jax_arrays(adamw_opt):
+  state_dict = to_numpy(adamw_opt.state_dict())
+  state_dict = _edit(state_dict, "state/step", np.asarray(1, np.int64))
+  state_dict = _edit(state_dict, "target/dense/bias", np.ones(3, np.float16))
+  restored = adamw_opt.restore_state(state_dict)
+  assert restored.state.step.dtype == jnp.int32 and int(restored.state.step) == 1
+  assert restored.target["dense"]["bias"].dtype == jnp.float32
+  assert tree_equal(adamw_opt.restore_state(adamw_opt.state_dict()), adamw_opt)
+
+
+class Pair(NamedTuple):
+  first: Any
+  second: Any
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        flax.core.freeze(_params()),
+        (jnp.ones(3), jnp.ones((2, 2))),
+        Pair(jnp.ones(3), {"w": jnp.ones(2)}),
+    ],
+    ids=["frozendict", "tuple", "namedtuple"],
+)
+def test_any_params_pytree_comes_back_as_given(params):
+  opt = optimizers.adam(1e-2).create(params)
+  assert opt.state.step.dtype == jnp.int32
+  opt = jax.jit(lambda o: o.apply_gradient(jax.tree.map(jnp.ones_like, o.target)))(opt)
+  assert jax.tree.structure(opt.target) == jax.tree.structure(params)
+  assert tree_equal(opt.restore_state(opt.state_dict()), opt)
+
+
+def test_plain_dict_grads_for_frozendict_params_and_back():
+  frozen = flax.core.freeze(_params())
+  grads = jax.tree.map(jnp.ones_like, _params())
+  a = optimizers.sgd(0.1).create(frozen).apply_gradient(grads)
+  b = optimizers.sgd(0.1).create(_params()).apply_gradient(flax.core.freeze(grads))
+  assert isinstance(a.target, flax.core.FrozenDict) and type(b.target) is dict
+  assert tree_equal(flax.core.unfreeze(a.target), b.target)
+
+
+def test_wrong_grads_structure_names_paths():
+  opt = optimizers.sgd(0.1).create(_params())
+  with pytest.raises(ValueError, match=r"paths only in the grads: \[\"\['dense'\]\['kernal'\]\"\]"):
+    opt.apply_gradient({"dense": {"kernal": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
+
+
+def test_learning_rate_override_sets_injected_rate():
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  opt = OptaxWrapper(tx).create(_params())
+  grads = jax.tree.map(jnp.ones_like, _params())
+  stepped = jax.jit(lambda o, lr: o.apply_gradient(grads, learning_rate=lr))(opt, 0.5)
+  np.testing.assert_allclose(stepped.target["dense"]["bias"], -0.5 * np.ones(3))
+  assert float(stepped.state.param_states.hyperparams["learning_rate"]) == 0.5
+  unchanged = opt.apply_gradient(grads, learning_rate=None)
+  np.testing.assert_allclose(unchanged.target["dense"]["bias"], -0.1 * np.ones(3))
+
+
+def test_learning_rate_override_reaches_nested_injected_state():
+  tx = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+  opt = OptaxWrapper(tx).create(_params())
+  stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()), learning_rate=0.25)
+  assert float(stepped.state.param_states[1].hyperparams["learning_rate"]) == 0.25
+
+
+@pytest.mark.parametrize(
+    "tx, message",
+    [
+        (optax.adam(0.1), r"has no injectable learning rate.*optax.inject_hyperparams"),
+        (optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.0, 5)),
+         r"schedules its learning rate itself"),
+    ],
+    ids=["not_injectable", "scheduled"],
+)
+def test_learning_rate_override_refused_clearly(tx, message):
+  opt = OptaxWrapper(tx).create(_params())
+  with pytest.raises(ValueError, match=message):
+    opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()), learning_rate=0.5)
+
+
+def test_extra_args_reach_reduce_on_plateau():
+  tx = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0))
+  opt = OptaxWrapper(tx).create(_params())
+  grads = jax.tree.map(jnp.ones_like, _params())
+  for _ in range(3):
+    opt = opt.apply_gradient(grads, value=jnp.asarray(1.0))
+  assert float(opt.state.param_states[1].scale) < 1.0
+
+
+def test_extra_args_refused_by_plain_transformation():
+  opt = OptaxWrapper(optax.GradientTransformation(optax.sgd(0.1).init, optax.sgd(0.1).update))
+  with pytest.raises(TypeError, match=r"\['value'\].*does not take extra arguments"):
+    opt.create(_params()).apply_gradient(jax.tree.map(jnp.ones_like, _params()), value=1.0)
+
+
+def test_multisteps_object_is_accepted():
+  opt_def = OptaxWrapper(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+  opt = opt_def.create(_params()).apply_gradient(jax.tree.map(jnp.ones_like, _params()))
+  assert isinstance(opt.state.param_states, optax.MultiStepsState)
+
+
+def test_update_hyper_params():
+  opt_def = optimizers.sgd(0.1)
+  assert opt_def.update_hyper_params(learning_rate=0.3).learning_rate == 0.3
+  replacement = t5x_optim.OptaxHyperParams(learning_rate=0.7)
+  assert opt_def.update_hyper_params(hyper_params=replacement) is replacement
+  with pytest.raises(TypeError, match=r"unknown keyword arguments \['value'\]"):
+    t5x_optim.OptimizerDef.split_apply_kwargs(_NoExtras(), {"value": 1.0})
+
+
+class _NoExtras(t5x_optim.OptimizerDef):
+  """A minimal user-written definition (T5X style) without extra arguments."""
+
+  def __init__(self):
+    super().__init__(hyper_params=t5x_optim.OptaxHyperParams())
+
+  def init_state(self, params):
+    return t5x_optim.OptimizerState(step=jnp.zeros((), jnp.int32), param_states=None)
+
+  def apply_gradient(self, hyper_params, params, state, grads):
+    return params, state.replace(step=state.step + 1)
+
+  def derive_logical_axes(self, optimizer, param_logical_axes):
+    return optimizer.replace(target=param_logical_axes)
+
+
+def test_plain_optimizer_def_subclass_round_trips():
+  opt = _NoExtras().create(make_params()).apply_gradient(make_params())
+  assert int(opt.state.step) == 1
+  assert tree_equal(opt.restore_state(opt.state_dict()), opt)
