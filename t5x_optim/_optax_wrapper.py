@@ -18,6 +18,7 @@ from t5x_optim._optimizer import (
     structure_mismatch,
     tree_like,
 )
+from t5x_optim.partitioning import _state_rules
 
 __all__ = ["OptaxHyperParams", "OptaxWrapper", "chain", "wrap_optax_optimizer"]
 
@@ -148,8 +149,6 @@ class OptaxWrapper(OptimizerDef):
     every optax state leaf a `PartitionSpec` (or `None`, replicated); empty
     optax nodes stay as they are.
     """
-    from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
-
     axes = _state_rules.logical_axes_from(param_logical_axes)
     param_states = _state_rules.OptaxStatePartitionRules.derive_optax_logical_axes(
         optimizer.state.param_states,

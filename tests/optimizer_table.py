@@ -177,7 +177,6 @@ WRAPPERS = [
     Case("schedule", lambda: optax.adamw(optax.warmup_cosine_decay_schedule(0.0, LEARNING_RATE, 2, 10))),
     Case("adafactor_factored", lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4)),
     Case("adafactor_momentum", lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4, momentum=0.9)),
-    Case("lbfgs", lambda: optax.lbfgs()),
     Case("user_namedtuple_state", scale_by_count),
 ]
 

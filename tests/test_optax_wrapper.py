@@ -43,7 +43,7 @@ def wrapper_step(opt: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
 
 @functools.cache
 def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
-  """Runs STEPS steps of the plain loop and of the wrapper (cached per case)."""
+  """Runs the plain loop and the wrapper side by side (cached per case)."""
   tx = case.make()
   params = initial_params(case)
   state = tx.init(params)

@@ -58,6 +58,10 @@ def _is_axes_input_leaf(x: Any) -> bool:
           or _is_names_tuple(x))
 
 
+def _is_axes_input_leaf_or_collection(x: Any) -> bool:
+  return _is_axes_input_leaf(x) or isinstance(x, flax_partitioning.AxisMetadata)
+
+
 def _is_names_tuple(x: Any) -> bool:
   return type(x) is tuple and all(  # pylint: disable=unidiomatic-typecheck
       e is None or isinstance(e, str) or _is_names_tuple(e) for e in x)
@@ -111,13 +115,13 @@ def logical_axes_from(params_axes: Any) -> Any:
     TypeError: if a leaf is none of the above, naming its tree path.
 
   >>> logical_axes_from({'dense': {'kernel': ('embed', 'mlp'), 'bias': None}})
-  {'dense': {'bias': None, 'kernel': PartitionSpec('embed', 'mlp')}}
+  {'dense': {'bias': None, 'kernel': P('embed', 'mlp')}}
   """
   if (isinstance(params_axes, dict | frozen_dict.FrozenDict)
       and set(params_axes) == {'params_axes'}):
     params_axes = params_axes['params_axes']
   if all(_is_spec_or_none(x) for x in jax.tree.leaves(
-      params_axes, is_leaf=_is_spec_or_none)):
+      params_axes, is_leaf=_is_axes_input_leaf_or_collection)):
     return params_axes
   if _is_axes_collection(params_axes):
     return specs_lib.thaw(flax_partitioning.get_axis_names(params_axes))
@@ -374,7 +378,7 @@ class OptaxStatePartitionRules:
     >>> OptaxStatePartitionRules.derive_optax_logical_axes(
     ...     jax.eval_shape(tx.init, params), {'w': PartitionSpec('embed', 'mlp')},
     ...     transformation=tx, params=params)[0].mu
-    {'w': PartitionSpec('embed', 'mlp')}
+    {'w': P('embed', 'mlp')}
     """
     index = _ParamIndex(params_axes, params)
     state_leaves, state_def = jax.tree.flatten(optax_state)

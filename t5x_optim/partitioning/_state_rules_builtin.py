@@ -38,7 +38,7 @@ def lbfgs_rule(state: optax.ScaleByLBFGSState, specs: optax.ScaleByLBFGSState,
   >>> s = optax.scale_by_lbfgs(memory_size=3).init({'w': jnp.ones((4, 8))})
   >>> specs = s._replace(count=None, params={'w': PartitionSpec('a', 'b')})
   >>> lbfgs_rule(s, specs, None).diff_params_memory
-  {'w': PartitionSpec(None, 'a', 'b')}
+  {'w': P(None, 'a', 'b')}
   """
   del state, context
   history = jax.tree.map(_with_memory_axis, specs.params,

@@ -131,7 +131,7 @@ def derive_generic(
   >>> d = jax.tree.structure(optax.sgd(1.0, momentum=0.9).init(p))
   >>> derive_generic(optax.sgd(1.0, momentum=0.9), p, jax.tree.structure(p),
   ...                [PartitionSpec('embed', 'mlp')], d, [(4, 8)])
-  [PartitionSpec('embed', 'mlp')]
+  [P('embed', 'mlp')]
   """
   mesh = _abstract_mesh(param_specs)
   leaf_classes = [_leaf_class(p, s) for p, s in zip(param_leaves, param_specs)]

@@ -73,7 +73,7 @@ def drop_repeated_names(spec: PartitionSpec | None) -> PartitionSpec | None:
   the first logical dimension that asks for it.
 
   >>> drop_repeated_names(PartitionSpec('embed', 'embed'))
-  PartitionSpec('embed', None)
+  P('embed', None)
   """
   if spec is None:
     return None
@@ -99,7 +99,7 @@ def canonical(spec: PartitionSpec | None, rank: int) -> PartitionSpec | None:
   them.
 
   >>> canonical(PartitionSpec('embed'), 2)
-  PartitionSpec('embed', None)
+  P('embed', None)
   >>> canonical(PartitionSpec(None, None), 2) is None
   True
   """
