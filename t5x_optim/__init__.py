@@ -6,19 +6,25 @@ Example:
   >>> opt = opt.apply_gradient({'w': jnp.ones(2)})
 """
 
-from t5x_optim import optimizers
+from t5x_optim import optimizers, partitioning
 from t5x_optim._discovery import optax_optimizer_factories
+from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import OptaxHyperParams, OptaxWrapper, chain, wrap_optax_optimizer
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._train_state import TrainState
 
 __all__ = [
+    "MultiOptimizer",
     "OptaxHyperParams",
     "OptaxWrapper",
     "Optimizer",
     "OptimizerDef",
     "OptimizerState",
+    "PathFilter",
+    "TrainState",
     "chain",
     "optax_optimizer_factories",
     "optimizers",
+    "partitioning",
     "wrap_optax_optimizer",
 ]

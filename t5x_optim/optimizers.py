@@ -16,8 +16,10 @@ Example:
 """
 
 from t5x_optim._discovery import optax_optimizer_factories
+from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import OptaxHyperParams, OptaxWrapper, chain, wrap_optax_optimizer
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim.partitioning import OptaxStatePartitionRules
 
 OptimizerType = Optimizer
 OptimizerStateType = OptimizerState
@@ -29,7 +31,9 @@ _WRAPPED = {
 globals().update(_WRAPPED)
 
 __all__ = [
+    "MultiOptimizer",
     "OptaxHyperParams",
+    "OptaxStatePartitionRules",
     "OptaxWrapper",
     "Optimizer",
     "OptimizerDef",
@@ -37,6 +41,7 @@ __all__ = [
     "OptimizerState",
     "OptimizerStateType",
     "OptimizerType",
+    "PathFilter",
     "chain",
     "wrap_optax_optimizer",
     *sorted(_WRAPPED),

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
+from jax.sharding import PartitionSpec as P
 
 import t5x_optim
 from optimizer_table import (
@@ -303,3 +304,27 @@ def test_plain_optimizer_def_subclass_round_trips():
   opt = _NoExtras().create(make_params()).apply_gradient(make_params())
   assert int(opt.state.step) == 1
   assert tree_equal(opt.restore_state(opt.state_dict()), opt)
+
+
+def test_derive_logical_axes_t5x_form_for_adamw():
+  axes = {"dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")}}
+  opt = optimizers.adamw(1e-3).create(_params())
+  derived = opt.optimizer_def.derive_logical_axes(opt, flax.core.freeze(axes))
+  assert derived.target == axes
+  assert derived.state.step is None
+  assert derived.state.param_states == (
+      optax.ScaleByAdamState(count=None, mu=axes, nu=axes),
+      optax.EmptyState(),
+      optax.EmptyState(),
+  )
+
+
+def test_derive_logical_axes_on_abstract_params():
+  axes = {"dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")}}
+  opt_def = optimizers.adafactor(1e-3, min_dim_size_to_factor=2)
+  abstract = jax.eval_shape(opt_def.create, _params())
+  derived = opt_def.derive_logical_axes(abstract, axes)
+  factored = derived.state.param_states[0]
+  assert factored.v_row == {"dense": {"kernel": P("embed"), "bias": None}}
+  assert factored.v_col == {"dense": {"kernel": P("mlp"), "bias": None}}
+  assert factored.v == {"dense": {"kernel": None, "bias": P("mlp")}}

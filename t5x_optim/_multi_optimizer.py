@@ -1,0 +1,546 @@
+"""`MultiOptimizer`: different optimizer definitions for subsets of the params.
+
+Each `(traversal, optimizer_def)` pair owns the params its traversal selects.
+A sub-optimizer sees its params as a tree with the params' nesting that holds
+only the selected leaves, and keeps its own `OptimizerState`. Params that no
+traversal selects are frozen: they never change and have no state.
+
+A traversal is a `PathFilter` (regexes searched in the '/'-joined param path,
+gin-friendly), a regex or list of regexes (shorthand for a `PathFilter`), or a
+`flax.traverse_util.ModelParamTraversal` (T5X configs; its filter gets the
+path with a leading '/' and the param's value).
+
+State layout. `param_states` is a tuple with one sub-optimizer
+`OptimizerState` per pair, in constructor order. The state dict nests each
+sub-optimizer's own state dict (the `'state'` part of what its `state_dict`
+returns, so T5X's layout inside) under its index::
+
+  {'target': <all params, nested dicts>,
+   'state': {'step': <int32 scalar>,
+             'param_states': {'0': {'step': ..., 'param_states': ...},
+                              '1': {'step': ..., 'param_states': ...}}}}
+
+For `MultiOptimizer([(kernels, adam), (biases, sgd)])` the flattened keys are
+`state/step`, `state/param_states/0/step`,
+`state/param_states/0/param_states/0/mu/dense/kernel`, ...,
+`state/param_states/1/step`, ...; frozen params appear only under `target`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization
+from flax.core import FrozenDict
+
+from t5x_optim import _state_dict
+from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, structure_mismatch
+
+__all__ = ["MultiOptimizer", "PathFilter"]
+
+_MAX_LISTED_PATHS = 10
+
+
+class FlaxTraversal(Protocol):
+  """What `MultiOptimizer` needs of a `flax.traverse_util.Traversal`."""
+
+  def update(self, fn: Any, inputs: Any) -> Any:
+    """Returns `inputs` with `fn` applied to every selected leaf."""
+
+
+class PathFilter:
+  """Selects params whose '/'-joined path matches a regex.
+
+  Paths have no leading '/' (``'encoder/layers_0/mlp/wi/kernel'``). Each
+  pattern is applied with `re.search`, so it matches anywhere in the path;
+  anchor it with ``^`` and ``$`` to match the whole path. Built from plain
+  constructor arguments, so gin can configure it.
+
+  Args:
+    patterns: a regex or a list of regexes; a path is selected when any of
+      them matches.
+    invert: select the paths that no pattern matches instead.
+
+  Example:
+    >>> kernels = PathFilter(r'kernel$')
+    >>> kernels.matches('dense/kernel'), kernels.matches('dense/bias')
+    (True, False)
+    >>> PathFilter(['bias', 'scale'], invert=True).matches('dense/kernel')
+    True
+  """
+
+  def __init__(self, patterns: str | Sequence[str], *, invert: bool = False):
+    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+    if not patterns:
+      raise ValueError("PathFilter needs at least one pattern.")
+    try:
+      self._regexes = tuple(re.compile(pattern) for pattern in patterns)
+    except re.error as error:
+      raise ValueError(f"PathFilter got an invalid regex in {list(patterns)}: {error}") from error
+    self.patterns = patterns
+    self.invert = invert
+
+  def matches(self, path: str) -> bool:
+    """True when the '/'-joined `path` is selected."""
+    return any(regex.search(path) for regex in self._regexes) != self.invert
+
+  def __repr__(self) -> str:
+    patterns = self.patterns[0] if len(self.patterns) == 1 else list(self.patterns)
+    invert = ", invert=True" if self.invert else ""
+    return f"PathFilter({patterns!r}{invert})"
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, PathFilter):
+      return NotImplemented
+    return (self.patterns, self.invert) == (other.patterns, other.invert)
+
+  def __hash__(self) -> int:
+    return hash((self.patterns, self.invert))
+
+
+Traversal = PathFilter | FlaxTraversal | str | Sequence[str]
+
+
+def _as_traversal(traversal: Traversal, index: int) -> PathFilter | FlaxTraversal:
+  if isinstance(traversal, str) or (
+      isinstance(traversal, Sequence) and all(isinstance(p, str) for p in traversal)
+  ):
+    return PathFilter(traversal)
+  if isinstance(traversal, PathFilter) or callable(getattr(traversal, "update", None)):
+    return traversal
+  raise TypeError(
+      f"Traversal {index} is a {type(traversal).__name__}; expected a PathFilter, a regex "
+      "or list of regexes, or a flax.traverse_util.ModelParamTraversal."
+  )
+
+
+def _describe(index: int, traversal: PathFilter | FlaxTraversal) -> str:
+  if isinstance(traversal, PathFilter):
+    return f"filter {index} {traversal!r}"
+  return f"filter {index} ({type(traversal).__name__})"
+
+
+def _key_str(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+class _Selected:
+  """Marks a leaf a flax traversal selected (an opaque pytree leaf)."""
+
+
+def _traversal_mask(
+    traversal: FlaxTraversal, keys: list[tuple[str, ...]], tree: Any
+) -> list[bool]:
+  """Which leaves a flax traversal selects, through its public `update`."""
+  marked = traversal.update(lambda _: _Selected(), tree)
+  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(marked))
+  selected = {tuple(map(str, key)) for key, value in flat.items() if isinstance(value, _Selected)}
+  return [key in selected for key in keys]
+
+
+def _subset(node: Any, keep: frozenset[int], path: tuple[str, ...]) -> Any:
+  """The part of an index tree whose leaves are in `keep`, same containers."""
+  if isinstance(node, int):
+    return node if node in keep else None
+  if not isinstance(node, dict | FrozenDict):
+    where = "/".join(path) or "<root>"
+    raise TypeError(
+        f"MultiOptimizer params must be nested dicts or FrozenDicts; found a "
+        f"{type(node).__name__} at '{where}'."
+    )
+  kept = {}
+  for key, child in node.items():
+    child = _subset(child, keep, (*path, str(key)))
+    if child is not None:
+      kept[key] = child
+  if not kept and path:
+    return None
+  return FrozenDict(kept) if isinstance(node, FrozenDict) else kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partition:
+  """Which leaves (by flat index) each sub-optimizer owns, for one treedef.
+
+  Attributes:
+    treedef: the params' treedef.
+    plain_treedef: the same tree with plain dicts (to align FrozenDict trees).
+    groups: per sub-optimizer, the flat indices of its leaves, in the order of
+      its subtree's leaves.
+    sub_treedefs: per sub-optimizer, the treedef of its subtree.
+  """
+
+  treedef: jax.tree_util.PyTreeDef
+  plain_treedef: jax.tree_util.PyTreeDef
+  groups: tuple[tuple[int, ...], ...]
+  sub_treedefs: tuple[jax.tree_util.PyTreeDef, ...]
+
+  def split(self, leaves: Sequence[Any]) -> list[Any]:
+    """Builds each sub-optimizer's subtree from the full tree's leaves."""
+    return [
+        sub_def.unflatten([leaves[j] for j in group])
+        for sub_def, group in zip(self.sub_treedefs, self.groups)
+    ]
+
+  def merge(self, leaves: Sequence[Any], subtrees: Sequence[Any]) -> Any:
+    """The full tree with each sub-optimizer's leaves taken from `subtrees`."""
+    merged = list(leaves)
+    for i, (group, subtree) in enumerate(zip(self.groups, subtrees)):
+      sub_leaves = jax.tree.leaves(subtree)
+      if len(sub_leaves) != len(group):
+        raise ValueError(
+            f"Sub-optimizer {i} returned {len(sub_leaves)} params for its {len(group)}: "
+            f"{jax.tree.structure(subtree)} instead of {self.sub_treedefs[i]}."
+        )
+      for j, leaf in zip(group, sub_leaves):
+        merged[j] = leaf
+    return self.treedef.unflatten(merged)
+
+  def leaves_of(self, tree: Any, *, name: str, reference: Any) -> list[Any]:
+    """`tree`'s leaves in the params' order; dicts and FrozenDicts mix freely.
+
+    None leaves (e.g. replicated logical axes) count as leaves.
+
+    Raises:
+      ValueError: when `tree` does not have the params' structure, naming the
+        paths only one of them has.
+    """
+    try:
+      return self.treedef.flatten_up_to(tree)
+    except (TypeError, ValueError):
+      pass
+    try:
+      return self.plain_treedef.flatten_up_to(flax.core.unfreeze(tree))
+    except (TypeError, ValueError) as error:
+      mismatch = structure_mismatch(tree, reference, name=name)
+      raise ValueError(f"The {name} do not fit the params: {mismatch}.") from error
+
+
+def _format_paths(paths: Sequence[str]) -> str:
+  listed = ", ".join(paths[:_MAX_LISTED_PATHS])
+  more = len(paths) - _MAX_LISTED_PATHS
+  return listed + (f" and {more} more" if more > 0 else "")
+
+
+def _with_context(error: Exception, context: str) -> Exception:
+  kind = ValueError if isinstance(error, ValueError) else TypeError
+  return kind(f"{context}: {error}")
+
+
+class MultiOptimizer(OptimizerDef):
+  """Applies a different optimizer definition to each subset of the params.
+
+  Args:
+    traversals_and_optimizers: `(traversal, optimizer_def)` pairs. A
+      traversal is a `PathFilter`, a regex or list of regexes (made into a
+      `PathFilter`), or a `flax.traverse_util.ModelParamTraversal`.
+    allow_empty_match: allow a traversal that selects no params (its
+      sub-optimizer then gets an empty tree).
+
+  Hyper-parameter overrides passed to `Optimizer.apply_gradient` (e.g. T5X's
+  `learning_rate=`) go to every sub-optimizer that has a hyper-parameter of
+  that name; `hyper_params=` takes one hyper-params object per sub-optimizer.
+  Other keywords (e.g. optax's `value=`) go to every sub-optimizer whose
+  `accepts_extra_args` is set. `set_param_axes` exists only when a
+  sub-optimizer defines it (T5X then requires a `params_axes` collection).
+
+  The split of leaves between sub-optimizers is computed once per params tree
+  structure. Filters of flax traversals see the leaf values (arrays or
+  tracers) and must depend on nothing but their shapes and dtypes.
+
+  Raises:
+    ValueError: when a param is selected by more than one traversal (the
+      message lists those paths), or a traversal selects nothing and
+      `allow_empty_match` is False; both are checked on the first params seen.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> opt_def = MultiOptimizer([
+    ...     (PathFilter('kernel$'), OptaxWrapper(optax.adam(1e-3))),
+    ...     (PathFilter('bias$'), OptaxWrapper(optax.sgd(0.1))),
+    ... ])
+    >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)},
+    ...           'embed': jnp.ones(3)}
+    >>> opt = opt_def.create(params).apply_gradient(jax.tree.map(jnp.ones_like, params))
+    >>> opt.target['dense']['bias'], opt.target['embed']
+    (Array([0.9, 0.9], dtype=float32), Array([1., 1., 1.], dtype=float32))
+  """
+
+  def __init__(
+      self,
+      traversals_and_optimizers: Sequence[tuple[Traversal, OptimizerDef]],
+      *,
+      allow_empty_match: bool = False,
+  ):
+    pairs = list(traversals_and_optimizers)
+    if not pairs:
+      raise ValueError("MultiOptimizer needs at least one (traversal, optimizer_def) pair.")
+    self.traversals = tuple(_as_traversal(t, i) for i, (t, _) in enumerate(pairs))
+    self.sub_optimizers = tuple(opt_def for _, opt_def in pairs)
+    for i, opt_def in enumerate(self.sub_optimizers):
+      if not isinstance(opt_def, OptimizerDef):
+        raise TypeError(
+            f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef; "
+            "wrap optax transformations in OptaxWrapper (or use t5x_optim.optimizers)."
+        )
+    self.allow_empty_match = allow_empty_match
+    self.accepts_extra_args = any(opt.accepts_extra_args for opt in self.sub_optimizers)
+    self._path_only = all(isinstance(t, PathFilter) for t in self.traversals)
+    self._partitions: dict[Any, _Partition] = {}
+    if any(hasattr(opt, "set_param_axes") for opt in self.sub_optimizers):
+      self.set_param_axes = self._set_param_axes
+    super().__init__(hyper_params=tuple(opt.hyper_params for opt in self.sub_optimizers))
+
+  def __repr__(self) -> str:
+    pairs = ", ".join(
+        f"({_describe(i, t)}, {type(o).__name__})"
+        for i, (t, o) in enumerate(zip(self.traversals, self.sub_optimizers))
+    )
+    return f"MultiOptimizer([{pairs}])"
+
+  def _compute_partition(self, tree: Any) -> _Partition:
+    """Splits `tree`'s leaves between the traversals and checks the split."""
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    keys = [tuple(_key_str(k) for k in path) for path, _ in path_leaves]
+    paths = ["/".join(key) for key in keys]
+    masks = [
+        [t.matches(p) for p in paths]
+        if isinstance(t, PathFilter)
+        else _traversal_mask(t, keys, tree)
+        for t in self.traversals
+    ]
+    owners: list[list[int]] = [[] for _ in paths]
+    for i, mask in enumerate(masks):
+      for j, selected in enumerate(mask):
+        if selected:
+          owners[j].append(i)
+    overlaps = [f"{paths[j]} (filters {owner})" for j, owner in enumerate(owners) if len(owner) > 1]
+    if overlaps:
+      raise ValueError(
+          f"MultiOptimizer filters overlap: {len(overlaps)} params are selected by more "
+          f"than one filter: {_format_paths(overlaps)}. Filters: "
+          f"{[_describe(i, t) for i, t in enumerate(self.traversals)]}."
+      )
+    groups = [tuple(j for j in range(len(paths)) if owners[j] == [i]) for i in range(len(masks))]
+    if not self.allow_empty_match:
+      for i, group in enumerate(groups):
+        if not group:
+          raise ValueError(
+              f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params; the "
+              f"params are {_format_paths(paths)}. Fix the filter or pass "
+              "allow_empty_match=True."
+          )
+    index_tree = treedef.unflatten(range(len(paths)))
+    subtrees = [_subset(index_tree, frozenset(group), ()) for group in groups]
+    return _Partition(
+        treedef=treedef,
+        plain_treedef=jax.tree.structure(flax.core.unfreeze(index_tree)),
+        groups=tuple(tuple(jax.tree.leaves(s)) for s in subtrees),
+        sub_treedefs=tuple(jax.tree.structure(s) for s in subtrees),
+    )
+
+  def _partition(self, params: Any) -> tuple[_Partition, list[Any]]:
+    """The (cached) partition for `params`' structure and `params`' leaves."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = treedef
+    if not self._path_only:
+      key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    partition = self._partitions.get(key)
+    if partition is None:
+      partition = self._partitions[key] = self._compute_partition(params)
+    return partition, leaves
+
+  def hyper_param_names(self) -> frozenset[str]:
+    names = set().union(*(opt.hyper_param_names() for opt in self.sub_optimizers))
+    return frozenset(names | {"hyper_params"})
+
+  def update_hyper_params(self, **hyper_param_overrides: Any) -> tuple[Any, ...]:
+    """Returns one hyper-params object per sub-optimizer, overrides applied.
+
+    `hyper_params=` gives one hyper-params object per sub-optimizer; any
+    other keyword goes to each sub-optimizer that has a hyper-parameter of
+    that name.
+
+    Raises:
+      ValueError: when `hyper_params` has the wrong length.
+      TypeError: for a keyword no sub-optimizer knows.
+    """
+    hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
+    if len(hyper_params) != len(self.sub_optimizers):
+      raise ValueError(
+          f"hyper_params= needs one entry per sub-optimizer ({len(self.sub_optimizers)}), "
+          f"got {len(hyper_params)}."
+      )
+    unknown = sorted(set(hyper_param_overrides) - self.hyper_param_names())
+    if unknown:
+      raise TypeError(f"No sub-optimizer of the MultiOptimizer has hyper-parameters {unknown}.")
+    updated = []
+    for opt, hp in zip(self.sub_optimizers, hyper_params):
+      names = opt.hyper_param_names()
+      overrides = {k: v for k, v in hyper_param_overrides.items() if k in names}
+      updated.append(opt.update_hyper_params(hyper_params=hp, **overrides))
+    return tuple(updated)
+
+  def init_state(self, params: Any) -> OptimizerState:
+    partition, leaves = self._partition(params)
+    sub_states = tuple(
+        opt.init_state(sub_params)
+        for opt, sub_params in zip(self.sub_optimizers, partition.split(leaves))
+    )
+    return OptimizerState(step=jnp.zeros((), jnp.int32), param_states=sub_states)
+
+  def apply_gradient(
+      self,
+      hyper_params: Sequence[Any],
+      params: Any,
+      state: OptimizerState,
+      grads: Any,
+      **extra_args: Any,
+  ) -> tuple[Any, OptimizerState]:
+    partition, leaves = self._partition(params)
+    grad_leaves = partition.leaves_of(grads, name="grads", reference=params)
+    new_subtrees, new_states = [], []
+    for i, (opt, hp, sub_state, sub_params, sub_grads) in enumerate(
+        zip(
+            self.sub_optimizers,
+            hyper_params,
+            state.param_states,
+            partition.split(leaves),
+            partition.split(grad_leaves),
+        )
+    ):
+      extras = extra_args if opt.accepts_extra_args else {}
+      try:
+        new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
+      except (TypeError, ValueError) as error:
+        context = f"MultiOptimizer sub-optimizer {i} ({_describe(i, self.traversals[i])})"
+        raise _with_context(error, context) from error
+      new_subtrees.append(new_params)
+      new_states.append(new_state)
+    new_target = partition.merge(leaves, new_subtrees)
+    return new_target, OptimizerState(step=state.step + 1, param_states=tuple(new_states))
+
+  def _sub_targets(self, target: Any) -> list[Any]:
+    partition, leaves = self._partition(target)
+    return partition.split(leaves)
+
+  def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
+    """The state dict; see the module docstring for its layout."""
+    sub_states = {
+        str(i): opt.state_dict(sub_target, sub_state)["state"]
+        for i, (opt, sub_target, sub_state) in enumerate(
+            zip(self.sub_optimizers, self._sub_targets(target), state.param_states)
+        )
+    }
+    return {
+        "target": serialization.to_state_dict(target),
+        "state": {"step": state.step, "param_states": sub_states},
+    }
+
+  def restore_state(
+      self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
+  ) -> tuple[Any, OptimizerState]:
+    """Restores `(target, state)` from a state dict in this class's layout.
+
+    The whole state dict is validated (against each sub-optimizer's own state
+    dict) before any sub-optimizer restores its part.
+
+    Raises:
+      ValueError: naming the full path and both sides, on a missing or
+        unexpected key, shape mismatch or unsafe dtype cast. The inputs are
+        never modified.
+    """
+    sub_targets = self._sub_targets(opt_target)
+    reference = {
+        "target": opt_target,
+        "state": {
+            "step": opt_state.step,
+            "param_states": {
+                str(i): opt.state_dict(sub_target, sub_state)["state"]
+                for i, (opt, sub_target, sub_state) in enumerate(
+                    zip(self.sub_optimizers, sub_targets, opt_state.param_states)
+                )
+            },
+        },
+    }
+    checked = _state_dict.restore_into(reference, dict(state_dict))
+    target = checked["target"]
+    restored_states = []
+    for i, (opt, ref_target, sub_state, new_target) in enumerate(
+        zip(self.sub_optimizers, sub_targets, opt_state.param_states, self._sub_targets(target))
+    ):
+      sub_dict = {
+          "target": serialization.to_state_dict(new_target),
+          "state": checked["state"]["param_states"][str(i)],
+      }
+      try:
+        _, restored = opt.restore_state(ref_target, sub_state, sub_dict)
+      except ValueError as error:
+        raise ValueError(
+            f"Restoring sub-optimizer {i} (its state dict is at 'state/param_states/{i}'): "
+            f"{error}"
+        ) from error
+      restored_states.append(restored)
+    step = checked["state"]["step"]
+    return target, OptimizerState(step=step, param_states=tuple(restored_states))
+
+  def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    """Each sub-optimizer's logical axes, derived on its subset of the params.
+
+    The target becomes the params' logical axes and `step` None;
+    `param_states` holds each sub-optimizer's derived state. Frozen params
+    have no state, so they appear only in the target.
+    """
+    from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
+
+    partition, leaves = self._partition(optimizer.target)
+    axes = _state_rules.logical_axes_from(param_logical_axes)
+    axes_leaves = partition.leaves_of(axes, name="param logical axes", reference=optimizer.target)
+    sub_states = []
+    for opt, sub_target, sub_axes, sub_state in zip(
+        self.sub_optimizers,
+        partition.split(leaves),
+        partition.split(axes_leaves),
+        optimizer.state.param_states,
+    ):
+      sub_optimizer = Optimizer(optimizer_def=opt, state=sub_state, target=sub_target)
+      sub_states.append(opt.derive_logical_axes(sub_optimizer, sub_axes).state)
+    return optimizer.replace(
+        target=partition.treedef.unflatten(axes_leaves),
+        state=OptimizerState(step=None, param_states=tuple(sub_states)),
+    )
+
+  def _set_param_axes(self, param_logical_axes: Any) -> None:
+    """Gives each sub-optimizer that defines `set_param_axes` its axes.
+
+    The split is computed on the axes tree itself; filters of flax
+    traversals see the `PartitionSpec` as the value (an empty one for None).
+    """
+    from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
+
+    axes = _state_rules.logical_axes_from(param_logical_axes)
+    specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=_is_spec_or_none)
+    partition = self._compute_partition(specs)
+    leaves = jax.tree.leaves(axes, is_leaf=_is_spec_or_none)
+    for opt, sub_axes in zip(self.sub_optimizers, partition.split(leaves)):
+      if hasattr(opt, "set_param_axes"):
+        opt.set_param_axes(sub_axes)
+
+
+def _is_spec_or_none(x: Any) -> bool:
+  return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _spec_or_replicated(x: jax.sharding.PartitionSpec | None) -> jax.sharding.PartitionSpec:
+  return jax.sharding.PartitionSpec() if x is None else x

@@ -1,0 +1,628 @@
+"""MultiOptimizer against the equivalent optax.multi_transform, and its edges."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import gin
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct, traverse_util
+from flax.core import FrozenDict
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_optim import OptaxWrapper, Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._optax_wrapper import OptaxHyperParams
+from t5x_optim._train_state import TrainState
+from t5x_optim.partitioning._mesh import create_mesh
+from t5x_optim.partitioning._partitioner import Partitioner
+
+STEPS = 3
+KERNELS = PathFilter(r"kernel$")
+BIASES = PathFilter(r"bias$")
+SHAPES = {
+    "dense": {"kernel": (4, 8), "bias": (8,)},
+    "out": {"kernel": (8, 4), "bias": (4,)},
+    "embed": {"embedding": (6, 4)},
+}
+AXES = {
+    "dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+    "out": {"kernel": P("mlp", "embed"), "bias": None},
+    "embed": {"embedding": P("vocab", "embed")},
+}
+
+
+def make_params(container: type = dict) -> Any:
+  keys = iter(jax.random.split(jax.random.key(0), 8))
+  params = jax.tree.map(
+      lambda shape: jax.random.normal(next(keys), shape),
+      SHAPES,
+      is_leaf=lambda x: isinstance(x, tuple),
+  )
+  return FrozenDict(params) if container is FrozenDict else params
+
+
+def fake_grads(params: Any, step: int) -> Any:
+  return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)), params)
+
+
+def path_of(path: jax.tree_util.KeyPath) -> str:
+  return "/".join(str(k.key) for k in path)
+
+
+def labeler(rules: dict[str, str]) -> Callable[[Any], Any]:
+  """multi_transform labels: the first regex (searched in the path) wins."""
+
+  def label(path: str) -> str:
+    return next((name for regex, name in rules.items() if re.search(regex, path)), "frozen")
+
+  return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: label(path_of(p)), params)
+
+
+def run_optax(tx: optax.GradientTransformation, params: Any, **extras: Any) -> Any:
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params, **extras)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for i in range(STEPS):
+    params, state = step(params, state, fake_grads(params, i))
+  return params
+
+
+def run_multi(opt_def: OptimizerDef, params: Any, **kwargs: Any) -> Optimizer:
+  step = jax.jit(lambda opt, grads: opt.apply_gradient(grads, **kwargs))
+  opt = opt_def.create(params)
+  for i in range(STEPS):
+    opt = step(opt, fake_grads(opt.target, i))
+  return opt
+
+
+def assert_trees_equal(actual: Any, expected: Any) -> None:
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def with_frozen(transforms: dict[str, optax.GradientTransformation]) -> Any:
+  return {**transforms, "frozen": optax.set_to_zero()}
+
+
+@pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
+def test_matches_multi_transform_bit_for_bit(container: type) -> None:
+  params = make_params(container)
+  opt_def = MultiOptimizer([
+      (KERNELS, OptaxWrapper(optax.adam(1e-2))),
+      (BIASES, OptaxWrapper(optax.sgd(0.1))),
+  ])
+  tx = optax.multi_transform(
+      with_frozen({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1)}),
+      labeler({"kernel$": "adam", "bias$": "sgd"}),
+  )
+  opt = run_multi(opt_def, params)
+  assert type(opt.target) is container
+  assert_trees_equal(opt.target, run_optax(tx, params))
+  np.testing.assert_array_equal(opt.target["embed"]["embedding"], params["embed"]["embedding"])
+  assert int(opt.state.step) == STEPS
+  assert [int(s.step) for s in opt.state.param_states] == [STEPS, STEPS]
+
+
+MIXED_CASES = {
+    "two_wrappers": (
+        lambda: MultiOptimizer([
+            (KERNELS, OptaxWrapper(optax.adamw(1e-2, weight_decay=0.1))),
+            (BIASES, OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
+        ]),
+        {"kernel$": optax.adamw(1e-2, weight_decay=0.1), "bias$": optax.sgd(0.1, momentum=0.9)},
+    ),
+    "multisteps": (
+        lambda: MultiOptimizer([
+            (KERNELS, OptaxWrapper(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))),
+            (BIASES, OptaxWrapper(optax.sgd(0.1))),
+        ]),
+        {
+            "kernel$": optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+            "bias$": optax.sgd(0.1),
+        },
+    ),
+    "nested": (
+        lambda: MultiOptimizer([
+            (
+                PathFilter("^dense/"),
+                MultiOptimizer([
+                    (KERNELS, OptaxWrapper(optax.adam(1e-2))),
+                    (BIASES, OptaxWrapper(optax.sgd(0.1))),
+                ]),
+            ),
+            ("^out/kernel$", OptaxWrapper(optax.lion(1e-3))),
+        ]),
+        {
+            "^dense/kernel$": optax.adam(1e-2),
+            "^dense/bias$": optax.sgd(0.1),
+            "^out/kernel$": optax.lion(1e-3),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_mixed_sub_optimizers_match_multi_transform(case: str) -> None:
+  make_def, transforms = MIXED_CASES[case]
+  names = {regex: str(i) for i, regex in enumerate(transforms)}
+  tx = optax.multi_transform(
+      with_frozen({names[r]: t for r, t in transforms.items()}), labeler(names)
+  )
+  params = make_params()
+  opt = run_multi(make_def(), params)
+  assert_trees_equal(opt.target, run_optax(tx, params))
+  if case == "nested":
+    np.testing.assert_array_equal(opt.target["out"]["bias"], params["out"]["bias"])
+
+
+def injected(factory: Callable[..., Any], learning_rate: float) -> OptaxWrapper:
+  return OptaxWrapper(optax.inject_hyperparams(factory)(learning_rate=learning_rate))
+
+
+@pytest.mark.parametrize(
+    "kwargs, kernel_rate, bias_rate",
+    [
+        ({"learning_rate": 0.05}, 0.05, 0.05),
+        ({"hyper_params": (OptaxHyperParams(0.05), OptaxHyperParams(0.2))}, 0.05, 0.2),
+        ({"learning_rate": None}, 1.0, 1.0),
+    ],
+    ids=["learning_rate", "hyper_params", "none"],
+)
+def test_hyper_param_overrides(kwargs: dict[str, Any], kernel_rate: float, bias_rate: float):
+  opt_def = MultiOptimizer([
+      (KERNELS, injected(optax.adam, 1.0)),
+      (BIASES, injected(optax.sgd, 1.0)),
+  ])
+  tx = optax.multi_transform(
+      with_frozen({
+          "adam": optax.inject_hyperparams(optax.adam)(learning_rate=kernel_rate),
+          "sgd": optax.inject_hyperparams(optax.sgd)(learning_rate=bias_rate),
+      }),
+      labeler({"kernel$": "adam", "bias$": "sgd"}),
+  )
+  params = make_params()
+  assert_trees_equal(run_multi(opt_def, params, **kwargs).target, run_optax(tx, params))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"learning_rate": 0.1}, ValueError, r"sub-optimizer 1 \(filter 1 .*inject_hyperparams"),
+        ({"hyper_params": (OptaxHyperParams(),)}, ValueError, r"one entry per sub-optimizer \(2\)"),
+    ],
+    ids=["not_injected", "hyper_params_length"],
+)
+def test_hyper_param_override_errors(kwargs: dict[str, Any], error: type, message: str) -> None:
+  opt_def = MultiOptimizer([
+      (KERNELS, injected(optax.adam, 1.0)),
+      (BIASES, OptaxWrapper(optax.sgd(1.0))),
+  ])
+  opt = opt_def.create(make_params())
+  with pytest.raises(error, match=message):
+    opt.apply_gradient(fake_grads(opt.target, 0), **kwargs)
+
+
+@struct.dataclass
+class PlainSgdHyperParams:
+  learning_rate: float
+
+
+class PlainSgd(OptimizerDef):
+  """A stateless, non-optax definition that takes no extra arguments."""
+
+  def __init__(self, learning_rate: float):
+    super().__init__(PlainSgdHyperParams(learning_rate))
+    self.param_axes: list[Any] = []
+
+  def init_state(self, params: Any) -> OptimizerState:
+    return OptimizerState(step=jnp.zeros((), jnp.int32), param_states={})
+
+  def apply_gradient(self, hyper_params, params, state, grads):
+    new_params = jax.tree.map(lambda p, g: p - hyper_params.learning_rate * g, params, grads)
+    return new_params, state.replace(step=state.step + 1)
+
+  def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    return optimizer.replace(
+        target=param_logical_axes, state=OptimizerState(step=None, param_states={})
+    )
+
+  def set_param_axes(self, param_logical_axes: Any) -> None:
+    self.param_axes.append(param_logical_axes)
+
+
+def test_extra_args_reach_only_sub_optimizers_that_take_them() -> None:
+  plateau = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
+  opt_def = MultiOptimizer([(KERNELS, PlainSgd(0.1)), (BIASES, OptaxWrapper(plateau))])
+  tx = optax.multi_transform(
+      with_frozen({"plain": optax.sgd(0.1), "plateau": plateau}),
+      labeler({"kernel$": "plain", "bias$": "plateau"}),
+  )
+  params = make_params()
+  assert_trees_equal(
+      run_multi(opt_def, params, value=jnp.float32(2.0)).target,
+      run_optax(tx, params, value=jnp.float32(2.0)),
+  )
+  with pytest.raises(TypeError, match=r"unknown keyword arguments \['value'\]"):
+    MultiOptimizer([(KERNELS, PlainSgd(0.1))]).create(params).apply_gradient(params, value=1.0)
+
+
+def stepped(container: type = dict) -> Optimizer:
+  opt_def = MultiOptimizer([
+      (KERNELS, OptaxWrapper(optax.adam(1e-2))),
+      (BIASES, OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
+  ])
+  return run_multi(opt_def, make_params(container))
+
+
+def test_state_dict_layout() -> None:
+  flat = traverse_util.flatten_dict(stepped().state_dict(), sep="/")
+  state_keys = sorted(k for k in flat if k.startswith("state/"))
+  assert state_keys == [
+      "state/param_states/0/param_states/0/count",
+      "state/param_states/0/param_states/0/mu/dense/kernel",
+      "state/param_states/0/param_states/0/mu/out/kernel",
+      "state/param_states/0/param_states/0/nu/dense/kernel",
+      "state/param_states/0/param_states/0/nu/out/kernel",
+      "state/param_states/0/step",
+      "state/param_states/1/param_states/0/trace/dense/bias",
+      "state/param_states/1/param_states/0/trace/out/bias",
+      "state/param_states/1/step",
+      "state/step",
+  ]
+  assert "target/embed/embedding" in flat
+
+
+@pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
+def test_state_dict_round_trip_through_flat_checkpoint(container: type) -> None:
+  opt = stepped(container)
+  flat = traverse_util.flatten_dict(opt.state_dict(), sep="/")
+  checkpoint = traverse_util.unflatten_dict({k: np.asarray(v) for k, v in flat.items()}, sep="/")
+  fresh = opt.optimizer_def.create(make_params(container))
+  restored = fresh.restore_state(checkpoint)
+  assert_trees_equal(restored, opt)
+  grads = fake_grads(opt.target, STEPS)
+  assert_trees_equal(restored.apply_gradient(grads), opt.apply_gradient(grads))
+
+
+def set_in(tree: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+  *parents, last = path.split("/")
+  node = tree
+  for key in parents:
+    node = node[key]
+  node[last] = value
+  return tree
+
+
+def delete_in(tree: dict[str, Any], path: str) -> dict[str, Any]:
+  *parents, last = path.split("/")
+  node = tree
+  for key in parents:
+    node = node[key]
+  del node[last]
+  return tree
+
+
+ADAM_MU = "state/param_states/0/param_states/0/mu/dense/kernel"
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (
+            lambda sd: set_in(sd, ADAM_MU, np.ones(3)),
+            rf"Shape mismatch at '{ADAM_MU}': the "
+            r"optimizer has shape \(4, 8\), the state dict has shape \(3,\)",
+        ),
+        (
+            lambda sd: delete_in(sd, "state/param_states/1"),
+            r"Missing key 'state/param_states/1' in the state dict",
+        ),
+        (
+            lambda sd: set_in(sd, "state/param_states/0/extra", np.ones(2)),
+            r"Unexpected keys \['extra'\] at 'state/param_states/0'",
+        ),
+        (
+            lambda sd: set_in(sd, "target/embed/embedding", np.ones((6, 5))),
+            r"Shape mismatch at 'target/embed/embedding'.*\(6, 4\).*\(6, 5\)",
+        ),
+        (
+            lambda sd: set_in(sd, "state/param_states/1/step", np.float32(1.5)),
+            r"Dtype mismatch at 'state/param_states/1/step': the state dict has float32",
+        ),
+    ],
+    ids=["shape", "missing_sub", "unexpected", "target", "dtype"],
+)
+def test_restore_errors_name_path_and_leave_optimizer_untouched(corrupt, message) -> None:
+  opt = stepped()
+  before = jax.tree.map(np.asarray, opt)
+  state_dict = jax.tree.map(np.asarray, opt.state_dict())
+  with pytest.raises(ValueError, match=message):
+    opt.restore_state(corrupt(state_dict))
+  assert_trees_equal(opt, before)
+
+
+@pytest.mark.parametrize(
+    "pairs, message",
+    [
+        (
+            [(KERNELS, "adam"), ("^dense/", "sgd")],
+            r"1 params are selected by more than one filter: dense/kernel \(filters \[0, 1\]\)",
+        ),
+        (
+            [(KERNELS, "adam"), ("nothing", "sgd")],
+            r"filter 1 PathFilter\('nothing'\) selects no params; the params are "
+            r"dense/bias, dense/kernel, embed/embedding, out/bias, out/kernel\. .*"
+            r"allow_empty_match=True",
+        ),
+    ],
+    ids=["overlap", "empty"],
+)
+def test_filter_errors(pairs: list[tuple[Any, str]], message: str) -> None:
+  txs = {"adam": OptaxWrapper(optax.adam(1e-2)), "sgd": OptaxWrapper(optax.sgd(0.1))}
+  opt_def = MultiOptimizer([(traversal, txs[name]) for traversal, name in pairs])
+  with pytest.raises(ValueError, match=message):
+    opt_def.create(make_params())
+
+
+def test_allow_empty_match() -> None:
+  opt_def = MultiOptimizer(
+      [(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", OptaxWrapper(optax.adam(1e-2)))],
+      allow_empty_match=True,
+  )
+  opt = run_multi(opt_def, make_params())
+  assert opt.state.param_states[1].param_states[0].mu == {}
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: MultiOptimizer([]), ValueError, "at least one"),
+        (lambda: MultiOptimizer([(KERNELS, optax.adam(1e-2))]), TypeError, "OptaxWrapper"),
+        (lambda: MultiOptimizer([(3, OptaxWrapper(optax.sgd(1.0)))]), TypeError, "Traversal 0"),
+        (lambda: PathFilter("("), ValueError, "invalid regex"),
+        (lambda: PathFilter([]), ValueError, "at least one pattern"),
+        (
+            lambda: MultiOptimizer([(KERNELS, OptaxWrapper(optax.sgd(1.0)))]).create(
+                {"layers": [{"kernel": jnp.ones(2)}]}
+            ),
+            TypeError,
+            "nested dicts or FrozenDicts; found a list at 'layers'",
+        ),
+    ],
+    ids=["no_pairs", "raw_optax", "bad_traversal", "bad_regex", "no_patterns", "list_params"],
+)
+def test_construction_errors(make: Callable[[], Any], error: type, message: str) -> None:
+  with pytest.raises(error, match=re.escape(message)):
+    make()
+
+
+@pytest.mark.parametrize(
+    "patterns, invert, path, expected",
+    [
+        ("kernel$", False, "dense/kernel", True),
+        ("kernel$", False, "dense/kernel_scale", False),
+        (["^out/", "bias"], False, "dense/bias", True),
+        (["^out/", "bias"], False, "dense/kernel", False),
+        ("^dense/", True, "dense/kernel", False),
+        ("^dense/", True, "out/kernel", True),
+    ],
+)
+def test_path_filter(patterns: Any, invert: bool, path: str, expected: bool) -> None:
+  assert PathFilter(patterns, invert=invert).matches(path) is expected
+
+
+def test_path_filter_equality_and_repr() -> None:
+  assert PathFilter("a") == PathFilter(["a"]) != PathFilter("a", invert=True)
+  assert hash(PathFilter("a")) == hash(PathFilter(["a"]))
+  assert repr(PathFilter(["a", "b"], invert=True)) == "PathFilter(['a', 'b'], invert=True)"
+
+
+def model_param_traversal(filter_fn: Callable[[str, Any], bool]) -> Any:
+  with pytest.warns(DeprecationWarning, match="deprecated"):
+    return traverse_util.ModelParamTraversal(filter_fn)
+
+
+@pytest.mark.parametrize(
+    "filter_fn, equivalent",
+    [
+        (lambda path, _: path.endswith("kernel"), KERNELS),
+        (lambda _, value: value.ndim == 2, PathFilter(["kernel$", "embedding$"])),
+    ],
+    ids=["path", "value"],
+)
+@pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
+def test_model_param_traversal(filter_fn, equivalent: PathFilter, container: type) -> None:
+  def make_def(traversal: Any) -> MultiOptimizer:
+    return MultiOptimizer([
+        (traversal, OptaxWrapper(optax.adam(1e-2))),
+        (BIASES, OptaxWrapper(optax.sgd(0.1))),
+    ])
+
+  params = make_params(container)
+  actual = run_multi(make_def(model_param_traversal(filter_fn)), params)
+  expected = run_multi(make_def(equivalent), params)
+  assert_trees_equal((actual.target, actual.state), (expected.target, expected.state))
+
+
+class CountingFilter(PathFilter):
+  """A PathFilter that counts the paths it is asked about."""
+
+  calls = 0
+
+  def matches(self, path: str) -> bool:
+    CountingFilter.calls += 1
+    return super().matches(path)
+
+
+def test_partition_computed_once_per_tree_structure() -> None:
+  CountingFilter.calls = 0
+  opt_def = MultiOptimizer([
+      (CountingFilter("kernel$"), OptaxWrapper(optax.sgd(0.1))),
+      (BIASES, OptaxWrapper(optax.sgd(0.1))),
+  ])
+  params = make_params()
+  opt = opt_def.create(params)
+  for i in range(2):
+    opt = opt.apply_gradient(fake_grads(opt.target, i))
+  opt = run_multi(opt_def, params)
+  assert CountingFilter.calls == len(jax.tree.leaves(params))
+  opt_def.create(make_params(FrozenDict))
+  assert CountingFilter.calls == 2 * len(jax.tree.leaves(params))
+
+
+def test_grads_structure_error_names_paths() -> None:
+  opt = stepped()
+  grads = {**fake_grads(opt.target, 0), "extra": {"w": jnp.ones(2)}}
+  message = "The grads do not fit the params: paths only in the grads: [\"['extra']['w']\"]"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    opt.apply_gradient(grads)
+
+
+@pytest.mark.parametrize(
+    "axes_form",
+    [
+        lambda: AXES,
+        lambda: FrozenDict(AXES),
+        lambda: jax.tree.map(lambda s: tuple(s), AXES, is_leaf=lambda x: isinstance(x, P)),
+    ],
+    ids=["specs", "frozendict", "name_tuples"],
+)
+def test_derive_logical_axes(axes_form: Callable[[], Any]) -> None:
+  opt = stepped(FrozenDict)
+  derived = opt.optimizer_def.derive_logical_axes(opt, axes_form())
+  adam_state, sgd_state = derived.state.param_states
+  assert derived.state.step is None and adam_state.step is None
+  assert flax.core.unfreeze(derived.target) == {**AXES, "out": {**AXES["out"]}}
+  kernel_axes = {"dense": {"kernel": P("embed", "mlp")}, "out": {"kernel": P("mlp", "embed")}}
+  assert flax.core.unfreeze(adam_state.param_states[0].mu) == kernel_axes
+  assert flax.core.unfreeze(adam_state.param_states[0].nu) == kernel_axes
+  assert adam_state.param_states[0].count is None
+  bias_trace = sgd_state.param_states[0].trace
+  assert flax.core.unfreeze(bias_trace) == {"dense": {"bias": P("mlp")}, "out": {"bias": None}}
+
+
+def test_set_param_axes_forwarded_only_where_defined() -> None:
+  optax_only = MultiOptimizer([(KERNELS, OptaxWrapper(optax.sgd(0.1)))])
+  assert not hasattr(optax_only, "set_param_axes")
+  plain = PlainSgd(0.1)
+  inner = MultiOptimizer([(KERNELS, plain), (BIASES, OptaxWrapper(optax.sgd(0.1)))])
+  outer = MultiOptimizer([("^dense/", inner), ("^out/", OptaxWrapper(optax.sgd(0.1)))])
+  outer.set_param_axes(AXES)
+  assert plain.param_axes == [{"dense": {"kernel": P("embed", "mlp")}}]
+
+
+GIN_CONFIG = """
+from __gin__ import dynamic_registration
+from t5x_optim import _multi_optimizer
+from t5x_optim import optimizers
+OPTIMIZER = @_multi_optimizer.MultiOptimizer()
+_multi_optimizer.MultiOptimizer:
+  traversals_and_optimizers = [
+      (@kernels/_multi_optimizer.PathFilter(), @optimizers.adam()),
+      (@biases/_multi_optimizer.PathFilter(), @optimizers.sgd()),
+  ]
+kernels/_multi_optimizer.PathFilter.patterns = 'kernel$'
+biases/_multi_optimizer.PathFilter:
+  patterns = ['kernel$', '^embed/']
+  invert = True
+optimizers.adam.learning_rate = 1e-2
+optimizers.sgd.learning_rate = 0.1
+BUILT = %OPTIMIZER
+"""
+
+
+def test_gin_configures_multi_optimizer_and_path_filters() -> None:
+  gin.clear_config()
+  try:
+    gin.parse_config(GIN_CONFIG)
+    with gin.config_scope(None):
+      opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
+  finally:
+    gin.clear_config()
+  biases = PathFilter(["kernel$", "^embed/"], invert=True)
+  assert opt_def.traversals == (KERNELS, biases)
+  reference = MultiOptimizer([
+      (KERNELS, OptaxWrapper(optax.adam(1e-2))),
+      (BIASES, OptaxWrapper(optax.sgd(0.1))),
+  ])
+  actual, expected = run_multi(opt_def, make_params()), run_multi(reference, make_params())
+  assert_trees_equal((actual.target, actual.state), (expected.target, expected.state))
+
+
+class Mlp(nn.Module):
+  """A tiny MLP with logically partitioned params."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.initializers.lecun_normal()
+    for name, features, axes in (("dense", 16, ("embed", "mlp")), ("out", 8, ("mlp", "embed"))):
+      x = nn.Dense(
+          features,
+          name=name,
+          kernel_init=nn.with_logical_partitioning(init, axes),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+      )(x)
+      x = nn.tanh(x) if name == "dense" else x
+    return x
+
+
+def train(state: TrainState, step_fn: Callable[..., Any], batches: list[Any]) -> tuple[Any, ...]:
+  losses = []
+  for batch in batches:
+    state, loss = step_fn(state, batch)
+    losses.append(float(loss))
+  return state, losses
+
+
+def test_sharded_training_through_train_state_and_partitioner() -> None:
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  batches = [(x, jnp.roll(x, i, axis=1)) for i in range(STEPS)]
+  opt_def = MultiOptimizer([
+      (KERNELS, OptaxWrapper(optax.adamw(1e-2))),
+      (PathFilter("^dense/bias$"), OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
+  ])
+  state = TrainState.create(opt_def, model.init(jax.random.key(0), x))
+
+  def step(state: TrainState, batch: tuple[jax.Array, jax.Array]) -> tuple[TrainState, jax.Array]:
+    inputs, targets = batch
+
+    def loss_fn(params):
+      return jnp.mean((model.apply({"params": params}, inputs) - targets) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradient(grads, learning_rate=None), loss
+
+  partitioner = Partitioner(create_mesh(shape={"data": 2, "model": 4}))
+  shardings = partitioner.get_shardings(state)
+  sharded_step = partitioner.partition(step, (shardings, P("batch")), (shardings, None))
+  sharded_state = jax.device_put(state, shardings)
+  sharded_state, sharded_losses = train(sharded_state, sharded_step, batches)
+  final, losses = train(state, jax.jit(step), batches)
+
+  np.testing.assert_allclose(sharded_losses, losses, rtol=1e-6)
+  for actual, expected in zip(jax.tree.leaves(sharded_state), jax.tree.leaves(final)):
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+  for actual, sharding in zip(jax.tree.leaves(sharded_state), jax.tree.leaves(shardings)):
+    assert actual.sharding.is_equivalent_to(sharding, actual.ndim)
+
+  adam_state, sgd_state = shardings.param_states
+  assert adam_state.param_states[0].mu["dense"]["kernel"].spec == P(None, "model")
+  assert adam_state.param_states[0].nu["out"]["kernel"].spec == P("model", None)
+  assert sgd_state.param_states[0].trace["dense"]["bias"].spec == P("model")
+  assert shardings.params["out"]["bias"].is_fully_replicated
+  assert np.array_equal(sharded_state.params["out"]["bias"], state.params["out"]["bias"])
