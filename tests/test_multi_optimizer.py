@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, Optimizer, OptimizerDef, OptimizerState
-from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import OptaxHyperParams
 from t5x_optim._train_state import TrainState
 from t5x_optim.partitioning._mesh import create_mesh
@@ -527,16 +527,15 @@ def test_set_param_axes_forwarded_only_where_defined() -> None:
 
 GIN_CONFIG = """
 from __gin__ import dynamic_registration
-from t5x_optim import _multi_optimizer
 from t5x_optim import optimizers
-OPTIMIZER = @_multi_optimizer.MultiOptimizer()
-_multi_optimizer.MultiOptimizer:
+OPTIMIZER = @optimizers.MultiOptimizer()
+optimizers.MultiOptimizer:
   traversals_and_optimizers = [
-      (@kernels/_multi_optimizer.PathFilter(), @optimizers.adam()),
-      (@biases/_multi_optimizer.PathFilter(), @optimizers.sgd()),
+      (@kernels/optimizers.PathFilter(), @optimizers.adam()),
+      (@biases/optimizers.PathFilter(), @optimizers.sgd()),
   ]
-kernels/_multi_optimizer.PathFilter.patterns = 'kernel$'
-biases/_multi_optimizer.PathFilter:
+kernels/optimizers.PathFilter.patterns = 'kernel$'
+biases/optimizers.PathFilter:
   patterns = ['kernel$', '^embed/']
   invert = True
 optimizers.adam.learning_rate = 1e-2
