@@ -6,14 +6,16 @@ Example:
   >>> opt = opt.apply_gradient({'w': jnp.ones(2)})
 """
 
-from t5x_optim import optimizers, partitioning
+from t5x_optim import checkpoints, optimizers, partitioning
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import OptaxHyperParams, OptaxWrapper, chain, wrap_optax_optimizer
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._train_state import TrainState
+from t5x_optim.checkpoints import Checkpointer
 
 __all__ = [
+    "Checkpointer",
     "MultiOptimizer",
     "OptaxHyperParams",
     "OptaxWrapper",
@@ -23,6 +25,7 @@ __all__ = [
     "PathFilter",
     "TrainState",
     "chain",
+    "checkpoints",
     "optax_optimizer_factories",
     "optimizers",
     "partitioning",

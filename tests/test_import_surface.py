@@ -7,10 +7,10 @@ import types
 import pytest
 
 import t5x_optim
-from t5x_optim import optimizers, partitioning
+from t5x_optim import checkpoints, optimizers, partitioning
 
 
-@pytest.mark.parametrize("module", [t5x_optim, optimizers, partitioning], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [t5x_optim, optimizers, partitioning, checkpoints], ids=lambda m: m.__name__)
 def test_all_names_exist_and_are_public(module: types.ModuleType):
   assert module.__all__, module.__name__
   assert len(set(module.__all__)) == len(module.__all__)

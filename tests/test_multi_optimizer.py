@@ -16,7 +16,6 @@ import optax
 import pytest
 from flax import struct, traverse_util
 from flax.core import FrozenDict
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, Optimizer, OptimizerDef, OptimizerState

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import warnings
 from typing import Any, NamedTuple
@@ -20,6 +18,8 @@ import pytest
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax import contrib
+
+from optimizer_table import DISCOVERED
 
 from t5x_optim.partitioning._state_rules import (
     OptaxStatePartitionRules,
@@ -152,35 +152,9 @@ def check_sharded_step(tx, params, axes, mesh, steps=2, obj_fn=False):
 # The case table: introspected optax factories plus wrappers.
 
 
-def _factories() -> dict[str, Any]:
-  """Public factories buildable from ``learning_rate`` alone, by identity.
-
-  ``optax`` lists its API in ``__all__``; ``optax.contrib`` has no
-  ``__all__``, so its public (non-underscore) names are used.
-  """
-  found: dict[Any, str] = {}
-  for module, prefix in ((contrib, 'contrib.'), (optax, '')):
-    public = getattr(module, '__all__', None) or [
-        n for n in vars(module) if not n.startswith('_')]
-    for name in public:
-      fn = vars(module).get(name)  # not getattr: skips deprecated aliases
-      if not inspect.isfunction(fn) or fn in found:
-        continue
-      if 'learning_rate' not in inspect.signature(fn).parameters:
-        continue
-      try:
-        with warnings.catch_warnings():
-          warnings.simplefilter('ignore')
-          tx = fn(learning_rate=1e-2)
-      except TypeError:
-        continue
-      if isinstance(tx, optax.GradientTransformation):
-        found[fn] = prefix + name
-  return {name: functools.partial(fn, learning_rate=1e-2)
-          for fn, name in found.items()}
-
-
-FACTORIES = _factories()
+# Every optax / optax.contrib optimizer factory the package wraps that builds
+# from a learning rate alone: the one discovered table all tests share.
+FACTORIES = {case.name: case.make for case in DISCOVERED}
 
 
 class RowScaleState(NamedTuple):
@@ -251,8 +225,7 @@ CASES = {**FACTORIES, **WRAPPERS}
 
 def test_table_is_broad():
   assert len(FACTORIES) >= 30, sorted(FACTORIES)
-  assert {'adamw', 'adafactor', 'sm3', 'contrib.muon', 'contrib.galore'} <= set(
-      FACTORIES)
+  assert {'adamw', 'adafactor', 'sm3', 'muon', 'galore'} <= set(FACTORIES)
 
 
 # optax's sm3 update raises IndexError on rank-0 params (its init gives them

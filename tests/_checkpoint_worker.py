@@ -1,0 +1,194 @@
+"""Shared fixtures for the checkpoint tests, and their subprocess entry point.
+
+Imported by tests/test_checkpoints.py for the model, optimizers and training
+loop; run as a script in a fresh process for the scenarios that need one:
+
+  python tests/_checkpoint_worker.py resume_crash RESUME_DIR CRASH_DIR
+  python tests/_checkpoint_worker.py multiprocess IN_DIR OUT_DIR PORT PROCESS_ID
+
+The parent sets ``XLA_FLAGS`` (the device count) in the environment before
+this script imports jax. Training is elementwise (gradients are a fixed
+function of the params), so results are bit-identical on every mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState
+from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.partitioning import (
+    Partitioner,
+    abstract_train_state,
+    create_mesh,
+    init_sharded,
+    standard_logical_axis_rules,
+)
+
+EMBED, MLP = 16, 32
+RESUME_STEPS = 3
+MP_STEPS = 2
+
+OPTIMIZERS = {
+    "adamw": lambda: OptaxWrapper(optax.adamw(1e-2)),
+    "adafactor": lambda: OptaxWrapper(optax.adafactor(1e-2, min_dim_size_to_factor=EMBED)),
+    "multi": lambda: MultiOptimizer([
+        (PathFilter("kernel$"), OptaxWrapper(optax.adamw(1e-2))),
+        (PathFilter("bias$"), OptaxWrapper(optax.sgd(1e-2, momentum=0.9))),
+    ]),
+    "sgd_momentum": lambda: OptaxWrapper(optax.sgd(1e-2, momentum=0.9)),
+}
+
+
+@functools.cache
+def optimizer_def(name: str) -> Any:
+  """One optimizer definition per name, so jit caches are shared."""
+  return OPTIMIZERS[name]()
+
+
+def init_fn(
+    embed: int = EMBED, mlp: int = MLP, *, scale: bool = False, dtype: Any = jnp.float32
+) -> dict[str, Any]:
+  """Model variables with logical axes: a kernel, a bias and a stats collection.
+
+  `scale=True` adds a third param, `dense/scale`; `dtype` is the kernel's.
+  """
+  kernel = jnp.linspace(-1.0, 1.0, embed * mlp, dtype=dtype).reshape(embed, mlp)
+  dense = {
+      "kernel": nn.LogicallyPartitioned(kernel, ("embed", "mlp")),
+      "bias": nn.LogicallyPartitioned(jnp.full((mlp,), 0.5), ("mlp",)),
+  }
+  if scale:
+    dense["scale"] = nn.LogicallyPartitioned(jnp.ones((embed,)), ("embed",))
+  return {"params": {"dense": dense}, "stats": {"calls": jnp.zeros((mlp,), jnp.int32)}}
+
+
+def partitioner(
+    data: int, model: int, *, devices: Sequence[jax.Device] | None = None
+) -> Partitioner:
+  """A ZeRO-style partitioner (optimizer state also sharded over `data`)."""
+  mesh = create_mesh(shape={"data": data, "model": model}, devices=devices)
+  return Partitioner(mesh, standard_logical_axis_rules(shard_optimizer_state_over_data=True))
+
+
+def fresh_state(opt_name: str, part: Partitioner) -> TrainState:
+  """The sharded train state at step 0."""
+  return init_sharded(part, optimizer_def(opt_name), init_fn)
+
+
+def abstract_state(opt_name: str, part: Partitioner, **kwargs: Any) -> TrainState:
+  """The train state as ShapeDtypeStructs carrying `part`'s shardings."""
+  return abstract_train_state(part, optimizer_def(opt_name), functools.partial(init_fn, **kwargs))
+
+
+def _step(state: TrainState) -> TrainState:
+  grads = jax.tree.map(lambda p: jnp.cos(3.0 * p) + 0.1 * state.step, state.params)
+  calls = jax.tree.map(lambda c: c + 1, state.flax_mutables)
+  return state.apply_gradient(grads, flax_mutables=calls)
+
+
+@functools.cache
+def _jitted_step(treedef: Any, shardings: tuple[Any, ...]) -> Any:
+  return jax.jit(_step, out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def train(state: TrainState, steps: int) -> TrainState:
+  """`steps` deterministic, elementwise training steps, keeping the shardings."""
+  leaves, treedef = jax.tree.flatten(state)
+  step = _jitted_step(treedef, tuple(leaf.sharding for leaf in leaves))
+  for _ in range(steps):
+    state = step(state)
+  return state
+
+
+def local_leaves(state: TrainState) -> list[tuple[str, Any, np.ndarray]]:
+  """Each leaf's path, sharding and this process's shards (by device id)."""
+  flat = jax.tree.leaves_with_path(state.state_dict())
+  return [
+      (
+          jax.tree_util.keystr(path),
+          leaf.sharding,
+          {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards},
+      )
+      for path, leaf in flat
+  ]
+
+
+def assert_same_state(actual: TrainState, expected: TrainState) -> None:
+  """Bit-identical values, equal dtypes and equal shardings, leaf by leaf."""
+  got, want = local_leaves(actual), local_leaves(expected)
+  assert [p for p, _, _ in got] == [p for p, _, _ in want]
+  for (path, sharding, shards), (_, want_sharding, want_shards) in zip(got, want):
+    assert sharding == want_sharding, (path, sharding, want_sharding)
+    assert shards.keys() == want_shards.keys(), path
+    for device, data in shards.items():
+      assert data.dtype == want_shards[device].dtype, path
+      np.testing.assert_array_equal(data, want_shards[device], err_msg=path)
+
+
+def resume_then_crash(resume_dir: str, crash_dir: str) -> None:
+  """Resumes from step 3 in `resume_dir`, trains to 6 and saves; then crashes.
+
+  The crash: step 1 of a small state is saved completely in `crash_dir`,
+  then an asynchronous save of a larger state as step 2 is started and the
+  process kills itself with SIGKILL before that save can finish.
+  """
+  part = partitioner(2, 4)
+  with Checkpointer(resume_dir) as ckpt:
+    state = ckpt.restore(abstract_state("adamw", part), step=RESUME_STEPS)
+    ckpt.save(2 * RESUME_STEPS, train(state, RESUME_STEPS))
+  ckpt = Checkpointer(crash_dir, async_save=True)
+  ckpt.save(1, fresh_state("adamw", part))
+  ckpt.wait_until_finished()
+  big = init_sharded(part, optimizer_def("adamw"), functools.partial(init_fn, 2048, 2048))
+  ckpt.save(2, big)
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
+  """One of two processes: restore `in_dir`, check it, train, save to `out_dir`.
+
+  Also restores `in_dir` params-only into another optimizer's state.
+  """
+  jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+  )
+  assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
+  part = partitioner(2, 4)
+  expected = train(fresh_state("adamw", part), MP_STEPS)
+  with Checkpointer(in_dir) as ckpt:
+    restored = ckpt.restore(abstract_state("adamw", part))
+    switched = ckpt.restore(abstract_state("sgd_momentum", part), params_only=True)
+  assert_same_state(restored, expected)
+  fresh = fresh_state("sgd_momentum", part)
+  assert_same_state(switched, fresh.replace_params(expected.params).replace_step(expected.step)
+                    .replace_flax_mutables(expected.flax_mutables))
+  with Checkpointer(out_dir, async_save=True) as ckpt:
+    ckpt.save(MP_STEPS + 1, train(restored, 1))
+  jax.distributed.shutdown()
+
+
+def main(argv: Sequence[str]) -> None:
+  mode, *args = argv
+  if mode == "resume_crash":
+    resume_then_crash(*args)
+  elif mode == "multiprocess":
+    in_dir, out_dir, port, process_id = args
+    multiprocess(in_dir, out_dir, int(port), int(process_id))
+  else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,250 @@
+"""Checkpoints: round trips, resharding, resume, crashes, errors, multi-process."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import _checkpoint_worker as w
+from t5x_optim.checkpoints import Checkpointer
+
+WORKER = Path(__file__).with_name("_checkpoint_worker.py")
+TIMEOUT_S = 150
+
+
+def _save(directory, step, state):
+  with Checkpointer(directory) as ckpt:
+    ckpt.save(step, state)
+
+
+def _restore(directory, target, **kwargs):
+  with Checkpointer(directory) as ckpt:
+    return ckpt.restore(target, **kwargs)
+
+
+def _run_workers(argvs, *, devices):
+  """Runs the worker once per argv, in parallel, all within TIMEOUT_S.
+
+  Returns one (returncode, output tail) pair per worker; on timeout every
+  worker still running is killed and its output says so.
+  """
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, str(WORKER), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for argv in argvs]
+  deadline = time.monotonic() + TIMEOUT_S
+  results = []
+  for proc in procs:
+    try:
+      out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      out = f"timed out after {TIMEOUT_S}s\n{proc.communicate()[0]}"
+    results.append((proc.returncode, out[-4000:]))
+  return results
+
+
+@pytest.fixture(scope="module")
+def part_2x4():
+  return w.partitioner(2, 4)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "adafactor", "multi"])
+def test_round_trip(tmp_path, part_2x4, opt_name):
+  state = w.train(w.fresh_state(opt_name, part_2x4), 2)
+  _save(tmp_path, 2, state)
+  for target in (w.fresh_state(opt_name, part_2x4), w.abstract_state(opt_name, part_2x4)):
+    w.assert_same_state(_restore(tmp_path, target), state)
+
+
+def test_round_trip_of_an_optimizer(tmp_path, part_2x4):
+  optimizer = w.train(w.fresh_state("adafactor", part_2x4), 1).optimizer
+  _save(tmp_path, 1, optimizer)
+  restored = _restore(tmp_path, w.fresh_state("adafactor", part_2x4).optimizer)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), restored, optimizer))
+  assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(
+      lambda a: a.sharding, optimizer)
+
+
+@pytest.mark.parametrize("data, model, num_devices", [(4, 2, 8), (1, 8, 8), (2, 2, 4), (1, 4, 4)])
+def test_restore_onto_another_mesh(tmp_path, part_2x4, data, model, num_devices):
+  state = w.train(w.fresh_state("adafactor", part_2x4), 2)
+  _save(tmp_path, 2, state)
+  part = w.partitioner(data, model, devices=jax.devices()[:num_devices])
+  target = w.abstract_state("adafactor", part)
+  restored = _restore(tmp_path, target)
+  for got, saved, want in zip(*(jax.tree.leaves(t) for t in (restored, state, target))):
+    assert got.sharding == want.sharding and got.dtype == want.dtype == saved.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+  assert {d.id for leaf in jax.tree.leaves(restored) for d in leaf.sharding.device_set} == {
+      d.id for d in jax.devices()[:num_devices]}
+
+
+def test_params_only_switches_optimizer(tmp_path, part_2x4):
+  adamw = w.train(w.fresh_state("adamw", part_2x4), 3)
+  _save(tmp_path, 3, adamw)
+  part = w.partitioner(4, 2)
+  restored = _restore(tmp_path, w.abstract_state("sgd_momentum", part), params_only=True)
+  fresh = w.fresh_state("sgd_momentum", part)
+  expected = fresh.restore_state({**adamw.state_dict(), "state": {
+      "step": adamw.step, "param_states": fresh.state_dict()["state"]["param_states"]}})
+  w.assert_same_state(restored, expected)
+  assert int(restored.step) == 3
+
+
+def test_params_only_into_an_optimizer(tmp_path):
+  params = {"w": jnp.linspace(0.0, 1.0, 8)}
+  adamw = w.OptaxWrapper(optax.adamw(0.1)).create(params)
+  _save(tmp_path, 1, adamw.apply_gradient(params))
+  sgd = w.OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(jax.tree.map(jnp.zeros_like, params))
+  restored = _restore(tmp_path, sgd, params_only=True)
+  np.testing.assert_array_equal(restored.target["w"], adamw.apply_gradient(params).target["w"])
+  assert int(restored.state.step) == 1
+  np.testing.assert_array_equal(restored.state.param_states[0].trace["w"], np.zeros(8))
+
+
+@pytest.mark.parametrize("name, tx, params", [
+    ("typed PRNG key in the state", optax.noisy_sgd(0.1), {"w": jnp.ones(4)}),
+    ("numpy params", optax.adamw(0.1), {"w": np.arange(4, dtype=np.float32)}),
+])
+def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
+  opt_def = w.OptaxWrapper(tx)
+  optimizer = opt_def.create(params).apply_gradient(jax.tree.map(np.ones_like, params))
+  _save(tmp_path, 1, optimizer)
+  template = opt_def.create(params)
+  restored = _restore(tmp_path, template)
+  for got, want, like in zip(*(jax.tree.leaves(t) for t in (restored, optimizer, template))):
+    assert type(got) is type(like) and got.dtype == want.dtype, name
+    if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+      got, want = jax.random.key_data(got), jax.random.key_data(want)
+    np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("victim, message", [
+    ("_METADATA", "has no readable tree metadata"),
+    ("d", "has unreadable metadata: NOT_FOUND"),
+])
+def test_corrupt_checkpoint_raises(tmp_path, part_2x4, victim, message):
+  state = w.fresh_state("adamw", part_2x4)
+  _save(tmp_path, 1, state)
+  path = tmp_path / "1" / "default" / victim
+  shutil.rmtree(path) if path.is_dir() else path.unlink()
+  with pytest.raises(ValueError, match=f"Checkpoint step 1 in {tmp_path} {message}"):
+    _restore(tmp_path, state)
+
+
+def test_steps_keep_and_order(tmp_path, part_2x4):
+  state = w.fresh_state("adamw", part_2x4)
+  with Checkpointer(tmp_path, keep=2) as ckpt:
+    assert (ckpt.latest_step(), ckpt.all_steps()) == (None, [])
+    for step in (1, 5, 9):
+      ckpt.save(step, state)
+    ckpt.wait_until_finished()
+    assert (ckpt.latest_step(), ckpt.all_steps()) == (9, [5, 9])
+    with pytest.raises(ValueError, match="step 9 is already saved"):
+      ckpt.save(9, state)
+    with pytest.raises(FileNotFoundError, match=r"step 1 .* the steps are \[5, 9\]"):
+      ckpt.restore(state, step=1)
+  with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
+    _restore(tmp_path / "empty", state)
+
+
+ERROR_CASES = {
+    "another optimizer's state": (
+        dict(opt_name="sgd_momentum"),
+        ["missing key 'state/param_states/0/trace/dense/kernel'",
+         "unexpected key 'state/param_states/0/mu/dense/kernel'"]),
+    "wrong shapes": (
+        dict(opt_name="adamw", mlp=64),
+        ["shape mismatch at 'target/dense/kernel': the target has float32[16, 64], the "
+         "checkpoint has float32[16, 32]"]),
+    "a dtype that does not cast safely": (
+        dict(opt_name="adamw", dtype=jnp.bfloat16),
+        ["dtype mismatch at 'target/dense/kernel': the checkpoint's float32 cannot be cast "
+         "safely to the target's bfloat16"]),
+    "a param missing from the checkpoint": (
+        dict(opt_name="adamw", scale=True),
+        ["missing key 'target/dense/scale' (the target has float32[16] there)",
+         "missing key 'state/param_states/0/nu/dense/scale'"]),
+    "params only, wrong shapes": (
+        dict(opt_name="sgd_momentum", embed=8, params_only=True),
+        ["shape mismatch at 'target/dense/kernel'"]),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_incompatible_checkpoint_raises_before_reading(tmp_path, part_2x4, monkeypatch, case):
+  kwargs, messages = ERROR_CASES[case]
+  kwargs = dict(kwargs)
+  opt_name, params_only = kwargs.pop("opt_name"), kwargs.pop("params_only", False)
+  _save(tmp_path, 1, w.fresh_state("adamw", part_2x4))
+  target = w.abstract_state(opt_name, part_2x4, **kwargs)
+
+  def no_read(*args, **kwargs):
+    raise AssertionError("arrays were read before validation")
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", no_read)
+  with pytest.raises(ValueError, match="does not fit the target") as info:
+    _restore(tmp_path, target, params_only=params_only)
+  for message in messages:
+    assert message in str(info.value)
+  assert "Nothing was restored" in str(info.value)
+
+
+def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
+  resume_dir, crash_dir = tmp_path / "resume", tmp_path / "crash"
+  straight = w.train(w.fresh_state("adamw", part_2x4), 2 * w.RESUME_STEPS)
+  _save(resume_dir, w.RESUME_STEPS, w.train(w.fresh_state("adamw", part_2x4), w.RESUME_STEPS))
+
+  [(returncode, output)] = _run_workers([["resume_crash", str(resume_dir), str(crash_dir)]],
+                                        devices=8)
+
+  assert returncode == -9, output
+  resumed = _restore(resume_dir, w.abstract_state("adamw", part_2x4))
+  assert int(resumed.step) == 2 * w.RESUME_STEPS
+  w.assert_same_state(resumed, straight)
+  partial = [p.name for p in crash_dir.iterdir() if p.name.startswith("2.")]
+  assert partial and all("tmp" in name for name in partial), sorted(os.listdir(crash_dir))
+  with Checkpointer(crash_dir) as ckpt:
+    assert ckpt.all_steps() == [1]
+    w.assert_same_state(ckpt.restore(w.abstract_state("adamw", part_2x4)),
+                        w.fresh_state("adamw", part_2x4))
+    ckpt.save(2, w.fresh_state("adamw", part_2x4))
+  assert sorted(os.listdir(crash_dir)) == ["1", "2"]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.skipif(sys.platform == "win32",
+                    reason="jax.distributed CPU collectives (gloo) are not available on Windows")
+def test_two_processes_restore_and_save(tmp_path, part_2x4):
+  in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+  state = w.train(w.fresh_state("adamw", part_2x4), w.MP_STEPS)
+  _save(in_dir, w.MP_STEPS, state)
+  port = _free_port()
+
+  results = _run_workers(
+      [["multiprocess", str(in_dir), str(out_dir), str(port), str(i)] for i in range(2)],
+      devices=4)
+
+  for process_id, (returncode, output) in enumerate(results):
+    assert returncode == 0, f"process {process_id}:\n{output}"
+  part_1x8 = w.partitioner(1, 8)
+  restored = _restore(out_dir, w.abstract_state("adamw", part_1x8))
+  w.assert_same_state(restored, w.train(w.fresh_state("adamw", part_1x8), w.MP_STEPS + 1))
