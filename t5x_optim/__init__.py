@@ -9,7 +9,13 @@ Example:
 from t5x_optim import checkpoints, optimizers, partitioning
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optax_wrapper import OptaxHyperParams, OptaxWrapper, chain, wrap_optax_optimizer
+from t5x_optim._optax_wrapper import (
+    OptaxHyperParams,
+    OptaxWrapper,
+    chain,
+    inject_hyperparams,
+    wrap_optax_optimizer,
+)
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._train_state import TrainState
 from t5x_optim.checkpoints import Checkpointer
@@ -25,6 +31,7 @@ __all__ = [
     "PathFilter",
     "TrainState",
     "chain",
+    "inject_hyperparams",
     "checkpoints",
     "optax_optimizer_factories",
     "optimizers",

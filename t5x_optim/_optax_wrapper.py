@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +21,13 @@ from t5x_optim._optimizer import (
 )
 from t5x_optim.partitioning import _state_rules
 
-__all__ = ["OptaxHyperParams", "OptaxWrapper", "chain", "wrap_optax_optimizer"]
+__all__ = [
+    "OptaxHyperParams",
+    "OptaxWrapper",
+    "chain",
+    "inject_hyperparams",
+    "wrap_optax_optimizer",
+]
 
 _LEARNING_RATE = "learning_rate"
 
@@ -191,3 +198,43 @@ def chain(transformations: Sequence[optax.GradientTransformation]) -> OptaxWrapp
     >>> opt_def = chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)])
   """
   return OptaxWrapper(optax.chain(*transformations))
+
+
+def inject_hyperparams(
+    inner_factory: Callable[..., optax.GradientTransformation],
+    *,
+    hyperparams: Mapping[str, Any],
+    static_args: Sequence[str] = (),
+) -> optax.GradientTransformation:
+  """`optax.inject_hyperparams(inner_factory)(**hyperparams)`, configurable by gin.
+
+  Gin cannot call the function `optax.inject_hyperparams` returns; this does
+  (in gin: ``@optimizers.inject_hyperparams()``).
+  The result is a transformation: use it inside `optimizers.chain` or wrap it
+  with `optimizers.OptaxWrapper`. A constant injected ``learning_rate`` can
+  then be overridden per step (T5X's ``apply_gradient(learning_rate=...)``).
+
+  Args:
+    inner_factory: an optax factory (in gin, a reference without call:
+      ``@optax.sgd``).
+    hyperparams: the factory's arguments; numbers (or schedules) are
+      injected into the state, other values are passed as they are.
+    static_args: names of arguments that must stay static.
+
+  Raises:
+    TypeError: when `hyperparams` names an argument `inner_factory` lacks.
+
+  Example:
+    >>> import optax
+    >>> tx = inject_hyperparams(optax.sgd, hyperparams={'learning_rate': 0.1})
+    >>> round(float(tx.init({}).hyperparams['learning_rate']), 6)
+    0.1
+  """
+  accepted = inspect.signature(inner_factory).parameters
+  unknown = sorted(set(hyperparams) - set(accepted))
+  if unknown:
+    raise TypeError(
+        f"inject_hyperparams: {getattr(inner_factory, '__name__', inner_factory)} has no "
+        f"argument(s) {unknown}; it takes {sorted(accepted)}."
+    )
+  return optax.inject_hyperparams(inner_factory, static_args=tuple(static_args))(**hyperparams)

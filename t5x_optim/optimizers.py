@@ -17,7 +17,13 @@ Example:
 
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optax_wrapper import OptaxHyperParams, OptaxWrapper, chain, wrap_optax_optimizer
+from t5x_optim._optax_wrapper import (
+    OptaxHyperParams,
+    OptaxWrapper,
+    chain,
+    inject_hyperparams,
+    wrap_optax_optimizer,
+)
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim.partitioning import OptaxStatePartitionRules
 
@@ -43,6 +49,7 @@ __all__ = [
     "OptimizerType",
     "PathFilter",
     "chain",
+    "inject_hyperparams",
     "wrap_optax_optimizer",
     *sorted(_WRAPPED),
 ]

@@ -1,0 +1,25 @@
+"""The `t5x-optim` command line and what its gin configs configure.
+
+``t5x-optim train`` trains a tiny transformer LM on a synthetic task;
+``t5x-optim plan`` prints how the optimizer state will shard. Gin configs
+reach the job through ``from t5x_optim import cli``.
+
+Example:
+  >>> from t5x_optim import cli
+  >>> cli.TrainJob.__name__, cli.TransformerConfig().num_layers
+  ('TrainJob', 2)
+"""
+
+from t5x_optim._model import SyntheticTask, TransformerConfig, TransformerLM
+from t5x_optim.cli._config import DEFAULT_CONFIG, TrainJob
+from t5x_optim.cli._main import console_main, main
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "SyntheticTask",
+    "TrainJob",
+    "TransformerConfig",
+    "TransformerLM",
+    "console_main",
+    "main",
+]

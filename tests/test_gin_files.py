@@ -1,0 +1,118 @@
+"""Every gin file in gin/ parses and builds what it configures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from t5x_optim import OptimizerDef
+from t5x_optim.cli import _config
+from t5x_optim.partitioning import Partitioner
+
+GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
+KINDS = ("optimizers", "partitioning", "examples")
+EXPECTED_OPTIMIZERS = {
+    "adamw", "adafactor", "lion", "sgd_momentum", "multi_optimizer", "multisteps",
+    "inject_hyperparams", "lookahead",
+}
+ACCUMULATED_STEPS = 4
+"""Enough steps for warmup to start and for multisteps.gin to apply its update."""
+PARAMS = {"dense": {"kernel": jnp.ones((4, 4))}, "norm": {"scale": jnp.ones(4)}}
+
+
+def _files(kind: str) -> list[Path]:
+  return sorted((GIN_DIR / kind).glob("*.gin"))
+
+
+def _ids(paths: list[Path]) -> list[str]:
+  return [path.stem for path in paths]
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin():
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def _parse_alone(path: Path) -> None:
+  gin.add_config_file_search_path(str(GIN_DIR))
+  gin.parse_config_file(str(path))
+
+
+def _macro(name: str):
+  return gin.query_parameter(f"%{name}")
+
+
+def _build(name: str):
+  with gin.unlock_config():
+    gin.parse_config(f"BUILT_FOR_TEST = %{name}")
+  return gin.query_parameter("%BUILT_FOR_TEST").scoped_configurable_fn()
+
+
+def test_every_gin_file_is_covered():
+  every = sorted(GIN_DIR.rglob("*.gin"))
+  covered = [path for kind in KINDS for path in _files(kind)]
+  assert sorted(covered) == every
+  assert EXPECTED_OPTIMIZERS <= set(_ids(_files("optimizers")))
+  assert {"1d", "2d", "zero"} <= set(_ids(_files("partitioning")))
+
+
+@pytest.mark.parametrize("path", _files("optimizers"), ids=_ids(_files("optimizers")))
+def test_optimizer_file_builds_a_working_optimizer(path):
+  text = path.read_text()
+  assert "from t5x_optim import optimizers" in text and "OPTIMIZER = " in text
+  _parse_alone(path)
+  opt_def = _build("OPTIMIZER")
+  assert isinstance(opt_def, OptimizerDef)
+  params = optax.LookaheadParams.init_synced(PARAMS) if path.stem == "lookahead" else PARAMS
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  optimizer = opt_def.create(params)
+  for _ in range(ACCUMULATED_STEPS):
+    optimizer = optimizer.apply_gradient(grads)
+  assert int(optimizer.state.step) == ACCUMULATED_STEPS
+  trained = optimizer.target
+  if isinstance(trained, optax.LookaheadParams):
+    trained = trained.fast
+  moved = jax.tree.map(lambda a, b: bool((a != b).any()), trained, PARAMS)
+  assert any(jax.tree.leaves(moved))
+
+
+def test_adafactor_file_factors_matrices():
+  _parse_alone(GIN_DIR / "optimizers" / "adafactor.gin")
+  state = _build("OPTIMIZER").create({"w": jnp.ones((32, 64))}).state.param_states
+  factored = state[0]
+  assert factored.v_row["w"].shape == (32,) and factored.v_col["w"].shape == (64,)
+
+
+@pytest.mark.parametrize("path", _files("partitioning"), ids=_ids(_files("partitioning")))
+def test_partitioning_file_builds_a_partitioner(path):
+  _parse_alone(path)
+  partitioner = _build("PARTITIONER")
+  assert isinstance(partitioner, Partitioner)
+  assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}
+  rules = partitioner.logical_axis_rules
+  assert (rules.optimizer_state_axis == "data") == (path.stem == "zero")
+  embed = [axes for name, axes in rules if name == "embed"]
+  assert (embed[0] == "data") == (path.stem == "2d")
+
+
+@pytest.mark.parametrize("path", _files("examples"), ids=_ids(_files("examples")))
+def test_example_file_builds_a_train_job(path):
+  _config.parse_config(gin_files=[str(path)])
+  job = _config.build_job()
+  assert isinstance(job, _config.TrainJob)
+  assert isinstance(job.optimizer, OptimizerDef)
+
+
+def test_examples_take_their_included_optimizer():
+  _config.parse_config(gin_files=["examples/adafactor_2d.gin"])
+  job = _config.build_job()
+  state = job.optimizer.create({"w": jnp.ones((32, 64))}).state.param_states
+  assert isinstance(state[0], optax.FactoredState)
+  assert [axes for name, axes in job.partitioner.logical_axis_rules if name == "embed"][0] == "data"
