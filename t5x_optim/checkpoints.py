@@ -28,14 +28,24 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, Self
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 from flax import serialization, traverse_util
+
+# orbax's own reader of a step's tree metadata file and its own read spec of
+# a stored array: the metadata check opens each array exactly as the restore
+# will, in one batch, without orbax's per-leaf sharding-file reads.
+from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
+from orbax.checkpoint._src.path.format_utils import PYTREE_METADATA_FILE
+from orbax.checkpoint._src.serialization.tensorstore_utils import ArrayReadSpec
 
 from t5x_optim import _state_dict
 from t5x_optim._optimizer import Optimizer
@@ -49,7 +59,6 @@ _STATE = "state"
 _STEP = "step"
 _PARAM_STATES = "param_states"
 _FLAX_MUTABLES = "flax_mutables"
-_MAX_LISTED = 8
 
 
 class CheckpointState(Protocol):
@@ -64,6 +73,60 @@ class CheckpointState(Protocol):
 
 def _join(path: Path) -> str:
   return "/".join(path)
+
+
+def _open_stored(
+    item: epath.Path, where: str, wanted: Callable[[Path], bool]
+) -> dict[Path, jax.ShapeDtypeStruct]:
+  """The shape and dtype of the `wanted` arrays stored in the orbax item `item`.
+
+  Reads the tree metadata file once, then opens those arrays in one batch
+  with orbax's read spec; tensorstore reads only their headers, no data.
+
+  Args:
+    item: the item directory of a step (``<directory>/<step>/default``).
+    where: names the checkpoint in error messages.
+    wanted: which stored paths to open.
+
+  Raises:
+    ValueError: the tree metadata is unreadable, or some arrays' headers
+      are, naming every such path.
+  """
+  try:
+    metadata = InternalTreeMetadata.from_json(
+        json.loads((item / PYTREE_METADATA_FILE).read_text())
+    )
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{where} has no readable tree metadata: {e}") from e
+  use_ocdbt = metadata.use_ocdbt
+  if use_ocdbt is None:
+    use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  opening = {}
+  for entry in metadata.tree_metadata_entries:
+    if entry.value_metadata.skip_deserialize:
+      continue  # An empty node: nothing is stored, as `_flatten` drops it.
+    path = tuple(key.nested_key_name for key in entry.key_metadata.nested_key_metadata_entries)
+    if not wanted(path):
+      continue
+    spec = ArrayReadSpec(
+        item.as_posix(), ".".join(path), bool(metadata.use_zarr3), use_ocdbt=use_ocdbt
+    )
+    opening[path] = ts.open(spec.json, open=True, context=context)
+  stored, unreadable, first_error = {}, [], None
+  for path, future in opening.items():
+    try:
+      array = future.result()
+    except (OSError, ValueError) as e:
+      unreadable.append(f"'{_join(path)}'")
+      first_error = first_error or e
+      continue
+    stored[path] = jax.ShapeDtypeStruct(array.shape, jax.numpy.dtype(array.dtype.name))
+  if unreadable:
+    raise ValueError(
+        f"{where} has unreadable metadata at {', '.join(unreadable)}: {first_error}"
+    ) from first_error
+  return stored
 
 
 def _flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
@@ -204,6 +267,11 @@ def _is_params_only_path(path: Path) -> bool:
   return path[0] in (_TARGET, _FLAX_MUTABLES) or path == (_STATE, _STEP)
 
 
+def _any_path(path: Path) -> bool:
+  del path
+  return True
+
+
 class Checkpointer:
   """Saves and restores train states or optimizers as sharded orbax checkpoints.
 
@@ -234,7 +302,9 @@ class Checkpointer:
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be None or at least 1, got {keep}.")
     self._directory = os.fspath(directory)
+    self._step_names = ocp.step.standard_name_format()
     options = ocp.CheckpointManagerOptions(
+        step_name_format=self._step_names,
         max_to_keep=keep,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
@@ -303,10 +373,27 @@ class Checkpointer:
   def _where(self, step: int) -> str:
     return f"Checkpoint step {step} in {self._directory}"
 
+  def _item(self, step: int) -> epath.Path:
+    """The directory orbax writes checkpoint `step`'s state dict to."""
+    return (
+        epath.Path(self._directory)
+        / self._step_names.build_name(step)
+        / ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+    )
+
   def _resolve_step(self, step: int | None) -> int:
-    """The step to restore, from complete checkpoints only."""
+    """The step to restore, from complete checkpoints only.
+
+    Pending saves are finished first. An explicit step this checkpointer
+    already knows (it saved or listed it) and that is still on disk needs no
+    re-read of the directory; otherwise the directory is re-read, so steps
+    written by other processes are seen.
+    """
     self._manager.wait_until_finished()
-    self._manager.reload()
+    if step is not None:
+      step = int(step)
+    if step is None or step not in self._manager.all_steps() or not self._item(step).exists():
+      self._manager.reload()
     steps = self.all_steps()
     if step is None:
       if not steps:
@@ -318,24 +405,12 @@ class Checkpointer:
       )
     return step
 
-  def _stored_leaves(self, step: int) -> dict[Path, Any]:
-    """Checkpoint `step`'s leaf metadata (shape, dtype) by path; reads no arrays."""
-    try:
-      metadata = self._manager.item_metadata(step)
-    except (OSError, ValueError, KeyError) as e:
-      raise ValueError(f"{self._where(step)} has unreadable metadata: {e}") from e
-    tree = getattr(metadata, "tree", metadata)
-    if not isinstance(tree, Mapping):
-      raise ValueError(f"{self._where(step)} has no readable tree metadata (got {tree!r}).")
-    return _flatten(dict(tree))
-
   def _check(self, step: int, expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> None:
     problems = _problems(expected, stored)
     if problems:
-      listed = "; ".join(problems[:_MAX_LISTED])
-      more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
       raise ValueError(
-          f"{self._where(step)} does not fit the target: {listed}{more}. Nothing was restored."
+          f"{self._where(step)} does not fit the target: {'; '.join(problems)}. "
+          "Nothing was restored."
       )
 
   def _read(self, step: int, expected: Mapping[Path, Any], *, partial: bool) -> dict[Path, Any]:
@@ -357,9 +432,11 @@ class Checkpointer:
     arrays or `jax.ShapeDtypeStruct`s with shardings (see
     `partitioning.abstract_train_state`). Each array is read straight into
     its target sharding, whatever mesh or device count the checkpoint was
-    saved from; no unsharded copy is made. Pending saves of this
-    checkpointer are finished first, and the directory is re-read, so
-    checkpoints written by other processes are seen.
+    saved from; no unsharded copy is made, and the arrays read are the
+    ones returned (no copy either). Pending saves of this checkpointer are
+    finished first. The directory is re-read, so checkpoints written by
+    other processes are seen, unless `step` is one this checkpointer
+    already knows.
 
     Args:
       target: a `TrainState` or `Optimizer` giving structure, dtypes and
@@ -382,11 +459,9 @@ class Checkpointer:
         array is read and naming every such path; or unreadable files.
     """
     step = self._resolve_step(step)
-    stored = self._stored_leaves(step)
-    target_leaves = _flatten(target.state_dict())
-    if params_only:
-      target_leaves = {p: x for p, x in target_leaves.items() if _is_params_only_path(p)}
-      stored = {p: x for p, x in stored.items() if _is_params_only_path(p)}
+    wanted = _is_params_only_path if params_only else _any_path
+    stored = _open_stored(self._item(step), self._where(step), wanted)
+    target_leaves = {p: x for p, x in _flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: _as_stored(leaf) for path, leaf in target_leaves.items()}
     self._check(step, expected, stored)
     restored = _rewrap_keys(self._read(step, expected, partial=params_only), target_leaves)

@@ -1,7 +1,8 @@
 """The one optimizer table the tests run over.
 
 `DISCOVERED` holds every optax / optax.contrib optimizer factory that can be
-built from a learning rate alone (found by introspection, so a new optax
+built from a learning rate alone, under the name its learning-rate
+parameter has (found by introspection, so a new optax
 release is covered automatically); `WRAPPERS` holds optax's wrappers and
 combinators. Each case builds a transformation and says whether its params
 are `optax.LookaheadParams`.
@@ -10,6 +11,8 @@ are `optax.LookaheadParams`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -106,9 +109,20 @@ def initial_params(case: Case) -> Any:
   return optax.LookaheadParams.init_synced(params) if case.lookahead else params
 
 
+def _rate_parameter(factory: Callable[..., Any]) -> str:
+  """The name of the factory's learning-rate parameter (`max_learning_rate`...)."""
+  names = inspect.signature(factory).parameters
+  return "learning_rate" if "learning_rate" in names else next(
+      name for name in names if name.endswith("learning_rate"))
+
+
+def _build(factory: Callable[..., Any]) -> optax.GradientTransformation:
+  return factory(**{_rate_parameter(factory): LEARNING_RATE})
+
+
 def _buildable(factory: Callable[..., Any]) -> bool:
   try:
-    factory(learning_rate=LEARNING_RATE)
+    _build(factory)
   except TypeError:
     return False
   return True
@@ -116,7 +130,7 @@ def _buildable(factory: Callable[..., Any]) -> bool:
 
 ALL_FACTORIES = optax_optimizer_factories()
 DISCOVERED = [
-    Case(name, lambda f=factory: f(learning_rate=LEARNING_RATE))
+    Case(name, functools.partial(_build, factory))
     for name, factory in ALL_FACTORIES.items()
     if _buildable(factory)
 ]
