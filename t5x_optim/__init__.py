@@ -8,6 +8,12 @@ Example:
 
 from t5x_optim import checkpoints, optimizers, partitioning
 from t5x_optim._discovery import optax_optimizer_factories
+from t5x_optim._example_lib import (
+    ExampleLibHyperParams,
+    ExampleLibOptimizerDef,
+    example_lib_optimizer_makers,
+    wrap_example_lib_optimizer,
+)
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import (
     OptaxHyperParams,
@@ -22,6 +28,8 @@ from t5x_optim.checkpoints import Checkpointer
 
 __all__ = [
     "Checkpointer",
+    "ExampleLibHyperParams",
+    "ExampleLibOptimizerDef",
     "MultiOptimizer",
     "OptaxHyperParams",
     "OptaxWrapper",
@@ -31,10 +39,12 @@ __all__ = [
     "PathFilter",
     "TrainState",
     "chain",
-    "inject_hyperparams",
     "checkpoints",
+    "example_lib_optimizer_makers",
+    "inject_hyperparams",
     "optax_optimizer_factories",
     "optimizers",
     "partitioning",
+    "wrap_example_lib_optimizer",
     "wrap_optax_optimizer",
 ]

@@ -18,7 +18,7 @@ GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
 KINDS = ("optimizers", "partitioning", "examples")
 EXPECTED_OPTIMIZERS = {
     "adamw", "adafactor", "lion", "sgd_momentum", "multi_optimizer", "multisteps",
-    "inject_hyperparams", "lookahead",
+    "inject_hyperparams", "lookahead", "example_lib_adam",
 }
 ACCUMULATED_STEPS = 4
 """Enough steps for warmup to start and for multisteps.gin to apply its update."""
