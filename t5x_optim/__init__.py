@@ -4,7 +4,13 @@ Example:
   >>> import jax.numpy as jnp, optax, t5x_optim
   >>> opt = t5x_optim.OptaxWrapper(optax.adamw(1e-3)).create({'w': jnp.ones(2)})
   >>> opt = opt.apply_gradient({'w': jnp.ones(2)})
+
+`KfacOptimizerDef` and `KfacHyperParams` (K-FAC through kfac-jax) load on first
+use and need the ``kfac`` extra: ``pip install 't5x-optim[kfac]'``.
 """
+
+import importlib
+from typing import Any
 
 from t5x_optim import checkpoints, optimizers, partitioning
 from t5x_optim._discovery import optax_optimizer_factories
@@ -48,3 +54,11 @@ __all__ = [
     "wrap_example_lib_optimizer",
     "wrap_optax_optimizer",
 ]
+
+_LAZY = {"KfacHyperParams": "t5x_optim._kfac", "KfacOptimizerDef": "t5x_optim._kfac"}
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 't5x_optim' has no attribute {name!r}")

@@ -32,3 +32,13 @@ def test_root_reexports_interface():
   for name in ("Optimizer", "OptimizerDef", "OptimizerState", "OptaxWrapper", "chain",
                "wrap_optax_optimizer"):
     assert getattr(t5x_optim, name) is getattr(optimizers, name)
+
+
+def test_kfac_names_load_lazily():
+  pytest.importorskip("kfac_jax")
+  from t5x_optim import _kfac
+
+  assert t5x_optim.KfacOptimizerDef is _kfac.KfacOptimizerDef
+  assert t5x_optim.KfacHyperParams is _kfac.KfacHyperParams
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    getattr(t5x_optim, "nope")

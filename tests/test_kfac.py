@@ -1,0 +1,272 @@
+"""Tests for `KfacOptimizerDef` (kfac-jax K-FAC behind `OptimizerDef`)."""
+
+import warnings
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+kfac_jax = pytest.importorskip("kfac_jax")
+
+# kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
+pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
+
+from t5x_optim import OptaxWrapper  # noqa: E402
+from t5x_optim._kfac import KfacOptimizerDef  # noqa: E402
+from t5x_optim.partitioning import StateRulesFallback  # noqa: E402
+
+_NUM_STEPS = 6
+_BATCH = 32
+_HYPER = dict(learning_rate=0.5, momentum=0.0, damping=3e-2)
+_AXES = {
+    "dense1": {"kernel": P("embed", "mlp")},
+    "dense2": {"kernel": P("mlp", "vocab"), "bias": P("vocab")},
+}
+
+
+def _logits(params, x):
+  hidden = jnp.tanh(x @ params["dense1"]["kernel"])
+  return hidden @ params["dense2"]["kernel"] + params["dense2"]["bias"]
+
+
+def _plain_loss(params, batch):
+  x, y = batch
+  log_probs = jax.nn.log_softmax(_logits(params, x))
+  return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
+
+
+def _registered_loss(params, batch):
+  kfac_jax.register_softmax_cross_entropy_loss(_logits(params, batch[0]), batch[1])
+  return _plain_loss(params, batch)
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+      "dense1": {"kernel": jax.random.normal(k1, (4, 8)) * 0.5},
+      "dense2": {"kernel": jax.random.normal(k2, (8, 4)) * 0.5, "bias": jnp.zeros(4)},
+  }
+
+
+def _batches():
+  """Ill-conditioned inputs (feature scales 0.1 ... 10): K-FAC's home ground."""
+  keys = jax.random.split(jax.random.key(42), 2)
+  scales = jnp.array([10.0, 3.0, 1.0, 0.1])
+  x = jax.random.normal(keys[0], (_NUM_STEPS * _BATCH, 4)) * scales
+  y = jnp.argmax(x / scales @ jax.random.normal(keys[1], (4, 4)), axis=1)
+  return [(x[i * _BATCH:(i + 1) * _BATCH], y[i * _BATCH:(i + 1) * _BATCH]) for i in range(_NUM_STEPS)]
+
+
+def _rngs():
+  return list(jax.random.split(jax.random.key(7), _NUM_STEPS))
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+@pytest.fixture(scope="module")
+def kfac():
+  """One kfac-jax optimizer for all tests (its compiled steps are cached per instance)."""
+  return kfac_jax.Optimizer(
+      value_and_grad_func=jax.value_and_grad(_registered_loss),
+      l2_reg=0.0,
+      num_burnin_steps=0,
+      inverse_update_period=2,
+  )
+
+
+@pytest.fixture(scope="module")
+def opt_def(kfac):
+  return KfacOptimizerDef(kfac, init_batch=_batches()[0], init_rng=jax.random.key(1), **_HYPER)
+
+
+@pytest.fixture(scope="module")
+def adapter_run(opt_def):
+  """`_NUM_STEPS` steps through the adapter: copies of the optimizer and stats after each.
+
+  kfac-jax donates params and state, so each step consumes its input.
+  """
+  opt = opt_def.create(_copy(_params()))
+  history = []
+  for batch, rng in zip(_batches(), _rngs()):
+    opt, stats = opt_def.apply_batch(opt, batch=batch, rng=rng)
+    history.append((_copy(opt), stats))
+  return history
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_matches_kfac_step_loop_bit_for_bit(kfac, opt_def, adapter_run):
+  params = _copy(_params())
+  state = kfac.init(params, jax.random.key(1), _batches()[0])
+  for step, (batch, rng) in enumerate(zip(_batches(), _rngs())):
+    params, state, stats = kfac.step(params, state, rng, batch=batch, **_HYPER)
+    opt, adapter_stats = adapter_run[step]
+    _assert_trees_equal(opt.target, params)
+    _assert_trees_equal(opt.state.param_states, state)
+    assert float(adapter_stats["loss"]) == float(stats["loss"])
+    assert int(opt.state.step) == step + 1
+
+
+def test_apply_gradient_matches_apply_batch_and_consumes_its_input(opt_def, adapter_run):
+  before = opt_def.create(_copy(_params()))
+  batch, rng = _batches()[0], _rngs()[0]
+  after = before.apply_gradient(None, batch=batch, rng=rng, learning_rate=_HYPER["learning_rate"])
+  _assert_trees_equal(after.target, adapter_run[0][0].target)
+  assert before.target["dense1"]["kernel"].is_deleted()
+
+
+def test_loss_falls_faster_than_best_sgd(opt_def, adapter_run):
+  data = _batches()
+  full = (jnp.concatenate([b[0] for b in data]), jnp.concatenate([b[1] for b in data]))
+  kfac_loss = float(_plain_loss(adapter_run[-1][0].target, full))
+
+  sgd = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+
+  @jax.jit
+  def sgd_step(opt, batch, lr):
+    return opt.apply_gradient(jax.grad(_plain_loss)(opt.target, batch), learning_rate=lr)
+
+  sgd_losses = {}
+  for lr in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0):
+    opt = sgd.create(_params())
+    for batch in data:
+      opt = sgd_step(opt, batch, lr)
+    sgd_losses[lr] = float(_plain_loss(opt.target, full))
+  initial = float(_plain_loss(_params(), full))
+  assert kfac_loss < initial
+  assert kfac_loss < 0.9 * min(sgd_losses.values()), (kfac_loss, sgd_losses)
+
+
+def test_state_dict_round_trip(opt_def, adapter_run):
+  opt = adapter_run[2][0]
+  state_dict = flax.serialization.msgpack_restore(
+      flax.serialization.msgpack_serialize(opt.state_dict())
+  )
+  flat = flax.traverse_util.flatten_dict(state_dict, sep="/")
+  assert "state/param_states/velocities/dense1/kernel" in flat
+  assert "state/param_states/estimator_state/blocks_states/0/factors/1/value" in flat
+  assert "state/param_states/estimator_state/blocks_states/1/cache/-1.0/0_factor" in flat
+  assert int(flat["state/step"]) == 3
+
+  fresh = opt_def.create(_copy(_params()))
+  restored = fresh.restore_state(state_dict)
+  _assert_trees_equal(restored.target, opt.target)
+  _assert_trees_equal(restored.state, opt.state)
+  batch, rng = _batches()[3], _rngs()[3]
+  stepped, _ = opt_def.apply_batch(_copy(restored), batch=batch, rng=rng)
+  _assert_trees_equal(stepped.state.param_states, adapter_run[3][0].state.param_states)
+
+
+def test_restore_names_the_bad_path(adapter_run):
+  opt = adapter_run[0][0]
+  state_dict = opt.state_dict()
+  factors = state_dict["state"]["param_states"]["estimator_state"]["blocks_states"]["0"]
+  factors["factors"]["0"]["value"] = np.zeros((3, 3), np.float32)
+  with pytest.raises(ValueError, match="blocks_states/0/factors/0/value"):
+    opt.restore_state(state_dict)
+
+
+def _expected_block_specs(kfac):
+  """Factor specs by block, in the estimator's block order."""
+  by_first_param = {
+      # dense1 (no bias): (in, in) -> embed, (out, out) -> mlp.
+      ("dense1", "kernel"): [P("embed", None), P("mlp", None)],
+      # dense2 (bias): (in + 1, in + 1) matches nothing, (out, out) -> vocab.
+      ("dense2", "kernel"): [None, P("vocab", None)],
+  }
+  paths = [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(_params())[0]]
+  return [by_first_param[paths[indices[0]]] for indices in kfac._estimator.jaxpr.layer_indices]  # pylint: disable=protected-access
+
+
+def test_derive_logical_axes_shards_kronecker_factors(kfac, opt_def, adapter_run):
+  opt = adapter_run[0][0]
+  with pytest.warns(UserWarning, match=r"blocks_states/\d/factors/0/value \(shape \(9, 9\)\)"):
+    axes = opt_def.derive_logical_axes(opt, _AXES)
+  assert axes.state.step is None
+  specs = axes.state.param_states
+  assert specs.velocities == _AXES
+  assert specs.step_counter is None and specs.damping is None
+  for block, expected in zip(specs.estimator_state.blocks_states, _expected_block_specs(kfac)):
+    assert [f.value for f in block.factors] == expected
+    assert [f.weight for f in block.factors] == [None, None]
+    assert [block.cache["-1.0"][f"{k}_factor"] for k in range(2)] == expected
+
+
+def test_derive_logical_axes_raise_policy_and_replicated_params(kfac, adapter_run):
+  opt = adapter_run[0][0]
+  strict = KfacOptimizerDef(kfac, state_rules_fallback=StateRulesFallback.RAISE)
+  with pytest.raises(ValueError, match=r"blocks_states/\d/.*\(9, 9\)"):
+    strict.derive_logical_axes(opt, _AXES)
+  replicated = jax.tree.map(lambda _: None, _params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    specs = strict.derive_logical_axes(opt, replicated).state.param_states
+  assert all(s is None for s in jax.tree.leaves(specs, is_leaf=lambda x: x is None))
+
+
+def _mesh_shardings(tree, mesh):
+  rules = (("embed", None), ("mlp", "model"), ("vocab", None))
+  specs = jax.tree.map(lambda s: P() if s is None else s, tree, is_leaf=lambda x: x is None or isinstance(x, P))
+  return flax.linen.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def test_sharded_run_on_8_devices_matches_unsharded(kfac, opt_def, adapter_run):
+  """T5X's flow: abstract init, derived axes, jit init with out_shardings, steps."""
+  assert jax.device_count() == 8
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  abstract = jax.eval_shape(opt_def.create, _params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    axes = opt_def.derive_logical_axes(abstract, _AXES)
+  shardings = _mesh_shardings(axes, mesh)
+  opt = jax.jit(opt_def.create, out_shardings=shardings)(_params())
+  batch_sharding = NamedSharding(mesh, P("data"))
+  for batch, rng in zip(_batches()[:3], _rngs()[:3]):
+    opt = opt.apply_gradient(None, batch=jax.device_put(batch, batch_sharding), rng=rng)
+
+  reference = adapter_run[2][0]
+  for x, y in zip(jax.tree.leaves(opt), jax.tree.leaves(reference)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
+  dense1 = [i for i, specs in enumerate(_expected_block_specs(kfac)) if specs[1] == P("mlp", None)]
+  block = opt.state.param_states.estimator_state.blocks_states[dense1[0]]
+  assert block.factors[1].value.sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+  assert block.cache["-1.0"]["1_factor"].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+  assert opt.target["dense1"]["kernel"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+  assert len(opt.target["dense1"]["kernel"].sharding.device_set) == 8
+
+
+def test_misuse_raises(opt_def, kfac):
+  opt = opt_def.create(_copy(_params()))
+  batch, rng = _batches()[0], _rngs()[0]
+  with pytest.raises(ValueError, match="computes gradients itself"):
+    opt.apply_gradient(opt.target, batch=batch, rng=rng)
+  with pytest.raises(ValueError, match="rng="):
+    opt.apply_gradient(None, batch=batch)
+  with pytest.raises(TypeError, match="unknown keyword"):
+    opt.apply_gradient(None, batch=batch, rng=rng, value=1.0)
+  with pytest.raises(TypeError, match="inside jax.jit"):
+    jax.jit(lambda o: o.apply_gradient(None, batch=batch, rng=rng))(opt)
+  with pytest.raises(ValueError, match="example batch"):
+    KfacOptimizerDef(kfac).create(_params())
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [({"multi_device": True}, "multi_device=False"), ({"value_func_has_state": True}, "value_func_has_state")],
+)
+def test_unsupported_kfac_modes_raise(option, message):
+  kfac = kfac_jax.Optimizer(
+      value_and_grad_func=jax.value_and_grad(_registered_loss), l2_reg=0.0, **option
+  )
+  with pytest.raises(ValueError, match=message):
+    KfacOptimizerDef(kfac)
