@@ -109,10 +109,11 @@ class _Orbax:
 
   def __init__(self, state_dict: dict[str, Any], abstract_dict: dict[str, Any]):
     self._state_dict, self._abstract_dict = state_dict, abstract_dict
-    self._ckpt = ocp.StandardCheckpointer()
+    self._ckpt: ocp.StandardCheckpointer | None = None
     self._path = ""
 
   def save(self, directory: str) -> float:
+    self._ckpt = ocp.StandardCheckpointer()
     self._path = os.path.join(directory, "raw")
     return _timed(
         lambda: (self._ckpt.save(self._path, self._state_dict), self._ckpt.wait_until_finished())

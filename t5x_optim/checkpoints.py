@@ -432,9 +432,9 @@ class Checkpointer:
     arrays or `jax.ShapeDtypeStruct`s with shardings (see
     `partitioning.abstract_train_state`). Each array is read straight into
     its target sharding, whatever mesh or device count the checkpoint was
-    saved from; no unsharded copy is made, and the arrays read are the
-    ones returned (no copy either). Pending saves of this checkpointer are
-    finished first. The directory is re-read, so checkpoints written by
+    saved from; no unsharded copy is made, and the jax arrays read are
+    returned as they are, without another device copy. Pending saves of
+    this checkpointer are finished first. The directory is re-read, so checkpoints written by
     other processes are seen, unless `step` is one this checkpointer
     already knows.
 
