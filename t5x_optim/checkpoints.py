@@ -302,9 +302,10 @@ class Checkpointer:
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be None or at least 1, got {keep}.")
     self._directory = os.fspath(directory)
+    # How the manager names step directories by default (passing it as
+    # `step_name_format` would make every restore list the directory).
     self._step_names = ocp.step.standard_name_format()
     options = ocp.CheckpointManagerOptions(
-        step_name_format=self._step_names,
         max_to_keep=keep,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,

@@ -190,6 +190,10 @@ def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monke
     assert len(reloads) == 1 and ckpt.all_steps() == [1, 2]
     w.assert_same_state(ckpt.restore(target, step=2), w.train(state, 1))
     assert len(reloads) == 1
+    shutil.rmtree(tmp_path / "1")
+    with pytest.raises(FileNotFoundError, match=r"step 1 .* the steps are \[2\]"):
+      ckpt.restore(target, step=1)
+    assert len(reloads) == 2
 
 
 ERROR_CASES = {
