@@ -10,24 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gin
 import jax
 import pytest
 
 from t5x_optim.cli import _config, _train, main
 from t5x_optim.partitioning import init_sharded
 
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--gin_file", "examples/tiny.gin"]
 ADAFACTOR = [*TINY, "--gin_file", "optimizers/adafactor.gin"]
 TIMEOUT = 240
-
-
-@pytest.fixture(autouse=True)
-def _clear_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
 
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

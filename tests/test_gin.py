@@ -10,6 +10,8 @@ import pytest
 
 from t5x_optim import OptaxWrapper
 
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
 T5X_SNIPPET = """
 from __gin__ import dynamic_registration
 import optax
@@ -26,13 +28,6 @@ optax.warmup_cosine_decay_schedule:
   warmup_steps = 2
   decay_steps = 10
 """
-
-
-@pytest.fixture(autouse=True)
-def _clear_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
 
 
 def _build_optimizer(snippet: str) -> OptaxWrapper:

@@ -14,6 +14,8 @@ from t5x_optim import OptimizerDef
 from t5x_optim.cli import _config
 from t5x_optim.partitioning import Partitioner
 
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
 GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
 KINDS = ("optimizers", "partitioning", "examples")
 EXPECTED_OPTIMIZERS = {
@@ -31,13 +33,6 @@ def _files(kind: str) -> list[Path]:
 
 def _ids(paths: list[Path]) -> list[str]:
   return [path.stem for path in paths]
-
-
-@pytest.fixture(autouse=True)
-def _clear_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
 
 
 def _parse_alone(path: Path) -> None:

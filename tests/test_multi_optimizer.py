@@ -543,14 +543,11 @@ BUILT = %OPTIMIZER
 """
 
 
+@pytest.mark.usefixtures("clean_gin")
 def test_gin_configures_multi_optimizer_and_path_filters() -> None:
-  gin.clear_config()
-  try:
-    gin.parse_config(GIN_CONFIG)
-    with gin.config_scope(None):
-      opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
-  finally:
-    gin.clear_config()
+  gin.parse_config(GIN_CONFIG)
+  with gin.config_scope(None):
+    opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
   biases = PathFilter(["kernel$", "^embed/"], invert=True)
   assert opt_def.traversals == (KERNELS, biases)
   reference = MultiOptimizer([
