@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -371,13 +370,7 @@ def _resolve_unmatched(spec_tree: Any, fallback: StateRulesFallback) -> Any:
   ]
   if not bad:
     return spec_tree
-  if fallback is StateRulesFallback.RAISE:
-    raise ValueError(
-        f"Cannot derive a logical spec for optimizer state leaves {bad}: they have "
-        "neither their param's shape nor one dimension of it."
-    )
-  warnings.warn(f"Replicating optimizer state leaves without a logical spec: {bad}.",
-                stacklevel=3)
+  fallback.handle(bad, why=": they have neither their param's shape nor one dimension of it")
   return jax.tree.map(
       lambda s: None if s is specs_lib.UNDERIVED else s, spec_tree,
       is_leaf=specs_lib.is_spec_leaf)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,10 +31,10 @@ from kfac_jax._src import tag_graph_matcher
 from t5x_optim import _state_dict
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim.partitioning import _state_rules
+from t5x_optim.partitioning._axis_rules import is_spec_leaf
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
 
-_MAX_PATHS_IN_MESSAGE = 5
 _FACTOR_KEY = re.compile(r"^(\d+)_factor")
 
 
@@ -128,10 +127,6 @@ def kfac_state_from_dict(reference: Any, nested: Any) -> Any:
         kfac_state_from_dict(v, nested[str(i)]) for i, v in enumerate(reference)
     )
   return nested
-
-
-def _is_spec_or_none(x: Any) -> bool:
-  return x is None or isinstance(x, PartitionSpec)
 
 
 def _dim_names(spec: PartitionSpec | None, rank: int) -> tuple[Any, ...]:
@@ -257,23 +252,13 @@ def _resolve_unmatched(
     return None
 
   resolved = _map_with_keys(collect, nested_specs)
-  if not bad:
-    return resolved
-  more = len(bad) - _MAX_PATHS_IN_MESSAGE
-  message = (
-      f"{len(bad)} K-FAC state leaves that match no single param dimension: "
-      + ", ".join(bad[:_MAX_PATHS_IN_MESSAGE])
-      + (f" and {more} more" if more > 0 else "")
-  )
-  if fallback is _state_rules.StateRulesFallback.RAISE:
-    raise ValueError(f"cannot derive logical specs for {message}")
-  warnings.warn(f"replicating {message}", stacklevel=3)
+  fallback.handle(bad, why=": K-FAC state leaves that match no single param dimension")
   return resolved
 
 
 def _param_spec_list(axes: Any, params: Any) -> list[PartitionSpec | None]:
   """The params' specs in flat param order, padded to each param's rank."""
-  specs = jax.tree.leaves(axes, is_leaf=_is_spec_or_none)
+  specs = jax.tree.leaves(axes, is_leaf=is_spec_leaf)
   leaves = jax.tree.leaves(params)
   if len(specs) != len(leaves):
     raise ValueError(

@@ -42,6 +42,7 @@ from flax.core import FrozenDict
 
 from t5x_optim import _state_dict
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, structure_mismatch
+from t5x_optim.partitioning._axis_rules import is_spec_leaf
 
 __all__ = ["MultiOptimizer", "PathFilter"]
 
@@ -530,16 +531,12 @@ class MultiOptimizer(OptimizerDef):
     from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
 
     axes = _state_rules.logical_axes_from(param_logical_axes)
-    specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=_is_spec_or_none)
+    specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=is_spec_leaf)
     partition = self._compute_partition(specs)
-    leaves = jax.tree.leaves(axes, is_leaf=_is_spec_or_none)
+    leaves = jax.tree.leaves(axes, is_leaf=is_spec_leaf)
     for opt, sub_axes in zip(self.sub_optimizers, partition.split(leaves)):
       if hasattr(opt, "set_param_axes"):
         opt.set_param_axes(sub_axes)
-
-
-def _is_spec_or_none(x: Any) -> bool:
-  return x is None or isinstance(x, jax.sharding.PartitionSpec)
 
 
 def _spec_or_replicated(x: jax.sharding.PartitionSpec | None) -> jax.sharding.PartitionSpec:

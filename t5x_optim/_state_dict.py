@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-__all__ = ["prune_empty", "restore_into", "to_pruned_state_dict"]
+__all__ = ["is_prng_key", "prune_empty", "restore_into", "to_pruned_state_dict"]
 
 
 def prune_empty(tree: Any) -> Any:
@@ -77,14 +77,15 @@ def _castable(value: Any, src: np.dtype, dst: np.dtype) -> bool:
   return False
 
 
-def _is_key(value: Any) -> bool:
+def is_prng_key(value: Any) -> bool:
+  """Whether `value` (an array or `jax.ShapeDtypeStruct`) holds typed PRNG keys."""
   dtype = getattr(value, "dtype", None)
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
   """Restores a typed PRNG key from a key array or its raw `key_data`."""
-  if not _is_key(value):
+  if not is_prng_key(value):
     if not isinstance(reference, jax.Array):
       raise ValueError(
           f"State dict mismatch at '{where}': the optimizer has an abstract PRNG "
@@ -123,7 +124,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
         f"State dict mismatch at '{where}': expected an array with "
         f"{_describe(reference)}, got {_describe(value)}."
     )
-  if _is_key(reference):
+  if is_prng_key(reference):
     return _convert_key(reference, value, where)
   ref_shape, ref_dtype = np.shape(reference), _dtype_of(reference)
   shape, dtype = np.shape(value), _dtype_of(value)

@@ -134,19 +134,14 @@ def _flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
   return traverse_util.flatten_dict(_state_dict.prune_empty(tree))
 
 
-def _is_key(leaf: Any) -> bool:
-  dtype = getattr(leaf, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _saveable(leaf: Any) -> Any:
   """Typed PRNG keys are written as their raw `key_data`."""
-  return jax.random.key_data(leaf) if _is_key(leaf) else leaf
+  return jax.random.key_data(leaf) if _state_dict.is_prng_key(leaf) else leaf
 
 
 def _as_stored(leaf: Any) -> Any:
   """How `leaf` looks on disk: a key as its `key_data`'s shape and dtype."""
-  if not _is_key(leaf):
+  if not _state_dict.is_prng_key(leaf):
     return leaf
   data = jax.eval_shape(jax.random.key_data, leaf)
   return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
@@ -230,7 +225,7 @@ def _rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> di
   """Turns the `key_data` read for the target's typed PRNG keys back into keys."""
   return {
       path: jax.random.wrap_key_data(leaf, impl=_key_impl(target[path].dtype))
-      if _is_key(target[path])
+      if _state_dict.is_prng_key(target[path])
       else leaf
       for path, leaf in restored.items()
   }

@@ -36,6 +36,7 @@ from t5x_optim.partitioning import _state_rules_builtin  # noqa: F401  (register
 from t5x_optim.partitioning import _state_rules_generic as generic
 from t5x_optim.partitioning import _state_rules_registry as registry
 from t5x_optim.partitioning import _state_rules_specs as specs_lib
+from t5x_optim.partitioning._axis_rules import is_spec_leaf
 
 _MAX_PATHS_IN_WARNING = 5
 
@@ -51,6 +52,36 @@ class StateRulesFallback(enum.Enum):
 
   REPLICATE_WITH_WARNING = 'replicate_with_warning'
   RAISE = 'raise'
+
+  def handle(self, leaves: Sequence[str], *, why: str = '',
+             cause: BaseException | None = None) -> None:
+    """Applies the policy to leaves without a valid spec.
+
+    With ``REPLICATE_WITH_WARNING`` it warns once, naming the leaves, and the
+    caller replicates them (spec None); with ``RAISE`` it raises.
+
+    Args:
+      leaves: one description per leaf: its tree path, shape and the problem.
+      why: appended to the message, e.g. why derivation failed.
+      cause: chained to the ValueError.
+
+    Raises:
+      ValueError: with ``RAISE``, naming every leaf.
+
+    >>> StateRulesFallback.RAISE.handle([])
+    """
+    if not leaves:
+      return
+    if self is StateRulesFallback.RAISE:
+      raise ValueError(
+          f'cannot derive a valid logical spec for {len(leaves)} optimizer state '
+          f'leaves: {", ".join(leaves)}{why}') from cause
+    more = len(leaves) - _MAX_PATHS_IN_WARNING
+    warnings.warn(
+        f'replicating {len(leaves)} optimizer state leaves without a valid '
+        f'logical spec: {", ".join(leaves[:_MAX_PATHS_IN_WARNING])}'
+        + (f' and {more} more' if more > 0 else '') + why,
+        stacklevel=4)
 
 
 def _is_axes_input_leaf(x: Any) -> bool:
@@ -120,7 +151,7 @@ def logical_axes_from(params_axes: Any) -> Any:
   if (isinstance(params_axes, dict | frozen_dict.FrozenDict)
       and set(params_axes) == {'params_axes'}):
     params_axes = params_axes['params_axes']
-  if all(_is_spec_or_none(x) for x in jax.tree.leaves(
+  if all(is_spec_leaf(x) for x in jax.tree.leaves(
       params_axes, is_leaf=_is_axes_input_leaf_or_collection)):
     return params_axes
   if _is_axes_collection(params_axes):
@@ -129,16 +160,12 @@ def logical_axes_from(params_axes: Any) -> Any:
       _to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
-def _is_spec_or_none(x: Any) -> bool:
-  return x is None or isinstance(x, PartitionSpec)
-
-
 class _ParamIndex:
   """Flat, aligned view of the params and their logical specs."""
 
   def __init__(self, params_axes: Any, params: Any | None):
     spec_tree = logical_axes_from(params_axes)
-    raw, self.params_def = jax.tree.flatten(spec_tree, is_leaf=_is_spec_or_none)
+    raw, self.params_def = jax.tree.flatten(spec_tree, is_leaf=is_spec_leaf)
     self.specs: list[PartitionSpec | None] = [
         specs_lib.drop_repeated_names(s) for s in raw]
     self.mirror_defs = {self.params_def}
@@ -147,9 +174,9 @@ class _ParamIndex:
     self.shapes: list[tuple[int, ...]] | None = None
     if params is None:
       thawed = specs_lib.thaw(spec_tree)
-      self.mirror_defs.add(jax.tree.structure(thawed, is_leaf=_is_spec_or_none))
+      self.mirror_defs.add(jax.tree.structure(thawed, is_leaf=is_spec_leaf))
       self.mirror_defs.add(jax.tree.structure(
-          specs_lib.freeze_top(thawed), is_leaf=_is_spec_or_none))
+          specs_lib.freeze_top(thawed), is_leaf=is_spec_leaf))
     else:
       self._align(spec_tree)
 
@@ -160,7 +187,7 @@ class _ParamIndex:
       leaves, params_def = jax.tree.flatten(self.params)
     if params_def != self.params_def:
       spec_def = jax.tree.structure(specs_lib.thaw(spec_tree),
-                                    is_leaf=_is_spec_or_none)
+                                    is_leaf=is_spec_leaf)
       if jax.tree.structure(specs_lib.thaw(self.params)) != spec_def:
         raise ValueError(
             f'params_axes does not have the structure of params: {spec_def} '
@@ -299,20 +326,10 @@ def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
   if not bad:
     return specs
   names = paths()
-  details = [f'{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})'
-             for i, p in bad]
-  why = f'; generic derivation: {reason}' if reason is not None else ''
-  if fallback is StateRulesFallback.RAISE:
-    raise ValueError(
-        f'cannot derive a valid logical spec for optimizer state leaf '
-        f'{details[0]}' + (f' and {len(bad) - 1} more' if len(bad) > 1 else '')
-        + why) from reason
-  shown = ', '.join(details[:_MAX_PATHS_IN_WARNING])
-  more = len(bad) - _MAX_PATHS_IN_WARNING
-  warnings.warn(
-      f'replicating {len(bad)} optimizer state leaves without a valid logical '
-      f'spec: {shown}' + (f' and {more} more' if more > 0 else '') + why,
-      stacklevel=3)
+  fallback.handle(
+      [f'{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})' for i, p in bad],
+      why=f'; generic derivation: {reason}' if reason is not None else '',
+      cause=reason)
   out = list(specs)
   for i, _ in bad:
     out[i] = None
