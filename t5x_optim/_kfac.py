@@ -384,7 +384,7 @@ class KfacOptimizerDef(OptimizerDef):
     1
   """
 
-  accepts_extra_args = True
+  extra_arg_names = frozenset({"batch", "rng", "data_iterator"})
 
   def __init__(
       self,
@@ -459,6 +459,10 @@ class KfacOptimizerDef(OptimizerDef):
     """Creates an `Optimizer` for `target`; see `init_state` for the keywords."""
     state = self.init_state(target, batch=batch, rng=rng)
     return Optimizer(optimizer_def=self, state=state, target=target)
+
+  def grads_reference(self, params: Any) -> None:
+    """None: K-FAC computes the gradient itself and takes no grads tree."""
+    del params
 
   def _step(
       self,

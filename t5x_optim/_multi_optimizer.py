@@ -10,26 +10,43 @@ gin-friendly), a regex or list of regexes (shorthand for a `PathFilter`), or a
 `flax.traverse_util.ModelParamTraversal` (T5X configs; its filter gets the
 path with a leading '/' and the param's value).
 
-State layout. `param_states` is a tuple with one sub-optimizer
-`OptimizerState` per pair, in constructor order. The state dict nests each
-sub-optimizer's own state dict (the `'state'` part of what its `state_dict`
-returns, so T5X's layout inside) under its index::
+State layout. In memory, `param_states` is a tuple with one sub-optimizer
+`OptimizerState` per pair, in constructor order. The state dict has one of
+two layouts, chosen from the sub-optimizers' states:
 
-  {'target': <all params, nested dicts>,
-   'state': {'step': <int32 scalar>,
-             'param_states': {'0': {'step': ..., 'param_states': ...},
-                              '1': {'step': ..., 'param_states': ...}}}}
+* T5X's, when every sub-optimizer keeps one state subtree per param (T5X's
+  legacy `Adafactor` and other per-param `OptimizerDef`s): one tree over all
+  params, each sub-optimizer filling its own paths and frozen params None,
+  so checkpoints move between T5X's `MultiOptimizer` and this one::
 
-For `MultiOptimizer([(kernels, adam), (biases, sgd)])` the flattened keys are
-`state/step`, `state/param_states/0/step`,
-`state/param_states/0/param_states/0/mu/dense/kernel`, ...,
-`state/param_states/1/step`, ...; frozen params appear only under `target`.
+    {'target': <all params>,
+     'state': {'step': <int32 scalar>,
+               'param_states': {'dense': {'kernel': <kernel's state>,
+                                          'bias': <bias's state>},
+                                'frozen': None}}}
+
+* otherwise (optax sub-optimizers, whose states are not per param, which
+  T5X's layout cannot express), each sub-optimizer's own state dict (the
+  ``'state'`` part of what its `state_dict` returns, so T5X's layout inside)
+  under its index::
+
+    {'target': <all params, nested dicts>,
+     'state': {'step': <int32 scalar>,
+               'param_states': {'0': {'step': ..., 'param_states': ...},
+                                '1': {'step': ..., 'param_states': ...}}}}
+
+  For `MultiOptimizer([(kernels, adam), (biases, sgd)])` the flattened keys
+  are `state/step`, `state/param_states/0/step`,
+  `state/param_states/0/param_states/0/mu/dense/kernel`, ...,
+  `state/param_states/1/step`, ...; frozen params appear only under
+  `target`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -37,7 +54,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization
+from flax import serialization, traverse_util
 from flax.core import FrozenDict
 
 from t5x_optim import _state_dict
@@ -128,13 +145,6 @@ def _describe(index: int, traversal: PathFilter | FlaxTraversal) -> str:
   return f"filter {index} ({type(traversal).__name__})"
 
 
-def _key_str(key: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 class _Selected:
   """Marks a leaf a flax traversal selected (an opaque pytree leaf)."""
 
@@ -144,7 +154,7 @@ def _traversal_mask(
 ) -> list[bool]:
   """Which leaves a flax traversal selects, through its public `update`."""
   marked = traversal.update(lambda _: _Selected(), tree)
-  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(marked))
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(marked))
   selected = {tuple(map(str, key)) for key, value in flat.items() if isinstance(value, _Selected)}
   return [key in selected for key in keys]
 
@@ -197,7 +207,7 @@ class _Partition:
     """The full tree with each sub-optimizer's leaves taken from `subtrees`."""
     merged = list(leaves)
     for i, (group, subtree) in enumerate(zip(self.groups, subtrees)):
-      sub_leaves = jax.tree.leaves(subtree)
+      sub_leaves = jax.tree.leaves(subtree, is_leaf=_is_none)
       if len(sub_leaves) != len(group):
         raise ValueError(
             f"Sub-optimizer {i} returned {len(sub_leaves)} params for its {len(group)}: "
@@ -245,24 +255,25 @@ class MultiOptimizer(OptimizerDef):
     traversals_and_optimizers: `(traversal, optimizer_def)` pairs. A
       traversal is a `PathFilter`, a regex or list of regexes (made into a
       `PathFilter`), or a `flax.traverse_util.ModelParamTraversal`.
-    allow_empty_match: allow a traversal that selects no params (its
-      sub-optimizer then gets an empty tree).
 
   Hyper-parameter overrides passed to `Optimizer.apply_gradient` (e.g. T5X's
   `learning_rate=`) go to every sub-optimizer that has a hyper-parameter of
   that name; `hyper_params=` takes one hyper-params object per sub-optimizer.
   Other keywords (e.g. optax's `value=`) go to every sub-optimizer whose
-  `accepts_extra_args` is set. `set_param_axes` exists only when a
+  `extra_arg_names` has them. `set_param_axes` exists only when a
   sub-optimizer defines it (T5X then requires a `params_axes` collection).
 
   The split of leaves between sub-optimizers is computed once per params tree
   structure. Filters of flax traversals see the leaf values (arrays or
   tracers) and must depend on nothing but their shapes and dtypes.
 
+  A traversal that selects no params is allowed, as in T5X, with a warning;
+  its sub-optimizer gets an empty tree. See the module docstring for the two
+  state-dict layouts.
+
   Raises:
     ValueError: when a param is selected by more than one traversal (the
-      message lists those paths), or a traversal selects nothing and
-      `allow_empty_match` is False; both are checked on the first params seen.
+      message lists those paths); checked on the first params seen.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -281,8 +292,6 @@ class MultiOptimizer(OptimizerDef):
   def __init__(
       self,
       traversals_and_optimizers: Sequence[tuple[Traversal, OptimizerDef]],
-      *,
-      allow_empty_match: bool = False,
   ):
     pairs = list(traversals_and_optimizers)
     if not pairs:
@@ -295,8 +304,7 @@ class MultiOptimizer(OptimizerDef):
             f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef; "
             "wrap optax transformations in OptaxWrapper (or use t5x_optim.optimizers)."
         )
-    self.allow_empty_match = allow_empty_match
-    self.accepts_extra_args = any(opt.accepts_extra_args for opt in self.sub_optimizers)
+    self.extra_arg_names = frozenset().union(*(opt.extra_arg_names for opt in self.sub_optimizers))
     self._path_only = all(isinstance(t, PathFilter) for t in self.traversals)
     self._partitions: dict[Any, _Partition] = {}
     if any(hasattr(opt, "set_param_axes") for opt in self.sub_optimizers):
@@ -311,9 +319,12 @@ class MultiOptimizer(OptimizerDef):
     return f"MultiOptimizer([{pairs}])"
 
   def _compute_partition(self, tree: Any) -> _Partition:
-    """Splits `tree`'s leaves between the traversals and checks the split."""
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    keys = [tuple(_key_str(k) for k in path) for path, _ in path_leaves]
+    """Splits `tree`'s leaves between the traversals and checks the split.
+
+    None leaves (replicated axes, absent values) count as leaves.
+    """
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    keys = [_state_dict.key_path_parts(path) for path, _ in path_leaves]
     paths = ["/".join(key) for key in keys]
     masks = [
         [t.matches(p) for p in paths]
@@ -334,14 +345,13 @@ class MultiOptimizer(OptimizerDef):
           f"{[_describe(i, t) for i, t in enumerate(self.traversals)]}."
       )
     groups = [tuple(j for j in range(len(paths)) if owners[j] == [i]) for i in range(len(masks))]
-    if not self.allow_empty_match:
-      for i, group in enumerate(groups):
-        if not group:
-          raise ValueError(
-              f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params; the "
-              f"params are {_format_paths(paths)}. Fix the filter or pass "
-              "allow_empty_match=True."
-          )
+    for i, group in enumerate(groups):
+      if not group:
+        warnings.warn(
+            f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params, so its "
+            f"optimizer gets an empty tree; the params are {_format_paths(paths)}.",
+            stacklevel=4,
+        )
     index_tree = treedef.unflatten(range(len(paths)))
     subtrees = [_subset(index_tree, frozenset(group), ()) for group in groups]
     return _Partition(
@@ -353,10 +363,10 @@ class MultiOptimizer(OptimizerDef):
 
   def _partition(self, params: Any) -> tuple[_Partition, list[Any]]:
     """The (cached) partition for `params`' structure and `params`' leaves."""
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_none)
     key = treedef
     if not self._path_only:
-      key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+      key = (treedef, tuple(_signature(x) for x in leaves))
     partition = self._partitions.get(key)
     if partition is None:
       partition = self._partitions[key] = self._compute_partition(params)
@@ -421,7 +431,7 @@ class MultiOptimizer(OptimizerDef):
             partition.split(grad_leaves),
         )
     ):
-      extras = extra_args if opt.accepts_extra_args else {}
+      extras = {k: v for k, v in extra_args.items() if k in opt.extra_arg_names}
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:
@@ -436,26 +446,60 @@ class MultiOptimizer(OptimizerDef):
     partition, leaves = self._partition(target)
     return partition.split(leaves)
 
+  def _param_states_dict(
+      self, target: Any, sub_targets: Sequence[Any], sub_dicts: Sequence[Mapping[str, Any]]
+  ) -> dict[str, Any]:
+    """The state dict's `param_states` in the layout `sub_targets`' states ask for."""
+    if not self._per_param(sub_targets, [d["param_states"] for d in sub_dicts]):
+      return {str(i): sub_dict for i, sub_dict in enumerate(sub_dicts)}
+    flat = {path: None for path in _param_paths(target)}
+    for sub_target, sub_dict in zip(sub_targets, sub_dicts):
+      for path in _param_paths(sub_target):
+        flat[path] = _get(sub_dict["param_states"], path)
+    return traverse_util.unflatten_dict(flat)
+
+  @staticmethod
+  def _per_param(sub_targets: Sequence[Any], sub_param_states: Sequence[Any]) -> bool:
+    """Whether every sub-optimizer's state dict keeps one subtree per param."""
+    for sub_target, param_states in zip(sub_targets, sub_param_states):
+      paths = _param_paths(sub_target)
+      if not isinstance(param_states, Mapping):
+        return False
+      if not paths:
+        if param_states:
+          return False
+      elif set(_top_paths(param_states, paths)) != set(paths):
+        return False
+    return True
+
+  def _sub_state_dicts(self, sub_targets: Sequence[Any], state: OptimizerState) -> list[Any]:
+    return [
+        opt.state_dict(sub_target, sub_state)["state"]
+        for opt, sub_target, sub_state in zip(self.sub_optimizers, sub_targets, state.param_states)
+    ]
+
   def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
-    """The state dict; see the module docstring for its layout."""
-    sub_states = {
-        str(i): opt.state_dict(sub_target, sub_state)["state"]
-        for i, (opt, sub_target, sub_state) in enumerate(
-            zip(self.sub_optimizers, self._sub_targets(target), state.param_states)
-        )
-    }
+    """The state dict; see the module docstring for its two layouts."""
+    sub_targets = self._sub_targets(target)
+    sub_dicts = self._sub_state_dicts(sub_targets, state)
     return {
         "target": serialization.to_state_dict(target),
-        "state": {"step": state.step, "param_states": sub_states},
+        "state": {
+            "step": state.step,
+            "param_states": self._param_states_dict(target, sub_targets, sub_dicts),
+        },
     }
 
   def restore_state(
       self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
   ) -> tuple[Any, OptimizerState]:
-    """Restores `(target, state)` from a state dict in this class's layout.
+    """Restores `(target, state)` from a state dict in either layout.
 
-    The whole state dict is validated (against each sub-optimizer's own state
-    dict) before any sub-optimizer restores its part.
+    The layout is the one `state_dict` gives for this optimizer. The whole
+    state dict is validated (against this optimizer's own state dict)
+    before any sub-optimizer restores its part; T5X's placeholders (None,
+    specs, abstract and lazy arrays) are placed as `OptimizerDef.restore_state`
+    places them.
 
     Raises:
       ValueError: naming the full path and both sides, on a missing or
@@ -463,37 +507,37 @@ class MultiOptimizer(OptimizerDef):
         never modified.
     """
     sub_targets = self._sub_targets(opt_target)
+    sub_dicts = self._sub_state_dicts(sub_targets, opt_state)
+    per_param = self._per_param(sub_targets, [d["param_states"] for d in sub_dicts])
     reference = {
         "target": opt_target,
         "state": {
             "step": opt_state.step,
-            "param_states": {
-                str(i): opt.state_dict(sub_target, sub_state)["state"]
-                for i, (opt, sub_target, sub_state) in enumerate(
-                    zip(self.sub_optimizers, sub_targets, opt_state.param_states)
-                )
-            },
+            "param_states": self._param_states_dict(opt_target, sub_targets, sub_dicts),
         },
     }
-    checked = _state_dict.restore_into(reference, dict(state_dict))
-    target = checked["target"]
+    checked = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
+    target, step = checked["target"], checked["state"]["step"]
+    param_states = checked["state"]["param_states"]
     restored_states = []
     for i, (opt, ref_target, sub_state, new_target) in enumerate(
         zip(self.sub_optimizers, sub_targets, opt_state.param_states, self._sub_targets(target))
     ):
-      sub_dict = {
-          "target": serialization.to_state_dict(new_target),
-          "state": checked["state"]["param_states"][str(i)],
-      }
+      if per_param:
+        sub_states = _pick(param_states, _param_paths(ref_target))
+        sub_states = {"step": step, "param_states": sub_states}
+        where = "its params' paths under 'state/param_states'"
+      else:
+        sub_states = param_states[str(i)]
+        where = f"'state/param_states/{i}'"
+      sub_dict = {"target": serialization.to_state_dict(new_target), "state": sub_states}
       try:
         _, restored = opt.restore_state(ref_target, sub_state, sub_dict)
       except ValueError as error:
         raise ValueError(
-            f"Restoring sub-optimizer {i} (its state dict is at 'state/param_states/{i}'): "
-            f"{error}"
+            f"Restoring sub-optimizer {i} (its state dict is at {where}): {error}"
         ) from error
       restored_states.append(restored)
-    step = checked["state"]["step"]
     return target, OptimizerState(step=step, param_states=tuple(restored_states))
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
@@ -541,3 +585,48 @@ class MultiOptimizer(OptimizerDef):
 
 def _spec_or_replicated(x: jax.sharding.PartitionSpec | None) -> jax.sharding.PartitionSpec:
   return jax.sharding.PartitionSpec() if x is None else x
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _signature(leaf: Any) -> tuple[Any, ...]:
+  """What a flax traversal's filter may see of a leaf: shape and dtype."""
+  return (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf).__name__)))
+
+
+def _param_paths(tree: Any) -> list[tuple[str, ...]]:
+  """The '/'-split paths of a params tree's leaves (None leaves included)."""
+  return list(traverse_util.flatten_dict(serialization.to_state_dict(tree)))
+
+
+def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+  """The node at `path` of a nested state dict; {} where it was pruned away."""
+  for key in path:
+    if not isinstance(tree, Mapping) or key not in tree:
+      return {}
+    tree = tree[key]
+  return tree
+
+
+def _top_paths(tree: Mapping[str, Any], param_paths: Sequence[tuple[str, ...]]) -> list:
+  """The paths of `tree` cut where they reach a param path (or a leaf)."""
+  stops = set(param_paths)
+  prefixes = {path[:n] for path in param_paths for n in range(len(path))}
+  out = []
+
+  def walk(node: Any, path: tuple[str, ...]) -> None:
+    if path in stops or path not in prefixes or not isinstance(node, Mapping):
+      out.append(path)
+      return
+    for key, child in node.items():
+      walk(child, (*path, str(key)))
+
+  walk(tree, ())
+  return out
+
+
+def _pick(tree: Mapping[str, Any], paths: Sequence[tuple[str, ...]]) -> dict[str, Any]:
+  """The nested dict holding `tree`'s nodes at `paths`."""
+  return traverse_util.unflatten_dict({path: _get(tree, path) for path in paths})

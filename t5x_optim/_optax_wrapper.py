@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
-from t5x_optim._optimizer import (
-    Optimizer,
-    OptimizerDef,
-    OptimizerState,
-    structure_mismatch,
-    tree_like,
-)
+from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, tree_like
 from t5x_optim.partitioning import _state_rules
 
 __all__ = [
+    "OPTAX_EXTRA_ARGS",
     "OptaxHyperParams",
     "OptaxWrapper",
     "chain",
@@ -30,6 +27,40 @@ __all__ = [
 ]
 
 _LEARNING_RATE = "learning_rate"
+
+# The extra update arguments optax's own transformations read: `value`
+# (reduce_on_plateau, momo), `grad` and `value_fn` (L-BFGS line search),
+# `obj_fn` (sophia). Transformations reading others name them with
+# `OptaxWrapper(..., extra_args=...)`.
+OPTAX_EXTRA_ARGS = frozenset({"value", "grad", "value_fn", "obj_fn"})
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+  """Checks that a `learning_rate=` override is a real scalar.
+
+  Raises:
+    TypeError: for a string, a bool, a complex number, a non-numeric value
+      or anything that is not a scalar (a list, a shaped array).
+
+  Example:
+    >>> check_learning_rate(0.1)
+  """
+  problem = None
+  if isinstance(learning_rate, bool) or not isinstance(
+      learning_rate, int | float | np.ndarray | np.generic | jax.Array
+  ):
+    problem = f"a {type(learning_rate).__name__}"
+  elif jnp.ndim(learning_rate) != 0:
+    problem = f"an array of shape {jnp.shape(learning_rate)}"
+  else:
+    dtype = jnp.result_type(learning_rate)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+      problem = f"a scalar of dtype {dtype}"
+  if problem is not None:
+    raise TypeError(
+        f"learning_rate= must be a real scalar (a Python number or a 0-d real array); "
+        f"got {problem}: {learning_rate!r}."
+    )
 
 
 @struct.dataclass
@@ -51,12 +82,14 @@ def _is_injected_state(node: Any) -> bool:
 
 
 def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
-  """Sets `learning_rate` in every injected-hyperparams state of the tree.
+  """Sets `learning_rate` in every constant injected-hyperparams state of the tree.
 
-  Raises:
-    ValueError: when no state has an injectable learning rate, or when the
-      learning rate is scheduled inside the transformation (an override would
-      be ignored).
+  T5X's trainer passes its `learning_rate_fn` value to every
+  `apply_gradient`, while optax keeps the learning rate (and its schedule)
+  inside the transformation. Like T5X's own `OptaxWrapper`, the override is
+  then ignored: when no state of the tree has an injectable constant
+  learning rate (none was injected, or `inject_hyperparams` got a schedule)
+  the states come back unchanged, with a warning that says so.
   """
   found = []
 
@@ -64,12 +97,7 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
     if not (_is_injected_state(node) and _LEARNING_RATE in node.hyperparams):
       return node
     if _LEARNING_RATE in (getattr(node, "hyperparams_states", None) or {}):
-      raise ValueError(
-          "learning_rate= was passed to apply_gradient, but the transformation "
-          "schedules its learning rate itself (inject_hyperparams with a "
-          "schedule), so an override would be ignored. Pass learning_rate=None, "
-          "or inject a constant learning rate."
-      )
+      return node
     found.append(node)
     old = node.hyperparams[_LEARNING_RATE]
     hyperparams = dict(node.hyperparams)
@@ -78,12 +106,14 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
 
   new_states = jax.tree.map(set_rate, param_states, is_leaf=_is_injected_state)
   if not found:
-    raise ValueError(
-        "learning_rate= was passed to apply_gradient, but the optax "
-        "transformation has no injectable learning rate, so it cannot take "
-        "an override. Build it with optax.inject_hyperparams, e.g. "
-        "OptaxWrapper(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)), "
-        "or pass learning_rate=None and schedule inside optax."
+    warnings.warn(
+        "learning_rate= was passed to apply_gradient (T5X's trainer passes its "
+        "learning_rate_fn value), but the optax transformation has no injectable "
+        "constant learning rate, so the override is ignored and optax's own "
+        "learning rate or schedule applies, as with T5X's OptaxWrapper. To "
+        "override it per step, build the transformation with "
+        "optax.inject_hyperparams and a constant learning rate.",
+        stacklevel=5,
     )
   return new_states
 
@@ -105,13 +135,22 @@ class OptaxWrapper(OptimizerDef):
     1
   """
 
-  accepts_extra_args = True
-
-  def __init__(self, optax_optimizer: optax.GradientTransformation | optax.MultiSteps):
+  def __init__(
+      self,
+      optax_optimizer: optax.GradientTransformation | optax.MultiSteps,
+      *,
+      extra_args: Collection[str] = OPTAX_EXTRA_ARGS,
+  ):
     super().__init__(hyper_params=OptaxHyperParams())
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
+    takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
+    self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
+
+  def grads_reference(self, params: Any) -> Any:
+    """The params, or the fast params of `optax.lookahead`'s `LookaheadParams`."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
 
   def init_state(self, params: Any) -> OptimizerState:
     return OptimizerState(
@@ -126,27 +165,15 @@ class OptaxWrapper(OptimizerDef):
       grads: Any,
       **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
-    grads = tree_like(grads, params)
+    grads = tree_like(grads, self.grads_reference(params))
     param_states = state.param_states
     if hyper_params.learning_rate is not None:
+      check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
-    if extra_args and not isinstance(
-        self.optax_optimizer, optax.GradientTransformationExtraArgs
-    ):
-      raise TypeError(
-          f"Extra arguments {sorted(extra_args)} were passed to apply_gradient, "
-          "but the optax transformation does not take extra arguments."
-      )
-    try:
-      updates, new_param_states = self.optax_optimizer.update(
-          grads, param_states, params, **extra_args
-      )
-      new_params = optax.apply_updates(params, updates)
-    except (TypeError, ValueError) as error:
-      mismatch = structure_mismatch(grads, params, name="grads")
-      if mismatch is None:
-        raise
-      raise ValueError(f"The grads do not fit the params: {mismatch}.") from error
+    updates, new_param_states = self.optax_optimizer.update(
+        grads, param_states, params, **extra_args
+    )
+    new_params = optax.apply_updates(params, updates)
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:

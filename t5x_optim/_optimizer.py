@@ -43,14 +43,23 @@ class Optimizer(struct.PyTreeNode):
     """Applies `grads` and returns the optimizer with new target and state.
 
     Args:
-      grads: gradients with the target's structure (dicts and FrozenDicts are
-        interchangeable).
+      grads: gradients with the target's structure, shapes and (real or
+        complex) kind; dicts and FrozenDicts are interchangeable.
       **kwargs: hyper-parameter overrides (fields of the definition's
-        `hyper_params`, e.g. T5X's `learning_rate=`, or `hyper_params=`); any
-        other keyword is an extra argument for the update rule (e.g. optax's
-        `value=` for `reduce_on_plateau`).
+        `hyper_params`, e.g. T5X's `learning_rate=`, or `hyper_params=`), or
+        extra arguments of the update rule the definition accepts
+        (`OptimizerDef.extra_arg_names`, e.g. optax's `value=` for
+        `reduce_on_plateau`).
+
+    Raises:
+      TypeError: for a keyword that is neither.
+      ValueError: when `grads` does not fit the target, naming the paths and
+        both sides; checked before anything runs (under `jax.jit` too).
     """
     overrides, extra_args = self.optimizer_def.split_apply_kwargs(kwargs)
+    reference = self.optimizer_def.grads_reference(self.target)
+    if reference is not None:
+      check_grads(grads, reference)
     hyper_params = self.optimizer_def.update_hyper_params(**overrides)
     new_target, new_state = self.optimizer_def.apply_gradient(
         hyper_params, self.target, self.state, grads, **extra_args
@@ -62,20 +71,30 @@ class Optimizer(struct.PyTreeNode):
     return self.optimizer_def.state_dict(self.target, self.state)
 
   def restore_state(self, state: Mapping[str, Any]) -> Optimizer:
-    """Returns a new optimizer restored from `state`; `self` is unchanged."""
-    target, new_state = self.optimizer_def.restore_state(self.target, self.state, state)
+    """Returns a new optimizer restored from `state`; `self` is unchanged.
+
+    `state` is a T5X-layout state dict; keys beside ``target`` and ``state``
+    (a train state's ``flax_mutables``) are ignored, as T5X does. See
+    `OptimizerDef.restore_state` for what is checked.
+    """
+    target, new_state = self.optimizer_def.restore_state(
+        self.target, self.state, _state_dict.optimizer_part(state)
+    )
     return self.replace(target=target, state=new_state)
 
 
 class OptimizerDef(abc.ABC):
   """Base class of optimizer definitions (T5X's `OptimizerDef` contract).
 
-  Subclasses implement `init_state`, `apply_gradient` and
-  `derive_logical_axes`. A definition whose `apply_gradient` accepts extra
-  keyword arguments sets `accepts_extra_args = True`.
+  Subclasses implement `init_state` and `apply_gradient`, and
+  `derive_logical_axes` to be partitioned by logical axes (the base class
+  has none, as in T5X, whose train state asks `hasattr` first). Definitions
+  written against `t5x.optimizers` (T5X's legacy `Adafactor`, say) work
+  unchanged. A definition whose `apply_gradient` takes extra keyword
+  arguments lists their names in `extra_arg_names`.
   """
 
-  accepts_extra_args: bool = False
+  extra_arg_names: frozenset[str] = frozenset()
 
   def __init__(self, hyper_params: Any):
     self.hyper_params = hyper_params
@@ -90,10 +109,6 @@ class OptimizerDef(abc.ABC):
   ) -> tuple[Any, OptimizerState]:
     """Returns `(new_params, new_state)`."""
 
-  @abc.abstractmethod
-  def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
-    """Returns `optimizer` with every array replaced by its logical spec."""
-
   def hyper_param_names(self) -> frozenset[str]:
     """The keywords `apply_gradient` treats as hyper-parameter overrides."""
     names = {"hyper_params"}
@@ -102,16 +117,32 @@ class OptimizerDef(abc.ABC):
     return frozenset(names)
 
   def split_apply_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Splits `Optimizer.apply_gradient` keywords into overrides and extras."""
+    """Splits `Optimizer.apply_gradient` keywords into overrides and extras.
+
+    Raises:
+      TypeError: for a keyword that is neither a hyper-parameter nor in
+        `extra_arg_names`, listing the accepted ones.
+    """
     names = self.hyper_param_names()
+    unknown = sorted(set(kwargs) - names - self.extra_arg_names)
+    if unknown:
+      extras = sorted(self.extra_arg_names)
+      raise TypeError(
+          f"{type(self).__name__}.apply_gradient got unknown keyword arguments {unknown}; "
+          f"it accepts the hyper-parameters {sorted(names)}"
+          + (f" and the update's extra arguments {extras}." if extras else ".")
+      )
     overrides = {k: v for k, v in kwargs.items() if k in names}
     extra_args = {k: v for k, v in kwargs.items() if k not in names}
-    if extra_args and not self.accepts_extra_args:
-      raise TypeError(
-          f"{type(self).__name__}.apply_gradient got unknown keyword arguments "
-          f"{sorted(extra_args)}; its hyper-parameters are {sorted(names)}."
-      )
     return overrides, extra_args
+
+  def grads_reference(self, params: Any) -> Any:
+    """The tree whose structure, shapes and kinds the grads must have.
+
+    None for a definition that takes no grads tree (it then checks `grads`
+    itself).
+    """
+    return params
 
   def update_hyper_params(self, **hyper_param_overrides: Any) -> Any:
     """Returns the hyper-params with overrides applied.
@@ -145,13 +176,21 @@ class OptimizerDef(abc.ABC):
   ) -> tuple[Any, OptimizerState]:
     """Restores `(target, state)` from a state dict, validating it first.
 
+    T5X uses this as a tree replace as well as for arrays, so besides array
+    data the leaves may be None, `PartitionSpec`s, `jax.ShapeDtypeStruct`s
+    or lazy arrays, placed as given (`_state_dict.restore_into` has the
+    rules). Keys beside ``target`` and ``state`` are ignored. Floating
+    params keep the state dict's floating dtype (T5X's ``restore_dtype``);
+    optimizer-state arrays take the state's own dtypes; casts that change
+    the kind (complex to real, float to int) or overflow are refused.
+
     Raises:
       ValueError: naming the path and both sides, on any missing or
         unexpected key, shape mismatch or unsafe dtype cast. The inputs are
         never modified.
     """
     reference = {"target": opt_target, "state": opt_state}
-    restored = _state_dict.restore_into(reference, dict(state_dict))
+    restored = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
     return restored["target"], restored["state"]
 
 
@@ -189,3 +228,40 @@ def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
       f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
       f"params tree: {ref_def}"
   )
+
+
+def _kind(dtype: Any) -> str:
+  return "complex" if jax.dtypes.issubdtype(dtype, jax.numpy.complexfloating) else "real"
+
+
+def check_grads(grads: Any, params: Any) -> None:
+  """Checks that `grads` fit `params`: structure, shapes and real/complex kind.
+
+  Dicts and FrozenDicts are interchangeable. Under `jax.jit` the check runs at
+  trace time (shapes are static).
+
+  Raises:
+    ValueError: naming the paths only one side has, or each leaf whose shape
+      or kind differs, with both sides.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> check_grads({"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+  """
+  mismatch = structure_mismatch(grads, params, name="grads")
+  if mismatch is not None:
+    raise ValueError(f"The grads do not fit the params: {mismatch}.")
+  flat_params = jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(params))[0]
+  bad = []
+  for (path, param), grad in zip(flat_params, jax.tree.leaves(flax.core.unfreeze(grads))):
+    grad_shape, param_shape = jax.numpy.shape(grad), jax.numpy.shape(param)
+    grad_kind = _kind(jax.numpy.result_type(grad))
+    param_kind = _kind(jax.numpy.result_type(param))
+    if grad_shape != param_shape or (grad_kind == "complex" and param_kind == "real"):
+      bad.append(
+          f"'{_state_dict.key_path_str(path)}': grads {grad_kind} {grad_shape}, params "
+          f"{param_kind} {param_shape}"
+      )
+  if bad:
+    leaves = "leaf" if len(bad) == 1 else "leaves"
+    raise ValueError(f"The grads do not fit the params at {len(bad)} {leaves}: {'; '.join(bad)}.")

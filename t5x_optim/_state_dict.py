@@ -14,9 +14,20 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import serialization
+from flax import serialization, traverse_util
+from jax.sharding import PartitionSpec
 
-__all__ = ["is_prng_key", "prune_empty", "restore_into", "to_pruned_state_dict"]
+__all__ = [
+    "is_array",
+    "is_placeholder",
+    "is_prng_key",
+    "key_path_parts",
+    "key_path_str",
+    "optimizer_part",
+    "prune_empty",
+    "restore_into",
+    "to_pruned_state_dict",
+]
 
 
 def prune_empty(tree: Any) -> Any:
@@ -43,11 +54,82 @@ def to_pruned_state_dict(tree: Any) -> Any:
 
 
 def _is_empty(tree: Any) -> bool:
-  return isinstance(tree, Mapping) and not prune_empty(tree)
+  return tree is traverse_util.empty_node or (
+      isinstance(tree, Mapping) and not prune_empty(tree))
 
 
 def _join(path: tuple[str, ...]) -> str:
   return "/".join(path) if path else "<root>"
+
+
+def key_path_parts(path: tuple[Any, ...]) -> tuple[str, ...]:
+  """A jax key path as the tuple of its keys as strings, as state dicts name them.
+
+  Example:
+    >>> key_path_parts(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    ('a', '0')
+  """
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return tuple(parts)
+
+
+def key_path_str(path: tuple[Any, ...]) -> str:
+  """A jax key path '/'-joined, as errors about state dicts name it.
+
+  Example:
+    >>> key_path_str(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    'a/0'
+  """
+  return _join(key_path_parts(path))
+
+
+def is_array(value: Any) -> bool:
+  """Whether `value` is concrete array data (numpy, jax or a Python number)."""
+  return isinstance(value, np.ndarray | np.generic | jax.Array | bool | int | float | complex)
+
+
+def _is_lazy_array(value: Any) -> bool:
+  """A lazily read array (T5X's `LazyArray`), recognised by its interface."""
+  return (
+      callable(getattr(value, "get_async", None))
+      and hasattr(value, "shape")
+      and hasattr(value, "dtype")
+  )
+
+
+def is_placeholder(value: Any) -> bool:
+  """Whether `value` stands where an array goes without being array data.
+
+  T5X fills state dicts with these and restores them as a tree replace: None
+  (replicated, or absent from a checkpoint), logical or mesh
+  `PartitionSpec`s, shardings, `jax.ShapeDtypeStruct`s and lazily read arrays.
+
+  Example:
+    >>> from jax.sharding import PartitionSpec
+    >>> is_placeholder(None), is_placeholder(PartitionSpec("embed")), is_placeholder(1.0)
+    (True, True, False)
+  """
+  return (
+      value is None
+      or isinstance(value, PartitionSpec | jax.sharding.Sharding | jax.ShapeDtypeStruct)
+      or _is_lazy_array(value)
+  )
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+  """The shape of an array, abstract array or lazy array; None for metadata."""
+  if is_array(value):
+    return np.shape(value)
+  if isinstance(value, jax.ShapeDtypeStruct) or _is_lazy_array(value):
+    return tuple(value.shape)
+  return None
 
 
 def _describe(value: Any) -> str:
@@ -55,8 +137,12 @@ def _describe(value: Any) -> str:
     return "None"
   if isinstance(value, Mapping):
     return f"a subtree with keys {sorted(value)}"
-  shape, dtype = np.shape(value), _dtype_of(value)
-  return f"shape {shape} dtype {dtype}"
+  if isinstance(value, PartitionSpec):
+    return f"the spec {value!r}"
+  shape = _shape_of(value)
+  if shape is None:
+    return f"a {type(value).__name__}"
+  return f"shape {shape} dtype {_dtype_of(value)}"
 
 
 def _dtype_of(value: Any) -> np.dtype:
@@ -75,6 +161,10 @@ def _castable(value: Any, src: np.dtype, dst: np.dtype) -> bool:
   if isinstance(value, (bool, int, float, complex)):
     return bool(np.asarray(value).astype(dst) == value)
   return False
+
+
+def _is_float(dtype: np.dtype) -> bool:
+  return bool(jax.dtypes.issubdtype(dtype, np.floating))
 
 
 def is_prng_key(value: Any) -> bool:
@@ -109,50 +199,84 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
   return jax.device_put(value, sharding) if sharding is not None else value
 
 
-def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
-  """Checks `value` against `reference` and returns it in the reference's form."""
+def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
+  """Checks array data `value` against the array `reference` and converts it.
+
+  The dtype rule follows T5X, refusing only casts that would break the
+  optimizer: floating data may restore into any floating dtype (params under
+  ``target`` keep the state dict's dtype, because T5X's checkpointer casts
+  them on purpose with ``restore_dtype``; optimizer-state arrays are cast to
+  the state's own dtype); any other cast (a change of kind, an integer that
+  does not fit) must hold the values without loss.
+  """
   where = _join(path)
-  if reference is None:
-    if value is not None:
-      raise ValueError(
-          f"State dict mismatch at '{where}': expected None (no state), got "
-          f"{_describe(value)}."
-      )
-    return None
-  if value is None or isinstance(value, Mapping):
-    raise ValueError(
-        f"State dict mismatch at '{where}': expected an array with "
-        f"{_describe(reference)}, got {_describe(value)}."
-    )
   if is_prng_key(reference):
     return _convert_key(reference, value, where)
-  ref_shape, ref_dtype = np.shape(reference), _dtype_of(reference)
+  ref_shape, ref_dtype = _shape_of(reference), _dtype_of(reference)
   shape, dtype = np.shape(value), _dtype_of(value)
   if shape != ref_shape:
     raise ValueError(
         f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
         f"state dict has shape {shape}."
     )
-  if not _castable(value, dtype, ref_dtype):
+  floats = _is_float(dtype) and _is_float(ref_dtype)
+  keeps_dtype = floats and path[:1] == ("target",) and hasattr(value, "dtype")
+  if not (floats or _castable(value, dtype, ref_dtype)):
     raise ValueError(
         f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
         f"be cast safely to the optimizer's {ref_dtype}."
     )
-  sharding = getattr(reference, "sharding", None)
-  if isinstance(reference, (jax.Array, jax.ShapeDtypeStruct)):
-    array = jax.numpy.asarray(value, dtype=ref_dtype)
+  out_dtype = dtype if keeps_dtype else ref_dtype
+  if isinstance(reference, np.ndarray | np.generic) or _is_lazy_array(reference):
+    return np.asarray(value, dtype=out_dtype)
+  if isinstance(reference, jax.Array | jax.ShapeDtypeStruct):
+    array = jax.numpy.asarray(value, dtype=out_dtype)
+    sharding = getattr(reference, "sharding", None)
     return jax.device_put(array, sharding) if sharding is not None else array
-  if isinstance(reference, np.ndarray | np.generic):
-    return np.asarray(value, dtype=ref_dtype)
   return type(reference)(np.asarray(value).item())
+
+
+def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
+  """Returns `value` for the reference leaf `reference`, checked.
+
+  Array data restored into an array is checked (`_convert_array`); a
+  placeholder (`is_placeholder`) is placed as given, after a shape check
+  where both sides have one; array data restored into a spec or sharding (a
+  tree replace of specs) is placed as given. Anything else, array data where
+  the optimizer has no state (None) included, is an error.
+  """
+  where = _join(path)
+  if reference is None and _is_empty(value):
+    return None
+  if is_placeholder(value):
+    ref_shape, shape = _shape_of(reference), _shape_of(value)
+    if ref_shape is not None and shape is not None and ref_shape != shape:
+      raise ValueError(
+          f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
+          f"state dict has {_describe(value)}."
+      )
+    return value
+  if reference is None or not is_array(value):
+    expected = "None (no state)" if reference is None else _describe(reference)
+    if _shape_of(reference) is not None:
+      expected = f"an array with {expected}"
+    raise ValueError(
+        f"State dict mismatch at '{where}': expected {expected}, got {_describe(value)}."
+    )
+  if _shape_of(reference) is None:
+    return value
+  return _convert_array(reference, value, path)
 
 
 def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   """Validates `given` against the full `reference` state dict.
 
   Keys whose reference subtree is empty may be absent from `given` (T5X drops
-  them) and are taken from the reference.
+  them) and are taken from the reference; keys of `given` that hold nothing
+  (empty subtrees, `traverse_util.empty_node`, None) may be extra.
   """
+  if given is traverse_util.empty_node:
+    given = {}
   if not isinstance(reference, Mapping):
     return _convert_leaf(reference, given, path)
   if not isinstance(given, Mapping):
@@ -161,7 +285,9 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
         f"{_describe(prune_empty(reference))}, got {_describe(given)}."
     )
   unexpected = sorted(
-      key for key in given if key not in reference and not _is_empty(given[key])
+      str(key)
+      for key, value in given.items()
+      if key not in reference and not (value is None or _is_empty(value))
   )
   if unexpected:
     raise ValueError(
@@ -183,6 +309,27 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   return filled
 
 
+def optimizer_part(state_dict: Any) -> dict[str, Any]:
+  """The ``target`` and ``state`` entries of an optimizer state dict.
+
+  T5X passes whole train-state dicts (with ``flax_mutables`` beside them) to
+  `Optimizer.restore_state`; like T5X, the other keys are ignored.
+
+  Raises:
+    ValueError: when `state_dict` is not a mapping.
+
+  Example:
+    >>> optimizer_part({"target": {}, "state": {}, "flax_mutables": {}})
+    {'target': {}, 'state': {}}
+  """
+  if not isinstance(state_dict, Mapping):
+    raise ValueError(
+        f"State dict mismatch at '<root>': expected a subtree with keys ['state', "
+        f"'target'], got {_describe(state_dict)}."
+    )
+  return {key: state_dict[key] for key in ("target", "state") if key in state_dict}
+
+
 def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
   """Restores `state_dict` into a pytree shaped like `reference`.
 
@@ -190,16 +337,28 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     reference: the pytree whose structure, shapes and dtypes are expected (its
       arrays may be real or `jax.ShapeDtypeStruct`s; their shardings are kept).
     state_dict: a state dict in `flax.serialization` form, possibly with empty
-      nodes removed. Leaves may be numpy or jax arrays or Python scalars; a
-      typed PRNG key may also come as its raw `jax.random.key_data`.
+      nodes removed (or marked with `traverse_util.empty_node`). Leaves may
+      be numpy or jax arrays or Python scalars (a typed PRNG key may also
+      come as its raw `jax.random.key_data`), or placeholders
+      (`is_placeholder`: None, `PartitionSpec`s, `ShapeDtypeStruct`s, lazy
+      arrays), which are placed as given: T5X restores trees of specs and
+      abstract values this way.
 
   Returns:
     A new pytree of `reference`'s type; `reference` is left unchanged.
 
+  The structure is always checked. Shapes are checked wherever both sides
+  have one; dtypes where array data is restored into an array: floating data
+  restores into any floating dtype (params keep the state dict's dtype, as
+  T5X's ``restore_dtype`` intends; optimizer-state arrays take the state's
+  dtype); other casts (a change of kind such as complex to real or float to
+  int, an integer that does not fit) must hold the values without loss.
+
   Raises:
-    ValueError: on a missing or unexpected key, a shape mismatch or a dtype
-      that cannot be cast safely; the message names the full path and both
-      sides.
+    ValueError: on a missing or unexpected key, a subtree where a leaf
+      belongs (or the reverse), a value that is neither array data nor a
+      placeholder, a shape mismatch or a dtype that cannot be cast safely;
+      the message names the full path and both sides.
 
   Example:
     >>> import numpy as np

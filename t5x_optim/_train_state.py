@@ -301,9 +301,8 @@ class TrainState(struct.PyTreeNode):
       ValueError: on a missing or unexpected key, a shape mismatch or an
         unsafe dtype cast; the message names the path.
     """
-    state_dict = dict(state_dict)
-    mutables = state_dict.pop(_FLAX_MUTABLES, {})
     optimizer = self._optimizer.restore_state(state_dict)
+    mutables = state_dict.get(_FLAX_MUTABLES, {})
     restored = _state_dict.restore_into(
         {_FLAX_MUTABLES: self.flax_mutables}, {_FLAX_MUTABLES: mutables}
     )
@@ -317,7 +316,11 @@ class TrainState(struct.PyTreeNode):
     (None where unknown). The result has this state's pytree structure, as
     `Partitioner.get_mesh_axes` expects.
     """
-    optimizer = self._optimizer.optimizer_def.derive_logical_axes(
-        self._optimizer, self.params_axes
-    )
+    optimizer_def = self._optimizer.optimizer_def
+    if not hasattr(optimizer_def, "derive_logical_axes"):
+      raise ValueError(
+          f"Optimizer '{type(optimizer_def).__name__}' has no derive_logical_axes method, "
+          "which partitioning by logical axes needs."
+      )
+    optimizer = optimizer_def.derive_logical_axes(self._optimizer, self.params_axes)
     return self.replace(_optimizer=optimizer, flax_mutables=self.flax_mutables_axes)

@@ -200,10 +200,9 @@ def test_hyper_param_overrides(kwargs: dict[str, Any], kernel_rate: float, bias_
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"learning_rate": 0.1}, ValueError, r"sub-optimizer 1 \(filter 1 .*inject_hyperparams"),
         ({"hyper_params": (OptaxHyperParams(),)}, ValueError, r"one entry per sub-optimizer \(2\)"),
     ],
-    ids=["not_injected", "hyper_params_length"],
+    ids=["hyper_params_length"],
 )
 def test_hyper_param_override_errors(kwargs: dict[str, Any], error: type, message: str) -> None:
   opt_def = MultiOptimizer([
@@ -213,6 +212,17 @@ def test_hyper_param_override_errors(kwargs: dict[str, Any], error: type, messag
   opt = opt_def.create(make_params())
   with pytest.raises(error, match=message):
     opt.apply_gradient(fake_grads(opt.target, 0), **kwargs)
+
+
+def test_learning_rate_override_skips_sub_optimizers_without_injected_rate() -> None:
+  opt_def = MultiOptimizer([
+      (KERNELS, injected(optax.adam, 1.0)),
+      (BIASES, OptaxWrapper(optax.sgd(1.0))),
+  ])
+  opt = opt_def.create(make_params())
+  with pytest.warns(UserWarning, match=r"no injectable constant learning rate"):
+    stepped = opt.apply_gradient(fake_grads(opt.target, 0), learning_rate=0.1)
+  np.testing.assert_allclose(stepped.state.param_states[0].param_states.hyperparams["learning_rate"], 0.1)
 
 
 @struct.dataclass
@@ -361,14 +371,8 @@ def test_restore_errors_name_path_and_leave_optimizer_untouched(corrupt, message
             [(KERNELS, "adam"), ("^dense/", "sgd")],
             r"1 params are selected by more than one filter: dense/kernel \(filters \[0, 1\]\)",
         ),
-        (
-            [(KERNELS, "adam"), ("nothing", "sgd")],
-            r"filter 1 PathFilter\('nothing'\) selects no params; the params are "
-            r"dense/bias, dense/kernel, embed/embedding, out/bias, out/kernel\. .*"
-            r"allow_empty_match=True",
-        ),
     ],
-    ids=["overlap", "empty"],
+    ids=["overlap"],
 )
 def test_filter_errors(pairs: list[tuple[Any, str]], message: str) -> None:
   txs = {"adam": OptaxWrapper(optax.adam(1e-2)), "sgd": OptaxWrapper(optax.sgd(0.1))}
@@ -377,12 +381,17 @@ def test_filter_errors(pairs: list[tuple[Any, str]], message: str) -> None:
     opt_def.create(make_params())
 
 
-def test_allow_empty_match() -> None:
+def test_filter_matching_nothing_is_allowed_with_a_warning() -> None:
   opt_def = MultiOptimizer(
-      [(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", OptaxWrapper(optax.adam(1e-2)))],
-      allow_empty_match=True,
+      [(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", OptaxWrapper(optax.adam(1e-2)))]
   )
-  opt = run_multi(opt_def, make_params())
+  with pytest.warns(
+      UserWarning,
+      match=r"filter 1 PathFilter\('nothing'\) selects no params, so its optimizer gets an "
+      r"empty tree; the params are dense/bias, dense/kernel, embed/embedding, out/bias, "
+      r"out/kernel\.",
+  ):
+    opt = run_multi(opt_def, make_params())
   assert opt.state.param_states[1].param_states[0].mu == {}
 
 

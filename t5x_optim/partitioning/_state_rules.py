@@ -4,10 +4,11 @@
 a tree of the same structure whose leaves are logical ``PartitionSpec``s or
 None (replicated). Derivation runs in four steps:
 
-1. *Structure*: scalars (and leaves whose dimensions all have size 1) are
-   replicated; a subtree with the params' structure
-   (a "mirror", like adam's ``mu``) gives each leaf of its param's shape that
-   param's spec. This is the fast path: adamw, sgd, lion, ... end here.
+1. *Structure*: scalars are replicated; a subtree with the params'
+   structure (a "mirror", like adam's ``mu``) gives each leaf of its param's
+   shape that param's spec, size-1 dimensions included (T5X keeps
+   ``('output_head',)`` on a ``(1,)`` bias); other leaves whose dimensions all
+   have size 1 are replicated. This is the fast path: adamw, sgd, lion, ... end here.
 2. *Generic*: when ``transformation`` and ``params`` are given and leaves are
    left, ``transformation.init`` is traced on abstract params sharded over an
    abstract mesh of logical axes (sharding-in-types), so factored leaves
@@ -400,11 +401,12 @@ class OptaxStatePartitionRules:
     index = _ParamIndex(params_axes, params)
     state_leaves, state_def = jax.tree.flatten(optax_state)
     shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
-    specs: list[Any] = [
-        None if all(d == 1 for d in s) else specs_lib.UNDERIVED for s in shapes]
+    specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
     rules = registry.registered_rules()
     mirrors, ruled = _scan(state_def, index, tuple(rules))
     _mirror_specs(index, mirrors, shapes, specs)
+    specs = [None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
+             for s, shape in zip(specs, shapes)]
     paths = _lazy_paths(optax_state)
     reason = None
     if (transformation is not None and index.leaves is not None

@@ -1,0 +1,150 @@
+"""Bad input is refused where it enters, with the path and both sides, and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from t5x_optim import MultiOptimizer, OptaxWrapper
+
+PARAMS = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
+
+
+@pytest.fixture(scope="module")
+def opt():
+  return OptaxWrapper(optax.adam(0.1)).create(PARAMS)
+
+
+@pytest.fixture(scope="module")
+def jitted_apply():
+  return jax.jit(lambda o, g: o.apply_gradient(g))
+
+
+def _grads(kernel: Any) -> dict[str, Any]:
+  return {"dense": {"kernel": kernel, "bias": jnp.zeros(4)}}
+
+
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        (jnp.ones((2, 3, 4)), r"'dense/kernel': grads real \(2, 3, 4\), params real \(3, 4\)"),
+        (jnp.ones(4), r"'dense/kernel': grads real \(4,\), params real \(3, 4\)"),
+        (jnp.ones((1, 4)), r"'dense/kernel': grads real \(1, 4\), params real \(3, 4\)"),
+        (jnp.float32(1.0), r"'dense/kernel': grads real \(\), params real \(3, 4\)"),
+        (jnp.ones((4, 3)), r"'dense/kernel': grads real \(4, 3\), params real \(3, 4\)"),
+        (jnp.ones((3, 4), jnp.complex64), r"'dense/kernel': grads complex \(3, 4\), params real"),
+    ],
+    ids=["broadcast_up", "row", "one_row", "scalar", "transposed", "complex"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_grads_of_wrong_shape_or_kind_are_refused(opt, jitted_apply, kernel, message, jit):
+  apply = jitted_apply if jit else (lambda o, g: o.apply_gradient(g))
+  with pytest.raises(ValueError, match=message):
+    apply(opt, _grads(kernel))
+
+
+def test_grads_of_wrong_structure_name_the_paths(opt):
+  with pytest.raises(ValueError, match=r"paths only in the grads: \[\"\['dense'\]\['extra'\]\"\]"):
+    opt.apply_gradient({"dense": {**PARAMS["dense"], "extra": jnp.ones(2)}})
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": 0.1}, {"learning_rte": 0.1}, {"valu": 1.0}])
+def test_unknown_keywords_list_what_is_accepted(opt, kwargs):
+  with pytest.raises(
+      TypeError,
+      match=r"unknown keyword arguments \['\w+'\]; it accepts the hyper-parameters "
+      r"\['hyper_params', 'learning_rate'\] and the update's extra arguments "
+      r"\['grad', 'obj_fn', 'value', 'value_fn'\]",
+  ):
+    opt.apply_gradient(PARAMS, **kwargs)
+
+
+def test_extra_args_can_be_named_for_custom_transformations():
+  def update(updates, state, params=None, *, scale=1.0, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: -scale * u, updates), state
+
+  tx = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+  opt = OptaxWrapper(tx, extra_args=["scale"]).create(PARAMS)
+  stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, PARAMS), scale=0.5)
+  np.testing.assert_array_equal(stepped.target["dense"]["bias"], -0.5 * np.ones(4))
+
+
+@pytest.mark.parametrize(
+    "learning_rate, message",
+    [
+        ("0.1", "a str"),
+        ([0.1], "a list"),
+        (True, "a bool"),
+        (1 + 2j, "a complex"),
+        (np.ones(1), r"an array of shape \(1,\)"),
+        (jnp.asarray(1 + 2j), "a scalar of dtype complex64"),
+    ],
+    ids=["str", "list", "bool", "complex", "shaped", "complex_array"],
+)
+def test_learning_rate_override_must_be_a_real_scalar(learning_rate, message):
+  opt = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)).create(PARAMS)
+  with pytest.raises(TypeError, match=rf"learning_rate= must be a real scalar.*got {message}"):
+    opt.apply_gradient(PARAMS, learning_rate=learning_rate)
+
+
+@pytest.mark.parametrize("learning_rate", [0.5, 1, np.float32(0.5), jnp.asarray(0.5)])
+def test_learning_rate_override_accepts_real_scalars(learning_rate):
+  opt = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)).create(PARAMS)
+  stepped = opt.apply_gradient(PARAMS, learning_rate=learning_rate)
+  assert stepped.state.param_states.hyperparams["learning_rate"].shape == ()
+
+
+def _set(state_dict: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+  flat = traverse_util.flatten_dict(state_dict, sep="/")
+  flat[path] = value
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
+BAD_VALUES = {
+    "list": [1.0, 2.0],
+    "tuple": (1.0,),
+    "str": "abc",
+    "object": object(),
+    "int_for_subtree": 3,
+}
+
+
+@pytest.mark.parametrize("where", ["subtree", "leaf"])
+@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
+@pytest.mark.parametrize("make", ["optax", "multi"])
+def test_restore_errors_name_the_path_whatever_the_value(where, kind, make):
+  opt_def = OptaxWrapper(optax.adam(0.1))
+  if make == "multi":
+    opt_def = MultiOptimizer([("kernel", opt_def), ("bias", OptaxWrapper(optax.sgd(0.1)))])
+  opt = opt_def.create(PARAMS)
+  state_dict = jax.tree.map(np.asarray, opt.state_dict())
+  flat = traverse_util.flatten_dict(state_dict, sep="/")
+  leaf = next(k for k in flat if k.endswith("mu/dense/kernel"))
+  path = leaf.rsplit("/", 2)[0] if where == "subtree" else leaf
+  if kind == "int_for_subtree" and where == "leaf":
+    pytest.skip("an int is array data for a leaf")
+  bad = {k: v for k, v in flat.items() if not k.startswith(path + "/")}
+  bad = traverse_util.unflatten_dict({**bad, path: BAD_VALUES[kind]}, sep="/")
+  before = jax.tree.map(np.asarray, opt)
+  with pytest.raises(ValueError, match=rf"at '{path}'"):
+    opt.restore_state(bad)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.all(a == b)), opt, before))
+
+
+@pytest.mark.parametrize("root", [3, None, [1, 2], "state", np.ones(2)])
+def test_restore_of_a_non_dict_root_names_the_root(opt, root):
+  with pytest.raises(ValueError, match=r"State dict mismatch at '<root>'"):
+    opt.restore_state(root)
+
+
+def test_restore_of_a_list_where_state_belongs(opt):
+  state_dict = {**opt.state_dict(), "state": [1, 2]}
+  with pytest.raises(ValueError, match=r"State dict mismatch at 'state': expected a subtree"):
+    opt.restore_state(state_dict)
