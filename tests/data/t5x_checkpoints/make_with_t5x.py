@@ -13,8 +13,8 @@ saved at step 2 by T5X's legacy `Checkpointer` (``legacy/checkpoint_2``) and by 
 `OrbaxCheckpointManagerInterface` (``orbax/checkpoint_2``). ``expected.npz`` holds every
 leaf of the saved state dict, keyed by its '/'-joined path.
 
-Usage:
-  T5X_SRC=/path/to/t5x/.git python tests/data/t5x_checkpoints/make_with_t5x.py
+Usage (OUT defaults to this directory):
+  T5X_SRC=/path/to/t5x/.git python tests/data/t5x_checkpoints/make_with_t5x.py [OUT]
 """
 
 import os
@@ -107,35 +107,52 @@ def tiny_variables():
   return flax.core.freeze({"params": params, "params_axes": axes})
 
 
-def main() -> None:
-  commit = load_t5x()
+def t5x_partitioner():
+  """T5X's PjitPartitioner with 2-D parameter rules on a data=2 x model=4 mesh."""
   import jax
   import numpy as np
-  import optax
-  from flax import traverse_util
-  from t5x import checkpoints, optimizers, partitioning
-  from t5x import train_state as train_state_lib
-
-  assert jax.device_count() == 8, jax.devices()
+  from t5x import partitioning
 
   class Mesh2x4Partitioner(partitioning.PjitPartitioner):
-    """T5X's PjitPartitioner on a data=2 x model=4 mesh (on CPU T5X builds 1 x 8)."""
+    """On CPU, T5X's own mesh is always data=1 x model=<devices>."""
 
     @functools.cached_property
     def mesh(self):
       return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
-  partitioner = Mesh2x4Partitioner(
+  return Mesh2x4Partitioner(
       num_partitions=4,
       logical_axis_rules=partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2),
   )
+
+
+def t5x_train_state(partitioner):
+  """T5X's FlaxOptimTrainState with OptaxWrapper(adamw) at step 0, sharded; and its shardings."""
+  import jax
+  import optax
+  from t5x import optimizers
+  from t5x import train_state as train_state_lib
+
   optimizer_def = optimizers.OptaxWrapper(optax.adamw(learning_rate=0.1, weight_decay=0.01))
   state = train_state_lib.FlaxOptimTrainState.create(optimizer_def, tiny_variables())
-  mesh_axes = partitioner.get_mesh_axes(state)
   shardings = jax.tree.map(
       lambda spec: jax.sharding.NamedSharding(partitioner.mesh, spec or jax.sharding.PartitionSpec()),
-      mesh_axes, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
-  state = jax.device_put(state, shardings)
+      partitioner.get_mesh_axes(state),
+      is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
+  return jax.device_put(state, shardings), shardings
+
+
+def main(out: str) -> None:
+  commit = load_t5x()
+  import jax
+  import numpy as np
+  from flax import traverse_util
+  from t5x import checkpoints
+
+  assert jax.device_count() == 8, jax.devices()
+  partitioner = t5x_partitioner()
+  state, shardings = t5x_train_state(partitioner)
+  mesh_axes = partitioner.get_mesh_axes(state)
 
   def train_step(state, seed):
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape), state.params)
@@ -147,17 +164,17 @@ def main() -> None:
   assert int(state.step) == STEP
 
   for name in ("legacy", "orbax"):
-    shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
-    os.makedirs(os.path.join(HERE, name))  # T5X's Orbax manager takes a missing dir's parent.
-  checkpoints.Checkpointer(state, partitioner, os.path.join(HERE, "legacy")).save(state)
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.makedirs(os.path.join(out, name))  # T5X's Orbax manager takes a missing dir's parent.
+  checkpoints.Checkpointer(state, partitioner, os.path.join(out, "legacy")).save(state)
   manager = checkpoints.OrbaxCheckpointManagerInterface(
-      os.path.join(HERE, "orbax"), state, partitioner)
+      os.path.join(out, "orbax"), state, partitioner)
   manager.save(state)
   manager.wait_until_finished()
   manager.close()
 
   flat = traverse_util.flatten_dict(state.state_dict(), sep="/")
-  np.savez(os.path.join(HERE, "expected.npz"), **{k: np.asarray(v) for k, v in flat.items()})
+  np.savez(os.path.join(out, "expected.npz"), **{k: np.asarray(v) for k, v in flat.items()})
   print(f"mesh {dict(partitioner.mesh.shape)}")
   print(f"T5X commit {commit}: wrote legacy/checkpoint_{STEP}, orbax/checkpoint_{STEP} and "
         f"expected.npz with {len(flat)} leaves:")
@@ -167,4 +184,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1] if len(sys.argv) > 1 else HERE)
