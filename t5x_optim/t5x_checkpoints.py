@@ -166,12 +166,12 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
     where = where.parent
   if not where.is_dir():
     raise FileNotFoundError(f"No T5X checkpoint at {where}: no such directory.")
+  dirs = _step_dirs(where)
   fmt = _format(where)
-  if fmt is not None:
+  if fmt is not None and not dirs:
     if step is not None:
       raise ValueError(f"{where} is one step's directory; give its model directory with step=.")
     return where, fmt
-  dirs = _step_dirs(where)
   if not dirs:
     raise FileNotFoundError(
         f"No T5X checkpoint in {where}: no checkpoint_<step> directory holds a "
@@ -180,7 +180,9 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
   if step is None:
     step = list(dirs)[-1]
   if int(step) not in dirs:
-    raise FileNotFoundError(f"No T5X checkpoint for step {step} in {where}; the steps are {list(dirs)}.")
+    raise FileNotFoundError(
+        f"No T5X checkpoint for step {step} in {where}; the steps are {list(dirs)}."
+    )
   step_dir = dirs[int(step)]
   return step_dir, _format(step_dir)
 
@@ -220,7 +222,9 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
   relative = kvstore.get("path") if isinstance(kvstore, Mapping) else None
   relative = relative or spec.get("path")
   if not isinstance(relative, str) or not relative:
-    raise ValueError(f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}.")
+    raise ValueError(
+        f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
+    )
   full = {
       "driver": spec["driver"],
       "kvstore": {"driver": "file", "path": os.path.join(os.fspath(step_dir), relative)},
@@ -263,7 +267,9 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
       continue
     stored[path] = _Stored(tuple(store.shape), np.dtype(store.dtype.numpy_dtype), store=store)
   if unreadable:
-    raise ValueError(f"The T5X checkpoint in {step_dir} has unreadable arrays: {'; '.join(unreadable)}.")
+    raise ValueError(
+        f"The T5X checkpoint in {step_dir} has unreadable arrays: {'; '.join(unreadable)}."
+    )
   return stored
 
 
@@ -370,7 +376,9 @@ def _read_orbax(
   """Reads every expected leaf with orbax, each into its target sharding."""
 
   def abstract(path: Path) -> jax.ShapeDtypeStruct:
-    sharding = _sharding(expected[path]) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    sharding = _sharding(expected[path])
+    if sharding is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(stored[path].shape, stored[path].dtype, sharding=sharding)
 
   target = traverse_util.unflatten_dict({path: abstract(path) for path in expected})
@@ -430,11 +438,8 @@ def restore_t5x_checkpoint(
   """
   step_dir, fmt = _locate(path, step)
   stored = _read_legacy_metadata(step_dir) if fmt == "legacy" else _read_orbax_metadata(step_dir)
-  expected = {
-      p: leaf
-      for p, leaf in traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict())).items()
-      if leaf is not None
-  }
+  flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
+  expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
   problems = _problems(expected, stored)
   if problems:
     raise ValueError(
@@ -467,7 +472,9 @@ def _chunk_shape(write_shape: tuple[int, ...], itemsize: int) -> list[int]:
   return chunk
 
 
-def _spec(name: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]) -> dict[str, Any]:
+def _spec(
+    name: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]
+) -> dict[str, Any]:
   """The tensorstore spec T5X stores in the msgpack (path relative to the step)."""
   return {
       "driver": "zarr",
@@ -495,9 +502,14 @@ def _pieces(leaf: Any) -> tuple[tuple[int, ...], list[tuple[Any, Any]]]:
   return value.shape, [((), value)]
 
 
-def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, Any]:
-  """Writes every non-scalar leaf as zarr; returns the msgpack leaves."""
-  written, opening, names = {}, {}, {}
+def _plan_writes(
+    flat: Mapping[Path, Any],
+) -> tuple[dict[Path, Any], dict[Path, list[tuple[Any, Any]]]]:
+  """The msgpack leaves (inline values and specs) and the pieces of each zarr array.
+
+  Checks every leaf before anything is written.
+  """
+  written, pieces, names = {}, {}, {}
   for path, leaf in flat.items():
     if isinstance(leaf, jax.ShapeDtypeStruct):
       raise ValueError(f"Cannot save the abstract leaf at '{_join(path)}': give real arrays.")
@@ -510,17 +522,39 @@ def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, 
     if name in names:
       raise ValueError(f"'{_join(path)}' and '{_join(names[name])}' would share the file {name}.")
     names[name] = path
-    write_shape, pieces = _pieces(leaf)
-    spec = _spec(name, tuple(np.shape(leaf)), np.dtype(leaf.dtype), tuple(write_shape))
-    written[path] = spec
-    full = {**spec, "kvstore": {"driver": "file", "path": os.fspath(step_dir / name)}}
-    opening[path] = (ts.open(full, create=True, open=True, context=_TS_CONTEXT), pieces)
-  writes = []
-  for store, pieces in opening.values():
-    store = store.result()
-    writes += [store[index].write(np.asarray(data)) for index, data in pieces]
-  for write in writes:
-    write.commit.result()
+    write_shape, pieces[path] = _pieces(leaf)
+    written[path] = _spec(name, tuple(np.shape(leaf)), np.dtype(leaf.dtype), tuple(write_shape))
+  return written, pieces
+
+
+def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, Any]:
+  """Writes every non-scalar leaf as zarr; returns the msgpack leaves.
+
+  On an error, every I/O already started is waited for before raising, so
+  nothing is written into `step_dir` afterwards.
+  """
+  written, pieces = _plan_writes(flat)
+  started = []
+  try:
+    opening = {}
+    for path in pieces:
+      spec = written[path]
+      kvstore = {"driver": "file", "path": os.fspath(step_dir / spec["kvstore"]["path"])}
+      full = {**spec, "kvstore": kvstore}
+      opening[path] = ts.open(full, create=True, open=True, context=_TS_CONTEXT)
+      started.append(opening[path])
+    writes = []
+    for path, future in opening.items():
+      store = future.result()
+      for index, data in pieces[path]:
+        writes.append(store[index].write(np.asarray(data)).commit)
+        started.append(writes[-1])
+    for write in writes:
+      write.result()
+  except BaseException:
+    for future in started:
+      future.exception()  # Waits; the first error is the one raised.
+    raise
   return written
 
 

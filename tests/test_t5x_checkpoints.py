@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import types
 
 import flax.linen as nn
 import jax
@@ -18,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tensorstore as ts
 from flax import serialization, traverse_util
 
 import t5x_optim
-from t5x_optim import partitioning
+from t5x_optim import partitioning, t5x_checkpoints
 from t5x_optim.partitioning import Partitioner
 
 DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
@@ -219,6 +221,25 @@ def test_failed_save_leaves_no_step_dir(restored, tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(restored, expected, tmp_path, monkeypatch):
+  t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
+  real_open, calls = ts.open, []
+
+  def open_failing_the_fifth(spec, **kwargs):
+    calls.append(spec)
+    if len(calls) == 5:  # a real tensorstore error, raised from the future
+      return real_open({"driver": "zarr", "kvstore": {"driver": "memory"}}, open=True)
+    return real_open(spec, **kwargs)
+
+  monkeypatch.setattr(t5x_checkpoints, "ts", types.SimpleNamespace(open=open_failing_the_fifth))
+  with pytest.raises(ValueError, match="NOT_FOUND"):
+    t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"], step=3)
+  assert len(calls) == 9  # every open was started and waited for before the cleanup
+  assert sorted(os.listdir(tmp_path)) == ["checkpoint_2"]
+  monkeypatch.undo()
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, restored["legacy"]), expected)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
 def test_round_trips_other_dtypes(dtype, tmp_path):
   params = {"w": (jnp.arange(12).reshape(3, 4) - 5).astype(dtype)}
@@ -254,3 +275,19 @@ def test_wrong_target_names_the_path(fmt, shapes, axes, optimizer_def, message):
   with pytest.raises(ValueError, match=message) as info:
     t5x_optim.restore_t5x_checkpoint(DATA / fmt, target)
   assert "Nothing was restored" in str(info.value)
+
+
+def test_round_trips_flax_mutables_and_a_chosen_step(tmp_path):
+  variables = {
+      "params": {"w": jnp.arange(6.0).reshape(2, 3)},
+      "batch_stats": {"mean": jnp.array([0.5, -1.5, 2.0])},
+  }
+  state = t5x_optim.TrainState.create(t5x_optim.OptaxWrapper(optax.adam(0.1)), variables)
+  later = state.apply_gradient({"w": jnp.ones((2, 3))}, flax_mutables={"batch_stats": {"mean": jnp.ones(3)}})
+  t5x_optim.save_t5x_checkpoint(tmp_path, state)
+  t5x_optim.save_t5x_checkpoint(tmp_path, later)
+  assert t5x_optim.t5x_checkpoint_steps(tmp_path) == [0, 1]
+  for step, want in [(None, later), (0, state)]:
+    back = t5x_optim.restore_t5x_checkpoint(tmp_path, state, step=step)
+    for got, ref in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
