@@ -327,45 +327,44 @@ def _sharding(leaf: Any) -> jax.sharding.Sharding | None:
   return sharding if isinstance(sharding, jax.sharding.Sharding) else None
 
 
-def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
-  return tuple((s.start, s.stop, s.step) for s in index)
+def _start_shard_reads(
+    store: ts.TensorStore, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> list[tuple[jax.Device, Any]]:
+  """Starts reading this process's shards: ``(device, future)``, each region read once."""
+  futures, reads = {}, []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    region = tuple((s.start, s.stop, s.step) for s in index)
+    if region not in futures:
+      futures[region] = store[index].read()
+    reads.append((device, futures[region]))
+  return reads
 
 
 def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -> dict[Path, Any]:
   """Reads every expected leaf, each into its target sharding (its shards only).
 
-  All reads are issued before any is waited for.
+  All reads are started before any is waited for.
   """
-  pending = {}
+  started = {}
   for path, leaf in expected.items():
-    item, sharding = stored[path], _sharding(expected[path])
-    if item.store is None:
-      pending[path] = (sharding, None)
-    elif sharding is None:
-      pending[path] = (None, item.store.read())
-    else:
-      reads = {}
-      for device, index in sharding.addressable_devices_indices_map(item.shape).items():
-        key = _index_key(index)
-        if key not in reads:
-          reads[key] = item.store[index].read()
-        reads[device] = key
-      pending[path] = (sharding, reads)
+    item, sharding = stored[path], _sharding(leaf)
+    if item.store is not None:
+      started[path] = (
+          item.store.read() if sharding is None
+          else _start_shard_reads(item.store, sharding, item.shape)
+      )
   restored = {}
-  for path, (sharding, reads) in pending.items():
-    item = stored[path]
+  for path, leaf in expected.items():
+    item, sharding = stored[path], _sharding(leaf)
     if item.store is None:
       value = item.value
       restored[path] = value if sharding is None else jax.make_array_from_callback(
           item.shape, sharding, lambda index, value=value: value[index]
       )
     elif sharding is None:
-      restored[path] = reads.result()
+      restored[path] = started[path].result()
     else:
-      shards = [
-          jax.device_put(reads[reads[device]].result(), device)
-          for device in sharding.addressable_devices
-      ]
+      shards = [jax.device_put(future.result(), device) for device, future in started[path]]
       restored[path] = jax.make_array_from_single_device_arrays(item.shape, sharding, shards)
   return restored
 
