@@ -12,7 +12,7 @@ use and need the ``kfac`` extra: ``pip install 't5x-optim[kfac]'``.
 import importlib
 from typing import Any
 
-from t5x_optim import checkpoints, optimizers, partitioning
+from t5x_optim import checkpoints, optimizers, partitioning, t5x_checkpoints
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._example_lib import (
     ExampleLibHyperParams,
@@ -31,6 +31,12 @@ from t5x_optim._optax_wrapper import (
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._train_state import TrainState
 from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.t5x_checkpoints import (
+    latest_t5x_step,
+    restore_t5x_checkpoint,
+    save_t5x_checkpoint,
+    t5x_checkpoint_steps,
+)
 
 __all__ = [
     "Checkpointer",
@@ -48,9 +54,14 @@ __all__ = [
     "checkpoints",
     "example_lib_optimizer_makers",
     "inject_hyperparams",
+    "latest_t5x_step",
     "optax_optimizer_factories",
     "optimizers",
     "partitioning",
+    "restore_t5x_checkpoint",
+    "save_t5x_checkpoint",
+    "t5x_checkpoint_steps",
+    "t5x_checkpoints",
     "wrap_example_lib_optimizer",
     "wrap_optax_optimizer",
 ]

@@ -1,0 +1,187 @@
+"""Writes the T5X checkpoints in this directory with T5X's own code (run once, by hand).
+
+T5X cannot be installed from the package registry, so its modules are read from a git
+directory of github.com/google-research/t5x named by the T5X_SRC environment variable
+(the package is unpacked into a temporary directory; nothing of T5X is kept here).
+It needs an environment with T5X's dependencies (tensorflow, clu, seqio, ...).
+The test suite never runs this script; tests/test_t5x_checkpoints.py reads its output.
+
+A T5X `FlaxOptimTrainState` with `OptaxWrapper(optax.adamw(...))` over three tiny params
+(with T5X `params_axes`), partitioned by T5X's `PjitPartitioner` on 8 simulated CPU devices
+(mesh data=2 x model=4, 2-D parameter rules), takes two jitted gradient steps and is
+saved at step 2 by T5X's legacy `Checkpointer` (``legacy/checkpoint_2``) and by T5X's
+`OrbaxCheckpointManagerInterface` (``orbax/checkpoint_2``). ``expected.npz`` holds every
+leaf of the saved state dict, keyed by its '/'-joined path.
+
+Usage (OUT defaults to this directory):
+  T5X_SRC=/path/to/t5x/.git python tests/data/t5x_checkpoints/make_with_t5x.py [OUT]
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import types  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEP = 2
+
+
+def load_t5x() -> str:
+  """Unpacks T5X's package (HEAD of T5X_SRC) into a temp dir on sys.path; returns the commit."""
+  src = os.environ.get("T5X_SRC", "")
+  if not os.path.isdir(src):
+    raise SystemExit(f"T5X_SRC={src!r} is not a git directory of github.com/google-research/t5x")
+  git = ["git", "-C", src]
+  commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+  root = tempfile.mkdtemp(prefix="t5x_src_")
+  os.makedirs(os.path.join(root, "t5x"))
+  names = subprocess.run([*git, "ls-tree", "--name-only", "HEAD", "t5x/"], check=True,
+                         capture_output=True, text=True).stdout.split()
+  for name in names:
+    if name.endswith(".py") and not name.endswith("/__init__.py"):
+      source = subprocess.run([*git, "show", f"HEAD:{name}"], check=True,
+                              capture_output=True).stdout
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(source)
+  with open(os.path.join(root, "t5x", "__init__.py"), "w") as f:
+    f.write("")  # T5X's own __init__ imports every module (infer, trainer, ...).
+  _stand_in_missing_modules()
+  sys.path.insert(0, root)
+  return commit
+
+
+def _stand_in_missing_modules() -> None:
+  """Empty stand-ins for the T5X imports that are not installable and unused here."""
+  if importlib.util.find_spec("jestimator") is None:
+    amos = types.ModuleType("jestimator.amos")
+    amos.ScaleByAmosState = type("ScaleByAmosState", (tuple,), {})
+    amos.amos = None
+    helper = types.ModuleType("jestimator.amos_helper")
+    helper.state_partition_rule = None
+    pkg = types.ModuleType("jestimator")
+    pkg.amos, pkg.amos_helper = amos, helper
+    sys.modules.update({"jestimator": pkg, "jestimator.amos": amos,
+                        "jestimator.amos_helper": helper})
+  if importlib.util.find_spec("airio") is None:
+    core = types.ModuleType("airio.core")
+    for name in ["Task", "Mixture", "AirIODatasetIterator", "DatasetProviderBase"]:
+      setattr(core, name, type(name, (), {}))
+    pkg = types.ModuleType("airio")
+    pkg.core = core
+    sys.modules.update({"airio": pkg, "airio.core": core})
+
+
+def tiny_variables():
+  """Three params with T5X logical axes (`params_axes`), as a T5X model's init returns."""
+  import flax
+  import numpy as np
+  from flax.linen import partitioning as flax_partitioning
+
+  rng = np.random.default_rng(0)
+  params = {
+      "dense": {
+          "kernel": rng.standard_normal((4, 8)).astype(np.float32),
+          "bias": rng.standard_normal((8,)).astype(np.float32),
+      },
+      "embedding": rng.standard_normal((16, 4)).astype(np.float32),
+  }
+  axes = {
+      "dense": {
+          "kernel_axes": flax_partitioning.AxisMetadata(names=("embed", "mlp")),
+          "bias_axes": flax_partitioning.AxisMetadata(names=("mlp",)),
+      },
+      "embedding_axes": flax_partitioning.AxisMetadata(names=("vocab", "embed")),
+  }
+  # T5X's axis derivation maps over FrozenDicts, as older flax `Module.init` returned.
+  return flax.core.freeze({"params": params, "params_axes": axes})
+
+
+def t5x_partitioner():
+  """T5X's PjitPartitioner with 2-D parameter rules on a data=2 x model=4 mesh."""
+  import jax
+  import numpy as np
+  from t5x import partitioning
+
+  class Mesh2x4Partitioner(partitioning.PjitPartitioner):
+    """On CPU, T5X's own mesh is always data=1 x model=<devices>."""
+
+    @functools.cached_property
+    def mesh(self):
+      return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+  return Mesh2x4Partitioner(
+      num_partitions=4,
+      logical_axis_rules=partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2),
+  )
+
+
+def t5x_train_state(partitioner):
+  """T5X's FlaxOptimTrainState with OptaxWrapper(adamw) at step 0, sharded; and its shardings."""
+  import jax
+  import optax
+  from t5x import optimizers
+  from t5x import train_state as train_state_lib
+
+  optimizer_def = optimizers.OptaxWrapper(optax.adamw(learning_rate=0.1, weight_decay=0.01))
+  state = train_state_lib.FlaxOptimTrainState.create(optimizer_def, tiny_variables())
+  shardings = jax.tree.map(
+      lambda spec: jax.sharding.NamedSharding(partitioner.mesh, spec or jax.sharding.PartitionSpec()),
+      partitioner.get_mesh_axes(state),
+      is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
+  return jax.device_put(state, shardings), shardings
+
+
+def main(out: str) -> None:
+  commit = load_t5x()
+  import jax
+  import numpy as np
+  from flax import traverse_util
+  from t5x import checkpoints
+
+  assert jax.device_count() == 8, jax.devices()
+  partitioner = t5x_partitioner()
+  state, shardings = t5x_train_state(partitioner)
+  mesh_axes = partitioner.get_mesh_axes(state)
+
+  def train_step(state, seed):
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape), state.params)
+    return state.apply_gradient(grads, learning_rate=None)
+
+  step_fn = jax.jit(train_step, out_shardings=shardings)
+  for seed in range(STEP):
+    state = step_fn(state, seed)
+  assert int(state.step) == STEP
+
+  for name in ("legacy", "orbax"):
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.makedirs(os.path.join(out, name))  # T5X's Orbax manager takes a missing dir's parent.
+  checkpoints.Checkpointer(state, partitioner, os.path.join(out, "legacy")).save(state)
+  manager = checkpoints.OrbaxCheckpointManagerInterface(
+      os.path.join(out, "orbax"), state, partitioner)
+  manager.save(state)
+  manager.wait_until_finished()
+  manager.close()
+
+  flat = traverse_util.flatten_dict(state.state_dict(), sep="/")
+  np.savez(os.path.join(out, "expected.npz"), **{k: np.asarray(v) for k, v in flat.items()})
+  print(f"mesh {dict(partitioner.mesh.shape)}")
+  print(f"T5X commit {commit}: wrote legacy/checkpoint_{STEP}, orbax/checkpoint_{STEP} and "
+        f"expected.npz with {len(flat)} leaves:")
+  for key, value in sorted(flat.items()):
+    print(f"  {key}: {np.asarray(value).dtype}{list(np.shape(value))} mesh axes "
+          f"{traverse_util.flatten_dict(mesh_axes.state_dict(), sep='/').get(key)}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1] if len(sys.argv) > 1 else HERE)

@@ -1,0 +1,293 @@
+"""T5X checkpoints: the shipped ones, written by T5X's own code, restore bit for bit.
+
+`tests/data/t5x_checkpoints/` holds one step of a T5X `FlaxOptimTrainState` with
+`OptaxWrapper(optax.adamw(0.1, weight_decay=0.01))`, written by T5X's legacy
+`Checkpointer` (`legacy/`) and by its `OrbaxCheckpointManagerInterface` (`orbax/`)
+from a data=2 x model=4 mesh, and every value of its state dict (`expected.npz`); see
+the README there for how they were made. No T5X code runs here.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tensorstore as ts
+from flax import serialization, traverse_util
+
+import t5x_optim
+from t5x_optim import partitioning, t5x_checkpoints
+from t5x_optim.partitioning import Partitioner
+
+DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
+FORMATS = ["legacy", "orbax"]
+STEP = 2
+SHAPES = {"dense": {"kernel": (4, 8), "bias": (8,)}, "embedding": (16, 4)}
+AXES = {"dense": {"kernel": ("embed", "mlp"), "bias": ("mlp",)}, "embedding": ("vocab", "embed")}
+LEARNING_RATE, WEIGHT_DECAY = 0.1, 0.01
+
+
+def _flat(state_dict):
+  return traverse_util.flatten_dict(state_dict, sep="/")
+
+
+def _variables(shapes=SHAPES, axes=AXES):
+  def box(shape, names):
+    return nn.LogicallyPartitioned(jnp.zeros(shape, jnp.float32), names)
+
+  return {"params": jax.tree.map(box, shapes, axes, is_leaf=lambda x: isinstance(x, tuple))}
+
+
+def _partitioner(data: int, model: int) -> Partitioner:
+  mesh = partitioning.create_mesh(shape={"data": data, "model": model})
+  return Partitioner(mesh, partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2))
+
+
+def _optimizer_def():
+  return t5x_optim.OptaxWrapper(optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
+
+
+def _target(partitioner, shapes=SHAPES, axes=AXES, optimizer_def=None):
+  """An abstract train state: ShapeDtypeStruct leaves with the mesh's shardings."""
+  return partitioning.abstract_train_state(
+      partitioner, optimizer_def or _optimizer_def(), lambda: _variables(shapes, axes)
+  )
+
+
+@pytest.fixture(scope="module")
+def expected():
+  with np.load(DATA / "expected.npz") as npz:
+    return dict(npz)
+
+
+@pytest.fixture(scope="module")
+def mesh_2x4():
+  return _partitioner(2, 4)
+
+
+@pytest.fixture(scope="module")
+def target(mesh_2x4):
+  return _target(mesh_2x4)
+
+
+@pytest.fixture(scope="module")
+def restored(target):
+  return {fmt: t5x_optim.restore_t5x_checkpoint(DATA / fmt, target) for fmt in FORMATS}
+
+
+def _assert_bit_for_bit(state, expected):
+  flat = _flat(state.state_dict())
+  assert sorted(flat) == sorted(expected)
+  for key, value in expected.items():
+    got = np.asarray(flat[key])
+    assert got.dtype == value.dtype, key
+    np.testing.assert_array_equal(got, value, err_msg=key)
+
+
+def _assert_shardings(state, target):
+  for (path, leaf), ref in zip(
+      jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+  ):
+    assert isinstance(leaf, jax.Array), path
+    assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_steps_are_listed(fmt):
+  assert t5x_optim.t5x_checkpoint_steps(DATA / fmt) == [STEP]
+  assert t5x_optim.latest_t5x_step(DATA / fmt) == STEP
+
+
+def test_no_steps_in_an_empty_dir(tmp_path):
+  (tmp_path / "checkpoint_3.tmp-123").mkdir()  # an unfinished save
+  (tmp_path / "checkpoint_4").mkdir()  # neither format
+  assert t5x_optim.t5x_checkpoint_steps(tmp_path) == []
+  assert t5x_optim.latest_t5x_step(tmp_path) is None
+  with pytest.raises(FileNotFoundError, match="No T5X checkpoint in"):
+    t5x_optim.restore_t5x_checkpoint(tmp_path, None)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restores_bit_for_bit_into_the_sharded_target(fmt, restored, target, expected):
+  state = restored[fmt]
+  assert isinstance(state, t5x_optim.TrainState)
+  _assert_bit_for_bit(state, expected)
+  _assert_shardings(state, target)
+  assert {d.id for d in state.params["dense"]["kernel"].sharding.device_set} == set(range(8))
+  assert state.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda d: d / "legacy",
+        lambda d: d / "legacy" / "checkpoint_2",
+        lambda d: d / "legacy" / "checkpoint_2" / "checkpoint",
+        lambda d: d / "orbax" / "checkpoint_2",
+    ],
+    ids=["model_dir", "legacy_step_dir", "msgpack_file", "orbax_step_dir"],
+)
+def test_path_forms(where, expected):
+  optimizer = _optimizer_def().create(jax.tree.map(jnp.zeros, SHAPES, is_leaf=lambda x: isinstance(x, tuple)))
+  restored = t5x_optim.restore_t5x_checkpoint(where(DATA), optimizer)
+  _assert_bit_for_bit(restored, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unknown_step_is_an_error(fmt, target):
+  with pytest.raises(FileNotFoundError, match=r"step 3 .* the steps are \[2\]"):
+    t5x_optim.restore_t5x_checkpoint(DATA / fmt, target, step=3)
+
+
+def test_keeps_training_like_plain_optax(restored, expected, mesh_2x4):
+  grads = jax.tree.map(lambda s: jnp.full(s, 0.25, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+  tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+  def tree(prefix):
+    return traverse_util.unflatten_dict(
+        {tuple(k[len(prefix):].split("/")): jnp.asarray(v) for k, v in expected.items() if k.startswith(prefix)}
+    )
+
+  params = tree("target/")
+  opt_state = (
+      optax.ScaleByAdamState(
+          count=jnp.asarray(expected["state/param_states/0/count"]),
+          mu=tree("state/param_states/0/mu/"),
+          nu=tree("state/param_states/0/nu/"),
+      ),
+      optax.EmptyState(),
+      optax.EmptyState(),
+  )
+
+  @jax.jit
+  def plain_step(params, opt_state):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  want_params, want_state = plain_step(params, opt_state)
+  step = jax.jit(lambda state: state.apply_gradient(grads))
+  for state in restored.values():
+    new = step(state)
+    assert int(new.step) == STEP + 1
+    assert new.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+    for got, want in zip(jax.tree.leaves((new.params, new.param_states)),
+                         jax.tree.leaves((want_params, want_state)), strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saves_and_reads_back_on_another_mesh(fmt, restored, expected, tmp_path):
+  path = t5x_optim.save_t5x_checkpoint(tmp_path, restored[fmt])
+  assert path == os.fspath(tmp_path / "checkpoint_2")
+  assert sorted(os.listdir(tmp_path)) == ["checkpoint_2"]
+  contents = serialization.msgpack_restore((tmp_path / "checkpoint_2" / "checkpoint").read_bytes())
+  assert contents["version"] == 3
+  kernel = contents["optimizer"]["target"]["dense"]["kernel"]
+  assert kernel["kvstore"] == {"driver": "file", "path": "target.dense.kernel"}
+  assert kernel["metadata"]["shape"] == [4, 8] and kernel["metadata"]["chunks"] == [2, 2]
+  assert contents["optimizer"]["state"]["step"] == np.int32(STEP)
+  for mesh in [(4, 2), (1, 1)]:
+    partitioner = _partitioner(*mesh) if mesh != (1, 1) else Partitioner(
+        partitioning.create_mesh(devices=jax.devices()[:1]))
+    target = _target(partitioner)
+    again = t5x_optim.restore_t5x_checkpoint(tmp_path, target)
+    _assert_bit_for_bit(again, expected)
+    _assert_shardings(again, target)
+
+
+def test_save_refuses_an_existing_step_and_keeps_it(restored, expected, tmp_path):
+  t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
+  with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):
+    t5x_optim.save_t5x_checkpoint(tmp_path, restored["orbax"].replace_step(jnp.int32(7)), step=2)
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, restored["legacy"]), expected)
+
+
+def test_failed_save_leaves_no_step_dir(restored, tmp_path):
+  optimizer = restored["legacy"].optimizer
+  adam, *rest = optimizer.state.param_states
+  abstract_nu = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), adam.nu)
+  broken = optimizer.replace(
+      state=optimizer.state.replace(param_states=(adam._replace(nu=abstract_nu), *rest))
+  )
+  with pytest.raises(ValueError, match="abstract leaf at 'state/param_states/0/nu/dense/bias'"):
+    t5x_optim.save_t5x_checkpoint(tmp_path, broken)
+  assert os.listdir(tmp_path) == []
+
+
+def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(restored, expected, tmp_path, monkeypatch):
+  t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
+  real_open, calls = ts.open, []
+
+  def open_failing_the_fifth(spec, **kwargs):
+    calls.append(spec)
+    if len(calls) == 5:  # a real tensorstore error, raised from the future
+      return real_open({"driver": "zarr", "kvstore": {"driver": "memory"}}, open=True)
+    return real_open(spec, **kwargs)
+
+  monkeypatch.setattr(t5x_checkpoints, "ts", types.SimpleNamespace(open=open_failing_the_fifth))
+  with pytest.raises(ValueError, match="NOT_FOUND"):
+    t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"], step=3)
+  assert len(calls) == 9  # every open was started and waited for before the cleanup
+  assert sorted(os.listdir(tmp_path)) == ["checkpoint_2"]
+  monkeypatch.undo()
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, restored["legacy"]), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_round_trips_other_dtypes(dtype, tmp_path):
+  params = {"w": (jnp.arange(12).reshape(3, 4) - 5).astype(dtype)}
+  optimizer = t5x_optim.OptaxWrapper(optax.sgd(1.0)).create(params)
+  t5x_optim.save_t5x_checkpoint(tmp_path, optimizer, step=0)
+  back = t5x_optim.restore_t5x_checkpoint(tmp_path, optimizer)
+  assert back.target["w"].dtype == dtype
+  np.testing.assert_array_equal(np.asarray(back.target["w"]), np.asarray(params["w"]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("shapes", "axes", "optimizer_def", "message"),
+    [
+        (
+            {**SHAPES, "embedding": (16, 8)}, AXES, None,
+            r"shape mismatch at 'target/embedding': the target has float32\[16, 8\], the "
+            r"checkpoint has float32\[16, 4\]",
+        ),
+        (
+            {**SHAPES, "extra": (4,)}, {**AXES, "extra": ("mlp",)}, None,
+            r"missing key 'target/extra' \(the target has float32\[4\]\)",
+        ),
+        (
+            SHAPES, AXES, t5x_optim.OptaxWrapper(optax.sgd(0.1)),
+            r"unexpected key 'state/param_states/0/count' \(the checkpoint has int32\[\]",
+        ),
+    ],
+    ids=["other_shape", "other_model", "other_optimizer"],
+)
+def test_wrong_target_names_the_path(fmt, shapes, axes, optimizer_def, message):
+  target = _target(_partitioner(2, 4), shapes, axes, optimizer_def)
+  with pytest.raises(ValueError, match=message) as info:
+    t5x_optim.restore_t5x_checkpoint(DATA / fmt, target)
+  assert "Nothing was restored" in str(info.value)
+
+
+def test_round_trips_flax_mutables_and_a_chosen_step(tmp_path):
+  variables = {
+      "params": {"w": jnp.arange(6.0).reshape(2, 3)},
+      "batch_stats": {"mean": jnp.array([0.5, -1.5, 2.0])},
+  }
+  state = t5x_optim.TrainState.create(t5x_optim.OptaxWrapper(optax.adam(0.1)), variables)
+  later = state.apply_gradient({"w": jnp.ones((2, 3))}, flax_mutables={"batch_stats": {"mean": jnp.ones(3)}})
+  t5x_optim.save_t5x_checkpoint(tmp_path, state)
+  t5x_optim.save_t5x_checkpoint(tmp_path, later)
+  assert t5x_optim.t5x_checkpoint_steps(tmp_path) == [0, 1]
+  for step, want in [(None, later), (0, state)]:
+    back = t5x_optim.restore_t5x_checkpoint(tmp_path, state, step=step)
+    for got, ref in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
