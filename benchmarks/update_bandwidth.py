@@ -250,8 +250,9 @@ def measure(tx_name: str, params: Any, grads: Any, variants: tuple[str, ...],
   """Compile time, median step time and exactness of each variant on one tree.
 
   Each variant owns a copy of the params (its steps donate them), so only one
-  copy of params and state per variant is alive: T5-large-like at full size
-  fits an 80 GB GPU. A variant is exact when its first step gives the first
+  copy of params and state per variant is alive: at T5-large size with adamw
+  and the default variants that is about 56 GB (counted, not measured on a
+  GPU), plus the step's temporaries. A variant is exact when its first step gives the first
   variant's params bit for bit.
   """
   tx = OPTIMIZERS[tx_name]()
