@@ -9,7 +9,7 @@ Example:
   >>> specs = partitioning.OptaxStatePartitionRules.derive_optax_logical_axes(
   ...     tx.init(params), {'w': P('embed', 'mlp')}, transformation=tx, params=params)
   >>> specs[0].mu
-  {'w': PartitionSpec('embed', 'mlp')}
+  {'w': P('embed', 'mlp')}
 """
 
 from t5x_optim.partitioning._axis_rules import (
