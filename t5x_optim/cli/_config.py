@@ -317,23 +317,6 @@ class TrainJob:
           f"mesh's data axis ({data} devices)."
       )
 
-  def learning_rate_at(self, step: int) -> float | None:
-    """The learning rate of the update that step `step` (0-based) applies.
-
-    Example:
-      >>> import jax
-      >>> from t5x_optim import optimizers, partitioning
-      >>> mesh = partitioning.create_mesh(devices=jax.devices()[:1])
-      >>> job = TrainJob(optimizers.sgd(0.1), partitioning.Partitioner(mesh),
-      ...                learning_rate=lambda step: 0.1 / (step + 1))
-      >>> job.learning_rate_at(1)
-      0.05
-    """
-    rate = self.learning_rate
-    if rate is None:
-      return None
-    return float(rate(step)) if callable(rate) else float(rate)
-
 
 def default_search_paths() -> list[Path]:
   """The package's gin directory, where relative gin file names are looked up last.

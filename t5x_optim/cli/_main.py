@@ -165,14 +165,15 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   from t5x_optim.cli import _config, _train  # noqa: PLC0415 - after the XLA flags are set
 
   try:
-    model_dir = None
-    if args.command == "train":
-      model_dir = _train.prepare_model_dir(args.model_dir or _train.default_model_dir())
+    train = args.command == "train"
+    model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
     _config.parse_config(gin_files=args.gin_file, gin_bindings=args.gin_bindings,
                          search_paths=args.gin_search_paths, macros=_config.device_macros(count))
     _config.check_mesh_pin(count)
     setup = _train.prepare(_config.build_job())
+    if train and model_dir is None:
+      model_dir = _train.prepare_model_dir(_train.default_model_dir())
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     return _fail(args, error)
   if interrupt.requested:

@@ -75,7 +75,7 @@ _SHOWN_PATHS = 3
 _PATH_PROBLEM = re.compile(r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'")
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
   """A request the command cannot satisfy: an unusable model directory or checkpoint."""
 
 
@@ -157,12 +157,19 @@ def _trained(params: Any) -> Any:
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
-def _train_step(model: TransformerLM, state: TrainState, batch: dict[str, Any]) -> Any:
+def _train_step(
+    model: TransformerLM, learning_rate: Any, state: TrainState, batch: dict[str, Any]
+) -> Any:
+  """One update; the metrics are the loss, the gradient norm and the step's learning rate."""
   def loss_fn(params: Any) -> jax.Array:
     return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
   loss, grads = jax.value_and_grad(loss_fn)(_trained(state.params))
-  return state.apply_gradient(grads), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  if learning_rate is not None:
+    rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
+    metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
+  return state.apply_gradient(grads), metrics
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
@@ -179,7 +186,8 @@ class Setup:
     init_args: the create function's arguments (a key and a token batch).
     create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
-    step_fn: `(state, batch) -> (state, {'loss', 'grad_norm'})`, jitted.
+    step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
+      ``loss``, ``grad_norm`` and ``learning_rate`` (when the job names one).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
   """
 
@@ -223,7 +231,8 @@ def prepare(job: TrainJob) -> Setup:
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
   partitioner = job.partitioner
   step_fn = partitioner.partition(
-      lambda state, batch: _train_step(model, state, batch), (shardings, BATCH_AXES),
+      lambda state, batch: _train_step(model, job.learning_rate, state, batch),
+      (shardings, BATCH_AXES),
       (shardings, None), donate_argnums=0,
   )
   param_shardings = _trained(shardings.params)
@@ -468,9 +477,11 @@ def _restore(setup: Setup, checkpointer: Checkpointer, step: int, model_dir: Pat
     raise UsageError(_mismatch_message(error, step, model_dir)) from error
 
 
-def _mean(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+  """Loss and gradient norm averaged over the interval; the learning rate at its end."""
   fetched = jax.device_get(list(records))
-  return {key: float(np.mean([r[key] for r in fetched])) for key in fetched[0]}
+  return {key: float(fetched[-1][key] if key == "learning_rate" else np.mean([r[key] for r in fetched]))
+          for key in fetched[0]}
 
 
 def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
@@ -501,7 +512,7 @@ def train(
     interrupt: Interrupt,
     about: Sequence[str] = (),
     config_text: str | None = None,
-    stream: TextIO = sys.stdout,
+    stream: TextIO | None = None,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
 
@@ -515,7 +526,7 @@ def train(
     interrupt: checked between steps; when set, the run saves and stops.
     about: lines describing the run (from `describe_setup`).
     config_text: written to ``model_dir/config.gin`` when given.
-    stream: where the output goes.
+    stream: where the output goes (default: standard output).
 
   Returns:
     The summary.
@@ -525,6 +536,7 @@ def train(
     Interrupted: Ctrl-C before the first step (nothing was written).
   """
   job = setup.job
+  stream = sys.stdout if stream is None else stream
   model_dir = Path(model_dir)
   directory = model_dir / CHECKPOINTS
   with Checkpointer(directory, keep=job.keep_checkpoints) as checkpointer:
@@ -577,12 +589,12 @@ def _loop(
       first_loss = float(metrics["loss"])
       clock.start(step)
     if step % job.log_every == 0 or step == job.total_steps:
-      mean = _mean(records)
+      mean = _summarize(records)
       records = []
       steps, seconds = clock.interval(step)
       with clock.paused():
         rate = steps / seconds if steps and seconds > 0 else None
-        mean |= {"learning_rate": job.learning_rate_at(step - 1), "steps_per_sec": rate}
+        mean["steps_per_sec"] = rate
         writers.write(TRAIN, step, mean)
         progress.log(_format_metrics(step, job.total_steps, mean), rate=rate)
         final_loss = mean["loss"]
@@ -598,7 +610,7 @@ def _loop(
         checkpointer.save(step, state)
         saved = step
   if step > start and records:
-    final_loss = _mean(records)["loss"]
+    final_loss = _summarize(records)["loss"]
   if step > start and step != saved:
     checkpointer.save(step, state)
     saved = step
