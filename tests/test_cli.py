@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -210,6 +211,35 @@ def test_every_example_file_trains(name, tmp_path, capsys):
   out = capsys.readouterr().out
   assert _steps(out) == (0, 1) and re.search(r"^eval step 1  loss [\d.]+$", out, re.M)
   assert _checkpoint_steps(tmp_path) == [1]
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
+  stream = _Terminal()
+  progress = _train.Progress(stream, start=0, total=100, redraw_seconds=0.0)
+  progress.log("step 10/100  loss 2.0000", rate=20.0)
+  progress.advance(20)
+  progress.log("step 20/100  loss 1.5000", rate=10.0)
+  empty, partly = "." * 30, "#" * 6 + "." * 24
+  assert stream.getvalue() == (
+      "\r\x1b[Kstep 10/100  loss 2.0000\n"
+      f"\r[{empty}] 0/100  ETA 5s\x1b[K"
+      f"\r[{partly}] 20/100  ETA 4s\x1b[K"
+      "\r\x1b[Kstep 20/100  loss 1.5000\n"
+      f"\r[{partly}] 20/100  ETA 8s\x1b[K")
+
+
+def test_non_terminal_progress_is_one_line_per_log():
+  stream = io.StringIO()
+  progress = _train.Progress(stream, start=0, total=100)
+  progress.advance(5)
+  progress.log("step 10/100  loss 2.0000", rate=20.0)
+  progress.close()
+  assert stream.getvalue() == "step 10/100  loss 2.0000\n"
 
 
 BAD_INPUT = {

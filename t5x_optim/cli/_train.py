@@ -400,10 +400,10 @@ class Progress:
   """
 
   _WIDTH = 30
-  _REDRAW_SECONDS = 0.2
 
-  def __init__(self, stream: TextIO, *, start: int, total: int):
+  def __init__(self, stream: TextIO, *, start: int, total: int, redraw_seconds: float = 0.2):
     self._stream = stream
+    self._redraw_seconds = redraw_seconds
     self._tty = stream.isatty()
     self._start, self._total = start, total
     self._rate: float | None = None
@@ -422,7 +422,7 @@ class Progress:
   def advance(self, step: int) -> None:
     """Notes that `step` was dispatched; redraws the bar now and then."""
     self._step = step
-    if self._tty and time.perf_counter() - self._last_draw >= self._REDRAW_SECONDS:
+    if self._tty and time.perf_counter() - self._last_draw >= self._redraw_seconds:
       self._draw()
 
   def _draw(self) -> None:
