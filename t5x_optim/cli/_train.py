@@ -564,6 +564,18 @@ def train(
       return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=latest)
 
 
+def _runs_on_cpu(job: TrainJob) -> bool:
+  """Whether the mesh is on CPU devices, where the loop keeps one step in flight.
+
+  XLA:CPU runs each simulated device's part of a step on a shared thread pool;
+  with several multi-device steps in flight, threads waiting in one step's
+  collectives can starve another's until XLA aborts the process (seen on a
+  loaded 2-core machine). Waiting for each step costs little on CPU, where
+  the devices are the host's cores anyway.
+  """
+  return job.partitioner.mesh.devices.flat[0].platform == "cpu"
+
+
 def _loop(
     setup: Setup,
     state: TrainState,
@@ -576,12 +588,15 @@ def _loop(
 ) -> TrainSummary:
   job = setup.job
   start = step = int(state.step)
+  one_in_flight = _runs_on_cpu(job)
   progress = Progress(stream, start=start, total=job.total_steps)
   clock = Clock()
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = None
   while step < job.total_steps and not interrupt.requested:
     state, metrics = setup.step_fn(state, job.task.batch(step))
+    if one_in_flight:
+      jax.block_until_ready(metrics)
     records.append(metrics)
     step += 1
     progress.advance(step)
