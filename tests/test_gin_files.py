@@ -148,3 +148,10 @@ def test_examples_take_their_included_optimizer():
   state = job.optimizer.create({"w": jnp.ones((32, 64))}).state.param_states
   assert isinstance(state[0], optax.FactoredState)
   assert [axes for name, axes in job.partitioner.logical_axis_rules if name == "embed"][0] == "data"
+
+
+@pytest.mark.parametrize("name", ["optimizers/adamw.gin", "gin/optimizers/adamw.gin"])
+def test_shipped_files_resolve_from_any_directory(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  resolved = _config.resolve_gin_file(name, _config.default_search_paths())
+  assert resolved == GIN_DIR / "optimizers" / "adamw.gin"

@@ -373,6 +373,8 @@ def parse_config(
 def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   """`path` itself when it exists, else the first `directories` entry holding it.
 
+  A relative path may also name a shipped file as ``gin/<kind>/<file>`` (the
+  repository layout before the files moved into the package).
   Resolving here keeps gin from probing the path as a Python package (which
   fails when the current directory has a package of the same name).
 
@@ -382,9 +384,14 @@ def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   Example:
     >>> resolve_gin_file('optimizers/adamw.gin', default_search_paths()).name
     'adamw.gin'
+    >>> resolve_gin_file('gin/optimizers/adamw.gin', []) == GIN_DIR / 'optimizers/adamw.gin'
+    True
   """
   path = Path(path)
-  for candidate in [path, *(directory / path for directory in directories if not path.is_absolute())]:
+  relative = [] if path.is_absolute() else [directory / path for directory in directories]
+  if not path.is_absolute() and path.parts[:1] == (GIN_DIR.name,):
+    relative.append(GIN_DIR.joinpath(*path.parts[1:]))
+  for candidate in [path, *relative]:
     if candidate.is_file():
       return candidate.resolve()
   searched = ", ".join(str(d) for d in directories) or "none"
