@@ -38,6 +38,9 @@ import numpy as np
 
 __all__ = ["SyntheticTask", "TransformerConfig", "TransformerLM", "cross_entropy_loss"]
 
+_EVAL_STREAM = 1
+"""Seeds held-out batches with ``(seed, index, 1)``, training ones with ``(seed, step)``."""
+
 
 def _check_ints(owner: object, *, minimum: dict[str, int] | None = None) -> None:
   """Checks that every int field is an int of at least 1 (or its `minimum`)."""
@@ -241,9 +244,21 @@ class SyntheticTask:
     return (free * math.log(self.vocab_size) + guessed * math.log(self.branching)) / self.length
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
-    """The batch of `step`: ``inputs`` and next-token ``targets``, int32."""
+    """The training batch of `step`: ``inputs`` and next-token ``targets``, int32."""
+    return self._sample(np.random.default_rng((self.seed, step)))
+
+  def eval_batch(self, index: int) -> dict[str, np.ndarray]:
+    """Held-out batch `index`: the same language, sampled apart from every training batch.
+
+    Example:
+      >>> task = SyntheticTask(vocab_size=8, length=4, batch_size=2)
+      >>> bool((task.eval_batch(0)['inputs'] == task.batch(0)['inputs']).all())
+      False
+    """
+    return self._sample(np.random.default_rng((self.seed, index, _EVAL_STREAM)))
+
+  def _sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
     table = _successor_table(self.vocab_size, self.branching, self.seed)
-    rng = np.random.default_rng((self.seed, step))
     tokens = np.empty((self.batch_size, self.length + 1), np.int32)
     tokens[:, :2] = rng.integers(self.vocab_size, size=(self.batch_size, 2))
     choices = rng.integers(self.branching, size=(self.batch_size, self.length + 1))

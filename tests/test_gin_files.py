@@ -1,4 +1,4 @@
-"""Every gin file in gin/ parses and builds what it configures."""
+"""Every gin file shipped in t5x_optim/gin parses and builds what it configures."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from t5x_optim.partitioning import Partitioner
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
-GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
+GIN_DIR = _config.GIN_DIR
 KINDS = ("optimizers", "partitioning", "examples")
 EXPECTED_OPTIMIZERS = {
     "adamw", "adafactor", "lion", "sgd_momentum", "multi_optimizer", "multisteps",
@@ -35,9 +35,11 @@ def _ids(paths: list[Path]) -> list[str]:
   return [path.stem for path in paths]
 
 
-def _parse_alone(path: Path) -> None:
+def _parse_alone(path: Path, total_steps: int = 10) -> None:
+  """Parses `path` without the command's default config (as T5X would), with TOTAL_STEPS."""
   gin.add_config_file_search_path(str(GIN_DIR))
   gin.parse_config_file(str(path))
+  gin.parse_config(f"TOTAL_STEPS = {total_steps}")
 
 
 def _macro(name: str):
@@ -87,7 +89,7 @@ def test_adafactor_file_factors_matrices():
 
 @pytest.mark.parametrize("path", _files("partitioning"), ids=_ids(_files("partitioning")))
 def test_partitioning_file_builds_a_partitioner(path):
-  _parse_alone(path)
+  _config.parse_config(gin_files=[str(path)], macros=_config.device_macros(8))
   partitioner = _build("PARTITIONER")
   assert isinstance(partitioner, Partitioner)
   assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}
@@ -95,6 +97,41 @@ def test_partitioning_file_builds_a_partitioner(path):
   assert (rules.optimizer_state_axis == "data") == (path.stem == "zero")
   embed = [axes for name, axes in rules if name == "embed"]
   assert (embed[0] == "data") == (path.stem == "2d")
+  _config.parse_config(gin_files=[str(path)], macros=_config.device_macros(1))
+  _config.check_mesh_pin(1)  # the file pins no mesh, so it runs on one device too
+  assert dict(_build("PARTITIONER").mesh.shape) == {"data": 1, "model": 1}
+
+
+SCHEDULED = [path for path in _files("optimizers") if "%TOTAL_STEPS" in path.read_text()]
+
+
+def test_scheduled_files_are_the_expected_ones():
+  assert {path.stem for path in SCHEDULED} == {"adamw", "adafactor", "lion"}
+
+
+@pytest.mark.parametrize("path", [None, *SCHEDULED], ids=["default", *_ids(SCHEDULED)])
+@pytest.mark.parametrize("total_steps", [1, 20, 1000])
+def test_schedule_follows_total_steps(path, total_steps):
+  files = [] if path is None else [str(path)]
+  _config.parse_config(gin_files=files, gin_bindings=[f"TOTAL_STEPS = {total_steps}"],
+                       macros=_config.device_macros(8))
+  schedule = _macro("LEARNING_RATE").scoped_configurable_fn()
+  rates = jax.vmap(schedule)(jnp.arange(2 * total_steps + 1)).tolist()
+  assert all(rate > 0 for rate in rates)
+  assert rates[total_steps] == rates[-1], "the schedule runs past TOTAL_STEPS"
+  if total_steps > 1:
+    assert rates[total_steps - 1] != rates[total_steps] or rates[0] != rates[total_steps]
+    assert max(rates) > rates[total_steps]
+  opt_def = _build("OPTIMIZER")
+  optimizer = opt_def.create(PARAMS).apply_gradient(jax.tree.map(jnp.ones_like, PARAMS))
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(optimizer.target))
+
+
+@pytest.mark.parametrize("path", _files("optimizers"), ids=_ids(_files("optimizers")))
+def test_optimizer_file_names_its_learning_rate(path):
+  _config.parse_config(gin_files=[str(path)], macros=_config.device_macros(8))
+  assert "LEARNING_RATE = " in path.read_text() and "%LEARNING_RATE" in path.read_text()
+  assert _config.build_job().learning_rate is not None
 
 
 @pytest.mark.parametrize("path", _files("examples"), ids=_ids(_files("examples")))
@@ -111,3 +148,10 @@ def test_examples_take_their_included_optimizer():
   state = job.optimizer.create({"w": jnp.ones((32, 64))}).state.param_states
   assert isinstance(state[0], optax.FactoredState)
   assert [axes for name, axes in job.partitioner.logical_axis_rules if name == "embed"][0] == "data"
+
+
+@pytest.mark.parametrize("name", ["optimizers/adamw.gin", "gin/optimizers/adamw.gin"])
+def test_shipped_files_resolve_from_any_directory(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  resolved = _config.resolve_gin_file(name, _config.default_search_paths())
+  assert resolved == GIN_DIR / "optimizers" / "adamw.gin"

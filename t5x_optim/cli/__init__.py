@@ -2,7 +2,8 @@
 
 ``t5x-optim train`` trains a tiny transformer LM on a synthetic task;
 ``t5x-optim plan`` prints how the optimizer state will shard. Gin configs
-reach the job through ``from t5x_optim import cli``.
+reach the job through ``from t5x_optim import cli``. Gin files are code
+(parsing one imports modules and calls functions): trust them like code.
 
 Example:
   >>> from t5x_optim import cli
@@ -11,15 +12,17 @@ Example:
 """
 
 from t5x_optim._model import SyntheticTask, TransformerConfig, TransformerLM
-from t5x_optim.cli._config import DEFAULT_CONFIG, TrainJob
+from t5x_optim.cli._config import DEFAULT_CONFIG, GIN_DIR, TrainJob, mesh_devices
 from t5x_optim.cli._main import console_main, main
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "GIN_DIR",
     "SyntheticTask",
     "TrainJob",
     "TransformerConfig",
     "TransformerLM",
     "console_main",
     "main",
+    "mesh_devices",
 ]

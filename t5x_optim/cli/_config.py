@@ -15,12 +15,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import gin
+import jax
 import optax
+
+from t5x_optim import partitioning
 
 from t5x_optim._model import SyntheticTask, TransformerConfig
 from t5x_optim._optimizer import OptimizerDef
@@ -29,9 +33,15 @@ from t5x_optim.partitioning import Partitioner
 __all__ = [
     "BINDING_IMPORTS",
     "DEFAULT_CONFIG",
+    "GIN_DIR",
     "TrainJob",
     "build_job",
+    "check_mesh_pin",
+    "default_num_partitions",
     "default_search_paths",
+    "describe_optimizer",
+    "device_macros",
+    "mesh_devices",
     "parse_config",
     "resolve_gin_file",
 ]
@@ -48,24 +58,34 @@ from t5x_optim import partitioning
 DEFAULT_CONFIG = BINDING_IMPORTS + """
 VOCAB_SIZE = 32
 TOTAL_STEPS = 300
+# The command binds these two from the devices it runs on (see `device_macros`).
+NUM_DEVICES = None
+NUM_PARTITIONS = 1
+
+# Warmup over the first 10% of TOTAL_STEPS, then cosine decay to the end.
+LEARNING_RATE = @optax.cosine_onecycle_schedule()
+optax.cosine_onecycle_schedule:
+  transition_steps = %TOTAL_STEPS
+  peak_value = 1e-2
+  pct_start = 0.1
+  div_factor = 100.0
+  final_div_factor = 100.0
 
 OPTIMIZER = @optimizers.chain()
 optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adamw()]
 optax.clip_by_global_norm.max_norm = 1.0
 optax.adamw:
-  learning_rate = @optax.warmup_cosine_decay_schedule()
+  learning_rate = %LEARNING_RATE
   weight_decay = 1e-4
-optax.warmup_cosine_decay_schedule:
-  init_value = 0.0
-  peak_value = 1e-2
-  warmup_steps = 20
-  decay_steps = %TOTAL_STEPS
 
 PARTITIONER = @partitioning.Partitioner()
 partitioning.Partitioner:
   mesh = @partitioning.create_mesh()
   logical_axis_rules = @partitioning.standard_logical_axis_rules()
-partitioning.create_mesh.num_partitions = 2
+partitioning.create_mesh:
+  num_partitions = %NUM_PARTITIONS
+  devices = @cli.mesh_devices()
+cli.mesh_devices.count = %NUM_DEVICES
 
 cli.TrainJob:
   optimizer = %OPTIMIZER
@@ -73,16 +93,26 @@ cli.TrainJob:
   model = @cli.TransformerConfig()
   task = @cli.SyntheticTask()
   total_steps = %TOTAL_STEPS
+  learning_rate = %LEARNING_RATE
   checkpoint_every = 100
   keep_checkpoints = 3
   log_every = 10
+  eval_every = 50
+  eval_batches = 4
   seed = 0
 cli.TransformerConfig.vocab_size = %VOCAB_SIZE
 cli.SyntheticTask.vocab_size = %VOCAB_SIZE
 """
-"""The config `t5x-optim train` and `t5x-optim plan` start from."""
+"""The config `t5x-optim train` and `t5x-optim plan` start from.
+
+Gin files are Python code: parsing one imports modules and calls whatever it
+names, so only use gin files you would run as code.
+"""
 
 _GIN_PROBE_MESSAGE = "Path not found"
+GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
+"""The gin files shipped in the package (``optimizers/``, ``partitioning/``, ``examples/``)."""
+_MESH_OPTIONS = ("num_partitions", "model_parallel_submesh", "shape")
 
 
 def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
@@ -100,6 +130,102 @@ def _check_type(owner: str, name: str, value: Any, expected: type, hint: str) ->
     )
 
 
+def mesh_devices(count: int | None = None) -> list[jax.Device] | None:
+  """The first `count` devices, or None (every device, in `create_mesh`'s order).
+
+  The default config binds ``partitioning.create_mesh.devices`` to this with
+  ``count = %NUM_DEVICES``, which the command sets from ``--num_devices``.
+
+  Raises:
+    ValueError: `count` is below 1 or above the device count.
+
+  Example:
+    >>> mesh_devices() is None, len(mesh_devices(1))
+    (True, 1)
+  """
+  available = jax.device_count()
+  if count is None or count == available:
+    return None
+  if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= available:
+    raise ValueError(
+        f"cli.mesh_devices.count={count!r} does not fit the {available} available devices."
+    )
+  return jax.devices()[:count]
+
+
+def default_num_partitions(num_devices: int) -> int:
+  """The default model-axis size: 2 on an even device count, else 1.
+
+  Example:
+    >>> [default_num_partitions(n) for n in (1, 2, 3, 8)]
+    [1, 2, 1, 2]
+  """
+  return 2 if num_devices % 2 == 0 else 1
+
+
+def device_macros(num_devices: int) -> dict[str, int]:
+  """The macros the command binds for a run on `num_devices` devices.
+
+  Example:
+    >>> device_macros(8)
+    {'NUM_DEVICES': 8, 'NUM_PARTITIONS': 2}
+  """
+  return {"NUM_DEVICES": num_devices, "NUM_PARTITIONS": default_num_partitions(num_devices)}
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _evaluated(value: Any) -> Any:
+  """A bound gin value with macros (``%NAME``) resolved."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    return value.scoped_configurable_fn()
+  return value
+
+
+def check_mesh_pin(num_devices: int) -> None:
+  """Checks that a mesh pinned in the parsed config fits `num_devices`.
+
+  Call after `parse_config`; looks at the bindings of
+  ``partitioning.create_mesh``.
+
+  Raises:
+    ValueError: one line naming the pin, the device count and what would fit.
+
+  Example:
+    >>> parse_config(gin_bindings=['partitioning.create_mesh.num_partitions = 3'])
+    >>> check_mesh_pin(8)
+    Traceback (most recent call last):
+    ...
+    ValueError: the gin config pins partitioning.create_mesh.num_partitions = 3, which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8), or shape {'data': d, 'model': m} with d * m = 8 (without a pin the mesh is data=4 x model=2).
+  """
+  bindings = gin.get_bindings(partitioning.create_mesh)
+  pinned = {name: _evaluated(bindings[name]) for name in _MESH_OPTIONS
+            if bindings.get(name) is not None}
+  pinned = {name: value for name, value in pinned.items() if value is not None}
+  if not pinned:
+    return
+  name, value = next(iter(pinned.items()))
+  if len(pinned) == 1:
+    if name == "shape":
+      shape = dict(value)
+      fits = set(shape) == {"data", "model"} and shape["data"] * shape["model"] == num_devices
+    else:
+      model = math.prod(value) if name == "model_parallel_submesh" else value
+      fits = isinstance(model, int) and model >= 1 and num_devices % model == 0
+    if fits:
+      return
+  default = default_num_partitions(num_devices)
+  pins = ", ".join(f"partitioning.create_mesh.{n} = {v!r}" for n, v in pinned.items())
+  raise ValueError(
+      f"the gin config pins {pins}, which does not fit the {num_devices} devices in use; "
+      f"what fits: num_partitions in {tuple(_divisors(num_devices))}, or shape "
+      f"{{'data': d, 'model': m}} with d * m = {num_devices} (without a pin the mesh is "
+      f"data={num_devices // default} x model={default})."
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainJob:
   """What `t5x-optim train` runs; every field is set through gin.
@@ -110,9 +236,15 @@ class TrainJob:
     model: sizes of the transformer LM.
     task: the synthetic task (its batch size is global).
     total_steps: train until the step counter reaches this.
+    learning_rate: what TensorBoard shows as ``learning_rate``: the
+      optimizer's schedule (``%LEARNING_RATE``, a function of the step) or a
+      constant; None logs no learning rate. It does not change the
+      optimizer: bind the same ``%LEARNING_RATE`` there.
     checkpoint_every: save a checkpoint every this many steps (and at the end).
     keep_checkpoints: keep this many newest checkpoints.
-    log_every: print progress every this many steps when not on a terminal.
+    log_every: log metrics every this many steps.
+    eval_every: evaluate on held-out batches every this many steps (and at the end).
+    eval_batches: held-out batches per evaluation.
     seed: the PRNG seed of the model's initialisation.
 
   Raises:
@@ -135,9 +267,12 @@ class TrainJob:
   model: TransformerConfig = TransformerConfig()
   task: SyntheticTask = SyntheticTask()
   total_steps: int = 300
+  learning_rate: float | Callable[[int], Any] | None = None
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
   log_every: int = 10
+  eval_every: int = 50
+  eval_batches: int = 4
   seed: int = 0
 
   def __post_init__(self):
@@ -154,9 +289,17 @@ class TrainJob:
                 "Set PARTITIONER to @partitioning.Partitioner().")
     _check_type(owner, "model", self.model, TransformerConfig, "Use @cli.TransformerConfig().")
     _check_type(owner, "task", self.task, SyntheticTask, "Use @cli.SyntheticTask().")
-    for name in ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every"):
+    for name in ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every",
+                 "eval_every", "eval_batches"):
       _check_int(owner, name, getattr(self, name), minimum=1)
     _check_int(owner, "seed", self.seed, minimum=0)
+    rate = self.learning_rate
+    if not (rate is None or callable(rate)
+            or (isinstance(rate, (int, float)) and not isinstance(rate, bool))):
+      raise TypeError(
+          f"{owner}.learning_rate must be a schedule, a number or None, got {rate!r} "
+          f"({type(rate).__name__})."
+      )
     if self.model.vocab_size != self.task.vocab_size:
       raise ValueError(
           f"TransformerConfig.vocab_size={self.model.vocab_size} differs from "
@@ -176,14 +319,13 @@ class TrainJob:
 
 
 def default_search_paths() -> list[Path]:
-  """The repository's ``gin/`` directory (when this package runs from a checkout).
+  """The package's gin directory, where relative gin file names are looked up last.
 
   Example:
-    >>> all(path.name == 'gin' for path in default_search_paths())
-    True
+    >>> [path.name for path in default_search_paths()]
+    ['gin']
   """
-  repo_gin = Path(__file__).resolve().parents[2] / "gin"
-  return [repo_gin] if repo_gin.is_dir() else []
+  return [GIN_DIR]
 
 
 def parse_config(
@@ -191,20 +333,30 @@ def parse_config(
     gin_files: Sequence[str] = (),
     gin_bindings: Sequence[str] = (),
     search_paths: Sequence[str | Path] = (),
+    macros: Mapping[str, Any] | None = None,
 ) -> None:
-  """Parses the default config, then `gin_files`, then `gin_bindings`.
+  """Parses the default config, the `macros`, then `gin_files`, then `gin_bindings`.
 
   Relative files and ``include``s are looked up in the current directory,
-  then in `search_paths`, then in the repository's ``gin/`` directory.
+  then in `search_paths`, then in the package's gin directory (`GIN_DIR`).
+  Gin files are code: parsing one imports modules and calls functions, so
+  parse only files you trust like code.
+
+  Args:
+    gin_files: gin files, parsed in order.
+    gin_bindings: bindings parsed after the files.
+    search_paths: directories searched for files and includes.
+    macros: ``{name: value}`` bound right after the default config (the
+      command binds `device_macros`), so files and bindings override them.
 
   Raises:
     Exception: whatever gin raises for a bad config (unknown names, syntax);
       gin adds the file and line to the message.
 
   Example:
-    >>> parse_config(gin_bindings=['TOTAL_STEPS = 7'])
-    >>> gin.query_parameter('%TOTAL_STEPS')
-    7
+    >>> parse_config(gin_bindings=['TOTAL_STEPS = 7'], macros={'NUM_PARTITIONS': 1})
+    >>> gin.query_parameter('%TOTAL_STEPS'), gin.query_parameter('%NUM_PARTITIONS')
+    (7, 1)
   """
   directories = [Path(path) for path in [*search_paths, *default_search_paths()]]
   gin.clear_config()
@@ -213,6 +365,7 @@ def parse_config(
   files = [str(resolve_gin_file(path, directories)) for path in gin_files]
   with _quiet_gin_path_probes():
     gin.parse_config(DEFAULT_CONFIG)
+    gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
     bindings = [BINDING_IMPORTS, *gin_bindings] if gin_bindings else []
     gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
 
@@ -220,6 +373,8 @@ def parse_config(
 def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   """`path` itself when it exists, else the first `directories` entry holding it.
 
+  A relative path may also name a shipped file as ``gin/<kind>/<file>`` (the
+  repository layout before the files moved into the package).
   Resolving here keeps gin from probing the path as a Python package (which
   fails when the current directory has a package of the same name).
 
@@ -229,9 +384,14 @@ def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   Example:
     >>> resolve_gin_file('optimizers/adamw.gin', default_search_paths()).name
     'adamw.gin'
+    >>> resolve_gin_file('gin/optimizers/adamw.gin', []) == GIN_DIR / 'optimizers/adamw.gin'
+    True
   """
   path = Path(path)
-  for candidate in [path, *(directory / path for directory in directories if not path.is_absolute())]:
+  relative = [] if path.is_absolute() else [directory / path for directory in directories]
+  if not path.is_absolute() and path.parts[:1] == (GIN_DIR.name,):
+    relative.append(GIN_DIR.joinpath(*path.parts[1:]))
+  for candidate in [path, *relative]:
     if candidate.is_file():
       return candidate.resolve()
   searched = ", ".join(str(d) for d in directories) or "none"
@@ -261,3 +421,34 @@ def _quiet_gin_path_probes() -> Iterator[None]:
 def build_job() -> TrainJob:
   """Builds the `TrainJob` the parsed config describes (call `parse_config` first)."""
   return gin.get_configurable(TrainJob)()
+
+
+def _reference_text(value: Any, depth: int) -> str | None:
+  """`value` as ``name(arg=...)`` when it is a gin reference (or a list of them)."""
+  if isinstance(value, (list, tuple)):
+    parts = [_reference_text(v, depth) for v in value]
+    return f"[{', '.join(parts)}]" if all(parts) else None
+  if not isinstance(value, gin.config.ConfigurableReference):
+    return None
+  name = value.selector
+  if value.configurable.wrapped is gin.config.macro:
+    return _reference_text(gin.query_parameter(f"%{value.scopes[-1]}"), depth)
+  if depth == 0:
+    return name
+  inner = []
+  for key in gin.get_bindings(value.selector):
+    text = _reference_text(gin.query_parameter(f"{value.selector}.{key}"), depth - 1)
+    if text is not None:
+      inner.append(f"{key}={text}")
+  return f"{name}({', '.join(inner)})" if inner else name
+
+
+def describe_optimizer() -> str:
+  """The parsed config's ``%OPTIMIZER`` as gin names, e.g. ``optimizers.lion(...)``.
+
+  Example:
+    >>> parse_config()
+    >>> describe_optimizer()
+    'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])'
+  """
+  return _reference_text(gin.query_parameter("%OPTIMIZER"), depth=3) or "(not a gin reference)"

@@ -1,9 +1,9 @@
-"""`t5x-optim train` and `t5x-optim plan`: argument parsing and error reporting.
+"""`t5x-optim train` and `t5x-optim plan`: arguments, devices and error reporting.
 
-Configuration errors (bad gin, wrong types, a job that does not fit the mesh)
-print one clear message and exit with status 2; ``--traceback`` shows the
-whole traceback instead. A run stopped by Ctrl-C saves a checkpoint and
-exits with status 130.
+Bad input (gin, a job that does not fit the mesh, an unusable model
+directory, a checkpoint of another model) prints one line and exits with
+status 2; ``--traceback`` shows the whole traceback instead. Ctrl-C at any
+moment exits with status 130, after saving a checkpoint when a step ran.
 """
 
 from __future__ import annotations
@@ -12,23 +12,44 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from t5x_optim import _plan
-from t5x_optim.cli import _config, _train
+from t5x_optim.cli._interrupt import EXIT_INTERRUPTED, Interrupt
 
-__all__ = ["console_main", "main", "simulate_cpu_devices"]
+__all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "console_main", "main", "simulate_cpu_devices"]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+DEFAULT_SIMULATED_DEVICES = 8
 EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130
+
+_TRUST = ("Gin files are code: parsing one imports Python modules and calls what it names, "
+          "so use only gin files you would trust as code.")
+_DESCRIPTION = f"""\
+Train a tiny gin-configured transformer LM on a synthetic task (train), or show
+how its optimizer state shards without allocating it (plan).
+
+Runs on whatever is there: every GPU or TPU core, or, without an accelerator,
+{DEFAULT_SIMULATED_DEVICES} simulated CPU devices (--num_devices changes the count). The default mesh
+is data x model with model=2 on an even device count, else model=1.
+
+Gin file names are looked up in the current directory, then --gin_search_paths,
+then the gin files shipped in the package (optimizers/, partitioning/, examples/).
+{_TRUST}
+"""
+_TRAIN_DESCRIPTION = f"""\
+Train on the synthetic task in MODEL_DIR (T5X's model-directory convention):
+checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
+MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
+MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
+a finished run says so and exits 0. Ctrl-C saves a checkpoint and exits 130.
+{_TRUST}
+"""
 
 
 def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already sets it.
+  """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already sets a count.
 
   Takes effect only before jax initialises its backends; accelerators, when
   present, are still used instead.
@@ -43,33 +64,45 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
 
 
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
-                      help="gin file to parse after the default config (repeatable)")
+                      help="gin file to parse after the default config (repeatable); "
+                           "gin files are code: use only trusted ones")
   parser.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
                       help="gin binding applied after the files, e.g. 'TOTAL_STEPS = 50'")
   parser.add_argument("--gin_search_paths", action="append", default=[], metavar="DIR",
                       help="directory searched for gin files and includes (repeatable)")
-  parser.add_argument("--num_devices", type=int, default=8,
-                      help="simulated CPU devices when no accelerator is present (default 8)")
+  parser.add_argument("--num_devices", type=_positive, default=None, metavar="N",
+                      help="use N devices: the first N accelerators, or N simulated CPU "
+                           f"devices when there is no accelerator (default: all, or "
+                           f"{DEFAULT_SIMULATED_DEVICES} simulated)")
   parser.add_argument("--traceback", action="store_true",
                       help="show the full traceback of configuration errors")
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="t5x-optim",
-      description="Train a tiny gin-configured transformer LM, or plan an optimizer "
-                  "state's sharding.")
+      prog="t5x-optim", description=_DESCRIPTION,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   commands = parser.add_subparsers(dest="command", required=True)
-  train = commands.add_parser("train", help="train on the synthetic task")
+  train = commands.add_parser(
+      "train", help="train on the synthetic task", description=_TRAIN_DESCRIPTION,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   _add_config_flags(train)
-  train.add_argument("--model_dir", type=Path,
-                     default=Path(tempfile.gettempdir()) / "t5x_optim" / "train",
-                     help="checkpoints go to MODEL_DIR/checkpoints")
-  train.add_argument("--resume", action="store_true",
-                     help="continue from the latest checkpoint in --model_dir")
-  plan = commands.add_parser("plan", help="show how the optimizer state shards (no training)")
+  train.add_argument("--model_dir", type=Path, default=None,
+                     help="the run's directory; resumed when it holds checkpoints "
+                          "(default: a new ./t5x_optim_runs/<date>-<time>)")
+  plan = commands.add_parser(
+      "plan", help="show how the optimizer state shards (no training)",
+      description=f"Show every optimizer-state leaf's shape, axes and bytes per device, "
+                  f"allocating nothing. {_TRUST}")
   _add_config_flags(plan)
   plan.add_argument("--format", choices=("text", "json"), default="text")
   plan.add_argument("--warn_replicated_bytes", type=int, default=1 << 20,
@@ -77,24 +110,40 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _error(args: argparse.Namespace, message: str) -> int:
-  print(f"t5x-optim {args.command}: error: {message}", file=sys.stderr)
+def _error(command: str, message: str) -> int:
+  print(f"t5x-optim {command}: error: {message}", file=sys.stderr)
   return EXIT_CONFIG_ERROR
 
 
 def _describe(error: BaseException) -> str:
-  text = str(error).strip() or "(no message)"
+  text = " ".join(str(error).split()) or "(no message)"
   return text if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {text}"
 
 
-def _configure(args: argparse.Namespace) -> _train.Setup:
-  """Parses the gin config and prepares the job (raises on a bad config)."""
-  _config.parse_config(gin_files=args.gin_file, gin_bindings=args.gin_bindings,
-                       search_paths=args.gin_search_paths)
-  return _train.prepare(_config.build_job())
+def _interrupted(command: str) -> int:
+  print(f"t5x-optim {command}: interrupted before the first step; nothing was saved.",
+        file=sys.stderr)
+  return EXIT_INTERRUPTED
 
 
-def _run_plan(args: argparse.Namespace, setup: _train.Setup) -> int:
+def _devices(requested: int | None) -> tuple[int, str]:
+  """(device count to use, its description); raises ValueError when too few exist."""
+  import jax  # noqa: PLC0415 - after the XLA flags are set
+
+  devices = jax.devices()
+  platform = devices[0].platform
+  if requested is not None and requested > len(devices):
+    raise ValueError(
+        f"--num_devices {requested}: only {len(devices)} {platform} devices are available."
+    )
+  count = len(devices) if requested is None else requested
+  kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
+  return count, f"{count} x {kind}"
+
+
+def _run_plan(args: argparse.Namespace, setup) -> int:
+  from t5x_optim import _plan  # noqa: PLC0415
+
   plan = _plan.build_plan(setup.abstract_state, logical=setup.abstract_state.as_logical_axes(),
                           warn_replicated_bytes=args.warn_replicated_bytes)
   if args.format == "json":
@@ -104,33 +153,70 @@ def _run_plan(args: argparse.Namespace, setup: _train.Setup) -> int:
   return 0
 
 
-def _run_train(args: argparse.Namespace, setup: _train.Setup) -> int:
+def _fail(args: argparse.Namespace, error: Exception) -> int:
+  if args.traceback:
+    traceback.print_exc()
+  return _error(args.command, _describe(error))
+
+
+def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
+  import gin  # noqa: PLC0415
+
+  from t5x_optim.cli import _config, _train  # noqa: PLC0415 - after the XLA flags are set
+
   try:
-    summary = _train.train(setup, model_dir=args.model_dir, resume=args.resume)
+    train = args.command == "train"
+    model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
+    count, devices = _devices(args.num_devices)
+    _config.parse_config(gin_files=args.gin_file, gin_bindings=args.gin_bindings,
+                         search_paths=args.gin_search_paths, macros=_config.device_macros(count))
+    _config.check_mesh_pin(count)
+    setup = _train.prepare(_config.build_job())
+    if train and model_dir is None:
+      model_dir = _train.prepare_model_dir(_train.default_model_dir())
+  except Exception as error:  # noqa: BLE001 - every configuration error gets one line
+    return _fail(args, error)
+  if interrupt.requested:
+    return _interrupted(args.command)
+  if args.command == "plan":
+    return _run_plan(args, setup)
+  about = _train.describe_setup(setup, devices=devices, optimizer=_config.describe_optimizer())
+  try:
+    summary = _train.train(setup, model_dir=model_dir, interrupt=interrupt, about=about,
+                           config_text=gin.operative_config_str())
   except _train.UsageError as error:
-    return _error(args, str(error))
-  print(summary.format())
+    return _fail(args, error)
+  except _train.Interrupted:
+    return _interrupted(args.command)
+  if not summary.finished_before:
+    print(summary.format())
   return EXIT_INTERRUPTED if summary.interrupted else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None = None) -> int:
   """Runs the command line; returns the exit status.
+
+  Args:
+    argv: the arguments (default: ``sys.argv[1:]``).
+    pending_signals: SIGINTs recorded before this call (by the launcher);
+      when given, this call installs the Ctrl-C handler that the command
+      checks between steps.
 
   Example:
     >>> main(['plan', '--gin_bindings', "cli.TrainJob.total_steps = 'ten'"])
     2
   """
   args = _parser().parse_args(argv)
-  simulate_cpu_devices(args.num_devices)
-  try:
-    setup = _configure(args)
-  except Exception as error:  # noqa: BLE001 - every configuration error gets one message
-    if args.traceback:
-      traceback.print_exc()
-    return _error(args, _describe(error))
-  return _run_plan(args, setup) if args.command == "plan" else _run_train(args, setup)
+  simulate_cpu_devices(args.num_devices or DEFAULT_SIMULATED_DEVICES)
+  interrupt = Interrupt(pending_signals)
+  if pending_signals is not None:
+    interrupt.install()
+    if interrupt.requested:
+      return _interrupted(args.command)
+  return _run(args, interrupt)
 
 
 def console_main() -> None:
-  """The `t5x-optim` console script."""
-  sys.exit(main())
+  """The command as ``python -m t5x_optim``; the `t5x-optim` script also catches
+  Ctrl-C while the package is imported (see ``t5x_optim_launcher``)."""
+  sys.exit(main(pending_signals=[]))

@@ -1,9 +1,16 @@
-"""The training loop of `t5x-optim train`: sharded steps, progress, checkpoints.
+"""The training loop of `t5x-optim train`: sharded steps, metrics, eval, checkpoints.
+
+A run lives in its model directory (T5X's convention): checkpoints in
+``model_dir/checkpoints``, TensorBoard events in ``model_dir/train`` and
+``model_dir/eval``, the operative gin config in ``model_dir/config.gin``. A
+directory with checkpoints is resumed from its latest one; one whose latest
+checkpoint is at ``total_steps`` is reported finished.
 
 Example:
-  >>> import jax
+  >>> import io, jax, tempfile
   >>> from t5x_optim import optimizers, partitioning
   >>> from t5x_optim.cli._config import TrainJob
+  >>> from t5x_optim.cli._interrupt import Interrupt
   >>> from t5x_optim._model import SyntheticTask, TransformerConfig
   >>> mesh = partitioning.create_mesh(devices=jax.devices()[:1])
   >>> job = TrainJob(optimizers.adamw(1e-2), partitioning.Partitioner(mesh),
@@ -13,8 +20,8 @@ Example:
   >>> setup = prepare(job)
   >>> setup.abstract_state.params['logits'].shape
   (64, 16)
-  >>> import io, tempfile
-  >>> summary = train(setup, model_dir=tempfile.mkdtemp(), stream=io.StringIO())
+  >>> summary = train(setup, model_dir=tempfile.mkdtemp(), interrupt=Interrupt(),
+  ...                 stream=io.StringIO())
   >>> summary.start_step, summary.end_step, summary.checkpoint_step
   (0, 3, 3)
 """
@@ -23,17 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
-import signal
+import os
+import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax.sharding import PartitionSpec
 
 from t5x_optim._model import TransformerLM, cross_entropy_loss
@@ -41,99 +51,257 @@ from t5x_optim._plan import format_bytes
 from t5x_optim._train_state import TrainState
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.cli._config import TrainJob
-from t5x_optim.partitioning import abstract_train_state, init_sharded
+from t5x_optim.cli._interrupt import Interrupt
+from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
 
-__all__ = ["Setup", "TrainSummary", "UsageError", "prepare", "train"]
+__all__ = [
+    "CONFIG_FILE",
+    "Interrupted",
+    "Setup",
+    "TrainSummary",
+    "UsageError",
+    "default_model_dir",
+    "describe_setup",
+    "prepare",
+    "prepare_model_dir",
+    "train",
+]
 
 BATCH_AXES = {"inputs": PartitionSpec("batch"), "targets": PartitionSpec("batch")}
-_CHECKPOINTS = "checkpoints"
+CONFIG_FILE = "config.gin"
+CHECKPOINTS = "checkpoints"
+RUNS_DIR = "t5x_optim_runs"
+_SHOWN_PATHS = 3
+_PATH_PROBLEM = re.compile(r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'")
 
 
-class UsageError(Exception):
-  """A request the command cannot satisfy (e.g. nothing to resume from)."""
+class UsageError(ValueError):
+  """A request the command cannot satisfy: an unusable model directory or checkpoint."""
+
+
+class Interrupted(Exception):
+  """Ctrl-C before the first train step; nothing was written."""
+
+
+def default_model_dir(base: Path | None = None) -> Path:
+  """A fresh ``t5x_optim_runs/<date>-<time>`` under `base` (the current directory).
+
+  Example:
+    >>> default_model_dir(Path('/tmp')).parent
+    PosixPath('/tmp/t5x_optim_runs')
+  """
+  runs = (Path.cwd() if base is None else base) / RUNS_DIR
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  candidate, n = runs / stamp, 1
+  while candidate.exists():
+    n += 1
+    candidate = runs / f"{stamp}-{n}"
+  return candidate
+
+
+def prepare_model_dir(path: Path) -> Path:
+  """Creates `path` if needed and checks that a run can write there.
+
+  Raises:
+    UsageError: `path` is a file, cannot be created or is not writable (one line).
+
+  Example:
+    >>> import tempfile
+    >>> prepare_model_dir(Path(tempfile.mkdtemp()) / 'run').is_dir()
+    True
+  """
+  path = Path(path).expanduser().absolute()
+  if path.exists() and not path.is_dir():
+    raise UsageError(f"--model_dir {path} is a file, not a directory.")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".t5x_optim_write_probe.{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as error:
+    raise UsageError(f"--model_dir {path} is not usable: {error.strerror or error}.") from error
+  return path
+
+
+def _lookahead(optimizer_def: Any) -> bool:
+  """Whether the optimizer is optax.lookahead (it trains `optax.LookaheadParams`)."""
+  init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
+  return getattr(init, "__qualname__", "").startswith("lookahead.")
+
+
+def _is_spec(x: Any) -> bool:
+  return x is None or isinstance(x, PartitionSpec)
+
+
+def _create_fn(job: TrainJob, model: TransformerLM) -> Callable[..., TrainState]:
+  """`(key, tokens) -> TrainState`; for lookahead the params are fast and slow copies."""
+  lookahead = _lookahead(job.optimizer)
+
+  def create(key: jax.Array, tokens: jax.Array) -> TrainState:
+    variables = model.init(key, tokens)
+    if not lookahead:
+      return TrainState.create(job.optimizer, variables)
+    specs = nn.get_partition_spec(variables)["params"]
+    params = optax.LookaheadParams.init_synced(nn.meta.unbox(variables["params"]))
+    both = optax.LookaheadParams(fast=specs, slow=specs)
+    return TrainState(
+        _optimizer=job.optimizer.create(params),
+        param_axis_leaves=tuple(jax.tree.leaves(both, is_leaf=_is_spec)),
+    )
+
+  return create
+
+
+def _trained(params: Any) -> Any:
+  """The params the loss sees: the fast copy for lookahead."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+def _train_step(
+    model: TransformerLM, learning_rate: Any, state: TrainState, batch: dict[str, Any]
+) -> Any:
+  """One update; the metrics are the loss, the gradient norm and the step's learning rate."""
+  def loss_fn(params: Any) -> jax.Array:
+    return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
+
+  loss, grads = jax.value_and_grad(loss_fn)(_trained(state.params))
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  if learning_rate is not None:
+    rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
+    metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
+  return state.apply_gradient(grads), metrics
+
+
+def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
+  return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A job made ready to run: the model, the abstract state and the jitted step.
+  """A job made ready to run: the model, the abstract state and the jitted functions.
 
   Attributes:
     job: the job.
     model: the transformer.
-    init_args: `model.init`'s arguments.
+    init_args: the create function's arguments (a key and a token batch).
+    create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
-    step_fn: `(state, batch) -> (state, loss)`, jitted with the shardings.
+    step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
+      ``loss``, ``grad_norm`` and ``learning_rate`` (when the job names one).
+    eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
   """
 
   job: TrainJob
   model: TransformerLM
   init_args: tuple[Any, ...]
+  create: Any
   abstract_state: TrainState
   step_fn: Any
+  eval_fn: Any
 
 
-def _train_step(model: TransformerLM, state: TrainState, batch: dict[str, Any]) -> Any:
-  def loss_fn(params: Any) -> jax.Array:
-    logits = model.apply({"params": params}, batch["inputs"])
-    return cross_entropy_loss(logits, batch["targets"])
+def _abstract(job: TrainJob, create: Callable[..., TrainState], args: tuple[Any, ...]) -> Any:
+  partitioner = job.partitioner
+  with jax.set_mesh(partitioner.mesh), nn.logical_axis_rules(tuple(partitioner.logical_axis_rules)):
+    abstract = jax.eval_shape(create, *args)
+  shardings = partitioner.get_shardings(abstract)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+  )
 
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradient(grads), loss
 
-
-def _check_trains_plain_params(optimizer_def: Any) -> None:
-  """Rejects optax.lookahead, whose params must be `optax.LookaheadParams`."""
-  init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
-  if getattr(init, "__qualname__", "").startswith("lookahead."):
-    raise TypeError(
-        "OPTIMIZER is optax.lookahead, which trains optax.LookaheadParams (fast and slow "
-        "copies of the params); the train job trains plain params. Use lookahead in your "
-        "own loop (see gin/optimizers/lookahead.gin), or another optimizer here."
-    )
+def _abstract_batch(batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
 def prepare(job: TrainJob) -> Setup:
   """Derives the shardings and traces one step, without allocating the state.
 
-  Tracing the step here surfaces configuration errors (e.g. a hyper-parameter
-  of the wrong type) before anything is initialised.
+  Tracing here surfaces configuration errors (e.g. a hyper-parameter of the
+  wrong type) before anything is initialised or compiled.
+
+  Raises:
+    ValueError: the step cannot be traced (the optimizer is misconfigured),
+      or a param or state leaf does not fit the mesh.
   """
-  _check_trains_plain_params(job.optimizer)
   model = TransformerLM(job.model)
   init_args = (jax.random.key(job.seed), jnp.zeros((1, job.task.length), jnp.int32))
-  abstract = abstract_train_state(job.partitioner, job.optimizer, model.init, *init_args)
+  create_fn = _create_fn(job, model)
+  abstract = _abstract(job, create_fn, init_args)
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
-  step_fn = job.partitioner.partition(
-      functools.partial(_train_step, model), (shardings, BATCH_AXES), (shardings, None),
-      donate_argnums=0,
+  partitioner = job.partitioner
+  step_fn = partitioner.partition(
+      lambda state, batch: _train_step(model, job.learning_rate, state, batch),
+      (shardings, BATCH_AXES),
+      (shardings, None), donate_argnums=0,
   )
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), job.task.batch(0))
+  param_shardings = _trained(shardings.params)
+  eval_fn = partitioner.partition(
+      lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
+  )
   try:
-    step_fn.lower(abstract, batch)
+    step_fn.lower(abstract, _abstract_batch(job.task.batch(0)))
   except (TypeError, ValueError) as error:
     raise ValueError(
         f"Tracing one train step failed, so the optimizer is misconfigured (e.g. a "
         f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
     ) from error
-  return Setup(job, model, init_args, abstract, step_fn)
+  create = partitioner.partition(create_fn, None, shardings)
+  return Setup(job, model, init_args, create, abstract, step_fn, eval_fn)
 
 
-def optimizer_state_bytes(state: TrainState) -> tuple[int, int]:
-  """(bytes on device 0, total bytes) of the optimizer state's arrays."""
-  leaves = jax.tree.leaves(state.param_states)
-  per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
-  return per_device, sum(x.nbytes for x in leaves)
+def _leaf_bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
+  return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def describe_setup(setup: Setup, *, devices: str, optimizer: str) -> list[str]:
+  """The run's description: devices, mesh, optimizer, params, optimizer-state bytes.
+
+  Args:
+    setup: from `prepare`.
+    devices: how the devices are described (e.g. ``8 x cpu (simulated)``).
+    optimizer: the optimizer's description (from its gin config).
+  """
+  abstract = setup.abstract_state
+  mesh = setup.job.partitioner.mesh
+  params = _trained(abstract.params)
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  states = jax.tree.leaves(abstract.param_states)
+  per_device = sum(_leaf_bytes_per_device(x) for x in states)
+  total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in states)
+  mesh_text = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  copies = " (lookahead: fast and slow copies)" if params is not abstract.params else ""
+  return [
+      f"devices:         {devices}",
+      f"mesh:            {mesh_text}",
+      f"optimizer:       {optimizer}",
+      f"params:          {num_params:,}{copies}",
+      f"optimizer state: {format_bytes(per_device)} per device "
+      f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
+  ]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSummary:
   """What a run did.
 
+  Attributes:
+    start_step: the step it started (or resumed) from.
+    end_step: the step it stopped at.
+    first_loss: train loss of its first step (None if it ran none).
+    final_loss: train loss of its last step.
+    eval_loss: the last held-out loss.
+    timed_steps: steps timed for the rate (all but the first, compiling one).
+    timed_seconds: their wall time, evaluations and checkpoint saves excluded.
+    checkpoint_dir: where the checkpoints are.
+    checkpoint_step: the latest saved step.
+    interrupted: stopped by Ctrl-C.
+    finished_before: the directory already held the finished run.
+
   Example:
-    >>> print(TrainSummary(0, 10, 3.5, 1.25, 2.0, 1024, 8192, 8, '/tmp/c', 10, False).format())
-    steps 0 -> 10 in 2.0 s (5.0 steps/s)
-    loss 3.5000 -> 1.2500
-    optimizer state: 1.0 KiB per device (8.0 KiB total over 8 devices, ideal 1.0 KiB)
+    >>> print(TrainSummary(0, 10, 3.5, 1.25, 1.5, 9, 2.0, '/tmp/c', 10, False, False).format())
+    steps 0 -> 10, 4.5 steps/s (9 steps in 2.0 s, compilation excluded)
+    loss 3.5000 -> 1.2500, eval loss 1.5000
     checkpoint: step 10 in /tmp/c
   """
 
@@ -141,187 +309,338 @@ class TrainSummary:
   end_step: int
   first_loss: float | None
   final_loss: float | None
-  seconds: float
-  state_bytes_per_device: int
-  state_total_bytes: int
-  num_devices: int
+  eval_loss: float | None
+  timed_steps: int
+  timed_seconds: float
   checkpoint_dir: str
   checkpoint_step: int | None
   interrupted: bool
+  finished_before: bool
 
   def format(self) -> str:
-    steps = self.end_step - self.start_step
-    rate = steps / self.seconds if self.seconds > 0 else math.inf
     lines = []
     if self.interrupted:
       lines.append(f"interrupted at step {self.end_step}")
-    lines.append(
-        f"steps {self.start_step} -> {self.end_step} in {self.seconds:.1f} s ({rate:.1f} steps/s)"
-    )
+    if self.timed_steps and self.timed_seconds > 0:
+      rate = (f"{self.timed_steps / self.timed_seconds:.1f} steps/s ({self.timed_steps} steps "
+              f"in {self.timed_seconds:.1f} s, compilation excluded)")
+    else:
+      rate = "too few steps to time"
+    lines.append(f"steps {self.start_step} -> {self.end_step}, {rate}")
     if self.final_loss is not None:
-      lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}")
-    lines.append(
-        f"optimizer state: {format_bytes(self.state_bytes_per_device)} per device "
-        f"({format_bytes(self.state_total_bytes)} total over {self.num_devices} devices, "
-        f"ideal {format_bytes(self.state_total_bytes / self.num_devices)})"
-    )
+      evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
+      lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")
     saved = "none" if self.checkpoint_step is None else f"step {self.checkpoint_step}"
     lines.append(f"checkpoint: {saved} in {self.checkpoint_dir}")
     return "\n".join(lines)
 
 
+class Clock:
+  """Train time per log interval, with compilation, evals and saves left out.
+
+  Example:
+    >>> clock = Clock()
+    >>> clock.start(1)
+    >>> with clock.paused():
+    ...   pass
+    >>> steps, seconds = clock.interval(5)
+    >>> steps, seconds >= 0
+    (4, True)
+  """
+
+  def __init__(self) -> None:
+    self._t0: float | None = None
+    self._step0 = 0
+    self._paused = 0.0
+    self.total_steps = 0
+    self.total_seconds = 0.0
+
+  @property
+  def started(self) -> bool:
+    return self._t0 is not None
+
+  def start(self, step: int) -> None:
+    """Starts timing after `step` completed (the compiling step is not timed)."""
+    self._t0, self._step0, self._paused = time.perf_counter(), step, 0.0
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    """Leaves the enclosed time (an eval, a save) out of the interval."""
+    begin = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._paused += time.perf_counter() - begin
+
+  def interval(self, step: int) -> tuple[int, float]:
+    """(steps, seconds) since the last call (or `start`); restarts the interval."""
+    if self._t0 is None:
+      return 0, 0.0
+    now = time.perf_counter()
+    steps, seconds = step - self._step0, max(now - self._t0 - self._paused, 0.0)
+    self.total_steps += steps
+    self.total_seconds += seconds
+    self._t0, self._step0, self._paused = now, step, 0.0
+    return steps, seconds
+
+
 class Progress:
-  """Step, loss and steps/s on a stream: a redrawn bar on a terminal, else lines.
+  """Log lines on any stream; on a terminal also a progress bar with ETA below them.
+
+  The bar is redrawn in place; log lines are printed above it, so the loss
+  history stays on screen.
 
   Example:
     >>> import io
     >>> stream = io.StringIO()
-    >>> progress = Progress(stream, start=0, total=20, every=10)
-    >>> progress.wants(10), progress.wants(11)
-    (True, False)
-    >>> progress.show(10, 2.5)
-    >>> stream.getvalue().startswith('step 10/20  loss 2.5000')
-    True
+    >>> progress = Progress(stream, start=0, total=20)
+    >>> progress.log('step 10/20  loss 2.5000')
+    >>> stream.getvalue()
+    'step 10/20  loss 2.5000\\n'
   """
 
-  _WIDTH = 24
-  _REDRAW_SECONDS = 0.1
+  _WIDTH = 30
 
-  def __init__(self, stream: TextIO, *, start: int, total: int, every: int):
+  def __init__(self, stream: TextIO, *, start: int, total: int, redraw_seconds: float = 0.2):
     self._stream = stream
+    self._redraw_seconds = redraw_seconds
     self._tty = stream.isatty()
-    self._start, self._total, self._every = start, total, every
-    self._t0: float | None = None
-    self._step0 = start
+    self._start, self._total = start, total
+    self._rate: float | None = None
+    self._step = start
     self._last_draw = 0.0
 
-  def started(self, step: int) -> None:
-    """Marks the end of the first (compiling) step, where the rate starts."""
-    self._t0, self._step0 = time.perf_counter(), step
-
-  def wants(self, step: int) -> bool:
-    """Whether `step` should be shown (fetching the loss costs a device sync)."""
-    if step == self._total or step % self._every == 0:
-      return True
-    return self._tty and time.perf_counter() - self._last_draw >= self._REDRAW_SECONDS
-
-  def show(self, step: int, loss: float) -> None:
-    now = time.perf_counter()
-    self._last_draw = now
-    elapsed = now - self._t0 if self._t0 is not None else 0.0
-    rate = (step - self._step0) / elapsed if elapsed > 0 else 0.0
-    text = f"step {step}/{self._total}  loss {loss:.4f}  {rate:.1f} steps/s"
+  def log(self, line: str, *, rate: float | None = None) -> None:
+    """Prints a permanent line (and remembers `rate` for the ETA)."""
+    if rate is not None:
+      self._rate = rate
     if self._tty:
-      filled = int(self._WIDTH * step / self._total)
+      self._stream.write("\r\x1b[K")
+    self._stream.write(line + "\n")
+    self._draw()
+
+  def advance(self, step: int) -> None:
+    """Notes that `step` was dispatched; redraws the bar now and then."""
+    self._step = step
+    if self._tty and time.perf_counter() - self._last_draw >= self._redraw_seconds:
+      self._draw()
+
+  def _draw(self) -> None:
+    if self._tty:
+      self._last_draw = time.perf_counter()
+      filled = int(self._WIDTH * self._step / self._total)
       bar = "#" * filled + "." * (self._WIDTH - filled)
-      self._stream.write(f"\r[{bar}] {text}\x1b[K")
-    else:
-      self._stream.write(text + "\n")
+      if self._rate:
+        eta = f"ETA {_duration((self._total - self._step) / self._rate)}"
+      else:
+        eta = "ETA after the first log interval"
+      self._stream.write(f"\r[{bar}] {self._step}/{self._total}  {eta}\x1b[K")
     self._stream.flush()
 
   def close(self) -> None:
     if self._tty:
-      self._stream.write("\n")
+      self._stream.write("\r\x1b[K")
       self._stream.flush()
 
 
-@contextlib.contextmanager
-def _interruptible() -> Iterator[list[bool]]:
-  """Turns the first Ctrl-C into a flag; a second one interrupts at once."""
-  flag = [False]
-  previous = signal.getsignal(signal.SIGINT)
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f"{seconds}s"
+  minutes, seconds = divmod(seconds, 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
-  def handler(signum: int, frame: Any) -> None:
-    if flag[0]:
-      raise KeyboardInterrupt
-    flag[0] = True
 
-  signal.signal(signal.SIGINT, handler)
+def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
+  """A bounded description of a checkpoint that does not fit the model."""
+  text = str(error)
+  paths = _PATH_PROBLEM.findall(text)
+  advice = (f"it was written by another model or optimizer config (the one in "
+            f"{model_dir / CONFIG_FILE}); train with that config or use another --model_dir")
+  if not paths:
+    short = text if len(text) <= 300 else text[:300] + "..."
+    return f"the checkpoint at step {step} cannot be restored: {short}; {advice}."
+  counts: dict[str, int] = {}
+  for kind, _ in paths:
+    counts[kind.split()[0]] = counts.get(kind.split()[0], 0) + 1
+  kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+  first = ", ".join(f"{kind.split()[0]} {path}" for kind, path in paths[:_SHOWN_PATHS])
+  return (f"the checkpoint at step {step} does not fit this model: {len(paths)} paths differ "
+          f"({kinds}), first: {first}; {advice}.")
+
+
+def _restore(setup: Setup, checkpointer: Checkpointer, step: int, model_dir: Path) -> TrainState:
   try:
-    yield flag
-  finally:
-    signal.signal(signal.SIGINT, previous)
+    return checkpointer.restore(setup.abstract_state)
+  except (ValueError, FileNotFoundError) as error:
+    raise UsageError(_mismatch_message(error, step, model_dir)) from error
 
 
-def _initial_state(setup: Setup, checkpointer: Checkpointer, *, resume: bool) -> TrainState:
-  latest = checkpointer.latest_step()
-  if resume:
-    if latest is None:
-      raise UsageError(f"--resume: no checkpoint in {checkpointer.directory}.")
-    try:
-      return checkpointer.restore(setup.abstract_state)
-    except ValueError as error:
-      raise UsageError(f"--resume: {error}") from error
-  if latest is not None:
-    raise UsageError(
-        f"{checkpointer.directory} already holds checkpoints up to step {latest}: pass "
-        "--resume to continue from there, or another --model_dir."
-    )
+def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+  """Loss and gradient norm averaged over the interval; the learning rate at its end."""
+  fetched = jax.device_get(list(records))
+  return {key: float(fetched[-1][key] if key == "learning_rate" else np.mean([r[key] for r in fetched]))
+          for key in fetched[0]}
+
+
+def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
+  """Mean held-out loss (of the fast and the slow params, for lookahead)."""
   job = setup.job
-  return init_sharded(job.partitioner, job.optimizer, setup.model.init, *setup.init_args)
+  batches = [job.task.eval_batch(i) for i in range(job.eval_batches)]
+  copies = {"loss": _trained(state.params)}
+  if isinstance(state.params, optax.LookaheadParams):
+    copies["loss_slow"] = state.params.slow
+  return {name: float(np.mean(jax.device_get([setup.eval_fn(params, b) for b in batches])))
+          for name, params in copies.items()}
+
+
+def _format_metrics(step: int, total: int, metrics: dict[str, float | None]) -> str:
+  parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f}"]
+  if metrics.get("learning_rate") is not None:
+    parts.append(f"lr {metrics['learning_rate']:.3g}")
+  parts.append(f"grad_norm {metrics['grad_norm']:.3g}")
+  if metrics.get("steps_per_sec") is not None:
+    parts.append(f"{metrics['steps_per_sec']:.1f} steps/s")
+  return "  ".join(parts)
 
 
 def train(
-    setup: Setup, *, model_dir: Path, resume: bool = False, stream: TextIO = sys.stderr
+    setup: Setup,
+    *,
+    model_dir: Path,
+    interrupt: Interrupt,
+    about: Sequence[str] = (),
+    config_text: str | None = None,
+    stream: TextIO | None = None,
 ) -> TrainSummary:
-  """Runs the job to `total_steps`, checkpointing; Ctrl-C saves and stops.
+  """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
+
+  Prints the model directory (and whether the run is new, resumed or
+  finished) first, then `about`, then a log line every ``log_every`` steps
+  and an eval line every ``eval_every`` steps.
 
   Args:
     setup: from `prepare`.
-    model_dir: checkpoints go to ``model_dir/checkpoints``.
-    resume: continue from the latest checkpoint.
-    stream: where progress goes.
+    model_dir: the run's directory (from `prepare_model_dir`).
+    interrupt: checked between steps; when set, the run saves and stops.
+    about: lines describing the run (from `describe_setup`).
+    config_text: written to ``model_dir/config.gin`` when given.
+    stream: where the output goes (default: standard output).
 
   Returns:
     The summary.
 
   Raises:
-    UsageError: `resume` without a checkpoint or with one that does not fit
-      the job (e.g. saved with another optimizer), or checkpoints present
-      without `resume`.
+    UsageError: the latest checkpoint does not fit the job.
+    Interrupted: Ctrl-C before the first step (nothing was written).
   """
   job = setup.job
-  directory = Path(model_dir) / _CHECKPOINTS
+  stream = sys.stdout if stream is None else stream
+  model_dir = Path(model_dir)
+  directory = model_dir / CHECKPOINTS
   with Checkpointer(directory, keep=job.keep_checkpoints) as checkpointer:
-    state = _initial_state(setup, checkpointer, resume=resume)
+    latest = checkpointer.latest_step()
+    if latest is not None and latest >= job.total_steps:
+      stream.write(f"model_dir: {model_dir} holds the finished run (checkpoint at step "
+                   f"{latest}, total_steps={job.total_steps}); nothing to do. Raise "
+                   f"TOTAL_STEPS to train further.\n")
+      return TrainSummary(latest, latest, None, None, None, 0, 0.0, str(directory), latest,
+                          interrupted=False, finished_before=True)
+    status = "new run" if latest is None else f"resuming from the checkpoint at step {latest}"
+    stream.write(f"model_dir:       {model_dir} ({status})\n")
+    stream.write("".join(f"{line}\n" for line in about))
+    stream.flush()
+    if interrupt.requested:
+      raise Interrupted
+    if latest is None:
+      state = setup.create(*setup.init_args)
+    else:
+      state = _restore(setup, checkpointer, latest, model_dir)
+    if config_text is not None:
+      (model_dir / CONFIG_FILE).write_text(config_text)
     start = int(state.step)
-    saved = checkpointer.latest_step()
-    progress = Progress(stream, start=start, total=job.total_steps, every=job.log_every)
-    first_loss = final_loss = None
-    t0 = time.perf_counter()
-    step = start
-    with _interruptible() as interrupted:
-      while step < job.total_steps and not interrupted[0]:
-        state, loss = setup.step_fn(state, job.task.batch(step))
-        step += 1
-        if step == start + 1:
-          first_loss = float(loss)
-          progress.started(step)
-        if progress.wants(step):
-          final_loss = float(loss)
-          progress.show(step, final_loss)
-        if step % job.checkpoint_every == 0 and step != saved:
-          checkpointer.save(step, state)
-          saved = step
-      if step > start:
-        final_loss = float(loss)
-      if step != saved:
+    with MetricWriters(model_dir, start_step=start) as writers:
+      return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=latest)
+
+
+def _runs_on_cpu(job: TrainJob) -> bool:
+  """Whether the mesh is on CPU devices, where the loop keeps one step in flight.
+
+  XLA:CPU runs each simulated device's part of a step on a shared thread pool;
+  with several multi-device steps in flight, threads waiting in one step's
+  collectives can starve another's until XLA aborts the process (seen on a
+  loaded 2-core machine). Waiting for each step costs little on CPU, where
+  the devices are the host's cores anyway.
+  """
+  return job.partitioner.mesh.devices.flat[0].platform == "cpu"
+
+
+def _loop(
+    setup: Setup,
+    state: TrainState,
+    checkpointer: Checkpointer,
+    writers: MetricWriters,
+    interrupt: Interrupt,
+    stream: TextIO,
+    *,
+    saved: int | None,
+) -> TrainSummary:
+  job = setup.job
+  start = step = int(state.step)
+  one_in_flight = _runs_on_cpu(job)
+  progress = Progress(stream, start=start, total=job.total_steps)
+  clock = Clock()
+  records: list[dict[str, Any]] = []
+  first_loss = final_loss = eval_loss = None
+  while step < job.total_steps and not interrupt.requested:
+    state, metrics = setup.step_fn(state, job.task.batch(step))
+    if one_in_flight:
+      jax.block_until_ready(metrics)
+    records.append(metrics)
+    step += 1
+    progress.advance(step)
+    if step == start + 1:
+      first_loss = float(metrics["loss"])
+      clock.start(step)
+    if step % job.log_every == 0 or step == job.total_steps:
+      mean = _summarize(records)
+      records = []
+      steps, seconds = clock.interval(step)
+      with clock.paused():
+        rate = steps / seconds if steps and seconds > 0 else None
+        mean["steps_per_sec"] = rate
+        writers.write(TRAIN, step, mean)
+        progress.log(_format_metrics(step, job.total_steps, mean), rate=rate)
+        final_loss = mean["loss"]
+    if step % job.eval_every == 0 or step == job.total_steps:
+      with clock.paused():
+        evaluated = _evaluate(setup, state)
+        writers.write(EVAL, step, evaluated)
+        eval_loss = evaluated["loss"]
+        progress.log(f"eval step {step}  " + "  ".join(
+            f"{name} {value:.4f}" for name, value in evaluated.items()))
+    if step % job.checkpoint_every == 0 and step != saved:
+      with clock.paused():
         checkpointer.save(step, state)
         saved = step
-      checkpointer.wait_until_finished()
-    progress.close()
-    seconds = time.perf_counter() - t0
-  per_device, total = optimizer_state_bytes(state)
+  if step > start and records:
+    final_loss = _summarize(records)["loss"]
+  if step > start and step != saved:
+    checkpointer.save(step, state)
+    saved = step
+  checkpointer.wait_until_finished()
+  progress.close()
   return TrainSummary(
       start_step=start,
       end_step=step,
       first_loss=first_loss,
       final_loss=final_loss,
-      seconds=seconds,
-      state_bytes_per_device=per_device,
-      state_total_bytes=total,
-      num_devices=job.partitioner.mesh.size,
-      checkpoint_dir=str(directory),
+      eval_loss=eval_loss,
+      timed_steps=clock.total_steps,
+      timed_seconds=clock.total_seconds,
+      checkpoint_dir=str(checkpointer.directory),
       checkpoint_step=saved,
-      interrupted=interrupted[0],
+      interrupted=interrupt.requested,
+      finished_before=False,
   )
