@@ -53,7 +53,6 @@ from typing import Any, Protocol
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import serialization, traverse_util
 from flax.core import FrozenDict
 
@@ -446,11 +445,16 @@ class MultiOptimizer(OptimizerDef):
     partition, leaves = self._partition(target)
     return partition.split(leaves)
 
+  @staticmethod
   def _param_states_dict(
-      self, target: Any, sub_targets: Sequence[Any], sub_dicts: Sequence[Mapping[str, Any]]
+      target: Any,
+      sub_targets: Sequence[Any],
+      sub_dicts: Sequence[Mapping[str, Any]],
+      *,
+      per_param: bool,
   ) -> dict[str, Any]:
-    """The state dict's `param_states` in the layout `sub_targets`' states ask for."""
-    if not self._per_param(sub_targets, [d["param_states"] for d in sub_dicts]):
+    """The state dict's `param_states`: T5X's layout if `per_param`, else indexed."""
+    if not per_param:
       return {str(i): sub_dict for i, sub_dict in enumerate(sub_dicts)}
     flat = {path: None for path in _param_paths(target)}
     for sub_target, sub_dict in zip(sub_targets, sub_dicts):
@@ -459,9 +463,10 @@ class MultiOptimizer(OptimizerDef):
     return traverse_util.unflatten_dict(flat)
 
   @staticmethod
-  def _per_param(sub_targets: Sequence[Any], sub_param_states: Sequence[Any]) -> bool:
+  def _per_param(sub_targets: Sequence[Any], sub_dicts: Sequence[Mapping[str, Any]]) -> bool:
     """Whether every sub-optimizer's state dict keeps one subtree per param."""
-    for sub_target, param_states in zip(sub_targets, sub_param_states):
+    for sub_target, sub_dict in zip(sub_targets, sub_dicts):
+      param_states = sub_dict["param_states"]
       paths = _param_paths(sub_target)
       if not isinstance(param_states, Mapping):
         return False
@@ -482,11 +487,14 @@ class MultiOptimizer(OptimizerDef):
     """The state dict; see the module docstring for its two layouts."""
     sub_targets = self._sub_targets(target)
     sub_dicts = self._sub_state_dicts(sub_targets, state)
+    per_param = self._per_param(sub_targets, sub_dicts)
     return {
         "target": serialization.to_state_dict(target),
         "state": {
             "step": state.step,
-            "param_states": self._param_states_dict(target, sub_targets, sub_dicts),
+            "param_states": self._param_states_dict(
+                target, sub_targets, sub_dicts, per_param=per_param
+            ),
         },
     }
 
@@ -508,12 +516,14 @@ class MultiOptimizer(OptimizerDef):
     """
     sub_targets = self._sub_targets(opt_target)
     sub_dicts = self._sub_state_dicts(sub_targets, opt_state)
-    per_param = self._per_param(sub_targets, [d["param_states"] for d in sub_dicts])
+    per_param = self._per_param(sub_targets, sub_dicts)
     reference = {
         "target": opt_target,
         "state": {
             "step": opt_state.step,
-            "param_states": self._param_states_dict(opt_target, sub_targets, sub_dicts),
+            "param_states": self._param_states_dict(
+                opt_target, sub_targets, sub_dicts, per_param=per_param
+            ),
         },
     }
     checked = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
