@@ -101,7 +101,7 @@ def main() -> int:
       t5x_state = restore()
       ok &= _compare(f"{name} reads t5x_optim's save of {fmt}", _flat(t5x_state.state_dict()), saved)
       next_t5x = jax.jit(lambda s: s.apply_gradient(freeze(grads), learning_rate=None))(t5x_state)
-      ok &= _compare(f"  T5X's next step equals t5x_optim's", _flat(next_t5x.state_dict()), next_ours)
+      ok &= _compare("  T5X's next step equals t5x_optim's", _flat(next_t5x.state_dict()), next_ours)
     shutil.rmtree(model_dir)
   return 0 if ok else 1
 
