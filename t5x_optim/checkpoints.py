@@ -542,14 +542,14 @@ class Checkpointer:
       CheckpointError: another checkpointer writes into this directory.
     """
     step = int(step)
+    if not self._open.lock.held:
+      self._become_writer(step)
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(
           f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
           "and steps must increase."
       )
-    if not self._open.lock.held:
-      self._become_writer(step)
     state_dict = jax.tree.map(_saveable, state.state_dict())
     checksums = _checksums(_flatten(state_dict))
     args = ocp.args.Composite(

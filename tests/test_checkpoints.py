@@ -2,11 +2,7 @@
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +14,6 @@ import pytest
 import _checkpoint_worker as w
 from t5x_optim.checkpoints import Checkpointer
 
-WORKER = Path(__file__).with_name("_checkpoint_worker.py")
-TIMEOUT_S = 150
-
 
 def _save(directory, step, state):
   with Checkpointer(directory) as ckpt:
@@ -30,30 +23,6 @@ def _save(directory, step, state):
 def _restore(directory, target, **kwargs):
   with Checkpointer(directory) as ckpt:
     return ckpt.restore(target, **kwargs)
-
-
-def _run_workers(argvs, *, devices):
-  """Runs the worker once per argv, in parallel, all within TIMEOUT_S.
-
-  Returns one (returncode, output tail) pair per worker; on timeout every
-  worker still running is killed and its output says so.
-  """
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
-  procs = [subprocess.Popen([sys.executable, str(WORKER), *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for argv in argvs]
-  deadline = time.monotonic() + TIMEOUT_S
-  results = []
-  for proc in procs:
-    try:
-      out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      out = f"timed out after {TIMEOUT_S}s\n{proc.communicate()[0]}"
-    results.append((proc.returncode, out[-4000:]))
-  return results
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +215,7 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   straight = w.train(w.fresh_state("adamw", part_2x4), 2 * w.RESUME_STEPS)
   _save(resume_dir, w.RESUME_STEPS, w.train(w.fresh_state("adamw", part_2x4), w.RESUME_STEPS))
 
-  [(returncode, output)] = _run_workers([["resume_crash", str(resume_dir), str(crash_dir)]],
+  [(returncode, output)] = w.run_workers([["resume_crash", str(resume_dir), str(crash_dir)]],
                                         devices=8)
 
   assert returncode == -9, output
@@ -259,14 +228,9 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
     assert ckpt.all_steps() == [1]
     w.assert_same_state(ckpt.restore(w.abstract_state("adamw", part_2x4)),
                         w.fresh_state("adamw", part_2x4))
+    # The worker died holding the directory's writer lock: it died with it.
     ckpt.save(2, w.fresh_state("adamw", part_2x4))
   assert sorted(os.listdir(crash_dir)) == [".t5x_optim.lock", "1", "2"]
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.skipif(sys.platform == "win32",
@@ -275,9 +239,9 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   in_dir, out_dir = tmp_path / "in", tmp_path / "out"
   state = w.train(w.fresh_state("adamw", part_2x4), w.MP_STEPS)
   _save(in_dir, w.MP_STEPS, state)
-  port = _free_port()
+  port = w.free_port()
 
-  results = _run_workers(
+  results = w.run_workers(
       [["multiprocess", str(in_dir), str(out_dir), str(port), str(i)] for i in range(2)],
       devices=4)
 
