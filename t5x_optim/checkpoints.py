@@ -168,9 +168,17 @@ def _open_stored(
     stored[path] = jax.ShapeDtypeStruct(array.shape, jax.numpy.dtype(array.dtype.name))
   if unreadable:
     raise CheckpointError(
-        f"{where} has unreadable metadata at {', '.join(unreadable)}: {first_error}", step=step
+        f"{where} has unreadable metadata at {', '.join(unreadable)}: {_root_cause(first_error)}",
+        step=step,
     ) from first_error
   return stored
+
+
+def _root_cause(error: BaseException) -> str:
+  """The innermost error behind `error`, without tensorstore's spec dump."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return f"{type(error).__name__}: {str(error).split(' [tensorstore_spec=')[0]}"
 
 
 def _flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
@@ -685,11 +693,11 @@ class Checkpointer:
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{_ARRAYS: args}))
     except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
-      message = str(e)
-      at = [f"'{_join(p)}'" for p in expected if ".".join(p) in message or _join(p) in message]
+      cause = _root_cause(e)
+      at = [f"'{_join(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
       raise CheckpointError(
           f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: "
-          f"{type(e).__name__}: {message}",
+          f"{cause}",
           step=step,
       ) from e
     return traverse_util.flatten_dict(dict(restored[_ARRAYS]))
