@@ -215,6 +215,11 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
   jax.distributed.shutdown()
 
 
+def small_optimizer() -> Any:
+  """An sgd optimizer of one small param, on one device."""
+  return optimizer_def("sgd_momentum").create({"w": jnp.arange(8.0)})
+
+
 def writer(directory: str, markers: str) -> None:
   """One of two writers into `directory`; prints SAVED or REFUSED.
 
@@ -222,7 +227,7 @@ def writer(directory: str, markers: str) -> None:
   to 60 s) until both have, so the two always overlap; the one that saved
   then saves steps 2 and 3. Neither calls `close`: both must still exit.
   """
-  state = fresh_state("adamw", partitioner(2, 4))
+  state = small_optimizer()
   ckpt = Checkpointer(directory)
   try:
     ckpt.save(1, state)
