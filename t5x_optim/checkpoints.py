@@ -15,16 +15,18 @@ target's state dict; a mismatch raises a `ValueError` naming the paths, and
 nothing is restored.
 
 Integrity: every saved array gets a 32-bit checksum, computed on the devices
-where the array lives (one fused pass, reduced over all shards and processes,
-so it does not depend on the sharding) and recorded in the step's
-``checksums`` item, written in the same atomic orbax save. Restore recomputes
-it on the restored arrays, on whatever mesh they land, and any difference, like
-every other storage failure (missing, truncated or corrupt files, tensorstore
-errors), raises `CheckpointError` naming the step and the array path.
-`Checkpointer.restore(..., fallback=True)` then falls back to the newest intact
-step. One writer per directory: the first `save` takes an exclusive lock
-(``fcntl.flock`` on ``<directory>/.t5x_optim.lock``, held by the primary
-process, released by `close` or when the process dies).
+where the array lives while orbax writes it (one fused pass, reduced over all
+shards and processes, so it does not depend on the sharding) and recorded by
+process 0 in ``<step>/checksums/checksums.json``, part of the same atomic
+orbax commit as the arrays (``<step>/default``, a plain orbax PyTree). Restore
+recomputes it on the restored arrays, on whatever mesh they land, and any
+difference, like every other storage failure (missing, truncated or corrupt
+files, tensorstore errors, a step without checksums), raises `CheckpointError`
+naming the step and the array path. `Checkpointer.restore(..., fallback=True)`
+then falls back to the newest intact step. One writer per directory: the
+first `save` takes an exclusive lock (``fcntl.flock`` on
+``<directory>/.t5x_optim.lock``, held by process 0, released by `close` or
+when the process dies).
 
 Example:
   >>> import tempfile, jax.numpy as jnp
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import functools
 import json
 import logging
@@ -58,6 +59,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+from jax.experimental import multihost_utils
+
+try:
+  import fcntl
+except ImportError:  # Not POSIX (Windows): directories are not locked.
+  fcntl = None
 from flax import serialization, traverse_util
 
 # orbax's own reader of a step's tree metadata file and its own read spec of
@@ -427,27 +434,24 @@ class _WriterLock:
   a crashed writer never leaves the directory locked. Only the primary
   process of a multi-process job locks (it is the one that finalises steps);
   the outcome is broadcast so that every process fails together. Paths with
-  a scheme (``gs://...``) are not locked: object stores have no flock.
+  a scheme (``gs://...``) and systems without ``fcntl`` are not locked:
+  object stores have no flock.
   """
 
   def __init__(self, directory: str):
     self._path = os.path.join(directory, _LOCK_FILE)
     self._file = None
-
-  @property
-  def held(self) -> bool:
-    return self._file is not None
+    self.held = False
 
   def acquire(self, where: str, step: int) -> None:
     """Takes the lock, or raises `CheckpointError` naming its holder."""
     holder = ""
-    if jax.process_index() == 0 and "://" not in self._path:
+    if jax.process_index() == 0 and fcntl is not None and "://" not in self._path:
       holder = self._try_lock()
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
       locked = multihost_utils.broadcast_one_to_all(np.int32(not holder))
       holder = holder or ("" if int(locked) else "another writer (seen by process 0)")
+    self.held = not holder
     if holder:
       self.release()
       raise CheckpointError(
@@ -474,6 +478,7 @@ class _WriterLock:
     return ""
 
   def release(self) -> None:
+    self.held = False
     if self._file is not None:
       self._file.close()
       self._file = None

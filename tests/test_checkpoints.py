@@ -104,7 +104,7 @@ def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
 @pytest.mark.parametrize("victim, message", [
     ("_METADATA", "has no readable tree metadata: .*No such file"),
     ("d", "has unreadable metadata at 'flax_mutables/stats/calls', .*'target/dense/kernel': "
-          "NOT_FOUND"),
+          "ValueError: NOT_FOUND"),
 ])
 def test_corrupt_checkpoint_raises(tmp_path, part_2x4, victim, message):
   state = w.fresh_state("adamw", part_2x4)
