@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import _checkpoint_worker as w
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.checkpoints import CheckpointError, Checkpointer
 
 
 def _save(directory, step, state):
@@ -111,7 +111,7 @@ def test_corrupt_checkpoint_raises(tmp_path, part_2x4, victim, message):
   _save(tmp_path, 1, state)
   path = tmp_path / "1" / "default" / victim
   shutil.rmtree(path) if path.is_dir() else path.unlink()
-  with pytest.raises(ValueError, match=f"Checkpoint step 1 in {tmp_path} {message}"):
+  with pytest.raises(CheckpointError, match=f"Checkpoint step 1 in {tmp_path} {message}"):
     _restore(tmp_path, state)
 
 
