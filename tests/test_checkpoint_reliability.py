@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -95,7 +96,8 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("case", CORRUPTIONS)
-def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, case):
+def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, caplog,
+                                                          case):
   corrupt, message = CORRUPTIONS[case]
   with Checkpointer(tmp_path) as ckpt:
     for step, state in states.items():
@@ -105,8 +107,11 @@ def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, targe
     with pytest.raises(CheckpointError, match=f"Checkpoint step 2 in {tmp_path} {message}") as e:
       ckpt.restore(target)
     assert isinstance(e.value, ValueError) and e.value.step == 2 and ckpt.restored_step is None
-    w.assert_same_state(ckpt.restore(target, fallback=True), states[1])
+    with caplog.at_level(logging.WARNING, logger="t5x_optim.checkpoints"):
+      w.assert_same_state(ckpt.restore(target, fallback=True), states[1])
     assert ckpt.restored_step == 1
+    assert [r.getMessage()[:30] for r in caplog.records] == [
+        "Skipping checkpoint step 2: Ch", "Restored checkpoint step 1 of "]
 
 
 def test_fallback_limits(tmp_path, part_2x4, states, target):
