@@ -708,19 +708,10 @@ class Checkpointer:
     return traverse_util.flatten_dict(dict(restored[_ARRAYS]))
 
   def _verify(
-      self,
-      step: int,
-      restored: Mapping[Path, Any],
-      recorded: Mapping[str, int],
-      stored: Mapping[Path, Any],
+      self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
   ) -> None:
     """Raises `CheckpointError` naming every array whose checksum differs."""
-    dtypes = {
-        path: stored[path].dtype
-        for path, leaf in restored.items()
-        if np.dtype(leaf.dtype) != stored[path].dtype
-    }
-    actual = _fetch(_dispatch_checksums(restored, dtypes))
+    actual = _fetch(pending)
     wrong = [
         f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
         for path, value in actual.items()
@@ -735,7 +726,11 @@ class Checkpointer:
   def _restore_step(
       self, target: CheckpointState, step: int, *, params_only: bool
   ) -> CheckpointState:
-    """`restore` of exactly `step`: check, read, verify, then build the state."""
+    """`restore` of exactly `step`: check, read, build the state, verify.
+
+    The checksums of the arrays read are computed on their devices while the
+    state is built; a mismatch discards that state.
+    """
     wanted = _is_params_only_path if params_only else _any_path
     stored = _open_stored(self._item(step), self._where(step), step, wanted)
     target_leaves = {p: x for p, x in _flatten(target.state_dict()).items() if wanted(p)}
@@ -749,13 +744,17 @@ class Checkpointer:
           step=step,
       )
     restored = self._read(step, expected, partial=params_only)
-    self._verify(step, restored, recorded, stored)
+    # Checked in the stored dtype: safe casts back to it are exact.
+    dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
+    pending = _dispatch_checksums(restored, dtypes)
     state_dict = traverse_util.unflatten_dict(_rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
           _fresh_param_states(target, state_dict[_TARGET])
       )
-    return target.restore_state(state_dict)
+    state = target.restore_state(state_dict)
+    self._verify(step, pending, recorded)
+    return state
 
   def restore(
       self,
