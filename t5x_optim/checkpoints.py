@@ -42,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -393,22 +392,25 @@ class _ChecksumsHandler(ocp.AsyncCheckpointHandler):
   checksums are global).
   """
 
-  async def _write(self, directory: epath.Path, pending: Mapping[str, jax.Array]) -> None:
+  def _write(self, directory: epath.Path, pending: Mapping[str, jax.Array]) -> None:
     checksums = _fetch(pending)
     if jax.process_index() == 0:
       (directory / _CHECKSUMS_FILE).write_text(json.dumps(checksums, sort_keys=True))
+
+  async def _write_async(self, directory: epath.Path, pending: Mapping[str, jax.Array]) -> None:
+    self._write(directory, pending)
 
   async def async_save(
       self, directory: epath.Path, args: _ChecksumsArgs
   ) -> list[ocp.future.Future]:
     return [
         ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write(directory, args.pending), name="t5x_optim_checksums"
+            self._write_async(directory, args.pending), name="t5x_optim_checksums"
         )
     ]
 
   def save(self, directory: epath.Path, args: _ChecksumsArgs) -> None:
-    asyncio.run(self._write(directory, args.pending))
+    self._write(directory, args.pending)
 
   def restore(self, directory: epath.Path, args: Any = None) -> dict[str, int]:
     del args
