@@ -11,7 +11,7 @@ declares it dead and every other process terminates with
 (printed on stderr, exit status 134: SIGABRT), instead of waiting forever in a
 collective. jax's default is 100 s, so a job whose peer died runs on for
 about 100 s; `initialize` sets 10 s, so every survivor exits within about 10 s
-(measured with 2 CPU processes: 8-9 s after the other process was killed,
+(measured with 2 CPU processes: 8-11 s after the other process was killed,
 under 1 s when that was process 0, the coordinator). ``shutdown_timeout_seconds`` bounds
 how long a process that reached `jax.distributed.shutdown` (or exit) waits
 for the others: 60 s here instead of 300 s.
