@@ -344,7 +344,6 @@ def _words(x: jax.Array) -> jax.Array:
   return x.astype(jnp.uint32)
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
 def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   """A 32-bit checksum of `x`'s value (first cast to `dtype` if given).
 
@@ -354,7 +353,8 @@ def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   it runs where the shards live, as one fused pass and an all-reduce. Any
   change of one word changes it; random corruption goes undetected with
   probability about 2**-32. Casting back to the stored `dtype` is exact for
-  the safe casts restore allows, so a cast restore is verified too.
+  the safe casts restore allows, so a cast restore is verified too. Traced
+  inside `_group_checksums`.
   """
   x = jnp.asarray(x)
   words = _words(x if dtype is None else x.astype(dtype))
@@ -371,12 +371,39 @@ def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   return jnp.sum(rows, dtype=jnp.uint32)
 
 
+@functools.partial(jax.jit, static_argnames="dtypes")
+def _group_checksums(
+    leaves: tuple[Any, ...], dtypes: tuple[np.dtype | None, ...]
+) -> tuple[jax.Array, ...]:
+  return tuple(_checksum(leaf, dtype) for leaf, dtype in zip(leaves, dtypes))
+
+
+def _devices_of(leaf: Any) -> frozenset[int] | None:
+  sharding = getattr(leaf, "sharding", None)
+  return None if sharding is None else frozenset(d.id for d in sharding.device_set)
+
+
 def _dispatch_checksums(
     leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
 ) -> dict[str, jax.Array]:
-  """`_checksum` of every leaf, keyed by joined path, computing asynchronously."""
+  """`_checksum` of every leaf, keyed by joined path, computing asynchronously.
+
+  One program per set of devices (usually one for the whole state), so a
+  save or restore puts one program with all its all-reduces in flight: many
+  small collective programs dispatched at once can starve XLA:CPU's thread
+  pool and deadlock.
+  """
   dtypes = dtypes or {}
-  return {_join(path): _checksum(leaf, dtypes.get(path)) for path, leaf in leaves.items()}
+  groups: dict[frozenset[int] | None, list[Path]] = {}
+  for path, leaf in leaves.items():
+    groups.setdefault(_devices_of(leaf), []).append(path)
+  pending = {}
+  for paths in groups.values():
+    sums = _group_checksums(
+        tuple(leaves[p] for p in paths), tuple(dtypes.get(p) for p in paths)
+    )
+    pending.update(zip(map(_join, paths), sums))
+  return pending
 
 
 def _fetch(pending: Mapping[str, jax.Array]) -> dict[str, int]:
