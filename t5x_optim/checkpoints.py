@@ -344,6 +344,7 @@ def _words(x: jax.Array) -> jax.Array:
   return x.astype(jnp.uint32)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   """A 32-bit checksum of `x`'s value (first cast to `dtype` if given).
 
@@ -353,8 +354,7 @@ def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   it runs where the shards live, as one fused pass and an all-reduce. Any
   change of one word changes it; random corruption goes undetected with
   probability about 2**-32. Casting back to the stored `dtype` is exact for
-  the safe casts restore allows, so a cast restore is verified too. Traced
-  inside `_group_checksums`.
+  the safe casts restore allows, so a cast restore is verified too.
   """
   x = jnp.asarray(x)
   words = _words(x if dtype is None else x.astype(dtype))
@@ -371,38 +371,26 @@ def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
   return jnp.sum(rows, dtype=jnp.uint32)
 
 
-@functools.partial(jax.jit, static_argnames="dtypes")
-def _group_checksums(
-    leaves: tuple[Any, ...], dtypes: tuple[np.dtype | None, ...]
-) -> tuple[jax.Array, ...]:
-  return tuple(_checksum(leaf, dtype) for leaf, dtype in zip(leaves, dtypes))
-
-
-def _devices_of(leaf: Any) -> frozenset[int] | None:
-  sharding = getattr(leaf, "sharding", None)
-  return None if sharding is None else frozenset(d.id for d in sharding.device_set)
+# Checksum programs dispatched before waiting: a hundred small programs with
+# all-reduces in flight at once starve XLA:CPU's thread pool and deadlock,
+# while one program for all arrays runs 3x slower than separate ones.
+_IN_FLIGHT = 4
 
 
 def _dispatch_checksums(
     leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
 ) -> dict[str, jax.Array]:
-  """`_checksum` of every leaf, keyed by joined path, computing asynchronously.
+  """`_checksum` of every leaf, keyed by joined path.
 
-  One program per set of devices (usually one for the whole state), so a
-  save or restore puts one program with all its all-reduces in flight: many
-  small collective programs dispatched at once can starve XLA:CPU's thread
-  pool and deadlock.
+  At most `_IN_FLIGHT` programs run at once; the last of them are returned
+  still computing.
   """
   dtypes = dtypes or {}
-  groups: dict[frozenset[int] | None, list[Path]] = {}
-  for path, leaf in leaves.items():
-    groups.setdefault(_devices_of(leaf), []).append(path)
   pending = {}
-  for paths in groups.values():
-    sums = _group_checksums(
-        tuple(leaves[p] for p in paths), tuple(dtypes.get(p) for p in paths)
-    )
-    pending.update(zip(map(_join, paths), sums))
+  for i, (path, leaf) in enumerate(leaves.items()):
+    if i and i % _IN_FLIGHT == 0:
+      jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
+    pending[_join(path)] = _checksum(leaf, dtypes.get(path))
   return pending
 
 
@@ -473,32 +461,35 @@ class _WriterLock:
     self.held = False
 
   def acquire(self, where: str, step: int) -> None:
-    """Takes the lock, or raises `CheckpointError` naming its holder."""
-    holder = ""
+    """Takes the lock, or raises `CheckpointError` saying why it cannot."""
+    problem = ""
     if jax.process_index() == 0 and fcntl is not None and "://" not in self._path:
-      holder = self._try_lock()
+      problem = self._try_lock()
     if jax.process_count() > 1:
-      locked = multihost_utils.broadcast_one_to_all(np.int32(not holder))
-      holder = holder or ("" if int(locked) else "another writer (seen by process 0)")
-    self.held = not holder
-    if holder:
+      locked = multihost_utils.broadcast_one_to_all(np.int32(not problem))
+      problem = problem or ("" if int(locked) else "is in use (seen by process 0)")
+    self.held = not problem
+    if problem:
       self.release()
       raise CheckpointError(
-          f"Cannot save step {step}: {where} is in use by {holder}. Only one Checkpointer may "
-          f"write into a directory; its lock is {self._path}.",
+          f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
+          f"directory; its lock is {self._path}.",
           step=step,
       )
 
   def _try_lock(self) -> str:
-    """Locks and records this process in the lock file; or names the holder."""
-    file = open(self._path, "a+")  # noqa: SIM115 - held open while locked.
+    """Locks and records this process in the lock file; or says why it cannot."""
+    try:
+      file = open(self._path, "a+")  # noqa: SIM115 - held open while locked.
+    except OSError as e:
+      return f"cannot be locked ({e})"
     try:
       fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       file.seek(0)
       holder = file.read().strip() or "another process"
       file.close()
-      return f"another writer ({holder})"
+      return f"is in use by another writer ({holder})"
     file.seek(0)
     file.truncate()
     file.write(f"pid {os.getpid()} on {socket.gethostname()}")
