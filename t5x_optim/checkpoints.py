@@ -15,8 +15,8 @@ target's state dict; a mismatch raises a `ValueError` naming the paths, and
 nothing is restored.
 
 Integrity: every saved array gets a 32-bit checksum, computed on the devices
-where the array lives while orbax writes it (one fused pass, reduced over all
-shards and processes, so it does not depend on the sharding) and recorded by
+where the array lives (one fused pass per array, reduced over all shards and
+processes, so it does not depend on the sharding) and recorded by
 process 0 in ``<step>/checksums/checksums.json``, part of the same atomic
 orbax commit as the arrays (``<step>/default``, a plain orbax PyTree). Restore
 recomputes it on the restored arrays, on whatever mesh they land, and any
@@ -401,9 +401,9 @@ def _fetch(pending: Mapping[str, jax.Array]) -> dict[str, int]:
 class _ChecksumsHandler(ocp.AsyncCheckpointHandler):
   """Writes a step's checksums as JSON, in the background, once they are computed.
 
-  The checksums are still being computed on the devices when the save
-  starts, so that work overlaps orbax's writing of the arrays; the file is
-  part of the step's atomic commit. Only the primary process writes (the
+  The last checksums may still be computing on the devices when the save
+  starts; the file is written once they are done, as part of the step's
+  atomic commit. Only the primary process writes (the
   checksums are global).
   """
 
@@ -613,8 +613,8 @@ class Checkpointer:
     Each process writes the shards it holds. With `async_save` this returns
     once the arrays are copied off the devices, before the files are
     complete; the step becomes a checkpoint directory only when they are.
-    The checksum of every array is computed on its devices while orbax
-    writes the arrays, and saved in the same atomic commit.
+    The checksum of every array is computed on its devices and saved in the
+    same atomic commit.
 
     Args:
       step: the step number; must be newer than every saved step.
