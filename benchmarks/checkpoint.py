@@ -2,11 +2,17 @@
 
 An adamw `TrainState` of about 200MB (params, `mu` and `nu`: three copies of
 ``--layers`` 2048x2048 float32 matrices) is sharded over a 2x4 mesh of 8
-simulated CPU devices (optimizer state also over ``data``). Two sides:
+simulated CPU devices (optimizer state also over ``data``). With ``--data
+random`` (the default) the params are random normal and one adamw step with
+random gradients has been taken, so every array holds distinct values, as in
+training; ``--data constant`` keeps the initial constant params and zero
+`mu` and `nu`, which compress to almost nothing. Two sides:
 
 * ``Checkpointer``: ``save`` + ``wait_until_finished``; ``restore`` of that
   step into the abstract train state (``abstract_train_state``), the
-  metadata validation included;
+  metadata validation and the integrity checks included: the checksum of
+  every array computed on its devices at save time and again, compared, at
+  restore time;
 * ``orbax``: ``ocp.StandardCheckpointer`` saving the train state's state
   dict (the same leaves, the same sharded arrays) + ``wait_until_finished``;
   restoring it into the same ``ShapeDtypeStruct``s with the same shardings.
@@ -21,7 +27,8 @@ gives the median time and the MB/s of the median and of the best run
 MB/s over orbax MB/s (next to it the ratio of the best runs). Target: >= 0.9.
 
 Run: ``python benchmarks/checkpoint.py [--layers 4] [--rounds 21] [--restores 4]
-[--dir DIR]``.
+[--data random|constant] [--dir DIR]``. The last line gives the cost of the
+checksums alone: the median time of computing them for the whole state.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from t5x_optim import optimizers  # noqa: E402
+from t5x_optim import TrainState, checkpoints, optimizers  # noqa: E402
 from t5x_optim.checkpoints import Checkpointer  # noqa: E402
 from t5x_optim.partitioning import (  # noqa: E402
     Partitioner,
@@ -59,16 +66,31 @@ from t5x_optim.partitioning import (  # noqa: E402
 DIM = 2048
 
 
-def init_fn(layers: int) -> dict:
-  """`layers` DIM x DIM kernels with logical axes."""
+def init_fn(layers: int, *, random: bool) -> dict:
+  """`layers` DIM x DIM kernels with logical axes: random normal, or constants."""
+
+  def kernel(i: int) -> jax.Array:
+    if random:
+      return 0.02 * jax.random.normal(jax.random.key(i), (DIM, DIM), jnp.float32)
+    return jnp.full((DIM, DIM), 0.01 * (i + 1), jnp.float32)
+
   return {
       "params": {
-          f"layer_{i}": nn.LogicallyPartitioned(
-              jnp.full((DIM, DIM), 0.01 * (i + 1), jnp.float32), ("embed", "mlp")
-          )
+          f"layer_{i}": nn.LogicallyPartitioned(kernel(i), ("embed", "mlp"))
           for i in range(layers)
       }
   }
+
+
+def _one_random_step(state: TrainState) -> TrainState:
+  """One adamw step with random gradients: `mu` and `nu` become distinct values."""
+  keys = jax.random.split(jax.random.key(1000), len(state.params))
+  grads = {
+      name: jax.random.normal(key, param.shape, param.dtype)
+      for key, (name, param) in zip(keys, sorted(state.params.items()))
+  }
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  return jax.jit(lambda s, g: s.apply_gradient(g), out_shardings=shardings)(state, grads)
 
 
 def _bytes(tree) -> int:
@@ -138,13 +160,25 @@ def _rate_row(name: str, megabytes: float, saves: list[float], restores: list[fl
   )
 
 
-def run(layers: int, rounds: int, restores: int, root: str) -> None:
+def _checksum_seconds(state_dict: dict[str, Any]) -> float:
+  """The median time of computing (and fetching) every array's checksum."""
+  leaves = checkpoints._flatten(state_dict)
+  times = [
+      _timed(lambda: checkpoints._fetch(checkpoints._dispatch_checksums(leaves)))[0]
+      for _ in range(7)
+  ]
+  return statistics.median(times[1:])
+
+
+def run(layers: int, rounds: int, restores: int, root: str, *, random: bool) -> None:
   part = Partitioner(
       create_mesh(shape={"data": 2, "model": 4}),
       standard_logical_axis_rules(shard_optimizer_state_over_data=True),
   )
-  opt_def, init = optimizers.adamw(1e-3), functools.partial(init_fn, layers)
+  opt_def, init = optimizers.adamw(1e-3), functools.partial(init_fn, layers, random=random)
   state = init_sharded(part, opt_def, init)
+  if random:
+    state = _one_random_step(state)
   abstract = abstract_train_state(part, opt_def, init)
   state_dict = state.state_dict()
   abstract_dict = jax.tree.map(
@@ -181,7 +215,8 @@ def run(layers: int, rounds: int, restores: int, root: str) -> None:
     raise AssertionError(f"the sides restore different leaves or shardings:\n{ours}\n{raw}")
   load = os.getloadavg()
   print(
-      f"adamw state: {megabytes:.1f} MB, {len(jax.tree.leaves(state_dict))} leaves on both "
+      f"adamw state ({'random' if random else 'constant'} data): {megabytes:.1f} MB, "
+      f"{len(jax.tree.leaves(state_dict))} leaves on both "
       f"sides, mesh 2x4 (8 CPU devices); {rounds} rounds after 1 warm-up, "
       f"{restores} restore pairs per round; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
   )
@@ -200,6 +235,8 @@ def run(layers: int, rounds: int, restores: int, root: str) -> None:
       f"{'ratio':14}{'':9}{ratios[0]:11.2f}{ratios[1]:11.2f}"
       f"{'':11}{ratios[2]:14.2f}{ratios[3]:11.2f}"
   )
+  seconds = _checksum_seconds(state_dict)
+  print(f"{'checksums':14}{seconds:9.3f}{megabytes / seconds:11.0f}  (computing all of them once)")
 
 
 def main() -> None:
@@ -207,11 +244,12 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=4, help="2048x2048 float32 kernels")
   parser.add_argument("--rounds", type=int, default=21)
   parser.add_argument("--restores", type=int, default=4, help="restore pairs per round")
+  parser.add_argument("--data", choices=["random", "constant"], default="random")
   parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   args = parser.parse_args()
   root = tempfile.mkdtemp(dir=args.dir)
   try:
-    run(args.layers, args.rounds, args.restores, root)
+    run(args.layers, args.rounds, args.restores, root, random=args.data == "random")
   finally:
     shutil.rmtree(root)
 

@@ -12,7 +12,7 @@ use and need the ``kfac`` extra: ``pip install 't5x-optim[kfac]'``.
 import importlib
 from typing import Any
 
-from t5x_optim import checkpoints, optimizers, partitioning, t5x_checkpoints
+from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._example_lib import (
     ExampleLibHyperParams,
@@ -30,7 +30,7 @@ from t5x_optim._optax_wrapper import (
 )
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._train_state import TrainState
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.checkpoints import CheckpointError, Checkpointer
 from t5x_optim.t5x_checkpoints import (
     latest_t5x_step,
     restore_t5x_checkpoint,
@@ -39,6 +39,7 @@ from t5x_optim.t5x_checkpoints import (
 )
 
 __all__ = [
+    "CheckpointError",
     "Checkpointer",
     "ExampleLibHyperParams",
     "ExampleLibOptimizerDef",
@@ -52,6 +53,7 @@ __all__ = [
     "TrainState",
     "chain",
     "checkpoints",
+    "distributed",
     "example_lib_optimizer_makers",
     "inject_hyperparams",
     "latest_t5x_step",

@@ -5,9 +5,11 @@ loop; run as a script in a fresh process for the scenarios that need one:
 
   python tests/_checkpoint_worker.py resume_crash RESUME_DIR CRASH_DIR
   python tests/_checkpoint_worker.py multiprocess IN_DIR OUT_DIR PORT PROCESS_ID
+  python tests/_checkpoint_worker.py writer DIR MARKERS_DIR
+  python tests/_checkpoint_worker.py peer_killed PORT PROCESS_ID KILL_FILE
 
-The parent sets ``XLA_FLAGS`` (the device count) in the environment before
-this script imports jax. Training is elementwise (gradients are a fixed
+`run_workers` starts them (the parent sets ``XLA_FLAGS``, the device count,
+in the environment before this script imports jax). Training is elementwise (gradients are a fixed
 function of the params), so results are bit-identical on every mesh.
 """
 
@@ -16,8 +18,12 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -26,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState, distributed
+from t5x_optim.checkpoints import CheckpointError, Checkpointer
 from t5x_optim.partitioning import (
     Partitioner,
     abstract_train_state,
@@ -39,6 +45,38 @@ from t5x_optim.partitioning import (
 EMBED, MLP = 16, 32
 RESUME_STEPS = 3
 MP_STEPS = 2
+WORKER_TIMEOUT_S = 150
+KILL_AFTER_STEPS = 20
+
+
+def run_workers(argvs: Sequence[Sequence[str]], *, devices: int) -> list[tuple[int, str]]:
+  """Runs this script once per argv, in parallel, all within WORKER_TIMEOUT_S.
+
+  Returns one (returncode, output tail) pair per worker; on timeout every
+  worker still running is killed and its output says so.
+  """
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, __file__, *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for argv in argvs]
+  deadline = time.monotonic() + WORKER_TIMEOUT_S
+  results = []
+  for proc in procs:
+    try:
+      out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      out = f"timed out after {WORKER_TIMEOUT_S}s\n{proc.communicate()[0]}"
+    results.append((proc.returncode, out[-4000:]))
+  return results
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 OPTIMIZERS = {
     "adamw": lambda: OptaxWrapper(optax.adamw(1e-2)),
@@ -161,9 +199,7 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
 
   Also restores `in_dir` params-only into another optimizer's state.
   """
-  jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
-  )
+  distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
   part = partitioner(2, 4)
   expected = train(fresh_state("adamw", part), MP_STEPS)
@@ -179,6 +215,51 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
   jax.distributed.shutdown()
 
 
+def small_optimizer() -> Any:
+  """An sgd optimizer of one small param, on one device."""
+  return optimizer_def("sgd_momentum").create({"w": jnp.arange(8.0)})
+
+
+def writer(directory: str, markers: str) -> None:
+  """One of two writers into `directory`; prints SAVED or REFUSED.
+
+  Each tries to save step 1, then leaves a file in `markers` and waits (up
+  to 60 s) until both have, so the two always overlap; the one that saved
+  then saves steps 2 and 3. Neither calls `close`: both must still exit.
+  """
+  state = small_optimizer()
+  ckpt = Checkpointer(directory)
+  try:
+    ckpt.save(1, state)
+    outcome = "SAVED"
+  except CheckpointError as e:
+    outcome = f"REFUSED: {e}"
+  Path(markers, str(os.getpid())).touch()
+  deadline = time.monotonic() + 60
+  while len(os.listdir(markers)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  if outcome == "SAVED":
+    ckpt.save(2, state)
+    ckpt.save(3, state)
+  print(outcome, flush=True)
+
+
+def peer_killed(port: int, process_id: int, kill_file: str) -> None:
+  """One of two processes training forever; process 1 kills itself mid-way.
+
+  Process 1 writes the time into `kill_file` and SIGKILLs itself after
+  KILL_AFTER_STEPS steps; process 0 trains on until the distributed
+  service stops it.
+  """
+  distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  state = fresh_state("adamw", partitioner(2, 4))
+  for step in range(sys.maxsize):
+    state = jax.block_until_ready(train(state, 1))
+    if process_id == 1 and step == KILL_AFTER_STEPS:
+      Path(kill_file).write_text(str(time.time()))
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: Sequence[str]) -> None:
   mode, *args = argv
   if mode == "resume_crash":
@@ -186,6 +267,11 @@ def main(argv: Sequence[str]) -> None:
   elif mode == "multiprocess":
     in_dir, out_dir, port, process_id = args
     multiprocess(in_dir, out_dir, int(port), int(process_id))
+  elif mode == "writer":
+    writer(*args)
+  elif mode == "peer_killed":
+    port, process_id, kill_file = args
+    peer_killed(int(port), int(process_id), kill_file)
   else:
     raise SystemExit(f"unknown mode {mode!r}")
 
