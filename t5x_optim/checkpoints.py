@@ -73,7 +73,7 @@ from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
 from orbax.checkpoint._src.path.format_utils import PYTREE_METADATA_FILE
 from orbax.checkpoint._src.serialization.tensorstore_utils import ArrayReadSpec
 
-from t5x_optim import _state_dict
+from t5x_optim import _state_dict, t5x_checkpoints
 from t5x_optim._optimizer import Optimizer
 from t5x_optim._train_state import TrainState
 
@@ -676,8 +676,18 @@ class Checkpointer:
       return {str(key): int(value) for key, value in recorded.items()}
     except (OSError, ValueError, TypeError) as e:
       raise CheckpointError(
-          f"{self._where(step)} has no readable checksums ({path}): {e}", step=step
+          f"{self._where(step)} has no readable checksums ({path}): {e}. A step written "
+          "before checksums existed restores with verify=False, unverified.",
+          step=step,
       ) from e
+
+  def _holds_only_t5x_checkpoints(self) -> bool:
+    """Whether the directory has T5X's checkpoints and none of ours."""
+    self._manager.wait_until_finished()
+    if self.all_steps():
+      return False
+    self._manager.reload()
+    return not self.all_steps() and bool(t5x_checkpoints.t5x_checkpoint_steps(self._directory))
 
   def _resolve_step(self, step: int | None) -> int:
     """The step to restore, from complete checkpoints only.
@@ -744,7 +754,7 @@ class Checkpointer:
       )
 
   def _restore_step(
-      self, target: CheckpointState, step: int, *, params_only: bool
+      self, target: CheckpointState, step: int, *, params_only: bool, verify: bool
   ) -> CheckpointState:
     """`restore` of exactly `step`: check, read, build the state, verify.
 
@@ -756,24 +766,27 @@ class Checkpointer:
     target_leaves = {p: x for p, x in _flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: _as_stored(leaf) for path, leaf in target_leaves.items()}
     self._check(step, expected, stored)
-    recorded = self._recorded_checksums(step)
-    unrecorded = [f"'{_join(p)}'" for p in expected if _join(p) not in recorded]
-    if unrecorded:
-      raise CheckpointError(
-          f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
-          step=step,
-      )
+    if verify:
+      recorded = self._recorded_checksums(step)
+      unrecorded = [f"'{_join(p)}'" for p in expected if _join(p) not in recorded]
+      if unrecorded:
+        raise CheckpointError(
+            f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
+            step=step,
+        )
     restored = self._read(step, expected, partial=params_only)
-    # Checked in the stored dtype: safe casts back to it are exact.
-    dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
-    pending = _dispatch_checksums(restored, dtypes)
+    if verify:
+      # Checked in the stored dtype: safe casts back to it are exact.
+      dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
+      pending = _dispatch_checksums(restored, dtypes)
     state_dict = traverse_util.unflatten_dict(_rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
           _fresh_param_states(target, state_dict[_TARGET])
       )
     state = target.restore_state(state_dict)
-    self._verify(step, pending, recorded)
+    if verify:
+      self._verify(step, pending, recorded)
     return state
 
   def restore(
@@ -783,6 +796,7 @@ class Checkpointer:
       *,
       params_only: bool = False,
       fallback: bool = False,
+      verify: bool = True,
   ) -> CheckpointState:
     """Restores checkpoint `step` into `target`'s structure and shardings.
 
@@ -810,6 +824,14 @@ class Checkpointer:
         the older steps, newest first, and restore the first intact one.
         Each step skipped is logged as a warning with its error; the step
         used is logged and is `restored_step` afterwards.
+      verify: check every array against its recorded checksum. Only for
+        steps written before checksums existed: False restores them
+        unverified.
+
+    A directory that holds no t5x_optim checkpoint but T5X's
+    ``checkpoint_<step>`` directories (legacy or Orbax format) is restored
+    with `t5x_checkpoints.restore_t5x_checkpoint` (T5X's format has no
+    checksums, and no `params_only` or `fallback`).
 
     Returns:
       A new object of `target`'s type holding real, sharded arrays.
@@ -825,12 +847,23 @@ class Checkpointer:
         (with `fallback`: those of every step tried), naming the step and the
         array path.
     """
+    if self._holds_only_t5x_checkpoints():
+      if params_only or fallback:
+        raise ValueError(
+            f"{self._directory} holds T5X checkpoints, which restore with neither "
+            "params_only nor fallback."
+        )
+      restored = t5x_checkpoints.restore_t5x_checkpoint(self._directory, target, step=step)
+      self._restored_step = t5x_checkpoints.latest_t5x_step(self._directory) if step is None else step
+      return restored
     step = self._resolve_step(step)
     candidates = [s for s in reversed(self.all_steps()) if s <= step] if fallback else [step]
     errors = []
     for candidate in candidates:
       try:
-        restored = self._restore_step(target, candidate, params_only=params_only)
+        restored = self._restore_step(
+            target, candidate, params_only=params_only, verify=verify
+        )
       except CheckpointError as e:
         if not fallback:
           raise

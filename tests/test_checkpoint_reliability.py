@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -112,6 +113,16 @@ def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, targe
     assert ckpt.restored_step == 1
     assert [r.getMessage()[:30] for r in caplog.records if r.name == "t5x_optim.checkpoints"] == [
         "Skipping checkpoint step 2: Ch", "Restored checkpoint step 1 of "]
+
+
+def test_a_step_without_checksums_restores_unverified_when_asked(tmp_path, states, target):
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, states[2])
+  shutil.rmtree(tmp_path / "2" / "checksums")  # as written before checksums existed
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CheckpointError, match=r"restores with verify=False, unverified"):
+      ckpt.restore(target)
+    w.assert_same_state(ckpt.restore(target, verify=False), states[2])
 
 
 def test_fallback_limits(tmp_path, part_2x4, states, target):

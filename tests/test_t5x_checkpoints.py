@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import types
 
 import flax.linen as nn
@@ -291,3 +292,16 @@ def test_round_trips_flax_mutables_and_a_chosen_step(tmp_path):
     back = t5x_optim.restore_t5x_checkpoint(tmp_path, state, step=step)
     for got, ref in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpointer_restores_a_t5x_model_dir(fmt, target, expected, tmp_path):
+  model_dir = tmp_path / fmt
+  shutil.copytree(DATA / fmt, model_dir)
+  with t5x_optim.Checkpointer(str(model_dir)) as checkpointer:
+    state = checkpointer.restore(target)
+    assert checkpointer.restored_step == STEP
+    with pytest.raises(ValueError, match="holds T5X checkpoints"):
+      checkpointer.restore(target, params_only=True)
+  _assert_bit_for_bit(state, expected)
+  _assert_shardings(state, target)
