@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -56,11 +56,11 @@ import orbax.checkpoint as ocp  # noqa: E402
 from t5x_optim import TrainState, checkpoints, optimizers  # noqa: E402
 from t5x_optim.checkpoints import Checkpointer  # noqa: E402
 from t5x_optim.partitioning import (  # noqa: E402
-    Partitioner,
-    abstract_train_state,
-    create_mesh,
-    init_sharded,
-    standard_logical_axis_rules,
+  Partitioner,
+  abstract_train_state,
+  create_mesh,
+  init_sharded,
+  standard_logical_axis_rules,
 )
 
 DIM = 2048
@@ -75,10 +75,9 @@ def init_fn(layers: int, *, random: bool) -> dict:
     return jnp.full((DIM, DIM), 0.01 * (i + 1), jnp.float32)
 
   return {
-      "params": {
-          f"layer_{i}": nn.LogicallyPartitioned(kernel(i), ("embed", "mlp"))
-          for i in range(layers)
-      }
+    "params": {
+      f"layer_{i}": nn.LogicallyPartitioned(kernel(i), ("embed", "mlp")) for i in range(layers)
+    }
   }
 
 
@@ -86,8 +85,8 @@ def _one_random_step(state: TrainState) -> TrainState:
   """One adamw step with random gradients: `mu` and `nu` become distinct values."""
   keys = jax.random.split(jax.random.key(1000), len(state.params))
   grads = {
-      name: jax.random.normal(key, param.shape, param.dtype)
-      for key, (name, param) in zip(keys, sorted(state.params.items()))
+    name: jax.random.normal(key, param.shape, param.dtype)
+    for key, (name, param) in zip(keys, sorted(state.params.items()))
   }
   shardings = jax.tree.map(lambda x: x.sharding, state)
   return jax.jit(lambda s, g: s.apply_gradient(g), out_shardings=shardings)(state, grads)
@@ -138,7 +137,7 @@ class _Orbax:
     self._ckpt = ocp.StandardCheckpointer()
     self._path = os.path.join(directory, "raw")
     return _timed(
-        lambda: (self._ckpt.save(self._path, self._state_dict), self._ckpt.wait_until_finished())
+      lambda: (self._ckpt.save(self._path, self._state_dict), self._ckpt.wait_until_finished())
     )[0]
 
   def restore(self) -> tuple[float, dict[str, Any]]:
@@ -155,8 +154,8 @@ def _shardings(tree: Any) -> list[tuple[Any, Any]]:
 def _rate_row(name: str, megabytes: float, saves: list[float], restores: list[float]) -> str:
   save, restore = statistics.median(saves), statistics.median(restores)
   return (
-      f"{name:14}{save:9.3f}{megabytes / save:11.0f}{megabytes / min(saves):11.0f}"
-      f"{restore:11.3f}{megabytes / restore:14.0f}{megabytes / min(restores):11.0f}"
+    f"{name:14}{save:9.3f}{megabytes / save:11.0f}{megabytes / min(saves):11.0f}"
+    f"{restore:11.3f}{megabytes / restore:14.0f}{megabytes / min(restores):11.0f}"
   )
 
 
@@ -164,16 +163,15 @@ def _checksum_seconds(state_dict: dict[str, Any]) -> float:
   """The median time of computing (and fetching) every array's checksum."""
   leaves = checkpoints._flatten(state_dict)
   times = [
-      _timed(lambda: checkpoints._fetch(checkpoints._dispatch_checksums(leaves)))[0]
-      for _ in range(7)
+    _timed(lambda: checkpoints._fetch(checkpoints._dispatch_checksums(leaves)))[0] for _ in range(7)
   ]
   return statistics.median(times[1:])
 
 
 def run(layers: int, rounds: int, restores: int, root: str, *, random: bool) -> None:
   part = Partitioner(
-      create_mesh(shape={"data": 2, "model": 4}),
-      standard_logical_axis_rules(shard_optimizer_state_over_data=True),
+    create_mesh(shape={"data": 2, "model": 4}),
+    standard_logical_axis_rules(shard_optimizer_state_over_data=True),
   )
   opt_def, init = optimizers.adamw(1e-3), functools.partial(init_fn, layers, random=random)
   state = init_sharded(part, opt_def, init)
@@ -182,9 +180,9 @@ def run(layers: int, rounds: int, restores: int, root: str, *, random: bool) -> 
   abstract = abstract_train_state(part, opt_def, init)
   state_dict = state.state_dict()
   abstract_dict = jax.tree.map(
-      lambda x, a: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=a.sharding),
-      state_dict,
-      abstract.state_dict(),
+    lambda x, a: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=a.sharding),
+    state_dict,
+    abstract.state_dict(),
   )
   megabytes = _bytes(state_dict) / 1e6
   sides = [_Ours(state, abstract), _Orbax(state_dict, abstract_dict)]
@@ -215,14 +213,14 @@ def run(layers: int, rounds: int, restores: int, root: str, *, random: bool) -> 
     raise AssertionError(f"the sides restore different leaves or shardings:\n{ours}\n{raw}")
   load = os.getloadavg()
   print(
-      f"adamw state ({'random' if random else 'constant'} data): {megabytes:.1f} MB, "
-      f"{len(jax.tree.leaves(state_dict))} leaves on both "
-      f"sides, mesh 2x4 (8 CPU devices); {rounds} rounds after 1 warm-up, "
-      f"{restores} restore pairs per round; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    f"adamw state ({'random' if random else 'constant'} data): {megabytes:.1f} MB, "
+    f"{len(jax.tree.leaves(state_dict))} leaves on both "
+    f"sides, mesh 2x4 (8 CPU devices); {rounds} rounds after 1 warm-up, "
+    f"{restores} restore pairs per round; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
   )
   print(
-      f"{'':14}{'save s':>9}{'save MB/s':>11}{'best MB/s':>11}"
-      f"{'restore s':>11}{'restore MB/s':>14}{'best MB/s':>11}"
+    f"{'':14}{'save s':>9}{'save MB/s':>11}{'best MB/s':>11}"
+    f"{'restore s':>11}{'restore MB/s':>14}{'best MB/s':>11}"
   )
   for side in sides:
     print(_rate_row(side.name, megabytes, saves[side.name], restore_times[side.name]))
@@ -232,8 +230,7 @@ def run(layers: int, rounds: int, restores: int, root: str, *, random: bool) -> 
     pairs = [raw_seconds / ours_seconds for ours_seconds, raw_seconds in zip(ours, raw)]
     ratios += [statistics.median(pairs), min(raw) / min(ours)]
   print(
-      f"{'ratio':14}{'':9}{ratios[0]:11.2f}{ratios[1]:11.2f}"
-      f"{'':11}{ratios[2]:14.2f}{ratios[3]:11.2f}"
+    f"{'ratio':14}{'':9}{ratios[0]:11.2f}{ratios[1]:11.2f}{'':11}{ratios[2]:14.2f}{ratios[3]:11.2f}"
   )
   seconds = _checksum_seconds(state_dict)
   print(f"{'checksums':14}{seconds:9.3f}{megabytes / seconds:11.0f}  (computing all of them once)")

@@ -40,19 +40,19 @@ from t5x_optim import OptaxWrapper, Optimizer  # noqa: E402
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter  # noqa: E402
 
 LAYER = {
-    "attention": {"query": (16, 8), "key": (16, 8), "value": (16, 8), "out": (8, 16)},
-    "mlp": {"wi": (16, 32), "bias": (32,)},
-    "layer_norm": {"scale": (16,)},
+  "attention": {"query": (16, 8), "key": (16, 8), "value": (16, 8), "out": (8, 16)},
+  "mlp": {"wi": (16, 32), "bias": (32,)},
+  "layer_norm": {"scale": (16,)},
 }
 FACTORIES = (
-    lambda: optax.adam(1e-3),
-    lambda: optax.sgd(1e-2, momentum=0.9),
-    lambda: optax.adamw(1e-3),
-    lambda: optax.lion(1e-4),
-    lambda: optax.rmsprop(1e-3),
-    lambda: optax.adagrad(1e-2),
-    lambda: optax.sgd(1e-2),
-    lambda: optax.adabelief(1e-3),
+  lambda: optax.adam(1e-3),
+  lambda: optax.sgd(1e-2, momentum=0.9),
+  lambda: optax.adamw(1e-3),
+  lambda: optax.lion(1e-4),
+  lambda: optax.rmsprop(1e-3),
+  lambda: optax.adagrad(1e-2),
+  lambda: optax.sgd(1e-2),
+  lambda: optax.adabelief(1e-3),
 )
 
 
@@ -60,7 +60,10 @@ def make_params(num_leaves: int) -> dict[str, Any]:
   """About `num_leaves` float32 leaves in layers of seven."""
   per_layer = len(jax.tree.leaves(LAYER, is_leaf=lambda x: isinstance(x, tuple)))
   keys = iter(jax.random.split(jax.random.key(0), per_layer))
-  is_shape = lambda x: isinstance(x, tuple)
+
+  def is_shape(x):
+    return isinstance(x, tuple)
+
   layer = jax.tree.map(lambda shape: jax.random.normal(next(keys), shape), LAYER, is_leaf=is_shape)
   return {f"layer_{i:04d}": layer for i in range(num_leaves // per_layer)}
 
@@ -125,12 +128,12 @@ def median_ratio(multi: list[float], plain: list[float]) -> float:
 
 
 def bench(
-    params: Any, num_groups: int, *, pairs: int, compile_pairs: int, steps: int
+  params: Any, num_groups: int, *, pairs: int, compile_pairs: int, steps: int
 ) -> dict[str, float]:
   patterns = group_patterns(num_groups)
   factories = FACTORIES[:num_groups]
   opt_def = MultiOptimizer(
-      [(PathFilter(p), OptaxWrapper(f())) for p, f in zip(patterns, factories)]
+    [(PathFilter(p), OptaxWrapper(f())) for p, f in zip(patterns, factories)]
   )
   transforms = {str(i): f() for i, f in enumerate(factories)}
   tx = optax.multi_transform({**transforms, "frozen": optax.set_to_zero()}, optax_labels(patterns))
@@ -156,13 +159,13 @@ def bench(
     step_multi.append(seconds(run_multi) / steps)
     step_plain.append(seconds(run_plain) / steps)
   return {
-      "partition": partition,
-      "compile_multi": statistics.median(compile_multi),
-      "compile_plain": statistics.median(compile_plain),
-      "compile_ratio": median_ratio(compile_multi, compile_plain),
-      "step_multi": statistics.median(step_multi),
-      "step_plain": statistics.median(step_plain),
-      "step_ratio": median_ratio(step_multi, step_plain),
+    "partition": partition,
+    "compile_multi": statistics.median(compile_multi),
+    "compile_plain": statistics.median(compile_plain),
+    "compile_ratio": median_ratio(compile_multi, compile_plain),
+    "step_multi": statistics.median(step_multi),
+    "step_plain": statistics.median(step_plain),
+    "step_ratio": median_ratio(step_multi, step_plain),
   }
 
 
@@ -176,19 +179,19 @@ def main() -> None:
   params = make_params(args.leaves)
   print(f"{len(jax.tree.leaves(params))} leaves, jax {jax.__version__}, optax {optax.__version__}")
   header = (
-      f"{'subopts':>7} {'partition s':>11} {'compile multi s':>16} {'compile optax s':>16} "
-      f"{'ratio':>6} {'step multi ms':>14} {'step optax ms':>14} {'ratio':>6}"
+    f"{'subopts':>7} {'partition s':>11} {'compile multi s':>16} {'compile optax s':>16} "
+    f"{'ratio':>6} {'step multi ms':>14} {'step optax ms':>14} {'ratio':>6}"
   )
   print(header)
   print("-" * len(header))
   for num_groups in (2, 8):
     r = bench(
-        params, num_groups, pairs=args.pairs, compile_pairs=args.compile_pairs, steps=args.steps
+      params, num_groups, pairs=args.pairs, compile_pairs=args.compile_pairs, steps=args.steps
     )
     print(
-        f"{num_groups:>7} {r['partition']:>11.3f} {r['compile_multi']:>16.2f} "
-        f"{r['compile_plain']:>16.2f} {r['compile_ratio']:>6.3f} {1e3 * r['step_multi']:>14.2f} "
-        f"{1e3 * r['step_plain']:>14.2f} {r['step_ratio']:>6.3f}"
+      f"{num_groups:>7} {r['partition']:>11.3f} {r['compile_multi']:>16.2f} "
+      f"{r['compile_plain']:>16.2f} {r['compile_ratio']:>6.3f} {1e3 * r['step_multi']:>14.2f} "
+      f"{1e3 * r['step_plain']:>14.2f} {r['step_ratio']:>6.3f}"
     )
 
 

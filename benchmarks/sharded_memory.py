@@ -26,9 +26,10 @@ import dataclasses
 import math
 import os
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                           + ' --xla_force_host_platform_device_count=8').strip()
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -37,8 +38,8 @@ import optax  # noqa: E402
 
 from t5x_optim import OptaxWrapper  # noqa: E402
 from t5x_optim.partitioning._axis_rules import (  # noqa: E402
-    LogicalAxisRules,
-    standard_logical_axis_rules,
+  LogicalAxisRules,
+  standard_logical_axis_rules,
 )
 from t5x_optim.partitioning._init import abstract_train_state  # noqa: E402
 from t5x_optim.partitioning._mesh import create_mesh  # noqa: E402
@@ -46,45 +47,49 @@ from t5x_optim.partitioning._partitioner import Partitioner  # noqa: E402
 
 VOCAB, EMBED, HEADS, KV, MLP, LAYERS = 32128, 512, 8, 64, 2048, 11
 MESHES = [(1, 8), (2, 4), (8, 1)]
-OPTIMIZERS = {'adamw': lambda: optax.adamw(1e-3), 'adafactor': lambda: optax.adafactor(1e-3)}
+OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-3), "adafactor": lambda: optax.adafactor(1e-3)}
 RULE_SETS = {
-    '1d': {},
-    '1d+zero': {'shard_optimizer_state_over_data': True},
-    '2d+zero': {'shard_optimizer_state_over_data': True, 'parameter_partitioning_dims': 2},
+  "1d": {},
+  "1d+zero": {"shard_optimizer_state_over_data": True},
+  "2d+zero": {"shard_optimizer_state_over_data": True, "parameter_partitioning_dims": 2},
 }
-ZERO_AXIS_WHEN_DATA_IS_1 = 'model'
+ZERO_AXIS_WHEN_DATA_IS_1 = "model"
 MiB = 2**20
 
 
 def _layer_shapes() -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
   """One transformer layer: attention, MLP, two layer norms."""
   return {
-      'query': ((EMBED, HEADS, KV), ('embed', 'heads', 'kv')),
-      'key': ((EMBED, HEADS, KV), ('embed', 'heads', 'kv')),
-      'value': ((EMBED, HEADS, KV), ('embed', 'heads', 'kv')),
-      'out': ((HEADS, KV, EMBED), ('heads', 'kv', 'embed')),
-      'wi': ((EMBED, MLP), ('embed', 'mlp')),
-      'wo': ((MLP, EMBED), ('mlp', 'embed')),
-      'pre_attention_norm': ((EMBED,), ('embed',)),
-      'pre_mlp_norm': ((EMBED,), ('embed',)),
+    "query": ((EMBED, HEADS, KV), ("embed", "heads", "kv")),
+    "key": ((EMBED, HEADS, KV), ("embed", "heads", "kv")),
+    "value": ((EMBED, HEADS, KV), ("embed", "heads", "kv")),
+    "out": ((HEADS, KV, EMBED), ("heads", "kv", "embed")),
+    "wi": ((EMBED, MLP), ("embed", "mlp")),
+    "wo": ((MLP, EMBED), ("mlp", "embed")),
+    "pre_attention_norm": ((EMBED,), ("embed",)),
+    "pre_mlp_norm": ((EMBED,), ("embed",)),
   }
 
 
 def model_variables() -> dict[str, dict[str, object]]:
   """The parameter tree, boxed with its logical axes (traced, never allocated)."""
+
   def boxed(shape, names):
     return nn.LogicallyPartitioned(jnp.zeros(shape, jnp.float32), names)
 
-  params = {f'layer_{i}': {name: boxed(*spec) for name, spec in _layer_shapes().items()}
-            for i in range(LAYERS)}
-  params['token_embedder'] = boxed((VOCAB, EMBED), ('vocab', 'embed'))
-  params['final_norm'] = boxed((EMBED,), ('embed',))
-  return {'params': params}
+  params = {
+    f"layer_{i}": {name: boxed(*spec) for name, spec in _layer_shapes().items()}
+    for i in range(LAYERS)
+  }
+  params["token_embedder"] = boxed((VOCAB, EMBED), ("vocab", "embed"))
+  params["final_norm"] = boxed((EMBED,), ("embed",))
+  return {"params": params}
 
 
 def _bytes_per_device(tree) -> int:
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+  )
 
 
 def _total_bytes(tree) -> int:
@@ -101,38 +106,43 @@ def logical_axis_rules(data: int, rules: str) -> LogicalAxisRules:
 
 def measure(data: int, model: int, optimizer: str, rules: str) -> dict[str, float]:
   """Per-device and total bytes of params and optimizer state for one configuration."""
-  partitioner = Partitioner(create_mesh(shape={'data': data, 'model': model}),
-                            logical_axis_rules(data, rules))
-  state = abstract_train_state(partitioner, OptaxWrapper(OPTIMIZERS[optimizer]()),
-                               model_variables)
+  partitioner = Partitioner(
+    create_mesh(shape={"data": data, "model": model}), logical_axis_rules(data, rules)
+  )
+  state = abstract_train_state(partitioner, OptaxWrapper(OPTIMIZERS[optimizer]()), model_variables)
   return {
-      'params': _bytes_per_device(state.params),
-      'params_total': _total_bytes(state.params),
-      'state': _bytes_per_device(state.param_states),
-      'state_total': _total_bytes(state.param_states),
+    "params": _bytes_per_device(state.params),
+    "params_total": _total_bytes(state.params),
+    "state": _bytes_per_device(state.param_states),
+    "state_total": _total_bytes(state.param_states),
   }
 
 
 def main() -> None:
   devices = jax.device_count()
-  header = (f"{'mesh':>5} {'optimizer':>9} {'rules':>8} | {'params/dev':>10} {'ideal':>8} "
-            f"{'ratio':>6} | {'state/dev':>10} {'ideal':>8} {'ratio':>6}")
+  header = (
+    f"{'mesh':>5} {'optimizer':>9} {'rules':>8} | {'params/dev':>10} {'ideal':>8} "
+    f"{'ratio':>6} | {'state/dev':>10} {'ideal':>8} {'ratio':>6}"
+  )
   print(header)
-  print('-' * len(header))
+  print("-" * len(header))
   for optimizer in OPTIMIZERS:
     for data, model in MESHES:
       for rules in RULE_SETS:
         m = measure(data, model, optimizer, rules)
-        ideal_params, ideal_state = m['params_total'] / devices, m['state_total'] / devices
-        print(f"{data}x{model:<3} {optimizer:>9} {rules:>8} | "
-              f"{m['params'] / MiB:>10.2f} {ideal_params / MiB:>8.2f} "
-              f"{m['params'] / ideal_params:>6.3f} | "
-              f"{m['state'] / MiB:>10.2f} {ideal_state / MiB:>8.2f} "
-              f"{m['state'] / ideal_state:>6.3f}")
+        ideal_params, ideal_state = m["params_total"] / devices, m["state_total"] / devices
+        print(
+          f"{data}x{model:<3} {optimizer:>9} {rules:>8} | "
+          f"{m['params'] / MiB:>10.2f} {ideal_params / MiB:>8.2f} "
+          f"{m['params'] / ideal_params:>6.3f} | "
+          f"{m['state'] / MiB:>10.2f} {ideal_state / MiB:>8.2f} "
+          f"{m['state'] / ideal_state:>6.3f}"
+        )
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(model_variables)))
-  print(f'\nparams: {num_params / 1e6:.1f}M float32; sizes in MiB; '
-        f'ideal = total / {devices} devices.')
+  print(
+    f"\nparams: {num_params / 1e6:.1f}M float32; sizes in MiB; ideal = total / {devices} devices."
+  )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -31,11 +31,11 @@ WIDTH, DEPTH, BATCH = 1024, 10, 64
 def mlp_params(key: jax.Array) -> dict[str, Any]:
   keys = jax.random.split(key, DEPTH)
   return {
-      f"layer_{i}": {
-          "kernel": jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5,
-          "bias": jnp.zeros((WIDTH,), jnp.float32),
-      }
-      for i, k in enumerate(keys)
+    f"layer_{i}": {
+      "kernel": jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5,
+      "bias": jnp.zeros((WIDTH,), jnp.float32),
+    }
+    for i, k in enumerate(keys)
   }
 
 
@@ -92,8 +92,8 @@ def step_ratio(pairs: int) -> tuple[float, float, float]:
 
 def wide_params(leaves: int) -> dict[str, Any]:
   return {
-      f"module_{i}": {"kernel": jnp.zeros((4, 4)), "bias": jnp.zeros((4,))}
-      for i in range(leaves // 2)
+    f"module_{i}": {"kernel": jnp.zeros((4, 4)), "bias": jnp.zeros((4,))}
+    for i in range(leaves // 2)
   }
 
 
@@ -109,11 +109,13 @@ def compile_ratios(pairs: int, leaves: int) -> list[tuple[str, float, float, flo
     def plain(params, state, grads):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
+
     return jax.jit(plain).lower(params, state, grads)
 
   def wrapped_lower():
     def wrapped(optimizer, grads):
       return optimizer.apply_gradient(grads)
+
     return jax.jit(wrapped).lower(optimizer, grads)
 
   times: dict[str, list[float]] = {key: [] for key in ("pt", "wt", "pc", "wc")}
@@ -125,19 +127,27 @@ def compile_ratios(pairs: int, leaves: int) -> list[tuple[str, float, float, flo
       times[side + "t"].append(traced)
       times[side + "c"].append(traced + compiled)
   rows = []
-  for label, kind in ((f"trace (lower), {leaves}-leaf tree (s)", "t"),
-                      (f"trace+compile, {leaves}-leaf tree (s)", "c")):
+  for label, kind in (
+    (f"trace (lower), {leaves}-leaf tree (s)", "t"),
+    (f"trace+compile, {leaves}-leaf tree (s)", "c"),
+  ):
     plain, wrapped = times["p" + kind], times["w" + kind]
     ratios = [w / p for w, p in zip(wrapped, plain)]
-    rows.append((label, statistics.median(plain), statistics.median(wrapped), statistics.median(ratios)))
+    rows.append(
+      (label, statistics.median(plain), statistics.median(wrapped), statistics.median(ratios))
+    )
   return rows
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pairs", type=int, default=30, help="timed pairs for the step")
-  parser.add_argument("--compile-pairs", type=int, default=2,
-                      help="timed pairs for compiles (XLA:CPU takes minutes at 7,000 leaves)")
+  parser.add_argument(
+    "--compile-pairs",
+    type=int,
+    default=2,
+    help="timed pairs for compiles (XLA:CPU takes minutes at 7,000 leaves)",
+  )
   parser.add_argument("--leaves", type=int, default=7000)
   args = parser.parse_args()
   n_params = DEPTH * (WIDTH * WIDTH + WIDTH)
@@ -147,7 +157,9 @@ def main() -> None:
   print(f"{'measure':<42} {'plain optax':>12} {'wrapper':>12} {'median ratio':>13} {'target':>8}")
   for name, plain, wrapped, ratio, target in rows:
     scale = 1e3 if "(ms)" in name else 1.0
-    print(f"{name:<42} {plain * scale:>12.3f} {wrapped * scale:>12.3f} {ratio:>13.3f} {'<= ' + str(target):>8}")
+    print(
+      f"{name:<42} {plain * scale:>12.3f} {wrapped * scale:>12.3f} {ratio:>13.3f} {'<= ' + str(target):>8}"
+    )
 
 
 if __name__ == "__main__":

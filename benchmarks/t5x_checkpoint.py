@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -50,11 +50,11 @@ from flax import traverse_util  # noqa: E402
 
 from t5x_optim import optimizers, restore_t5x_checkpoint, save_t5x_checkpoint  # noqa: E402
 from t5x_optim.partitioning import (  # noqa: E402
-    Partitioner,
-    abstract_train_state,
-    create_mesh,
-    init_sharded,
-    standard_logical_axis_rules,
+  Partitioner,
+  abstract_train_state,
+  create_mesh,
+  init_sharded,
+  standard_logical_axis_rules,
 )
 
 DIM = 2048
@@ -65,12 +65,12 @@ CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}})
 def init_fn(layers: int) -> dict[str, Any]:
   """Random (incompressible) kernels with logical axes."""
   return {
-      "params": {
-          f"layer_{i}": nn.LogicallyPartitioned(
-              jax.random.normal(jax.random.key(i), (DIM, DIM), jnp.float32), ("embed", "mlp")
-          )
-          for i in range(layers)
-      }
+    "params": {
+      f"layer_{i}": nn.LogicallyPartitioned(
+        jax.random.normal(jax.random.key(i), (DIM, DIM), jnp.float32), ("embed", "mlp")
+      )
+      for i in range(layers)
+    }
   }
 
 
@@ -87,9 +87,11 @@ def _arrays(state_dict: dict[str, Any]) -> dict[tuple[str, ...], Any]:
 def raw_ts_read(step_dir: str, abstract: dict[tuple[str, ...], Any]) -> list[jax.Array]:
   """Opens each zarr array and reads each device's shard: the floor for the legacy format."""
   stores = {
-      p: ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": f"{step_dir}/{'.'.join(p)}"}},
-                 context=CONTEXT)
-      for p in abstract
+    p: ts.open(
+      {"driver": "zarr", "kvstore": {"driver": "file", "path": f"{step_dir}/{'.'.join(p)}"}},
+      context=CONTEXT,
+    )
+    for p in abstract
   }
   pending = {}
   for p, leaf in abstract.items():
@@ -97,10 +99,10 @@ def raw_ts_read(step_dir: str, abstract: dict[tuple[str, ...], Any]) -> list[jax
     index_map = leaf.sharding.addressable_devices_indices_map(leaf.shape)
     pending[p] = [(d, store[i].read()) for d, i in index_map.items()]
   return [
-      jax.make_array_from_single_device_arrays(
-          abstract[p].shape, abstract[p].sharding, [jax.device_put(f.result(), d) for d, f in reads]
-      )
-      for p, reads in pending.items()
+    jax.make_array_from_single_device_arrays(
+      abstract[p].shape, abstract[p].sharding, [jax.device_put(f.result(), d) for d, f in reads]
+    )
+    for p, reads in pending.items()
   ]
 
 
@@ -109,18 +111,22 @@ def raw_ts_write(directory: str, arrays: dict[tuple[str, ...], jax.Array]) -> No
   opening = {}
   for p, leaf in arrays.items():
     spec = {
-        "driver": "zarr",
-        "dtype": leaf.dtype.name,
-        "kvstore": {"driver": "file", "path": f"{directory}/{'.'.join(p)}"},
-        "metadata": {"compressor": {"id": "zstd", "level": 1}, "shape": list(leaf.shape),
-                     "chunks": list(leaf.sharding.shard_shape(leaf.shape))},
+      "driver": "zarr",
+      "dtype": leaf.dtype.name,
+      "kvstore": {"driver": "file", "path": f"{directory}/{'.'.join(p)}"},
+      "metadata": {
+        "compressor": {"id": "zstd", "level": 1},
+        "shape": list(leaf.shape),
+        "chunks": list(leaf.sharding.shard_shape(leaf.shape)),
+      },
     }
     opening[p] = ts.open(spec, create=True, open=True, context=CONTEXT)
   writes = []
   for p, leaf in arrays.items():
     store = opening[p].result()
-    writes += [store[s.index].write(np.asarray(s.data)) for s in leaf.addressable_shards
-               if s.replica_id == 0]
+    writes += [
+      store[s.index].write(np.asarray(s.data)) for s in leaf.addressable_shards if s.replica_id == 0
+    ]
   for w in writes:
     w.commit.result()
 
@@ -144,8 +150,8 @@ def main() -> None:
   args = parser.parse_args()
 
   partitioner = Partitioner(
-      create_mesh(shape={"data": 2, "model": 4}),
-      standard_logical_axis_rules(parameter_partitioning_dims=2),
+    create_mesh(shape={"data": 2, "model": 4}),
+    standard_logical_axis_rules(parameter_partitioning_dims=2),
   )
   optimizer_def = optimizers.adamw(1e-3)
   init = functools.partial(init_fn, args.layers)
@@ -163,12 +169,12 @@ def main() -> None:
   with ocp.PyTreeCheckpointer() as checkpointer:
     checkpointer.save(orbax_item, state.state_dict())
   abstract_orbax = {
-      p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-      for p, x in traverse_util.flatten_dict(abstract.state_dict()).items()
+    p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    for p, x in traverse_util.flatten_dict(abstract.state_dict()).items()
   }
   orbax_target = traverse_util.unflatten_dict(abstract_orbax)
   orbax_args = ocp.args.PyTreeRestore(
-      orbax_target, restore_args=ocp.checkpoint_utils.construct_restore_args(orbax_target)
+    orbax_target, restore_args=ocp.checkpoint_utils.construct_restore_args(orbax_target)
   )
 
   def orbax_raw() -> float:
@@ -193,25 +199,49 @@ def main() -> None:
     return seconds
 
   rows = [
-      ("legacy restore", _bench({
-          "ours": lambda: _timed(lambda: restore_t5x_checkpoint(os.path.join(root, "legacy"), abstract)),
+    (
+      "legacy restore",
+      _bench(
+        {
+          "ours": lambda: _timed(
+            lambda: restore_t5x_checkpoint(os.path.join(root, "legacy"), abstract)
+          ),
           "base": lambda: _timed(lambda: raw_ts_read(legacy_dir, abstract_arrays)),
-      }, args.rounds), "raw tensorstore"),
-      ("Orbax-format restore", _bench({
-          "ours": lambda: _timed(lambda: restore_t5x_checkpoint(os.path.join(root, "orbax"), abstract)),
+        },
+        args.rounds,
+      ),
+      "raw tensorstore",
+    ),
+    (
+      "Orbax-format restore",
+      _bench(
+        {
+          "ours": lambda: _timed(
+            lambda: restore_t5x_checkpoint(os.path.join(root, "orbax"), abstract)
+          ),
           "base": orbax_raw,
-      }, args.rounds), "orbax PyTreeCheckpointer"),
-      ("legacy save", _bench({"ours": ours_save, "base": raw_save}, args.rounds), "raw tensorstore"),
+        },
+        args.rounds,
+      ),
+      "orbax PyTreeCheckpointer",
+    ),
+    ("legacy save", _bench({"ours": ours_save, "base": raw_save}, args.rounds), "raw tensorstore"),
   ]
   shutil.rmtree(root)
 
-  print(f"adamw TrainState, {args.layers} x {DIM}x{DIM} f32 params (+ mu, nu): {megabytes:.0f} MB, "
-        f"mesh data=2 x model=4 (8 CPU devices), median of {args.rounds} rounds")
-  print(f"{'operation':<22}{'ours s':>9}{'ours MB/s':>11}{'baseline':>26}{'base s':>9}"
-        f"{'base MB/s':>11}{'ratio':>7}")
+  print(
+    f"adamw TrainState, {args.layers} x {DIM}x{DIM} f32 params (+ mu, nu): {megabytes:.0f} MB, "
+    f"mesh data=2 x model=4 (8 CPU devices), median of {args.rounds} rounds"
+  )
+  print(
+    f"{'operation':<22}{'ours s':>9}{'ours MB/s':>11}{'baseline':>26}{'base s':>9}"
+    f"{'base MB/s':>11}{'ratio':>7}"
+  )
   for name, t, base in rows:
-    print(f"{name:<22}{t['ours']:>9.3f}{megabytes / t['ours']:>11.0f}{base:>26}{t['base']:>9.3f}"
-          f"{megabytes / t['base']:>11.0f}{t['base'] / t['ours']:>7.2f}")
+    print(
+      f"{name:<22}{t['ours']:>9.3f}{megabytes / t['ours']:>11.0f}{base:>26}{t['base']:>9.3f}"
+      f"{megabytes / t['base']:>11.0f}{t['base'] / t['ours']:>7.2f}"
+    )
 
 
 if __name__ == "__main__":

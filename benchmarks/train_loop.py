@@ -36,8 +36,9 @@ def _parse() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--num_devices", type=int, default=8,
-                      help="simulated CPU devices (ignored on an accelerator)")
+  parser.add_argument(
+    "--num_devices", type=int, default=8, help="simulated CPU devices (ignored on an accelerator)"
+  )
   return parser.parse_args()
 
 
@@ -50,16 +51,21 @@ def main() -> None:
   from t5x_optim.cli._interrupt import Interrupt  # noqa: PLC0415
 
   _config.parse_config(
-      gin_bindings=[f"TOTAL_STEPS = {args.steps}", "cli.TrainJob.eval_every = 1000000",
-                    "cli.TrainJob.checkpoint_every = 1000000"],
-      macros=_config.device_macros(jax.device_count()))
+    gin_bindings=[
+      f"TOTAL_STEPS = {args.steps}",
+      "cli.TrainJob.eval_every = 1000000",
+      "cli.TrainJob.checkpoint_every = 1000000",
+    ],
+    macros=_config.device_macros(jax.device_count()),
+  )
   setup = _train.prepare(_config.build_job())
   task = setup.job.task
   one_in_flight = jax.devices()[0].platform == "cpu"
 
   def cli_loop() -> float:
-    summary = _train.train(setup, model_dir=tempfile.mkdtemp(), interrupt=Interrupt(),
-                           stream=io.StringIO())
+    summary = _train.train(
+      setup, model_dir=tempfile.mkdtemp(), interrupt=Interrupt(), stream=io.StringIO()
+    )
     return summary.timed_steps / summary.timed_seconds
 
   def bare_loop() -> float:
@@ -83,8 +89,10 @@ def main() -> None:
       bare_rates.append(rates["bare_loop"])
       ratios.append(rates["cli_loop"] / rates["bare_loop"])
   mesh = " x ".join(f"{k}={v}" for k, v in setup.job.partitioner.mesh.shape.items())
-  print(f"default job, {args.steps} steps, mesh {mesh} ({jax.devices()[0].platform}), "
-        f"{args.rounds} rounds")
+  print(
+    f"default job, {args.steps} steps, mesh {mesh} ({jax.devices()[0].platform}), "
+    f"{args.rounds} rounds"
+  )
   print(f"{'side':<12}{'median steps/s':>16}{'best steps/s':>14}")
   print(f"{'t5x-optim':<12}{statistics.median(cli_rates):>16.1f}{max(cli_rates):>14.1f}")
   print(f"{'bare loop':<12}{statistics.median(bare_rates):>16.1f}{max(bare_rates):>14.1f}")

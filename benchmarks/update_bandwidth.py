@@ -53,9 +53,9 @@ import optax
 from t5x_optim import OptaxWrapper
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-3),
-    "lion": lambda: optax.lion(1e-4),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "adamw": lambda: optax.adamw(1e-3),
+  "lion": lambda: optax.lion(1e-4),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
 VARIANTS = ("plain", "wrapper", "optax_flatten", "regroup", "stacked_state", "stacked_all")
 DEFAULT_VARIANTS = ("plain", "wrapper", "optax_flatten", "stacked_state", "stacked_all")
@@ -71,22 +71,39 @@ def t5_shapes(d_model: int, d_ff: int, layers: int, vocab: int) -> dict[str, Any
 
   def attention() -> dict[str, Any]:
     return {name: {"kernel": (d_model, d_model)} for name in ("query", "key", "value")} | {
-        "out": {"kernel": (d_model, d_model)}}
+      "out": {"kernel": (d_model, d_model)}
+    }
 
   def mlp() -> dict[str, Any]:
-    return {"wi_0": {"kernel": (d_model, d_ff)}, "wi_1": {"kernel": (d_model, d_ff)},
-            "wo": {"kernel": (d_ff, d_model)}}
+    return {
+      "wi_0": {"kernel": (d_model, d_ff)},
+      "wi_1": {"kernel": (d_model, d_ff)},
+      "wo": {"kernel": (d_ff, d_model)},
+    }
 
   def norm() -> dict[str, Any]:
     return {"scale": (d_model,)}
 
-  encoder = {f"layers_{i}": {"attention": attention(), "mlp": mlp(),
-                             "pre_attention_layer_norm": norm(), "pre_mlp_layer_norm": norm()}
-             for i in range(layers)}
-  decoder = {f"layers_{i}": {"self_attention": attention(), "encoder_decoder_attention": attention(),
-                             "mlp": mlp(), "pre_self_attention_layer_norm": norm(),
-                             "pre_cross_attention_layer_norm": norm(), "pre_mlp_layer_norm": norm()}
-             for i in range(layers)}
+  encoder = {
+    f"layers_{i}": {
+      "attention": attention(),
+      "mlp": mlp(),
+      "pre_attention_layer_norm": norm(),
+      "pre_mlp_layer_norm": norm(),
+    }
+    for i in range(layers)
+  }
+  decoder = {
+    f"layers_{i}": {
+      "self_attention": attention(),
+      "encoder_decoder_attention": attention(),
+      "mlp": mlp(),
+      "pre_self_attention_layer_norm": norm(),
+      "pre_cross_attention_layer_norm": norm(),
+      "pre_mlp_layer_norm": norm(),
+    }
+    for i in range(layers)
+  }
   encoder["encoder_norm"] = norm()
   decoder["decoder_norm"] = norm()
   decoder["logits_dense"] = {"kernel": (d_model, vocab)}
@@ -96,7 +113,9 @@ def t5_shapes(d_model: int, d_ff: int, layers: int, vocab: int) -> dict[str, Any
 def tree_shapes(name: str, scale: float) -> dict[str, Any]:
   """The shapes of tree `name`; "one-leaf" is one vector as large as T5-base-like."""
   if name == "one-leaf":
-    base = jax.tree.leaves(tree_shapes("T5-base-like", scale), is_leaf=lambda x: isinstance(x, tuple))
+    base = jax.tree.leaves(
+      tree_shapes("T5-base-like", scale), is_leaf=lambda x: isinstance(x, tuple)
+    )
     return {"w": (sum(int(np.prod(shape)) for shape in base),)}
   d_model, d_ff, layers = T5_SIZES[name]
   return t5_shapes(round(d_model * scale), round(d_ff * scale), layers, round(VOCAB * scale))
@@ -105,8 +124,9 @@ def tree_shapes(name: str, scale: float) -> dict[str, Any]:
 def random_tree(shapes: Any, seed: int, scale: float) -> Any:
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [
-      scale * jax.random.normal(k, shape, jnp.float32) for k, shape in zip(keys, leaves)])
+  return jax.tree.unflatten(
+    treedef, [scale * jax.random.normal(k, shape, jnp.float32) for k, shape in zip(keys, leaves)]
+  )
 
 
 class Grouping:
@@ -122,8 +142,9 @@ class Grouping:
     for i, leaf in enumerate(leaves):
       members[(leaf.shape, leaf.dtype)].append(i)
     size = max_size or len(leaves)
-    self.groups = [group[j:j + size] for group in members.values()
-                   for j in range(0, len(group), size)]
+    self.groups = [
+      group[j : j + size] for group in members.values() for j in range(0, len(group), size)
+    ]
 
   def stack(self, tree: Any) -> list[jax.Array]:
     leaves = jax.tree.leaves(tree)
@@ -139,21 +160,31 @@ class Grouping:
 
 def _map_param_subtrees(fn: Callable[[Any], Any], state: Any, treedef: Any) -> Any:
   """Applies `fn` to each subtree of `state` that has the params' structure."""
-  return jax.tree.map(lambda t: fn(t) if jax.tree.structure(t) == treedef else t, state,
-                      is_leaf=lambda t: jax.tree.structure(t) == treedef)
+  return jax.tree.map(
+    lambda t: fn(t) if jax.tree.structure(t) == treedef else t,
+    state,
+    is_leaf=lambda t: jax.tree.structure(t) == treedef,
+  )
 
 
 def _map_stacked(fn: Callable[[Any], Any], state: Any) -> Any:
-  return jax.tree.map(lambda t: fn(t) if isinstance(t, list) else t, state,
-                      is_leaf=lambda t: isinstance(t, list))
+  return jax.tree.map(
+    lambda t: fn(t) if isinstance(t, list) else t, state, is_leaf=lambda t: isinstance(t, list)
+  )
 
 
 Setup = tuple[Callable[..., Any], tuple[Any, ...], Callable[[Any], Any]]
 """(step function, initial arguments, how to read the params out of its result)."""
 
 
-def make_variant(name: str, tx: optax.GradientTransformation, params: Any, grads: Any,
-                 *, group_size: int | None = None) -> Setup:
+def make_variant(
+  name: str,
+  tx: optax.GradientTransformation,
+  params: Any,
+  grads: Any,
+  *,
+  group_size: int | None = None,
+) -> Setup:
   """Builds one layout's step (donating params and state), its inputs, and a params reader."""
   grouping = Grouping(params, group_size)
 
@@ -164,8 +195,11 @@ def make_variant(name: str, tx: optax.GradientTransformation, params: Any, grads
   if name == "plain":
     return plain, (params, tx.init(params), grads), lambda out: out[0]
   if name == "wrapper":
-    return (lambda opt, g: opt.apply_gradient(g)), (OptaxWrapper(tx).create(params), grads), (
-        lambda opt: opt.target)
+    return (
+      (lambda opt, g: opt.apply_gradient(g)),
+      (OptaxWrapper(tx).create(params), grads),
+      (lambda opt: opt.target),
+    )
   if name == "optax_flatten":
     flat_tx = optax.flatten(tx)
 
@@ -175,6 +209,7 @@ def make_variant(name: str, tx: optax.GradientTransformation, params: Any, grads
 
     return flat, (params, flat_tx.init(params), grads), lambda out: out[0]
   if name == "regroup":
+
     def regroup(p, s, g):
       stacked_p = grouping.stack(p)
       stacked_s = _map_param_subtrees(grouping.stack, s, grouping.treedef)
@@ -184,6 +219,7 @@ def make_variant(name: str, tx: optax.GradientTransformation, params: Any, grads
 
     return regroup, (params, tx.init(params), grads), lambda out: out[0]
   if name == "stacked_state":
+
     def stacked_state(p, s, g):
       stacked_p = grouping.stack(p)
       updates, s = tx.update(grouping.stack(g), s, stacked_p)
@@ -192,8 +228,11 @@ def make_variant(name: str, tx: optax.GradientTransformation, params: Any, grads
     return stacked_state, (params, tx.init(grouping.stack(params)), grads), lambda out: out[0]
   if name == "stacked_all":
     stacked = grouping.stack(params)
-    return plain, (stacked, tx.init(stacked), grouping.stack(grads)), (
-        lambda out: grouping.unstack(out[0]))
+    return (
+      plain,
+      (stacked, tx.init(stacked), grouping.stack(grads)),
+      (lambda out: grouping.unstack(out[0])),
+    )
   raise ValueError(f"Unknown variant {name!r}; the variants are {VARIANTS}.")
 
 
@@ -233,20 +272,32 @@ def copy_bandwidth(n_floats: int, repeats: int) -> float:
 def update_bytes(tx: optax.GradientTransformation, params: Any) -> int:
   """Bytes an update must move: params and state read and written, grads read."""
   state = jax.eval_shape(tx.init, params)
-  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+  def nbytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
   return 3 * nbytes(params) + 2 * nbytes(state)
 
 
 def op_count(compiled: Any) -> int:
   """Instructions of the optimized entry computation that do work (fusions, copies...)."""
   entry = compiled.as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
-  ops = [re.search(r" ([a-z][a-z0-9-]*)\(", " " + line.split(" = ", 1)[1]).group(1)
-         for line in entry.splitlines()[1:] if " = " in line]
+  ops = [
+    re.search(r" ([a-z][a-z0-9-]*)\(", " " + line.split(" = ", 1)[1]).group(1)
+    for line in entry.splitlines()[1:]
+    if " = " in line
+  ]
   return sum(op not in _NOT_COUNTED for op in ops)
 
 
-def measure(tx_name: str, params: Any, grads: Any, variants: tuple[str, ...],
-            repeats: int, group_size: int | None) -> dict[str, dict[str, Any]]:
+def measure(
+  tx_name: str,
+  params: Any,
+  grads: Any,
+  variants: tuple[str, ...],
+  repeats: int,
+  group_size: int | None,
+) -> dict[str, dict[str, Any]]:
   """Compile time, median step time and exactness of each variant on one tree.
 
   Each variant owns a copy of the params (its steps donate them), so only one
@@ -260,15 +311,20 @@ def measure(tx_name: str, params: Any, grads: Any, variants: tuple[str, ...],
   for name in variants:
     fn, initial, reader = make_variant(name, tx, _copy(params), grads, group_size=group_size)
     compile_s, compiled = timed(
-        lambda: jax.jit(fn, donate_argnums=_donated(initial)).lower(*initial).compile())
+      lambda: jax.jit(fn, donate_argnums=_donated(initial)).lower(*initial).compile()
+    )
     buffers = len(jax.tree.leaves(initial[:-1]))
     out = jax.block_until_ready(compiled(*initial))
     first = jax.tree.leaves(jax.device_get(reader(out)))
     reference = first if reference is None else reference
     steps[name], state[name] = compiled, (*_as_tuple(out), initial[-1])
-    results[name] = {"compile": compile_s, "times": [], "buffers": buffers,
-                     "ops": op_count(compiled),
-                     "exact": all(np.array_equal(a, b) for a, b in zip(reference, first))}
+    results[name] = {
+      "compile": compile_s,
+      "times": [],
+      "buffers": buffers,
+      "ops": op_count(compiled),
+      "exact": all(np.array_equal(a, b) for a, b in zip(reference, first)),
+    }
   for i in range(repeats):
     for name in variants if i % 2 == 0 else variants[::-1]:
       elapsed, out = timed(lambda: steps[name](*state[name]))
@@ -279,36 +335,61 @@ def measure(tx_name: str, params: Any, grads: Any, variants: tuple[str, ...],
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--scale", type=float, default=None,
-                      help="multiplies d_model, d_ff and the vocabulary (default: 1 on an "
-                           "accelerator, 0.25 on CPU; leaf counts never change)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed rounds per variant (default: 20 on an accelerator, 5 on CPU)")
+  parser.add_argument(
+    "--scale",
+    type=float,
+    default=None,
+    help="multiplies d_model, d_ff and the vocabulary (default: 1 on an "
+    "accelerator, 0.25 on CPU; leaf counts never change)",
+  )
+  parser.add_argument(
+    "--repeats",
+    type=int,
+    default=None,
+    help="timed rounds per variant (default: 20 on an accelerator, 5 on CPU)",
+  )
   parser.add_argument("--trees", nargs="+", default=list(TREES), choices=TREES)
-  parser.add_argument("--group-size", type=int, default=None,
-                      help="most leaves per stacked buffer in the stacked/regroup variants")
-  parser.add_argument("--optimizers", nargs="+", default=["adamw", "lion"], choices=list(OPTIMIZERS))
-  parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
-                      help="the first one is the reference for ratios and exactness")
+  parser.add_argument(
+    "--group-size",
+    type=int,
+    default=None,
+    help="most leaves per stacked buffer in the stacked/regroup variants",
+  )
+  parser.add_argument(
+    "--optimizers", nargs="+", default=["adamw", "lion"], choices=list(OPTIMIZERS)
+  )
+  parser.add_argument(
+    "--variants",
+    nargs="+",
+    default=list(DEFAULT_VARIANTS),
+    choices=VARIANTS,
+    help="the first one is the reference for ratios and exactness",
+  )
   args = parser.parse_args()
   on_cpu = jax.default_backend() == "cpu"
   scale = args.scale if args.scale is not None else (0.25 if on_cpu else 1.0)
   repeats = args.repeats if args.repeats is not None else (5 if on_cpu else 20)
   variants = tuple(args.variants)
   device = jax.devices()[0]
-  print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()} "
-        f"({device.device_kind}), scale {scale}, {repeats} timed rounds per variant")
-  header = (f"{'tree':<14} {'opt':<13} {'variant':<14} {'params':>8} {'leaves':>6} "
-            f"{'buffers':>7} {'ops':>7} {'step ms':>9} {'limit ms':>9} {'of limit':>8} {'speedup':>9} "
-            f"{'compile s':>9} {'compile x':>9} {'exact':>5}")
+  print(
+    f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()} "
+    f"({device.device_kind}), scale {scale}, {repeats} timed rounds per variant"
+  )
+  header = (
+    f"{'tree':<14} {'opt':<13} {'variant':<14} {'params':>8} {'leaves':>6} "
+    f"{'buffers':>7} {'ops':>7} {'step ms':>9} {'limit ms':>9} {'of limit':>8} {'speedup':>9} "
+    f"{'compile s':>9} {'compile x':>9} {'exact':>5}"
+  )
   for tree_name in args.trees:
     shapes = tree_shapes(tree_name, scale)
     params = random_tree(shapes, 0, 0.05)
     grads = random_tree(shapes, 1, 1e-3)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     bandwidth = copy_bandwidth(n_params, repeats=max(2 * repeats, 10))
-    print(f"\n{tree_name}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (donated x + 1 over "
-          f"{n_params / 1e6:.1f}M floats)")
+    print(
+      f"\n{tree_name}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (donated x + 1 over "
+      f"{n_params / 1e6:.1f}M floats)"
+    )
     print(header)
     for tx_name in args.optimizers:
       limit = update_bytes(OPTIMIZERS[tx_name](), params) / bandwidth
@@ -317,11 +398,13 @@ def main() -> None:
       for name in variants:
         row = results[name]
         step = statistics.median(row["times"])
-        print(f"{tree_name:<14} {tx_name:<13} {name:<14} {n_params / 1e6:>7.1f}M "
-              f"{len(jax.tree.leaves(params)):>6} {row['buffers']:>7} {row['ops']:>7} {step * 1e3:>9.2f} "
-              f"{limit * 1e3:>9.2f} {limit / step:>8.2f} "
-              f"{statistics.median(base['times']) / step:>8.2f}x {row['compile']:>9.2f} "
-              f"{row['compile'] / base['compile']:>8.2f}x {'yes' if row['exact'] else 'NO':>5}")
+        print(
+          f"{tree_name:<14} {tx_name:<13} {name:<14} {n_params / 1e6:>7.1f}M "
+          f"{len(jax.tree.leaves(params)):>6} {row['buffers']:>7} {row['ops']:>7} {step * 1e3:>9.2f} "
+          f"{limit * 1e3:>9.2f} {limit / step:>8.2f} "
+          f"{statistics.median(base['times']) / step:>8.2f}x {row['compile']:>9.2f} "
+          f"{row['compile'] / base['compile']:>8.2f}x {'yes' if row['exact'] else 'NO':>5}"
+        )
 
 
 if __name__ == "__main__":

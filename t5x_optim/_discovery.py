@@ -27,9 +27,7 @@ def _returns_transformation(signature: inspect.Signature) -> bool:
   annotation = signature.return_annotation
   if isinstance(annotation, str):
     return annotation.rsplit(".", 1)[-1].startswith("GradientTransformation")
-  return isinstance(annotation, type) and issubclass(
-      annotation, optax.GradientTransformation
-  )
+  return isinstance(annotation, type) and issubclass(annotation, optax.GradientTransformation)
 
 
 def is_optimizer_factory(obj: object) -> bool:

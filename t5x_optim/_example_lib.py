@@ -27,34 +27,34 @@ from jax.example_libraries import optimizers as example_lib
 from jax.sharding import PartitionSpec
 
 from t5x_optim._optimizer import (
-    Optimizer,
-    OptimizerDef,
-    OptimizerState,
-    structure_mismatch,
-    tree_like,
+  Optimizer,
+  OptimizerDef,
+  OptimizerState,
+  structure_mismatch,
+  tree_like,
 )
 from t5x_optim.partitioning import _state_rules_specs as specs_lib
 from t5x_optim.partitioning._state_rules import StateRulesFallback, logical_axes_from
 
 __all__ = [
-    "EXAMPLE_LIB_OPTIMIZERS",
-    "ExampleLibHyperParams",
-    "ExampleLibOptimizerDef",
-    "example_lib_optimizer_makers",
-    "wrap_example_lib_optimizer",
+  "EXAMPLE_LIB_OPTIMIZERS",
+  "ExampleLibHyperParams",
+  "ExampleLibOptimizerDef",
+  "example_lib_optimizer_makers",
+  "wrap_example_lib_optimizer",
 ]
 
 _STEP_SIZE = "step_size"
 
 _SLOT_NAMES: dict[str, tuple[str, ...]] = {
-    "momentum": ("x", "velocity"),
-    "nesterov": ("x", "velocity"),
-    "adagrad": ("x", "g_sq", "m"),
-    "rmsprop": ("x", "avg_sq_grad"),
-    "rmsprop_momentum": ("x", "avg_sq_grad", "mom"),
-    "adam": ("x", "m", "v"),
-    "adamax": ("x", "m", "u"),
-    "sm3": ("x", "m", "vs", "x_shape"),
+  "momentum": ("x", "velocity"),
+  "nesterov": ("x", "velocity"),
+  "adagrad": ("x", "g_sq", "m"),
+  "rmsprop": ("x", "avg_sq_grad"),
+  "rmsprop_momentum": ("x", "avg_sq_grad", "mom"),
+  "adam": ("x", "m", "v"),
+  "adamax": ("x", "m", "u"),
+  "sm3": ("x", "m", "vs", "x_shape"),
 }
 """Names of the per-param state positions of jax's own triples, from their source."""
 
@@ -69,9 +69,9 @@ def example_lib_optimizer_makers() -> dict[str, Callable[..., example_lib.Optimi
     ['adagrad', 'adam', 'adamax']
   """
   return {
-      name: obj
-      for name, obj in sorted(vars(example_lib).items())
-      if not name.startswith("_") and getattr(obj, "__code__", None) is _DECORATED_CODE
+    name: obj
+    for name, obj in sorted(vars(example_lib).items())
+    if not name.startswith("_") and getattr(obj, "__code__", None) is _DECORATED_CODE
   }
 
 
@@ -120,7 +120,7 @@ class _LeafLayout:
     return flat
 
   def unpack(
-      self, flat: Sequence[Any], *, where: str, like: Sequence[Any] | None = None
+    self, flat: Sequence[Any], *, where: str, like: Sequence[Any] | None = None
   ) -> dict[str, Any]:
     """The parts dict of a flat packed state (the param copy left out).
 
@@ -141,9 +141,9 @@ class _LeafLayout:
         node[data[-1]] = leaf
       elif kind is _Slot.STATIC and (_is_array(leaf) or leaf != data):
         raise ValueError(
-            f"The triple's update changed the Python value {data!r} in the state of "
-            f"param {where} to {leaf!r}; ExampleLibOptimizerDef rebuilds Python "
-            "values from the params, so state that changes must be arrays."
+          f"The triple's update changed the Python value {data!r} in the state of "
+          f"param {where} to {leaf!r}; ExampleLibOptimizerDef rebuilds Python "
+          "values from the params, so state that changes must be arrays."
         )
     return parts
 
@@ -167,8 +167,8 @@ class _Layout:
       return thawed_def.flatten_up_to(specs_lib.thaw(param_states))
     except (TypeError, ValueError) as error:
       raise ValueError(
-          "The optimizer state does not fit the params: "
-          f"{structure_mismatch(param_states, params, name='state')}."
+        "The optimizer state does not fit the params: "
+        f"{structure_mismatch(param_states, params, name='state')}."
       ) from error
 
   def pack(self, params: Any, param_states: Any) -> example_lib.OptimizerState:
@@ -176,13 +176,13 @@ class _Layout:
     parts = self.parts(params, param_states)
     flat_params = self.params_def.flatten_up_to(params)
     return example_lib.OptimizerState(
-        [leaf.pack(p, s) for leaf, p, s in zip(self.leaves, flat_params, parts, strict=True)],
-        self.params_def,
-        [leaf.treedef for leaf in self.leaves],
+      [leaf.pack(p, s) for leaf, p, s in zip(self.leaves, flat_params, parts, strict=True)],
+      self.params_def,
+      [leaf.treedef for leaf in self.leaves],
     )
 
   def unpack(
-      self, packed: example_lib.OptimizerState, *, like: example_lib.OptimizerState | None = None
+    self, packed: example_lib.OptimizerState, *, like: example_lib.OptimizerState | None = None
   ) -> Any:
     """The stored form of a packed state: parts dicts in the params' structure.
 
@@ -190,9 +190,10 @@ class _Layout:
     """
     likes = [None] * len(self.leaves) if like is None else like.packed_state
     return self.params_def.unflatten(
-        leaf.unpack(flat, where=path, like=old)
-        for leaf, flat, path, old in zip(
-            self.leaves, packed.packed_state, self.paths, likes, strict=True)
+      leaf.unpack(flat, where=path, like=old)
+      for leaf, flat, path, old in zip(
+        self.leaves, packed.packed_state, self.paths, likes, strict=True
+      )
     )
 
 
@@ -216,7 +217,7 @@ def _part_names(path: Sequence[Any], slot_names: Sequence[str] | None) -> tuple[
 
 
 def _abstract_init(
-    triple: example_lib.Optimizer, params: Any
+  triple: example_lib.Optimizer, params: Any
 ) -> tuple[list[list[Any]], list[list[Any]], list[Any]]:
   """Traces `init_fn` on abstract params.
 
@@ -242,11 +243,11 @@ def _merge(statics: Sequence[Any], arrays: Sequence[Any]) -> list[Any]:
 
 
 def _param_sources(
-    triple: example_lib.Optimizer,
-    params_def: Any,
-    shapes: list[list[Any]],
-    statics: list[list[Any]],
-    treedefs: list[Any],
+  triple: example_lib.Optimizer,
+  params_def: Any,
+  shapes: list[list[Any]],
+  statics: list[list[Any]],
+  treedefs: list[Any],
 ) -> list[set[tuple[int, int]]]:
   """For each param, the `(param index, array index)` state arrays `get_params` reads."""
   owners = [(i, j) for i, row in enumerate(shapes) for j in range(len(row))]
@@ -254,50 +255,54 @@ def _param_sources(
   def params_from(arrays: list[list[Any]]) -> list[Any]:
     flats = [_merge(s, a) for s, a in zip(statics, arrays, strict=True)]
     return params_def.flatten_up_to(
-        triple.params_fn(example_lib.OptimizerState(flats, params_def, treedefs))
+      triple.params_fn(example_lib.OptimizerState(flats, params_def, treedefs))
     )
 
   jaxpr = jax.make_jaxpr(params_from)(shapes).jaxpr
   deps: dict[Any, frozenset[int]] = {v: frozenset({k}) for k, v in enumerate(jaxpr.invars)}
   for eqn in jaxpr.eqns:
     used = frozenset().union(
-        *(deps.get(v, frozenset()) for v in eqn.invars if isinstance(v, jax_core.Var))
+      *(deps.get(v, frozenset()) for v in eqn.invars if isinstance(v, jax_core.Var))
     )
     deps.update((v, used) for v in eqn.outvars)
   return [
-      {owners[k] for k in deps.get(v, ())} if isinstance(v, jax_core.Var) else set()
-      for v in jaxpr.outvars
+    {owners[k] for k in deps.get(v, ())} if isinstance(v, jax_core.Var) else set()
+    for v in jaxpr.outvars
   ]
 
 
 def _leaf_layout(
-    index: int,
-    param: Any,
-    path: str,
-    shapes: Sequence[Any],
-    statics: Sequence[Any],
-    treedef: Any,
-    sources: set[tuple[int, int]],
-    slot_names: Sequence[str] | None,
+  index: int,
+  param: Any,
+  path: str,
+  shapes: Sequence[Any],
+  statics: Sequence[Any],
+  treedef: Any,
+  sources: set[tuple[int, int]],
+  slot_names: Sequence[str] | None,
 ) -> _LeafLayout:
   """The layout of one param's state; raises unless it holds the param once."""
   if len(sources) != 1 or next(iter(sources))[0] != index:
     raise ValueError(
-        f"The triple's get_params reads param {path} from state arrays "
-        f"{sorted(sources)} (param, array); ExampleLibOptimizerDef needs each "
-        "param kept once in its own per-param state, as every "
-        "jax.example_libraries optimizer keeps it."
+      f"The triple's get_params reads param {path} from state arrays "
+      f"{sorted(sources)} (param, array); ExampleLibOptimizerDef needs each "
+      "param kept once in its own per-param state, as every "
+      "jax.example_libraries optimizer keeps it."
     )
   [(_, param_array)] = sources
   source = shapes[param_array]
   if source.size != np.size(param) or source.dtype != jnp.result_type(param):
     raise ValueError(
-        f"The triple stores param {path} (shape {np.shape(param)}, dtype "
-        f"{jnp.result_type(param)}) as shape {source.shape} dtype {source.dtype}; "
-        "only a reshape can be rebuilt from the params."
+      f"The triple stores param {path} (shape {np.shape(param)}, dtype "
+      f"{jnp.result_type(param)}) as shape {source.shape} dtype {source.dtype}; "
+      "only a reshape can be rebuilt from the params."
     )
-  key_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
-      jax.tree.unflatten(treedef, range(treedef.num_leaves)))[0]]
+  key_paths = [
+    p
+    for p, _ in jax.tree_util.tree_flatten_with_path(
+      jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    )[0]
+  ]
   slots = []
   array_index = 0
   for key_path, static in zip(key_paths, statics, strict=True):
@@ -313,7 +318,7 @@ def _leaf_layout(
 
 
 def _trace_layout(
-    triple: example_lib.Optimizer, params: Any, slot_names: Sequence[str] | None
+  triple: example_lib.Optimizer, params: Any, slot_names: Sequence[str] | None
 ) -> _Layout:
   path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
   paths = tuple(jax.tree_util.keystr(p) for p, _ in path_leaves)
@@ -321,34 +326,33 @@ def _trace_layout(
   shapes, statics, treedefs = _abstract_init(triple, params)
   sources = _param_sources(triple, params_def, shapes, statics, treedefs)
   return _Layout(
-      params_def=params_def,
-      paths=paths,
-      leaves=tuple(
-          _leaf_layout(i, *args, slot_names)
-          for i, args in enumerate(zip(leaves, paths, shapes, statics, treedefs, sources,
-                                       strict=True))
-      ),
+    params_def=params_def,
+    paths=paths,
+    leaves=tuple(
+      _leaf_layout(i, *args, slot_names)
+      for i, args in enumerate(zip(leaves, paths, shapes, statics, treedefs, sources, strict=True))
+    ),
   )
 
 
 def _is_per_dim(node: Mapping[str, Any], shape: tuple[int, ...]) -> bool:
   """Whether `node` holds one rank-1 vector per param dimension (sm3's `vs`)."""
   return (
-      len(shape) > 0
-      and set(node) == {str(d) for d in range(len(shape))}
-      and all(specs_lib.leaf_shape(node[str(d)]) == (shape[d],) for d in range(len(shape)))
+    len(shape) > 0
+    and set(node) == {str(d) for d in range(len(shape))}
+    and all(specs_lib.leaf_shape(node[str(d)]) == (shape[d],) for d in range(len(shape)))
   )
 
 
 def _part_specs(
-    node: Any, shape: tuple[int, ...], spec: PartitionSpec | None, unmatched: list[Any]
+  node: Any, shape: tuple[int, ...], spec: PartitionSpec | None, unmatched: list[Any]
 ) -> Any:
   """Logical specs of one param's parts; unmatched leaves are recorded."""
   if isinstance(node, Mapping):
     if _is_per_dim(node, shape):
       return {
-          key: None if spec is None else specs_lib.canonical(PartitionSpec(spec[int(key)]), 1)
-          for key in node
+        key: None if spec is None else specs_lib.canonical(PartitionSpec(spec[int(key)]), 1)
+        for key in node
       }
     return {key: _part_specs(value, shape, spec, unmatched) for key, value in node.items()}
   part_shape = specs_lib.leaf_shape(node)
@@ -363,39 +367,39 @@ def _part_specs(
 def _resolve_unmatched(spec_tree: Any, fallback: StateRulesFallback) -> Any:
   """Applies the fallback policy to every `UNDERIVED` leaf, naming its path."""
   bad = [
-      jax.tree_util.keystr(path)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(
-          spec_tree, is_leaf=specs_lib.is_spec_leaf)[0]
-      if leaf is specs_lib.UNDERIVED
+    jax.tree_util.keystr(path)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      spec_tree, is_leaf=specs_lib.is_spec_leaf
+    )[0]
+    if leaf is specs_lib.UNDERIVED
   ]
   if not bad:
     return spec_tree
   fallback.handle(bad, why=": they have neither their param's shape nor one dimension of it")
   return jax.tree.map(
-      lambda s: None if s is specs_lib.UNDERIVED else s, spec_tree,
-      is_leaf=specs_lib.is_spec_leaf)
+    lambda s: None if s is specs_lib.UNDERIVED else s, spec_tree, is_leaf=specs_lib.is_spec_leaf
+  )
 
 
 def _reject_override(reason: str) -> Callable[[Any], example_lib.Optimizer]:
   def reject(learning_rate: Any) -> example_lib.Optimizer:
     raise ValueError(
-        f"learning_rate={learning_rate!r} was passed to apply_gradient, but {reason} "
-        "Pass learning_rate=None to use the triple's own step size."
+      f"learning_rate={learning_rate!r} was passed to apply_gradient, but {reason} "
+      "Pass learning_rate=None to use the triple's own step size."
     )
 
   return reject
 
 
 def _step_size_rebuilder(
-    maker: Callable[..., example_lib.Optimizer], bound: inspect.BoundArguments
+  maker: Callable[..., example_lib.Optimizer], bound: inspect.BoundArguments
 ) -> Callable[[Any], example_lib.Optimizer]:
   """Rebuilds `maker(*bound)` with another constant step size, where allowed."""
   if _STEP_SIZE not in bound.arguments:
     return _reject_override(f"{maker.__name__} has no step_size argument.")
   if callable(bound.arguments[_STEP_SIZE]):
     return _reject_override(
-        f"{maker.__name__} was built with a step-size schedule, which an override "
-        "would replace."
+      f"{maker.__name__} was built with a step-size schedule, which an override would replace."
     )
 
   def with_step_size(step_size: Any) -> example_lib.Optimizer:
@@ -437,26 +441,26 @@ class ExampleLibOptimizerDef(OptimizerDef):
   """
 
   def __init__(
-      self,
-      triple: example_lib.Optimizer | tuple[Callable[..., Any], ...],
-      *,
-      slot_names: Sequence[str] | None = None,
-      with_step_size: Callable[[Any], example_lib.Optimizer] | None = None,
-      fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+    self,
+    triple: example_lib.Optimizer | tuple[Callable[..., Any], ...],
+    *,
+    slot_names: Sequence[str] | None = None,
+    with_step_size: Callable[[Any], example_lib.Optimizer] | None = None,
+    fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
   ):
     super().__init__(hyper_params=ExampleLibHyperParams())
     self.triple = example_lib.Optimizer(*triple)
     self.slot_names = None if slot_names is None else tuple(slot_names)
     self.with_step_size = with_step_size or _reject_override(
-        "the triple was built without its maker, so its step size is baked in. "
-        "Build it with wrap_example_lib_optimizer(maker)(...) to allow overrides."
+      "the triple was built without its maker, so its step size is baked in. "
+      "Build it with wrap_example_lib_optimizer(maker)(...) to allow overrides."
     )
     self.fallback = fallback
     self._layouts: dict[Any, _Layout] = {}
 
   @classmethod
   def from_maker(
-      cls, maker: Callable[..., example_lib.Optimizer], *args: Any, **kwargs: Any
+    cls, maker: Callable[..., example_lib.Optimizer], *args: Any, **kwargs: Any
   ) -> ExampleLibOptimizerDef:
     """Builds `maker(*args, **kwargs)`, remembering how to change its step size.
 
@@ -472,33 +476,34 @@ class ExampleLibOptimizerDef(OptimizerDef):
     name = getattr(maker, "__name__", "")
     own = example_lib_optimizer_makers().get(name) is maker
     return cls(
-        maker(*bound.args, **bound.kwargs),
-        slot_names=_SLOT_NAMES.get(name) if own else None,
-        with_step_size=_step_size_rebuilder(maker, bound),
+      maker(*bound.args, **bound.kwargs),
+      slot_names=_SLOT_NAMES.get(name) if own else None,
+      with_step_size=_step_size_rebuilder(maker, bound),
     )
 
   def _layout(self, params: Any) -> _Layout:
     leaves, params_def = jax.tree.flatten(params)
     key = (params_def, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
     if key not in self._layouts:
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                              params)
+      abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params
+      )
       self._layouts[key] = _trace_layout(self.triple, abstract, self.slot_names)
     return self._layouts[key]
 
   def init_state(self, params: Any) -> OptimizerState:
     return OptimizerState(
-        step=jnp.zeros((), jnp.int32),
-        param_states=self._layout(params).unpack(self.triple.init_fn(params)),
+      step=jnp.zeros((), jnp.int32),
+      param_states=self._layout(params).unpack(self.triple.init_fn(params)),
     )
 
   def apply_gradient(
-      self,
-      hyper_params: ExampleLibHyperParams,
-      params: Any,
-      state: OptimizerState,
-      grads: Any,
-      **extra_args: Any,
+    self,
+    hyper_params: ExampleLibHyperParams,
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
     del extra_args
     triple = self.triple
@@ -515,9 +520,11 @@ class ExampleLibOptimizerDef(OptimizerDef):
         raise
       raise ValueError(f"The grads do not fit the params: {mismatch}.") from error
     new_params = jax.tree.map(
-        lambda new, old: new.astype(jnp.result_type(old)), triple.params_fn(new_packed), params)
+      lambda new, old: new.astype(jnp.result_type(old)), triple.params_fn(new_packed), params
+    )
     return new_params, OptimizerState(
-        step=state.step + 1, param_states=layout.unpack(new_packed, like=packed))
+      step=state.step + 1, param_states=layout.unpack(new_packed, like=packed)
+    )
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     """Returns `optimizer` with every leaf replaced by its logical spec.
@@ -536,25 +543,25 @@ class ExampleLibOptimizerDef(OptimizerDef):
     flat_params = layout.params_def.flatten_up_to(optimizer.target)
     if axes_def != jax.tree.structure(specs_lib.thaw(optimizer.target)):
       raise ValueError(
-          "The param logical axes do not fit the params: "
-          f"{structure_mismatch(axes, optimizer.target, name='axes')}."
+        "The param logical axes do not fit the params: "
+        f"{structure_mismatch(axes, optimizer.target, name='axes')}."
       )
     parts = layout.parts(optimizer.target, optimizer.state.param_states)
     unmatched: list[Any] = []
     spec_tree = layout.params_def.unflatten(
-        _part_specs(part, shape, specs_lib.canonical(spec, len(shape)), unmatched)
-        for part, shape, spec in zip(
-            parts, (specs_lib.leaf_shape(p) for p in flat_params), specs, strict=True)
+      _part_specs(part, shape, specs_lib.canonical(spec, len(shape)), unmatched)
+      for part, shape, spec in zip(
+        parts, (specs_lib.leaf_shape(p) for p in flat_params), specs, strict=True
+      )
     )
     return optimizer.replace(
-        target=axes,
-        state=OptimizerState(step=None, param_states=_resolve_unmatched(spec_tree,
-                                                                         self.fallback)),
+      target=axes,
+      state=OptimizerState(step=None, param_states=_resolve_unmatched(spec_tree, self.fallback)),
     )
 
 
 def wrap_example_lib_optimizer(
-    maker: Callable[..., example_lib.Optimizer],
+  maker: Callable[..., example_lib.Optimizer],
 ) -> Callable[..., ExampleLibOptimizerDef]:
   """Turns a triple maker into one that builds an `ExampleLibOptimizerDef`.
 
@@ -583,8 +590,8 @@ def _named_wrapper(name: str, maker: Callable[..., example_lib.Optimizer]) -> Ca
 
 
 EXAMPLE_LIB_OPTIMIZERS: dict[str, Callable[..., ExampleLibOptimizerDef]] = {
-    f"example_lib_{name}": _named_wrapper(name, maker)
-    for name, maker in example_lib_optimizer_makers().items()
+  f"example_lib_{name}": _named_wrapper(name, maker)
+  for name, maker in example_lib_optimizer_makers().items()
 }
 """Every discovered triple maker, wrapped, keyed `example_lib_<name>`."""
 

@@ -112,20 +112,18 @@ def kfac_state_from_dict(reference: Any, nested: Any) -> Any:
   """Rebuilds a kfac-jax state of `reference`'s types from `kfac_state_to_dict` form."""
   if dataclasses.is_dataclass(reference) and not isinstance(reference, type):
     return dataclasses.replace(
-        reference,
-        **{
-            f.name: kfac_state_from_dict(getattr(reference, f.name), nested[f.name])
-            for f in dataclasses.fields(reference)
-        },
+      reference,
+      **{
+        f.name: kfac_state_from_dict(getattr(reference, f.name), nested[f.name])
+        for f in dataclasses.fields(reference)
+      },
     )
   if isinstance(reference, Mapping):
     return type(reference)(
-        {k: kfac_state_from_dict(v, nested[str(k)]) for k, v in reference.items()}
+      {k: kfac_state_from_dict(v, nested[str(k)]) for k, v in reference.items()}
     )
   if type(reference) in (tuple, list):
-    return type(reference)(
-        kfac_state_from_dict(v, nested[str(i)]) for i, v in enumerate(reference)
-    )
+    return type(reference)(kfac_state_from_dict(v, nested[str(i)]) for i, v in enumerate(reference))
   return nested
 
 
@@ -150,8 +148,8 @@ def _rearrangement(rearrange_spec: str) -> tuple[str, list[str]]:
 
 
 def _kronecker_axis_names(
-    block: kfac_jax.KroneckerFactored,
-    param_specs: Sequence[PartitionSpec | None],
+  block: kfac_jax.KroneckerFactored,
+  param_specs: Sequence[PartitionSpec | None],
 ) -> list[Any]:
   """The logical name of each Kronecker factor of `block`.
 
@@ -166,7 +164,7 @@ def _kronecker_axis_names(
   for axis, size in enumerate(block.array_shape):
     candidates = set()
     for shape, rearrange, spec in zip(
-        block.parameters_shapes, block.parameters_specs, param_specs, strict=True
+      block.parameters_shapes, block.parameters_specs, param_specs, strict=True
     ):
       source, axes = _rearrangement(rearrange)
       token = axes[axis] if axis < len(axes) else ""
@@ -210,9 +208,9 @@ class _BlockAxes:
   @classmethod
   def of(cls, block: Any, param_specs: Sequence[PartitionSpec | None]) -> _BlockAxes:
     factor_names = (
-        tuple(_kronecker_axis_names(block, param_specs))
-        if isinstance(block, kfac_jax.KroneckerFactored)
-        else None
+      tuple(_kronecker_axis_names(block, param_specs))
+      if isinstance(block, kfac_jax.KroneckerFactored)
+      else None
     )
     shapes = tuple(tuple(s) for s in block.parameters_shapes)
     return cls(param_shapes=shapes, param_specs=tuple(param_specs), factor_names=factor_names)
@@ -235,9 +233,9 @@ class _BlockAxes:
 
 
 def _resolve_unmatched(
-    nested_specs: Any,
-    nested_state: Any,
-    fallback: _state_rules.StateRulesFallback,
+  nested_specs: Any,
+  nested_state: Any,
+  fallback: _state_rules.StateRulesFallback,
 ) -> Any:
   """Applies the fallback policy to leaves without a spec, naming their paths."""
   bad: list[str] = []
@@ -262,7 +260,7 @@ def _param_spec_list(axes: Any, params: Any) -> list[PartitionSpec | None]:
   leaves = jax.tree.leaves(params)
   if len(specs) != len(leaves):
     raise ValueError(
-        f"param_logical_axes has {len(specs)} leaves but the params have {len(leaves)}."
+      f"param_logical_axes has {len(specs)} leaves but the params have {len(leaves)}."
     )
   out = []
   for spec, leaf in zip(specs, leaves):
@@ -272,14 +270,14 @@ def _param_spec_list(axes: Any, params: Any) -> list[PartitionSpec | None]:
 
 
 def derive_kfac_logical_axes(
-    kfac_optimizer: kfac_jax.Optimizer,
-    kfac_state: Any,
-    params: Any,
-    param_logical_axes: Any,
-    *,
-    fallback: _state_rules.StateRulesFallback = (
-        _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
-    ),
+  kfac_optimizer: kfac_jax.Optimizer,
+  kfac_state: Any,
+  params: Any,
+  param_logical_axes: Any,
+  *,
+  fallback: _state_rules.StateRulesFallback = (
+    _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
+  ),
 ) -> Any:
   """Logical specs for every leaf of a kfac-jax optimizer state.
 
@@ -311,17 +309,17 @@ def derive_kfac_logical_axes(
   """
   if not kfac_optimizer.finalized:
     raise ValueError(
-        "The kfac_jax.Optimizer is not finalized: create the optimizer state "
-        "(KfacOptimizerDef.create or jax.eval_shape of it) before deriving axes."
+      "The kfac_jax.Optimizer is not finalized: create the optimizer state "
+      "(KfacOptimizerDef.create or jax.eval_shape of it) before deriving axes."
     )
   param_specs = _param_spec_list(_state_rules.logical_axes_from(param_logical_axes), params)
   estimator = kfac_optimizer._estimator  # pylint: disable=protected-access
   blocks = [
-      _BlockAxes.of(block, [param_specs[i] for i in indices])
-      for block, indices in zip(estimator.blocks, estimator.jaxpr.layer_indices, strict=True)
+    _BlockAxes.of(block, [param_specs[i] for i in indices])
+    for block, indices in zip(estimator.blocks, estimator.jaxpr.layer_indices, strict=True)
   ]
   velocity_specs = kfac_state_to_dict(
-      jax.tree.unflatten(jax.tree.structure(kfac_state.velocities), param_specs)
+    jax.tree.unflatten(jax.tree.structure(kfac_state.velocities), param_specs)
   )
 
   def spec(keys: tuple[str, ...], leaf: Any) -> Any:
@@ -387,17 +385,17 @@ class KfacOptimizerDef(OptimizerDef):
   extra_arg_names = frozenset({"batch", "rng", "data_iterator"})
 
   def __init__(
-      self,
-      kfac_optimizer: kfac_jax.Optimizer,
-      *,
-      init_batch: Any = None,
-      init_rng: jax.Array | None = None,
-      learning_rate: Any = None,
-      momentum: Any = None,
-      damping: Any = None,
-      state_rules_fallback: _state_rules.StateRulesFallback = (
-          _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
-      ),
+    self,
+    kfac_optimizer: kfac_jax.Optimizer,
+    *,
+    init_batch: Any = None,
+    init_rng: jax.Array | None = None,
+    learning_rate: Any = None,
+    momentum: Any = None,
+    damping: Any = None,
+    state_rules_fallback: _state_rules.StateRulesFallback = (
+      _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
+    ),
   ):
     """Wraps `kfac_optimizer`.
 
@@ -416,28 +414,28 @@ class KfacOptimizerDef(OptimizerDef):
       ValueError: for a multi-device (pmap) or stateful kfac-jax optimizer.
     """
     super().__init__(
-        hyper_params=KfacHyperParams(
-            learning_rate=learning_rate, momentum=momentum, damping=damping
-        )
+      hyper_params=KfacHyperParams(learning_rate=learning_rate, momentum=momentum, damping=damping)
     )
     if kfac_optimizer.multi_device:
       raise ValueError(
-          "KfacOptimizerDef needs kfac_jax.Optimizer(multi_device=False): the "
-          "pmap mode wants every array with a leading device axis, which T5X's "
-          "jit-and-shardings train state does not have. Shard params and batch "
-          "with jax.sharding instead."
+        "KfacOptimizerDef needs kfac_jax.Optimizer(multi_device=False): the "
+        "pmap mode wants every array with a leading device axis, which T5X's "
+        "jit-and-shardings train state does not have. Shard params and batch "
+        "with jax.sharding instead."
       )
     if kfac_optimizer._value_func_has_state:  # pylint: disable=protected-access
       raise ValueError(
-          "KfacOptimizerDef does not support value_func_has_state=True: "
-          "Optimizer.apply_gradient has no place to return the function state."
+        "KfacOptimizerDef does not support value_func_has_state=True: "
+        "Optimizer.apply_gradient has no place to return the function state."
       )
     self.kfac_optimizer = kfac_optimizer
     self.init_batch = init_batch
     self.init_rng = init_rng
     self.state_rules_fallback = state_rules_fallback
 
-  def init_state(self, params: Any, *, batch: Any = None, rng: jax.Array | None = None) -> OptimizerState:
+  def init_state(
+    self, params: Any, *, batch: Any = None, rng: jax.Array | None = None
+  ) -> OptimizerState:
     """The initial state; `batch`/`rng` default to `init_batch`/`init_rng`.
 
     Raises:
@@ -446,9 +444,9 @@ class KfacOptimizerDef(OptimizerDef):
     batch = self.init_batch if batch is None else batch
     if batch is None:
       raise ValueError(
-          "K-FAC traces the loss function at init and needs an example batch: "
-          "pass KfacOptimizerDef(..., init_batch=batch) or "
-          "create(params, batch=batch)."
+        "K-FAC traces the loss function at init and needs an example batch: "
+        "pass KfacOptimizerDef(..., init_batch=batch) or "
+        "create(params, batch=batch)."
       )
     rng = self.init_rng if rng is None else rng
     rng = jax.random.key(0) if rng is None else rng
@@ -465,40 +463,40 @@ class KfacOptimizerDef(OptimizerDef):
     del params
 
   def _step(
-      self,
-      hyper_params: KfacHyperParams,
-      params: Any,
-      state: OptimizerState,
-      *,
-      rng: jax.Array,
-      batch: Any = None,
-      data_iterator: Iterator[Any] | None = None,
+    self,
+    hyper_params: KfacHyperParams,
+    params: Any,
+    state: OptimizerState,
+    *,
+    rng: jax.Array,
+    batch: Any = None,
+    data_iterator: Iterator[Any] | None = None,
   ) -> tuple[Any, OptimizerState, dict[str, Any]]:
     if _is_traced((params, state.param_states)):
       raise TypeError(
-          "K-FAC's step cannot run inside jax.jit (or another transformation): "
-          "kfac-jax reads its step counter on the host and compiles its own "
-          "steps. Call apply_gradient outside jit; sharded inputs are fine."
+        "K-FAC's step cannot run inside jax.jit (or another transformation): "
+        "kfac-jax reads its step counter on the host and compiles its own "
+        "steps. Call apply_gradient outside jit; sharded inputs are fine."
       )
     new_params, kfac_state, stats = self.kfac_optimizer.step(
-        params,
-        state.param_states,
-        rng,
-        data_iterator=data_iterator,
-        batch=batch,
-        learning_rate=hyper_params.learning_rate,
-        momentum=hyper_params.momentum,
-        damping=hyper_params.damping,
+      params,
+      state.param_states,
+      rng,
+      data_iterator=data_iterator,
+      batch=batch,
+      learning_rate=hyper_params.learning_rate,
+      momentum=hyper_params.momentum,
+      damping=hyper_params.damping,
     )
     return new_params, OptimizerState(step=state.step + 1, param_states=kfac_state), stats
 
   def apply_gradient(
-      self,
-      hyper_params: KfacHyperParams,
-      params: Any,
-      state: OptimizerState,
-      grads: Any,
-      **extra_args: Any,
+    self,
+    hyper_params: KfacHyperParams,
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
     """One K-FAC step on `extra_args['batch']` with `extra_args['rng']`.
 
@@ -518,32 +516,32 @@ class KfacOptimizerDef(OptimizerDef):
     return new_params, new_state
 
   def _step_checked(
-      self,
-      hyper_params: KfacHyperParams,
-      params: Any,
-      state: OptimizerState,
-      grads: Any,
-      extra_args: Mapping[str, Any],
+    self,
+    hyper_params: KfacHyperParams,
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    extra_args: Mapping[str, Any],
   ) -> tuple[Any, OptimizerState, dict[str, Any]]:
     if grads is not None:
       raise ValueError(
-          "KfacOptimizerDef computes gradients itself (with the kfac_jax "
-          "optimizer's value_and_grad_func); pass grads=None and the batch: "
-          "optimizer.apply_gradient(None, batch=batch, rng=rng)."
+        "KfacOptimizerDef computes gradients itself (with the kfac_jax "
+        "optimizer's value_and_grad_func); pass grads=None and the batch: "
+        "optimizer.apply_gradient(None, batch=batch, rng=rng)."
       )
     unknown = sorted(set(extra_args) - {"batch", "rng", "data_iterator"})
     if unknown:
       raise TypeError(
-          f"KfacOptimizerDef.apply_gradient got unknown keyword arguments {unknown}; "
-          "it takes batch=, rng=, data_iterator= and the hyper-parameters "
-          "learning_rate=, momentum=, damping=."
+        f"KfacOptimizerDef.apply_gradient got unknown keyword arguments {unknown}; "
+        "it takes batch=, rng=, data_iterator= and the hyper-parameters "
+        "learning_rate=, momentum=, damping=."
       )
     if extra_args.get("rng") is None:
       raise ValueError("K-FAC needs a PRNG key for every step: pass rng=.")
     return self._step(hyper_params, params, state, **extra_args)
 
   def apply_batch(
-      self, optimizer: Optimizer, *, rng: jax.Array, batch: Any = None, **kwargs: Any
+    self, optimizer: Optimizer, *, rng: jax.Array, batch: Any = None, **kwargs: Any
   ) -> tuple[Optimizer, dict[str, Any]]:
     """Like `optimizer.apply_gradient(None, ...)`, also returning kfac-jax's stats.
 
@@ -560,11 +558,11 @@ class KfacOptimizerDef(OptimizerDef):
     overrides, extra_args = self.split_apply_kwargs(kwargs)
     hyper_params = self.update_hyper_params(**overrides)
     new_target, new_state, stats = self._step_checked(
-        hyper_params,
-        optimizer.target,
-        optimizer.state,
-        None,
-        {**extra_args, "rng": rng, "batch": batch},
+      hyper_params,
+      optimizer.target,
+      optimizer.state,
+      None,
+      {**extra_args, "rng": rng, "batch": batch},
     )
     return optimizer.replace(target=new_target, state=new_state), stats
 
@@ -576,15 +574,15 @@ class KfacOptimizerDef(OptimizerDef):
     `.../cache/<power>/<k>_factor`, `damping`, `data_seen`, `step_counter`.
     """
     return {
-        "target": serialization.to_state_dict(target),
-        "state": {
-            "step": state.step,
-            "param_states": _state_dict.prune_empty(kfac_state_to_dict(state.param_states)),
-        },
+      "target": serialization.to_state_dict(target),
+      "state": {
+        "step": state.step,
+        "param_states": _state_dict.prune_empty(kfac_state_to_dict(state.param_states)),
+      },
     }
 
   def restore_state(
-      self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
+    self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
   ) -> tuple[Any, OptimizerState]:
     """Restores `(target, state)`, validating shapes and dtypes against `opt_state`.
 
@@ -593,7 +591,7 @@ class KfacOptimizerDef(OptimizerDef):
         mismatch or an unsafe dtype cast.
     """
     reference = OptimizerState(
-        step=opt_state.step, param_states=kfac_state_to_dict(opt_state.param_states)
+      step=opt_state.step, param_states=kfac_state_to_dict(opt_state.param_states)
     )
     target, restored = super().restore_state(opt_target, reference, state_dict)
     kfac_state = kfac_state_from_dict(opt_state.param_states, restored.param_states)
@@ -606,12 +604,12 @@ class KfacOptimizerDef(OptimizerDef):
     """
     axes = _state_rules.logical_axes_from(param_logical_axes)
     param_states = derive_kfac_logical_axes(
-        self.kfac_optimizer,
-        optimizer.state.param_states,
-        optimizer.target,
-        axes,
-        fallback=self.state_rules_fallback,
+      self.kfac_optimizer,
+      optimizer.state.param_states,
+      optimizer.target,
+      axes,
+      fallback=self.state_rules_fallback,
     )
     return optimizer.replace(
-        target=axes, state=OptimizerState(step=None, param_states=param_states)
+      target=axes, state=OptimizerState(step=None, param_states=param_states)
     )

@@ -47,10 +47,12 @@ def _check_ints(owner: object, *, minimum: dict[str, int] | None = None) -> None
   for field in dataclasses.fields(owner):
     value = getattr(owner, field.name)
     least = (minimum or {}).get(field.name, 1)
-    if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+    if field.type == "int" and (
+      isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
       raise ValueError(
-          f"{type(owner).__name__}.{field.name} must be an int >= {least}, "
-          f"got {value!r} ({type(value).__name__})."
+        f"{type(owner).__name__}.{field.name} must be an int >= {least}, "
+        f"got {value!r} ({type(value).__name__})."
       )
 
 
@@ -85,11 +87,11 @@ class TransformerConfig:
 
 
 def _param(
-    module: nn.Module,
-    name: str,
-    shape: Sequence[int],
-    axes: tuple[str, ...],
-    init: Callable[..., Any] = nn.initializers.lecun_normal(),
+  module: nn.Module,
+  name: str,
+  shape: Sequence[int],
+  axes: tuple[str, ...],
+  init: Callable[..., Any] = nn.initializers.lecun_normal(),
 ) -> jax.Array:
   return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape))
 
@@ -168,16 +170,22 @@ class TransformerLM(nn.Module):
     c = self.config
     if tokens.shape[-1] > c.max_length:
       raise ValueError(
-          f"Sequences of length {tokens.shape[-1]} exceed TransformerConfig.max_length="
-          f"{c.max_length}."
+        f"Sequences of length {tokens.shape[-1]} exceed TransformerConfig.max_length="
+        f"{c.max_length}."
       )
     embedding = _param(
-        self, "token_embedding", (c.vocab_size, c.embed_dim), ("vocab", "embed"),
-        nn.initializers.normal(1.0),
+      self,
+      "token_embedding",
+      (c.vocab_size, c.embed_dim),
+      ("vocab", "embed"),
+      nn.initializers.normal(1.0),
     )
     positions = _param(
-        self, "position_embedding", (c.max_length, c.embed_dim), ("length", "embed"),
-        nn.initializers.normal(0.02),
+      self,
+      "position_embedding",
+      (c.max_length, c.embed_dim),
+      ("length", "embed"),
+      nn.initializers.normal(0.02),
     )
     x = embedding[tokens] + positions[: tokens.shape[-1]]
     for i in range(c.num_layers):

@@ -127,14 +127,14 @@ Traversal = PathFilter | FlaxTraversal | str | Sequence[str]
 
 def _as_traversal(traversal: Traversal, index: int) -> PathFilter | FlaxTraversal:
   if isinstance(traversal, str) or (
-      isinstance(traversal, Sequence) and all(isinstance(p, str) for p in traversal)
+    isinstance(traversal, Sequence) and all(isinstance(p, str) for p in traversal)
   ):
     return PathFilter(traversal)
   if isinstance(traversal, PathFilter) or callable(getattr(traversal, "update", None)):
     return traversal
   raise TypeError(
-      f"Traversal {index} is a {type(traversal).__name__}; expected a PathFilter, a regex "
-      "or list of regexes, or a flax.traverse_util.ModelParamTraversal."
+    f"Traversal {index} is a {type(traversal).__name__}; expected a PathFilter, a regex "
+    "or list of regexes, or a flax.traverse_util.ModelParamTraversal."
   )
 
 
@@ -148,9 +148,7 @@ class _Selected:
   """Marks a leaf a flax traversal selected (an opaque pytree leaf)."""
 
 
-def _traversal_mask(
-    traversal: FlaxTraversal, keys: list[tuple[str, ...]], tree: Any
-) -> list[bool]:
+def _traversal_mask(traversal: FlaxTraversal, keys: list[tuple[str, ...]], tree: Any) -> list[bool]:
   """Which leaves a flax traversal selects, through its public `update`."""
   marked = traversal.update(lambda _: _Selected(), tree)
   flat = traverse_util.flatten_dict(flax.core.unfreeze(marked))
@@ -165,8 +163,8 @@ def _subset(node: Any, keep: frozenset[int], path: tuple[str, ...]) -> Any:
   if not isinstance(node, dict | FrozenDict):
     where = "/".join(path) or "<root>"
     raise TypeError(
-        f"MultiOptimizer params must be nested dicts or FrozenDicts; found a "
-        f"{type(node).__name__} at '{where}'."
+      f"MultiOptimizer params must be nested dicts or FrozenDicts; found a "
+      f"{type(node).__name__} at '{where}'."
     )
   kept = {}
   for key, child in node.items():
@@ -198,8 +196,8 @@ class _Partition:
   def split(self, leaves: Sequence[Any]) -> list[Any]:
     """Builds each sub-optimizer's subtree from the full tree's leaves."""
     return [
-        sub_def.unflatten([leaves[j] for j in group])
-        for sub_def, group in zip(self.sub_treedefs, self.groups)
+      sub_def.unflatten([leaves[j] for j in group])
+      for sub_def, group in zip(self.sub_treedefs, self.groups)
     ]
 
   def merge(self, leaves: Sequence[Any], subtrees: Sequence[Any]) -> Any:
@@ -209,8 +207,8 @@ class _Partition:
       sub_leaves = jax.tree.leaves(subtree, is_leaf=_is_none)
       if len(sub_leaves) != len(group):
         raise ValueError(
-            f"Sub-optimizer {i} returned {len(sub_leaves)} params for its {len(group)}: "
-            f"{jax.tree.structure(subtree)} instead of {self.sub_treedefs[i]}."
+          f"Sub-optimizer {i} returned {len(sub_leaves)} params for its {len(group)}: "
+          f"{jax.tree.structure(subtree)} instead of {self.sub_treedefs[i]}."
         )
       for j, leaf in zip(group, sub_leaves):
         merged[j] = leaf
@@ -289,8 +287,8 @@ class MultiOptimizer(OptimizerDef):
   """
 
   def __init__(
-      self,
-      traversals_and_optimizers: Sequence[tuple[Traversal, OptimizerDef]],
+    self,
+    traversals_and_optimizers: Sequence[tuple[Traversal, OptimizerDef]],
   ):
     pairs = list(traversals_and_optimizers)
     if not pairs:
@@ -300,8 +298,8 @@ class MultiOptimizer(OptimizerDef):
     for i, opt_def in enumerate(self.sub_optimizers):
       if not isinstance(opt_def, OptimizerDef):
         raise TypeError(
-            f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef; "
-            "wrap optax transformations in OptaxWrapper (or use t5x_optim.optimizers)."
+          f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef; "
+          "wrap optax transformations in OptaxWrapper (or use t5x_optim.optimizers)."
         )
     self.extra_arg_names = frozenset().union(*(opt.extra_arg_names for opt in self.sub_optimizers))
     self._path_only = all(isinstance(t, PathFilter) for t in self.traversals)
@@ -312,8 +310,8 @@ class MultiOptimizer(OptimizerDef):
 
   def __repr__(self) -> str:
     pairs = ", ".join(
-        f"({_describe(i, t)}, {type(o).__name__})"
-        for i, (t, o) in enumerate(zip(self.traversals, self.sub_optimizers))
+      f"({_describe(i, t)}, {type(o).__name__})"
+      for i, (t, o) in enumerate(zip(self.traversals, self.sub_optimizers))
     )
     return f"MultiOptimizer([{pairs}])"
 
@@ -326,10 +324,8 @@ class MultiOptimizer(OptimizerDef):
     keys = [_state_dict.key_path_parts(path) for path, _ in path_leaves]
     paths = ["/".join(key) for key in keys]
     masks = [
-        [t.matches(p) for p in paths]
-        if isinstance(t, PathFilter)
-        else _traversal_mask(t, keys, tree)
-        for t in self.traversals
+      [t.matches(p) for p in paths] if isinstance(t, PathFilter) else _traversal_mask(t, keys, tree)
+      for t in self.traversals
     ]
     owners: list[list[int]] = [[] for _ in paths]
     for i, mask in enumerate(masks):
@@ -339,25 +335,25 @@ class MultiOptimizer(OptimizerDef):
     overlaps = [f"{paths[j]} (filters {owner})" for j, owner in enumerate(owners) if len(owner) > 1]
     if overlaps:
       raise ValueError(
-          f"MultiOptimizer filters overlap: {len(overlaps)} params are selected by more "
-          f"than one filter: {_format_paths(overlaps)}. Filters: "
-          f"{[_describe(i, t) for i, t in enumerate(self.traversals)]}."
+        f"MultiOptimizer filters overlap: {len(overlaps)} params are selected by more "
+        f"than one filter: {_format_paths(overlaps)}. Filters: "
+        f"{[_describe(i, t) for i, t in enumerate(self.traversals)]}."
       )
     groups = [tuple(j for j in range(len(paths)) if owners[j] == [i]) for i in range(len(masks))]
     for i, group in enumerate(groups):
       if not group:
         warnings.warn(
-            f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params, so its "
-            f"optimizer gets an empty tree; the params are {_format_paths(paths)}.",
-            stacklevel=4,
+          f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params, so its "
+          f"optimizer gets an empty tree; the params are {_format_paths(paths)}.",
+          stacklevel=4,
         )
     index_tree = treedef.unflatten(range(len(paths)))
     subtrees = [_subset(index_tree, frozenset(group), ()) for group in groups]
     return _Partition(
-        treedef=treedef,
-        plain_treedef=jax.tree.structure(flax.core.unfreeze(index_tree)),
-        groups=tuple(tuple(jax.tree.leaves(s)) for s in subtrees),
-        sub_treedefs=tuple(jax.tree.structure(s) for s in subtrees),
+      treedef=treedef,
+      plain_treedef=jax.tree.structure(flax.core.unfreeze(index_tree)),
+      groups=tuple(tuple(jax.tree.leaves(s)) for s in subtrees),
+      sub_treedefs=tuple(jax.tree.structure(s) for s in subtrees),
     )
 
   def _partition(self, params: Any) -> tuple[_Partition, list[Any]]:
@@ -389,8 +385,8 @@ class MultiOptimizer(OptimizerDef):
     hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
     if len(hyper_params) != len(self.sub_optimizers):
       raise ValueError(
-          f"hyper_params= needs one entry per sub-optimizer ({len(self.sub_optimizers)}), "
-          f"got {len(hyper_params)}."
+        f"hyper_params= needs one entry per sub-optimizer ({len(self.sub_optimizers)}), "
+        f"got {len(hyper_params)}."
       )
     unknown = sorted(set(hyper_param_overrides) - self.hyper_param_names())
     if unknown:
@@ -405,30 +401,30 @@ class MultiOptimizer(OptimizerDef):
   def init_state(self, params: Any) -> OptimizerState:
     partition, leaves = self._partition(params)
     sub_states = tuple(
-        opt.init_state(sub_params)
-        for opt, sub_params in zip(self.sub_optimizers, partition.split(leaves))
+      opt.init_state(sub_params)
+      for opt, sub_params in zip(self.sub_optimizers, partition.split(leaves))
     )
     return OptimizerState(step=jnp.zeros((), jnp.int32), param_states=sub_states)
 
   def apply_gradient(
-      self,
-      hyper_params: Sequence[Any],
-      params: Any,
-      state: OptimizerState,
-      grads: Any,
-      **extra_args: Any,
+    self,
+    hyper_params: Sequence[Any],
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
     partition, leaves = self._partition(params)
     grad_leaves = partition.leaves_of(grads, name="grads", reference=params)
     new_subtrees, new_states = [], []
     for i, (opt, hp, sub_state, sub_params, sub_grads) in enumerate(
-        zip(
-            self.sub_optimizers,
-            hyper_params,
-            state.param_states,
-            partition.split(leaves),
-            partition.split(grad_leaves),
-        )
+      zip(
+        self.sub_optimizers,
+        hyper_params,
+        state.param_states,
+        partition.split(leaves),
+        partition.split(grad_leaves),
+      )
     ):
       extras = {k: v for k, v in extra_args.items() if k in opt.extra_arg_names}
       try:
@@ -447,11 +443,11 @@ class MultiOptimizer(OptimizerDef):
 
   @staticmethod
   def _param_states_dict(
-      target: Any,
-      sub_targets: Sequence[Any],
-      sub_dicts: Sequence[Mapping[str, Any]],
-      *,
-      per_param: bool,
+    target: Any,
+    sub_targets: Sequence[Any],
+    sub_dicts: Sequence[Mapping[str, Any]],
+    *,
+    per_param: bool,
   ) -> dict[str, Any]:
     """The state dict's `param_states`: T5X's layout if `per_param`, else indexed."""
     if not per_param:
@@ -479,8 +475,8 @@ class MultiOptimizer(OptimizerDef):
 
   def _sub_state_dicts(self, sub_targets: Sequence[Any], state: OptimizerState) -> list[Any]:
     return [
-        opt.state_dict(sub_target, sub_state)["state"]
-        for opt, sub_target, sub_state in zip(self.sub_optimizers, sub_targets, state.param_states)
+      opt.state_dict(sub_target, sub_state)["state"]
+      for opt, sub_target, sub_state in zip(self.sub_optimizers, sub_targets, state.param_states)
     ]
 
   def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
@@ -489,17 +485,17 @@ class MultiOptimizer(OptimizerDef):
     sub_dicts = self._sub_state_dicts(sub_targets, state)
     per_param = self._per_param(sub_targets, sub_dicts)
     return {
-        "target": serialization.to_state_dict(target),
-        "state": {
-            "step": state.step,
-            "param_states": self._param_states_dict(
-                target, sub_targets, sub_dicts, per_param=per_param
-            ),
-        },
+      "target": serialization.to_state_dict(target),
+      "state": {
+        "step": state.step,
+        "param_states": self._param_states_dict(
+          target, sub_targets, sub_dicts, per_param=per_param
+        ),
+      },
     }
 
   def restore_state(
-      self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
+    self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
   ) -> tuple[Any, OptimizerState]:
     """Restores `(target, state)` from a state dict in either layout.
 
@@ -518,20 +514,20 @@ class MultiOptimizer(OptimizerDef):
     sub_dicts = self._sub_state_dicts(sub_targets, opt_state)
     per_param = self._per_param(sub_targets, sub_dicts)
     reference = {
-        "target": opt_target,
-        "state": {
-            "step": opt_state.step,
-            "param_states": self._param_states_dict(
-                opt_target, sub_targets, sub_dicts, per_param=per_param
-            ),
-        },
+      "target": opt_target,
+      "state": {
+        "step": opt_state.step,
+        "param_states": self._param_states_dict(
+          opt_target, sub_targets, sub_dicts, per_param=per_param
+        ),
+      },
     }
     checked = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
     target, step = checked["target"], checked["state"]["step"]
     param_states = checked["state"]["param_states"]
     restored_states = []
     for i, (opt, ref_target, sub_state, new_target) in enumerate(
-        zip(self.sub_optimizers, sub_targets, opt_state.param_states, self._sub_targets(target))
+      zip(self.sub_optimizers, sub_targets, opt_state.param_states, self._sub_targets(target))
     ):
       if per_param:
         sub_states = _pick(param_states, _param_paths(ref_target))
@@ -545,7 +541,7 @@ class MultiOptimizer(OptimizerDef):
         _, restored = opt.restore_state(ref_target, sub_state, sub_dict)
       except ValueError as error:
         raise ValueError(
-            f"Restoring sub-optimizer {i} (its state dict is at {where}): {error}"
+          f"Restoring sub-optimizer {i} (its state dict is at {where}): {error}"
         ) from error
       restored_states.append(restored)
     return target, OptimizerState(step=step, param_states=tuple(restored_states))
@@ -564,16 +560,16 @@ class MultiOptimizer(OptimizerDef):
     axes_leaves = partition.leaves_of(axes, name="param logical axes", reference=optimizer.target)
     sub_states = []
     for opt, sub_target, sub_axes, sub_state in zip(
-        self.sub_optimizers,
-        partition.split(leaves),
-        partition.split(axes_leaves),
-        optimizer.state.param_states,
+      self.sub_optimizers,
+      partition.split(leaves),
+      partition.split(axes_leaves),
+      optimizer.state.param_states,
     ):
       sub_optimizer = Optimizer(optimizer_def=opt, state=sub_state, target=sub_target)
       sub_states.append(opt.derive_logical_axes(sub_optimizer, sub_axes).state)
     return optimizer.replace(
-        target=partition.treedef.unflatten(axes_leaves),
-        state=OptimizerState(step=None, param_states=tuple(sub_states)),
+      target=partition.treedef.unflatten(axes_leaves),
+      state=OptimizerState(step=None, param_states=tuple(sub_states)),
     )
 
   def _set_param_axes(self, param_logical_axes: Any) -> None:

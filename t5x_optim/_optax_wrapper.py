@@ -18,12 +18,12 @@ from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, tree_l
 from t5x_optim.partitioning import _state_rules
 
 __all__ = [
-    "OPTAX_EXTRA_ARGS",
-    "OptaxHyperParams",
-    "OptaxWrapper",
-    "chain",
-    "inject_hyperparams",
-    "wrap_optax_optimizer",
+  "OPTAX_EXTRA_ARGS",
+  "OptaxHyperParams",
+  "OptaxWrapper",
+  "chain",
+  "inject_hyperparams",
+  "wrap_optax_optimizer",
 ]
 
 _LEARNING_RATE = "learning_rate"
@@ -47,7 +47,7 @@ def check_learning_rate(learning_rate: Any) -> None:
   """
   problem = None
   if isinstance(learning_rate, bool) or not isinstance(
-      learning_rate, int | float | np.ndarray | np.generic | jax.Array
+    learning_rate, int | float | np.ndarray | np.generic | jax.Array
   ):
     problem = f"a {type(learning_rate).__name__}"
   elif jnp.ndim(learning_rate) != 0:
@@ -58,8 +58,8 @@ def check_learning_rate(learning_rate: Any) -> None:
       problem = f"a scalar of dtype {dtype}"
   if problem is not None:
     raise TypeError(
-        f"learning_rate= must be a real scalar (a Python number or a 0-d real array); "
-        f"got {problem}: {learning_rate!r}."
+      f"learning_rate= must be a real scalar (a Python number or a 0-d real array); "
+      f"got {problem}: {learning_rate!r}."
     )
 
 
@@ -107,13 +107,13 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
   new_states = jax.tree.map(set_rate, param_states, is_leaf=_is_injected_state)
   if not found:
     warnings.warn(
-        "learning_rate= was passed to apply_gradient (T5X's trainer passes its "
-        "learning_rate_fn value), but the optax transformation has no injectable "
-        "constant learning rate, so the override is ignored and optax's own "
-        "learning rate or schedule applies, as with T5X's OptaxWrapper. To "
-        "override it per step, build the transformation with "
-        "optax.inject_hyperparams and a constant learning rate.",
-        stacklevel=5,
+      "learning_rate= was passed to apply_gradient (T5X's trainer passes its "
+      "learning_rate_fn value), but the optax transformation has no injectable "
+      "constant learning rate, so the override is ignored and optax's own "
+      "learning rate or schedule applies, as with T5X's OptaxWrapper. To "
+      "override it per step, build the transformation with "
+      "optax.inject_hyperparams and a constant learning rate.",
+      stacklevel=5,
     )
   return new_states
 
@@ -136,10 +136,10 @@ class OptaxWrapper(OptimizerDef):
   """
 
   def __init__(
-      self,
-      optax_optimizer: optax.GradientTransformation | optax.MultiSteps,
-      *,
-      extra_args: Collection[str] = OPTAX_EXTRA_ARGS,
+    self,
+    optax_optimizer: optax.GradientTransformation | optax.MultiSteps,
+    *,
+    extra_args: Collection[str] = OPTAX_EXTRA_ARGS,
   ):
     super().__init__(hyper_params=OptaxHyperParams())
     if isinstance(optax_optimizer, optax.MultiSteps):
@@ -154,16 +154,16 @@ class OptaxWrapper(OptimizerDef):
 
   def init_state(self, params: Any) -> OptimizerState:
     return OptimizerState(
-        step=jnp.zeros((), jnp.int32), param_states=self.optax_optimizer.init(params)
+      step=jnp.zeros((), jnp.int32), param_states=self.optax_optimizer.init(params)
     )
 
   def apply_gradient(
-      self,
-      hyper_params: OptaxHyperParams,
-      params: Any,
-      state: OptimizerState,
-      grads: Any,
-      **extra_args: Any,
+    self,
+    hyper_params: OptaxHyperParams,
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
     grads = tree_like(grads, self.grads_reference(params))
     param_states = state.param_states
@@ -171,7 +171,7 @@ class OptaxWrapper(OptimizerDef):
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
     updates, new_param_states = self.optax_optimizer.update(
-        grads, param_states, params, **extra_args
+      grads, param_states, params, **extra_args
     )
     new_params = optax.apply_updates(params, updates)
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
@@ -185,18 +185,18 @@ class OptaxWrapper(OptimizerDef):
     """
     axes = _state_rules.logical_axes_from(param_logical_axes)
     param_states = _state_rules.OptaxStatePartitionRules.derive_optax_logical_axes(
-        optimizer.state.param_states,
-        axes,
-        transformation=self.optax_optimizer,
-        params=optimizer.target,
+      optimizer.state.param_states,
+      axes,
+      transformation=self.optax_optimizer,
+      params=optimizer.target,
     )
     return optimizer.replace(
-        target=axes, state=OptimizerState(step=None, param_states=param_states)
+      target=axes, state=OptimizerState(step=None, param_states=param_states)
     )
 
 
 def wrap_optax_optimizer(
-    optax_optimizer: Callable[..., optax.GradientTransformation],
+  optax_optimizer: Callable[..., optax.GradientTransformation],
 ) -> Callable[..., OptaxWrapper]:
   """Turns an optax factory into one that builds an `OptaxWrapper`.
 
@@ -228,10 +228,10 @@ def chain(transformations: Sequence[optax.GradientTransformation]) -> OptaxWrapp
 
 
 def inject_hyperparams(
-    inner_factory: Callable[..., optax.GradientTransformation],
-    *,
-    hyperparams: Mapping[str, Any],
-    static_args: Sequence[str] = (),
+  inner_factory: Callable[..., optax.GradientTransformation],
+  *,
+  hyperparams: Mapping[str, Any],
+  static_args: Sequence[str] = (),
 ) -> optax.GradientTransformation:
   """`optax.inject_hyperparams(inner_factory)(**hyperparams)`, configurable by gin.
 
@@ -261,7 +261,7 @@ def inject_hyperparams(
   unknown = sorted(set(hyperparams) - set(accepted))
   if unknown:
     raise TypeError(
-        f"inject_hyperparams: {getattr(inner_factory, '__name__', inner_factory)} has no "
-        f"argument(s) {unknown}; it takes {sorted(accepted)}."
+      f"inject_hyperparams: {getattr(inner_factory, '__name__', inner_factory)} has no "
+      f"argument(s) {unknown}; it takes {sorted(accepted)}."
     )
   return optax.inject_hyperparams(inner_factory, static_args=tuple(static_args))(**hyperparams)

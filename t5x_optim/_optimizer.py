@@ -62,7 +62,7 @@ class Optimizer(struct.PyTreeNode):
       check_grads(grads, reference)
     hyper_params = self.optimizer_def.update_hyper_params(**overrides)
     new_target, new_state = self.optimizer_def.apply_gradient(
-        hyper_params, self.target, self.state, grads, **extra_args
+      hyper_params, self.target, self.state, grads, **extra_args
     )
     return self.replace(target=new_target, state=new_state)
 
@@ -78,7 +78,7 @@ class Optimizer(struct.PyTreeNode):
     `OptimizerDef.restore_state` for what is checked.
     """
     target, new_state = self.optimizer_def.restore_state(
-        self.target, self.state, _state_dict.optimizer_part(state)
+      self.target, self.state, _state_dict.optimizer_part(state)
     )
     return self.replace(target=target, state=new_state)
 
@@ -105,7 +105,7 @@ class OptimizerDef(abc.ABC):
 
   @abc.abstractmethod
   def apply_gradient(
-      self, hyper_params: Any, params: Any, state: OptimizerState, grads: Any, **extra_args: Any
+    self, hyper_params: Any, params: Any, state: OptimizerState, grads: Any, **extra_args: Any
   ) -> tuple[Any, OptimizerState]:
     """Returns `(new_params, new_state)`."""
 
@@ -128,9 +128,9 @@ class OptimizerDef(abc.ABC):
     if unknown:
       extras = sorted(self.extra_arg_names)
       raise TypeError(
-          f"{type(self).__name__}.apply_gradient got unknown keyword arguments {unknown}; "
-          f"it accepts the hyper-parameters {sorted(names)}"
-          + (f" and the update's extra arguments {extras}." if extras else ".")
+        f"{type(self).__name__}.apply_gradient got unknown keyword arguments {unknown}; "
+        f"it accepts the hyper-parameters {sorted(names)}"
+        + (f" and the update's extra arguments {extras}." if extras else ".")
       )
     overrides = {k: v for k, v in kwargs.items() if k in names}
     extra_args = {k: v for k, v in kwargs.items() if k not in names}
@@ -164,15 +164,15 @@ class OptimizerDef(abc.ABC):
     `param_states` has every empty container removed, as T5X writes it.
     """
     return {
-        "target": flax.serialization.to_state_dict(target),
-        "state": {
-            "step": state.step,
-            "param_states": _state_dict.to_pruned_state_dict(state.param_states),
-        },
+      "target": flax.serialization.to_state_dict(target),
+      "state": {
+        "step": state.step,
+        "param_states": _state_dict.to_pruned_state_dict(state.param_states),
+      },
     }
 
   def restore_state(
-      self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
+    self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
   ) -> tuple[Any, OptimizerState]:
     """Restores `(target, state)` from a state dict, validating it first.
 
@@ -196,8 +196,8 @@ class OptimizerDef(abc.ABC):
 
 def _leaf_paths(tree: Any) -> set[str]:
   return {
-      jax.tree_util.keystr(path)
-      for path, _ in jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(tree))[0]
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(tree))[0]
   }
 
 
@@ -210,7 +210,7 @@ def tree_like(value: Any, reference: Any) -> Any:
   if jax.tree.structure(value) == ref_def:
     return value
   if jax.tree.structure(flax.core.unfreeze(value)) != jax.tree.structure(
-      flax.core.unfreeze(reference)
+    flax.core.unfreeze(reference)
   ):
     return value
   return jax.tree.unflatten(ref_def, jax.tree.leaves(value))
@@ -224,9 +224,9 @@ def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
     return None
   value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
   return (
-      f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
-      f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
-      f"params tree: {ref_def}"
+    f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
+    f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
+    f"params tree: {ref_def}"
   )
 
 
@@ -259,8 +259,8 @@ def check_grads(grads: Any, params: Any) -> None:
     param_kind = _kind(jax.numpy.result_type(param))
     if grad_shape != param_shape or (grad_kind == "complex" and param_kind == "real"):
       bad.append(
-          f"'{_state_dict.key_path_str(path)}': grads {grad_kind} {grad_shape}, params "
-          f"{param_kind} {param_shape}"
+        f"'{_state_dict.key_path_str(path)}': grads {grad_kind} {grad_shape}, params "
+        f"{param_kind} {param_shape}"
       )
   if bad:
     leaves = "leaf" if len(bad) == 1 else "leaves"

@@ -122,12 +122,12 @@ class Plan:
     if self.num_devices == 1:
       return []
     return [
-        f"{row.path}: {format_bytes(row.total_bytes)} replicated on all "
-        f"{self.num_devices} devices (logical axes {_axes_text(row.logical_axes)}); "
-        "add a logical axis rule for one of its dimensions or shard the optimizer "
-        "state over data (shard_optimizer_state_over_data=True)"
-        for row in self.rows
-        if row.replicated and row.total_bytes >= self.warn_replicated_bytes
+      f"{row.path}: {format_bytes(row.total_bytes)} replicated on all "
+      f"{self.num_devices} devices (logical axes {_axes_text(row.logical_axes)}); "
+      "add a logical axis rule for one of its dimensions or shard the optimizer "
+      "state over data (shard_optimizer_state_over_data=True)"
+      for row in self.rows
+      if row.replicated and row.total_bytes >= self.warn_replicated_bytes
     ]
 
 
@@ -166,7 +166,7 @@ def _dropped(param_axes: tuple[Any, ...], leaf_axes: tuple[Any, ...] | None) -> 
 
 
 def _match_param(
-    path: tuple[str, ...], param_paths: dict[tuple[str, ...], Any]
+  path: tuple[str, ...], param_paths: dict[tuple[str, ...], Any]
 ) -> tuple[str, ...] | None:
   """The longest param path that `path` ends with."""
   for start in range(len(path)):
@@ -175,9 +175,7 @@ def _match_param(
   return None
 
 
-def build_plan(
-    state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
-) -> Plan:
+def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20) -> Plan:
   """Describes every optimizer-state leaf of an abstract, sharded train state.
 
   Args:
@@ -192,12 +190,10 @@ def build_plan(
   Raises:
     ValueError: when a leaf has no `NamedSharding`.
   """
-  params = {
-      _path_tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)
-  }
+  params = {_path_tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
   param_axes = {
-      _path_tuple(p): spec
-      for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=_is_spec_leaf)
+    _path_tuple(p): spec
+    for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=_is_spec_leaf)
   }
   specs = jax.tree.leaves(logical.param_states, is_leaf=_is_spec_leaf)
   leaves = jax.tree_util.tree_leaves_with_path(state.param_states)
@@ -217,7 +213,8 @@ def build_plan(
     param_logical = _spec_tuple(param_axes.get(param), len(params[param].shape)) if param else ()
     factored = param and logical_axes is not None and len(shape) < len(param_logical)
     dropped = _dropped(param_logical, logical_axes) if factored else ()
-    rows.append(LeafRow(
+    rows.append(
+      LeafRow(
         path="/".join(path),
         group="/".join(group) or _ROOT,
         shape=shape,
@@ -229,7 +226,8 @@ def build_plan(
         param="/".join(param) if param else None,
         param_shape=tuple(params[param].shape) if param else None,
         dropped_axes=dropped,
-    ))
+      )
+    )
   return Plan(mesh_shape=mesh_shape, rows=tuple(rows), warn_replicated_bytes=warn_replicated_bytes)
 
 
@@ -250,8 +248,11 @@ def format_bytes(count: float) -> str:
 def _axes_text(axes: Sequence[Any] | None) -> str:
   if axes is None:
     return "replicated"
-  return "(" + ", ".join("-" if a is None else "+".join(a) if isinstance(a, tuple) else a
-                         for a in axes) + ")"
+  return (
+    "("
+    + ", ".join("-" if a is None else "+".join(a) if isinstance(a, tuple) else a for a in axes)
+    + ")"
+  )
 
 
 def _note(row: LeafRow) -> str:
@@ -264,13 +265,19 @@ def format_table(plan: Plan) -> str:
   """The plan as a text table, grouped by state part, with totals and warnings."""
   header = ("path", "shape", "dtype", "logical axes", "mesh axes", "bytes/device", "")
   lines_by_group = {
-      group: [
-          (row.path, str(row.shape), row.dtype, _axes_text(row.logical_axes),
-           _axes_text(None if row.replicated else row.mesh_axes),
-           format_bytes(row.bytes_per_device), _note(row))
-          for row in rows
-      ]
-      for group, rows in plan.groups().items()
+    group: [
+      (
+        row.path,
+        str(row.shape),
+        row.dtype,
+        _axes_text(row.logical_axes),
+        _axes_text(None if row.replicated else row.mesh_axes),
+        format_bytes(row.bytes_per_device),
+        _note(row),
+      )
+      for row in rows
+    ]
+    for group, rows in plan.groups().items()
   }
   cells = [header, *(line for lines in lines_by_group.values() for line in lines)]
   widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
@@ -279,20 +286,26 @@ def format_table(plan: Plan) -> str:
     return "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
 
   mesh = " x ".join(f"{name}={size}" for name, size in plan.mesh_shape.items())
-  out = [f"Optimizer state on mesh {mesh} ({plan.num_devices} devices), "
-         f"{len(plan.rows)} leaves", ""]
+  out = [
+    f"Optimizer state on mesh {mesh} ({plan.num_devices} devices), {len(plan.rows)} leaves",
+    "",
+  ]
   groups = plan.groups()
   for group, lines in lines_by_group.items():
     group_bytes = sum(row.bytes_per_device for row in groups[group])
-    out += [f"[{group}] {len(lines)} leaves, {format_bytes(group_bytes)} per device",
-            "  " + render(header), *("  " + render(line) for line in lines), ""]
+    out += [
+      f"[{group}] {len(lines)} leaves, {format_bytes(group_bytes)} per device",
+      "  " + render(header),
+      *("  " + render(line) for line in lines),
+      "",
+    ]
   ideal = plan.ideal_bytes_per_device
   ratio = plan.bytes_per_device / ideal if ideal else 1.0
   out += [
-      f"total:      {format_bytes(plan.total_bytes)}",
-      f"per device: {format_bytes(plan.bytes_per_device)} "
-      f"(ideal {format_bytes(ideal)}, {ratio:.2f}x ideal; "
-      f"replicated {format_bytes(plan.replicated_bytes_per_device)})",
+    f"total:      {format_bytes(plan.total_bytes)}",
+    f"per device: {format_bytes(plan.bytes_per_device)} "
+    f"(ideal {format_bytes(ideal)}, {ratio:.2f}x ideal; "
+    f"replicated {format_bytes(plan.replicated_bytes_per_device)})",
   ]
   warnings = plan.warnings()
   if warnings:
@@ -307,38 +320,38 @@ def _json_axes(axes: Sequence[Any] | None) -> list[Any] | None:
 def plan_to_json(plan: Plan) -> dict[str, Any]:
   """The plan as JSON-ready data: mesh, leaves, per-group and overall totals, warnings."""
   return {
-      "mesh": plan.mesh_shape,
-      "num_devices": plan.num_devices,
-      "leaves": [
-          {
-              "path": row.path,
-              "group": row.group,
-              "shape": list(row.shape),
-              "dtype": row.dtype,
-              "logical_axes": _json_axes(row.logical_axes),
-              "mesh_axes": _json_axes(row.mesh_axes),
-              "bytes_per_device": row.bytes_per_device,
-              "total_bytes": row.total_bytes,
-              "replicated": row.replicated,
-              "param": row.param,
-              "param_shape": None if row.param_shape is None else list(row.param_shape),
-              "dropped_axes": list(row.dropped_axes),
-          }
-          for row in plan.rows
-      ],
-      "groups": {
-          group: {
-              "leaves": len(rows),
-              "bytes_per_device": sum(r.bytes_per_device for r in rows),
-              "total_bytes": sum(r.total_bytes for r in rows),
-          }
-          for group, rows in plan.groups().items()
-      },
-      "totals": {
-          "total_bytes": plan.total_bytes,
-          "bytes_per_device": plan.bytes_per_device,
-          "ideal_bytes_per_device": plan.ideal_bytes_per_device,
-          "replicated_bytes_per_device": plan.replicated_bytes_per_device,
-      },
-      "warnings": plan.warnings(),
+    "mesh": plan.mesh_shape,
+    "num_devices": plan.num_devices,
+    "leaves": [
+      {
+        "path": row.path,
+        "group": row.group,
+        "shape": list(row.shape),
+        "dtype": row.dtype,
+        "logical_axes": _json_axes(row.logical_axes),
+        "mesh_axes": _json_axes(row.mesh_axes),
+        "bytes_per_device": row.bytes_per_device,
+        "total_bytes": row.total_bytes,
+        "replicated": row.replicated,
+        "param": row.param,
+        "param_shape": None if row.param_shape is None else list(row.param_shape),
+        "dropped_axes": list(row.dropped_axes),
+      }
+      for row in plan.rows
+    ],
+    "groups": {
+      group: {
+        "leaves": len(rows),
+        "bytes_per_device": sum(r.bytes_per_device for r in rows),
+        "total_bytes": sum(r.total_bytes for r in rows),
+      }
+      for group, rows in plan.groups().items()
+    },
+    "totals": {
+      "total_bytes": plan.total_bytes,
+      "bytes_per_device": plan.bytes_per_device,
+      "ideal_bytes_per_device": plan.ideal_bytes_per_device,
+      "replicated_bytes_per_device": plan.replicated_bytes_per_device,
+    },
+    "warnings": plan.warnings(),
   }

@@ -18,15 +18,15 @@ from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
 __all__ = [
-    "is_array",
-    "is_placeholder",
-    "is_prng_key",
-    "key_path_parts",
-    "key_path_str",
-    "optimizer_part",
-    "prune_empty",
-    "restore_into",
-    "to_pruned_state_dict",
+  "is_array",
+  "is_placeholder",
+  "is_prng_key",
+  "key_path_parts",
+  "key_path_str",
+  "optimizer_part",
+  "prune_empty",
+  "restore_into",
+  "to_pruned_state_dict",
 ]
 
 
@@ -54,8 +54,7 @@ def to_pruned_state_dict(tree: Any) -> Any:
 
 
 def _is_empty(tree: Any) -> bool:
-  return tree is traverse_util.empty_node or (
-      isinstance(tree, Mapping) and not prune_empty(tree))
+  return tree is traverse_util.empty_node or (isinstance(tree, Mapping) and not prune_empty(tree))
 
 
 def _join(path: tuple[str, ...]) -> str:
@@ -98,9 +97,9 @@ def is_array(value: Any) -> bool:
 def _is_lazy_array(value: Any) -> bool:
   """A lazily read array (T5X's `LazyArray`), recognised by its interface."""
   return (
-      callable(getattr(value, "get_async", None))
-      and hasattr(value, "shape")
-      and hasattr(value, "dtype")
+    callable(getattr(value, "get_async", None))
+    and hasattr(value, "shape")
+    and hasattr(value, "dtype")
   )
 
 
@@ -117,9 +116,9 @@ def is_placeholder(value: Any) -> bool:
     (True, True, False)
   """
   return (
-      value is None
-      or isinstance(value, PartitionSpec | jax.sharding.Sharding | jax.ShapeDtypeStruct)
-      or _is_lazy_array(value)
+    value is None
+    or isinstance(value, PartitionSpec | jax.sharding.Sharding | jax.ShapeDtypeStruct)
+    or _is_lazy_array(value)
   )
 
 
@@ -178,22 +177,22 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
   if not is_prng_key(value):
     if not isinstance(reference, jax.Array):
       raise ValueError(
-          f"State dict mismatch at '{where}': the optimizer has an abstract PRNG "
-          f"key of dtype {reference.dtype}; restore it from a typed key array."
+        f"State dict mismatch at '{where}': the optimizer has an abstract PRNG "
+        f"key of dtype {reference.dtype}; restore it from a typed key array."
       )
     data_shape = jax.eval_shape(jax.random.key_data, reference).shape
     if np.shape(value) != data_shape:
       raise ValueError(
-          f"Shape mismatch at '{where}': the optimizer's PRNG key data has shape "
-          f"{data_shape}, the state dict has shape {np.shape(value)}."
+        f"Shape mismatch at '{where}': the optimizer's PRNG key data has shape "
+        f"{data_shape}, the state dict has shape {np.shape(value)}."
       )
     value = jax.random.wrap_key_data(
-        np.asarray(value, np.uint32), impl=jax.random.key_impl(reference)
+      np.asarray(value, np.uint32), impl=jax.random.key_impl(reference)
     )
   if value.dtype != reference.dtype or value.shape != reference.shape:
     raise ValueError(
-        f"PRNG key mismatch at '{where}': the optimizer has {reference.dtype} "
-        f"{reference.shape}, the state dict has {value.dtype} {value.shape}."
+      f"PRNG key mismatch at '{where}': the optimizer has {reference.dtype} "
+      f"{reference.shape}, the state dict has {value.dtype} {value.shape}."
     )
   sharding = getattr(reference, "sharding", None)
   return jax.device_put(value, sharding) if sharding is not None else value
@@ -216,15 +215,15 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   shape, dtype = np.shape(value), _dtype_of(value)
   if shape != ref_shape:
     raise ValueError(
-        f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
-        f"state dict has shape {shape}."
+      f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
+      f"state dict has shape {shape}."
     )
   floats = _is_float(dtype) and _is_float(ref_dtype)
   keeps_dtype = floats and path[:1] == ("target",) and hasattr(value, "dtype")
   if not (floats or _castable(value, dtype, ref_dtype)):
     raise ValueError(
-        f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
-        f"be cast safely to the optimizer's {ref_dtype}."
+      f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
+      f"be cast safely to the optimizer's {ref_dtype}."
     )
   out_dtype = dtype if keeps_dtype else ref_dtype
   if isinstance(reference, np.ndarray | np.generic) or _is_lazy_array(reference):
@@ -252,8 +251,8 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
     ref_shape, shape = _shape_of(reference), _shape_of(value)
     if ref_shape is not None and shape is not None and ref_shape != shape:
       raise ValueError(
-          f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
-          f"state dict has {_describe(value)}."
+        f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
+        f"state dict has {_describe(value)}."
       )
     return value
   if reference is None or not is_array(value):
@@ -261,7 +260,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
     if _shape_of(reference) is not None:
       expected = f"an array with {expected}"
     raise ValueError(
-        f"State dict mismatch at '{where}': expected {expected}, got {_describe(value)}."
+      f"State dict mismatch at '{where}': expected {expected}, got {_describe(value)}."
     )
   if _shape_of(reference) is None:
     return value
@@ -281,18 +280,18 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
     return _convert_leaf(reference, given, path)
   if not isinstance(given, Mapping):
     raise ValueError(
-        f"State dict mismatch at '{_join(path)}': expected "
-        f"{_describe(prune_empty(reference))}, got {_describe(given)}."
+      f"State dict mismatch at '{_join(path)}': expected "
+      f"{_describe(prune_empty(reference))}, got {_describe(given)}."
     )
   unexpected = sorted(
-      str(key)
-      for key, value in given.items()
-      if key not in reference and not (value is None or _is_empty(value))
+    str(key)
+    for key, value in given.items()
+    if key not in reference and not (value is None or _is_empty(value))
   )
   if unexpected:
     raise ValueError(
-        f"Unexpected keys {unexpected} at '{_join(path)}' in the state dict; the "
-        f"optimizer has keys {sorted(prune_empty(reference))} there."
+      f"Unexpected keys {unexpected} at '{_join(path)}' in the state dict; the "
+      f"optimizer has keys {sorted(prune_empty(reference))} there."
     )
   filled = {}
   for key, ref_value in reference.items():
@@ -300,8 +299,8 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
     if key not in given:
       if not (ref_value is None or _is_empty(ref_value)):
         raise ValueError(
-            f"Missing key '{_join(sub_path)}' in the state dict: the optimizer "
-            f"has {_describe(prune_empty(ref_value))} there."
+          f"Missing key '{_join(sub_path)}' in the state dict: the optimizer "
+          f"has {_describe(prune_empty(ref_value))} there."
         )
       filled[key] = ref_value
       continue
@@ -324,8 +323,8 @@ def optimizer_part(state_dict: Any) -> dict[str, Any]:
   """
   if not isinstance(state_dict, Mapping):
     raise ValueError(
-        f"State dict mismatch at '<root>': expected a subtree with keys ['state', "
-        f"'target'], got {_describe(state_dict)}."
+      f"State dict mismatch at '<root>': expected a subtree with keys ['state', "
+      f"'target'], got {_describe(state_dict)}."
     )
   return {key: state_dict[key] for key in ("target", "state") if key in state_dict}
 

@@ -61,7 +61,7 @@ def _axes_by_path(axes_collection: Any) -> dict[tuple[str, ...], PartitionSpec |
 
 
 def _split_collection(
-    name: str, collection: Any, axes_collection: Any | None
+  name: str, collection: Any, axes_collection: Any | None
 ) -> tuple[dict[str, Any], SpecLeaves | None]:
   """Unboxes one collection and finds the logical spec of each of its leaves.
 
@@ -84,16 +84,15 @@ def _split_collection(
   missing = sorted(_join(p) for p in unboxed if p not in given)
   if axes_collection is not None and (unexpected or missing):
     raise ValueError(
-        f"The '{name}{_AXES_SUFFIX}' collection does not match the '{name}' "
-        f"collection: axes without a variable: {unexpected}; variables without "
-        f"axes: {missing}."
+      f"The '{name}{_AXES_SUFFIX}' collection does not match the '{name}' "
+      f"collection: axes without a variable: {unexpected}; variables without "
+      f"axes: {missing}."
     )
   if axes_collection is None and len(unboxed) == len(flat):
     specs_flat = None
   else:
     specs_flat = {
-        p: x if x is traverse_util.empty_node else given.get(p, _box_spec(x))
-        for p, x in flat.items()
+      p: x if x is traverse_util.empty_node else given.get(p, _box_spec(x)) for p, x in flat.items()
     }
   values = traverse_util.unflatten_dict({p: _unbox(x) for p, x in flat.items()})
   if specs_flat is None:
@@ -103,21 +102,20 @@ def _split_collection(
 
 
 def _split_variables(
-    model_variables: Mapping[str, Any],
+  model_variables: Mapping[str, Any],
 ) -> tuple[dict[str, Any], SpecLeaves | None, dict[str, Any], SpecLeaves | None]:
   """Splits model variables into (params, their specs, mutables, their specs)."""
   variables = dict(flax.core.unfreeze(model_variables))
   if _PARAMS not in variables:
     raise ValueError(
-        f"model_variables has no '{_PARAMS}' collection; its collections are "
-        f"{sorted(variables)}."
+      f"model_variables has no '{_PARAMS}' collection; its collections are {sorted(variables)}."
     )
   axes = {k[: -len(_AXES_SUFFIX)]: v for k, v in variables.items() if k.endswith(_AXES_SUFFIX)}
   orphans = sorted(f"{k}{_AXES_SUFFIX}" for k in axes if k not in variables)
   if orphans:
     raise ValueError(
-        f"Axes collections {orphans} have no matching variable collection; the "
-        f"collections are {sorted(variables)}."
+      f"Axes collections {orphans} have no matching variable collection; the "
+      f"collections are {sorted(variables)}."
     )
   params, param_specs = _split_collection(_PARAMS, variables[_PARAMS], axes.get(_PARAMS))
   mutables, mutable_specs = {}, []
@@ -196,16 +194,16 @@ class TrainState(struct.PyTreeNode):
     if hasattr(optimizer_def, "set_param_axes"):
       if param_specs is None:
         raise ValueError(
-            f"{type(optimizer_def).__name__} partitions by the params' logical axes "
-            "(it has set_param_axes), but the model emits none: use "
-            "param_with_axes or nn.with_logical_partitioning."
+          f"{type(optimizer_def).__name__} partitions by the params' logical axes "
+          "(it has set_param_axes), but the model emits none: use "
+          "param_with_axes or nn.with_logical_partitioning."
         )
       optimizer_def.set_param_axes(_unflatten_like(params, param_specs))
     return cls(
-        _optimizer=optimizer_def.create(params),
-        flax_mutables=mutables,
-        param_axis_leaves=param_specs,
-        mutable_axis_leaves=mutable_specs,
+      _optimizer=optimizer_def.create(params),
+      flax_mutables=mutables,
+      param_axis_leaves=param_specs,
+      mutable_axis_leaves=mutable_specs,
     )
 
   @property
@@ -239,12 +237,12 @@ class TrainState(struct.PyTreeNode):
     return _unflatten_like(self.flax_mutables, self.mutable_axis_leaves)
 
   def apply_gradient(
-      self,
-      grads: Any,
-      learning_rate: Any = None,
-      *,
-      flax_mutables: Mapping[str, Any] | None = None,
-      **extra: Any,
+    self,
+    grads: Any,
+    learning_rate: Any = None,
+    *,
+    flax_mutables: Mapping[str, Any] | None = None,
+    **extra: Any,
   ) -> TrainState:
     """Applies `grads` and returns the new train state.
 
@@ -304,7 +302,7 @@ class TrainState(struct.PyTreeNode):
     optimizer = self._optimizer.restore_state(state_dict)
     mutables = state_dict.get(_FLAX_MUTABLES, {})
     restored = _state_dict.restore_into(
-        {_FLAX_MUTABLES: self.flax_mutables}, {_FLAX_MUTABLES: mutables}
+      {_FLAX_MUTABLES: self.flax_mutables}, {_FLAX_MUTABLES: mutables}
     )
     return self.replace(_optimizer=optimizer, flax_mutables=restored[_FLAX_MUTABLES])
 
@@ -319,8 +317,8 @@ class TrainState(struct.PyTreeNode):
     optimizer_def = self._optimizer.optimizer_def
     if not hasattr(optimizer_def, "derive_logical_axes"):
       raise ValueError(
-          f"Optimizer '{type(optimizer_def).__name__}' has no derive_logical_axes method, "
-          "which partitioning by logical axes needs."
+        f"Optimizer '{type(optimizer_def).__name__}' has no derive_logical_axes method, "
+        "which partitioning by logical axes needs."
       )
     optimizer = optimizer_def.derive_logical_axes(self._optimizer, self.params_axes)
     return self.replace(_optimizer=optimizer, flax_mutables=self.flax_mutables_axes)

@@ -125,7 +125,7 @@ def _join(path: Path) -> str:
 
 
 def _open_stored(
-    item: epath.Path, where: str, step: int, wanted: Callable[[Path], bool]
+  item: epath.Path, where: str, step: int, wanted: Callable[[Path], bool]
 ) -> dict[Path, jax.ShapeDtypeStruct]:
   """The shape and dtype of the `wanted` arrays stored in the orbax item `item`.
 
@@ -143,9 +143,7 @@ def _open_stored(
       headers are, naming every such path.
   """
   try:
-    metadata = InternalTreeMetadata.from_json(
-        json.loads((item / PYTREE_METADATA_FILE).read_text())
-    )
+    metadata = InternalTreeMetadata.from_json(json.loads((item / PYTREE_METADATA_FILE).read_text()))
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f"{where} has no readable tree metadata: {e}", step=step) from e
   use_ocdbt = metadata.use_ocdbt
@@ -160,7 +158,7 @@ def _open_stored(
     if not wanted(path):
       continue
     spec = ArrayReadSpec(
-        item.as_posix(), ".".join(path), bool(metadata.use_zarr3), use_ocdbt=use_ocdbt
+      item.as_posix(), ".".join(path), bool(metadata.use_zarr3), use_ocdbt=use_ocdbt
     )
     opening[path] = ts.open(spec.json, open=True, context=context)
   stored, unreadable, first_error = {}, [], None
@@ -174,8 +172,8 @@ def _open_stored(
     stored[path] = jax.ShapeDtypeStruct(array.shape, jax.numpy.dtype(array.dtype.name))
   if unreadable:
     raise CheckpointError(
-        f"{where} has unreadable metadata at {', '.join(unreadable)}: {_root_cause(first_error)}",
-        step=step,
+      f"{where} has unreadable metadata at {', '.join(unreadable)}: {_root_cause(first_error)}",
+      step=step,
     ) from first_error
   return stored
 
@@ -229,13 +227,13 @@ def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
   stored_shape, stored_dtype = _shape_dtype(stored)
   if stored_shape != shape:
     return (
-        f"shape mismatch at '{_join(path)}': the target has {_describe(expected)}, the "
-        f"checkpoint has {_describe(stored)}"
+      f"shape mismatch at '{_join(path)}': the target has {_describe(expected)}, the "
+      f"checkpoint has {_describe(stored)}"
     )
   if not np.can_cast(stored_dtype, dtype, casting="safe"):
     return (
-        f"dtype mismatch at '{_join(path)}': the checkpoint's {stored_dtype} cannot be "
-        f"cast safely to the target's {dtype}"
+      f"dtype mismatch at '{_join(path)}': the checkpoint's {stored_dtype} cannot be "
+      f"cast safely to the target's {dtype}"
     )
   return None
 
@@ -243,14 +241,14 @@ def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
 def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
   """Every missing key, unexpected key and shape or dtype mismatch, by path."""
   problems = [
-      f"missing key '{_join(path)}' (the target has {_describe(leaf)} there)"
-      for path, leaf in expected.items()
-      if path not in stored
+    f"missing key '{_join(path)}' (the target has {_describe(leaf)} there)"
+    for path, leaf in expected.items()
+    if path not in stored
   ]
   problems += [
-      f"unexpected key '{_join(path)}' ({_describe(leaf)})"
-      for path, leaf in stored.items()
-      if path not in expected
+    f"unexpected key '{_join(path)}' ({_describe(leaf)})"
+    for path, leaf in stored.items()
+    if path not in expected
   ]
   for path, leaf in expected.items():
     if path in stored:
@@ -282,10 +280,10 @@ def _restore_args(expected: Mapping[Path, Any]) -> tuple[dict[str, Any], Any]:
 def _rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:
   """Turns the `key_data` read for the target's typed PRNG keys back into keys."""
   return {
-      path: jax.random.wrap_key_data(leaf, impl=_key_impl(target[path].dtype))
-      if _state_dict.is_prng_key(target[path])
-      else leaf
-      for path, leaf in restored.items()
+    path: jax.random.wrap_key_data(leaf, impl=_key_impl(target[path].dtype))
+    if _state_dict.is_prng_key(target[path])
+    else leaf
+    for path, leaf in restored.items()
   }
 
 
@@ -295,7 +293,7 @@ def _optimizer_of(target: CheckpointState) -> Optimizer:
   if isinstance(target, Optimizer):
     return target
   raise TypeError(
-      f"params_only=True needs a TrainState or an Optimizer, got {type(target).__name__}."
+    f"params_only=True needs a TrainState or an Optimizer, got {type(target).__name__}."
   )
 
 
@@ -311,7 +309,7 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
   out_shardings = None if None in shardings else treedef.unflatten(shardings)
   init = jax.jit(
-      lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
+    lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
   )
   return init(serialization.from_state_dict(optimizer.target, params))
 
@@ -337,7 +335,7 @@ def _words(x: jax.Array) -> jax.Array:
     x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
     if x.dtype.itemsize < 4:
       return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(
-          jnp.uint32
+        jnp.uint32
       )
   if x.dtype.itemsize in (4, 8) and not jnp.issubdtype(x.dtype, jnp.bool_):
     return jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -378,7 +376,7 @@ _IN_FLIGHT = 4
 
 
 def _dispatch_checksums(
-    leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
+  leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
 ) -> dict[str, jax.Array]:
   """`_checksum` of every leaf, keyed by joined path.
 
@@ -416,12 +414,12 @@ class _ChecksumsHandler(ocp.AsyncCheckpointHandler):
     self._write(directory, pending)
 
   async def async_save(
-      self, directory: epath.Path, args: _ChecksumsArgs
+    self, directory: epath.Path, args: _ChecksumsArgs
   ) -> list[ocp.future.Future]:
     return [
-        ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_async(directory, args.pending), name="t5x_optim_checksums"
-        )
+      ocp.future.CommitFutureAwaitingContractedSignals(
+        self._write_async(directory, args.pending), name="t5x_optim_checksums"
+      )
     ]
 
   def save(self, directory: epath.Path, args: _ChecksumsArgs) -> None:
@@ -472,9 +470,9 @@ class _WriterLock:
     if problem:
       self.release()
       raise CheckpointError(
-          f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
-          f"directory; its lock is {self._path}.",
-          step=step,
+        f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
+        f"directory; its lock is {self._path}.",
+        step=step,
       )
 
   def _try_lock(self) -> str:
@@ -550,7 +548,7 @@ class Checkpointer:
   """
 
   def __init__(
-      self, directory: str | os.PathLike[str], *, keep: int | None = None, async_save: bool = True
+    self, directory: str | os.PathLike[str], *, keep: int | None = None, async_save: bool = True
   ):
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be None or at least 1, got {keep}.")
@@ -568,14 +566,14 @@ class Checkpointer:
   def _new_manager(self, *, writer: bool) -> ocp.CheckpointManager:
     """An orbax manager of the directory; only a writer's removes partial steps."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=self._keep,
-        enable_async_checkpointing=self._async_save,
-        cleanup_tmp_directories=writer,
-        create=True,
+      max_to_keep=self._keep,
+      enable_async_checkpointing=self._async_save,
+      cleanup_tmp_directories=writer,
+      create=True,
     )
     handlers = {
-        _ARRAYS: ocp.PyTreeCheckpointHandler(),
-        _CHECKSUMS: _ChecksumsHandler(),
+      _ARRAYS: ocp.PyTreeCheckpointHandler(),
+      _CHECKSUMS: _ChecksumsHandler(),
     }
     return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
 
@@ -630,13 +628,13 @@ class Checkpointer:
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(
-          f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
-          "and steps must increase."
+        f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
+        "and steps must increase."
       )
     state_dict = jax.tree.map(_saveable, state.state_dict())
     checksums = _dispatch_checksums(_flatten(state_dict))
     args = ocp.args.Composite(
-        **{_ARRAYS: ocp.args.PyTreeSave(state_dict), _CHECKSUMS: _ChecksumsArgs(checksums)}
+      **{_ARRAYS: ocp.args.PyTreeSave(state_dict), _CHECKSUMS: _ChecksumsArgs(checksums)}
     )
     self._manager.save(step, args=args, force=True)
 
@@ -676,9 +674,9 @@ class Checkpointer:
       return {str(key): int(value) for key, value in recorded.items()}
     except (OSError, ValueError, TypeError) as e:
       raise CheckpointError(
-          f"{self._where(step)} has no readable checksums ({path}): {e}. A step written "
-          "before checksums existed restores with verify=False, unverified.",
-          step=step,
+        f"{self._where(step)} has no readable checksums ({path}): {e}. A step written "
+        "before checksums existed restores with verify=False, unverified.",
+        step=step,
       ) from e
 
   def _holds_only_t5x_checkpoints(self) -> bool:
@@ -709,7 +707,7 @@ class Checkpointer:
       return steps[-1]
     if step not in steps:
       raise FileNotFoundError(
-          f"No complete checkpoint for step {step} in {self._directory}; the steps are {steps}."
+        f"No complete checkpoint for step {step} in {self._directory}; the steps are {steps}."
       )
     return step
 
@@ -717,8 +715,7 @@ class Checkpointer:
     problems = _problems(expected, stored)
     if problems:
       raise ValueError(
-          f"{self._where(step)} does not fit the target: {'; '.join(problems)}. "
-          "Nothing was restored."
+        f"{self._where(step)} does not fit the target: {'; '.join(problems)}. Nothing was restored."
       )
 
   def _read(self, step: int, expected: Mapping[Path, Any], *, partial: bool) -> dict[Path, Any]:
@@ -731,30 +728,29 @@ class Checkpointer:
       cause = _root_cause(e)
       at = [f"'{_join(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
       raise CheckpointError(
-          f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: "
-          f"{cause}",
-          step=step,
+        f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: {cause}",
+        step=step,
       ) from e
     return traverse_util.flatten_dict(dict(restored[_ARRAYS]))
 
   def _verify(
-      self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
+    self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
   ) -> None:
     """Raises `CheckpointError` naming every array whose checksum differs."""
     actual = _fetch(pending)
     wrong = [
-        f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
-        for path, value in actual.items()
-        if recorded[path] != value
+      f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
+      for path, value in actual.items()
+      if recorded[path] != value
     ]
     if wrong:
       raise CheckpointError(
-          f"{self._where(step)} is corrupt: the checksum differs at {', '.join(wrong)}.",
-          step=step,
+        f"{self._where(step)} is corrupt: the checksum differs at {', '.join(wrong)}.",
+        step=step,
       )
 
   def _restore_step(
-      self, target: CheckpointState, step: int, *, params_only: bool, verify: bool
+    self, target: CheckpointState, step: int, *, params_only: bool, verify: bool
   ) -> CheckpointState:
     """`restore` of exactly `step`: check, read, build the state, verify.
 
@@ -771,8 +767,8 @@ class Checkpointer:
       unrecorded = [f"'{_join(p)}'" for p in expected if _join(p) not in recorded]
       if unrecorded:
         raise CheckpointError(
-            f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
-            step=step,
+          f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
+          step=step,
         )
     restored = self._read(step, expected, partial=params_only)
     if verify:
@@ -782,7 +778,7 @@ class Checkpointer:
     state_dict = traverse_util.unflatten_dict(_rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
-          _fresh_param_states(target, state_dict[_TARGET])
+        _fresh_param_states(target, state_dict[_TARGET])
       )
     state = target.restore_state(state_dict)
     if verify:
@@ -790,13 +786,13 @@ class Checkpointer:
     return state
 
   def restore(
-      self,
-      target: CheckpointState,
-      step: int | None = None,
-      *,
-      params_only: bool = False,
-      fallback: bool = False,
-      verify: bool = True,
+    self,
+    target: CheckpointState,
+    step: int | None = None,
+    *,
+    params_only: bool = False,
+    fallback: bool = False,
+    verify: bool = True,
   ) -> CheckpointState:
     """Restores checkpoint `step` into `target`'s structure and shardings.
 
@@ -850,20 +846,20 @@ class Checkpointer:
     if self._holds_only_t5x_checkpoints():
       if params_only or fallback:
         raise ValueError(
-            f"{self._directory} holds T5X checkpoints, which restore with neither "
-            "params_only nor fallback."
+          f"{self._directory} holds T5X checkpoints, which restore with neither "
+          "params_only nor fallback."
         )
       restored = t5x_checkpoints.restore_t5x_checkpoint(self._directory, target, step=step)
-      self._restored_step = t5x_checkpoints.latest_t5x_step(self._directory) if step is None else step
+      self._restored_step = (
+        t5x_checkpoints.latest_t5x_step(self._directory) if step is None else step
+      )
       return restored
     step = self._resolve_step(step)
     candidates = [s for s in reversed(self.all_steps()) if s <= step] if fallback else [step]
     errors = []
     for candidate in candidates:
       try:
-        restored = self._restore_step(
-            target, candidate, params_only=params_only, verify=verify
-        )
+        restored = self._restore_step(target, candidate, params_only=params_only, verify=verify)
       except CheckpointError as e:
         if not fallback:
           raise
@@ -875,7 +871,7 @@ class Checkpointer:
         _log.warning("Restored checkpoint step %d of %s instead.", candidate, self._directory)
       return restored
     raise CheckpointError(
-        f"No intact checkpoint up to step {step} in {self._directory}: "
-        + "; ".join(str(e) for e in errors),
-        step=step,
+      f"No intact checkpoint up to step {step} in {self._directory}: "
+      + "; ".join(str(e) for e in errors),
+      step=step,
     ) from errors[-1]

@@ -45,16 +45,16 @@ def _positive_seconds(name: str, value: object) -> int:
 
 
 def initialize(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
-    shutdown_timeout_seconds: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    initialization_timeout: int = 300,
-    local_device_ids: int | Sequence[int] | None = None,
-    cluster_detection_method: str | None = None,
-    coordinator_bind_address: str | None = None,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+  shutdown_timeout_seconds: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
+  initialization_timeout: int = 300,
+  local_device_ids: int | Sequence[int] | None = None,
+  cluster_detection_method: str | None = None,
+  coordinator_bind_address: str | None = None,
 ) -> None:
   """`jax.distributed.initialize` with timeouts that bound a peer's failure.
 
@@ -80,17 +80,17 @@ def initialize(
     RuntimeError: jax is already initialised (distributed, or a backend).
   """
   jax.distributed.initialize(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
-      local_device_ids=local_device_ids,
-      cluster_detection_method=cluster_detection_method,
-      initialization_timeout=_positive_seconds("initialization_timeout", initialization_timeout),
-      heartbeat_timeout_seconds=_positive_seconds(
-          "heartbeat_timeout_seconds", heartbeat_timeout_seconds
-      ),
-      shutdown_timeout_seconds=_positive_seconds(
-          "shutdown_timeout_seconds", shutdown_timeout_seconds
-      ),
-      coordinator_bind_address=coordinator_bind_address,
+    coordinator_address=coordinator_address,
+    num_processes=num_processes,
+    process_id=process_id,
+    local_device_ids=local_device_ids,
+    cluster_detection_method=cluster_detection_method,
+    initialization_timeout=_positive_seconds("initialization_timeout", initialization_timeout),
+    heartbeat_timeout_seconds=_positive_seconds(
+      "heartbeat_timeout_seconds", heartbeat_timeout_seconds
+    ),
+    shutdown_timeout_seconds=_positive_seconds(
+      "shutdown_timeout_seconds", shutdown_timeout_seconds
+    ),
+    coordinator_bind_address=coordinator_bind_address,
   )

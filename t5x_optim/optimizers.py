@@ -18,17 +18,17 @@ Example:
 
 from t5x_optim._discovery import optax_optimizer_factories
 from t5x_optim._example_lib import (
-    EXAMPLE_LIB_OPTIMIZERS,
-    ExampleLibOptimizerDef,
-    wrap_example_lib_optimizer,
+  EXAMPLE_LIB_OPTIMIZERS,
+  ExampleLibOptimizerDef,
+  wrap_example_lib_optimizer,
 )
 from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optax_wrapper import (
-    OptaxHyperParams,
-    OptaxWrapper,
-    chain,
-    inject_hyperparams,
-    wrap_optax_optimizer,
+  OptaxHyperParams,
+  OptaxWrapper,
+  chain,
+  inject_hyperparams,
+  wrap_optax_optimizer,
 )
 from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim.partitioning import OptaxStatePartitionRules
@@ -38,28 +38,28 @@ OptimizerStateType = OptimizerState
 OptimizerDefType = OptimizerDef
 
 _WRAPPED = {
-    name: wrap_optax_optimizer(factory) for name, factory in optax_optimizer_factories().items()
+  name: wrap_optax_optimizer(factory) for name, factory in optax_optimizer_factories().items()
 }
 globals().update(_WRAPPED)
 globals().update(EXAMPLE_LIB_OPTIMIZERS)
 
 __all__ = [
-    "ExampleLibOptimizerDef",
-    "MultiOptimizer",
-    "OptaxHyperParams",
-    "OptaxStatePartitionRules",
-    "OptaxWrapper",
-    "Optimizer",
-    "OptimizerDef",
-    "OptimizerDefType",
-    "OptimizerState",
-    "OptimizerStateType",
-    "OptimizerType",
-    "PathFilter",
-    "chain",
-    "inject_hyperparams",
-    "wrap_example_lib_optimizer",
-    "wrap_optax_optimizer",
-    *sorted(_WRAPPED),
-    *sorted(EXAMPLE_LIB_OPTIMIZERS),
+  "ExampleLibOptimizerDef",
+  "MultiOptimizer",
+  "OptaxHyperParams",
+  "OptaxStatePartitionRules",
+  "OptaxWrapper",
+  "Optimizer",
+  "OptimizerDef",
+  "OptimizerDefType",
+  "OptimizerState",
+  "OptimizerStateType",
+  "OptimizerType",
+  "PathFilter",
+  "chain",
+  "inject_hyperparams",
+  "wrap_example_lib_optimizer",
+  "wrap_optax_optimizer",
+  *sorted(_WRAPPED),
+  *sorted(EXAMPLE_LIB_OPTIMIZERS),
 ]

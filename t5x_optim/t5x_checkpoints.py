@@ -58,10 +58,10 @@ from flax import serialization, traverse_util
 from t5x_optim import _state_dict
 
 __all__ = [
-    "latest_t5x_step",
-    "restore_t5x_checkpoint",
-    "save_t5x_checkpoint",
-    "t5x_checkpoint_steps",
+  "latest_t5x_step",
+  "restore_t5x_checkpoint",
+  "save_t5x_checkpoint",
+  "t5x_checkpoint_steps",
 ]
 
 Path = tuple[str, ...]
@@ -174,14 +174,14 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
     return where, fmt
   if not dirs:
     raise FileNotFoundError(
-        f"No T5X checkpoint in {where}: no checkpoint_<step> directory holds a "
-        f"'{_MSGPACK_FILE}' file (legacy format) or a '{_ORBAX_ITEM}' directory (Orbax format)."
+      f"No T5X checkpoint in {where}: no checkpoint_<step> directory holds a "
+      f"'{_MSGPACK_FILE}' file (legacy format) or a '{_ORBAX_ITEM}' directory (Orbax format)."
     )
   if step is None:
     step = list(dirs)[-1]
   if int(step) not in dirs:
     raise FileNotFoundError(
-        f"No T5X checkpoint for step {step} in {where}; the steps are {list(dirs)}."
+      f"No T5X checkpoint for step {step} in {where}; the steps are {list(dirs)}."
     )
   step_dir = dirs[int(step)]
   return step_dir, _format(step_dir)
@@ -223,11 +223,11 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
   relative = relative or spec.get("path")
   if not isinstance(relative, str) or not relative:
     raise ValueError(
-        f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
+      f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
     )
   full = {
-      "driver": spec["driver"],
-      "kvstore": {"driver": "file", "path": os.path.join(os.fspath(step_dir), relative)},
+    "driver": spec["driver"],
+    "kvstore": {"driver": "file", "path": os.path.join(os.fspath(step_dir), relative)},
   }
   return ts.open(full, open=True, read=True, context=_TS_CONTEXT)
 
@@ -250,9 +250,9 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     tree = contents["optimizer"]
   leaves = _flatten_stored(tree)
   opening = {
-      path: _open_spec(step_dir, leaf, _join(path))
-      for path, leaf in leaves.items()
-      if isinstance(leaf, Mapping)
+    path: _open_spec(step_dir, leaf, _join(path))
+    for path, leaf in leaves.items()
+    if isinstance(leaf, Mapping)
   }
   stored, unreadable = {}, []
   for path, leaf in leaves.items():
@@ -268,7 +268,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     stored[path] = _Stored(tuple(store.shape), np.dtype(store.dtype.numpy_dtype), store=store)
   if unreadable:
     raise ValueError(
-        f"The T5X checkpoint in {step_dir} has unreadable arrays: {'; '.join(unreadable)}."
+      f"The T5X checkpoint in {step_dir} has unreadable arrays: {'; '.join(unreadable)}."
     )
   return stored
 
@@ -281,8 +281,8 @@ def _read_orbax_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{item} has no readable orbax metadata: {e}") from e
   return {
-      path: _Stored(tuple(leaf.shape), np.dtype(leaf.dtype))
-      for path, leaf in _flatten_stored(tree).items()
+    path: _Stored(tuple(leaf.shape), np.dtype(leaf.dtype))
+    for path, leaf in _flatten_stored(tree).items()
   }
 
 
@@ -307,14 +307,14 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> l
       problems.append(f"missing key '{_join(path)}' (the target has {_describe(shape, dtype)})")
     elif stored[path].shape != shape:
       problems.append(
-          f"shape mismatch at '{_join(path)}': the target has {_describe(shape, dtype)}, the "
-          f"checkpoint has {_describe(stored[path].shape, stored[path].dtype)}"
+        f"shape mismatch at '{_join(path)}': the target has {_describe(shape, dtype)}, the "
+        f"checkpoint has {_describe(stored[path].shape, stored[path].dtype)}"
       )
   problems += [
-      f"unexpected key '{_join(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
-      "the target has no such array)"
-      for path, leaf in stored.items()
-      if path not in expected
+    f"unexpected key '{_join(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
+    "the target has no such array)"
+    for path, leaf in stored.items()
+    if path not in expected
   ]
   return problems
 
@@ -328,7 +328,7 @@ def _sharding(leaf: Any) -> jax.sharding.Sharding | None:
 
 
 def _start_shard_reads(
-    store: ts.TensorStore, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+  store: ts.TensorStore, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
 ) -> list[tuple[jax.Device, Any]]:
   """Starts reading this process's shards: ``(device, future)``, each region read once."""
   futures, reads = {}, []
@@ -350,16 +350,21 @@ def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -
     item, sharding = stored[path], _sharding(leaf)
     if item.store is not None:
       started[path] = (
-          item.store.read() if sharding is None
-          else _start_shard_reads(item.store, sharding, item.shape)
+        item.store.read()
+        if sharding is None
+        else _start_shard_reads(item.store, sharding, item.shape)
       )
   restored = {}
   for path, leaf in expected.items():
     item, sharding = stored[path], _sharding(leaf)
     if item.store is None:
       value = item.value
-      restored[path] = value if sharding is None else jax.make_array_from_callback(
+      restored[path] = (
+        value
+        if sharding is None
+        else jax.make_array_from_callback(
           item.shape, sharding, lambda index, value=value: value[index]
+        )
       )
     elif sharding is None:
       restored[path] = started[path].result()
@@ -370,7 +375,7 @@ def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -
 
 
 def _read_orbax(
-    step_dir: epath.Path, stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]
+  step_dir: epath.Path, stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]
 ) -> dict[Path, Any]:
   """Reads every expected leaf with orbax, each into its target sharding."""
 
@@ -382,9 +387,9 @@ def _read_orbax(
 
   target = traverse_util.unflatten_dict({path: abstract(path) for path in expected})
   args = ocp.args.PyTreeRestore(
-      target,
-      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True,
+    target,
+    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    partial_restore=True,
   )
   try:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
@@ -395,7 +400,7 @@ def _read_orbax(
 
 
 def restore_t5x_checkpoint(
-    path: str | os.PathLike[str], target: T5XState, *, step: int | None = None
+  path: str | os.PathLike[str], target: T5XState, *, step: int | None = None
 ) -> T5XState:
   """Restores a T5X checkpoint (legacy or Orbax format) into `target`.
 
@@ -442,8 +447,8 @@ def restore_t5x_checkpoint(
   problems = _problems(expected, stored)
   if problems:
     raise ValueError(
-        f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
-        "Nothing was restored."
+      f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
+      "Nothing was restored."
     )
   if fmt == "legacy":
     restored = _read_legacy(stored, expected)
@@ -472,18 +477,18 @@ def _chunk_shape(write_shape: tuple[int, ...], itemsize: int) -> list[int]:
 
 
 def _spec(
-    name: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]
+  name: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]
 ) -> dict[str, Any]:
   """The tensorstore spec T5X stores in the msgpack (path relative to the step)."""
   return {
-      "driver": "zarr",
-      "dtype": np.dtype(dtype).name,
-      "kvstore": {"driver": "file", "path": name},
-      "metadata": {
-          "compressor": {"id": "zstd", "level": 1},
-          "shape": list(shape),
-          "chunks": _chunk_shape(write_shape, np.dtype(dtype).itemsize),
-      },
+    "driver": "zarr",
+    "dtype": np.dtype(dtype).name,
+    "kvstore": {"driver": "file", "path": name},
+    "metadata": {
+      "compressor": {"id": "zstd", "level": 1},
+      "shape": list(shape),
+      "chunks": _chunk_shape(write_shape, np.dtype(dtype).itemsize),
+    },
   }
 
 
@@ -502,7 +507,7 @@ def _pieces(leaf: Any) -> tuple[tuple[int, ...], list[tuple[Any, Any]]]:
 
 
 def _plan_writes(
-    flat: Mapping[Path, Any],
+  flat: Mapping[Path, Any],
 ) -> tuple[dict[Path, Any], dict[Path, list[tuple[Any, Any]]]]:
   """The msgpack leaves (inline values and specs) and the pieces of each zarr array.
 
@@ -558,7 +563,7 @@ def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, 
 
 
 def save_t5x_checkpoint(
-    model_dir: str | os.PathLike[str], state: T5XState, *, step: int | None = None
+  model_dir: str | os.PathLike[str], state: T5XState, *, step: int | None = None
 ) -> str:
   """Writes `state` as a T5X checkpoint in the legacy format T5X's `Checkpointer` reads.
 
@@ -608,7 +613,7 @@ def save_t5x_checkpoint(
   try:
     written = _write_arrays(tmp, flat)
     payload = serialization.msgpack_serialize(
-        {"version": _VERSION, "optimizer": traverse_util.unflatten_dict(written)}
+      {"version": _VERSION, "optimizer": traverse_util.unflatten_dict(written)}
     )
     with open(tmp / _MSGPACK_FILE, "wb") as f:
       f.write(payload)

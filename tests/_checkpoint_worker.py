@@ -33,13 +33,13 @@ import numpy as np
 import optax
 
 from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState, distributed
-from t5x_optim.checkpoints import CheckpointError, Checkpointer
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.partitioning import (
-    Partitioner,
-    abstract_train_state,
-    create_mesh,
-    init_sharded,
-    standard_logical_axis_rules,
+  Partitioner,
+  abstract_train_state,
+  create_mesh,
+  init_sharded,
+  standard_logical_axis_rules,
 )
 
 EMBED, MLP = 16, 32
@@ -55,11 +55,19 @@ def run_workers(argvs: Sequence[Sequence[str]], *, devices: int) -> list[tuple[i
   Returns one (returncode, output tail) pair per worker; on timeout every
   worker still running is killed and its output says so.
   """
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
-  procs = [subprocess.Popen([sys.executable, __file__, *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for argv in argvs]
+  env = dict(
+    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, *argv],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for argv in argvs
+  ]
   deadline = time.monotonic() + WORKER_TIMEOUT_S
   results = []
   for proc in procs:
@@ -78,14 +86,17 @@ def free_port() -> int:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
+
 OPTIMIZERS = {
-    "adamw": lambda: OptaxWrapper(optax.adamw(1e-2)),
-    "adafactor": lambda: OptaxWrapper(optax.adafactor(1e-2, min_dim_size_to_factor=EMBED)),
-    "multi": lambda: MultiOptimizer([
-        (PathFilter("kernel$"), OptaxWrapper(optax.adamw(1e-2))),
-        (PathFilter("bias$"), OptaxWrapper(optax.sgd(1e-2, momentum=0.9))),
-    ]),
-    "sgd_momentum": lambda: OptaxWrapper(optax.sgd(1e-2, momentum=0.9)),
+  "adamw": lambda: OptaxWrapper(optax.adamw(1e-2)),
+  "adafactor": lambda: OptaxWrapper(optax.adafactor(1e-2, min_dim_size_to_factor=EMBED)),
+  "multi": lambda: MultiOptimizer(
+    [
+      (PathFilter("kernel$"), OptaxWrapper(optax.adamw(1e-2))),
+      (PathFilter("bias$"), OptaxWrapper(optax.sgd(1e-2, momentum=0.9))),
+    ]
+  ),
+  "sgd_momentum": lambda: OptaxWrapper(optax.sgd(1e-2, momentum=0.9)),
 }
 
 
@@ -96,7 +107,7 @@ def optimizer_def(name: str) -> Any:
 
 
 def init_fn(
-    embed: int = EMBED, mlp: int = MLP, *, scale: bool = False, dtype: Any = jnp.float32
+  embed: int = EMBED, mlp: int = MLP, *, scale: bool = False, dtype: Any = jnp.float32
 ) -> dict[str, Any]:
   """Model variables with logical axes: a kernel, a bias and a stats collection.
 
@@ -104,8 +115,8 @@ def init_fn(
   """
   kernel = jnp.linspace(-1.0, 1.0, embed * mlp, dtype=dtype).reshape(embed, mlp)
   dense = {
-      "kernel": nn.LogicallyPartitioned(kernel, ("embed", "mlp")),
-      "bias": nn.LogicallyPartitioned(jnp.full((mlp,), 0.5), ("mlp",)),
+    "kernel": nn.LogicallyPartitioned(kernel, ("embed", "mlp")),
+    "bias": nn.LogicallyPartitioned(jnp.full((mlp,), 0.5), ("mlp",)),
   }
   if scale:
     dense["scale"] = nn.LogicallyPartitioned(jnp.ones((embed,)), ("embed",))
@@ -113,7 +124,7 @@ def init_fn(
 
 
 def partitioner(
-    data: int, model: int, *, devices: Sequence[jax.Device] | None = None
+  data: int, model: int, *, devices: Sequence[jax.Device] | None = None
 ) -> Partitioner:
   """A ZeRO-style partitioner (optimizer state also sharded over `data`)."""
   mesh = create_mesh(shape={"data": data, "model": model}, devices=devices)
@@ -154,12 +165,12 @@ def local_leaves(state: TrainState) -> list[tuple[str, Any, np.ndarray]]:
   """Each leaf's path, sharding and this process's shards (by device id)."""
   flat = jax.tree.leaves_with_path(state.state_dict())
   return [
-      (
-          jax.tree_util.keystr(path),
-          leaf.sharding,
-          {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards},
-      )
-      for path, leaf in flat
+    (
+      jax.tree_util.keystr(path),
+      leaf.sharding,
+      {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards},
+    )
+    for path, leaf in flat
   ]
 
 
@@ -208,8 +219,12 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
     switched = ckpt.restore(abstract_state("sgd_momentum", part), params_only=True)
   assert_same_state(restored, expected)
   fresh = fresh_state("sgd_momentum", part)
-  assert_same_state(switched, fresh.replace_params(expected.params).replace_step(expected.step)
-                    .replace_flax_mutables(expected.flax_mutables))
+  assert_same_state(
+    switched,
+    fresh.replace_params(expected.params)
+    .replace_step(expected.step)
+    .replace_flax_mutables(expected.flax_mutables),
+  )
   with Checkpointer(out_dir, async_save=True) as ckpt:
     ckpt.save(MP_STEPS + 1, train(restored, 1))
   jax.distributed.shutdown()

@@ -78,9 +78,11 @@ def _extra_arg_names(tx: optax.GradientTransformation, params: Any) -> tuple[str
   if tx not in _EXTRA_ARG_NAMES:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     for names in _EXTRA_ARG_SETS:
+
       def probe(params, names=names):
         grads, extras = _gradient_and_extras(params, names)
         return tx.update(grads, tx.init(params), params, **extras)
+
       try:
         jax.eval_shape(probe, abstract)
       except TypeError:
@@ -112,8 +114,11 @@ def initial_params(case: Case) -> Any:
 def _rate_parameter(factory: Callable[..., Any]) -> str:
   """The name of the factory's learning-rate parameter (`max_learning_rate`...)."""
   names = inspect.signature(factory).parameters
-  return "learning_rate" if "learning_rate" in names else next(
-      name for name in names if name.endswith("learning_rate"))
+  return (
+    "learning_rate"
+    if "learning_rate" in names
+    else next(name for name in names if name.endswith("learning_rate"))
+  )
 
 
 def _build(factory: Callable[..., Any]) -> optax.GradientTransformation:
@@ -130,15 +135,15 @@ def _buildable(factory: Callable[..., Any]) -> bool:
 
 ALL_FACTORIES = optax_optimizer_factories()
 DISCOVERED = [
-    Case(name, functools.partial(_build, factory))
-    for name, factory in ALL_FACTORIES.items()
-    if _buildable(factory)
+  Case(name, functools.partial(_build, factory))
+  for name, factory in ALL_FACTORIES.items()
+  if _buildable(factory)
 ]
 
 
 def _labels(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "kernel" if "kernel" in jax.tree_util.keystr(path) else "bias", params
+    lambda path, _: "kernel" if "kernel" in jax.tree_util.keystr(path) else "bias", params
   )
 
 
@@ -160,7 +165,7 @@ def scale_by_count() -> optax.GradientTransformation:
     momentum = jax.tree.map(lambda m, g: 0.5 * m + g, state.momentum, updates)
     scale = 1.0 / (1.0 + state.count.astype(jnp.float32))
     return jax.tree.map(lambda m: -LEARNING_RATE * scale * m, momentum), CountState(
-        state.count + 1, momentum
+      state.count + 1, momentum
     )
 
   return optax.GradientTransformation(init, update)
@@ -171,27 +176,88 @@ def _is_even_step(step: jax.Array) -> jax.Array:
 
 
 WRAPPERS = [
-    Case("chain", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(LEARNING_RATE))),
-    Case("masked", lambda: optax.masked(optax.adam(LEARNING_RATE), lambda p: jax.tree.map(lambda x: x.ndim == 2, p))),
-    Case("multi_transform", lambda: optax.multi_transform({"kernel": optax.adam(LEARNING_RATE), "bias": optax.sgd(LEARNING_RATE)}, _labels)),
-    Case("partition", lambda: optax.partition({"kernel": optax.lion(LEARNING_RATE), "bias": optax.set_to_zero()}, _labels)),
-    Case("inject_hyperparams", lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=LEARNING_RATE, b1=0.8)),
-    Case("inject_stateful_hyperparams", lambda: optax.inject_stateful_hyperparams(optax.sgd)(learning_rate=optax.WrappedSchedule(optax.linear_schedule(LEARNING_RATE, 0.0, 10)), momentum=0.9)),
-    Case("multisteps", lambda: optax.MultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=2).gradient_transformation()),
-    Case("multisteps_skip_not_finite", lambda: optax.MultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite).gradient_transformation()),
-    Case("apply_if_finite", lambda: optax.apply_if_finite(optax.adam(LEARNING_RATE), max_consecutive_errors=3)),
-    Case("conditionally_transform", lambda: optax.conditionally_transform(optax.adam(LEARNING_RATE), _is_even_step)),
-    Case("conditionally_mask", lambda: optax.conditionally_mask(optax.adam(LEARNING_RATE), _is_even_step)),
-    Case("lookahead", lambda: optax.lookahead(optax.adam(LEARNING_RATE), sync_period=2, slow_step_size=0.5), lookahead=True),
-    Case("schedule_free", lambda: optax.contrib.schedule_free(optax.adam(LEARNING_RATE, b1=0.0), LEARNING_RATE)),
-    Case("reduce_on_plateau", lambda: optax.chain(optax.adam(LEARNING_RATE), optax.contrib.reduce_on_plateau(patience=1, cooldown=0))),
-    Case("ema", lambda: optax.chain(optax.ema(0.9), optax.sgd(LEARNING_RATE))),
-    Case("add_noise", lambda: optax.chain(optax.add_noise(0.01, 0.55, key=0), optax.sgd(LEARNING_RATE))),
-    Case("zero_nans", lambda: optax.chain(optax.zero_nans(), optax.adam(LEARNING_RATE))),
-    Case("schedule", lambda: optax.adamw(optax.warmup_cosine_decay_schedule(0.0, LEARNING_RATE, 2, 10))),
-    Case("adafactor_factored", lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4)),
-    Case("adafactor_momentum", lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4, momentum=0.9)),
-    Case("user_namedtuple_state", scale_by_count),
+  Case("chain", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(LEARNING_RATE))),
+  Case(
+    "masked",
+    lambda: optax.masked(
+      optax.adam(LEARNING_RATE), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
+    ),
+  ),
+  Case(
+    "multi_transform",
+    lambda: optax.multi_transform(
+      {"kernel": optax.adam(LEARNING_RATE), "bias": optax.sgd(LEARNING_RATE)}, _labels
+    ),
+  ),
+  Case(
+    "partition",
+    lambda: optax.partition(
+      {"kernel": optax.lion(LEARNING_RATE), "bias": optax.set_to_zero()}, _labels
+    ),
+  ),
+  Case(
+    "inject_hyperparams",
+    lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=LEARNING_RATE, b1=0.8),
+  ),
+  Case(
+    "inject_stateful_hyperparams",
+    lambda: optax.inject_stateful_hyperparams(optax.sgd)(
+      learning_rate=optax.WrappedSchedule(optax.linear_schedule(LEARNING_RATE, 0.0, 10)),
+      momentum=0.9,
+    ),
+  ),
+  Case(
+    "multisteps",
+    lambda: optax.MultiSteps(
+      optax.adam(LEARNING_RATE), every_k_schedule=2
+    ).gradient_transformation(),
+  ),
+  Case(
+    "multisteps_skip_not_finite",
+    lambda: optax.MultiSteps(
+      optax.adam(LEARNING_RATE), every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
+    ).gradient_transformation(),
+  ),
+  Case(
+    "apply_if_finite",
+    lambda: optax.apply_if_finite(optax.adam(LEARNING_RATE), max_consecutive_errors=3),
+  ),
+  Case(
+    "conditionally_transform",
+    lambda: optax.conditionally_transform(optax.adam(LEARNING_RATE), _is_even_step),
+  ),
+  Case(
+    "conditionally_mask", lambda: optax.conditionally_mask(optax.adam(LEARNING_RATE), _is_even_step)
+  ),
+  Case(
+    "lookahead",
+    lambda: optax.lookahead(optax.adam(LEARNING_RATE), sync_period=2, slow_step_size=0.5),
+    lookahead=True,
+  ),
+  Case(
+    "schedule_free",
+    lambda: optax.contrib.schedule_free(optax.adam(LEARNING_RATE, b1=0.0), LEARNING_RATE),
+  ),
+  Case(
+    "reduce_on_plateau",
+    lambda: optax.chain(
+      optax.adam(LEARNING_RATE), optax.contrib.reduce_on_plateau(patience=1, cooldown=0)
+    ),
+  ),
+  Case("ema", lambda: optax.chain(optax.ema(0.9), optax.sgd(LEARNING_RATE))),
+  Case(
+    "add_noise", lambda: optax.chain(optax.add_noise(0.01, 0.55, key=0), optax.sgd(LEARNING_RATE))
+  ),
+  Case("zero_nans", lambda: optax.chain(optax.zero_nans(), optax.adam(LEARNING_RATE))),
+  Case(
+    "schedule", lambda: optax.adamw(optax.warmup_cosine_decay_schedule(0.0, LEARNING_RATE, 2, 10))
+  ),
+  Case("adafactor_factored", lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4)),
+  Case(
+    "adafactor_momentum",
+    lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=4, momentum=0.9),
+  ),
+  Case("user_namedtuple_state", scale_by_count),
 ]
 
 TABLE = DISCOVERED + WRAPPERS
@@ -213,6 +279,6 @@ def tree_equal(a: Any, b: Any) -> bool:
   if jax.tree.structure(a) != jax.tree.structure(b):
     return False
   return all(
-      x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
-      for x, y in zip(jax.tree.leaves(to_numpy(a)), jax.tree.leaves(to_numpy(b)))
+    x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    for x, y in zip(jax.tree.leaves(to_numpy(a)), jax.tree.leaves(to_numpy(b)))
   )

@@ -9,12 +9,12 @@ import shutil
 import sys
 import time
 
+import _checkpoint_worker as w
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import _checkpoint_worker as w
 from t5x_optim import CheckpointError, distributed
 from t5x_optim.checkpoints import Checkpointer, _dispatch_checksums, _fetch
 
@@ -43,8 +43,13 @@ def target(part_2x4):
 
 def _largest_chunk_file(step_dir):
   """The biggest file of array data that the processes wrote for a step."""
-  files = [os.path.join(root, name) for root, _, names in os.walk(step_dir / "default")
-           if "ocdbt.process_" in root for name in names if os.path.basename(root) == "d"]
+  files = [
+    os.path.join(root, name)
+    for root, _, names in os.walk(step_dir / "default")
+    if "ocdbt.process_" in root
+    for name in names
+    if os.path.basename(root) == "d"
+  ]
   return max(files, key=os.path.getsize)
 
 
@@ -71,6 +76,7 @@ def _edit_checksums(edit):
   def corrupt(step_dir):
     path = step_dir / "checksums" / "checksums.json"
     path.write_text(edit(path.read_text()))
+
   return corrupt
 
 
@@ -81,24 +87,31 @@ def _bump_kernel(text):
 
 
 CORRUPTIONS = {
-    "8 bytes flipped in array data": (
-        _flip_bytes, r"(is corrupt: the checksum differs|could not be read) at '(target|state)/"),
-    "array data truncated": (_truncate, r"could not be read at '(target|state)/"),
-    "array data deleted": (lambda d: os.remove(_largest_chunk_file(d)),
-                           r"could not be read at '(target|state)/"),
-    "tree index deleted": (_delete_index, r"has unreadable metadata at 'flax_mutables/"),
-    "checksums deleted": (lambda d: os.remove(d / "checksums" / "checksums.json"),
-                          r"has no readable checksums .*checksums\.json"),
-    "checksums not JSON": (_edit_checksums(lambda text: text[:-1]), r"has no readable checksums"),
-    "a checksum changed": (_edit_checksums(_bump_kernel),
-                           r"is corrupt: the checksum differs at 'target/dense/kernel' "
-                           r"\(recorded 0x[0-9a-f]{8}, read 0x[0-9a-f]{8}\)"),
+  "8 bytes flipped in array data": (
+    _flip_bytes,
+    r"(is corrupt: the checksum differs|could not be read) at '(target|state)/",
+  ),
+  "array data truncated": (_truncate, r"could not be read at '(target|state)/"),
+  "array data deleted": (
+    lambda d: os.remove(_largest_chunk_file(d)),
+    r"could not be read at '(target|state)/",
+  ),
+  "tree index deleted": (_delete_index, r"has unreadable metadata at 'flax_mutables/"),
+  "checksums deleted": (
+    lambda d: os.remove(d / "checksums" / "checksums.json"),
+    r"has no readable checksums .*checksums\.json",
+  ),
+  "checksums not JSON": (_edit_checksums(lambda text: text[:-1]), r"has no readable checksums"),
+  "a checksum changed": (
+    _edit_checksums(_bump_kernel),
+    r"is corrupt: the checksum differs at 'target/dense/kernel' "
+    r"\(recorded 0x[0-9a-f]{8}, read 0x[0-9a-f]{8}\)",
+  ),
 }
 
 
 @pytest.mark.parametrize("case", CORRUPTIONS)
-def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, caplog,
-                                                          case):
+def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, caplog, case):
   corrupt, message = CORRUPTIONS[case]
   with Checkpointer(tmp_path) as ckpt:
     for step, state in states.items():
@@ -112,7 +125,9 @@ def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, targe
       w.assert_same_state(ckpt.restore(target, fallback=True), states[1])
     assert ckpt.restored_step == 1
     assert [r.getMessage()[:30] for r in caplog.records if r.name == "t5x_optim.checkpoints"] == [
-        "Skipping checkpoint step 2: Ch", "Restored checkpoint step 1 of "]
+      "Skipping checkpoint step 2: Ch",
+      "Restored checkpoint step 1 of ",
+    ]
 
 
 def test_a_step_without_checksums_restores_unverified_when_asked(tmp_path, states, target):
@@ -132,8 +147,9 @@ def test_fallback_limits(tmp_path, part_2x4, states, target):
   for step in states:
     _flip_bytes(tmp_path / str(step))
   with Checkpointer(tmp_path) as ckpt:
-    with pytest.raises(CheckpointError, match="No intact checkpoint up to step 2 in .*step 2.*"
-                                              "; Checkpoint step 1"):
+    with pytest.raises(
+      CheckpointError, match="No intact checkpoint up to step 2 in .*step 2.*; Checkpoint step 1"
+    ):
       ckpt.restore(target, fallback=True)
     with pytest.raises(ValueError, match="does not fit the target") as e:
       ckpt.restore(w.abstract_state("adamw", part_2x4), fallback=True)
@@ -141,8 +157,7 @@ def test_fallback_limits(tmp_path, part_2x4, states, target):
 
 
 def test_a_safe_cast_restore_is_verified(tmp_path, part_2x4):
-  bf16 = w.init_sharded(part_2x4, w.optimizer_def("adamw"),
-                        lambda: w.init_fn(dtype=jnp.bfloat16))
+  bf16 = w.init_sharded(part_2x4, w.optimizer_def("adamw"), lambda: w.init_fn(dtype=jnp.bfloat16))
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, bf16)
     restored = ckpt.restore(w.abstract_state("adamw", part_2x4))
@@ -160,9 +175,11 @@ def _meshes():
   devices = np.array(jax.devices())
   mesh_2x4 = jax.sharding.Mesh(devices.reshape(2, 4), ("a", "b"))
   mesh_8 = jax.sharding.Mesh(devices, ("a",))
-  return [jax.sharding.NamedSharding(mesh_2x4, jax.P("a", "b")),
-          jax.sharding.NamedSharding(mesh_8, jax.P(None, "a")),
-          jax.sharding.SingleDeviceSharding(jax.devices()[3])]
+  return [
+    jax.sharding.NamedSharding(mesh_2x4, jax.P("a", "b")),
+    jax.sharding.NamedSharding(mesh_8, jax.P(None, "a")),
+    jax.sharding.SingleDeviceSharding(jax.devices()[3]),
+  ]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_, jnp.complex64])
@@ -170,8 +187,10 @@ def test_checksum_is_sharding_free_and_sees_any_change(dtype):
   x = (jnp.arange(64).reshape(8, 8) * 3 % 11).astype(dtype)
   sums = {_checksum(jax.device_put(x, sharding)) for sharding in _meshes()}
   assert len(sums) == 1
-  changed = {_checksum(x.at[i, j].set(x[i, j] == 0 if dtype == jnp.bool_ else x[i, j] + 1))
-             for i, j in [(0, 0), (3, 5), (7, 7)]}
+  changed = {
+    _checksum(x.at[i, j].set(x[i, j] == 0 if dtype == jnp.bool_ else x[i, j] + 1))
+    for i, j in [(0, 0), (3, 5), (7, 7)]
+  }
   moved = _checksum(x.T)
   assert sums.isdisjoint(changed | {moved}) and len(changed) == 3
 
@@ -196,9 +215,13 @@ def test_one_writer_per_directory(tmp_path, states):
   with Checkpointer(tmp_path) as first, Checkpointer(tmp_path) as second:
     first.save(1, states[1])
     start = time.monotonic()
-    with pytest.raises(CheckpointError, match=(
+    with pytest.raises(
+      CheckpointError,
+      match=(
         rf"Cannot save step 2: checkpoint directory {tmp_path} is in use by another writer "
-        rf"\(pid {os.getpid()} on .*\)\. Only one Checkpointer")):
+        rf"\(pid {os.getpid()} on .*\)\. Only one Checkpointer"
+      ),
+    ):
       second.save(2, states[2])
     assert time.monotonic() - start < 5
     first.wait_until_finished()
@@ -220,8 +243,8 @@ def test_two_writer_processes(tmp_path):
   assert time.monotonic() - start < 60, outputs
   outcomes = sorted(re.search(r"^(SAVED|REFUSED: .*)$", out, re.M).group(1) for out in outputs)
   assert outcomes[1] == "SAVED" and re.match(
-      r"REFUSED: Cannot save step 1: checkpoint directory .* is in use by another writer",
-      outcomes[0]), outputs
+    r"REFUSED: Cannot save step 1: checkpoint directory .* is in use by another writer", outcomes[0]
+  ), outputs
   with Checkpointer(directory) as ckpt:
     assert ckpt.all_steps() == [1, 2, 3]
     for step in (1, 2, 3):
@@ -229,25 +252,36 @@ def test_two_writer_processes(tmp_path):
       np.testing.assert_array_equal(restored.target["w"], w.small_optimizer().target["w"])
 
 
-@pytest.mark.parametrize("name, value", [("heartbeat_timeout_seconds", 0),
-                                          ("heartbeat_timeout_seconds", 2.5),
-                                          ("shutdown_timeout_seconds", True),
-                                          ("initialization_timeout", "300")])
+@pytest.mark.parametrize(
+  "name, value",
+  [
+    ("heartbeat_timeout_seconds", 0),
+    ("heartbeat_timeout_seconds", 2.5),
+    ("shutdown_timeout_seconds", True),
+    ("initialization_timeout", "300"),
+  ],
+)
 def test_distributed_timeouts_are_checked(name, value):
   with pytest.raises(ValueError, match=f"{name} must be a whole number of seconds >= 1, got"):
     distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, **{name: value})
 
 
-@pytest.mark.skipif(sys.platform == "win32",
-                    reason="jax.distributed CPU collectives (gloo) are not available on Windows")
+@pytest.mark.skipif(
+  sys.platform == "win32",
+  reason="jax.distributed CPU collectives (gloo) are not available on Windows",
+)
 def test_survivor_exits_soon_after_a_peer_dies(tmp_path):
   kill_file = tmp_path / "killed_at"
   port = w.free_port()
   [(code, output), (victim_code, _)] = w.run_workers(
-      [["peer_killed", str(port), str(i), str(kill_file)] for i in range(2)], devices=4)
+    [["peer_killed", str(port), str(i), str(kill_file)] for i in range(2)], devices=4
+  )
   exited_at = time.time()
   assert victim_code == -9 and kill_file.exists(), output
   assert code not in (0, None) and "timed out" not in output, output
   assert exited_at - float(kill_file.read_text()) < 20, output
-  assert re.search("Terminating process because the JAX distributed service detected fatal "
-                   "errors|tasks are unhealthy", output), output
+  assert re.search(
+    "Terminating process because the JAX distributed service detected fatal "
+    "errors|tasks are unhealthy",
+    output,
+  ), output

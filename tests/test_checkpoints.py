@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 
+import _checkpoint_worker as w
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +12,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-import _checkpoint_worker as w
-from t5x_optim.checkpoints import CheckpointError, Checkpointer
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 
 def _save(directory, step, state):
@@ -44,7 +44,8 @@ def test_round_trip_of_an_optimizer(tmp_path, part_2x4):
   restored = _restore(tmp_path, w.fresh_state("adafactor", part_2x4).optimizer)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), restored, optimizer))
   assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(
-      lambda a: a.sharding, optimizer)
+    lambda a: a.sharding, optimizer
+  )
 
 
 @pytest.mark.parametrize("data, model, num_devices", [(4, 2, 8), (1, 8, 8), (2, 2, 4), (1, 4, 4)])
@@ -58,7 +59,8 @@ def test_restore_onto_another_mesh(tmp_path, part_2x4, data, model, num_devices)
     assert got.sharding == want.sharding and got.dtype == want.dtype == saved.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
   assert {d.id for leaf in jax.tree.leaves(restored) for d in leaf.sharding.device_set} == {
-      d.id for d in jax.devices()[:num_devices]}
+    d.id for d in jax.devices()[:num_devices]
+  }
 
 
 def test_params_only_switches_optimizer(tmp_path, part_2x4):
@@ -67,8 +69,12 @@ def test_params_only_switches_optimizer(tmp_path, part_2x4):
   part = w.partitioner(4, 2)
   restored = _restore(tmp_path, w.abstract_state("sgd_momentum", part), params_only=True)
   fresh = w.fresh_state("sgd_momentum", part)
-  expected = fresh.restore_state({**adamw.state_dict(), "state": {
-      "step": adamw.step, "param_states": fresh.state_dict()["state"]["param_states"]}})
+  expected = fresh.restore_state(
+    {
+      **adamw.state_dict(),
+      "state": {"step": adamw.step, "param_states": fresh.state_dict()["state"]["param_states"]},
+    }
+  )
   w.assert_same_state(restored, expected)
   assert int(restored.step) == 3
 
@@ -84,10 +90,13 @@ def test_params_only_into_an_optimizer(tmp_path):
   np.testing.assert_array_equal(restored.state.param_states[0].trace["w"], np.zeros(8))
 
 
-@pytest.mark.parametrize("name, tx, params", [
+@pytest.mark.parametrize(
+  "name, tx, params",
+  [
     ("typed PRNG key in the state", optax.noisy_sgd(0.1), {"w": jnp.ones(4)}),
     ("numpy params", optax.adamw(0.1), {"w": np.arange(4, dtype=np.float32)}),
-])
+  ],
+)
 def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
   opt_def = w.OptaxWrapper(tx)
   optimizer = opt_def.create(params).apply_gradient(jax.tree.map(np.ones_like, params))
@@ -101,11 +110,17 @@ def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
     np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-@pytest.mark.parametrize("victim, message", [
+@pytest.mark.parametrize(
+  "victim, message",
+  [
     ("_METADATA", "has no readable tree metadata: .*No such file"),
-    ("d", "has unreadable metadata at 'flax_mutables/stats/calls', .*'target/dense/kernel': "
-          "ValueError: NOT_FOUND"),
-])
+    (
+      "d",
+      "has unreadable metadata at 'flax_mutables/stats/calls', .*'target/dense/kernel': "
+      "ValueError: NOT_FOUND",
+    ),
+  ],
+)
 def test_corrupt_checkpoint_raises(tmp_path, part_2x4, victim, message):
   state = w.fresh_state("adamw", part_2x4)
   _save(tmp_path, 1, state)
@@ -169,25 +184,38 @@ def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monke
 
 
 ERROR_CASES = {
-    "another optimizer's state": (
-        dict(opt_name="sgd_momentum"),
-        ["missing key 'state/param_states/0/trace/dense/kernel'",
-         "unexpected key 'state/param_states/0/mu/dense/kernel'"]),
-    "wrong shapes": (
-        dict(opt_name="adamw", mlp=64),
-        ["shape mismatch at 'target/dense/kernel': the target has float32[16, 64], the "
-         "checkpoint has float32[16, 32]"]),
-    "a dtype that does not cast safely": (
-        dict(opt_name="adamw", dtype=jnp.bfloat16),
-        ["dtype mismatch at 'target/dense/kernel': the checkpoint's float32 cannot be cast "
-         "safely to the target's bfloat16"]),
-    "a param missing from the checkpoint": (
-        dict(opt_name="adamw", scale=True),
-        ["missing key 'target/dense/scale' (the target has float32[16] there)",
-         "missing key 'state/param_states/0/nu/dense/scale'"]),
-    "params only, wrong shapes": (
-        dict(opt_name="sgd_momentum", embed=8, params_only=True),
-        ["shape mismatch at 'target/dense/kernel'"]),
+  "another optimizer's state": (
+    dict(opt_name="sgd_momentum"),
+    [
+      "missing key 'state/param_states/0/trace/dense/kernel'",
+      "unexpected key 'state/param_states/0/mu/dense/kernel'",
+    ],
+  ),
+  "wrong shapes": (
+    dict(opt_name="adamw", mlp=64),
+    [
+      "shape mismatch at 'target/dense/kernel': the target has float32[16, 64], the "
+      "checkpoint has float32[16, 32]"
+    ],
+  ),
+  "a dtype that does not cast safely": (
+    dict(opt_name="adamw", dtype=jnp.bfloat16),
+    [
+      "dtype mismatch at 'target/dense/kernel': the checkpoint's float32 cannot be cast "
+      "safely to the target's bfloat16"
+    ],
+  ),
+  "a param missing from the checkpoint": (
+    dict(opt_name="adamw", scale=True),
+    [
+      "missing key 'target/dense/scale' (the target has float32[16] there)",
+      "missing key 'state/param_states/0/nu/dense/scale'",
+    ],
+  ),
+  "params only, wrong shapes": (
+    dict(opt_name="sgd_momentum", embed=8, params_only=True),
+    ["shape mismatch at 'target/dense/kernel'"],
+  ),
 }
 
 
@@ -215,8 +243,9 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   straight = w.train(w.fresh_state("adamw", part_2x4), 2 * w.RESUME_STEPS)
   _save(resume_dir, w.RESUME_STEPS, w.train(w.fresh_state("adamw", part_2x4), w.RESUME_STEPS))
 
-  [(returncode, output)] = w.run_workers([["resume_crash", str(resume_dir), str(crash_dir)]],
-                                        devices=8)
+  [(returncode, output)] = w.run_workers(
+    [["resume_crash", str(resume_dir), str(crash_dir)]], devices=8
+  )
 
   assert returncode == -9, output
   resumed = _restore(resume_dir, w.abstract_state("adamw", part_2x4))
@@ -226,15 +255,18 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   assert partial and all("tmp" in name for name in partial), sorted(os.listdir(crash_dir))
   with Checkpointer(crash_dir) as ckpt:
     assert ckpt.all_steps() == [1]
-    w.assert_same_state(ckpt.restore(w.abstract_state("adamw", part_2x4)),
-                        w.fresh_state("adamw", part_2x4))
+    w.assert_same_state(
+      ckpt.restore(w.abstract_state("adamw", part_2x4)), w.fresh_state("adamw", part_2x4)
+    )
     # The worker died holding the directory's writer lock: it died with it.
     ckpt.save(2, w.fresh_state("adamw", part_2x4))
   assert sorted(os.listdir(crash_dir)) == [".t5x_optim.lock", "1", "2"]
 
 
-@pytest.mark.skipif(sys.platform == "win32",
-                    reason="jax.distributed CPU collectives (gloo) are not available on Windows")
+@pytest.mark.skipif(
+  sys.platform == "win32",
+  reason="jax.distributed CPU collectives (gloo) are not available on Windows",
+)
 def test_two_processes_restore_and_save(tmp_path, part_2x4):
   in_dir, out_dir = tmp_path / "in", tmp_path / "out"
   state = w.train(w.fresh_state("adamw", part_2x4), w.MP_STEPS)
@@ -242,8 +274,8 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   port = w.free_port()
 
   results = w.run_workers(
-      [["multiprocess", str(in_dir), str(out_dir), str(port), str(i)] for i in range(2)],
-      devices=4)
+    [["multiprocess", str(in_dir), str(out_dir), str(port), str(i)] for i in range(2)], devices=4
+  )
 
   for process_id, (returncode, output) in enumerate(results):
     assert returncode == 0, f"process {process_id}:\n{output}"

@@ -28,8 +28,13 @@ TINY = ["--gin_file", "examples/tiny.gin"]
 ADAFACTOR = [*TINY, "--gin_file", "optimizers/adafactor.gin"]
 TIMEOUT = 240
 EXAMPLE_FILES = sorted(p.name for p in (_config.GIN_DIR / "examples").glob("*.gin"))
-INCLUDED = {name for example in EXAMPLE_FILES for name in re.findall(
-    r"^include 'optimizers/(\S+)'", (_config.GIN_DIR / "examples" / example).read_text(), re.M)}
+INCLUDED = {
+  name
+  for example in EXAMPLE_FILES
+  for name in re.findall(
+    r"^include 'optimizers/(\S+)'", (_config.GIN_DIR / "examples" / example).read_text(), re.M
+  )
+}
 OPTIMIZER_FILES = sorted(p.name for p in (_config.GIN_DIR / "optimizers").glob("*.gin"))
 """Every optimizer file; those an example includes train in the example's test."""
 
@@ -45,8 +50,15 @@ def _command(*args: str) -> list[str]:
 
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-  return subprocess.run(_command(*args), cwd=cwd, env=_env(), capture_output=True, text=True,
-                        timeout=TIMEOUT, check=False)
+  return subprocess.run(
+    _command(*args),
+    cwd=cwd,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    check=False,
+  )
 
 
 def _losses(stdout: str) -> tuple[float, float]:
@@ -67,8 +79,10 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
   """Every scalar in the event files of `directory`, read by TensorBoard's own reader."""
   accumulator = event_accumulator.EventAccumulator(str(directory))
   accumulator.Reload()
-  return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
-          for tag in accumulator.Tags()["scalars"]}
+  return {
+    tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+    for tag in accumulator.Tags()["scalars"]
+  }
 
 
 def _restored_step(model_dir: Path, gin_files: list[str]) -> int:
@@ -94,7 +108,12 @@ def test_train_prints_the_run_then_learns(tiny_run):
   lines = result.stdout.splitlines()
   assert lines[0] == f"model_dir:       {model_dir} (new run)"
   assert [line.split(":")[0] for line in lines[1:6]] == [
-      "devices", "mesh", "optimizer", "params", "optimizer state"]
+    "devices",
+    "mesh",
+    "optimizer",
+    "params",
+    "optimizer state",
+  ]
   assert lines[1] == "devices:         8 x cpu (simulated)"
   assert lines[2] == "mesh:            data=4 x model=2"
   assert lines[3].startswith("optimizer:       optimizers.chain(transformations=[optax.clip")
@@ -103,8 +122,9 @@ def test_train_prints_the_run_then_learns(tiny_run):
   assert _steps(result.stdout) == (0, 40)
   start_loss, end_loss = _losses(result.stdout)
   assert end_loss < start_loss - 0.3
-  assert re.search(r"^step 40/40  loss [\d.]+  lr \S+  grad_norm \S+  [\d.]+ steps/s$",
-                   result.stdout, re.M)
+  assert re.search(
+    r"^step 40/40  loss [\d.]+  lr \S+  grad_norm \S+  [\d.]+ steps/s$", result.stdout, re.M
+  )
   assert re.search(r"^eval step 20  loss [\d.]+$", result.stdout, re.M)
   assert _checkpoint_steps(model_dir) == [20, 40]
   assert "Traceback" not in result.stderr
@@ -133,8 +153,9 @@ def test_second_run_reports_the_finished_run(tiny_run, capsys):
   model_dir, _ = tiny_run
   assert main(["train", *TINY, "--model_dir", str(model_dir)]) == 0
   assert capsys.readouterr().out == (
-      f"model_dir: {model_dir} holds the finished run (checkpoint at step 40, total_steps=40); "
-      "nothing to do. Raise TOTAL_STEPS to train further.\n")
+    f"model_dir: {model_dir} holds the finished run (checkpoint at step 40, total_steps=40); "
+    "nothing to do. Raise TOTAL_STEPS to train further.\n"
+  )
   assert _checkpoint_steps(model_dir) == [20, 40]
 
 
@@ -143,8 +164,11 @@ def test_one_device_run_in_a_fresh_dir_under_the_current_one(tmp_path, capsys, m
   assert main(["train", *TINY, "--num_devices", "1", "--gin_bindings", "TOTAL_STEPS = 1"]) == 0
   (run,) = (tmp_path / "t5x_optim_runs").iterdir()
   lines = capsys.readouterr().out.splitlines()
-  assert lines[:3] == [f"model_dir:       {run} (new run)", "devices:         1 x cpu (simulated)",
-                       "mesh:            data=1 x model=1"]
+  assert lines[:3] == [
+    f"model_dir:       {run} (new run)",
+    "devices:         1 x cpu (simulated)",
+    "mesh:            data=1 x model=1",
+  ]
   assert _checkpoint_steps(run) == [1]
   fresh = _train.default_model_dir()
   assert fresh.parent == run.parent and fresh != run and not fresh.exists()
@@ -153,13 +177,30 @@ def test_one_device_run_in_a_fresh_dir_under_the_current_one(tmp_path, capsys, m
 def test_resume_into_another_model_is_a_bounded_error(tiny_run, tmp_path, capsys):
   model_dir = tmp_path / "run"
   shutil.copytree(tiny_run[0], model_dir)
-  assert main(["train", *TINY, "--gin_file", "optimizers/lion.gin", "--model_dir", str(model_dir),
-               "--gin_bindings", "TOTAL_STEPS = 50",
-               "--gin_bindings", "cli.TransformerConfig.num_layers = 2"]) == 2
+  assert (
+    main(
+      [
+        "train",
+        *TINY,
+        "--gin_file",
+        "optimizers/lion.gin",
+        "--model_dir",
+        str(model_dir),
+        "--gin_bindings",
+        "TOTAL_STEPS = 50",
+        "--gin_bindings",
+        "cli.TransformerConfig.num_layers = 2",
+      ]
+    )
+    == 2
+  )
   err = capsys.readouterr().err
   assert len(err.splitlines()) == 1 and len(err) < 700, err
-  assert re.match(r"t5x-optim train: error: the checkpoint at step 40 does not fit this model: "
-                  r"\d+ paths differ \(\d+ missing, \d+ unexpected\), first: ", err)
+  assert re.match(
+    r"t5x-optim train: error: the checkpoint at step 40 does not fit this model: "
+    r"\d+ paths differ \(\d+ missing, \d+ unexpected\), first: ",
+    err,
+  )
   assert "train with that config or use another --model_dir" in err
 
 
@@ -168,9 +209,22 @@ def test_ctrl_c_exits_130_and_keeps_the_checkpoint(delay, tiny_run, tmp_path):
   model_dir = tmp_path / "run"
   shutil.copytree(tiny_run[0], model_dir)
   process = subprocess.Popen(
-      _command("train", *TINY, "--model_dir", str(model_dir), "--gin_bindings",
-               "TOTAL_STEPS = 100000", "--gin_bindings", "cli.TrainJob.checkpoint_every = 100000"),
-      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _command(
+      "train",
+      *TINY,
+      "--model_dir",
+      str(model_dir),
+      "--gin_bindings",
+      "TOTAL_STEPS = 100000",
+      "--gin_bindings",
+      "cli.TrainJob.checkpoint_every = 100000",
+    ),
+    cwd=REPO,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
@@ -181,7 +235,8 @@ def test_ctrl_c_exits_130_and_keeps_the_checkpoint(delay, tiny_run, tmp_path):
   assert "Traceback" not in stderr and "Segmentation" not in stderr
   if stdout:
     assert stdout.splitlines()[0] == (
-        f"model_dir:       {model_dir} (resuming from the checkpoint at step 40)")
+      f"model_dir:       {model_dir} (resuming from the checkpoint at step 40)"
+    )
   stopped = re.search(r"^interrupted at step (\d+)$", stdout, re.M)
   latest = _checkpoint_steps(model_dir)[-1]
   assert latest == (int(stopped.group(1)) if stopped else 40)
@@ -194,8 +249,21 @@ def test_examples_include_optimizer_files():
 
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZER_FILES) - INCLUDED))
 def test_every_optimizer_file_trains(name, tmp_path, capsys):
-  assert main(["train", *TINY, "--gin_file", f"optimizers/{name}", "--model_dir", str(tmp_path),
-               "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
+  assert (
+    main(
+      [
+        "train",
+        *TINY,
+        "--gin_file",
+        f"optimizers/{name}",
+        "--model_dir",
+        str(tmp_path),
+        "--gin_bindings",
+        "TOTAL_STEPS = 2",
+      ]
+    )
+    == 0
+  )
   out = capsys.readouterr().out
   assert _steps(out) == (0, 2) and _checkpoint_steps(tmp_path) == [2]
   assert re.search(r"^eval step 2  loss [\d.]+", out, re.M)
@@ -206,8 +274,21 @@ def test_every_optimizer_file_trains(name, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", [name for name in EXAMPLE_FILES if name != "tiny.gin"])
 def test_every_example_file_trains(name, tmp_path, capsys):
-  assert main(["train", "--gin_file", f"examples/{name}", *TINY, "--model_dir", str(tmp_path),
-               "--gin_bindings", "TOTAL_STEPS = 1"]) == 0
+  assert (
+    main(
+      [
+        "train",
+        "--gin_file",
+        f"examples/{name}",
+        *TINY,
+        "--model_dir",
+        str(tmp_path),
+        "--gin_bindings",
+        "TOTAL_STEPS = 1",
+      ]
+    )
+    == 0
+  )
   out = capsys.readouterr().out
   assert _steps(out) == (0, 1) and re.search(r"^eval step 1  loss [\d.]+$", out, re.M)
   assert _checkpoint_steps(tmp_path) == [1]
@@ -226,11 +307,12 @@ def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
   progress.log("step 20/100  loss 1.5000", rate=10.0)
   empty, partly = "." * 30, "#" * 6 + "." * 24
   assert stream.getvalue() == (
-      "\r\x1b[Kstep 10/100  loss 2.0000\n"
-      f"\r[{empty}] 0/100  ETA 5s\x1b[K"
-      f"\r[{partly}] 20/100  ETA 4s\x1b[K"
-      "\r\x1b[Kstep 20/100  loss 1.5000\n"
-      f"\r[{partly}] 20/100  ETA 8s\x1b[K")
+    "\r\x1b[Kstep 10/100  loss 2.0000\n"
+    f"\r[{empty}] 0/100  ETA 5s\x1b[K"
+    f"\r[{partly}] 20/100  ETA 4s\x1b[K"
+    "\r\x1b[Kstep 20/100  loss 1.5000\n"
+    f"\r[{partly}] 20/100  ETA 8s\x1b[K"
+  )
 
 
 def test_non_terminal_progress_is_one_line_per_log():
@@ -243,14 +325,16 @@ def test_non_terminal_progress_is_one_line_per_log():
 
 
 BAD_INPUT = {
-    "pinned_mesh": (["--num_devices", "1", "--gin_bindings",
-                     "partitioning.create_mesh.num_partitions = 2"],
-                    "the gin config pins partitioning.create_mesh.num_partitions = 2, which does "
-                    "not fit the 1 devices in use; what fits: num_partitions in (1,)"),
-    "pinned_shape": (["--gin_bindings", "partitioning.create_mesh.shape = {'data': 2, 'model': 2}"],
-                     "which does not fit the 8 devices in use; what fits: num_partitions in "
-                     "(1, 2, 4, 8)"),
-    "too_many_devices": (["--num_devices", "9"], "--num_devices 9: only 8 cpu devices"),
+  "pinned_mesh": (
+    ["--num_devices", "1", "--gin_bindings", "partitioning.create_mesh.num_partitions = 2"],
+    "the gin config pins partitioning.create_mesh.num_partitions = 2, which does "
+    "not fit the 1 devices in use; what fits: num_partitions in (1,)",
+  ),
+  "pinned_shape": (
+    ["--gin_bindings", "partitioning.create_mesh.shape = {'data': 2, 'model': 2}"],
+    "which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8)",
+  ),
+  "too_many_devices": (["--num_devices", "9"], "--num_devices 9: only 8 cpu devices"),
 }
 
 
@@ -285,8 +369,11 @@ def test_plan_shows_factored_leaves_with_dropped_dims():
   out = result.stdout
   assert "mesh data=4 x model=2 (8 devices)" in out
   row = next(line for line in out.splitlines() if "0/v_row/layers_0/mlp/wi " in line)
-  assert re.search(r"\(32,\)\s+float32\s+\(embed\)\s+replicated\s+128 B\s+"
-                   r"factored: drops mlp of \(32, 64\)", row)
+  assert re.search(
+    r"\(32,\)\s+float32\s+\(embed\)\s+replicated\s+128 B\s+"
+    r"factored: drops mlp of \(32, 64\)",
+    row,
+  )
   col = next(line for line in out.splitlines() if "0/v_col/layers_0/mlp/wi " in line)
   assert re.search(r"\(64,\)\s+float32\s+\(mlp\)\s+\(model\)\s+128 B\s+factored: drops embed", col)
   assert "[0/v_row]" in out and "[0/v_col]" in out and "per device:" in out
@@ -305,8 +392,7 @@ def _state_bytes(state) -> tuple[int, int, dict[str, tuple[list[int], str, int]]
   return per_device, total, leaves
 
 
-@pytest.mark.parametrize("extra", [[], ["--gin_file", "partitioning/zero.gin"]],
-                         ids=["1d", "zero"])
+@pytest.mark.parametrize("extra", [[], ["--gin_file", "partitioning/zero.gin"]], ids=["1d", "zero"])
 def test_plan_json_matches_a_real_init(extra, capsys):
   assert main(["plan", *ADAFACTOR, *extra, "--format", "json"]) == 0
   plan = json.loads(capsys.readouterr().out)
@@ -318,29 +404,46 @@ def test_plan_json_matches_a_real_init(extra, capsys):
   assert plan["totals"]["bytes_per_device"] == per_device
   assert plan["totals"]["total_bytes"] == total
   assert plan["num_devices"] == 8 and plan["mesh"] == {"data": 4, "model": 2}
-  assert {leaf["path"]: (leaf["shape"], leaf["dtype"], leaf["bytes_per_device"])
-          for leaf in plan["leaves"]} == leaves
+  assert {
+    leaf["path"]: (leaf["shape"], leaf["dtype"], leaf["bytes_per_device"])
+    for leaf in plan["leaves"]
+  } == leaves
   factored = [leaf for leaf in plan["leaves"] if leaf["dropped_axes"]]
   assert {leaf["group"] for leaf in factored} == {"0/v_row", "0/v_col"}
 
 
 BAD_CONFIGS = {
-    "unknown_name": (["--gin_bindings", "optax.adamww.learning_rate = 1.0"],
-                     "adamww"),
-    "unknown_parameter": (["--gin_bindings", "cli.TrainJob.total_stepz = 3"],
-                          "total_stepz"),
-    "wrong_type": (["--gin_bindings", "cli.TrainJob.total_steps = 'ten'"],
-                   "TrainJob.total_steps must be an int >= 1, got 'ten' (str)"),
-    "optax_not_optimizer_def": (["--gin_bindings", "OPTIMIZER = @optax.adam()",
-                                 "--gin_bindings", "optax.adam.learning_rate = 0.1"],
-                                "optimizer is an optax GradientTransformation, not an OptimizerDef"),
-    "wrong_hyperparameter_type": (["--gin_bindings", "optax.adamw.learning_rate = 'fast'"],
-                                  "Tracing one train step failed, so the optimizer is misconfigured"),
-    "missing_file": (["--gin_file", "optimizers/nope.gin"], "gin file 'optimizers/nope.gin' not found"),
-    "vocab_mismatch": (["--gin_bindings", "cli.SyntheticTask.vocab_size = 7"],
-                       "TransformerConfig.vocab_size=32 differs from SyntheticTask.vocab_size=7"),
-    "learning_rate_type": (["--gin_bindings", "cli.TrainJob.learning_rate = 'high'"],
-                           "TrainJob.learning_rate must be a schedule, a number or None"),
+  "unknown_name": (["--gin_bindings", "optax.adamww.learning_rate = 1.0"], "adamww"),
+  "unknown_parameter": (["--gin_bindings", "cli.TrainJob.total_stepz = 3"], "total_stepz"),
+  "wrong_type": (
+    ["--gin_bindings", "cli.TrainJob.total_steps = 'ten'"],
+    "TrainJob.total_steps must be an int >= 1, got 'ten' (str)",
+  ),
+  "optax_not_optimizer_def": (
+    [
+      "--gin_bindings",
+      "OPTIMIZER = @optax.adam()",
+      "--gin_bindings",
+      "optax.adam.learning_rate = 0.1",
+    ],
+    "optimizer is an optax GradientTransformation, not an OptimizerDef",
+  ),
+  "wrong_hyperparameter_type": (
+    ["--gin_bindings", "optax.adamw.learning_rate = 'fast'"],
+    "Tracing one train step failed, so the optimizer is misconfigured",
+  ),
+  "missing_file": (
+    ["--gin_file", "optimizers/nope.gin"],
+    "gin file 'optimizers/nope.gin' not found",
+  ),
+  "vocab_mismatch": (
+    ["--gin_bindings", "cli.SyntheticTask.vocab_size = 7"],
+    "TransformerConfig.vocab_size=32 differs from SyntheticTask.vocab_size=7",
+  ),
+  "learning_rate_type": (
+    ["--gin_bindings", "cli.TrainJob.learning_rate = 'high'"],
+    "TrainJob.learning_rate must be a schedule, a number or None",
+  ),
 }
 
 

@@ -12,27 +12,37 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.example_libraries import optimizers as example_lib
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from t5x_optim import Optimizer, TrainState
-from t5x_optim.checkpoints import Checkpointer
 from t5x_optim._example_lib import (
-    EXAMPLE_LIB_OPTIMIZERS,
-    ExampleLibOptimizerDef,
-    example_lib_optimizer_makers,
-    wrap_example_lib_optimizer,
+  EXAMPLE_LIB_OPTIMIZERS,
+  ExampleLibOptimizerDef,
+  example_lib_optimizer_makers,
+  wrap_example_lib_optimizer,
 )
+from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
-    Partitioner,
-    StateRulesFallback,
-    create_mesh,
-    logical_to_mesh_axes_tree,
-    standard_logical_axis_rules,
+  Partitioner,
+  StateRulesFallback,
+  create_mesh,
+  logical_to_mesh_axes_tree,
+  standard_logical_axis_rules,
 )
 
 STEPS = 5
-MAKERS = ("adagrad", "adam", "adamax", "momentum", "nesterov", "rmsprop",
-          "rmsprop_momentum", "sgd", "sm3")
+MAKERS = (
+  "adagrad",
+  "adam",
+  "adamax",
+  "momentum",
+  "nesterov",
+  "rmsprop",
+  "rmsprop_momentum",
+  "sgd",
+  "sm3",
+)
 AXES = {"dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")}, "scale": None}
 RULES = (("embed", "data"), ("mlp", "model"))
 
@@ -50,25 +60,24 @@ class Case(NamedTuple):
 
 
 CASES = (
-    Case("sgd", "sgd", (0.1,)),
-    Case("momentum", "momentum", (0.1, 0.9)),
-    Case("nesterov", "nesterov", (0.1, 0.9)),
-    Case("adagrad", "adagrad", (0.1,)),
-    Case("rmsprop", "rmsprop", (0.01,)),
-    Case("rmsprop_momentum", "rmsprop_momentum", (0.01,)),
-    Case("adam", "adam", (0.01,)),
-    Case("adamax", "adamax", (0.01,)),
-    Case("sm3", "sm3", (0.1,)),
-    Case("adam_exponential_decay", "adam", (example_lib.exponential_decay(0.01, 2, 0.5),)),
-    Case("sm3_piecewise", "sm3", (example_lib.piecewise_constant([1, 3], [0.1, 0.05, 0.01]),)),
+  Case("sgd", "sgd", (0.1,)),
+  Case("momentum", "momentum", (0.1, 0.9)),
+  Case("nesterov", "nesterov", (0.1, 0.9)),
+  Case("adagrad", "adagrad", (0.1,)),
+  Case("rmsprop", "rmsprop", (0.01,)),
+  Case("rmsprop_momentum", "rmsprop_momentum", (0.01,)),
+  Case("adam", "adam", (0.01,)),
+  Case("adamax", "adamax", (0.01,)),
+  Case("sm3", "sm3", (0.1,)),
+  Case("adam_exponential_decay", "adam", (example_lib.exponential_decay(0.01, 2, 0.5),)),
+  Case("sm3_piecewise", "sm3", (example_lib.piecewise_constant([1, 3], [0.1, 0.05, 0.01]),)),
 )
 IDS = [case.name for case in CASES]
 
 
 def make_params() -> dict[str, Any]:
   kernel = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(4, 8)
-  return {"dense": {"kernel": kernel, "bias": jnp.linspace(0.5, 1.5, 8)},
-          "scale": jnp.float32(2.0)}
+  return {"dense": {"kernel": kernel, "bias": jnp.linspace(0.5, 1.5, 8)}, "scale": jnp.float32(2.0)}
 
 
 def grads_at(params: Any, step: int) -> Any:
@@ -96,8 +105,12 @@ def native_run(case: Case, *, jit: bool, steps: int = STEPS) -> tuple[Any, Any]:
 
 def native_parts(state: example_lib.OptimizerState) -> list[Any]:
   """The float state arrays after each param's own slot (first in every jax triple)."""
-  return [x for flat in state.packed_state for x in flat[1:]
-          if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+  return [
+    x
+    for flat in state.packed_state
+    for x in flat[1:]
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+  ]
 
 
 def adapter_step(opt: Optimizer, grads: Any) -> Optimizer:
@@ -138,18 +151,17 @@ def test_state_keeps_no_param_copy(case: Case) -> None:
   params = make_params()
   native_state = case.triple().init_fn(params)
   opt = case.opt_def().create(params)
-  assert array_bytes(opt.target) + array_bytes(opt.state.param_states) == array_bytes(
-      native_state)
+  assert array_bytes(opt.target) + array_bytes(opt.state.param_states) == array_bytes(native_state)
 
 
 @pytest.mark.parametrize(
-    "maker, parts",
-    [
-        ("sgd", {}),
-        ("adam", {"m": (4, 8), "v": (4, 8)}),
-        ("rmsprop_momentum", {"avg_sq_grad": (4, 8), "mom": (4, 8)}),
-        ("sm3", {"m": (4, 8), "vs": {"0": (4,), "1": (8,)}}),
-    ],
+  "maker, parts",
+  [
+    ("sgd", {}),
+    ("adam", {"m": (4, 8), "v": (4, 8)}),
+    ("rmsprop_momentum", {"avg_sq_grad": (4, 8), "mom": (4, 8)}),
+    ("sm3", {"m": (4, 8), "vs": {"0": (4,), "1": (8,)}}),
+  ],
 )
 def test_param_states_are_named_and_keyed_like_the_params(maker: str, parts: Any) -> None:
   opt = EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.1).create(make_params())
@@ -159,8 +171,7 @@ def test_param_states_are_named_and_keyed_like_the_params(maker: str, parts: Any
 
 def test_bare_triple_names_state_positions() -> None:
   opt = ExampleLibOptimizerDef(example_lib.sm3(0.1)).create(make_params())
-  assert jax.tree.map(jnp.shape, opt.state.param_states["scale"]) == {
-      "1": (1,), "2": {"0": (1,)}}
+  assert jax.tree.map(jnp.shape, opt.state.param_states["scale"]) == {"1": (1,), "2": {"0": (1,)}}
 
 
 @pytest.mark.parametrize("maker", ["adam", "sm3"])
@@ -169,11 +180,13 @@ def test_state_dict_round_trip(maker: str) -> None:
   trained = adapter_run(opt_def.create(make_params()), jit=False, steps=2)
   state_dict = jax.device_get(trained.state_dict())
   assert set(state_dict["state"]["param_states"]["dense"]["kernel"]) == (
-      {"m", "v"} if maker == "adam" else {"m", "vs"})
+    {"m", "v"} if maker == "adam" else {"m", "vs"}
+  )
   restored = opt_def.create(make_params()).restore_state(state_dict)
   assert_trees_equal(restored, trained)
-  assert_trees_equal(adapter_run(restored, jit=False, steps=1),
-                     adapter_run(trained, jit=False, steps=1))
+  assert_trees_equal(
+    adapter_run(restored, jit=False, steps=1), adapter_run(trained, jit=False, steps=1)
+  )
 
 
 def test_checkpointer_round_trip(tmp_path: Any) -> None:
@@ -193,23 +206,25 @@ def test_frozen_dict_params_take_dict_grads() -> None:
   expected = params_fn(update_fn(0, grads_at(params, 0), init_fn(params)))
   assert isinstance(opt.target, flax.core.FrozenDict)
   assert_trees_equal(opt.target, expected)
-  thawed = opt.replace(target=flax.core.unfreeze(opt.target)).apply_gradient(
-      grads_at(expected, 1))
+  thawed = opt.replace(target=flax.core.unfreeze(opt.target)).apply_gradient(grads_at(expected, 1))
   native = update_fn(1, grads_at(expected, 1), update_fn(0, grads_at(params, 0), init_fn(params)))
   assert_trees_equal(thawed.target, flax.core.unfreeze(params_fn(native)))
 
 
 @pytest.mark.parametrize(
-    "edit, match",
-    [
-        (lambda ps: ps["dense"]["kernel"].update(m=np.zeros((8, 4), np.float32)),
-         r"Shape mismatch at 'state/param_states/dense/kernel/m'"),
-        (lambda ps: ps["dense"]["kernel"].pop("v"),
-         r"Missing key 'state/param_states/dense/kernel/v'"),
-        (lambda ps: ps["scale"].update(w=np.zeros(2, np.float32)),
-         r"Unexpected keys \['w'\] at 'state/param_states/scale'"),
-    ],
-    ids=["shape", "missing", "unexpected"],
+  "edit, match",
+  [
+    (
+      lambda ps: ps["dense"]["kernel"].update(m=np.zeros((8, 4), np.float32)),
+      r"Shape mismatch at 'state/param_states/dense/kernel/m'",
+    ),
+    (lambda ps: ps["dense"]["kernel"].pop("v"), r"Missing key 'state/param_states/dense/kernel/v'"),
+    (
+      lambda ps: ps["scale"].update(w=np.zeros(2, np.float32)),
+      r"Unexpected keys \['w'\] at 'state/param_states/scale'",
+    ),
+  ],
+  ids=["shape", "missing", "unexpected"],
 )
 def test_bad_restore_names_the_path(edit: Any, match: str) -> None:
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](0.05).create(make_params())
@@ -226,19 +241,21 @@ def test_learning_rate_override_rebuilds_the_step_size(jit: bool) -> None:
   step = jax.jit(Optimizer.apply_gradient) if jit else Optimizer.apply_gradient
   new = step(opt, grads, learning_rate=jnp.float32(0.01))
   init_fn, update_fn, params_fn = example_lib.adam(jnp.float32(0.01))
-  expected = params_fn(jax.jit(update_fn)(0, grads, init_fn(make_params())) if jit
-                       else update_fn(0, grads, init_fn(make_params())))
+  expected = params_fn(
+    jax.jit(update_fn)(0, grads, init_fn(make_params()))
+    if jit
+    else update_fn(0, grads, init_fn(make_params()))
+  )
   assert_trees_equal(new.target, expected)
 
 
 @pytest.mark.parametrize(
-    "opt_def, match",
-    [
-        (ExampleLibOptimizerDef(example_lib.adam(0.1)), r"without its maker"),
-        (EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](example_lib.constant(0.1)),
-         r"step-size schedule"),
-    ],
-    ids=["bare_triple", "schedule"],
+  "opt_def, match",
+  [
+    (ExampleLibOptimizerDef(example_lib.adam(0.1)), r"without its maker"),
+    (EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](example_lib.constant(0.1)), r"step-size schedule"),
+  ],
+  ids=["bare_triple", "schedule"],
 )
 def test_learning_rate_override_errors(opt_def: ExampleLibOptimizerDef, match: str) -> None:
   opt = opt_def.create(make_params())
@@ -261,8 +278,11 @@ def test_mismatched_grads_name_the_paths() -> None:
 
 @example_lib.optimizer
 def _twice_stored(step_size: float) -> tuple[Any, Any, Any]:
-  return (lambda x: (x, x + 0.0), lambda i, g, s: (s[0] - step_size * g, s[1]),
-          lambda s: s[0] + s[1])
+  return (
+    lambda x: (x, x + 0.0),
+    lambda i, g, s: (s[0] - step_size * g, s[1]),
+    lambda s: s[0] + s[1],
+  )
 
 
 def test_param_read_from_two_arrays_raises() -> None:
@@ -272,8 +292,7 @@ def test_param_read_from_two_arrays_raises() -> None:
 
 @example_lib.optimizer
 def _python_counter(step_size: float) -> tuple[Any, Any, Any]:
-  return (lambda x: (x, 0), lambda i, g, s: (s[0] - step_size * g, s[1] + 1),
-          lambda s: s[0])
+  return (lambda x: (x, 0), lambda i, g, s: (s[0] - step_size * g, s[1] + 1), lambda s: s[0])
 
 
 def test_changing_python_state_raises() -> None:
@@ -286,23 +305,28 @@ def test_changing_python_state_raises() -> None:
 def test_low_precision_params_keep_their_dtype(jit: bool) -> None:
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](
-      example_lib.exponential_decay(0.01, 2, 0.5)).create(params)
+    example_lib.exponential_decay(0.01, 2, 0.5)
+  ).create(params)
   opt = adapter_run(opt, jit=jit, steps=2)
   assert {x.dtype for x in jax.tree.leaves(opt)} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int32)}
 
 
 EXPECTED_AXES = {
-    "adam": {
-        "dense": {"kernel": {"m": P("embed", "mlp"), "v": P("embed", "mlp")},
-                  "bias": {"m": P("mlp"), "v": P("mlp")}},
-        "scale": {"m": None, "v": None},
+  "adam": {
+    "dense": {
+      "kernel": {"m": P("embed", "mlp"), "v": P("embed", "mlp")},
+      "bias": {"m": P("mlp"), "v": P("mlp")},
     },
-    "sm3": {
-        "dense": {"kernel": {"m": P("embed", "mlp"), "vs": {"0": P("embed"), "1": P("mlp")}},
-                  "bias": {"m": P("mlp"), "vs": {"0": P("mlp")}}},
-        "scale": {"m": None, "vs": {"0": None}},
+    "scale": {"m": None, "v": None},
+  },
+  "sm3": {
+    "dense": {
+      "kernel": {"m": P("embed", "mlp"), "vs": {"0": P("embed"), "1": P("mlp")}},
+      "bias": {"m": P("mlp"), "vs": {"0": P("mlp")}},
     },
-    "sgd": {"dense": {"kernel": {}, "bias": {}}, "scale": {}},
+    "scale": {"m": None, "vs": {"0": None}},
+  },
+  "sgd": {"dense": {"kernel": {}, "bias": {}}, "scale": {}},
 }
 
 
@@ -310,8 +334,7 @@ EXPECTED_AXES = {
 @pytest.mark.parametrize("maker", sorted(EXPECTED_AXES))
 def test_derive_logical_axes_exact_specs(maker: str, abstract: bool) -> None:
   opt_def = EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.1)
-  opt = jax.eval_shape(opt_def.create, make_params()) if abstract else opt_def.create(
-      make_params())
+  opt = jax.eval_shape(opt_def.create, make_params()) if abstract else opt_def.create(make_params())
   axes = opt_def.derive_logical_axes(opt, AXES)
   assert axes.target == AXES
   assert axes.state.step is None
@@ -320,8 +343,7 @@ def test_derive_logical_axes_exact_specs(maker: str, abstract: bool) -> None:
 
 @example_lib.optimizer
 def _odd_state(step_size: float) -> tuple[Any, Any, Any]:
-  return (lambda x: (x, jnp.zeros(3)), lambda i, g, s: (s[0] - step_size * g, s[1]),
-          lambda s: s[0])
+  return (lambda x: (x, jnp.zeros(3)), lambda i, g, s: (s[0] - step_size * g, s[1]), lambda s: s[0])
 
 
 def test_axes_that_do_not_fit_the_params_raise() -> None:
@@ -347,8 +369,11 @@ def test_unmatched_state_leaf_goes_to_the_fallback(fallback: StateRulesFallback)
 def shard(tree: Any, logical: Any, mesh: jax.sharding.Mesh) -> Any:
   mesh_axes = logical_to_mesh_axes_tree(logical, RULES)
   return jax.tree.map(
-      lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec or P())),
-      tree, mesh_axes, is_leaf=lambda x: x is None or isinstance(x, P))
+    lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec or P())),
+    tree,
+    mesh_axes,
+    is_leaf=lambda x: x is None or isinstance(x, P),
+  )
 
 
 @pytest.mark.parametrize("maker", ["adam", "sm3"])
@@ -358,17 +383,22 @@ def test_sharded_jitted_step_matches_unsharded(maker: str) -> None:
   opt = opt_def.create(make_params())
   logical = opt_def.derive_logical_axes(opt, AXES)
   sharded = opt.replace(
-      target=shard(opt.target, logical.target, mesh),
-      state=opt.state.replace(
-          param_states=shard(opt.state.param_states, logical.state.param_states, mesh)))
+    target=shard(opt.target, logical.target, mesh),
+    state=opt.state.replace(
+      param_states=shard(opt.state.param_states, logical.state.param_states, mesh)
+    ),
+  )
   kernel_m = sharded.state.param_states["dense"]["kernel"]["m"]
   assert kernel_m.sharding.spec == P("data", "model")
   sharded = adapter_run(sharded, jit=True, steps=3)
   expected = adapter_run(opt, jit=True, steps=3)
   assert sharded.target["dense"]["kernel"].sharding.spec == P("data", "model")
   # Per-shard kernels may round differently by an ulp; layouts are checked above.
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
-               jax.device_get(sharded), jax.device_get(expected))
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
+    jax.device_get(sharded),
+    jax.device_get(expected),
+  )
 
 
 def train_step(state: TrainState) -> TrainState:
@@ -377,12 +407,17 @@ def train_step(state: TrainState) -> TrainState:
 
 @pytest.mark.parametrize("maker", ["adam", "sm3"])
 def test_train_state_with_partitioner_and_zero(maker: str) -> None:
-  boxed = jax.tree.map(lambda x, spec: nn.LogicallyPartitioned(x, tuple(spec or ())),
-                       make_params(), AXES, is_leaf=lambda x: x is None or isinstance(x, P))
-  state = TrainState.create(EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.5),
-                            {"params": boxed})
-  partitioner = Partitioner(create_mesh(shape={"data": 2, "model": 4}),
-                            standard_logical_axis_rules(shard_optimizer_state_over_data=True))
+  boxed = jax.tree.map(
+    lambda x, spec: nn.LogicallyPartitioned(x, tuple(spec or ())),
+    make_params(),
+    AXES,
+    is_leaf=lambda x: x is None or isinstance(x, P),
+  )
+  state = TrainState.create(EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.5), {"params": boxed})
+  partitioner = Partitioner(
+    create_mesh(shape={"data": 2, "model": 4}),
+    standard_logical_axis_rules(shard_optimizer_state_over_data=True),
+  )
   shardings = partitioner.get_shardings(state)
   step = partitioner.partition(train_step, (shardings,), shardings)
   sharded = step(jax.device_put(state, shardings))
@@ -391,5 +426,8 @@ def test_train_state_with_partitioner_and_zero(maker: str) -> None:
   assert kernel["m"].sharding.spec == P("data", "model")
   if maker == "sm3":
     assert kernel["vs"]["1"].sharding.spec == P(("model", "data"))
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
-               jax.device_get(sharded), jax.device_get(expected))
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
+    jax.device_get(sharded),
+    jax.device_get(expected),
+  )

@@ -42,8 +42,8 @@ def test_t5x_snippet_builds_a_working_optimizer():
   params = {"w": jnp.ones(3)}
   opt = opt_def.create(params)
   reference = optax.chain(
-      optax.clip_by_global_norm(1.0),
-      optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
   )
   state = reference.init(params)
   grads = {"w": jnp.asarray([0.5, -1.0, 2.0])}
@@ -56,11 +56,11 @@ def test_t5x_snippet_builds_a_working_optimizer():
 
 def test_wrapped_factory_is_configurable_like_optax():
   opt_def = _build_optimizer(
-      "from __gin__ import dynamic_registration\n"
-      "from t5x_optim import optimizers\n"
-      "OPTIMIZER = @optimizers.adafactor()\n"
-      "optimizers.adafactor.learning_rate = 0.01\n"
-      "optimizers.adafactor.momentum = 0.9\n"
+    "from __gin__ import dynamic_registration\n"
+    "from t5x_optim import optimizers\n"
+    "OPTIMIZER = @optimizers.adafactor()\n"
+    "optimizers.adafactor.learning_rate = 0.01\n"
+    "optimizers.adafactor.momentum = 0.9\n"
   )
   state = opt_def.create({"w": jnp.ones((4, 4))}).state.param_states
   reference = optax.adafactor(learning_rate=0.01, momentum=0.9).init({"w": jnp.ones((4, 4))})

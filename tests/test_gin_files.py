@@ -19,8 +19,15 @@ pytestmark = pytest.mark.usefixtures("clean_gin")
 GIN_DIR = _config.GIN_DIR
 KINDS = ("optimizers", "partitioning", "examples")
 EXPECTED_OPTIMIZERS = {
-    "adamw", "adafactor", "lion", "sgd_momentum", "multi_optimizer", "multisteps",
-    "inject_hyperparams", "lookahead", "example_lib_adam",
+  "adamw",
+  "adafactor",
+  "lion",
+  "sgd_momentum",
+  "multi_optimizer",
+  "multisteps",
+  "inject_hyperparams",
+  "lookahead",
+  "example_lib_adam",
 }
 ACCUMULATED_STEPS = 4
 """Enough steps for warmup to start and for multisteps.gin to apply its update."""
@@ -113,8 +120,9 @@ def test_scheduled_files_are_the_expected_ones():
 @pytest.mark.parametrize("total_steps", [1, 20, 1000])
 def test_schedule_follows_total_steps(path, total_steps):
   files = [] if path is None else [str(path)]
-  _config.parse_config(gin_files=files, gin_bindings=[f"TOTAL_STEPS = {total_steps}"],
-                       macros=_config.device_macros(8))
+  _config.parse_config(
+    gin_files=files, gin_bindings=[f"TOTAL_STEPS = {total_steps}"], macros=_config.device_macros(8)
+  )
   schedule = _macro("LEARNING_RATE").scoped_configurable_fn()
   rates = jax.vmap(schedule)(jnp.arange(2 * total_steps + 1)).tolist()
   assert all(rate > 0 for rate in rates)

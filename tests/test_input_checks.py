@@ -31,16 +31,16 @@ def _grads(kernel: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "kernel, message",
-    [
-        (jnp.ones((2, 3, 4)), r"'dense/kernel': grads real \(2, 3, 4\), params real \(3, 4\)"),
-        (jnp.ones(4), r"'dense/kernel': grads real \(4,\), params real \(3, 4\)"),
-        (jnp.ones((1, 4)), r"'dense/kernel': grads real \(1, 4\), params real \(3, 4\)"),
-        (jnp.float32(1.0), r"'dense/kernel': grads real \(\), params real \(3, 4\)"),
-        (jnp.ones((4, 3)), r"'dense/kernel': grads real \(4, 3\), params real \(3, 4\)"),
-        (jnp.ones((3, 4), jnp.complex64), r"'dense/kernel': grads complex \(3, 4\), params real"),
-    ],
-    ids=["broadcast_up", "row", "one_row", "scalar", "transposed", "complex"],
+  "kernel, message",
+  [
+    (jnp.ones((2, 3, 4)), r"'dense/kernel': grads real \(2, 3, 4\), params real \(3, 4\)"),
+    (jnp.ones(4), r"'dense/kernel': grads real \(4,\), params real \(3, 4\)"),
+    (jnp.ones((1, 4)), r"'dense/kernel': grads real \(1, 4\), params real \(3, 4\)"),
+    (jnp.float32(1.0), r"'dense/kernel': grads real \(\), params real \(3, 4\)"),
+    (jnp.ones((4, 3)), r"'dense/kernel': grads real \(4, 3\), params real \(3, 4\)"),
+    (jnp.ones((3, 4), jnp.complex64), r"'dense/kernel': grads complex \(3, 4\), params real"),
+  ],
+  ids=["broadcast_up", "row", "one_row", "scalar", "transposed", "complex"],
 )
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_grads_of_wrong_shape_or_kind_are_refused(opt, jitted_apply, kernel, message, jit):
@@ -57,10 +57,10 @@ def test_grads_of_wrong_structure_name_the_paths(opt):
 @pytest.mark.parametrize("kwargs", [{"lr": 0.1}, {"learning_rte": 0.1}, {"valu": 1.0}])
 def test_unknown_keywords_list_what_is_accepted(opt, kwargs):
   with pytest.raises(
-      TypeError,
-      match=r"unknown keyword arguments \['\w+'\]; it accepts the hyper-parameters "
-      r"\['hyper_params', 'learning_rate'\] and the update's extra arguments "
-      r"\['grad', 'obj_fn', 'value', 'value_fn'\]",
+    TypeError,
+    match=r"unknown keyword arguments \['\w+'\]; it accepts the hyper-parameters "
+    r"\['hyper_params', 'learning_rate'\] and the update's extra arguments "
+    r"\['grad', 'obj_fn', 'value', 'value_fn'\]",
   ):
     opt.apply_gradient(PARAMS, **kwargs)
 
@@ -77,16 +77,16 @@ def test_extra_args_can_be_named_for_custom_transformations():
 
 
 @pytest.mark.parametrize(
-    "learning_rate, message",
-    [
-        ("0.1", "a str"),
-        ([0.1], "a list"),
-        (True, "a bool"),
-        (1 + 2j, "a complex"),
-        (np.ones(1), r"an array of shape \(1,\)"),
-        (jnp.asarray(1 + 2j), "a scalar of dtype complex64"),
-    ],
-    ids=["str", "list", "bool", "complex", "shaped", "complex_array"],
+  "learning_rate, message",
+  [
+    ("0.1", "a str"),
+    ([0.1], "a list"),
+    (True, "a bool"),
+    (1 + 2j, "a complex"),
+    (np.ones(1), r"an array of shape \(1,\)"),
+    (jnp.asarray(1 + 2j), "a scalar of dtype complex64"),
+  ],
+  ids=["str", "list", "bool", "complex", "shaped", "complex_array"],
 )
 def test_learning_rate_override_must_be_a_real_scalar(learning_rate, message):
   opt = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)).create(PARAMS)
@@ -108,11 +108,11 @@ def _set(state_dict: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 BAD_VALUES = {
-    "list": [1.0, 2.0],
-    "tuple": (1.0,),
-    "str": "abc",
-    "object": object(),
-    "int_for_subtree": 3,
+  "list": [1.0, 2.0],
+  "tuple": (1.0,),
+  "str": "abc",
+  "object": object(),
+  "int_for_subtree": 3,
 }
 
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 kfac_jax = pytest.importorskip("kfac_jax")
 
@@ -23,8 +24,8 @@ _NUM_STEPS = 6
 _BATCH = 32
 _HYPER = dict(learning_rate=0.5, momentum=0.0, damping=3e-2)
 _AXES = {
-    "dense1": {"kernel": P("embed", "mlp")},
-    "dense2": {"kernel": P("mlp", "vocab"), "bias": P("vocab")},
+  "dense1": {"kernel": P("embed", "mlp")},
+  "dense2": {"kernel": P("mlp", "vocab"), "bias": P("vocab")},
 }
 
 
@@ -47,8 +48,8 @@ def _registered_loss(params, batch):
 def _params():
   k1, k2 = jax.random.split(jax.random.key(0))
   return {
-      "dense1": {"kernel": jax.random.normal(k1, (4, 8)) * 0.5},
-      "dense2": {"kernel": jax.random.normal(k2, (8, 4)) * 0.5, "bias": jnp.zeros(4)},
+    "dense1": {"kernel": jax.random.normal(k1, (4, 8)) * 0.5},
+    "dense2": {"kernel": jax.random.normal(k2, (8, 4)) * 0.5, "bias": jnp.zeros(4)},
   }
 
 
@@ -58,7 +59,9 @@ def _batches():
   scales = jnp.array([10.0, 3.0, 1.0, 0.1])
   x = jax.random.normal(keys[0], (_NUM_STEPS * _BATCH, 4)) * scales
   y = jnp.argmax(x / scales @ jax.random.normal(keys[1], (4, 4)), axis=1)
-  return [(x[i * _BATCH:(i + 1) * _BATCH], y[i * _BATCH:(i + 1) * _BATCH]) for i in range(_NUM_STEPS)]
+  return [
+    (x[i * _BATCH : (i + 1) * _BATCH], y[i * _BATCH : (i + 1) * _BATCH]) for i in range(_NUM_STEPS)
+  ]
 
 
 def _rngs():
@@ -73,10 +76,10 @@ def _copy(tree):
 def kfac():
   """One kfac-jax optimizer for all tests (its compiled steps are cached per instance)."""
   return kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(_registered_loss),
-      l2_reg=0.0,
-      num_burnin_steps=0,
-      inverse_update_period=2,
+    value_and_grad_func=jax.value_and_grad(_registered_loss),
+    l2_reg=0.0,
+    num_burnin_steps=0,
+    inverse_update_period=2,
   )
 
 
@@ -150,7 +153,7 @@ def test_loss_falls_faster_than_best_sgd(opt_def, adapter_run):
 def test_state_dict_round_trip(opt_def, adapter_run):
   opt = adapter_run[2][0]
   state_dict = flax.serialization.msgpack_restore(
-      flax.serialization.msgpack_serialize(opt.state_dict())
+    flax.serialization.msgpack_serialize(opt.state_dict())
   )
   flat = flax.traverse_util.flatten_dict(state_dict, sep="/")
   assert "state/param_states/velocities/dense1/kernel" in flat
@@ -179,12 +182,14 @@ def test_restore_names_the_bad_path(adapter_run):
 def _expected_block_specs(kfac):
   """Factor specs by block, in the estimator's block order."""
   by_first_param = {
-      # dense1 (no bias): (in, in) -> embed, (out, out) -> mlp.
-      ("dense1", "kernel"): [P("embed", None), P("mlp", None)],
-      # dense2 (bias): (in + 1, in + 1) matches nothing, (out, out) -> vocab.
-      ("dense2", "kernel"): [None, P("vocab", None)],
+    # dense1 (no bias): (in, in) -> embed, (out, out) -> mlp.
+    ("dense1", "kernel"): [P("embed", None), P("mlp", None)],
+    # dense2 (bias): (in + 1, in + 1) matches nothing, (out, out) -> vocab.
+    ("dense2", "kernel"): [None, P("vocab", None)],
   }
-  paths = [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(_params())[0]]
+  paths = [
+    tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(_params())[0]
+  ]
   return [by_first_param[paths[indices[0]]] for indices in kfac._estimator.jaxpr.layer_indices]  # pylint: disable=protected-access
 
 
@@ -216,7 +221,9 @@ def test_derive_logical_axes_raise_policy_and_replicated_params(kfac, adapter_ru
 
 def _mesh_shardings(tree, mesh):
   rules = (("embed", None), ("mlp", "model"), ("vocab", None))
-  specs = jax.tree.map(lambda s: P() if s is None else s, tree, is_leaf=lambda x: x is None or isinstance(x, P))
+  specs = jax.tree.map(
+    lambda s: P() if s is None else s, tree, is_leaf=lambda x: x is None or isinstance(x, P)
+  )
   return flax.linen.logical_to_mesh_sharding(specs, mesh, rules)
 
 
@@ -240,8 +247,12 @@ def test_sharded_run_on_8_devices_matches_unsharded(kfac, opt_def, adapter_run):
   dense1 = [i for i, specs in enumerate(_expected_block_specs(kfac)) if specs[1] == P("mlp", None)]
   block = opt.state.param_states.estimator_state.blocks_states[dense1[0]]
   assert block.factors[1].value.sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
-  assert block.cache["-1.0"]["1_factor"].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
-  assert opt.target["dense1"]["kernel"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+  assert block.cache["-1.0"]["1_factor"].sharding.is_equivalent_to(
+    NamedSharding(mesh, P("model", None)), 2
+  )
+  assert opt.target["dense1"]["kernel"].sharding.is_equivalent_to(
+    NamedSharding(mesh, P(None, "model")), 2
+  )
   assert len(opt.target["dense1"]["kernel"].sharding.device_set) == 8
 
 
@@ -261,12 +272,15 @@ def test_misuse_raises(opt_def, kfac):
 
 
 @pytest.mark.parametrize(
-    ("option", "message"),
-    [({"multi_device": True}, "multi_device=False"), ({"value_func_has_state": True}, "value_func_has_state")],
+  ("option", "message"),
+  [
+    ({"multi_device": True}, "multi_device=False"),
+    ({"value_func_has_state": True}, "value_func_has_state"),
+  ],
 )
 def test_unsupported_kfac_modes_raise(option, message):
   kfac = kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(_registered_loss), l2_reg=0.0, **option
+    value_and_grad_func=jax.value_and_grad(_registered_loss), l2_reg=0.0, **option
   )
   with pytest.raises(ValueError, match=message):
     KfacOptimizerDef(kfac)

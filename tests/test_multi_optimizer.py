@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import flax
-import gin
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +18,14 @@ from flax import struct, traverse_util
 from flax.core import FrozenDict
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim import OptaxWrapper, Optimizer, OptimizerDef, OptimizerState
-from t5x_optim import MultiOptimizer, PathFilter
+from t5x_optim import (
+  MultiOptimizer,
+  OptaxWrapper,
+  Optimizer,
+  OptimizerDef,
+  OptimizerState,
+  PathFilter,
+)
 from t5x_optim._optax_wrapper import OptaxHyperParams
 from t5x_optim._train_state import TrainState
 from t5x_optim.partitioning._mesh import create_mesh
@@ -29,23 +35,23 @@ STEPS = 3
 KERNELS = PathFilter(r"kernel$")
 BIASES = PathFilter(r"bias$")
 SHAPES = {
-    "dense": {"kernel": (4, 8), "bias": (8,)},
-    "out": {"kernel": (8, 4), "bias": (4,)},
-    "embed": {"embedding": (6, 4)},
+  "dense": {"kernel": (4, 8), "bias": (8,)},
+  "out": {"kernel": (8, 4), "bias": (4,)},
+  "embed": {"embedding": (6, 4)},
 }
 AXES = {
-    "dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
-    "out": {"kernel": P("mlp", "embed"), "bias": None},
-    "embed": {"embedding": P("vocab", "embed")},
+  "dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+  "out": {"kernel": P("mlp", "embed"), "bias": None},
+  "embed": {"embedding": P("vocab", "embed")},
 }
 
 
 def make_params(container: type = dict) -> Any:
   keys = iter(jax.random.split(jax.random.key(0), 8))
   params = jax.tree.map(
-      lambda shape: jax.random.normal(next(keys), shape),
-      SHAPES,
-      is_leaf=lambda x: isinstance(x, tuple),
+    lambda shape: jax.random.normal(next(keys), shape),
+    SHAPES,
+    is_leaf=lambda x: isinstance(x, tuple),
   )
   return FrozenDict(params) if container is FrozenDict else params
 
@@ -100,13 +106,15 @@ def with_frozen(transforms: dict[str, optax.GradientTransformation]) -> Any:
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
 def test_matches_multi_transform_bit_for_bit(container: type) -> None:
   params = make_params(container)
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, OptaxWrapper(optax.adam(1e-2))),
       (BIASES, OptaxWrapper(optax.sgd(0.1))),
-  ])
+    ]
+  )
   tx = optax.multi_transform(
-      with_frozen({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1)}),
-      labeler({"kernel$": "adam", "bias$": "sgd"}),
+    with_frozen({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1)}),
+    labeler({"kernel$": "adam", "bias$": "sgd"}),
   )
   opt = run_multi(opt_def, params)
   assert type(opt.target) is container
@@ -117,40 +125,48 @@ def test_matches_multi_transform_bit_for_bit(container: type) -> None:
 
 
 MIXED_CASES = {
-    "two_wrappers": (
-        lambda: MultiOptimizer([
-            (KERNELS, OptaxWrapper(optax.adamw(1e-2, weight_decay=0.1))),
-            (BIASES, OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
-        ]),
-        {"kernel$": optax.adamw(1e-2, weight_decay=0.1), "bias$": optax.sgd(0.1, momentum=0.9)},
+  "two_wrappers": (
+    lambda: MultiOptimizer(
+      [
+        (KERNELS, OptaxWrapper(optax.adamw(1e-2, weight_decay=0.1))),
+        (BIASES, OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
+      ]
     ),
-    "multisteps": (
-        lambda: MultiOptimizer([
-            (KERNELS, OptaxWrapper(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))),
-            (BIASES, OptaxWrapper(optax.sgd(0.1))),
-        ]),
-        {
-            "kernel$": optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
-            "bias$": optax.sgd(0.1),
-        },
+    {"kernel$": optax.adamw(1e-2, weight_decay=0.1), "bias$": optax.sgd(0.1, momentum=0.9)},
+  ),
+  "multisteps": (
+    lambda: MultiOptimizer(
+      [
+        (KERNELS, OptaxWrapper(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))),
+        (BIASES, OptaxWrapper(optax.sgd(0.1))),
+      ]
     ),
-    "nested": (
-        lambda: MultiOptimizer([
-            (
-                PathFilter("^dense/"),
-                MultiOptimizer([
-                    (KERNELS, OptaxWrapper(optax.adam(1e-2))),
-                    (BIASES, OptaxWrapper(optax.sgd(0.1))),
-                ]),
-            ),
-            ("^out/kernel$", OptaxWrapper(optax.lion(1e-3))),
-        ]),
-        {
-            "^dense/kernel$": optax.adam(1e-2),
-            "^dense/bias$": optax.sgd(0.1),
-            "^out/kernel$": optax.lion(1e-3),
-        },
+    {
+      "kernel$": optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+      "bias$": optax.sgd(0.1),
+    },
+  ),
+  "nested": (
+    lambda: MultiOptimizer(
+      [
+        (
+          PathFilter("^dense/"),
+          MultiOptimizer(
+            [
+              (KERNELS, OptaxWrapper(optax.adam(1e-2))),
+              (BIASES, OptaxWrapper(optax.sgd(0.1))),
+            ]
+          ),
+        ),
+        ("^out/kernel$", OptaxWrapper(optax.lion(1e-3))),
+      ]
     ),
+    {
+      "^dense/kernel$": optax.adam(1e-2),
+      "^dense/bias$": optax.sgd(0.1),
+      "^out/kernel$": optax.lion(1e-3),
+    },
+  ),
 }
 
 
@@ -159,7 +175,7 @@ def test_mixed_sub_optimizers_match_multi_transform(case: str) -> None:
   make_def, transforms = MIXED_CASES[case]
   names = {regex: str(i) for i, regex in enumerate(transforms)}
   tx = optax.multi_transform(
-      with_frozen({names[r]: t for r, t in transforms.items()}), labeler(names)
+    with_frozen({names[r]: t for r, t in transforms.items()}), labeler(names)
   )
   params = make_params()
   opt = run_multi(make_def(), params)
@@ -173,56 +189,66 @@ def injected(factory: Callable[..., Any], learning_rate: float) -> OptaxWrapper:
 
 
 @pytest.mark.parametrize(
-    "kwargs, kernel_rate, bias_rate",
-    [
-        ({"learning_rate": 0.05}, 0.05, 0.05),
-        ({"hyper_params": (OptaxHyperParams(0.05), OptaxHyperParams(0.2))}, 0.05, 0.2),
-        ({"learning_rate": None}, 1.0, 1.0),
-    ],
-    ids=["learning_rate", "hyper_params", "none"],
+  "kwargs, kernel_rate, bias_rate",
+  [
+    ({"learning_rate": 0.05}, 0.05, 0.05),
+    ({"hyper_params": (OptaxHyperParams(0.05), OptaxHyperParams(0.2))}, 0.05, 0.2),
+    ({"learning_rate": None}, 1.0, 1.0),
+  ],
+  ids=["learning_rate", "hyper_params", "none"],
 )
 def test_hyper_param_overrides(kwargs: dict[str, Any], kernel_rate: float, bias_rate: float):
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, injected(optax.adam, 1.0)),
       (BIASES, injected(optax.sgd, 1.0)),
-  ])
+    ]
+  )
   tx = optax.multi_transform(
-      with_frozen({
-          "adam": optax.inject_hyperparams(optax.adam)(learning_rate=kernel_rate),
-          "sgd": optax.inject_hyperparams(optax.sgd)(learning_rate=bias_rate),
-      }),
-      labeler({"kernel$": "adam", "bias$": "sgd"}),
+    with_frozen(
+      {
+        "adam": optax.inject_hyperparams(optax.adam)(learning_rate=kernel_rate),
+        "sgd": optax.inject_hyperparams(optax.sgd)(learning_rate=bias_rate),
+      }
+    ),
+    labeler({"kernel$": "adam", "bias$": "sgd"}),
   )
   params = make_params()
   assert_trees_equal(run_multi(opt_def, params, **kwargs).target, run_optax(tx, params))
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        ({"hyper_params": (OptaxHyperParams(),)}, ValueError, r"one entry per sub-optimizer \(2\)"),
-    ],
-    ids=["hyper_params_length"],
+  "kwargs, error, message",
+  [
+    ({"hyper_params": (OptaxHyperParams(),)}, ValueError, r"one entry per sub-optimizer \(2\)"),
+  ],
+  ids=["hyper_params_length"],
 )
 def test_hyper_param_override_errors(kwargs: dict[str, Any], error: type, message: str) -> None:
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, injected(optax.adam, 1.0)),
       (BIASES, OptaxWrapper(optax.sgd(1.0))),
-  ])
+    ]
+  )
   opt = opt_def.create(make_params())
   with pytest.raises(error, match=message):
     opt.apply_gradient(fake_grads(opt.target, 0), **kwargs)
 
 
 def test_learning_rate_override_skips_sub_optimizers_without_injected_rate() -> None:
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, injected(optax.adam, 1.0)),
       (BIASES, OptaxWrapper(optax.sgd(1.0))),
-  ])
+    ]
+  )
   opt = opt_def.create(make_params())
   with pytest.warns(UserWarning, match=r"no injectable constant learning rate"):
     stepped = opt.apply_gradient(fake_grads(opt.target, 0), learning_rate=0.1)
-  np.testing.assert_allclose(stepped.state.param_states[0].param_states.hyperparams["learning_rate"], 0.1)
+  np.testing.assert_allclose(
+    stepped.state.param_states[0].param_states.hyperparams["learning_rate"], 0.1
+  )
 
 
 @struct.dataclass
@@ -246,7 +272,7 @@ class PlainSgd(OptimizerDef):
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     return optimizer.replace(
-        target=param_logical_axes, state=OptimizerState(step=None, param_states={})
+      target=param_logical_axes, state=OptimizerState(step=None, param_states={})
     )
 
   def set_param_axes(self, param_logical_axes: Any) -> None:
@@ -257,23 +283,25 @@ def test_extra_args_reach_only_sub_optimizers_that_take_them() -> None:
   plateau = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
   opt_def = MultiOptimizer([(KERNELS, PlainSgd(0.1)), (BIASES, OptaxWrapper(plateau))])
   tx = optax.multi_transform(
-      with_frozen({"plain": optax.sgd(0.1), "plateau": plateau}),
-      labeler({"kernel$": "plain", "bias$": "plateau"}),
+    with_frozen({"plain": optax.sgd(0.1), "plateau": plateau}),
+    labeler({"kernel$": "plain", "bias$": "plateau"}),
   )
   params = make_params()
   assert_trees_equal(
-      run_multi(opt_def, params, value=jnp.float32(2.0)).target,
-      run_optax(tx, params, value=jnp.float32(2.0)),
+    run_multi(opt_def, params, value=jnp.float32(2.0)).target,
+    run_optax(tx, params, value=jnp.float32(2.0)),
   )
   with pytest.raises(TypeError, match=r"unknown keyword arguments \['value'\]"):
     MultiOptimizer([(KERNELS, PlainSgd(0.1))]).create(params).apply_gradient(params, value=1.0)
 
 
 def stepped(container: type = dict) -> Optimizer:
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, OptaxWrapper(optax.adam(1e-2))),
       (BIASES, OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
-  ])
+    ]
+  )
   return run_multi(opt_def, make_params(container))
 
 
@@ -281,16 +309,16 @@ def test_state_dict_layout() -> None:
   flat = traverse_util.flatten_dict(stepped().state_dict(), sep="/")
   state_keys = sorted(k for k in flat if k.startswith("state/"))
   assert state_keys == [
-      "state/param_states/0/param_states/0/count",
-      "state/param_states/0/param_states/0/mu/dense/kernel",
-      "state/param_states/0/param_states/0/mu/out/kernel",
-      "state/param_states/0/param_states/0/nu/dense/kernel",
-      "state/param_states/0/param_states/0/nu/out/kernel",
-      "state/param_states/0/step",
-      "state/param_states/1/param_states/0/trace/dense/bias",
-      "state/param_states/1/param_states/0/trace/out/bias",
-      "state/param_states/1/step",
-      "state/step",
+    "state/param_states/0/param_states/0/count",
+    "state/param_states/0/param_states/0/mu/dense/kernel",
+    "state/param_states/0/param_states/0/mu/out/kernel",
+    "state/param_states/0/param_states/0/nu/dense/kernel",
+    "state/param_states/0/param_states/0/nu/out/kernel",
+    "state/param_states/0/step",
+    "state/param_states/1/param_states/0/trace/dense/bias",
+    "state/param_states/1/param_states/0/trace/out/bias",
+    "state/param_states/1/step",
+    "state/step",
   ]
   assert "target/embed/embedding" in flat
 
@@ -329,31 +357,31 @@ ADAM_MU = "state/param_states/0/param_states/0/mu/dense/kernel"
 
 
 @pytest.mark.parametrize(
-    "corrupt, message",
-    [
-        (
-            lambda sd: set_in(sd, ADAM_MU, np.ones(3)),
-            rf"Shape mismatch at '{ADAM_MU}': the "
-            r"optimizer has shape \(4, 8\), the state dict has shape \(3,\)",
-        ),
-        (
-            lambda sd: delete_in(sd, "state/param_states/1"),
-            r"Missing key 'state/param_states/1' in the state dict",
-        ),
-        (
-            lambda sd: set_in(sd, "state/param_states/0/extra", np.ones(2)),
-            r"Unexpected keys \['extra'\] at 'state/param_states/0'",
-        ),
-        (
-            lambda sd: set_in(sd, "target/embed/embedding", np.ones((6, 5))),
-            r"Shape mismatch at 'target/embed/embedding'.*\(6, 4\).*\(6, 5\)",
-        ),
-        (
-            lambda sd: set_in(sd, "state/param_states/1/step", np.float32(1.5)),
-            r"Dtype mismatch at 'state/param_states/1/step': the state dict has float32",
-        ),
-    ],
-    ids=["shape", "missing_sub", "unexpected", "target", "dtype"],
+  "corrupt, message",
+  [
+    (
+      lambda sd: set_in(sd, ADAM_MU, np.ones(3)),
+      rf"Shape mismatch at '{ADAM_MU}': the "
+      r"optimizer has shape \(4, 8\), the state dict has shape \(3,\)",
+    ),
+    (
+      lambda sd: delete_in(sd, "state/param_states/1"),
+      r"Missing key 'state/param_states/1' in the state dict",
+    ),
+    (
+      lambda sd: set_in(sd, "state/param_states/0/extra", np.ones(2)),
+      r"Unexpected keys \['extra'\] at 'state/param_states/0'",
+    ),
+    (
+      lambda sd: set_in(sd, "target/embed/embedding", np.ones((6, 5))),
+      r"Shape mismatch at 'target/embed/embedding'.*\(6, 4\).*\(6, 5\)",
+    ),
+    (
+      lambda sd: set_in(sd, "state/param_states/1/step", np.float32(1.5)),
+      r"Dtype mismatch at 'state/param_states/1/step': the state dict has float32",
+    ),
+  ],
+  ids=["shape", "missing_sub", "unexpected", "target", "dtype"],
 )
 def test_restore_errors_name_path_and_leave_optimizer_untouched(corrupt, message) -> None:
   opt = stepped()
@@ -365,14 +393,14 @@ def test_restore_errors_name_path_and_leave_optimizer_untouched(corrupt, message
 
 
 @pytest.mark.parametrize(
-    "pairs, message",
-    [
-        (
-            [(KERNELS, "adam"), ("^dense/", "sgd")],
-            r"1 params are selected by more than one filter: dense/kernel \(filters \[0, 1\]\)",
-        ),
-    ],
-    ids=["overlap"],
+  "pairs, message",
+  [
+    (
+      [(KERNELS, "adam"), ("^dense/", "sgd")],
+      r"1 params are selected by more than one filter: dense/kernel \(filters \[0, 1\]\)",
+    ),
+  ],
+  ids=["overlap"],
 )
 def test_filter_errors(pairs: list[tuple[Any, str]], message: str) -> None:
   txs = {"adam": OptaxWrapper(optax.adam(1e-2)), "sgd": OptaxWrapper(optax.sgd(0.1))}
@@ -383,35 +411,35 @@ def test_filter_errors(pairs: list[tuple[Any, str]], message: str) -> None:
 
 def test_filter_matching_nothing_is_allowed_with_a_warning() -> None:
   opt_def = MultiOptimizer(
-      [(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", OptaxWrapper(optax.adam(1e-2)))]
+    [(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", OptaxWrapper(optax.adam(1e-2)))]
   )
   with pytest.warns(
-      UserWarning,
-      match=r"filter 1 PathFilter\('nothing'\) selects no params, so its optimizer gets an "
-      r"empty tree; the params are dense/bias, dense/kernel, embed/embedding, out/bias, "
-      r"out/kernel\.",
+    UserWarning,
+    match=r"filter 1 PathFilter\('nothing'\) selects no params, so its optimizer gets an "
+    r"empty tree; the params are dense/bias, dense/kernel, embed/embedding, out/bias, "
+    r"out/kernel\.",
   ):
     opt = run_multi(opt_def, make_params())
   assert opt.state.param_states[1].param_states[0].mu == {}
 
 
 @pytest.mark.parametrize(
-    "make, error, message",
-    [
-        (lambda: MultiOptimizer([]), ValueError, "at least one"),
-        (lambda: MultiOptimizer([(KERNELS, optax.adam(1e-2))]), TypeError, "OptaxWrapper"),
-        (lambda: MultiOptimizer([(3, OptaxWrapper(optax.sgd(1.0)))]), TypeError, "Traversal 0"),
-        (lambda: PathFilter("("), ValueError, "invalid regex"),
-        (lambda: PathFilter([]), ValueError, "at least one pattern"),
-        (
-            lambda: MultiOptimizer([(KERNELS, OptaxWrapper(optax.sgd(1.0)))]).create(
-                {"layers": [{"kernel": jnp.ones(2)}]}
-            ),
-            TypeError,
-            "nested dicts or FrozenDicts; found a list at 'layers'",
-        ),
-    ],
-    ids=["no_pairs", "raw_optax", "bad_traversal", "bad_regex", "no_patterns", "list_params"],
+  "make, error, message",
+  [
+    (lambda: MultiOptimizer([]), ValueError, "at least one"),
+    (lambda: MultiOptimizer([(KERNELS, optax.adam(1e-2))]), TypeError, "OptaxWrapper"),
+    (lambda: MultiOptimizer([(3, OptaxWrapper(optax.sgd(1.0)))]), TypeError, "Traversal 0"),
+    (lambda: PathFilter("("), ValueError, "invalid regex"),
+    (lambda: PathFilter([]), ValueError, "at least one pattern"),
+    (
+      lambda: MultiOptimizer([(KERNELS, OptaxWrapper(optax.sgd(1.0)))]).create(
+        {"layers": [{"kernel": jnp.ones(2)}]}
+      ),
+      TypeError,
+      "nested dicts or FrozenDicts; found a list at 'layers'",
+    ),
+  ],
+  ids=["no_pairs", "raw_optax", "bad_traversal", "bad_regex", "no_patterns", "list_params"],
 )
 def test_construction_errors(make: Callable[[], Any], error: type, message: str) -> None:
   with pytest.raises(error, match=re.escape(message)):
@@ -419,15 +447,15 @@ def test_construction_errors(make: Callable[[], Any], error: type, message: str)
 
 
 @pytest.mark.parametrize(
-    "patterns, invert, path, expected",
-    [
-        ("kernel$", False, "dense/kernel", True),
-        ("kernel$", False, "dense/kernel_scale", False),
-        (["^out/", "bias"], False, "dense/bias", True),
-        (["^out/", "bias"], False, "dense/kernel", False),
-        ("^dense/", True, "dense/kernel", False),
-        ("^dense/", True, "out/kernel", True),
-    ],
+  "patterns, invert, path, expected",
+  [
+    ("kernel$", False, "dense/kernel", True),
+    ("kernel$", False, "dense/kernel_scale", False),
+    (["^out/", "bias"], False, "dense/bias", True),
+    (["^out/", "bias"], False, "dense/kernel", False),
+    ("^dense/", True, "dense/kernel", False),
+    ("^dense/", True, "out/kernel", True),
+  ],
 )
 def test_path_filter(patterns: Any, invert: bool, path: str, expected: bool) -> None:
   assert PathFilter(patterns, invert=invert).matches(path) is expected
@@ -445,20 +473,22 @@ def model_param_traversal(filter_fn: Callable[[str, Any], bool]) -> Any:
 
 
 @pytest.mark.parametrize(
-    "filter_fn, equivalent",
-    [
-        (lambda path, _: path.endswith("kernel"), KERNELS),
-        (lambda _, value: value.ndim == 2, PathFilter(["kernel$", "embedding$"])),
-    ],
-    ids=["path", "value"],
+  "filter_fn, equivalent",
+  [
+    (lambda path, _: path.endswith("kernel"), KERNELS),
+    (lambda _, value: value.ndim == 2, PathFilter(["kernel$", "embedding$"])),
+  ],
+  ids=["path", "value"],
 )
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
 def test_model_param_traversal(filter_fn, equivalent: PathFilter, container: type) -> None:
   def make_def(traversal: Any) -> MultiOptimizer:
-    return MultiOptimizer([
+    return MultiOptimizer(
+      [
         (traversal, OptaxWrapper(optax.adam(1e-2))),
         (BIASES, OptaxWrapper(optax.sgd(0.1))),
-    ])
+      ]
+    )
 
   params = make_params(container)
   actual = run_multi(make_def(model_param_traversal(filter_fn)), params)
@@ -478,10 +508,12 @@ class CountingFilter(PathFilter):
 
 def test_partition_computed_once_per_tree_structure() -> None:
   CountingFilter.calls = 0
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (CountingFilter("kernel$"), OptaxWrapper(optax.sgd(0.1))),
       (BIASES, OptaxWrapper(optax.sgd(0.1))),
-  ])
+    ]
+  )
   params = make_params()
   opt = opt_def.create(params)
   for i in range(2):
@@ -501,13 +533,13 @@ def test_grads_structure_error_names_paths() -> None:
 
 
 @pytest.mark.parametrize(
-    "axes_form",
-    [
-        lambda: AXES,
-        lambda: FrozenDict(AXES),
-        lambda: jax.tree.map(lambda s: tuple(s), AXES, is_leaf=lambda x: isinstance(x, P)),
-    ],
-    ids=["specs", "frozendict", "name_tuples"],
+  "axes_form",
+  [
+    lambda: AXES,
+    lambda: FrozenDict(AXES),
+    lambda: jax.tree.map(lambda s: tuple(s), AXES, is_leaf=lambda x: isinstance(x, P)),
+  ],
+  ids=["specs", "frozendict", "name_tuples"],
 )
 def test_derive_logical_axes(axes_form: Callable[[], Any]) -> None:
   opt = stepped(FrozenDict)
@@ -559,10 +591,12 @@ def test_gin_configures_multi_optimizer_and_path_filters() -> None:
     opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
   biases = PathFilter(["kernel$", "^embed/"], invert=True)
   assert opt_def.traversals == (KERNELS, biases)
-  reference = MultiOptimizer([
+  reference = MultiOptimizer(
+    [
       (KERNELS, OptaxWrapper(optax.adam(1e-2))),
       (BIASES, OptaxWrapper(optax.sgd(0.1))),
-  ])
+    ]
+  )
   actual, expected = run_multi(opt_def, make_params()), run_multi(reference, make_params())
   assert_trees_equal((actual.target, actual.state), (expected.target, expected.state))
 
@@ -575,10 +609,10 @@ class Mlp(nn.Module):
     init = nn.initializers.lecun_normal()
     for name, features, axes in (("dense", 16, ("embed", "mlp")), ("out", 8, ("mlp", "embed"))):
       x = nn.Dense(
-          features,
-          name=name,
-          kernel_init=nn.with_logical_partitioning(init, axes),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        features,
+        name=name,
+        kernel_init=nn.with_logical_partitioning(init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
       )(x)
       x = nn.tanh(x) if name == "dense" else x
     return x
@@ -596,10 +630,12 @@ def test_sharded_training_through_train_state_and_partitioner() -> None:
   model = Mlp()
   x = jax.random.normal(jax.random.key(1), (16, 8))
   batches = [(x, jnp.roll(x, i, axis=1)) for i in range(STEPS)]
-  opt_def = MultiOptimizer([
+  opt_def = MultiOptimizer(
+    [
       (KERNELS, OptaxWrapper(optax.adamw(1e-2))),
       (PathFilter("^dense/bias$"), OptaxWrapper(optax.sgd(0.1, momentum=0.9))),
-  ])
+    ]
+  )
   state = TrainState.create(opt_def, model.init(jax.random.key(0), x))
 
   def step(state: TrainState, batch: tuple[jax.Array, jax.Array]) -> tuple[TrainState, jax.Array]:

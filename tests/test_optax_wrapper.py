@@ -13,19 +13,19 @@ import optax
 import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
+from optimizer_table import (
+  ALL_FACTORIES,
+  DISCOVERED,
+  TABLE,
+  Case,
+  grads_and_extras,
+  initial_params,
+  make_params,
+  to_numpy,
+  tree_equal,
+)
 
 import t5x_optim
-from optimizer_table import (
-    ALL_FACTORIES,
-    DISCOVERED,
-    TABLE,
-    Case,
-    grads_and_extras,
-    initial_params,
-    make_params,
-    to_numpy,
-    tree_equal,
-)
 from t5x_optim import OptaxWrapper, optimizers
 
 STEPS = 5
@@ -81,8 +81,20 @@ def test_state_dict_round_trip(case: Case):
 
 def test_discovery_covers_t5x_names_and_contrib():
   t5x_names = {
-      "adabelief", "adagrad", "adam", "adamw", "fromage", "lars", "lamb", "lion",
-      "noisy_sgd", "radam", "rmsprop", "sgd", "yogi", "dpsgd",
+    "adabelief",
+    "adagrad",
+    "adam",
+    "adamw",
+    "fromage",
+    "lars",
+    "lamb",
+    "lion",
+    "noisy_sgd",
+    "radam",
+    "rmsprop",
+    "sgd",
+    "yogi",
+    "dpsgd",
   }
   assert t5x_names <= set(ALL_FACTORIES)
   assert {"adafactor", "sm3", "lbfgs", "muon", "prodigy", "sophia"} <= set(ALL_FACTORIES)
@@ -102,29 +114,40 @@ def _params() -> dict:
 
 
 @pytest.mark.parametrize(
-    "opt_def, expected",
-    [
-        (
-            optimizers.adamw(1e-3),
-            ["state/param_states/0/count", "state/param_states/0/mu/dense/bias",
-             "state/param_states/0/mu/dense/kernel", "state/param_states/0/nu/dense/bias",
-             "state/param_states/0/nu/dense/kernel"],
-        ),
-        (
-            optimizers.chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)]),
-            ["state/param_states/1/0/count", "state/param_states/1/0/mu/dense/bias",
-             "state/param_states/1/0/mu/dense/kernel", "state/param_states/1/0/nu/dense/bias",
-             "state/param_states/1/0/nu/dense/kernel"],
-        ),
-        (
-            OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)),
-            ["state/param_states/count", "state/param_states/hyperparams/learning_rate",
-             "state/param_states/hyperparams/momentum",
-             "state/param_states/inner_state/0/trace/dense/bias",
-             "state/param_states/inner_state/0/trace/dense/kernel"],
-        ),
-    ],
-    ids=["adamw", "chain_clip_adam", "inject_hyperparams_sgd"],
+  "opt_def, expected",
+  [
+    (
+      optimizers.adamw(1e-3),
+      [
+        "state/param_states/0/count",
+        "state/param_states/0/mu/dense/bias",
+        "state/param_states/0/mu/dense/kernel",
+        "state/param_states/0/nu/dense/bias",
+        "state/param_states/0/nu/dense/kernel",
+      ],
+    ),
+    (
+      optimizers.chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)]),
+      [
+        "state/param_states/1/0/count",
+        "state/param_states/1/0/mu/dense/bias",
+        "state/param_states/1/0/mu/dense/kernel",
+        "state/param_states/1/0/nu/dense/bias",
+        "state/param_states/1/0/nu/dense/kernel",
+      ],
+    ),
+    (
+      OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)),
+      [
+        "state/param_states/count",
+        "state/param_states/hyperparams/learning_rate",
+        "state/param_states/hyperparams/momentum",
+        "state/param_states/inner_state/0/trace/dense/bias",
+        "state/param_states/inner_state/0/trace/dense/kernel",
+      ],
+    ),
+  ],
+  ids=["adamw", "chain_clip_adam", "inject_hyperparams_sgd"],
 )
 def test_state_dict_keys_match_t5x(opt_def, expected):
   keys = _flat_keys(opt_def.create(_params()).state_dict())
@@ -147,27 +170,45 @@ def _edit(state_dict: dict, path: str, value: Any = None, *, delete: bool = Fals
 
 
 @pytest.mark.parametrize(
-    "edit, message",
-    [
-        (lambda sd: _edit(sd, "state/param_states/0/mu/dense/kernel", delete=True),
-         r"Missing key 'state/param_states/0/mu/dense/kernel'"),
-        (lambda sd: _edit(sd, "state/param_states/0/mu/dense/extra", np.zeros(3)),
-         r"Unexpected keys \['extra'\] at 'state/param_states/0/mu/dense'"),
-        (lambda sd: _edit(sd, "target/dense/kernel", np.zeros((3, 2), np.float32)),
-         r"Shape mismatch at 'target/dense/kernel': the optimizer has shape \(2, 3\), "
-         r"the state dict has shape \(3, 2\)"),
-        (lambda sd: _edit(sd, "state/param_states/0/nu/dense/bias", np.zeros(3, np.complex64)),
-         r"Dtype mismatch at 'state/param_states/0/nu/dense/bias': the state dict has "
-         r"complex64, which cannot be cast safely to the optimizer's float32"),
-        (lambda sd: _edit(sd, "state/param_states/0/count", np.asarray(1.5)),
-         r"Dtype mismatch at 'state/param_states/0/count': the state dict has float64"),
-        (lambda sd: _edit(sd, "state/step", np.asarray(2**40)),
-         r"Dtype mismatch at 'state/step'"),
-        (lambda sd: _edit(sd, "state/param_states/0/count", {"x": np.zeros(())}),
-         r"State dict mismatch at 'state/param_states/0/count'"),
-    ],
-    ids=["missing", "unexpected", "shape", "complex", "float_count", "int_overflow",
-         "subtree_for_leaf"],
+  "edit, message",
+  [
+    (
+      lambda sd: _edit(sd, "state/param_states/0/mu/dense/kernel", delete=True),
+      r"Missing key 'state/param_states/0/mu/dense/kernel'",
+    ),
+    (
+      lambda sd: _edit(sd, "state/param_states/0/mu/dense/extra", np.zeros(3)),
+      r"Unexpected keys \['extra'\] at 'state/param_states/0/mu/dense'",
+    ),
+    (
+      lambda sd: _edit(sd, "target/dense/kernel", np.zeros((3, 2), np.float32)),
+      r"Shape mismatch at 'target/dense/kernel': the optimizer has shape \(2, 3\), "
+      r"the state dict has shape \(3, 2\)",
+    ),
+    (
+      lambda sd: _edit(sd, "state/param_states/0/nu/dense/bias", np.zeros(3, np.complex64)),
+      r"Dtype mismatch at 'state/param_states/0/nu/dense/bias': the state dict has "
+      r"complex64, which cannot be cast safely to the optimizer's float32",
+    ),
+    (
+      lambda sd: _edit(sd, "state/param_states/0/count", np.asarray(1.5)),
+      r"Dtype mismatch at 'state/param_states/0/count': the state dict has float64",
+    ),
+    (lambda sd: _edit(sd, "state/step", np.asarray(2**40)), r"Dtype mismatch at 'state/step'"),
+    (
+      lambda sd: _edit(sd, "state/param_states/0/count", {"x": np.zeros(())}),
+      r"State dict mismatch at 'state/param_states/0/count'",
+    ),
+  ],
+  ids=[
+    "missing",
+    "unexpected",
+    "shape",
+    "complex",
+    "float_count",
+    "int_overflow",
+    "subtree_for_leaf",
+  ],
 )
 def test_bad_restore_names_path_and_leaves_optimizer_unchanged(adamw_opt, edit, message):
   before = to_numpy(adamw_opt)
@@ -197,13 +238,13 @@ class Pair(NamedTuple):
 
 
 @pytest.mark.parametrize(
-    "params",
-    [
-        flax.core.freeze(_params()),
-        (jnp.ones(3), jnp.ones((2, 2))),
-        Pair(jnp.ones(3), {"w": jnp.ones(2)}),
-    ],
-    ids=["frozendict", "tuple", "namedtuple"],
+  "params",
+  [
+    flax.core.freeze(_params()),
+    (jnp.ones(3), jnp.ones((2, 2))),
+    Pair(jnp.ones(3), {"w": jnp.ones(2)}),
+  ],
+  ids=["frozendict", "tuple", "namedtuple"],
 )
 def test_any_params_pytree_comes_back_as_given(params):
   opt = optimizers.adam(1e-2).create(params)
@@ -247,12 +288,12 @@ def test_learning_rate_override_reaches_nested_injected_state():
 
 
 @pytest.mark.parametrize(
-    "tx",
-    [
-        optax.adam(0.1),
-        optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.0, 5)),
-    ],
-    ids=["not_injectable", "scheduled"],
+  "tx",
+  [
+    optax.adam(0.1),
+    optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.0, 5)),
+  ],
+  ids=["not_injectable", "scheduled"],
 )
 def test_learning_rate_override_without_injected_constant_warns_and_is_ignored(tx):
   opt = OptaxWrapper(tx).create(_params())
@@ -263,7 +304,9 @@ def test_learning_rate_override_without_injected_constant_warns_and_is_ignored(t
 
 
 def test_extra_args_reach_reduce_on_plateau():
-  tx = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0))
+  tx = optax.chain(
+    optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0)
+  )
   opt = OptaxWrapper(tx).create(_params())
   grads = jax.tree.map(jnp.ones_like, _params())
   for _ in range(3):
@@ -274,9 +317,9 @@ def test_extra_args_reach_reduce_on_plateau():
 def test_extra_args_refused_by_plain_transformation():
   opt = OptaxWrapper(optax.GradientTransformation(optax.sgd(0.1).init, optax.sgd(0.1).update))
   with pytest.raises(
-      TypeError,
-      match=r"unknown keyword arguments \['value'\]; it accepts the hyper-parameters "
-      r"\['hyper_params', 'learning_rate'\]\.$",
+    TypeError,
+    match=r"unknown keyword arguments \['value'\]; it accepts the hyper-parameters "
+    r"\['hyper_params', 'learning_rate'\]\.$",
   ):
     opt.create(_params()).apply_gradient(jax.tree.map(jnp.ones_like, _params()), value=1.0)
 
@@ -325,9 +368,9 @@ def test_derive_logical_axes_t5x_form_for_adamw():
   assert derived.target == axes
   assert derived.state.step is None
   assert derived.state.param_states == (
-      optax.ScaleByAdamState(count=None, mu=axes, nu=axes),
-      optax.EmptyState(),
-      optax.EmptyState(),
+    optax.ScaleByAdamState(count=None, mu=axes, nu=axes),
+    optax.EmptyState(),
+    optax.EmptyState(),
   )
 
 

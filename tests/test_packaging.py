@@ -28,16 +28,22 @@ SHORT = ["--gin_bindings", "TOTAL_STEPS = 1"]
 def _readme_commands() -> list[list[str]]:
   """Every ``t5x-optim train|plan`` command line in the README's code blocks."""
   blocks = re.findall(r"^```(\w*)\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
-  lines = [line.removeprefix("$ ") for kind, block in blocks if kind in ("", "bash")
-           for line in block.splitlines()]
-  return [shlex.split(line, comments=True) for line in lines
-          if re.match(r"t5x-optim (train|plan) ", line)]
+  lines = [
+    line.removeprefix("$ ")
+    for kind, block in blocks
+    if kind in ("", "bash")
+    for line in block.splitlines()
+  ]
+  return [
+    shlex.split(line, comments=True) for line in lines if re.match(r"t5x-optim (train|plan) ", line)
+  ]
 
 
 def _run(command: list[str], *, cwd: Path) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-  return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=TIMEOUT, check=False)
+  return subprocess.run(
+    command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+  )
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +58,29 @@ def venv(tmp_path_factory) -> Path:
     else:
       shutil.copy2(REPO / name, source / name)
   dist = root / "dist"
-  build = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                "-w", str(dist), str(source)], cwd=root)
+  build = _run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "wheel",
+      "--no-deps",
+      "--no-build-isolation",
+      "-w",
+      str(dist),
+      str(source),
+    ],
+    cwd=root,
+  )
   assert build.returncode == 0, build.stdout + build.stderr
   (wheel,) = dist.glob("t5x_optim-*.whl")
   env_dir = root / "venv"
   created = _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], cwd=root)
   assert created.returncode == 0, created.stderr
   python = env_dir / "bin" / "python"
-  site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-              cwd=root).stdout.strip()
+  site = _run(
+    [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root
+  ).stdout.strip()
   Path(site, "main_site_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
   install = _run([str(python), "-m", "pip", "install", "--no-deps", str(wheel)], cwd=root)
   assert install.returncode == 0, install.stdout + install.stderr
@@ -69,10 +88,15 @@ def venv(tmp_path_factory) -> Path:
 
 
 def test_wheel_installs_the_package_and_its_gin_files(venv, tmp_path):
-  probe = _run([str(venv / "bin" / "python"), "-c",
-                "import t5x_optim, t5x_optim.cli as c; print(t5x_optim.__file__); "
-                "print(sorted(p.name for p in (c.GIN_DIR / 'optimizers').glob('*.gin')))"],
-               cwd=tmp_path)
+  probe = _run(
+    [
+      str(venv / "bin" / "python"),
+      "-c",
+      "import t5x_optim, t5x_optim.cli as c; print(t5x_optim.__file__); "
+      "print(sorted(p.name for p in (c.GIN_DIR / 'optimizers').glob('*.gin')))",
+    ],
+    cwd=tmp_path,
+  )
   assert probe.returncode == 0, probe.stderr
   module, files = probe.stdout.splitlines()
   assert Path(module).is_relative_to(venv)

@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim.partitioning._axis_rules import (
-    UnknownAxis,
-    logical_to_mesh_axes_tree,
-    optimizer_state_mesh_axes_tree,
-    standard_logical_axis_rules,
+  UnknownAxis,
+  logical_to_mesh_axes_tree,
+  optimizer_state_mesh_axes_tree,
+  standard_logical_axis_rules,
 )
 from t5x_optim.partitioning._mesh import create_mesh
 from t5x_optim.partitioning._partitioner import Partitioner, is_optimizer_state_path
@@ -24,245 +24,280 @@ from t5x_optim.partitioning._partitioner import Partitioner, is_optimizer_state_
 MESHES = [(2, 4), (4, 2)]
 
 PARAM_AXES = {
-    'dense1': {'kernel': P('embed', 'mlp'), 'bias': P('mlp')},
-    'dense2': {'kernel': P('mlp', 'embed'), 'bias': P('embed')},
+  "dense1": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+  "dense2": {"kernel": P("mlp", "embed"), "bias": P("embed")},
 }
-BATCH_AXES = {'x': P('batch', 'embed'), 'y': P('batch', 'embed')}
+BATCH_AXES = {"x": P("batch", "embed"), "y": P("batch", "embed")}
 EMBED, MLP, BATCH = 8, 16, 8
 
 
 def _partitioner(data, model, **rule_flags):
-    mesh = create_mesh(shape={'data': data, 'model': model})
-    return Partitioner(mesh, standard_logical_axis_rules(**rule_flags))
+  mesh = create_mesh(shape={"data": data, "model": model})
+  return Partitioner(mesh, standard_logical_axis_rules(**rule_flags))
 
 
 def _params():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        'dense1': {'kernel': jax.random.normal(k1, (EMBED, MLP)) / 4, 'bias': jnp.zeros(MLP)},
-        'dense2': {'kernel': jax.random.normal(k2, (MLP, EMBED)) / 4, 'bias': jnp.zeros(EMBED)},
-    }
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+    "dense1": {"kernel": jax.random.normal(k1, (EMBED, MLP)) / 4, "bias": jnp.zeros(MLP)},
+    "dense2": {"kernel": jax.random.normal(k2, (MLP, EMBED)) / 4, "bias": jnp.zeros(EMBED)},
+  }
 
 
 def _batch(step):
-    kx, ky = jax.random.split(jax.random.key(step + 1))
-    return {'x': jax.random.normal(kx, (BATCH, EMBED)), 'y': jax.random.normal(ky, (BATCH, EMBED))}
+  kx, ky = jax.random.split(jax.random.key(step + 1))
+  return {"x": jax.random.normal(kx, (BATCH, EMBED)), "y": jax.random.normal(ky, (BATCH, EMBED))}
 
 
 def _loss(params, batch):
-    h = nn.relu(batch['x'] @ params['dense1']['kernel'] + params['dense1']['bias'])
-    out = h @ params['dense2']['kernel'] + params['dense2']['bias']
-    return jnp.mean((out - batch['y']) ** 2)
+  h = nn.relu(batch["x"] @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+  out = h @ params["dense2"]["kernel"] + params["dense2"]["bias"]
+  return jnp.mean((out - batch["y"]) ** 2)
 
 
 TX = optax.adamw(1e-2)
-STATE_AXES = (optax.ScaleByAdamState(count=None, mu=PARAM_AXES, nu=PARAM_AXES),
-              optax.EmptyState(), optax.EmptyState())
+STATE_AXES = (
+  optax.ScaleByAdamState(count=None, mu=PARAM_AXES, nu=PARAM_AXES),
+  optax.EmptyState(),
+  optax.EmptyState(),
+)
 
 
 def _train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(_loss)(params, batch)
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  loss, grads = jax.value_and_grad(_loss)(params, batch)
+  updates, opt_state = TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
 
 
 def _unsharded_run(steps):
-    params, opt_state = _params(), TX.init(_params())
-    losses = []
-    for step in range(steps):
-        params, opt_state, loss = _train_step(params, opt_state, _batch(step))
-        losses.append(loss)
-    return params, losses
+  params, opt_state = _params(), TX.init(_params())
+  losses = []
+  for step in range(steps):
+    params, opt_state, loss = _train_step(params, opt_state, _batch(step))
+    losses.append(loss)
+  return params, losses
 
 
 def _specs(tree):
-    return jax.tree.map(lambda x: x.sharding.spec, tree)
+  return jax.tree.map(lambda x: x.sharding.spec, tree)
 
 
-@pytest.mark.parametrize('data, model', MESHES)
+@pytest.mark.parametrize("data, model", MESHES)
 def test_partitioned_matmul_matches_unjitted(data, model):
-    partitioner = _partitioner(data, model)
+  partitioner = _partitioner(data, model)
 
-    def fn(x, w):
-        return {'h': x @ w, 'col': w.sum(0)}
+  def fn(x, w):
+    return {"h": x @ w, "col": w.sum(0)}
 
-    out_axes = {'h': P('batch', 'mlp'), 'col': P('mlp')}
-    partitioned = partitioner.partition(fn, (P('batch', 'embed'), P('embed', 'mlp')), out_axes)
-    x, w = _batch(0)['x'], _params()['dense1']['kernel']
-    out = partitioned(x, w)
-    assert _specs(out) == {'h': P('data', 'model'), 'col': P('model')}
-    assert out['h'].sharding == NamedSharding(partitioner.mesh, P('data', 'model'))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out, fn(x, w))
+  out_axes = {"h": P("batch", "mlp"), "col": P("mlp")}
+  partitioned = partitioner.partition(fn, (P("batch", "embed"), P("embed", "mlp")), out_axes)
+  x, w = _batch(0)["x"], _params()["dense1"]["kernel"]
+  out = partitioned(x, w)
+  assert _specs(out) == {"h": P("data", "model"), "col": P("model")}
+  assert out["h"].sharding == NamedSharding(partitioner.mesh, P("data", "model"))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out, fn(x, w))
 
 
 def test_static_and_prefix_axis_resources():
-    partitioner = _partitioner(2, 4)
-    scale = partitioner.partition(lambda k, batch: jax.tree.map(lambda v: k * v, batch),
-                                  P('batch'), P('batch'), static_argnums=0)
-    out = scale(3.0, _batch(0))
-    assert _specs(out) == {'x': P('data'), 'y': P('data')}
-    np.testing.assert_allclose(out['x'], 3.0 * _batch(0)['x'], rtol=1e-6)
+  partitioner = _partitioner(2, 4)
+  scale = partitioner.partition(
+    lambda k, batch: jax.tree.map(lambda v: k * v, batch), P("batch"), P("batch"), static_argnums=0
+  )
+  out = scale(3.0, _batch(0))
+  assert _specs(out) == {"x": P("data"), "y": P("data")}
+  np.testing.assert_allclose(out["x"], 3.0 * _batch(0)["x"], rtol=1e-6)
 
 
 def test_none_axis_resources_are_replicated():
-    partitioner = _partitioner(2, 4)
-    tree = {'a': None, 'b': P('batch', 'embed'), 'e': optax.EmptyState()}
-    shardings = partitioner.mesh_sharding(tree)
-    assert shardings['a'].spec == P() and shardings['b'].spec == P('data', None)
-    assert shardings['e'] == optax.EmptyState()
+  partitioner = _partitioner(2, 4)
+  tree = {"a": None, "b": P("batch", "embed"), "e": optax.EmptyState()}
+  shardings = partitioner.mesh_sharding(tree)
+  assert shardings["a"].spec == P() and shardings["b"].spec == P("data", None)
+  assert shardings["e"] == optax.EmptyState()
 
 
 def test_repeated_mesh_axis_is_resolved_by_rule_order():
-    partitioner = _partitioner(2, 4, parameter_partitioning_dims=2)
-    assert partitioner.mesh_sharding(P('batch', 'embed')).spec == P('data', None)
-    assert partitioner.mesh_sharding(P('embed', 'mlp')).spec == P('data', 'model')
+  partitioner = _partitioner(2, 4, parameter_partitioning_dims=2)
+  assert partitioner.mesh_sharding(P("batch", "embed")).spec == P("data", None)
+  assert partitioner.mesh_sharding(P("embed", "mlp")).spec == P("data", "model")
 
 
 def _sharded_run(partitioner, steps):
-    mesh_shape = partitioner.mesh.shape
-    rules = partitioner.logical_axis_rules
-    param_shardings = partitioner.mesh_sharding(PARAM_AXES)
-    opt_state = TX.init(_params())
-    state_shardings = partitioner.mesh_axes_to_sharding(
-        optimizer_state_mesh_axes_tree(STATE_AXES, opt_state, rules, mesh_shape=mesh_shape))
-    step_fn = partitioner.partition(
-        _train_step, (param_shardings, state_shardings, BATCH_AXES),
-        (param_shardings, state_shardings, None), donate_argnums=(0, 1))
-    params = jax.device_put(_params(), param_shardings)
-    opt_state = jax.device_put(opt_state, state_shardings)
-    losses = []
-    for step in range(steps):
-        params, opt_state, loss = step_fn(params, opt_state, _batch(step))
-        losses.append(loss)
-    return params, opt_state, losses
+  mesh_shape = partitioner.mesh.shape
+  rules = partitioner.logical_axis_rules
+  param_shardings = partitioner.mesh_sharding(PARAM_AXES)
+  opt_state = TX.init(_params())
+  state_shardings = partitioner.mesh_axes_to_sharding(
+    optimizer_state_mesh_axes_tree(STATE_AXES, opt_state, rules, mesh_shape=mesh_shape)
+  )
+  step_fn = partitioner.partition(
+    _train_step,
+    (param_shardings, state_shardings, BATCH_AXES),
+    (param_shardings, state_shardings, None),
+    donate_argnums=(0, 1),
+  )
+  params = jax.device_put(_params(), param_shardings)
+  opt_state = jax.device_put(opt_state, state_shardings)
+  losses = []
+  for step in range(steps):
+    params, opt_state, loss = step_fn(params, opt_state, _batch(step))
+    losses.append(loss)
+  return params, opt_state, losses
 
 
 def _per_device_bytes(tree):
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize('data, model', MESHES)
+@pytest.mark.parametrize("data, model", MESHES)
 def test_sharded_adamw_train_step_matches_unsharded(data, model):
-    steps = 3
-    expected_params, expected_losses = _unsharded_run(steps)
-    results = {}
-    for zero in (False, True):
-        partitioner = _partitioner(data, model, shard_optimizer_state_over_data=zero)
-        params, opt_state, losses = _sharded_run(partitioner, steps)
-        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                     params, expected_params)
-        expected_param_specs = logical_to_mesh_axes_tree(PARAM_AXES, partitioner.logical_axis_rules)
-        assert _specs(params) == expected_param_specs
-        expected_state_specs = optimizer_state_mesh_axes_tree(
-            STATE_AXES, opt_state, partitioner.logical_axis_rules,
-            mesh_shape=partitioner.mesh.shape)
-        assert _specs(opt_state[0].mu) == expected_state_specs[0].mu
-        assert opt_state[0].count.sharding.spec == P()
-        results[zero] = _per_device_bytes((opt_state[0].mu, opt_state[0].nu))
-    assert results[False] == data * results[True]
+  steps = 3
+  expected_params, expected_losses = _unsharded_run(steps)
+  results = {}
+  for zero in (False, True):
+    partitioner = _partitioner(data, model, shard_optimizer_state_over_data=zero)
+    params, opt_state, losses = _sharded_run(partitioner, steps)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, expected_params
+    )
+    expected_param_specs = logical_to_mesh_axes_tree(PARAM_AXES, partitioner.logical_axis_rules)
+    assert _specs(params) == expected_param_specs
+    expected_state_specs = optimizer_state_mesh_axes_tree(
+      STATE_AXES, opt_state, partitioner.logical_axis_rules, mesh_shape=partitioner.mesh.shape
+    )
+    assert _specs(opt_state[0].mu) == expected_state_specs[0].mu
+    assert opt_state[0].count.sharding.spec == P()
+    results[zero] = _per_device_bytes((opt_state[0].mu, opt_state[0].nu))
+  assert results[False] == data * results[True]
 
 
 @flax.struct.dataclass
 class _FakeTrainState:
-    """Just enough of a train state for get_mesh_axes: params, step, param_states."""
+  """Just enough of a train state for get_mesh_axes: params, step, param_states."""
 
-    params: dict
-    step: jax.Array
-    param_states: tuple
-    param_axes: dict = flax.struct.field(pytree_node=False, default=None)
+  params: dict
+  step: jax.Array
+  param_states: tuple
+  param_axes: dict = flax.struct.field(pytree_node=False, default=None)
 
-    def as_logical_axes(self):
-        return _FakeTrainState(params=self.param_axes, step=None, param_states=(
-            optax.ScaleByAdamState(count=None, mu=self.param_axes, nu=self.param_axes),
-            optax.EmptyState(), optax.EmptyState()), param_axes=self.param_axes)
+  def as_logical_axes(self):
+    return _FakeTrainState(
+      params=self.param_axes,
+      step=None,
+      param_states=(
+        optax.ScaleByAdamState(count=None, mu=self.param_axes, nu=self.param_axes),
+        optax.EmptyState(),
+        optax.EmptyState(),
+      ),
+      param_axes=self.param_axes,
+    )
 
 
 def _abstract_state(params, param_axes=PARAM_AXES):
-    return jax.eval_shape(functools.partial(_fake_state, param_axes=param_axes), params)
+  return jax.eval_shape(functools.partial(_fake_state, param_axes=param_axes), params)
 
 
 def _fake_state(params, param_axes=PARAM_AXES):
-    return _FakeTrainState(params=params, step=jnp.zeros((), jnp.int32),
-                           param_states=TX.init(params), param_axes=param_axes)
+  return _FakeTrainState(
+    params=params,
+    step=jnp.zeros((), jnp.int32),
+    param_states=TX.init(params),
+    param_axes=param_axes,
+  )
 
 
-@pytest.mark.parametrize('zero, expected_mu_kernel1', [
-    (False, P(None, 'model')),
-    (True, P('data', 'model')),
-])
+@pytest.mark.parametrize(
+  "zero, expected_mu_kernel1",
+  [
+    (False, P(None, "model")),
+    (True, P("data", "model")),
+  ],
+)
 def test_get_mesh_axes_maps_optimizer_state_with_zero_rules(zero, expected_mu_kernel1):
-    partitioner = _partitioner(2, 4, shard_optimizer_state_over_data=zero)
-    state = _abstract_state(_params())
-    assert partitioner.get_logical_axes(state).params == PARAM_AXES
-    mesh_axes = partitioner.get_mesh_axes(state)
-    assert mesh_axes.params['dense1']['kernel'] == P(None, 'model')
-    assert mesh_axes.step is None
-    assert mesh_axes.param_states[0].mu['dense1']['kernel'] == expected_mu_kernel1
-    assert mesh_axes.param_states[1:] == (optax.EmptyState(), optax.EmptyState())
-    shardings = partitioner.get_shardings(state)
-    assert shardings.param_states[0].nu['dense1']['kernel'].spec == expected_mu_kernel1
-    assert shardings.step.spec == P()
+  partitioner = _partitioner(2, 4, shard_optimizer_state_over_data=zero)
+  state = _abstract_state(_params())
+  assert partitioner.get_logical_axes(state).params == PARAM_AXES
+  mesh_axes = partitioner.get_mesh_axes(state)
+  assert mesh_axes.params["dense1"]["kernel"] == P(None, "model")
+  assert mesh_axes.step is None
+  assert mesh_axes.param_states[0].mu["dense1"]["kernel"] == expected_mu_kernel1
+  assert mesh_axes.param_states[1:] == (optax.EmptyState(), optax.EmptyState())
+  shardings = partitioner.get_shardings(state)
+  assert shardings.param_states[0].nu["dense1"]["kernel"].spec == expected_mu_kernel1
+  assert shardings.step.spec == P()
 
 
 def test_is_optimizer_state_path():
-    leaves = jax.tree.leaves_with_path(_abstract_state(_params()))
-    flagged = {jax.tree_util.keystr(path): is_optimizer_state_path(path) for path, _ in leaves}
-    assert flagged[".params['dense1']['kernel']"] is False
-    assert flagged['.step'] is False
-    assert flagged[".param_states[0].mu['dense1']['kernel']"] is True
+  leaves = jax.tree.leaves_with_path(_abstract_state(_params()))
+  flagged = {jax.tree_util.keystr(path): is_optimizer_state_path(path) for path, _ in leaves}
+  assert flagged[".params['dense1']['kernel']"] is False
+  assert flagged[".step"] is False
+  assert flagged[".param_states[0].mu['dense1']['kernel']"] is True
 
 
 def test_get_mesh_axes_indivisible_dim_names_path_shape_and_axis():
-    params = {'dense': {'kernel': jnp.zeros((8, 6))}}
-    state = _abstract_state(params, {'dense': {'kernel': P('embed', 'mlp')}})
-    match = (r"\.params\['dense'\]\['kernel'\]: dimension 1 of shape \(8, 6\) "
-             r"is not divisible by mesh axis 'model' of size 4")
-    with pytest.raises(ValueError, match=match):
-        _partitioner(2, 4).get_mesh_axes(state)
+  params = {"dense": {"kernel": jnp.zeros((8, 6))}}
+  state = _abstract_state(params, {"dense": {"kernel": P("embed", "mlp")}})
+  match = (
+    r"\.params\['dense'\]\['kernel'\]: dimension 1 of shape \(8, 6\) "
+    r"is not divisible by mesh axis 'model' of size 4"
+  )
+  with pytest.raises(ValueError, match=match):
+    _partitioner(2, 4).get_mesh_axes(state)
 
 
 def test_get_mesh_axes_unknown_name_names_path():
-    params = {'dense': {'kernel': jnp.zeros((8, 8))}}
-    state = _abstract_state(params, {'dense': {'kernel': P('embed', 'expert')}})
-    match = r"\.params\['dense'\]\['kernel'\]: No logical axis rule for \['expert'\]"
-    with pytest.raises(ValueError, match=match):
-        _partitioner(2, 4).get_mesh_axes(state)
-    mesh = create_mesh(num_partitions=4)
-    replicating = Partitioner(mesh, standard_logical_axis_rules(),
-                              unknown_axis=UnknownAxis.REPLICATE)
-    assert replicating.get_mesh_axes(state).params['dense']['kernel'] == P(None, None)
+  params = {"dense": {"kernel": jnp.zeros((8, 8))}}
+  state = _abstract_state(params, {"dense": {"kernel": P("embed", "expert")}})
+  match = r"\.params\['dense'\]\['kernel'\]: No logical axis rule for \['expert'\]"
+  with pytest.raises(ValueError, match=match):
+    _partitioner(2, 4).get_mesh_axes(state)
+  mesh = create_mesh(num_partitions=4)
+  replicating = Partitioner(mesh, standard_logical_axis_rules(), unknown_axis=UnknownAxis.REPLICATE)
+  assert replicating.get_mesh_axes(state).params["dense"]["kernel"] == P(None, None)
 
 
-@pytest.mark.parametrize('in_axes, out_axes, shape, match', [
-    ({'w': P('embed', 'mlp')}, None, (8, 6),
-     r"args\[0\]\['w'\]: dimension 1 of shape \(8, 6\) is not divisible by mesh axis 'model' "
-     r"of size 4"),
-    (None, {'w': P('batch', 'mlp')}, (5, 8),
-     r"output\['w'\]: dimension 0 of shape \(5, 8\) is not divisible by mesh axis 'data' "
-     r"of size 2"),
-])
+@pytest.mark.parametrize(
+  "in_axes, out_axes, shape, match",
+  [
+    (
+      {"w": P("embed", "mlp")},
+      None,
+      (8, 6),
+      r"args\[0\]\['w'\]: dimension 1 of shape \(8, 6\) is not divisible by mesh axis 'model' "
+      r"of size 4",
+    ),
+    (
+      None,
+      {"w": P("batch", "mlp")},
+      (5, 8),
+      r"output\['w'\]: dimension 0 of shape \(5, 8\) is not divisible by mesh axis 'data' "
+      r"of size 2",
+    ),
+  ],
+)
 def test_partition_indivisible_dim_names_path_shape_and_axis(in_axes, out_axes, shape, match):
-    partitioned = _partitioner(2, 4).partition(lambda tree: tree, (in_axes,), out_axes)
-    with pytest.raises(ValueError, match=match):
-        partitioned({'w': np.ones(shape, np.float32)})
+  partitioned = _partitioner(2, 4).partition(lambda tree: tree, (in_axes,), out_axes)
+  with pytest.raises(ValueError, match=match):
+    partitioned({"w": np.ones(shape, np.float32)})
 
 
 def test_partition_runs_with_logical_constraints_inside():
-    partitioner = _partitioner(2, 4)
+  partitioner = _partitioner(2, 4)
 
-    def fn(x):
-        return nn.with_logical_constraint(x * 2, P('batch', 'embed'))
+  def fn(x):
+    return nn.with_logical_constraint(x * 2, P("batch", "embed"))
 
-    partitioned = partitioner.partition(fn, P('batch', 'embed'), P('batch', 'embed'))
-    out = partitioned(np.ones((8, 8), np.float32))
-    np.testing.assert_allclose(out, 2.0)
-    assert out.sharding.spec == P('data', None)
+  partitioned = partitioner.partition(fn, P("batch", "embed"), P("batch", "embed"))
+  out = partitioned(np.ones((8, 8), np.float32))
+  np.testing.assert_allclose(out, 2.0)
+  assert out.sharding.spec == P("data", None)
 
 
 def test_lower_and_mesh_axis_errors():
-    partitioner = Partitioner(create_mesh(num_partitions=4), [('batch', 'replica')])
-    with pytest.raises(ValueError, match=r"\['x'\]: .*replica"):
-        partitioner.mesh_sharding({'x': P('batch')})
-    ok = _partitioner(2, 4).partition(lambda x: x + 1, P('batch'), P('batch'))
-    assert 'add' in ok.lower(np.ones(4, np.float32)).as_text()
+  partitioner = Partitioner(create_mesh(num_partitions=4), [("batch", "replica")])
+  with pytest.raises(ValueError, match=r"\['x'\]: .*replica"):
+    partitioner.mesh_sharding({"x": P("batch")})
+  ok = _partitioner(2, 4).partition(lambda x: x + 1, P("batch"), P("batch"))
+  assert "add" in ok.lower(np.ones(4, np.float32)).as_text()

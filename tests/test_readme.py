@@ -33,7 +33,14 @@ def test_readme_has_python_blocks():
 def test_python_block_runs_as_shown(index, tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  result = subprocess.run([sys.executable, "-c", BLOCKS[index]], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+  result = subprocess.run(
+    [sys.executable, "-c", BLOCKS[index]],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr
   assert [line.strip() for line in result.stdout.splitlines()] == _expected(BLOCKS[index])

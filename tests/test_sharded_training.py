@@ -17,22 +17,22 @@ from jax.sharding import PartitionSpec as P
 from t5x_optim import OptaxWrapper
 from t5x_optim._train_state import TrainState
 from t5x_optim.partitioning._axis_rules import (
-    logical_to_mesh_axes_tree,
-    optimizer_state_mesh_axes_tree,
-    standard_logical_axis_rules,
+  logical_to_mesh_axes_tree,
+  optimizer_state_mesh_axes_tree,
+  standard_logical_axis_rules,
 )
 from t5x_optim.partitioning._init import abstract_train_state, init_sharded
 from t5x_optim.partitioning._mesh import create_mesh
 from t5x_optim.partitioning._partitioner import Partitioner
 
 EMBED, MLP, BATCH, STEPS = 16, 32, 8, 3
-BATCH_AXES = {'x': P('batch', 'embed'), 'y': P('batch', 'embed')}
+BATCH_AXES = {"x": P("batch", "embed"), "y": P("batch", "embed")}
 
 
 class AxesMLP(nn.Module):
   """T5X style: param_with_axes and a params_axes collection."""
 
-  mlp_axis: str = 'mlp'
+  mlp_axis: str = "mlp"
   mlp: int = MLP
 
   @nn.compact
@@ -40,9 +40,9 @@ class AxesMLP(nn.Module):
     def param(name, shape, axes, init=nn.initializers.lecun_normal()):
       return flax_partitioning.param_with_axes(name, init, shape, axes=axes)
 
-    wi = param('wi', (EMBED, self.mlp), ('embed', self.mlp_axis))
-    bi = param('bi', (self.mlp,), (self.mlp_axis,), nn.initializers.zeros)
-    wo = param('wo', (self.mlp, EMBED), (self.mlp_axis, 'embed'))
+    wi = param("wi", (EMBED, self.mlp), ("embed", self.mlp_axis))
+    bi = param("bi", (self.mlp,), (self.mlp_axis,), nn.initializers.zeros)
+    wo = param("wo", (self.mlp, EMBED), (self.mlp_axis, "embed"))
     return nn.relu(x @ wi + bi) @ wo
 
 
@@ -52,22 +52,24 @@ class BoxedMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     def dense(features, axes, name):
-      return nn.Dense(features, name=name, kernel_init=nn.with_logical_partitioning(
-          nn.initializers.lecun_normal(), axes), bias_init=nn.with_logical_partitioning(
-              nn.initializers.zeros, axes[1:]))
+      return nn.Dense(
+        features,
+        name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+      )
 
-    return dense(EMBED, ('mlp', 'embed'), 'wo')(nn.relu(dense(MLP, ('embed', 'mlp'), 'wi')(x)))
+    return dense(EMBED, ("mlp", "embed"), "wo")(nn.relu(dense(MLP, ("embed", "mlp"), "wi")(x)))
 
 
 OPTIMIZERS = {
-    'adamw': lambda: optax.adamw(1e-2),
-    'adafactor': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=EMBED),
-    'multisteps_adamw': lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2),
+  "adamw": lambda: optax.adamw(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=EMBED),
+  "multisteps_adamw": lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2),
 }
-MODELS = {'axes': AxesMLP(), 'boxed': BoxedMLP()}
+MODELS = {"axes": AxesMLP(), "boxed": BoxedMLP()}
 MESHES = [(1, 8), (2, 4), (4, 2)]
-CASES = [('axes', 'adamw'), ('axes', 'adafactor'), ('axes', 'multisteps_adamw'),
-         ('boxed', 'adamw')]
+CASES = [("axes", "adamw"), ("axes", "adafactor"), ("axes", "multisteps_adamw"), ("boxed", "adamw")]
 
 
 @functools.cache
@@ -77,13 +79,13 @@ def _opt_def(name):
 
 def _batch(step):
   kx, ky = jax.random.split(jax.random.key(step + 1))
-  return {'x': jax.random.normal(kx, (BATCH, EMBED)), 'y': jax.random.normal(ky, (BATCH, EMBED))}
+  return {"x": jax.random.normal(kx, (BATCH, EMBED)), "y": jax.random.normal(ky, (BATCH, EMBED))}
 
 
 def _train_step(model, state, batch):
   def loss_fn(params):
-    out = model.apply({'params': params}, batch['x'])
-    return jnp.mean((out - batch['y']) ** 2)
+    out = model.apply({"params": params}, batch["x"])
+    return jnp.mean((out - batch["y"]) ** 2)
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
   return state.apply_gradient(grads), loss
@@ -114,16 +116,22 @@ def _unsharded(model_name, opt_name):
 
 
 def _partitioner(data, model, *, zero):
-  return Partitioner(create_mesh(shape={'data': data, 'model': model}),
-                     standard_logical_axis_rules(shard_optimizer_state_over_data=zero))
+  return Partitioner(
+    create_mesh(shape={"data": data, "model": model}),
+    standard_logical_axis_rules(shard_optimizer_state_over_data=zero),
+  )
 
 
 def _sharded(model_name, opt_name, partitioner):
   """Trains from the unsharded run's initial values, placed with the partitioner's shardings."""
   state = TrainState.create(_opt_def(opt_name), _variables(model_name))
   shardings = partitioner.get_shardings(state)
-  step_fn = partitioner.partition(functools.partial(_train_step, MODELS[model_name]),
-                                  (shardings, BATCH_AXES), (shardings, None), donate_argnums=0)
+  step_fn = partitioner.partition(
+    functools.partial(_train_step, MODELS[model_name]),
+    (shardings, BATCH_AXES),
+    (shardings, None),
+    donate_argnums=0,
+  )
   return _run(jax.device_put(state, shardings), step_fn)
 
 
@@ -131,9 +139,12 @@ def _expected_specs(state, partitioner):
   """The mesh specs the rules imply: params by the rules, state also with ZeRO."""
   logical = state.as_logical_axes()
   rules = partitioner.logical_axis_rules
-  return (logical_to_mesh_axes_tree(logical.params, rules),
-          optimizer_state_mesh_axes_tree(logical.param_states, state.param_states, rules,
-                                         mesh_shape=partitioner.mesh.shape))
+  return (
+    logical_to_mesh_axes_tree(logical.params, rules),
+    optimizer_state_mesh_axes_tree(
+      logical.param_states, state.param_states, rules, mesh_shape=partitioner.mesh.shape
+    ),
+  )
 
 
 def _actual_specs(tree):
@@ -142,6 +153,7 @@ def _actual_specs(tree):
 
 def _normalized(specs):
   """None (replicated) as P(), trailing Nones dropped, so equal shardings compare equal."""
+
   def norm(spec):
     entries = list(spec or ())
     while entries and entries[-1] is None:
@@ -157,8 +169,8 @@ def _state_bytes_per_device(state):
   return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
-@pytest.mark.parametrize('data, model', MESHES)
-@pytest.mark.parametrize('model_name, opt_name', CASES)
+@pytest.mark.parametrize("data, model", MESHES)
+@pytest.mark.parametrize("model_name, opt_name", CASES)
 def test_sharded_training_matches_unsharded(model_name, opt_name, data, model):
   """With and without ZeRO; on a data axis of size 1 ZeRO changes nothing, so it is skipped."""
   _, expected_losses = _unsharded(model_name, opt_name)
@@ -176,23 +188,27 @@ def test_sharded_training_matches_unsharded(model_name, opt_name, data, model):
     assert state_bytes[False] == data * state_bytes[True]
 
 
-@pytest.mark.parametrize('zero, wi, mu_wi, mu_bi', [
-    (False, P(None, 'model'), P(None, 'model'), P('model')),
-    (True, P(None, 'model'), P('data', 'model'), P(('model', 'data'))),
-])
+@pytest.mark.parametrize(
+  "zero, wi, mu_wi, mu_bi",
+  [
+    (False, P(None, "model"), P(None, "model"), P("model")),
+    (True, P(None, "model"), P("data", "model"), P(("model", "data"))),
+  ],
+)
 def test_adamw_shardings_on_2x4(zero, wi, mu_wi, mu_bi):
-  state = abstract_train_state(_partitioner(2, 4, zero=zero), _opt_def('adamw'),
-                               AxesMLP().init, *_init_args())
-  assert state.params['wi'].sharding.spec == wi
+  state = abstract_train_state(
+    _partitioner(2, 4, zero=zero), _opt_def("adamw"), AxesMLP().init, *_init_args()
+  )
+  assert state.params["wi"].sharding.spec == wi
   mu = state.param_states[0].mu
-  assert (mu['wi'].sharding.spec, mu['bi'].sharding.spec) == (mu_wi, mu_bi)
+  assert (mu["wi"].sharding.spec, mu["bi"].sharding.spec) == (mu_wi, mu_bi)
   assert state.param_states[0].count.sharding.spec == P()
 
 
-@pytest.mark.parametrize('zero', [False, True])
+@pytest.mark.parametrize("zero", [False, True])
 def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
   partitioner = _partitioner(2, 4, zero=zero)
-  opt_def = _opt_def('adafactor')
+  opt_def = _opt_def("adafactor")
   abstract = abstract_train_state(partitioner, opt_def, AxesMLP().init, *_init_args())
   state = init_sharded(partitioner, opt_def, AxesMLP().init, *_init_args())
   targets = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, abstract))
@@ -206,13 +222,20 @@ def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
     assert leaf.shape not in shapes
 
 
-@pytest.mark.parametrize('module, match', [
-    (AxesMLP(mlp_axis='expert'),
-     r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: No logical axis rule for \['expert'\]"),
-    (AxesMLP(mlp=6),
-     r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: dimension 0 of shape \(6,\) is not "
-     r"divisible by mesh axis 'model' of size 4"),
-])
+@pytest.mark.parametrize(
+  "module, match",
+  [
+    (
+      AxesMLP(mlp_axis="expert"),
+      r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: No logical axis rule for \['expert'\]",
+    ),
+    (
+      AxesMLP(mlp=6),
+      r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: dimension 0 of shape \(6,\) is not "
+      r"divisible by mesh axis 'model' of size 4",
+    ),
+  ],
+)
 def test_init_errors_name_the_leaf(module, match):
   with pytest.raises(ValueError, match=match):
-    init_sharded(_partitioner(2, 4, zero=False), _opt_def('adamw'), module.init, *_init_args())
+    init_sharded(_partitioner(2, 4, zero=False), _opt_def("adamw"), module.init, *_init_args())

@@ -16,31 +16,31 @@ import numpy as np
 import optax
 import pytest
 from flax.linen import partitioning as flax_partitioning
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from optax import contrib
-
 from optimizer_table import DISCOVERED
 
 from t5x_optim.partitioning._state_rules import (
-    OptaxStatePartitionRules,
-    StateRulesFallback,
-    logical_axes_from,
+  OptaxStatePartitionRules,
+  StateRulesFallback,
+  logical_axes_from,
 )
 from t5x_optim.partitioning._state_rules_registry import register_state_rule
 
 derive = OptaxStatePartitionRules.derive_optax_logical_axes
-RULES = (('embed', 'data'), ('mlp', 'model'), ('heads', 'model'), ('kv', None))
+RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("kv", None))
 AXES = {
-    'dense': {'kernel': P('embed', 'mlp'), 'bias': P('mlp')},
-    'attn': {'query': P('embed', 'heads', 'kv')},
-    'norm': {'scale': P('embed')},
-    'gate': None,
+  "dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+  "attn": {"query": P("embed", "heads", "kv")},
+  "norm": {"scale": P("embed")},
+  "gate": None,
 }
 SHAPES = {
-    'dense': {'kernel': (8, 16), 'bias': (16,)},
-    'attn': {'query': (8, 4, 16)},
-    'norm': {'scale': (8,)},
-    'gate': (),
+  "dense": {"kernel": (8, 16), "bias": (16,)},
+  "attn": {"query": (8, 4, 16)},
+  "norm": {"scale": (8,)},
+  "gate": (),
 }
 is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
 
@@ -48,19 +48,19 @@ is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
 def make_params(shapes=SHAPES, seed=0):
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return treedef.unflatten(
-      [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)])
+  return treedef.unflatten([jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)])
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def mesh():
-  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ('data', 'model'))
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
 
 
 def to_mesh(specs, mesh):
   def one(spec):
     mesh_spec = P() if spec is None else nn.logical_to_mesh_axes(spec, RULES)
     return NamedSharding(mesh, mesh_spec)
+
   return jax.tree.map(one, specs, is_leaf=is_spec)
 
 
@@ -69,25 +69,25 @@ def model_params(p):
 
 
 def loss(p):
-  return sum(jnp.sum(jnp.cos(x) * (i + 1.0))
-             for i, x in enumerate(jax.tree.leaves(model_params(p))))
+  return sum(
+    jnp.sum(jnp.cos(x) * (i + 1.0)) for i, x in enumerate(jax.tree.leaves(model_params(p)))
+  )
 
 
 # Extra update arguments (DESIGN.md 3.7). L-BFGS's line search forwards every
 # extra argument to ``value_fn`` and rejects ones it does not take, so
 # ``obj_fn`` goes only to the transformations that need it.
-NEEDS_OBJ_FN = ('sophia',)
+NEEDS_OBJ_FN = ("sophia",)
 
 
 def make_step(tx, *, obj_fn: bool = False):
   tx = optax.with_extra_args_support(tx)
-  extra = {'obj_fn': loss} if obj_fn else {}
+  extra = {"obj_fn": loss} if obj_fn else {}
 
   def step(p, s):
     value, grad = jax.value_and_grad(loss)(p)
     grad = model_params(grad)
-    updates, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=loss,
-                           **extra)
+    updates, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=loss, **extra)
     return optax.apply_updates(p, updates), s
 
   return step
@@ -97,7 +97,8 @@ def assert_specs_fit(state, specs):
   flat_state = jax.tree.leaves_with_path(state)
   flat_specs = jax.tree.structure(state).flatten_up_to(specs)
   assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(
-      jax.tree.map(lambda _: 0, state)), 'spec tree must mirror the state'
+    jax.tree.map(lambda _: 0, state)
+  ), "spec tree must mirror the state"
   for (path, leaf), spec in zip(flat_state, flat_specs):
     where = jax.tree_util.keystr(path)
     assert spec is None or isinstance(spec, P), where
@@ -113,8 +114,7 @@ def assert_bytes_per_device(state, specs):
     mesh_spec = P() if spec is None else nn.logical_to_mesh_axes(spec, RULES)
     axes = [a for e in mesh_spec for a in ((e,) if isinstance(e, str) else e or ())]
     shards = math.prod(leaf.sharding.mesh.shape[a] for a in axes)
-    assert leaf.addressable_shards[0].data.nbytes * shards == leaf.nbytes, (
-        spec, leaf.shape)
+    assert leaf.addressable_shards[0].data.nbytes * shards == leaf.nbytes, (spec, leaf.shape)
 
 
 def as_numpy(x):
@@ -127,8 +127,13 @@ def check_sharded_step(tx, params, axes, mesh, steps=2, obj_fn=False):
   """Derives specs; runs a jitted sharded step; compares with unsharded."""
   abstract = jax.eval_shape(lambda: params)
   state = tx.init(params)
-  specs = derive(jax.eval_shape(tx.init, abstract), axes, transformation=tx,
-                 params=abstract, fallback=StateRulesFallback.RAISE)
+  specs = derive(
+    jax.eval_shape(tx.init, abstract),
+    axes,
+    transformation=tx,
+    params=abstract,
+    fallback=StateRulesFallback.RAISE,
+  )
   assert_specs_fit(state, specs)
   p_sh, s_sh = to_mesh(axes, mesh), to_mesh(specs, mesh)
   step = make_step(tx, obj_fn=obj_fn)
@@ -141,10 +146,8 @@ def check_sharded_step(tx, params, axes, mesh, steps=2, obj_fn=False):
     p_ref, s_ref = unsharded(p_ref, s_ref)
     p_sh_val, s_sh_val = sharded(p_sh_val, s_sh_val)
   assert_bytes_per_device(s_sh_val, specs)
-  for ref, got in zip(jax.tree.leaves((p_ref, s_ref)),
-                      jax.tree.leaves((p_sh_val, s_sh_val))):
-    np.testing.assert_allclose(as_numpy(got), as_numpy(ref),
-                               rtol=2e-4, atol=2e-5)
+  for ref, got in zip(jax.tree.leaves((p_ref, s_ref)), jax.tree.leaves((p_sh_val, s_sh_val))):
+    np.testing.assert_allclose(as_numpy(got), as_numpy(ref), rtol=2e-4, atol=2e-5)
   return specs
 
 
@@ -159,6 +162,7 @@ FACTORIES = {case.name: case.make for case in DISCOVERED}
 
 class RowScaleState(NamedTuple):
   """A user-defined state: a per-row statistic and a step count."""
+
   count: jax.Array
   row_sq: Any
 
@@ -173,74 +177,72 @@ def row_scale() -> optax.GradientTransformation:
   def update(updates, state, params=None):
     del params
     row = lambda g: jnp.mean(g * g, axis=-1) if g.ndim else g * g  # noqa: E731
-    row_sq = jax.tree.map(lambda r, g: 0.9 * r + 0.1 * row(g), state.row_sq,
-                          updates)
+    row_sq = jax.tree.map(lambda r, g: 0.9 * r + 0.1 * row(g), state.row_sq, updates)
     scaled = jax.tree.map(
-        lambda g, r: g / (jnp.sqrt(r)[..., None] + 1.0) if g.ndim else g,
-        updates, row_sq)
+      lambda g, r: g / (jnp.sqrt(r)[..., None] + 1.0) if g.ndim else g, updates, row_sq
+    )
     return scaled, RowScaleState(state.count + 1, row_sq)
 
   return optax.GradientTransformation(init, update)
 
 
 def _label(params):
-  return jax.tree.map(lambda p: 'a' if p.ndim >= 2 else 'b', params)
+  return jax.tree.map(lambda p: "a" if p.ndim >= 2 else "b", params)
 
 
 WRAPPERS = {
-    'chain': lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
-    'masked': lambda: optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(
-        lambda x: x.ndim >= 2, p)),
-    'multi_transform': lambda: optax.multi_transform(
-        {'a': optax.adam(1e-2), 'b': optax.sgd(1e-2, momentum=0.9)}, _label),
-    'partition': lambda: optax.partition(
-        {'a': optax.lion(1e-2), 'b': optax.adam(1e-2)}, _label),
-    'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=1e-2),
-    'inject_stateful_hyperparams': lambda: optax.inject_stateful_hyperparams(
-        optax.adamw)(learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)),
-    'multi_steps_skip': lambda: optax.MultiSteps(
-        optax.adam(1e-2), 2,
-        should_skip_update_fn=optax.skip_not_finite).gradient_transformation(),
-    'apply_if_finite': lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
-    'conditionally_transform': lambda: optax.conditionally_transform(
-        optax.adam(1e-2), lambda step: step % 2 == 0),
-    'conditionally_mask': lambda: optax.conditionally_mask(
-        optax.adam(1e-2), lambda step: step % 2 == 0),
-    'schedule_free': lambda: contrib.schedule_free(optax.adam(1.0), 1e-2),
-    'reduce_on_plateau_in_chain': lambda: optax.chain(
-        optax.adam(1e-2), contrib.reduce_on_plateau()),
-    'ema': lambda: optax.ema(0.9),
-    'add_noise': lambda: optax.add_noise(0.01, 0.55, 0),
-    'zero_nans': lambda: optax.chain(optax.zero_nans(), optax.sgd(1e-2)),
-    'adafactor_factored': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
-    'adafactor_momentum': lambda: optax.adafactor(
-        1e-2, min_dim_size_to_factor=4, momentum=0.9),
-    'lbfgs': lambda: optax.lbfgs(),
-    'galore': lambda: contrib.galore(1e-2, rank=4),
-    'user_namedtuple_state': row_scale,
+  "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+  "masked": lambda: optax.masked(
+    optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  ),
+  "multi_transform": lambda: optax.multi_transform(
+    {"a": optax.adam(1e-2), "b": optax.sgd(1e-2, momentum=0.9)}, _label
+  ),
+  "partition": lambda: optax.partition({"a": optax.lion(1e-2), "b": optax.adam(1e-2)}, _label),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+  "inject_stateful_hyperparams": lambda: optax.inject_stateful_hyperparams(optax.adamw)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
+  ),
+  "multi_steps_skip": lambda: optax.MultiSteps(
+    optax.adam(1e-2), 2, should_skip_update_fn=optax.skip_not_finite
+  ).gradient_transformation(),
+  "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+  "conditionally_transform": lambda: optax.conditionally_transform(
+    optax.adam(1e-2), lambda step: step % 2 == 0
+  ),
+  "conditionally_mask": lambda: optax.conditionally_mask(
+    optax.adam(1e-2), lambda step: step % 2 == 0
+  ),
+  "schedule_free": lambda: contrib.schedule_free(optax.adam(1.0), 1e-2),
+  "reduce_on_plateau_in_chain": lambda: optax.chain(optax.adam(1e-2), contrib.reduce_on_plateau()),
+  "ema": lambda: optax.ema(0.9),
+  "add_noise": lambda: optax.add_noise(0.01, 0.55, 0),
+  "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.sgd(1e-2)),
+  "adafactor_factored": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+  "adafactor_momentum": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4, momentum=0.9),
+  "lbfgs": lambda: optax.lbfgs(),
+  "galore": lambda: contrib.galore(1e-2, rank=4),
+  "user_namedtuple_state": row_scale,
 }
 CASES = {**FACTORIES, **WRAPPERS}
 
 
 def test_table_is_broad():
   assert len(FACTORIES) >= 30, sorted(FACTORIES)
-  assert {'adamw', 'adafactor', 'sm3', 'muon', 'galore'} <= set(FACTORIES)
+  assert {"adamw", "adafactor", "sm3", "muon", "galore"} <= set(FACTORIES)
 
 
 # optax's sm3 update raises IndexError on rank-0 params (its init gives them
 # no accumulator); that is independent of sharding, so sm3 gets no scalar.
-NO_SCALAR_PARAMS = {'sm3'}
+NO_SCALAR_PARAMS = {"sm3"}
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_sharded_step_matches_unsharded(name, mesh):
   params, axes = make_params(), AXES
   if name in NO_SCALAR_PARAMS:
-    params, axes = ({k: v for k, v in t.items() if k != 'gate'}
-                    for t in (params, axes))
-  check_sharded_step(CASES[name](), params, axes, mesh,
-                     obj_fn=any(n in name for n in NEEDS_OBJ_FN))
+    params, axes = ({k: v for k, v in t.items() if k != "gate"} for t in (params, axes))
+  check_sharded_step(CASES[name](), params, axes, mesh, obj_fn=any(n in name for n in NEEDS_OBJ_FN))
 
 
 def test_lookahead_with_lookahead_params(mesh):
@@ -248,11 +250,11 @@ def test_lookahead_with_lookahead_params(mesh):
   params = optax.LookaheadParams.init_synced(make_params())
   axes = optax.LookaheadParams(fast=AXES, slow=AXES)
   specs = check_sharded_step(tx, params, axes, mesh, steps=3)
-  adam_axes = {**AXES, 'gate': None}
+  adam_axes = {**AXES, "gate": None}
   assert specs == optax.LookaheadState(
-      fast_state=(optax.ScaleByAdamState(count=None, mu=adam_axes, nu=adam_axes),
-                  optax.EmptyState()),
-      steps_since_sync=None)
+    fast_state=(optax.ScaleByAdamState(count=None, mu=adam_axes, nu=adam_axes), optax.EmptyState()),
+    steps_since_sync=None,
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -260,36 +262,53 @@ def test_lookahead_with_lookahead_params(mesh):
 
 
 def abstract_params():
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), SHAPES,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
+  )
 
 
 def exact(tx):
   params = abstract_params()
-  return derive(jax.eval_shape(tx.init, params), AXES, transformation=tx,
-                params=params, fallback=StateRulesFallback.RAISE)
+  return derive(
+    jax.eval_shape(tx.init, params),
+    AXES,
+    transformation=tx,
+    params=params,
+    fallback=StateRulesFallback.RAISE,
+  )
 
 
 def test_adamw_is_t5x_form():
-  for specs in (exact(optax.adamw(1e-3)),
-                derive(optax.adamw(1e-3).init(make_params()), AXES)):
-    assert specs == (optax.ScaleByAdamState(count=None, mu=AXES, nu=AXES),
-                     optax.EmptyState(), optax.EmptyState())
+  for specs in (exact(optax.adamw(1e-3)), derive(optax.adamw(1e-3).init(make_params()), AXES)):
+    assert specs == (
+      optax.ScaleByAdamState(count=None, mu=AXES, nu=AXES),
+      optax.EmptyState(),
+      optax.EmptyState(),
+    )
 
 
 def test_adafactor_factored_keeps_dims():
   specs = exact(optax.adafactor(1e-3, min_dim_size_to_factor=4))
   factored = specs[0]
   assert factored.count is None
-  assert factored.v_row == {'dense': {'kernel': P('embed'), 'bias': None},
-                            'attn': {'query': P('embed', 'heads')},
-                            'norm': {'scale': None}, 'gate': None}
-  assert factored.v_col == {'dense': {'kernel': P('mlp'), 'bias': None},
-                            'attn': {'query': P('heads', 'kv')},
-                            'norm': {'scale': None}, 'gate': None}
-  assert factored.v == {'dense': {'kernel': None, 'bias': P('mlp')},
-                        'attn': {'query': None},
-                        'norm': {'scale': P('embed')}, 'gate': None}
+  assert factored.v_row == {
+    "dense": {"kernel": P("embed"), "bias": None},
+    "attn": {"query": P("embed", "heads")},
+    "norm": {"scale": None},
+    "gate": None,
+  }
+  assert factored.v_col == {
+    "dense": {"kernel": P("mlp"), "bias": None},
+    "attn": {"query": P("heads", "kv")},
+    "norm": {"scale": None},
+    "gate": None,
+  }
+  assert factored.v == {
+    "dense": {"kernel": None, "bias": P("mlp")},
+    "attn": {"query": None},
+    "norm": {"scale": P("embed")},
+    "gate": None,
+  }
 
 
 def test_adafactor_v_row_is_sharded_along_embed(mesh):
@@ -297,63 +316,70 @@ def test_adafactor_v_row_is_sharded_along_embed(mesh):
   params = make_params()
   specs = exact(tx)
   state = jax.device_put(tx.init(params), to_mesh(specs, mesh))
-  v_row = state[0].v_row['dense']['kernel']
+  v_row = state[0].v_row["dense"]["kernel"]
   assert v_row.shape == (8,)
-  assert v_row.sharding.spec == P('data')
+  assert v_row.sharding.spec == P("data")
   assert v_row.addressable_shards[0].data.shape == (4,)
   assert v_row.addressable_shards[0].data.nbytes == v_row.nbytes // 2
 
 
 def test_sm3_per_dimension_accumulators():
   specs = exact(optax.sm3(1e-3))
-  assert specs[0].mu == {'dense': {'kernel': [P('embed'), P('mlp')],
-                                   'bias': [P('mlp')]},
-                         'attn': {'query': [P('embed'), P('heads'), P('kv')]},
-                         'norm': {'scale': [P('embed')]}, 'gate': []}
+  assert specs[0].mu == {
+    "dense": {"kernel": [P("embed"), P("mlp")], "bias": [P("mlp")]},
+    "attn": {"query": [P("embed"), P("heads"), P("kv")]},
+    "norm": {"scale": [P("embed")]},
+    "gate": [],
+  }
   assert specs[0].nu == AXES
 
 
 def test_inject_hyperparams():
-  specs = exact(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1,
-                                                     momentum=0.9))
+  specs = exact(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9))
   assert specs == optax.InjectStatefulHyperparamsState(
-      count=None, hyperparams={'learning_rate': None, 'momentum': None},
-      hyperparams_states={},
-      inner_state=(optax.TraceState(trace=AXES), optax.EmptyState()))
+    count=None,
+    hyperparams={"learning_rate": None, "momentum": None},
+    hyperparams_states={},
+    inner_state=(optax.TraceState(trace=AXES), optax.EmptyState()),
+  )
 
 
 def test_multi_steps_with_skip_state():
-  tx = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), 2,
-                        should_skip_update_fn=optax.skip_not_finite)
+  tx = optax.MultiSteps(
+    optax.sgd(0.1, momentum=0.9), 2, should_skip_update_fn=optax.skip_not_finite
+  )
   specs = exact(tx.gradient_transformation())
   assert specs == optax.MultiStepsState(
-      mini_step=None, gradient_step=None,
-      inner_opt_state=(optax.TraceState(trace=AXES), optax.EmptyState()),
-      acc_grads=AXES,
-      skip_state={'should_skip': None, 'num_not_finite': None})
+    mini_step=None,
+    gradient_step=None,
+    inner_opt_state=(optax.TraceState(trace=AXES), optax.EmptyState()),
+    acc_grads=AXES,
+    skip_state={"should_skip": None, "num_not_finite": None},
+  )
 
 
 def test_lbfgs_history_and_galore_projectors():
   specs = exact(optax.lbfgs())[0]
-  assert specs.diff_params_memory['dense'] == {
-      'kernel': P(None, 'embed', 'mlp'), 'bias': P(None, 'mlp')}
+  assert specs.diff_params_memory["dense"] == {
+    "kernel": P(None, "embed", "mlp"),
+    "bias": P(None, "mlp"),
+  }
   assert specs.diff_updates_memory == specs.diff_params_memory
   assert specs.weights_memory is None
   galore = exact(contrib.galore(1e-3, rank=4))[0]
   # kernel (8, 16): right projector (16, r) keeps 'mlp'; proxy (8, r) 'embed'.
-  assert galore.projector['dense']['kernel'] == P('mlp', None)
-  assert galore.base_optimizer_state.mu['dense']['kernel'] == P('embed', None)
-  assert galore.base_optimizer_state.mu['dense']['bias'] == P('mlp')
+  assert galore.projector["dense"]["kernel"] == P("mlp", None)
+  assert galore.base_optimizer_state.mu["dense"]["kernel"] == P("embed", None)
+  assert galore.base_optimizer_state.mu["dense"]["bias"] == P("mlp")
 
 
 def test_masked_mirrors_resolve_without_transformation():
-  tx = optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(
-      lambda x: x.ndim >= 2, p))
+  tx = optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
   with warnings.catch_warnings():
-    warnings.simplefilter('error')
+    warnings.simplefilter("error")
     specs = derive(tx.init(make_params()), AXES)
   mu = specs.inner_state[0].mu
-  assert mu['dense'] == {'kernel': P('embed', 'mlp'), 'bias': optax.MaskedNode()}
+  assert mu["dense"] == {"kernel": P("embed", "mlp"), "bias": optax.MaskedNode()}
 
 
 # ---------------------------------------------------------------------------
@@ -364,45 +390,53 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, x):
     k = flax_partitioning.param_with_axes(
-        'kernel', nn.initializers.ones, (8, 16), axes=('embed', 'mlp'))
+      "kernel", nn.initializers.ones, (8, 16), axes=("embed", "mlp")
+    )
     return x @ k
 
 
 class BoxedDense(nn.Module):
   @nn.compact
   def __call__(self, x):
-    k = self.param('kernel', nn.with_logical_partitioning(
-        nn.initializers.ones, ('embed', 'mlp')), (8, 16))
+    k = self.param(
+      "kernel", nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp")), (8, 16)
+    )
     return x @ k
 
 
 def test_params_axes_forms():
-  expected = {'kernel': P('embed', 'mlp')}
+  expected = {"kernel": P("embed", "mlp")}
   variables = jax.eval_shape(Dense().init, jax.random.key(0), jnp.ones((1, 8)))
-  assert logical_axes_from(variables['params_axes']) == expected
-  assert logical_axes_from({'params_axes': variables['params_axes']}) == expected
+  assert logical_axes_from(variables["params_axes"]) == expected
+  assert logical_axes_from({"params_axes": variables["params_axes"]}) == expected
   boxed = jax.eval_shape(BoxedDense().init, jax.random.key(0), jnp.ones((1, 8)))
-  assert logical_axes_from(boxed['params']) == expected
+  assert logical_axes_from(boxed["params"]) == expected
   assert logical_axes_from(flax.core.freeze(expected)) == flax.core.freeze(expected)
-  assert logical_axes_from({'kernel': ('embed', 'mlp')}) == expected
+  assert logical_axes_from({"kernel": ("embed", "mlp")}) == expected
   tx = optax.adamw(1e-3)
-  state = jax.eval_shape(tx.init, nn.unbox(boxed['params']))
-  specs = derive(state, boxed['params'], transformation=tx,
-                 params=boxed['params'])
+  state = jax.eval_shape(tx.init, nn.unbox(boxed["params"]))
+  specs = derive(state, boxed["params"], transformation=tx, params=boxed["params"])
   assert specs[0].mu == expected
   with pytest.raises(TypeError, match=r"\['kernel'\]"):
-    logical_axes_from({'kernel': 'embed'})
+    logical_axes_from({"kernel": "embed"})
 
 
 def test_repeated_names_and_short_specs():
-  params = {'w': jax.ShapeDtypeStruct((8, 8), jnp.float32),
-            'v': jax.ShapeDtypeStruct((8, 16), jnp.float32)}
-  axes = {'w': P('embed', 'embed'), 'v': P('embed')}
+  params = {
+    "w": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+    "v": jax.ShapeDtypeStruct((8, 16), jnp.float32),
+  }
+  axes = {"w": P("embed", "embed"), "v": P("embed")}
   tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
-  specs = derive(jax.eval_shape(tx.init, params), axes, transformation=tx,
-                 params=params, fallback=StateRulesFallback.RAISE)[0]
-  assert specs.v_row == {'w': P('embed'), 'v': P('embed')}
-  assert specs.v_col == {'w': None, 'v': None}
+  specs = derive(
+    jax.eval_shape(tx.init, params),
+    axes,
+    transformation=tx,
+    params=params,
+    fallback=StateRulesFallback.RAISE,
+  )[0]
+  assert specs.v_row == {"w": P("embed"), "v": P("embed")}
+  assert specs.v_col == {"w": None, "v": None}
 
 
 # ---------------------------------------------------------------------------
@@ -415,58 +449,62 @@ class OddState(NamedTuple):
 
 def odd_transformation():
   return optax.GradientTransformation(
-      lambda p: OddState(jnp.zeros((3, 5))), lambda u, s, p=None: (u, s))
+    lambda p: OddState(jnp.zeros((3, 5))), lambda u, s, p=None: (u, s)
+  )
 
 
 def test_fallback_replicate_with_warning_and_raise():
   state = optax.adamw(1e-3).init(make_params())
-  broken = {**AXES, 'norm': {'scale': P('embed', 'mlp')}}  # too long for (8,)
+  broken = {**AXES, "norm": {"scale": P("embed", "mlp")}}  # too long for (8,)
   with pytest.warns(UserWarning, match=r"\['norm'\]\['scale'\].*\(8,\)"):
     specs = derive(state, broken)
-  assert specs[0].mu['norm']['scale'] is None
-  with pytest.raises(ValueError, match=r"\[0\]\.mu\['norm'\]\['scale'\].*"
-                     r"shape \(8,\).*P(artitionSpec)?\('embed', 'mlp'\)"):
-    derive(state, broken, params=make_params(),
-           fallback=StateRulesFallback.RAISE)
+  assert specs[0].mu["norm"]["scale"] is None
+  with pytest.raises(
+    ValueError,
+    match=r"\[0\]\.mu\['norm'\]\['scale'\].*"
+    r"shape \(8,\).*P(artitionSpec)?\('embed', 'mlp'\)",
+  ):
+    derive(state, broken, params=make_params(), fallback=StateRulesFallback.RAISE)
   odd = odd_transformation().init(make_params())
-  with pytest.raises(ValueError, match=r'\.history.*shape \(3, 5\)'):
+  with pytest.raises(ValueError, match=r"\.history.*shape \(3, 5\)"):
     derive(odd, AXES, fallback=StateRulesFallback.RAISE)
 
 
 def test_factored_state_without_transformation_falls_back():
   tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
-  with pytest.raises(ValueError, match=r'v_row'):
+  with pytest.raises(ValueError, match=r"v_row"):
     derive(tx.init(make_params()), AXES, fallback=StateRulesFallback.RAISE)
 
 
 def test_registry_refuses_duplicates_and_applies_rules():
   def rule(state, specs, context):
     del state, context
-    return specs._replace(history=P(None, 'mlp'))
+    return specs._replace(history=P(None, "mlp"))
 
   register_state_rule(OddState, rule)
-  with pytest.raises(ValueError, match='already registered'):
+  with pytest.raises(ValueError, match="already registered"):
     register_state_rule(OddState, rule)
-  with pytest.raises(ValueError, match='already registered'):
+  with pytest.raises(ValueError, match="already registered"):
     register_state_rule(optax.ScaleByLBFGSState, rule)
   register_state_rule(OddState, rule, replace=True)
   odd = odd_transformation().init(make_params())
-  assert derive(odd, AXES) == OddState(history=P(None, 'mlp'))
+  assert derive(odd, AXES) == OddState(history=P(None, "mlp"))
   with pytest.raises(TypeError):
-    register_state_rule('OddState', rule)
+    register_state_rule("OddState", rule)
 
 
 # ---------------------------------------------------------------------------
 # Property test.
 
-NAMES = ('embed', 'mlp', 'heads', 'kv', None)
+NAMES = ("embed", "mlp", "heads", "kv", None)
 PROPERTY_OPTIMIZERS = {
-    'adamw': lambda: optax.adamw(1e-2),
-    'adafactor': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
-    'sm3': lambda: optax.sm3(1e-2),
-    'lion_masked': lambda: optax.masked(optax.lion(1e-2), lambda p: jax.tree.map(
-        lambda x: x.ndim != 1, p)),
-    'user': row_scale,
+  "adamw": lambda: optax.adamw(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+  "sm3": lambda: optax.sm3(1e-2),
+  "lion_masked": lambda: optax.masked(
+    optax.lion(1e-2), lambda p: jax.tree.map(lambda x: x.ndim != 1, p)
+  ),
+  "user": row_scale,
 }
 
 
@@ -476,30 +514,37 @@ def param_trees(draw):
   shapes, axes = {}, {}
   for i in range(n):
     rank = draw(st.integers(0, 3))
-    shapes[f'p{i}'] = tuple(draw(st.sampled_from((4, 8))) for _ in range(rank))
+    shapes[f"p{i}"] = tuple(draw(st.sampled_from((4, 8))) for _ in range(rank))
     names = [draw(st.sampled_from(NAMES)) for _ in range(rank)]
-    axes[f'p{i}'] = None if draw(st.booleans()) and rank == 0 else P(*names)
+    axes[f"p{i}"] = None if draw(st.booleans()) and rank == 0 else P(*names)
   return shapes, axes
 
 
-@hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
-@hypothesis.given(tree=param_trees(),
-                  optimizer=st.sampled_from(sorted(PROPERTY_OPTIMIZERS)))
+@hypothesis.settings(
+  max_examples=4,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+@hypothesis.given(tree=param_trees(), optimizer=st.sampled_from(sorted(PROPERTY_OPTIMIZERS)))
 def test_random_trees_shard(tree, optimizer):
   shapes, axes = tree
-  hypothesis.assume(optimizer not in NO_SCALAR_PARAMS
-                    or all(shapes.values()))
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ('data', 'model'))
+  hypothesis.assume(optimizer not in NO_SCALAR_PARAMS or all(shapes.values()))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
   params = make_params(shapes)
   # Params themselves use the spec with repeated names dropped, as flax does.
   param_axes = jax.tree.map(
-      lambda s: s if s is None else P(*(
-          n if n not in s[:i] else None for i, n in enumerate(s))),
-      axes, is_leaf=is_spec)
+    lambda s: s if s is None else P(*(n if n not in s[:i] else None for i, n in enumerate(s))),
+    axes,
+    is_leaf=is_spec,
+  )
   tx = PROPERTY_OPTIMIZERS[optimizer]()
   specs = check_sharded_step(tx, params, param_axes, mesh, steps=1)
-  unnormalised = derive(jax.eval_shape(tx.init, params), axes,
-                        transformation=tx, params=params,
-                        fallback=StateRulesFallback.RAISE)
+  unnormalised = derive(
+    jax.eval_shape(tx.init, params),
+    axes,
+    transformation=tx,
+    params=params,
+    fallback=StateRulesFallback.RAISE,
+  )
   assert unnormalised == specs

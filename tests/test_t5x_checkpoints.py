@@ -58,7 +58,7 @@ def _optimizer_def():
 def _target(partitioner, shapes=SHAPES, axes=AXES, optimizer_def=None):
   """An abstract train state: ShapeDtypeStruct leaves with the mesh's shardings."""
   return partitioning.abstract_train_state(
-      partitioner, optimizer_def or _optimizer_def(), lambda: _variables(shapes, axes)
+    partitioner, optimizer_def or _optimizer_def(), lambda: _variables(shapes, axes)
   )
 
 
@@ -94,7 +94,7 @@ def _assert_bit_for_bit(state, expected):
 
 def _assert_shardings(state, target):
   for (path, leaf), ref in zip(
-      jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
   ):
     assert isinstance(leaf, jax.Array), path
     assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
@@ -122,21 +122,25 @@ def test_restores_bit_for_bit_into_the_sharded_target(fmt, restored, target, exp
   _assert_bit_for_bit(state, expected)
   _assert_shardings(state, target)
   assert {d.id for d in state.params["dense"]["kernel"].sharding.device_set} == set(range(8))
-  assert state.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+  assert state.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+    "data", "model"
+  )
 
 
 @pytest.mark.parametrize(
-    "where",
-    [
-        lambda d: d / "legacy",
-        lambda d: d / "legacy" / "checkpoint_2",
-        lambda d: d / "legacy" / "checkpoint_2" / "checkpoint",
-        lambda d: d / "orbax" / "checkpoint_2",
-    ],
-    ids=["model_dir", "legacy_step_dir", "msgpack_file", "orbax_step_dir"],
+  "where",
+  [
+    lambda d: d / "legacy",
+    lambda d: d / "legacy" / "checkpoint_2",
+    lambda d: d / "legacy" / "checkpoint_2" / "checkpoint",
+    lambda d: d / "orbax" / "checkpoint_2",
+  ],
+  ids=["model_dir", "legacy_step_dir", "msgpack_file", "orbax_step_dir"],
 )
 def test_path_forms(where, expected):
-  optimizer = _optimizer_def().create(jax.tree.map(jnp.zeros, SHAPES, is_leaf=lambda x: isinstance(x, tuple)))
+  optimizer = _optimizer_def().create(
+    jax.tree.map(jnp.zeros, SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+  )
   restored = t5x_optim.restore_t5x_checkpoint(where(DATA), optimizer)
   _assert_bit_for_bit(restored, expected)
 
@@ -148,23 +152,29 @@ def test_unknown_step_is_an_error(fmt, target):
 
 
 def test_keeps_training_like_plain_optax(restored, expected, mesh_2x4):
-  grads = jax.tree.map(lambda s: jnp.full(s, 0.25, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+  grads = jax.tree.map(
+    lambda s: jnp.full(s, 0.25, jnp.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
+  )
   tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
 
   def tree(prefix):
     return traverse_util.unflatten_dict(
-        {tuple(k[len(prefix):].split("/")): jnp.asarray(v) for k, v in expected.items() if k.startswith(prefix)}
+      {
+        tuple(k[len(prefix) :].split("/")): jnp.asarray(v)
+        for k, v in expected.items()
+        if k.startswith(prefix)
+      }
     )
 
   params = tree("target/")
   opt_state = (
-      optax.ScaleByAdamState(
-          count=jnp.asarray(expected["state/param_states/0/count"]),
-          mu=tree("state/param_states/0/mu/"),
-          nu=tree("state/param_states/0/nu/"),
-      ),
-      optax.EmptyState(),
-      optax.EmptyState(),
+    optax.ScaleByAdamState(
+      count=jnp.asarray(expected["state/param_states/0/count"]),
+      mu=tree("state/param_states/0/mu/"),
+      nu=tree("state/param_states/0/nu/"),
+    ),
+    optax.EmptyState(),
+    optax.EmptyState(),
   )
 
   @jax.jit
@@ -177,9 +187,14 @@ def test_keeps_training_like_plain_optax(restored, expected, mesh_2x4):
   for state in restored.values():
     new = step(state)
     assert int(new.step) == STEP + 1
-    assert new.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
-    for got, want in zip(jax.tree.leaves((new.params, new.param_states)),
-                         jax.tree.leaves((want_params, want_state)), strict=True):
+    assert new.params["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+      "data", "model"
+    )
+    for got, want in zip(
+      jax.tree.leaves((new.params, new.param_states)),
+      jax.tree.leaves((want_params, want_state)),
+      strict=True,
+    ):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -195,8 +210,11 @@ def test_saves_and_reads_back_on_another_mesh(fmt, restored, expected, tmp_path)
   assert kernel["metadata"]["shape"] == [4, 8] and kernel["metadata"]["chunks"] == [2, 2]
   assert contents["optimizer"]["state"]["step"] == np.int32(STEP)
   for mesh in [(4, 2), (1, 1)]:
-    partitioner = _partitioner(*mesh) if mesh != (1, 1) else Partitioner(
-        partitioning.create_mesh(devices=jax.devices()[:1]))
+    partitioner = (
+      _partitioner(*mesh)
+      if mesh != (1, 1)
+      else Partitioner(partitioning.create_mesh(devices=jax.devices()[:1]))
+    )
     target = _target(partitioner)
     again = t5x_optim.restore_t5x_checkpoint(tmp_path, target)
     _assert_bit_for_bit(again, expected)
@@ -215,14 +233,16 @@ def test_failed_save_leaves_no_step_dir(restored, tmp_path):
   adam, *rest = optimizer.state.param_states
   abstract_nu = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), adam.nu)
   broken = optimizer.replace(
-      state=optimizer.state.replace(param_states=(adam._replace(nu=abstract_nu), *rest))
+    state=optimizer.state.replace(param_states=(adam._replace(nu=abstract_nu), *rest))
   )
   with pytest.raises(ValueError, match="abstract leaf at 'state/param_states/0/nu/dense/bias'"):
     t5x_optim.save_t5x_checkpoint(tmp_path, broken)
   assert os.listdir(tmp_path) == []
 
 
-def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(restored, expected, tmp_path, monkeypatch):
+def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(
+  restored, expected, tmp_path, monkeypatch
+):
   t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
   real_open, calls = ts.open, []
 
@@ -253,23 +273,29 @@ def test_round_trips_other_dtypes(dtype, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
-    ("shapes", "axes", "optimizer_def", "message"),
-    [
-        (
-            {**SHAPES, "embedding": (16, 8)}, AXES, None,
-            r"shape mismatch at 'target/embedding': the target has float32\[16, 8\], the "
-            r"checkpoint has float32\[16, 4\]",
-        ),
-        (
-            {**SHAPES, "extra": (4,)}, {**AXES, "extra": ("mlp",)}, None,
-            r"missing key 'target/extra' \(the target has float32\[4\]\)",
-        ),
-        (
-            SHAPES, AXES, t5x_optim.OptaxWrapper(optax.sgd(0.1)),
-            r"unexpected key 'state/param_states/0/count' \(the checkpoint has int32\[\]",
-        ),
-    ],
-    ids=["other_shape", "other_model", "other_optimizer"],
+  ("shapes", "axes", "optimizer_def", "message"),
+  [
+    (
+      {**SHAPES, "embedding": (16, 8)},
+      AXES,
+      None,
+      r"shape mismatch at 'target/embedding': the target has float32\[16, 8\], the "
+      r"checkpoint has float32\[16, 4\]",
+    ),
+    (
+      {**SHAPES, "extra": (4,)},
+      {**AXES, "extra": ("mlp",)},
+      None,
+      r"missing key 'target/extra' \(the target has float32\[4\]\)",
+    ),
+    (
+      SHAPES,
+      AXES,
+      t5x_optim.OptaxWrapper(optax.sgd(0.1)),
+      r"unexpected key 'state/param_states/0/count' \(the checkpoint has int32\[\]",
+    ),
+  ],
+  ids=["other_shape", "other_model", "other_optimizer"],
 )
 def test_wrong_target_names_the_path(fmt, shapes, axes, optimizer_def, message):
   target = _target(_partitioner(2, 4), shapes, axes, optimizer_def)
@@ -280,11 +306,13 @@ def test_wrong_target_names_the_path(fmt, shapes, axes, optimizer_def, message):
 
 def test_round_trips_flax_mutables_and_a_chosen_step(tmp_path):
   variables = {
-      "params": {"w": jnp.arange(6.0).reshape(2, 3)},
-      "batch_stats": {"mean": jnp.array([0.5, -1.5, 2.0])},
+    "params": {"w": jnp.arange(6.0).reshape(2, 3)},
+    "batch_stats": {"mean": jnp.array([0.5, -1.5, 2.0])},
   }
   state = t5x_optim.TrainState.create(t5x_optim.OptaxWrapper(optax.adam(0.1)), variables)
-  later = state.apply_gradient({"w": jnp.ones((2, 3))}, flax_mutables={"batch_stats": {"mean": jnp.ones(3)}})
+  later = state.apply_gradient(
+    {"w": jnp.ones((2, 3))}, flax_mutables={"batch_stats": {"mean": jnp.ones(3)}}
+  )
   t5x_optim.save_t5x_checkpoint(tmp_path, state)
   t5x_optim.save_t5x_checkpoint(tmp_path, later)
   assert t5x_optim.t5x_checkpoint_steps(tmp_path) == [0, 1]

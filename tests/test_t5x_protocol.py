@@ -32,8 +32,8 @@ RULES = (("embed", None), ("mlp", "model"), ("vocab", "model"))
 
 def make_params(dtype: Any = jnp.float32) -> dict[str, Any]:
   return {
-      "dense": {"kernel": jnp.full((4, 8), 0.5, dtype), "bias": jnp.zeros(8, dtype)},
-      "head": {"bias": jnp.ones(1, dtype)},
+    "dense": {"kernel": jnp.full((4, 8), 0.5, dtype), "bias": jnp.zeros(8, dtype)},
+    "head": {"bias": jnp.ones(1, dtype)},
   }
 
 
@@ -79,12 +79,12 @@ class PerParamMomentum(OptimizerDef):
 
     treedef = jax.tree.structure(params)
     out = [
-        update(p, s, g)
-        for p, s, g in zip(
-            treedef.flatten_up_to(params),
-            treedef.flatten_up_to(state.param_states),
-            treedef.flatten_up_to(grads),
-        )
+      update(p, s, g)
+      for p, s, g in zip(
+        treedef.flatten_up_to(params),
+        treedef.flatten_up_to(state.param_states),
+        treedef.flatten_up_to(grads),
+      )
     ]
     new_params = treedef.unflatten([p for p, _ in out])
     new_states = treedef.unflatten([s for _, s in out])
@@ -94,10 +94,10 @@ class PerParamMomentum(OptimizerDef):
     axes = jax.tree.map(lambda x: None, optimizer.state_dict())
     axes["target"] = flax.core.unfreeze(param_logical_axes)
     axes["state"]["param_states"] = jax.tree.map(
-        lambda spec, _: {"momentum": spec, "scale": None},
-        flax.core.unfreeze(param_logical_axes),
-        optimizer.state_dict()["state"]["param_states"],
-        is_leaf=lambda x: isinstance(x, P),
+      lambda spec, _: {"momentum": spec, "scale": None},
+      flax.core.unfreeze(param_logical_axes),
+      optimizer.state_dict()["state"]["param_states"],
+      is_leaf=lambda x: isinstance(x, P),
     )
     return optimizer.restore_state(axes)
 
@@ -124,13 +124,17 @@ def adamw_opt():
 def train_state(opt_def: OptimizerDef) -> TrainState:
   """T5X-style model variables: params, their params_axes and a mutable collection."""
   params_axes = {
-      module: {
-          f"{name}_axes": flax_partitioning.AxisMetadata(names=tuple(spec))
-          for name, spec in specs.items()
-      }
-      for module, specs in AXES.items()
+    module: {
+      f"{name}_axes": flax_partitioning.AxisMetadata(names=tuple(spec))
+      for name, spec in specs.items()
+    }
+    for module, specs in AXES.items()
   }
-  variables = {"params": make_params(), "params_axes": params_axes, "stats": {"count": jnp.zeros(2)}}
+  variables = {
+    "params": make_params(),
+    "params_axes": params_axes,
+    "stats": {"count": jnp.zeros(2)},
+  }
   return TrainState.create(opt_def, variables)
 
 
@@ -144,12 +148,12 @@ def test_get_logical_axes_default_restores_all_none_into_abstract_state():
   nones = abstract.restore_state(jax.tree.map(lambda x: None, abstract.state_dict()))
   assert all(x is None for x in leaves(nones))
   assert jax.tree.structure(nones, is_leaf=lambda x: x is None) == jax.tree.structure(
-      abstract, is_leaf=lambda x: x is None
+    abstract, is_leaf=lambda x: x is None
   )
 
 
 @pytest.mark.parametrize(
-    "opt_def", [OptaxWrapper(optax.adamw(0.1)), PerParamMomentum()], ids=["optax", "legacy"]
+  "opt_def", [OptaxWrapper(optax.adamw(0.1)), PerParamMomentum()], ids=["optax", "legacy"]
 )
 def test_get_mesh_axes_maps_the_flattened_logical_state_dict(opt_def):
   """T5X partitioning.py:1142: flatten (keep_empty_nodes), map specs, restore_state."""
@@ -163,15 +167,18 @@ def test_get_mesh_axes_maps_the_flattened_logical_state_dict(opt_def):
 
   flat = traverse_util.flatten_dict(logical.state_dict(), keep_empty_nodes=True, sep="/")
   mesh_axes = logical.restore_state(
-      traverse_util.unflatten_dict({k: to_mesh(v) for k, v in flat.items()}, sep="/")
+    traverse_util.unflatten_dict({k: to_mesh(v) for k, v in flat.items()}, sep="/")
   )
   assert mesh_axes.target["dense"]["kernel"] == P(None, "model")
   assert mesh_axes.state.step is None
   momentum_like = (
-      mesh_axes.state.param_states[0].mu
-      if isinstance(opt_def, OptaxWrapper)
-      else jax.tree.map(lambda s: s.momentum, mesh_axes.state.param_states,
-                        is_leaf=lambda x: isinstance(x, _ParamState))
+    mesh_axes.state.param_states[0].mu
+    if isinstance(opt_def, OptaxWrapper)
+    else jax.tree.map(
+      lambda s: s.momentum,
+      mesh_axes.state.param_states,
+      is_leaf=lambda x: isinstance(x, _ParamState),
+    )
   )
   assert momentum_like["dense"]["kernel"] == P(None, "model")
   assert momentum_like["head"]["bias"] == P("model")
@@ -234,9 +241,7 @@ def test_lazy_arrays_are_placed_and_restore_dtype_is_kept():
   """T5X checkpoints.py:1153: lazy leaves; params cast to restore_dtype keep it."""
   opt = adamw_opt()
   state_dict = jax.tree.map(np.asarray, opt.state_dict())
-  state_dict["target"] = jax.tree.map(
-      lambda x: Lazy(x.astype(jnp.bfloat16)), state_dict["target"]
-  )
+  state_dict["target"] = jax.tree.map(lambda x: Lazy(x.astype(jnp.bfloat16)), state_dict["target"])
   lazy = opt.restore_state(state_dict)
   kernel = lazy.target["dense"]["kernel"]
   assert isinstance(kernel, Lazy) and kernel.dtype == jnp.bfloat16
@@ -272,17 +277,19 @@ def test_empty_nodes_from_keep_empty_nodes_flattening_are_accepted():
 
 def test_multi_optimizer_uses_t5x_layout_for_per_param_states():
   """T5X's MultiOptimizer: state/param_states/<param path>/..., frozen params None."""
-  opt_def = MultiOptimizer([("kernel", PerParamMomentum(0.1)), ("dense/bias", PerParamMomentum(0.2))])
+  opt_def = MultiOptimizer(
+    [("kernel", PerParamMomentum(0.1)), ("dense/bias", PerParamMomentum(0.2))]
+  )
   opt = opt_def.create(make_params()).apply_gradient(grads_for(make_params()))
   state_dict = opt.state_dict()
   flat = traverse_util.flatten_dict(state_dict, sep="/")
   assert sorted(k for k in flat if k.startswith("state/")) == [
-      "state/param_states/dense/bias/momentum",
-      "state/param_states/dense/bias/scale",
-      "state/param_states/dense/kernel/momentum",
-      "state/param_states/dense/kernel/scale",
-      "state/param_states/head/bias",
-      "state/step",
+    "state/param_states/dense/bias/momentum",
+    "state/param_states/dense/bias/scale",
+    "state/param_states/dense/kernel/momentum",
+    "state/param_states/dense/kernel/scale",
+    "state/param_states/head/bias",
+    "state/step",
   ]
   assert flat["state/param_states/head/bias"] is None
   # A checkpoint of one per-param optimizer over the same params restores
@@ -306,7 +313,9 @@ def test_multi_optimizer_t5x_layout_errors_name_full_paths():
 
 
 def test_multi_optimizer_of_optax_keeps_indexed_layout():
-  opt_def = MultiOptimizer([("kernel", OptaxWrapper(optax.adam(0.1))), ("bias", OptaxWrapper(optax.sgd(0.1)))])
+  opt_def = MultiOptimizer(
+    [("kernel", OptaxWrapper(optax.adam(0.1))), ("bias", OptaxWrapper(optax.sgd(0.1)))]
+  )
   flat = traverse_util.flatten_dict(opt_def.create(make_params()).state_dict(), sep="/")
   assert "state/param_states/0/param_states/0/mu/dense/kernel" in flat
 

@@ -14,7 +14,7 @@ from t5x_optim import OptaxWrapper, optimizers
 from t5x_optim._train_state import TrainState
 
 EMBED, MLP = 4, 8
-KERNEL_AXES = P('embed', 'mlp')
+KERNEL_AXES = P("embed", "mlp")
 
 
 class AxesModel(nn.Module):
@@ -23,10 +23,10 @@ class AxesModel(nn.Module):
   @nn.compact
   def __call__(self, x):
     kernel = flax_partitioning.param_with_axes(
-        'kernel', nn.initializers.lecun_normal(), (EMBED, MLP), axes=('embed', 'mlp'))
-    bias = flax_partitioning.param_with_axes('bias', nn.initializers.zeros, (MLP,), axes=('mlp',))
-    total = flax_partitioning.variable_with_axes(
-        'stats', 'total', jnp.zeros, (MLP,), axes=('mlp',))
+      "kernel", nn.initializers.lecun_normal(), (EMBED, MLP), axes=("embed", "mlp")
+    )
+    bias = flax_partitioning.param_with_axes("bias", nn.initializers.zeros, (MLP,), axes=("mlp",))
+    total = flax_partitioning.variable_with_axes("stats", "total", jnp.zeros, (MLP,), axes=("mlp",))
     y = x @ kernel + bias
     total.value = total.value + y.sum(0)
     return y
@@ -37,9 +37,13 @@ class BoxedModel(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    y = nn.Dense(MLP, kernel_init=nn.with_logical_partitioning(
-        nn.initializers.lecun_normal(), ('embed', 'mlp')), use_bias=False, name='dense')(x)
-    self.variable('cache', 'last', jnp.zeros, (MLP,))
+    y = nn.Dense(
+      MLP,
+      kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+      use_bias=False,
+      name="dense",
+    )(x)
+    self.variable("cache", "last", jnp.zeros, (MLP,))
     return y
 
 
@@ -51,18 +55,31 @@ def _variables(model):
   return model.init(jax.random.key(0), _x())
 
 
-@pytest.mark.parametrize('model, params_axes, mutables, mutables_axes', [
-    (AxesModel(), {'kernel': KERNEL_AXES, 'bias': P('mlp')},
-     {'stats': {'total': (MLP,)}}, {'stats': {'total': P('mlp')}}),
-    (BoxedModel(), {'dense': {'kernel': KERNEL_AXES}},
-     {'cache': {'last': (MLP,)}}, {'cache': {'last': None}}),
-])
-@pytest.mark.parametrize('freeze', [False, True])
-def test_create_splits_params_axes_and_mutables(model, params_axes, mutables, mutables_axes,
-                                                freeze):
+@pytest.mark.parametrize(
+  "model, params_axes, mutables, mutables_axes",
+  [
+    (
+      AxesModel(),
+      {"kernel": KERNEL_AXES, "bias": P("mlp")},
+      {"stats": {"total": (MLP,)}},
+      {"stats": {"total": P("mlp")}},
+    ),
+    (
+      BoxedModel(),
+      {"dense": {"kernel": KERNEL_AXES}},
+      {"cache": {"last": (MLP,)}},
+      {"cache": {"last": None}},
+    ),
+  ],
+)
+@pytest.mark.parametrize("freeze", [False, True])
+def test_create_splits_params_axes_and_mutables(
+  model, params_axes, mutables, mutables_axes, freeze
+):
   variables = _variables(model)
-  state = TrainState.create(optimizers.adamw(1e-3),
-                            flax.core.freeze(variables) if freeze else variables)
+  state = TrainState.create(
+    optimizers.adamw(1e-3), flax.core.freeze(variables) if freeze else variables
+  )
   assert type(state.params) is dict and type(state.flax_mutables) is dict
   assert jax.tree.structure(state.params) == jax.tree.structure(params_axes)
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state.params))
@@ -77,19 +94,25 @@ def test_as_logical_axes_has_the_state_structure():
   logical = state.as_logical_axes()
   assert type(logical) is TrainState
   assert logical.step is None
-  axes = {'kernel': KERNEL_AXES, 'bias': P('mlp')}
+  axes = {"kernel": KERNEL_AXES, "bias": P("mlp")}
   assert logical.params == axes
   assert logical.param_states == (
-      optax.ScaleByAdamState(count=None, mu=axes, nu=axes), optax.EmptyState(), optax.EmptyState())
-  assert logical.flax_mutables == {'stats': {'total': P('mlp')}}
-  is_spec = lambda x: x is None or isinstance(x, P)
-  assert (jax.tree.structure(logical, is_leaf=is_spec) == jax.tree.structure(state))
+    optax.ScaleByAdamState(count=None, mu=axes, nu=axes),
+    optax.EmptyState(),
+    optax.EmptyState(),
+  )
+  assert logical.flax_mutables == {"stats": {"total": P("mlp")}}
+
+  def is_spec(x):
+    return x is None or isinstance(x, P)
+
+  assert jax.tree.structure(logical, is_leaf=is_spec) == jax.tree.structure(state)
 
 
 def test_params_without_axes_are_replicated():
-  state = TrainState.create(optimizers.sgd(0.1), {'params': {'w': jnp.ones(3)}})
-  assert state.params_axes == {'w': None}
-  assert state.as_logical_axes().params == {'w': None}
+  state = TrainState.create(optimizers.sgd(0.1), {"params": {"w": jnp.ones(3)}})
+  assert state.params_axes == {"w": None}
+  assert state.as_logical_axes().params == {"w": None}
 
 
 def test_apply_gradient_matches_the_optimizer_and_works_under_jit():
@@ -98,9 +121,12 @@ def test_apply_gradient_matches_the_optimizer_and_works_under_jit():
   state = TrainState.create(opt_def, variables)
   grads = jax.tree.map(jnp.ones_like, state.params)
   new_state = jax.jit(lambda s, g: s.apply_gradient(flax.core.freeze(g)))(state, grads)
-  expected = opt_def.create(variables['params']).apply_gradient(grads)
+  expected = opt_def.create(variables["params"]).apply_gradient(grads)
   assert int(new_state.step) == 1
-  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)
+
+  def close(a, b):
+    return np.testing.assert_allclose(a, b, rtol=1e-6)
+
   jax.tree.map(close, new_state.params, expected.target)
   jax.tree.map(close, new_state.param_states, expected.state.param_states)
   assert new_state.params_axes == state.params_axes
@@ -108,14 +134,15 @@ def test_apply_gradient_matches_the_optimizer_and_works_under_jit():
 
 def test_apply_gradient_learning_rate_override_and_mutables():
   opt_def = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0))
-  state = TrainState.create(opt_def, {'params': {'w': jnp.ones(2)}, 'stats': {'n': jnp.zeros(())}})
-  kept = state.apply_gradient({'w': jnp.ones(2)}, learning_rate=0.25)
-  np.testing.assert_allclose(kept.params['w'], 0.75)
+  state = TrainState.create(opt_def, {"params": {"w": jnp.ones(2)}, "stats": {"n": jnp.zeros(())}})
+  kept = state.apply_gradient({"w": jnp.ones(2)}, learning_rate=0.25)
+  np.testing.assert_allclose(kept.params["w"], 0.75)
   assert kept.flax_mutables == state.flax_mutables
-  new = state.apply_gradient({'w': jnp.ones(2)}, flax_mutables=flax.core.freeze(
-      {'stats': {'n': jnp.ones(())}}))
-  np.testing.assert_allclose(new.params['w'], 0.0)
-  assert type(new.flax_mutables) is dict and float(new.flax_mutables['stats']['n']) == 1.0
+  new = state.apply_gradient(
+    {"w": jnp.ones(2)}, flax_mutables=flax.core.freeze({"stats": {"n": jnp.ones(())}})
+  )
+  np.testing.assert_allclose(new.params["w"], 0.0)
+  assert type(new.flax_mutables) is dict and float(new.flax_mutables["stats"]["n"]) == 1.0
 
 
 def test_state_dict_layout_and_round_trip():
@@ -123,32 +150,32 @@ def test_state_dict_layout_and_round_trip():
   state = TrainState.create(opt_def, _variables(AxesModel()))
   state = state.apply_gradient(jax.tree.map(jnp.ones_like, state.params))
   state_dict = state.state_dict()
-  assert set(state_dict) == {'target', 'state', 'flax_mutables'}
-  assert set(state_dict['state']['param_states']['0']) == {'count', 'mu', 'nu'}
-  assert set(state_dict['flax_mutables']) == {'stats'}
+  assert set(state_dict) == {"target", "state", "flax_mutables"}
+  assert set(state_dict["state"]["param_states"]["0"]) == {"count", "mu", "nu"}
+  assert set(state_dict["flax_mutables"]) == {"stats"}
   fresh = TrainState.create(opt_def, _variables(AxesModel()))
   restored = fresh.restore_state(state_dict)
   assert int(restored.step) == 1
   jax.tree.map(np.testing.assert_array_equal, restored, state)
-  no_mutables = TrainState.create(optimizers.sgd(0.1), {'params': {'w': jnp.ones(2)}})
-  assert set(no_mutables.state_dict()) == {'target', 'state'}
+  no_mutables = TrainState.create(optimizers.sgd(0.1), {"params": {"w": jnp.ones(2)}})
+  assert set(no_mutables.state_dict()) == {"target", "state"}
 
 
 def test_restore_state_names_missing_mutables():
   state = TrainState.create(optimizers.adamw(1e-3), _variables(AxesModel()))
   state_dict = state.state_dict()
-  del state_dict['flax_mutables']
+  del state_dict["flax_mutables"]
   with pytest.raises(ValueError, match="Missing key 'flax_mutables/stats'"):
     state.restore_state(state_dict)
 
 
 def test_replace_params_and_step():
-  state = TrainState.create(optimizers.sgd(0.1), {'params': {'w': jnp.ones(2)}})
-  replaced = state.replace_params(flax.core.freeze({'w': jnp.zeros(2)})).replace_step(7)
-  assert type(replaced.params) is dict and float(replaced.params['w'].sum()) == 0.0
+  state = TrainState.create(optimizers.sgd(0.1), {"params": {"w": jnp.ones(2)}})
+  replaced = state.replace_params(flax.core.freeze({"w": jnp.zeros(2)})).replace_step(7)
+  assert type(replaced.params) is dict and float(replaced.params["w"].sum()) == 0.0
   assert replaced.step == 7
   with pytest.raises(ValueError, match=r"paths only in the new params: \[\"\['v'\]\"\]"):
-    state.replace_params({'w': jnp.ones(2), 'v': jnp.ones(2)})
+    state.replace_params({"w": jnp.ones(2), "v": jnp.ones(2)})
 
 
 class _WantsAxes(OptaxWrapper):
@@ -158,15 +185,24 @@ class _WantsAxes(OptaxWrapper):
     self.seen_axes = param_logical_axes
 
 
-@pytest.mark.parametrize('variables, match', [
-    ({'stats': {}}, r"no 'params' collection; its collections are \['stats'\]"),
-    ({'params': {'w': jnp.ones(2), 'v': jnp.ones(2)},
-      'params_axes': {'w_axes': flax_partitioning.AxisMetadata(('mlp',))}},
-     r"variables without axes: \['v'\]"),
-    ({'params': {'w': jnp.ones(2)}, 'cache_axes': {}},
-     r"Axes collections \['cache_axes'\] have no matching variable collection"),
-    ({'params': {'w': jnp.ones(2)}}, r'_WantsAxes partitions by .* the model emits none'),
-])
+@pytest.mark.parametrize(
+  "variables, match",
+  [
+    ({"stats": {}}, r"no 'params' collection; its collections are \['stats'\]"),
+    (
+      {
+        "params": {"w": jnp.ones(2), "v": jnp.ones(2)},
+        "params_axes": {"w_axes": flax_partitioning.AxisMetadata(("mlp",))},
+      },
+      r"variables without axes: \['v'\]",
+    ),
+    (
+      {"params": {"w": jnp.ones(2)}, "cache_axes": {}},
+      r"Axes collections \['cache_axes'\] have no matching variable collection",
+    ),
+    ({"params": {"w": jnp.ones(2)}}, r"_WantsAxes partitions by .* the model emits none"),
+  ],
+)
 def test_create_errors(variables, match):
   with pytest.raises(ValueError, match=match):
     TrainState.create(_WantsAxes(optax.sgd(0.1)), variables)
@@ -175,4 +211,4 @@ def test_create_errors(variables, match):
 def test_set_param_axes_gets_the_axes():
   opt_def = _WantsAxes(optax.sgd(0.1))
   TrainState.create(opt_def, _variables(BoxedModel()))
-  assert opt_def.seen_axes == {'dense': {'kernel': KERNEL_AXES}}
+  assert opt_def.seen_axes == {"dense": {"kernel": KERNEL_AXES}}

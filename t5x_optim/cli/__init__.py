@@ -16,13 +16,13 @@ from t5x_optim.cli._config import DEFAULT_CONFIG, GIN_DIR, TrainJob, mesh_device
 from t5x_optim.cli._main import console_main, main
 
 __all__ = [
-    "DEFAULT_CONFIG",
-    "GIN_DIR",
-    "SyntheticTask",
-    "TrainJob",
-    "TransformerConfig",
-    "TransformerLM",
-    "console_main",
-    "main",
-    "mesh_devices",
+  "DEFAULT_CONFIG",
+  "GIN_DIR",
+  "SyntheticTask",
+  "TrainJob",
+  "TransformerConfig",
+  "TransformerLM",
+  "console_main",
+  "main",
+  "mesh_devices",
 ]

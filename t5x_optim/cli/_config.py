@@ -25,25 +25,24 @@ import jax
 import optax
 
 from t5x_optim import partitioning
-
 from t5x_optim._model import SyntheticTask, TransformerConfig
 from t5x_optim._optimizer import OptimizerDef
 from t5x_optim.partitioning import Partitioner
 
 __all__ = [
-    "BINDING_IMPORTS",
-    "DEFAULT_CONFIG",
-    "GIN_DIR",
-    "TrainJob",
-    "build_job",
-    "check_mesh_pin",
-    "default_num_partitions",
-    "default_search_paths",
-    "describe_optimizer",
-    "device_macros",
-    "mesh_devices",
-    "parse_config",
-    "resolve_gin_file",
+  "BINDING_IMPORTS",
+  "DEFAULT_CONFIG",
+  "GIN_DIR",
+  "TrainJob",
+  "build_job",
+  "check_mesh_pin",
+  "default_num_partitions",
+  "default_search_paths",
+  "describe_optimizer",
+  "device_macros",
+  "mesh_devices",
+  "parse_config",
+  "resolve_gin_file",
 ]
 
 BINDING_IMPORTS = """
@@ -55,7 +54,9 @@ from t5x_optim import partitioning
 """
 """Imports in effect for ``--gin_bindings``, so a binding may name any of them."""
 
-DEFAULT_CONFIG = BINDING_IMPORTS + """
+DEFAULT_CONFIG = (
+  BINDING_IMPORTS
+  + """
 VOCAB_SIZE = 32
 TOTAL_STEPS = 300
 # The command binds these two from the devices it runs on (see `device_macros`).
@@ -103,6 +104,7 @@ cli.TrainJob:
 cli.TransformerConfig.vocab_size = %VOCAB_SIZE
 cli.SyntheticTask.vocab_size = %VOCAB_SIZE
 """
+)
 """The config `t5x-optim train` and `t5x-optim plan` start from.
 
 Gin files are Python code: parsing one imports modules and calls whatever it
@@ -118,15 +120,15 @@ _MESH_OPTIONS = ("num_partitions", "model_parallel_submesh", "shape")
 def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(
-        f"{owner}.{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})."
+      f"{owner}.{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})."
     )
 
 
 def _check_type(owner: str, name: str, value: Any, expected: type, hint: str) -> None:
   if not isinstance(value, expected):
     raise TypeError(
-        f"{owner}.{name} must be a {expected.__name__}, got {value!r} "
-        f"({type(value).__name__}). {hint}"
+      f"{owner}.{name} must be a {expected.__name__}, got {value!r} "
+      f"({type(value).__name__}). {hint}"
     )
 
 
@@ -148,7 +150,7 @@ def mesh_devices(count: int | None = None) -> list[jax.Device] | None:
     return None
   if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= available:
     raise ValueError(
-        f"cli.mesh_devices.count={count!r} does not fit the {available} available devices."
+      f"cli.mesh_devices.count={count!r} does not fit the {available} available devices."
     )
   return jax.devices()[:count]
 
@@ -201,8 +203,9 @@ def check_mesh_pin(num_devices: int) -> None:
     ValueError: the gin config pins partitioning.create_mesh.num_partitions = 3, which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8), or shape {'data': d, 'model': m} with d * m = 8 (without a pin the mesh is data=4 x model=2).
   """
   bindings = gin.get_bindings(partitioning.create_mesh)
-  pinned = {name: _evaluated(bindings[name]) for name in _MESH_OPTIONS
-            if bindings.get(name) is not None}
+  pinned = {
+    name: _evaluated(bindings[name]) for name in _MESH_OPTIONS if bindings.get(name) is not None
+  }
   pinned = {name: value for name, value in pinned.items() if value is not None}
   if not pinned:
     return
@@ -219,10 +222,10 @@ def check_mesh_pin(num_devices: int) -> None:
   default = default_num_partitions(num_devices)
   pins = ", ".join(f"partitioning.create_mesh.{n} = {v!r}" for n, v in pinned.items())
   raise ValueError(
-      f"the gin config pins {pins}, which does not fit the {num_devices} devices in use; "
-      f"what fits: num_partitions in {tuple(_divisors(num_devices))}, or shape "
-      f"{{'data': d, 'model': m}} with d * m = {num_devices} (without a pin the mesh is "
-      f"data={num_devices // default} x model={default})."
+    f"the gin config pins {pins}, which does not fit the {num_devices} devices in use; "
+    f"what fits: num_partitions in {tuple(_divisors(num_devices))}, or shape "
+    f"{{'data': d, 'model': m}} with d * m = {num_devices} (without a pin the mesh is "
+    f"data={num_devices // default} x model={default})."
   )
 
 
@@ -279,42 +282,61 @@ class TrainJob:
     owner = type(self).__name__
     if isinstance(self.optimizer, optax.GradientTransformation):
       raise TypeError(
-          f"{owner}.optimizer is an optax GradientTransformation, not an OptimizerDef: use "
-          "the wrapped factory of t5x_optim.optimizers (e.g. @optimizers.adamw()) or "
-          "@optimizers.OptaxWrapper()."
+        f"{owner}.optimizer is an optax GradientTransformation, not an OptimizerDef: use "
+        "the wrapped factory of t5x_optim.optimizers (e.g. @optimizers.adamw()) or "
+        "@optimizers.OptaxWrapper()."
       )
-    _check_type(owner, "optimizer", self.optimizer, OptimizerDef,
-                "Set OPTIMIZER to an optimizer from t5x_optim.optimizers.")
-    _check_type(owner, "partitioner", self.partitioner, Partitioner,
-                "Set PARTITIONER to @partitioning.Partitioner().")
+    _check_type(
+      owner,
+      "optimizer",
+      self.optimizer,
+      OptimizerDef,
+      "Set OPTIMIZER to an optimizer from t5x_optim.optimizers.",
+    )
+    _check_type(
+      owner,
+      "partitioner",
+      self.partitioner,
+      Partitioner,
+      "Set PARTITIONER to @partitioning.Partitioner().",
+    )
     _check_type(owner, "model", self.model, TransformerConfig, "Use @cli.TransformerConfig().")
     _check_type(owner, "task", self.task, SyntheticTask, "Use @cli.SyntheticTask().")
-    for name in ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every",
-                 "eval_every", "eval_batches"):
+    for name in (
+      "total_steps",
+      "checkpoint_every",
+      "keep_checkpoints",
+      "log_every",
+      "eval_every",
+      "eval_batches",
+    ):
       _check_int(owner, name, getattr(self, name), minimum=1)
     _check_int(owner, "seed", self.seed, minimum=0)
     rate = self.learning_rate
-    if not (rate is None or callable(rate)
-            or (isinstance(rate, (int, float)) and not isinstance(rate, bool))):
+    if not (
+      rate is None
+      or callable(rate)
+      or (isinstance(rate, (int, float)) and not isinstance(rate, bool))
+    ):
       raise TypeError(
-          f"{owner}.learning_rate must be a schedule, a number or None, got {rate!r} "
-          f"({type(rate).__name__})."
+        f"{owner}.learning_rate must be a schedule, a number or None, got {rate!r} "
+        f"({type(rate).__name__})."
       )
     if self.model.vocab_size != self.task.vocab_size:
       raise ValueError(
-          f"TransformerConfig.vocab_size={self.model.vocab_size} differs from "
-          f"SyntheticTask.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
+        f"TransformerConfig.vocab_size={self.model.vocab_size} differs from "
+        f"SyntheticTask.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
       )
     if self.task.length > self.model.max_length:
       raise ValueError(
-          f"SyntheticTask.length={self.task.length} exceeds "
-          f"TransformerConfig.max_length={self.model.max_length}."
+        f"SyntheticTask.length={self.task.length} exceeds "
+        f"TransformerConfig.max_length={self.model.max_length}."
       )
     data = dict(self.partitioner.mesh.shape).get("data", 1)
     if self.task.batch_size % data:
       raise ValueError(
-          f"SyntheticTask.batch_size={self.task.batch_size} is not divisible by the "
-          f"mesh's data axis ({data} devices)."
+        f"SyntheticTask.batch_size={self.task.batch_size} is not divisible by the "
+        f"mesh's data axis ({data} devices)."
       )
 
 
@@ -329,11 +351,11 @@ def default_search_paths() -> list[Path]:
 
 
 def parse_config(
-    *,
-    gin_files: Sequence[str] = (),
-    gin_bindings: Sequence[str] = (),
-    search_paths: Sequence[str | Path] = (),
-    macros: Mapping[str, Any] | None = None,
+  *,
+  gin_files: Sequence[str] = (),
+  gin_bindings: Sequence[str] = (),
+  search_paths: Sequence[str | Path] = (),
+  macros: Mapping[str, Any] | None = None,
 ) -> None:
   """Parses the default config, the `macros`, then `gin_files`, then `gin_bindings`.
 
@@ -396,8 +418,7 @@ def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
       return candidate.resolve()
   searched = ", ".join(str(d) for d in directories) or "none"
   raise FileNotFoundError(
-      f"gin file {str(path)!r} not found (in the current directory or the search paths: "
-      f"{searched})."
+    f"gin file {str(path)!r} not found (in the current directory or the search paths: {searched})."
   )
 
 

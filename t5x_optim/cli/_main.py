@@ -24,8 +24,10 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_SIMULATED_DEVICES = 8
 EXIT_CONFIG_ERROR = 2
 
-_TRUST = ("Gin files are code: parsing one imports Python modules and calls what it names, "
-          "so use only gin files you would trust as code.")
+_TRUST = (
+  "Gin files are code: parsing one imports Python modules and calls what it names, "
+  "so use only gin files you would trust as code."
+)
 _DESCRIPTION = f"""\
 Train a tiny gin-configured transformer LM on a synthetic task (train), or show
 how its optimizer state shards without allocating it (plan).
@@ -72,41 +74,75 @@ def _positive(text: str) -> int:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
-                      help="gin file to parse after the default config (repeatable); "
-                           "gin files are code: use only trusted ones")
-  parser.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
-                      help="gin binding applied after the files, e.g. 'TOTAL_STEPS = 50'")
-  parser.add_argument("--gin_search_paths", action="append", default=[], metavar="DIR",
-                      help="directory searched for gin files and includes (repeatable)")
-  parser.add_argument("--num_devices", type=_positive, default=None, metavar="N",
-                      help="use N devices: the first N accelerators, or N simulated CPU "
-                           f"devices when there is no accelerator (default: all, or "
-                           f"{DEFAULT_SIMULATED_DEVICES} simulated)")
-  parser.add_argument("--traceback", action="store_true",
-                      help="show the full traceback of configuration errors")
+  parser.add_argument(
+    "--gin_file",
+    action="append",
+    default=[],
+    metavar="PATH",
+    help="gin file to parse after the default config (repeatable); "
+    "gin files are code: use only trusted ones",
+  )
+  parser.add_argument(
+    "--gin_bindings",
+    action="append",
+    default=[],
+    metavar="BINDING",
+    help="gin binding applied after the files, e.g. 'TOTAL_STEPS = 50'",
+  )
+  parser.add_argument(
+    "--gin_search_paths",
+    action="append",
+    default=[],
+    metavar="DIR",
+    help="directory searched for gin files and includes (repeatable)",
+  )
+  parser.add_argument(
+    "--num_devices",
+    type=_positive,
+    default=None,
+    metavar="N",
+    help="use N devices: the first N accelerators, or N simulated CPU "
+    f"devices when there is no accelerator (default: all, or "
+    f"{DEFAULT_SIMULATED_DEVICES} simulated)",
+  )
+  parser.add_argument(
+    "--traceback", action="store_true", help="show the full traceback of configuration errors"
+  )
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="t5x-optim", description=_DESCRIPTION,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+    prog="t5x-optim", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   commands = parser.add_subparsers(dest="command", required=True)
   train = commands.add_parser(
-      "train", help="train on the synthetic task", description=_TRAIN_DESCRIPTION,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+    "train",
+    help="train on the synthetic task",
+    description=_TRAIN_DESCRIPTION,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   _add_config_flags(train)
-  train.add_argument("--model_dir", type=Path, default=None,
-                     help="the run's directory; resumed when it holds checkpoints "
-                          "(default: a new ./t5x_optim_runs/<date>-<time>)")
+  train.add_argument(
+    "--model_dir",
+    type=Path,
+    default=None,
+    help="the run's directory; resumed when it holds checkpoints "
+    "(default: a new ./t5x_optim_runs/<date>-<time>)",
+  )
   plan = commands.add_parser(
-      "plan", help="show how the optimizer state shards (no training)",
-      description=f"Show every optimizer-state leaf's shape, axes and bytes per device, "
-                  f"allocating nothing. {_TRUST}")
+    "plan",
+    help="show how the optimizer state shards (no training)",
+    description=f"Show every optimizer-state leaf's shape, axes and bytes per device, "
+    f"allocating nothing. {_TRUST}",
+  )
   _add_config_flags(plan)
   plan.add_argument("--format", choices=("text", "json"), default="text")
-  plan.add_argument("--warn_replicated_bytes", type=int, default=1 << 20,
-                    help="flag replicated optimizer-state leaves of at least this many bytes")
+  plan.add_argument(
+    "--warn_replicated_bytes",
+    type=int,
+    default=1 << 20,
+    help="flag replicated optimizer-state leaves of at least this many bytes",
+  )
   return parser
 
 
@@ -121,8 +157,9 @@ def _describe(error: BaseException) -> str:
 
 
 def _interrupted(command: str) -> int:
-  print(f"t5x-optim {command}: interrupted before the first step; nothing was saved.",
-        file=sys.stderr)
+  print(
+    f"t5x-optim {command}: interrupted before the first step; nothing was saved.", file=sys.stderr
+  )
   return EXIT_INTERRUPTED
 
 
@@ -134,7 +171,7 @@ def _devices(requested: int | None) -> tuple[int, str]:
   platform = devices[0].platform
   if requested is not None and requested > len(devices):
     raise ValueError(
-        f"--num_devices {requested}: only {len(devices)} {platform} devices are available."
+      f"--num_devices {requested}: only {len(devices)} {platform} devices are available."
     )
   count = len(devices) if requested is None else requested
   kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
@@ -144,8 +181,11 @@ def _devices(requested: int | None) -> tuple[int, str]:
 def _run_plan(args: argparse.Namespace, setup) -> int:
   from t5x_optim import _plan  # noqa: PLC0415
 
-  plan = _plan.build_plan(setup.abstract_state, logical=setup.abstract_state.as_logical_axes(),
-                          warn_replicated_bytes=args.warn_replicated_bytes)
+  plan = _plan.build_plan(
+    setup.abstract_state,
+    logical=setup.abstract_state.as_logical_axes(),
+    warn_replicated_bytes=args.warn_replicated_bytes,
+  )
   if args.format == "json":
     print(json.dumps(_plan.plan_to_json(plan), indent=2))
   else:
@@ -168,8 +208,12 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     train = args.command == "train"
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
-    _config.parse_config(gin_files=args.gin_file, gin_bindings=args.gin_bindings,
-                         search_paths=args.gin_search_paths, macros=_config.device_macros(count))
+    _config.parse_config(
+      gin_files=args.gin_file,
+      gin_bindings=args.gin_bindings,
+      search_paths=args.gin_search_paths,
+      macros=_config.device_macros(count),
+    )
     _config.check_mesh_pin(count)
     setup = _train.prepare(_config.build_job())
     if train and model_dir is None:
@@ -182,8 +226,13 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     return _run_plan(args, setup)
   about = _train.describe_setup(setup, devices=devices, optimizer=_config.describe_optimizer())
   try:
-    summary = _train.train(setup, model_dir=model_dir, interrupt=interrupt, about=about,
-                           config_text=gin.operative_config_str())
+    summary = _train.train(
+      setup,
+      model_dir=model_dir,
+      interrupt=interrupt,
+      about=about,
+      config_text=gin.operative_config_str(),
+    )
   except _train.UsageError as error:
     return _fail(args, error)
   except _train.Interrupted:

@@ -47,8 +47,8 @@ class MetricWriters:
   def __init__(self, model_dir: Path, *, start_step: int):
     purge = start_step + 1 if start_step else None
     self._writers = {
-        kind: tensorboardX.SummaryWriter(str(Path(model_dir) / kind), purge_step=purge)
-        for kind in (TRAIN, EVAL)
+      kind: tensorboardX.SummaryWriter(str(Path(model_dir) / kind), purge_step=purge)
+      for kind in (TRAIN, EVAL)
     }
 
   def __enter__(self) -> Self:

@@ -55,16 +55,16 @@ from t5x_optim.cli._interrupt import Interrupt
 from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
 
 __all__ = [
-    "CONFIG_FILE",
-    "Interrupted",
-    "Setup",
-    "TrainSummary",
-    "UsageError",
-    "default_model_dir",
-    "describe_setup",
-    "prepare",
-    "prepare_model_dir",
-    "train",
+  "CONFIG_FILE",
+  "Interrupted",
+  "Setup",
+  "TrainSummary",
+  "UsageError",
+  "default_model_dir",
+  "describe_setup",
+  "prepare",
+  "prepare_model_dir",
+  "train",
 ]
 
 BATCH_AXES = {"inputs": PartitionSpec("batch"), "targets": PartitionSpec("batch")}
@@ -72,7 +72,9 @@ CONFIG_FILE = "config.gin"
 CHECKPOINTS = "checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
-_PATH_PROBLEM = re.compile(r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'")
+_PATH_PROBLEM = re.compile(
+  r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'"
+)
 
 
 class UsageError(ValueError):
@@ -145,8 +147,8 @@ def _create_fn(job: TrainJob, model: TransformerLM) -> Callable[..., TrainState]
     params = optax.LookaheadParams.init_synced(nn.meta.unbox(variables["params"]))
     both = optax.LookaheadParams(fast=specs, slow=specs)
     return TrainState(
-        _optimizer=job.optimizer.create(params),
-        param_axis_leaves=tuple(jax.tree.leaves(both, is_leaf=_is_spec)),
+      _optimizer=job.optimizer.create(params),
+      param_axis_leaves=tuple(jax.tree.leaves(both, is_leaf=_is_spec)),
     )
 
   return create
@@ -158,9 +160,10 @@ def _trained(params: Any) -> Any:
 
 
 def _train_step(
-    model: TransformerLM, learning_rate: Any, state: TrainState, batch: dict[str, Any]
+  model: TransformerLM, learning_rate: Any, state: TrainState, batch: dict[str, Any]
 ) -> Any:
   """One update; the metrics are the loss, the gradient norm and the step's learning rate."""
+
   def loss_fn(params: Any) -> jax.Array:
     return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
@@ -206,7 +209,7 @@ def _abstract(job: TrainJob, create: Callable[..., TrainState], args: tuple[Any,
     abstract = jax.eval_shape(create, *args)
   shardings = partitioner.get_shardings(abstract)
   return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
   )
 
 
@@ -231,20 +234,21 @@ def prepare(job: TrainJob) -> Setup:
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
   partitioner = job.partitioner
   step_fn = partitioner.partition(
-      lambda state, batch: _train_step(model, job.learning_rate, state, batch),
-      (shardings, BATCH_AXES),
-      (shardings, None), donate_argnums=0,
+    lambda state, batch: _train_step(model, job.learning_rate, state, batch),
+    (shardings, BATCH_AXES),
+    (shardings, None),
+    donate_argnums=0,
   )
   param_shardings = _trained(shardings.params)
   eval_fn = partitioner.partition(
-      lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
+    lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
   )
   try:
     step_fn.lower(abstract, _abstract_batch(job.task.batch(0)))
   except (TypeError, ValueError) as error:
     raise ValueError(
-        f"Tracing one train step failed, so the optimizer is misconfigured (e.g. a "
-        f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
+      f"Tracing one train step failed, so the optimizer is misconfigured (e.g. a "
+      f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
     ) from error
   create = partitioner.partition(create_fn, None, shardings)
   return Setup(job, model, init_args, create, abstract, step_fn, eval_fn)
@@ -272,12 +276,12 @@ def describe_setup(setup: Setup, *, devices: str, optimizer: str) -> list[str]:
   mesh_text = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
   copies = " (lookahead: fast and slow copies)" if params is not abstract.params else ""
   return [
-      f"devices:         {devices}",
-      f"mesh:            {mesh_text}",
-      f"optimizer:       {optimizer}",
-      f"params:          {num_params:,}{copies}",
-      f"optimizer state: {format_bytes(per_device)} per device "
-      f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
+    f"devices:         {devices}",
+    f"mesh:            {mesh_text}",
+    f"optimizer:       {optimizer}",
+    f"params:          {num_params:,}{copies}",
+    f"optimizer state: {format_bytes(per_device)} per device "
+    f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
   ]
 
 
@@ -322,8 +326,10 @@ class TrainSummary:
     if self.interrupted:
       lines.append(f"interrupted at step {self.end_step}")
     if self.timed_steps and self.timed_seconds > 0:
-      rate = (f"{self.timed_steps / self.timed_seconds:.1f} steps/s ({self.timed_steps} steps "
-              f"in {self.timed_seconds:.1f} s, compilation excluded)")
+      rate = (
+        f"{self.timed_steps / self.timed_seconds:.1f} steps/s ({self.timed_steps} steps "
+        f"in {self.timed_seconds:.1f} s, compilation excluded)"
+      )
     else:
       rate = "too few steps to time"
     lines.append(f"steps {self.start_step} -> {self.end_step}, {rate}")
@@ -456,8 +462,10 @@ def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
   """A bounded description of a checkpoint that does not fit the model."""
   text = str(error)
   paths = _PATH_PROBLEM.findall(text)
-  advice = (f"it was written by another model or optimizer config (the one in "
-            f"{model_dir / CONFIG_FILE}); train with that config or use another --model_dir")
+  advice = (
+    f"it was written by another model or optimizer config (the one in "
+    f"{model_dir / CONFIG_FILE}); train with that config or use another --model_dir"
+  )
   if not paths:
     short = text if len(text) <= 300 else text[:300] + "..."
     return f"the checkpoint at step {step} cannot be restored: {short}; {advice}."
@@ -466,8 +474,10 @@ def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
     counts[kind.split()[0]] = counts.get(kind.split()[0], 0) + 1
   kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
   first = ", ".join(f"{kind.split()[0]} {path}" for kind, path in paths[:_SHOWN_PATHS])
-  return (f"the checkpoint at step {step} does not fit this model: {len(paths)} paths differ "
-          f"({kinds}), first: {first}; {advice}.")
+  return (
+    f"the checkpoint at step {step} does not fit this model: {len(paths)} paths differ "
+    f"({kinds}), first: {first}; {advice}."
+  )
 
 
 def _restore(setup: Setup, checkpointer: Checkpointer, step: int, model_dir: Path) -> TrainState:
@@ -480,8 +490,10 @@ def _restore(setup: Setup, checkpointer: Checkpointer, step: int, model_dir: Pat
 def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
   """Loss and gradient norm averaged over the interval; the learning rate at its end."""
   fetched = jax.device_get(list(records))
-  return {key: float(fetched[-1][key] if key == "learning_rate" else np.mean([r[key] for r in fetched]))
-          for key in fetched[0]}
+  return {
+    key: float(fetched[-1][key] if key == "learning_rate" else np.mean([r[key] for r in fetched]))
+    for key in fetched[0]
+  }
 
 
 def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
@@ -491,8 +503,10 @@ def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
   copies = {"loss": _trained(state.params)}
   if isinstance(state.params, optax.LookaheadParams):
     copies["loss_slow"] = state.params.slow
-  return {name: float(np.mean(jax.device_get([setup.eval_fn(params, b) for b in batches])))
-          for name, params in copies.items()}
+  return {
+    name: float(np.mean(jax.device_get([setup.eval_fn(params, b) for b in batches])))
+    for name, params in copies.items()
+  }
 
 
 def _format_metrics(step: int, total: int, metrics: dict[str, float | None]) -> str:
@@ -506,13 +520,13 @@ def _format_metrics(step: int, total: int, metrics: dict[str, float | None]) -> 
 
 
 def train(
-    setup: Setup,
-    *,
-    model_dir: Path,
-    interrupt: Interrupt,
-    about: Sequence[str] = (),
-    config_text: str | None = None,
-    stream: TextIO | None = None,
+  setup: Setup,
+  *,
+  model_dir: Path,
+  interrupt: Interrupt,
+  about: Sequence[str] = (),
+  config_text: str | None = None,
+  stream: TextIO | None = None,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
 
@@ -542,11 +556,24 @@ def train(
   with Checkpointer(directory, keep=job.keep_checkpoints) as checkpointer:
     latest = checkpointer.latest_step()
     if latest is not None and latest >= job.total_steps:
-      stream.write(f"model_dir: {model_dir} holds the finished run (checkpoint at step "
-                   f"{latest}, total_steps={job.total_steps}); nothing to do. Raise "
-                   f"TOTAL_STEPS to train further.\n")
-      return TrainSummary(latest, latest, None, None, None, 0, 0.0, str(directory), latest,
-                          interrupted=False, finished_before=True)
+      stream.write(
+        f"model_dir: {model_dir} holds the finished run (checkpoint at step "
+        f"{latest}, total_steps={job.total_steps}); nothing to do. Raise "
+        f"TOTAL_STEPS to train further.\n"
+      )
+      return TrainSummary(
+        latest,
+        latest,
+        None,
+        None,
+        None,
+        0,
+        0.0,
+        str(directory),
+        latest,
+        interrupted=False,
+        finished_before=True,
+      )
     status = "new run" if latest is None else f"resuming from the checkpoint at step {latest}"
     stream.write(f"model_dir:       {model_dir} ({status})\n")
     stream.write("".join(f"{line}\n" for line in about))
@@ -577,14 +604,14 @@ def _runs_on_cpu(job: TrainJob) -> bool:
 
 
 def _loop(
-    setup: Setup,
-    state: TrainState,
-    checkpointer: Checkpointer,
-    writers: MetricWriters,
-    interrupt: Interrupt,
-    stream: TextIO,
-    *,
-    saved: int | None,
+  setup: Setup,
+  state: TrainState,
+  checkpointer: Checkpointer,
+  writers: MetricWriters,
+  interrupt: Interrupt,
+  stream: TextIO,
+  *,
+  saved: int | None,
 ) -> TrainSummary:
   job = setup.job
   start = step = int(state.step)
@@ -618,8 +645,10 @@ def _loop(
         evaluated = _evaluate(setup, state)
         writers.write(EVAL, step, evaluated)
         eval_loss = evaluated["loss"]
-        progress.log(f"eval step {step}  " + "  ".join(
-            f"{name} {value:.4f}" for name, value in evaluated.items()))
+        progress.log(
+          f"eval step {step}  "
+          + "  ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
+        )
     if step % job.checkpoint_every == 0 and step != saved:
       with clock.paused():
         checkpointer.save(step, state)
@@ -632,15 +661,15 @@ def _loop(
   checkpointer.wait_until_finished()
   progress.close()
   return TrainSummary(
-      start_step=start,
-      end_step=step,
-      first_loss=first_loss,
-      final_loss=final_loss,
-      eval_loss=eval_loss,
-      timed_steps=clock.total_steps,
-      timed_seconds=clock.total_seconds,
-      checkpoint_dir=str(checkpointer.directory),
-      checkpoint_step=saved,
-      interrupted=interrupt.requested,
-      finished_before=False,
+    start_step=start,
+    end_step=step,
+    first_loss=first_loss,
+    final_loss=final_loss,
+    eval_loss=eval_loss,
+    timed_steps=clock.total_steps,
+    timed_seconds=clock.total_seconds,
+    checkpoint_dir=str(checkpointer.directory),
+    checkpoint_step=saved,
+    interrupted=interrupt.requested,
+    finished_before=False,
   )

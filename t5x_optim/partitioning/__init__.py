@@ -13,42 +13,42 @@ Example:
 """
 
 from t5x_optim.partitioning._axis_rules import (
-    LogicalAxisRules,
-    UnknownAxis,
-    add_optimizer_state_axis,
-    as_logical_axis_rules,
-    logical_to_mesh_axes,
-    logical_to_mesh_axes_tree,
-    optimizer_state_mesh_axes_tree,
-    standard_logical_axis_rules,
+  LogicalAxisRules,
+  UnknownAxis,
+  add_optimizer_state_axis,
+  as_logical_axis_rules,
+  logical_to_mesh_axes,
+  logical_to_mesh_axes_tree,
+  optimizer_state_mesh_axes_tree,
+  standard_logical_axis_rules,
 )
 from t5x_optim.partitioning._init import abstract_train_state, init_sharded
 from t5x_optim.partitioning._mesh import create_mesh
 from t5x_optim.partitioning._partitioner import Partitioner, check_divisible
 from t5x_optim.partitioning._state_rules import (
-    OptaxStatePartitionRules,
-    StateRulesFallback,
-    logical_axes_from,
+  OptaxStatePartitionRules,
+  StateRulesFallback,
+  logical_axes_from,
 )
 from t5x_optim.partitioning._state_rules_registry import StateRuleContext, register_state_rule
 
 __all__ = [
-    "LogicalAxisRules",
-    "OptaxStatePartitionRules",
-    "Partitioner",
-    "StateRuleContext",
-    "StateRulesFallback",
-    "UnknownAxis",
-    "abstract_train_state",
-    "add_optimizer_state_axis",
-    "as_logical_axis_rules",
-    "check_divisible",
-    "create_mesh",
-    "init_sharded",
-    "logical_axes_from",
-    "logical_to_mesh_axes",
-    "logical_to_mesh_axes_tree",
-    "optimizer_state_mesh_axes_tree",
-    "register_state_rule",
-    "standard_logical_axis_rules",
+  "LogicalAxisRules",
+  "OptaxStatePartitionRules",
+  "Partitioner",
+  "StateRuleContext",
+  "StateRulesFallback",
+  "UnknownAxis",
+  "abstract_train_state",
+  "add_optimizer_state_axis",
+  "as_logical_axis_rules",
+  "check_divisible",
+  "create_mesh",
+  "init_sharded",
+  "logical_axes_from",
+  "logical_to_mesh_axes",
+  "logical_to_mesh_axes_tree",
+  "optimizer_state_mesh_axes_tree",
+  "register_state_rule",
+  "standard_logical_axis_rules",
 ]

@@ -47,350 +47,362 @@ _UNASSIGNED = object()
 
 
 class UnknownAxis(enum.Enum):
-    """What to do with a logical axis name that no rule mentions.
+  """What to do with a logical axis name that no rule mentions.
 
-    Attributes:
-      RAISE: raise a ``ValueError`` naming the axis (the default).
-      REPLICATE: leave the dimension unsharded, as flax does.
+  Attributes:
+    RAISE: raise a ``ValueError`` naming the axis (the default).
+    REPLICATE: leave the dimension unsharded, as flax does.
 
-    Example:
-      >>> UnknownAxis('replicate') is UnknownAxis.REPLICATE
-      True
-    """
+  Example:
+    >>> UnknownAxis('replicate') is UnknownAxis.REPLICATE
+    True
+  """
 
-    RAISE = 'raise'
-    REPLICATE = 'replicate'
+  RAISE = "raise"
+  REPLICATE = "replicate"
 
 
 @dataclasses.dataclass(frozen=True)
 class LogicalAxisRules:
-    """An ordered set of logical-axis rules plus the ZeRO option.
+  """An ordered set of logical-axis rules plus the ZeRO option.
 
-    Iterating yields the ``(logical_name, mesh_axes)`` pairs, so
-    ``tuple(rules)`` is what ``flax.linen.logical_axis_rules`` expects.
+  Iterating yields the ``(logical_name, mesh_axes)`` pairs, so
+  ``tuple(rules)`` is what ``flax.linen.logical_axis_rules`` expects.
 
-    Attributes:
-      rules: ``(logical_name, mesh_axes)`` pairs in order of precedence.
-      optimizer_state_axis: mesh axis that optimizer-state leaves are also
-        sharded over (ZeRO-style), or None to shard them like parameters.
+  Attributes:
+    rules: ``(logical_name, mesh_axes)`` pairs in order of precedence.
+    optimizer_state_axis: mesh axis that optimizer-state leaves are also
+      sharded over (ZeRO-style), or None to shard them like parameters.
 
-    Example:
-      >>> rules = LogicalAxisRules([('batch', 'data'), ('mlp', 'model')])
-      >>> tuple(rules)
-      (('batch', 'data'), ('mlp', 'model'))
-    """
+  Example:
+    >>> rules = LogicalAxisRules([('batch', 'data'), ('mlp', 'model')])
+    >>> tuple(rules)
+    (('batch', 'data'), ('mlp', 'model'))
+  """
 
-    rules: tuple[Rule, ...]
-    optimizer_state_axis: str | None = None
+  rules: tuple[Rule, ...]
+  optimizer_state_axis: str | None = None
 
-    def __post_init__(self):
-        object.__setattr__(self, 'rules', _normalize_rules(self.rules))
+  def __post_init__(self):
+    object.__setattr__(self, "rules", _normalize_rules(self.rules))
 
-    def __iter__(self) -> Iterator[Rule]:
-        return iter(self.rules)
+  def __iter__(self) -> Iterator[Rule]:
+    return iter(self.rules)
 
-    def __len__(self) -> int:
-        return len(self.rules)
+  def __len__(self) -> int:
+    return len(self.rules)
 
 
 def _normalize_rules(rules: Sequence[Sequence[Any]]) -> tuple[Rule, ...]:
-    normalized = []
-    for rule in rules:
-        if len(rule) != 2 or not isinstance(rule[0], str):
-            raise ValueError(
-                f'A logical axis rule is a (logical_name, mesh_axes) pair; got {rule!r}.')
-        name, mesh_axes = rule
-        normalized.append((name, tuple(mesh_axes) if isinstance(mesh_axes, list) else mesh_axes))
-    return tuple(normalized)
+  normalized = []
+  for rule in rules:
+    if len(rule) != 2 or not isinstance(rule[0], str):
+      raise ValueError(f"A logical axis rule is a (logical_name, mesh_axes) pair; got {rule!r}.")
+    name, mesh_axes = rule
+    normalized.append((name, tuple(mesh_axes) if isinstance(mesh_axes, list) else mesh_axes))
+  return tuple(normalized)
 
 
 def as_logical_axis_rules(
-    rules: LogicalAxisRules | Sequence[Sequence[Any]],
+  rules: LogicalAxisRules | Sequence[Sequence[Any]],
 ) -> LogicalAxisRules:
-    """Returns ``rules`` as :class:`LogicalAxisRules` (a list of pairs has no ZeRO).
+  """Returns ``rules`` as :class:`LogicalAxisRules` (a list of pairs has no ZeRO).
 
-    Example:
-      >>> as_logical_axis_rules([('batch', 'data')]).optimizer_state_axis is None
-      True
-    """
-    if isinstance(rules, LogicalAxisRules):
-        return rules
-    return LogicalAxisRules(tuple(rules))
+  Example:
+    >>> as_logical_axis_rules([('batch', 'data')]).optimizer_state_axis is None
+    True
+  """
+  if isinstance(rules, LogicalAxisRules):
+    return rules
+  return LogicalAxisRules(tuple(rules))
 
 
 def standard_logical_axis_rules(
-    *,
-    activation_partitioning_dims: int = 1,
-    parameter_partitioning_dims: int = 1,
-    shard_optimizer_state_over_data: bool = False,
-    additional_rules: Sequence[Rule] | None = None,
+  *,
+  activation_partitioning_dims: int = 1,
+  parameter_partitioning_dims: int = 1,
+  shard_optimizer_state_over_data: bool = False,
+  additional_rules: Sequence[Rule] | None = None,
 ) -> LogicalAxisRules:
-    """The standard rules for a ``('data', 'model')`` mesh, as in T5X.
+  """The standard rules for a ``('data', 'model')`` mesh, as in T5X.
 
-    ``batch`` goes on ``data``; ``vocab``, ``mlp``, ``heads`` and ``joined_kv``
-    on ``model``; ``embed`` and ``kv`` stay replicated. With 2-D activation
-    partitioning ``embed`` goes on ``model`` (activations rarely have another
-    ``model`` dimension); with 2-D parameter partitioning ``embed`` falls back
-    to ``data`` (parameters have no ``batch``). Axes common in transformer
-    codebases (``length``, ``layers``, ``relpos_buckets``, ...) are replicated.
+  ``batch`` goes on ``data``; ``vocab``, ``mlp``, ``heads`` and ``joined_kv``
+  on ``model``; ``embed`` and ``kv`` stay replicated. With 2-D activation
+  partitioning ``embed`` goes on ``model`` (activations rarely have another
+  ``model`` dimension); with 2-D parameter partitioning ``embed`` falls back
+  to ``data`` (parameters have no ``batch``). Axes common in transformer
+  codebases (``length``, ``layers``, ``relpos_buckets``, ...) are replicated.
 
-    Args:
-      activation_partitioning_dims: 1 or 2.
-      parameter_partitioning_dims: 1 or 2.
-      shard_optimizer_state_over_data: also shard every optimizer-state leaf
-        over ``data`` (ZeRO); see :func:`add_optimizer_state_axis`.
-      additional_rules: appended last, so they cannot override the rules above.
+  Args:
+    activation_partitioning_dims: 1 or 2.
+    parameter_partitioning_dims: 1 or 2.
+    shard_optimizer_state_over_data: also shard every optimizer-state leaf
+      over ``data`` (ZeRO); see :func:`add_optimizer_state_axis`.
+    additional_rules: appended last, so they cannot override the rules above.
 
-    Returns:
-      The rules.
+  Returns:
+    The rules.
 
-    Raises:
-      ValueError: for partitioning dims other than 1 or 2.
+  Raises:
+    ValueError: for partitioning dims other than 1 or 2.
 
-    Example:
-      >>> rules = standard_logical_axis_rules(parameter_partitioning_dims=2)
-      >>> logical_to_mesh_axes(PartitionSpec('embed', 'mlp'), rules)
-      P('data', 'model')
-    """
-    for name, dims in (('activation_partitioning_dims', activation_partitioning_dims),
-                       ('parameter_partitioning_dims', parameter_partitioning_dims)):
-        if dims not in (1, 2):
-            raise ValueError(f'{name} must be 1 or 2, got {dims}.')
-    rules: list[Rule] = [
-        ('batch', 'data'),
-        ('vocab', 'model'),
-        ('mlp', 'model'),
-        ('heads', 'model'),
-        ('joined_kv', 'model'),
-        ('kv', None),
-    ]
-    if activation_partitioning_dims == 2:
-        rules.append(('embed', 'model'))
-    if parameter_partitioning_dims == 2:
-        rules.append(('embed', 'data'))
-    rules.append(('embed', None))
-    rules.extend((name, None) for name in (
-        'length', 'layers', 'stack', 'relpos_buckets', 'abspos_buckets', 'mlp_activations'))
-    rules.extend(additional_rules or ())
-    return LogicalAxisRules(
-        tuple(rules), optimizer_state_axis='data' if shard_optimizer_state_over_data else None)
+  Example:
+    >>> rules = standard_logical_axis_rules(parameter_partitioning_dims=2)
+    >>> logical_to_mesh_axes(PartitionSpec('embed', 'mlp'), rules)
+    P('data', 'model')
+  """
+  for name, dims in (
+    ("activation_partitioning_dims", activation_partitioning_dims),
+    ("parameter_partitioning_dims", parameter_partitioning_dims),
+  ):
+    if dims not in (1, 2):
+      raise ValueError(f"{name} must be 1 or 2, got {dims}.")
+  rules: list[Rule] = [
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("joined_kv", "model"),
+    ("kv", None),
+  ]
+  if activation_partitioning_dims == 2:
+    rules.append(("embed", "model"))
+  if parameter_partitioning_dims == 2:
+    rules.append(("embed", "data"))
+  rules.append(("embed", None))
+  rules.extend(
+    (name, None)
+    for name in ("length", "layers", "stack", "relpos_buckets", "abspos_buckets", "mlp_activations")
+  )
+  rules.extend(additional_rules or ())
+  return LogicalAxisRules(
+    tuple(rules), optimizer_state_axis="data" if shard_optimizer_state_over_data else None
+  )
 
 
 def mesh_axis_names(mesh_axes: Any) -> set[str]:
-    """The mesh axis names in one spec entry (a name, a tuple of names, None)."""
-    if mesh_axes is None or mesh_axes is _UNASSIGNED or mesh_axes is PartitionSpec.UNCONSTRAINED:
-        return set()
-    if isinstance(mesh_axes, str):
-        return {mesh_axes}
-    return set(mesh_axes)
+  """The mesh axis names in one spec entry (a name, a tuple of names, None)."""
+  if mesh_axes is None or mesh_axes is _UNASSIGNED or mesh_axes is PartitionSpec.UNCONSTRAINED:
+    return set()
+  if isinstance(mesh_axes, str):
+    return {mesh_axes}
+  return set(mesh_axes)
 
 
 def logical_to_mesh_axes(
-    spec: PartitionSpec | None,
-    rules: LogicalAxisRules | Sequence[Rule],
-    *,
-    unknown: UnknownAxis | str = UnknownAxis.RAISE,
+  spec: PartitionSpec | None,
+  rules: LogicalAxisRules | Sequence[Rule],
+  *,
+  unknown: UnknownAxis | str = UnknownAxis.RAISE,
 ) -> PartitionSpec | None:
-    """Maps one logical spec to a mesh spec.
+  """Maps one logical spec to a mesh spec.
 
-    Rules apply in order; a rule is skipped when its mesh axes are already used
-    by another dimension of ``spec``. ``None`` and ``PartitionSpec.UNCONSTRAINED``
-    entries pass through; a ``None`` spec (replicated) stays ``None``.
+  Rules apply in order; a rule is skipped when its mesh axes are already used
+  by another dimension of ``spec``. ``None`` and ``PartitionSpec.UNCONSTRAINED``
+  entries pass through; a ``None`` spec (replicated) stays ``None``.
 
-    Args:
-      spec: the logical spec.
-      rules: the rules (``optimizer_state_axis`` plays no part here).
-      unknown: what to do with a name that no rule mentions.
+  Args:
+    spec: the logical spec.
+    rules: the rules (``optimizer_state_axis`` plays no part here).
+    unknown: what to do with a name that no rule mentions.
 
-    Returns:
-      The mesh spec, or None for a None spec.
+  Returns:
+    The mesh spec, or None for a None spec.
 
-    Raises:
-      ValueError: a name without a rule (under ``UnknownAxis.RAISE``), or a
-        name used twice in ``spec``.
+  Raises:
+    ValueError: a name without a rule (under ``UnknownAxis.RAISE``), or a
+      name used twice in ``spec``.
 
-    Example:
-      >>> rules = [('batch', 'data'), ('embed', None), ('mlp', 'model')]
-      >>> logical_to_mesh_axes(PartitionSpec('batch', 'embed', 'mlp'), rules)
-      P('data', None, 'model')
-    """
-    if spec is None:
-        return None
-    unknown = UnknownAxis(unknown)
-    names = tuple(spec)
-    repeated = sorted(n for n, c in collections.Counter(names).items()
-                      if isinstance(n, str) and c > 1)
-    if repeated:
-        raise ValueError(f'Logical axis names {repeated} occur more than once in {spec}.')
-    result: list[Any] = [_UNASSIGNED if isinstance(n, str) else n for n in names]
-    known = set()
-    for name, mesh_axes in rules:
-        if name not in names:
-            continue
-        known.add(name)
-        pos = names.index(name)
-        used = set().union(*(mesh_axis_names(r) for r in result))
-        if result[pos] is _UNASSIGNED and not (mesh_axis_names(mesh_axes) & used):
-            result[pos] = mesh_axes
-    missing = [n for n in names if isinstance(n, str) and n not in known]
-    if missing and unknown is UnknownAxis.RAISE:
-        raise ValueError(
-            f'No logical axis rule for {missing} in {spec}; add a rule or pass '
-            f'unknown=UnknownAxis.REPLICATE.')
-    return PartitionSpec(*(None if r is _UNASSIGNED else r for r in result))
+  Example:
+    >>> rules = [('batch', 'data'), ('embed', None), ('mlp', 'model')]
+    >>> logical_to_mesh_axes(PartitionSpec('batch', 'embed', 'mlp'), rules)
+    P('data', None, 'model')
+  """
+  if spec is None:
+    return None
+  unknown = UnknownAxis(unknown)
+  names = tuple(spec)
+  repeated = sorted(
+    n for n, c in collections.Counter(names).items() if isinstance(n, str) and c > 1
+  )
+  if repeated:
+    raise ValueError(f"Logical axis names {repeated} occur more than once in {spec}.")
+  result: list[Any] = [_UNASSIGNED if isinstance(n, str) else n for n in names]
+  known = set()
+  for name, mesh_axes in rules:
+    if name not in names:
+      continue
+    known.add(name)
+    pos = names.index(name)
+    used = set().union(*(mesh_axis_names(r) for r in result))
+    if result[pos] is _UNASSIGNED and not (mesh_axis_names(mesh_axes) & used):
+      result[pos] = mesh_axes
+  missing = [n for n in names if isinstance(n, str) and n not in known]
+  if missing and unknown is UnknownAxis.RAISE:
+    raise ValueError(
+      f"No logical axis rule for {missing} in {spec}; add a rule or pass "
+      f"unknown=UnknownAxis.REPLICATE."
+    )
+  return PartitionSpec(*(None if r is _UNASSIGNED else r for r in result))
 
 
 def add_optimizer_state_axis(
-    spec: PartitionSpec | None,
-    shape: Sequence[int],
-    *,
-    mesh_axis: str,
-    mesh_shape: Mapping[str, int],
+  spec: PartitionSpec | None,
+  shape: Sequence[int],
+  *,
+  mesh_axis: str,
+  mesh_shape: Mapping[str, int],
 ) -> PartitionSpec | None:
-    """Adds ``mesh_axis`` to one dimension of an optimizer-state leaf (ZeRO).
+  """Adds ``mesh_axis`` to one dimension of an optimizer-state leaf (ZeRO).
 
-    The axis goes on the first replicated dimension whose size is a positive
-    multiple of the axis size. Failing that, it joins the first sharded
-    dimension that the combined size divides (``'model'`` becomes
-    ``('model', 'data')``), so a leaf sharded on every dimension shrinks too.
-    The leaf is left as it is when ``mesh_axis`` already appears in ``spec``,
-    when the axis has size 1, or when no dimension divides (scalars, odd sizes).
+  The axis goes on the first replicated dimension whose size is a positive
+  multiple of the axis size. Failing that, it joins the first sharded
+  dimension that the combined size divides (``'model'`` becomes
+  ``('model', 'data')``), so a leaf sharded on every dimension shrinks too.
+  The leaf is left as it is when ``mesh_axis`` already appears in ``spec``,
+  when the axis has size 1, or when no dimension divides (scalars, odd sizes).
 
-    Args:
-      spec: the leaf's mesh spec (None means replicated).
-      shape: the leaf's shape.
-      mesh_axis: the mesh axis to add, usually ``'data'``.
-      mesh_shape: mesh axis sizes, e.g. ``mesh.shape``.
+  Args:
+    spec: the leaf's mesh spec (None means replicated).
+    shape: the leaf's shape.
+    mesh_axis: the mesh axis to add, usually ``'data'``.
+    mesh_shape: mesh axis sizes, e.g. ``mesh.shape``.
 
-    Returns:
-      The new mesh spec (``spec`` itself when unchanged).
+  Returns:
+    The new mesh spec (``spec`` itself when unchanged).
 
-    Example:
-      >>> mesh_shape = {'data': 2, 'model': 4}
-      >>> add_optimizer_state_axis(PartitionSpec(None, 'model'), (6, 8),
-      ...                          mesh_axis='data', mesh_shape=mesh_shape)
-      P('data', 'model')
-      >>> add_optimizer_state_axis(PartitionSpec('model'), (16,),
-      ...                          mesh_axis='data', mesh_shape=mesh_shape)
-      P(('model', 'data'),)
-    """
-    axis_size = mesh_shape[mesh_axis]
-    entries = list(spec or ())
-    if axis_size == 1 or any(mesh_axis in mesh_axis_names(e) for e in entries):
-        return spec
-    given = len(entries)
-    entries += [None] * (len(shape) - given)
-    for dim, (entry, size) in enumerate(zip(entries, shape)):
-        if entry is None and size >= axis_size and size % axis_size == 0:
-            entries[dim] = mesh_axis
-            return PartitionSpec(*entries[:max(given, dim + 1)])
-    for dim, (entry, size) in enumerate(zip(entries, shape)):
-        names = mesh_axis_names(entry)
-        if not names:
-            continue
-        combined = math.prod(mesh_shape[n] for n in names) * axis_size
-        if size % combined == 0:
-            entries[dim] = (*((entry,) if isinstance(entry, str) else entry), mesh_axis)
-            return PartitionSpec(*entries)
+  Example:
+    >>> mesh_shape = {'data': 2, 'model': 4}
+    >>> add_optimizer_state_axis(PartitionSpec(None, 'model'), (6, 8),
+    ...                          mesh_axis='data', mesh_shape=mesh_shape)
+    P('data', 'model')
+    >>> add_optimizer_state_axis(PartitionSpec('model'), (16,),
+    ...                          mesh_axis='data', mesh_shape=mesh_shape)
+    P(('model', 'data'),)
+  """
+  axis_size = mesh_shape[mesh_axis]
+  entries = list(spec or ())
+  if axis_size == 1 or any(mesh_axis in mesh_axis_names(e) for e in entries):
     return spec
+  given = len(entries)
+  entries += [None] * (len(shape) - given)
+  for dim, (entry, size) in enumerate(zip(entries, shape)):
+    if entry is None and size >= axis_size and size % axis_size == 0:
+      entries[dim] = mesh_axis
+      return PartitionSpec(*entries[: max(given, dim + 1)])
+  for dim, (entry, size) in enumerate(zip(entries, shape)):
+    names = mesh_axis_names(entry)
+    if not names:
+      continue
+    combined = math.prod(mesh_shape[n] for n in names) * axis_size
+    if size % combined == 0:
+      entries[dim] = (*((entry,) if isinstance(entry, str) else entry), mesh_axis)
+      return PartitionSpec(*entries)
+  return spec
 
 
 def is_spec_leaf(x: Any) -> bool:
-    """True for the leaves of a logical or mesh axes tree (PartitionSpec or None)."""
-    return x is None or isinstance(x, PartitionSpec)
+  """True for the leaves of a logical or mesh axes tree (PartitionSpec or None)."""
+  return x is None or isinstance(x, PartitionSpec)
 
 
 def check_spec_leaf(path: jax.tree_util.KeyPath, leaf: Any) -> None:
-    """Raises ``TypeError`` naming ``path`` unless ``leaf`` is a spec leaf."""
-    if not is_spec_leaf(leaf):
-        raise TypeError(
-            f'{jax.tree_util.keystr(path)}: expected a PartitionSpec or None, '
-            f'got {type(leaf).__name__} {leaf!r}.')
+  """Raises ``TypeError`` naming ``path`` unless ``leaf`` is a spec leaf."""
+  if not is_spec_leaf(leaf):
+    raise TypeError(
+      f"{jax.tree_util.keystr(path)}: expected a PartitionSpec or None, "
+      f"got {type(leaf).__name__} {leaf!r}."
+    )
 
 
 def logical_to_mesh_axes_tree(
-    logical_tree: Any,
-    rules: LogicalAxisRules | Sequence[Rule],
-    *,
-    unknown: UnknownAxis | str = UnknownAxis.RAISE,
+  logical_tree: Any,
+  rules: LogicalAxisRules | Sequence[Rule],
+  *,
+  unknown: UnknownAxis | str = UnknownAxis.RAISE,
 ) -> Any:
-    """Maps a tree of logical specs to a tree of mesh specs (for parameters).
+  """Maps a tree of logical specs to a tree of mesh specs (for parameters).
 
-    ``None`` leaves stay ``None`` (replicated). Empty nodes such as
-    ``optax.EmptyState()`` and ``optax.MaskedNode()`` have no leaves and stay
-    as they are.
+  ``None`` leaves stay ``None`` (replicated). Empty nodes such as
+  ``optax.EmptyState()`` and ``optax.MaskedNode()`` have no leaves and stay
+  as they are.
 
-    Args:
-      logical_tree: a pytree with ``PartitionSpec`` or ``None`` leaves.
-      rules: the rules.
-      unknown: what to do with a name that no rule mentions.
+  Args:
+    logical_tree: a pytree with ``PartitionSpec`` or ``None`` leaves.
+    rules: the rules.
+    unknown: what to do with a name that no rule mentions.
 
-    Returns:
-      The tree of mesh specs.
+  Returns:
+    The tree of mesh specs.
 
-    Raises:
-      ValueError: a leaf that cannot be mapped; the message names its path.
-      TypeError: a leaf that is not a ``PartitionSpec`` or ``None``.
+  Raises:
+    ValueError: a leaf that cannot be mapped; the message names its path.
+    TypeError: a leaf that is not a ``PartitionSpec`` or ``None``.
 
-    Example:
-      >>> import optax
-      >>> tree = {'w': PartitionSpec('embed', 'mlp'), 'b': None, 'e': optax.EmptyState()}
-      >>> logical_to_mesh_axes_tree(tree, standard_logical_axis_rules())
-      {'b': None, 'e': EmptyState(), 'w': P(None, 'model')}
-    """
+  Example:
+    >>> import optax
+    >>> tree = {'w': PartitionSpec('embed', 'mlp'), 'b': None, 'e': optax.EmptyState()}
+    >>> logical_to_mesh_axes_tree(tree, standard_logical_axis_rules())
+    {'b': None, 'e': EmptyState(), 'w': P(None, 'model')}
+  """
 
-    def convert(path, spec):
-        check_spec_leaf(path, spec)
-        try:
-            return logical_to_mesh_axes(spec, rules, unknown=unknown)
-        except ValueError as e:
-            raise ValueError(f'{jax.tree_util.keystr(path)}: {e}') from e
+  def convert(path, spec):
+    check_spec_leaf(path, spec)
+    try:
+      return logical_to_mesh_axes(spec, rules, unknown=unknown)
+    except ValueError as e:
+      raise ValueError(f"{jax.tree_util.keystr(path)}: {e}") from e
 
-    return jax.tree.map_with_path(convert, logical_tree, is_leaf=is_spec_leaf)
+  return jax.tree.map_with_path(convert, logical_tree, is_leaf=is_spec_leaf)
 
 
 def optimizer_state_mesh_axes_tree(
-    logical_tree: Any,
-    shapes: Any,
-    rules: LogicalAxisRules | Sequence[Rule],
-    *,
-    mesh_shape: Mapping[str, int],
-    unknown: UnknownAxis | str = UnknownAxis.RAISE,
+  logical_tree: Any,
+  shapes: Any,
+  rules: LogicalAxisRules | Sequence[Rule],
+  *,
+  mesh_shape: Mapping[str, int],
+  unknown: UnknownAxis | str = UnknownAxis.RAISE,
 ) -> Any:
-    """Maps optimizer-state logical specs to mesh specs, with ZeRO if enabled.
+  """Maps optimizer-state logical specs to mesh specs, with ZeRO if enabled.
 
-    Like :func:`logical_to_mesh_axes_tree`; then, when
-    ``rules.optimizer_state_axis`` is set, each leaf also gets that mesh axis
-    (see :func:`add_optimizer_state_axis`).
+  Like :func:`logical_to_mesh_axes_tree`; then, when
+  ``rules.optimizer_state_axis`` is set, each leaf also gets that mesh axis
+  (see :func:`add_optimizer_state_axis`).
 
-    Args:
-      logical_tree: a pytree with ``PartitionSpec`` or ``None`` leaves.
-      shapes: a tree with ``logical_tree``'s structure whose leaves have a
-        ``.shape`` (arrays or ``jax.ShapeDtypeStruct``).
-      rules: the rules.
-      mesh_shape: mesh axis sizes, e.g. ``mesh.shape``.
-      unknown: what to do with a name that no rule mentions.
+  Args:
+    logical_tree: a pytree with ``PartitionSpec`` or ``None`` leaves.
+    shapes: a tree with ``logical_tree``'s structure whose leaves have a
+      ``.shape`` (arrays or ``jax.ShapeDtypeStruct``).
+    rules: the rules.
+    mesh_shape: mesh axis sizes, e.g. ``mesh.shape``.
+    unknown: what to do with a name that no rule mentions.
 
-    Returns:
-      The tree of mesh specs.
+  Returns:
+    The tree of mesh specs.
 
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> rules = standard_logical_axis_rules(shard_optimizer_state_over_data=True)
-      >>> mu = {'w': PartitionSpec('embed', 'mlp')}
-      >>> shapes = {'w': jax.ShapeDtypeStruct((16, 32), jnp.float32)}
-      >>> optimizer_state_mesh_axes_tree(mu, shapes, rules, mesh_shape={'data': 2, 'model': 4})
-      {'w': P('data', 'model')}
-    """
-    rules = as_logical_axis_rules(rules)
-    mesh_axes = logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown)
-    axis = rules.optimizer_state_axis
-    if axis is None:
-        return mesh_axes
-    if axis not in mesh_shape:
-        raise ValueError(
-            f'optimizer_state_axis {axis!r} is not a mesh axis; the mesh has {dict(mesh_shape)}.')
-    return jax.tree.map(
-        lambda spec, x: add_optimizer_state_axis(
-            spec, np.shape(x), mesh_axis=axis, mesh_shape=mesh_shape),
-        mesh_axes, shapes, is_leaf=is_spec_leaf)
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> rules = standard_logical_axis_rules(shard_optimizer_state_over_data=True)
+    >>> mu = {'w': PartitionSpec('embed', 'mlp')}
+    >>> shapes = {'w': jax.ShapeDtypeStruct((16, 32), jnp.float32)}
+    >>> optimizer_state_mesh_axes_tree(mu, shapes, rules, mesh_shape={'data': 2, 'model': 4})
+    {'w': P('data', 'model')}
+  """
+  rules = as_logical_axis_rules(rules)
+  mesh_axes = logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown)
+  axis = rules.optimizer_state_axis
+  if axis is None:
+    return mesh_axes
+  if axis not in mesh_shape:
+    raise ValueError(
+      f"optimizer_state_axis {axis!r} is not a mesh axis; the mesh has {dict(mesh_shape)}."
+    )
+  return jax.tree.map(
+    lambda spec, x: add_optimizer_state_axis(
+      spec, np.shape(x), mesh_axis=axis, mesh_shape=mesh_shape
+    ),
+    mesh_axes,
+    shapes,
+    is_leaf=is_spec_leaf,
+  )

@@ -23,7 +23,7 @@ __all__ = ["abstract_train_state", "init_sharded"]
 
 
 def _create_fn(
-    optimizer_def: OptimizerDef, init_fn: Callable[..., Any], kwargs: dict[str, Any]
+  optimizer_def: OptimizerDef, init_fn: Callable[..., Any], kwargs: dict[str, Any]
 ) -> Callable[..., TrainState]:
   def create(*args: Any) -> TrainState:
     return TrainState.create(optimizer_def, init_fn(*args, **kwargs))
@@ -39,11 +39,11 @@ def _eval_shape(partitioner: Partitioner, fn: Callable[..., Any], *args: Any) ->
 
 
 def abstract_train_state(
-    partitioner: Partitioner,
-    optimizer_def: OptimizerDef,
-    init_fn: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
+  partitioner: Partitioner,
+  optimizer_def: OptimizerDef,
+  init_fn: Callable[..., Any],
+  *args: Any,
+  **kwargs: Any,
 ) -> TrainState:
   """The train state as `jax.ShapeDtypeStruct`s carrying their target shardings.
 
@@ -78,16 +78,16 @@ def abstract_train_state(
   abstract = _eval_shape(partitioner, create, *args)
   shardings = partitioner.get_shardings(abstract)
   return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
   )
 
 
 def init_sharded(
-    partitioner: Partitioner,
-    optimizer_def: OptimizerDef,
-    init_fn: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
+  partitioner: Partitioner,
+  optimizer_def: OptimizerDef,
+  init_fn: Callable[..., Any],
+  *args: Any,
+  **kwargs: Any,
 ) -> TrainState:
   """Initialises a train state directly into its shardings.
 
@@ -123,4 +123,3 @@ def init_sharded(
   create = _create_fn(optimizer_def, init_fn, kwargs)
   shardings = partitioner.get_shardings(_eval_shape(partitioner, create, *args))
   return partitioner.partition(create, None, shardings)(*args)
-

@@ -51,11 +51,12 @@ class StateRulesFallback(enum.Enum):
     RAISE: raise a ValueError naming the leaf's tree path, shape and spec.
   """
 
-  REPLICATE_WITH_WARNING = 'replicate_with_warning'
-  RAISE = 'raise'
+  REPLICATE_WITH_WARNING = "replicate_with_warning"
+  RAISE = "raise"
 
-  def handle(self, leaves: Sequence[str], *, why: str = '',
-             cause: BaseException | None = None) -> None:
+  def handle(
+    self, leaves: Sequence[str], *, why: str = "", cause: BaseException | None = None
+  ) -> None:
     """Applies the policy to leaves without a valid spec.
 
     With ``REPLICATE_WITH_WARNING`` it warns once, naming the leaves, and the
@@ -75,19 +76,21 @@ class StateRulesFallback(enum.Enum):
       return
     if self is StateRulesFallback.RAISE:
       raise ValueError(
-          f'cannot derive a valid logical spec for {len(leaves)} optimizer state '
-          f'leaves: {", ".join(leaves)}{why}') from cause
+        f"cannot derive a valid logical spec for {len(leaves)} optimizer state "
+        f"leaves: {', '.join(leaves)}{why}"
+      ) from cause
     more = len(leaves) - _MAX_PATHS_IN_WARNING
     warnings.warn(
-        f'replicating {len(leaves)} optimizer state leaves without a valid '
-        f'logical spec: {", ".join(leaves[:_MAX_PATHS_IN_WARNING])}'
-        + (f' and {more} more' if more > 0 else '') + why,
-        stacklevel=4)
+      f"replicating {len(leaves)} optimizer state leaves without a valid "
+      f"logical spec: {', '.join(leaves[:_MAX_PATHS_IN_WARNING])}"
+      + (f" and {more} more" if more > 0 else "")
+      + why,
+      stacklevel=4,
+    )
 
 
 def _is_axes_input_leaf(x: Any) -> bool:
-  return (x is None or isinstance(x, (PartitionSpec, meta.AxisMetadata))
-          or _is_names_tuple(x))
+  return x is None or isinstance(x, (PartitionSpec, meta.AxisMetadata)) or _is_names_tuple(x)
 
 
 def _is_axes_input_leaf_or_collection(x: Any) -> bool:
@@ -96,7 +99,8 @@ def _is_axes_input_leaf_or_collection(x: Any) -> bool:
 
 def _is_names_tuple(x: Any) -> bool:
   return type(x) is tuple and all(  # pylint: disable=unidiomatic-typecheck
-      e is None or isinstance(e, str) or _is_names_tuple(e) for e in x)
+    e is None or isinstance(e, str) or _is_names_tuple(e) for e in x
+  )
 
 
 def _to_spec(path: Any, x: Any) -> PartitionSpec | None:
@@ -106,19 +110,18 @@ def _to_spec(path: Any, x: Any) -> PartitionSpec | None:
     return meta.get_partition_spec(x)
   if _is_names_tuple(x):
     return PartitionSpec(*x)
-  if hasattr(x, 'shape'):
+  if hasattr(x, "shape"):
     return None
   raise TypeError(
-      f'params_axes leaf at {jax.tree_util.keystr(path)} is a '
-      f'{type(x).__name__}; expected a PartitionSpec, None, a tuple of axis '
-      'names, a flax LogicallyPartitioned box or an array')
+    f"params_axes leaf at {jax.tree_util.keystr(path)} is a "
+    f"{type(x).__name__}; expected a PartitionSpec, None, a tuple of axis "
+    "names, a flax LogicallyPartitioned box or an array"
+  )
 
 
 def _is_axes_collection(tree: Any) -> bool:
-  found = jax.tree.leaves(
-      tree, is_leaf=lambda x: isinstance(x, flax_partitioning.AxisMetadata))
-  return bool(found) and all(
-      isinstance(x, flax_partitioning.AxisMetadata) for x in found)
+  found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, flax_partitioning.AxisMetadata))
+  return bool(found) and all(isinstance(x, flax_partitioning.AxisMetadata) for x in found)
 
 
 def logical_axes_from(params_axes: Any) -> Any:
@@ -149,16 +152,15 @@ def logical_axes_from(params_axes: Any) -> Any:
   >>> logical_axes_from({'dense': {'kernel': ('embed', 'mlp'), 'bias': None}})
   {'dense': {'bias': None, 'kernel': P('embed', 'mlp')}}
   """
-  if (isinstance(params_axes, dict | frozen_dict.FrozenDict)
-      and set(params_axes) == {'params_axes'}):
-    params_axes = params_axes['params_axes']
-  if all(is_spec_leaf(x) for x in jax.tree.leaves(
-      params_axes, is_leaf=_is_axes_input_leaf_or_collection)):
+  if isinstance(params_axes, dict | frozen_dict.FrozenDict) and set(params_axes) == {"params_axes"}:
+    params_axes = params_axes["params_axes"]
+  if all(
+    is_spec_leaf(x) for x in jax.tree.leaves(params_axes, is_leaf=_is_axes_input_leaf_or_collection)
+  ):
     return params_axes
   if _is_axes_collection(params_axes):
     return specs_lib.thaw(flax_partitioning.get_axis_names(params_axes))
-  return jax.tree_util.tree_map_with_path(
-      _to_spec, params_axes, is_leaf=_is_axes_input_leaf)
+  return jax.tree_util.tree_map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
 class _ParamIndex:
@@ -167,8 +169,7 @@ class _ParamIndex:
   def __init__(self, params_axes: Any, params: Any | None):
     spec_tree = logical_axes_from(params_axes)
     raw, self.params_def = jax.tree.flatten(spec_tree, is_leaf=is_spec_leaf)
-    self.specs: list[PartitionSpec | None] = [
-        specs_lib.drop_repeated_names(s) for s in raw]
+    self.specs: list[PartitionSpec | None] = [specs_lib.drop_repeated_names(s) for s in raw]
     self.mirror_defs = {self.params_def}
     self.params = params
     self.leaves: list[Any] | None = None
@@ -176,8 +177,7 @@ class _ParamIndex:
     if params is None:
       thawed = specs_lib.thaw(spec_tree)
       self.mirror_defs.add(jax.tree.structure(thawed, is_leaf=is_spec_leaf))
-      self.mirror_defs.add(jax.tree.structure(
-          specs_lib.freeze_top(thawed), is_leaf=is_spec_leaf))
+      self.mirror_defs.add(jax.tree.structure(specs_lib.freeze_top(thawed), is_leaf=is_spec_leaf))
     else:
       self._align(spec_tree)
 
@@ -187,26 +187,26 @@ class _ParamIndex:
       self.params = meta.unbox(self.params)
       leaves, params_def = jax.tree.flatten(self.params)
     if params_def != self.params_def:
-      spec_def = jax.tree.structure(specs_lib.thaw(spec_tree),
-                                    is_leaf=is_spec_leaf)
+      spec_def = jax.tree.structure(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
       if jax.tree.structure(specs_lib.thaw(self.params)) != spec_def:
         raise ValueError(
-            f'params_axes does not have the structure of params: {spec_def} '
-            f'vs {params_def}')
+          f"params_axes does not have the structure of params: {spec_def} vs {params_def}"
+        )
     self.leaves = leaves
     self.params_def = params_def
     self.mirror_defs = {params_def}
     self.shapes = [specs_lib.leaf_shape(p) for p in leaves]
-    self.specs = [specs_lib.canonical(s, len(shape))
-                  for s, shape in zip(self.specs, self.shapes)]
+    self.specs = [specs_lib.canonical(s, len(shape)) for s, shape in zip(self.specs, self.shapes)]
 
   def context(self) -> registry.StateRuleContext:
     return registry.StateRuleContext(
-        param_specs=self.params_def.unflatten(self.specs), params=self.params)
+      param_specs=self.params_def.unflatten(self.specs), params=self.params
+    )
 
 
-def _holey_mirror(node: jax.tree_util.PyTreeDef,
-                  params_def: jax.tree_util.PyTreeDef) -> list[int] | None:
+def _holey_mirror(
+  node: jax.tree_util.PyTreeDef, params_def: jax.tree_util.PyTreeDef
+) -> list[int] | None:
   """Param index of each leaf if ``node`` is the params with MaskedNode holes."""
   indices: list[int] = []
   stack = [(node, params_def)]
@@ -231,8 +231,7 @@ def _holey_mirror(node: jax.tree_util.PyTreeDef,
   return indices
 
 
-def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex,
-          rule_types: Sequence[type]):
+def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex, rule_types: Sequence[type]):
   """Finds params mirrors and rule-typed nodes in one walk.
 
   Returns:
@@ -251,8 +250,9 @@ def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex,
       mirrors.append((offset, dense))
       continue
     data = node.node_data()
-    holey = (_holey_mirror(node, index.params_def)
-             if data is not None and data == root_data else None)
+    holey = (
+      _holey_mirror(node, index.params_def) if data is not None and data == root_data else None
+    )
     if holey is not None:
       mirrors.append((offset, holey))
       continue
@@ -278,20 +278,23 @@ def _known_param_shapes(index: _ParamIndex, mirrors, shapes, specs) -> list[Any]
   for offset, params in mirrors:
     for k, j in enumerate(params):
       spec = index.specs[j]
-      if (spec is not None and specs[offset + k] is specs_lib.UNDERIVED
-          and len(shapes[offset + k]) == len(spec)):
+      if (
+        spec is not None
+        and specs[offset + k] is specs_lib.UNDERIVED
+        and len(shapes[offset + k]) == len(spec)
+      ):
         seen[j].add(shapes[offset + k])
   return [s.pop() if len(s) == 1 else None for s in seen]
 
 
-def _mirror_specs(index: _ParamIndex, mirrors, shapes: list[tuple[int, ...]],
-                  specs: list[Any]) -> None:
+def _mirror_specs(
+  index: _ParamIndex, mirrors, shapes: list[tuple[int, ...]], specs: list[Any]
+) -> None:
   """Fills mirror leaves in place: replicated params replicate their mirrors."""
   param_shapes = _known_param_shapes(index, mirrors, shapes, specs)
   param_specs = index.specs
   if index.shapes is None:
-    param_specs = [None if s is None else specs_lib.canonical(s, len(s))
-                   for s in param_specs]
+    param_specs = [None if s is None else specs_lib.canonical(s, len(s)) for s in param_specs]
   for offset, params in mirrors:
     for k, j in enumerate(params):
       i = offset + k
@@ -309,28 +312,32 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
   for offset, node in reversed(ruled):
     end = offset + node.num_leaves
     state_node = node.unflatten(state_leaves[offset:end])
-    out = rules[node.node_data()[0]](
-        state_node, node.unflatten(specs[offset:end]), context)
+    out = rules[node.node_data()[0]](state_node, node.unflatten(specs[offset:end]), context)
     try:
       specs[offset:end] = node.flatten_up_to(out)
     except (ValueError, TypeError) as e:
-      where = paths()[offset] if node.num_leaves else '(empty node)'
+      where = paths()[offset] if node.num_leaves else "(empty node)"
       raise ValueError(
-          f'the state rule for {type(state_node).__qualname__} at {where} '
-          f'returned a tree that does not match the state node: {out!r}') from e
+        f"the state rule for {type(state_node).__qualname__} at {where} "
+        f"returned a tree that does not match the state node: {out!r}"
+      ) from e
 
 
 def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
   """Validates every spec; invalid or underived ones go to ``fallback``."""
-  bad = [(i, p) for i, (s, shape) in enumerate(zip(specs, shapes))
-         if (p := specs_lib.spec_problem(s, shape)) is not None]
+  bad = [
+    (i, p)
+    for i, (s, shape) in enumerate(zip(specs, shapes))
+    if (p := specs_lib.spec_problem(s, shape)) is not None
+  ]
   if not bad:
     return specs
   names = paths()
   fallback.handle(
-      [f'{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})' for i, p in bad],
-      why=f'; generic derivation: {reason}' if reason is not None else '',
-      cause=reason)
+    [f"{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})" for i, p in bad],
+    why=f"; generic derivation: {reason}" if reason is not None else "",
+    cause=reason,
+  )
   out = list(specs)
   for i, _ in bad:
     out[i] = None
@@ -358,13 +365,13 @@ class OptaxStatePartitionRules:
 
   @classmethod
   def derive_optax_logical_axes(
-      cls,
-      optax_state: optax.OptState,
-      params_axes: Any,
-      *,
-      transformation: optax.GradientTransformation | None = None,
-      params: Any | None = None,
-      fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+    cls,
+    optax_state: optax.OptState,
+    params_axes: Any,
+    *,
+    transformation: optax.GradientTransformation | None = None,
+    params: Any | None = None,
+    fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
   ) -> Any:
     """Logical specs for every leaf of ``optax_state``.
 
@@ -405,23 +412,26 @@ class OptaxStatePartitionRules:
     rules = registry.registered_rules()
     mirrors, ruled = _scan(state_def, index, tuple(rules))
     _mirror_specs(index, mirrors, shapes, specs)
-    specs = [None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
-             for s, shape in zip(specs, shapes)]
+    specs = [
+      None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
+      for s, shape in zip(specs, shapes)
+    ]
     paths = _lazy_paths(optax_state)
     reason = None
-    if (transformation is not None and index.leaves is not None
-        and any(s is specs_lib.UNDERIVED for s in specs)):
+    if (
+      transformation is not None
+      and index.leaves is not None
+      and any(s is specs_lib.UNDERIVED for s in specs)
+    ):
       try:
         derived = generic.derive_generic(
-            transformation, index.leaves, index.params_def, index.specs,
-            state_def, shapes)
+          transformation, index.leaves, index.params_def, index.specs, state_def, shapes
+        )
       except generic.GenericDerivationError as e:
         reason = e
       else:
-        specs = [d if s is specs_lib.UNDERIVED else s
-                 for s, d in zip(specs, derived)]
+        specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
     if ruled:
       _apply_rules(ruled, rules, state_leaves, specs, index, paths)
     specs = _resolve(specs, shapes, paths, fallback, reason)
     return state_def.unflatten(specs)
-

@@ -27,8 +27,9 @@ def _with_memory_axis(spec: Any) -> Any:
   return PartitionSpec(None, *spec)
 
 
-def lbfgs_rule(state: optax.ScaleByLBFGSState, specs: optax.ScaleByLBFGSState,
-               context: registry.StateRuleContext) -> optax.ScaleByLBFGSState:
+def lbfgs_rule(
+  state: optax.ScaleByLBFGSState, specs: optax.ScaleByLBFGSState, context: registry.StateRuleContext
+) -> optax.ScaleByLBFGSState:
   """History leaves of L-BFGS get ``(None, *spec of the matching param)``.
 
   The ``params`` field of the state mirrors the params, so its derived specs
@@ -41,13 +42,10 @@ def lbfgs_rule(state: optax.ScaleByLBFGSState, specs: optax.ScaleByLBFGSState,
   {'w': P(None, 'a', 'b')}
   """
   del state, context
-  history = jax.tree.map(_with_memory_axis, specs.params,
-                         is_leaf=specs_lib.is_spec_leaf)
+  history = jax.tree.map(_with_memory_axis, specs.params, is_leaf=specs_lib.is_spec_leaf)
   return specs._replace(
-      count=None,
-      diff_params_memory=history,
-      diff_updates_memory=history,
-      weights_memory=None)
+    count=None, diff_params_memory=history, diff_updates_memory=history, weights_memory=None
+  )
 
 
 def _low_rank_specs(param: Any, spec: Any, projector: Any):
@@ -64,19 +62,23 @@ def _low_rank_specs(param: Any, spec: Any, projector: Any):
   rank = specs_lib.leaf_shape(projector)[-1]
   row, col = specs_lib.canonical(spec, 2) or PartitionSpec(None, None)
   if m >= n:
-    expected, kept, proxy = (m, rank), PartitionSpec(row, None), (
-        (rank, n), PartitionSpec(None, col))
+    expected, kept, proxy = (
+      (m, rank),
+      PartitionSpec(row, None),
+      ((rank, n), PartitionSpec(None, col)),
+    )
   else:
-    expected, kept, proxy = (n, rank), PartitionSpec(col, None), (
-        (m, rank), PartitionSpec(row, None))
+    expected, kept, proxy = (
+      (n, rank),
+      PartitionSpec(col, None),
+      ((m, rank), PartitionSpec(row, None)),
+    )
   if specs_lib.leaf_shape(projector) != expected:
     return None
-  return (specs_lib.canonical(kept, 2), proxy[0],
-          specs_lib.canonical(proxy[1], 2))
+  return (specs_lib.canonical(kept, 2), proxy[0], specs_lib.canonical(proxy[1], 2))
 
 
-def galore_rule(state: Any, specs: Any,
-                context: registry.StateRuleContext) -> Any:
+def galore_rule(state: Any, specs: Any, context: registry.StateRuleContext) -> Any:
   """Projectors and base-optimizer proxies of GaLore keep their param's axes.
 
   Applies when the GaLore state was initialised with the root params (as in
@@ -84,7 +86,10 @@ def galore_rule(state: Any, specs: Any,
   """
   if context.params is None:
     return specs
-  masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def masked(x):
+    return isinstance(x, optax.MaskedNode)
+
   projectors, projector_def = jax.tree.flatten(state.projector, is_leaf=masked)
   params, params_def = jax.tree.flatten(context.params, is_leaf=masked)
   if projector_def != params_def:
@@ -92,20 +97,25 @@ def galore_rule(state: Any, specs: Any,
   param_specs = params_def.flatten_up_to(context.param_specs)
   derived = jax.tree.leaves(specs.projector, is_leaf=specs_lib.is_spec_leaf)
   real = [not masked(p) for p in projectors]
-  low_rank = [_low_rank_specs(p, s, q) for p, s, q, keep
-              in zip(params, param_specs, projectors, real) if keep]
+  low_rank = [
+    _low_rank_specs(p, s, q) for p, s, q, keep in zip(params, param_specs, projectors, real) if keep
+  ]
   new_projector = [d if lr is None else lr[0] for d, lr in zip(derived, low_rank)]
   proxies = [None if lr is None else lr[1:] for lr in low_rank]
   return specs._replace(
-      projector=jax.tree.structure(state.projector).unflatten(new_projector),
-      base_optimizer_state=_proxy_mirror_specs(
-          state.base_optimizer_state, specs.base_optimizer_state,
-          jax.tree.structure(state.projector), proxies))
+    projector=jax.tree.structure(state.projector).unflatten(new_projector),
+    base_optimizer_state=_proxy_mirror_specs(
+      state.base_optimizer_state,
+      specs.base_optimizer_state,
+      jax.tree.structure(state.projector),
+      proxies,
+    ),
+  )
 
 
-def _proxy_mirror_specs(base_state: Any, base_specs: Any,
-                        mirror_def: jax.tree_util.PyTreeDef,
-                        proxies: list[Any]) -> Any:
+def _proxy_mirror_specs(
+  base_state: Any, base_specs: Any, mirror_def: jax.tree_util.PyTreeDef, proxies: list[Any]
+) -> Any:
   """Leaves of ``base_state`` mirroring the proxies get the proxies' specs."""
   leaves, base_def = jax.tree.flatten(base_state)
   flat = base_def.flatten_up_to(base_specs)

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from t5x_optim.partitioning import _state_rules_specs as specs_lib
 
-_PROBE_KEY = '\x00t5x_optim_probe_{:07d}'
+_PROBE_KEY = "\x00t5x_optim_probe_{:07d}"
 
 
 class GenericDerivationError(Exception):
@@ -33,33 +33,31 @@ class GenericDerivationError(Exception):
 
 def _abstract_mesh(param_specs: Sequence[PartitionSpec | None]) -> AbstractMesh:
   names = sorted({n for s in set(param_specs) for n in specs_lib.spec_names(s)})
-  return AbstractMesh(
-      (1,) * len(names), tuple(names),
-      axis_types=(AxisType.Explicit,) * len(names))
+  return AbstractMesh((1,) * len(names), tuple(names), axis_types=(AxisType.Explicit,) * len(names))
 
 
 def _leaf_class(leaf: Any, spec: PartitionSpec | None) -> tuple[Any, ...]:
   shape = specs_lib.leaf_shape(leaf)
   if spec is None or len(spec) > len(shape):
     spec = PartitionSpec()
-  return shape, leaf.dtype, getattr(leaf, 'weak_type', False), spec
+  return shape, leaf.dtype, getattr(leaf, "weak_type", False), spec
 
 
 def _sharded(cls: tuple[Any, ...], mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
   shape, dtype, weak_type, spec = cls
-  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,
-                              sharding=NamedSharding(mesh, spec))
+  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=NamedSharding(mesh, spec))
 
 
-def _trace_init(transformation: optax.GradientTransformation, params: Any,
-                mesh: AbstractMesh) -> Any:
+def _trace_init(
+  transformation: optax.GradientTransformation, params: Any, mesh: AbstractMesh
+) -> Any:
   with jax.sharding.use_abstract_mesh(mesh):
     return jax.eval_shape(transformation.init, params)
 
 
-def _matching_specs(abstract_state: Any, state_def: jax.tree_util.PyTreeDef,
-                    state_shapes: Sequence[tuple[int, ...]]
-                    ) -> list[PartitionSpec | None] | None:
+def _matching_specs(
+  abstract_state: Any, state_def: jax.tree_util.PyTreeDef, state_shapes: Sequence[tuple[int, ...]]
+) -> list[PartitionSpec | None] | None:
   """Specs of ``abstract_state``'s leaves if it matches the real state."""
   leaves, treedef = jax.tree.flatten(abstract_state)
   if treedef != state_def:
@@ -71,14 +69,13 @@ def _matching_specs(abstract_state: Any, state_def: jax.tree_util.PyTreeDef,
     if shape != expected:
       return None
     if id(leaf) not in specs:
-      spec = getattr(getattr(leaf, 'sharding', None), 'spec', None)
+      spec = getattr(getattr(leaf, "sharding", None), "spec", None)
       specs[id(leaf)] = specs_lib.canonical(spec, len(shape))
     out.append(specs[id(leaf)])
   return out
 
 
-def _probe_specs(transformation, classes, class_of, params_def, mesh,
-                 state_def, state_shapes):
+def _probe_specs(transformation, classes, class_of, params_def, mesh, state_def, state_shapes):
   """Specs from tracing ``init`` on one param per class, or None."""
   keys = [_PROBE_KEY.format(i) for i in range(len(classes))]
   key_set = set(keys)
@@ -103,12 +100,12 @@ def _probe_specs(transformation, classes, class_of, params_def, mesh,
 
 
 def derive_generic(
-    transformation: optax.GradientTransformation,
-    param_leaves: Sequence[Any],
-    params_def: jax.tree_util.PyTreeDef,
-    param_specs: Sequence[PartitionSpec | None],
-    state_def: jax.tree_util.PyTreeDef,
-    state_shapes: Sequence[tuple[int, ...]],
+  transformation: optax.GradientTransformation,
+  param_leaves: Sequence[Any],
+  params_def: jax.tree_util.PyTreeDef,
+  param_specs: Sequence[PartitionSpec | None],
+  state_def: jax.tree_util.PyTreeDef,
+  state_shapes: Sequence[tuple[int, ...]],
 ) -> list[PartitionSpec | None]:
   """Canonical specs of every state leaf, by tracing ``transformation.init``.
 
@@ -138,8 +135,9 @@ def derive_generic(
   index: dict[tuple[Any, ...], int] = {}
   class_of = [index.setdefault(c, len(index)) for c in leaf_classes]
   if len(index) < len(class_of):
-    found = _probe_specs(transformation, list(index), class_of, params_def,
-                         mesh, state_def, state_shapes)
+    found = _probe_specs(
+      transformation, list(index), class_of, params_def, mesh, state_def, state_shapes
+    )
     if found is not None:
       return found
   sharded = [_sharded(c, mesh) for c in leaf_classes]
@@ -147,11 +145,12 @@ def derive_generic(
     state = _trace_init(transformation, params_def.unflatten(sharded), mesh)
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise GenericDerivationError(
-        f'tracing transformation.init on abstract sharded params failed: '
-        f'{type(e).__name__}: {e}') from e
+      f"tracing transformation.init on abstract sharded params failed: {type(e).__name__}: {e}"
+    ) from e
   found = _matching_specs(state, state_def, state_shapes)
   if found is None:
     raise GenericDerivationError(
-        'transformation.init(params) does not produce a state with the '
-        'structure and shapes of the given optax_state')
+      "transformation.init(params) does not produce a state with the "
+      "structure and shapes of the given optax_state"
+    )
   return found

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-StateRule = Callable[[Any, Any, 'StateRuleContext'], Any]
+StateRule = Callable[[Any, Any, "StateRuleContext"], Any]
 """``rule(state, specs, context) -> specs`` for one state node.
 
 ``state`` is the node of the optimizer state (arrays or ShapeDtypeStructs),
@@ -37,8 +37,7 @@ _LOCK = threading.Lock()
 _RULES: dict[type, StateRule] = {}
 
 
-def register_state_rule(state_type: type, rule: StateRule, *,
-                        replace: bool = False) -> None:
+def register_state_rule(state_type: type, rule: StateRule, *, replace: bool = False) -> None:
   """Registers ``rule`` to override the specs derived for ``state_type`` nodes.
 
   Rules run after structural and generic derivation, innermost node first, and
@@ -67,14 +66,15 @@ def register_state_rule(state_type: type, rule: StateRule, *,
     register_state_rule(MyState, my_rule)
   """
   if not isinstance(state_type, type):
-    raise TypeError(f'state_type must be a type, got {state_type!r}')
+    raise TypeError(f"state_type must be a type, got {state_type!r}")
   if not callable(rule):
-    raise TypeError(f'rule must be callable, got {rule!r}')
+    raise TypeError(f"rule must be callable, got {rule!r}")
   with _LOCK:
     if state_type in _RULES and not replace:
       raise ValueError(
-          f'a state rule for {state_type.__module__}.{state_type.__qualname__}'
-          ' is already registered; pass replace=True to replace it')
+        f"a state rule for {state_type.__module__}.{state_type.__qualname__}"
+        " is already registered; pass replace=True to replace it"
+      )
     _RULES[state_type] = rule
 
 

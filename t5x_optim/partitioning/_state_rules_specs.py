@@ -29,10 +29,10 @@ class _Underived:
     return cls._instance
 
   def __repr__(self) -> str:
-    return 'UNDERIVED'
+    return "UNDERIVED"
 
   def __reduce__(self) -> str:
-    return 'UNDERIVED'
+    return "UNDERIVED"
 
 
 UNDERIVED = _Underived()
@@ -120,20 +120,20 @@ def spec_problem(spec: Any, shape: Sequence[int]) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _spec_problem(spec: Any, rank: int) -> str | None:
   if spec is UNDERIVED:
-    return 'no spec could be derived'
+    return "no spec could be derived"
   if not isinstance(spec, PartitionSpec):
-    return f'{type(spec).__name__} is not a PartitionSpec'
+    return f"{type(spec).__name__} is not a PartitionSpec"
   if len(spec) != rank:
-    return f'spec has {len(spec)} entries for a rank-{rank} leaf'
+    return f"spec has {len(spec)} entries for a rank-{rank} leaf"
   names = spec_names(spec)
   if len(set(names)) != len(names):
-    return 'spec names an axis twice'
+    return "spec names an axis twice"
   return None
 
 
 def leaf_shape(leaf: Any) -> tuple[int, ...]:
   """The shape of an array, ShapeDtypeStruct or Python scalar."""
-  shape = getattr(leaf, 'shape', None)
+  shape = getattr(leaf, "shape", None)
   return tuple(shape) if shape is not None else tuple(np.shape(leaf))
 
 
@@ -152,7 +152,7 @@ def freeze_top(tree: Any) -> Any:
 
 
 def subtree_offsets(
-    treedef: jax.tree_util.PyTreeDef, match
+  treedef: jax.tree_util.PyTreeDef, match
 ) -> Iterator[tuple[int, jax.tree_util.PyTreeDef]]:
   """Pre-order ``(leaf offset, node)`` of the outermost nodes ``match`` accepts.
 
