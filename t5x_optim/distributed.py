@@ -23,7 +23,7 @@ delay them.
 
 Example (each process of a 2-process job, before any other jax call):
   >>> from t5x_optim import distributed
-  >>> distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
+  >>> distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
 """
 
 from __future__ import annotations
