@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import subprocess
+import sys
 import types
 
 import pytest
 
 import t5x_optim
 from t5x_optim import checkpoints, optimizers, partitioning
+from t5x_optim._example_lib import EXAMPLE_LIB_OPTIMIZERS
 
 
 @pytest.mark.parametrize(
@@ -61,9 +66,35 @@ def test_root_reexports_interface():
 
 def test_kfac_names_load_lazily():
   pytest.importorskip("kfac_jax")
-  from t5x_optim import _kfac
-
-  assert t5x_optim.KfacOptimizerDef is _kfac.KfacOptimizerDef
-  assert t5x_optim.KfacHyperParams is _kfac.KfacHyperParams
+  script = (
+    "import sys, t5x_optim\n"
+    "assert 't5x_optim._kfac' not in sys.modules and 'kfac_jax' not in sys.modules\n"
+    "from t5x_optim import _kfac\n"
+    "assert t5x_optim.KfacOptimizerDef is _kfac.KfacOptimizerDef\n"
+    "assert t5x_optim.KfacHyperParams is _kfac.KfacHyperParams\n"
+  )
+  subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     getattr(t5x_optim, "nope")
+
+
+def _explicit_names(call: str) -> set[str]:
+  """Names `optimizers.py` assigns from `call` (written out, as static tools read them)."""
+  tree = ast.parse(inspect.getsource(optimizers))
+  return {
+    target.id
+    for node in tree.body
+    if isinstance(node, ast.Assign) and call in ast.unparse(node.value)
+    for target in node.targets
+    if isinstance(target, ast.Name)
+  }
+
+
+def test_optimizers_namespace_is_written_out_as_discovery_finds_it():
+  factories = t5x_optim.optax_optimizer_factories()
+  assert _explicit_names("wrap_optax_optimizer(") == set(factories)
+  assert _explicit_names("EXAMPLE_LIB_OPTIMIZERS[") == set(EXAMPLE_LIB_OPTIMIZERS)
+  for name, factory in factories.items():
+    assert getattr(optimizers, name).__wrapped__ is factory, name
+  for name, maker in EXAMPLE_LIB_OPTIMIZERS.items():
+    assert getattr(optimizers, name) is maker, name

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from t5x_optim.partitioning._mesh import create_mesh
 
@@ -88,12 +88,18 @@ def test_axis_types(axis_types, expected):
   assert create_mesh(num_partitions=2, axis_types=axis_types).axis_types == expected
 
 
-def test_auto_mesh_shards_a_matmul_over_the_contracting_dim():
-  mesh = create_mesh(num_partitions=4)
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
-  x = jax.device_put(np.ones((2, 8), np.float32), sharding)
-  w = jax.device_put(
-    np.ones((8, 3), np.float32),
-    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model")),
-  )
-  np.testing.assert_allclose(jax.jit(lambda a, b: a @ b)(x, w), np.full((2, 3), 8.0))
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit])
+def test_auto_mesh_shards_a_matmul_over_the_contracting_dim(axis_types):
+  """The default (Auto) mesh runs it; an Explicit one refuses it (DESIGN fact 3)."""
+  mesh = create_mesh(num_partitions=4, axis_types=axis_types)
+  x_values = np.arange(16, dtype=np.float32).reshape(2, 8)
+  w_values = np.arange(24, dtype=np.float32).reshape(8, 3)
+  x = jax.device_put(x_values, NamedSharding(mesh, PartitionSpec(None, "model")))
+  w = jax.device_put(w_values, NamedSharding(mesh, PartitionSpec("model")))
+  assert len(x.addressable_shards) == 8 and x.addressable_shards[0].data.shape == (2, 2)
+  matmul = jax.jit(lambda a, b: a @ b)
+  if axis_types is AxisType.Explicit:
+    with pytest.raises(Exception, match="Contracting dimensions are sharded"):
+      matmul(x, w)
+    return
+  np.testing.assert_array_equal(matmul(x, w), x_values @ w_values)
