@@ -7,7 +7,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim.partitioning._axis_rules import (
+from t5x_optim.partitioning import (
   LogicalAxisRules,
   UnknownAxis,
   add_optimizer_state_axis,

@@ -15,13 +15,14 @@ from jax.example_libraries import optimizers as example_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim import Optimizer, TrainState
-from t5x_optim._example_lib import (
-  EXAMPLE_LIB_OPTIMIZERS,
+from t5x_optim import (
   ExampleLibOptimizerDef,
+  Optimizer,
+  TrainState,
   example_lib_optimizer_makers,
   wrap_example_lib_optimizer,
 )
+from t5x_optim._example_lib import EXAMPLE_LIB_OPTIMIZERS
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,

@@ -16,8 +16,7 @@ kfac_jax = pytest.importorskip("kfac_jax")
 # kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
 pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
 
-from t5x_optim import OptaxWrapper  # noqa: E402
-from t5x_optim._kfac import KfacOptimizerDef  # noqa: E402
+from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
 from t5x_optim.partitioning import StateRulesFallback  # noqa: E402
 
 _NUM_STEPS = 6

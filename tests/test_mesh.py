@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from t5x_optim.partitioning._mesh import create_mesh
+from t5x_optim.partitioning import create_mesh
 
 LAYOUTS = [(1, 8), (2, 4), (4, 2), (8, 1)]
 

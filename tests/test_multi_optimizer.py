@@ -20,16 +20,15 @@ from jax.sharding import PartitionSpec as P
 
 from t5x_optim import (
   MultiOptimizer,
+  OptaxHyperParams,
   OptaxWrapper,
   Optimizer,
   OptimizerDef,
   OptimizerState,
   PathFilter,
+  TrainState,
 )
-from t5x_optim._optax_wrapper import OptaxHyperParams
-from t5x_optim._train_state import TrainState
-from t5x_optim.partitioning._mesh import create_mesh
-from t5x_optim.partitioning._partitioner import Partitioner
+from t5x_optim.partitioning import Partitioner, create_mesh
 
 STEPS = 3
 KERNELS = PathFilter(r"kernel$")

@@ -12,14 +12,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim.partitioning._axis_rules import (
+from t5x_optim.partitioning import (
+  Partitioner,
   UnknownAxis,
+  create_mesh,
   logical_to_mesh_axes_tree,
   optimizer_state_mesh_axes_tree,
   standard_logical_axis_rules,
 )
-from t5x_optim.partitioning._mesh import create_mesh
-from t5x_optim.partitioning._partitioner import Partitioner, is_optimizer_state_path
+from t5x_optim.partitioning._partitioner import is_optimizer_state_path
 
 MESHES = [(2, 4), (4, 2)]
 

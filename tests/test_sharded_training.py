@@ -14,16 +14,16 @@ import pytest
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim import OptaxWrapper
-from t5x_optim._train_state import TrainState
-from t5x_optim.partitioning._axis_rules import (
+from t5x_optim import OptaxWrapper, TrainState
+from t5x_optim.partitioning import (
+  Partitioner,
+  abstract_train_state,
+  create_mesh,
+  init_sharded,
   logical_to_mesh_axes_tree,
   optimizer_state_mesh_axes_tree,
   standard_logical_axis_rules,
 )
-from t5x_optim.partitioning._init import abstract_train_state, init_sharded
-from t5x_optim.partitioning._mesh import create_mesh
-from t5x_optim.partitioning._partitioner import Partitioner
 
 EMBED, MLP, BATCH, STEPS = 16, 32, 8, 3
 BATCH_AXES = {"x": P("batch", "embed"), "y": P("batch", "embed")}

@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 from optax import contrib
 from optimizer_table import DISCOVERED
 
-from t5x_optim.partitioning._state_rules import (
+from t5x_optim.partitioning import (
   OptaxStatePartitionRules,
   StateRulesFallback,
   logical_axes_from,
+  register_state_rule,
 )
-from t5x_optim.partitioning._state_rules_registry import register_state_rule
 
 derive = OptaxStatePartitionRules.derive_optax_logical_axes
 RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("kv", None))

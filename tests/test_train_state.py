@@ -10,8 +10,7 @@ import pytest
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim import OptaxWrapper, optimizers
-from t5x_optim._train_state import TrainState
+from t5x_optim import OptaxWrapper, TrainState, optimizers
 
 EMBED, MLP = 4, 8
 KERNEL_AXES = P("embed", "mlp")
