@@ -18,8 +18,6 @@ from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
 __all__ = [
-  "is_array",
-  "is_placeholder",
   "is_prng_key",
   "key_path_parts",
   "key_path_str",
@@ -89,7 +87,7 @@ def key_path_str(path: tuple[Any, ...]) -> str:
   return _join(key_path_parts(path))
 
 
-def is_array(value: Any) -> bool:
+def _is_array(value: Any) -> bool:
   """Whether `value` is concrete array data (numpy, jax or a Python number)."""
   return isinstance(value, np.ndarray | np.generic | jax.Array | bool | int | float | complex)
 
@@ -103,7 +101,7 @@ def _is_lazy_array(value: Any) -> bool:
   )
 
 
-def is_placeholder(value: Any) -> bool:
+def _is_placeholder(value: Any) -> bool:
   """Whether `value` stands where an array goes without being array data.
 
   T5X fills state dicts with these and restores them as a tree replace: None
@@ -112,7 +110,7 @@ def is_placeholder(value: Any) -> bool:
 
   Example:
     >>> from jax.sharding import PartitionSpec
-    >>> is_placeholder(None), is_placeholder(PartitionSpec("embed")), is_placeholder(1.0)
+    >>> _is_placeholder(None), _is_placeholder(PartitionSpec("embed")), _is_placeholder(1.0)
     (True, True, False)
   """
   return (
@@ -124,7 +122,7 @@ def is_placeholder(value: Any) -> bool:
 
 def _shape_of(value: Any) -> tuple[int, ...] | None:
   """The shape of an array, abstract array or lazy array; None for metadata."""
-  if is_array(value):
+  if _is_array(value):
     return np.shape(value)
   if isinstance(value, jax.ShapeDtypeStruct) or _is_lazy_array(value):
     return tuple(value.shape)
@@ -239,7 +237,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   """Returns `value` for the reference leaf `reference`, checked.
 
   Array data restored into an array is checked (`_convert_array`); a
-  placeholder (`is_placeholder`) is placed as given, after a shape check
+  placeholder (`_is_placeholder`) is placed as given, after a shape check
   where both sides have one; array data restored into a spec or sharding (a
   tree replace of specs) is placed as given. Anything else, array data where
   the optimizer has no state (None) included, is an error.
@@ -247,7 +245,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   where = _join(path)
   if reference is None and _is_empty(value):
     return None
-  if is_placeholder(value):
+  if _is_placeholder(value):
     ref_shape, shape = _shape_of(reference), _shape_of(value)
     if ref_shape is not None and shape is not None and ref_shape != shape:
       raise ValueError(
@@ -255,7 +253,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
         f"state dict has {_describe(value)}."
       )
     return value
-  if reference is None or not is_array(value):
+  if reference is None or not _is_array(value):
     expected = "None (no state)" if reference is None else _describe(reference)
     if _shape_of(reference) is not None:
       expected = f"an array with {expected}"
@@ -339,7 +337,7 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
       nodes removed (or marked with `traverse_util.empty_node`). Leaves may
       be numpy or jax arrays or Python scalars (a typed PRNG key may also
       come as its raw `jax.random.key_data`), or placeholders
-      (`is_placeholder`: None, `PartitionSpec`s, `ShapeDtypeStruct`s, lazy
+      (`_is_placeholder`: None, `PartitionSpec`s, `ShapeDtypeStruct`s, lazy
       arrays), which are placed as given: T5X restores trees of specs and
       abstract values this way.
 

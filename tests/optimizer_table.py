@@ -134,6 +134,25 @@ def _buildable(factory: Callable[..., Any]) -> bool:
 
 
 ALL_FACTORIES = optax_optimizer_factories()
+# The wrapped optax factories `t5x.optimizers` exports by name.
+T5X_OPTIMIZER_NAMES = frozenset(
+  {
+    "adabelief",
+    "adagrad",
+    "adam",
+    "adamw",
+    "fromage",
+    "lars",
+    "lamb",
+    "lion",
+    "noisy_sgd",
+    "radam",
+    "rmsprop",
+    "sgd",
+    "yogi",
+    "dpsgd",
+  }
+)
 DISCOVERED = [
   Case(name, functools.partial(_build, factory))
   for name, factory in ALL_FACTORIES.items()
