@@ -36,7 +36,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim.partitioning._state_rules import OptaxStatePartitionRules  # noqa: E402
+from t5x_optim.partitioning import OptaxStatePartitionRules  # noqa: E402
 
 RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("vocab", "model"), ("kv", None))
 EMBED, MLP, HEADS, KV, VOCAB = 256, 512, 8, 32, 1024

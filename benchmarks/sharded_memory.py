@@ -37,13 +37,13 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from t5x_optim import OptaxWrapper  # noqa: E402
-from t5x_optim.partitioning._axis_rules import (  # noqa: E402
+from t5x_optim.partitioning import (  # noqa: E402
   LogicalAxisRules,
+  Partitioner,
+  abstract_train_state,
+  create_mesh,
   standard_logical_axis_rules,
 )
-from t5x_optim.partitioning._init import abstract_train_state  # noqa: E402
-from t5x_optim.partitioning._mesh import create_mesh  # noqa: E402
-from t5x_optim.partitioning._partitioner import Partitioner  # noqa: E402
 
 VOCAB, EMBED, HEADS, KV, MLP, LAYERS = 32128, 512, 8, 64, 2048, 11
 MESHES = [(1, 8), (2, 4), (8, 1)]

@@ -13,30 +13,30 @@ import importlib
 from typing import Any
 
 from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
-from t5x_optim._discovery import optax_optimizer_factories
-from t5x_optim._example_lib import (
+from t5x_optim._optimizers.discovery import optax_optimizer_factories
+from t5x_optim._optimizers.example_lib import (
   ExampleLibHyperParams,
   ExampleLibOptimizerDef,
   example_lib_optimizer_makers,
   wrap_example_lib_optimizer,
 )
-from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optax_wrapper import (
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._optimizers.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
   chain,
   inject_hyperparams,
   wrap_optax_optimizer,
 )
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim._train_state import TrainState
-from t5x_optim.checkpoints import Checkpointer, CheckpointError
-from t5x_optim.t5x_checkpoints import (
+from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
+from t5x_optim._training.t5x_checkpoints import (
   latest_t5x_step,
   restore_t5x_checkpoint,
   save_t5x_checkpoint,
   t5x_checkpoint_steps,
 )
+from t5x_optim._training.train_state import TrainState
 
 __all__ = [
   "CheckpointError",
@@ -68,7 +68,8 @@ __all__ = [
   "wrap_optax_optimizer",
 ]
 
-_LAZY = {"KfacHyperParams": "t5x_optim._kfac", "KfacOptimizerDef": "t5x_optim._kfac"}
+_KFAC = "t5x_optim._optimizers.kfac"
+_LAZY = {"KfacHyperParams": _KFAC, "KfacOptimizerDef": _KFAC}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,22 +18,22 @@ Example:
 
 import optax
 
-from t5x_optim._discovery import optax_optimizer_factories
-from t5x_optim._example_lib import (
+from t5x_optim._axes.engine import OptaxStatePartitionRules
+from t5x_optim._optimizers.discovery import optax_optimizer_factories
+from t5x_optim._optimizers.example_lib import (
   EXAMPLE_LIB_OPTIMIZERS,
   ExampleLibOptimizerDef,
   wrap_example_lib_optimizer,
 )
-from t5x_optim._multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optax_wrapper import (
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._optimizers.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
   chain,
   inject_hyperparams,
   wrap_optax_optimizer,
 )
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim.partitioning import OptaxStatePartitionRules
 
 OptimizerType = Optimizer
 OptimizerStateType = OptimizerState

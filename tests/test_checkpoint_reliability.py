@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from t5x_optim import CheckpointError, distributed
-from t5x_optim.checkpoints import Checkpointer, _dispatch_checksums, _fetch
+from t5x_optim._training.checkpoints import _dispatch_checksums, _fetch
+from t5x_optim.checkpoints import Checkpointer
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5x_optim._training.partitioner import is_optimizer_state_path
 from t5x_optim.partitioning import (
   Partitioner,
   UnknownAxis,
@@ -20,7 +21,6 @@ from t5x_optim.partitioning import (
   optimizer_state_mesh_axes_tree,
   standard_logical_axis_rules,
 )
-from t5x_optim.partitioning._partitioner import is_optimizer_state_path
 
 MESHES = [(2, 4), (4, 2)]
 

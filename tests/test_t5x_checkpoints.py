@@ -24,7 +24,8 @@ import tensorstore as ts
 from flax import serialization, traverse_util
 
 import t5x_optim
-from t5x_optim import partitioning, t5x_checkpoints
+from t5x_optim import partitioning
+from t5x_optim._training import t5x_checkpoints as t5x_checkpoints_impl
 from t5x_optim.partitioning import Partitioner
 
 DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
@@ -252,7 +253,9 @@ def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(
       return real_open({"driver": "zarr", "kvstore": {"driver": "memory"}}, open=True)
     return real_open(spec, **kwargs)
 
-  monkeypatch.setattr(t5x_checkpoints, "ts", types.SimpleNamespace(open=open_failing_the_fifth))
+  monkeypatch.setattr(
+    t5x_checkpoints_impl, "ts", types.SimpleNamespace(open=open_failing_the_fifth)
+  )
   with pytest.raises(ValueError, match="NOT_FOUND"):
     t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"], step=3)
   assert len(calls) == 9  # every open was started and waited for before the cleanup

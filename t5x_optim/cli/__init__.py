@@ -11,9 +11,9 @@ Example:
   ('TrainJob', 2)
 """
 
-from t5x_optim._model import SyntheticTask, TransformerConfig, TransformerLM
 from t5x_optim.cli._config import DEFAULT_CONFIG, GIN_DIR, TrainJob, mesh_devices
 from t5x_optim.cli._main import console_main, main
+from t5x_optim.cli._model import SyntheticTask, TransformerConfig, TransformerLM
 
 __all__ = [
   "DEFAULT_CONFIG",

@@ -179,7 +179,7 @@ def _devices(requested: int | None) -> tuple[int, str]:
 
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
-  from t5x_optim import _plan  # noqa: PLC0415
+  from t5x_optim._training import plan as _plan  # noqa: PLC0415
 
   plan = _plan.build_plan(
     setup.abstract_state,

@@ -11,7 +11,7 @@ Example:
   >>> from t5x_optim import optimizers, partitioning
   >>> from t5x_optim.cli._config import TrainJob
   >>> from t5x_optim.cli._interrupt import Interrupt
-  >>> from t5x_optim._model import SyntheticTask, TransformerConfig
+  >>> from t5x_optim.cli._model import SyntheticTask, TransformerConfig
   >>> mesh = partitioning.create_mesh(devices=jax.devices()[:1])
   >>> job = TrainJob(optimizers.adamw(1e-2), partitioning.Partitioner(mesh),
   ...                model=TransformerConfig(vocab_size=16, num_layers=1, max_length=8),
@@ -46,13 +46,13 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from t5x_optim._model import TransformerLM, cross_entropy_loss
-from t5x_optim._plan import format_bytes
-from t5x_optim._train_state import TrainState
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim._training.checkpoints import Checkpointer
+from t5x_optim._training.plan import format_bytes
+from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli._config import TrainJob
 from t5x_optim.cli._interrupt import Interrupt
 from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
+from t5x_optim.cli._model import TransformerLM, cross_entropy_loss
 
 __all__ = [
   "CONFIG_FILE",

@@ -17,8 +17,8 @@ import optax
 from jax.sharding import PartitionSpec
 from optax import contrib
 
-from t5x_optim.partitioning import _state_rules_registry as registry
-from t5x_optim.partitioning import _state_rules_specs as specs_lib
+from t5x_optim._axes import registry
+from t5x_optim._axes import specs as specs_lib
 
 
 def _with_memory_axis(spec: Any) -> Any:

@@ -23,8 +23,8 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
-from t5x_optim import _state_dict
-from t5x_optim._optimizer import Optimizer, OptimizerDef, structure_mismatch
+from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, structure_mismatch
 
 __all__ = ["TrainState"]
 

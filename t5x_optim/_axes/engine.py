@@ -33,11 +33,10 @@ from flax.core import frozen_dict, meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
-from t5x_optim.partitioning import _state_rules_builtin  # noqa: F401  (registers the built-in rules)
-from t5x_optim.partitioning import _state_rules_generic as generic
-from t5x_optim.partitioning import _state_rules_registry as registry
-from t5x_optim.partitioning import _state_rules_specs as specs_lib
-from t5x_optim.partitioning._axis_rules import is_spec_leaf
+from t5x_optim._axes import builtin as _state_rules_builtin  # noqa: F401  (registers the built-in rules)
+from t5x_optim._axes import generic, registry
+from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.rules import is_spec_leaf
 
 _MAX_PATHS_IN_WARNING = 5
 

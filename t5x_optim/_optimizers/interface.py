@@ -11,7 +11,7 @@ import flax
 import jax
 from flax import struct
 
-from t5x_optim import _state_dict
+from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState"]
 

@@ -1,4 +1,8 @@
-"""Partitioning: optimizer-state partition rules, logical axis rules, meshes.
+"""Partitioning: optimizer-state partition rules, logical axis rules, meshes, plans.
+
+The axis rules and `OptaxStatePartitionRules` come from the axes layer
+(``t5x_optim/_axes``); meshes, the partitioner and the sharding plan from the
+training layer (``t5x_optim/_training``).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -12,7 +16,13 @@ Example:
   {'w': P('embed', 'mlp')}
 """
 
-from t5x_optim.partitioning._axis_rules import (
+from t5x_optim._axes.engine import (
+  OptaxStatePartitionRules,
+  StateRulesFallback,
+  logical_axes_from,
+)
+from t5x_optim._axes.registry import StateRuleContext, register_state_rule
+from t5x_optim._axes.rules import (
   LogicalAxisRules,
   UnknownAxis,
   add_optimizer_state_axis,
@@ -22,26 +32,24 @@ from t5x_optim.partitioning._axis_rules import (
   optimizer_state_mesh_axes_tree,
   standard_logical_axis_rules,
 )
-from t5x_optim.partitioning._init import abstract_train_state, init_sharded
-from t5x_optim.partitioning._mesh import create_mesh
-from t5x_optim.partitioning._partitioner import Partitioner, check_divisible
-from t5x_optim.partitioning._state_rules import (
-  OptaxStatePartitionRules,
-  StateRulesFallback,
-  logical_axes_from,
-)
-from t5x_optim.partitioning._state_rules_registry import StateRuleContext, register_state_rule
+from t5x_optim._training.init import abstract_train_state, init_sharded
+from t5x_optim._training.mesh import create_mesh
+from t5x_optim._training.partitioner import Partitioner, check_divisible
+from t5x_optim._training.plan import LeafRow, Plan, build_plan
 
 __all__ = [
+  "LeafRow",
   "LogicalAxisRules",
   "OptaxStatePartitionRules",
   "Partitioner",
+  "Plan",
   "StateRuleContext",
   "StateRulesFallback",
   "UnknownAxis",
   "abstract_train_state",
   "add_optimizer_state_axis",
   "as_logical_axis_rules",
+  "build_plan",
   "check_divisible",
   "create_mesh",
   "init_sharded",

@@ -22,7 +22,7 @@ import jax
 import optax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from t5x_optim.partitioning import _state_rules_specs as specs_lib
+from t5x_optim._axes import specs as specs_lib
 
 _PROBE_KEY = "\x00t5x_optim_probe_{:07d}"
 

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_optim.partitioning import _axis_rules
-from t5x_optim.partitioning._axis_rules import LogicalAxisRules, Rule, UnknownAxis
+from t5x_optim._axes import rules as _axis_rules
+from t5x_optim._axes.rules import LogicalAxisRules, Rule, UnknownAxis
 
 OPTIMIZER_STATE_KEY = "param_states"
 
@@ -100,7 +100,7 @@ def check_divisible(values: Any, shardings: Any, *, name: str = "") -> None:
 
   Example:
     >>> import numpy as np
-    >>> from t5x_optim.partitioning._mesh import create_mesh
+    >>> from t5x_optim.partitioning import create_mesh
     >>> mesh = create_mesh(devices=jax.devices()[:1])
     >>> check_divisible({'w': np.ones((3, 2))}, {'w': NamedSharding(mesh, PartitionSpec('data'))})
   """
@@ -226,7 +226,7 @@ class Partitioner:
     unknown_axis: what to do with a logical name that no rule mentions.
 
   Example:
-    >>> from t5x_optim.partitioning._mesh import create_mesh
+    >>> from t5x_optim.partitioning import create_mesh
     >>> p = Partitioner(create_mesh(devices=jax.devices()[:1]))
     >>> p.mesh_sharding({'w': PartitionSpec('embed', 'mlp')})['w'].spec
     P(None, 'model')
@@ -263,7 +263,7 @@ class Partitioner:
     """Maps a tree of logical specs to mesh specs with the parameter rules.
 
     Example:
-      >>> from t5x_optim.partitioning._mesh import create_mesh
+      >>> from t5x_optim.partitioning import create_mesh
       >>> p = Partitioner(create_mesh(devices=jax.devices()[:1]))
       >>> p.logical_to_mesh_axes((PartitionSpec('batch', 'vocab'), None))
       (P('data', 'model'), None)
@@ -276,7 +276,7 @@ class Partitioner:
     """Turns a tree of mesh specs into ``NamedSharding``s (None: replicated).
 
     Example:
-      >>> from t5x_optim.partitioning._mesh import create_mesh
+      >>> from t5x_optim.partitioning import create_mesh
       >>> p = Partitioner(create_mesh(devices=jax.devices()[:1]))
       >>> p.mesh_axes_to_sharding([None])[0].spec
       P()
@@ -301,7 +301,7 @@ class Partitioner:
     kept as they are.
 
     Example:
-      >>> from t5x_optim.partitioning._mesh import create_mesh
+      >>> from t5x_optim.partitioning import create_mesh
       >>> p = Partitioner(create_mesh(devices=jax.devices()[:1]))
       >>> p.mesh_sharding(PartitionSpec('batch')).spec
       P('data',)
@@ -345,7 +345,7 @@ class Partitioner:
       The partitioned function; see :class:`PartitionedFunction`.
 
     Example:
-      >>> from t5x_optim.partitioning._mesh import create_mesh
+      >>> from t5x_optim.partitioning import create_mesh
       >>> p = Partitioner(create_mesh(devices=jax.devices()[:1]))
       >>> batch = PartitionSpec('batch')
       >>> double = p.partition(lambda x: 2 * x, (batch,), batch)

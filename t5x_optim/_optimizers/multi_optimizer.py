@@ -56,9 +56,14 @@ import jax.numpy as jnp
 from flax import serialization, traverse_util
 from flax.core import FrozenDict
 
-from t5x_optim import _state_dict
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, structure_mismatch
-from t5x_optim.partitioning._axis_rules import is_spec_leaf
+from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._optimizers.interface import (
+  Optimizer,
+  OptimizerDef,
+  OptimizerState,
+  structure_mismatch,
+)
 
 __all__ = ["MultiOptimizer", "PathFilter"]
 
@@ -553,7 +558,7 @@ class MultiOptimizer(OptimizerDef):
     `param_states` holds each sub-optimizer's derived state. Frozen params
     have no state, so they appear only in the target.
     """
-    from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
+    from t5x_optim._axes import engine as _state_rules  # pylint: disable=g-import-not-at-top
 
     partition, leaves = self._partition(optimizer.target)
     axes = _state_rules.logical_axes_from(param_logical_axes)
@@ -578,7 +583,7 @@ class MultiOptimizer(OptimizerDef):
     The split is computed on the axes tree itself; filters of flax
     traversals see the `PartitionSpec` as the value (an empty one for None).
     """
-    from t5x_optim.partitioning import _state_rules  # pylint: disable=g-import-not-at-top
+    from t5x_optim._axes import engine as _state_rules  # pylint: disable=g-import-not-at-top
 
     axes = _state_rules.logical_axes_from(param_logical_axes)
     specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=is_spec_leaf)

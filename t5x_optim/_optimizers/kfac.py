@@ -28,10 +28,10 @@ from jax import extend as jex
 from jax.sharding import PartitionSpec
 from kfac_jax._src import tag_graph_matcher
 
-from t5x_optim import _state_dict
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim.partitioning import _state_rules
-from t5x_optim.partitioning._axis_rules import is_spec_leaf
+from t5x_optim._axes import engine as _state_rules
+from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from t5x_optim._optimizer import OptimizerDef
-from t5x_optim._train_state import TrainState
-from t5x_optim.partitioning._partitioner import Partitioner
+from t5x_optim._optimizers.interface import OptimizerDef
+from t5x_optim._training.partitioner import Partitioner
+from t5x_optim._training.train_state import TrainState
 
 __all__ = ["abstract_train_state", "init_sharded"]
 
@@ -67,7 +67,7 @@ def abstract_train_state(
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from t5x_optim import optimizers
-    >>> from t5x_optim.partitioning._mesh import create_mesh
+    >>> from t5x_optim.partitioning import create_mesh
     >>> mesh = create_mesh(devices=jax.devices()[:1])
     >>> state = abstract_train_state(
     ...     Partitioner(mesh), optimizers.adamw(1e-3), lambda: {'params': {'w': jnp.ones(4)}})
@@ -113,7 +113,7 @@ def init_sharded(
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from t5x_optim import optimizers
-    >>> from t5x_optim.partitioning._mesh import create_mesh
+    >>> from t5x_optim.partitioning import create_mesh
     >>> mesh = create_mesh(devices=jax.devices()[:1])
     >>> state = init_sharded(
     ...     Partitioner(mesh), optimizers.sgd(0.1), lambda: {'params': {'w': jnp.ones(4)}})

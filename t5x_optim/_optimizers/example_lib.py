@@ -26,15 +26,15 @@ from flax import struct
 from jax.example_libraries import optimizers as example_lib
 from jax.sharding import PartitionSpec
 
-from t5x_optim._optimizer import (
+from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
+from t5x_optim._optimizers.interface import (
   Optimizer,
   OptimizerDef,
   OptimizerState,
   structure_mismatch,
   tree_like,
 )
-from t5x_optim.partitioning import _state_rules_specs as specs_lib
-from t5x_optim.partitioning._state_rules import StateRulesFallback, logical_axes_from
 
 __all__ = [
   "EXAMPLE_LIB_OPTIMIZERS",

@@ -14,8 +14,8 @@ import numpy as np
 import optax
 from flax import struct
 
-from t5x_optim._optimizer import Optimizer, OptimizerDef, OptimizerState, tree_like
-from t5x_optim.partitioning import _state_rules
+from t5x_optim._axes import engine as _state_rules
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState, tree_like
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
