@@ -43,19 +43,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _cpu_devices  # noqa: F401  (sets the device flags before jax loads)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-
-from t5x_optim import TrainState, checkpoints, optimizers  # noqa: E402
-from t5x_optim.checkpoints import Checkpointer  # noqa: E402
-from t5x_optim.partitioning import (  # noqa: E402
+from t5x_optim import TrainState, checkpoints, optimizers
+from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.partitioning import (
   Partitioner,
   abstract_train_state,
   create_mesh,

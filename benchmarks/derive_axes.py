@@ -19,24 +19,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import _cpu_devices  # noqa: F401  (sets the device flags before jax loads)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim.partitioning import OptaxStatePartitionRules  # noqa: E402
+from t5x_optim.partitioning import OptaxStatePartitionRules
 
 RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("vocab", "model"), ("kv", None))
 EMBED, MLP, HEADS, KV, VOCAB = 256, 512, 8, 32, 1024

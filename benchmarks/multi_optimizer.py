@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from t5x_optim import MultiOptimizer, OptaxWrapper, Optimizer, PathFilter  # noqa: E402  # noqa: E402
+from t5x_optim import MultiOptimizer, OptaxWrapper, Optimizer, PathFilter  # noqa: E402
 
 LAYER = {
   "attention": {"query": (16, 8), "key": (16, 8), "value": (16, 8), "out": (8, 16)},

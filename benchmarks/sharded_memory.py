@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _cpu_devices  # noqa: F401  (sets the device flags before jax loads)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-from t5x_optim import OptaxWrapper  # noqa: E402
-from t5x_optim.partitioning import (  # noqa: E402
+from t5x_optim import OptaxWrapper
+from t5x_optim.partitioning import (
   LogicalAxisRules,
   Partitioner,
   abstract_train_state,

@@ -35,21 +35,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _cpu_devices  # noqa: F401  (sets the device flags before jax loads)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from flax import traverse_util
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-import tensorstore as ts  # noqa: E402
-from flax import traverse_util  # noqa: E402
-
-from t5x_optim import optimizers, restore_t5x_checkpoint, save_t5x_checkpoint  # noqa: E402
-from t5x_optim.partitioning import (  # noqa: E402
+from t5x_optim import optimizers, restore_t5x_checkpoint, save_t5x_checkpoint
+from t5x_optim.partitioning import (
   Partitioner,
   abstract_train_state,
   create_mesh,
