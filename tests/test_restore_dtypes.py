@@ -1,12 +1,14 @@
 """One dtype rule for every restore: `Optimizer.restore_state` and `Checkpointer.restore` agree."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from t5x_optim import optimizers
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 W, COUNT = "target/w", "state/param_states/0/count"
 
@@ -92,3 +94,18 @@ def test_a_rounding_cast_is_verified_and_keeps_the_target_sharding(tmp_path):
   w = _leaf(restored, W)
   assert w.dtype == jnp.bfloat16 and w.sharding == sharding
   np.testing.assert_array_equal(w, saved_w.astype(jnp.bfloat16))
+
+
+def test_values_are_checked_after_their_checksum(tmp_path):
+  # A count too big for the target is only a misfit if it was read intact.
+  saved, target = _pair(COUNT, jnp.int32(300), jnp.int8)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, saved)
+    checksums = tmp_path / "1" / "checksums" / "checksums.json"
+    recorded = json.loads(checksums.read_text())
+    recorded[COUNT] ^= 1
+    checksums.write_text(json.dumps(recorded))
+    with pytest.raises(CheckpointError, match=f"is corrupt: the checksum differs at '{COUNT}'"):
+      ckpt.restore(target)
+    with pytest.raises(ValueError, match=f"mismatch at '{COUNT}'.*Nothing was restored"):
+      ckpt.restore(target, verify=False)
