@@ -163,13 +163,9 @@ class OptimizerDef(abc.ABC):
 
     `param_states` has every empty container removed, as T5X writes it.
     """
-    return {
-      "target": flax.serialization.to_state_dict(target),
-      "state": {
-        "step": state.step,
-        "param_states": _state_dict.to_pruned_state_dict(state.param_states),
-      },
-    }
+    return _state_dict.build_state_dict(
+      target, state.step, _state_dict.to_pruned_state_dict(state.param_states)
+    )
 
   def restore_state(
     self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
@@ -179,19 +175,21 @@ class OptimizerDef(abc.ABC):
     T5X uses this as a tree replace as well as for arrays, so besides array
     data the leaves may be None, `PartitionSpec`s, `jax.ShapeDtypeStruct`s
     or lazy arrays, placed as given (`_state_dict.restore_into` has the
-    rules). Keys beside ``target`` and ``state`` are ignored. Floating
-    params keep the state dict's floating dtype (T5X's ``restore_dtype``);
-    optimizer-state arrays take the state's own dtypes; casts that change
-    the kind (complex to real, float to int) or overflow are refused.
+    rules). Keys beside ``target`` and ``state`` are ignored. Dtypes follow
+    `_state_dict.leaf_fit`: floating params keep the state dict's floating
+    dtype (T5X's ``restore_dtype``); optimizer-state arrays take the
+    state's own dtypes; casts that change the kind (complex to real, float
+    to int) or overflow are refused.
 
     Raises:
       ValueError: naming the path and both sides, on any missing or
         unexpected key, shape mismatch or unsafe dtype cast. The inputs are
         never modified.
     """
-    reference = {"target": opt_target, "state": opt_state}
-    restored = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
-    return restored["target"], restored["state"]
+    target, step, param_states = _state_dict.restore_state_dict(
+      opt_target, opt_state.step, opt_state.param_states, state_dict
+    )
+    return target, opt_state.replace(step=step, param_states=param_states)
 
 
 def _leaf_paths(tree: Any) -> set[str]:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import kfac_jax
-from flax import serialization, struct
+from flax import struct
 from jax import extend as jex
 from jax.sharding import PartitionSpec
 from kfac_jax._src import tag_graph_matcher
@@ -573,13 +573,9 @@ class KfacOptimizerDef(OptimizerDef):
     `estimator_state/blocks_states/<block>/factors/<k>/value`,
     `.../cache/<power>/<k>_factor`, `damping`, `data_seen`, `step_counter`.
     """
-    return {
-      "target": serialization.to_state_dict(target),
-      "state": {
-        "step": state.step,
-        "param_states": _state_dict.prune_empty(kfac_state_to_dict(state.param_states)),
-      },
-    }
+    return _state_dict.build_state_dict(
+      target, state.step, _state_dict.prune_empty(kfac_state_to_dict(state.param_states))
+    )
 
   def restore_state(
     self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
@@ -590,12 +586,11 @@ class KfacOptimizerDef(OptimizerDef):
       ValueError: naming the path, on a missing or unexpected key, a shape
         mismatch or an unsafe dtype cast.
     """
-    reference = OptimizerState(
-      step=opt_state.step, param_states=kfac_state_to_dict(opt_state.param_states)
+    target, step, nested = _state_dict.restore_state_dict(
+      opt_target, opt_state.step, kfac_state_to_dict(opt_state.param_states), state_dict
     )
-    target, restored = super().restore_state(opt_target, reference, state_dict)
-    kfac_state = kfac_state_from_dict(opt_state.param_states, restored.param_states)
-    return target, OptimizerState(step=restored.step, param_states=kfac_state)
+    kfac_state = kfac_state_from_dict(opt_state.param_states, nested)
+    return target, OptimizerState(step=step, param_states=kfac_state)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     """Returns `optimizer` with every leaf replaced by its logical spec.

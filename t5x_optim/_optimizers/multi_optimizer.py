@@ -484,20 +484,18 @@ class MultiOptimizer(OptimizerDef):
       for opt, sub_target, sub_state in zip(self.sub_optimizers, sub_targets, state.param_states)
     ]
 
-  def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
-    """The state dict; see the module docstring for its two layouts."""
+  def _layout(self, target: Any, state: OptimizerState) -> tuple[list[Any], bool, dict[str, Any]]:
+    """The sub-targets, whether the layout is per param, and `param_states` in it."""
     sub_targets = self._sub_targets(target)
     sub_dicts = self._sub_state_dicts(sub_targets, state)
     per_param = self._per_param(sub_targets, sub_dicts)
-    return {
-      "target": serialization.to_state_dict(target),
-      "state": {
-        "step": state.step,
-        "param_states": self._param_states_dict(
-          target, sub_targets, sub_dicts, per_param=per_param
-        ),
-      },
-    }
+    param_states = self._param_states_dict(target, sub_targets, sub_dicts, per_param=per_param)
+    return sub_targets, per_param, param_states
+
+  def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
+    """The state dict; see the module docstring for its two layouts."""
+    _, _, param_states = self._layout(target, state)
+    return _state_dict.build_state_dict(target, state.step, param_states)
 
   def restore_state(
     self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
@@ -515,21 +513,10 @@ class MultiOptimizer(OptimizerDef):
         unexpected key, shape mismatch or unsafe dtype cast. The inputs are
         never modified.
     """
-    sub_targets = self._sub_targets(opt_target)
-    sub_dicts = self._sub_state_dicts(sub_targets, opt_state)
-    per_param = self._per_param(sub_targets, sub_dicts)
-    reference = {
-      "target": opt_target,
-      "state": {
-        "step": opt_state.step,
-        "param_states": self._param_states_dict(
-          opt_target, sub_targets, sub_dicts, per_param=per_param
-        ),
-      },
-    }
-    checked = _state_dict.restore_into(reference, _state_dict.optimizer_part(state_dict))
-    target, step = checked["target"], checked["state"]["step"]
-    param_states = checked["state"]["param_states"]
+    sub_targets, per_param, reference = self._layout(opt_target, opt_state)
+    target, step, param_states = _state_dict.restore_state_dict(
+      opt_target, opt_state.step, reference, state_dict
+    )
     restored_states = []
     for i, (opt, ref_target, sub_state, new_target) in enumerate(
       zip(self.sub_optimizers, sub_targets, opt_state.param_states, self._sub_targets(target))

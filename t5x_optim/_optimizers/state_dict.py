@@ -9,7 +9,8 @@ key); restoring puts the empty nodes back from the reference structure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,13 +19,18 @@ from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
 __all__ = [
+  "Fit",
+  "build_state_dict",
   "is_prng_key",
   "key_path_parts",
   "key_path_str",
+  "leaf_fit",
   "optimizer_part",
   "prune_empty",
   "restore_into",
+  "restore_state_dict",
   "to_pruned_state_dict",
+  "values_fit",
 ]
 
 
@@ -55,36 +61,33 @@ def _is_empty(tree: Any) -> bool:
   return tree is traverse_util.empty_node or (isinstance(tree, Mapping) and not prune_empty(tree))
 
 
-def _join(path: tuple[str, ...]) -> str:
-  return "/".join(path) if path else "<root>"
+def key_path_str(path: Sequence[Any]) -> str:
+  """A path '/'-joined, as errors and checksums about state dicts name it.
+
+  `path` is a jax key path (`DictKey`, `SequenceKey`, `GetAttrKey`, ...
+  entries) or a tuple of state-dict keys; each key is written as
+  `jax.tree_util.keystr` writes it with ``simple=True``. The empty path is
+  ``<root>``.
+
+  Example:
+    >>> key_path_str(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    'a/0'
+    >>> key_path_str(("state", "step")), key_path_str(())
+    ('state/step', '<root>')
+  """
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
 
 
-def key_path_parts(path: tuple[Any, ...]) -> tuple[str, ...]:
+def key_path_parts(path: Sequence[Any]) -> tuple[str, ...]:
   """A jax key path as the tuple of its keys as strings, as state dicts name them.
+
+  The keys are written as `key_path_str` writes them.
 
   Example:
     >>> key_path_parts(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
     ('a', '0')
   """
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return tuple(parts)
-
-
-def key_path_str(path: tuple[Any, ...]) -> str:
-  """A jax key path '/'-joined, as errors about state dicts name it.
-
-  Example:
-    >>> key_path_str(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
-    'a/0'
-  """
-  return _join(key_path_parts(path))
+  return tuple(jax.tree_util.keystr((key,), simple=True) for key in path)
 
 
 def _is_array(value: Any) -> bool:
@@ -147,21 +150,96 @@ def _dtype_of(value: Any) -> np.dtype:
   return np.dtype(dtype) if dtype is not None else np.asarray(value).dtype
 
 
-def _castable(value: Any, src: np.dtype, dst: np.dtype) -> bool:
-  """True when `value` (of dtype `src`) converts to `dst` without loss."""
-  if src == dst or np.can_cast(src, dst, casting="safe"):
-    return True
-  if np.issubdtype(src, np.integer) and np.issubdtype(dst, np.integer):
-    info = np.iinfo(dst)
-    host = np.asarray(value)
-    return bool(host.size == 0 or (host.min() >= info.min and host.max() <= info.max))
-  if isinstance(value, (bool, int, float, complex)):
-    return bool(np.asarray(value).astype(dst) == value)
-  return False
+class Fit(enum.Enum):
+  """Whether stored data of one shape and dtype may restore into an array leaf.
+
+  `leaf_fit` decides it; `restore_into` (so `Optimizer.restore_state`) and
+  `t5x_optim.checkpoints.Checkpointer.restore` both follow it.
+  """
+
+  EXACT = "exact"
+  """Same shape; the same dtype or one numpy casts to "safely" (every value exactly)."""
+  ROUNDS = "rounds"
+  """Same shape; floating data into another floating dtype: allowed, and may
+  round, as T5X casts params to its ``restore_dtype``."""
+  IF_VALUES_FIT = "if_values_fit"
+  """Same shape; integer data into a narrower integer dtype: allowed only
+  when every value fits (`values_fit`), which needs the data."""
+  OTHER_DTYPE = "other_dtype"
+  """Same shape; a change of kind (complex to real, floating to integer,
+  integer to bool, an integer to a floating dtype that cannot hold it
+  exactly): refused."""
+  OTHER_SHAPE = "other_shape"
+  """Another shape: refused."""
 
 
 def _is_float(dtype: np.dtype) -> bool:
   return bool(jax.dtypes.issubdtype(dtype, np.floating))
+
+
+def _is_int(dtype: np.dtype) -> bool:
+  return bool(jax.dtypes.issubdtype(dtype, np.integer))
+
+
+def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dtype: Any) -> Fit:
+  """Whether data of `shape` and `dtype` may restore into a leaf of `ref_shape`, `ref_dtype`.
+
+  The one rule for every restore (state dicts and checkpoints alike). It
+  follows T5X: floating data restores into any floating dtype (T5X casts
+  params to ``restore_dtype``; optimizer-state leaves keep their own
+  dtype, so stored data is cast to it); an integer restores into a
+  narrower integer only when it fits; any other change of kind is
+  refused, so a restore never silently changes what a value means.
+
+  Example:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> [leaf_fit((2,), src, (2,), dst).name for src, dst in [
+    ...   (np.float32, jnp.bfloat16), (np.int32, np.int8), (np.complex64, np.float32)]]
+    ['ROUNDS', 'IF_VALUES_FIT', 'OTHER_DTYPE']
+  """
+  if tuple(shape) != tuple(ref_shape):
+    return Fit.OTHER_SHAPE
+  src, dst = np.dtype(dtype), np.dtype(ref_dtype)
+  if src == dst or np.can_cast(src, dst, casting="safe"):
+    return Fit.EXACT
+  if _is_float(src) and _is_float(dst):
+    return Fit.ROUNDS
+  if _is_int(src) and _is_int(dst):
+    return Fit.IF_VALUES_FIT
+  return Fit.OTHER_DTYPE
+
+
+def values_fit(value: Any, dtype: Any) -> bool:
+  """Whether every value of the integer array `value` lies in integer `dtype`'s range.
+
+  A `jax.Array` is reduced where its shards live (so this also works for
+  arrays spread over several processes); other data on the host.
+
+  Example:
+    >>> import numpy as np
+    >>> values_fit(np.array([1, 127]), np.int8), values_fit(np.array([128]), np.int8)
+    (True, False)
+  """
+  if np.size(value) == 0:
+    return True
+  xp = jax.numpy if isinstance(value, jax.Array) else np
+  info = jax.numpy.iinfo(dtype)
+  return info.min <= int(xp.min(value)) and int(xp.max(value)) <= info.max
+
+
+def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
+  """Whether `value`, whose dtype fits `dst` as `fit` says, may restore into `dst`.
+
+  `leaf_fit`'s rule; a Python scalar may also change kind when it converts
+  exactly (T5X state dicts may hold a plain ``int`` step, for instance).
+  """
+  if fit is Fit.IF_VALUES_FIT:
+    return values_fit(value, dst)
+  if fit is Fit.OTHER_DTYPE:
+    return isinstance(value, bool | int | float | complex) and bool(
+      np.asarray(value).astype(dst) == value
+    )
+  return True
 
 
 def is_prng_key(value: Any) -> bool:
@@ -199,26 +277,27 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
 def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   """Checks array data `value` against the array `reference` and converts it.
 
-  The dtype rule follows T5X, refusing only casts that would break the
-  optimizer: floating data may restore into any floating dtype (params under
-  ``target`` keep the state dict's dtype, because T5X's checkpointer casts
-  them on purpose with ``restore_dtype``; optimizer-state arrays are cast to
-  the state's own dtype); any other cast (a change of kind, an integer that
-  does not fit) must hold the values without loss.
+  The dtype rule is `leaf_fit`'s: floating data may restore into any
+  floating dtype (params under ``target`` keep the state dict's dtype,
+  because T5X's checkpointer casts them on purpose with ``restore_dtype``;
+  optimizer-state arrays are cast to the state's own dtype); an integer
+  into a narrower integer only when its values fit; no other change of
+  kind, except for a Python scalar that converts exactly.
   """
-  where = _join(path)
+  where = key_path_str(path)
   if is_prng_key(reference):
     return _convert_key(reference, value, where)
   ref_shape, ref_dtype = _shape_of(reference), _dtype_of(reference)
   shape, dtype = np.shape(value), _dtype_of(value)
-  if shape != ref_shape:
+  fit = leaf_fit(shape, dtype, ref_shape, ref_dtype)
+  if fit is Fit.OTHER_SHAPE:
     raise ValueError(
       f"Shape mismatch at '{where}': the optimizer has shape {ref_shape}, the "
       f"state dict has shape {shape}."
     )
   floats = _is_float(dtype) and _is_float(ref_dtype)
   keeps_dtype = floats and path[:1] == ("target",) and hasattr(value, "dtype")
-  if not (floats or _castable(value, dtype, ref_dtype)):
+  if not _castable(value, fit, ref_dtype):
     raise ValueError(
       f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
       f"be cast safely to the optimizer's {ref_dtype}."
@@ -242,7 +321,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   tree replace of specs) is placed as given. Anything else, array data where
   the optimizer has no state (None) included, is an error.
   """
-  where = _join(path)
+  where = key_path_str(path)
   if reference is None and _is_empty(value):
     return None
   if _is_placeholder(value):
@@ -278,7 +357,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
     return _convert_leaf(reference, given, path)
   if not isinstance(given, Mapping):
     raise ValueError(
-      f"State dict mismatch at '{_join(path)}': expected "
+      f"State dict mismatch at '{key_path_str(path)}': expected "
       f"{_describe(prune_empty(reference))}, got {_describe(given)}."
     )
   unexpected = sorted(
@@ -288,7 +367,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   )
   if unexpected:
     raise ValueError(
-      f"Unexpected keys {unexpected} at '{_join(path)}' in the state dict; the "
+      f"Unexpected keys {unexpected} at '{key_path_str(path)}' in the state dict; the "
       f"optimizer has keys {sorted(prune_empty(reference))} there."
     )
   filled = {}
@@ -297,7 +376,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
     if key not in given:
       if not (ref_value is None or _is_empty(ref_value)):
         raise ValueError(
-          f"Missing key '{_join(sub_path)}' in the state dict: the optimizer "
+          f"Missing key '{key_path_str(sub_path)}' in the state dict: the optimizer "
           f"has {_describe(prune_empty(ref_value))} there."
         )
       filled[key] = ref_value
@@ -345,11 +424,13 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     A new pytree of `reference`'s type; `reference` is left unchanged.
 
   The structure is always checked. Shapes are checked wherever both sides
-  have one; dtypes where array data is restored into an array: floating data
-  restores into any floating dtype (params keep the state dict's dtype, as
-  T5X's ``restore_dtype`` intends; optimizer-state arrays take the state's
-  dtype); other casts (a change of kind such as complex to real or float to
-  int, an integer that does not fit) must hold the values without loss.
+  have one; dtypes where array data is restored into an array, by
+  `leaf_fit`'s rule: floating data restores into any floating dtype (params
+  keep the state dict's dtype, as T5X's ``restore_dtype`` intends;
+  optimizer-state arrays take the state's dtype); an integer restores into a
+  narrower integer when its values fit; other changes of kind (complex to
+  real, float to int) are refused, except for Python scalars that convert
+  exactly.
 
   Raises:
     ValueError: on a missing or unexpected key, a subtree where a leaf
@@ -365,3 +446,57 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
   full_reference = serialization.to_state_dict(reference)
   filled = _check_and_fill(full_reference, state_dict, ())
   return serialization.from_state_dict(reference, filled)
+
+
+def build_state_dict(target: Any, step: Any, param_states: Any) -> dict[str, Any]:
+  """The T5X layout of an optimizer: ``{'target': ..., 'state': {'step', 'param_states'}}``.
+
+  Every optimizer definition builds its state dict here. `target` (the
+  params) is converted with `flax.serialization.to_state_dict`; `step` is
+  placed as given; `param_states` must already be in state-dict form (nested
+  dicts with string keys): each definition chooses its own layout of them,
+  typically `to_pruned_state_dict` of its state.
+
+  Example:
+    >>> build_state_dict({"w": 1.0}, 3, {"0": {"count": 3}})
+    {'target': {'w': 1.0}, 'state': {'step': 3, 'param_states': {'0': {'count': 3}}}}
+  """
+  return {
+    "target": serialization.to_state_dict(target),
+    "state": {"step": step, "param_states": param_states},
+  }
+
+
+def restore_state_dict(
+  target: Any, step: Any, param_states: Any, state_dict: Mapping[str, Any]
+) -> tuple[Any, Any, Any]:
+  """Restores `build_state_dict`'s layout into references, validating it first.
+
+  Args:
+    target: the reference params.
+    step: the reference step counter.
+    param_states: the reference optimizer state, in the form the definition
+      hands to `build_state_dict` (unpruned) or as the pytree whose
+      `to_pruned_state_dict` it hands there.
+    state_dict: the state dict; keys beside ``target`` and ``state`` (a
+      train state's ``flax_mutables``) are ignored (`optimizer_part`).
+
+  Returns:
+    ``(target, step, param_states)`` restored into the references' types by
+    `restore_into`, whose rules (tree replace of placeholders, `leaf_fit`'s
+    dtype rule) apply; the inputs are never modified.
+
+  Raises:
+    ValueError: naming the full path and both sides, on any missing or
+      unexpected key, shape mismatch or dtype that may not restore.
+
+  Example:
+    >>> import numpy as np
+    >>> target, step, param_states = restore_state_dict(
+    ...   {"w": np.zeros(1)}, np.int32(0), {}, {"target": {"w": np.ones(1)}, "state": {"step": 2}})
+    >>> target, int(step), param_states
+    ({'w': array([1.])}, 2, {})
+  """
+  reference = {"target": target, "state": {"step": step, "param_states": param_states}}
+  restored = restore_into(reference, optimizer_part(state_dict))
+  return restored["target"], restored["state"]["step"], restored["state"]["param_states"]

@@ -10,7 +10,7 @@ import os
 import socket
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, Self
+from typing import Any, NoReturn, Protocol, Self
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +81,6 @@ class CheckpointState(Protocol):
     """A copy restored from a T5X-layout state dict."""
 
 
-def _join(path: Path) -> str:
-  return "/".join(path)
-
-
 def _open_stored(
   item: epath.Path, where: str, step: int, wanted: Callable[[Path], bool]
 ) -> dict[Path, jax.ShapeDtypeStruct]:
@@ -127,7 +123,7 @@ def _open_stored(
     try:
       array = future.result()
     except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
-      unreadable.append(f"'{_join(path)}'")
+      unreadable.append(f"'{_state_dict.key_path_str(path)}'")
       first_error = first_error or e
       continue
     stored[path] = jax.ShapeDtypeStruct(array.shape, jax.numpy.dtype(array.dtype.name))
@@ -183,17 +179,24 @@ def _describe(leaf: Any) -> str:
 
 
 def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
-  """Describes why the stored leaf cannot restore into `expected`, or None."""
+  """Describes why the stored leaf cannot restore into `expected`, or None.
+
+  `_state_dict.leaf_fit` decides, from the metadata; a stored integer that
+  is wider than the target's passes here and has its values checked once
+  read (`_fit_read`).
+  """
   shape, dtype = _shape_dtype(expected)
   stored_shape, stored_dtype = _shape_dtype(stored)
-  if stored_shape != shape:
+  fit = _state_dict.leaf_fit(stored_shape, stored_dtype, shape, dtype)
+  where = _state_dict.key_path_str(path)
+  if fit is _state_dict.Fit.OTHER_SHAPE:
     return (
-      f"shape mismatch at '{_join(path)}': the target has {_describe(expected)}, the "
+      f"shape mismatch at '{where}': the target has {_describe(expected)}, the "
       f"checkpoint has {_describe(stored)}"
     )
-  if not np.can_cast(stored_dtype, dtype, casting="safe"):
+  if fit is _state_dict.Fit.OTHER_DTYPE:
     return (
-      f"dtype mismatch at '{_join(path)}': the checkpoint's {stored_dtype} cannot be "
+      f"dtype mismatch at '{where}': the checkpoint's {stored_dtype} cannot be "
       f"cast safely to the target's {dtype}"
     )
   return None
@@ -202,12 +205,12 @@ def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
 def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
   """Every missing key, unexpected key and shape or dtype mismatch, by path."""
   problems = [
-    f"missing key '{_join(path)}' (the target has {_describe(leaf)} there)"
+    f"missing key '{_state_dict.key_path_str(path)}' (the target has {_describe(leaf)} there)"
     for path, leaf in expected.items()
     if path not in stored
   ]
   problems += [
-    f"unexpected key '{_join(path)}' ({_describe(leaf)})"
+    f"unexpected key '{_state_dict.key_path_str(path)}' ({_describe(leaf)})"
     for path, leaf in stored.items()
     if path not in expected
   ]
@@ -217,6 +220,52 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[
       if problem is not None:
         problems.append(problem)
   return problems
+
+
+def _as_read(expected: Any, stored: Any) -> Any:
+  """How to read a leaf: in the target's dtype when that cast is exact.
+
+  Otherwise (a float that rounds, an integer whose values must be checked)
+  the leaf is read in its stored dtype, so its checksum is verified on the
+  data as written, and `_fit_read` casts it.
+  """
+  shape, dtype = _shape_dtype(expected)
+  stored_dtype = _shape_dtype(stored)[1]
+  if _state_dict.leaf_fit(shape, stored_dtype, shape, dtype) is _state_dict.Fit.EXACT:
+    return expected
+  return jax.ShapeDtypeStruct(shape, stored_dtype, sharding=getattr(expected, "sharding", None))
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  return x.astype(dtype)
+
+
+def _fit_read(
+  read: Mapping[Path, Any], expected: Mapping[Path, Any]
+) -> tuple[dict[Path, Any], list[str]]:
+  """The leaves read, each in its target dtype, and the values that do not fit it.
+
+  A leaf read in another dtype (`_as_read`) is cast, in its sharding, when
+  `_state_dict.leaf_fit` allows: always for floats, for integers when
+  `_state_dict.values_fit`. Returns the cast leaves and a problem per leaf
+  whose values do not fit.
+  """
+  cast, problems = {}, []
+  for path, leaf in read.items():
+    dtype = _shape_dtype(expected[path])[1]
+    if leaf.dtype == dtype:
+      cast[path] = leaf
+      continue
+    fit = _state_dict.leaf_fit(leaf.shape, leaf.dtype, leaf.shape, dtype)
+    if fit is _state_dict.Fit.IF_VALUES_FIT and not _state_dict.values_fit(leaf, dtype):
+      problems.append(
+        f"dtype mismatch at '{_state_dict.key_path_str(path)}': the checkpoint's "
+        f"{leaf.dtype} values do not all fit the target's {dtype}"
+      )
+    else:
+      cast[path] = _astype(leaf, dtype)
+  return cast, problems
 
 
 def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
@@ -349,7 +398,7 @@ def _dispatch_checksums(
   for i, (path, leaf) in enumerate(leaves.items()):
     if i and i % _IN_FLIGHT == 0:
       jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
-    pending[_join(path)] = _checksum(leaf, dtypes.get(path))
+    pending[_state_dict.key_path_str(path)] = _checksum(leaf, dtypes.get(path))
   return pending
 
 
@@ -675,9 +724,12 @@ class Checkpointer:
   def _check(self, step: int, expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> None:
     problems = _problems(expected, stored)
     if problems:
-      raise ValueError(
-        f"{self._where(step)} does not fit the target: {'; '.join(problems)}. Nothing was restored."
-      )
+      self._refuse(step, problems)
+
+  def _refuse(self, step: int, problems: list[str]) -> NoReturn:
+    raise ValueError(
+      f"{self._where(step)} does not fit the target: {'; '.join(problems)}. Nothing was restored."
+    )
 
   def _read(self, step: int, expected: Mapping[Path, Any], *, partial: bool) -> dict[Path, Any]:
     """Reads the `expected` leaves of checkpoint `step` into their shardings."""
@@ -687,7 +739,7 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{_ARRAYS: args}))
     except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
       cause = _root_cause(e)
-      at = [f"'{_join(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
+      at = [f"'{_state_dict.key_path_str(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
       raise CheckpointError(
         f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: {cause}",
         step=step,
@@ -725,17 +777,27 @@ class Checkpointer:
     self._check(step, expected, stored)
     if verify:
       recorded = self._recorded_checksums(step)
-      unrecorded = [f"'{_join(p)}'" for p in expected if _join(p) not in recorded]
+      unrecorded = [
+        f"'{_state_dict.key_path_str(p)}'"
+        for p in expected
+        if _state_dict.key_path_str(p) not in recorded
+      ]
       if unrecorded:
         raise CheckpointError(
           f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
           step=step,
         )
-    restored = self._read(step, expected, partial=params_only)
+    as_read = {path: _as_read(leaf, stored[path]) for path, leaf in expected.items()}
+    restored = self._read(step, as_read, partial=params_only)
     if verify:
-      # Checked in the stored dtype: safe casts back to it are exact.
+      # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
       dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
       pending = _dispatch_checksums(restored, dtypes)
+    restored, unfit = _fit_read(restored, expected)
+    if unfit:
+      if verify:
+        self._verify(step, pending, recorded)  # Corrupt data is not the target's fault.
+      self._refuse(step, unfit)
     state_dict = traverse_util.unflatten_dict(_rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
@@ -761,12 +823,19 @@ class Checkpointer:
     arrays or `jax.ShapeDtypeStruct`s with shardings (see
     `partitioning.abstract_train_state`). Each array is read straight into
     its target sharding, whatever mesh or device count the checkpoint was
-    saved from; no unsharded copy is made, and the jax arrays read are
-    returned as they are, without another device copy. Every array read is
-    checked against the checksum saved with it. Pending saves of this
-    checkpointer are finished first. The directory is re-read, so
-    checkpoints written by other processes are seen, unless `step` is one
-    this checkpointer already knows.
+    saved from; no unsharded copy is made. Every array read is checked
+    against the checksum saved with it. Each leaf comes back in the
+    target's dtype, by the rule `Optimizer.restore_state` follows: floating
+    data may be cast to any floating dtype (a float32 checkpoint restores
+    into bfloat16 params, as with T5X's ``restore_dtype``), an integer to a
+    narrower integer when its values fit; a change of kind (complex to
+    real, float to int) is refused. Arrays whose stored dtype casts exactly
+    into the target's are read in the target's dtype and returned as read,
+    without another device copy; the others are read as stored and cast
+    on their devices. Pending saves of this checkpointer are finished
+    first. The directory is re-read, so checkpoints written by other
+    processes are seen, unless `step` is one this checkpointer already
+    knows.
 
     Args:
       target: a `TrainState` or `Optimizer` giving structure, dtypes and
@@ -797,8 +866,10 @@ class Checkpointer:
       FileNotFoundError: no complete checkpoint (for `step`).
       ValueError: the checkpoint does not fit the target (missing or
         unexpected keys, e.g. another optimizer's state; other shapes;
-        dtypes that do not cast safely), checked on the metadata before any
-        array is read and naming every such path. Never retried by
+        dtypes of another kind), checked on the metadata before any array
+        is read and naming every such path; or a stored integer array whose
+        values do not fit the target's narrower integer dtype, which can
+        only be checked once read (after its checksum). Never retried by
         `fallback`: it is the target that is wrong.
       CheckpointError: the step's files are missing, unreadable or corrupt
         (with `fallback`: those of every step tried), naming the step and the

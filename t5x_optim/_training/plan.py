@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from t5x_optim._optimizers import state_dict as _state_dict
+
 __all__ = ["LeafRow", "Plan", "build_plan", "format_bytes", "format_table", "plan_to_json"]
 
 _ROOT = "(root)"
@@ -131,17 +133,6 @@ class Plan:
     ]
 
 
-def _key_text(key: Any) -> str:
-  for attr in ("name", "key", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _path_tuple(path: jax.tree_util.KeyPath) -> tuple[str, ...]:
-  return tuple(_key_text(key) for key in path)
-
-
 def _spec_tuple(spec: PartitionSpec | None, ndim: int) -> tuple[Any, ...]:
   entries = tuple(spec or ())
   return entries + (None,) * (ndim - len(entries))
@@ -190,9 +181,12 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
   Raises:
     ValueError: when a leaf has no `NamedSharding`.
   """
-  params = {_path_tuple(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+  params = {
+    _state_dict.key_path_parts(p): leaf
+    for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+  }
   param_axes = {
-    _path_tuple(p): spec
+    _state_dict.key_path_parts(p): spec
     for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=_is_spec_leaf)
   }
   specs = jax.tree.leaves(logical.param_states, is_leaf=_is_spec_leaf)
@@ -201,9 +195,11 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
   mesh_shape: dict[str, int] = {}
   for (key_path, leaf), spec in zip(leaves, specs, strict=True):
     sharding = getattr(leaf, "sharding", None)
-    path = _path_tuple(key_path)
+    path = _state_dict.key_path_parts(key_path)
     if sharding is None or not hasattr(sharding, "mesh"):
-      raise ValueError(f"Optimizer-state leaf {'/'.join(path)} has no NamedSharding.")
+      raise ValueError(
+        f"Optimizer-state leaf {_state_dict.key_path_str(key_path)} has no NamedSharding."
+      )
     mesh_shape = dict(sharding.mesh.shape)
     shape = tuple(leaf.shape)
     itemsize = np.dtype(leaf.dtype).itemsize

@@ -63,10 +63,6 @@ class _Stored:
 # ---------------------------------------------------------------- locating
 
 
-def _join(path: Path) -> str:
-  return "/".join(path)
-
-
 def _format(step_dir: epath.Path) -> str | None:
   """'legacy', 'orbax' or None (not a T5X step directory)."""
   if (step_dir / _MSGPACK_FILE).is_file():
@@ -213,7 +209,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     tree = contents["optimizer"]
   leaves = _flatten_stored(tree)
   opening = {
-    path: _open_spec(step_dir, leaf, _join(path))
+    path: _open_spec(step_dir, leaf, _state_dict.key_path_str(path))
     for path, leaf in leaves.items()
     if isinstance(leaf, Mapping)
   }
@@ -226,7 +222,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     try:
       store = opening[path].result()
     except (OSError, ValueError) as e:
-      unreadable.append(f"'{_join(path)}' ({e})")
+      unreadable.append(f"'{_state_dict.key_path_str(path)}' ({e})")
       continue
     stored[path] = _Stored(tuple(store.shape), np.dtype(store.dtype.numpy_dtype), store=store)
   if unreadable:
@@ -267,14 +263,16 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> l
   for path, leaf in expected.items():
     shape, dtype = _shape_dtype(leaf)
     if path not in stored:
-      problems.append(f"missing key '{_join(path)}' (the target has {_describe(shape, dtype)})")
+      problems.append(
+        f"missing key '{_state_dict.key_path_str(path)}' (the target has {_describe(shape, dtype)})"
+      )
     elif stored[path].shape != shape:
       problems.append(
-        f"shape mismatch at '{_join(path)}': the target has {_describe(shape, dtype)}, the "
+        f"shape mismatch at '{_state_dict.key_path_str(path)}': the target has {_describe(shape, dtype)}, the "
         f"checkpoint has {_describe(stored[path].shape, stored[path].dtype)}"
       )
   problems += [
-    f"unexpected key '{_join(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
+    f"unexpected key '{_state_dict.key_path_str(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
     "the target has no such array)"
     for path, leaf in stored.items()
     if path not in expected
@@ -479,7 +477,9 @@ def _plan_writes(
   written, pieces, names = {}, {}, {}
   for path, leaf in flat.items():
     if isinstance(leaf, jax.ShapeDtypeStruct):
-      raise ValueError(f"Cannot save the abstract leaf at '{_join(path)}': give real arrays.")
+      raise ValueError(
+        f"Cannot save the abstract leaf at '{_state_dict.key_path_str(path)}': give real arrays."
+      )
     if _state_dict.is_prng_key(leaf):
       leaf = jax.random.key_data(leaf)
     if np.ndim(leaf) == 0:
@@ -487,7 +487,9 @@ def _plan_writes(
       continue
     name = ".".join(path)
     if name in names:
-      raise ValueError(f"'{_join(path)}' and '{_join(names[name])}' would share the file {name}.")
+      raise ValueError(
+        f"'{_state_dict.key_path_str(path)}' and '{_state_dict.key_path_str(names[name])}' would share the file {name}."
+      )
     names[name] = path
     write_shape, pieces[path] = _pieces(leaf)
     written[path] = _spec(name, tuple(np.shape(leaf)), np.dtype(leaf.dtype), tuple(write_shape))

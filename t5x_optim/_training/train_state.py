@@ -50,10 +50,6 @@ def _box_spec(x: Any) -> PartitionSpec | None:
   return x.get_partition_spec() if isinstance(x, meta.Partitioned) else None
 
 
-def _join(path: tuple[Any, ...]) -> str:
-  return "/".join(str(k) for k in path)
-
-
 def _axes_by_path(axes_collection: Any) -> dict[tuple[str, ...], PartitionSpec | None]:
   """A T5X `<collection>_axes` collection as `{variable path: logical spec}`."""
   names = flax.core.unfreeze(flax_partitioning.get_axis_names(axes_collection))
@@ -79,9 +75,9 @@ def _split_collection(
   """
   flat = traverse_util.flatten_dict(flax.core.unfreeze(collection), keep_empty_nodes=True)
   given = {} if axes_collection is None else _axes_by_path(axes_collection)
-  unexpected = sorted(_join(p) for p in given if p not in flat)
+  unexpected = sorted(_state_dict.key_path_str(p) for p in given if p not in flat)
   unboxed = [p for p, x in flat.items() if not _is_box(x) and x is not traverse_util.empty_node]
-  missing = sorted(_join(p) for p in unboxed if p not in given)
+  missing = sorted(_state_dict.key_path_str(p) for p in unboxed if p not in given)
   if axes_collection is not None and (unexpected or missing):
     raise ValueError(
       f"The '{name}{_AXES_SUFFIX}' collection does not match the '{name}' "

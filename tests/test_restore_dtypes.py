@@ -1,0 +1,111 @@
+"""One dtype rule for every restore: `Optimizer.restore_state` and `Checkpointer.restore` agree."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_optim import optimizers
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
+
+W, COUNT = "target/w", "state/param_states/0/count"
+
+# name: (path of the leaf, the value saved there, the target's dtype there, restores?)
+CASES = {
+  "f32 params into bf16": (W, jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32), jnp.bfloat16, True),
+  "bf16 params into f32": (W, jnp.linspace(-1.0, 1.0, 4, dtype=jnp.bfloat16), jnp.float32, True),
+  "int32 count into int8, fits": (COUNT, jnp.int32(127), jnp.int8, True),
+  "int32 count into int8, too big": (COUNT, jnp.int32(128), jnp.int8, False),
+  "uint8 count into int8, too big": (COUNT, jnp.uint8(200), jnp.int8, False),
+  "int32 count into uint32, negative": (COUNT, jnp.int32(-1), jnp.uint32, False),
+  "int8 count into int32": (COUNT, jnp.int8(-5), jnp.int32, True),
+  "bool count into int32": (COUNT, jnp.bool_(True), jnp.int32, True),
+  "float count into int32": (COUNT, jnp.float32(3.0), jnp.int32, False),
+  "int32 count into float32": (COUNT, jnp.int32(3), jnp.float32, False),
+  "complex params into real": (W, jnp.ones(4, jnp.complex64), jnp.float32, False),
+}
+
+
+def _with_leaf(optimizer, path, value):
+  """`optimizer` with the leaf at `path` (a state-dict path) replaced by `value`."""
+  return jax.tree_util.tree_map_with_path(
+    lambda p, x: value if jax.tree_util.keystr(p, simple=True, separator="/") == path else x,
+    optimizer,
+  )
+
+
+def _pair(path, saved_value, dtype):
+  base = optimizers.adam(0.1).create({"w": jnp.zeros(4)})
+  target_value = jnp.zeros(np.shape(saved_value), dtype)
+  return _with_leaf(base, path, saved_value), _with_leaf(base, path, target_value)
+
+
+def _leaf(optimizer, path):
+  [leaf] = [
+    x
+    for p, x in jax.tree_util.tree_leaves_with_path(optimizer)
+    if jax.tree_util.keystr(p, simple=True, separator="/") == path
+  ]
+  return leaf
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_restore_state_and_checkpointer_give_the_same_verdict(tmp_path, case):
+  path, saved_value, dtype, restores = CASES[case]
+  saved, target = _pair(path, saved_value, dtype)
+  src, dst = str(jnp.dtype(saved_value.dtype)), str(jnp.dtype(dtype))
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, saved)
+    if restores:
+      by_state_dict = target.restore_state(saved.state_dict())
+      by_checkpoint = ckpt.restore(target)
+      # Checkpoints come back in the target's dtype; a state dict's float params
+      # keep theirs (T5X's restore_dtype), state leaves take the state's.
+      kept = saved_value.dtype if path == W else dtype
+      for restored, want_dtype in ((by_state_dict, kept), (by_checkpoint, dtype)):
+        leaf = _leaf(restored, path)
+        assert leaf.dtype == want_dtype
+        np.testing.assert_array_equal(leaf, saved_value.astype(want_dtype))
+      return
+    with pytest.raises(ValueError) as by_state_dict:
+      target.restore_state(saved.state_dict())
+    with pytest.raises(ValueError, match="Nothing was restored") as by_checkpoint:
+      ckpt.restore(target)
+  for error in (by_state_dict.value, by_checkpoint.value):
+    assert f"mismatch at '{path}'" in str(error)
+    assert src in str(error) and dst in str(error)
+  assert f"step 1 in {tmp_path}" in str(by_checkpoint.value)
+
+
+def test_a_rounding_cast_is_verified_and_keeps_the_target_sharding(tmp_path):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P("x"))
+  saved_w = jax.device_put(jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) / 3, sharding)
+  saved = optimizers.adam(0.1).create({"w": saved_w})
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved
+  )
+  target = _with_leaf(target, W, jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=sharding))
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, saved)
+    restored = ckpt.restore(target)
+  w = _leaf(restored, W)
+  assert w.dtype == jnp.bfloat16 and w.sharding == sharding
+  np.testing.assert_array_equal(w, saved_w.astype(jnp.bfloat16))
+
+
+def test_values_are_checked_after_their_checksum(tmp_path):
+  # A count too big for the target is only a misfit if it was read intact.
+  saved, target = _pair(COUNT, jnp.int32(300), jnp.int8)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, saved)
+    checksums = tmp_path / "1" / "checksums" / "checksums.json"
+    recorded = json.loads(checksums.read_text())
+    recorded[COUNT] ^= 1
+    checksums.write_text(json.dumps(recorded))
+    with pytest.raises(CheckpointError, match=f"is corrupt: the checksum differs at '{COUNT}'"):
+      ckpt.restore(target)
+    with pytest.raises(ValueError, match=f"mismatch at '{COUNT}'.*Nothing was restored"):
+      ckpt.restore(target, verify=False)
