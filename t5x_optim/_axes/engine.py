@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +39,7 @@ from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
 
 _MAX_PATHS_IN_WARNING = 5
+_NO_SPEC_DERIVED = "no spec could be derived"
 
 
 class StateRulesFallback(enum.Enum):
@@ -311,7 +312,7 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
   for offset, node in reversed(ruled):
     end = offset + node.num_leaves
     state_node = node.unflatten(state_leaves[offset:end])
-    out = rules[node.node_data()[0]](state_node, node.unflatten(specs[offset:end]), context)
+    out = rules[node.node_data()[0]].rule(state_node, node.unflatten(specs[offset:end]), context)
     try:
       specs[offset:end] = node.flatten_up_to(out)
     except (ValueError, TypeError) as e:
@@ -322,20 +323,84 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
       ) from e
 
 
-def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
-  """Validates every spec; invalid or underived ones go to ``fallback``."""
+def _describe(name: str, shape: tuple[int, ...], spec: Any, problem: str) -> str:
+  """One leaf of the fallback's message: its path, shape and spec problem."""
+  if spec is specs_lib.UNDERIVED:
+    return f"{name} (shape {shape})"
+  return f"{name} (shape {shape}, spec {spec!r}: {problem})"
+
+
+def _underived_reasons(bad: Sequence[int], specs, ruled, rules) -> list[str]:
+  """Why the underived leaves among ``bad`` have no spec, one line per cause.
+
+  A leaf under a registered rule's node gets that rule's
+  ``underived_reason`` (the innermost node's); any other the generic one.
+  """
+  reason_of: dict[int, str | None] = {}
+  for offset, node in ruled:
+    reason = rules[node.node_data()[0]].underived_reason
+    reason_of.update((i, reason) for i in range(offset, offset + node.num_leaves))
+  reasons: list[str] = []
+  for i in bad:
+    if specs[i] is specs_lib.UNDERIVED:
+      reason = reason_of.get(i) or _NO_SPEC_DERIVED
+      if reason not in reasons:
+        reasons.append(reason)
+  return reasons
+
+
+def resolve(
+  specs: Sequence[Any],
+  shapes: Sequence[tuple[int, ...]],
+  paths: Callable[[], Sequence[str]],
+  fallback: StateRulesFallback,
+  *,
+  reasons: Callable[[Sequence[int]], Sequence[str]] = lambda bad: [_NO_SPEC_DERIVED],
+  cause: BaseException | None = None,
+) -> list[Any]:
+  """Validates every spec; invalid or ``UNDERIVED`` ones go to ``fallback``.
+
+  This is the one place where derived specs meet the fallback policy. Each
+  leaf without a valid spec is named by its path and shape (and, for a spec
+  that does not fit, the spec and the problem); the message ends with why
+  the underived ones have none and, when generic derivation failed, why.
+
+  Args:
+    specs: one spec per state leaf (canonical, None, ``UNDERIVED`` or invalid).
+    shapes: the leaves' shapes.
+    paths: returns the leaves' names (called only when some leaf is bad).
+    fallback: the policy for the leaves without a valid spec.
+    reasons: returns, for the indices of the bad leaves, why the underived
+      ones have no spec.
+    cause: why generic derivation failed, if it did; appended and chained.
+
+  Returns:
+    the specs with every bad leaf replicated (None).
+
+  Raises:
+    ValueError: with ``StateRulesFallback.RAISE`` if a leaf is bad.
+
+  >>> resolve([specs_lib.UNDERIVED], [(3,)], lambda: ["['w']"],
+  ...         StateRulesFallback.RAISE)
+  Traceback (most recent call last):
+  ValueError: cannot derive a valid logical spec for 1 optimizer state leaves: ['w'] (shape (3,)): no spec could be derived
+  """
   bad = [
     (i, p)
     for i, (s, shape) in enumerate(zip(specs, shapes))
     if (p := specs_lib.spec_problem(s, shape)) is not None
   ]
   if not bad:
-    return specs
+    return list(specs)
   names = paths()
+  underived = (
+    reasons([i for i, _ in bad]) if any(specs[i] is specs_lib.UNDERIVED for i, _ in bad) else []
+  )
+  why = "".join(f": {r}" if k == 0 else f"; {r}" for k, r in enumerate(underived))
   fallback.handle(
-    [f"{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})" for i, p in bad],
-    why=f"; generic derivation: {reason}" if reason is not None else "",
-    cause=reason,
+    [_describe(names[i], shapes[i], specs[i], p) for i, p in bad],
+    why=why + (f"; generic derivation: {cause}" if cause is not None else ""),
+    cause=cause,
   )
   out = list(specs)
   for i, _ in bad:
@@ -343,16 +408,90 @@ def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
   return out
 
 
-def _lazy_paths(state: Any):
+def _lazy_paths(state: Any, leaf_name: Callable[[jax.tree_util.KeyPath], str]):
   cache: list[list[str]] = []
 
   def paths() -> list[str]:
     if not cache:
       flat, _ = jax.tree_util.tree_flatten_with_path(state)
-      cache.append([jax.tree_util.keystr(p) for p, _ in flat])
+      cache.append([leaf_name(p) for p, _ in flat])
     return cache[0]
 
   return paths
+
+
+def derive_state_specs(
+  state: Any,
+  params_axes: Any,
+  *,
+  transformation: optax.GradientTransformation | None = None,
+  params: Any | None = None,
+  fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+  leaf_name: Callable[[jax.tree_util.KeyPath], str] = jax.tree_util.keystr,
+) -> Any:
+  """The engine: logical specs for every leaf of any optimizer state.
+
+  Runs the four steps of the module docstring on ``state``. Adapters whose
+  states optax cannot describe (example_libraries triples, K-FAC) register a
+  state rule for a node type of their own and pass that node here.
+
+  Args:
+    state: the optimizer state, or an adapter's node holding it.
+    params_axes: the params' logical axes in any form ``logical_axes_from``
+      accepts.
+    transformation: the optax transformation that built ``state`` (enables
+      generic derivation, with ``params``).
+    params: the params the state was initialised with.
+    fallback: what to do with leaves that cannot be given a valid spec.
+    leaf_name: names a leaf from its key path in the fallback's message.
+
+  Returns:
+    ``state``'s structure with a canonical spec or None at every leaf.
+
+  Raises:
+    ValueError: see ``OptaxStatePartitionRules.derive_optax_logical_axes``.
+
+  >>> derive_state_specs({'w': jax.ShapeDtypeStruct((4,), 'float32')},
+  ...                    {'w': PartitionSpec('embed')})
+  {'w': P('embed',)}
+  """
+  index = _ParamIndex(params_axes, params)
+  state_leaves, state_def = jax.tree.flatten(state)
+  shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
+  specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
+  rules = registry.registered_rules()
+  mirrors, ruled = _scan(state_def, index, tuple(rules))
+  _mirror_specs(index, mirrors, shapes, specs)
+  specs = [
+    None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
+    for s, shape in zip(specs, shapes)
+  ]
+  paths = _lazy_paths(state, leaf_name)
+  cause = None
+  if (
+    transformation is not None
+    and index.leaves is not None
+    and any(s is specs_lib.UNDERIVED for s in specs)
+  ):
+    try:
+      derived = generic.derive_generic(
+        transformation, index.leaves, index.params_def, index.specs, state_def, shapes
+      )
+    except generic.GenericDerivationError as e:
+      cause = e
+    else:
+      specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
+  if ruled:
+    _apply_rules(ruled, rules, state_leaves, specs, index, paths)
+  specs = resolve(
+    specs,
+    shapes,
+    paths,
+    fallback,
+    reasons=lambda bad: _underived_reasons(bad, specs, ruled, rules),
+    cause=cause,
+  )
+  return state_def.unflatten(specs)
 
 
 class OptaxStatePartitionRules:
@@ -404,33 +543,6 @@ class OptaxStatePartitionRules:
     ...     transformation=tx, params=params)[0].mu
     {'w': P('embed', 'mlp')}
     """
-    index = _ParamIndex(params_axes, params)
-    state_leaves, state_def = jax.tree.flatten(optax_state)
-    shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
-    specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
-    rules = registry.registered_rules()
-    mirrors, ruled = _scan(state_def, index, tuple(rules))
-    _mirror_specs(index, mirrors, shapes, specs)
-    specs = [
-      None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
-      for s, shape in zip(specs, shapes)
-    ]
-    paths = _lazy_paths(optax_state)
-    reason = None
-    if (
-      transformation is not None
-      and index.leaves is not None
-      and any(s is specs_lib.UNDERIVED for s in specs)
-    ):
-      try:
-        derived = generic.derive_generic(
-          transformation, index.leaves, index.params_def, index.specs, state_def, shapes
-        )
-      except generic.GenericDerivationError as e:
-        reason = e
-      else:
-        specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
-    if ruled:
-      _apply_rules(ruled, rules, state_leaves, specs, index, paths)
-    specs = _resolve(specs, shapes, paths, fallback, reason)
-    return state_def.unflatten(specs)
+    return derive_state_specs(
+      optax_state, params_axes, transformation=transformation, params=params, fallback=fallback
+    )
