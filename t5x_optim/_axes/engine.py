@@ -15,16 +15,20 @@ None (replicated). Derivation runs in four steps:
    (adafactor ``v_row``, SM3 accumulators) and states of user-defined
    transformations get the specs of the param dimensions they keep.
 3. *Rules*: registered per-state-type rules override what the first two steps
-   cannot know (L-BFGS history, GaLore projectors).
+   cannot know (L-BFGS history, GaLore projectors). Adapters whose states
+   optax does not describe register a rule for a node type of their own and
+   pass that node to ``derive_state_specs`` (example_libraries' per-param
+   parts, K-FAC's curvature blocks).
 4. *Validation*: every spec must fit its leaf (length == rank, no axis named
-   twice); anything else goes to the caller's ``StateRulesFallback``.
+   twice); anything else, ``UNDERIVED`` leaves included, goes to the caller's
+   ``StateRulesFallback`` through ``resolve``, the one fallback resolver.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -330,22 +334,13 @@ def _describe(name: str, shape: tuple[int, ...], spec: Any, problem: str) -> str
   return f"{name} (shape {shape}, spec {spec!r}: {problem})"
 
 
-def _underived_reasons(bad: Sequence[int], specs, ruled, rules) -> list[str]:
-  """Why the underived leaves among ``bad`` have no spec, one line per cause.
-
-  A leaf under a registered rule's node gets that rule's
-  ``underived_reason`` (the innermost node's); any other the generic one.
-  """
-  reason_of: dict[int, str | None] = {}
+def _rule_reasons(ruled, rules) -> dict[int, str]:
+  """The ``underived_reason`` registered for each leaf's rule (innermost node wins)."""
+  reasons: dict[int, str] = {}
   for offset, node in ruled:
     reason = rules[node.node_data()[0]].underived_reason
-    reason_of.update((i, reason) for i in range(offset, offset + node.num_leaves))
-  reasons: list[str] = []
-  for i in bad:
-    if specs[i] is specs_lib.UNDERIVED:
-      reason = reason_of.get(i) or _NO_SPEC_DERIVED
-      if reason not in reasons:
-        reasons.append(reason)
+    if reason is not None:
+      reasons.update(dict.fromkeys(range(offset, offset + node.num_leaves), reason))
   return reasons
 
 
@@ -355,7 +350,7 @@ def resolve(
   paths: Callable[[], Sequence[str]],
   fallback: StateRulesFallback,
   *,
-  reasons: Callable[[Sequence[int]], Sequence[str]] = lambda bad: [_NO_SPEC_DERIVED],
+  reasons: Mapping[int, str] | None = None,
   cause: BaseException | None = None,
 ) -> list[Any]:
   """Validates every spec; invalid or ``UNDERIVED`` ones go to ``fallback``.
@@ -370,8 +365,8 @@ def resolve(
     shapes: the leaves' shapes.
     paths: returns the leaves' names (called only when some leaf is bad).
     fallback: the policy for the leaves without a valid spec.
-    reasons: returns, for the indices of the bad leaves, why the underived
-      ones have no spec.
+    reasons: why an underived leaf has no spec, by leaf index (its state
+      rule's ``underived_reason``); others get "no spec could be derived".
     cause: why generic derivation failed, if it did; appended and chained.
 
   Returns:
@@ -380,10 +375,10 @@ def resolve(
   Raises:
     ValueError: with ``StateRulesFallback.RAISE`` if a leaf is bad.
 
-  >>> resolve([specs_lib.UNDERIVED], [(3,)], lambda: ["['w']"],
+  >>> resolve([None, specs_lib.UNDERIVED], [(2,), (3,)], lambda: ['a', 'b'],
   ...         StateRulesFallback.RAISE)
   Traceback (most recent call last):
-  ValueError: cannot derive a valid logical spec for 1 optimizer state leaves: ['w'] (shape (3,)): no spec could be derived
+  ValueError: cannot derive a valid logical spec for 1 optimizer state leaves: b (shape (3,)): no spec could be derived
   """
   bad = [
     (i, p)
@@ -393,10 +388,11 @@ def resolve(
   if not bad:
     return list(specs)
   names = paths()
-  underived = (
-    reasons([i for i, _ in bad]) if any(specs[i] is specs_lib.UNDERIVED for i, _ in bad) else []
+  reasons = reasons or {}
+  underived = dict.fromkeys(
+    reasons.get(i, _NO_SPEC_DERIVED) for i, _ in bad if specs[i] is specs_lib.UNDERIVED
   )
-  why = "".join(f": {r}" if k == 0 else f"; {r}" for k, r in enumerate(underived))
+  why = f": {'; '.join(underived)}" if underived else ""
   fallback.handle(
     [_describe(names[i], shapes[i], specs[i], p) for i, p in bad],
     why=why + (f"; generic derivation: {cause}" if cause is not None else ""),
@@ -483,14 +479,7 @@ def derive_state_specs(
       specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
   if ruled:
     _apply_rules(ruled, rules, state_leaves, specs, index, paths)
-  specs = resolve(
-    specs,
-    shapes,
-    paths,
-    fallback,
-    reasons=lambda bad: _underived_reasons(bad, specs, ruled, rules),
-    cause=cause,
-  )
+  specs = resolve(specs, shapes, paths, fallback, reasons=_rule_reasons(ruled, rules), cause=cause)
   return state_def.unflatten(specs)
 
 
