@@ -17,7 +17,7 @@ kfac_jax = pytest.importorskip("kfac_jax")
 pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
 
 from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
-from t5x_optim.partitioning import StateRulesFallback  # noqa: E402
+from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
 
 _NUM_STEPS = 6
 _BATCH = 32
@@ -283,3 +283,26 @@ def test_unsupported_kfac_modes_raise(option, message):
   )
   with pytest.raises(ValueError, match=message):
     KfacOptimizerDef(kfac)
+
+
+def test_state_rules_fallback_is_a_deprecated_alias_of_fallback(kfac):
+  with pytest.warns(DeprecationWarning, match=r"state_rules_fallback=\.\.\.\) is deprecated"):
+    opt_def = KfacOptimizerDef(kfac, state_rules_fallback="raise")
+  assert opt_def.fallback is StateRulesFallback.RAISE
+  with pytest.warns(DeprecationWarning, match="read fallback"):
+    assert opt_def.state_rules_fallback is StateRulesFallback.RAISE
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="deprecated alias"):
+    KfacOptimizerDef(
+      kfac,
+      fallback=StateRulesFallback.RAISE,
+      state_rules_fallback=StateRulesFallback.REPLICATE_WITH_WARNING,
+    )
+
+
+def test_kfac_state_rule_is_registered_once():
+  from t5x_optim._axes.registry import registered_rules
+  from t5x_optim._optimizers import kfac as kfac_adapter
+
+  node_type = kfac_adapter._KfacNode  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="already registered; pass replace=True"):
+    register_state_rule(node_type, registered_rules()[node_type].rule)

@@ -12,10 +12,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5x_optim import OptaxWrapper, Optimizer, OptimizerState
 from t5x_optim._training.partitioner import is_optimizer_state_path
 from t5x_optim.partitioning import (
   Partitioner,
+  StateRulesFallback,
   UnknownAxis,
+  abstract_train_state,
   create_mesh,
   logical_to_mesh_axes_tree,
   optimizer_state_mesh_axes_tree,
@@ -302,3 +305,33 @@ def test_lower_and_mesh_axis_errors():
     partitioner.mesh_sharding({"x": P("batch")})
   ok = _partitioner(2, 4).partition(lambda x: x + 1, P("batch"), P("batch"))
   assert "add" in ok.lower(np.ones(4, np.float32)).as_text()
+
+
+class _LegacyDef:
+  """A T5X-style definition: subclasses nothing of ours and has no `fallback`."""
+
+  def create(self, target):
+    state = OptimizerState(
+      step=jnp.zeros((), jnp.int32), param_states=jax.tree.map(jnp.zeros_like, target)
+    )
+    return Optimizer(optimizer_def=self, state=state, target=target)
+
+  def derive_logical_axes(self, optimizer, param_logical_axes):
+    state = OptimizerState(step=None, param_states=param_logical_axes)
+    return optimizer.replace(target=param_logical_axes, state=state)
+
+
+def _boxed_variables():
+  return {"params": {"w": nn.LogicallyPartitioned(jnp.ones((8, 4)), ("embed", "mlp"))}}
+
+
+def test_abstract_train_state_passes_the_definitions_fallback_through():
+  partitioner = Partitioner(create_mesh(num_partitions=2))
+  strict = OptaxWrapper(optax.adam(0.1), fallback=StateRulesFallback.RAISE)
+  too_long = lambda: {"params": {"w": nn.LogicallyPartitioned(jnp.ones(4), ("embed", "mlp"))}}  # noqa: E731
+  with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\] \(shape \(4,\), spec"):
+    abstract_train_state(partitioner, strict, too_long)
+  # A definition without the setting (T5X's own) goes through unchanged.
+  state = abstract_train_state(partitioner, _LegacyDef(), _boxed_variables)
+  assert state.param_states["w"].shape == (8, 4)
+  assert state.param_states["w"].sharding.spec == partitioner.get_mesh_axes(state).param_states["w"]

@@ -16,11 +16,13 @@ import numpy as np
 import optax
 import pytest
 from flax.linen import partitioning as flax_partitioning
+from jax.example_libraries import optimizers as jax_example_optimizers
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax import contrib
 from optimizer_table import DISCOVERED
 
+from t5x_optim import ExampleLibOptimizerDef, MultiOptimizer, OptaxWrapper
 from t5x_optim.partitioning import (
   OptaxStatePartitionRules,
   StateRulesFallback,
@@ -548,3 +550,132 @@ def test_random_trees_shard(tree, optimizer):
     fallback=StateRulesFallback.RAISE,
   )
   assert unnormalised == specs
+
+
+# ---------------------------------------------------------------------------
+# One `fallback` setting across every adapter, one registry.
+
+
+@jax_example_optimizers.optimizer
+def _triple_with_odd_state(step_size: float):
+  """A triple whose per-param state holds a (3,) vector matching no param dimension."""
+  return (
+    lambda x: (x, jnp.zeros(3)),
+    lambda i, g, s: (s[0] - step_size * g, s[1]),
+    lambda s: s[0],
+  )
+
+
+def _kfac_case(fallback):
+  """A K-FAC dense layer with bias: its (in + 1, in + 1) factor matches no dimension."""
+  kfac_jax = pytest.importorskip("kfac_jax")
+  from t5x_optim import KfacOptimizerDef
+
+  def loss(params, batch):
+    x, y = batch
+    logits = x @ params["w"] + params["b"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), y])
+
+  kfac = kfac_jax.Optimizer(
+    value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0
+  )
+  batch = (jnp.ones((4, 3)), jnp.array([0, 1, 0, 1]))
+  opt_def = KfacOptimizerDef(kfac, init_batch=batch, fallback=fallback)
+  params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+  return opt_def, params, {"w": P("embed", "mlp"), "b": P("mlp")}
+
+
+def _optax_case(fallback):
+  # A spec naming more axes than the param has: mu and nu cannot keep it.
+  return OptaxWrapper(optax.adam(0.1), fallback=fallback), {"w": jnp.ones(4)}, {"w": P("a", "b")}
+
+
+def _multi_case(fallback):
+  opt_def = MultiOptimizer([("w", OptaxWrapper(optax.adam(0.1)))], fallback=fallback)
+  return opt_def, {"w": jnp.ones(4), "frozen": jnp.ones(2)}, {"w": P("a", "b"), "frozen": None}
+
+
+def _example_lib_case(fallback):
+  opt_def = ExampleLibOptimizerDef(_triple_with_odd_state(0.1), fallback=fallback)
+  return opt_def, {"w": jnp.ones((4, 8))}, {"w": P("embed", "mlp")}
+
+
+FALLBACK_CASES = {
+  # adapter: (build(fallback) -> (opt_def, params, axes), bad leaf path regex, its replicated spec)
+  "optax": (_optax_case, r"\[0\]\.mu\['w'\] \(shape \(4,\), spec", lambda s: s[0].mu["w"]),
+  "multi": (
+    _multi_case,
+    r"\[0\]\.mu\['w'\] \(shape \(4,\), spec",
+    lambda s: s[0].param_states[0].mu["w"],
+  ),
+  "example_lib": (
+    _example_lib_case,
+    r"\['w'\]\['1'\] \(shape \(3,\)\): they have neither",
+    lambda s: s["w"]["1"],
+  ),
+  "kfac": (
+    _kfac_case,
+    r"estimator_state/blocks_states/0/factors/0/value \(shape \(4, 4\)\).*: K-FAC state",
+    lambda s: s.estimator_state.blocks_states[0].factors[0].value,
+  ),
+}
+
+
+@pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("fallback", list(StateRulesFallback))
+@pytest.mark.parametrize("adapter", sorted(FALLBACK_CASES))
+def test_every_adapter_takes_the_one_fallback_setting(adapter, fallback):
+  build, path, replicated = FALLBACK_CASES[adapter]
+  opt_def, params, axes = build(fallback)
+  assert opt_def.fallback is fallback
+  opt = opt_def.create(params)
+  if fallback is StateRulesFallback.RAISE:
+    with pytest.raises(ValueError, match=r"cannot derive a valid logical spec.*" + path):
+      opt_def.derive_logical_axes(opt, axes)
+  else:
+    with pytest.warns(UserWarning, match=r"replicating \d+ optimizer state leaves.*" + path):
+      specs = opt_def.derive_logical_axes(opt, axes).state.param_states
+    assert replicated(specs) is None
+
+
+@pytest.mark.parametrize(
+  ("multi_fallback", "sub_fallback", "raises"),
+  [
+    (None, StateRulesFallback.RAISE, True),  # None: each sub-optimizer keeps its own
+    (None, StateRulesFallback.REPLICATE_WITH_WARNING, False),
+    (StateRulesFallback.REPLICATE_WITH_WARNING, StateRulesFallback.RAISE, False),
+    ("raise", StateRulesFallback.REPLICATE_WITH_WARNING, True),
+  ],
+)
+def test_multi_optimizer_fallback_overrides_only_when_set(multi_fallback, sub_fallback, raises):
+  sub = OptaxWrapper(optax.adam(0.1), fallback=sub_fallback)
+  opt_def = MultiOptimizer([("w", sub)], fallback=multi_fallback)
+  opt = opt_def.create({"w": jnp.ones(4)})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if raises:
+      with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\]"):
+        opt_def.derive_logical_axes(opt, {"w": P("a", "b")})
+    else:
+      opt_def.derive_logical_axes(opt, {"w": P("a", "b")})
+      assert any("replicating" in str(w.message) for w in caught)
+  assert sub.fallback is sub_fallback
+
+
+def test_bad_fallback_value_is_refused():
+  with pytest.raises(ValueError, match="not a valid StateRulesFallback"):
+    OptaxWrapper(optax.sgd(0.1), fallback="ignore")
+
+
+def test_adapter_state_rules_are_registered_once():
+  from t5x_optim._axes.registry import registered_rules
+  from t5x_optim._optimizers import example_lib
+
+  registered = registered_rules()
+  types = [optax.ScaleByLBFGSState, contrib.GaLoreState, example_lib._PartsNode]
+  for state_type in types:
+    assert state_type in registered
+    with pytest.raises(ValueError, match="already registered; pass replace=True"):
+      register_state_rule(state_type, registered[state_type].rule)
+  assert registered_rules()[example_lib._PartsNode] == registered[example_lib._PartsNode]

@@ -11,6 +11,7 @@ from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, TrainState, optimizers
+from t5x_optim.partitioning import StateRulesFallback
 
 EMBED, MLP = 4, 8
 KERNEL_AXES = P("embed", "mlp")
@@ -211,3 +212,19 @@ def test_set_param_axes_gets_the_axes():
   opt_def = _WantsAxes(optax.sgd(0.1))
   TrainState.create(opt_def, _variables(BoxedModel()))
   assert opt_def.seen_axes == {"dense": {"kernel": KERNEL_AXES}}
+
+
+@pytest.mark.parametrize("fallback", list(StateRulesFallback))
+def test_as_logical_axes_applies_the_definitions_fallback(fallback):
+  # A spec longer than the param's rank: adam's mu and nu cannot keep it.
+  boxed = nn.LogicallyPartitioned(jnp.ones(4), ("embed", "mlp"))
+  state = TrainState.create(
+    OptaxWrapper(optax.adam(0.1), fallback=fallback), {"params": {"w": boxed}}
+  )
+  if fallback is StateRulesFallback.RAISE:
+    with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\] \(shape \(4,\), spec"):
+      state.as_logical_axes()
+  else:
+    with pytest.warns(UserWarning, match=r"replicating 2 optimizer state leaves.*\[0\]\.nu\['w'\]"):
+      logical = state.as_logical_axes()
+    assert logical.param_states[0].mu == {"w": None}

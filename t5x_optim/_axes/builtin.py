@@ -19,6 +19,7 @@ from optax import contrib
 
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.rules import is_spec_leaf
 
 
 def _with_memory_axis(spec: Any) -> Any:
@@ -42,7 +43,7 @@ def lbfgs_rule(
   {'w': P(None, 'a', 'b')}
   """
   del state, context
-  history = jax.tree.map(_with_memory_axis, specs.params, is_leaf=specs_lib.is_spec_leaf)
+  history = jax.tree.map(_with_memory_axis, specs.params, is_leaf=is_spec_leaf)
   return specs._replace(
     count=None, diff_params_memory=history, diff_updates_memory=history, weights_memory=None
   )
@@ -95,7 +96,7 @@ def galore_rule(state: Any, specs: Any, context: registry.StateRuleContext) -> A
   if projector_def != params_def:
     return specs
   param_specs = params_def.flatten_up_to(context.param_specs)
-  derived = jax.tree.leaves(specs.projector, is_leaf=specs_lib.is_spec_leaf)
+  derived = jax.tree.leaves(specs.projector, is_leaf=is_spec_leaf)
   real = [not masked(p) for p in projectors]
   low_rank = [
     _low_rank_specs(p, s, q) for p, s, q, keep in zip(params, param_specs, projectors, real) if keep

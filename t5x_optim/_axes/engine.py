@@ -15,16 +15,20 @@ None (replicated). Derivation runs in four steps:
    (adafactor ``v_row``, SM3 accumulators) and states of user-defined
    transformations get the specs of the param dimensions they keep.
 3. *Rules*: registered per-state-type rules override what the first two steps
-   cannot know (L-BFGS history, GaLore projectors).
+   cannot know (L-BFGS history, GaLore projectors). Adapters whose states
+   optax does not describe register a rule for a node type of their own and
+   pass that node to ``derive_state_specs`` (example_libraries' per-param
+   parts, K-FAC's curvature blocks).
 4. *Validation*: every spec must fit its leaf (length == rank, no axis named
-   twice); anything else goes to the caller's ``StateRulesFallback``.
+   twice); anything else, ``UNDERIVED`` leaves included, goes to the caller's
+   ``StateRulesFallback`` through ``resolve``, the one fallback resolver.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +43,7 @@ from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
 
 _MAX_PATHS_IN_WARNING = 5
+_NO_SPEC_DERIVED = "no spec could be derived"
 
 
 class StateRulesFallback(enum.Enum):
@@ -311,7 +316,7 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
   for offset, node in reversed(ruled):
     end = offset + node.num_leaves
     state_node = node.unflatten(state_leaves[offset:end])
-    out = rules[node.node_data()[0]](state_node, node.unflatten(specs[offset:end]), context)
+    out = rules[node.node_data()[0]].rule(state_node, node.unflatten(specs[offset:end]), context)
     try:
       specs[offset:end] = node.flatten_up_to(out)
     except (ValueError, TypeError) as e:
@@ -322,20 +327,76 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
       ) from e
 
 
-def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
-  """Validates every spec; invalid or underived ones go to ``fallback``."""
+def _describe(name: str, shape: tuple[int, ...], spec: Any, problem: str) -> str:
+  """One leaf of the fallback's message: its path, shape and spec problem."""
+  if spec is specs_lib.UNDERIVED:
+    return f"{name} (shape {shape})"
+  return f"{name} (shape {shape}, spec {spec!r}: {problem})"
+
+
+def _rule_reasons(ruled, rules) -> dict[int, str]:
+  """The ``underived_reason`` registered for each leaf's rule (innermost node wins)."""
+  reasons: dict[int, str] = {}
+  for offset, node in ruled:
+    reason = rules[node.node_data()[0]].underived_reason
+    if reason is not None:
+      reasons.update(dict.fromkeys(range(offset, offset + node.num_leaves), reason))
+  return reasons
+
+
+def resolve(
+  specs: Sequence[Any],
+  shapes: Sequence[tuple[int, ...]],
+  paths: Callable[[], Sequence[str]],
+  fallback: StateRulesFallback,
+  *,
+  reasons: Mapping[int, str] | None = None,
+  cause: BaseException | None = None,
+) -> list[Any]:
+  """Validates every spec; invalid or ``UNDERIVED`` ones go to ``fallback``.
+
+  This is the one place where derived specs meet the fallback policy. Each
+  leaf without a valid spec is named by its path and shape (and, for a spec
+  that does not fit, the spec and the problem); the message ends with why
+  the underived ones have none and, when generic derivation failed, why.
+
+  Args:
+    specs: one spec per state leaf (canonical, None, ``UNDERIVED`` or invalid).
+    shapes: the leaves' shapes.
+    paths: returns the leaves' names (called only when some leaf is bad).
+    fallback: the policy for the leaves without a valid spec.
+    reasons: why an underived leaf has no spec, by leaf index (its state
+      rule's ``underived_reason``); others get "no spec could be derived".
+    cause: why generic derivation failed, if it did; appended and chained.
+
+  Returns:
+    the specs with every bad leaf replicated (None).
+
+  Raises:
+    ValueError: with ``StateRulesFallback.RAISE`` if a leaf is bad.
+
+  >>> resolve([None, specs_lib.UNDERIVED], [(2,), (3,)], lambda: ['a', 'b'],
+  ...         StateRulesFallback.RAISE)
+  Traceback (most recent call last):
+  ValueError: cannot derive a valid logical spec for 1 optimizer state leaves: b (shape (3,)): no spec could be derived
+  """
   bad = [
     (i, p)
     for i, (s, shape) in enumerate(zip(specs, shapes))
     if (p := specs_lib.spec_problem(s, shape)) is not None
   ]
   if not bad:
-    return specs
+    return list(specs)
   names = paths()
+  reasons = reasons or {}
+  underived = dict.fromkeys(
+    reasons.get(i, _NO_SPEC_DERIVED) for i, _ in bad if specs[i] is specs_lib.UNDERIVED
+  )
+  why = f": {'; '.join(underived)}" if underived else ""
   fallback.handle(
-    [f"{names[i]} (shape {shapes[i]}, spec {specs[i]!r}: {p})" for i, p in bad],
-    why=f"; generic derivation: {reason}" if reason is not None else "",
-    cause=reason,
+    [_describe(names[i], shapes[i], specs[i], p) for i, p in bad],
+    why=why + (f"; generic derivation: {cause}" if cause is not None else ""),
+    cause=cause,
   )
   out = list(specs)
   for i, _ in bad:
@@ -343,16 +404,83 @@ def _resolve(specs, shapes, paths, fallback, reason) -> list[Any]:
   return out
 
 
-def _lazy_paths(state: Any):
+def _lazy_paths(state: Any, leaf_name: Callable[[jax.tree_util.KeyPath], str]):
   cache: list[list[str]] = []
 
   def paths() -> list[str]:
     if not cache:
       flat, _ = jax.tree_util.tree_flatten_with_path(state)
-      cache.append([jax.tree_util.keystr(p) for p, _ in flat])
+      cache.append([leaf_name(p) for p, _ in flat])
     return cache[0]
 
   return paths
+
+
+def derive_state_specs(
+  state: Any,
+  params_axes: Any,
+  *,
+  transformation: optax.GradientTransformation | None = None,
+  params: Any | None = None,
+  fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+  leaf_name: Callable[[jax.tree_util.KeyPath], str] = jax.tree_util.keystr,
+) -> Any:
+  """The engine: logical specs for every leaf of any optimizer state.
+
+  Runs the four steps of the module docstring on ``state``. Adapters whose
+  states optax cannot describe (example_libraries triples, K-FAC) register a
+  state rule for a node type of their own and pass that node here.
+
+  Args:
+    state: the optimizer state, or an adapter's node holding it.
+    params_axes: the params' logical axes in any form ``logical_axes_from``
+      accepts.
+    transformation: the optax transformation that built ``state`` (enables
+      generic derivation, with ``params``).
+    params: the params the state was initialised with.
+    fallback: what to do with leaves that cannot be given a valid spec.
+    leaf_name: names a leaf from its key path in the fallback's message.
+
+  Returns:
+    ``state``'s structure with a canonical spec or None at every leaf.
+
+  Raises:
+    ValueError: see ``OptaxStatePartitionRules.derive_optax_logical_axes``.
+
+  >>> derive_state_specs({'w': jax.ShapeDtypeStruct((4,), 'float32')},
+  ...                    {'w': PartitionSpec('embed')})
+  {'w': P('embed',)}
+  """
+  index = _ParamIndex(params_axes, params)
+  state_leaves, state_def = jax.tree.flatten(state)
+  shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
+  specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
+  rules = registry.registered_rules()
+  mirrors, ruled = _scan(state_def, index, tuple(rules))
+  _mirror_specs(index, mirrors, shapes, specs)
+  specs = [
+    None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
+    for s, shape in zip(specs, shapes)
+  ]
+  paths = _lazy_paths(state, leaf_name)
+  cause = None
+  if (
+    transformation is not None
+    and index.leaves is not None
+    and any(s is specs_lib.UNDERIVED for s in specs)
+  ):
+    try:
+      derived = generic.derive_generic(
+        transformation, index.leaves, index.params_def, index.specs, state_def, shapes
+      )
+    except generic.GenericDerivationError as e:
+      cause = e
+    else:
+      specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
+  if ruled:
+    _apply_rules(ruled, rules, state_leaves, specs, index, paths)
+  specs = resolve(specs, shapes, paths, fallback, reasons=_rule_reasons(ruled, rules), cause=cause)
+  return state_def.unflatten(specs)
 
 
 class OptaxStatePartitionRules:
@@ -404,33 +532,6 @@ class OptaxStatePartitionRules:
     ...     transformation=tx, params=params)[0].mu
     {'w': P('embed', 'mlp')}
     """
-    index = _ParamIndex(params_axes, params)
-    state_leaves, state_def = jax.tree.flatten(optax_state)
-    shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
-    specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
-    rules = registry.registered_rules()
-    mirrors, ruled = _scan(state_def, index, tuple(rules))
-    _mirror_specs(index, mirrors, shapes, specs)
-    specs = [
-      None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
-      for s, shape in zip(specs, shapes)
-    ]
-    paths = _lazy_paths(optax_state)
-    reason = None
-    if (
-      transformation is not None
-      and index.leaves is not None
-      and any(s is specs_lib.UNDERIVED for s in specs)
-    ):
-      try:
-        derived = generic.derive_generic(
-          transformation, index.leaves, index.params_def, index.specs, state_def, shapes
-        )
-      except generic.GenericDerivationError as e:
-        reason = e
-      else:
-        specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
-    if ruled:
-      _apply_rules(ruled, rules, state_leaves, specs, index, paths)
-    specs = _resolve(specs, shapes, paths, fallback, reason)
-    return state_def.unflatten(specs)
+    return derive_state_specs(
+      optax_state, params_axes, transformation=transformation, params=params, fallback=fallback
+    )

@@ -13,7 +13,8 @@ StateRule = Callable[[Any, Any, "StateRuleContext"], Any]
 ``state`` is the node of the optimizer state (arrays or ShapeDtypeStructs),
 ``specs`` the specs derived so far for that node (same structure; leaves are
 canonical ``PartitionSpec``s, None for replicated, or ``UNDERIVED``), and the
-rule returns a tree of the node's structure with the specs to use.
+rule returns a tree of the node's structure with the specs to use (leaving
+``UNDERIVED`` where it has none: the fallback policy then decides).
 """
 
 
@@ -33,11 +34,31 @@ class StateRuleContext:
   params: Any | None
 
 
+@dataclasses.dataclass(frozen=True)
+class RegisteredRule:
+  """A registered state rule and what the fallback's message says about it.
+
+  Attributes:
+    rule: the rule, see ``StateRule``.
+    underived_reason: why the leaves the rule leaves ``UNDERIVED`` have no
+      spec, or None (the engine's generic "no spec could be derived").
+  """
+
+  rule: StateRule
+  underived_reason: str | None = None
+
+
 _LOCK = threading.Lock()
-_RULES: dict[type, StateRule] = {}
+_RULES: dict[type, RegisteredRule] = {}
 
 
-def register_state_rule(state_type: type, rule: StateRule, *, replace: bool = False) -> None:
+def register_state_rule(
+  state_type: type,
+  rule: StateRule,
+  *,
+  replace: bool = False,
+  underived_reason: str | None = None,
+) -> None:
   """Registers ``rule`` to override the specs derived for ``state_type`` nodes.
 
   Rules run after structural and generic derivation, innermost node first, and
@@ -47,6 +68,9 @@ def register_state_rule(state_type: type, rule: StateRule, *, replace: bool = Fa
     state_type: the exact type of the state node (e.g. a NamedTuple class).
     rule: ``rule(state, specs, context) -> specs``, see ``StateRule``.
     replace: allow replacing a rule already registered for ``state_type``.
+    underived_reason: why leaves the rule leaves ``UNDERIVED`` have no spec;
+      it ends the message of the fallback policy (e.g. "K-FAC state leaves
+      that match no single param dimension").
 
   Raises:
     TypeError: if ``state_type`` is not a type or ``rule`` is not callable.
@@ -75,10 +99,10 @@ def register_state_rule(state_type: type, rule: StateRule, *, replace: bool = Fa
         f"a state rule for {state_type.__module__}.{state_type.__qualname__}"
         " is already registered; pass replace=True to replace it"
       )
-    _RULES[state_type] = rule
+    _RULES[state_type] = RegisteredRule(rule, underived_reason)
 
 
-def registered_rules() -> Mapping[type, StateRule]:
+def registered_rules() -> Mapping[type, RegisteredRule]:
   """A snapshot of the registered rules, keyed by state type."""
   with _LOCK:
     return dict(_RULES)

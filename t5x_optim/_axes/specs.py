@@ -36,15 +36,12 @@ class _Underived:
 
 
 UNDERIVED = _Underived()
-"""Leaf value of a spec tree handed to a state rule for a leaf not derived yet.
+"""The one "not derived" marker: a spec-tree leaf whose spec is not known (yet).
 
-A rule may keep it (the fallback policy then decides) or replace it.
+State rules receive it for leaves not derived so far and may keep it (the
+fallback policy then decides) or replace it. It is a pytree leaf, so
+``rules.is_spec_leaf`` walks spec trees that hold it.
 """
-
-
-def is_spec_leaf(x: Any) -> bool:
-  """Whether ``x`` is a leaf of a spec tree (``PartitionSpec``, None, UNDERIVED)."""
-  return x is None or x is UNDERIVED or isinstance(x, PartitionSpec)
 
 
 def entry_names(entry: Any) -> tuple[str, ...]:

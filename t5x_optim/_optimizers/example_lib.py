@@ -27,7 +27,9 @@ from jax.example_libraries import optimizers as example_lib
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes import specs as specs_lib
-from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
+from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logical_axes_from
+from t5x_optim._axes.registry import StateRuleContext, register_state_rule
+from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._optimizers.interface import (
   Optimizer,
   OptimizerDef,
@@ -344,41 +346,64 @@ def _is_per_dim(node: Mapping[str, Any], shape: tuple[int, ...]) -> bool:
   )
 
 
-def _part_specs(
-  node: Any, shape: tuple[int, ...], spec: PartitionSpec | None, unmatched: list[Any]
-) -> Any:
-  """Logical specs of one param's parts; unmatched leaves are recorded."""
+def _part_specs(node: Any, shape: tuple[int, ...], spec: PartitionSpec | None) -> Any:
+  """Logical specs of one param's parts; unmatched leaves stay `UNDERIVED`."""
   if isinstance(node, Mapping):
     if _is_per_dim(node, shape):
       return {
         key: None if spec is None else specs_lib.canonical(PartitionSpec(spec[int(key)]), 1)
         for key in node
       }
-    return {key: _part_specs(value, shape, spec, unmatched) for key, value in node.items()}
+    return {key: _part_specs(value, shape, spec) for key, value in node.items()}
   part_shape = specs_lib.leaf_shape(node)
   if spec is None or all(d == 1 for d in part_shape):
     return None
   if part_shape == shape:
     return spec
-  unmatched.append(part_shape)
   return specs_lib.UNDERIVED
 
 
-def _resolve_unmatched(spec_tree: Any, fallback: StateRulesFallback) -> Any:
-  """Applies the fallback policy to every `UNDERIVED` leaf, naming its path."""
-  bad = [
-    jax.tree_util.keystr(path)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(
-      spec_tree, is_leaf=specs_lib.is_spec_leaf
-    )[0]
-    if leaf is specs_lib.UNDERIVED
-  ]
-  if not bad:
-    return spec_tree
-  fallback.handle(bad, why=": they have neither their param's shape nor one dimension of it")
-  return jax.tree.map(
-    lambda s: None if s is specs_lib.UNDERIVED else s, spec_tree, is_leaf=specs_lib.is_spec_leaf
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _PartsNode:
+  """The node the engine derives an `ExampleLibOptimizerDef` state's specs on.
+
+  Attributes:
+    parts: each param's parts dict (nested dicts), in the params' structure.
+  """
+
+  parts: Any
+
+
+def _parts_rule(state: _PartsNode, specs: _PartsNode, context: StateRuleContext) -> _PartsNode:
+  """The state rule for `_PartsNode`: each param's parts from its shape and spec.
+
+  A part with its param's shape gets the param's spec; a rank-1 vector per
+  param dimension (sm3's `vs`) gets that dimension's entry; scalars and
+  parts of replicated params get None; anything else stays `UNDERIVED`.
+  """
+  del specs
+  return _PartsNode(
+    jax.tree.map(
+      lambda spec, param, parts: _part_specs(parts, specs_lib.leaf_shape(param), spec),
+      context.param_specs,
+      context.params,
+      state.parts,
+      is_leaf=is_spec_leaf,
+    )
   )
+
+
+register_state_rule(
+  _PartsNode,
+  _parts_rule,
+  underived_reason="they have neither their param's shape nor one dimension of it",
+)
+
+
+def _leaf_name(path: jax.tree_util.KeyPath) -> str:
+  """A parts leaf's path in `param_states` (`['dense']['kernel']['m']`)."""
+  return jax.tree_util.keystr(path[1:])
 
 
 def _reject_override(reason: str) -> Callable[[Any], example_lib.Optimizer]:
@@ -430,7 +455,7 @@ class ExampleLibOptimizerDef(OptimizerDef):
     with_step_size: rebuilds the triple with a given constant step size; it
       makes `learning_rate=` overrides work. Without it they raise.
     fallback: what `derive_logical_axes` does with a state leaf that has
-      neither its param's shape nor one dimension of it.
+      neither its param's shape nor one dimension of it (see `OptimizerDef`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -446,16 +471,15 @@ class ExampleLibOptimizerDef(OptimizerDef):
     *,
     slot_names: Sequence[str] | None = None,
     with_step_size: Callable[[Any], example_lib.Optimizer] | None = None,
-    fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+    fallback: StateRulesFallback | str = StateRulesFallback.REPLICATE_WITH_WARNING,
   ):
-    super().__init__(hyper_params=ExampleLibHyperParams())
+    super().__init__(hyper_params=ExampleLibHyperParams(), fallback=fallback)
     self.triple = example_lib.Optimizer(*triple)
     self.slot_names = None if slot_names is None else tuple(slot_names)
     self.with_step_size = with_step_size or _reject_override(
       "the triple was built without its maker, so its step size is baked in. "
       "Build it with wrap_example_lib_optimizer(maker)(...) to allow overrides."
     )
-    self.fallback = fallback
     self._layouts: dict[Any, _Layout] = {}
 
   @classmethod
@@ -539,24 +563,20 @@ class ExampleLibOptimizerDef(OptimizerDef):
     """
     axes = logical_axes_from(param_logical_axes)
     layout = self._layout(optimizer.target)
-    specs, axes_def = jax.tree.flatten(specs_lib.thaw(axes), is_leaf=specs_lib.is_spec_leaf)
-    flat_params = layout.params_def.flatten_up_to(optimizer.target)
-    if axes_def != jax.tree.structure(specs_lib.thaw(optimizer.target)):
+    if jax.tree.structure(specs_lib.thaw(axes), is_leaf=is_spec_leaf) != jax.tree.structure(
+      specs_lib.thaw(optimizer.target)
+    ):
       raise ValueError(
         "The param logical axes do not fit the params: "
         f"{structure_mismatch(axes, optimizer.target, name='axes')}."
       )
     parts = layout.parts(optimizer.target, optimizer.state.param_states)
-    unmatched: list[Any] = []
-    spec_tree = layout.params_def.unflatten(
-      _part_specs(part, shape, specs_lib.canonical(spec, len(shape)), unmatched)
-      for part, shape, spec in zip(
-        parts, (specs_lib.leaf_shape(p) for p in flat_params), specs, strict=True
-      )
-    )
+    node = _PartsNode(layout.params_def.unflatten(specs_lib.thaw(p) for p in parts))
+    param_states = derive_state_specs(
+      node, axes, params=optimizer.target, fallback=self.fallback, leaf_name=_leaf_name
+    ).parts
     return optimizer.replace(
-      target=axes,
-      state=OptimizerState(step=None, param_states=_resolve_unmatched(spec_tree, self.fallback)),
+      target=axes, state=OptimizerState(step=None, param_states=param_states)
     )
 
 

@@ -11,6 +11,7 @@ import flax
 import jax
 from flax import struct
 
+from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState"]
@@ -92,12 +93,35 @@ class OptimizerDef(abc.ABC):
   written against `t5x.optimizers` (T5X's legacy `Adafactor`, say) work
   unchanged. A definition whose `apply_gradient` takes extra keyword
   arguments lists their names in `extra_arg_names`.
+
+  Args:
+    hyper_params: the hyper-params struct (with `.replace`).
+    fallback: what `derive_logical_axes` does with an optimizer-state leaf
+      whose logical spec cannot be derived or does not fit it: replicate it
+      and warn (the default), or raise naming the leaf's path and shape.
+      Every adapter (optax, MultiOptimizer, example_libraries, K-FAC) takes
+      it; `TrainState` and the partitioner call `derive_logical_axes`, so
+      the definition's setting applies there too. Strings (`"raise"`) work,
+      for gin.
+
+  Example:
+    >>> import optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> OptaxWrapper(optax.sgd(0.1), fallback="raise").fallback
+    <StateRulesFallback.RAISE: 'raise'>
   """
 
   extra_arg_names: frozenset[str] = frozenset()
+  fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING
 
-  def __init__(self, hyper_params: Any):
+  def __init__(
+    self,
+    hyper_params: Any,
+    *,
+    fallback: StateRulesFallback | str = StateRulesFallback.REPLICATE_WITH_WARNING,
+  ):
     self.hyper_params = hyper_params
+    self.fallback = StateRulesFallback(fallback)
 
   @abc.abstractmethod
   def init_state(self, params: Any) -> OptimizerState:

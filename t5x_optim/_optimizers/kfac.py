@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,24 +29,16 @@ from jax import extend as jex
 from jax.sharding import PartitionSpec
 from kfac_jax._src import tag_graph_matcher
 
-from t5x_optim._axes import engine as _state_rules
+from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logical_axes_from
+from t5x_optim._axes.registry import StateRuleContext, register_state_rule
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._axes.specs import UNDERIVED
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
 
 _FACTOR_KEY = re.compile(r"^(\d+)_factor")
-
-
-class _Unmatched:
-  """Marker for a state leaf that matches no param dimension."""
-
-  def __repr__(self) -> str:
-    return "UNMATCHED"
-
-
-_UNMATCHED = _Unmatched()
 
 
 def _eval_jaxpr_eqn(eqn: Any, in_values: list[Any]) -> list[Any]:
@@ -158,7 +151,7 @@ def _kronecker_axis_names(
   every param of the block maps one single dimension with that name onto axis
   `k` and the factor has that dimension's size (None when that dimension is
   replicated). A bias-augmented input factor (`in + 1`) or a merged axis (conv
-  `(h w in)`) matches nothing: `_UNMATCHED`.
+  `(h w in)`) matches nothing: `UNDERIVED`.
   """
   names = []
   for axis, size in enumerate(block.array_shape):
@@ -175,7 +168,7 @@ def _kronecker_axis_names(
       name = _dim_names(spec, len(shape))[dim]
       candidates.add((name, shape[dim]))
     match = candidates.pop() if len(candidates) == 1 else None
-    names.append(match[0] if match is not None and match[1] == size else _UNMATCHED)
+    names.append(match[0] if match is not None and match[1] == size else UNDERIVED)
   return names
 
 
@@ -221,52 +214,70 @@ class _BlockAxes:
       return None
     factor = _factor_index(keys)
     if factor is None:
-      return _UNMATCHED
+      return UNDERIVED
     if self.factor_names is not None:
       name = self.factor_names[factor]
-      if name is None or name is _UNMATCHED:
+      if name is None or name is UNDERIVED:
         return name
       return PartitionSpec(name, *([None] * (len(shape) - 1)))
     if factor < len(self.param_shapes) and shape == self.param_shapes[factor]:
       return self.param_specs[factor]
-    return _UNMATCHED
+    return UNDERIVED
 
 
-def _resolve_unmatched(
-  nested_specs: Any,
-  nested_state: Any,
-  fallback: _state_rules.StateRulesFallback,
-) -> Any:
-  """Applies the fallback policy to leaves without a spec, naming their paths."""
-  bad: list[str] = []
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _KfacNode:
+  """The node the engine derives a K-FAC state's specs on.
 
-  def collect(keys: tuple[str, ...], spec: Any) -> Any:
-    if spec is not _UNMATCHED:
-      return spec
-    leaf = nested_state
-    for key in keys:
-      leaf = leaf[key]
-    bad.append(f"{'/'.join(keys)} (shape {tuple(leaf.shape)})")
-    return None
+  Attributes:
+    state: the kfac-jax state in `kfac_state_to_dict` form, so leaves are
+      named by their state-dict keys.
+    optimizer: the finalized `kfac_jax.Optimizer` that built the state (its
+      curvature blocks say what each factor is).
+  """
 
-  resolved = _map_with_keys(collect, nested_specs)
-  fallback.handle(bad, why=": K-FAC state leaves that match no single param dimension")
-  return resolved
+  state: Any
+  optimizer: Any = dataclasses.field(metadata={"static": True})
 
 
-def _param_spec_list(axes: Any, params: Any) -> list[PartitionSpec | None]:
-  """The params' specs in flat param order, padded to each param's rank."""
-  specs = jax.tree.leaves(axes, is_leaf=is_spec_leaf)
-  leaves = jax.tree.leaves(params)
-  if len(specs) != len(leaves):
-    raise ValueError(
-      f"param_logical_axes has {len(specs)} leaves but the params have {len(leaves)}."
-    )
-  out = []
-  for spec, leaf in zip(specs, leaves):
-    names = _dim_names(spec, len(leaf.shape))
-    out.append(PartitionSpec(*names) if any(n is not None for n in names) else None)
-  return out
+def _kfac_rule(node: _KfacNode, specs: _KfacNode, context: StateRuleContext) -> _KfacNode:
+  """The state rule for `_KfacNode`; see `derive_kfac_logical_axes`."""
+  del specs
+  param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
+  estimator = node.optimizer._estimator  # pylint: disable=protected-access
+  blocks = [
+    _BlockAxes.of(block, [param_specs[i] for i in indices])
+    for block, indices in zip(estimator.blocks, estimator.jaxpr.layer_indices, strict=True)
+  ]
+  velocity_specs = kfac_state_to_dict(context.param_specs)
+
+  def spec(keys: tuple[str, ...], leaf: Any) -> Any:
+    shape = tuple(leaf.shape)
+    if all(d == 1 for d in shape):
+      return None
+    if keys[0] == "velocities":
+      found = velocity_specs
+      for key in keys[1:]:
+        found = found[key]
+      return found
+    if keys[:2] == ("estimator_state", "blocks_states"):
+      return blocks[int(keys[2])].spec(keys[3:], shape)
+    return UNDERIVED
+
+  return _KfacNode(_map_with_keys(spec, node.state), node.optimizer)
+
+
+register_state_rule(
+  _KfacNode,
+  _kfac_rule,
+  underived_reason="K-FAC state leaves that match no single param dimension",
+)
+
+
+def _leaf_name(path: jax.tree_util.KeyPath) -> str:
+  """A K-FAC state leaf's state-dict key (`estimator_state/blocks_states/0/...`)."""
+  return jax.tree_util.keystr(path[1:], simple=True, separator="/")
 
 
 def derive_kfac_logical_axes(
@@ -275,9 +286,7 @@ def derive_kfac_logical_axes(
   params: Any,
   param_logical_axes: Any,
   *,
-  fallback: _state_rules.StateRulesFallback = (
-    _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
-  ),
+  fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
 ) -> Any:
   """Logical specs for every leaf of a kfac-jax optimizer state.
 
@@ -289,7 +298,8 @@ def derive_kfac_logical_axes(
   blocks' factors get their param's spec. Scalars and the blocks of
   replicated params are replicated; leaves that match no single param
   dimension (bias-augmented `(in + 1, in + 1)` factors, conv factors over
-  merged dimensions, full blocks) go to `fallback`.
+  merged dimensions, full blocks) go to `fallback`. The derivation is the
+  state rule of the axes engine's registry for K-FAC states.
 
   Args:
     kfac_optimizer: the finalized `kfac_jax.Optimizer` that built the state.
@@ -312,31 +322,10 @@ def derive_kfac_logical_axes(
       "The kfac_jax.Optimizer is not finalized: create the optimizer state "
       "(KfacOptimizerDef.create or jax.eval_shape of it) before deriving axes."
     )
-  param_specs = _param_spec_list(_state_rules.logical_axes_from(param_logical_axes), params)
-  estimator = kfac_optimizer._estimator  # pylint: disable=protected-access
-  blocks = [
-    _BlockAxes.of(block, [param_specs[i] for i in indices])
-    for block, indices in zip(estimator.blocks, estimator.jaxpr.layer_indices, strict=True)
-  ]
-  velocity_specs = kfac_state_to_dict(
-    jax.tree.unflatten(jax.tree.structure(kfac_state.velocities), param_specs)
-  )
-
-  def spec(keys: tuple[str, ...], leaf: Any) -> Any:
-    shape = tuple(leaf.shape)
-    if all(d == 1 for d in shape):
-      return None
-    if keys[0] == "velocities":
-      node = velocity_specs
-      for key in keys[1:]:
-        node = node[key]
-      return node
-    if keys[:2] == ("estimator_state", "blocks_states"):
-      return blocks[int(keys[2])].spec(keys[3:], shape)
-    return _UNMATCHED
-
-  nested_state = kfac_state_to_dict(kfac_state)
-  nested_specs = _resolve_unmatched(_map_with_keys(spec, nested_state), nested_state, fallback)
+  node = _KfacNode(kfac_state_to_dict(kfac_state), kfac_optimizer)
+  nested_specs = derive_state_specs(
+    node, param_logical_axes, params=params, fallback=fallback, leaf_name=_leaf_name
+  ).state
   return kfac_state_from_dict(kfac_state, nested_specs)
 
 
@@ -393,9 +382,8 @@ class KfacOptimizerDef(OptimizerDef):
     learning_rate: Any = None,
     momentum: Any = None,
     damping: Any = None,
-    state_rules_fallback: _state_rules.StateRulesFallback = (
-      _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
-    ),
+    fallback: StateRulesFallback | str = StateRulesFallback.REPLICATE_WITH_WARNING,
+    state_rules_fallback: StateRulesFallback | str | None = None,
   ):
     """Wraps `kfac_optimizer`.
 
@@ -407,14 +395,34 @@ class KfacOptimizerDef(OptimizerDef):
       learning_rate: the step-time learning rate (None when scheduled).
       momentum: the step-time momentum (None when scheduled or adaptive).
       damping: the step-time damping (None when scheduled or adaptive).
-      state_rules_fallback: what `derive_logical_axes` does with state leaves
-        that match no param dimension.
+      fallback: what `derive_logical_axes` does with state leaves that match
+        no param dimension (see `OptimizerDef`).
+      state_rules_fallback: deprecated alias of `fallback`.
 
     Raises:
-      ValueError: for a multi-device (pmap) or stateful kfac-jax optimizer.
+      ValueError: for a multi-device (pmap) or stateful kfac-jax optimizer,
+        or when `fallback` and `state_rules_fallback` disagree.
     """
+    if state_rules_fallback is not None:
+      warnings.warn(
+        "KfacOptimizerDef(state_rules_fallback=...) is deprecated; pass fallback=..., "
+        "the setting every OptimizerDef shares.",
+        DeprecationWarning,
+        stacklevel=2,
+      )
+      state_rules_fallback = StateRulesFallback(state_rules_fallback)
+      if StateRulesFallback(fallback) not in (
+        StateRulesFallback.REPLICATE_WITH_WARNING,
+        state_rules_fallback,
+      ):
+        raise ValueError(
+          f"KfacOptimizerDef got fallback={fallback} and its deprecated alias "
+          f"state_rules_fallback={state_rules_fallback}; pass fallback= only."
+        )
+      fallback = state_rules_fallback
     super().__init__(
-      hyper_params=KfacHyperParams(learning_rate=learning_rate, momentum=momentum, damping=damping)
+      hyper_params=KfacHyperParams(learning_rate=learning_rate, momentum=momentum, damping=damping),
+      fallback=fallback,
     )
     if kfac_optimizer.multi_device:
       raise ValueError(
@@ -431,7 +439,16 @@ class KfacOptimizerDef(OptimizerDef):
     self.kfac_optimizer = kfac_optimizer
     self.init_batch = init_batch
     self.init_rng = init_rng
-    self.state_rules_fallback = state_rules_fallback
+
+  @property
+  def state_rules_fallback(self) -> StateRulesFallback:
+    """Deprecated alias of `fallback`."""
+    warnings.warn(
+      "KfacOptimizerDef.state_rules_fallback is deprecated; read fallback.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.fallback
 
   def init_state(
     self, params: Any, *, batch: Any = None, rng: jax.Array | None = None
@@ -597,13 +614,13 @@ class KfacOptimizerDef(OptimizerDef):
 
     See `derive_kfac_logical_axes`; `step` becomes None.
     """
-    axes = _state_rules.logical_axes_from(param_logical_axes)
+    axes = logical_axes_from(param_logical_axes)
     param_states = derive_kfac_logical_axes(
       self.kfac_optimizer,
       optimizer.state.param_states,
       optimizer.target,
       axes,
-      fallback=self.state_rules_fallback,
+      fallback=self.fallback,
     )
     return optimizer.replace(
       target=axes, state=OptimizerState(step=None, param_states=param_states)

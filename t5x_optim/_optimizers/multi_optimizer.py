@@ -44,6 +44,7 @@ two layouts, chosen from the sub-optimizers' states:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import warnings
@@ -56,6 +57,7 @@ import jax.numpy as jnp
 from flax import serialization, traverse_util
 from flax.core import FrozenDict
 
+from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import (
@@ -257,6 +259,10 @@ class MultiOptimizer(OptimizerDef):
     traversals_and_optimizers: `(traversal, optimizer_def)` pairs. A
       traversal is a `PathFilter`, a regex or list of regexes (made into a
       `PathFilter`), or a `flax.traverse_util.ModelParamTraversal`.
+    fallback: `OptimizerDef`'s setting for state leaves without a valid
+      spec. None (the default) keeps each sub-optimizer's own setting; a
+      value overrides every sub-optimizer's in `derive_logical_axes` (the
+      sub-optimizers themselves are not changed).
 
   Hyper-parameter overrides passed to `Optimizer.apply_gradient` (e.g. T5X's
   `learning_rate=`) go to every sub-optimizer that has a hyper-parameter of
@@ -294,6 +300,8 @@ class MultiOptimizer(OptimizerDef):
   def __init__(
     self,
     traversals_and_optimizers: Sequence[tuple[Traversal, OptimizerDef]],
+    *,
+    fallback: StateRulesFallback | str | None = None,
   ):
     pairs = list(traversals_and_optimizers)
     if not pairs:
@@ -312,6 +320,7 @@ class MultiOptimizer(OptimizerDef):
     if any(hasattr(opt, "set_param_axes") for opt in self.sub_optimizers):
       self.set_param_axes = self._set_param_axes
     super().__init__(hyper_params=tuple(opt.hyper_params for opt in self.sub_optimizers))
+    self.fallback = None if fallback is None else StateRulesFallback(fallback)
 
   def __repr__(self) -> str:
     pairs = ", ".join(
@@ -543,12 +552,12 @@ class MultiOptimizer(OptimizerDef):
 
     The target becomes the params' logical axes and `step` None;
     `param_states` holds each sub-optimizer's derived state. Frozen params
-    have no state, so they appear only in the target.
+    have no state, so they appear only in the target. Each sub-optimizer's
+    leaves without a valid spec go to its own `fallback`, or to this one's
+    when it is set.
     """
-    from t5x_optim._axes import engine as _state_rules  # pylint: disable=g-import-not-at-top
-
     partition, leaves = self._partition(optimizer.target)
-    axes = _state_rules.logical_axes_from(param_logical_axes)
+    axes = logical_axes_from(param_logical_axes)
     axes_leaves = partition.leaves_of(axes, name="param logical axes", reference=optimizer.target)
     sub_states = []
     for opt, sub_target, sub_axes, sub_state in zip(
@@ -557,6 +566,7 @@ class MultiOptimizer(OptimizerDef):
       partition.split(axes_leaves),
       optimizer.state.param_states,
     ):
+      opt = self._with_fallback(opt)
       sub_optimizer = Optimizer(optimizer_def=opt, state=sub_state, target=sub_target)
       sub_states.append(opt.derive_logical_axes(sub_optimizer, sub_axes).state)
     return optimizer.replace(
@@ -564,15 +574,21 @@ class MultiOptimizer(OptimizerDef):
       state=OptimizerState(step=None, param_states=tuple(sub_states)),
     )
 
+  def _with_fallback(self, opt: OptimizerDef) -> OptimizerDef:
+    """`opt`, or a shallow copy of it with this definition's `fallback` if set."""
+    if self.fallback is None or opt.fallback is self.fallback:
+      return opt
+    overridden = copy.copy(opt)
+    overridden.fallback = self.fallback
+    return overridden
+
   def _set_param_axes(self, param_logical_axes: Any) -> None:
     """Gives each sub-optimizer that defines `set_param_axes` its axes.
 
     The split is computed on the axes tree itself; filters of flax
     traversals see the `PartitionSpec` as the value (an empty one for None).
     """
-    from t5x_optim._axes import engine as _state_rules  # pylint: disable=g-import-not-at-top
-
-    axes = _state_rules.logical_axes_from(param_logical_axes)
+    axes = logical_axes_from(param_logical_axes)
     specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=is_spec_leaf)
     partition = self._compute_partition(specs)
     leaves = jax.tree.leaves(axes, is_leaf=is_spec_leaf)

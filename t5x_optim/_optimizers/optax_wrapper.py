@@ -125,7 +125,7 @@ class OptaxWrapper(OptimizerDef):
   array and `param_states` the optax state (an `optax.MultiSteps` is taken
   through its `gradient_transformation()`). Extra keyword arguments of
   `Optimizer.apply_gradient` (e.g. `value=` for `reduce_on_plateau`) are
-  passed on to `update`.
+  passed on to `update`. `fallback` (keyword-only) is `OptimizerDef`'s.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -140,8 +140,11 @@ class OptaxWrapper(OptimizerDef):
     optax_optimizer: optax.GradientTransformation | optax.MultiSteps,
     *,
     extra_args: Collection[str] = OPTAX_EXTRA_ARGS,
+    fallback: _state_rules.StateRulesFallback | str = (
+      _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
+    ),
   ):
-    super().__init__(hyper_params=OptaxHyperParams())
+    super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
@@ -181,7 +184,8 @@ class OptaxWrapper(OptimizerDef):
 
     The target becomes the params' logical axes, `step` becomes `None` and
     every optax state leaf a `PartitionSpec` (or `None`, replicated); empty
-    optax nodes stay as they are.
+    optax nodes stay as they are. Leaves without a valid spec go to
+    `fallback`.
     """
     axes = _state_rules.logical_axes_from(param_logical_axes)
     param_states = _state_rules.OptaxStatePartitionRules.derive_optax_logical_axes(
@@ -189,6 +193,7 @@ class OptaxWrapper(OptimizerDef):
       axes,
       transformation=self.optax_optimizer,
       params=optimizer.target,
+      fallback=self.fallback,
     )
     return optimizer.replace(
       target=axes, state=OptimizerState(step=None, param_states=param_states)

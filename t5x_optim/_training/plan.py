@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = ["LeafRow", "Plan", "build_plan", "format_bytes", "format_table", "plan_to_json"]
@@ -138,10 +139,6 @@ def _spec_tuple(spec: PartitionSpec | None, ndim: int) -> tuple[Any, ...]:
   return entries + (None,) * (ndim - len(entries))
 
 
-def _is_spec_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, PartitionSpec)
-
-
 def _dropped(param_axes: tuple[Any, ...], leaf_axes: tuple[Any, ...] | None) -> tuple[str, ...]:
   """The param's axis names missing from the leaf's (as a multiset)."""
   remaining = collections.Counter(name for name in leaf_axes or () if name is not None)
@@ -187,9 +184,9 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
   }
   param_axes = {
     _state_dict.key_path_parts(p): spec
-    for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=_is_spec_leaf)
+    for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=is_spec_leaf)
   }
-  specs = jax.tree.leaves(logical.param_states, is_leaf=_is_spec_leaf)
+  specs = jax.tree.leaves(logical.param_states, is_leaf=is_spec_leaf)
   leaves = jax.tree_util.tree_leaves_with_path(state.param_states)
   rows = []
   mesh_shape: dict[str, int] = {}

@@ -308,7 +308,10 @@ class TrainState(struct.PyTreeNode):
     Params get their axes, the optimizer state the specs its definition's
     `derive_logical_axes` gives, `step` None and the mutables their axes
     (None where unknown). The result has this state's pytree structure, as
-    `Partitioner.get_mesh_axes` expects.
+    `Partitioner.get_mesh_axes` expects. State leaves without a valid spec
+    are the definition's business: its own `fallback` setting (see
+    `OptimizerDef`) decides, so nothing is passed here and definitions
+    written for T5X, which have no such setting, work unchanged.
     """
     optimizer_def = self._optimizer.optimizer_def
     if not hasattr(optimizer_def, "derive_logical_axes"):
