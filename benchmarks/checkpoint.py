@@ -53,7 +53,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from t5x_optim import TrainState, checkpoints, optimizers  # noqa: E402
+from t5x_optim import TrainState, optimizers  # noqa: E402
+from t5x_optim._training import checkpoints  # noqa: E402 - the private checksum helpers
 from t5x_optim.checkpoints import Checkpointer  # noqa: E402
 from t5x_optim.partitioning import (  # noqa: E402
   Partitioner,
