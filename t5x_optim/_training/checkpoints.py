@@ -94,16 +94,19 @@ class _ReadsHeaders:
   """Makes an orbax type handler's `metadata` read only array headers.
 
   orbax's `jax.Array` handler also reads and parses every array's sharding
-  file, one after another, which made the restore check four times slower;
-  the restore takes its shardings from the target, so only the shape and
-  dtype are needed. Every wanted array is opened with orbax's own read spec
-  and the batch is awaited once. An array that is not wanted, or whose
-  header cannot be read, becomes an `_Unread` entry, so that every
-  unreadable path can be named at once.
+  file, one after another: 1.1-1.4 s for a checkpoint of 2,101 small arrays,
+  against 0.24-0.50 s here (benchmarks/README.md). The restore takes its
+  shardings from the target, so only the shape and dtype are needed. Every
+  wanted array is opened with orbax's own read spec and the batch is awaited
+  once. An array that is not wanted, or whose header cannot be read, becomes
+  an `_Unread` entry, so that every unreadable path can be named at once.
 
   Args:
-    wanted: which arrays to open, given orbax's name of an array (its path
-      joined by ".") split at ".".
+    wanted: which arrays to open. It is given orbax's name of an array (its
+      path joined by ".") split at "."; for the predicates `restore` uses,
+      which look at the first key and at ``("state", "step")``, that opens
+      every array whose path they want (and, where a first key holds a ".",
+      perhaps some more, which the caller drops).
   """
 
   def __init__(self, wanted: Callable[[Path], bool]):
@@ -111,6 +114,8 @@ class _ReadsHeaders:
     self._wanted = wanted
 
   async def metadata(self, infos: list[ocp.type_handlers.ParamInfo]) -> list[ocp.metadata.Metadata]:
+    if not infos:
+      return []
     opening = {
       info.name: ts.open(
         ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=bool(info.is_ocdbt_checkpoint)),
