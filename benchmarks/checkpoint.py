@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from t5x_optim import TrainState, checkpoints, optimizers
+from t5x_optim import TrainState, optimizers
+from t5x_optim._training import checkpoints  # the private checksum helpers
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,

@@ -1,10 +1,13 @@
 """Checkpoints: round trips, resharding, resume, crashes, errors, multi-process."""
 
+import ast
+import inspect
 import os
 import shutil
 import sys
 
 import _checkpoint_worker as w
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from t5x_optim._training import checkpoints as checkpoints_impl
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 
@@ -128,6 +132,44 @@ def test_corrupt_checkpoint_raises(tmp_path, part_2x4, victim, message):
   shutil.rmtree(path) if path.is_dir() else path.unlink()
   with pytest.raises(CheckpointError, match=f"Checkpoint step 1 in {tmp_path} {message}"):
     _restore(tmp_path, state)
+
+
+def _numpy_params_optimizer(part):
+  del part
+  params = {"w": np.arange(4, dtype=np.float32)}
+  return w.OptaxWrapper(optax.adamw(0.1)).create(params)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [lambda part: w.train(w.fresh_state("adamw", part), 1), _numpy_params_optimizer],
+  ids=["sharded adamw train state", "numpy params"],
+)
+@pytest.mark.parametrize("params_only", [False, True])
+def test_restore_check_reads_what_orbax_metadata_reads(tmp_path, part_2x4, make, params_only):
+  """The header-only check agrees with orbax's own `metadata` on every array it opens."""
+  _save(tmp_path, 1, make(part_2x4))
+  item = tmp_path / "1" / "default"
+  wanted = checkpoints_impl._is_params_only_path if params_only else checkpoints_impl._any_path
+  ours = checkpoints_impl._open_stored(item, "step 1", 1, wanted)
+  theirs = flax.traverse_util.flatten_dict(ocp.PyTreeCheckpointHandler().metadata(item).tree)
+  assert ours and ours == {
+    path: jax.ShapeDtypeStruct(meta.shape, meta.dtype)
+    for path, meta in theirs.items()
+    if wanted(path)
+  }
+
+
+def test_checkpoints_use_orbax_public_api_only():
+  source = ast.parse(inspect.getsource(checkpoints_impl))
+  imported = [
+    node.module if isinstance(node, ast.ImportFrom) else alias.name
+    for node in ast.walk(source)
+    if isinstance(node, ast.Import | ast.ImportFrom)
+    for alias in node.names
+  ]
+  assert "orbax.checkpoint" in imported
+  assert not [name for name in imported if name and "._src" in name]
 
 
 def test_steps_keep_and_order(tmp_path, part_2x4):

@@ -1,5 +1,6 @@
 """Tests for `KfacOptimizerDef` (kfac-jax K-FAC behind `OptimizerDef`)."""
 
+import threading
 import warnings
 
 import flax
@@ -16,7 +17,10 @@ kfac_jax = pytest.importorskip("kfac_jax")
 # kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
 pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
 
+from kfac_jax._src import tag_graph_matcher  # noqa: E402
+
 from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
+from t5x_optim._optimizers import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
 from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
 
 _NUM_STEPS = 6
@@ -301,8 +305,72 @@ def test_state_rules_fallback_is_a_deprecated_alias_of_fallback(kfac):
 
 def test_kfac_state_rule_is_registered_once():
   from t5x_optim._axes.registry import registered_rules
-  from t5x_optim._optimizers import kfac as kfac_adapter
 
   node_type = kfac_adapter._KfacNode  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="already registered; pass replace=True"):
     register_state_rule(node_type, registered_rules()[node_type].rule)
+
+
+def _kfac_jax_own_eval_jaxpr_eqn_in_place() -> bool:
+  return tag_graph_matcher.eval_jaxpr_eqn.__module__ == tag_graph_matcher.__name__
+
+
+_needs_shim = pytest.mark.skipif(
+  not kfac_adapter._bind_params_without_subfuns(), reason="this jax needs no shim"
+)
+
+
+@_needs_shim
+def test_the_shim_evaluates_what_kfac_jax_cannot_on_this_jax():
+  """If kfac-jax's own `eval_jaxpr_eqn` starts working, the shim can go."""
+  eqn = jax.make_jaxpr(lambda x: x @ x)(jnp.eye(2)).eqns[0]
+  assert eqn.primitive.name == "dot_general"
+  operands = [2 * jnp.eye(2)] * 2
+  with pytest.raises(ValueError, match="too many values to unpack"):
+    tag_graph_matcher.eval_jaxpr_eqn(eqn, operands)
+  np.testing.assert_array_equal(kfac_adapter._eval_jaxpr_eqn(eqn, operands)[0], 4 * jnp.eye(2))
+
+
+@_needs_shim
+def test_the_shim_is_in_place_only_during_adapter_calls(adapter_run):
+  """Importing the adapter (above) and running steps leave kfac-jax's own function."""
+  assert _kfac_jax_own_eval_jaxpr_eqn_in_place()
+  seen = []
+
+  def loss(params, batch):
+    seen.append(tag_graph_matcher.eval_jaxpr_eqn)
+    if batch[0].shape[0] != _BATCH:
+      raise RuntimeError("a batch of the wrong size")
+    return _registered_loss(params, batch)
+
+  kfac = kfac_jax.Optimizer(
+    value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0
+  )
+  opt = KfacOptimizerDef(kfac, init_batch=_batches()[0], **_HYPER).create(_copy(_params()))
+  assert seen and all(f is kfac_adapter._eval_jaxpr_eqn for f in seen)
+  assert _kfac_jax_own_eval_jaxpr_eqn_in_place()
+  x, y = _batches()[0]
+  with pytest.raises(RuntimeError, match="wrong size"):
+    opt.apply_gradient(None, batch=(x[:3], y[:3]), rng=_rngs()[0])
+  assert _kfac_jax_own_eval_jaxpr_eqn_in_place()
+
+
+@_needs_shim
+def test_overlapping_adapter_calls_share_one_shim():
+  shim, entered, leave = kfac_adapter._graph_matcher_shim, threading.Event(), threading.Event()
+
+  def other_call():
+    with shim:
+      entered.set()
+      leave.wait(10)
+
+  other = threading.Thread(target=other_call)
+  other.start()
+  assert entered.wait(10)
+  with shim:
+    with shim:
+      leave.set()
+      other.join(10)
+      assert tag_graph_matcher.eval_jaxpr_eqn is kfac_adapter._eval_jaxpr_eqn
+    assert tag_graph_matcher.eval_jaxpr_eqn is kfac_adapter._eval_jaxpr_eqn
+  assert not other.is_alive() and _kfac_jax_own_eval_jaxpr_eqn_in_place()

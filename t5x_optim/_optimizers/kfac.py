@@ -6,17 +6,35 @@ PRNG key. `Optimizer.apply_gradient(None, batch=..., rng=...)` runs one
 `kfac_jax.Optimizer.step`; `state.param_states` is the kfac-jax state
 (velocities and the curvature blocks' Kronecker factors).
 
-kfac-jax 0.0.8 (the newest release) still unpacks
+kfac-jax 0.0.8 (the newest release on PyPI) still unpacks
 `Primitive.get_bind_params` as `(subfuns, params)`; jax 0.10 returns the
-params alone, so every K-FAC step fails with "too many values to unpack".
-Importing this module replaces kfac-jax's `eval_jaxpr_eqn` with a version that
-handles both forms, only when the installed jax has the new form.
+params alone, so kfac-jax's graph matcher fails with "too many values to
+unpack" when it traces the loss. There is no public hook for this, so the
+adapter replaces kfac-jax's `tag_graph_matcher.eval_jaxpr_eqn` with a version
+that handles both forms, and only while its own calls into kfac-jax run
+(`init` and `step`, where the tracing happens; kfac-jax's compiled steps are
+cached and do not trace again). Importing this module changes nothing; on a
+jax whose `get_bind_params` still returns a pair nothing is replaced at all.
+The replacement is a module attribute, so while an adapter call runs, other
+threads calling kfac-jax directly see it too; it computes what the original
+does wherever the original works. Overlapping adapter calls (threads, or a
+call inside a call) share one replacement, counted under a lock: the first
+installs it, the last to leave restores the original, also when a call
+raises.
+
+Two kfac-jax attributes are read that have no public accessor in 0.0.8: the
+curvature estimator (`Optimizer._estimator`: its blocks and the indices of
+their params, which `derive_kfac_logical_axes` maps to param axes) and the
+constructor's `value_func_has_state` (`Optimizer._value_func_has_state`,
+refused up front because `apply_gradient` has no place to return a function
+state).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -57,8 +75,41 @@ def _bind_params_without_subfuns() -> bool:
   return not isinstance(jax.lax.add_p.get_bind_params({}), tuple)
 
 
-if _bind_params_without_subfuns():
-  tag_graph_matcher.eval_jaxpr_eqn = _eval_jaxpr_eqn
+class _GraphMatcherShim:
+  """Installs `_eval_jaxpr_eqn` in kfac-jax for the duration of a `with` block.
+
+  Blocks may overlap (threads, nesting): the first to enter installs it, the
+  last to leave puts back what was there before, unless someone else has
+  replaced it meanwhile. A no-op when jax does not need it.
+  """
+
+  def __init__(self):
+    self._needed = _bind_params_without_subfuns()
+    self._lock = threading.Lock()
+    self._users = 0
+    self._original = None
+
+  def __enter__(self) -> None:
+    if not self._needed:
+      return
+    with self._lock:
+      if self._users == 0:
+        self._original = tag_graph_matcher.eval_jaxpr_eqn
+        tag_graph_matcher.eval_jaxpr_eqn = _eval_jaxpr_eqn
+      self._users += 1
+
+  def __exit__(self, *exc_info: object) -> None:
+    if not self._needed:
+      return
+    with self._lock:
+      self._users -= 1
+      if self._users == 0:
+        if tag_graph_matcher.eval_jaxpr_eqn is _eval_jaxpr_eqn:
+          tag_graph_matcher.eval_jaxpr_eqn = self._original
+        self._original = None
+
+
+_graph_matcher_shim = _GraphMatcherShim()
 
 
 @struct.dataclass
@@ -431,6 +482,7 @@ class KfacOptimizerDef(OptimizerDef):
         "jit-and-shardings train state does not have. Shard params and batch "
         "with jax.sharding instead."
       )
+    # No public accessor in kfac-jax 0.0.8 (see the module docstring).
     if kfac_optimizer._value_func_has_state:  # pylint: disable=protected-access
       raise ValueError(
         "KfacOptimizerDef does not support value_func_has_state=True: "
@@ -467,7 +519,8 @@ class KfacOptimizerDef(OptimizerDef):
       )
     rng = self.init_rng if rng is None else rng
     rng = jax.random.key(0) if rng is None else rng
-    kfac_state = self.kfac_optimizer.init(params, rng, batch)
+    with _graph_matcher_shim:
+      kfac_state = self.kfac_optimizer.init(params, rng, batch)
     return OptimizerState(step=jnp.zeros((), jnp.int32), param_states=kfac_state)
 
   def create(self, target: Any, *, batch: Any = None, rng: jax.Array | None = None) -> Optimizer:
@@ -495,16 +548,17 @@ class KfacOptimizerDef(OptimizerDef):
         "kfac-jax reads its step counter on the host and compiles its own "
         "steps. Call apply_gradient outside jit; sharded inputs are fine."
       )
-    new_params, kfac_state, stats = self.kfac_optimizer.step(
-      params,
-      state.param_states,
-      rng,
-      data_iterator=data_iterator,
-      batch=batch,
-      learning_rate=hyper_params.learning_rate,
-      momentum=hyper_params.momentum,
-      damping=hyper_params.damping,
-    )
+    with _graph_matcher_shim:
+      new_params, kfac_state, stats = self.kfac_optimizer.step(
+        params,
+        state.param_states,
+        rng,
+        data_iterator=data_iterator,
+        batch=batch,
+        learning_rate=hyper_params.learning_rate,
+        momentum=hyper_params.momentum,
+        damping=hyper_params.damping,
+      )
     return new_params, OptimizerState(step=state.step + 1, param_states=kfac_state), stats
 
   def apply_gradient(
