@@ -212,7 +212,7 @@ def test_derive_logical_axes_shards_kronecker_factors(kfac, opt_def, adapter_run
 
 def test_derive_logical_axes_raise_policy_and_replicated_params(kfac, adapter_run):
   opt = adapter_run[0][0]
-  strict = KfacOptimizerDef(kfac, state_rules_fallback=StateRulesFallback.RAISE)
+  strict = KfacOptimizerDef(kfac, fallback=StateRulesFallback.RAISE)
   with pytest.raises(ValueError, match=r"blocks_states/\d/.*\(9, 9\)"):
     strict.derive_logical_axes(opt, _AXES)
   replicated = jax.tree.map(lambda _: None, _params())
