@@ -575,8 +575,12 @@ class MultiOptimizer(OptimizerDef):
     )
 
   def _with_fallback(self, opt: OptimizerDef) -> OptimizerDef:
-    """`opt`, or a shallow copy of it with this definition's `fallback` if set."""
-    if self.fallback is None or opt.fallback is self.fallback:
+    """`opt`, or a shallow copy of it with this definition's `fallback` if set.
+
+    A sub-optimizer without the setting (a T5X-style legacy definition) is
+    left as it is: it derives its axes its own way.
+    """
+    if self.fallback is None or getattr(opt, "fallback", self.fallback) is self.fallback:
       return opt
     overridden = copy.copy(opt)
     overridden.fallback = self.fallback
