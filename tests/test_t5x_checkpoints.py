@@ -274,6 +274,18 @@ def test_round_trips_other_dtypes(dtype, tmp_path):
   np.testing.assert_array_equal(np.asarray(back.target["w"]), np.asarray(params["w"]))
 
 
+def test_a_dtype_of_another_kind_is_refused_before_reading(tmp_path):
+  optimizer = t5x_optim.OptaxWrapper(optax.sgd(1.0)).create({"w": jnp.ones((3, 4))})
+  t5x_optim.save_t5x_checkpoint(tmp_path, optimizer, step=0)
+  as_ints = optimizer.replace(target={"w": jnp.ones((3, 4), jnp.int32)})
+  message = (
+    r"dtype mismatch at 'target/w': the target has int32\[3, 4\], the checkpoint has "
+    r"float32\[3, 4\]\. Nothing was restored\."
+  )
+  with pytest.raises(ValueError, match=message):
+    t5x_optim.restore_t5x_checkpoint(tmp_path, as_ints)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
   ("shapes", "axes", "optimizer_def", "message"),

@@ -258,17 +258,24 @@ def _describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
 
 
 def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> list[str]:
-  """Every missing key, unexpected key and shape mismatch, by path."""
+  """Every missing key, unexpected key and shape or dtype-kind mismatch, by path.
+
+  Dtypes follow `state_dict.leaf_fit`, the rule of every restore: what it
+  refuses outright (a change of kind) is reported here, before any read;
+  integers narrowed are checked by value after reading (`restore_state`).
+  """
   problems = []
   for path, leaf in expected.items():
     shape, dtype = _shape_dtype(leaf)
+    where = _state_dict.key_path_str(path)
     if path not in stored:
+      problems.append(f"missing key '{where}' (the target has {_describe(shape, dtype)})")
+      continue
+    fit = _state_dict.leaf_fit(stored[path].shape, stored[path].dtype, shape, dtype)
+    if fit in (_state_dict.Fit.OTHER_SHAPE, _state_dict.Fit.OTHER_DTYPE):
       problems.append(
-        f"missing key '{_state_dict.key_path_str(path)}' (the target has {_describe(shape, dtype)})"
-      )
-    elif stored[path].shape != shape:
-      problems.append(
-        f"shape mismatch at '{_state_dict.key_path_str(path)}': the target has {_describe(shape, dtype)}, the "
+        f"{'shape' if fit is _state_dict.Fit.OTHER_SHAPE else 'dtype'} mismatch at '{where}': "
+        f"the target has {_describe(shape, dtype)}, the "
         f"checkpoint has {_describe(stored[path].shape, stored[path].dtype)}"
       )
   problems += [
