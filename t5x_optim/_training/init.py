@@ -112,11 +112,10 @@ def init_sharded(
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from t5x_optim import optimizers
-    >>> from t5x_optim.partitioning import create_mesh
-    >>> mesh = create_mesh(devices=jax.devices()[:1])
-    >>> state = init_sharded(
-    ...     Partitioner(mesh), optimizers.sgd(0.1), lambda: {'params': {'w': jnp.ones(4)}})
+    >>> from t5x_optim import optimizers, partitioning
+    >>> p = partitioning.Partitioner(partitioning.create_mesh(devices=jax.devices()[:1]))
+    >>> state = partitioning.init_sharded(
+    ...     p, optimizers.sgd(0.1), lambda: {'params': {'w': jnp.ones(4)}})
     >>> state.params['w'].sharding.spec
     P()
   """
