@@ -1,4 +1,4 @@
-"""Logical partition specs for any optax optimizer state.
+"""The one engine: logical partition specs for any optimizer state.
 
 ``OptaxStatePartitionRules.derive_optax_logical_axes`` maps an optax state to
 a tree of the same structure whose leaves are logical ``PartitionSpec``s or
