@@ -328,7 +328,7 @@ register_state_rule(
 
 def _leaf_name(path: jax.tree_util.KeyPath) -> str:
   """A K-FAC state leaf's state-dict key (`estimator_state/blocks_states/0/...`)."""
-  return jax.tree_util.keystr(path[1:], simple=True, separator="/")
+  return _state_dict.key_path_str(path[1:])
 
 
 def derive_kfac_logical_axes(

@@ -168,10 +168,9 @@ def _subset(node: Any, keep: frozenset[int], path: tuple[str, ...]) -> Any:
   if isinstance(node, int):
     return node if node in keep else None
   if not isinstance(node, dict | FrozenDict):
-    where = "/".join(path) or "<root>"
     raise TypeError(
       f"MultiOptimizer params must be nested dicts or FrozenDicts; found a "
-      f"{type(node).__name__} at '{where}'."
+      f"{type(node).__name__} at '{_state_dict.key_path_str(path)}'."
     )
   kept = {}
   for key, child in node.items():
