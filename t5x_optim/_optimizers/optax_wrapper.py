@@ -15,6 +15,7 @@ import optax
 from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
+from t5x_optim._optimizers import fused as _fused
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState, tree_like
 
 __all__ = [
@@ -127,6 +128,13 @@ class OptaxWrapper(OptimizerDef):
   `Optimizer.apply_gradient` (e.g. `value=` for `reduce_on_plateau`) are
   passed on to `update`. `fallback` (keyword-only) is `OptimizerDef`'s.
 
+  `fused` (keyword-only, a `FusedUpdate` or its string; default ``"off"``)
+  opts in to the multi-tensor update of `t5x_optim._optimizers.fused`: an
+  elementwise update (adam, adamw, lion, sgd with momentum, rmsprop, ...)
+  then runs as one kernel per group of leaves. Updates that are not
+  elementwise take the plain path with a warning saying why; the state, its partition specs and the state dict are
+  the same either way.
+
   Example:
     >>> import jax.numpy as jnp, optax
     >>> opt = OptaxWrapper(optax.adamw(1e-3)).create({'w': jnp.ones(3)})
@@ -143,8 +151,10 @@ class OptaxWrapper(OptimizerDef):
     fallback: _state_rules.StateRulesFallback | str = (
       _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
     ),
+    fused: _fused.FusedUpdate | str | bool = _fused.FusedUpdate.OFF,
   ):
     super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
+    self.fused = _fused.FusedUpdate.of(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
@@ -173,10 +183,27 @@ class OptaxWrapper(OptimizerDef):
     if hyper_params.learning_rate is not None:
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
-    updates, new_param_states = self.optax_optimizer.update(
-      grads, param_states, params, **extra_args
-    )
-    new_params = optax.apply_updates(params, updates)
+    kernel = self.fused.kernel(jax.default_backend())
+    plan = None
+    if kernel is not None:
+      plan = _fused.plan_fused_update(
+        self.optax_optimizer, params, grads, param_states, extra_args
+      )
+      if isinstance(plan, str):
+        warnings.warn(
+          f"OptaxWrapper(fused={self.fused.value!r}): the update is not elementwise "
+          f"({plan}), so it runs on the plain optax path.",
+          stacklevel=3,
+        )
+    if isinstance(plan, _fused.FusedPlan):
+      new_params, new_param_states = _fused.fused_apply(
+        plan, kernel, params, grads, param_states, extra_args
+      )
+    else:
+      updates, new_param_states = self.optax_optimizer.update(
+        grads, param_states, params, **extra_args
+      )
+      new_params = optax.apply_updates(params, updates)
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:

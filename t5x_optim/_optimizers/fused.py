@@ -1,0 +1,903 @@
+"""Fused (multi-tensor) optax updates: many leaves per kernel (issue 15).
+
+`OptaxWrapper(tx, fused=...)` can run an elementwise optax update as one
+kernel per group of leaves instead of one (or more) per leaf. How it works:
+
+1. **Which optimizers.** Nothing is listed by name. `plan_fused_update`
+   traces ``tx.update`` + ``optax.apply_updates`` on the actual params and
+   state to a jaxpr and proves, operation by operation, that every new param
+   and every per-param state leaf (a state subtree with the params'
+   structure and shapes, such as adam's ``mu``/``nu``) depends elementwise on
+   its own leaf only: elementwise primitives over the leaf's param, gradient
+   and state, scalars and broadcast scalars. Anything else (a reduction, a
+   reshape, two leaves combined, a global state that reads a leaf, extra
+   update arguments) makes the report say why, and the plain path runs.
+   adam, adamw, lion, sgd with momentum, rmsprop and most of optax's
+   elementwise optimizers pass; adafactor, clipping by global norm, muon and
+   the line-search optimizers do not.
+2. **Scalars outside, elements inside.** The scalar part of the update (step
+   counts, bias corrections, schedules) runs once, as ordinary jax code. The
+   elementwise part is cut into one small program per leaf; leaves whose
+   programs, scalar inputs and dtypes agree form a group.
+3. **One kernel per group.** Each group's leaves are flattened and
+   concatenated into one buffer per operand (param, gradient, each state
+   component), the program runs once over the buffers (a Pallas kernel over
+   blocks, or one XLA fusion) and the results are split back into leaves.
+   The state keeps optax's per-leaf layout, so partition specs, state dicts
+   and checkpoints are those of the plain path.
+4. **Sharding.** The multi-tensor update is a `custom_partitioning` op: XLA's
+   partitioner gives it every leaf's sharding and it runs on each device's
+   local shards, so no data moves between devices. Where a leaf's operands
+   are sharded differently (ZeRO: state sharded over ``data``, params
+   replicated) it updates the most sharded layout and XLA reshards around it,
+   as it does for the plain path.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> params = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+  >>> report = fusion_report(optax.adamw(1e-3), params)
+  >>> report.fusible, report.groups
+  (True, (('b', 'w'),))
+  >>> fusion_report(optax.adafactor(1e-3), params).fusible
+  False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from t5x_optim._optimizers.state_dict import key_path_str
+
+__all__ = [
+  "FusedUpdate",
+  "FusionReport",
+  "fused_apply",
+  "fusion_report",
+  "plan_fused_update",
+]
+
+
+class FusedUpdate(enum.Enum):
+  """How `OptaxWrapper` runs an elementwise optax update.
+
+  Attributes:
+    OFF: the plain path, ``tx.update`` + ``optax.apply_updates`` per leaf
+      (the default).
+    AUTO: the Pallas kernel on GPUs; the plain path on other backends (CPU,
+      TPU), where no kernel is built.
+    PALLAS: the Pallas kernel; raises on a backend other than GPU.
+    INTERPRET: the Pallas kernel in Pallas interpret mode, on any backend:
+      slow, for tests and debugging.
+    XLA: the same grouped buffers, each updated by one XLA fusion instead of
+      a Pallas kernel; runs on any backend.
+
+  `FusedUpdate.of` also takes the values as strings (for gin) and bools
+  (``True`` is ``AUTO``).
+
+  >>> FusedUpdate.of("xla"), FusedUpdate.of(False)
+  (<FusedUpdate.XLA: 'xla'>, <FusedUpdate.OFF: 'off'>)
+  """
+
+  OFF = "off"
+  AUTO = "auto"
+  PALLAS = "pallas"
+  INTERPRET = "interpret"
+  XLA = "xla"
+
+  @classmethod
+  def of(cls, value: FusedUpdate | str | bool) -> FusedUpdate:
+    """The mode named by `value`: a member, its string value or a bool.
+
+    Raises:
+      ValueError: for anything else, listing the accepted values.
+    """
+    if isinstance(value, bool):
+      return cls.AUTO if value else cls.OFF
+    try:
+      return cls(value)
+    except ValueError:
+      raise ValueError(
+        f"fused= must be a bool or one of {[mode.value for mode in cls]}; got {value!r}."
+      ) from None
+
+  def kernel(self, backend: str) -> str | None:
+    """The kernel this mode runs on `backend`: "pallas", "interpret", "xla" or None.
+
+    Raises:
+      ValueError: for ``PALLAS`` on a backend other than GPU.
+
+    >>> FusedUpdate.AUTO.kernel("cpu") is None, FusedUpdate.AUTO.kernel("gpu")
+    (True, 'pallas')
+    """
+    if self is FusedUpdate.OFF:
+      return None
+    if self is FusedUpdate.AUTO:
+      return "pallas" if backend == "gpu" else None
+    if self is FusedUpdate.PALLAS and backend != "gpu":
+      raise ValueError(
+        f"fused='pallas' needs a GPU; the default backend is {backend!r}. Use "
+        "fused='auto' to take the plain path there, or 'xla' / 'interpret'."
+      )
+    return self.value
+
+
+# Primitives whose every output element depends only on the same element of
+# each operand (rank-0 operands broadcast). Anything else touching a leaf
+# makes the update non-elementwise.
+_ELEMENTWISE = frozenset(
+  """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
+  convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
+  exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log
+  log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
+  rem round rsqrt select_n shift_left shift_right_arithmetic
+  shift_right_logical sign sin sinh sqrt square sub tan tanh xor""".split()
+)
+# Call-like primitives whose body is inlined into the analysis.
+_CALLS = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "checkpoint",
+    "remat",
+  }
+)
+# Most elements per group buffer: bounds the temporary memory of a group.
+_GROUP_ELEMENTS = 1 << 24
+# Elements per Pallas block (a power of two, as Triton wants).
+_BLOCK = 4096
+
+
+class _Lit(NamedTuple):
+  """A literal operand of the traced update."""
+
+  value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """One first-order operation of the inlined update: value ids in and out."""
+
+  primitive: Any
+  params: dict[str, Any]
+  ins: tuple[int | _Lit, ...]
+  outs: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The elementwise update of one leaf, independent of its shape.
+
+  Operands are ``("in", k)`` (the leaf's k-th input: param, gradient, then
+  its state components), ``("res", k)`` (the k-th scalar residual of the
+  group), ``("val", k)`` (an earlier op's output) or ``("lit", value)``.
+  """
+
+  ops: tuple[tuple[Any, dict[str, Any], tuple[tuple[str, Any], ...], tuple[int, ...]], ...]
+  outs: tuple[tuple[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """Leaves updated together: one program, one buffer per operand."""
+
+  leaves: tuple[int, ...]
+  program: _Program
+  residuals: tuple[int, ...]  # value ids of the scalar residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+  """How one update of one tree runs fused (built by `plan_fused_update`)."""
+
+  ops: tuple[_Op, ...]
+  global_ins: tuple[int, ...]  # value ids: global state leaves, extra arguments, consts
+  consts: tuple[Any, ...]
+  global_outs: tuple[int | _Lit, ...]  # new global state leaves
+  residual_ids: tuple[int, ...]  # every scalar residual used by some group
+  slots: tuple[int | None, ...]  # per state leaf: its param-leaf index or None
+  components: int  # per-param state leaves per param leaf
+  groups: tuple[_Group, ...]
+  paths: tuple[str, ...]
+
+
+class FusionReport(NamedTuple):
+  """Whether an update can run fused, and how.
+
+  Attributes:
+    fusible: True when every leaf's update is elementwise.
+    reason: why not, naming the leaf and the operation; None when fusible.
+    groups: the leaf paths of each group (one kernel each); empty when not
+      fusible.
+  """
+
+  fusible: bool
+  reason: str | None
+  groups: tuple[tuple[str, ...], ...]
+
+
+class _NotFusible(Exception):
+  """Raised inside the analysis; its message is the report's reason."""
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+  """The body of a call-like equation, or None."""
+  if eqn.primitive.name not in _CALLS:
+    return None
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    body = eqn.params.get(name)
+    if body is not None and not callable(body):
+      return body
+  return None
+
+
+class _Inliner:
+  """Flattens a closed jaxpr into `_Op`s over integer value ids."""
+
+  def __init__(self) -> None:
+    self.ops: list[_Op] = []
+    self.avals: list[Any] = []
+
+  def new(self, aval: Any) -> int:
+    self.avals.append(aval)
+    return len(self.avals) - 1
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], ins: Sequence[int | _Lit]) -> list:
+    env: dict[Any, int | _Lit] = {}
+    for var, const in zip(jaxpr.constvars, consts, strict=True):
+      env[var] = const if isinstance(const, int | _Lit) else _Lit(const)
+    for var, atom in zip(jaxpr.invars, ins, strict=True):
+      env[var] = atom
+
+    def read(atom: Any) -> int | _Lit:
+      return _Lit(atom.val) if isinstance(atom, jex.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+      args = [read(atom) for atom in eqn.invars]
+      body = _sub_jaxpr(eqn)
+      if body is not None:
+        inner, inner_consts = (
+          (body.jaxpr, body.consts) if isinstance(body, jex.ClosedJaxpr) else (body, ())
+        )
+        outs = self.run(inner, inner_consts, args)
+      else:
+        outs = [self.new(var.aval) for var in eqn.outvars]
+        self.ops.append(_Op(eqn.primitive, dict(eqn.params), tuple(args), tuple(outs)))
+      for var, out in zip(eqn.outvars, outs, strict=True):
+        env[var] = out
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def _per_param_slots(state: Any, params_def: Any, shapes: Sequence[tuple]) -> list[int | None]:
+  """For each state leaf, the index of the param leaf it mirrors, or None.
+
+  A subtree mirrors the params when it has their tree structure and every
+  leaf their shape (optax's ``mu``, ``nu``, ``trace``...); other leaves are
+  global (step counts, injected hyper-parameters).
+  """
+  slots: list[int | None] = []
+
+  def walk(node: Any) -> None:
+    leaves, treedef = jax.tree.flatten(node)
+    if treedef == params_def and [np.shape(leaf) for leaf in leaves] == list(shapes):
+      slots.extend(range(len(leaves)))
+      return
+    children = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)[0]
+    if not children or (len(children) == 1 and children[0] is node):
+      slots.extend([None] * len(leaves))
+      return
+    for child in children:
+      walk(child)
+
+  walk(state)
+  return slots
+
+
+def _ndim(atom: int | _Lit, avals: Sequence[Any]) -> int:
+  return np.ndim(atom.value) if isinstance(atom, _Lit) else len(avals[atom].shape)
+
+
+def _classify(ops: Sequence[_Op], avals: Sequence[Any], kind: dict[int, int], paths) -> set[int]:
+  """Marks every value with its leaf (in `kind`); returns the uniform values.
+
+  A uniform value is a global array that is a broadcast scalar (or an
+  elementwise function of broadcast scalars), so it has the same value in
+  every element and can be rebuilt at any shape.
+
+  Raises:
+    _NotFusible: naming the leaf and the operation that is not elementwise.
+  """
+  uniform: set[int] = set()
+  for op in ops:
+    name = op.primitive.name
+    leaves = {kind[a] for a in op.ins if isinstance(a, int) and kind.get(a, -1) >= 0}
+    if not leaves:
+      if name == "broadcast_in_dim" and _ndim(op.ins[0], avals) == 0:
+        uniform.update(op.outs)
+      elif name in _ELEMENTWISE and all(
+        _ndim(a, avals) == 0 or (isinstance(a, int) and a in uniform) for a in op.ins
+      ):
+        uniform.update(out for out in op.outs if avals[out].shape)
+      continue
+    if len(leaves) > 1:
+      names = ", ".join(paths[i] for i in sorted(leaves))
+      raise _NotFusible(f"'{name}' combines the leaves {names}")
+    (leaf,) = leaves
+    if name not in _ELEMENTWISE:
+      raise _NotFusible(f"'{name}' on leaf {paths[leaf]} is not elementwise")
+    for atom in op.ins:
+      is_leaf = isinstance(atom, int) and kind.get(atom, -1) == leaf
+      if not (is_leaf or _ndim(atom, avals) == 0 or (isinstance(atom, int) and atom in uniform)):
+        raise _NotFusible(
+          f"'{name}' on leaf {paths[leaf]} reads a non-scalar value that is not the leaf's"
+        )
+    for out in op.outs:
+      kind[out] = leaf
+  return uniform
+
+
+def _atom_key(atom: int | _Lit, canon: dict[int, int]) -> tuple:
+  if isinstance(atom, _Lit):
+    value = np.asarray(atom.value)
+    return ("lit", value.dtype.str, value.shape, value.tobytes())
+  return ("val", canon.get(atom, atom))
+
+
+def _value_numbering(ops: Sequence[_Op], kind: dict[int, int]) -> dict[int, int]:
+  """Maps each global value to the first one computed the same way.
+
+  Every leaf's update recomputes its scalars (``jnp.asarray(eps)``, a
+  bias correction); numbering them lets leaves share residuals, so they
+  group together.
+  """
+  canon: dict[int, int] = {}
+  seen: dict[tuple, tuple[int, ...]] = {}
+  for op in ops:
+    if kind.get(op.outs[0], -1) >= 0 or op.primitive.name not in _ELEMENTWISE | {
+      "broadcast_in_dim"
+    }:
+      continue
+    key = (
+      op.primitive.name,
+      repr(sorted(op.params.items())),
+      tuple(_atom_key(a, canon) for a in op.ins),
+    )
+    if key in seen:
+      canon.update(zip(op.outs, seen[key], strict=True))
+    else:
+      seen[key] = op.outs
+  return canon
+
+
+def _slice(
+  ops: Sequence[_Op],
+  kind: dict[int, int],
+  canon: dict[int, int],
+  uniform: set[int],
+  leaf: int,
+  inputs: Sequence[int],
+  outputs: Sequence[int | _Lit],
+  avals: Sequence[Any],
+) -> tuple[_Program, tuple[int, ...]]:
+  """The program computing `outputs` from `inputs` and scalars, for one leaf.
+
+  Returns the program and the value ids of its scalar residuals, in order.
+  """
+  needed = {a for a in outputs if isinstance(a, int)}
+  chosen: list[_Op] = []
+  for op in reversed(ops):
+    if not needed.intersection(op.outs):
+      continue
+    if kind.get(op.outs[0], -1) != leaf and not uniform.intersection(op.outs):
+      continue
+    chosen.append(op)
+    needed.update(a for a in op.ins if isinstance(a, int))
+  chosen.reverse()
+  position = {value: k for k, value in enumerate(inputs)}
+  produced: dict[int, int] = {}
+  residuals: list[int] = []
+
+  def operand(atom: int | _Lit) -> tuple[str, Any]:
+    if isinstance(atom, _Lit):
+      return ("lit", atom.value)
+    if atom in position:
+      return ("in", position[atom])
+    if atom in produced:
+      return ("val", produced[atom])
+    if avals[atom].shape:
+      raise _NotFusible(f"an output of leaf {leaf} is a non-scalar value computed from no leaf")
+    atom = canon.get(atom, atom)
+    if atom not in residuals:
+      residuals.append(atom)
+    return ("res", residuals.index(atom))
+
+  program_ops = []
+  for op in chosen:
+    ins = tuple(operand(a) for a in op.ins)
+    outs = []
+    for out in op.outs:
+      produced[out] = len(produced)
+      outs.append(produced[out])
+    program_ops.append((op.primitive, op.params, ins, tuple(outs)))
+  outs = tuple(operand(a) for a in outputs)
+  return _Program(tuple(program_ops), outs), tuple(residuals)
+
+
+_SHAPE_PARAMS = ("shape", "sharding", "broadcast_dimensions")
+
+
+def _program_key(program: _Program, dtypes: tuple) -> tuple:
+  """A hashable key: equal for programs that compute the same thing."""
+
+  def lit(operand: tuple[str, Any]) -> tuple:
+    kind, value = operand
+    if kind == "lit":
+      return (kind, np.asarray(value).dtype.str, np.asarray(value).tobytes())
+    return operand
+
+  ops = tuple(
+    (
+      primitive.name,
+      repr(sorted((k, v) for k, v in params.items() if k not in _SHAPE_PARAMS)),
+      tuple(lit(a) for a in ins),
+      outs,
+    )
+    for primitive, params, ins, outs in program.ops
+  )
+  return (ops, tuple(lit(a) for a in program.outs), dtypes)
+
+
+def _run_program(program: _Program, ins: Sequence, residuals: Sequence, shape: tuple) -> list:
+  """Evaluates `program` on arrays of `shape` (a block or a flat buffer)."""
+  values: dict[int, Any] = {}
+
+  def read(operand: tuple[str, Any]) -> Any:
+    kind, value = operand
+    if kind == "in":
+      return ins[value]
+    if kind == "res":
+      return residuals[value]
+    if kind == "val":
+      return values[value]
+    return value
+
+  for primitive, params, op_ins, op_outs in program.ops:
+    if primitive.name == "broadcast_in_dim":
+      params = {**params, "shape": shape, "broadcast_dimensions": (), "sharding": None}
+    elif "sharding" in params:
+      params = {**params, "sharding": None}
+    outs = primitive.bind(*map(read, op_ins), **params)
+    for out_id, out in zip(op_outs, outs if primitive.multiple_results else [outs], strict=True):
+      values[out_id] = out
+  results = []
+  for operand in program.outs:
+    value = read(operand)
+    results.append(jnp.broadcast_to(value, shape) if jnp.ndim(value) == 0 else value)
+  return results
+
+
+def _split_extras(extra_args: dict[str, Any]) -> tuple[list, Callable[[list], dict]]:
+  """Splits extra update arguments into array leaves and a rebuilder.
+
+  Arrays and numbers are traced as inputs; other leaves (``value_fn``,
+  ``obj_fn``) are passed as they are.
+  """
+  leaves, treedef = jax.tree.flatten(extra_args)
+  is_array = [isinstance(x, jax.Array | np.ndarray | np.generic | int | float) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+
+  def rebuild(traced: list) -> dict[str, Any]:
+    it = iter(traced)
+    return jax.tree.unflatten(
+      treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+    )
+
+  return arrays, rebuild
+
+
+def _update_fn(tx: optax.GradientTransformation, params_def, state_def, rebuild) -> Callable:
+  def update(p_leaves, g_leaves, s_leaves, extra_leaves):
+    params = jax.tree.unflatten(params_def, p_leaves)
+    grads = jax.tree.unflatten(params_def, g_leaves)
+    state = jax.tree.unflatten(state_def, s_leaves)
+    updates, new_state = tx.update(grads, state, params, **rebuild(extra_leaves))
+    new_params = optax.apply_updates(params, updates)
+    new_s_leaves, new_state_def = jax.tree.flatten(new_state)
+    if new_state_def != state_def:
+      raise _NotFusible("the update changes the state's tree structure")
+    return jax.tree.leaves(new_params), new_s_leaves
+
+  return update
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def plan_fused_update(
+  tx: optax.GradientTransformation,
+  params: Any,
+  grads: Any,
+  state: Any,
+  extra_args: dict[str, Any] | None = None,
+) -> FusedPlan | str:
+  """Analyses ``tx.update`` on these trees (arrays or abstract values).
+
+  Args:
+    tx: the optax transformation.
+    params, grads, state: the trees of one update.
+    extra_args: optax's extra update arguments (``value=``...), if any:
+      arrays are traced (a scalar ``value`` may feed the update), functions
+      passed as they are.
+
+  Returns:
+    A `FusedPlan`, or a string saying why the update is not elementwise.
+  """
+  path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
+  if not path_leaves:
+    return "the params tree has no leaves"
+  if jax.tree.structure(grads) != params_def:
+    return "the gradients do not have the params' tree structure"
+  paths = tuple(key_path_str(path) or "(root)" for path, _ in path_leaves)
+  p_avals = [_aval(x) for _, x in path_leaves]
+  if [_aval(g) for g in jax.tree.leaves(grads)] != p_avals:
+    return "the gradients do not have the params' shapes and dtypes"
+  s_leaves, state_def = jax.tree.flatten(state)
+  s_avals = [_aval(x) for x in s_leaves]
+  extra_leaves, rebuild = _split_extras(dict(extra_args or {}))
+  e_avals = [_aval(x) for x in extra_leaves]
+  slots = _per_param_slots(state, params_def, [a.shape for a in p_avals])
+  n = len(p_avals)
+  per_leaf = [[k for k, slot in enumerate(slots) if slot == i] for i in range(n)]
+  components = len(per_leaf[0])
+  if any(len(ks) != components for ks in per_leaf):
+    return "the state's per-param components do not cover every leaf alike"
+  try:
+    closed = jax.make_jaxpr(_update_fn(tx, params_def, state_def, rebuild))(
+      p_avals, p_avals, s_avals, e_avals
+    )
+  except _NotFusible as error:
+    return str(error)
+  inliner = _Inliner()
+  p_ids = [inliner.new(a) for a in p_avals]
+  g_ids = [inliner.new(a) for a in p_avals]
+  s_ids = [inliner.new(a) for a in s_avals]
+  e_ids = [inliner.new(a) for a in e_avals]
+  const_ids = [inliner.new(jax.typeof(c)) for c in closed.consts]
+  outs = inliner.run(closed.jaxpr, const_ids, [*p_ids, *g_ids, *s_ids, *e_ids])
+  new_p, new_s = outs[:n], outs[n:]
+  for k, (out, aval) in enumerate(zip(outs, [*p_avals, *s_avals], strict=True)):
+    got = _aval(out.value) if isinstance(out, _Lit) else inliner.avals[out]
+    if (tuple(got.shape), got.dtype) != (tuple(aval.shape), aval.dtype):
+      where = paths[k] if k < n else f"state leaf {k - n}"
+      return f"the update changes the shape or dtype of {where}: {aval} -> {got}"
+  kind = {}
+  for i in range(n):
+    kind[p_ids[i]] = kind[g_ids[i]] = i
+  for k, slot in enumerate(slots):
+    if slot is not None:
+      kind[s_ids[k]] = slot
+  ops = tuple(inliner.ops)
+  avals = inliner.avals
+  try:
+    uniform = _classify(ops, avals, kind, paths)
+    canon = _value_numbering(ops, kind)
+    for k, slot in enumerate(slots):
+      if slot is None and isinstance(new_s[k], int) and kind.get(new_s[k], -1) >= 0:
+        raise _NotFusible(f"a global state leaf depends on leaf {paths[kind[new_s[k]]]}")
+    groups: dict[tuple, list] = {}
+    for i in range(n):
+      inputs = [p_ids[i], g_ids[i], *(s_ids[k] for k in per_leaf[i])]
+      outputs = [new_p[i], *(new_s[k] for k in per_leaf[i])]
+      program, residuals = _slice(ops, kind, canon, uniform, i, inputs, outputs, avals)
+      dtypes = tuple(str(avals[v].dtype) for v in inputs)
+      key = (_program_key(program, dtypes), residuals)
+      groups.setdefault(key, [program, residuals, []])[2].append(i)
+  except _NotFusible as error:
+    return str(error)
+  built = []
+  for program, residuals, leaves in groups.values():
+    chunk: list[int] = []
+    size = 0
+    for i in leaves:
+      leaf_size = math.prod(p_avals[i].shape)
+      if chunk and size + leaf_size > _GROUP_ELEMENTS:
+        built.append(_Group(tuple(chunk), program, residuals))
+        chunk, size = [], 0
+      chunk.append(i)
+      size += leaf_size
+    built.append(_Group(tuple(chunk), program, residuals))
+  residual_ids = tuple(dict.fromkeys(r for group in built for r in group.residuals))
+  return FusedPlan(
+    ops=ops,
+    global_ins=(
+      *(s_ids[k] for k, slot in enumerate(slots) if slot is None),
+      *e_ids,
+      *const_ids,
+    ),
+    consts=tuple(closed.consts),
+    global_outs=tuple(new_s[k] for k, slot in enumerate(slots) if slot is None),
+    residual_ids=residual_ids,
+    slots=tuple(slots),
+    components=components,
+    groups=tuple(built),
+    paths=paths,
+  )
+
+
+def fusion_report(tx: optax.GradientTransformation, params: Any) -> FusionReport:
+  """Whether ``tx``'s update of `params` can run fused, and in which groups.
+
+  Args:
+    tx: an optax transformation.
+    params: the params (arrays or `jax.ShapeDtypeStruct`s).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> report = fusion_report(optax.chain(optax.clip_by_global_norm(1.0),
+    ...                                    optax.adam(1e-3)), {'w': jnp.ones(3)})
+    >>> report.fusible, report.reason
+    (False, "'reduce_sum' on leaf w is not elementwise")
+  """
+  state = jax.eval_shape(tx.init, params)
+  plan = plan_fused_update(tx, params, params, state)
+  if isinstance(plan, str):
+    return FusionReport(False, plan, ())
+  return FusionReport(
+    True, None, tuple(tuple(plan.paths[i] for i in group.leaves) for group in plan.groups)
+  )
+
+
+def _eval_global(plan: FusedPlan, global_values: Sequence[Any]) -> dict[int, Any]:
+  """Runs every operation that reads no leaf; returns the values by id."""
+  values = dict(zip(plan.global_ins, global_values, strict=True))
+  for op in plan.ops:
+    if any(isinstance(a, int) and a not in values for a in op.ins):
+      continue
+    args = [a.value if isinstance(a, _Lit) else values[a] for a in op.ins]
+    outs = op.primitive.bind(*args, **op.params)
+    for out_id, out in zip(op.outs, outs if op.primitive.multiple_results else [outs], strict=True):
+      values[out_id] = out
+  return values
+
+
+def _pallas_group(
+  program: _Program, buffers: Sequence, residuals: Sequence, *, interpret: bool
+) -> list:
+  """Runs `program` over 1-d `buffers` (a multiple of the block) with Pallas.
+
+  `buffers` are the param, the gradient and the state components; the
+  results (the new param and state components) have their dtypes, as
+  `plan_fused_update` checked, and overwrite them in place.
+  """
+  size = buffers[0].shape[0]
+  block = min(_BLOCK, size)
+  n_in, n_res = len(buffers), len(residuals)
+  kept = [0, *range(2, n_in)]  # the buffers the results replace
+
+  def kernel(*refs):
+    ins = [ref[...] for ref in refs[:n_in]]
+    scalars = [ref[0] for ref in refs[n_in : n_in + n_res]]
+    outs = _run_program(program, ins, scalars, (block,))
+    for ref, value in zip(refs[n_in + n_res :], outs, strict=True):
+      ref[...] = value
+
+  blocked = pl.BlockSpec((block,), lambda i: (i,))
+  scalar = pl.BlockSpec((1,), lambda i: (0,))
+  return pl.pallas_call(
+    kernel,
+    out_shape=[jax.ShapeDtypeStruct((size,), buffers[k].dtype) for k in kept],
+    grid=(size // block,),
+    in_specs=[blocked] * n_in + [scalar] * n_res,
+    out_specs=[blocked] * len(kept),
+    input_output_aliases={k: j for j, k in enumerate(kept)},
+    interpret=interpret,
+  )(*buffers, *(jnp.reshape(r, (1,)) for r in residuals))
+
+
+def _local_update(plan: FusedPlan, kernel: str, leaf_args: Sequence, residuals: Sequence) -> list:
+  """The fused update of local (per-device) leaves.
+
+  `leaf_args` holds, per param leaf, its param, gradient and state
+  components; returns, per leaf, the new param and state components.
+  """
+  width = 2 + plan.components
+  scalar_of = dict(zip(plan.residual_ids, residuals, strict=True))
+  results: list[Any] = [None] * (len(leaf_args) // width * (width - 1))
+  for group in plan.groups:
+    shapes = [leaf_args[i * width].shape for i in group.leaves]
+    sizes = [math.prod(shape) for shape in shapes]
+    total = sum(sizes)
+    padded = total
+    if kernel != "xla" and total:
+      block = min(_BLOCK, 1 << (total - 1).bit_length())
+      padded = -(-total // block) * block
+    buffers = []
+    for k in range(width):
+      parts = [jnp.ravel(leaf_args[i * width + k]) for i in group.leaves]
+      if padded > total:
+        parts.append(jnp.zeros((padded - total,), parts[0].dtype))
+      buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+    scalars = [scalar_of[r] for r in group.residuals]
+    if kernel == "xla" or not total:
+      outs = _run_program(group.program, buffers, scalars, (padded,))
+    else:
+      outs = _pallas_group(group.program, buffers, scalars, interpret=kernel == "interpret")
+    offsets = np.cumsum([0, *sizes])
+    for j, i in enumerate(group.leaves):
+      for k, out in enumerate(outs):
+        piece = jax.lax.slice(out, (int(offsets[j]),), (int(offsets[j + 1]),))
+        results[i * (width - 1) + k] = piece.reshape(shapes[j])
+  return results
+
+
+def _most_sharded(shardings: Sequence[Any], shape: tuple) -> Any:
+  """The sharding with the smallest shard of `shape` (the first on ties)."""
+  return min(shardings, key=lambda s: math.prod(s.shard_shape(shape)))
+
+
+def _ways(mesh: Any, spec: PartitionSpec) -> int:
+  """Into how many shards `spec` cuts an array on `mesh`."""
+  axes = [
+    a
+    for entry in spec
+    if entry is not None
+    for a in (entry if isinstance(entry, tuple) else (entry,))
+  ]
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _explicit_mesh(arrays: Sequence[Any]) -> Any:
+  """The mesh of the arrays' sharding types when all its axes are Explicit."""
+  for x in arrays:
+    mesh = jax.typeof(x).sharding.mesh
+    if not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types):
+      return mesh
+  return None
+
+
+def _shard_mapped(
+  plan: FusedPlan, kernel: str, leaf_args: list, residuals: list, mesh: Any
+) -> list:
+  """`_local_update` under `jax.shard_map`, for arrays with Explicit sharding types.
+
+  Each leaf is updated in the most sharded layout of its operands; every
+  result then goes back to the layout of the operand it replaces.
+  """
+  width = 2 + plan.components
+  specs = [jax.typeof(x).sharding.spec for x in leaf_args]
+  args, in_specs, out_specs = [], [], []
+  for i in range(len(leaf_args) // width):
+    own = specs[i * width : (i + 1) * width]
+    chosen = max(own, key=lambda spec: _ways(mesh, spec))
+    for x, spec in zip(leaf_args[i * width : (i + 1) * width], own, strict=True):
+      args.append(x if spec == chosen else jax.sharding.reshard(x, NamedSharding(mesh, chosen)))
+    in_specs.extend([chosen] * width)
+    out_specs.extend([chosen] * (width - 1))
+  outs = jax.shard_map(
+    lambda *a: tuple(_local_update(plan, kernel, a[: len(args)], a[len(args) :])),
+    mesh=mesh,
+    in_specs=(*in_specs, *(PartitionSpec() for _ in residuals)),
+    out_specs=tuple(out_specs),
+    check_vma=False,  # the program binds primitives itself, without pvary
+  )(*args, *residuals)
+  results = []
+  for k, out in enumerate(outs):
+    i, j = divmod(k, width - 1)
+    want = specs[i * width + (0 if j == 0 else j + 1)]
+    results.append(
+      out if want == out_specs[k] else jax.sharding.reshard(out, NamedSharding(mesh, want))
+    )
+  return results
+
+
+def _multi_tensor(plan: FusedPlan, kernel: str, leaf_args: list, residuals: list) -> list:
+  """`_local_update` on each device's local shards.
+
+  Under Explicit mesh axes the shardings are in the types and `jax.shard_map`
+  runs it; otherwise it is a `custom_partitioning` op, to which XLA's
+  partitioner gives the shardings.
+  """
+  mesh = _explicit_mesh(leaf_args)
+  if mesh is not None:
+    return _shard_mapped(plan, kernel, leaf_args, residuals, mesh)
+  width = 2 + plan.components
+  n_leaf_args = len(leaf_args)
+
+  def leaf_shardings(arg_shapes: Sequence[Any], mesh: Any) -> tuple[list, list]:
+    arg_sh, out_sh = [], []
+    for i in range(n_leaf_args // width):
+      shape = arg_shapes[i * width].shape
+      chosen = _most_sharded([s.sharding for s in arg_shapes[i * width : (i + 1) * width]], shape)
+      arg_sh.extend([chosen] * width)
+      out_sh.extend([chosen] * (width - 1))
+    arg_sh.extend(NamedSharding(mesh, PartitionSpec()) for _ in residuals)
+    return arg_sh, out_sh
+
+  def partition(mesh, arg_shapes, result_shape):
+    arg_sh, out_sh = leaf_shardings(arg_shapes, mesh)
+
+    def lower(*args):
+      return tuple(_local_update(plan, kernel, args[:n_leaf_args], args[n_leaf_args:]))
+
+    return mesh, lower, tuple(out_sh), tuple(arg_sh)
+
+  def infer(mesh, arg_shapes, result_shape):
+    return tuple(leaf_shardings(arg_shapes, mesh)[1])
+
+  operand_maps, result_maps = [], []
+  for i in range(n_leaf_args // width):
+    factors = tuple(f"l{i}d{d}" for d in range(jnp.ndim(leaf_args[i * width])))
+    operand_maps.extend([factors] * width)
+    result_maps.extend([factors] * (width - 1))
+  operand_maps.extend(() for _ in residuals)
+
+  @custom_partitioning
+  def update(*args):
+    return tuple(_local_update(plan, kernel, args[:n_leaf_args], args[n_leaf_args:]))
+
+  update.def_partition(
+    partition=partition,
+    infer_sharding_from_operands=infer,
+    sharding_rule=SdyShardingRule(tuple(operand_maps), tuple(result_maps)),
+  )
+  return list(update(*leaf_args, *residuals))
+
+
+def fused_apply(
+  plan: FusedPlan,
+  kernel: str,
+  params: Any,
+  grads: Any,
+  state: Any,
+  extra_args: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+  """One fused update: returns the new params and the new optax state.
+
+  Args:
+    plan: from `plan_fused_update` for these trees' structure and types.
+    kernel: "pallas", "interpret" or "xla" (see `FusedUpdate.kernel`).
+    params, grads, state, extra_args: those the plan was built for.
+  """
+  p_leaves, params_def = jax.tree.flatten(params)
+  g_leaves = jax.tree.leaves(grads)
+  s_leaves, state_def = jax.tree.flatten(state)
+  global_leaves = [leaf for leaf, slot in zip(s_leaves, plan.slots, strict=True) if slot is None]
+  extra_leaves = _split_extras(dict(extra_args or {}))[0]
+  values = _eval_global(plan, [*global_leaves, *extra_leaves, *plan.consts])
+  per_leaf = [[] for _ in p_leaves]
+  for leaf, slot in zip(s_leaves, plan.slots, strict=True):
+    if slot is not None:
+      per_leaf[slot].append(leaf)
+  leaf_args = [x for i, p in enumerate(p_leaves) for x in (p, g_leaves[i], *per_leaf[i])]
+  residuals = [jnp.asarray(values[r]) for r in plan.residual_ids]
+  outs = _multi_tensor(plan, kernel, leaf_args, residuals)
+  width = 1 + plan.components
+  new_p = [outs[i * width] for i in range(len(p_leaves))]
+  taken = [1] * len(p_leaves)
+  new_global = iter(a.value if isinstance(a, _Lit) else values[a] for a in plan.global_outs)
+  new_s = []
+  for slot in plan.slots:
+    if slot is None:
+      new_s.append(next(new_global))
+    else:
+      new_s.append(outs[slot * width + taken[slot]])
+      taken[slot] += 1
+  return jax.tree.unflatten(params_def, new_p), jax.tree.unflatten(state_def, new_s)
