@@ -20,6 +20,7 @@ from t5x_optim._optimizers.example_lib import (
   example_lib_optimizer_makers,
   wrap_example_lib_optimizer,
 )
+from t5x_optim._optimizers.fused import FusedUpdate, FusionReport, fusion_report
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optimizers.optax_wrapper import (
@@ -43,6 +44,8 @@ __all__ = [
   "Checkpointer",
   "ExampleLibHyperParams",
   "ExampleLibOptimizerDef",
+  "FusedUpdate",
+  "FusionReport",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxWrapper",
@@ -55,6 +58,7 @@ __all__ = [
   "checkpoints",
   "distributed",
   "example_lib_optimizer_makers",
+  "fusion_report",
   "inject_hyperparams",
   "latest_t5x_step",
   "optax_optimizer_factories",

@@ -25,6 +25,7 @@ from t5x_optim._optimizers.example_lib import (
   ExampleLibOptimizerDef,
   wrap_example_lib_optimizer,
 )
+from t5x_optim._optimizers.fused import FusedUpdate, fusion_report
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optimizers.optax_wrapper import (
@@ -116,6 +117,7 @@ for _name, _maker in EXAMPLE_LIB_OPTIMIZERS.items():
 
 __all__ = [
   "ExampleLibOptimizerDef",
+  "FusedUpdate",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxStatePartitionRules",
@@ -128,6 +130,7 @@ __all__ = [
   "OptimizerType",
   "PathFilter",
   "chain",
+  "fusion_report",
   "inject_hyperparams",
   "wrap_example_lib_optimizer",
   "wrap_optax_optimizer",

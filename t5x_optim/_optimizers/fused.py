@@ -38,7 +38,7 @@ Example:
   >>> report = fusion_report(optax.adamw(1e-3), params)
   >>> report.fusible, report.groups
   (True, (('b', 'w'),))
-  >>> fusion_report(optax.adafactor(1e-3), params).fusible
+  >>> fusion_report(optax.adafactor(1e-3, min_dim_size_to_factor=2), params).fusible
   False
 """
 
@@ -145,6 +145,14 @@ _ELEMENTWISE = frozenset(
   rem round rsqrt select_n shift_left shift_right_arithmetic
   shift_right_logical sign sin sinh sqrt square sub tan tanh xor""".split()
 )
+# Reductions: when one reduces a leaf to a scalar (a norm, an "any NaN"), the
+# scalar is computed before the fused kernel, like clipping's global norm.
+_REDUCTIONS = frozenset(
+  """argmax argmin dot_general reduce_and reduce_max reduce_min reduce_or
+  reduce_prod reduce_sum reduce_xor""".split()
+)
+# Value kinds besides a leaf's index: no leaf data, or scalars reduced from leaves.
+_GLOBAL, _REDUCED = -1, -2
 # Call-like primitives whose body is inlined into the analysis.
 _CALLS = frozenset(
   {
@@ -207,8 +215,8 @@ class _Group:
 class FusedPlan:
   """How one update of one tree runs fused (built by `plan_fused_update`)."""
 
-  ops: tuple[_Op, ...]
-  global_ins: tuple[int, ...]  # value ids: global state leaves, extra arguments, consts
+  outside: tuple[_Op, ...]  # what runs before the kernels: scalars, reductions
+  inputs: tuple[int, ...]  # value ids: params, grads, state leaves, extra args, consts
   consts: tuple[Any, ...]
   global_outs: tuple[int | _Lit, ...]  # new global state leaves
   residual_ids: tuple[int, ...]  # every scalar residual used by some group
@@ -315,11 +323,13 @@ def _ndim(atom: int | _Lit, avals: Sequence[Any]) -> int:
 
 
 def _classify(ops: Sequence[_Op], avals: Sequence[Any], kind: dict[int, int], paths) -> set[int]:
-  """Marks every value with its leaf (in `kind`); returns the uniform values.
+  """Marks every value with its kind (in `kind`); returns the uniform values.
 
-  A uniform value is a global array that is a broadcast scalar (or an
-  elementwise function of broadcast scalars), so it has the same value in
-  every element and can be rebuilt at any shape.
+  A value's kind is the index of the one leaf it is elementwise in,
+  `_REDUCED` for scalars reduced from leaves, or `_GLOBAL` (the default) for
+  values that read no leaf. A uniform value is an array that is a broadcast
+  scalar (or an elementwise function of broadcast scalars), so it has the
+  same value in every element and can be rebuilt at any shape.
 
   Raises:
     _NotFusible: naming the leaf and the operation that is not elementwise.
@@ -327,8 +337,11 @@ def _classify(ops: Sequence[_Op], avals: Sequence[Any], kind: dict[int, int], pa
   uniform: set[int] = set()
   for op in ops:
     name = op.primitive.name
-    leaves = {kind[a] for a in op.ins if isinstance(a, int) and kind.get(a, -1) >= 0}
+    kinds = [kind.get(a, _GLOBAL) if isinstance(a, int) else _GLOBAL for a in op.ins]
+    leaves = {k for k in kinds if k >= 0}
     if not leaves:
+      if _REDUCED in kinds:
+        kind.update(dict.fromkeys(op.outs, _REDUCED))
       if name == "broadcast_in_dim" and _ndim(op.ins[0], avals) == 0:
         uniform.update(op.outs)
       elif name in _ELEMENTWISE and all(
@@ -340,16 +353,17 @@ def _classify(ops: Sequence[_Op], avals: Sequence[Any], kind: dict[int, int], pa
       names = ", ".join(paths[i] for i in sorted(leaves))
       raise _NotFusible(f"'{name}' combines the leaves {names}")
     (leaf,) = leaves
+    if name in _REDUCTIONS and all(not avals[out].shape for out in op.outs):
+      kind.update(dict.fromkeys(op.outs, _REDUCED))
+      continue
     if name not in _ELEMENTWISE:
       raise _NotFusible(f"'{name}' on leaf {paths[leaf]} is not elementwise")
-    for atom in op.ins:
-      is_leaf = isinstance(atom, int) and kind.get(atom, -1) == leaf
-      if not (is_leaf or _ndim(atom, avals) == 0 or (isinstance(atom, int) and atom in uniform)):
+    for atom, atom_kind in zip(op.ins, kinds, strict=True):
+      if atom_kind != leaf and _ndim(atom, avals) and atom not in uniform:
         raise _NotFusible(
           f"'{name}' on leaf {paths[leaf]} reads a non-scalar value that is not the leaf's"
         )
-    for out in op.outs:
-      kind[out] = leaf
+    kind.update(dict.fromkeys(op.outs, leaf))
   return uniform
 
 
@@ -370,7 +384,7 @@ def _value_numbering(ops: Sequence[_Op], kind: dict[int, int]) -> dict[int, int]
   canon: dict[int, int] = {}
   seen: dict[tuple, tuple[int, ...]] = {}
   for op in ops:
-    if kind.get(op.outs[0], -1) >= 0 or op.primitive.name not in _ELEMENTWISE | {
+    if kind.get(op.outs[0], _GLOBAL) >= 0 or op.primitive.name not in _ELEMENTWISE | {
       "broadcast_in_dim"
     }:
       continue
@@ -405,7 +419,7 @@ def _slice(
   for op in reversed(ops):
     if not needed.intersection(op.outs):
       continue
-    if kind.get(op.outs[0], -1) != leaf and not uniform.intersection(op.outs):
+    if kind.get(op.outs[0], _GLOBAL) != leaf and not uniform.intersection(op.outs):
       continue
     chosen.append(op)
     needed.update(a for a in op.ins if isinstance(a, int))
@@ -600,7 +614,7 @@ def plan_fused_update(
     uniform = _classify(ops, avals, kind, paths)
     canon = _value_numbering(ops, kind)
     for k, slot in enumerate(slots):
-      if slot is None and isinstance(new_s[k], int) and kind.get(new_s[k], -1) >= 0:
+      if slot is None and isinstance(new_s[k], int) and kind.get(new_s[k], _GLOBAL) >= 0:
         raise _NotFusible(f"a global state leaf depends on leaf {paths[kind[new_s[k]]]}")
     groups: dict[tuple, list] = {}
     for i in range(n):
@@ -625,15 +639,12 @@ def plan_fused_update(
       size += leaf_size
     built.append(_Group(tuple(chunk), program, residuals))
   residual_ids = tuple(dict.fromkeys(r for group in built for r in group.residuals))
+  global_outs = tuple(new_s[k] for k, slot in enumerate(slots) if slot is None)
   return FusedPlan(
-    ops=ops,
-    global_ins=(
-      *(s_ids[k] for k, slot in enumerate(slots) if slot is None),
-      *e_ids,
-      *const_ids,
-    ),
+    outside=_needed(ops, [*residual_ids, *global_outs]),
+    inputs=(*p_ids, *g_ids, *s_ids, *e_ids, *const_ids),
     consts=tuple(closed.consts),
-    global_outs=tuple(new_s[k] for k, slot in enumerate(slots) if slot is None),
+    global_outs=global_outs,
     residual_ids=residual_ids,
     slots=tuple(slots),
     components=components,
@@ -642,22 +653,33 @@ def plan_fused_update(
   )
 
 
-def fusion_report(tx: optax.GradientTransformation, params: Any) -> FusionReport:
+def fusion_report(
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  grads: Any = None,
+  extra_args: dict[str, Any] | None = None,
+) -> FusionReport:
   """Whether ``tx``'s update of `params` can run fused, and in which groups.
 
   Args:
     tx: an optax transformation.
     params: the params (arrays or `jax.ShapeDtypeStruct`s).
+    grads: the gradients (or their abstract values); by default like `params`.
+    extra_args: the extra update arguments `apply_gradient` will get
+      (``value=``, ``value_fn=``...), for transformations that need them.
 
   Example:
     >>> import jax.numpy as jnp, optax
     >>> report = fusion_report(optax.chain(optax.clip_by_global_norm(1.0),
     ...                                    optax.adam(1e-3)), {'w': jnp.ones(3)})
-    >>> report.fusible, report.reason
-    (False, "'reduce_sum' on leaf w is not elementwise")
+    >>> report.fusible, report.groups
+    (True, (('w',),))
+    >>> fusion_report(optax.contrib.muon(1e-3), {'w': jnp.ones((4, 4))}).reason
+    "'reshape' on leaf w is not elementwise"
   """
   state = jax.eval_shape(tx.init, params)
-  plan = plan_fused_update(tx, params, params, state)
+  plan = plan_fused_update(tx, params, params if grads is None else grads, state, extra_args)
   if isinstance(plan, str):
     return FusionReport(False, plan, ())
   return FusionReport(
@@ -665,12 +687,21 @@ def fusion_report(tx: optax.GradientTransformation, params: Any) -> FusionReport
   )
 
 
-def _eval_global(plan: FusedPlan, global_values: Sequence[Any]) -> dict[int, Any]:
-  """Runs every operation that reads no leaf; returns the values by id."""
-  values = dict(zip(plan.global_ins, global_values, strict=True))
-  for op in plan.ops:
-    if any(isinstance(a, int) and a not in values for a in op.ins):
-      continue
+def _needed(ops: Sequence[_Op], wanted: Sequence[int | _Lit]) -> tuple[_Op, ...]:
+  """The ops `wanted` depends on, in order."""
+  needed = {a for a in wanted if isinstance(a, int)}
+  chosen = []
+  for op in reversed(ops):
+    if needed.intersection(op.outs):
+      chosen.append(op)
+      needed.update(a for a in op.ins if isinstance(a, int))
+  return tuple(reversed(chosen))
+
+
+def _eval_outside(plan: FusedPlan, inputs: Sequence[Any]) -> dict[int, Any]:
+  """Runs what the kernels need first (scalars, reductions); values by id."""
+  values = dict(zip(plan.inputs, inputs, strict=True))
+  for op in plan.outside:
     args = [a.value if isinstance(a, _Lit) else values[a] for a in op.ins]
     outs = op.primitive.bind(*args, **op.params)
     for out_id, out in zip(op.outs, outs if op.primitive.multiple_results else [outs], strict=True):
@@ -879,9 +910,8 @@ def fused_apply(
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(grads)
   s_leaves, state_def = jax.tree.flatten(state)
-  global_leaves = [leaf for leaf, slot in zip(s_leaves, plan.slots, strict=True) if slot is None]
   extra_leaves = _split_extras(dict(extra_args or {}))[0]
-  values = _eval_global(plan, [*global_leaves, *extra_leaves, *plan.consts])
+  values = _eval_outside(plan, [*p_leaves, *g_leaves, *s_leaves, *extra_leaves, *plan.consts])
   per_leaf = [[] for _ in p_leaves]
   for leaf, slot in zip(s_leaves, plan.slots, strict=True):
     if slot is not None:

@@ -186,9 +186,7 @@ class OptaxWrapper(OptimizerDef):
     kernel = self.fused.kernel(jax.default_backend())
     plan = None
     if kernel is not None:
-      plan = _fused.plan_fused_update(
-        self.optax_optimizer, params, grads, param_states, extra_args
-      )
+      plan = _fused.plan_fused_update(self.optax_optimizer, params, grads, param_states, extra_args)
       if isinstance(plan, str):
         warnings.warn(
           f"OptaxWrapper(fused={self.fused.value!r}): the update is not elementwise "

@@ -1,0 +1,315 @@
+"""The fused multi-tensor update, `OptaxWrapper(fused=...)`, against the plain path.
+
+Numerics run over the one optimizer table in Pallas interpret mode (the
+kernel a GPU runs, executed by XLA:CPU) and the XLA kernel; sharding runs
+sharded `jax.jit` steps on 8 simulated CPU devices against unsharded plain
+steps, under Auto (custom_partitioning) and Explicit (shard_map) mesh axes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from optimizer_table import TABLE, Case, grads_and_extras, initial_params, make_params, tree_equal
+
+from t5x_optim import FusedUpdate, OptaxWrapper, fusion_report
+from t5x_optim._optimizers import fused as fused_module
+
+STEPS = 3
+# The documented bound: one fused step and one plain step from the same
+# params, state and gradients agree, element by element, within this many
+# float32 ulps of the largest magnitude in the leaf (measured: at most 1;
+# most optimizers are bit-exact).
+ULPS = 2.0
+# Names the analysis must find elementwise, or not; the table itself comes
+# from introspecting optax and optax.contrib.
+MUST_FUSE = {"adam", "adamw", "lion", "sgd", "rmsprop", "adagrad", "adabelief", "yogi", "chain"}
+MUST_NOT_FUSE = {"adafactor_factored", "muon", "lbfgs", "masked", "multisteps", "lookahead"}
+
+
+def leaf_scale_ulps(fused: Any, plain: Any) -> float:
+  """The largest difference, in ulps of each plain leaf's largest magnitude."""
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if not np.issubdtype(b.dtype, np.floating):
+      assert np.array_equal(a, b)
+      continue
+    if not b.size:
+      continue
+    scale = np.spacing(np.max(np.abs(b)).astype(b.dtype)).astype(np.float64)
+    worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b)) / scale))
+  return worst
+
+
+def _step(opt):
+  grads, extras = grads_and_extras(opt.optimizer_def.optax_optimizer, opt.target)
+  return opt.apply_gradient(grads, **extras)
+
+
+@functools.cache
+def _run(case: Case, fused: str) -> tuple[list, list, str]:
+  """STEPS jitted plain steps, and a `fused` step from each plain step's input.
+
+  Returns the plain optimizers after each step, the fused step's results
+  from the same inputs, and the fused step's jaxpr.
+  """
+  tx = case.make()
+  opt = OptaxWrapper(tx).create(initial_params(case))
+  fused_def = OptaxWrapper(tx, fused=fused)
+  plain_step, fused_step = (
+    jax.jit(_step),
+    jax.jit(lambda o: _step(o.replace(optimizer_def=fused_def))),
+  )
+  plain, fused_out = [], []
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "OptaxWrapper\\(fused=")
+    jaxpr = str(jax.make_jaxpr(fused_step)(opt))
+    for _ in range(STEPS):
+      fused_out.append(fused_step(opt))
+      opt = plain_step(opt)
+      plain.append(opt)
+  return plain, fused_out, jaxpr
+
+
+def _assert_steps_agree(case: Case, fused: str) -> None:
+  plain, fused_out, _ = _run(case, fused)
+  for want, got in zip(plain, fused_out, strict=True):
+    assert leaf_scale_ulps(got.target, want.target) <= ULPS
+    assert leaf_scale_ulps(got.state.param_states, want.state.param_states) <= ULPS
+    assert int(got.state.step) == int(want.state.step)
+
+
+@functools.cache
+def _report(case: Case):
+  tx, params = case.make(), initial_params(case)
+  grads, extras = grads_and_extras(tx, params)
+  return fusion_report(tx, params, grads=grads, extra_args=extras)
+
+
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_fused_matches_plain_over_the_table(case: Case):
+  """Fusible updates run the Pallas kernel within ULPS; the rest run plain, bit for bit."""
+  plain, fused_out, jaxpr = _run(case, "interpret")
+  if _report(case).fusible:
+    assert "pallas_call" in jaxpr
+    _assert_steps_agree(case, "interpret")
+  else:
+    assert "pallas_call" not in jaxpr
+    for want, got in zip(plain, fused_out, strict=True):
+      assert tree_equal(got.target, want.target)
+      assert tree_equal(got.state, want.state)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "rmsprop", "chain"])
+def test_xla_kernel_matches_plain(name: str):
+  case = next(case for case in TABLE if case.name == name)
+  _, _, jaxpr = _run(case, "xla")
+  assert "custom_partitioning" in jaxpr and "pallas_call" not in jaxpr
+  _assert_steps_agree(case, "xla")
+
+
+def test_the_elementwise_set_is_found_by_analysis():
+  names = {case.name: case for case in TABLE}
+  assert MUST_FUSE | MUST_NOT_FUSE <= set(names)
+  for name in MUST_FUSE:
+    report = _report(names[name])
+    assert report.fusible and report.reason is None, (name, report.reason)
+    assert report.groups == (("dense/bias", "dense/kernel", "out/kernel"),), name
+  for name in MUST_NOT_FUSE:
+    report = _report(names[name])
+    assert not report.fusible and report.groups == () and report.reason, name
+  fusible = sum(_report(case).fusible for case in TABLE)
+  assert fusible >= len(TABLE) // 2
+
+
+@pytest.mark.parametrize(
+  "tx, reason",
+  [
+    (optax.adafactor(1e-2, min_dim_size_to_factor=4), r"reads a non-scalar value"),
+    (optax.novograd(1e-2), r"'cond' combines the leaves dense/bias, dense/kernel, out/kernel"),
+    (optax.contrib.muon(1e-2), r"on leaf dense/kernel"),
+  ],
+)
+def test_not_fusible_warns_with_the_reason_and_runs_plain(tx, reason):
+  params = make_params()
+  grads = jax.tree.map(jnp.ones_like, params)
+  plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
+  with pytest.warns(UserWarning, match=r"fused='xla'.*not elementwise \(.*" + reason):
+    fused = OptaxWrapper(tx, fused="xla").create(params).apply_gradient(grads)
+  assert tree_equal(fused.target, plain.target)
+  assert re.search(reason, fusion_report(tx, params).reason)
+
+
+def test_leaves_larger_than_a_block_and_padding(monkeypatch):
+  """Several Pallas blocks per group, a padded tail, and groups cut by size."""
+  monkeypatch.setattr(fused_module, "_GROUP_ELEMENTS", 5000)
+  params = {"a": jnp.linspace(-1.0, 1.0, 4099), "b": jnp.ones((3, 5)), "c": jnp.full((1500,), 0.5)}
+  tx = optax.adamw(1e-2)
+  assert fusion_report(tx, params).groups == (("a", "b"), ("c",))
+  grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+  plain = OptaxWrapper(tx).create(params)
+  fused = OptaxWrapper(tx, fused="interpret").create(params)
+  for _ in range(2):
+    plain, fused = plain.apply_gradient(grads), fused.apply_gradient(grads)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert leaf_scale_ulps(fused.state.param_states, plain.state.param_states) <= ULPS
+
+
+def test_dtypes_form_their_own_groups():
+  params = {"f32": jnp.ones((4, 4)), "bf16": jnp.ones((8,), jnp.bfloat16), "g": jnp.ones(3)}
+  tx = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
+  assert fusion_report(tx, params).groups == (("bf16",), ("f32", "g"))
+  grads = jax.tree.map(
+    lambda x: (0.1 * jnp.arange(x.size).reshape(x.shape)).astype(x.dtype), params
+  )
+  plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
+  fused = OptaxWrapper(tx, fused="interpret").create(params).apply_gradient(grads)
+  assert jax.tree.map(lambda x: x.dtype, fused.state) == jax.tree.map(
+    lambda x: x.dtype, plain.state
+  )
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+
+
+def test_state_dict_and_specs_are_the_plain_paths():
+  params = make_params()
+  grads = jax.tree.map(jnp.ones_like, params)
+  plain = OptaxWrapper(optax.adamw(1e-2)).create(params).apply_gradient(grads)
+  fused = OptaxWrapper(optax.adamw(1e-2), fused="interpret").create(params).apply_gradient(grads)
+  as_shapes = functools.partial(jax.tree.map, lambda x: (x.shape, x.dtype))
+  assert as_shapes(fused.state_dict()) == as_shapes(plain.state_dict())
+  restored = fused.restore_state(plain.state_dict())
+  assert tree_equal(restored.state, plain.state)
+  axes = jax.tree.map(lambda x: P(*([None] * (x.ndim - 1)), "mlp"), params)
+  assert fused.optimizer_def.derive_logical_axes(fused, axes) == (
+    plain.optimizer_def.derive_logical_axes(plain, axes).replace(optimizer_def=fused.optimizer_def)
+  )
+
+
+@pytest.mark.parametrize(
+  "value, mode",
+  [
+    ("off", FusedUpdate.OFF),
+    (True, FusedUpdate.AUTO),
+    (False, FusedUpdate.OFF),
+    ("xla", FusedUpdate.XLA),
+  ],
+)
+def test_fused_values(value, mode):
+  assert OptaxWrapper(optax.sgd(0.1), fused=value).fused is mode
+
+
+def test_fused_value_errors():
+  with pytest.raises(ValueError, match=r"fused= must be a bool or one of \['off', 'auto'"):
+    OptaxWrapper(optax.sgd(0.1), fused="fast")
+  opt = OptaxWrapper(optax.sgd(0.1), fused="pallas").create({"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"fused='pallas' needs a GPU; the default backend is 'cpu'"):
+    opt.apply_gradient({"w": jnp.ones(2)})
+
+
+def test_auto_takes_the_plain_path_off_gpu():
+  opt = OptaxWrapper(optax.adamw(1e-2), fused="auto").create(make_params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jaxpr = str(jax.make_jaxpr(_step)(opt))
+  assert "custom_partitioning" not in jaxpr and "pallas_call" not in jaxpr
+
+
+# Sharded: params with different specs (one transposed), ZeRO state over "data".
+SHAPES = {"a": (16, 8), "b": (8, 16), "c": (16,)}
+PARAM_SPECS = {"a": P("data", "model"), "b": P("model", None), "c": P()}
+ZERO_SPECS = {"a": P("data", "model"), "b": P("model", "data"), "c": P("data")}
+TXS = {
+  "adamw": lambda: optax.adamw(1e-2),
+  "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+}
+
+
+def _sharded_params():
+  rng = np.random.default_rng(0)
+  return {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def _grads(step):
+  rng = np.random.default_rng(step + 1)
+  return {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def _shardings(opt, mesh, zero):
+  def named(specs):
+    return {k: NamedSharding(mesh, spec) for k, spec in specs.items()}
+
+  state_specs = named(ZERO_SPECS if zero else PARAM_SPECS)
+
+  def state_leaf(path, x):
+    key = jax.tree_util.keystr(path[-1:], simple=True)
+    return state_specs[key] if np.ndim(x) else NamedSharding(mesh, P())
+
+  param_states = jax.tree_util.tree_map_with_path(state_leaf, opt.state.param_states)
+  return opt.replace(
+    target=named(PARAM_SPECS),
+    state=opt.state.replace(step=NamedSharding(mesh, P()), param_states=param_states),
+  ), named(PARAM_SPECS)
+
+
+@functools.cache
+def _unsharded_plain(tx_name):
+  opt = OptaxWrapper(TXS[tx_name]()).create(_sharded_params())
+  step = jax.jit(lambda o, g: o.apply_gradient(g))
+  for i in range(STEPS):
+    opt = step(opt, _grads(i))
+  return opt
+
+
+def _sharded_run(tx_name, fused, axis_type, zero):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  opt = OptaxWrapper(TXS[tx_name](), fused=fused).create(_sharded_params())
+  opt_sh, grad_sh = _shardings(opt, mesh, zero)
+  step = jax.jit(
+    lambda o, g: o.apply_gradient(g),
+    in_shardings=(opt_sh, grad_sh),
+    out_shardings=opt_sh,
+    donate_argnums=0,
+  )
+  opt = jax.device_put(opt, opt_sh)
+  hlo = step.lower(opt, jax.device_put(_grads(0), grad_sh)).compile().as_text()
+  for i in range(STEPS):
+    opt = step(opt, jax.device_put(_grads(i), grad_sh))
+  collectives = sorted(re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute)\(", hlo))
+  return opt, collectives
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
+@pytest.mark.parametrize("tx_name", list(TXS))
+def test_sharded_fused_matches_unsharded_plain(tx_name, zero, axis_type):
+  """8 devices: the values, shardings and collectives of sharded plain steps.
+
+  Sharded plain steps themselves differ from unsharded ones where a sum is
+  split across devices (the global norm), so both are held to unsharded
+  plain within a tolerance, and the fused path to sharded plain within ULPS.
+  """
+  expected = _unsharded_plain(tx_name)
+  plain, plain_collectives = _sharded_run(tx_name, "off", axis_type, zero)
+  for kernel in ("interpret", "xla"):
+    fused, collectives = _sharded_run(tx_name, kernel, axis_type, zero)
+    for got, want in [(fused, plain), (plain, expected), (fused, expected)]:
+      for a, b in zip(jax.tree.leaves(got.target), jax.tree.leaves(want.target), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+    assert leaf_scale_ulps(fused.state.param_states, plain.state.param_states) <= ULPS
+    specs = functools.partial(jax.tree.map, lambda x: x.sharding.spec)
+    assert specs(fused.target) == specs(plain.target)
+    assert specs(fused.state) == specs(plain.state)
+    assert collectives == plain_collectives
