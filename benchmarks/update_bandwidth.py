@@ -14,6 +14,12 @@ large as the tree).
 Layouts ("variant" column):
   * ``plain``: ``tx.update`` + ``optax.apply_updates`` on the per-leaf tree.
   * ``wrapper``: `OptaxWrapper.create(...).apply_gradient` (the library path).
+  * ``fused_pallas``, ``fused_xla``, ``fused_interpret``: the same with
+    ``OptaxWrapper(tx, fused=...)``, the multi-tensor update of
+    `t5x_optim._optimizers.fused`: per group of leaves, params, grads and
+    state concatenated into flat buffers, one kernel (a Pallas kernel; one XLA
+    fusion; the Pallas kernel in interpret mode), split back. ``fused_pallas``
+    needs a GPU; ``fused_interpret`` is slow and only for small trees.
   * ``optax_flatten``: ``optax.flatten(tx)``: one flat buffer, rebuilt from
     the per-leaf params and grads in every step.
   * ``regroup``: params, grads and state stacked by leaf shape inside every
@@ -54,11 +60,22 @@ from t5x_optim import OptaxWrapper
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adamw": lambda: optax.adamw(1e-3),
+  "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
   "lion": lambda: optax.lion(1e-4),
   "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
-VARIANTS = ("plain", "wrapper", "optax_flatten", "regroup", "stacked_state", "stacked_all")
-DEFAULT_VARIANTS = ("plain", "wrapper", "optax_flatten", "stacked_state", "stacked_all")
+FUSED = {"fused_pallas": "pallas", "fused_xla": "xla", "fused_interpret": "interpret"}
+VARIANTS = (
+  "plain",
+  "wrapper",
+  *FUSED,
+  "optax_flatten",
+  "regroup",
+  "stacked_state",
+  "stacked_all",
+)
+DEFAULT_VARIANTS = ("plain", "wrapper", "fused_xla", "stacked_all")
+GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "fused_xla", "stacked_all")
 # T5 v1.1 (gated-GELU MLP, untied logits): d_model, d_ff, layers per stack.
 T5_SIZES = {"T5-base-like": (768, 2048, 12), "T5-large-like": (1024, 2816, 24)}
 VOCAB = 32128
@@ -198,6 +215,12 @@ def make_variant(
     return (
       (lambda opt, g: opt.apply_gradient(g)),
       (OptaxWrapper(tx).create(params), grads),
+      (lambda opt: opt.target),
+    )
+  if name in FUSED:
+    return (
+      (lambda opt, g: opt.apply_gradient(g)),
+      (OptaxWrapper(tx, fused=FUSED[name]).create(params), grads),
       (lambda opt: opt.target),
     )
   if name == "optax_flatten":
@@ -361,15 +384,16 @@ def main() -> None:
   parser.add_argument(
     "--variants",
     nargs="+",
-    default=list(DEFAULT_VARIANTS),
+    default=None,
     choices=VARIANTS,
-    help="the first one is the reference for ratios and exactness",
+    help="the first one is the reference for ratios and exactness (default: "
+    f"{' '.join(DEFAULT_VARIANTS)}; on a GPU {' '.join(GPU_VARIANTS)})",
   )
   args = parser.parse_args()
   on_cpu = jax.default_backend() == "cpu"
   scale = args.scale if args.scale is not None else (0.25 if on_cpu else 1.0)
   repeats = args.repeats if args.repeats is not None else (5 if on_cpu else 20)
-  variants = tuple(args.variants)
+  variants = tuple(args.variants or (DEFAULT_VARIANTS if on_cpu else GPU_VARIANTS))
   device = jax.devices()[0]
   print(
     f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()} "

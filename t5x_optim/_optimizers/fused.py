@@ -400,11 +400,46 @@ def _value_numbering(ops: Sequence[_Op], kind: dict[int, int]) -> dict[int, int]
   return canon
 
 
+def _ops_by_leaf(
+  ops: Sequence[_Op],
+  kind: dict[int, int],
+  uniform: set[int],
+  n: int,
+  outputs: Sequence[Sequence[int | _Lit]],
+) -> list[list[_Op]]:
+  """Per leaf, the ops its program may contain, in order.
+
+  Those are the leaf's own ops and the ones computing the uniform values it
+  reads or returns.
+  """
+  producer = {out: index for index, op in enumerate(ops) for out in op.outs}
+  chosen: list[set[int]] = [set() for _ in range(n)]
+
+  def add_uniform(leaf: int, value: int | _Lit) -> None:
+    stack = [value]
+    while stack:
+      atom = stack.pop()
+      if not isinstance(atom, int) or atom not in uniform or producer[atom] in chosen[leaf]:
+        continue
+      chosen[leaf].add(producer[atom])
+      stack.extend(ops[producer[atom]].ins)
+
+  for index, op in enumerate(ops):
+    owner = kind.get(op.outs[0], _GLOBAL)
+    if owner >= 0:
+      chosen[owner].add(index)
+      for atom in op.ins:
+        add_uniform(owner, atom)
+  for leaf, leaf_outputs in enumerate(outputs):
+    for atom in leaf_outputs:
+      add_uniform(leaf, atom)
+  return [[ops[index] for index in sorted(indices)] for indices in chosen]
+
+
 def _slice(
   ops: Sequence[_Op],
   kind: dict[int, int],
   canon: dict[int, int],
-  uniform: set[int],
   leaf: int,
   inputs: Sequence[int],
   outputs: Sequence[int | _Lit],
@@ -417,12 +452,9 @@ def _slice(
   needed = {a for a in outputs if isinstance(a, int)}
   chosen: list[_Op] = []
   for op in reversed(ops):
-    if not needed.intersection(op.outs):
-      continue
-    if kind.get(op.outs[0], _GLOBAL) != leaf and not uniform.intersection(op.outs):
-      continue
-    chosen.append(op)
-    needed.update(a for a in op.ins if isinstance(a, int))
+    if needed.intersection(op.outs):
+      chosen.append(op)
+      needed.update(a for a in op.ins if isinstance(a, int))
   chosen.reverse()
   position = {value: k for k, value in enumerate(inputs)}
   produced: dict[int, int] = {}
@@ -613,14 +645,14 @@ def plan_fused_update(
   try:
     uniform = _classify(ops, avals, kind, paths)
     canon = _value_numbering(ops, kind)
-    for k, slot in enumerate(slots):
-      if slot is None and isinstance(new_s[k], int) and kind.get(new_s[k], _GLOBAL) >= 0:
-        raise _NotFusible(f"a global state leaf depends on leaf {paths[kind[new_s[k]]]}")
+    own = _ops_by_leaf(
+      ops, kind, uniform, n, [[new_p[i], *(new_s[k] for k in per_leaf[i])] for i in range(n)]
+    )
     groups: dict[tuple, list] = {}
     for i in range(n):
       inputs = [p_ids[i], g_ids[i], *(s_ids[k] for k in per_leaf[i])]
       outputs = [new_p[i], *(new_s[k] for k in per_leaf[i])]
-      program, residuals = _slice(ops, kind, canon, uniform, i, inputs, outputs, avals)
+      program, residuals = _slice(own[i], kind, canon, i, inputs, outputs, avals)
       dtypes = tuple(str(avals[v].dtype) for v in inputs)
       key = (_program_key(program, dtypes), residuals)
       groups.setdefault(key, [program, residuals, []])[2].append(i)
@@ -768,7 +800,10 @@ def _local_update(plan: FusedPlan, kernel: str, leaf_args: Sequence, residuals: 
       buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
     scalars = [scalar_of[r] for r in group.residuals]
     if kernel == "xla" or not total:
-      outs = _run_program(group.program, buffers, scalars, (padded,))
+      # The barriers keep the buffers whole: without them XLA fuses the
+      # concatenation and the split into one kernel per leaf again.
+      buffers = jax.lax.optimization_barrier(buffers)
+      outs = jax.lax.optimization_barrier(_run_program(group.program, buffers, scalars, (padded,)))
     else:
       outs = _pallas_group(group.program, buffers, scalars, interpret=kernel == "interpret")
     offsets = np.cumsum([0, *sizes])
