@@ -38,7 +38,8 @@ copies, concatenations; compare it within one backend: XLA:GPU may wrap
 kernels into command-buffer calls). Times are medians over ``--repeats``
 rounds, the variants interleaved round by round so machine noise hits all
 alike; "compile" is trace + compile of the step (a fresh ``jax.jit``),
-measured separately; "speedup" and "compile x" are against the first variant.
+measured separately; "speedup" and "compile x" are against the first variant;
+"temp MB" is the step's temporary memory as XLA reports it.
 """
 
 from __future__ import annotations
@@ -313,6 +314,12 @@ def op_count(compiled: Any) -> int:
   return sum(op not in _NOT_COUNTED for op in ops)
 
 
+def temp_bytes(compiled: Any) -> int | None:
+  """Bytes of temporaries XLA allocates for the step (None where the backend does not say)."""
+  analysis = compiled.memory_analysis()
+  return None if analysis is None else analysis.temp_size_in_bytes
+
+
 def measure(
   tx_name: str,
   params: Any,
@@ -346,6 +353,7 @@ def measure(
       "times": [],
       "buffers": buffers,
       "ops": op_count(compiled),
+      "temp": temp_bytes(compiled),
       "exact": all(np.array_equal(a, b) for a, b in zip(reference, first)),
     }
   for i in range(repeats):
@@ -402,7 +410,7 @@ def main() -> None:
   header = (
     f"{'tree':<14} {'opt':<13} {'variant':<14} {'params':>8} {'leaves':>6} "
     f"{'buffers':>7} {'ops':>7} {'step ms':>9} {'limit ms':>9} {'of limit':>8} {'speedup':>9} "
-    f"{'compile s':>9} {'compile x':>9} {'exact':>5}"
+    f"{'compile s':>9} {'compile x':>9} {'exact':>5} {'temp MB':>8}"
   )
   for tree_name in args.trees:
     shapes = tree_shapes(tree_name, scale)
@@ -427,7 +435,8 @@ def main() -> None:
           f"{len(jax.tree.leaves(params)):>6} {row['buffers']:>7} {row['ops']:>7} {step * 1e3:>9.2f} "
           f"{limit * 1e3:>9.2f} {limit / step:>8.2f} "
           f"{statistics.median(base['times']) / step:>8.2f}x {row['compile']:>9.2f} "
-          f"{row['compile'] / base['compile']:>8.2f}x {'yes' if row['exact'] else 'NO':>5}"
+          f"{row['compile'] / base['compile']:>8.2f}x {'yes' if row['exact'] else 'NO':>5} "
+          f"{'-' if row['temp'] is None else format(row['temp'] / 1e6, '.1f'):>8}"
         )
 
 

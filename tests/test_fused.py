@@ -13,6 +13,7 @@ import re
 import warnings
 from typing import Any
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optimizer_table import TABLE, Case, grads_and_extras, initial_params, make_params, tree_equal
 
-from t5x_optim import FusedUpdate, OptaxWrapper, fusion_report
+from t5x_optim import FusedUpdate, MultiOptimizer, OptaxWrapper, PathFilter, fusion_report
 from t5x_optim._optimizers import fused as fused_module
 
 STEPS = 3
@@ -313,3 +314,42 @@ def test_sharded_fused_matches_unsharded_plain(tx_name, zero, axis_type):
     assert specs(fused.target) == specs(plain.target)
     assert specs(fused.state) == specs(plain.state)
     assert collectives == plain_collectives
+
+
+@pytest.mark.usefixtures("clean_gin")
+def test_gin_configures_fused():
+  gin.parse_config(
+    "from __gin__ import dynamic_registration\n"
+    "import optax\n"
+    "from t5x_optim import optimizers\n"
+    "OPTIMIZER = @optimizers.OptaxWrapper()\n"
+    "optimizers.OptaxWrapper.optax_optimizer = @optax.lion()\n"
+    "optax.lion.learning_rate = 1e-3\n"
+    "optimizers.OptaxWrapper.fused = 'interpret'\n"
+    "BUILT = %OPTIMIZER\n"
+  )
+  with gin.config_scope(None):
+    opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
+  assert opt_def.fused is FusedUpdate.INTERPRET
+  params = make_params()
+  jaxpr = str(jax.make_jaxpr(lambda o: o.apply_gradient(o.target))(opt_def.create(params)))
+  assert "pallas_call" in jaxpr
+
+
+def test_multi_optimizer_with_fused_sub_optimizers():
+  params = make_params()
+  grads = jax.tree.map(lambda x: jnp.sin(5.0 * x), params)
+
+  def multi(fused):
+    return MultiOptimizer(
+      [
+        (PathFilter(r"kernel$"), OptaxWrapper(optax.adamw(1e-2), fused=fused)),
+        (PathFilter(r"bias$"), OptaxWrapper(optax.lion(1e-3), fused=fused)),
+      ]
+    ).create(params)
+
+  plain, fused = multi("off"), multi("interpret")
+  for _ in range(2):
+    plain, fused = plain.apply_gradient(grads), fused.apply_gradient(grads)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert leaf_scale_ulps(fused.state, plain.state) <= ULPS
