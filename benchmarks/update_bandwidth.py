@@ -14,12 +14,12 @@ large as the tree).
 Layouts ("variant" column):
   * ``plain``: ``tx.update`` + ``optax.apply_updates`` on the per-leaf tree.
   * ``wrapper``: `OptaxWrapper.create(...).apply_gradient` (the library path).
-  * ``fused_pallas``, ``fused_xla``, ``fused_interpret``: the same with
+  * ``fused_pallas``, ``fused_interpret``: the same with
     ``OptaxWrapper(tx, fused=...)``, the multi-tensor update of
     `t5x_optim._optimizers.fused`: per group of leaves, params, grads and
-    state concatenated into flat buffers, one kernel (a Pallas kernel; one XLA
-    fusion; the Pallas kernel in interpret mode), split back. ``fused_pallas``
-    needs a GPU; ``fused_interpret`` is slow and only for small trees.
+    state concatenated into flat buffers, one Pallas kernel, split back.
+    ``fused_pallas`` needs a GPU; ``fused_interpret`` runs the same kernel
+    in Pallas interpret mode on any backend, slowly.
   * ``optax_flatten``: ``optax.flatten(tx)``: one flat buffer, rebuilt from
     the per-leaf params and grads in every step.
   * ``regroup``: params, grads and state stacked by leaf shape inside every
@@ -65,7 +65,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "lion": lambda: optax.lion(1e-4),
   "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
-FUSED = {"fused_pallas": "pallas", "fused_xla": "xla", "fused_interpret": "interpret"}
+FUSED = {"fused_pallas": "pallas", "fused_interpret": "interpret"}
 VARIANTS = (
   "plain",
   "wrapper",
@@ -75,8 +75,8 @@ VARIANTS = (
   "stacked_state",
   "stacked_all",
 )
-DEFAULT_VARIANTS = ("plain", "wrapper", "fused_xla", "stacked_all")
-GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "fused_xla", "stacked_all")
+DEFAULT_VARIANTS = ("plain", "wrapper", "fused_interpret", "stacked_all")
+GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "stacked_all")
 # T5 v1.1 (gated-GELU MLP, untied logits): d_model, d_ff, layers per stack.
 T5_SIZES = {"T5-base-like": (768, 2048, 12), "T5-large-like": (1024, 2816, 24)}
 VOCAB = 32128

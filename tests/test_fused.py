@@ -1,7 +1,7 @@
 """The fused multi-tensor update, `OptaxWrapper(fused=...)`, against the plain path.
 
 Numerics run over the one optimizer table in Pallas interpret mode (the
-kernel a GPU runs, executed by XLA:CPU) and the XLA kernel; sharding runs
+kernel a GPU runs, executed by XLA:CPU); sharding runs
 sharded `jax.jit` steps on 8 simulated CPU devices against unsharded plain
 steps, under Auto (custom_partitioning) and Explicit (shard_map) mesh axes.
 """
@@ -113,14 +113,6 @@ def test_fused_matches_plain_over_the_table(case: Case):
       assert tree_equal(got.state, want.state)
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "rmsprop", "chain"])
-def test_xla_kernel_matches_plain(name: str):
-  case = next(case for case in TABLE if case.name == name)
-  _, _, jaxpr = _run(case, "xla")
-  assert "custom_partitioning" in jaxpr and "pallas_call" not in jaxpr
-  _assert_steps_agree(case, "xla")
-
-
 def test_the_elementwise_set_is_found_by_analysis():
   names = {case.name: case for case in TABLE}
   assert MUST_FUSE | MUST_NOT_FUSE <= set(names)
@@ -147,8 +139,8 @@ def test_not_fusible_warns_with_the_reason_and_runs_plain(tx, reason):
   params = make_params()
   grads = jax.tree.map(jnp.ones_like, params)
   plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
-  with pytest.warns(UserWarning, match=r"fused='xla'.*not elementwise \(.*" + reason):
-    fused = OptaxWrapper(tx, fused="xla").create(params).apply_gradient(grads)
+  with pytest.warns(UserWarning, match=r"fused='interpret'.*not elementwise \(.*" + reason):
+    fused = OptaxWrapper(tx, fused="interpret").create(params).apply_gradient(grads)
   assert tree_equal(fused.target, plain.target)
   assert re.search(reason, fusion_report(tx, params).reason)
 
@@ -204,7 +196,7 @@ def test_state_dict_and_specs_are_the_plain_paths():
     ("off", FusedUpdate.OFF),
     (True, FusedUpdate.AUTO),
     (False, FusedUpdate.OFF),
-    ("xla", FusedUpdate.XLA),
+    ("interpret", FusedUpdate.INTERPRET),
   ],
 )
 def test_fused_values(value, mode):
@@ -303,17 +295,16 @@ def test_sharded_fused_matches_unsharded_plain(tx_name, zero, axis_type):
   """
   expected = _unsharded_plain(tx_name)
   plain, plain_collectives = _sharded_run(tx_name, "off", axis_type, zero)
-  for kernel in ("interpret", "xla"):
-    fused, collectives = _sharded_run(tx_name, kernel, axis_type, zero)
-    for got, want in [(fused, plain), (plain, expected), (fused, expected)]:
-      for a, b in zip(jax.tree.leaves(got.target), jax.tree.leaves(want.target), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
-    assert leaf_scale_ulps(fused.state.param_states, plain.state.param_states) <= ULPS
-    specs = functools.partial(jax.tree.map, lambda x: x.sharding.spec)
-    assert specs(fused.target) == specs(plain.target)
-    assert specs(fused.state) == specs(plain.state)
-    assert collectives == plain_collectives
+  fused, collectives = _sharded_run(tx_name, "interpret", axis_type, zero)
+  for got, want in [(fused, plain), (plain, expected), (fused, expected)]:
+    for a, b in zip(jax.tree.leaves(got.target), jax.tree.leaves(want.target), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert leaf_scale_ulps(fused.state.param_states, plain.state.param_states) <= ULPS
+  specs = functools.partial(jax.tree.map, lambda x: x.sharding.spec)
+  assert specs(fused.target) == specs(plain.target)
+  assert specs(fused.state) == specs(plain.state)
+  assert collectives == plain_collectives
 
 
 @pytest.mark.usefixtures("clean_gin")

@@ -21,8 +21,8 @@ kernel per group of leaves instead of one (or more) per leaf. How it works:
    programs, scalar inputs and dtypes agree form a group.
 3. **One kernel per group.** Each group's leaves are flattened and
    concatenated into one buffer per operand (param, gradient, each state
-   component), the program runs once over the buffers (a Pallas kernel over
-   blocks, or one XLA fusion) and the results are split back into leaves.
+   component), one Pallas kernel runs the program over the buffers, block by
+   block, and the results are split back into leaves.
    The state keeps optax's per-leaf layout, so partition specs, state dicts
    and checkpoints are those of the plain path.
 4. **Sharding.** The multi-tensor update is a `custom_partitioning` op: XLA's
@@ -81,21 +81,18 @@ class FusedUpdate(enum.Enum):
     PALLAS: the Pallas kernel; raises on a backend other than GPU.
     INTERPRET: the Pallas kernel in Pallas interpret mode, on any backend:
       slow, for tests and debugging.
-    XLA: the same grouped buffers, each updated by one XLA fusion instead of
-      a Pallas kernel; runs on any backend.
 
   `FusedUpdate.of` also takes the values as strings (for gin) and bools
   (``True`` is ``AUTO``).
 
-  >>> FusedUpdate.of("xla"), FusedUpdate.of(False)
-  (<FusedUpdate.XLA: 'xla'>, <FusedUpdate.OFF: 'off'>)
+  >>> FusedUpdate.of("interpret"), FusedUpdate.of(False)
+  (<FusedUpdate.INTERPRET: 'interpret'>, <FusedUpdate.OFF: 'off'>)
   """
 
   OFF = "off"
   AUTO = "auto"
   PALLAS = "pallas"
   INTERPRET = "interpret"
-  XLA = "xla"
 
   @classmethod
   def of(cls, value: FusedUpdate | str | bool) -> FusedUpdate:
@@ -114,7 +111,7 @@ class FusedUpdate(enum.Enum):
       ) from None
 
   def kernel(self, backend: str) -> str | None:
-    """The kernel this mode runs on `backend`: "pallas", "interpret", "xla" or None.
+    """The kernel this mode runs on `backend`: "pallas", "interpret" or None.
 
     Raises:
       ValueError: for ``PALLAS`` on a backend other than GPU.
@@ -129,7 +126,7 @@ class FusedUpdate(enum.Enum):
     if self is FusedUpdate.PALLAS and backend != "gpu":
       raise ValueError(
         f"fused='pallas' needs a GPU; the default backend is {backend!r}. Use "
-        "fused='auto' to take the plain path there, or 'xla' / 'interpret'."
+        "fused='auto' to take the plain path there, or 'interpret' to test."
       )
     return self.value
 
@@ -775,6 +772,26 @@ def _pallas_group(
   )(*buffers, *(jnp.reshape(r, (1,)) for r in residuals))
 
 
+def _group_buffers(group: _Group, kernel: str, args: list[list], scalars: list) -> list:
+  """One group's update over flat buffers; returns the new flat buffers.
+
+  `args` holds, per leaf of the group, its param, gradient and state
+  components. The buffers are padded to a whole number of blocks.
+  """
+  total = sum(math.prod(leaf[0].shape) for leaf in args)
+  if not total:
+    return _run_program(group.program, [jnp.zeros((0,), x.dtype) for x in args[0]], scalars, (0,))
+  block = min(_BLOCK, 1 << (total - 1).bit_length())
+  padded = -(-total // block) * block
+  buffers = []
+  for k in range(len(args[0])):
+    parts = [jnp.ravel(leaf[k]) for leaf in args]
+    if padded > total:
+      parts.append(jnp.zeros((padded - total,), parts[0].dtype))
+    buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+  return _pallas_group(group.program, buffers, scalars, interpret=kernel == "interpret")
+
+
 def _local_update(plan: FusedPlan, kernel: str, leaf_args: Sequence, residuals: Sequence) -> list:
   """The fused update of local (per-device) leaves.
 
@@ -785,32 +802,16 @@ def _local_update(plan: FusedPlan, kernel: str, leaf_args: Sequence, residuals: 
   scalar_of = dict(zip(plan.residual_ids, residuals, strict=True))
   results: list[Any] = [None] * (len(leaf_args) // width * (width - 1))
   for group in plan.groups:
-    shapes = [leaf_args[i * width].shape for i in group.leaves]
-    sizes = [math.prod(shape) for shape in shapes]
-    total = sum(sizes)
-    padded = total
-    if kernel != "xla" and total:
-      block = min(_BLOCK, 1 << (total - 1).bit_length())
-      padded = -(-total // block) * block
-    buffers = []
-    for k in range(width):
-      parts = [jnp.ravel(leaf_args[i * width + k]) for i in group.leaves]
-      if padded > total:
-        parts.append(jnp.zeros((padded - total,), parts[0].dtype))
-      buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+    args = [list(leaf_args[i * width : (i + 1) * width]) for i in group.leaves]
     scalars = [scalar_of[r] for r in group.residuals]
-    if kernel == "xla" or not total:
-      # The barriers keep the buffers whole: without them XLA fuses the
-      # concatenation and the split into one kernel per leaf again.
-      buffers = jax.lax.optimization_barrier(buffers)
-      outs = jax.lax.optimization_barrier(_run_program(group.program, buffers, scalars, (padded,)))
-    else:
-      outs = _pallas_group(group.program, buffers, scalars, interpret=kernel == "interpret")
-    offsets = np.cumsum([0, *sizes])
-    for j, i in enumerate(group.leaves):
-      for k, out in enumerate(outs):
-        piece = jax.lax.slice(out, (int(offsets[j]),), (int(offsets[j + 1]),))
-        results[i * (width - 1) + k] = piece.reshape(shapes[j])
+    buffers = _group_buffers(group, kernel, args, scalars)
+    offset = 0
+    for i, leaf in zip(group.leaves, args, strict=True):
+      shape, size = leaf[0].shape, math.prod(leaf[0].shape)
+      for k, out in enumerate(buffers):
+        piece = jax.lax.slice(out, (offset,), (offset + size,))
+        results[i * (width - 1) + k] = piece.reshape(shape)
+      offset += size
   return results
 
 
@@ -939,7 +940,7 @@ def fused_apply(
 
   Args:
     plan: from `plan_fused_update` for these trees' structure and types.
-    kernel: "pallas", "interpret" or "xla" (see `FusedUpdate.kernel`).
+    kernel: "pallas" or "interpret" (see `FusedUpdate.kernel`).
     params, grads, state, extra_args: those the plan was built for.
   """
   p_leaves, params_def = jax.tree.flatten(params)
