@@ -344,3 +344,39 @@ def test_multi_optimizer_with_fused_sub_optimizers():
     plain, fused = plain.apply_gradient(grads), fused.apply_gradient(grads)
   assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
   assert leaf_scale_ulps(fused.state, plain.state) <= ULPS
+
+
+@pytest.mark.parametrize(
+  "params",
+  [
+    {"scalar": jnp.asarray(0.5), "empty": jnp.zeros((0, 3)), "w": jnp.ones((2, 3))},
+    {"only_empty": jnp.zeros((0,))},
+  ],
+  ids=["scalar_and_empty_leaves", "empty_only"],
+)
+def test_scalar_and_empty_leaves(params):
+  tx = optax.adam(1e-2)
+  assert fusion_report(tx, params).fusible
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), params)
+  plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
+  fused = OptaxWrapper(tx, fused="interpret").create(params).apply_gradient(grads)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert jax.tree.map(jnp.shape, fused.state) == jax.tree.map(jnp.shape, plain.state)
+
+
+def test_learning_rate_override_reaches_the_kernel():
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+  params = make_params()
+  grads = jax.tree.map(jnp.ones_like, params)
+  step = jax.jit(lambda o, lr: o.apply_gradient(grads, learning_rate=lr))
+  plain = step(OptaxWrapper(tx).create(params), 0.5)
+  fused = step(OptaxWrapper(tx, fused="interpret").create(params), 0.5)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert float(fused.state.param_states.hyperparams["learning_rate"]) == 0.5
+
+
+def test_complex_leaves_take_the_plain_path():
+  params = {"z": jnp.ones(3, jnp.complex64)}
+  assert fusion_report(optax.sgd(0.1), params).reason == (
+    "leaf z has dtype complex64; the kernel updates real floating leaves"
+  )

@@ -600,6 +600,9 @@ def plan_fused_update(
     return "the gradients do not have the params' tree structure"
   paths = tuple(key_path_str(path) or "(root)" for path, _ in path_leaves)
   p_avals = [_aval(x) for _, x in path_leaves]
+  for path, aval in zip(paths, p_avals, strict=True):
+    if not jnp.issubdtype(aval.dtype, jnp.floating):
+      return f"leaf {path} has dtype {aval.dtype}; the kernel updates real floating leaves"
   if [_aval(g) for g in jax.tree.leaves(grads)] != p_avals:
     return "the gradients do not have the params' shapes and dtypes"
   s_leaves, state_def = jax.tree.flatten(state)
