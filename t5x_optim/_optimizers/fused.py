@@ -62,6 +62,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from t5x_optim._optimizers.state_dict import key_path_str
 
 __all__ = [
+  "FusedPlan",
   "FusedUpdate",
   "FusionReport",
   "fused_apply",
@@ -574,6 +575,108 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+  """The update, inlined into `_Op`s, with the value ids of its inputs and outputs."""
+
+  ops: tuple[_Op, ...]
+  avals: list[Any]
+  p_ids: list[int]
+  g_ids: list[int]
+  s_ids: list[int]
+  e_ids: list[int]
+  const_ids: list[int]
+  consts: tuple[Any, ...]
+  new_p: list[int | _Lit]
+  new_s: list[int | _Lit]
+
+
+def _trace(tx, params_def, state_def, extra_args, p_avals, s_avals, paths) -> _Traced:
+  """Traces ``tx.update`` + ``apply_updates`` and inlines it.
+
+  Raises:
+    _NotFusible: when the update changes the state's structure or a leaf's
+      shape or dtype.
+  """
+  extra_leaves, rebuild = _split_extras(extra_args)
+  e_avals = [_aval(x) for x in extra_leaves]
+  closed = jax.make_jaxpr(_update_fn(tx, params_def, state_def, rebuild))(
+    p_avals, p_avals, s_avals, e_avals
+  )
+  inliner = _Inliner()
+  p_ids = [inliner.new(a) for a in p_avals]
+  g_ids = [inliner.new(a) for a in p_avals]
+  s_ids = [inliner.new(a) for a in s_avals]
+  e_ids = [inliner.new(a) for a in e_avals]
+  const_ids = [inliner.new(jax.typeof(c)) for c in closed.consts]
+  outs = inliner.run(closed.jaxpr, const_ids, [*p_ids, *g_ids, *s_ids, *e_ids])
+  n = len(p_avals)
+  for k, (out, aval) in enumerate(zip(outs, [*p_avals, *s_avals], strict=True)):
+    got = _aval(out.value) if isinstance(out, _Lit) else inliner.avals[out]
+    if (tuple(got.shape), got.dtype) != (tuple(aval.shape), aval.dtype):
+      where = paths[k] if k < n else f"state leaf {k - n}"
+      raise _NotFusible(f"the update changes the shape or dtype of {where}: {aval} -> {got}")
+  return _Traced(
+    tuple(inliner.ops),
+    inliner.avals,
+    p_ids,
+    g_ids,
+    s_ids,
+    e_ids,
+    const_ids,
+    tuple(closed.consts),
+    outs[:n],
+    outs[n:],
+  )
+
+
+def _groups(
+  traced: _Traced, per_leaf: list[list[int]], paths: tuple[str, ...], sizes: list[int]
+) -> tuple[_Group, ...]:
+  """Cuts the update into per-leaf programs and groups the leaves.
+
+  Leaves whose programs, scalar residuals and dtypes agree share a group, of
+  at most `_GROUP_ELEMENTS` elements.
+
+  Raises:
+    _NotFusible: naming the leaf and the operation that is not elementwise.
+  """
+  n = len(paths)
+  kind = {}
+  for i in range(n):
+    kind[traced.p_ids[i]] = kind[traced.g_ids[i]] = i
+    for k in per_leaf[i]:
+      kind[traced.s_ids[k]] = i
+  uniform = _classify(traced.ops, traced.avals, kind, paths)
+  global_leaves = set(range(len(traced.new_s))).difference(*per_leaf)
+  for k in sorted(global_leaves):
+    out = traced.new_s[k]
+    if isinstance(out, int) and kind.get(out, _GLOBAL) >= 0:
+      raise _NotFusible(f"a global state leaf depends on leaf {paths[kind[out]]}")
+  canon = _value_numbering(traced.ops, kind)
+  outputs = [[traced.new_p[i], *(traced.new_s[k] for k in per_leaf[i])] for i in range(n)]
+  own = _ops_by_leaf(traced.ops, kind, uniform, n, outputs)
+  by_key: dict[tuple, tuple[_Program, tuple[int, ...], list[int]]] = {}
+  for i in range(n):
+    inputs = [traced.p_ids[i], traced.g_ids[i], *(traced.s_ids[k] for k in per_leaf[i])]
+    program, residuals = _slice(own[i], kind, canon, i, inputs, outputs[i], traced.avals)
+    dtypes = tuple(str(traced.avals[v].dtype) for v in inputs)
+    by_key.setdefault((_program_key(program, dtypes), residuals), (program, residuals, []))[
+      2
+    ].append(i)
+  built = []
+  for program, residuals, leaves in by_key.values():
+    chunk, total = [], 0
+    for i in leaves:
+      if chunk and total + sizes[i] > _GROUP_ELEMENTS:
+        built.append(_Group(tuple(chunk), program, residuals))
+        chunk, total = [], 0
+      chunk.append(i)
+      total += sizes[i]
+    built.append(_Group(tuple(chunk), program, residuals))
+  return tuple(built)
+
+
 def plan_fused_update(
   tx: optax.GradientTransformation,
   params: Any,
@@ -606,81 +709,34 @@ def plan_fused_update(
   if [_aval(g) for g in jax.tree.leaves(grads)] != p_avals:
     return "the gradients do not have the params' shapes and dtypes"
   s_leaves, state_def = jax.tree.flatten(state)
-  s_avals = [_aval(x) for x in s_leaves]
-  extra_leaves, rebuild = _split_extras(dict(extra_args or {}))
-  e_avals = [_aval(x) for x in extra_leaves]
   slots = _per_param_slots(state, params_def, [a.shape for a in p_avals])
-  n = len(p_avals)
-  per_leaf = [[k for k, slot in enumerate(slots) if slot == i] for i in range(n)]
-  components = len(per_leaf[0])
-  if any(len(ks) != components for ks in per_leaf):
+  per_leaf = [[k for k, slot in enumerate(slots) if slot == i] for i in range(len(paths))]
+  if any(len(ks) != len(per_leaf[0]) for ks in per_leaf):
     return "the state's per-param components do not cover every leaf alike"
   try:
-    closed = jax.make_jaxpr(_update_fn(tx, params_def, state_def, rebuild))(
-      p_avals, p_avals, s_avals, e_avals
+    traced = _trace(
+      tx,
+      params_def,
+      state_def,
+      dict(extra_args or {}),
+      p_avals,
+      [_aval(x) for x in s_leaves],
+      paths,
     )
+    groups = _groups(traced, per_leaf, paths, [math.prod(a.shape) for a in p_avals])
   except _NotFusible as error:
     return str(error)
-  inliner = _Inliner()
-  p_ids = [inliner.new(a) for a in p_avals]
-  g_ids = [inliner.new(a) for a in p_avals]
-  s_ids = [inliner.new(a) for a in s_avals]
-  e_ids = [inliner.new(a) for a in e_avals]
-  const_ids = [inliner.new(jax.typeof(c)) for c in closed.consts]
-  outs = inliner.run(closed.jaxpr, const_ids, [*p_ids, *g_ids, *s_ids, *e_ids])
-  new_p, new_s = outs[:n], outs[n:]
-  for k, (out, aval) in enumerate(zip(outs, [*p_avals, *s_avals], strict=True)):
-    got = _aval(out.value) if isinstance(out, _Lit) else inliner.avals[out]
-    if (tuple(got.shape), got.dtype) != (tuple(aval.shape), aval.dtype):
-      where = paths[k] if k < n else f"state leaf {k - n}"
-      return f"the update changes the shape or dtype of {where}: {aval} -> {got}"
-  kind = {}
-  for i in range(n):
-    kind[p_ids[i]] = kind[g_ids[i]] = i
-  for k, slot in enumerate(slots):
-    if slot is not None:
-      kind[s_ids[k]] = slot
-  ops = tuple(inliner.ops)
-  avals = inliner.avals
-  try:
-    uniform = _classify(ops, avals, kind, paths)
-    canon = _value_numbering(ops, kind)
-    own = _ops_by_leaf(
-      ops, kind, uniform, n, [[new_p[i], *(new_s[k] for k in per_leaf[i])] for i in range(n)]
-    )
-    groups: dict[tuple, list] = {}
-    for i in range(n):
-      inputs = [p_ids[i], g_ids[i], *(s_ids[k] for k in per_leaf[i])]
-      outputs = [new_p[i], *(new_s[k] for k in per_leaf[i])]
-      program, residuals = _slice(own[i], kind, canon, i, inputs, outputs, avals)
-      dtypes = tuple(str(avals[v].dtype) for v in inputs)
-      key = (_program_key(program, dtypes), residuals)
-      groups.setdefault(key, [program, residuals, []])[2].append(i)
-  except _NotFusible as error:
-    return str(error)
-  built = []
-  for program, residuals, leaves in groups.values():
-    chunk: list[int] = []
-    size = 0
-    for i in leaves:
-      leaf_size = math.prod(p_avals[i].shape)
-      if chunk and size + leaf_size > _GROUP_ELEMENTS:
-        built.append(_Group(tuple(chunk), program, residuals))
-        chunk, size = [], 0
-      chunk.append(i)
-      size += leaf_size
-    built.append(_Group(tuple(chunk), program, residuals))
-  residual_ids = tuple(dict.fromkeys(r for group in built for r in group.residuals))
-  global_outs = tuple(new_s[k] for k, slot in enumerate(slots) if slot is None)
+  residual_ids = tuple(dict.fromkeys(r for group in groups for r in group.residuals))
+  global_outs = tuple(traced.new_s[k] for k, slot in enumerate(slots) if slot is None)
   return FusedPlan(
-    outside=_needed(ops, [*residual_ids, *global_outs]),
-    inputs=(*p_ids, *g_ids, *s_ids, *e_ids, *const_ids),
-    consts=tuple(closed.consts),
+    outside=_needed(traced.ops, [*residual_ids, *global_outs]),
+    inputs=(*traced.p_ids, *traced.g_ids, *traced.s_ids, *traced.e_ids, *traced.const_ids),
+    consts=traced.consts,
     global_outs=global_outs,
     residual_ids=residual_ids,
     slots=tuple(slots),
-    components=components,
-    groups=tuple(built),
+    components=len(per_leaf[0]),
+    groups=groups,
     paths=paths,
   )
 
