@@ -139,7 +139,7 @@ def test_not_fusible_warns_with_the_reason_and_runs_plain(tx, reason):
   params = make_params()
   grads = jax.tree.map(jnp.ones_like, params)
   plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
-  with pytest.warns(UserWarning, match=r"fused='interpret'.*not elementwise \(.*" + reason):
+  with pytest.warns(UserWarning, match=r"fused='interpret'.*cannot run fused \(.*" + reason):
     fused = OptaxWrapper(tx, fused="interpret").create(params).apply_gradient(grads)
   assert tree_equal(fused.target, plain.target)
   assert re.search(reason, fusion_report(tx, params).reason)
@@ -308,22 +308,30 @@ def test_sharded_fused_matches_unsharded_plain(tx_name, zero, axis_type):
 
 
 @pytest.mark.usefixtures("clean_gin")
-def test_gin_configures_fused():
+@pytest.mark.parametrize(
+  "config",
+  [
+    "OPTIMIZER = @optimizers.OptaxWrapper()\n"
+    "optimizers.OptaxWrapper.optax_optimizer = @optax.lion()\n"
+    "optimizers.OptaxWrapper.fused = 'interpret'\n",
+    "OPTIMIZER = @optimizers.chain()\n"
+    "optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.lion()]\n"
+    "optax.clip_by_global_norm.max_norm = 1.0\n"
+    "optimizers.chain.fused = 'interpret'\n",
+  ],
+  ids=["OptaxWrapper", "chain"],
+)
+def test_gin_configures_fused(config):
   gin.parse_config(
     "from __gin__ import dynamic_registration\n"
     "import optax\n"
     "from t5x_optim import optimizers\n"
-    "OPTIMIZER = @optimizers.OptaxWrapper()\n"
-    "optimizers.OptaxWrapper.optax_optimizer = @optax.lion()\n"
-    "optax.lion.learning_rate = 1e-3\n"
-    "optimizers.OptaxWrapper.fused = 'interpret'\n"
-    "BUILT = %OPTIMIZER\n"
+    "optax.lion.learning_rate = 1e-3\n" + config + "BUILT = %OPTIMIZER\n"
   )
   with gin.config_scope(None):
     opt_def = gin.query_parameter("%BUILT").scoped_configurable_fn()
   assert opt_def.fused is FusedUpdate.INTERPRET
-  params = make_params()
-  jaxpr = str(jax.make_jaxpr(lambda o: o.apply_gradient(o.target))(opt_def.create(params)))
+  jaxpr = str(jax.make_jaxpr(lambda o: o.apply_gradient(o.target))(opt_def.create(make_params())))
   assert "pallas_call" in jaxpr
 
 
@@ -380,3 +388,14 @@ def test_complex_leaves_take_the_plain_path():
   assert fusion_report(optax.sgd(0.1), params).reason == (
     "leaf z has dtype complex64; the kernel updates real floating leaves"
   )
+
+
+def test_pallas_refuses_primitives_its_gpu_lowering_lacks():
+  tx = optax.chain(optax.stateless(lambda u, p: jax.tree.map(jax.lax.erf, u)), optax.sgd(0.1))
+  params = make_params()
+  state = tx.init(params)
+  assert fused_module.plan_fused_update(tx, params, params, state, kernel="pallas") == (
+    "it uses erf, which Pallas's GPU lowering lacks"
+  )
+  plan = fused_module.plan_fused_update(tx, params, params, state, kernel="interpret")
+  assert "erf" in plan.primitives

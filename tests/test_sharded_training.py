@@ -66,14 +66,26 @@ OPTIMIZERS = {
   "adamw": lambda: optax.adamw(1e-2),
   "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=EMBED),
   "multisteps_adamw": lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2),
+  "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
 }
+# Optimizers run through the fused update (the Pallas kernel in interpret mode);
+# their unsharded reference is the plain path.
+FUSED = {"fused_clip_adamw": "clip_adamw"}
 MODELS = {"axes": AxesMLP(), "boxed": BoxedMLP()}
 MESHES = [(1, 8), (2, 4), (4, 2)]
-CASES = [("axes", "adamw"), ("axes", "adafactor"), ("axes", "multisteps_adamw"), ("boxed", "adamw")]
+CASES = [
+  ("axes", "adamw"),
+  ("axes", "adafactor"),
+  ("axes", "multisteps_adamw"),
+  ("boxed", "adamw"),
+  ("axes", "fused_clip_adamw"),
+]
 
 
 @functools.cache
 def _opt_def(name):
+  if name in FUSED:
+    return OptaxWrapper(OPTIMIZERS[FUSED[name]](), fused="interpret")
   return OptaxWrapper(OPTIMIZERS[name]())
 
 
@@ -169,11 +181,12 @@ def _state_bytes_per_device(state):
   return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
+@pytest.mark.filterwarnings("error:OptaxWrapper\\(fused=")  # the fused case must fuse
 @pytest.mark.parametrize("data, model", MESHES)
 @pytest.mark.parametrize("model_name, opt_name", CASES)
 def test_sharded_training_matches_unsharded(model_name, opt_name, data, model):
   """With and without ZeRO; on a data axis of size 1 ZeRO changes nothing, so it is skipped."""
-  _, expected_losses = _unsharded(model_name, opt_name)
+  _, expected_losses = _unsharded(model_name, FUSED.get(opt_name, opt_name))
   state_bytes = {}
   for zero in (False, True) if data > 1 else (False,):
     partitioner = _partitioner(data, model, zero=zero)

@@ -143,6 +143,13 @@ _ELEMENTWISE = frozenset(
   rem round rsqrt select_n shift_left shift_right_arithmetic
   shift_right_logical sign sin sinh sqrt square sub tan tanh xor""".split()
 )
+# Elementwise primitives Pallas's GPU (Triton) lowering has no rule for (jax
+# 0.10): a plan using one runs on the plain path instead of "pallas".
+_NOT_ON_GPU = frozenset(
+  "digamma erf erfc igamma igammac imag lgamma real reduce_precision round".split()
+)
+# Copies are the identity inside the kernel.
+_COPIES = frozenset({"copy", "copy_p"})
 # Reductions: when one reduces a leaf to a scalar (a norm, an "any NaN"), the
 # scalar is computed before the fused kernel, like clipping's global norm.
 _REDUCTIONS = frozenset(
@@ -222,6 +229,7 @@ class FusedPlan:
   components: int  # per-param state leaves per param leaf
   groups: tuple[_Group, ...]
   paths: tuple[str, ...]
+  primitives: frozenset[str]  # the primitives the kernels run
 
 
 class FusionReport(NamedTuple):
@@ -523,6 +531,9 @@ def _run_program(program: _Program, ins: Sequence, residuals: Sequence, shape: t
     return value
 
   for primitive, params, op_ins, op_outs in program.ops:
+    if primitive.name in _COPIES:
+      values[op_outs[0]] = read(op_ins[0])
+      continue
     if primitive.name == "broadcast_in_dim":
       params = {**params, "shape": shape, "broadcast_dimensions": (), "sharding": None}
     elif "sharding" in params:
@@ -683,6 +694,8 @@ def plan_fused_update(
   grads: Any,
   state: Any,
   extra_args: dict[str, Any] | None = None,
+  *,
+  kernel: str | None = None,
 ) -> FusedPlan | str:
   """Analyses ``tx.update`` on these trees (arrays or abstract values).
 
@@ -692,6 +705,9 @@ def plan_fused_update(
     extra_args: optax's extra update arguments (``value=``...), if any:
       arrays are traced (a scalar ``value`` may feed the update), functions
       passed as they are.
+    kernel: the kernel that will run the plan (see `FusedUpdate.kernel`);
+      ``"pallas"`` also refuses programs using primitives its GPU lowering
+      lacks.
 
   Returns:
     A `FusedPlan`, or a string saying why the update is not elementwise.
@@ -726,6 +742,9 @@ def plan_fused_update(
     groups = _groups(traced, per_leaf, paths, [math.prod(a.shape) for a in p_avals])
   except _NotFusible as error:
     return str(error)
+  primitives = frozenset(op[0].name for group in groups for op in group.program.ops)
+  if kernel == "pallas" and (missing := sorted(primitives & _NOT_ON_GPU)):
+    return f"it uses {', '.join(missing)}, which Pallas's GPU lowering lacks"
   residual_ids = tuple(dict.fromkeys(r for group in groups for r in group.residuals))
   global_outs = tuple(traced.new_s[k] for k, slot in enumerate(slots) if slot is None)
   return FusedPlan(
@@ -738,6 +757,7 @@ def plan_fused_update(
     components=len(per_leaf[0]),
     groups=groups,
     paths=paths,
+    primitives=primitives,
   )
 
 

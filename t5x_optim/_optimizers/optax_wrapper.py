@@ -131,9 +131,10 @@ class OptaxWrapper(OptimizerDef):
   `fused` (keyword-only, a `FusedUpdate` or its string; default ``"off"``)
   opts in to the multi-tensor update of `t5x_optim._optimizers.fused`: an
   elementwise update (adam, adamw, lion, sgd with momentum, rmsprop, ...)
-  then runs as one kernel per group of leaves. Updates that are not
-  elementwise take the plain path with a warning saying why; the state, its partition specs and the state dict are
-  the same either way.
+  then runs as one kernel per group of leaves. Updates that cannot (not
+  elementwise, or needing a primitive the GPU kernel lacks) take the plain
+  path with a warning saying why; the state, its partition specs and the
+  state dict are the same either way.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -186,10 +187,12 @@ class OptaxWrapper(OptimizerDef):
     kernel = self.fused.kernel(jax.default_backend())
     plan = None
     if kernel is not None:
-      plan = _fused.plan_fused_update(self.optax_optimizer, params, grads, param_states, extra_args)
+      plan = _fused.plan_fused_update(
+        self.optax_optimizer, params, grads, param_states, extra_args, kernel=kernel
+      )
       if isinstance(plan, str):
         warnings.warn(
-          f"OptaxWrapper(fused={self.fused.value!r}): the update is not elementwise "
+          f"OptaxWrapper(fused={self.fused.value!r}): the update cannot run fused "
           f"({plan}), so it runs on the plain optax path.",
           stacklevel=3,
         )
@@ -247,14 +250,20 @@ def wrap_optax_optimizer(
   return wrapped_optimizer
 
 
-def chain(transformations: Sequence[optax.GradientTransformation]) -> OptaxWrapper:
+def chain(
+  transformations: Sequence[optax.GradientTransformation],
+  *,
+  fused: _fused.FusedUpdate | str | bool = _fused.FusedUpdate.OFF,
+) -> OptaxWrapper:
   """`optax.chain` over a list (gin cannot bind `*args`), as an `OptaxWrapper`.
+
+  `fused` is `OptaxWrapper`'s (in gin: ``optimizers.chain.fused = 'auto'``).
 
   Example:
     >>> import optax
     >>> opt_def = chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)])
   """
-  return OptaxWrapper(optax.chain(*transformations))
+  return OptaxWrapper(optax.chain(*transformations), fused=fused)
 
 
 def inject_hyperparams(
