@@ -831,9 +831,15 @@ def _pallas_group(
   n_in, n_res = len(buffers), len(residuals)
   kept = [0, *range(2, n_in)]  # the buffers the results replace
 
+  # Booleans travel as int32: Triton has no boolean memory.
+  is_bool = [r.dtype == jnp.bool_ for r in residuals]
+
   def kernel(*refs):
     ins = [ref[...] for ref in refs[:n_in]]
-    scalars = [ref[0] for ref in refs[n_in : n_in + n_res]]
+    scalars = [
+      ref[0] != 0 if boolean else ref[0]
+      for ref, boolean in zip(refs[n_in : n_in + n_res], is_bool, strict=True)
+    ]
     outs = _run_program(program, ins, scalars, (block,))
     for ref, value in zip(refs[n_in + n_res :], outs, strict=True):
       ref[...] = value
@@ -848,7 +854,13 @@ def _pallas_group(
     out_specs=[blocked] * len(kept),
     input_output_aliases={k: j for j, k in enumerate(kept)},
     interpret=interpret,
-  )(*buffers, *(jnp.reshape(r, (1,)) for r in residuals))
+  )(
+    *buffers,
+    *(
+      jnp.reshape(r.astype(jnp.int32) if boolean else r, (1,))
+      for r, boolean in zip(residuals, is_bool, strict=True)
+    ),
+  )
 
 
 def _group_buffers(group: _Group, kernel: str, args: list[list], scalars: list) -> list:
