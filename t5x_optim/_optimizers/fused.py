@@ -22,7 +22,10 @@ kernel per group of leaves instead of one (or more) per leaf. How it works:
 3. **One kernel per group.** Each group's leaves are flattened and
    concatenated into one buffer per operand (param, gradient, each state
    component), one Pallas kernel runs the program over the buffers, block by
-   block, and the results are split back into leaves.
+   block, and the results are split back into leaves. On GPUs the kernel is
+   a Triton kernel; before it is used, each program's kernel is lowered for
+   the GPU (`jax.export` lowers without one), and a program Pallas cannot
+   lower takes the plain path.
    The state keeps optax's per-leaf layout, so partition specs, state dicts
    and checkpoints are those of the plain path.
 4. **Sharding.** The multi-tensor update is a `custom_partitioning` op: XLA's
@@ -51,12 +54,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.export
+import jax.extend.backend
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from t5x_optim._optimizers.state_dict import key_path_str
@@ -143,11 +149,8 @@ _ELEMENTWISE = frozenset(
   rem round rsqrt select_n shift_left shift_right_arithmetic
   shift_right_logical sign sin sinh sqrt square sub tan tanh xor""".split()
 )
-# Elementwise primitives Pallas's GPU (Triton) lowering has no rule for (jax
-# 0.10): a plan using one runs on the plain path instead of "pallas".
-_NOT_ON_GPU = frozenset(
-  "digamma erf erfc igamma igammac imag lgamma real reduce_precision round".split()
-)
+# The custom call a Pallas Triton kernel lowers to.
+_TRITON_CALL = "__gpu$xla.gpu.triton"
 # Copies are the identity inside the kernel.
 _COPIES = frozenset({"copy", "copy_p"})
 # Reductions: when one reduces a leaf to a scalar (a norm, an "any NaN"), the
@@ -229,7 +232,6 @@ class FusedPlan:
   components: int  # per-param state leaves per param leaf
   groups: tuple[_Group, ...]
   paths: tuple[str, ...]
-  primitives: frozenset[str]  # the primitives the kernels run
 
 
 class FusionReport(NamedTuple):
@@ -688,6 +690,45 @@ def _groups(
   return tuple(built)
 
 
+def _gpu_platform() -> str:
+  """The platform name of the default GPU backend for lowering: "cuda" or "rocm"."""
+  version = jax.extend.backend.get_backend().platform_version.lower()
+  return "rocm" if "rocm" in version else "cuda"
+
+
+def _refused_by_gpu(
+  groups: Sequence[_Group], traced: _Traced, per_leaf: list[list[int]], platform: str | None
+) -> str | None:
+  """Lowers each distinct group program's Pallas kernel for the GPU; the first refusal.
+
+  Lowering needs no GPU (`jax.export` lowers for any platform), so the same
+  check runs on CPU in the tests.
+  """
+  platform = platform or _gpu_platform()
+  seen = set()
+  for group in groups:
+    if id(group.program) in seen:
+      continue
+    seen.add(id(group.program))
+    leaf = group.leaves[0]
+    ids = [traced.p_ids[leaf], traced.g_ids[leaf], *(traced.s_ids[k] for k in per_leaf[leaf])]
+    buffers = [jax.ShapeDtypeStruct((_BLOCK,), traced.avals[i].dtype) for i in ids]
+    scalars = [jax.ShapeDtypeStruct((), traced.avals[r].dtype) for r in group.residuals]
+
+    def kernel(buffers, scalars, program=group.program):
+      return _pallas_group(program, buffers, scalars, interpret=False)
+
+    try:
+      jax.export.export(
+        jax.jit(kernel),
+        platforms=(platform,),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
+      )(buffers, scalars)
+    except NotImplementedError as error:
+      return f"its Pallas kernel does not lower for {platform}: {error}"
+  return None
+
+
 def plan_fused_update(
   tx: optax.GradientTransformation,
   params: Any,
@@ -696,6 +737,7 @@ def plan_fused_update(
   extra_args: dict[str, Any] | None = None,
   *,
   kernel: str | None = None,
+  platform: str | None = None,
 ) -> FusedPlan | str:
   """Analyses ``tx.update`` on these trees (arrays or abstract values).
 
@@ -705,9 +747,12 @@ def plan_fused_update(
     extra_args: optax's extra update arguments (``value=``...), if any:
       arrays are traced (a scalar ``value`` may feed the update), functions
       passed as they are.
-    kernel: the kernel that will run the plan (see `FusedUpdate.kernel`);
-      ``"pallas"`` also refuses programs using primitives its GPU lowering
-      lacks.
+    kernel: the kernel that will run the plan (see `FusedUpdate.kernel`).
+      For ``"pallas"`` every group's kernel is lowered for the GPU first, and
+      a program the lowering refuses (a primitive Pallas's Triton lowering
+      lacks, such as ``erf``) makes the plan a reason instead.
+    platform: the GPU platform to lower for, ``"cuda"`` or ``"rocm"``; by
+      default the one of the default backend.
 
   Returns:
     A `FusedPlan`, or a string saying why the update is not elementwise.
@@ -742,9 +787,8 @@ def plan_fused_update(
     groups = _groups(traced, per_leaf, paths, [math.prod(a.shape) for a in p_avals])
   except _NotFusible as error:
     return str(error)
-  primitives = frozenset(op[0].name for group in groups for op in group.program.ops)
-  if kernel == "pallas" and (missing := sorted(primitives & _NOT_ON_GPU)):
-    return f"it uses {', '.join(missing)}, which Pallas's GPU lowering lacks"
+  if kernel == "pallas" and (refused := _refused_by_gpu(groups, traced, per_leaf, platform)):
+    return refused
   residual_ids = tuple(dict.fromkeys(r for group in groups for r in group.residuals))
   global_outs = tuple(traced.new_s[k] for k, slot in enumerate(slots) if slot is None)
   return FusedPlan(
@@ -757,7 +801,6 @@ def plan_fused_update(
     components=len(per_leaf[0]),
     groups=groups,
     paths=paths,
-    primitives=primitives,
   )
 
 
@@ -854,6 +897,7 @@ def _pallas_group(
     out_specs=[blocked] * len(kept),
     input_output_aliases={k: j for j, k in enumerate(kept)},
     interpret=interpret,
+    compiler_params=None if interpret else pltriton.CompilerParams(),
   )(
     *buffers,
     *(
