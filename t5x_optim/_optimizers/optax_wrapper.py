@@ -185,18 +185,8 @@ class OptaxWrapper(OptimizerDef):
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
     kernel = self.fused.kernel(jax.default_backend())
-    plan = None
-    if kernel is not None:
-      plan = _fused.plan_fused_update(
-        self.optax_optimizer, params, grads, param_states, extra_args, kernel=kernel
-      )
-      if isinstance(plan, str):
-        warnings.warn(
-          f"OptaxWrapper(fused={self.fused.value!r}): the update cannot run fused "
-          f"({plan}), so it runs on the plain optax path.",
-          stacklevel=3,
-        )
-    if isinstance(plan, _fused.FusedPlan):
+    plan = kernel and self._fused_plan(kernel, params, grads, param_states, extra_args)
+    if plan:
       new_params, new_param_states = _fused.fused_apply(
         plan, kernel, params, grads, param_states, extra_args
       )
@@ -206,6 +196,22 @@ class OptaxWrapper(OptimizerDef):
       )
       new_params = optax.apply_updates(params, updates)
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
+
+  def _fused_plan(
+    self, kernel: str, params: Any, grads: Any, param_states: Any, extra_args: dict[str, Any]
+  ) -> _fused.FusedPlan | None:
+    """The fused plan of this update, or None (with a warning saying why)."""
+    plan = _fused.plan_fused_update(
+      self.optax_optimizer, params, grads, param_states, extra_args, kernel=kernel
+    )
+    if isinstance(plan, str):
+      warnings.warn(
+        f"OptaxWrapper(fused={self.fused.value!r}): the update cannot run fused "
+        f"({plan}), so it runs on the plain optax path.",
+        stacklevel=4,
+      )
+      return None
+    return plan
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     """Returns `optimizer` with every leaf replaced by its logical spec.
