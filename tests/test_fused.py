@@ -419,3 +419,16 @@ def test_pallas_refuses_what_its_gpu_lowering_lacks(fn):
   assert isinstance(
     fused_module.plan_fused_update(tx, params, params, state), fused_module.FusedPlan
   )
+
+
+def test_vmap_takes_the_plain_path():
+  """An ensemble under jax.vmap: per-member step counts are not scalars, so plain, exactly."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 60).reshape(3, 4, 5), "b": jnp.ones((3, 5))}
+  grads = jax.tree.map(lambda x: jnp.cos(4.0 * x), params)
+
+  def run(fused):
+    opt = jax.vmap(OptaxWrapper(optax.adamw(1e-2), fused=fused).create)(params)
+    return jax.jit(jax.vmap(lambda o, g: o.apply_gradient(g)))(opt, grads)
+
+  assert tree_equal(run("interpret").target, run("off").target)
+  assert tree_equal(run("interpret").state, run("off").state)

@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.custom_batching
 import jax.export
 import jax.extend.backend
 import jax.extend.core as jex
@@ -232,6 +233,7 @@ class FusedPlan:
   components: int  # per-param state leaves per param leaf
   groups: tuple[_Group, ...]
   paths: tuple[str, ...]
+  tx: Any  # the transformation, for the plain path under `jax.vmap`
 
 
 class FusionReport(NamedTuple):
@@ -801,6 +803,7 @@ def plan_fused_update(
     components=len(per_leaf[0]),
     groups=groups,
     paths=paths,
+    tx=tx,
   )
 
 
@@ -1063,25 +1066,13 @@ def _multi_tensor(plan: FusedPlan, kernel: str, leaf_args: list, residuals: list
   return list(update(*leaf_args, *residuals))
 
 
-def fused_apply(
-  plan: FusedPlan,
-  kernel: str,
-  params: Any,
-  grads: Any,
-  state: Any,
-  extra_args: dict[str, Any] | None = None,
+def _fused_leaves(
+  plan: FusedPlan, kernel: str, params: Any, grads: Any, state: Any, extra_leaves: list
 ) -> tuple[Any, Any]:
-  """One fused update: returns the new params and the new optax state.
-
-  Args:
-    plan: from `plan_fused_update` for these trees' structure and types.
-    kernel: "pallas" or "interpret" (see `FusedUpdate.kernel`).
-    params, grads, state, extra_args: those the plan was built for.
-  """
+  """`fused_apply` with the extra arguments' array leaves given."""
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(grads)
   s_leaves, state_def = jax.tree.flatten(state)
-  extra_leaves = _split_extras(dict(extra_args or {}))[0]
   values = _eval_outside(plan, [*p_leaves, *g_leaves, *s_leaves, *extra_leaves, *plan.consts])
   per_leaf = [[] for _ in p_leaves]
   for leaf, slot in zip(s_leaves, plan.slots, strict=True):
@@ -1102,3 +1093,40 @@ def fused_apply(
       new_s.append(outs[slot * width + taken[slot]])
       taken[slot] += 1
   return jax.tree.unflatten(params_def, new_p), jax.tree.unflatten(state_def, new_s)
+
+
+def fused_apply(
+  plan: FusedPlan,
+  kernel: str,
+  params: Any,
+  grads: Any,
+  state: Any,
+  extra_args: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+  """One fused update: returns the new params and the new optax state.
+
+  Under `jax.vmap` (an ensemble of optimizers) the global scalars (a step
+  count per member) are no longer scalars, so the batched update takes the
+  plain path: ``jax.vmap`` of ``tx.update`` + ``optax.apply_updates``.
+
+  Args:
+    plan: from `plan_fused_update` for these trees' structure and types.
+    kernel: "pallas" or "interpret" (see `FusedUpdate.kernel`).
+    params, grads, state, extra_args: those the plan was built for.
+  """
+  extra_leaves, rebuild = _split_extras(dict(extra_args or {}))
+  update = jax.custom_batching.custom_vmap(
+    lambda p, g, s, e: _fused_leaves(plan, kernel, p, g, s, e)
+  )
+
+  @update.def_vmap
+  def _batched(axis_size, in_batched, params, grads, state, extra_leaves):
+    def plain(params, grads, state, extra_leaves):
+      updates, new_state = plan.tx.update(grads, state, params, **rebuild(extra_leaves))
+      return optax.apply_updates(params, updates), new_state
+
+    in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+    out = jax.vmap(plain, in_axes=in_axes, axis_size=axis_size)(params, grads, state, extra_leaves)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return update(params, grads, state, extra_leaves)
