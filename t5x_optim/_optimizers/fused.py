@@ -377,10 +377,15 @@ def _classify(ops: Sequence[_Op], avals: Sequence[Any], kind: dict[int, int], pa
   return uniform
 
 
+def _lit_key(value: Any) -> tuple:
+  """A hashable key of a literal: its dtype, shape and bytes."""
+  value = np.asarray(value)
+  return ("lit", value.dtype.str, value.shape, value.tobytes())
+
+
 def _atom_key(atom: int | _Lit, canon: dict[int, int]) -> tuple:
   if isinstance(atom, _Lit):
-    value = np.asarray(atom.value)
-    return ("lit", value.dtype.str, value.shape, value.tobytes())
+    return _lit_key(atom.value)
   return ("val", canon.get(atom, atom))
 
 
@@ -446,9 +451,19 @@ def _ops_by_leaf(
   return [[ops[index] for index in sorted(indices)] for indices in chosen]
 
 
+def _needed(ops: Sequence[_Op], wanted: Sequence[int | _Lit]) -> tuple[_Op, ...]:
+  """The ops `wanted` depends on, in order."""
+  needed = {a for a in wanted if isinstance(a, int)}
+  chosen = []
+  for op in reversed(ops):
+    if needed.intersection(op.outs):
+      chosen.append(op)
+      needed.update(a for a in op.ins if isinstance(a, int))
+  return tuple(reversed(chosen))
+
+
 def _slice(
   ops: Sequence[_Op],
-  kind: dict[int, int],
   canon: dict[int, int],
   leaf: int,
   inputs: Sequence[int],
@@ -459,13 +474,7 @@ def _slice(
 
   Returns the program and the value ids of its scalar residuals, in order.
   """
-  needed = {a for a in outputs if isinstance(a, int)}
-  chosen: list[_Op] = []
-  for op in reversed(ops):
-    if needed.intersection(op.outs):
-      chosen.append(op)
-      needed.update(a for a in op.ins if isinstance(a, int))
-  chosen.reverse()
+  chosen = _needed(ops, outputs)
   position = {value: k for k, value in enumerate(inputs)}
   produced: dict[int, int] = {}
   residuals: list[int] = []
@@ -504,9 +513,7 @@ def _program_key(program: _Program, dtypes: tuple) -> tuple:
 
   def lit(operand: tuple[str, Any]) -> tuple:
     kind, value = operand
-    if kind == "lit":
-      return (kind, np.asarray(value).dtype.str, np.asarray(value).tobytes())
-    return operand
+    return _lit_key(value) if kind == "lit" else operand
 
   ops = tuple(
     (
@@ -674,7 +681,7 @@ def _groups(
   by_key: dict[tuple, tuple[_Program, tuple[int, ...], list[int]]] = {}
   for i in range(n):
     inputs = [traced.p_ids[i], traced.g_ids[i], *(traced.s_ids[k] for k in per_leaf[i])]
-    program, residuals = _slice(own[i], kind, canon, i, inputs, outputs[i], traced.avals)
+    program, residuals = _slice(own[i], canon, i, inputs, outputs[i], traced.avals)
     dtypes = tuple(str(traced.avals[v].dtype) for v in inputs)
     by_key.setdefault((_program_key(program, dtypes), residuals), (program, residuals, []))[
       2
@@ -841,17 +848,6 @@ def fusion_report(
   )
 
 
-def _needed(ops: Sequence[_Op], wanted: Sequence[int | _Lit]) -> tuple[_Op, ...]:
-  """The ops `wanted` depends on, in order."""
-  needed = {a for a in wanted if isinstance(a, int)}
-  chosen = []
-  for op in reversed(ops):
-    if needed.intersection(op.outs):
-      chosen.append(op)
-      needed.update(a for a in op.ins if isinstance(a, int))
-  return tuple(reversed(chosen))
-
-
 def _eval_outside(plan: FusedPlan, inputs: Sequence[Any]) -> dict[int, Any]:
   """Runs what the kernels need first (scalars, reductions); values by id."""
   values = dict(zip(plan.inputs, inputs, strict=True))
@@ -958,17 +954,6 @@ def _most_sharded(shardings: Sequence[Any], shape: tuple) -> Any:
   return min(shardings, key=lambda s: math.prod(s.shard_shape(shape)))
 
 
-def _ways(mesh: Any, spec: PartitionSpec) -> int:
-  """Into how many shards `spec` cuts an array on `mesh`."""
-  axes = [
-    a
-    for entry in spec
-    if entry is not None
-    for a in (entry if isinstance(entry, tuple) else (entry,))
-  ]
-  return math.prod(mesh.shape[a] for a in axes)
-
-
 def _explicit_mesh(arrays: Sequence[Any]) -> Any:
   """The mesh of the arrays' sharding types when all its axes are Explicit."""
   for x in arrays:
@@ -991,7 +976,8 @@ def _shard_mapped(
   args, in_specs, out_specs = [], [], []
   for i in range(len(leaf_args) // width):
     own = specs[i * width : (i + 1) * width]
-    chosen = max(own, key=lambda spec: _ways(mesh, spec))
+    shape = jnp.shape(leaf_args[i * width])
+    chosen = _most_sharded([NamedSharding(mesh, spec) for spec in own], shape).spec
     for x, spec in zip(leaf_args[i * width : (i + 1) * width], own, strict=True):
       args.append(x if spec == chosen else jax.sharding.reshard(x, NamedSharding(mesh, chosen)))
     in_specs.extend([chosen] * width)
