@@ -30,6 +30,12 @@ Layouts ("variant" column):
   * ``stacked_all``: params, grads and state all stacked by shape (what
     scanned layers give the optimizer): the reference for "few large
     buffers", not reachable through T5X's per-leaf `Optimizer.target`.
+  * ``flat_params``: params and state kept between steps as one flat buffer
+    per dtype (PyTorch FSDP's flat parameters); the per-leaf grads a model
+    gives are concatenated into that layout inside the step. The candidate
+    design for issue 15's 0.8, measured before it is built.
+  * ``flat_all``: the same with the grads already in the flat layout (FSDP's
+    gradient accumulation into the flat buffer): its upper bound.
 
 Every variant's first step is checked bit for bit against the first variant
 ("exact" column). "buffers" counts the arrays kept between steps, "ops" the
@@ -74,11 +80,13 @@ VARIANTS = (
   "regroup",
   "stacked_state",
   "stacked_all",
+  "flat_params",
+  "flat_all",
 )
 # fused_interpret runs the kernel's grid as an XLA loop, about 3 ms per 4096-element
 # block on CPU: add it with --scale 0.05 or less.
 DEFAULT_VARIANTS = ("plain", "wrapper", "stacked_all")
-GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "stacked_all")
+GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "stacked_all", "flat_params", "flat_all")
 # T5 v1.1 (gated-GELU MLP, untied logits): d_model, d_ff, layers per stack.
 T5_SIZES = {"T5-base-like": (768, 2048, 12), "T5-large-like": (1024, 2816, 24)}
 VOCAB = 32128
@@ -178,6 +186,35 @@ class Grouping:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
+class Flattening:
+  """Leaves concatenated into one flat buffer per dtype, in tree order."""
+
+  def __init__(self, tree: Any):
+    leaves, self.treedef = jax.tree.flatten(tree)
+    self.shapes = [leaf.shape for leaf in leaves]
+    members = collections.defaultdict(list)
+    for i, leaf in enumerate(leaves):
+      members[jnp.dtype(leaf.dtype).name].append(i)
+    self.groups = dict(members)
+
+  def flatten(self, tree: Any) -> dict[str, jax.Array]:
+    leaves = jax.tree.leaves(tree)
+    return {
+      dtype: jnp.concatenate([jnp.ravel(leaves[i]) for i in group])
+      for dtype, group in self.groups.items()
+    }
+
+  def unflatten(self, flat: dict[str, jax.Array]) -> Any:
+    leaves = [None] * len(self.shapes)
+    for dtype, group in self.groups.items():
+      offset = 0
+      for i in group:
+        size = int(np.prod(self.shapes[i]))
+        leaves[i] = flat[dtype][offset : offset + size].reshape(self.shapes[i])
+        offset += size
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
 def _map_param_subtrees(fn: Callable[[Any], Any], state: Any, treedef: Any) -> Any:
   """Applies `fn` to each subtree of `state` that has the params' structure."""
   return jax.tree.map(
@@ -258,6 +295,22 @@ def make_variant(
       plain,
       (stacked, tx.init(stacked), grouping.stack(grads)),
       (lambda out: grouping.unstack(out[0])),
+    )
+  if name in ("flat_params", "flat_all"):
+    flattening = Flattening(params)
+    flat_params = flattening.flatten(params)
+
+    def flat_step(p, s, g):
+      return plain(p, s, flattening.flatten(g))
+
+    return (
+      plain if name == "flat_all" else flat_step,
+      (
+        flat_params,
+        tx.init(flat_params),
+        flattening.flatten(grads) if name == "flat_all" else grads,
+      ),
+      (lambda out: flattening.unflatten(out[0])),
     )
   raise ValueError(f"Unknown variant {name!r}; the variants are {VARIANTS}.")
 
