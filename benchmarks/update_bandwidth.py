@@ -27,6 +27,8 @@ Layouts ("variant" column):
   * ``stacked_state``: optimizer state kept stacked by leaf shape between
     steps; params and grads stay per-leaf (the T5X interface) and are
     stacked inside the step, the new params unstacked.
+  * ``stacked_params``: params and state kept stacked by shape between
+    steps; the per-leaf grads are stacked inside the step.
   * ``stacked_all``: params, grads and state all stacked by shape (what
     scanned layers give the optimizer): the reference for "few large
     buffers", not reachable through T5X's per-leaf `Optimizer.target`.
@@ -79,6 +81,7 @@ VARIANTS = (
   "optax_flatten",
   "regroup",
   "stacked_state",
+  "stacked_params",
   "stacked_all",
   "flat_params",
   "flat_all",
@@ -86,7 +89,15 @@ VARIANTS = (
 # fused_interpret runs the kernel's grid as an XLA loop, about 3 ms per 4096-element
 # block on CPU: add it with --scale 0.05 or less.
 DEFAULT_VARIANTS = ("plain", "wrapper", "stacked_all")
-GPU_VARIANTS = ("plain", "wrapper", "fused_pallas", "stacked_all", "flat_params", "flat_all")
+GPU_VARIANTS = (
+  "plain",
+  "wrapper",
+  "fused_pallas",
+  "stacked_params",
+  "stacked_all",
+  "flat_params",
+  "flat_all",
+)
 # T5 v1.1 (gated-GELU MLP, untied logits): d_model, d_ff, layers per stack.
 T5_SIZES = {"T5-base-like": (768, 2048, 12), "T5-large-like": (1024, 2816, 24)}
 VOCAB = 32128
@@ -289,6 +300,17 @@ def make_variant(
       return grouping.unstack(optax.apply_updates(stacked_p, updates)), s
 
     return stacked_state, (params, tx.init(grouping.stack(params)), grads), lambda out: out[0]
+  if name == "stacked_params":
+    stacked = grouping.stack(params)
+
+    def stacked_params(p, s, g):
+      return plain(p, s, grouping.stack(g))
+
+    return (
+      stacked_params,
+      (stacked, tx.init(stacked), grads),
+      (lambda out: grouping.unstack(out[0])),
+    )
   if name == "stacked_all":
     stacked = grouping.stack(params)
     return (
