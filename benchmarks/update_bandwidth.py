@@ -185,11 +185,11 @@ class Grouping:
       group[j : j + size] for group in members.values() for j in range(0, len(group), size)
     ]
 
-  def stack(self, tree: Any) -> list[jax.Array]:
+  def pack(self, tree: Any) -> list[jax.Array]:
     leaves = jax.tree.leaves(tree)
     return [jnp.stack([leaves[i] for i in group]) for group in self.groups]
 
-  def unstack(self, stacked: list[jax.Array]) -> Any:
+  def unpack(self, stacked: list[jax.Array]) -> Any:
     leaves = [None] * sum(len(group) for group in self.groups)
     for group, array in zip(self.groups, stacked):
       for j, i in enumerate(group):
@@ -208,14 +208,14 @@ class Flattening:
       members[jnp.dtype(leaf.dtype).name].append(i)
     self.groups = dict(members)
 
-  def flatten(self, tree: Any) -> dict[str, jax.Array]:
+  def pack(self, tree: Any) -> dict[str, jax.Array]:
     leaves = jax.tree.leaves(tree)
     return {
       dtype: jnp.concatenate([jnp.ravel(leaves[i]) for i in group])
       for dtype, group in self.groups.items()
     }
 
-  def unflatten(self, flat: dict[str, jax.Array]) -> Any:
+  def unpack(self, flat: dict[str, jax.Array]) -> Any:
     leaves = [None] * len(self.shapes)
     for dtype, group in self.groups.items():
       offset = 0
@@ -285,54 +285,33 @@ def make_variant(
   if name == "regroup":
 
     def regroup(p, s, g):
-      stacked_p = grouping.stack(p)
-      stacked_s = _map_param_subtrees(grouping.stack, s, grouping.treedef)
-      updates, stacked_s = tx.update(grouping.stack(g), stacked_s, stacked_p)
+      stacked_p = grouping.pack(p)
+      stacked_s = _map_param_subtrees(grouping.pack, s, grouping.treedef)
+      updates, stacked_s = tx.update(grouping.pack(g), stacked_s, stacked_p)
       new_p = optax.apply_updates(stacked_p, updates)
-      return grouping.unstack(new_p), _map_stacked(grouping.unstack, stacked_s)
+      return grouping.unpack(new_p), _map_stacked(grouping.unpack, stacked_s)
 
     return regroup, (params, tx.init(params), grads), lambda out: out[0]
   if name == "stacked_state":
 
     def stacked_state(p, s, g):
-      stacked_p = grouping.stack(p)
-      updates, s = tx.update(grouping.stack(g), s, stacked_p)
-      return grouping.unstack(optax.apply_updates(stacked_p, updates)), s
+      stacked_p = grouping.pack(p)
+      updates, s = tx.update(grouping.pack(g), s, stacked_p)
+      return grouping.unpack(optax.apply_updates(stacked_p, updates)), s
 
-    return stacked_state, (params, tx.init(grouping.stack(params)), grads), lambda out: out[0]
-  if name == "stacked_params":
-    stacked = grouping.stack(params)
+    return stacked_state, (params, tx.init(grouping.pack(params)), grads), lambda out: out[0]
+  if name in ("stacked_params", "stacked_all", "flat_params", "flat_all"):
+    layout = grouping if name.startswith("stacked") else Flattening(params)
+    packed = layout.pack(params)
+    grads_packed = name.endswith("_all")
 
-    def stacked_params(p, s, g):
-      return plain(p, s, grouping.stack(g))
-
-    return (
-      stacked_params,
-      (stacked, tx.init(stacked), grads),
-      (lambda out: grouping.unstack(out[0])),
-    )
-  if name == "stacked_all":
-    stacked = grouping.stack(params)
-    return (
-      plain,
-      (stacked, tx.init(stacked), grouping.stack(grads)),
-      (lambda out: grouping.unstack(out[0])),
-    )
-  if name in ("flat_params", "flat_all"):
-    flattening = Flattening(params)
-    flat_params = flattening.flatten(params)
-
-    def flat_step(p, s, g):
-      return plain(p, s, flattening.flatten(g))
+    def pack_grads(p, s, g):
+      return plain(p, s, layout.pack(g))
 
     return (
-      plain if name == "flat_all" else flat_step,
-      (
-        flat_params,
-        tx.init(flat_params),
-        flattening.flatten(grads) if name == "flat_all" else grads,
-      ),
-      (lambda out: flattening.unflatten(out[0])),
+      plain if grads_packed else pack_grads,
+      (packed, tx.init(packed), layout.pack(grads) if grads_packed else grads),
+      (lambda out: layout.unpack(out[0])),
     )
   raise ValueError(f"Unknown variant {name!r}; the variants are {VARIANTS}.")
 
