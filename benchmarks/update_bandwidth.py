@@ -27,11 +27,14 @@ Layouts ("variant" column):
   * ``stacked_state``: optimizer state kept stacked by leaf shape between
     steps; params and grads stay per-leaf (the T5X interface) and are
     stacked inside the step, the new params unstacked.
-  * ``stacked_params``: params and state kept stacked by shape between
-    steps; the per-leaf grads are stacked inside the step.
-  * ``stacked_all``: params, grads and state all stacked by shape (what
-    scanned layers give the optimizer): the reference for "few large
-    buffers", not reachable through T5X's per-leaf `Optimizer.target`.
+  * ``stacked_params``: the library's `stack_params` through `OptaxWrapper`:
+    params and state kept stacked by shape between steps; the per-leaf
+    grads are stacked inside the step.
+  * ``stacked_all``: the same with the grads stacked already, as the
+    gradient of a loss of ``target.unstack()`` gives them (and as scanned
+    layers give them): few large buffers and nothing else. T5X's trainer,
+    which differentiates the per-leaf ``train_state.params``, cannot give
+    them.
   * ``flat_params``: params and state kept between steps as one flat buffer
     per dtype (PyTorch FSDP's flat parameters); the per-leaf grads a model
     gives are concatenated into that layout inside the step. The candidate
@@ -65,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from t5x_optim import OptaxWrapper
+from t5x_optim import OptaxWrapper, stack_params
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adamw": lambda: optax.adamw(1e-3),
@@ -300,10 +303,18 @@ def make_variant(
       return grouping.unpack(optax.apply_updates(stacked_p, updates)), s
 
     return stacked_state, (params, tx.init(grouping.pack(params)), grads), lambda out: out[0]
-  if name in ("stacked_params", "stacked_all", "flat_params", "flat_all"):
-    layout = grouping if name.startswith("stacked") else Flattening(params)
+  if name in ("stacked_params", "stacked_all"):
+    stacked = stack_params(params, tx=tx)
+    step_grads = stacked.layout.stack(grads) if name == "stacked_all" else grads
+    return (
+      (lambda opt, g: opt.apply_gradient(g)),
+      (OptaxWrapper(tx).create(stacked), step_grads),
+      (lambda opt: opt.target.unstack()),
+    )
+  if name in ("flat_params", "flat_all"):
+    layout = Flattening(params)
     packed = layout.pack(params)
-    grads_packed = name.endswith("_all")
+    grads_packed = name == "flat_all"
 
     def pack_grads(p, s, g):
       return plain(p, s, layout.pack(g))

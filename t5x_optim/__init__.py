@@ -30,6 +30,7 @@ from t5x_optim._optimizers.optax_wrapper import (
   inject_hyperparams,
   wrap_optax_optimizer,
 )
+from t5x_optim._optimizers.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
 from t5x_optim._training.t5x_checkpoints import (
   latest_t5x_step,
@@ -53,6 +54,8 @@ __all__ = [
   "OptimizerDef",
   "OptimizerState",
   "PathFilter",
+  "StackedLayout",
+  "StackedParams",
   "TrainState",
   "chain",
   "checkpoints",
@@ -66,6 +69,7 @@ __all__ = [
   "partitioning",
   "restore_t5x_checkpoint",
   "save_t5x_checkpoint",
+  "stack_params",
   "t5x_checkpoint_steps",
   "t5x_checkpoints",
   "wrap_example_lib_optimizer",

@@ -75,6 +75,7 @@ __all__ = [
   "fused_apply",
   "fusion_report",
   "plan_fused_update",
+  "program_key",
 ]
 
 
@@ -527,6 +528,11 @@ def _program_key(program: _Program, dtypes: tuple) -> tuple:
   return (ops, tuple(lit(a) for a in program.outs), dtypes)
 
 
+def program_key(group: _Group) -> tuple:
+  """What a group's leaves compute, comparable across plans (not its residuals)."""
+  return _program_key(group.program, ())
+
+
 def _run_program(program: _Program, ins: Sequence, residuals: Sequence, shape: tuple) -> list:
   """Evaluates `program` on arrays of `shape` (a block or a flat buffer)."""
   values: dict[int, Any] = {}
@@ -653,12 +659,16 @@ def _trace(tx, params_def, state_def, extra_args, p_avals, s_avals, paths) -> _T
 
 
 def _groups(
-  traced: _Traced, per_leaf: list[list[int]], paths: tuple[str, ...], sizes: list[int]
+  traced: _Traced,
+  per_leaf: list[list[int]],
+  paths: tuple[str, ...],
+  sizes: list[int],
+  max_elements: int | None,
 ) -> tuple[_Group, ...]:
   """Cuts the update into per-leaf programs and groups the leaves.
 
   Leaves whose programs, scalar residuals and dtypes agree share a group, of
-  at most `_GROUP_ELEMENTS` elements.
+  at most `max_elements` elements (no limit for None).
 
   Raises:
     _NotFusible: naming the leaf and the operation that is not elementwise.
@@ -690,7 +700,7 @@ def _groups(
   for program, residuals, leaves in by_key.values():
     chunk, total = [], 0
     for i in leaves:
-      if chunk and total + sizes[i] > _GROUP_ELEMENTS:
+      if chunk and max_elements is not None and total + sizes[i] > max_elements:
         built.append(_Group(tuple(chunk), program, residuals))
         chunk, total = [], 0
       chunk.append(i)
@@ -747,6 +757,7 @@ def plan_fused_update(
   *,
   kernel: str | None = None,
   platform: str | None = None,
+  bounded_groups: bool = True,
 ) -> FusedPlan | str:
   """Analyses ``tx.update`` on these trees (arrays or abstract values).
 
@@ -762,6 +773,9 @@ def plan_fused_update(
       lacks, such as ``erf``) makes the plan a reason instead.
     platform: the GPU platform to lower for, ``"cuda"`` or ``"rocm"``; by
       default the one of the default backend.
+    bounded_groups: cut groups at `_GROUP_ELEMENTS` elements, which bounds
+      a kernel's temporary buffers; False for grouping without kernels, as
+      `stack_params` does.
 
   Returns:
     A `FusedPlan`, or a string saying why the update is not elementwise.
@@ -793,7 +807,8 @@ def plan_fused_update(
       [_aval(x) for x in s_leaves],
       paths,
     )
-    groups = _groups(traced, per_leaf, paths, [math.prod(a.shape) for a in p_avals])
+    sizes = [math.prod(a.shape) for a in p_avals]
+    groups = _groups(traced, per_leaf, paths, sizes, _GROUP_ELEMENTS if bounded_groups else None)
   except _NotFusible as error:
     return str(error)
   if kernel == "pallas" and (refused := _refused_by_gpu(groups, traced, per_leaf, platform)):
