@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from update_bandwidth import OPTIMIZERS, T5_SIZES, random_tree, tree_shapes
+from update_bandwidth import OPTIMIZERS, T5_SIZES, random_tree, timed, tree_shapes
 
 from t5x_optim import OptaxWrapper, stack_params
 
@@ -89,18 +88,15 @@ def measure(tree: str, opt: str, args: argparse.Namespace) -> list[dict[str, Any
   runs = {}
   for name in args.variants:
     fn, state, read = make_step(name, tx, jax.tree.map(jnp.copy, params), loss)
-    start = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=0).lower(state).compile()
-    compile_s = time.perf_counter() - start
+    compile_s, compiled = timed(lambda: jax.jit(fn, donate_argnums=0).lower(state).compile())
     state = compiled(state)
     first = jax.device_get(read(state))
     runs[name] = {"compiled": compiled, "state": state, "compile": compile_s, "first": first}
   times = {name: [] for name in runs}
   for _ in range(args.repeats):
     for name, run in runs.items():
-      start = time.perf_counter()
-      run["state"] = jax.block_until_ready(run["compiled"](run["state"]))
-      times[name].append(time.perf_counter() - start)
+      elapsed, run["state"] = timed(lambda: run["compiled"](run["state"]))
+      times[name].append(elapsed)
   reference = runs[args.variants[0]]
   rows = []
   for name, run in runs.items():

@@ -208,7 +208,8 @@ class OptaxWrapper(OptimizerDef):
     grads: Any,
     **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
-    if isinstance(params, _stacked.StackedParams):
+    stacked = _is_stacked(params)
+    if stacked:
       grads = _stacked_grads(params, grads)
     else:
       grads = tree_like(grads, self.grads_reference(params))
@@ -218,7 +219,6 @@ class OptaxWrapper(OptimizerDef):
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
     kernel = self.fused.kernel(jax.default_backend())
     # Stacked params are already a few buffers: the plain path is the fused one.
-    stacked = isinstance(params, _stacked.StackedParams)
     plan = (
       kernel and not stacked and self._fused_plan(kernel, params, grads, param_states, extra_args)
     )
