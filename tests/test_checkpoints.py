@@ -241,10 +241,10 @@ ERROR_CASES = {
     ],
   ),
   "a dtype of another kind": (
-    dict(opt_name="adamw", dtype=jnp.int8),
+    dict(opt_name="adamw", dtype=jnp.bool_),
     [
       "dtype mismatch at 'target/dense/kernel': the checkpoint's float32 cannot be cast "
-      "safely to the target's int8"
+      "safely to the target's bool"
     ],
   ),
   "a param missing from the checkpoint": (

@@ -22,7 +22,12 @@ CASES = {
   "int32 count into uint32, negative": (COUNT, jnp.int32(-1), jnp.uint32, False),
   "int8 count into int32": (COUNT, jnp.int8(-5), jnp.int32, True),
   "bool count into int32": (COUNT, jnp.bool_(True), jnp.int32, True),
-  "float count into int32": (COUNT, jnp.float32(3.0), jnp.int32, False),
+  "float32 step into int32, whole": ("state/step", jnp.float32(3.0), jnp.int32, True),
+  "float32 count into int32, whole": (COUNT, jnp.float32(3.0), jnp.int32, True),
+  "float32 count into int32, fractional": (COUNT, jnp.float32(3.5), jnp.int32, False),
+  "float32 count into int32, nan": (COUNT, jnp.float32(jnp.nan), jnp.int32, False),
+  "float32 count into int32, inf": (COUNT, jnp.float32(jnp.inf), jnp.int32, False),
+  "float32 count into int8, too big": (COUNT, jnp.float32(300.0), jnp.int8, False),
   "int32 count into float32": (COUNT, jnp.int32(3), jnp.float32, False),
   "complex params into real": (W, jnp.ones(4, jnp.complex64), jnp.float32, False),
 }

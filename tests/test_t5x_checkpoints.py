@@ -277,13 +277,33 @@ def test_round_trips_other_dtypes(dtype, tmp_path):
 def test_a_dtype_of_another_kind_is_refused_before_reading(tmp_path):
   optimizer = t5x_optim.OptaxWrapper(optax.sgd(1.0)).create({"w": jnp.ones((3, 4))})
   t5x_optim.save_t5x_checkpoint(tmp_path, optimizer, step=0)
-  as_ints = optimizer.replace(target={"w": jnp.ones((3, 4), jnp.int32)})
+  as_bools = optimizer.replace(target={"w": jnp.ones((3, 4), jnp.bool_)})
   message = (
-    r"dtype mismatch at 'target/w': the target has int32\[3, 4\], the checkpoint has "
+    r"dtype mismatch at 'target/w': the target has bool\[3, 4\], the checkpoint has "
     r"float32\[3, 4\]\. Nothing was restored\."
   )
   with pytest.raises(ValueError, match=message):
-    t5x_optim.restore_t5x_checkpoint(tmp_path, as_ints)
+    t5x_optim.restore_t5x_checkpoint(tmp_path, as_bools)
+
+
+def test_a_float32_step_restores_as_the_optimizers_int32(tmp_path):
+  # T5X's Orbax checkpointer saves every array in its save_dtype, step counters included.
+  optimizer = t5x_optim.OptaxWrapper(optax.adam(1.0)).create({"w": jnp.ones((3, 4))})
+  as_floats = jax.tree_util.tree_map_with_path(
+    lambda path, x: x.astype(jnp.float32) + 7 if "count" in str(path) or "step" in str(path) else x,
+    optimizer,
+  )
+  t5x_optim.save_t5x_checkpoint(tmp_path, as_floats, step=0)
+  back = t5x_optim.restore_t5x_checkpoint(tmp_path, optimizer)
+  assert back.state.step.dtype == jnp.int32 and int(back.state.step) == 7
+  assert back.state.param_states[0].count.dtype == jnp.int32
+  assert int(back.state.param_states[0].count) == 7
+  fractional = as_floats.replace(state=as_floats.state.replace(step=jnp.float32(7.5)))
+  t5x_optim.save_t5x_checkpoint(tmp_path / "frac", fractional, step=0)
+  with pytest.raises(
+    ValueError, match=r"Dtype mismatch at 'state/step': the state dict has float32"
+  ):
+    t5x_optim.restore_t5x_checkpoint(tmp_path / "frac", optimizer)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -53,13 +53,16 @@ class _ParamState:
   scale: jax.Array
 
 
-class PerParamMomentum(OptimizerDef):
+class _PerParamMomentumRule:
   """A legacy T5X-style definition: one state per param, axes from the model.
 
   Written the way T5X's `Adafactor` is: `set_param_axes` records the model's
   axes, and `derive_logical_axes` replaces leaves of `state_dict()` and calls
-  `restore_state` with PartitionSpec / None leaves.
+  `restore_state` with PartitionSpec / None leaves. `state_type` is the
+  `OptimizerState` class of the interface the definition is written against.
   """
+
+  state_type: type = OptimizerState
 
   def __init__(self, learning_rate: float = 0.1, beta: float = 0.9):
     super().__init__(_HyperParams(learning_rate, beta))
@@ -68,9 +71,9 @@ class PerParamMomentum(OptimizerDef):
   def set_param_axes(self, param_logical_axes: Any) -> None:
     self.param_axes = param_logical_axes
 
-  def init_state(self, params: Any) -> OptimizerState:
+  def init_state(self, params: Any) -> Any:
     states = jax.tree.map(lambda p: _ParamState(jnp.zeros_like(p), jnp.ones((1,), p.dtype)), params)
-    return OptimizerState(jnp.asarray(0, jnp.int32), states)
+    return self.state_type(jnp.asarray(0, jnp.int32), states)
 
   def apply_gradient(self, hyper_params, params, state, grads):
     def update(p, s, g):
@@ -88,7 +91,7 @@ class PerParamMomentum(OptimizerDef):
     ]
     new_params = treedef.unflatten([p for p, _ in out])
     new_states = treedef.unflatten([s for _, s in out])
-    return new_params, OptimizerState(state.step + 1, new_states)
+    return new_params, self.state_type(state.step + 1, new_states)
 
   def derive_logical_axes(self, optimizer, param_logical_axes):
     axes = jax.tree.map(lambda x: None, optimizer.state_dict())
@@ -100,6 +103,53 @@ class PerParamMomentum(OptimizerDef):
       is_leaf=lambda x: isinstance(x, P),
     )
     return optimizer.restore_state(axes)
+
+
+class PerParamMomentum(_PerParamMomentumRule, OptimizerDef):
+  """The legacy definition on our `OptimizerDef` (T5X's modules replaced by ours)."""
+
+
+@struct.dataclass
+class ForeignOptimizerState:
+  """T5X's own `OptimizerState`: a class of its own, not ours."""
+
+  step: jax.Array
+  param_states: Any
+
+
+class ForeignOptimizerDef:
+  """T5X's own `OptimizerDef` base class, as T5X writes it, subclassing nothing of ours.
+
+  With T5X installed and only a gin import changed, T5X's `adafactor.Adafactor`
+  is a subclass of this, not of our `OptimizerDef`.
+  """
+
+  def __init__(self, hyper_params: Any):
+    self.hyper_params = hyper_params
+
+  def update_hyper_params(self, **hyper_param_overrides: Any) -> Any:
+    hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
+    return hyper_params.replace(**hyper_param_overrides) if hyper_param_overrides else hyper_params
+
+  def create(self, target: Any) -> Any:
+    raise AssertionError("T5X's own Optimizer is not at hand here")
+
+  def state_dict(self, target: Any, state: Any) -> dict[str, Any]:
+    return flax.serialization.to_state_dict(
+      {"target": flax.serialization.to_state_dict(target), "state": state}
+    )
+
+  def restore_state(self, opt_target: Any, opt_state: Any, state_dict: Any) -> tuple[Any, Any]:
+    return (
+      flax.serialization.from_state_dict(opt_target, state_dict["target"]),
+      flax.serialization.from_state_dict(opt_state, state_dict["state"]),
+    )
+
+
+class ForeignPerParamMomentum(_PerParamMomentumRule, ForeignOptimizerDef):
+  """The legacy definition on T5X's own base classes (T5X installed, gin import changed)."""
+
+  state_type = ForeignOptimizerState
 
 
 class Lazy:
@@ -331,3 +381,60 @@ def test_multi_optimizer_set_param_axes_and_logical_axes_with_legacy_definitions
   flat = traverse_util.flatten_dict(logical.state_dict(), sep="/")
   assert flat["state/param_states/head/bias/momentum"] == P("vocab")
   assert flat["state/param_states/dense/kernel/scale"] is None
+
+
+def test_multi_optimizer_takes_definitions_on_t5xs_own_base_classes():
+  """With T5X installed, gin's adafactor.Adafactor subclasses T5X's OptimizerDef, not ours."""
+  kernels = ForeignPerParamMomentum(0.1)
+  opt_def = MultiOptimizer([("kernel", kernels), ("bias", OptaxWrapper(optax.sgd(0.5)))])
+  state = train_state(opt_def)
+  assert kernels.param_axes == {"dense": {"kernel": P("embed", "mlp")}}
+  with pytest.warns(UserWarning, match="the override is ignored"):
+    state = state.apply_gradient(grads_for(state.params), learning_rate=0.2)
+  np.testing.assert_array_equal(
+    state.params["dense"]["kernel"], make_params()["dense"]["kernel"] - 0.2 * 0.25
+  )
+  # optax's own learning rate applies to an optax sub-optimizer, as in T5X.
+  np.testing.assert_array_equal(state.params["dense"]["bias"], -0.5 * 0.25 * np.ones(8))
+  assert isinstance(state._optimizer.state.param_states[0], ForeignOptimizerState)
+  flat = traverse_util.flatten_dict(state.state_dict(), sep="/")
+  assert "state/param_states/0/param_states/dense/kernel/momentum" in flat
+  restored = state.restore_state(jax.tree.map(np.asarray, state.state_dict()))
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), restored, state))
+  logical = opt_def.derive_logical_axes(state._optimizer, AXES)
+  flat_axes = traverse_util.flatten_dict(logical.state_dict(), sep="/")
+  assert flat_axes["state/param_states/0/param_states/dense/kernel/momentum"] == P("embed", "mlp")
+
+
+def test_multi_optimizer_names_what_a_non_definition_lacks():
+  message = r"pair 1 is a \w+, not an OptimizerDef \(it has no hyper_params, init_state, "
+  with pytest.raises(TypeError, match=message):
+    MultiOptimizer([("kernel", PerParamMomentum()), ("bias", optax.sgd(0.1))])
+
+
+@pytest.mark.parametrize(
+  "opt_def",
+  [
+    OptaxWrapper(optax.adamw(0.1)),
+    PerParamMomentum(),
+    MultiOptimizer([("kernel", PerParamMomentum())]),
+  ],
+  ids=["optax", "legacy", "multi"],
+)
+def test_float32_counters_from_t5xs_orbax_checkpointer_restore_as_int32(opt_def):
+  """T5X's Orbax checkpointer casts every restored array, step included, to float32."""
+  state = train_state(opt_def).apply_gradient(grads_for(make_params()), learning_rate=0.1)
+  state_dict = state.state_dict()
+  saved = jax.tree.map(lambda x: np.asarray(x, np.float32), state_dict)
+  restored = state.restore_state(saved)
+  int_leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert int_leaves and restored.step.dtype == jnp.int32 and int(restored.step) == 1
+  back = [x for x in jax.tree.leaves(restored) if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert [(x.dtype, int(x)) for x in back] == [(x.dtype, int(x)) for x in int_leaves]
+  saved["state"]["step"] = np.float32(1.5)
+  with pytest.raises(
+    ValueError,
+    match=r"Dtype mismatch at 'state/step': the state dict has "
+    r"float32, which cannot be cast safely to the optimizer's int32 \(not every",
+  ):
+    state.restore_state(saved)

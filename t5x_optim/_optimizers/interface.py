@@ -135,10 +135,7 @@ class OptimizerDef(abc.ABC):
 
   def hyper_param_names(self) -> frozenset[str]:
     """The keywords `apply_gradient` treats as hyper-parameter overrides."""
-    names = {"hyper_params"}
-    if dataclasses.is_dataclass(self.hyper_params):
-      names.update(field.name for field in dataclasses.fields(self.hyper_params))
-    return frozenset(names)
+    return hyper_param_names_of(self)
 
   def split_apply_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Splits `Optimizer.apply_gradient` keywords into overrides and extras.
@@ -202,8 +199,10 @@ class OptimizerDef(abc.ABC):
     rules). Keys beside ``target`` and ``state`` are ignored. Dtypes follow
     `_state_dict.leaf_fit`: floating params keep the state dict's floating
     dtype (T5X's ``restore_dtype``); optimizer-state arrays take the
-    state's own dtypes; casts that change the kind (complex to real, float
-    to int) or overflow are refused.
+    state's own dtypes; a float restores into an integer leaf (T5X's
+    float32 step counters) only when every value is a whole number that
+    fits; casts that change the kind otherwise (complex to real) or
+    overflow are refused.
 
     Raises:
       ValueError: naming the path and both sides, on any missing or
@@ -214,6 +213,49 @@ class OptimizerDef(abc.ABC):
       opt_target, opt_state.step, opt_state.param_states, state_dict
     )
     return target, opt_state.replace(step=step, param_states=param_states)
+
+
+_DEF_METHODS = (
+  "init_state",
+  "apply_gradient",
+  "update_hyper_params",
+  "state_dict",
+  "restore_state",
+)
+
+
+def missing_def_methods(opt_def: Any) -> list[str]:
+  """What `opt_def` lacks of T5X's `OptimizerDef` interface (empty: it has it all).
+
+  A definition is recognised by what it has, not by its base class: T5X's
+  own `t5x.optimizers.OptimizerDef` subclasses (its legacy `Adafactor`, when
+  T5X is installed beside this package) have the same methods as
+  `OptimizerDef` and work wherever one is taken.
+
+  Example:
+    >>> import optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> missing_def_methods(OptaxWrapper(optax.sgd(0.1))), missing_def_methods(optax.sgd(0.1))[:2]
+    ([], ['hyper_params', 'init_state'])
+  """
+  missing = [] if hasattr(opt_def, "hyper_params") else ["hyper_params"]
+  return missing + [name for name in _DEF_METHODS if not callable(getattr(opt_def, name, None))]
+
+
+def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
+  """The keywords `opt_def.apply_gradient` treats as hyper-parameter overrides.
+
+  ``hyper_params`` and the fields of its hyper-params dataclass; a
+  definition's own `hyper_param_names` where it has one.
+  """
+  if not isinstance(opt_def, OptimizerDef) and callable(
+    getattr(opt_def, "hyper_param_names", None)
+  ):
+    return frozenset(opt_def.hyper_param_names())
+  names = {"hyper_params"}
+  if dataclasses.is_dataclass(opt_def.hyper_params):
+    names.update(field.name for field in dataclasses.fields(opt_def.hyper_params))
+  return frozenset(names)
 
 
 def _leaf_paths(tree: Any) -> set[str]:

@@ -64,12 +64,19 @@ from t5x_optim._optimizers.interface import (
   Optimizer,
   OptimizerDef,
   OptimizerState,
+  hyper_param_names_of,
+  missing_def_methods,
   structure_mismatch,
 )
 
 __all__ = ["MultiOptimizer", "PathFilter"]
 
 _MAX_LISTED_PATHS = 10
+
+
+def _extra_arg_names(opt_def: Any) -> frozenset[str]:
+  """The update's extra keywords `opt_def` takes (none for T5X's own definitions)."""
+  return frozenset(getattr(opt_def, "extra_arg_names", ()))
 
 
 class FlaxTraversal(Protocol):
@@ -308,12 +315,14 @@ class MultiOptimizer(OptimizerDef):
     self.traversals = tuple(_as_traversal(t, i) for i, (t, _) in enumerate(pairs))
     self.sub_optimizers = tuple(opt_def for _, opt_def in pairs)
     for i, opt_def in enumerate(self.sub_optimizers):
-      if not isinstance(opt_def, OptimizerDef):
+      missing = missing_def_methods(opt_def)
+      if missing:
         raise TypeError(
-          f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef; "
-          "wrap optax transformations in OptaxWrapper (or use t5x_optim.optimizers)."
+          f"The optimizer of pair {i} is a {type(opt_def).__name__}, not an OptimizerDef "
+          f"(it has no {', '.join(missing)}); wrap optax transformations in OptaxWrapper "
+          "(or use t5x_optim.optimizers)."
         )
-    self.extra_arg_names = frozenset().union(*(opt.extra_arg_names for opt in self.sub_optimizers))
+    self.extra_arg_names = frozenset().union(*map(_extra_arg_names, self.sub_optimizers))
     self._path_only = all(isinstance(t, PathFilter) for t in self.traversals)
     self._partitions: dict[Any, _Partition] = {}
     if any(hasattr(opt, "set_param_axes") for opt in self.sub_optimizers):
@@ -381,7 +390,7 @@ class MultiOptimizer(OptimizerDef):
     return partition, leaves
 
   def hyper_param_names(self) -> frozenset[str]:
-    names = set().union(*(opt.hyper_param_names() for opt in self.sub_optimizers))
+    names = set().union(*map(hyper_param_names_of, self.sub_optimizers))
     return frozenset(names | {"hyper_params"})
 
   def update_hyper_params(self, **hyper_param_overrides: Any) -> tuple[Any, ...]:
@@ -406,7 +415,7 @@ class MultiOptimizer(OptimizerDef):
       raise TypeError(f"No sub-optimizer of the MultiOptimizer has hyper-parameters {unknown}.")
     updated = []
     for opt, hp in zip(self.sub_optimizers, hyper_params):
-      names = opt.hyper_param_names()
+      names = hyper_param_names_of(opt)
       overrides = {k: v for k, v in hyper_param_overrides.items() if k in names}
       updated.append(opt.update_hyper_params(hyper_params=hp, **overrides))
     return tuple(updated)
@@ -439,7 +448,7 @@ class MultiOptimizer(OptimizerDef):
         partition.split(grad_leaves),
       )
     ):
-      extras = {k: v for k, v in extra_args.items() if k in opt.extra_arg_names}
+      extras = {k: v for k, v in extra_args.items() if k in _extra_arg_names(opt)}
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:

@@ -163,12 +163,16 @@ class Fit(enum.Enum):
   """Same shape; floating data into another floating dtype: allowed, and may
   round, as T5X casts params to its ``restore_dtype``."""
   IF_VALUES_FIT = "if_values_fit"
-  """Same shape; integer data into a narrower integer dtype: allowed only
-  when every value fits (`values_fit`), which needs the data."""
+  """Same shape; integer data into a narrower integer dtype, or floating
+  data into an integer dtype: allowed only when every value is a whole
+  number in the integer dtype's range (`values_fit`), which needs the data.
+  T5X's orbax checkpointer casts every restored array, step counters
+  included, to its ``save_dtype`` (float32), so a step comes back as
+  ``3.0`` and restores as the integer 3."""
   OTHER_DTYPE = "other_dtype"
-  """Same shape; a change of kind (complex to real, floating to integer,
-  integer to bool, an integer to a floating dtype that cannot hold it
-  exactly): refused."""
+  """Same shape; a change of kind that no value survives unchanged (complex
+  to real, integer to bool, an integer to a floating dtype that cannot hold
+  it exactly): refused."""
   OTHER_SHAPE = "other_shape"
   """Another shape: refused."""
 
@@ -188,14 +192,17 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
   follows T5X: floating data restores into any floating dtype (T5X casts
   params to ``restore_dtype``; optimizer-state leaves keep their own
   dtype, so stored data is cast to it); an integer restores into a
-  narrower integer only when it fits; any other change of kind is
-  refused, so a restore never silently changes what a value means.
+  narrower integer, and floating data into an integer (a step counter
+  that T5X's checkpointer saved as float32), only when every value is a
+  whole number that fits; any other change of kind is refused, so a
+  restore never silently changes what a value means.
 
   Example:
     >>> import numpy as np, jax.numpy as jnp
     >>> [leaf_fit((2,), src, (2,), dst).name for src, dst in [
-    ...   (np.float32, jnp.bfloat16), (np.int32, np.int8), (np.complex64, np.float32)]]
-    ['ROUNDS', 'IF_VALUES_FIT', 'OTHER_DTYPE']
+    ...   (np.float32, jnp.bfloat16), (np.int32, np.int8), (np.float32, np.int32),
+    ...   (np.complex64, np.float32)]]
+    ['ROUNDS', 'IF_VALUES_FIT', 'IF_VALUES_FIT', 'OTHER_DTYPE']
   """
   if tuple(shape) != tuple(ref_shape):
     return Fit.OTHER_SHAPE
@@ -204,26 +211,34 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
     return Fit.EXACT
   if _is_float(src) and _is_float(dst):
     return Fit.ROUNDS
-  if _is_int(src) and _is_int(dst):
+  if _is_int(dst) and (_is_int(src) or _is_float(src)):
     return Fit.IF_VALUES_FIT
   return Fit.OTHER_DTYPE
 
 
 def values_fit(value: Any, dtype: Any) -> bool:
-  """Whether every value of the integer array `value` lies in integer `dtype`'s range.
+  """Whether every value of `value` is a whole number in integer `dtype`'s range.
 
-  A `jax.Array` is reduced where its shards live (so this also works for
-  arrays spread over several processes); other data on the host.
+  `value` is integer or floating data; a floating value fits when it is
+  finite and integral (``3.0`` fits int8, ``3.5``, ``nan`` and ``inf`` do
+  not). A `jax.Array` is reduced where its shards live (so this also works
+  for arrays spread over several processes); other data on the host.
 
   Example:
     >>> import numpy as np
     >>> values_fit(np.array([1, 127]), np.int8), values_fit(np.array([128]), np.int8)
+    (True, False)
+    >>> values_fit(np.float32(3.0), np.int32), values_fit(np.array([0.0, 1.5]), np.int32)
     (True, False)
   """
   if np.size(value) == 0:
     return True
   xp = jax.numpy if isinstance(value, jax.Array) else np
   info = jax.numpy.iinfo(dtype)
+  if _is_float(_dtype_of(value)):
+    finite = xp.isfinite(value)
+    if not bool(xp.all(finite)) or not bool(xp.all(xp.floor(value) == value)):
+      return False
   return info.min <= int(xp.min(value)) and int(xp.max(value)) <= info.max
 
 
@@ -281,8 +296,10 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   floating dtype (params under ``target`` keep the state dict's dtype,
   because T5X's checkpointer casts them on purpose with ``restore_dtype``;
   optimizer-state arrays are cast to the state's own dtype); an integer
-  into a narrower integer only when its values fit; no other change of
-  kind, except for a Python scalar that converts exactly.
+  into a narrower integer, or a float into an integer, only when every
+  value is a whole number that fits (it comes back in the optimizer's
+  integer dtype); no other change of kind, except for a Python scalar
+  that converts exactly.
   """
   where = key_path_str(path)
   if is_prng_key(reference):
@@ -298,9 +315,10 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   floats = _is_float(dtype) and _is_float(ref_dtype)
   keeps_dtype = floats and path[:1] == ("target",) and hasattr(value, "dtype")
   if not _castable(value, fit, ref_dtype):
+    why = " (not every value is a whole number in its range)" if fit is Fit.IF_VALUES_FIT else ""
     raise ValueError(
       f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
-      f"be cast safely to the optimizer's {ref_dtype}."
+      f"be cast safely to the optimizer's {ref_dtype}{why}."
     )
   out_dtype = dtype if keeps_dtype else ref_dtype
   if isinstance(reference, np.ndarray | np.generic) or _is_lazy_array(reference):
@@ -428,9 +446,10 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
   `leaf_fit`'s rule: floating data restores into any floating dtype (params
   keep the state dict's dtype, as T5X's ``restore_dtype`` intends;
   optimizer-state arrays take the state's dtype); an integer restores into a
-  narrower integer when its values fit; other changes of kind (complex to
-  real, float to int) are refused, except for Python scalars that convert
-  exactly.
+  narrower integer, and a float into an integer (T5X's float32 step
+  counters), when every value is a whole number that fits; other changes
+  of kind (complex to real, an integer into a float that cannot hold it)
+  are refused, except for Python scalars that convert exactly.
 
   Raises:
     ValueError: on a missing or unexpected key, a subtree where a leaf

@@ -335,7 +335,7 @@ def _fit_read(
   """The leaves read, each in its target dtype, and the values that do not fit it.
 
   A leaf read in another dtype (`_as_read`) is cast, in its sharding, when
-  `_state_dict.leaf_fit` allows: always for floats, for integers when
+  `_state_dict.leaf_fit` allows: always between floats, into integers when
   `_state_dict.values_fit`. Returns the cast leaves and a problem per leaf
   whose values do not fit.
   """
@@ -349,7 +349,7 @@ def _fit_read(
     if fit is _state_dict.Fit.IF_VALUES_FIT and not _state_dict.values_fit(leaf, dtype):
       problems.append(
         f"dtype mismatch at '{_state_dict.key_path_str(path)}': the checkpoint's "
-        f"{leaf.dtype} values do not all fit the target's {dtype}"
+        f"{leaf.dtype} values are not all whole numbers within the target's {dtype}"
       )
     else:
       cast[path] = _astype(leaf, dtype)
@@ -916,8 +916,9 @@ class Checkpointer:
     target's dtype, by the rule `Optimizer.restore_state` follows: floating
     data may be cast to any floating dtype (a float32 checkpoint restores
     into bfloat16 params, as with T5X's ``restore_dtype``), an integer to a
-    narrower integer when its values fit; a change of kind (complex to
-    real, float to int) is refused. Arrays whose stored dtype casts exactly
+    narrower integer, or a float to an integer (a float32 step counter),
+    when every value is a whole number that fits; another change of kind
+    (complex to real) is refused. Arrays whose stored dtype casts exactly
     into the target's are read in the target's dtype and returned as read,
     without another device copy; the others are read as stored and cast
     on their devices. Pending saves of this checkpointer are finished
@@ -955,9 +956,9 @@ class Checkpointer:
       ValueError: the checkpoint does not fit the target (missing or
         unexpected keys, e.g. another optimizer's state; other shapes;
         dtypes of another kind), checked on the metadata before any array
-        is read and naming every such path; or a stored integer array whose
-        values do not fit the target's narrower integer dtype, which can
-        only be checked once read (after its checksum). Never retried by
+        is read and naming every such path; or a stored array whose values
+        are not all whole numbers within the target's integer dtype, which
+        can only be checked once read (after its checksum). Never retried by
         `fallback`: it is the target that is wrong.
       CheckpointError: the step's files are missing, unreadable or corrupt
         (with `fallback`: those of every step tried), naming the step and the
