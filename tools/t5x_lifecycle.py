@@ -1,0 +1,748 @@
+"""A T5X job's whole life through T5X's own entry points, with T5X's optimizers and with ours.
+
+Runs T5X's ``t5x/train.py``, ``t5x/eval.py`` and ``t5x/infer.py`` in fresh
+processes, with gin files that include T5X's own configs
+(``t5x/examples/t5/byt5/base.gin`` shrunk to a tiny model, and
+``t5x/configs/runs/pretrain.gin``), on a small in-memory seqio task (reverse a
+word, byte vocabulary, so nothing is downloaded). Every stage runs in three
+columns:
+
+* ``t5x``: T5X as it is, the gin file says ``from t5x import optimizers``;
+* ``gin``: T5X untouched, only the gin import says ``from t5x_optim import optimizers``;
+* ``module``: ``t5x/optimizers.py`` replaced by a re-export of
+  ``t5x_optim.optimizers`` (so T5X's legacy ``adafactor.Adafactor`` subclasses
+  our ``OptimizerDef``); the gin file is T5X's.
+
+Stages (each in its own model directory, runs in order):
+
+* ``pretrain``: train 4 steps from scratch (checkpoints every 2 steps, Orbax).
+* ``resume``: train again in a copy of that model_dir to step 8, as a job
+  restarted after preemption does (Orbax checkpointer, float32 save dtype).
+* ``resume_legacy``: the same with ``train.use_orbax = False`` (T5X's legacy
+  checkpointer), from scratch to 4, then resumed to 8.
+* ``takeover``: the ``t5x`` column's step-4 model_dir resumed to 8 with this
+  column's optimizers; ``handback``: this column's step-4 model_dir resumed to
+  8 with T5X's own optimizers.
+* ``finetune``: a new model_dir initialised from the pretrained step-4
+  checkpoint as ``finetune.gin`` does (``RestoreCheckpointConfig(mode='specific',
+  dtype='bfloat16')``, bfloat16 save dtype), trained to 8;
+  ``finetune_fresh``: the same with ``assignment_map`` dropping every
+  optimizer-state key and ``fallback_to_scratch``, so the optimizer starts afresh.
+* ``eval`` and ``infer``: T5X's ``eval.py`` and ``infer.py`` on the resumed
+  step-8 checkpoint (exact-match metric, predictions).
+* ``microbatches``: ``Trainer.num_microbatches = 2``, 4 steps.
+* ``partitions``: ``PjitPartitioner(num_partitions=2)`` on 8 simulated CPU
+  devices, 4 steps (8 heads: on CPU, T5X's mesh is data=1 x model=8).
+
+Each cell shows whether the run succeeded, and for the ``gin`` and ``module``
+columns whether its losses and final checkpoint (every array, bit for bit)
+equal the ``t5x`` column's: ``= t5x`` or the largest difference. One
+difference is ours by design and marked ``explained``: T5X's Orbax restore
+casts the step to ``RestoreCheckpointConfig.dtype`` (bfloat16 when fine-tuning
+so), and T5X's optimizers go on computing with that step; ours restores it as
+the int32 it was. T5X runs
+here are deterministic (fixed seeds, no dropout, no shuffling), so equal means
+bit-exact.
+
+T5X cannot be installed from the package registry: its files are read at run
+time from a git directory of github.com/google-research/t5x (``--t5x-src`` or
+``T5X_SRC``); nothing of T5X is kept. The Python running this script needs
+T5X's dependencies (``../shared/t5x/setup.sh`` makes such an environment) and
+t5x_optim installed. Two stand-ins are written for T5X imports that cannot be
+installed and are never called here (``jestimator``, ``airio``).
+
+Usage::
+
+  T5X_SRC=/path/to/t5x/.git /tmp/t5xv/bin/python tools/t5x_lifecycle.py \\
+      [--optimizers adamw,legacy_adafactor] [--stages pretrain,resume] \\
+      [--columns t5x,gin,module] [--module-optimizers adamw,...] [--workdir DIR [--reuse]]
+      [--json-out FILE]
+
+Each T5X process takes 30-70 s on 2 CPU cores; every stage of every optimizer in
+every column is about 250 processes. ``--reuse`` re-tabulates an earlier work
+dir, running only what is missing there.
+
+Exit status 1 when a cell that succeeds in the ``t5x`` column fails, or
+differs from it, in another column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+COLUMNS = ("t5x", "gin", "module")
+EXPLAINED = "explained"
+STEPS_A, STEPS_B = 4, 8
+
+# The optimizer section of the gin file; `optimizers` is whatever the column imports.
+OPTIMIZERS: dict[str, str] = {
+  "adamw": """
+OPTIMIZER = @optimizers.adamw()
+optimizers.adamw.learning_rate = 0.01
+""",
+  "optax_adafactor": """
+OPTIMIZER = @optimizers.OptaxWrapper()
+optimizers.OptaxWrapper.optax_optimizer = @optax.adafactor()
+optax.adafactor.learning_rate = 0.01
+""",
+  # T5X's legacy Adafactor, as byt5/base.gin configures it.
+  "legacy_adafactor": "",
+  "lion": """
+OPTIMIZER = @optimizers.lion()
+optimizers.lion.learning_rate = 0.001
+""",
+  "inject_schedule": """
+OPTIMIZER = @optimizers.OptaxWrapper()
+optimizers.OptaxWrapper.optax_optimizer = @lifecycle_tasks.inject_adamw()
+lifecycle_tasks.inject_adamw.learning_rate = @optax_lr/utils.create_learning_rate_scheduler()
+optax_lr/utils.create_learning_rate_scheduler:
+  factors = 'constant * linear_warmup'
+  base_learning_rate = 0.01
+  warmup_steps = 3
+""",
+  "multisteps": """
+OPTIMIZER = @optimizers.OptaxWrapper()
+optimizers.OptaxWrapper.optax_optimizer = @optax.MultiSteps()
+optax.MultiSteps.opt = @optax.adamw()
+optax.MultiSteps.every_k_schedule = 2
+optax.adamw.learning_rate = 0.01
+""",
+  "multi_legacy": """
+OPTIMIZER = @optimizers.MultiOptimizer()
+optimizers.MultiOptimizer.traversals_and_optimizers = (
+    (@attn/lifecycle_tasks.traversal(), @attn/adafactor.Adafactor()),
+    (@rest/lifecycle_tasks.traversal(), @rest/adafactor.Adafactor()))
+attn/lifecycle_tasks.traversal.pattern = 'attention'
+rest/lifecycle_tasks.traversal.pattern = '^((?!attention).)*$'
+rest/adafactor.Adafactor.multiply_by_parameter_scale = False
+""",
+  "multi_optax": """
+OPTIMIZER = @optimizers.MultiOptimizer()
+optimizers.MultiOptimizer.traversals_and_optimizers = (
+    (@attn/lifecycle_tasks.traversal(), @optimizers.adamw()),
+    (@rest/lifecycle_tasks.traversal(), @optimizers.sgd()))
+attn/lifecycle_tasks.traversal.pattern = 'attention'
+rest/lifecycle_tasks.traversal.pattern = '^((?!attention).)*$'
+optimizers.adamw.learning_rate = 0.01
+optimizers.sgd.learning_rate = 0.1
+""",
+}
+
+STAGES = (
+  "pretrain",
+  "resume",
+  "resume_legacy",
+  "takeover",
+  "handback",
+  "finetune",
+  "finetune_fresh",
+  "eval",
+  "infer",
+  "microbatches",
+  "partitions",
+)
+
+TASK_MODULE = '''"""The lifecycle's seqio task and the user-side gin helpers (written by t5x_lifecycle.py)."""
+import re
+
+import flax
+import numpy as np
+import optax
+import seqio
+import tensorflow as tf
+
+VOCABULARY = seqio.ByteVocabulary()
+SIZES = {"train": 512, "validation": 64, "test": 16}
+
+
+def _words(split, shuffle_files=False, seed=None):
+  del shuffle_files, seed
+  rng = np.random.default_rng(list(SIZES).index(split))
+  words = [
+    "".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(3, 12)))
+    for _ in range(SIZES[split])
+  ]
+  return tf.data.Dataset.from_tensor_slices({"inputs": words, "targets": [w[::-1] for w in words]})
+
+
+def exact_match(targets, predictions):
+  return {"exact_match": float(np.mean([t == p for t, p in zip(targets, predictions)]))}
+
+
+seqio.TaskRegistry.add(
+  "lifecycle_reverse",
+  source=seqio.FunctionDataSource(_words, splits=list(SIZES)),
+  preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
+  output_features={k: seqio.Feature(VOCABULARY, add_eos=True) for k in ("inputs", "targets")},
+  metric_fns=[exact_match],
+)
+
+
+def traversal(pattern):
+  """A T5X MultiOptimizer traversal: params whose path matches `pattern`."""
+  return flax.traverse_util.ModelParamTraversal(lambda path, _: re.search(pattern, path) is not None)
+
+
+def inject_adamw(learning_rate):
+  """adamw whose learning rate is injected (here: T5X's own schedule)."""
+  return optax.inject_hyperparams(optax.adamw)(learning_rate=learning_rate)
+'''
+
+MODEL_GIN = """
+include 't5x/examples/t5/byt5/base.gin'
+network.T5Config:
+  emb_dim = 16
+  num_heads = 4
+  num_encoder_layers = 2
+  num_decoder_layers = 2
+  head_dim = 4
+  mlp_dim = 32
+  dtype = 'float32'
+DROPOUT_RATE = 0.0
+"""
+
+HEADER = """from __gin__ import dynamic_registration
+import __main__ as {script}
+import optax
+import lifecycle_tasks
+from t5x import adafactor
+from t5x import partitioning
+from t5x import trainer
+from t5x import utils
+from t5x.examples.t5 import network
+{optimizers_import}
+"""
+
+TRAIN_GIN = """
+include 't5x/configs/runs/pretrain.gin'
+MIXTURE_OR_TASK_NAME = 'lifecycle_reverse'
+TASK_FEATURE_LENGTHS = {{'inputs': 16, 'targets': 16}}
+TRAIN_STEPS = {steps}
+BATCH_SIZE = 8
+USE_CACHED_TASKS = False
+RANDOM_SEED = 0
+SHUFFLE_TRAIN_EXAMPLES = False
+train/utils.DatasetConfig.seed = 0
+train_script.train.eval_period = 2
+train_script.train.train_eval_dataset_cfg = None
+utils.SaveCheckpointConfig.period = 2
+utils.create_learning_rate_scheduler.warmup_steps = 2
+"""
+
+EVAL_GIN = """
+include 't5x/configs/runs/{script}.gin'
+MIXTURE_OR_TASK_NAME = 'lifecycle_reverse'
+TASK_FEATURE_LENGTHS = {{'inputs': 16, 'targets': 16}}
+CHECKPOINT_PATH = '{checkpoint}'
+{output_var} = '{output_dir}'
+utils.DatasetConfig.batch_size = 8
+"""
+
+
+@dataclasses.dataclass
+class Result:
+  """One cell: a run's outcome, its train losses and its final checkpoint's arrays."""
+
+  ok: bool
+  error: str = ""
+  seconds: float = 0.0
+  losses: dict[str, float] = dataclasses.field(default_factory=dict)
+  arrays: dict[str, Any] = dataclasses.field(default_factory=dict)
+  outputs: str = ""
+
+
+def _git(src: str, *args: str) -> bytes:
+  return subprocess.run(["git", "-C", src, *args], check=True, capture_output=True).stdout
+
+
+def build_tree(src: str, root: str, *, replace_optimizers: bool) -> None:
+  """T5X's package (HEAD of `src`) under `root`, with the task module and stand-ins."""
+  archive = subprocess.run(
+    ["git", "-C", src, "archive", "HEAD", "t5x", ":(exclude)t5x/testdata", ":(exclude)t5x/contrib"],
+    check=True,
+    capture_output=True,
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+  # T5X's __init__ imports every module, inference and export included; train.py needs none.
+  open(os.path.join(root, "t5x", "__init__.py"), "w").close()
+  if replace_optimizers:
+    with open(os.path.join(root, "t5x", "optimizers.py"), "w") as f:
+      f.write(
+        "from t5x_optim.optimizers import *\n"
+        "from t5x_optim.optimizers import Optimizer, OptimizerDef, OptimizerState\n"
+        "OptimizerType = Optimizer\nOptimizerDefType = OptimizerDef\n"
+        "OptimizerStateType = OptimizerState\n"
+      )
+  stand_ins = {
+    "jestimator/__init__.py": "",
+    "jestimator/amos.py": "class ScaleByAmosState(tuple):\n  pass\n\namos = None\n",
+    "jestimator/amos_helper.py": "state_partition_rule = None\n",
+    "airio/__init__.py": "from airio import core\n",
+    "airio/core.py": "".join(
+      f"class {name}:\n  pass\n\n"
+      for name in ("Task", "Mixture", "AirIODatasetIterator", "DatasetProviderBase")
+    ),
+  }
+  for name, text in stand_ins.items():
+    module = name.split("/")[0]
+    if _importable(module):
+      continue
+    os.makedirs(os.path.join(root, module), exist_ok=True)
+    with open(os.path.join(root, name), "w") as f:
+      f.write(text)
+  with open(os.path.join(root, "lifecycle_tasks.py"), "w") as f:
+    f.write(TASK_MODULE)
+
+
+def _importable(module: str) -> bool:
+  import importlib.util
+
+  return importlib.util.find_spec(module) is not None
+
+
+class Lifecycle:
+  """Runs the stages of one optimizer in every column, in fresh processes."""
+
+  def __init__(
+    self, src: str, workdir: str, columns: Sequence[str], timeout: int, *, reuse: bool = False
+  ):
+    self.workdir, self.columns, self.timeout, self.reuse = workdir, tuple(columns), timeout, reuse
+    self.roots = {}
+    for replace in (False, True):
+      root = os.path.join(workdir, "t5x_module" if replace else "t5x_untouched")
+      if not os.path.isdir(root):
+        os.makedirs(root)
+        build_tree(src, root, replace_optimizers=replace)
+      self.roots[replace] = root
+
+  def _gin(self, column: str, script: str, optimizer: str, body: str) -> str:
+    optimizers_import = (
+      "from t5x_optim import optimizers" if column == "gin" else "from t5x import optimizers"
+    )
+    head = HEADER.format(script=script, optimizers_import=optimizers_import)
+    return head + MODEL_GIN + body + OPTIMIZERS[optimizer]
+
+  def run(
+    self,
+    column: str,
+    script: str,
+    optimizer: str,
+    body: str,
+    model_dir: str,
+    *,
+    bindings: Sequence[str] = (),
+    devices: int = 1,
+  ) -> Result:
+    """Runs T5X's `script` (train, eval or infer) once.
+
+    Its gin file, `bindings` at the end (gin statements, which may use the
+    file's import aliases), and its log go into `model_dir`.
+    """
+    os.makedirs(model_dir, exist_ok=True)
+    text = self._gin(column, f"{script}_script", optimizer, body) + "\n".join(bindings)
+    if self.reuse:
+      done = _finished_run(model_dir, script, text)
+      if done is not None:
+        return done
+    gin_file = os.path.join(model_dir, f"{script}-{len(os.listdir(model_dir))}.gin")
+    with open(gin_file, "w") as f:
+      f.write(text)
+    root = self.roots[column == "module"]
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    command = [
+      sys.executable,
+      "-m",
+      f"t5x.{script}",
+      f"--gin_file={gin_file}",
+      f"--gin_search_paths={root}",
+    ]
+    if script == "train":
+      command.append(f"--gin.MODEL_DIR='{model_dir}'")
+    start = time.perf_counter()
+    try:
+      proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=self.timeout, cwd=model_dir
+      )
+    except subprocess.TimeoutExpired:
+      return Result(False, f"timed out after {self.timeout} s", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    with open(gin_file[: -len(".gin")] + ".log", "w") as f:
+      f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+      return Result(False, _error_line(proc.stderr), seconds)
+    return Result(True, seconds=seconds)
+
+
+def _finished_run(model_dir: str, script: str, text: str) -> Result | None:
+  """The outcome of an earlier run of `script` in `model_dir` with gin file `text`, if any.
+
+  A run counts as finished when its log was written; it failed when the log
+  holds a Python traceback.
+  """
+  for name in sorted(os.listdir(model_dir)):
+    if not (name.startswith(f"{script}-") and name.endswith(".gin")):
+      continue
+    log = os.path.join(model_dir, name[: -len(".gin")] + ".log")
+    with open(os.path.join(model_dir, name)) as f:
+      same = f.read() == text
+    if same and os.path.exists(log):
+      with open(log) as f:
+        output = f.read()
+      failed = "Traceback (most recent call last)" in output
+      return Result(not failed, _error_line(output) if failed else "")
+  return None
+
+
+def _error_line(log: str) -> str:
+  """The last exception line of a log, with the innermost frame inside t5x or t5x_optim."""
+  lines = [line for line in log.splitlines() if line.strip()]
+  frames = [line.strip() for line in lines if line.strip().startswith("File ") and "/t5x" in line]
+  error = next(
+    (line for line in reversed(lines) if not line.startswith((" ", "I", "W", "E0", "\t"))), ""
+  )
+  where = frames[-1] if frames else ""
+  return f"{error[:300]}  [{where}]" if where else error[:300]
+
+
+def read_train(model_dir: str, result: Result) -> Result:
+  """Adds the train losses (TensorBoard) and the latest checkpoint's arrays to `result`."""
+  if not result.ok:
+    return result
+  import numpy as np
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.util import tensor_util
+
+  events = event_accumulator.EventAccumulator(
+    os.path.join(model_dir, "train"), size_guidance={"tensors": 0}
+  )
+  events.Reload()
+  result.losses = {
+    str(e.step): float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("loss")
+  }
+  result.arrays = {path: np.asarray(x) for path, x in read_checkpoint(model_dir).items()}
+  return result
+
+
+def read_checkpoint(model_dir: str) -> dict[str, Any]:
+  """Every array of the latest T5X checkpoint in `model_dir`, by '/'-joined path.
+
+  Orbax-format checkpoints are read with orbax's own reader; legacy ones with
+  tensorstore from the paths in T5X's msgpack.
+  """
+  import jax
+  import numpy as np
+
+  steps = [
+    int(name.split("_")[1]) for name in os.listdir(model_dir) if name.startswith("checkpoint_")
+  ]
+  step_dir = os.path.join(model_dir, f"checkpoint_{max(steps)}")
+  if os.path.isdir(os.path.join(step_dir, "state")):
+    import orbax.checkpoint as ocp
+
+    tree = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"))
+  else:
+    import tensorstore as ts
+    from flax import serialization
+
+    with open(os.path.join(step_dir, "checkpoint"), "rb") as f:
+      tree = serialization.msgpack_restore(f.read())
+
+    def load(leaf: Any) -> Any:
+      if isinstance(leaf, dict):  # A tensorstore spec, its path relative to the step.
+        spec = dict(leaf, kvstore=dict(leaf["kvstore"]))
+        spec["kvstore"]["path"] = os.path.join(step_dir, spec["kvstore"]["path"])
+        return ts.open(spec).result().read().result()
+      return leaf
+
+    # T5X's legacy msgpack nests the train state under 'optimizer', beside a version.
+    tree = _map_specs(tree["optimizer"], load)
+  flat = jax.tree_util.tree_leaves_with_path(tree)
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
+
+
+def _map_specs(tree: Any, fn: Any) -> Any:
+  """Applies `fn` to every leaf, a tensorstore spec (a dict with a driver) counting as one."""
+  if isinstance(tree, dict) and "driver" not in tree:
+    return {k: _map_specs(v, fn) for k, v in tree.items()}
+  return fn(tree)
+
+
+def _counter_drift(ours: Any, theirs: Any) -> bool:
+  """Whether an integer leaf of ours is floating (float32, bfloat16) in T5X's run."""
+  import jax.numpy as jnp
+
+  return bool(jnp.issubdtype(ours, jnp.integer) and jnp.issubdtype(theirs, jnp.floating))
+
+
+def compare(result: Result, reference: Result) -> str:
+  """'= t5x' when losses and every checkpoint array are equal bit for bit, else the difference."""
+  import numpy as np
+
+  if result.outputs or reference.outputs:
+    return "= t5x" if result.outputs == reference.outputs else "outputs differ"
+  if result.losses != reference.losses:
+    worst = max(
+      (abs(result.losses.get(k, np.nan) - v) for k, v in reference.losses.items()), default=np.nan
+    )
+    step, ref_step = result.arrays.get("state/step"), reference.arrays.get("state/step")
+    if (
+      step is not None
+      and ref_step is not None
+      and _counter_drift(step.dtype, ref_step.dtype)
+      and ref_step.dtype.itemsize < 4
+    ):
+      # T5X's Orbax restore casts host arrays, the step included, to
+      # RestoreCheckpointConfig.dtype; a bfloat16 step changes T5X's updates.
+      return f"{EXPLAINED}: T5X's step is {ref_step.dtype}, ours int32 (max |d| loss {worst:.3g})"
+    return f"loss differs (max |d| {worst:.3g})"
+  if set(result.arrays) != set(reference.arrays):
+    only = sorted(set(result.arrays) ^ set(reference.arrays))
+    return f"checkpoint keys differ ({len(only)}: {only[0]}...)"
+  worst, where, drifted = 0.0, "", 0
+  for path, ref in reference.arrays.items():
+    got = result.arrays[path]
+    # T5X's Orbax checkpointer restores step counters as float32 and T5X's own
+    # optimizers go on counting in float32; ours restore them as integers.
+    counter = _counter_drift(got.dtype, ref.dtype) and got.shape == ref.shape
+    drifted += counter
+    if got.shape != ref.shape or (got.dtype != ref.dtype and not counter):
+      return f"{path}: {got.dtype}{list(got.shape)} vs {ref.dtype}{list(ref.shape)}"
+    if not np.array_equal(got, ref, equal_nan=True):
+      diff = float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64))))
+      if diff >= worst:
+        worst, where = diff, path
+  if where:
+    return f"checkpoint differs (max |d| {worst:.3g} at {where})"
+  return "= t5x" + (f" ({drifted} int32 counters where T5X's are float32)" if drifted else "")
+
+
+def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: dict) -> Result:
+  """Runs one stage of one optimizer in one column; `dirs` holds earlier stages' model dirs."""
+  base = os.path.join(life.workdir, optimizer, column)
+  train = TRAIN_GIN.format
+
+  def fresh(name: str) -> str:
+    path = os.path.join(base, name)
+    if not life.reuse:
+      shutil.rmtree(path, ignore_errors=True)
+    return path
+
+  def copy_of(source: str, name: str) -> str:
+    path = fresh(name)
+    if not os.path.isdir(path):
+      shutil.copytree(source, path)
+    return path
+
+  def train_in(model_dir: str, col: str, steps: int, **kwargs: Any) -> Result:
+    result = life.run(col, "train", optimizer, train(steps=steps), model_dir, **kwargs)
+    return read_train(model_dir, result)
+
+  if stage == "pretrain":
+    model_dir = fresh("pretrain")
+    result = train_in(model_dir, column, STEPS_A)
+    if result.ok:
+      dirs[(optimizer, column, "pretrain")] = model_dir
+    return result
+  pretrained = dirs.get((optimizer, column, "pretrain"))
+  if stage in ("resume", "finetune", "finetune_fresh") and pretrained is None:
+    return Result(False, "no pretrained model_dir (pretrain failed or was not run)")
+  if stage == "resume":
+    model_dir = copy_of(pretrained, "resume")
+    result = train_in(model_dir, column, STEPS_B)
+    if result.ok:
+      dirs[(optimizer, column, "resume")] = model_dir
+    return result
+  if stage == "resume_legacy":
+    model_dir = fresh("resume_legacy")
+    first = train_in(model_dir, column, STEPS_A, bindings=["train_script.train.use_orbax=False"])
+    if not first.ok:
+      return first
+    return train_in(model_dir, column, STEPS_B, bindings=["train_script.train.use_orbax=False"])
+  if stage in ("takeover", "handback"):
+    if column == "t5x":
+      return Result(False, "not applicable")
+    writer, reader = ("t5x", column) if stage == "takeover" else (column, "t5x")
+    source = dirs.get((optimizer, writer, "pretrain"))
+    if source is None:
+      return Result(False, f"no pretrained model_dir of column {writer}")
+    model_dir = copy_of(source, stage)
+    return train_in(model_dir, reader, STEPS_B)
+  if stage in ("finetune", "finetune_fresh"):
+    model_dir = fresh(stage)
+    checkpoint = os.path.join(pretrained, f"checkpoint_{STEPS_A}")
+    bindings = [
+      f"utils.RestoreCheckpointConfig.path='{checkpoint}'",
+      "utils.RestoreCheckpointConfig.mode='specific'",
+      "utils.RestoreCheckpointConfig.dtype='bfloat16'",
+      "utils.SaveCheckpointConfig.dtype='bfloat16'",
+    ]
+    if stage == "finetune_fresh":
+      bindings += [
+        "utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None),)",
+        "utils.RestoreCheckpointConfig.fallback_to_scratch=True",
+      ]
+    return train_in(model_dir, column, STEPS_B, bindings=bindings)
+  if stage in ("eval", "infer"):
+    resumed = dirs.get((optimizer, column, "resume"))
+    if resumed is None:
+      return Result(False, "no resumed model_dir (resume failed or was not run)")
+    output_dir = fresh(stage)
+    output_var = "EVAL_OUTPUT_DIR" if stage == "eval" else "INFER_OUTPUT_DIR"
+    body = EVAL_GIN.format(
+      script=stage,
+      checkpoint=os.path.join(resumed, f"checkpoint_{STEPS_B}"),
+      output_var=output_var,
+      output_dir=output_dir,
+    )
+    result = life.run(column, stage, optimizer, body, output_dir)
+    if result.ok:
+      result.outputs = _outputs(output_dir, stage)
+    return result
+  if stage == "microbatches":
+    return train_in(fresh(stage), column, STEPS_A, bindings=["trainer.Trainer.num_microbatches=2"])
+  if stage == "partitions":
+    return train_in(
+      fresh(stage),
+      column,
+      STEPS_A,
+      # On CPU, T5X's mesh is data=1 x model=<devices>: 8 heads shard over 8.
+      bindings=["partitioning.PjitPartitioner.num_partitions=2", "network.T5Config.num_heads=8"],
+      devices=8,
+    )
+  raise ValueError(f"unknown stage {stage!r}")
+
+
+def _outputs(output_dir: str, stage: str) -> str:
+  """The metrics (eval) or predictions (infer) a run wrote, as one string."""
+  texts = []
+  for folder, _, files in sorted(os.walk(output_dir)):
+    for name in sorted(files):
+      if (stage == "eval" and name.endswith("-metrics.jsonl")) or (
+        stage == "infer" and ".jsonl" in name and "metrics" not in name
+      ):
+        with open(os.path.join(folder, name)) as f:
+          texts.append(f.read())
+  if not texts:
+    return "(nothing written)"
+  return "\n".join(texts)
+
+
+def cell(result: Result, reference: Result | None, column: str) -> str:
+  """A table cell: the outcome, and for our columns the comparison with `reference`."""
+  if not result.ok:
+    if result.error in ("not applicable", "not run"):
+      return "-" if result.error == "not applicable" else "(not run)"
+    return "FAIL: " + result.error
+  last = result.losses[max(result.losses, key=int)] if result.losses else None
+  text = f"ok loss {last:.6f}" if last is not None else "ok"
+  if result.outputs:
+    text = "ok " + _summary(result.outputs)
+  if column != "t5x" and reference is not None and reference.ok:
+    text += ", " + compare(result, reference)
+  return text
+
+
+def _summary(outputs: str) -> str:
+  if '"exact_match"' in outputs:
+    return "exact_match " + outputs.split('"exact_match":')[1].split(",")[0].split("}")[0].strip()
+  return f"{outputs.count(chr(10))} predictions"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--t5x-src", default=os.environ.get("T5X_SRC", ""))
+  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+  parser.add_argument("--stages", default=",".join(STAGES))
+  parser.add_argument("--columns", default=",".join(COLUMNS))
+  parser.add_argument(
+    "--module-optimizers",
+    default="",
+    help="run the module column only for these optimizers (default: all); for optax "
+    "optimizers it runs the same t5x_optim code as the gin column",
+  )
+  parser.add_argument("--workdir", default="")
+  parser.add_argument("--timeout", type=int, default=900, help="seconds per T5X process")
+  parser.add_argument("--json-out", default="")
+  parser.add_argument(
+    "--reuse",
+    action="store_true",
+    help="in an earlier --workdir, take each run whose gin file and log are there as it "
+    "ended instead of running it again (to re-tabulate, or to go on after an interruption)",
+  )
+  args = parser.parse_args(argv)
+  if not os.path.isdir(args.t5x_src):
+    parser.error(
+      f"--t5x-src / T5X_SRC={args.t5x_src!r} is not a git directory of google-research/t5x"
+    )
+  optimizers = args.optimizers.split(",")
+  stages = [s for s in STAGES if s in args.stages.split(",")]
+  columns = [c for c in COLUMNS if c in args.columns.split(",")]
+  unknown = sorted(set(optimizers) - set(OPTIMIZERS)) + sorted(
+    set(args.stages.split(",")) - set(STAGES)
+  )
+  if unknown:
+    parser.error(f"unknown optimizers or stages {unknown}")
+  if "t5x" not in columns:
+    columns.insert(0, "t5x")  # The reference column.
+  module_optimizers = args.module_optimizers.split(",") if args.module_optimizers else optimizers
+  workdir = args.workdir or tempfile.mkdtemp(prefix="t5x_lifecycle_")
+  commit = _git(args.t5x_src, "rev-parse", "--short", "HEAD").decode().strip()
+  print(f"T5X {commit}, work dir {workdir}", flush=True)
+  life = Lifecycle(args.t5x_src, workdir, columns, args.timeout, reuse=args.reuse)
+  dirs: dict = {}
+  rows, regressions = [], 0
+  resumed_by_t5x: dict[str, Result] = {}
+  for optimizer in optimizers:
+    for stage in stages:
+      results = {
+        column: run_stage(life, stage, optimizer, column, dirs)
+        if column != "module" or optimizer in module_optimizers
+        else Result(False, "not run")
+        for column in columns
+      }
+      if stage == "resume":
+        resumed_by_t5x[optimizer] = results["t5x"]
+      # A model_dir changing hands must train on as T5X's own resume of its own does.
+      handed = stage in ("takeover", "handback")
+      reference = resumed_by_t5x.get(optimizer) if handed else results["t5x"]
+      row = {"stage": stage, "optimizer": optimizer}
+      for column in columns:
+        row[column] = cell(results[column], reference, column)
+        row[f"{column}_seconds"] = round(results[column].seconds, 1)
+        skipped = results[column].error == "not run"
+        if column != "t5x" and reference is not None and reference.ok and not skipped:
+          regressions += "= t5x" not in row[column] and EXPLAINED not in row[column]
+      rows.append(row)
+      print(
+        f"{stage:15s} {optimizer:17s} " + " | ".join(f"{c}: {row[c]}" for c in columns), flush=True
+      )
+      if args.json_out:
+        with open(args.json_out, "w") as f:
+          json.dump({"t5x": commit, "rows": rows}, f, indent=1)
+  print()
+  print(_table(rows, columns))
+  print(f"\nSUMMARY: {regressions} cells work with T5X's optimizers but fail or differ with ours.")
+  return 1 if regressions else 0
+
+
+def _table(rows: list[dict], columns: Sequence[str]) -> str:
+  header = ["stage", "optimizer", *columns]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for row in rows:
+    lines.append("| " + " | ".join(str(row[h]) for h in header) + " |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
