@@ -27,6 +27,7 @@ from t5x_optim._optimizers.example_lib import (
 )
 from t5x_optim._optimizers.fused import FusedUpdate, fusion_report
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.low_precision import low_precision
 from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optimizers.optax_wrapper import (
   OptaxHyperParams,
@@ -132,6 +133,7 @@ __all__ = [
   "chain",
   "fusion_report",
   "inject_hyperparams",
+  "low_precision",
   "wrap_example_lib_optimizer",
   "wrap_optax_optimizer",
   *sorted(_FACTORIES),

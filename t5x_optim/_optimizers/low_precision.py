@@ -1,0 +1,548 @@
+"""`low_precision`: any optax optimizer with its param-shaped state stored compressed.
+
+Between steps, the param-shaped ("mirror") state leaves of the wrapped
+transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
+one of two forms; inside the update they are expanded to float32, the wrapped
+update runs in float32, and its new state is compressed again.
+
+* ``"bfloat16"``: each float32 value is rounded to bfloat16. With
+  ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
+  rounded up with probability equal to their value, so the stored value is
+  unbiased; the random bits come from ``jax.random.key(seed)`` folded with the
+  step count and the leaf's index, so a run is reproducible, sharded or not.
+  ``stochastic_rounding=False`` rounds to nearest (a small ``nu`` update then
+  rounds away: accumulation stalls). 2 bytes per value.
+* ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
+  of bitsandbytes (Dettmers et al., 2022), as torchao's 8-bit optimizers use
+  them: each block of ``block_size`` consecutive elements along the *last*
+  dimension is scaled by its absolute maximum, and each scaled value is
+  stored as the index (``uint8``) of the nearest of 256 map values. A block
+  with a negative value uses the signed map (sign, 7 decades of exponent);
+  a block without uses the unsigned map, which spends the sign bit on
+  precision: adam's ``mu`` gets the signed map and ``nu`` the unsigned one,
+  as in bitsandbytes and torchao, with no per-optimizer table of names. The
+  scale is stored negated for signed blocks. The codes have the param's shape
+  and shard like it; the scales, shaped ``(*shape[:-1], shape[-1] // block)``,
+  shard along the same dimensions. The block of a leaf is
+  ``gcd(shape[-1], block_size)``, so blocks never straddle a shard boundary
+  that divides the block count. 1 + 4 / block bytes per value (1.016 for 256).
+
+Leaves smaller than ``min_size`` elements, leaves that are not param-shaped
+mirrors (adafactor's factored ``v_row``, L-BFGS history), non-floating leaves
+and scalars stay as they are; `leaf_storage` says why for each leaf, and
+``t5x-optim plan`` shows it. ``states=`` (a regular expression on the state
+path, e.g. ``'0/(mu|nu)/'``) restricts compression to matching leaves, and
+refuses, naming the path, a matching leaf the mode does not apply to.
+
+The state is `LowPrecisionState` (an int32 ``count`` and the compressed
+``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
+``.../mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16 leaf keeps
+its float32 key (a float32 state dict restores into it, rounded).
+`low_precision_to_float32` and `float32_to_low_precision` convert states
+both ways, e.g. to restore into an optimizer without the wrapper and back.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+  >>> params = {'w': jnp.ones((2, 256))}
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update({'w': jnp.ones((2, 256))}, state, params)
+  >>> state.inner_state[0].mu['w'].codes.dtype, state.inner_state[0].mu['w'].scales.shape
+  (dtype('uint8'), (2, 1))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from t5x_optim._axes import registry
+from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._optimizers import state_dict as _state_dict
+
+__all__ = [
+  "LOW_PRECISION_MODES",
+  "LowPrecisionState",
+  "QuantizedLeaf",
+  "dynamic_map",
+  "float32_to_low_precision",
+  "leaf_storage",
+  "low_precision",
+  "low_precision_to_float32",
+]
+
+LOW_PRECISION_MODES = ("bfloat16", "8bit")
+"""The modes of `low_precision`'s ``state_dtype``."""
+
+_BF16 = "bfloat16"
+_8BIT = "8bit"
+_KEPT_SMALL = "float32: below min_size"
+_KEPT_NOT_MIRROR = "kept: not param-shaped"
+_KEPT_NOT_FLOAT = "kept: not floating"
+_KEPT_NOT_SELECTED = "kept: not selected by states="
+
+
+class QuantizedLeaf(NamedTuple):
+  """One 8-bit state leaf.
+
+  Attributes:
+    codes: ``uint8``, the leaf's shape: the index of each value in its
+      block's map (`dynamic_map`).
+    scales: float32, ``(*shape[:-1], shape[-1] // block)``: each block's
+      absolute maximum, negated when the block uses the signed map.
+  """
+
+  codes: Any
+  scales: Any
+
+
+@struct.dataclass
+class LowPrecisionState:
+  """State of `low_precision`.
+
+  Attributes:
+    count: int32 steps taken (folded into the stochastic-rounding bits).
+    inner_state: the wrapped transformation's state, each compressed leaf a
+      bfloat16 array or a `QuantizedLeaf`.
+    storage: static; for each leaf of the float32 inner state, how it is
+      stored: ``"bfloat16"``, ``"8bit"`` or why it is kept (`leaf_storage`).
+    param_index: static; for each leaf of the float32 inner state, the index
+      of the param it mirrors (in the params' leaf order) or -1.
+    stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
+    seed: static; the seed of the stochastic-rounding bits.
+  """
+
+  count: Any
+  inner_state: Any
+  storage: tuple[str, ...] = struct.field(pytree_node=False, default=())
+  param_index: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
+  seed: int = struct.field(pytree_node=False, default=0)
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> np.ndarray:
+  """The 256 sorted float32 values of bitsandbytes' dynamic quantization map.
+
+  Seven decades, ``1e-6`` to ``1``; decade ``i`` (from the smallest) holds
+  the midpoints of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal steps
+  of ``[0.1, 1]`` times ``10**(i - 6)``, the signed map with both signs; then
+  0 and 1. This is ``bitsandbytes.functional.create_dynamic_map(signed)``.
+
+  Example:
+    >>> m = dynamic_map(True)
+    >>> len(m), round(float(m[0]), 6), float(m[-1]), int((m == 0).sum())
+    (256, -0.992969, 1.0, 1)
+  """
+  values = [0.0, 1.0]
+  for i in range(7):
+    items = 2**i + 1 if signed else 2 ** (i + 1) + 1
+    bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+    means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+    decade = (np.float32(10.0 ** (i - 6)) * means).tolist()
+    values += decade + ([-v for v in decade] if signed else [])
+  out = np.sort(np.asarray(values, np.float32))
+  out.setflags(write=False)
+  return out
+
+
+@functools.cache
+def _midpoints(signed: bool) -> np.ndarray:
+  table = dynamic_map(signed)
+  return (table[:-1] + table[1:]) / np.float32(2)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _quantize(x: jax.Array, block: int) -> QuantizedLeaf:
+  """Block-wise dynamic 8-bit quantization of a float32 array."""
+  blocks = _blocks(x, block)
+  absmax = jnp.max(jnp.abs(blocks), axis=-1)
+  signed = jnp.min(blocks, axis=-1) < 0
+  scaled = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+  codes = jnp.where(
+    signed[..., None],
+    jnp.searchsorted(jnp.asarray(_midpoints(True)), scaled),
+    jnp.searchsorted(jnp.asarray(_midpoints(False)), scaled),
+  )
+  return QuantizedLeaf(
+    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
+  )
+
+
+def _dequantize(leaf: QuantizedLeaf) -> jax.Array:
+  codes = leaf.codes.astype(jnp.int32)
+  block = codes.shape[-1] // leaf.scales.shape[-1]
+  signed = _blocks(codes, block)
+  values = jnp.where(
+    (leaf.scales < 0)[..., None],
+    jnp.asarray(dynamic_map(True))[signed],
+    jnp.asarray(dynamic_map(False))[signed],
+  )
+  return (values * jnp.abs(leaf.scales)[..., None]).reshape(codes.shape)
+
+
+def _to_bfloat16(x: jax.Array, key: jax.Array | None) -> jax.Array:
+  """``x`` in bfloat16: to nearest (``key`` None) or stochastically."""
+  if key is None:
+    return x.astype(jnp.bfloat16)
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+  rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+
+
+def _is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedLeaf)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _mirror_params(inner_state: Any, params: Any) -> list[int]:
+  """For each leaf of ``inner_state``, the index of the param it mirrors, or -1.
+
+  A mirror is a subtree with the params' structure (``MaskedNode`` holes
+  allowed); its leaves mirror the params at the same positions.
+  """
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_def = jax.tree.structure(reference, is_leaf=_is_masked)
+  if param_def.num_nodes == 1:
+    return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
+
+  def is_mirror(node: Any) -> bool:
+    return jax.tree.structure(node, is_leaf=_is_masked) == param_def
+
+  out: list[int] = []
+  for node in jax.tree.leaves(inner_state, is_leaf=is_mirror):
+    if not is_mirror(node):
+      out.append(-1)
+      continue
+    for j, leaf in enumerate(jax.tree.leaves(node, is_leaf=_is_masked)):
+      if not _is_masked(leaf):
+        out.append(j)
+  return out
+
+
+def _not_applicable(leaf: Any, param: Any | None) -> str | None:
+  """Why the modes do not apply to an inner leaf (its param or None), or None."""
+  if param is None:
+    return "mirrors no param"
+  if jnp.shape(leaf) != jnp.shape(param):
+    return f"its shape {jnp.shape(leaf)} is not its param's {jnp.shape(param)}"
+  if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    return f"its dtype {jnp.result_type(leaf)} is not floating"
+  return None
+
+
+def _leaf_block(shape: tuple[int, ...], block_size: int) -> int:
+  return math.gcd(shape[-1], block_size)
+
+
+def _plan_storage(
+  mode: str, inner_state: Any, params: Any, *, min_size: int, states: str | None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+
+  Raises:
+    ValueError: naming the path, when ``states`` selects a leaf that is not a
+      floating param-shaped mirror, or selects no leaf at all.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+  indices = _mirror_params(inner_state, params)
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
+  pattern = None if states is None else re.compile(states)
+  storage = []
+  matched = False
+  for (path, leaf), j in zip(flat, indices, strict=True):
+    where = _state_dict.key_path_str(path)
+    selected = pattern is None or pattern.search(where) is not None
+    matched |= selected
+    why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
+    if why is not None and pattern is not None and selected:
+      raise ValueError(
+        f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
+        f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
+        f"the mode compresses floating param-shaped state leaves, and {why}."
+      )
+    if why is not None:
+      storage.append(_KEPT_NOT_FLOAT if "dtype" in why else _KEPT_NOT_MIRROR)
+    elif not selected:
+      storage.append(_KEPT_NOT_SELECTED)
+    elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
+      storage.append(_KEPT_SMALL)
+    else:
+      storage.append(mode)
+  if pattern is not None and not matched:
+    raise ValueError(
+      f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
+      f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
+    )
+  return tuple(storage), tuple(indices)
+
+
+def _compress(
+  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block_size: int
+) -> Any:
+  """``inner_state`` (float32) stored as ``state``'s static fields say."""
+  leaves, treedef = jax.tree.flatten(inner_state)
+  key = jax.random.fold_in(jax.random.key(state.seed), count)
+  out = []
+  for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
+    if kind == _8BIT:
+      out.append(_quantize(jnp.asarray(leaf, jnp.float32), _leaf_block(leaf.shape, block_size)))
+    elif kind == _BF16:
+      leaf_key = jax.random.fold_in(key, i) if state.stochastic_rounding else None
+      out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), leaf_key))
+    else:
+      out.append(leaf)
+  return treedef.unflatten(out)
+
+
+def _expand(state: LowPrecisionState) -> Any:
+  """The inner state, each compressed leaf back in float32."""
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  out = []
+  for leaf, kind in zip(leaves, state.storage, strict=True):
+    if kind == _8BIT:
+      leaf = _dequantize(leaf)
+    elif kind == _BF16:
+      leaf = leaf.astype(jnp.float32)
+    out.append(leaf)
+  return treedef.unflatten(out)
+
+
+def low_precision(
+  inner: optax.GradientTransformation,
+  state_dtype: str = _8BIT,
+  *,
+  stochastic_rounding: bool = True,
+  block_size: int = 256,
+  min_size: int = 4096,
+  states: str | None = None,
+  seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
+
+  See the module docstring for the two modes. In gin:
+  ``optimizers.low_precision.inner = @optax.adamw()`` and
+  ``optimizers.low_precision.state_dtype = '8bit'``; ready configs are
+  ``optimizers/adamw_8bit.gin`` and ``optimizers/adamw_bf16_sr.gin``.
+
+  Args:
+    inner: the optax transformation whose state is compressed.
+    state_dtype: ``"8bit"`` or ``"bfloat16"``.
+    stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
+    block_size: 8-bit mode: the largest block; a leaf's block is
+      ``gcd(shape[-1], block_size)``.
+    min_size: leaves with fewer elements stay as they are.
+    states: a regular expression; only inner leaves whose state path (e.g.
+      ``0/mu/dense/kernel``) it matches are compressed, and each must be a
+      floating param-shaped mirror. None: every such leaf.
+    seed: the seed of the stochastic-rounding bits.
+
+  Returns:
+    The wrapped transformation; its state is a `LowPrecisionState`.
+
+  Raises:
+    ValueError: for an unknown ``state_dtype`` or a non-positive
+      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+      does not apply to (naming its path) or no leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adamw(1e-3), "bfloat16", min_size=0)
+    >>> state = tx.init({'w': jnp.zeros((4, 4))})
+    >>> state.inner_state[0].nu['w'].dtype, state.storage
+    (dtype(bfloat16), ('kept: not param-shaped', 'bfloat16', 'bfloat16'))
+  """
+  if state_dtype not in LOW_PRECISION_MODES:
+    raise ValueError(
+      f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
+    )
+  if block_size < 1:
+    raise ValueError(f"low_precision: block_size must be positive, got {block_size}.")
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params: Any) -> LowPrecisionState:
+    inner_state = inner.init(params)
+    storage, param_index = _plan_storage(
+      state_dtype, inner_state, params, min_size=min_size, states=states
+    )
+    state = LowPrecisionState(
+      count=jnp.zeros([], jnp.int32),
+      inner_state=inner_state,
+      storage=storage,
+      param_index=param_index,
+      stochastic_rounding=stochastic_rounding,
+      seed=seed,
+    )
+    return state.replace(
+      inner_state=_compress(inner_state, state, state.count, block_size=block_size)
+    )
+
+  def update(
+    updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+  ) -> tuple[Any, LowPrecisionState]:
+    new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
+    count = optax.safe_int32_increment(state.count)
+    return new_updates, state.replace(
+      count=count, inner_state=_compress(inner_state, state, count, block_size=block_size)
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
+  """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
+
+  Keys are state-dict paths below ``param_states`` (as tuples of keys);
+  values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
+  leaf is kept as it is (``"float32: below min_size"``, ``"kept: not
+  param-shaped"``, ...). Leaves outside a `LowPrecisionState` are absent.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> state = low_precision(optax.sgd(0.1, momentum=0.9), min_size=0).init(
+    ...     {'w': jnp.zeros((2, 8))})
+    >>> leaf_storage(state)
+    {('count',): 'kept: not param-shaped', ('inner_state', '0', 'trace', 'w', 'codes'): '8bit codes', ('inner_state', '0', 'trace', 'w', 'scales'): '8bit scales'}
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  out: dict[tuple[str, ...], str] = {}
+  for path, node in jax.tree_util.tree_flatten_with_path(param_states, is_leaf=is_node)[0]:
+    if not is_node(node):
+      continue
+    prefix = _state_dict.key_path_parts(path)
+    out[(*prefix, "count")] = _KEPT_NOT_MIRROR
+    flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
+    for (leaf_path, _), kind in zip(flat, node.storage, strict=True):
+      parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
+      if kind == _8BIT:
+        out[(*parts, "codes")] = "8bit codes"
+        out[(*parts, "scales")] = "8bit scales"
+      else:
+        out[parts] = kind
+  return out
+
+
+def low_precision_to_float32(param_states: Any) -> Any:
+  """``param_states`` with every `LowPrecisionState` replaced by its float32 inner state.
+
+  Compressed leaves are expanded back to their float32 values; the result is
+  the state of the wrapped transformation alone (e.g. to restore into an
+  `OptaxWrapper` of ``inner``: its state dict has that optimizer's keys).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> inner = low_precision_to_float32(tx.init({'w': jnp.ones((2, 4))}))
+    >>> inner[0].mu['w'].dtype
+    dtype('float32')
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  return jax.tree.map(lambda x: _expand(x) if is_node(x) else x, param_states, is_leaf=is_node)
+
+
+def float32_to_low_precision(param_states: Any, like: Any, *, block_size: int = 256) -> Any:
+  """The inverse of `low_precision_to_float32`: compresses a float32 state like ``like``.
+
+  Args:
+    param_states: a float32 state: ``like`` with every `LowPrecisionState`
+      replaced by the wrapped transformation's state.
+    like: a state of the low-precision optimizer (e.g. from ``init``): where
+      its `LowPrecisionState`s sit and how each leaf is stored.
+    block_size: the ``block_size`` the low-precision optimizer was built with.
+
+  Returns:
+    ``like``'s structure holding ``param_states``' values, compressed; the
+    step counts of ``like`` are kept.
+
+  Raises:
+    ValueError: naming the path, when ``param_states`` does not have the
+      structure of ``like``'s float32 state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> like = tx.init({'w': jnp.ones((2, 4))})
+    >>> back = float32_to_low_precision(low_precision_to_float32(like), like)
+    >>> back.inner_state[0].nu['w'].codes.shape
+    (2, 4)
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  nodes, outer = jax.tree.flatten(like, is_leaf=is_node)
+  try:
+    values = outer.flatten_up_to(param_states)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"float32_to_low_precision: the float32 state does not have the structure of "
+      f"the low-precision state's outer part: {outer} vs {jax.tree.structure(param_states)}"
+    ) from e
+  out = []
+  for node, value in zip(nodes, values, strict=True):
+    if not is_node(node):
+      out.append(value)
+      continue
+    expected = jax.tree.structure(_expand(node))
+    if jax.tree.structure(value) != expected:
+      raise ValueError(
+        f"float32_to_low_precision: the float32 inner state has structure "
+        f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
+      )
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block_size=block_size)))
+  return outer.unflatten(out)
+
+
+def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> Any:
+  """The codes' spec for the scales; the last axis is dropped when there is one block."""
+  if spec is None or spec is specs_lib.UNDERIVED:
+    return spec
+  if scales_shape[-1] == 1 and codes_shape[-1] != 1:
+    return specs_lib.canonical(PartitionSpec(*spec[:-1], None), len(scales_shape))
+  return spec
+
+
+def _state_rule(
+  state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
+) -> LowPrecisionState:
+  """Codes get their param's spec; scales too, on their block dimension."""
+  param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  spec_leaves = treedef.flatten_up_to(specs.inner_state)
+  out = []
+  for leaf, spec, kind, j in zip(
+    leaves, spec_leaves, state.storage, state.param_index, strict=True
+  ):
+    if kind == _8BIT and 0 <= j < len(param_specs):
+      shape = specs_lib.leaf_shape(leaf.codes)
+      codes = specs_lib.canonical(param_specs[j], len(shape))
+      spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+    out.append(spec)
+  return specs.replace(count=None, inner_state=treedef.unflatten(out))
+
+
+registry.register_state_rule(LowPrecisionState, _state_rule)
