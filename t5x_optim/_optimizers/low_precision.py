@@ -8,8 +8,9 @@ update runs in float32, and its new state is compressed again.
 * ``"bfloat16"``: each float32 value is rounded to bfloat16. With
   ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
   rounded up with probability equal to their value, so the stored value is
-  unbiased; the random bits come from ``jax.random.key(seed)`` folded with the
-  step count and the leaf's index, so a run is reproducible, sharded or not.
+  unbiased; the random bits hash the element's index with the seed, the step
+  count and the leaf's index (`rounding_bits`), so a run is reproducible,
+  sharded or not.
   ``stochastic_rounding=False`` rounds to nearest (a small ``nu`` update then
   rounds away: accumulation stalls). 2 bytes per value.
 * ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
@@ -79,6 +80,7 @@ __all__ = [
   "leaf_storage",
   "low_precision",
   "low_precision_to_float32",
+  "rounding_bits",
 ]
 
 LOW_PRECISION_MODES = ("bfloat16", "8bit")
@@ -194,13 +196,42 @@ def _dequantize(leaf: QuantizedLeaf) -> jax.Array:
   return (values * jnp.abs(leaf.scales)[..., None]).reshape(codes.shape)
 
 
-def _to_bfloat16(x: jax.Array, key: jax.Array | None) -> jax.Array:
-  """``x`` in bfloat16: to nearest (``key`` None) or stochastically."""
-  if key is None:
+def _hash32(x: jax.Array) -> jax.Array:
+  """Chris Wellons' ``lowbias32`` integer hash of uint32 values."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def rounding_bits(shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int) -> jax.Array:
+  """16 random bits (uint32 below ``2**16``) per element, from the seed, step and leaf.
+
+  Each element's bits hash its row-major index with a key hashed from
+  ``seed``, ``count`` and ``leaf``: cheaper than a counter-based PRNG, the
+  same sharded or not, and reproducible.
+
+  Example:
+    >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
+    >>> bits.dtype, bool((bits < 2**16).all())
+    (dtype('uint32'), True)
+  """
+  key = _hash32(_hash32(_hash32(jnp.uint32(seed)) ^ count.astype(jnp.uint32)) ^ jnp.uint32(leaf))
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
+    stride *= shape[dim]
+  return _hash32(index * jnp.uint32(0x9E3779B9) + key) >> 16
+
+
+def _to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
+  """``x`` in bfloat16: to nearest (``bits`` None) or stochastically, adding 16 random ``bits``."""
+  if bits is None:
     return x.astype(jnp.bfloat16)
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
-  rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+  raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = jax.lax.bitcast_convert_type((raw + bits) & jnp.uint32(0xFFFF0000), jnp.float32)
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 
 
@@ -300,14 +331,13 @@ def _compress(
 ) -> Any:
   """``inner_state`` (float32) stored as ``state``'s static fields say."""
   leaves, treedef = jax.tree.flatten(inner_state)
-  key = jax.random.fold_in(jax.random.key(state.seed), count)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
     if kind == _8BIT:
       out.append(_quantize(jnp.asarray(leaf, jnp.float32), _leaf_block(leaf.shape, block_size)))
     elif kind == _BF16:
-      leaf_key = jax.random.fold_in(key, i) if state.stochastic_rounding else None
-      out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), leaf_key))
+      bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
+      out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
     else:
       out.append(leaf)
   return treedef.unflatten(out)
@@ -529,7 +559,11 @@ def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[in
 def _state_rule(
   state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
 ) -> LowPrecisionState:
-  """Codes get their param's spec; scales too, on their block dimension."""
+  """Codes get their param's spec; scales too, on their block dimension.
+
+  Param-shaped leaves kept in float32 (or in bfloat16) get their param's spec
+  as well: once a sibling is 8-bit, their subtree no longer mirrors the params.
+  """
   param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
   spec_leaves = treedef.flatten_up_to(specs.inner_state)
@@ -541,6 +575,9 @@ def _state_rule(
       shape = specs_lib.leaf_shape(leaf.codes)
       codes = specs_lib.canonical(param_specs[j], len(shape))
       spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+    elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
+      # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
+      spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
     out.append(spec)
   return specs.replace(count=None, inner_state=treedef.unflatten(out))
 
