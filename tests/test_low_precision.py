@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
 
 from t5x_optim import (
@@ -377,3 +378,26 @@ def test_restore_into_a_float32_optimizer_and_back(mode):
     float32_to_low_precision(
       optax.sgd(0.1, momentum=0.9).init(params), optimizer.state.param_states
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logical_axes_are_derived(mode):
+  """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""
+  params = {"w": jnp.ones((16, 32)), "b": jnp.ones((32,)), "s": jnp.ones((2,))}
+  axes = {"w": P("embed", "mlp"), "b": P("mlp"), "s": P("mlp")}
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+  opt_def = OptaxWrapper(low_precision(tx, mode, min_size=16, block_size=8), fallback="raise")
+  specs = opt_def.derive_logical_axes(opt_def.create(params), axes).state.param_states
+  b = QuantizedLeaf(P("mlp"), P("mlp")) if mode == "8bit" else P("mlp")
+  assert specs.count is None
+  assert specs.inner_state[0] == optax.FactoredState(
+    count=None,
+    v_row={"b": None, "s": None, "w": P("embed")},
+    v_col={"b": None, "s": None, "w": P("mlp")},
+    v={"b": b, "s": P("mlp"), "w": None},
+  )
+  adam = OptaxWrapper(low_precision(optax.adam(1e-2), mode, min_size=16, block_size=32))
+  mu = adam.derive_logical_axes(adam.create(params), axes).state.param_states.inner_state[0].mu
+  one_block = QuantizedLeaf(P("mlp"), None) if mode == "8bit" else P("mlp")
+  w = QuantizedLeaf(P("embed", "mlp"), P("embed", None)) if mode == "8bit" else P("embed", "mlp")
+  assert mu == {"b": one_block, "s": P("mlp"), "w": w}

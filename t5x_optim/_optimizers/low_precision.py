@@ -168,16 +168,22 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _quantize(x: jax.Array, block: int) -> QuantizedLeaf:
-  """Block-wise dynamic 8-bit quantization of a float32 array."""
+def _quantize(x: jax.Array, block: int, search: str = "scan") -> QuantizedLeaf:
+  """Block-wise dynamic 8-bit quantization of a float32 array.
+
+  ``search`` is `jnp.searchsorted`'s method; every method gives the same
+  codes. ``init`` uses ``"compare_all"``, the one that traces on abstract
+  params sharded over an explicit mesh (generic spec derivation traces
+  ``init`` so), while the others gather from a replicated table.
+  """
   blocks = _blocks(x, block)
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
   signed = jnp.min(blocks, axis=-1) < 0
   scaled = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
   codes = jnp.where(
     signed[..., None],
-    jnp.searchsorted(jnp.asarray(_midpoints(True)), scaled),
-    jnp.searchsorted(jnp.asarray(_midpoints(False)), scaled),
+    jnp.searchsorted(jnp.asarray(_midpoints(True)), scaled, method=search),
+    jnp.searchsorted(jnp.asarray(_midpoints(False)), scaled, method=search),
   )
   return QuantizedLeaf(
     codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
@@ -327,14 +333,20 @@ def _plan_storage(
 
 
 def _compress(
-  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block_size: int
+  inner_state: Any,
+  state: LowPrecisionState,
+  count: jax.Array,
+  *,
+  block_size: int,
+  search: str = "scan",
 ) -> Any:
-  """``inner_state`` (float32) stored as ``state``'s static fields say."""
+  """``inner_state`` (float32) stored as ``state``'s static fields say (``search``: `_quantize`'s)."""
   leaves, treedef = jax.tree.flatten(inner_state)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
     if kind == _8BIT:
-      out.append(_quantize(jnp.asarray(leaf, jnp.float32), _leaf_block(leaf.shape, block_size)))
+      block = _leaf_block(leaf.shape, block_size)
+      out.append(_quantize(jnp.asarray(leaf, jnp.float32), block, search))
     elif kind == _BF16:
       bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
       out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
@@ -422,7 +434,9 @@ def low_precision(
       seed=seed,
     )
     return state.replace(
-      inner_state=_compress(inner_state, state, state.count, block_size=block_size)
+      inner_state=_compress(
+        inner_state, state, state.count, block_size=block_size, search="compare_all"
+      )
     )
 
   def update(
