@@ -168,14 +168,22 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _quantize(x: jax.Array, block: int, search: str = "scan") -> QuantizedLeaf:
+def _explicitly_sharded(x: jax.Array) -> bool:
+  """Whether ``x`` is traced sharded over an explicit mesh (sharding in types)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  types = () if mesh is None or mesh.empty else mesh.axis_types
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _quantize(x: jax.Array, block: int) -> QuantizedLeaf:
   """Block-wise dynamic 8-bit quantization of a float32 array.
 
-  ``search`` is `jnp.searchsorted`'s method; every method gives the same
-  codes. ``init`` uses ``"compare_all"``, the one that traces on abstract
-  params sharded over an explicit mesh (generic spec derivation traces
-  ``init`` so), while the others gather from a replicated table.
+  Under explicit sharding (generic spec derivation traces ``init`` so) the
+  nearest map value is found by comparing with every midpoint, the only
+  `jnp.searchsorted` method that traces there; elsewhere by binary search.
+  Both give the same codes.
   """
+  search = "compare_all" if _explicitly_sharded(x) else "scan"
   blocks = _blocks(x, block)
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
   signed = jnp.min(blocks, axis=-1) < 0
@@ -333,20 +341,14 @@ def _plan_storage(
 
 
 def _compress(
-  inner_state: Any,
-  state: LowPrecisionState,
-  count: jax.Array,
-  *,
-  block_size: int,
-  search: str = "scan",
+  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block_size: int
 ) -> Any:
-  """``inner_state`` (float32) stored as ``state``'s static fields say (``search``: `_quantize`'s)."""
+  """``inner_state`` (float32) stored as ``state``'s static fields say."""
   leaves, treedef = jax.tree.flatten(inner_state)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
     if kind == _8BIT:
-      block = _leaf_block(leaf.shape, block_size)
-      out.append(_quantize(jnp.asarray(leaf, jnp.float32), block, search))
+      out.append(_quantize(jnp.asarray(leaf, jnp.float32), _leaf_block(leaf.shape, block_size)))
     elif kind == _BF16:
       bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
       out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
@@ -434,9 +436,7 @@ def low_precision(
       seed=seed,
     )
     return state.replace(
-      inner_state=_compress(
-        inner_state, state, state.count, block_size=block_size, search="compare_all"
-      )
+      inner_state=_compress(inner_state, state, state.count, block_size=block_size)
     )
 
   def update(
