@@ -17,13 +17,16 @@ interleaved in rounds of ``--eval_every`` steps, so that the machine's load
 falls on all of them alike. The table gives, per run: the final eval loss
 (mean and spread over seeds) and its ratio to float32, optimizer-state bytes
 per param (all state leaves, and the compressed moments alone), bytes per
-device of the job's mesh and on a 2x4 mesh with ZeRO (from the abstract state,
-as ``t5x-optim plan`` computes them), and the median step time with its ratio
-to float32, all measured in the same process. ``--png`` writes the eval-loss
+device of the job's mesh, and the median step time with its ratio to
+float32, all measured in the same process. A second table gives the bytes per
+param and per device (against the ideal, every byte once over the mesh) on a
+2x4 mesh with ZeRO, from the abstract state as ``t5x-optim plan`` computes
+them; ``--bytes_only`` prints that table alone, also for a T5-base-sized
+model (about 110M params). ``--png`` writes the eval-loss
 curves (matplotlib, imported only then).
 
 Run: ``python benchmarks/low_precision.py [--steps 2000] [--seeds 0 1 2]
-[--eval_every 100] [--num_devices 1] [--larger] [--png PATH]``.
+[--eval_every 100] [--num_devices 1] [--larger] [--png PATH] [--bytes_only]``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ RUNS = {
     ["optimizers.low_precision.stochastic_rounding = False"],
   ),
 }
+T5_BASE = [
+  "cli.TransformerConfig.embed_dim = 768",
+  "cli.TransformerConfig.mlp_dim = 3072",
+  "cli.TransformerConfig.num_heads = 12",
+  "cli.TransformerConfig.head_dim = 64",
+  "cli.TransformerConfig.num_layers = 12",
+  "VOCAB_SIZE = 32128",
+]
+"""A T5-base-sized model (about 110M params) whose state bytes are computed abstractly."""
 LARGER = [
   "cli.TransformerConfig.embed_dim = 128",
   "cli.TransformerConfig.mlp_dim = 512",
@@ -63,6 +75,9 @@ def _parse() -> argparse.Namespace:
     "--num_devices", type=int, default=1, help="simulated CPU devices (ignored on an accelerator)"
   )
   parser.add_argument("--png", default=None, help="write the eval-loss curves here")
+  parser.add_argument(
+    "--bytes_only", action="store_true", help="print only the state bytes (abstract, no training)"
+  )
   return parser.parse_args()
 
 
@@ -140,21 +155,34 @@ class _Run:
     return loss
 
 
-def _zero_bytes_per_device(name: str, args: argparse.Namespace) -> int:
-  """Optimizer-state bytes per device on a 2x4 mesh with ZeRO (abstract, nothing allocated)."""
-  import jax  # noqa: PLC0415
-
+def _abstract_state(name: str, model: list[str]):
+  """The job's abstract train state on a 2x4 mesh with ZeRO (nothing allocated)."""
   from t5x_optim.cli import _config, _train  # noqa: PLC0415
 
-  if jax.device_count() < 8:
-    return -1
   gin_file, bindings = RUNS[name]
   _config.parse_config(
     gin_files=[gin_file, "partitioning/zero.gin"],
-    gin_bindings=[f"TOTAL_STEPS = {args.steps}", *(LARGER if args.larger else []), *bindings],
+    gin_bindings=["TOTAL_STEPS = 10", *model, *bindings],
     macros=_config.device_macros(8),
   )
-  return _state_bytes(_train.prepare(_config.build_job()).abstract_state)[1]
+  return _train.prepare(_config.build_job()).abstract_state
+
+
+def _print_bytes(names: list[str], model: list[str], title: str) -> None:
+  """State bytes per param and per device on a 2x4 mesh with ZeRO, against the ideal."""
+  import jax  # noqa: PLC0415
+
+  print(f"\n{title}, 2x4 mesh with ZeRO (abstract state, nothing allocated)")
+  print(f"{'run':<14}{'B/param':>9}{'B/moment':>10}{'B/device':>14}{'ideal':>14}{'ratio':>7}")
+  for name in names:
+    state = _abstract_state(name, model)
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    total, per_device, compressed, values = _state_bytes(state)
+    moment = compressed / values if values else 4.0
+    print(
+      f"{name:<14}{total / params:>9.3f}{moment:>10.3f}{per_device:>14,}"
+      f"{total / 8:>14,.0f}{per_device / (total / 8):>7.3f}"
+    )
 
 
 def main() -> None:
@@ -162,6 +190,11 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(args.num_devices, 8)}"
   import jax  # noqa: PLC0415
 
+  model = LARGER if args.larger else []
+  if args.bytes_only:
+    _print_bytes(args.runs, model, "larger model" if args.larger else "default model")
+    _print_bytes(args.runs, T5_BASE, "T5-base-sized model")
+    return
   runs: dict[str, list[_Run]] = {name: [] for name in args.runs}
   started = time.perf_counter()
   for seed in args.seeds:
@@ -175,7 +208,6 @@ def main() -> None:
     for name, run in seed_runs.items():
       runs[name].append(run)
       print(f"seed {seed} {name:<13} eval loss {run.curve[-1][1]:.4f}", flush=True)
-  zero = {name: _zero_bytes_per_device(name, args) for name in args.runs}
 
   base = runs["float32"] if "float32" in runs else None
   first = next(iter(runs.values()))[0]
@@ -187,7 +219,7 @@ def main() -> None:
   )
   header = (
     f"{'run':<14}{'eval loss':>10}{'spread':>9}{'vs f32':>8}{'B/param':>9}{'B/moment':>10}"
-    f"{'B/device':>10}{'2x4 ZeRO':>10}{'ms/step':>9}{'speed vs f32':>14}"
+    f"{'B/device':>10}{'ms/step':>9}{'speed vs f32':>14}"
   )
   print(header)
   base_loss = statistics.mean(r.curve[-1][1] for r in base) if base else math.nan
@@ -202,8 +234,9 @@ def main() -> None:
     print(
       f"{name:<14}{loss:>10.4f}{spread:>9.4f}{loss / base_loss:>8.4f}"
       f"{run.total / run.params:>9.3f}{per_moment:>10.3f}{run.per_device:>10,}"
-      f"{zero[name]:>10,}{ms:>9.2f}{base_ms / ms:>14.3f}"
+      f"{ms:>9.2f}{base_ms / ms:>14.3f}"
     )
+  _print_bytes(args.runs, model, "the same model")
   if args.png:
     import matplotlib  # noqa: PLC0415
 

@@ -86,12 +86,21 @@ def ref_bfloat16(x: np.ndarray, bits: np.ndarray | None) -> np.ndarray:
   return np.asarray(jnp.asarray(np.where(np.isfinite(x), rounded, x)).astype(jnp.bfloat16))
 
 
-def ref_compress(inner_state, storage, count, *, seed, block_size, stochastic=True):
+def ref_block(last_dim: int, block_size: int, shard_multiple: int) -> int:
+  """The largest block that tiles ``last_dim`` into a multiple of its shard count."""
+  rest = last_dim // math.gcd(last_dim, shard_multiple)
+  return max(b for b in range(1, min(block_size, rest) + 1) if rest % b == 0)
+
+
+def ref_compress(
+  inner_state, storage, count, *, seed, block_size, shard_multiple=8, stochastic=True
+):
   leaves, treedef = jax.tree.flatten(to_numpy(inner_state))
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, storage, strict=True)):
     if kind == "8bit":
-      out.append(QuantizedLeaf(*ref_quantize(leaf, math.gcd(leaf.shape[-1], block_size))))
+      block = ref_block(leaf.shape[-1], block_size, shard_multiple)
+      out.append(QuantizedLeaf(*ref_quantize(leaf, block)))
     elif kind == "bfloat16":
       out.append(ref_bfloat16(leaf, ref_bits(leaf.shape, seed, count, i) if stochastic else None))
     else:
@@ -128,9 +137,9 @@ def test_quantize_matches_reference_bit_for_bit():
       np.zeros((1, 64)),
     ]
   ).astype(np.float32)
-  state = low_precision(optax.sgd(0.1, momentum=0.9), "8bit", block_size=16, min_size=0).init(
-    {"w": jnp.asarray(x)}
-  )
+  state = low_precision(
+    optax.sgd(0.1, momentum=0.9), "8bit", block_size=16, shard_multiple=1, min_size=0
+  ).init({"w": jnp.asarray(x)})
   leaf = state.inner_state[0].trace["w"]
   assert isinstance(leaf, QuantizedLeaf) and leaf.scales.shape == (6, 4)
   codes, scales = ref_quantize(x, 16)
@@ -144,6 +153,11 @@ def test_quantize_matches_reference_bit_for_bit():
   top = np.abs(x) >= 0.1 * np.abs(x).max(axis=1, keepdims=True)
   top &= x != 0
   assert np.max(np.abs(back - x)[top] / np.abs(x)[top]) < 0.08
+
+
+def _low(inner, mode, **kwargs):
+  """`low_precision` with blocks of 4 along the last dimension, every leaf compressed."""
+  return low_precision(inner, mode, block_size=4, shard_multiple=1, min_size=0, **kwargs)
 
 
 def _update_fn(tx, extras, jit):
@@ -160,11 +174,14 @@ def _arrays(extras):
   return {k: v for k, v in extras.items() if not callable(v)}
 
 
-def _reference_run(make, mode, params, *, jit, block_size=4, stochastic=True, seed=0):
-  """The inner transformation in float32, its state stored through the reference between steps."""
+def _reference_run(make, mode, params, *, jit, stochastic=True, seed=0):
+  """The inner transformation in float32, its state stored through the reference between steps.
+
+  Blocks of 4 (``shard_multiple=1``), as `_low` builds them.
+  """
   inner = optax.with_extra_args_support(make())
-  storage = low_precision(make(), mode, block_size=block_size, min_size=0).init(params).storage
-  options = dict(seed=seed, block_size=block_size, stochastic=stochastic)
+  storage = _low(make(), mode).init(params).storage
+  options = dict(seed=seed, block_size=4, shard_multiple=1, stochastic=stochastic)
   compressed = ref_compress(inner.init(params), storage, 0, **options)
   update = None
   for step in range(STEPS):
@@ -193,8 +210,7 @@ def _wrapped_run(tx, params, *, jit):
 def test_table_matches_reference_bit_for_bit(case, mode):
   """Every optimizer of the table, op by op: the same params and stored state, bit for bit."""
   params = initial_params(case)
-  tx = low_precision(case.make(), mode, block_size=4, min_size=0)
-  got_params, got_state = _wrapped_run(tx, params, jit=False)
+  got_params, got_state = _wrapped_run(_low(case.make(), mode), params, jit=False)
   want_params, want_inner = _reference_run(case.make, mode, params, jit=False)
   _same(got_params, want_params)
   _same(got_state.inner_state, want_inner)
@@ -214,7 +230,7 @@ def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
     "sgd": lambda: optax.sgd(1e-2, momentum=0.9),
   }[name]
   params = make_params()
-  tx = low_precision(make(), mode, block_size=4, min_size=0, stochastic_rounding=stochastic, seed=3)
+  tx = _low(make(), mode, stochastic_rounding=stochastic, seed=3)
   got_params, got_state = _wrapped_run(tx, params, jit=True)
   want_params, want_inner = _reference_run(
     make, mode, params, jit=True, stochastic=stochastic, seed=3
@@ -318,7 +334,8 @@ def test_states_selects_leaves():
   "kwargs, match",
   [
     ({"state_dtype": "int4"}, "state_dtype must be one of"),
-    ({"block_size": 0}, "block_size must be positive"),
+    ({"block_size": 0}, "block_size and shard_multiple must be positive"),
+    ({"shard_multiple": 0}, "block_size and shard_multiple must be positive"),
   ],
 )
 def test_bad_arguments(kwargs, match):
@@ -396,7 +413,9 @@ def test_logical_axes_are_derived(mode):
     v_col={"b": None, "s": None, "w": P("mlp")},
     v={"b": b, "s": P("mlp"), "w": None},
   )
-  adam = OptaxWrapper(low_precision(optax.adam(1e-2), mode, min_size=16, block_size=32))
+  adam = OptaxWrapper(
+    low_precision(optax.adam(1e-2), mode, min_size=16, block_size=32, shard_multiple=1)
+  )
   mu = adam.derive_logical_axes(adam.create(params), axes).state.param_states.inner_state[0].mu
   one_block = QuantizedLeaf(P("mlp"), None) if mode == "8bit" else P("mlp")
   w = QuantizedLeaf(P("embed", "mlp"), P("embed", None)) if mode == "8bit" else P("embed", "mlp")

@@ -21,8 +21,9 @@ MODES = ["8bit", "bfloat16"]
 
 @functools.cache
 def _opt_def(mode):
-  # Blocks of 4: the scales of the test model's leaves shard over 4 and 8 devices too.
-  return OptaxWrapper(low_precision(optax.adamw(1e-2), mode, block_size=4, min_size=0))
+  # Blocks of 4, 4 or more per last dimension: the scales shard over 4 and 8 devices too.
+  tx = low_precision(optax.adamw(1e-2), mode, block_size=4, shard_multiple=4, min_size=0)
+  return OptaxWrapper(tx)
 
 
 def _fresh(mode):
@@ -78,6 +79,7 @@ def _bytes(state):
   return sum(x.addressable_shards[0].data.nbytes for x in leaves), sum(x.nbytes for x in leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("zero", [False, True])
 def test_sharded_training_matches_unsharded(mode, zero):
@@ -115,6 +117,7 @@ def test_plan_shows_storage_and_bytes(mode, bytes_per_param):
   assert plan_lib.plan_to_json(plan)["leaves"][-1]["storage"] == moments[-1].storage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_round_trip(tmp_path, mode):
   partitioner = st._partitioner(2, 4, zero=True)

@@ -24,9 +24,10 @@ update runs in float32, and its new state is compressed again.
   as in bitsandbytes and torchao, with no per-optimizer table of names. The
   scale is stored negated for signed blocks. The codes have the param's shape
   and shard like it; the scales, shaped ``(*shape[:-1], shape[-1] // block)``,
-  shard along the same dimensions. The block of a leaf is
-  ``gcd(shape[-1], block_size)``, so blocks never straddle a shard boundary
-  that divides the block count. 1 + 4 / block bytes per value (1.016 for 256).
+  shard along the same dimensions. A leaf's block (`leaf_block`) is the
+  largest that tiles the last dimension, is at most ``block_size`` and leaves
+  a block count that the last dimension's shards divide (up to
+  ``shard_multiple`` of them). 1 + 4 / block bytes per value (1.016 for 256).
 
 Leaves smaller than ``min_size`` elements, leaves that are not param-shaped
 mirrors (adafactor's factored ``v_row``, L-BFGS history), non-floating leaves
@@ -49,7 +50,7 @@ Example:
   >>> state = tx.init(params)
   >>> updates, state = tx.update({'w': jnp.ones((2, 256))}, state, params)
   >>> state.inner_state[0].mu['w'].codes.dtype, state.inner_state[0].mu['w'].scales.shape
-  (dtype('uint8'), (2, 1))
+  (dtype('uint8'), (2, 8))
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ __all__ = [
   "QuantizedLeaf",
   "dynamic_map",
   "float32_to_low_precision",
+  "leaf_block",
   "leaf_storage",
   "low_precision",
   "low_precision_to_float32",
@@ -293,8 +295,21 @@ def _not_applicable(leaf: Any, param: Any | None) -> str | None:
   return None
 
 
-def _leaf_block(shape: tuple[int, ...], block_size: int) -> int:
-  return math.gcd(shape[-1], block_size)
+def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int:
+  """The block of an 8-bit leaf whose last dimension is ``last_dim``.
+
+  The largest divisor of ``last_dim // gcd(last_dim, shard_multiple)`` not
+  above ``block_size``: blocks tile the last dimension, and the block count
+  is a multiple of ``gcd(last_dim, shard_multiple)``, so the scales shard
+  along the last dimension wherever the codes do over up to
+  ``shard_multiple`` devices (a power of two).
+
+  Example:
+    >>> leaf_block(4096), leaf_block(3072), leaf_block(768), leaf_block(768, shard_multiple=1)
+    (256, 192, 96, 256)
+  """
+  rest = last_dim // math.gcd(last_dim, shard_multiple)
+  return next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
 
 
 def _plan_storage(
@@ -340,15 +355,13 @@ def _plan_storage(
   return tuple(storage), tuple(indices)
 
 
-def _compress(
-  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block_size: int
-) -> Any:
+def _compress(inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any) -> Any:
   """``inner_state`` (float32) stored as ``state``'s static fields say."""
   leaves, treedef = jax.tree.flatten(inner_state)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
     if kind == _8BIT:
-      out.append(_quantize(jnp.asarray(leaf, jnp.float32), _leaf_block(leaf.shape, block_size)))
+      out.append(_quantize(jnp.asarray(leaf, jnp.float32), block(leaf.shape[-1])))
     elif kind == _BF16:
       bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
       out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
@@ -376,6 +389,7 @@ def low_precision(
   *,
   stochastic_rounding: bool = True,
   block_size: int = 256,
+  shard_multiple: int = 8,
   min_size: int = 4096,
   states: str | None = None,
   seed: int = 0,
@@ -391,8 +405,10 @@ def low_precision(
     inner: the optax transformation whose state is compressed.
     state_dtype: ``"8bit"`` or ``"bfloat16"``.
     stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
-    block_size: 8-bit mode: the largest block; a leaf's block is
-      ``gcd(shape[-1], block_size)``.
+    block_size: 8-bit mode: the largest block (see `leaf_block`).
+    shard_multiple: 8-bit mode: each leaf's block count is a multiple of
+      ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
+      dimension wherever the codes do over up to that many devices.
     min_size: leaves with fewer elements stay as they are.
     states: a regular expression; only inner leaves whose state path (e.g.
       ``0/mu/dense/kernel``) it matches are compressed, and each must be a
@@ -418,8 +434,12 @@ def low_precision(
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
     )
-  if block_size < 1:
-    raise ValueError(f"low_precision: block_size must be positive, got {block_size}.")
+  if block_size < 1 or shard_multiple < 1:
+    raise ValueError(
+      f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
+      f"and {shard_multiple}."
+    )
+  block = functools.partial(leaf_block, block_size=block_size, shard_multiple=shard_multiple)
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
@@ -435,9 +455,7 @@ def low_precision(
       stochastic_rounding=stochastic_rounding,
       seed=seed,
     )
-    return state.replace(
-      inner_state=_compress(inner_state, state, state.count, block_size=block_size)
-    )
+    return state.replace(inner_state=_compress(inner_state, state, state.count, block=block))
 
   def update(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
@@ -445,7 +463,7 @@ def low_precision(
     new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
     count = optax.safe_int32_increment(state.count)
     return new_updates, state.replace(
-      count=count, inner_state=_compress(inner_state, state, count, block_size=block_size)
+      count=count, inner_state=_compress(inner_state, state, count, block=block)
     )
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -508,7 +526,7 @@ def low_precision_to_float32(param_states: Any) -> Any:
   return jax.tree.map(lambda x: _expand(x) if is_node(x) else x, param_states, is_leaf=is_node)
 
 
-def float32_to_low_precision(param_states: Any, like: Any, *, block_size: int = 256) -> Any:
+def float32_to_low_precision(param_states: Any, like: Any) -> Any:
   """The inverse of `low_precision_to_float32`: compresses a float32 state like ``like``.
 
   Args:
@@ -516,7 +534,6 @@ def float32_to_low_precision(param_states: Any, like: Any, *, block_size: int = 
       replaced by the wrapped transformation's state.
     like: a state of the low-precision optimizer (e.g. from ``init``): where
       its `LowPrecisionState`s sit and how each leaf is stored.
-    block_size: the ``block_size`` the low-precision optimizer was built with.
 
   Returns:
     ``like``'s structure holding ``param_states``' values, compressed; the
@@ -557,7 +574,12 @@ def float32_to_low_precision(param_states: Any, like: Any, *, block_size: int = 
         f"float32_to_low_precision: the float32 inner state has structure "
         f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
       )
-    out.append(node.replace(inner_state=_compress(value, node, node.count, block_size=block_size)))
+    blocks = {
+      leaf.codes.shape[-1]: leaf.codes.shape[-1] // leaf.scales.shape[-1]
+      for leaf in jax.tree.leaves(node.inner_state, is_leaf=_is_quantized)
+      if _is_quantized(leaf)
+    }
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
   return outer.unflatten(out)
 
 
