@@ -78,6 +78,12 @@ def _parse() -> argparse.Namespace:
   parser.add_argument(
     "--bytes_only", action="store_true", help="print only the state bytes (abstract, no training)"
   )
+  parser.add_argument(
+    "--binding",
+    action="append",
+    default=[],
+    help="a gin binding for every run (e.g. 'optimizers.low_precision.shard_multiple = 1')",
+  )
   return parser.parse_args()
 
 
@@ -118,8 +124,9 @@ class _Run:
       f"cli.TrainJob.seed = {seed}",
       "cli.TrainJob.eval_batches = 8",
       *(LARGER if args.larger else []),
+      *args.binding,
     ]
-    if "low_precision" in open(_config.GIN_DIR / gin_file).read():
+    if "low_precision" in (_config.GIN_DIR / gin_file).read_text():
       common.append(f"optimizers.low_precision.seed = {seed}")
     _config.parse_config(
       gin_files=[gin_file],
@@ -155,27 +162,27 @@ class _Run:
     return loss
 
 
-def _abstract_state(name: str, model: list[str]):
+def _abstract_state(name: str, model: list[str], extra: list[str]):
   """The job's abstract train state on a 2x4 mesh with ZeRO (nothing allocated)."""
   from t5x_optim.cli import _config, _train  # noqa: PLC0415
 
   gin_file, bindings = RUNS[name]
   _config.parse_config(
     gin_files=[gin_file, "partitioning/zero.gin"],
-    gin_bindings=["TOTAL_STEPS = 10", *model, *bindings],
+    gin_bindings=["TOTAL_STEPS = 10", *model, *extra, *bindings],
     macros=_config.device_macros(8),
   )
   return _train.prepare(_config.build_job()).abstract_state
 
 
-def _print_bytes(names: list[str], model: list[str], title: str) -> None:
+def _print_bytes(names: list[str], model: list[str], extra: list[str], title: str) -> None:
   """State bytes per param and per device on a 2x4 mesh with ZeRO, against the ideal."""
   import jax  # noqa: PLC0415
 
   print(f"\n{title}, 2x4 mesh with ZeRO (abstract state, nothing allocated)")
   print(f"{'run':<14}{'B/param':>9}{'B/moment':>10}{'B/device':>14}{'ideal':>14}{'ratio':>7}")
   for name in names:
-    state = _abstract_state(name, model)
+    state = _abstract_state(name, model, extra)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     total, per_device, compressed, values = _state_bytes(state)
     moment = compressed / values if values else 4.0
@@ -192,8 +199,8 @@ def main() -> None:
 
   model = LARGER if args.larger else []
   if args.bytes_only:
-    _print_bytes(args.runs, model, "larger model" if args.larger else "default model")
-    _print_bytes(args.runs, T5_BASE, "T5-base-sized model")
+    _print_bytes(args.runs, model, args.binding, "larger" if args.larger else "default model")
+    _print_bytes(args.runs, T5_BASE, args.binding, "T5-base-sized model")
     return
   runs: dict[str, list[_Run]] = {name: [] for name in args.runs}
   started = time.perf_counter()
@@ -236,7 +243,7 @@ def main() -> None:
       f"{run.total / run.params:>9.3f}{per_moment:>10.3f}{run.per_device:>10,}"
       f"{ms:>9.2f}{base_ms / ms:>14.3f}"
     )
-  _print_bytes(args.runs, model, "the same model")
+  _print_bytes(args.runs, model, args.binding, "the same model")
   if args.png:
     import matplotlib  # noqa: PLC0415
 
