@@ -5,7 +5,8 @@ only that line to ``from t5x_optim import optimizers``. Besides the interface
 classes it holds a wrapped factory (`wrap_optax_optimizer`) for every optax
 and optax.contrib optimizer factory, found by introspection at import, under
 optax's own name (``adamw``, ``adafactor``, ``lion``, ...), `chain`, which
-takes a list, and the `jax.example_libraries.optimizers` triples as
+takes a list, `low_precision` (a transformation storing another's state in
+bfloat16 or 8 bits), and the `jax.example_libraries.optimizers` triples as
 ``example_lib_<name>`` (``example_lib_adam``, ``example_lib_sm3``, ...).
 
 Example:

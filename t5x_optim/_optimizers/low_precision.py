@@ -15,7 +15,7 @@ update runs in float32, and its new state is compressed again.
   rounds away: accumulation stalls). 2 bytes per value.
 * ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
   of bitsandbytes (Dettmers et al., 2022), as torchao's 8-bit optimizers use
-  them: each block of ``block_size`` consecutive elements along the *last*
+  them: each block of up to ``block_size`` consecutive elements along the *last*
   dimension is scaled by its absolute maximum, and each scaled value is
   stored as the index (``uint8``) of the nearest of 256 map values. A block
   with a negative value uses the signed map (sign, 7 decades of exponent);
@@ -38,8 +38,8 @@ refuses, naming the path, a matching leaf the mode does not apply to.
 
 The state is `LowPrecisionState` (an int32 ``count`` and the compressed
 ``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
-``.../mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16 leaf keeps
-its float32 key (a float32 state dict restores into it, rounded).
+``inner_state/0/mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16
+leaf one, ``inner_state/0/mu/dense/kernel``.
 `low_precision_to_float32` and `float32_to_low_precision` convert states
 both ways, e.g. to restore into an optimizer without the wrapper and back.
 
