@@ -22,6 +22,13 @@ from t5x_optim._optimizers.example_lib import (
 )
 from t5x_optim._optimizers.fused import FusedUpdate, FusionReport, fusion_report
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.low_precision import (
+  LowPrecisionState,
+  QuantizedLeaf,
+  float32_to_low_precision,
+  low_precision,
+  low_precision_to_float32,
+)
 from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optimizers.optax_wrapper import (
   OptaxHyperParams,
@@ -47,6 +54,7 @@ __all__ = [
   "ExampleLibOptimizerDef",
   "FusedUpdate",
   "FusionReport",
+  "LowPrecisionState",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxWrapper",
@@ -54,6 +62,7 @@ __all__ = [
   "OptimizerDef",
   "OptimizerState",
   "PathFilter",
+  "QuantizedLeaf",
   "StackedLayout",
   "StackedParams",
   "TrainState",
@@ -61,9 +70,12 @@ __all__ = [
   "checkpoints",
   "distributed",
   "example_lib_optimizer_makers",
+  "float32_to_low_precision",
   "fusion_report",
   "inject_hyperparams",
   "latest_t5x_step",
+  "low_precision",
+  "low_precision_to_float32",
   "optax_optimizer_factories",
   "optimizers",
   "partitioning",

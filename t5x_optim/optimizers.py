@@ -5,7 +5,8 @@ only that line to ``from t5x_optim import optimizers``. Besides the interface
 classes it holds a wrapped factory (`wrap_optax_optimizer`) for every optax
 and optax.contrib optimizer factory, found by introspection at import, under
 optax's own name (``adamw``, ``adafactor``, ``lion``, ...), `chain`, which
-takes a list, and the `jax.example_libraries.optimizers` triples as
+takes a list, `low_precision` (a transformation storing another's state in
+bfloat16 or 8 bits), and the `jax.example_libraries.optimizers` triples as
 ``example_lib_<name>`` (``example_lib_adam``, ``example_lib_sm3``, ...).
 
 Example:
@@ -27,6 +28,7 @@ from t5x_optim._optimizers.example_lib import (
 )
 from t5x_optim._optimizers.fused import FusedUpdate, fusion_report
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.low_precision import low_precision
 from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._optimizers.optax_wrapper import (
   OptaxHyperParams,
@@ -132,6 +134,7 @@ __all__ = [
   "chain",
   "fusion_report",
   "inject_hyperparams",
+  "low_precision",
   "wrap_example_lib_optimizer",
   "wrap_optax_optimizer",
   *sorted(_FACTORIES),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gin
@@ -28,6 +29,8 @@ EXPECTED_OPTIMIZERS = {
   "inject_hyperparams",
   "lookahead",
   "example_lib_adam",
+  "adamw_8bit",
+  "adamw_bf16_sr",
 }
 ACCUMULATED_STEPS = 4
 """Enough steps for warmup to start and for multisteps.gin to apply its update."""
@@ -47,6 +50,13 @@ def _parse_alone(path: Path, total_steps: int = 10) -> None:
   gin.add_config_file_search_path(str(GIN_DIR))
   gin.parse_config_file(str(path))
   gin.parse_config(f"TOTAL_STEPS = {total_steps}")
+
+
+def _text(path: Path) -> str:
+  """The file's text, each ``include``d shipped file's text after it."""
+  text = path.read_text()
+  included = re.findall(r"^include '([^']+)'", text, flags=re.MULTILINE)
+  return "\n".join([text, *(_text(GIN_DIR / name) for name in included)])
 
 
 def _macro(name: str):
@@ -69,7 +79,7 @@ def test_every_gin_file_is_covered():
 
 @pytest.mark.parametrize("path", _files("optimizers"), ids=_ids(_files("optimizers")))
 def test_optimizer_file_builds_a_working_optimizer(path):
-  text = path.read_text()
+  text = _text(path)
   assert "from t5x_optim import optimizers" in text and "OPTIMIZER = " in text
   _parse_alone(path)
   opt_def = _build("OPTIMIZER")
@@ -138,7 +148,7 @@ def test_schedule_follows_total_steps(path, total_steps):
 @pytest.mark.parametrize("path", _files("optimizers"), ids=_ids(_files("optimizers")))
 def test_optimizer_file_names_its_learning_rate(path):
   _config.parse_config(gin_files=[str(path)], macros=_config.device_macros(8))
-  assert "LEARNING_RATE = " in path.read_text() and "%LEARNING_RATE" in path.read_text()
+  assert "LEARNING_RATE = " in _text(path) and "%LEARNING_RATE" in _text(path)
   assert _config.build_job().learning_rate is not None
 
 

@@ -46,6 +46,7 @@ def test_root_reexports_interface():
     "OptimizerState",
     "OptaxWrapper",
     "chain",
+    "low_precision",
     "wrap_optax_optimizer",
   ):
     assert getattr(t5x_optim, name) is getattr(optimizers, name)

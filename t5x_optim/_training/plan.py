@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._optimizers import low_precision as _low_precision
 from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = ["LeafRow", "Plan", "build_plan", "format_bytes", "format_table", "plan_to_json"]
@@ -58,6 +59,8 @@ class LeafRow:
     param_shape: that param's shape.
     dropped_axes: the param's logical axes this leaf does not keep (e.g. the
       factored dimension of adafactor's ``v_row``).
+    storage: inside a `low_precision` state, how the leaf is stored
+      (``"8bit codes"``, ``"bfloat16"``, ...) or why it is kept; else "".
   """
 
   path: str
@@ -71,6 +74,7 @@ class LeafRow:
   param: str | None
   param_shape: tuple[int, ...] | None
   dropped_axes: tuple[str, ...]
+  storage: str = ""
 
   @property
   def replicated(self) -> bool:
@@ -187,6 +191,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=is_spec_leaf)
   }
   specs = jax.tree.leaves(logical.param_states, is_leaf=is_spec_leaf)
+  storage = _low_precision.leaf_storage(state.param_states)
   leaves = jax.tree_util.tree_leaves_with_path(state.param_states)
   rows = []
   mesh_shape: dict[str, int] = {}
@@ -201,8 +206,9 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     shape = tuple(leaf.shape)
     itemsize = np.dtype(leaf.dtype).itemsize
     logical_axes = None if spec is None else _spec_tuple(spec, len(shape))
-    param = _match_param(path, params)
-    group = path[: len(path) - len(param)] if param else path[:-1]
+    stored = storage.get(path, "")
+    param = _match_param(path[:-1] if stored.startswith("8bit") else path, params)
+    group = path[: len(path) - len(param) - stored.startswith("8bit")] if param else path[:-1]
     param_logical = _spec_tuple(param_axes.get(param), len(params[param].shape)) if param else ()
     factored = param and logical_axes is not None and len(shape) < len(param_logical)
     dropped = _dropped(param_logical, logical_axes) if factored else ()
@@ -219,6 +225,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
         param="/".join(param) if param else None,
         param_shape=tuple(params[param].shape) if param else None,
         dropped_axes=dropped,
+        storage=stored,
       )
     )
   return Plan(mesh_shape=mesh_shape, rows=tuple(rows), warn_replicated_bytes=warn_replicated_bytes)
@@ -249,9 +256,10 @@ def _axes_text(axes: Sequence[Any] | None) -> str:
 
 
 def _note(row: LeafRow) -> str:
+  notes = [row.storage] if row.storage and row.shape else []
   if row.dropped_axes:
-    return f"factored: drops {', '.join(row.dropped_axes)} of {row.param_shape}"
-  return ""
+    notes.append(f"factored: drops {', '.join(row.dropped_axes)} of {row.param_shape}")
+  return "; ".join(notes)
 
 
 def format_table(plan: Plan) -> str:
@@ -329,6 +337,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "param": row.param,
         "param_shape": None if row.param_shape is None else list(row.param_shape),
         "dropped_axes": list(row.dropped_axes),
+        "storage": row.storage,
       }
       for row in plan.rows
     ],

@@ -1,0 +1,640 @@
+"""`low_precision`: any optax optimizer with its param-shaped state stored compressed.
+
+Between steps, the param-shaped ("mirror") state leaves of the wrapped
+transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
+one of two forms; inside the update they are expanded to float32, the wrapped
+update runs in float32, and its new state is compressed again.
+
+* ``"bfloat16"``: each float32 value is rounded to bfloat16. With
+  ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
+  rounded up with probability equal to their value, so the stored value is
+  unbiased; the random bits hash the element's index with the seed, the step
+  count and the leaf's index (`rounding_bits`), so a run is reproducible,
+  sharded or not.
+  ``stochastic_rounding=False`` rounds to nearest (a small ``nu`` update then
+  rounds away: accumulation stalls). 2 bytes per value.
+* ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
+  of bitsandbytes (Dettmers et al., 2022), as torchao's 8-bit optimizers use
+  them: each block of up to ``block_size`` consecutive elements along the *last*
+  dimension is scaled by its absolute maximum, and each scaled value is
+  stored as the index (``uint8``) of the nearest of 256 map values. A block
+  with a negative value uses the signed map (sign, 7 decades of exponent);
+  a block without uses the unsigned map, which spends the sign bit on
+  precision: adam's ``mu`` gets the signed map and ``nu`` the unsigned one,
+  as in bitsandbytes and torchao, with no per-optimizer table of names. The
+  scale is stored negated for signed blocks. The codes have the param's shape
+  and shard like it; the scales, shaped ``(*shape[:-1], shape[-1] // block)``,
+  shard along the same dimensions. A leaf's block (`leaf_block`) is the
+  largest that tiles the last dimension, is at most ``block_size`` and leaves
+  a block count that the last dimension's shards divide (up to
+  ``shard_multiple`` of them). 1 + 4 / block bytes per value (1.016 for 256).
+
+Leaves smaller than ``min_size`` elements, leaves that are not param-shaped
+mirrors (adafactor's factored ``v_row``, L-BFGS history), non-floating leaves
+and scalars stay as they are; `leaf_storage` says why for each leaf, and
+``t5x-optim plan`` shows it. ``states=`` (a regular expression on the state
+path, e.g. ``'0/(mu|nu)/'``) restricts compression to matching leaves, and
+refuses, naming the path, a matching leaf the mode does not apply to.
+
+The state is `LowPrecisionState` (an int32 ``count`` and the compressed
+``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
+``inner_state/0/mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16
+leaf one, ``inner_state/0/mu/dense/kernel``.
+`low_precision_to_float32` and `float32_to_low_precision` convert states
+both ways, e.g. to restore into an optimizer without the wrapper and back.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+  >>> params = {'w': jnp.ones((2, 256))}
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update({'w': jnp.ones((2, 256))}, state, params)
+  >>> state.inner_state[0].mu['w'].codes.dtype, state.inner_state[0].mu['w'].scales.shape
+  (dtype('uint8'), (2, 8))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from t5x_optim._axes import registry
+from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._optimizers import state_dict as _state_dict
+
+__all__ = [
+  "LOW_PRECISION_MODES",
+  "LowPrecisionState",
+  "QuantizedLeaf",
+  "dynamic_map",
+  "float32_to_low_precision",
+  "leaf_block",
+  "leaf_storage",
+  "low_precision",
+  "low_precision_to_float32",
+  "rounding_bits",
+]
+
+LOW_PRECISION_MODES = ("bfloat16", "8bit")
+"""The modes of `low_precision`'s ``state_dtype``."""
+
+_BF16 = "bfloat16"
+_8BIT = "8bit"
+_KEPT_SMALL = "float32: below min_size"
+_KEPT_NOT_MIRROR = "kept: not param-shaped"
+_KEPT_NOT_FLOAT = "kept: not floating"
+_KEPT_NOT_SELECTED = "kept: not selected by states="
+
+
+class QuantizedLeaf(NamedTuple):
+  """One 8-bit state leaf.
+
+  Attributes:
+    codes: ``uint8``, the leaf's shape: the index of each value in its
+      block's map (`dynamic_map`).
+    scales: float32, ``(*shape[:-1], shape[-1] // block)``: each block's
+      absolute maximum, negated when the block uses the signed map.
+  """
+
+  codes: Any
+  scales: Any
+
+
+@struct.dataclass
+class LowPrecisionState:
+  """State of `low_precision`.
+
+  Attributes:
+    count: int32 steps taken (folded into the stochastic-rounding bits).
+    inner_state: the wrapped transformation's state, each compressed leaf a
+      bfloat16 array or a `QuantizedLeaf`.
+    storage: static; for each leaf of the float32 inner state, how it is
+      stored: ``"bfloat16"``, ``"8bit"`` or why it is kept (`leaf_storage`).
+    param_index: static; for each leaf of the float32 inner state, the index
+      of the param it mirrors (in the params' leaf order) or -1.
+    stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
+    seed: static; the seed of the stochastic-rounding bits.
+  """
+
+  count: Any
+  inner_state: Any
+  storage: tuple[str, ...] = struct.field(pytree_node=False, default=())
+  param_index: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
+  seed: int = struct.field(pytree_node=False, default=0)
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> np.ndarray:
+  """The 256 sorted float32 values of bitsandbytes' dynamic quantization map.
+
+  Seven decades, ``1e-6`` to ``1``; decade ``i`` (from the smallest) holds
+  the midpoints of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal steps
+  of ``[0.1, 1]`` times ``10**(i - 6)``, the signed map with both signs; then
+  0 and 1. This is ``bitsandbytes.functional.create_dynamic_map(signed)``.
+
+  Example:
+    >>> m = dynamic_map(True)
+    >>> len(m), round(float(m[0]), 6), float(m[-1]), int((m == 0).sum())
+    (256, -0.992969, 1.0, 1)
+  """
+  values = [0.0, 1.0]
+  for i in range(7):
+    items = 2**i + 1 if signed else 2 ** (i + 1) + 1
+    bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+    means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+    decade = (np.float32(10.0 ** (i - 6)) * means).tolist()
+    values += decade + ([-v for v in decade] if signed else [])
+  out = np.sort(np.asarray(values, np.float32))
+  out.setflags(write=False)
+  return out
+
+
+@functools.cache
+def _midpoints(signed: bool) -> np.ndarray:
+  table = dynamic_map(signed)
+  return (table[:-1] + table[1:]) / np.float32(2)
+
+
+@functools.cache
+def _joined_tables() -> tuple[np.ndarray, np.ndarray]:
+  """(midpoints, values): the signed map's at 0-255, the unsigned map's at 256-511.
+
+  Each map's 255 midpoints are padded with +inf to 256, so a binary search
+  over one half never leaves it.
+  """
+  pad = np.array([np.inf], np.float32)
+  middles = np.concatenate([_midpoints(True), pad, _midpoints(False), pad])
+  return middles, np.concatenate([dynamic_map(True), dynamic_map(False)])
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
+  """The index of the nearest map value: the number of the map's midpoints below ``scaled``.
+
+  A binary search of 8 steps over the joined tables (one gather per step);
+  under explicit sharding (generic spec derivation traces ``init`` so),
+  where a gather from a replicated table does not trace, a count over all
+  midpoints. Both count the same midpoints.
+  """
+  if _explicitly_sharded(scaled):
+    return jnp.where(
+      signed,
+      jnp.searchsorted(jnp.asarray(_midpoints(True)), scaled, method="compare_all"),
+      jnp.searchsorted(jnp.asarray(_midpoints(False)), scaled, method="compare_all"),
+    )
+  middles = jnp.asarray(_joined_tables()[0])
+  offset = jnp.where(signed, 0, 256)
+  found = jnp.zeros(scaled.shape, jnp.int32)
+  for step in (128, 64, 32, 16, 8, 4, 2, 1):
+    candidate = found + step
+    found = jnp.where(middles[offset + candidate - 1] < scaled, candidate, found)
+  return found
+
+
+def _quantize(x: jax.Array, block: int) -> QuantizedLeaf:
+  """Block-wise dynamic 8-bit quantization of a float32 array."""
+  blocks = _blocks(x, block)
+  absmax = jnp.max(jnp.abs(blocks), axis=-1)
+  signed = jnp.min(blocks, axis=-1) < 0
+  scaled = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+  codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
+  return QuantizedLeaf(
+    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
+  )
+
+
+def _dequantize(leaf: QuantizedLeaf) -> jax.Array:
+  codes = _blocks(leaf.codes.astype(jnp.int32), leaf.codes.shape[-1] // leaf.scales.shape[-1])
+  offset = jnp.where(leaf.scales < 0, 0, 256)[..., None]
+  values = jnp.asarray(_joined_tables()[1])[offset + codes]
+  return (values * jnp.abs(leaf.scales)[..., None]).reshape(leaf.codes.shape)
+
+
+def _explicitly_sharded(x: jax.Array) -> bool:
+  """Whether ``x`` is traced sharded over an explicit mesh (sharding in types)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  types = () if mesh is None or mesh.empty else mesh.axis_types
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _hash32(x: jax.Array) -> jax.Array:
+  """Chris Wellons' ``lowbias32`` integer hash of uint32 values."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def rounding_bits(shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int) -> jax.Array:
+  """16 random bits (uint32 below ``2**16``) per element, from the seed, step and leaf.
+
+  Each element's bits hash its row-major index with a key hashed from
+  ``seed``, ``count`` and ``leaf``: cheaper than a counter-based PRNG, the
+  same sharded or not, and reproducible.
+
+  Example:
+    >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
+    >>> bits.dtype, bool((bits < 2**16).all())
+    (dtype('uint32'), True)
+  """
+  key = _hash32(_hash32(_hash32(jnp.uint32(seed)) ^ count.astype(jnp.uint32)) ^ jnp.uint32(leaf))
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
+    stride *= shape[dim]
+  return _hash32(index * jnp.uint32(0x9E3779B9) + key) >> 16
+
+
+def _to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
+  """``x`` in bfloat16: to nearest (``bits`` None) or stochastically, adding 16 random ``bits``."""
+  if bits is None:
+    return x.astype(jnp.bfloat16)
+  raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = jax.lax.bitcast_convert_type((raw + bits) & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+
+
+def _is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedLeaf)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _mirror_params(inner_state: Any, params: Any) -> list[int]:
+  """For each leaf of ``inner_state``, the index of the param it mirrors, or -1.
+
+  A mirror is a subtree with the params' structure (``MaskedNode`` holes
+  allowed); its leaves mirror the params at the same positions.
+  """
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_def = jax.tree.structure(reference, is_leaf=_is_masked)
+  if param_def.num_nodes == 1:
+    return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
+
+  def is_mirror(node: Any) -> bool:
+    return jax.tree.structure(node, is_leaf=_is_masked) == param_def
+
+  out: list[int] = []
+  for node in jax.tree.leaves(inner_state, is_leaf=is_mirror):
+    if not is_mirror(node):
+      out.append(-1)
+      continue
+    for j, leaf in enumerate(jax.tree.leaves(node, is_leaf=_is_masked)):
+      if not _is_masked(leaf):
+        out.append(j)
+  return out
+
+
+def _not_applicable(leaf: Any, param: Any | None) -> str | None:
+  """Why the modes do not apply to an inner leaf (its param or None), or None."""
+  if param is None:
+    return "mirrors no param"
+  if jnp.shape(leaf) != jnp.shape(param):
+    return f"its shape {jnp.shape(leaf)} is not its param's {jnp.shape(param)}"
+  if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    return f"its dtype {jnp.result_type(leaf)} is not floating"
+  return None
+
+
+def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int:
+  """The block of an 8-bit leaf whose last dimension is ``last_dim``.
+
+  The largest divisor of ``last_dim // gcd(last_dim, shard_multiple)`` not
+  above ``block_size``: blocks tile the last dimension, and the block count
+  is a multiple of ``gcd(last_dim, shard_multiple)``, so the scales shard
+  along the last dimension wherever the codes do over up to
+  ``shard_multiple`` devices (a power of two).
+
+  Example:
+    >>> leaf_block(4096), leaf_block(3072), leaf_block(768), leaf_block(768, shard_multiple=1)
+    (256, 192, 96, 256)
+  """
+  rest = last_dim // math.gcd(last_dim, shard_multiple)
+  return next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
+
+
+def _plan_storage(
+  mode: str, inner_state: Any, params: Any, *, min_size: int, states: str | None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+
+  Raises:
+    ValueError: naming the path, when ``states`` selects a leaf that is not a
+      floating param-shaped mirror, or selects no leaf at all.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+  indices = _mirror_params(inner_state, params)
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
+  pattern = None if states is None else re.compile(states)
+  storage = []
+  matched = False
+  for (path, leaf), j in zip(flat, indices, strict=True):
+    where = _state_dict.key_path_str(path)
+    selected = pattern is None or pattern.search(where) is not None
+    matched |= selected
+    why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
+    if why is not None and pattern is not None and selected:
+      raise ValueError(
+        f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
+        f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
+        f"the mode compresses floating param-shaped state leaves, and {why}."
+      )
+    if why is not None:
+      storage.append(_KEPT_NOT_FLOAT if "dtype" in why else _KEPT_NOT_MIRROR)
+    elif not selected:
+      storage.append(_KEPT_NOT_SELECTED)
+    elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
+      storage.append(_KEPT_SMALL)
+    else:
+      storage.append(mode)
+  if pattern is not None and not matched:
+    raise ValueError(
+      f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
+      f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
+    )
+  return tuple(storage), tuple(indices)
+
+
+def _compress(inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any) -> Any:
+  """``inner_state`` (float32) stored as ``state``'s static fields say."""
+  leaves, treedef = jax.tree.flatten(inner_state)
+  out = []
+  for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
+    if kind == _8BIT:
+      out.append(_quantize(jnp.asarray(leaf, jnp.float32), block(leaf.shape[-1])))
+    elif kind == _BF16:
+      bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
+      out.append(_to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
+    else:
+      out.append(leaf)
+  return treedef.unflatten(out)
+
+
+def _expand(state: LowPrecisionState) -> Any:
+  """The inner state, each compressed leaf back in float32."""
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  out = []
+  for leaf, kind in zip(leaves, state.storage, strict=True):
+    if kind == _8BIT:
+      leaf = _dequantize(leaf)
+    elif kind == _BF16:
+      leaf = leaf.astype(jnp.float32)
+    out.append(leaf)
+  return treedef.unflatten(out)
+
+
+def low_precision(
+  inner: optax.GradientTransformation,
+  state_dtype: str = _8BIT,
+  *,
+  stochastic_rounding: bool = True,
+  block_size: int = 256,
+  shard_multiple: int = 8,
+  min_size: int = 4096,
+  states: str | None = None,
+  seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
+
+  See the module docstring for the two modes. In gin:
+  ``optimizers.low_precision.inner = @optax.adamw()`` and
+  ``optimizers.low_precision.state_dtype = '8bit'``; ready configs are
+  ``optimizers/adamw_8bit.gin`` and ``optimizers/adamw_bf16_sr.gin``.
+
+  Args:
+    inner: the optax transformation whose state is compressed.
+    state_dtype: ``"8bit"`` or ``"bfloat16"``.
+    stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
+    block_size: 8-bit mode: the largest block (see `leaf_block`).
+    shard_multiple: 8-bit mode: each leaf's block count is a multiple of
+      ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
+      dimension wherever the codes do over up to that many devices.
+    min_size: leaves with fewer elements stay as they are.
+    states: a regular expression; only inner leaves whose state path (e.g.
+      ``0/mu/dense/kernel``) it matches are compressed, and each must be a
+      floating param-shaped mirror. None: every such leaf.
+    seed: the seed of the stochastic-rounding bits.
+
+  Returns:
+    The wrapped transformation; its state is a `LowPrecisionState`.
+
+  Raises:
+    ValueError: for an unknown ``state_dtype`` or a non-positive
+      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+      does not apply to (naming its path) or no leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adamw(1e-3), "bfloat16", min_size=0)
+    >>> state = tx.init({'w': jnp.zeros((4, 4))})
+    >>> state.inner_state[0].nu['w'].dtype, state.storage
+    (dtype(bfloat16), ('kept: not param-shaped', 'bfloat16', 'bfloat16'))
+  """
+  if state_dtype not in LOW_PRECISION_MODES:
+    raise ValueError(
+      f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
+    )
+  if block_size < 1 or shard_multiple < 1:
+    raise ValueError(
+      f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
+      f"and {shard_multiple}."
+    )
+  block = functools.partial(leaf_block, block_size=block_size, shard_multiple=shard_multiple)
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params: Any) -> LowPrecisionState:
+    inner_state = inner.init(params)
+    storage, param_index = _plan_storage(
+      state_dtype, inner_state, params, min_size=min_size, states=states
+    )
+    state = LowPrecisionState(
+      count=jnp.zeros([], jnp.int32),
+      inner_state=inner_state,
+      storage=storage,
+      param_index=param_index,
+      stochastic_rounding=stochastic_rounding,
+      seed=seed,
+    )
+    return state.replace(inner_state=_compress(inner_state, state, state.count, block=block))
+
+  def update(
+    updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+  ) -> tuple[Any, LowPrecisionState]:
+    new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
+    count = optax.safe_int32_increment(state.count)
+    return new_updates, state.replace(
+      count=count, inner_state=_compress(inner_state, state, count, block=block)
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
+  """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
+
+  Keys are state-dict paths below ``param_states`` (as tuples of keys);
+  values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
+  leaf is kept as it is (``"float32: below min_size"``, ``"kept: not
+  param-shaped"``, ...). Leaves outside a `LowPrecisionState` are absent.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> state = low_precision(optax.sgd(0.1, momentum=0.9), min_size=0).init(
+    ...     {'w': jnp.zeros((2, 8))})
+    >>> leaf_storage(state)
+    {('count',): 'kept: not param-shaped', ('inner_state', '0', 'trace', 'w', 'codes'): '8bit codes', ('inner_state', '0', 'trace', 'w', 'scales'): '8bit scales'}
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  out: dict[tuple[str, ...], str] = {}
+  for path, node in jax.tree_util.tree_flatten_with_path(param_states, is_leaf=is_node)[0]:
+    if not is_node(node):
+      continue
+    prefix = _state_dict.key_path_parts(path)
+    out[(*prefix, "count")] = _KEPT_NOT_MIRROR
+    flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
+    for (leaf_path, _), kind in zip(flat, node.storage, strict=True):
+      parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
+      if kind == _8BIT:
+        out[(*parts, "codes")] = "8bit codes"
+        out[(*parts, "scales")] = "8bit scales"
+      else:
+        out[parts] = kind
+  return out
+
+
+def low_precision_to_float32(param_states: Any) -> Any:
+  """``param_states`` with every `LowPrecisionState` replaced by its float32 inner state.
+
+  Compressed leaves are expanded back to their float32 values; the result is
+  the state of the wrapped transformation alone (e.g. to restore into an
+  `OptaxWrapper` of ``inner``: its state dict has that optimizer's keys).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> inner = low_precision_to_float32(tx.init({'w': jnp.ones((2, 4))}))
+    >>> inner[0].mu['w'].dtype
+    dtype('float32')
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  return jax.tree.map(lambda x: _expand(x) if is_node(x) else x, param_states, is_leaf=is_node)
+
+
+def float32_to_low_precision(param_states: Any, like: Any) -> Any:
+  """The inverse of `low_precision_to_float32`: compresses a float32 state like ``like``.
+
+  Args:
+    param_states: a float32 state: ``like`` with every `LowPrecisionState`
+      replaced by the wrapped transformation's state.
+    like: a state of the low-precision optimizer (e.g. from ``init``): where
+      its `LowPrecisionState`s sit and how each leaf is stored.
+
+  Returns:
+    ``like``'s structure holding ``param_states``' values, compressed; the
+    step counts of ``like`` are kept.
+
+  Raises:
+    ValueError: naming the path, when ``param_states`` does not have the
+      structure of ``like``'s float32 state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> like = tx.init({'w': jnp.ones((2, 4))})
+    >>> back = float32_to_low_precision(low_precision_to_float32(like), like)
+    >>> back.inner_state[0].nu['w'].codes.shape
+    (2, 4)
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  nodes, outer = jax.tree.flatten(like, is_leaf=is_node)
+  try:
+    values = outer.flatten_up_to(param_states)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"float32_to_low_precision: the float32 state does not have the structure of "
+      f"the low-precision state's outer part: {outer} vs {jax.tree.structure(param_states)}"
+    ) from e
+  out = []
+  for node, value in zip(nodes, values, strict=True):
+    if not is_node(node):
+      out.append(value)
+      continue
+    expected = jax.tree.structure(_expand(node))
+    if jax.tree.structure(value) != expected:
+      raise ValueError(
+        f"float32_to_low_precision: the float32 inner state has structure "
+        f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
+      )
+    blocks = {
+      leaf.codes.shape[-1]: leaf.codes.shape[-1] // leaf.scales.shape[-1]
+      for leaf in jax.tree.leaves(node.inner_state, is_leaf=_is_quantized)
+      if _is_quantized(leaf)
+    }
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
+  return outer.unflatten(out)
+
+
+def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> Any:
+  """The codes' spec for the scales; the last axis is dropped when there is one block."""
+  if spec is None or spec is specs_lib.UNDERIVED:
+    return spec
+  if scales_shape[-1] == 1 and codes_shape[-1] != 1:
+    return specs_lib.canonical(PartitionSpec(*spec[:-1], None), len(scales_shape))
+  return spec
+
+
+def _state_rule(
+  state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
+) -> LowPrecisionState:
+  """Codes get their param's spec; scales too, on their block dimension.
+
+  Param-shaped leaves kept in float32 (or in bfloat16) get their param's spec
+  as well: once a sibling is 8-bit, their subtree no longer mirrors the params.
+  """
+  param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  spec_leaves = treedef.flatten_up_to(specs.inner_state)
+  out = []
+  for leaf, spec, kind, j in zip(
+    leaves, spec_leaves, state.storage, state.param_index, strict=True
+  ):
+    if kind == _8BIT and 0 <= j < len(param_specs):
+      shape = specs_lib.leaf_shape(leaf.codes)
+      codes = specs_lib.canonical(param_specs[j], len(shape))
+      spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+    elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
+      # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
+      spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
+    out.append(spec)
+  return specs.replace(count=None, inner_state=treedef.unflatten(out))
+
+
+registry.register_state_rule(LowPrecisionState, _state_rule)

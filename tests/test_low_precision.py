@@ -1,0 +1,437 @@
+"""`low_precision`: numerics against a reference written out here, over the table, and refusals."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
+
+from t5x_optim import (
+  LowPrecisionState,
+  OptaxWrapper,
+  QuantizedLeaf,
+  float32_to_low_precision,
+  low_precision,
+  low_precision_to_float32,
+  restore_t5x_checkpoint,
+  save_t5x_checkpoint,
+)
+from t5x_optim._optimizers.low_precision import (
+  _dequantize,
+  _quantize,
+  _to_bfloat16,
+  dynamic_map,
+  leaf_storage,
+  rounding_bits,
+)
+
+STEPS = 3
+MODES = ["8bit", "bfloat16"]
+
+
+# The reference: quantize and dequantize in numpy, one block at a time.
+
+
+def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+  """Block-wise dynamic 8-bit quantization, written out element by element over blocks."""
+  flat = x.reshape(-1, block)
+  codes = np.zeros(flat.shape, np.uint8)
+  scales = np.zeros(len(flat), np.float32)
+  for b, values in enumerate(flat):
+    absmax = np.max(np.abs(values))
+    signed = bool(np.min(values) < 0)
+    table = dynamic_map(signed)
+    middles = (table[:-1] + table[1:]) / np.float32(2)
+    scaled = values / (absmax if absmax > 0 else np.float32(1))
+    codes[b] = np.searchsorted(middles, scaled, side="left")
+    scales[b] = -absmax if signed else absmax
+  return codes.reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
+
+
+def ref_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  block = codes.shape[-1] // scales.shape[-1]
+  flat, flat_scales = codes.reshape(-1, block), scales.reshape(-1)
+  out = np.stack(
+    [dynamic_map(bool(s < 0))[c] * np.abs(s) for c, s in zip(flat, flat_scales, strict=True)]
+  )
+  return out.reshape(codes.shape)
+
+
+def ref_hash32(x: np.ndarray) -> np.ndarray:
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def ref_bits(shape, seed, count, leaf) -> np.ndarray:
+  """16 random bits per element: its row-major index hashed with a key of seed, step, leaf."""
+  one = functools.partial(np.array, dtype=np.uint32, ndmin=1)
+  key = ref_hash32(ref_hash32(ref_hash32(one(seed)) ^ one(count)) ^ one(leaf))
+  index = np.arange(math.prod(shape), dtype=np.uint32).reshape(shape)
+  return ref_hash32(index * np.uint32(0x9E3779B9) + key) >> np.uint32(16)
+
+
+def ref_bfloat16(x: np.ndarray, bits: np.ndarray | None) -> np.ndarray:
+  """Round to bfloat16: add 16 random bits below the kept mantissa, then truncate."""
+  if bits is None:
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+  rounded = ((x.view(np.uint32) + bits) & np.uint32(0xFFFF0000)).view(np.float32)
+  return np.asarray(jnp.asarray(np.where(np.isfinite(x), rounded, x)).astype(jnp.bfloat16))
+
+
+def ref_block(last_dim: int, block_size: int, shard_multiple: int) -> int:
+  """The largest block that tiles ``last_dim`` into a multiple of its shard count."""
+  rest = last_dim // math.gcd(last_dim, shard_multiple)
+  return max(b for b in range(1, min(block_size, rest) + 1) if rest % b == 0)
+
+
+def ref_compress(
+  inner_state, storage, count, *, seed, block_size, shard_multiple=8, stochastic=True
+):
+  leaves, treedef = jax.tree.flatten(to_numpy(inner_state))
+  out = []
+  for i, (leaf, kind) in enumerate(zip(leaves, storage, strict=True)):
+    if kind == "8bit":
+      block = ref_block(leaf.shape[-1], block_size, shard_multiple)
+      out.append(QuantizedLeaf(*ref_quantize(leaf, block)))
+    elif kind == "bfloat16":
+      out.append(ref_bfloat16(leaf, ref_bits(leaf.shape, seed, count, i) if stochastic else None))
+    else:
+      out.append(leaf)
+  return treedef.unflatten(out)
+
+
+def ref_expand(compressed, storage):
+  leaves, treedef = jax.tree.flatten(compressed, is_leaf=lambda x: isinstance(x, QuantizedLeaf))
+  out = []
+  for leaf, kind in zip(leaves, storage, strict=True):
+    if kind == "8bit":
+      leaf = ref_dequantize(np.asarray(leaf.codes), np.asarray(leaf.scales))
+    elif kind == "bfloat16":
+      leaf = np.asarray(leaf, np.float32)
+    out.append(jnp.asarray(leaf))
+  return treedef.unflatten(out)
+
+
+def _same(a, b) -> None:
+  a, b = to_numpy(a), to_numpy(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def test_quantize_matches_reference_bit_for_bit():
+  rng = np.random.default_rng(0)
+  x = np.concatenate(
+    [
+      rng.normal(size=(3, 64)) * 10.0 ** rng.integers(-8, 3, size=(3, 1)),
+      np.abs(rng.normal(size=(2, 64))) * 1e-3,  # non-negative blocks: the unsigned map
+      np.zeros((1, 64)),
+    ]
+  ).astype(np.float32)
+  state = low_precision(
+    optax.sgd(0.1, momentum=0.9), "8bit", block_size=16, shard_multiple=1, min_size=0
+  ).init({"w": jnp.asarray(x)})
+  leaf = state.inner_state[0].trace["w"]
+  assert isinstance(leaf, QuantizedLeaf) and leaf.scales.shape == (6, 4)
+  codes, scales = ref_quantize(x, 16)
+  got = jax.jit(_quantize, static_argnums=1)(jnp.asarray(x), 16)
+  np.testing.assert_array_equal(np.asarray(got.codes), codes)
+  np.testing.assert_array_equal(np.asarray(got.scales), scales)
+  assert (scales[3:5] > 0).all() and (scales[:3] < 0).all() and (scales[5] == 0).all()
+  back = np.asarray(jax.jit(_dequantize)(got))
+  np.testing.assert_array_equal(back, ref_dequantize(codes, scales))
+  # The top decade of a block keeps a relative error of a few percent.
+  top = np.abs(x) >= 0.1 * np.abs(x).max(axis=1, keepdims=True)
+  top &= x != 0
+  assert np.max(np.abs(back - x)[top] / np.abs(x)[top]) < 0.08
+
+
+def _low(inner, mode, **kwargs):
+  """`low_precision` with blocks of 4 along the last dimension, every leaf compressed."""
+  return low_precision(inner, mode, block_size=4, shard_multiple=1, min_size=0, **kwargs)
+
+
+def _update_fn(tx, extras, jit):
+  """``tx.update``, jitted or not; callable extra arguments are closed over, arrays passed."""
+  fns = {k: v for k, v in extras.items() if callable(v)}
+
+  def update(grads, state, params, arrays):
+    return tx.update(grads, state, params, **arrays, **fns)
+
+  return jax.jit(update) if jit else update
+
+
+def _arrays(extras):
+  return {k: v for k, v in extras.items() if not callable(v)}
+
+
+def _reference_run(make, mode, params, *, jit, stochastic=True, seed=0):
+  """The inner transformation in float32, its state stored through the reference between steps.
+
+  Blocks of 4 (``shard_multiple=1``), as `_low` builds them.
+  """
+  inner = optax.with_extra_args_support(make())
+  storage = _low(make(), mode).init(params).storage
+  options = dict(seed=seed, block_size=4, shard_multiple=1, stochastic=stochastic)
+  compressed = ref_compress(inner.init(params), storage, 0, **options)
+  update = None
+  for step in range(STEPS):
+    grads, extras = grads_and_extras(inner, params)
+    update = update or _update_fn(inner, extras, jit)
+    updates, state = update(grads, ref_expand(compressed, storage), params, _arrays(extras))
+    params = optax.apply_updates(params, updates)
+    compressed = ref_compress(state, storage, step + 1, **options)
+  return params, compressed
+
+
+def _wrapped_run(tx, params, *, jit):
+  state = tx.init(params)
+  update = None
+  for _ in range(STEPS):
+    grads, extras = grads_and_extras(tx, params)
+    update = update or _update_fn(tx, extras, jit)
+    updates, state = update(grads, state, params, _arrays(extras))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_table_matches_reference_bit_for_bit(case, mode):
+  """Every optimizer of the table, op by op: the same params and stored state, bit for bit."""
+  params = initial_params(case)
+  got_params, got_state = _wrapped_run(_low(case.make(), mode), params, jit=False)
+  want_params, want_inner = _reference_run(case.make, mode, params, jit=False)
+  _same(got_params, want_params)
+  _same(got_state.inner_state, want_inner)
+  assert int(got_state.count) == STEPS
+  _check_compressed_where_param_shaped(case, got_state, params, mode)
+
+
+@pytest.mark.parametrize(
+  "mode, stochastic", [("8bit", True), ("bfloat16", True), ("bfloat16", False)]
+)
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
+  """Dequantize, update and quantize fused in one jitted step: still the reference's bits."""
+  make = {
+    "adamw": lambda: optax.adamw(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "sgd": lambda: optax.sgd(1e-2, momentum=0.9),
+  }[name]
+  params = make_params()
+  tx = _low(make(), mode, stochastic_rounding=stochastic, seed=3)
+  got_params, got_state = _wrapped_run(tx, params, jit=True)
+  want_params, want_inner = _reference_run(
+    make, mode, params, jit=True, stochastic=stochastic, seed=3
+  )
+  _same(got_params, want_params)
+  _same(got_state.inner_state, want_inner)
+
+
+def _check_compressed_where_param_shaped(case, state, params, mode):
+  """Every floating leaf whose path ends with a param's path and whose shape is that param's
+  is compressed; nothing else is."""
+  fast = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_shapes = {
+    jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(fast)
+  }
+  inner = low_precision_to_float32(state)
+  expected = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(inner):
+    name = jax.tree_util.keystr(path)
+    shape = next((s for p, s in param_shapes.items() if name.endswith(p)), None)
+    expected.append(
+      mode if shape == np.shape(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) else "kept"
+    )
+  got = [kind if kind in MODES else "kept" for kind in state.storage]
+  assert got == expected, case
+
+
+def test_stochastic_rounding_is_unbiased_and_accumulates():
+  """A nu that grows by 1e-4 per step from 1: to nearest it never moves, stochastically it does."""
+  x = jnp.full((4096,), 1.0 + 2.0**-10, jnp.float32)  # a quarter of a bfloat16 step above 1
+  rounded = _to_bfloat16(x, rounding_bits(x.shape, 0, jnp.int32(0), 0)).astype(jnp.float32)
+  assert abs(float(rounded.mean()) - float(x[0])) < 2.0**-8 * 0.05
+  assert float(_to_bfloat16(x, None)[0]) == 1.0
+
+  def accumulate(stochastic):
+    tx = low_precision(
+      optax.scale_by_rms(decay=0.999, eps=0.0, initial_scale=1.0),
+      "bfloat16",
+      min_size=0,
+      stochastic_rounding=stochastic,
+    )
+    params = {"w": jnp.zeros((64, 64))}
+    grads = {"w": jnp.full((64, 64), 1.1)}
+
+    def body(state, _):
+      return tx.update(grads, state, params)[1], None
+
+    state = jax.lax.scan(body, tx.init(params), None, length=200)[0]
+    return float(low_precision_to_float32(state).nu["w"].mean())
+
+  exact = 1.21 + (1.0 - 1.21) * 0.999**200
+  assert accumulate(False) == 1.0
+  assert abs(accumulate(True) - exact) < 2e-3
+
+
+def test_storage_small_and_factored_leaves_stay_float32():
+  params = {"big": jnp.ones((32, 64)), "small": jnp.ones((8,))}
+  state = low_precision(optax.adafactor(1e-2, min_dim_size_to_factor=16), "8bit", min_size=64).init(
+    params
+  )
+  storage = leaf_storage(state)
+  assert storage[("inner_state", "0", "v_row", "big")] == "kept: not param-shaped"
+  assert storage[("inner_state", "0", "v", "small")] == "float32: below min_size"
+  assert storage[("inner_state", "0", "v", "big")] == "kept: not param-shaped"
+  assert state.inner_state[0].v_row["big"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  "make, mode, states, match",
+  [
+    (
+      lambda: optax.adafactor(1e-2, min_dim_size_to_factor=16),
+      "8bit",
+      "v_row",
+      r"selects the state leaf '0/v_row/w' \(shape \(32,\), dtype float32\), which it does not "
+      r"apply to: .* its shape \(32,\) is not its param's \(32, 64\)",
+    ),
+    (
+      lambda: optax.adam(1e-2),
+      "bfloat16",
+      "count",
+      r"selects the state leaf '0/count' \(shape \(\), dtype int32\)",
+    ),
+    (lambda: optax.adam(1e-2), "8bit", "nope", r"selects no state leaf; the state's leaves are"),
+  ],
+)
+def test_a_mode_that_does_not_apply_is_refused_with_the_path(make, mode, states, match):
+  with pytest.raises(ValueError, match=match):
+    low_precision(make(), mode, states=states).init({"w": jnp.ones((32, 64))})
+
+
+def test_states_selects_leaves():
+  state = low_precision(optax.adam(1e-2), "8bit", states="/mu/", min_size=0).init(
+    {"w": jnp.ones((4, 8))}
+  )
+  assert isinstance(state.inner_state[0].mu["w"], QuantizedLeaf)
+  assert state.inner_state[0].nu["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"state_dtype": "int4"}, "state_dtype must be one of"),
+    ({"block_size": 0}, "block_size and shard_multiple must be positive"),
+    ({"shard_multiple": 0}, "block_size and shard_multiple must be positive"),
+  ],
+)
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    low_precision(optax.adam(1e-2), **kwargs)
+
+
+def test_state_dict_keys_and_validated_restore():
+  params = {"dense": {"kernel": jnp.ones((4, 8))}}
+  opt_def = OptaxWrapper(low_precision(optax.adamw(1e-2), "8bit", min_size=0))
+  optimizer = opt_def.create(params).apply_gradient({"dense": {"kernel": jnp.ones((4, 8))}})
+  flat = {
+    "/".join(k): v for k, v in _flatten(optimizer.state_dict()["state"]["param_states"]).items()
+  }
+  assert sorted(flat) == [
+    "count",
+    "inner_state/0/count",
+    "inner_state/0/mu/dense/kernel/codes",
+    "inner_state/0/mu/dense/kernel/scales",
+    "inner_state/0/nu/dense/kernel/codes",
+    "inner_state/0/nu/dense/kernel/scales",
+  ]
+  restored = opt_def.create(params).restore_state(optimizer.state_dict())
+  _same(restored.state, optimizer.state)
+  float32 = OptaxWrapper(optax.adamw(1e-2)).create(params).state_dict()
+  float32["state"]["param_states"] = {"count": 0, "inner_state": float32["state"]["param_states"]}
+  with pytest.raises(ValueError, match=r"inner_state/0/mu/dense/kernel"):
+    opt_def.create(params).restore_state(float32)
+
+
+def _flatten(tree, prefix=()):
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  return {k: v for key, sub in tree.items() for k, v in _flatten(sub, (*prefix, key)).items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_restore_into_a_float32_optimizer_and_back(mode):
+  params = make_params()
+  low = OptaxWrapper(low_precision(optax.adamw(1e-2), mode, min_size=0))
+  full = OptaxWrapper(optax.adamw(1e-2))
+  grads, _ = grads_and_extras(optax.adamw(1e-2), params)
+  optimizer = low.create(params).apply_gradient(grads)
+  expanded = low_precision_to_float32(optimizer.state.param_states)
+  as_float32 = optimizer.replace(
+    optimizer_def=full, state=optimizer.state.replace(param_states=expanded)
+  )
+  restored = full.create(params).restore_state(as_float32.state_dict())
+  _same(restored.state.param_states, expanded)
+  restored = restored.apply_gradient(grads)
+  back = float32_to_low_precision(restored.state.param_states, optimizer.state.param_states)
+  assert isinstance(back, LowPrecisionState) and int(back.count) == 1
+  again = low_precision_to_float32(back)
+  for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(restored.state.param_states)):
+    np.testing.assert_allclose(got, want, rtol=0.07 if mode == "8bit" else 2**-7, atol=1e-7)
+  with pytest.raises(ValueError, match=r"float32 inner state has structure"):
+    float32_to_low_precision(
+      optax.sgd(0.1, momentum=0.9).init(params), optimizer.state.param_states
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logical_axes_are_derived(mode):
+  """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""
+  params = {"w": jnp.ones((16, 32)), "b": jnp.ones((32,)), "s": jnp.ones((2,))}
+  axes = {"w": P("embed", "mlp"), "b": P("mlp"), "s": P("mlp")}
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+  opt_def = OptaxWrapper(low_precision(tx, mode, min_size=16, block_size=8), fallback="raise")
+  specs = opt_def.derive_logical_axes(opt_def.create(params), axes).state.param_states
+  b = QuantizedLeaf(P("mlp"), P("mlp")) if mode == "8bit" else P("mlp")
+  assert specs.count is None
+  assert specs.inner_state[0] == optax.FactoredState(
+    count=None,
+    v_row={"b": None, "s": None, "w": P("embed")},
+    v_col={"b": None, "s": None, "w": P("mlp")},
+    v={"b": b, "s": P("mlp"), "w": None},
+  )
+  adam = OptaxWrapper(
+    low_precision(optax.adam(1e-2), mode, min_size=16, block_size=32, shard_multiple=1)
+  )
+  mu = adam.derive_logical_axes(adam.create(params), axes).state.param_states.inner_state[0].mu
+  one_block = QuantizedLeaf(P("mlp"), None) if mode == "8bit" else P("mlp")
+  w = QuantizedLeaf(P("embed", "mlp"), P("embed", None)) if mode == "8bit" else P("embed", "mlp")
+  assert mu == {"b": one_block, "s": P("mlp"), "w": w}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_t5x_checkpoint_round_trip(tmp_path, mode):
+  """T5X's legacy checkpoint format: codes, scales and bfloat16 leaves come back exactly."""
+  params = make_params()
+  opt_def = OptaxWrapper(low_precision(optax.adamw(1e-2), mode, min_size=0))
+  grads, _ = grads_and_extras(optax.adamw(1e-2), params)
+  optimizer = opt_def.create(params).apply_gradient(grads)
+  save_t5x_checkpoint(tmp_path, optimizer)
+  restored = restore_t5x_checkpoint(tmp_path, opt_def.create(params))
+  _same(restored.state, optimizer.state)
+  _same(restored.target, optimizer.target)

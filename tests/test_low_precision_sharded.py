@@ -1,0 +1,132 @@
+"""`low_precision` states sharded on 8 simulated CPU devices, planned and checkpointed."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+import test_sharded_training as st
+from jax.sharding import PartitionSpec as P
+
+from t5x_optim import OptaxWrapper, TrainState, low_precision
+from t5x_optim._training import plan as plan_lib
+from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.partitioning import abstract_train_state
+
+MODES = ["8bit", "bfloat16"]
+
+
+@functools.cache
+def _opt_def(mode):
+  # Blocks of 4, 4 or more per last dimension: the scales shard over 4 and 8 devices too.
+  tx = low_precision(optax.adamw(1e-2), mode, block_size=4, shard_multiple=4, min_size=0)
+  return OptaxWrapper(tx)
+
+
+def _fresh(mode):
+  return TrainState.create(_opt_def(mode), st._variables("axes"))
+
+
+def _train(state, partitioner=None):
+  step = functools.partial(st._train_step, st.AxesMLP())
+  if partitioner is None:
+    return st._run(state, jax.jit(step))
+  shardings = partitioner.get_shardings(state)
+  step_fn = partitioner.partition(
+    step, (shardings, st.BATCH_AXES), (shardings, None), donate_argnums=0
+  )
+  return st._run(jax.device_put(state, shardings), step_fn)
+
+
+@functools.cache
+def _unsharded(mode):
+  return _train(_fresh(mode))
+
+
+def _expected_specs(mode, zero):
+  """Mesh specs of every state leaf on the 2x4 mesh, written out (trailing Nones dropped)."""
+  wi, bi, wo = (
+    (P("data", "model"), P(("model", "data")), P("model", "data"))
+    if zero
+    else (P(None, "model"), P("model"), P("model"))
+  )
+  specs = {".count": P(), ".inner_state[0].count": P()}
+  for moment in ("mu", "nu"):
+    for name, spec in (("wi", wi), ("bi", bi), ("wo", wo)):
+      where = f".inner_state[0].{moment}['{name}']"
+      if mode == "8bit":
+        specs[f"{where}.codes"] = specs[f"{where}.scales"] = spec
+      else:
+        specs[where] = spec
+  return specs
+
+
+def _spec_paths(tree):
+  return {
+    jax.tree_util.keystr(path): spec
+    for path, spec in jax.tree_util.tree_leaves_with_path(
+      st._actual_specs(tree), is_leaf=lambda x: isinstance(x, P)
+    )
+  }
+
+
+def _bytes(state):
+  """(bytes on device 0, total bytes) of the state leaves with more than one element."""
+  leaves = [x for x in jax.tree.leaves(state.param_states) if x.size > 1]
+  return sum(x.addressable_shards[0].data.nbytes for x in leaves), sum(x.nbytes for x in leaves)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("zero", [False, True])
+def test_sharded_training_matches_unsharded(mode, zero):
+  """Same losses and state as unsharded, the written-out specs, and the ideal bytes per device."""
+  want_state, want_losses = _unsharded(mode)
+  partitioner = st._partitioner(2, 4, zero=zero)
+  state, losses = _train(_fresh(mode), partitioner)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-7)
+  assert _spec_paths(state.param_states) == _expected_specs(mode, zero)
+  _, rule_specs = st._expected_specs(state, partitioner)
+  assert st._actual_specs(state.param_states) == st._normalized(rule_specs)
+  on_device, total = _bytes(state)
+  assert on_device == total / (8 if zero else 4)  # without ZeRO, replicated over data=2
+  for got, want in zip(
+    jax.tree.leaves(state.param_states), jax.tree.leaves(want_state.param_states)
+  ):
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, bytes_per_param", [("8bit", 1 + 4 / 4), ("bfloat16", 2)])
+def test_plan_shows_storage_and_bytes(mode, bytes_per_param):
+  partitioner = st._partitioner(2, 4, zero=True)
+  state = abstract_train_state(partitioner, _opt_def(mode), st.AxesMLP().init, *st._init_args())
+  plan = plan_lib.build_plan(state, logical=state.as_logical_axes())
+  moments = [row for row in plan.rows if row.storage.startswith(mode)]
+  assert len(moments) == (12 if mode == "8bit" else 6)
+  assert {row.param for row in moments} == {"wi", "bi", "wo"}
+  assert {row.group for row in moments} == {"inner_state/0/mu", "inner_state/0/nu"}
+  params = sum(np.prod(x.shape) for x in jax.tree.leaves(state.params))
+  assert sum(row.total_bytes for row in moments) == 2 * params * bytes_per_param
+  assert plan.bytes_per_device == pytest.approx(plan.ideal_bytes_per_device, abs=8)
+  table = plan_lib.format_table(plan)
+  assert f"{mode}" in table and "inner_state/0/mu/wi" in table
+  assert plan_lib.plan_to_json(plan)["leaves"][-1]["storage"] == moments[-1].storage
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_round_trip(tmp_path, mode):
+  partitioner = st._partitioner(2, 4, zero=True)
+  state, _ = _train(_fresh(mode), partitioner)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(st.STEPS, state)
+  target = jax.device_put(_fresh(mode), partitioner.get_shardings(_fresh(mode)))
+  with Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(target)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert got.dtype == want.dtype and got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
