@@ -438,3 +438,18 @@ def test_float32_counters_from_t5xs_orbax_checkpointer_restore_as_int32(opt_def)
     r"float32, which cannot be cast safely to the optimizer's int32 \(not every",
   ):
     state.restore_state(saved)
+
+
+@pytest.mark.parametrize(
+  "sub", [PerParamMomentum, ForeignPerParamMomentum], ids=["ours", "t5x_base_classes"]
+)
+def test_restored_multi_optimizer_state_donates_to_a_jitted_step(sub):
+  """T5X's trainer donates the train state; a restored step must not sit in two places."""
+  state = train_state(MultiOptimizer([("kernel", sub(0.1)), ("bias", sub(0.2))]))
+  restored = state.restore_state(jax.tree.map(jnp.asarray, state.state_dict()))
+  steps = [restored._optimizer.state.step] + [
+    s.step for s in restored._optimizer.state.param_states
+  ]
+  assert len({x.unsafe_buffer_pointer() for x in steps}) == len(steps)
+  step = jax.jit(lambda s, g: s.apply_gradient(g, learning_rate=0.1), donate_argnums=0)
+  np.testing.assert_array_equal(step(restored, grads_for(make_params())).step, 1)

@@ -54,6 +54,7 @@ from typing import Any, Protocol
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import serialization, traverse_util
 from flax.core import FrozenDict
 
@@ -72,6 +73,15 @@ from t5x_optim._optimizers.interface import (
 __all__ = ["MultiOptimizer", "PathFilter"]
 
 _MAX_LISTED_PATHS = 10
+
+
+def _own_copy(value: Any) -> Any:
+  """A copy of array data (a jax array keeps its sharding); placeholders as they are."""
+  if isinstance(value, jax.Array):
+    return jnp.copy(value)
+  if isinstance(value, np.ndarray | np.generic):
+    return np.copy(value)
+  return value
 
 
 def _extra_arg_names(opt_def: Any) -> frozenset[str]:
@@ -540,7 +550,9 @@ class MultiOptimizer(OptimizerDef):
     ):
       if per_param:
         sub_states = _pick(param_states, _param_paths(ref_target))
-        sub_states = {"step": step, "param_states": sub_states}
+        # Each sub-optimizer counts in an array of its own: one buffer in two
+        # places of a train state cannot be donated to a jitted step.
+        sub_states = {"step": _own_copy(step), "param_states": sub_states}
         where = "its params' paths under 'state/param_states'"
       else:
         sub_states = param_states[str(i)]
