@@ -13,6 +13,15 @@ import importlib
 from typing import Any
 
 from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
+from t5x_optim._optimizers.convert import (
+  ConversionContext,
+  ConversionReport,
+  StateConverter,
+  T5XAdafactorParamState,
+  convert_state,
+  register_state_converter,
+  registered_converters,
+)
 from t5x_optim._optimizers.discovery import optax_optimizer_factories
 from t5x_optim._optimizers.example_lib import (
   ExampleLibHyperParams,
@@ -32,6 +41,7 @@ from t5x_optim._optimizers.optax_wrapper import (
 )
 from t5x_optim._optimizers.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
+from t5x_optim._training.convert_checkpoint import restore_converted
 from t5x_optim._training.t5x_checkpoints import (
   latest_t5x_step,
   restore_t5x_checkpoint,
@@ -43,6 +53,8 @@ from t5x_optim._training.train_state import TrainState
 __all__ = [
   "CheckpointError",
   "Checkpointer",
+  "ConversionContext",
+  "ConversionReport",
   "ExampleLibHyperParams",
   "ExampleLibOptimizerDef",
   "FusedUpdate",
@@ -54,11 +66,14 @@ __all__ = [
   "OptimizerDef",
   "OptimizerState",
   "PathFilter",
+  "StateConverter",
+  "T5XAdafactorParamState",
   "StackedLayout",
   "StackedParams",
   "TrainState",
   "chain",
   "checkpoints",
+  "convert_state",
   "distributed",
   "example_lib_optimizer_makers",
   "fusion_report",
@@ -67,6 +82,9 @@ __all__ = [
   "optax_optimizer_factories",
   "optimizers",
   "partitioning",
+  "register_state_converter",
+  "registered_converters",
+  "restore_converted",
   "restore_t5x_checkpoint",
   "save_t5x_checkpoint",
   "stack_params",
