@@ -446,6 +446,7 @@ def test_t5x_legacy_adafactor_without_learning_rate_leaves_mu_fresh(partitioner)
   assert not np.any(np.asarray(state.param_states[0].mu["embedding"]))
 
 
+@pytest.mark.slow
 def test_our_checkpoint_restores_into_another_optimizer_sharded(tmp_path, partitioner):
   source_def = optimizers.adafactor(0.1, min_dim_size_to_factor=2)
   old = partitioning.init_sharded(partitioner, source_def, lambda key: _variables(), None)

@@ -838,8 +838,13 @@ def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> Optimiz
 
 
 def _placed(value: Any, like: Any) -> Any:
+  """`value` as a new array in `like`'s dtype and sharding.
+
+  Always a copy, so no two leaves of the result share a buffer (a jitted step
+  that donates its state would otherwise donate one buffer twice).
+  """
   sharding = getattr(like, "sharding", None)
-  value = jnp.asarray(value, getattr(like, "dtype", None))
+  value = jnp.array(value, getattr(like, "dtype", None), copy=True)
   return value if sharding is None else jax.device_put(value, sharding)
 
 
