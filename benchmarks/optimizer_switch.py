@@ -56,7 +56,8 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--adafactor_lr", type=float, default=1e-2)
   parser.add_argument("--adamw_lr", type=float, default=3e-3)
   parser.add_argument(
-    "--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "optimizer_switch.png")
+    "--png",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "optimizer_switch.png"),
   )
   return parser.parse_args()
 
@@ -112,9 +113,8 @@ def _switch(args, seed: int, first: str, second: str) -> dict[str, np.ndarray]:
   run = _runner(model)
   old, pre = run(defs[first].create(params), _batches(task, 0, args.before))
   after_batches = _batches(task, args.before, args.after)
-  fresh = defs[second].create(old.target).replace(
-    state=defs[second].init_state(old.target).replace(step=old.state.step)
-  )
+  fresh = defs[second].create(old.target)
+  fresh = fresh.replace(state=fresh.state.replace(step=old.state.step))
   converted, report = t5x_optim.convert_state(old, defs[second], missing="init")
   if seed == 0:
     print(f"{first} -> {second}: {report}\n")
@@ -161,7 +161,7 @@ def main() -> None:
     f"{args.before} steps before the switch, {args.after} after; mean of {args.seeds} seeds; "
     f"adafactor lr {args.adafactor_lr}, adamw lr {args.adamw_lr} (constant, no warmup)\n"
   )
-  print(f"| switch | run | peak excess | area | final loss | pre-switch loss |")
+  print("| switch | run | peak excess | area | final loss | pre-switch loss |")
   print("|---|---|---|---|---|---|")
   for title, seeds in results.items():
     pre = np.mean([np.mean(s["before"][-PRE:]) for s in seeds])
