@@ -19,7 +19,7 @@ the loss above the pre-switch loss), and the final loss (mean of the last 10
 steps), each the mean over ``--seeds`` seeds (model init and task). The same
 batches feed every run of a seed. The curves go to ``--png``.
 
-Run: ``python benchmarks/optimizer_switch.py [--before 200] [--after 100] [--seeds 3]``.
+Run: ``python benchmarks/optimizer_switch.py [--before 400] [--after 100] [--seeds 2] [--adamw_lr 1e-2]``.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ VOCAB_SIZE = 32  # the main job's (t5x-optim's default config)
 
 def _parse() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--before", type=int, default=200, help="steps before the switch")
+  parser.add_argument("--before", type=int, default=400, help="steps before the switch")
   parser.add_argument("--after", type=int, default=100, help="steps after the switch")
-  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--seeds", type=int, default=2)
   parser.add_argument("--adafactor_lr", type=float, default=1e-2)
-  parser.add_argument("--adamw_lr", type=float, default=3e-3)
+  parser.add_argument("--adamw_lr", type=float, default=1e-2)
   parser.add_argument(
     "--png",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "optimizer_switch.png"),
