@@ -16,6 +16,7 @@ from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_ch
 from t5x_optim._optimizers.convert import (
   ConversionContext,
   ConversionReport,
+  Moments,
   StateConverter,
   T5XAdafactorParamState,
   convert_state,
@@ -59,6 +60,7 @@ __all__ = [
   "ExampleLibOptimizerDef",
   "FusedUpdate",
   "FusionReport",
+  "Moments",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxWrapper",

@@ -42,6 +42,7 @@ from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerSt
 __all__ = [
   "ConversionContext",
   "ConversionReport",
+  "Moments",
   "StateConverter",
   "T5XAdafactorParamState",
   "convert_state",
@@ -84,12 +85,14 @@ class ConversionContext:
     hparams: hyper-parameters of the side being read (``source_hparams``) or
       written (``target_hparams``), for converters whose state does not hold
       them (Adam's ``b1`` and ``b2``, SGD's ``momentum``, ...).
+    param: the param path of a ``per_param`` node, else None.
   """
 
   path: str
   step: Any
   params: Mapping[str, Any]
   hparams: Mapping[str, Any]
+  param: str | None = None
 
   def hparam(self, name: str, default: Any) -> Any:
     """``hparams[name]``, or `default` (optax's default for the state's factory)."""
@@ -114,7 +117,6 @@ class Moments:
     fn: Callable[[Any, Any, str], Any],
     *,
     field: str | None = None,
-    prefix: str = "",
   ) -> Any:
     """`tree` with each leaf replaced by ``fn(value, leaf, param_path)``.
 
@@ -124,11 +126,10 @@ class Moments:
       fn: the formula; ``value`` is the param's moment, ``leaf`` the
         template's leaf. The result is cast to the leaf's dtype.
       field: the node's field name, for the report (defaults to `quantity`).
-      prefix: the param path of `tree`'s root (for per-param nodes).
     """
 
     def one(path: Any, leaf: Any) -> Any:
-      param = _join(prefix, _state_dict.key_path_str(path) if path else "")
+      param = _state_dict.key_path_str(path)
       value = self._stats.get(param, {}).get(quantity)
       self._record(field or quantity, param, value is not None)
       if value is None:
@@ -137,16 +138,14 @@ class Moments:
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
-  def count(
-    self, tree: Any, template_count: Any, quantities: tuple[str, ...] = (MU, NU), *, prefix=""
-  ) -> Any:
+  def count(self, tree: Any, template_count: Any, quantities: tuple[str, ...] = (MU, NU)) -> Any:
     """The source's count for the params of `tree`, or `template_count`.
 
     The template's count (a fresh start) stays when no param of `tree` has
     any of the `quantities` the node is written from.
     """
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      stats = self._stats.get(_join(prefix, _state_dict.key_path_str(path) if path else ""), {})
+      stats = self._stats.get(_state_dict.key_path_str(path), {})
       if any(q in stats for q in quantities):
         return jnp.asarray(stats["count"], jnp.result_type(template_count))
     return template_count
@@ -172,8 +171,9 @@ class StateConverter:
     read: see `Reader`; None if states of the type cannot be read.
     write: see `Writer`; None if states of the type cannot be written.
     per_param: the node holds one param's state (T5X's legacy Adafactor);
-      its param path is the longest suffix of the node's path that names a
-      param.
+      its param path (`ConversionContext.param`) is the longest suffix of the
+      node's path that names a param, and `read` returns single arrays.
+      Only read: the written states are optax's, whose trees span params.
   """
 
   read: Reader | None
@@ -478,7 +478,7 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   gradients, for a slowly changing ``v``. That needs the learning rate the
   run used: ``source_hparams['learning_rate']``; without it ``m`` is not read.
   """
-  param = ctx.params[ctx.path]
+  param = ctx.params[ctx.param]
   if _is_factored(state.v_row):
     d1, d0 = factored_dims(jnp.shape(param), jnp.shape(state.v_row), jnp.shape(state.v_col))
     nu = reconstruct_second_moment(state.v_row, state.v_col, d1, d0)
@@ -554,10 +554,6 @@ _builtin()
 
 
 # ------------------------------------------------------------------ engine
-
-
-def _join(prefix: str, path: str) -> str:
-  return "/".join(part for part in (prefix, path) if part)
 
 
 def _type_name(state_type: type) -> str:
@@ -641,18 +637,17 @@ def _read_source(
     converter = converters.get(type(node))
     where = "/".join(path) or "<root>"
     if converter is not None and converter.read is not None:
-      prefix = _param_suffix(path, params) if converter.per_param else ""
-      if prefix is None:
+      own = _param_suffix(path, params) if converter.per_param else None
+      if converter.per_param and own is None:
         raise ValueError(
           f"The {type(node).__name__} at '{where}' is the state of no param: no suffix "
           f"of its path is one of the params {sorted(params)}."
         )
-      ctx = ConversionContext(where if not converter.per_param else prefix, step, params, hparams)
+      ctx = ConversionContext(where, step, params, hparams, own)
       for quantity, tree in converter.read(node, ctx).items():
         if quantity == "count":
           continue
-        for rel, value in _by_param(tree).items() if not converter.per_param else [("", tree)]:
-          param = _join(prefix, "" if rel == "<root>" else rel)
+        for param, value in {own: tree}.items() if own else _by_param(tree).items():
           entry = source.stats.setdefault(param, {})
           if quantity in entry:
             raise ValueError(
