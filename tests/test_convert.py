@@ -66,6 +66,13 @@ class Kind:
     return self.name
 
 
+def _adam_stored(mu, nu, t):
+  adam = optax.ScaleByAdamState(
+    jnp.int32(t), _scaled(mu, _decay(0.9, t)), _scaled(nu, _decay(0.999, t))
+  )
+  return adam, optax.EmptyState()
+
+
 def _adafactor_stored(mu, nu, t):
   del mu
   kernel, bias = nu["dense"]["kernel"], nu["dense"]["bias"]
@@ -83,28 +90,14 @@ def _adafactor_stored(mu, nu, t):
 
 
 KINDS = [
-  Kind(
-    "adam",
-    lambda: optax.adam(1e-3),
-    frozenset({"mu", "nu"}),
-    lambda mu, nu, t: (
-      optax.ScaleByAdamState(
-        jnp.int32(t), _scaled(mu, _decay(0.9, t)), _scaled(nu, _decay(0.999, t))
-      ),
-      optax.EmptyState(),
-    ),
-  ),
+  Kind("adam", lambda: optax.adam(1e-3), frozenset({"mu", "nu"}), _adam_stored),
   Kind(
     "amsgrad",
     lambda: optax.amsgrad(1e-3),
     frozenset({"mu", "nu"}),
+    # nu_max: the largest nu so far, here the one there is.
     lambda mu, nu, t: (
-      optax.ScaleByAmsgradState(
-        jnp.int32(t),
-        _scaled(mu, _decay(0.9, t)),
-        _scaled(nu, _decay(0.999, t)),
-        _scaled(nu, _decay(0.999, t)),
-      ),
+      optax.ScaleByAmsgradState(*_adam_stored(mu, nu, t)[0], _scaled(nu, _decay(0.999, t))),
       optax.EmptyState(),
     ),
   ),

@@ -342,14 +342,19 @@ def factor_second_moment(nu: Any, d1: tuple[int, ...], d0: tuple[int, ...]):
 # ----------------------------------------------------- built-in converters
 
 
+def _read_two_averages(mu: Any, b_mu: float, nu: Any, b_nu: float, count: Any) -> dict[str, Any]:
+  """Two EMAs started at zero: mu / (1 - b_mu^t), nu / (1 - b_nu^t)."""
+  return {
+    MU: jax.tree.map(_corrected(b_mu, count), mu),
+    NU: jax.tree.map(_corrected(b_nu, count), nu),
+    "count": count,
+  }
+
+
 def _read_adam(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   """mu = mu_stored / (1 - b1^t), nu = nu_stored / (1 - b2^t)."""
   b1, b2 = ctx.hparam("b1", 0.9), ctx.hparam("b2", 0.999)
-  return {
-    MU: jax.tree.map(_corrected(b1, state.count), state.mu),
-    NU: jax.tree.map(_corrected(b2, state.count), state.nu),
-    "count": state.count,
-  }
+  return _read_two_averages(state.mu, b1, state.nu, b2, state.count)
 
 
 def _write_adam(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
@@ -499,11 +504,7 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
 def _read_adan(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   """mu = m / (1 - b1^t), nu = n / (1 - b3^t) (Adan's n averages (g + (1-b2) diff)^2)."""
   b1, b3 = ctx.hparam("b1", 0.98), ctx.hparam("b3", 0.99)
-  return {
-    MU: jax.tree.map(_corrected(b1, state.t), state.m),
-    NU: jax.tree.map(_corrected(b3, state.t), state.n),
-    "count": state.t,
-  }
+  return _read_two_averages(state.m, b1, state.n, b3, state.t)
 
 
 def _write_adan(template: Any, moments: Moments, ctx: ConversionContext) -> Any:

@@ -34,7 +34,6 @@ def main(out: str) -> None:
   import numpy as np
   from flax import traverse_util
   from t5x import adafactor, checkpoints
-  from t5x import train_state as train_state_lib
 
   assert jax.device_count() == 8, jax.devices()
   partitioner = base.t5x_partitioner()
@@ -45,22 +44,8 @@ def main(out: str) -> None:
       min_dim_size_to_factor=2,
       logical_factor_rules=adafactor.standard_logical_factor_rules(),
   )
-  state = train_state_lib.FlaxOptimTrainState.create(optimizer_def, base.tiny_variables())
-  mesh_axes = partitioner.get_mesh_axes(state)
-  shardings = jax.tree.map(
-      lambda spec: jax.sharding.NamedSharding(partitioner.mesh, spec or jax.sharding.PartitionSpec()),
-      mesh_axes,
-      is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
-  state = jax.device_put(state, shardings)
-
-  def train_step(state, seed):
-    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape), state.params)
-    return state.apply_gradient(grads, learning_rate=LEARNING_RATE)
-
-  step_fn = jax.jit(train_step, out_shardings=shardings)
-  for seed in range(STEP):
-    state = step_fn(state, seed)
-  assert int(state.step) == STEP
+  state, shardings = base.t5x_train_state(partitioner, optimizer_def)
+  state = base.train_steps(state, shardings, STEP, LEARNING_RATE)
 
   shutil.rmtree(os.path.join(out, "legacy"), ignore_errors=True)
   os.makedirs(os.path.join(out, "legacy"))
