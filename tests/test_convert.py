@@ -466,3 +466,26 @@ def test_our_checkpoint_restores_into_another_optimizer_sharded(tmp_path, partit
   assert state.param_states[0].nu["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
     "data", "model"
   )
+
+
+T5X_ADAMW = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitioner):
+  """T5X's OptaxWrapper(adamw) checkpoint (the Orbax one stores counts as float32)."""
+  source = OptaxWrapper(optax.adamw(0.1, weight_decay=0.01))
+  target = partitioning.abstract_train_state(partitioner, optimizers.lion(1e-3), _variables)
+  state, report = t5x_optim.restore_converted(T5X_ADAMW / fmt, target, source=source)
+  assert report.converted == ("0 (ScaleByLionState).mu: 3 params, from 0 (ScaleByAdamState)",)
+  with np.load(T5X_ADAMW / "expected.npz") as npz:
+    expected = dict(npz)
+  for key, value in expected.items():
+    path = key.split("/")
+    if path[0] == "target":
+      np.testing.assert_array_equal(_at(state.params, path[1:]), value)
+    elif path[2:4] == ["0", "mu"]:
+      mu = value / (1 - 0.9**2) * (1 - 0.99**2)  # adam's b1 = 0.9, lion's b2 = 0.99, t = 2
+      np.testing.assert_allclose(_at(state.param_states[0].mu, path[4:]), mu, rtol=1e-5)
+  assert int(state.step) == int(state.param_states[0].count) == 2
+  _assert_target_shardings(state, target)

@@ -860,11 +860,11 @@ def convert_state(
   every node of the target's initial state with a converter is written from
   them. Nodes are found wherever they nest (``chain``,
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
-  ``MultiOptimizer``). Built in: Adam's state (adam, adamw, nadam, radam,
-  adabelief's has its own type and is not included), AMSGrad, Adan, Lion,
-  SGD's momentum trace, RMSProp, optax's Adafactor (factored or not) and, as
-  a source, T5X's legacy ``adafactor.Adafactor``; see the module docstring
-  for the step-count rule and each converter for its formula.
+  ``MultiOptimizer``). Built in: Adam's state (adam, adamw, nadam, radam),
+  AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
+  (factored or not) and, as a source, T5X's legacy ``adafactor.Adafactor``;
+  see the module docstring for the step-count rule and each converter for
+  its formula. Other states (adabelief's, say) need a registered converter.
 
   Args:
     source: the old optimizer, or its T5X-layout state dict (ours, or a T5X
