@@ -432,6 +432,8 @@ def test_t5x_legacy_adafactor_without_learning_rate_leaves_mu_fresh(partitioner)
   target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
   with pytest.raises(ValueError, match=r"ScaleByAdamState\)\.mu: 3 params without"):
     t5x_optim.restore_converted(T5X_DATA / "legacy", target)
+  with pytest.raises(ValueError, match=r"ScaleByAdamState\)\.mu: 3 params without"):
+    t5x_optim.restore_t5x_checkpoint(T5X_DATA / "legacy", target, convert_from=True)
   state, report = t5x_optim.restore_converted(T5X_DATA / "legacy", target, missing="init")
   assert report.converted == ("0 (ScaleByAdamState).nu: 3 params, from dense/bias "
                               "(T5XAdafactorParamState), dense/kernel (T5XAdafactorParamState), "
@@ -478,6 +480,13 @@ def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitione
   target = partitioning.abstract_train_state(partitioner, optimizers.lion(1e-3), _variables)
   state, report = t5x_optim.restore_converted(T5X_ADAMW / fmt, target, source=source)
   assert report.converted == ("0 (ScaleByLionState).mu: 3 params, from 0 (ScaleByAdamState)",)
+  # The same through the convert_from= keyword of both restore APIs.
+  with t5x_optim.Checkpointer(T5X_ADAMW / fmt) as checkpointer:
+    through_checkpointer = checkpointer.restore(target, convert_from=source)
+    assert checkpointer.restored_step == 2
+  through_t5x = t5x_optim.restore_t5x_checkpoint(T5X_ADAMW / fmt, target, convert_from=source)
+  for other in (through_checkpointer, through_t5x):
+    _assert_close(other.param_states, state.param_states)
   with np.load(T5X_ADAMW / "expected.npz") as npz:
     expected = dict(npz)
   for key, value in expected.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from t5x_optim._training.train_state import TrainState
 __all__ = ["restore_converted"]
 
 State = TrainState | Optimizer
+_log = logging.getLogger("t5x_optim.checkpoints")
 
 
 class _StoredStateDict:
@@ -148,3 +150,18 @@ def restore_converted(
       mutable_axis_leaves=target.mutable_axis_leaves,
     ), report
   return optimizer, report
+
+
+def restore_with_conversion(
+  path: str | os.PathLike[str], target: State, convert_from: Any, step: int | None
+) -> State:
+  """The ``convert_from=`` keyword of `Checkpointer.restore` and `restore_t5x_checkpoint`.
+
+  `restore_converted` with ``source=convert_from`` (True: T5X's legacy
+  Adafactor, recognised by its layout) and its defaults; the report is
+  logged at INFO level.
+  """
+  source = None if convert_from is True else convert_from
+  state, report = restore_converted(path, target, source=source, step=step)
+  _log.info("Restored %s into another optimizer:\n%s", path, report)
+  return state
