@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import serialization, traverse_util
+from optax._src import transform as _optax_transform
 
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
@@ -51,8 +52,10 @@ __all__ = [
 ]
 
 MU, NU = "mu", "nu"
-# optax exports no name for RMSProp's state with bias correction.
-_RMS_WITH_COUNT = type(optax.scale_by_rms(bias_correction=True).init({}))
+# RMSProp's state with bias correction: optax exports no name for it. (Building
+# one to take its type would run JAX at import, before a multi-process job's
+# jax.distributed.initialize.)
+_RMS_WITH_COUNT = _optax_transform.ScaleByRmsWithCountState
 _MISSING_POLICIES = ("raise", "init")
 
 
