@@ -13,6 +13,16 @@ import importlib
 from typing import Any
 
 from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
+from t5x_optim._optimizers.convert import (
+  ConversionContext,
+  ConversionReport,
+  Moments,
+  StateConverter,
+  T5XAdafactorParamState,
+  convert_state,
+  register_state_converter,
+  registered_converters,
+)
 from t5x_optim._optimizers.discovery import optax_optimizer_factories
 from t5x_optim._optimizers.example_lib import (
   ExampleLibHyperParams,
@@ -39,6 +49,7 @@ from t5x_optim._optimizers.optax_wrapper import (
 )
 from t5x_optim._optimizers.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
+from t5x_optim._training.convert_checkpoint import restore_converted
 from t5x_optim._training.t5x_checkpoints import (
   latest_t5x_step,
   restore_t5x_checkpoint,
@@ -50,11 +61,14 @@ from t5x_optim._training.train_state import TrainState
 __all__ = [
   "CheckpointError",
   "Checkpointer",
+  "ConversionContext",
+  "ConversionReport",
   "ExampleLibHyperParams",
   "ExampleLibOptimizerDef",
   "FusedUpdate",
   "FusionReport",
   "LowPrecisionState",
+  "Moments",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxWrapper",
@@ -65,9 +79,12 @@ __all__ = [
   "QuantizedLeaf",
   "StackedLayout",
   "StackedParams",
+  "StateConverter",
+  "T5XAdafactorParamState",
   "TrainState",
   "chain",
   "checkpoints",
+  "convert_state",
   "distributed",
   "example_lib_optimizer_makers",
   "float32_to_low_precision",
@@ -79,6 +96,9 @@ __all__ = [
   "optax_optimizer_factories",
   "optimizers",
   "partitioning",
+  "register_state_converter",
+  "registered_converters",
+  "restore_converted",
   "restore_t5x_checkpoint",
   "save_t5x_checkpoint",
   "stack_params",

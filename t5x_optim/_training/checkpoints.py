@@ -904,6 +904,7 @@ class Checkpointer:
     params_only: bool = False,
     fallback: bool = False,
     verify: bool = True,
+    convert_from: Any = None,
   ) -> CheckpointState:
     """Restores checkpoint `step` into `target`'s structure and shardings.
 
@@ -942,6 +943,10 @@ class Checkpointer:
       verify: check every array against its recorded checksum. Only for
         steps written before checksums existed: False restores them
         unverified.
+      convert_from: the optimizer that wrote the checkpoint, when `target`
+        has another (its definition or an abstract state of it; True: T5X's
+        legacy Adafactor): params restored exactly, the optimizer state
+        converted, see `t5x_optim.restore_converted`.
 
     A directory that holds no t5x_optim checkpoint but T5X's
     ``checkpoint_<step>`` directories (legacy or Orbax format) is restored
@@ -964,6 +969,14 @@ class Checkpointer:
         (with `fallback`: those of every step tried), naming the step and the
         array path.
     """
+    if convert_from is not None:
+      from t5x_optim._training import convert_checkpoint  # noqa: PLC0415 - it imports this one
+
+      restored = convert_checkpoint.restore_with_conversion(
+        self._directory, target, convert_from, step
+      )
+      self._restored_step = int(_optimizer_of(restored).state.step)
+      return restored
     if self._holds_only_t5x_checkpoints():
       if params_only or fallback:
         raise ValueError(

@@ -368,7 +368,11 @@ def _read_orbax(
 
 
 def restore_t5x_checkpoint(
-  path: str | os.PathLike[str], target: T5XState, *, step: int | None = None
+  path: str | os.PathLike[str],
+  target: T5XState,
+  *,
+  step: int | None = None,
+  convert_from: Any = None,
 ) -> T5XState:
   """Restores a T5X checkpoint (legacy or Orbax format) into `target`.
 
@@ -387,6 +391,10 @@ def restore_t5x_checkpoint(
       or a legacy checkpoint's ``checkpoint`` file (local paths).
     target: gives the structure, shapes, dtypes and shardings.
     step: with a model directory, the step to restore (None: the latest).
+    convert_from: the optimizer that wrote the checkpoint, when `target` has
+      another: its definition or an abstract state of it (True: T5X's legacy
+      Adafactor). Its state is converted into `target`'s optimizer, see
+      `t5x_optim.restore_converted` (which also returns the report).
 
   Returns:
     A new object of `target`'s type.
@@ -408,6 +416,10 @@ def restore_t5x_checkpoint(
     >>> int(restored.state.step), restored.target['w'].tolist()
     (1, [0.5, 0.5])
   """
+  if convert_from is not None:
+    from t5x_optim._training import convert_checkpoint  # noqa: PLC0415 - it imports this module
+
+    return convert_checkpoint.restore_with_conversion(path, target, convert_from, step)
   step_dir, fmt = _locate(path, step)
   stored = _read_legacy_metadata(step_dir) if fmt == "legacy" else _read_orbax_metadata(step_dir)
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))

@@ -129,6 +129,22 @@ def _parser() -> argparse.ArgumentParser:
     help="the run's directory; resumed when it holds checkpoints "
     "(default: a new ./t5x_optim_runs/<date>-<time>)",
   )
+  train.add_argument(
+    "--init_from",
+    type=Path,
+    default=None,
+    metavar="DIR",
+    help="start a new run from DIR's latest checkpoint (a t5x-optim or T5X model "
+    "directory, any optimizer): params exact, optimizer state converted",
+  )
+  train.add_argument(
+    "--init_from_gin",
+    action="append",
+    default=[],
+    metavar="PATH",
+    help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
+    "config.gin; none for T5X's legacy Adafactor)",
+  )
   plan = commands.add_parser(
     "plan",
     help="show how the optimizer state shards (no training)",
@@ -208,6 +224,13 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     train = args.command == "train"
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
+    source = None
+    if train and args.init_from:
+      from t5x_optim.cli import _init_from  # noqa: PLC0415
+
+      source = _init_from.source_optimizer(
+        args.init_from, args.init_from_gin, args.gin_search_paths, _config.device_macros(count)
+      )
     _config.parse_config(
       gin_files=args.gin_file,
       gin_bindings=args.gin_bindings,
@@ -216,6 +239,11 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     )
     _config.check_mesh_pin(count)
     setup = _train.prepare(_config.build_job())
+    initial_state = None
+    if train and args.init_from:
+      initial_state = _init_from.initial_state_fn(
+        args.init_from, source, setup.abstract_state, sys.stdout
+      )
     if train and model_dir is None:
       model_dir = _train.prepare_model_dir(_train.default_model_dir())
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
@@ -232,6 +260,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       interrupt=interrupt,
       about=about,
       config_text=gin.operative_config_str(),
+      initial_state=initial_state,
     )
   except _train.UsageError as error:
     return _fail(args, error)

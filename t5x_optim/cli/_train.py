@@ -527,6 +527,7 @@ def train(
   about: Sequence[str] = (),
   config_text: str | None = None,
   stream: TextIO | None = None,
+  initial_state: Callable[[], TrainState] | None = None,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
 
@@ -541,6 +542,8 @@ def train(
     about: lines describing the run (from `describe_setup`).
     config_text: written to ``model_dir/config.gin`` when given.
     stream: where the output goes (default: standard output).
+    initial_state: builds the state of a new run (default: `setup.create`);
+      ``--init_from`` restores another run's checkpoint with it.
 
   Returns:
     The summary.
@@ -581,7 +584,7 @@ def train(
     if interrupt.requested:
       raise Interrupted
     if latest is None:
-      state = setup.create(*setup.init_args)
+      state = setup.create(*setup.init_args) if initial_state is None else initial_state()
     else:
       state = _restore(setup, checkpointer, latest, model_dir)
     if config_text is not None:

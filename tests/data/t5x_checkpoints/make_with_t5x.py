@@ -126,20 +126,39 @@ def t5x_partitioner():
   )
 
 
-def t5x_train_state(partitioner):
-  """T5X's FlaxOptimTrainState with OptaxWrapper(adamw) at step 0, sharded; and its shardings."""
+def t5x_train_state(partitioner, optimizer_def=None):
+  """T5X's FlaxOptimTrainState at step 0, sharded, and its shardings.
+
+  The optimizer is T5X's OptaxWrapper(adamw) unless `optimizer_def` is given.
+  """
   import jax
   import optax
   from t5x import optimizers
   from t5x import train_state as train_state_lib
 
-  optimizer_def = optimizers.OptaxWrapper(optax.adamw(learning_rate=0.1, weight_decay=0.01))
+  if optimizer_def is None:
+    optimizer_def = optimizers.OptaxWrapper(optax.adamw(learning_rate=0.1, weight_decay=0.01))
   state = train_state_lib.FlaxOptimTrainState.create(optimizer_def, tiny_variables())
   shardings = jax.tree.map(
       lambda spec: jax.sharding.NamedSharding(partitioner.mesh, spec or jax.sharding.PartitionSpec()),
       partitioner.get_mesh_axes(state),
       is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
   return jax.device_put(state, shardings), shardings
+
+
+def train_steps(state, shardings, steps, learning_rate=None):
+  """`steps` jitted gradient steps with grads `jax.random.normal(jax.random.key(s), shape)`."""
+  import jax
+
+  def train_step(state, seed):
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape), state.params)
+    return state.apply_gradient(grads, learning_rate=learning_rate)
+
+  step_fn = jax.jit(train_step, out_shardings=shardings)
+  for seed in range(steps):
+    state = step_fn(state, seed)
+  assert int(state.step) == steps
+  return state
 
 
 def main(out: str) -> None:
@@ -154,14 +173,7 @@ def main(out: str) -> None:
   state, shardings = t5x_train_state(partitioner)
   mesh_axes = partitioner.get_mesh_axes(state)
 
-  def train_step(state, seed):
-    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape), state.params)
-    return state.apply_gradient(grads, learning_rate=None)
-
-  step_fn = jax.jit(train_step, out_shardings=shardings)
-  for seed in range(STEP):
-    state = step_fn(state, seed)
-  assert int(state.step) == STEP
+  state = train_steps(state, shardings, STEP)
 
   for name in ("legacy", "orbax"):
     shutil.rmtree(os.path.join(out, name), ignore_errors=True)

@@ -1,0 +1,500 @@
+"""Optimizer-state conversion: every converter against its written formula, round trips,
+nested states, the registry, and restoring checkpoints (ours and T5X's) into another
+optimizer.
+
+Each optimizer's stored state is written here by hand from two moment trees, ``M``
+(E[g]) and ``V`` (E[g^2], rank 1 on the matrix so Adafactor's factoring is exact), and a
+count ``T``: converting the state of one optimizer must give the state the formulas say
+the other stores for the same moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+import t5x_optim
+from t5x_optim import OptaxWrapper, optimizers, partitioning
+
+T = 5
+RNG = np.random.default_rng(0)
+PARAMS = {
+  "dense": {
+    "kernel": jnp.asarray(RNG.normal(size=(4, 6)), jnp.float32),
+    "bias": jnp.asarray(RNG.normal(size=(6,)), jnp.float32),
+  }
+}
+M = jax.tree.map(lambda p: jnp.asarray(RNG.normal(size=p.shape), jnp.float32), PARAMS)
+_ROW, _COL = RNG.uniform(0.5, 2.0, size=4), RNG.uniform(0.5, 2.0, size=6)
+V = {
+  "dense": {
+    "kernel": jnp.asarray(np.outer(_ROW, _COL), jnp.float32),
+    "bias": jnp.asarray(RNG.uniform(0.5, 2.0, size=6), jnp.float32),
+  }
+}
+ZERO = jax.tree.map(jnp.zeros_like, PARAMS)
+
+
+def _decay(b, t):
+  return 1.0 - b**t
+
+
+def _scaled(tree, factor):
+  return jax.tree.map(lambda x: x * factor, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """An optimizer, what its state knows, and its stored state for moments (mu, nu, t)."""
+
+  name: str
+  make: Callable[[], optax.GradientTransformation]
+  quantities: frozenset[str]
+  stored: Callable[[Any, Any, int], Any]
+
+  def __repr__(self) -> str:
+    return self.name
+
+
+def _adam_stored(mu, nu, t):
+  adam = optax.ScaleByAdamState(
+    jnp.int32(t), _scaled(mu, _decay(0.9, t)), _scaled(nu, _decay(0.999, t))
+  )
+  return adam, optax.EmptyState()
+
+
+def _adafactor_stored(mu, nu, t):
+  del mu
+  kernel, bias = nu["dense"]["kernel"], nu["dense"]["bias"]
+  one = jnp.zeros((1,))
+  return (
+    optax.FactoredState(
+      count=jnp.int32(t),
+      # optax factors the two largest dims: d1 = 0 (rows, 4), d0 = 1 (columns, 6).
+      v_row={"dense": {"kernel": kernel.mean(axis=1), "bias": one}},
+      v_col={"dense": {"kernel": kernel.mean(axis=0), "bias": one}},
+      v={"dense": {"kernel": one, "bias": bias}},
+    ),
+    *(optax.EmptyState(),) * 4,
+  )
+
+
+KINDS = [
+  Kind("adam", lambda: optax.adam(1e-3), frozenset({"mu", "nu"}), _adam_stored),
+  Kind(
+    "amsgrad",
+    lambda: optax.amsgrad(1e-3),
+    frozenset({"mu", "nu"}),
+    # nu_max: the largest nu so far, here the one there is.
+    lambda mu, nu, t: (
+      optax.ScaleByAmsgradState(*_adam_stored(mu, nu, t)[0], _scaled(nu, _decay(0.999, t))),
+      optax.EmptyState(),
+    ),
+  ),
+  Kind(
+    "adan",
+    lambda: optax.adan(1e-3),
+    frozenset({"mu", "nu"}),
+    lambda mu, nu, t: (
+      optax.ScaleByAdanState(
+        m=_scaled(mu, _decay(0.98, t)), v=ZERO, n=_scaled(nu, _decay(0.99, t)), g=mu, t=jnp.int32(t)
+      ),
+      optax.EmptyState(),
+      optax.EmptyState(),
+    ),
+  ),
+  Kind(
+    "lion",
+    lambda: optax.lion(1e-3),
+    frozenset({"mu"}),
+    lambda mu, nu, t: (
+      optax.ScaleByLionState(jnp.int32(t), _scaled(mu, _decay(0.99, t))),
+      optax.EmptyState(),
+      optax.EmptyState(),
+    ),
+  ),
+  Kind(
+    "sgd_momentum",
+    lambda: optax.sgd(1e-3, momentum=0.9),
+    frozenset({"mu"}),
+    # The trace is a sum: g + 0.9 g' + ... = mu (1 - 0.9^t) / (1 - 0.9).
+    lambda mu, nu, t: (optax.TraceState(_scaled(mu, _decay(0.9, t) / 0.1)), optax.EmptyState()),
+  ),
+  Kind(
+    "rmsprop",
+    lambda: optax.rmsprop(1e-3),
+    frozenset({"nu"}),
+    lambda mu, nu, t: (
+      optax.ScaleByRmsState(_scaled(nu, _decay(0.9, t))),
+      optax.EmptyState(),
+      optax.EmptyState(),
+    ),
+  ),
+  Kind("adafactor", lambda: optax.adafactor(1e-3, min_dim_size_to_factor=2), frozenset({"nu"}),
+       _adafactor_stored),
+]  # fmt: skip
+BY_NAME = {kind.name: kind for kind in KINDS}
+
+
+def _optimizer(kind: Kind, mu=M, nu=V, t=T) -> t5x_optim.Optimizer:
+  """`kind`'s optimizer over PARAMS at step `t`, with the hand-made state of (mu, nu)."""
+  opt = OptaxWrapper(kind.make()).create(PARAMS)
+  state = t5x_optim.OptimizerState(step=jnp.int32(t), param_states=kind.stored(mu, nu, t))
+  assert jax.tree.structure(state) == jax.tree.structure(opt.state), kind
+  return opt.replace(state=state)
+
+
+def _assert_close(got, want, what=""):
+  flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+  flat_want = jax.tree.leaves(want)
+  assert len(flat_got) == len(flat_want), what
+  for (path, a), b in zip(flat_got, flat_want, strict=True):
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7, err_msg=f"{what}{path}"
+    )
+
+
+PAIRS = [(a, b) for a in KINDS for b in KINDS if a is not b]
+
+
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=lambda k: k.name)
+def test_conversion_matches_the_formulas(source, target):
+  has = source.quantities & target.quantities
+  new, report = t5x_optim.convert_state(
+    _optimizer(source), OptaxWrapper(target.make()), missing="init"
+  )
+  expected = target.stored(M if "mu" in has else ZERO, V if "nu" in has else ZERO, T if has else 0)
+  _assert_close(new.state.param_states, expected, f"{source.name} -> {target.name}: ")
+  assert int(new.state.step) == T
+  _assert_close(new.target, PARAMS)
+  assert bool(report.converted) == bool(has)
+  assert bool(report.initialised) == bool(target.quantities - source.quantities)
+
+
+@pytest.mark.parametrize(
+  ("source", "target"),
+  [(a, b) for a, b in PAIRS if b.quantities - a.quantities],
+  ids=lambda k: k.name,
+)
+def test_a_missing_moment_raises_unless_told(source, target):
+  with pytest.raises(ValueError, match=r"cannot be fully converted.*missing='init'"):
+    t5x_optim.convert_state(_optimizer(source), OptaxWrapper(target.make()))
+
+
+@pytest.mark.parametrize(
+  ("start", "via", "kept"),
+  [
+    ("adam", "lion", "mu"),
+    ("adam", "sgd_momentum", "mu"),
+    ("adam", "rmsprop", "nu"),
+    ("adam", "adafactor", "nu"),
+    ("adam", "adan", "mu nu"),
+    ("adafactor", "adam", "nu"),
+    ("lion", "adam", "mu"),
+    ("sgd_momentum", "lion", "mu"),
+  ],
+)
+def test_round_trip_returns_the_same_values(start, via, kept):
+  original = _optimizer(BY_NAME[start])
+  there, _ = t5x_optim.convert_state(original, OptaxWrapper(BY_NAME[via].make()), missing="init")
+  back, _ = t5x_optim.convert_state(there, OptaxWrapper(BY_NAME[start].make()), missing="init")
+  kept_mu, kept_nu = "mu" in kept, "nu" in kept
+  expected = BY_NAME[start].stored(M if kept_mu else ZERO, V if kept_nu else ZERO, T)
+  _assert_close(back.state.param_states, expected, f"{start} -> {via} -> {start}: ")
+
+
+def test_adafactor_reconstruction_is_adafactors_own():
+  """One optax Adafactor step's update is g / sqrt(nu) with the reconstructed nu."""
+  tx = optax.scale_by_factored_rms(min_dim_size_to_factor=2)
+  grads = jax.tree.map(lambda x: x * 3.0, M)
+  state = tx.init(PARAMS)
+  for _ in range(3):
+    updates, state = tx.update(grads, state, PARAMS)
+  adam, _ = t5x_optim.convert_state(
+    OptaxWrapper(tx).create(PARAMS).replace(state=t5x_optim.OptimizerState(jnp.int32(3), state)),
+    OptaxWrapper(optax.scale_by_adam()),
+    missing="init",
+  )
+  nu = _scaled(adam.state.param_states.nu, 1 / _decay(0.999, 3))
+  _assert_close(jax.tree.map(lambda g, v: g / jnp.sqrt(v), grads, nu), updates)
+
+
+def test_hparams_reach_the_formulas():
+  source = _optimizer(BY_NAME["adam"])
+  new, _ = t5x_optim.convert_state(
+    source,
+    OptaxWrapper(optax.sgd(1e-3, momentum=0.5)),
+    source_hparams={"b1": 0.8},
+    target_hparams={"momentum": 0.5},
+    missing="init",
+  )
+  mu = _scaled(M, _decay(0.9, T) / _decay(0.8, T))  # stored with 0.9, read with 0.8
+  _assert_close(new.state.param_states[0].trace, _scaled(mu, _decay(0.5, T) / 0.5))
+
+
+NESTED = [
+  ("chain+inject", lambda tx: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=0.1)),
+   lambda s: s[1].inner_state[0]),
+  ("multisteps", lambda tx: optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
+   lambda s: s.inner_opt_state[0]),
+  ("masked", lambda tx: optax.masked(optax.adam(1e-3), {"dense": {"kernel": True, "bias": False}}),
+   lambda s: s.inner_state[0]),
+  ("multi_transform", lambda tx: optax.multi_transform(
+    {"a": optax.adam(1e-3), "b": optax.sgd(1e-3, momentum=0.9)},
+    {"dense": {"kernel": "a", "bias": "b"}}),
+   lambda s: s.inner_states["a"].inner_state[0]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "make", "adam_of"), NESTED, ids=[n[0] for n in NESTED])
+def test_nested_states_are_found(name, make, adam_of):
+  source = OptaxWrapper(optax.chain(optax.clip(1.0), BY_NAME["adam"].make()))
+  source = source.create(PARAMS).replace(
+    state=t5x_optim.OptimizerState(
+      jnp.int32(T), (optax.EmptyState(), BY_NAME["adam"].stored(M, V, T))
+    )
+  )
+  new, report = t5x_optim.convert_state(source, OptaxWrapper(make(None)))
+  adam = adam_of(new.state.param_states)
+  expected = BY_NAME["adam"].stored(M, V, T)[0]
+  assert int(adam.count) == T
+  for field in ("mu", "nu"):
+    for path, leaf in traverse_util.flatten_dict(getattr(adam, field)).items():
+      if not isinstance(leaf, optax.MaskedNode):
+        want = traverse_util.flatten_dict(getattr(expected, field))[path]
+        np.testing.assert_allclose(leaf, want, rtol=2e-5, err_msg=f"{name} {field} {path}")
+  assert report.converted and not report.initialised, report
+
+
+def test_schedule_counts_go_on_from_the_source_step():
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, 10, 100)
+  new, _ = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adamw(schedule)), missing="init"
+  )
+  assert int(new.state.param_states[-1].count) == T  # scale_by_schedule's count
+
+
+def test_multi_optimizer_sub_states_are_converted():
+  filters = [t5x_optim.PathFilter("kernel"), t5x_optim.PathFilter("bias")]
+  target = t5x_optim.MultiOptimizer(
+    [(filters[0], optimizers.adam(1e-3)), (filters[1], optimizers.lion(1e-3))]
+  )
+  new, report = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), target)
+  kernel_adam = new.state.param_states[0].param_states[0]
+  bias_lion = new.state.param_states[1].param_states[0]
+  adam = BY_NAME["adam"].stored(M, V, T)[0]
+  _assert_close(kernel_adam.mu["dense"]["kernel"], adam.mu["dense"]["kernel"])
+  _assert_close(kernel_adam.nu["dense"]["kernel"], adam.nu["dense"]["kernel"])
+  _assert_close(bias_lion.mu["dense"]["bias"], M["dense"]["bias"] * _decay(0.99, T))
+  assert not report.initialised
+  # And back: MultiOptimizer as the source.
+  back, _ = t5x_optim.convert_state(new, OptaxWrapper(optax.adam(1e-3)), missing="init")
+  _assert_close(back.state.param_states[0].mu, adam.mu)
+
+
+def test_a_state_without_converter_is_named():
+  with pytest.raises(ValueError, match=r"ScaleByBeliefState\.mu.*no converter"):
+    t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)))
+  new, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)), missing="init"
+  )
+  assert any("ScaleByBeliefState.nu" in line for line in report.initialised), report
+  _assert_close(new.state.param_states[0].mu, ZERO)
+  source = OptaxWrapper(optax.adabelief(1e-3)).create(PARAMS)
+  _, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-3)), missing="init")
+  assert report.dropped == ("0/mu (ScaleByBeliefState.mu)", "0/nu (ScaleByBeliefState.nu)")
+
+
+def test_two_sources_for_one_moment_are_refused():
+  adam = BY_NAME["adam"]
+  source = OptaxWrapper(optax.chain(adam.make(), adam.make())).create(PARAMS)
+  with pytest.raises(ValueError, match=r"'dense/bias' has a mu in two source states: '0/0"):
+    t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-3)))
+
+
+class _Avg(NamedTuple):
+  avg: Any
+
+
+def test_registry_refuses_duplicates_and_takes_user_converters():
+  with pytest.raises(ValueError, match="already registered"):
+    t5x_optim.register_state_converter(optax.ScaleByAdamState, read=lambda s, c: {})
+  with pytest.raises(ValueError, match="needs read, write or both"):
+    t5x_optim.register_state_converter(_Avg)
+  t5x_optim.register_state_converter(
+    _Avg,
+    read=lambda s, ctx: {"mu": s.avg},
+    write=lambda t, m, ctx: _Avg(m.fill(t.avg, "mu", lambda v, leaf, p: v)),
+  )
+  tx = optax.GradientTransformation(
+    lambda p: _Avg(jax.tree.map(jnp.zeros_like, p)), lambda u, s, p=None: (u, s)
+  )
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["lion"]), OptaxWrapper(tx))
+  _assert_close(new.state.param_states.avg, M)
+  assert t5x_optim.registered_converters()[_Avg].read is not None
+
+
+def test_state_dict_source_needs_its_definition():
+  state_dict = _optimizer(BY_NAME["adam"]).state_dict()
+  with pytest.raises(ValueError, match="pass source_def="):
+    t5x_optim.convert_state(state_dict, OptaxWrapper(optax.lion(1e-3)))
+  new, _ = t5x_optim.convert_state(
+    state_dict, OptaxWrapper(optax.lion(1e-3)), source_def=OptaxWrapper(optax.adam(1e-3))
+  )
+  _assert_close(new.state.param_states[0].mu, _scaled(M, _decay(0.99, T)))
+  with pytest.raises(ValueError, match=r"does not fit source_def OptaxWrapper"):
+    t5x_optim.convert_state(
+      state_dict, OptaxWrapper(optax.lion(1e-3)), source_def=OptaxWrapper(optax.sgd(0.1))
+    )
+
+
+# ------------------------------------------------------------ checkpoints
+
+T5X_DATA = pathlib.Path(__file__).parent / "data" / "t5x_adafactor"
+T5X_STEP, T5X_LEARNING_RATE = 3, 0.1
+AXES = {"dense": {"kernel": ("embed", "mlp"), "bias": ("mlp",)}, "embedding": ("vocab", "embed")}
+SHAPES = {"dense": {"kernel": (4, 8), "bias": (8,)}, "embedding": (16, 4)}
+
+
+def _variables():
+  def box(shape, names):
+    return nn.LogicallyPartitioned(jnp.zeros(shape, jnp.float32), names)
+
+  return {"params": jax.tree.map(box, SHAPES, AXES, is_leaf=lambda x: isinstance(x, tuple))}
+
+
+@pytest.fixture(scope="module")
+def partitioner():
+  mesh = partitioning.create_mesh(shape={"data": 2, "model": 4})
+  rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+  return partitioning.Partitioner(mesh, rules)
+
+
+@pytest.fixture(scope="module")
+def t5x_expected():
+  with np.load(T5X_DATA / "expected.npz") as npz:
+    return {tuple(k.split("/")): v for k, v in npz.items()}
+
+
+def _assert_target_shardings(state, target):
+  for (path, leaf), ref in zip(
+    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+  ):
+    assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
+
+
+def test_t5x_legacy_adafactor_checkpoint_restores_into_adamw(partitioner, t5x_expected):
+  """Written by T5X's own `adafactor.Adafactor` (beta1=0.9), see data/t5x_adafactor/README.md."""
+  target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
+  state, report = t5x_optim.restore_converted(
+    T5X_DATA / "legacy", target, source_hparams={"learning_rate": T5X_LEARNING_RATE}
+  )
+  assert not report.initialised, report
+  assert int(state.step) == T5X_STEP
+  adam = state.param_states[0]
+  assert int(adam.count) == T5X_STEP
+  for path in traverse_util.flatten_dict(SHAPES, is_leaf=lambda p, x: isinstance(x, tuple)):
+    param = t5x_expected[("target", *path)]
+    np.testing.assert_array_equal(np.asarray(_at(state.params, path)), param)  # exact
+    v_row, v_col, v, m = (
+      t5x_expected[("state", "param_states", *path, k)] for k in "v_row v_col v m".split()
+    )
+    if v_row.shape == (1,):
+      nu = v
+    else:  # v_row keeps the row dim (d1), v_col the column dim (d0); d0 is the larger one.
+      d0 = 1 if v_col.shape[0] == param.shape[1] and v_row.shape[0] == param.shape[0] else 0
+      nu = (np.expand_dims(v_row, d0) / v_row.mean()) * np.expand_dims(v_col, 1 - d0)
+    scale = T5X_LEARNING_RATE * max(np.sqrt(np.mean(param**2)), 1e-3)
+    mu = m * np.sqrt(nu) / scale / (1 - 0.9**T5X_STEP)  # m is an average of updates
+    np.testing.assert_allclose(_at(adam.nu, path), nu * (1 - 0.999**T5X_STEP), rtol=1e-5)
+    np.testing.assert_allclose(_at(adam.mu, path), mu * (1 - 0.9**T5X_STEP), rtol=1e-5)
+  _assert_target_shardings(state, target)
+
+
+def _at(tree, path):
+  for key in path:
+    tree = tree[key]
+  return np.asarray(tree)
+
+
+def test_t5x_legacy_adafactor_without_learning_rate_leaves_mu_fresh(partitioner):
+  target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
+  with pytest.raises(ValueError, match=r"ScaleByAdamState\)\.mu: 3 params without"):
+    t5x_optim.restore_converted(T5X_DATA / "legacy", target)
+  with pytest.raises(ValueError, match=r"ScaleByAdamState\)\.mu: 3 params without"):
+    t5x_optim.restore_t5x_checkpoint(T5X_DATA / "legacy", target, convert_from=True)
+  state, report = t5x_optim.restore_converted(T5X_DATA / "legacy", target, missing="init")
+  assert report.converted == ("0 (ScaleByAdamState).nu: 3 params, from dense/bias "
+                              "(T5XAdafactorParamState), dense/kernel (T5XAdafactorParamState), "
+                              "embedding (T5XAdafactorParamState)",)  # fmt: skip
+  assert not np.any(np.asarray(state.param_states[0].mu["embedding"]))
+
+
+@pytest.mark.slow
+def test_our_checkpoint_restores_into_another_optimizer_sharded(tmp_path, partitioner):
+  source_def = optimizers.adafactor(0.1, min_dim_size_to_factor=2)
+  old = partitioning.init_sharded(partitioner, source_def, lambda key: _variables(), None)
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5), old.params)
+  old = old.apply_gradient(grads).apply_gradient(grads)
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(2, old)
+  target = partitioning.abstract_train_state(partitioner, optimizers.lion(1e-3), _variables)
+  with pytest.raises(ValueError, match="pass source="):
+    t5x_optim.restore_converted(tmp_path, target)
+  abstract_old = partitioning.abstract_train_state(partitioner, source_def, _variables)
+  for source in (source_def, abstract_old):
+    with pytest.raises(ValueError, match=r"ScaleByLionState\)\.mu"):
+      t5x_optim.restore_converted(tmp_path, target, source=source)
+  target = partitioning.abstract_train_state(partitioner, optimizers.rmsprop(1e-3), _variables)
+  state, report = t5x_optim.restore_converted(tmp_path, target, source=abstract_old)
+  assert not report.initialised
+  _assert_close(state.params, old.params)
+  # g = 0.5 everywhere: Adafactor's nu is 0.25 (+1e-30), RMSProp stores nu (1 - 0.9^2).
+  _assert_close(
+    state.param_states[0].nu, jax.tree.map(lambda p: jnp.full(p.shape, 0.25 * 0.19), old.params)
+  )
+  _assert_target_shardings(state, target)
+  assert state.param_states[0].nu["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+    "data", "model"
+  )
+
+
+T5X_ADAMW = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitioner):
+  """T5X's OptaxWrapper(adamw) checkpoint (the Orbax one stores counts as float32)."""
+  source = OptaxWrapper(optax.adamw(0.1, weight_decay=0.01))
+  target = partitioning.abstract_train_state(partitioner, optimizers.lion(1e-3), _variables)
+  state, report = t5x_optim.restore_converted(T5X_ADAMW / fmt, target, source=source)
+  assert report.converted == ("0 (ScaleByLionState).mu: 3 params, from 0 (ScaleByAdamState)",)
+  # The same through the convert_from= keyword of both restore APIs.
+  with t5x_optim.Checkpointer(T5X_ADAMW / fmt) as checkpointer:
+    through_checkpointer = checkpointer.restore(target, convert_from=source)
+    assert checkpointer.restored_step == 2
+  through_t5x = t5x_optim.restore_t5x_checkpoint(T5X_ADAMW / fmt, target, convert_from=source)
+  for other in (through_checkpointer, through_t5x):
+    _assert_close(other.param_states, state.param_states)
+  with np.load(T5X_ADAMW / "expected.npz") as npz:
+    expected = dict(npz)
+  for key, value in expected.items():
+    path = key.split("/")
+    if path[0] == "target":
+      np.testing.assert_array_equal(_at(state.params, path[1:]), value)
+    elif path[2:4] == ["0", "mu"]:
+      mu = value / (1 - 0.9**2) * (1 - 0.99**2)  # adam's b1 = 0.9, lion's b2 = 0.99, t = 2
+      np.testing.assert_allclose(_at(state.param_states[0].mu, path[4:]), mu, rtol=1e-5)
+  assert int(state.step) == int(state.param_states[0].count) == 2
+  _assert_target_shardings(state, target)
