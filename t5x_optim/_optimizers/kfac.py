@@ -51,6 +51,7 @@ from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logic
 from t5x_optim._axes.registry import StateRuleContext, register_state_rule
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._axes.specs import UNDERIVED
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 
@@ -328,7 +329,7 @@ register_state_rule(
 
 def _leaf_name(path: jax.tree_util.KeyPath) -> str:
   """A K-FAC state leaf's state-dict key (`estimator_state/blocks_states/0/...`)."""
-  return _state_dict.key_path_str(path[1:])
+  return key_path_str(path[1:])
 
 
 def derive_kfac_logical_axes(
@@ -528,9 +529,10 @@ class KfacOptimizerDef(OptimizerDef):
     state = self.init_state(target, batch=batch, rng=rng)
     return Optimizer(optimizer_def=self, state=state, target=target)
 
-  def grads_reference(self, params: Any) -> None:
-    """None: K-FAC computes the gradient itself and takes no grads tree."""
+  def prepare_grads(self, params: Any, grads: Any) -> Any:
+    """`grads` as given: K-FAC computes the gradient itself and takes no grads tree."""
     del params
+    return grads
 
   def _step(
     self,
