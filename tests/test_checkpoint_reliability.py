@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from t5x_optim import CheckpointError, distributed
-from t5x_optim._training.checkpoints import _dispatch_checksums, _fetch
+from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 
 
@@ -169,7 +169,7 @@ def test_a_safe_cast_restore_is_verified(tmp_path, part_2x4):
 
 def _checksum(value):
   """The checksum `Checkpointer` records for an array `value`."""
-  return _fetch(_dispatch_checksums({("x",): value}))["x"]
+  return fetch(dispatch_checksums({("x",): value}))["x"]
 
 
 def _meshes():
@@ -201,7 +201,7 @@ def test_checksums_of_many_sharded_leaves_do_not_deadlock():
   # 8 simulated devices (the process aborts after 40 s).
   sharding = _meshes()[0]
   leaves = {(f"w{i}",): jax.device_put(jnp.full((8, 8), float(i)), sharding) for i in range(128)}
-  sums = _fetch(_dispatch_checksums(leaves))
+  sums = fetch(dispatch_checksums(leaves))
   assert len(set(sums.values())) == 128
   assert sums["w7"] == _checksum(np.full((8, 8), 7.0, np.float32))
 

@@ -15,6 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from t5x_optim._training import checkpoint_headers
 from t5x_optim._training import checkpoints as checkpoints_impl
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
@@ -151,7 +152,7 @@ def test_restore_check_reads_what_orbax_metadata_reads(tmp_path, part_2x4, make,
   _save(tmp_path, 1, make(part_2x4))
   item = tmp_path / "1" / "default"
   wanted = checkpoints_impl._is_params_only_path if params_only else checkpoints_impl._any_path
-  ours = checkpoints_impl._open_stored(item, "step 1", 1, wanted)
+  ours = checkpoint_headers.open_stored(item, "step 1", 1, wanted)
   theirs = flax.traverse_util.flatten_dict(ocp.PyTreeCheckpointHandler().metadata(item).tree)
   assert ours and ours == {
     path: jax.ShapeDtypeStruct(meta.shape, meta.dtype)

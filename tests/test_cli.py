@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5x_optim import Checkpointer
-from t5x_optim.cli import _config, _train, main
+from t5x_optim.cli import _config, _progress, _train, main
 from t5x_optim.partitioning import init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
@@ -301,7 +301,7 @@ class _Terminal(io.StringIO):
 
 def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
   stream = _Terminal()
-  progress = _train.Progress(stream, start=0, total=100, redraw_seconds=0.0)
+  progress = _progress.Progress(stream, start=0, total=100, redraw_seconds=0.0)
   progress.log("step 10/100  loss 2.0000", rate=20.0)
   progress.advance(20)
   progress.log("step 20/100  loss 1.5000", rate=10.0)
@@ -317,7 +317,7 @@ def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
 
 def test_non_terminal_progress_is_one_line_per_log():
   stream = io.StringIO()
-  progress = _train.Progress(stream, start=0, total=100)
+  progress = _progress.Progress(stream, start=0, total=100)
   progress.advance(5)
   progress.log("step 10/100  loss 2.0000", rate=20.0)
   progress.close()

@@ -21,6 +21,7 @@ from kfac_jax._src import tag_graph_matcher  # noqa: E402
 
 from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
 from t5x_optim._optimizers import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
+from t5x_optim._optimizers import kfac_state  # noqa: E402
 from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
 
 _NUM_STEPS = 6
@@ -306,7 +307,7 @@ def test_state_rules_fallback_is_a_deprecated_alias_of_fallback(kfac):
 def test_kfac_state_rule_is_registered_once():
   from t5x_optim._axes.registry import registered_rules
 
-  node_type = kfac_adapter._KfacNode  # pylint: disable=protected-access
+  node_type = kfac_state._KfacNode  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="already registered; pass replace=True"):
     register_state_rule(node_type, registered_rules()[node_type].rule)
 
