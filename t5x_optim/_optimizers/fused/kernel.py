@@ -18,9 +18,8 @@ Example:
   >>> params = {'w': jnp.ones(3)}
   >>> tx = optax.sgd(0.5)
   >>> plan = plan_fused_update(tx, params, params, tx.init(params), kernel="interpret")
-  >>> new_w, _ = local_update(plan, [params['w'], jnp.ones(3)], [])
-  >>> new_w
-  Array([0.5, 0.5, 0.5], dtype=float32)
+  >>> local_update(plan, [params['w'], jnp.ones(3)], [])  # sgd: no state components
+  [Array([0.5, 0.5, 0.5], dtype=float32)]
 """
 
 from __future__ import annotations
