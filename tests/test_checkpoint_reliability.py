@@ -111,6 +111,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CORRUPTIONS)
 def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, caplog, case):
   corrupt, message = CORRUPTIONS[case]
@@ -196,6 +197,7 @@ def test_checksum_is_sharding_free_and_sees_any_change(dtype):
   assert sums.isdisjoint(changed | {moved}) and len(changed) == 3
 
 
+@pytest.mark.slow
 def test_checksums_of_many_sharded_leaves_do_not_deadlock():
   # Dispatched all at once, 100 such all-reduce programs deadlock XLA:CPU's
   # 8 simulated devices (the process aborts after 40 s).
@@ -234,6 +236,7 @@ def test_one_writer_per_directory(tmp_path, states):
     assert second.all_steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_two_writer_processes(tmp_path):
   directory, markers = tmp_path / "ckpt", tmp_path / "markers"
   markers.mkdir()
@@ -267,6 +270,7 @@ def test_distributed_timeouts_are_checked(name, value):
     distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, **{name: value})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   sys.platform == "win32",
   reason="jax.distributed CPU collectives (gloo) are not available on Windows",

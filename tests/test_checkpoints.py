@@ -281,6 +281,7 @@ def test_incompatible_checkpoint_raises_before_reading(tmp_path, part_2x4, monke
   assert "Nothing was restored" in str(info.value)
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   resume_dir, crash_dir = tmp_path / "resume", tmp_path / "crash"
   straight = w.train(w.fresh_state("adamw", part_2x4), 2 * w.RESUME_STEPS)
@@ -306,6 +307,7 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   assert sorted(os.listdir(crash_dir)) == [".t5x_optim.lock", "1", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   sys.platform == "win32",
   reason="jax.distributed CPU collectives (gloo) are not available on Windows",

@@ -15,7 +15,11 @@ from jax.sharding import PartitionSpec as P
 kfac_jax = pytest.importorskip("kfac_jax")
 
 # kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
-pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
+# Most tests run kfac-jax steps through a shared fixture: seconds each.
+pytestmark = [
+  pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning"),
+  pytest.mark.slow,
+]
 
 from kfac_jax._src import tag_graph_matcher  # noqa: E402
 

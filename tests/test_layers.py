@@ -171,6 +171,7 @@ def test_optax_wrapper_names_stacked_and_fused_types_only_in_their_hooks():
   assert _methods_naming(wrapper, fused) == {"__init__"}
 
 
+@pytest.mark.slow
 def test_import_loads_no_pallas():
   """Pallas (and its Triton backend) load only when a fused update is asked for."""
   code = (
