@@ -66,7 +66,7 @@ def _is_empty(tree: Any) -> bool:
 def key_path_parts(path: Sequence[Any]) -> tuple[str, ...]:
   """A jax key path as the tuple of its keys as strings, as state dicts name them.
 
-  The keys are written as `key_path_str` (`t5x_optim._keypaths`) writes them.
+  The keys are written as `key_path_str` writes them.
 
   Example:
     >>> key_path_parts(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
