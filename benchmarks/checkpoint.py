@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from t5x_optim import TrainState, optimizers
-from t5x_optim._training import checkpoints  # the private checksum helpers
+from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
+from t5x_optim._training.checkpoint_leaves import flatten
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,
@@ -158,10 +159,8 @@ def _rate_row(name: str, megabytes: float, saves: list[float], restores: list[fl
 
 def _checksum_seconds(state_dict: dict[str, Any]) -> float:
   """The median time of computing (and fetching) every array's checksum."""
-  leaves = checkpoints._flatten(state_dict)
-  times = [
-    _timed(lambda: checkpoints._fetch(checkpoints._dispatch_checksums(leaves)))[0] for _ in range(7)
-  ]
+  leaves = flatten(state_dict)
+  times = [_timed(lambda: fetch(dispatch_checksums(leaves)))[0] for _ in range(7)]
   return statistics.median(times[1:])
 
 

@@ -1,4 +1,4 @@
-"""A whole training step with per-leaf params against `stack_params` (issue 15).
+"""A whole training step with per-leaf params against `stack_params`.
 
 ``update_bandwidth.py`` times the optimizer update alone, given gradients.
 This times what a training step pays for keeping the params stacked: the

@@ -1,4 +1,4 @@
-"""Optimizer-update time against the memory-bandwidth limit (issue 15).
+"""Optimizer-update time against the memory-bandwidth limit.
 
 Run: ``python benchmarks/update_bandwidth.py [--scale S] [--repeats N]``
 (on a GPU: ``--scale 1`` is the default there and gives the real T5 sizes).
@@ -38,7 +38,7 @@ Layouts ("variant" column):
   * ``flat_params``: params and state kept between steps as one flat buffer
     per dtype (PyTorch FSDP's flat parameters); the per-leaf grads a model
     gives are concatenated into that layout inside the step. The candidate
-    design for issue 15's 0.8, measured before it is built.
+    design for reaching 0.8 of the limit, measured before it is built.
   * ``flat_all``: the same with the grads already in the flat layout (FSDP's
     gradient accumulation into the flat buffer): its upper bound.
 

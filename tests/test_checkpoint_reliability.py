@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from t5x_optim import CheckpointError, distributed
-from t5x_optim._training.checkpoints import _dispatch_checksums, _fetch
+from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 
 
@@ -111,6 +111,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CORRUPTIONS)
 def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, target, caplog, case):
   corrupt, message = CORRUPTIONS[case]
@@ -169,7 +170,7 @@ def test_a_safe_cast_restore_is_verified(tmp_path, part_2x4):
 
 def _checksum(value):
   """The checksum `Checkpointer` records for an array `value`."""
-  return _fetch(_dispatch_checksums({("x",): value}))["x"]
+  return fetch(dispatch_checksums({("x",): value}))["x"]
 
 
 def _meshes():
@@ -196,12 +197,13 @@ def test_checksum_is_sharding_free_and_sees_any_change(dtype):
   assert sums.isdisjoint(changed | {moved}) and len(changed) == 3
 
 
+@pytest.mark.slow
 def test_checksums_of_many_sharded_leaves_do_not_deadlock():
   # Dispatched all at once, 100 such all-reduce programs deadlock XLA:CPU's
   # 8 simulated devices (the process aborts after 40 s).
   sharding = _meshes()[0]
   leaves = {(f"w{i}",): jax.device_put(jnp.full((8, 8), float(i)), sharding) for i in range(128)}
-  sums = _fetch(_dispatch_checksums(leaves))
+  sums = fetch(dispatch_checksums(leaves))
   assert len(set(sums.values())) == 128
   assert sums["w7"] == _checksum(np.full((8, 8), 7.0, np.float32))
 
@@ -234,6 +236,7 @@ def test_one_writer_per_directory(tmp_path, states):
     assert second.all_steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_two_writer_processes(tmp_path):
   directory, markers = tmp_path / "ckpt", tmp_path / "markers"
   markers.mkdir()
@@ -267,6 +270,7 @@ def test_distributed_timeouts_are_checked(name, value):
     distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, **{name: value})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   sys.platform == "win32",
   reason="jax.distributed CPU collectives (gloo) are not available on Windows",

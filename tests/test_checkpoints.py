@@ -15,6 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from t5x_optim._training import checkpoint_headers
 from t5x_optim._training import checkpoints as checkpoints_impl
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
@@ -151,7 +152,7 @@ def test_restore_check_reads_what_orbax_metadata_reads(tmp_path, part_2x4, make,
   _save(tmp_path, 1, make(part_2x4))
   item = tmp_path / "1" / "default"
   wanted = checkpoints_impl._is_params_only_path if params_only else checkpoints_impl._any_path
-  ours = checkpoints_impl._open_stored(item, "step 1", 1, wanted)
+  ours = checkpoint_headers.open_stored(item, "step 1", 1, wanted)
   theirs = flax.traverse_util.flatten_dict(ocp.PyTreeCheckpointHandler().metadata(item).tree)
   assert ours and ours == {
     path: jax.ShapeDtypeStruct(meta.shape, meta.dtype)
@@ -280,6 +281,7 @@ def test_incompatible_checkpoint_raises_before_reading(tmp_path, part_2x4, monke
   assert "Nothing was restored" in str(info.value)
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   resume_dir, crash_dir = tmp_path / "resume", tmp_path / "crash"
   straight = w.train(w.fresh_state("adamw", part_2x4), 2 * w.RESUME_STEPS)
@@ -305,6 +307,7 @@ def test_resume_in_new_process_and_crash_mid_save(tmp_path, part_2x4):
   assert sorted(os.listdir(crash_dir)) == [".t5x_optim.lock", "1", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   sys.platform == "win32",
   reason="jax.distributed CPU collectives (gloo) are not available on Windows",

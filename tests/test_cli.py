@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5x_optim import Checkpointer
-from t5x_optim.cli import _config, _train, main
+from t5x_optim.cli import _config, _progress, _train, main
 from t5x_optim.partitioning import init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
@@ -103,6 +103,7 @@ def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
   return model_dir, result
 
 
+@pytest.mark.slow
 def test_train_prints_the_run_then_learns(tiny_run):
   model_dir, result = tiny_run
   lines = result.stdout.splitlines()
@@ -130,6 +131,7 @@ def test_train_prints_the_run_then_learns(tiny_run):
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_model_dir_holds_config_and_event_files(tiny_run):
   model_dir, _ = tiny_run
   train = _scalars(model_dir / "train")
@@ -149,6 +151,7 @@ def test_model_dir_holds_config_and_event_files(tiny_run):
   assert dict(job.partitioner.mesh.shape) == {"data": 4, "model": 2}
 
 
+@pytest.mark.slow
 def test_second_run_reports_the_finished_run(tiny_run, capsys):
   model_dir, _ = tiny_run
   assert main(["train", *TINY, "--model_dir", str(model_dir)]) == 0
@@ -159,6 +162,7 @@ def test_second_run_reports_the_finished_run(tiny_run, capsys):
   assert _checkpoint_steps(model_dir) == [20, 40]
 
 
+@pytest.mark.slow
 def test_one_device_run_in_a_fresh_dir_under_the_current_one(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert main(["train", *TINY, "--num_devices", "1", "--gin_bindings", "TOTAL_STEPS = 1"]) == 0
@@ -174,6 +178,7 @@ def test_one_device_run_in_a_fresh_dir_under_the_current_one(tmp_path, capsys, m
   assert fresh.parent == run.parent and fresh != run and not fresh.exists()
 
 
+@pytest.mark.slow
 def test_resume_into_another_model_is_a_bounded_error(tiny_run, tmp_path, capsys):
   model_dir = tmp_path / "run"
   shutil.copytree(tiny_run[0], model_dir)
@@ -204,6 +209,7 @@ def test_resume_into_another_model_is_a_bounded_error(tiny_run, tmp_path, capsys
   assert "train with that config or use another --model_dir" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [1.0, 5.0], ids=["1s", "5s"])
 def test_ctrl_c_exits_130_and_keeps_the_checkpoint(delay, tiny_run, tmp_path):
   model_dir = tmp_path / "run"
@@ -247,6 +253,7 @@ def test_examples_include_optimizer_files():
   assert INCLUDED and INCLUDED < set(OPTIMIZER_FILES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZER_FILES) - INCLUDED))
 def test_every_optimizer_file_trains(name, tmp_path, capsys):
   assert (
@@ -272,6 +279,7 @@ def test_every_optimizer_file_trains(name, tmp_path, capsys):
     assert "(lookahead: fast and slow copies)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in EXAMPLE_FILES if name != "tiny.gin"])
 def test_every_example_file_trains(name, tmp_path, capsys):
   assert (
@@ -301,7 +309,7 @@ class _Terminal(io.StringIO):
 
 def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
   stream = _Terminal()
-  progress = _train.Progress(stream, start=0, total=100, redraw_seconds=0.0)
+  progress = _progress.Progress(stream, start=0, total=100, redraw_seconds=0.0)
   progress.log("step 10/100  loss 2.0000", rate=20.0)
   progress.advance(20)
   progress.log("step 20/100  loss 1.5000", rate=10.0)
@@ -317,7 +325,7 @@ def test_terminal_progress_keeps_log_lines_above_a_bar_with_eta():
 
 def test_non_terminal_progress_is_one_line_per_log():
   stream = io.StringIO()
-  progress = _train.Progress(stream, start=0, total=100)
+  progress = _progress.Progress(stream, start=0, total=100)
   progress.advance(5)
   progress.log("step 10/100  loss 2.0000", rate=20.0)
   progress.close()
@@ -363,6 +371,7 @@ def test_help_says_gin_files_are_code(capsys):
     assert "gin files are code" in " ".join(capsys.readouterr().out.split()).lower()
 
 
+@pytest.mark.slow
 def test_plan_shows_factored_leaves_with_dropped_dims():
   result = _run("plan", *ADAFACTOR, "--warn_replicated_bytes", "1024")
   assert result.returncode == 0, result.stderr
@@ -392,6 +401,7 @@ def _state_bytes(state) -> tuple[int, int, dict[str, tuple[list[int], str, int]]
   return per_device, total, leaves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--gin_file", "partitioning/zero.gin"]], ids=["1d", "zero"])
 def test_plan_json_matches_a_real_init(extra, capsys):
   assert main(["plan", *ADAFACTOR, *extra, "--format", "json"]) == 0
@@ -460,6 +470,7 @@ def test_bad_config_is_one_clear_error(name, command, capsys, tmp_path):
   assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_bad_gin_in_a_subprocess_exits_without_traceback(tmp_path):
   result = _run("train", "--gin_bindings", "optax.adamww.learning_rate = 1.0", cwd=tmp_path)
   assert result.returncode == 2

@@ -52,6 +52,7 @@ def test_root_reexports_interface():
     assert getattr(t5x_optim, name) is getattr(optimizers, name)
 
 
+@pytest.mark.slow
 def test_kfac_names_load_lazily():
   pytest.importorskip("kfac_jax")
   script = (

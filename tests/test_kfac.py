@@ -15,12 +15,17 @@ from jax.sharding import PartitionSpec as P
 kfac_jax = pytest.importorskip("kfac_jax")
 
 # kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
-pytestmark = pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning")
+# Most tests run kfac-jax steps through a shared fixture: seconds each.
+pytestmark = [
+  pytest.mark.filterwarnings(r"ignore:jax\.core\.\w+ is deprecated:DeprecationWarning"),
+  pytest.mark.slow,
+]
 
 from kfac_jax._src import tag_graph_matcher  # noqa: E402
 
 from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
 from t5x_optim._optimizers import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
+from t5x_optim._optimizers import kfac_state  # noqa: E402
 from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
 
 _NUM_STEPS = 6
@@ -306,7 +311,7 @@ def test_state_rules_fallback_is_a_deprecated_alias_of_fallback(kfac):
 def test_kfac_state_rule_is_registered_once():
   from t5x_optim._axes.registry import registered_rules
 
-  node_type = kfac_adapter._KfacNode  # pylint: disable=protected-access
+  node_type = kfac_state._KfacNode  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="already registered; pass replace=True"):
     register_state_rule(node_type, registered_rules()[node_type].rule)
 

@@ -1,5 +1,6 @@
 """The package's layers import only downwards (DESIGN.md section 2).
 
+0. key paths (``t5x_optim/_keypaths.py``), which every layer may import;
 1. axes (``t5x_optim/_axes``): logical-axis rules and optimizer-state specs;
 2. optimizers (``t5x_optim/_optimizers``, ``t5x_optim.optimizers``);
 3. training (``t5x_optim/_training`` and its public faces ``partitioning``,
@@ -8,12 +9,17 @@
 5. the package itself (``t5x_optim/__init__.py``), which re-exports all.
 
 Every import of a t5x_optim module is checked, those inside functions too.
+Inside the optimizers layer, the fused update is layered too (program <
+analysis < kernel < sharding), and only the fused subpackage's kernel module
+imports Pallas.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +28,7 @@ import t5x_optim
 PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
 
 LAYERS = {
+  "t5x_optim._keypaths": 0,
   "t5x_optim._axes": 1,
   "t5x_optim._optimizers": 2,
   "t5x_optim.optimizers": 2,
@@ -94,31 +101,86 @@ def test_module_imports_only_its_own_layer_and_below(path):
   assert upward_imports(path.read_text(), module_name(path)) == []
 
 
-def test_axes_layer_imports_no_other_t5x_optim_module():
+def test_axes_layer_imports_no_other_t5x_optim_module_but_key_paths():
   for path in (PACKAGE_DIR / "_axes").rglob("*.py"):
     name = module_name(path)
-    others = [m for _, m in imported_modules(path.read_text(), name) if layer_of(m) != 1]
+    others = [m for _, m in imported_modules(path.read_text(), name) if layer_of(m) not in (0, 1)]
     assert others == [], name
 
 
-def test_every_module_has_a_layer():
-  names = [module_name(p) for p in MODULES]
-  assert len(names) > 30
-  for name in names:
-    layer_of(name)
+def test_key_paths_import_no_t5x_optim_module():
+  source = (PACKAGE_DIR / "_keypaths.py").read_text()
+  assert imported_modules(source, "t5x_optim._keypaths") == []
 
 
-@pytest.mark.parametrize(
-  ("importer", "source", "found"),
-  [
-    ("t5x_optim._axes.engine", "from t5x_optim._optimizers import interface", 1),
-    ("t5x_optim._axes.engine", "def f():\n  from t5x_optim import partitioning", 1),
-    ("t5x_optim._optimizers.kfac", "from ..checkpoints import Checkpointer", 1),
-    ("t5x_optim._optimizers.kfac", "import t5x_optim.cli", 1),
-    ("t5x_optim._training.init", "from t5x_optim import TrainState", 1),
-    ("t5x_optim._training.init", "from t5x_optim.optimizers import adamw", 0),
-    ("t5x_optim.cli._train", "from t5x_optim import checkpoints, partitioning", 0),
-  ],
-)
-def test_the_check_sees_upward_imports(importer, source, found):
-  assert len(upward_imports(source, importer)) == found
+FUSED = "t5x_optim._optimizers.fused"
+FUSED_ORDER = [
+  f"{FUSED}.program",
+  f"{FUSED}.analysis",
+  FUSED,
+  f"{FUSED}.kernel",
+  f"{FUSED}.sharding",
+]
+
+
+@pytest.mark.parametrize("module", FUSED_ORDER)
+def test_fused_modules_import_only_those_before_them(module):
+  path = PACKAGE_DIR.parent.joinpath(*module.split("."))
+  path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+  rank = FUSED_ORDER.index(module)
+  later = [
+    f"line {line}: {target}"
+    for line, target in imported_modules(path.read_text(), module)
+    if target in FUSED_ORDER[rank + 1 :] and not _inside_function(path.read_text(), line)
+  ]
+  assert later == []
+
+
+def _inside_function(source: str, line: int) -> bool:
+  """Whether `line` of `source` is inside a function body (a deferred import)."""
+  return any(
+    isinstance(node, ast.FunctionDef) and node.lineno < line <= node.end_lineno
+    for node in ast.walk(ast.parse(source))
+  )
+
+
+def test_stacked_params_need_only_the_elementwise_analysis():
+  source = (PACKAGE_DIR / "_optimizers" / "stacked.py").read_text()
+  fused = {m for _, m in imported_modules(source, "t5x_optim._optimizers.stacked") if "fused" in m}
+  assert fused <= {FUSED, f"{FUSED}.analysis", f"{FUSED}.program"}
+
+
+def _methods_naming(cls: ast.ClassDef, names: set[str]) -> set[str]:
+  """The methods of `cls` whose body or signature mentions one of `names`."""
+  return {
+    method.name
+    for method in cls.body
+    if isinstance(method, ast.FunctionDef)
+    for node in ast.walk(method)
+    if getattr(node, "id", None) in names or getattr(node, "attr", None) in names
+  }
+
+
+def test_optax_wrapper_names_stacked_and_fused_types_only_in_their_hooks():
+  """`create` hands `StackedParams` to the stacked layer; `__init__` takes the fused mode."""
+  tree = ast.parse((PACKAGE_DIR / "_optimizers" / "optax_wrapper.py").read_text())
+  wrapper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OptaxWrapper")
+  stacked = {"_stacked", "StackedParams", "StackedOptimizerDef", "StackedLayout"}
+  fused = {"FusedUpdate", "FusedPlan", "NotFusible", "plan_fused_update", "fused_apply"}
+  assert _methods_naming(wrapper, stacked) == {"create"}
+  assert _methods_naming(wrapper, fused) == {"__init__"}
+
+
+@pytest.mark.slow
+def test_import_loads_no_pallas():
+  """Pallas (and its Triton backend) load only when a fused update is asked for."""
+  code = (
+    "import sys, t5x_optim\n"
+    "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas')"
+    " or m.startswith(f'{t5x_optim.__name__}._optimizers.fused.')))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+  assert out.stdout.split() == [
+    "['t5x_optim._optimizers.fused.analysis',",
+    "'t5x_optim._optimizers.fused.program']",
+  ]

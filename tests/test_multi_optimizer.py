@@ -102,6 +102,7 @@ def with_frozen(transforms: dict[str, optax.GradientTransformation]) -> Any:
   return {**transforms, "frozen": optax.set_to_zero()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
 def test_matches_multi_transform_bit_for_bit(container: type) -> None:
   params = make_params(container)
@@ -625,6 +626,7 @@ def train(state: TrainState, step_fn: Callable[..., Any], batches: list[Any]) ->
   return state, losses
 
 
+@pytest.mark.slow
 def test_sharded_training_through_train_state_and_partitioner() -> None:
   model = Mlp()
   x = jax.random.normal(jax.random.key(1), (16, 8))

@@ -59,6 +59,7 @@ def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
   return params, state, opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", TABLE, ids=repr)
 def test_matches_plain_optax_loop_bit_for_bit(case: Case, jit: bool):
@@ -69,6 +70,7 @@ def test_matches_plain_optax_loop_bit_for_bit(case: Case, jit: bool):
   assert type(opt.target) is type(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TABLE, ids=repr)
 def test_state_dict_round_trip(case: Case):
   _, _, opt = run(case, True)

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# Builds the wheel and installs it in a fresh environment: minutes.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "t5x_optim_launcher.py", "t5x_optim")
 TIMEOUT = 300

@@ -153,6 +153,7 @@ def _per_device_bytes(tree):
   return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data, model", MESHES)
 def test_sharded_adamw_train_step_matches_unsharded(data, model):
   steps = 3

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Runs the README's commands and examples in fresh processes.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
 TIMEOUT = 240

@@ -181,6 +181,7 @@ def _state_bytes_per_device(state):
   return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error:OptaxWrapper\\(fused=")  # the fused case must fuse
 @pytest.mark.parametrize("data, model", MESHES)
 @pytest.mark.parametrize("model_name, opt_name", CASES)

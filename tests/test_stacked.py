@@ -126,6 +126,7 @@ def _stacked_run(case: Case) -> tuple[list, str | None]:
   return out, None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TABLE, ids=repr)
 def test_stacked_matches_the_optax_loop_over_the_table(case: Case):
   """Accepted updates match per-leaf optax within ULPS; refusals say why."""
@@ -144,6 +145,7 @@ def test_stacked_matches_the_optax_loop_over_the_table(case: Case):
     assert leaf_scale_ulps(state, ref_state) <= bound
 
 
+@pytest.mark.slow
 def test_elementwise_updates_are_bit_exact():
   cases = {case.name: case for case in TABLE}
   for name in ("adam", "adamw", "lion", "sgd", "rmsprop", "yogi"):
@@ -291,6 +293,7 @@ def _shardings(opt, mesh, zero: bool):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [False, True])
 def test_sharded_stacked_steps_match_unsharded(zero):
   """On a 2x4 mesh the buffers shard like their leaves behind the stacking axis."""

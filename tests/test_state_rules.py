@@ -239,6 +239,7 @@ def test_table_is_broad():
 NO_SCALAR_PARAMS = {"sm3"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_sharded_step_matches_unsharded(name, mesh):
   params, axes = make_params(), AXES
@@ -522,6 +523,7 @@ def param_trees(draw):
   return shapes, axes
 
 
+@pytest.mark.slow
 @hypothesis.settings(
   max_examples=4,
   deadline=None,
@@ -670,12 +672,12 @@ def test_bad_fallback_value_is_refused():
 
 def test_adapter_state_rules_are_registered_once():
   from t5x_optim._axes.registry import registered_rules
-  from t5x_optim._optimizers import example_lib
+  from t5x_optim._optimizers.example_lib_layout import PartsNode
 
   registered = registered_rules()
-  types = [optax.ScaleByLBFGSState, contrib.GaLoreState, example_lib._PartsNode]
+  types = [optax.ScaleByLBFGSState, contrib.GaLoreState, PartsNode]
   for state_type in types:
     assert state_type in registered
     with pytest.raises(ValueError, match="already registered; pass replace=True"):
       register_state_rule(state_type, registered[state_type].rule)
-  assert registered_rules()[example_lib._PartsNode] == registered[example_lib._PartsNode]
+  assert registered_rules()[PartsNode] == registered[PartsNode]

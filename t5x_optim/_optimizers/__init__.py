@@ -1,8 +1,26 @@
 """Layer 2, optimizers: the `OptimizerDef`/`Optimizer` interface and adapters.
 
-`interface` (T5X's contract), `state_dict` (T5X's state-dict layout and
-restore checks, used by every adapter), and the adapters: optax
-(`optax_wrapper`), `multi_optimizer`, `example_lib`, `kfac`. Each adapter
-plugs its spec rules into layer 1 (`t5x_optim._axes`) and imports nothing
-above it. Public through `t5x_optim` and `t5x_optim.optimizers`.
+- `interface`: T5X's contract (`OptimizerDef`, `Optimizer`, `OptimizerState`);
+- `state_dict`: T5X's state-dict layout and restore checks, used by every
+  adapter;
+- `optax_wrapper`: any optax transformation as an `OptimizerDef`, and
+  `discovery`, which finds optax's optimizer factories to wrap;
+- `fused` (a subpackage): the fused (multi-tensor) update that
+  `OptaxWrapper(fused=...)` runs: the elementwise analysis, the Pallas
+  kernel and its sharding;
+- `stacked`: params and optax state kept stacked by shape between steps,
+  and the stacked layer `OptaxWrapper.create` puts around itself for them;
+  it needs only the fused update's elementwise analysis;
+- `multi_optimizer`: T5X's `MultiOptimizer` over parts of the params;
+- `example_lib` (with `example_lib_layout`): `jax.example_libraries`
+  triples;
+- `kfac` (with `kfac_state`): kfac-jax, loaded on first use;
+- `low_precision`: any optax optimizer's param-shaped state stored in
+  bfloat16 (stochastic rounding) or block-wise 8 bits between steps;
+- `convert`: optimizer-state conversion between optimizers (a registry of
+  converters keyed by state type).
+
+Each adapter plugs its spec rules into layer 1 (`t5x_optim._axes`) and
+imports nothing above it; `t5x_optim._keypaths` names tree paths for all
+layers. Public through `t5x_optim` and `t5x_optim.optimizers`.
 """

@@ -12,6 +12,7 @@ import jax
 from flax import struct
 
 from t5x_optim._axes.engine import StateRulesFallback
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState"]
@@ -58,9 +59,7 @@ class Optimizer(struct.PyTreeNode):
         both sides; checked before anything runs (under `jax.jit` too).
     """
     overrides, extra_args = self.optimizer_def.split_apply_kwargs(kwargs)
-    reference = self.optimizer_def.grads_reference(self.target)
-    if reference is not None:
-      check_grads(grads, reference)
+    grads = self.optimizer_def.prepare_grads(self.target, grads)
     hyper_params = self.optimizer_def.update_hyper_params(**overrides)
     new_target, new_state = self.optimizer_def.apply_gradient(
       hyper_params, self.target, self.state, grads, **extra_args
@@ -157,13 +156,20 @@ class OptimizerDef(abc.ABC):
     extra_args = {k: v for k, v in kwargs.items() if k not in names}
     return overrides, extra_args
 
-  def grads_reference(self, params: Any) -> Any:
-    """The tree whose structure, shapes and kinds the grads must have.
+  def prepare_grads(self, params: Any, grads: Any) -> Any:
+    """Checks `grads` against `params` and returns them as `apply_gradient` takes them.
 
-    None for a definition that takes no grads tree (it then checks `grads`
-    itself).
+    `Optimizer.apply_gradient` calls it once per step, before anything
+    runs (under `jax.jit`, at trace time). Here the grads must have the
+    params' structure, shapes and real or complex kind, and come back in the
+    params' containers (dicts and FrozenDicts are interchangeable).
+    Definitions whose grads have another form override it.
+
+    Raises:
+      ValueError: when `grads` does not fit, naming the paths and both sides.
     """
-    return params
+    check_grads(grads, params)
+    return tree_like(grads, params)
 
   def update_hyper_params(self, **hyper_param_overrides: Any) -> Any:
     """Returns the hyper-params with overrides applied.
@@ -323,8 +329,7 @@ def check_grads(grads: Any, params: Any) -> None:
     param_kind = _kind(jax.numpy.result_type(param))
     if grad_shape != param_shape or (grad_kind == "complex" and param_kind == "real"):
       bad.append(
-        f"'{_state_dict.key_path_str(path)}': grads {grad_kind} {grad_shape}, params "
-        f"{param_kind} {param_shape}"
+        f"'{key_path_str(path)}': grads {grad_kind} {grad_shape}, params {param_kind} {param_shape}"
       )
   if bad:
     leaves = "leaf" if len(bad) == 1 else "leaves"

@@ -15,15 +15,9 @@ import optax
 from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
-from t5x_optim._optimizers import fused as _fused
 from t5x_optim._optimizers import stacked as _stacked
-from t5x_optim._optimizers.interface import (
-  Optimizer,
-  OptimizerDef,
-  OptimizerState,
-  check_grads,
-  tree_like,
-)
+from t5x_optim._optimizers.fused import FusedUpdate
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
@@ -144,12 +138,10 @@ class OptaxWrapper(OptimizerDef):
   state dict are the same either way.
 
   The target may be `StackedParams` (`t5x_optim.stack_params`: params kept
-  stacked by shape between steps, so that the update runs over a few large
-  buffers). The transformation must then be elementwise per leaf (checked
-  by `create`); gradients may come stacked (the gradient of a loss of
-  ``target.unstack()``) or per leaf; `derive_logical_axes` takes the
-  per-leaf logical axes; `state_dict` and `restore_state` read and write the
-  per-leaf layout, so checkpoints do not depend on the stacking.
+  stacked by shape between steps): `create` then puts this definition
+  inside the stacked layer, `t5x_optim._optimizers.stacked.StackedOptimizerDef`,
+  which checks that the update is elementwise per leaf and keeps state
+  dicts and checkpoints per leaf.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -167,35 +159,29 @@ class OptaxWrapper(OptimizerDef):
     fallback: _state_rules.StateRulesFallback | str = (
       _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
     ),
-    fused: _fused.FusedUpdate | str | bool = _fused.FusedUpdate.OFF,
+    fused: FusedUpdate | str | bool = FusedUpdate.OFF,
   ):
     super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
-    self.fused = _fused.FusedUpdate.of(fused)
+    self.fused = FusedUpdate.of(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
 
-  def grads_reference(self, params: Any) -> Any:
-    """The params, or the fast params of `optax.lookahead`'s `LookaheadParams`.
+  def create(self, target: Any) -> Optimizer:
+    """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
+    if isinstance(target, _stacked.StackedParams):
+      return _stacked.StackedOptimizerDef(self).create(target)
+    return super().create(target)
 
-    None for `StackedParams`, whose grads may come stacked or per leaf
-    (`apply_gradient` checks them).
-    """
-    if isinstance(params, _stacked.StackedParams):
-      return None
-    return params.fast if isinstance(params, optax.LookaheadParams) else params
+  def prepare_grads(self, params: Any, grads: Any) -> Any:
+    """`OptimizerDef.prepare_grads`; for `optax.lookahead`, against the fast params."""
+    if isinstance(params, optax.LookaheadParams):
+      params = params.fast
+    return super().prepare_grads(params, grads)
 
   def init_state(self, params: Any) -> OptimizerState:
-    """The initial state; for `StackedParams`, checks the update fits the stacking.
-
-    Raises:
-      ValueError: for `StackedParams` and a transformation that is not
-        elementwise per leaf, or treats leaves stacked together differently.
-    """
-    if isinstance(params, _stacked.StackedParams):
-      _stacked.check_stacked_update(self.optax_optimizer, params)
     return OptimizerState(
       step=jnp.zeros((), jnp.int32), param_states=self.optax_optimizer.init(params)
     )
@@ -208,63 +194,14 @@ class OptaxWrapper(OptimizerDef):
     grads: Any,
     **extra_args: Any,
   ) -> tuple[Any, OptimizerState]:
-    stacked = _is_stacked(params)
-    if stacked:
-      grads = _stacked_grads(params, grads)
-    else:
-      grads = tree_like(grads, self.grads_reference(params))
     param_states = state.param_states
     if hyper_params.learning_rate is not None:
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
-    kernel = self.fused.kernel(jax.default_backend())
-    # Stacked params are already a few buffers: the plain path is the fused one.
-    plan = (
-      kernel and not stacked and self._fused_plan(kernel, params, grads, param_states, extra_args)
+    new_params, new_param_states = self.fused.update(
+      self.optax_optimizer, params, grads, param_states, extra_args
     )
-    if plan:
-      new_params, new_param_states = _fused.fused_apply(
-        plan, kernel, params, grads, param_states, extra_args
-      )
-    else:
-      updates, new_param_states = self.optax_optimizer.update(
-        grads, param_states, params, **extra_args
-      )
-      new_params = optax.apply_updates(params, updates)
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
-
-  def _fused_plan(
-    self, kernel: str, params: Any, grads: Any, param_states: Any, extra_args: dict[str, Any]
-  ) -> _fused.FusedPlan | None:
-    """The fused plan of this update, or None (with a warning saying why)."""
-    plan = _fused.plan_fused_update(
-      self.optax_optimizer, params, grads, param_states, extra_args, kernel=kernel
-    )
-    if isinstance(plan, str):
-      warnings.warn(
-        f"OptaxWrapper(fused={self.fused.value!r}): the update cannot run fused "
-        f"({plan}), so it runs on the plain optax path.",
-        stacklevel=4,
-      )
-      return None
-    return plan
-
-  def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
-    """T5X's state dict; `StackedParams` and their state are written per leaf."""
-    return super().state_dict(*_unstacked(target, state))
-
-  def restore_state(
-    self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
-  ) -> tuple[Any, OptimizerState]:
-    """`OptimizerDef.restore_state`; `StackedParams` are restored per leaf, then stacked.
-
-    The per-leaf state dict is validated as for per-leaf params, so errors
-    name the per-leaf paths.
-    """
-    if not isinstance(opt_target, _stacked.StackedParams):
-      return super().restore_state(opt_target, opt_state, state_dict)
-    target, new_state = super().restore_state(*_unstacked(opt_target, opt_state), state_dict)
-    return _restacked(opt_state, target, new_state, opt_target.layout)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     """Returns `optimizer` with every leaf replaced by its logical spec.
@@ -272,22 +209,9 @@ class OptaxWrapper(OptimizerDef):
     The target becomes the params' logical axes, `step` becomes `None` and
     every optax state leaf a `PartitionSpec` (or `None`, replicated); empty
     optax nodes stay as they are. Leaves without a valid spec go to
-    `fallback`. For `StackedParams`, `param_logical_axes` are the per-leaf
-    params' (or already stacked); each buffer gets its leaves' spec behind
-    an unsharded stacking axis.
-
-    Raises:
-      ValueError: for `StackedParams`, when leaves stacked together have
-        different specs (naming them).
+    `fallback`.
     """
-    if isinstance(optimizer.target, _stacked.StackedParams):
-      axes = param_logical_axes
-      if not isinstance(axes, _stacked.StackedParams):
-        axes = optimizer.target.layout.stack(
-          _state_rules.logical_axes_from(axes), what="logical axes"
-        )
-    else:
-      axes = _state_rules.logical_axes_from(param_logical_axes)
+    axes = _state_rules.logical_axes_from(param_logical_axes)
     param_states = _state_rules.OptaxStatePartitionRules.derive_optax_logical_axes(
       optimizer.state.param_states,
       axes,
@@ -298,66 +222,6 @@ class OptaxWrapper(OptimizerDef):
     return optimizer.replace(
       target=axes, state=OptimizerState(step=None, param_states=param_states)
     )
-
-
-def _stacked_grads(params: _stacked.StackedParams, grads: Any) -> _stacked.StackedParams:
-  """`grads` as `params`' stacked layout: stacked as they are, or per-leaf stacked.
-
-  Raises:
-    ValueError: naming the paths and both sides, when per-leaf grads do not
-      fit the per-leaf params, or stacked grads have another layout or
-      buffer shapes.
-  """
-  layout = params.layout
-  if not isinstance(grads, _stacked.StackedParams):
-    check_grads(grads, layout.abstract_params())
-    return layout.stack(grads, what="grads")
-  if grads.layout != layout:
-    raise ValueError(
-      f"The stacked grads have another layout than the stacked params: groups "
-      f"{grads.layout.groups} of {grads.layout.paths} vs {layout.groups} of {layout.paths}."
-    )
-  bad = [
-    f"buffer {k} ({[layout.paths[i] for i in layout.groups[k]]}): grads {jnp.shape(g)}, "
-    f"params {jnp.shape(p)}"
-    for k, (g, p) in enumerate(zip(grads.buffers, params.buffers, strict=True))
-    if jnp.shape(g) != jnp.shape(p)
-  ]
-  if bad:
-    raise ValueError(f"The stacked grads do not fit the stacked params: {'; '.join(bad)}.")
-  return grads
-
-
-def _is_stacked(node: Any) -> bool:
-  return isinstance(node, _stacked.StackedParams)
-
-
-def _unstacked(target: Any, state: OptimizerState) -> tuple[Any, OptimizerState]:
-  """`target` and `state` with every `StackedParams` subtree per leaf."""
-  if not _is_stacked(target):
-    return target, state
-  param_states = jax.tree.map(
-    lambda node: node.unstack() if _is_stacked(node) else node,
-    state.param_states,
-    is_leaf=_is_stacked,
-  )
-  return target.unstack(), state.replace(param_states=param_states)
-
-
-def _restacked(
-  reference: OptimizerState, target: Any, state: OptimizerState, layout: _stacked.StackedLayout
-) -> tuple[_stacked.StackedParams, OptimizerState]:
-  """Inverse of `_unstacked`: stacks what `reference` holds as `StackedParams`."""
-  nodes, outer = jax.tree.flatten(reference.param_states, is_leaf=_is_stacked)
-  restored = outer.flatten_up_to(state.param_states)
-  param_states = jax.tree.unflatten(
-    outer,
-    [
-      node.layout.stack(value, what="optimizer state") if _is_stacked(node) else value
-      for node, value in zip(nodes, restored, strict=True)
-    ],
-  )
-  return layout.stack(target), state.replace(param_states=param_states)
 
 
 def wrap_optax_optimizer(
@@ -385,7 +249,7 @@ def wrap_optax_optimizer(
 def chain(
   transformations: Sequence[optax.GradientTransformation],
   *,
-  fused: _fused.FusedUpdate | str | bool = _fused.FusedUpdate.OFF,
+  fused: FusedUpdate | str | bool = FusedUpdate.OFF,
 ) -> OptaxWrapper:
   """`optax.chain` over a list (gin cannot bind `*args`), as an `OptaxWrapper`.
 

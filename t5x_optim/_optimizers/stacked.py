@@ -1,4 +1,4 @@
-"""Params and optimizer state kept stacked by shape between steps (issue 15).
+"""Params and optimizer state kept stacked by shape between steps.
 
 An unscanned T5 has hundreds of leaves, and an optax update runs one kernel
 (or more) per leaf, far from the memory-bandwidth limit on a GPU. The same
@@ -11,15 +11,18 @@ initialises and updates the few buffers, so its state (``mu``, ``nu``...) is
 stacked too.
 
 For an update that is elementwise per leaf (adam, adamw, lion, sgd with
-momentum, rmsprop...: the analysis of `t5x_optim._optimizers.fused` proves
-it, and `OptaxWrapper` refuses anything else), updating a stacked buffer
+momentum, rmsprop...: the elementwise analysis of
+`t5x_optim._optimizers.fused.analysis` proves it, and `StackedOptimizerDef`
+refuses anything else), updating a stacked buffer
 equals updating each of its leaves, bit for bit; a global reduction such as
 clipping by the global norm sums in another order (one rounding in the
 clip factor: a few ulps, see ``tests/test_stacked.py``). Partition
 specs are the leaves' specs behind an unsharded stacking axis, so each
-device holds the stacked slices of the leaves it held before, and
-`OptaxWrapper`'s state dicts and checkpoints are those of the per-leaf
-params.
+device holds the stacked slices of the leaves it held before.
+
+`StackedOptimizerDef` is the layer around `OptaxWrapper` for such params
+(``OptaxWrapper(tx).create(stacked)`` builds it): its state dicts and
+checkpoints are those of the per-leaf params.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax
@@ -37,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -50,10 +54,19 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.engine import logical_axes_from
-from t5x_optim._optimizers import fused as _fused
-from t5x_optim._optimizers.state_dict import key_path_str
+from t5x_optim._keypaths import key_path_str
+from t5x_optim._optimizers.fused import FusedUpdate
+from t5x_optim._optimizers.fused.analysis import FusedPlan, NotFusible, plan_fused_update
+from t5x_optim._optimizers.fused.program import program_key
+from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState, check_grads
 
-__all__ = ["StackedLayout", "StackedParams", "check_stacked_update", "stack_params"]
+__all__ = [
+  "StackedLayout",
+  "StackedOptimizerDef",
+  "StackedParams",
+  "check_stacked_update",
+  "stack_params",
+]
 
 
 def _is_spec_or_none(x: Any) -> bool:
@@ -205,33 +218,29 @@ class StackedParams(struct.PyTreeNode):
     return self.layout.unstack(self.buffers)
 
 
-def _plan(tx: optax.GradientTransformation, abstract_params: Any) -> _fused.FusedPlan:
-  """The fused analysis of `tx` on `abstract_params`, groups without size limit.
+def _plan(tx: optax.GradientTransformation, abstract_params: Any) -> FusedPlan:
+  """The elementwise analysis of `tx` on `abstract_params`, groups without size limit.
 
   Raises:
     ValueError: saying why, when the update is not elementwise per leaf.
   """
   try:
     state = jax.eval_shape(tx.init, abstract_params)
-    plan = _fused.plan_fused_update(
-      tx, abstract_params, abstract_params, state, bounded_groups=False
-    )
+    return plan_fused_update(tx, abstract_params, abstract_params, state, bounded_groups=False)
   except Exception as error:  # noqa: BLE001 - tx.init/update raise anything
-    plan = f"{type(error).__name__}: {error}"
-  if isinstance(plan, str):
+    reason = str(error) if isinstance(error, NotFusible) else f"{type(error).__name__}: {error}"
     raise ValueError(
       f"The params cannot be kept stacked for this optax update: it is not elementwise per "
-      f"leaf ({plan}). Stacked buffers would change its result; use per-leaf params."
-    )
-  return plan
+      f"leaf ({reason}). Stacked buffers would change its result; use per-leaf params."
+    ) from None
 
 
-def _leaf_programs(plan: _fused.FusedPlan) -> list[tuple[tuple, tuple[int, ...]]]:
+def _leaf_programs(plan: FusedPlan) -> list[tuple[tuple, tuple[int, ...]]]:
   """Per leaf of `plan`: (what it computes, the value ids of its scalar residuals)."""
   programs: list[Any] = [None] * len(plan.paths)
   for group in plan.groups:
     for i in group.leaves:
-      programs[i] = (_fused.program_key(group), group.residuals)
+      programs[i] = (program_key(group), group.residuals)
   return programs
 
 
@@ -268,7 +277,7 @@ def stack_params(
     (2, ((0,), (1,)))
   """
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths = tuple(key_path_str(path) or "(root)" for path, _ in path_leaves)
+  paths = tuple(key_path_str(path) for path, _ in path_leaves)
   leaves = [leaf for _, leaf in path_leaves]
   shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)
   dtypes = tuple(np.dtype(leaf.dtype).name for leaf in leaves)
@@ -340,3 +349,129 @@ def check_stacked_update(tx: optax.GradientTransformation, params: StackedParams
         "function, say), and sees the buffers instead. Keep these params per leaf, or give "
         "such transformations masks that hold for the stacked buffers."
       )
+
+
+class StackedOptimizerDef(OptimizerDef):
+  """The stacked layer: an optax `OptimizerDef` whose target is `StackedParams`.
+
+  ``OptaxWrapper(tx).create(stack_params(params))`` builds it around the
+  wrapper. The transformation must be elementwise per leaf (checked by
+  `init_state`); gradients may come stacked (the gradient of a loss of
+  ``target.unstack()``) or per leaf; `derive_logical_axes` takes the
+  per-leaf logical axes; `state_dict` and `restore_state` read and write the
+  per-leaf layout, so checkpoints do not depend on the stacking. The update
+  runs on the plain optax path: the buffers are already few and large, as
+  the fused update would make them.
+
+  Args:
+    inner: the per-leaf definition (an `OptaxWrapper`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> opt = OptaxWrapper(optax.adam(0.1)).create(stack_params({'a': jnp.ones(2)}))
+    >>> type(opt.optimizer_def).__name__, sorted(opt.state_dict()['target'])
+    ('StackedOptimizerDef', ['a'])
+  """
+
+  def __init__(self, inner: Any):
+    super().__init__(inner.hyper_params, fallback=inner.fallback)
+    self.inner = copy.copy(inner)
+    self.inner.fused = FusedUpdate.OFF
+    self.optax_optimizer = inner.optax_optimizer
+    self.extra_arg_names = inner.extra_arg_names
+
+  def init_state(self, params: StackedParams) -> OptimizerState:
+    """The inner definition's state, once the update is checked against the stacking.
+
+    Raises:
+      ValueError: when the transformation is not elementwise per leaf, or
+        treats leaves stacked together differently.
+    """
+    check_stacked_update(self.optax_optimizer, params)
+    return self.inner.init_state(params)
+
+  def prepare_grads(self, params: StackedParams, grads: Any) -> StackedParams:
+    """`grads` in `params`' stacked layout: stacked as they are, or per-leaf stacked.
+
+    Raises:
+      ValueError: naming the paths and both sides, when per-leaf grads do not
+        fit the per-leaf params, or stacked grads have another layout or
+        buffer shapes.
+    """
+    layout = params.layout
+    if not isinstance(grads, StackedParams):
+      check_grads(grads, layout.abstract_params())
+      return layout.stack(grads, what="grads")
+    if grads.layout != layout:
+      raise ValueError(
+        f"The stacked grads have another layout than the stacked params: groups "
+        f"{grads.layout.groups} of {grads.layout.paths} vs {layout.groups} of {layout.paths}."
+      )
+    bad = [
+      f"buffer {k} ({[layout.paths[i] for i in layout.groups[k]]}): grads {jnp.shape(g)}, "
+      f"params {jnp.shape(p)}"
+      for k, (g, p) in enumerate(zip(grads.buffers, params.buffers, strict=True))
+      if jnp.shape(g) != jnp.shape(p)
+    ]
+    if bad:
+      raise ValueError(f"The stacked grads do not fit the stacked params: {'; '.join(bad)}.")
+    return grads
+
+  def apply_gradient(
+    self, hyper_params: Any, params: Any, state: OptimizerState, grads: Any, **extra_args: Any
+  ) -> tuple[Any, OptimizerState]:
+    return self.inner.apply_gradient(hyper_params, params, state, grads, **extra_args)
+
+  def state_dict(self, target: StackedParams, state: OptimizerState) -> dict[str, Any]:
+    """The per-leaf params' state dict."""
+    return self.inner.state_dict(*_unstacked(target, state))
+
+  def restore_state(
+    self, opt_target: StackedParams, opt_state: OptimizerState, state_dict: Any
+  ) -> tuple[StackedParams, OptimizerState]:
+    """Restores per leaf, then stacks; errors name the per-leaf paths."""
+    target, new_state = self.inner.restore_state(*_unstacked(opt_target, opt_state), state_dict)
+    return _restacked(opt_state, target, new_state, opt_target.layout)
+
+  def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    """The inner definition's logical axes, with the per-leaf (or stacked) params' axes.
+
+    Each buffer gets its leaves' spec behind an unsharded stacking axis.
+
+    Raises:
+      ValueError: when leaves stacked together have different specs (naming
+        them).
+    """
+    axes = param_logical_axes
+    if not isinstance(axes, StackedParams):
+      axes = optimizer.target.layout.stack(logical_axes_from(axes), what="logical axes")
+    return self.inner.derive_logical_axes(optimizer, axes)
+
+
+def _unstacked(target: StackedParams, state: OptimizerState) -> tuple[Any, OptimizerState]:
+  """`target` and `state` with every `StackedParams` subtree per leaf."""
+  param_states = jax.tree.map(
+    lambda node: node.unstack() if isinstance(node, StackedParams) else node,
+    state.param_states,
+    is_leaf=lambda node: isinstance(node, StackedParams),
+  )
+  return target.unstack(), state.replace(param_states=param_states)
+
+
+def _restacked(
+  reference: OptimizerState, target: Any, state: OptimizerState, layout: StackedLayout
+) -> tuple[StackedParams, OptimizerState]:
+  """Inverse of `_unstacked`: stacks what `reference` holds as `StackedParams`."""
+  nodes, outer = jax.tree.flatten(
+    reference.param_states, is_leaf=lambda node: isinstance(node, StackedParams)
+  )
+  restored = outer.flatten_up_to(state.param_states)
+  param_states = jax.tree.unflatten(
+    outer,
+    [
+      node.layout.stack(value, what="optimizer state") if isinstance(node, StackedParams) else value
+      for node, value in zip(nodes, restored, strict=True)
+    ],
+  )
+  return layout.stack(target), state.replace(param_states=param_states)

@@ -18,6 +18,8 @@ import numpy as np
 from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
+from t5x_optim._keypaths import key_path_str
+
 __all__ = [
   "Fit",
   "build_state_dict",
@@ -59,23 +61,6 @@ def to_pruned_state_dict(tree: Any) -> Any:
 
 def _is_empty(tree: Any) -> bool:
   return tree is traverse_util.empty_node or (isinstance(tree, Mapping) and not prune_empty(tree))
-
-
-def key_path_str(path: Sequence[Any]) -> str:
-  """A path '/'-joined, as errors and checksums about state dicts name it.
-
-  `path` is a jax key path (`DictKey`, `SequenceKey`, `GetAttrKey`, ...
-  entries) or a tuple of state-dict keys; each key is written as
-  `jax.tree_util.keystr` writes it with ``simple=True``. The empty path is
-  ``<root>``.
-
-  Example:
-    >>> key_path_str(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
-    'a/0'
-    >>> key_path_str(("state", "step")), key_path_str(())
-    ('state/step', '<root>')
-  """
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
 
 
 def key_path_parts(path: Sequence[Any]) -> tuple[str, ...]:

@@ -2,41 +2,50 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import functools
 import json
 import logging
 import os
-import socket
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NoReturn, Protocol, Self
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
-from jax.experimental import multihost_utils
-
-try:
-  import fcntl
-except ImportError:  # Not POSIX (Windows): directories are not locked.
-  fcntl = None
 from flax import serialization, traverse_util
 
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer
 from t5x_optim._training import t5x_checkpoints
+from t5x_optim._training.checkpoint_checksums import (
+  CHECKSUMS_FILE,
+  ChecksumsArgs,
+  ChecksumsHandler,
+  dispatch_checksums,
+  fetch,
+)
+from t5x_optim._training.checkpoint_headers import open_stored
+from t5x_optim._training.checkpoint_leaves import (
+  CheckpointError,
+  Path,
+  as_read,
+  as_stored,
+  fit_read,
+  flatten,
+  leaf_problems,
+  orbax_restore_args,
+  rewrap_keys,
+  root_cause,
+  saveable,
+)
+from t5x_optim._training.checkpoint_lock import WriterLock
 from t5x_optim._training.train_state import TrainState
 
 __all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]
 
 _log = logging.getLogger("t5x_optim.checkpoints")
 
-Path = tuple[str, ...]
 _TARGET = "target"
 _STATE = "state"
 _STEP = "step"
@@ -44,25 +53,6 @@ _PARAM_STATES = "param_states"
 _FLAX_MUTABLES = "flax_mutables"
 _ARRAYS = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
 _CHECKSUMS = "checksums"
-_CHECKSUMS_FILE = "checksums.json"
-_LOCK_FILE = ".t5x_optim.lock"
-
-
-class CheckpointError(ValueError):
-  """A checkpoint's stored data is missing, unreadable or corrupt, or in use.
-
-  Raised for every storage failure (a missing, truncated or corrupt file, a
-  tensorstore error, an array whose checksum differs from the one recorded at
-  save time) and for a second writer into a directory in use. The message
-  names the step and directory and, where one is at fault, the array path.
-
-  Attributes:
-    step: the checkpoint step concerned.
-  """
-
-  def __init__(self, message: str, *, step: int):
-    super().__init__(message)
-    self.step = step
 
 
 class CheckpointState(Protocol):
@@ -73,316 +63,6 @@ class CheckpointState(Protocol):
 
   def restore_state(self, state_dict: Mapping[str, Any]) -> Self:
     """A copy restored from a T5X-layout state dict."""
-
-
-@dataclasses.dataclass
-class _Unread(ocp.metadata.Metadata):
-  """A stored array whose header was not read: not wanted, or unreadable.
-
-  Attributes:
-    error: why the header could not be read; None when it was not wanted.
-  """
-
-  error: BaseException | None = None
-
-
-class _ReadsHeaders:
-  """Makes an orbax type handler's `metadata` read only array headers.
-
-  orbax's `jax.Array` handler also reads and parses every array's sharding
-  file, one after another: 1.1-1.4 s for a checkpoint of 2,101 small arrays,
-  against 0.24-0.50 s here (benchmarks/README.md). The restore takes its
-  shardings from the target, so only the shape and dtype are needed. Every
-  wanted array is opened with orbax's own read spec and the batch is awaited
-  once. An array that is not wanted, or whose header cannot be read, becomes
-  an `_Unread` entry, so that every unreadable path can be named at once.
-
-  Args:
-    wanted: which arrays to open. It is given orbax's name of an array (its
-      path joined by ".") split at "."; for the predicates `restore` uses,
-      which look at the first key and at ``("state", "step")``, that opens
-      every array whose path they want (and, where a first key holds a ".",
-      perhaps some more, which the caller drops).
-  """
-
-  def __init__(self, wanted: Callable[[Path], bool]):
-    super().__init__()
-    self._wanted = wanted
-
-  async def metadata(self, infos: list[ocp.type_handlers.ParamInfo]) -> list[ocp.metadata.Metadata]:
-    if not infos:
-      return []
-    opening = {
-      info.name: ts.open(
-        ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=bool(info.is_ocdbt_checkpoint)),
-        open=True,
-        context=info.ts_context,
-      )
-      for info in infos
-      if self._wanted(tuple(info.name.split(".")))
-    }
-    return await asyncio.to_thread(_headers, infos, opening)
-
-
-class _ArrayHeaders(_ReadsHeaders, ocp.type_handlers.ArrayHandler):
-  """`jax.Array` metadata: headers only (see `_ReadsHeaders`)."""
-
-
-class _NumpyHeaders(_ReadsHeaders, ocp.type_handlers.NumpyHandler):
-  """`np.ndarray` metadata: headers only (see `_ReadsHeaders`)."""
-
-
-class _ScalarHeaders(_ReadsHeaders, ocp.type_handlers.ScalarHandler):
-  """Scalar metadata: headers only (see `_ReadsHeaders`)."""
-
-
-_HEADER_READERS = {
-  ocp.type_handlers.ArrayHandler: _ArrayHeaders,
-  ocp.type_handlers.NumpyHandler: _NumpyHeaders,
-  ocp.type_handlers.ScalarHandler: _ScalarHeaders,
-}
-
-
-def _headers(
-  infos: list[ocp.type_handlers.ParamInfo], opening: Mapping[str, Any]
-) -> list[ocp.metadata.Metadata]:
-  """The header of each array of `infos`, once `opening` (by name) is done."""
-  directory = infos[0].parent_dir  # The item's: one directory for all of them.
-  headers = []
-  for info in infos:
-    entry = _Unread(info.name, directory)
-    if info.name in opening:
-      try:
-        array = opening[info.name].result()
-      except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
-        entry.error = e
-      else:
-        entry = ocp.metadata.ArrayMetadata(
-          name=info.name,
-          directory=directory,
-          shape=array.shape,
-          dtype=jnp.dtype(array.dtype.name),
-          sharding=None,
-        )
-    headers.append(entry)
-  return headers
-
-
-def _header_reading_handler(wanted: Callable[[Path], bool]) -> ocp.PyTreeCheckpointHandler:
-  """orbax's PyTree handler, its array and scalar handlers reading headers only."""
-  handlers = []
-  for ty in ocp.type_handlers.supported_types():
-    handler = ocp.type_handlers.get_type_handler(ty)
-    reader = _HEADER_READERS.get(type(handler))
-    handlers.append((ty, handler if reader is None else reader(wanted)))
-  registry = ocp.type_handlers.create_type_handler_registry(*handlers)
-  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-
-
-def _open_stored(
-  item: epath.Path, where: str, step: int, wanted: Callable[[Path], bool]
-) -> dict[Path, jax.ShapeDtypeStruct]:
-  """The shape and dtype of the `wanted` arrays stored in the orbax item `item`.
-
-  orbax's `metadata` reads the tree metadata file once, then opens the
-  wanted arrays in one batch; tensorstore reads only their headers, no data.
-
-  Args:
-    item: the item directory of a step (``<directory>/<step>/default``).
-    where: names the checkpoint in error messages.
-    step: its step.
-    wanted: which stored paths to open.
-
-  Raises:
-    CheckpointError: the tree metadata is unreadable, or some arrays'
-      headers are, naming every such path.
-  """
-  handler = _header_reading_handler(wanted)
-  try:
-    tree = handler.metadata(item).tree
-  except FileNotFoundError as e:
-    raise CheckpointError(
-      f"{where} has no readable tree metadata: No such file ({e})", step=step
-    ) from e
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f"{where} has no readable tree metadata: {e}", step=step) from e
-  finally:
-    handler.close()
-  stored, unreadable, first_error = {}, [], None
-  for path, entry in traverse_util.flatten_dict(tree).items():
-    if isinstance(entry, _Unread) and entry.error is not None and wanted(path):
-      unreadable.append(f"'{_state_dict.key_path_str(path)}'")
-      first_error = first_error or entry.error
-    elif isinstance(entry, ocp.metadata.ArrayMetadata) and wanted(path):
-      stored[path] = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
-  if unreadable:
-    raise CheckpointError(
-      f"{where} has unreadable metadata at {', '.join(unreadable)}: {_root_cause(first_error)}",
-      step=step,
-    ) from first_error
-  return stored
-
-
-def _root_cause(error: BaseException) -> str:
-  """The innermost error behind `error`, without tensorstore's spec dump."""
-  while (error.__cause__ or error.__context__) is not None:
-    error = error.__cause__ or error.__context__
-  return f"{type(error).__name__}: {str(error).split(' [tensorstore_spec=')[0]}"
-
-
-def _flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
-  """A nested state dict as ``{path: leaf}`` (empty mappings dropped)."""
-  return traverse_util.flatten_dict(_state_dict.prune_empty(tree))
-
-
-def _saveable(leaf: Any) -> Any:
-  """Typed PRNG keys are written as their raw `key_data`."""
-  return jax.random.key_data(leaf) if _state_dict.is_prng_key(leaf) else leaf
-
-
-def _as_stored(leaf: Any) -> Any:
-  """How `leaf` looks on disk: a key as its `key_data`'s shape and dtype."""
-  if not _state_dict.is_prng_key(leaf):
-    return leaf
-  data = jax.eval_shape(jax.random.key_data, leaf)
-  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
-
-
-def _key_impl(dtype: Any) -> str:
-  """The name of the PRNG implementation of key dtype `dtype`."""
-  for name in ("threefry2x32", "rbg", "unsafe_rbg"):
-    if jax.eval_shape(lambda: jax.random.key(0, impl=name)).dtype == dtype:
-      return name
-  raise ValueError(f"Unknown PRNG key dtype {dtype}.")
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-  dtype = getattr(leaf, "dtype", None)
-  return tuple(np.shape(leaf)), np.dtype(dtype if dtype is not None else np.asarray(leaf).dtype)
-
-
-def _describe(leaf: Any) -> str:
-  shape, dtype = _shape_dtype(leaf)
-  return f"{dtype}{list(shape)}"
-
-
-def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
-  """Describes why the stored leaf cannot restore into `expected`, or None.
-
-  `_state_dict.leaf_fit` decides, from the metadata; a stored integer that
-  is wider than the target's passes here and has its values checked once
-  read (`_fit_read`).
-  """
-  shape, dtype = _shape_dtype(expected)
-  stored_shape, stored_dtype = _shape_dtype(stored)
-  fit = _state_dict.leaf_fit(stored_shape, stored_dtype, shape, dtype)
-  where = _state_dict.key_path_str(path)
-  if fit is _state_dict.Fit.OTHER_SHAPE:
-    return (
-      f"shape mismatch at '{where}': the target has {_describe(expected)}, the "
-      f"checkpoint has {_describe(stored)}"
-    )
-  if fit is _state_dict.Fit.OTHER_DTYPE:
-    return (
-      f"dtype mismatch at '{where}': the checkpoint's {stored_dtype} cannot be "
-      f"cast safely to the target's {dtype}"
-    )
-  return None
-
-
-def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
-  """Every missing key, unexpected key and shape or dtype mismatch, by path."""
-  problems = [
-    f"missing key '{_state_dict.key_path_str(path)}' (the target has {_describe(leaf)} there)"
-    for path, leaf in expected.items()
-    if path not in stored
-  ]
-  problems += [
-    f"unexpected key '{_state_dict.key_path_str(path)}' ({_describe(leaf)})"
-    for path, leaf in stored.items()
-    if path not in expected
-  ]
-  for path, leaf in expected.items():
-    if path in stored:
-      problem = _leaf_problem(path, leaf, stored[path])
-      if problem is not None:
-        problems.append(problem)
-  return problems
-
-
-def _as_read(expected: Any, stored: Any) -> Any:
-  """How to read a leaf: in the target's dtype when that cast is exact.
-
-  Otherwise (a float that rounds, an integer whose values must be checked)
-  the leaf is read in its stored dtype, so its checksum is verified on the
-  data as written, and `_fit_read` casts it.
-  """
-  shape, dtype = _shape_dtype(expected)
-  stored_dtype = _shape_dtype(stored)[1]
-  if _state_dict.leaf_fit(shape, stored_dtype, shape, dtype) is _state_dict.Fit.EXACT:
-    return expected
-  return jax.ShapeDtypeStruct(shape, stored_dtype, sharding=getattr(expected, "sharding", None))
-
-
-@functools.partial(jax.jit, static_argnames="dtype")
-def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  return x.astype(dtype)
-
-
-def _fit_read(
-  read: Mapping[Path, Any], expected: Mapping[Path, Any]
-) -> tuple[dict[Path, Any], list[str]]:
-  """The leaves read, each in its target dtype, and the values that do not fit it.
-
-  A leaf read in another dtype (`_as_read`) is cast, in its sharding, when
-  `_state_dict.leaf_fit` allows: always between floats, into integers when
-  `_state_dict.values_fit`. Returns the cast leaves and a problem per leaf
-  whose values do not fit.
-  """
-  cast, problems = {}, []
-  for path, leaf in read.items():
-    dtype = _shape_dtype(expected[path])[1]
-    if leaf.dtype == dtype:
-      cast[path] = leaf
-      continue
-    fit = _state_dict.leaf_fit(leaf.shape, leaf.dtype, leaf.shape, dtype)
-    if fit is _state_dict.Fit.IF_VALUES_FIT and not _state_dict.values_fit(leaf, dtype):
-      problems.append(
-        f"dtype mismatch at '{_state_dict.key_path_str(path)}': the checkpoint's "
-        f"{leaf.dtype} values are not all whole numbers within the target's {dtype}"
-      )
-    else:
-      cast[path] = _astype(leaf, dtype)
-  return cast, problems
-
-
-def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
-  """What orbax restores `leaf` as: its shape, dtype and sharding.
-
-  A leaf without a sharding (a numpy array or Python scalar) is read onto
-  this process's first device.
-  """
-  shape, dtype = _shape_dtype(leaf)
-  sharding = getattr(leaf, "sharding", None)
-  if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def _restore_args(expected: Mapping[Path, Any]) -> tuple[dict[str, Any], Any]:
-  """The orbax restore target (abstract arrays) and its per-leaf restore args."""
-  abstract = traverse_util.unflatten_dict({p: _abstract_leaf(x) for p, x in expected.items()})
-  return abstract, ocp.checkpoint_utils.construct_restore_args(abstract)
-
-
-def _rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:
-  """Turns the `key_data` read for the target's typed PRNG keys back into keys."""
-  return {
-    path: jax.random.wrap_key_data(leaf, impl=_key_impl(target[path].dtype))
-    if _state_dict.is_prng_key(target[path])
-    else leaf
-    for path, leaf in restored.items()
-  }
 
 
 def _optimizer_of(target: CheckpointState) -> Optimizer:
@@ -421,189 +101,10 @@ def _any_path(path: Path) -> bool:
   return True
 
 
-def _words(x: jax.Array) -> jax.Array:
-  """The bit pattern of `x` as uint32 words (NaNs made canonical first).
-
-  Values of at most 32 bits give one word each, 64-bit values two (a
-  trailing axis), complex values their real and imaginary parts.
-  """
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
-    if x.dtype.itemsize < 4:
-      return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(
-        jnp.uint32
-      )
-  if x.dtype.itemsize in (4, 8) and not jnp.issubdtype(x.dtype, jnp.bool_):
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  return x.astype(jnp.uint32)
-
-
-@functools.partial(jax.jit, static_argnames="dtype")
-def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
-  """A 32-bit checksum of `x`'s value (first cast to `dtype` if given).
-
-  Each word of the value is mixed with its flat index and the results are
-  summed modulo 2**32. Integer sums do not depend on the order of reduction,
-  so the checksum is the same for every sharding, mesh and process count:
-  it runs where the shards live, as one fused pass and an all-reduce. Any
-  change of one word changes it; random corruption goes undetected with
-  probability about 2**-32. Casting back to the stored `dtype` is exact for
-  the safe casts restore allows, so a cast restore is verified too.
-  """
-  x = jnp.asarray(x)
-  words = _words(x if dtype is None else x.astype(dtype))
-  index = jnp.zeros(words.shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(words.ndim)):
-    index += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
-    stride *= words.shape[axis]
-  mixed = words ^ (index * jnp.uint32(0x9E3779B9))
-  mixed = (mixed ^ (mixed >> 16)) * jnp.uint32(0x85EBCA6B)
-  mixed ^= mixed >> 13
-  # Leading axes first: a reduction along rows vectorises on CPUs.
-  rows = jnp.sum(mixed, axis=tuple(range(mixed.ndim - 1)), dtype=jnp.uint32)
-  return jnp.sum(rows, dtype=jnp.uint32)
-
-
-# Checksum programs dispatched before waiting: a hundred small programs with
-# all-reduces in flight at once starve XLA:CPU's thread pool and deadlock,
-# while one program for all arrays runs 3x slower than separate ones.
-_IN_FLIGHT = 4
-
-
-def _dispatch_checksums(
-  leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
-) -> dict[str, jax.Array]:
-  """`_checksum` of every leaf, keyed by joined path.
-
-  At most `_IN_FLIGHT` programs run at once; the last of them are returned
-  still computing.
-  """
-  dtypes = dtypes or {}
-  pending = {}
-  for i, (path, leaf) in enumerate(leaves.items()):
-    if i and i % _IN_FLIGHT == 0:
-      jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
-    pending[_state_dict.key_path_str(path)] = _checksum(leaf, dtypes.get(path))
-  return pending
-
-
-def _fetch(pending: Mapping[str, jax.Array]) -> dict[str, int]:
-  return {path: int(value) for path, value in jax.device_get(dict(pending)).items()}
-
-
-class _ChecksumsHandler(ocp.AsyncCheckpointHandler):
-  """Writes a step's checksums as JSON, in the background, once they are computed.
-
-  The last checksums may still be computing on the devices when the save
-  starts; the file is written once they are done, as part of the step's
-  atomic commit. Only the primary process writes (the
-  checksums are global).
-  """
-
-  def _write(self, directory: epath.Path, pending: Mapping[str, jax.Array]) -> None:
-    checksums = _fetch(pending)
-    if jax.process_index() == 0:
-      (directory / _CHECKSUMS_FILE).write_text(json.dumps(checksums, sort_keys=True))
-
-  async def _write_async(self, directory: epath.Path, pending: Mapping[str, jax.Array]) -> None:
-    self._write(directory, pending)
-
-  async def async_save(
-    self, directory: epath.Path, args: _ChecksumsArgs
-  ) -> list[ocp.future.Future]:
-    return [
-      ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write_async(directory, args.pending), name="t5x_optim_checksums"
-      )
-    ]
-
-  def save(self, directory: epath.Path, args: _ChecksumsArgs) -> None:
-    self._write(directory, args.pending)
-
-  def restore(self, directory: epath.Path, args: Any = None) -> dict[str, int]:
-    del args
-    return json.loads((directory / _CHECKSUMS_FILE).read_text())
-
-
-@ocp.args.register_with_handler(_ChecksumsHandler, for_save=True, for_restore=True)
-@dataclasses.dataclass
-class _ChecksumsArgs(ocp.args.CheckpointArgs):
-  """The checksums of a step's arrays, by joined path, as pending jax scalars.
-
-  Orbax needs one registered argument type per handler to save and to
-  restore; restoring takes no arguments (`Checkpointer` reads the file).
-  """
-
-  pending: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
-
-
-class _WriterLock:
-  """An exclusive `fcntl.flock` on ``<directory>/.t5x_optim.lock``.
-
-  The kernel drops the lock when its file is closed or its process dies, so
-  a crashed writer never leaves the directory locked. Only the primary
-  process of a multi-process job locks (it is the one that finalises steps);
-  the outcome is broadcast so that every process fails together. Paths with
-  a scheme (``gs://...``) and systems without ``fcntl`` are not locked:
-  object stores have no flock.
-  """
-
-  def __init__(self, directory: str):
-    self._path = os.path.join(directory, _LOCK_FILE)
-    self._file = None
-    self.held = False
-
-  def acquire(self, where: str, step: int) -> None:
-    """Takes the lock, or raises `CheckpointError` saying why it cannot."""
-    problem = ""
-    if jax.process_index() == 0 and fcntl is not None and "://" not in self._path:
-      problem = self._try_lock()
-    if jax.process_count() > 1:
-      locked = multihost_utils.broadcast_one_to_all(np.int32(not problem))
-      problem = problem or ("" if int(locked) else "is in use (seen by process 0)")
-    self.held = not problem
-    if problem:
-      self.release()
-      raise CheckpointError(
-        f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
-        f"directory; its lock is {self._path}.",
-        step=step,
-      )
-
-  def _try_lock(self) -> str:
-    """Locks and records this process in the lock file; or says why it cannot."""
-    try:
-      file = open(self._path, "a+")  # noqa: SIM115 - held open while locked.
-    except OSError as e:
-      return f"cannot be locked ({e})"
-    try:
-      fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      file.seek(0)
-      holder = file.read().strip() or "another process"
-      file.close()
-      return f"is in use by another writer ({holder})"
-    file.seek(0)
-    file.truncate()
-    file.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    file.flush()
-    self._file = file
-    return ""
-
-  def release(self) -> None:
-    self.held = False
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-
-
 class _Open:
   """A checkpointer's orbax manager and writer lock: what closing releases."""
 
-  def __init__(self, manager: ocp.CheckpointManager, lock: _WriterLock):
+  def __init__(self, manager: ocp.CheckpointManager, lock: WriterLock):
     self.manager, self.lock = manager, lock
 
   def close(self) -> None:
@@ -656,7 +157,7 @@ class Checkpointer:
     self._step_names = ocp.step.standard_name_format()
     self._keep, self._async_save = keep, async_save
     self._restored_step: int | None = None
-    self._open = _Open(self._new_manager(writer=False), _WriterLock(self._directory))
+    self._open = _Open(self._new_manager(writer=False), WriterLock(self._directory))
     # Closes a checkpointer that was never closed when it is collected or at
     # interpreter exit: pending saves finish, then the lock is released.
     self._finalizer = weakref.finalize(self, self._open.close)
@@ -671,7 +172,7 @@ class Checkpointer:
     )
     handlers = {
       _ARRAYS: ocp.PyTreeCheckpointHandler(),
-      _CHECKSUMS: _ChecksumsHandler(),
+      _CHECKSUMS: ChecksumsHandler(),
     }
     return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
 
@@ -729,10 +230,10 @@ class Checkpointer:
         f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
         "and steps must increase."
       )
-    state_dict = jax.tree.map(_saveable, state.state_dict())
-    checksums = _dispatch_checksums(_flatten(state_dict))
+    state_dict = jax.tree.map(saveable, state.state_dict())
+    checksums = dispatch_checksums(flatten(state_dict))
     args = ocp.args.Composite(
-      **{_ARRAYS: ocp.args.PyTreeSave(state_dict), _CHECKSUMS: _ChecksumsArgs(checksums)}
+      **{_ARRAYS: ocp.args.PyTreeSave(state_dict), _CHECKSUMS: ChecksumsArgs(checksums)}
     )
     self._manager.save(step, args=args, force=True)
 
@@ -764,7 +265,7 @@ class Checkpointer:
 
   def _recorded_checksums(self, step: int) -> dict[str, int]:
     """The checksums saved with step `step`, by joined array path."""
-    path = self._item(step, _CHECKSUMS) / _CHECKSUMS_FILE
+    path = self._item(step, _CHECKSUMS) / CHECKSUMS_FILE
     try:
       recorded = json.loads(path.read_text())
       if not isinstance(recorded, dict):
@@ -810,7 +311,7 @@ class Checkpointer:
     return step
 
   def _check(self, step: int, expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> None:
-    problems = _problems(expected, stored)
+    problems = leaf_problems(expected, stored)
     if problems:
       self._refuse(step, problems)
 
@@ -821,13 +322,13 @@ class Checkpointer:
 
   def _read(self, step: int, expected: Mapping[Path, Any], *, partial: bool) -> dict[Path, Any]:
     """Reads the `expected` leaves of checkpoint `step` into their shardings."""
-    abstract, restore_args = _restore_args(expected)
+    abstract, restore_args = orbax_restore_args(expected)
     args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=partial)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{_ARRAYS: args}))
     except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
-      cause = _root_cause(e)
-      at = [f"'{_state_dict.key_path_str(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
+      cause = root_cause(e)
+      at = [f"'{key_path_str(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
       raise CheckpointError(
         f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: {cause}",
         step=step,
@@ -838,7 +339,7 @@ class Checkpointer:
     self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
   ) -> None:
     """Raises `CheckpointError` naming every array whose checksum differs."""
-    actual = _fetch(pending)
+    actual = fetch(pending)
     wrong = [
       f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
       for path, value in actual.items()
@@ -859,34 +360,30 @@ class Checkpointer:
     state is built; a mismatch discards that state.
     """
     wanted = _is_params_only_path if params_only else _any_path
-    stored = _open_stored(self._item(step), self._where(step), step, wanted)
-    target_leaves = {p: x for p, x in _flatten(target.state_dict()).items() if wanted(p)}
-    expected = {path: _as_stored(leaf) for path, leaf in target_leaves.items()}
+    stored = open_stored(self._item(step), self._where(step), step, wanted)
+    target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
+    expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
     self._check(step, expected, stored)
     if verify:
       recorded = self._recorded_checksums(step)
-      unrecorded = [
-        f"'{_state_dict.key_path_str(p)}'"
-        for p in expected
-        if _state_dict.key_path_str(p) not in recorded
-      ]
+      unrecorded = [f"'{key_path_str(p)}'" for p in expected if key_path_str(p) not in recorded]
       if unrecorded:
         raise CheckpointError(
           f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
           step=step,
         )
-    as_read = {path: _as_read(leaf, stored[path]) for path, leaf in expected.items()}
-    restored = self._read(step, as_read, partial=params_only)
+    to_read = {path: as_read(leaf, stored[path]) for path, leaf in expected.items()}
+    restored = self._read(step, to_read, partial=params_only)
     if verify:
       # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
       dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
-      pending = _dispatch_checksums(restored, dtypes)
-    restored, unfit = _fit_read(restored, expected)
+      pending = dispatch_checksums(restored, dtypes)
+    restored, unfit = fit_read(restored, expected)
     if unfit:
       if verify:
         self._verify(step, pending, recorded)  # Corrupt data is not the target's fault.
       self._refuse(step, unfit)
-    state_dict = traverse_util.unflatten_dict(_rewrap_keys(restored, target_leaves))
+    state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
         _fresh_param_states(target, state_dict[_TARGET])

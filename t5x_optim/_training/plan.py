@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import low_precision as _low_precision
 from t5x_optim._optimizers import state_dict as _state_dict
 
@@ -199,9 +200,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     sharding = getattr(leaf, "sharding", None)
     path = _state_dict.key_path_parts(key_path)
     if sharding is None or not hasattr(sharding, "mesh"):
-      raise ValueError(
-        f"Optimizer-state leaf {_state_dict.key_path_str(key_path)} has no NamedSharding."
-      )
+      raise ValueError(f"Optimizer-state leaf {key_path_str(key_path)} has no NamedSharding.")
     mesh_shape = dict(sharding.mesh.shape)
     shape = tuple(leaf.shape)
     itemsize = np.dtype(leaf.dtype).itemsize

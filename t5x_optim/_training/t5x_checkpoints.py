@@ -18,6 +18,7 @@ import tensorstore as ts
 from etils import epath
 from flax import serialization, traverse_util
 
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = [
@@ -209,7 +210,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     tree = contents["optimizer"]
   leaves = _flatten_stored(tree)
   opening = {
-    path: _open_spec(step_dir, leaf, _state_dict.key_path_str(path))
+    path: _open_spec(step_dir, leaf, key_path_str(path))
     for path, leaf in leaves.items()
     if isinstance(leaf, Mapping)
   }
@@ -222,7 +223,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
     try:
       store = opening[path].result()
     except (OSError, ValueError) as e:
-      unreadable.append(f"'{_state_dict.key_path_str(path)}' ({e})")
+      unreadable.append(f"'{key_path_str(path)}' ({e})")
       continue
     stored[path] = _Stored(tuple(store.shape), np.dtype(store.dtype.numpy_dtype), store=store)
   if unreadable:
@@ -267,7 +268,7 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> l
   problems = []
   for path, leaf in expected.items():
     shape, dtype = _shape_dtype(leaf)
-    where = _state_dict.key_path_str(path)
+    where = key_path_str(path)
     if path not in stored:
       problems.append(f"missing key '{where}' (the target has {_describe(shape, dtype)})")
       continue
@@ -279,7 +280,7 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> l
         f"checkpoint has {_describe(stored[path].shape, stored[path].dtype)}"
       )
   problems += [
-    f"unexpected key '{_state_dict.key_path_str(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
+    f"unexpected key '{key_path_str(path)}' (the checkpoint has {_describe(leaf.shape, leaf.dtype)}; "
     "the target has no such array)"
     for path, leaf in stored.items()
     if path not in expected
@@ -497,7 +498,7 @@ def _plan_writes(
   for path, leaf in flat.items():
     if isinstance(leaf, jax.ShapeDtypeStruct):
       raise ValueError(
-        f"Cannot save the abstract leaf at '{_state_dict.key_path_str(path)}': give real arrays."
+        f"Cannot save the abstract leaf at '{key_path_str(path)}': give real arrays."
       )
     if _state_dict.is_prng_key(leaf):
       leaf = jax.random.key_data(leaf)
@@ -507,7 +508,7 @@ def _plan_writes(
     name = ".".join(path)
     if name in names:
       raise ValueError(
-        f"'{_state_dict.key_path_str(path)}' and '{_state_dict.key_path_str(names[name])}' would share the file {name}."
+        f"'{key_path_str(path)}' and '{key_path_str(names[name])}' would share the file {name}."
       )
     names[name] = path
     write_shape, pieces[path] = _pieces(leaf)

@@ -23,6 +23,7 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, structure_mismatch
 
@@ -75,9 +76,9 @@ def _split_collection(
   """
   flat = traverse_util.flatten_dict(flax.core.unfreeze(collection), keep_empty_nodes=True)
   given = {} if axes_collection is None else _axes_by_path(axes_collection)
-  unexpected = sorted(_state_dict.key_path_str(p) for p in given if p not in flat)
+  unexpected = sorted(key_path_str(p) for p in given if p not in flat)
   unboxed = [p for p, x in flat.items() if not _is_box(x) and x is not traverse_util.empty_node]
-  missing = sorted(_state_dict.key_path_str(p) for p in unboxed if p not in given)
+  missing = sorted(key_path_str(p) for p in unboxed if p not in given)
   if axes_collection is not None and (unexpected or missing):
     raise ValueError(
       f"The '{name}{_AXES_SUFFIX}' collection does not match the '{name}' "

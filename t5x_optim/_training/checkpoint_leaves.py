@@ -1,0 +1,222 @@
+"""The leaves of a checkpoint: as stored, as expected, and how one becomes the other.
+
+`Checkpointer` compares the shape and dtype of every stored array with the
+target's before reading any data (`leaf_problems` names every mismatch at once),
+writes typed PRNG keys as their raw key data, and fits what it read to the
+target's dtypes and shardings. Paths are tuples of state-dict keys.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> flatten({'target': {'w': jnp.ones(2)}, 'state': {'param_states': {}}})
+  {('target', 'w'): Array([1., 1.], dtype=float32)}
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from t5x_optim._keypaths import key_path_str
+from t5x_optim._optimizers import state_dict as _state_dict
+
+__all__ = [
+  "CheckpointError",
+  "Path",
+  "as_read",
+  "as_stored",
+  "fit_read",
+  "flatten",
+  "leaf_problems",
+  "orbax_restore_args",
+  "rewrap_keys",
+  "root_cause",
+  "saveable",
+]
+
+
+Path = tuple[str, ...]
+
+
+class CheckpointError(ValueError):
+  """A checkpoint's stored data is missing, unreadable or corrupt, or in use.
+
+  Raised for every storage failure (a missing, truncated or corrupt file, a
+  tensorstore error, an array whose checksum differs from the one recorded at
+  save time) and for a second writer into a directory in use. The message
+  names the step and directory and, where one is at fault, the array path.
+
+  Attributes:
+    step: the checkpoint step concerned.
+  """
+
+  def __init__(self, message: str, *, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+def root_cause(error: BaseException) -> str:
+  """The innermost error behind `error`, without tensorstore's spec dump."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return f"{type(error).__name__}: {str(error).split(' [tensorstore_spec=')[0]}"
+
+
+def flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
+  """A nested state dict as ``{path: leaf}`` (empty mappings dropped)."""
+  return traverse_util.flatten_dict(_state_dict.prune_empty(tree))
+
+
+def saveable(leaf: Any) -> Any:
+  """Typed PRNG keys are written as their raw `key_data`."""
+  return jax.random.key_data(leaf) if _state_dict.is_prng_key(leaf) else leaf
+
+
+def as_stored(leaf: Any) -> Any:
+  """How `leaf` looks on disk: a key as its `key_data`'s shape and dtype."""
+  if not _state_dict.is_prng_key(leaf):
+    return leaf
+  data = jax.eval_shape(jax.random.key_data, leaf)
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _key_impl(dtype: Any) -> str:
+  """The name of the PRNG implementation of key dtype `dtype`."""
+  for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+    if jax.eval_shape(lambda: jax.random.key(0, impl=name)).dtype == dtype:
+      return name
+  raise ValueError(f"Unknown PRNG key dtype {dtype}.")
+
+
+def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+  dtype = getattr(leaf, "dtype", None)
+  return tuple(np.shape(leaf)), np.dtype(dtype if dtype is not None else np.asarray(leaf).dtype)
+
+
+def _describe(leaf: Any) -> str:
+  shape, dtype = _shape_dtype(leaf)
+  return f"{dtype}{list(shape)}"
+
+
+def _leaf_problem(path: Path, expected: Any, stored: Any) -> str | None:
+  """Describes why the stored leaf cannot restore into `expected`, or None.
+
+  `_state_dict.leaf_fit` decides, from the metadata; a stored integer that
+  is wider than the target's passes here and has its values checked once
+  read (`fit_read`).
+  """
+  shape, dtype = _shape_dtype(expected)
+  stored_shape, stored_dtype = _shape_dtype(stored)
+  fit = _state_dict.leaf_fit(stored_shape, stored_dtype, shape, dtype)
+  where = key_path_str(path)
+  if fit is _state_dict.Fit.OTHER_SHAPE:
+    return (
+      f"shape mismatch at '{where}': the target has {_describe(expected)}, the "
+      f"checkpoint has {_describe(stored)}"
+    )
+  if fit is _state_dict.Fit.OTHER_DTYPE:
+    return (
+      f"dtype mismatch at '{where}': the checkpoint's {stored_dtype} cannot be "
+      f"cast safely to the target's {dtype}"
+    )
+  return None
+
+
+def leaf_problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
+  """Every missing key, unexpected key and shape or dtype mismatch, by path."""
+  problems = [
+    f"missing key '{key_path_str(path)}' (the target has {_describe(leaf)} there)"
+    for path, leaf in expected.items()
+    if path not in stored
+  ]
+  problems += [
+    f"unexpected key '{key_path_str(path)}' ({_describe(leaf)})"
+    for path, leaf in stored.items()
+    if path not in expected
+  ]
+  for path, leaf in expected.items():
+    if path in stored:
+      problem = _leaf_problem(path, leaf, stored[path])
+      if problem is not None:
+        problems.append(problem)
+  return problems
+
+
+def as_read(expected: Any, stored: Any) -> Any:
+  """How to read a leaf: in the target's dtype when that cast is exact.
+
+  Otherwise (a float that rounds, an integer whose values must be checked)
+  the leaf is read in its stored dtype, so its checksum is verified on the
+  data as written, and `fit_read` casts it.
+  """
+  shape, dtype = _shape_dtype(expected)
+  stored_dtype = _shape_dtype(stored)[1]
+  if _state_dict.leaf_fit(shape, stored_dtype, shape, dtype) is _state_dict.Fit.EXACT:
+    return expected
+  return jax.ShapeDtypeStruct(shape, stored_dtype, sharding=getattr(expected, "sharding", None))
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  return x.astype(dtype)
+
+
+def fit_read(
+  read: Mapping[Path, Any], expected: Mapping[Path, Any]
+) -> tuple[dict[Path, Any], list[str]]:
+  """The leaves read, each in its target dtype, and the values that do not fit it.
+
+  A leaf read in another dtype (`as_read`) is cast, in its sharding, when
+  `_state_dict.leaf_fit` allows: always between floats, into integers when
+  `_state_dict.values_fit`. Returns the cast leaves and a problem per leaf
+  whose values do not fit.
+  """
+  cast, problems = {}, []
+  for path, leaf in read.items():
+    dtype = _shape_dtype(expected[path])[1]
+    if leaf.dtype == dtype:
+      cast[path] = leaf
+      continue
+    fit = _state_dict.leaf_fit(leaf.shape, leaf.dtype, leaf.shape, dtype)
+    if fit is _state_dict.Fit.IF_VALUES_FIT and not _state_dict.values_fit(leaf, dtype):
+      problems.append(
+        f"dtype mismatch at '{key_path_str(path)}': the checkpoint's "
+        f"{leaf.dtype} values are not all whole numbers within the target's {dtype}"
+      )
+    else:
+      cast[path] = _astype(leaf, dtype)
+  return cast, problems
+
+
+def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
+  """What orbax restores `leaf` as: its shape, dtype and sharding.
+
+  A leaf without a sharding (a numpy array or Python scalar) is read onto
+  this process's first device.
+  """
+  shape, dtype = _shape_dtype(leaf)
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def orbax_restore_args(expected: Mapping[Path, Any]) -> tuple[dict[str, Any], Any]:
+  """The orbax restore target (abstract arrays) and its per-leaf restore args."""
+  abstract = traverse_util.unflatten_dict({p: _abstract_leaf(x) for p, x in expected.items()})
+  return abstract, ocp.checkpoint_utils.construct_restore_args(abstract)
+
+
+def rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:
+  """Turns the `key_data` read for the target's typed PRNG keys back into keys."""
+  return {
+    path: jax.random.wrap_key_data(leaf, impl=_key_impl(target[path].dtype))
+    if _state_dict.is_prng_key(target[path])
+    else leaf
+    for path, leaf in restored.items()
+  }

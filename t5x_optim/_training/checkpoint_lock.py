@@ -1,0 +1,82 @@
+"""The writer lock of a checkpoint directory: one `Checkpointer` writes at a time."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from t5x_optim._training.checkpoint_leaves import CheckpointError
+
+__all__ = ["WriterLock"]
+
+
+try:
+  import fcntl
+except ImportError:  # Not POSIX (Windows): directories are not locked.
+  fcntl = None
+
+_LOCK_FILE = ".t5x_optim.lock"
+
+
+class WriterLock:
+  """An exclusive `fcntl.flock` on ``<directory>/.t5x_optim.lock``.
+
+  The kernel drops the lock when its file is closed or its process dies, so
+  a crashed writer never leaves the directory locked. Only the primary
+  process of a multi-process job locks (it is the one that finalises steps);
+  the outcome is broadcast so that every process fails together. Paths with
+  a scheme (``gs://...``) and systems without ``fcntl`` are not locked:
+  object stores have no flock.
+  """
+
+  def __init__(self, directory: str):
+    self._path = os.path.join(directory, _LOCK_FILE)
+    self._file = None
+    self.held = False
+
+  def acquire(self, where: str, step: int) -> None:
+    """Takes the lock, or raises `CheckpointError` saying why it cannot."""
+    problem = ""
+    if jax.process_index() == 0 and fcntl is not None and "://" not in self._path:
+      problem = self._try_lock()
+    if jax.process_count() > 1:
+      locked = multihost_utils.broadcast_one_to_all(np.int32(not problem))
+      problem = problem or ("" if int(locked) else "is in use (seen by process 0)")
+    self.held = not problem
+    if problem:
+      self.release()
+      raise CheckpointError(
+        f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
+        f"directory; its lock is {self._path}.",
+        step=step,
+      )
+
+  def _try_lock(self) -> str:
+    """Locks and records this process in the lock file; or says why it cannot."""
+    try:
+      file = open(self._path, "a+")  # noqa: SIM115 - held open while locked.
+    except OSError as e:
+      return f"cannot be locked ({e})"
+    try:
+      fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      file.seek(0)
+      holder = file.read().strip() or "another process"
+      file.close()
+      return f"is in use by another writer ({holder})"
+    file.seek(0)
+    file.truncate()
+    file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    file.flush()
+    self._file = file
+    return ""
+
+  def release(self) -> None:
+    self.held = False
+    if self._file is not None:
+      self._file.close()
+      self._file = None
