@@ -453,3 +453,22 @@ def test_restored_multi_optimizer_state_donates_to_a_jitted_step(sub):
   assert len({x.unsafe_buffer_pointer() for x in steps}) == len(steps)
   step = jax.jit(lambda s, g: s.apply_gradient(g, learning_rate=0.1), donate_argnums=0)
   np.testing.assert_array_equal(step(restored, grads_for(make_params())).step, 1)
+
+
+@pytest.mark.parametrize(
+  "opt_def",
+  [
+    OptaxWrapper(optax.sgd(0.1)),
+    MultiOptimizer(
+      [("kernel", OptaxWrapper(optax.adam(0.1))), ("bias", OptaxWrapper(optax.sgd(0.1)))]
+    ),
+  ],
+  ids=["sgd", "multi_of_adam_and_sgd"],
+)
+def test_state_dicts_hold_no_empty_subtree(opt_def):
+  """T5X's OptaxWrapper removes every empty dict; T5X's checkpointer fails on them on resume."""
+  flat = traverse_util.flatten_dict(
+    opt_def.create(make_params()).state_dict(), keep_empty_nodes=True, sep="/"
+  )
+  assert [k for k, v in flat.items() if v is traverse_util.empty_node] == []
+  assert not any(k.startswith("state/param_states/1/param_states") for k in flat)

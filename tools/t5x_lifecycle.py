@@ -450,7 +450,14 @@ def read_checkpoint(model_dir: str) -> dict[str, Any]:
   if os.path.isdir(os.path.join(step_dir, "state")):
     import orbax.checkpoint as ocp
 
-    tree = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"))
+    # As host numpy arrays: the checkpoint may come from more devices than are here.
+    checkpointer, item = ocp.PyTreeCheckpointer(), os.path.join(step_dir, "state")
+    metadata = checkpointer.metadata(item)
+    metadata = getattr(metadata, "item_metadata", metadata)
+    as_numpy = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), getattr(metadata, "tree", metadata)
+    )
+    tree = checkpointer.restore(item, restore_args=as_numpy)
   else:
     import tensorstore as ts
     from flax import serialization

@@ -487,14 +487,14 @@ class MultiOptimizer(OptimizerDef):
     flat = {path: None for path in _param_paths(target)}
     for sub_target, sub_dict in zip(sub_targets, sub_dicts):
       for path in _param_paths(sub_target):
-        flat[path] = _get(sub_dict["param_states"], path)
+        flat[path] = _get(sub_dict.get("param_states", {}), path)
     return traverse_util.unflatten_dict(flat)
 
   @staticmethod
   def _per_param(sub_targets: Sequence[Any], sub_dicts: Sequence[Mapping[str, Any]]) -> bool:
     """Whether every sub-optimizer's state dict keeps one subtree per param."""
     for sub_target, sub_dict in zip(sub_targets, sub_dicts):
-      param_states = sub_dict["param_states"]
+      param_states = sub_dict.get("param_states", {})
       paths = _param_paths(sub_target)
       if not isinstance(param_states, Mapping):
         return False

@@ -459,15 +459,19 @@ def build_state_dict(target: Any, step: Any, param_states: Any) -> dict[str, Any
   params) is converted with `flax.serialization.to_state_dict`; `step` is
   placed as given; `param_states` must already be in state-dict form (nested
   dicts with string keys): each definition chooses its own layout of them,
-  typically `to_pruned_state_dict` of its state.
+  typically `to_pruned_state_dict` of its state. As in T5X's `OptaxWrapper`,
+  no empty subtree is left: an optimizer without state (sgd) has no
+  ``param_states`` key at all, which T5X's checkpointer needs.
 
   Example:
     >>> build_state_dict({"w": 1.0}, 3, {"0": {"count": 3}})
     {'target': {'w': 1.0}, 'state': {'step': 3, 'param_states': {'0': {'count': 3}}}}
+    >>> build_state_dict({"w": 1.0}, 3, {})
+    {'target': {'w': 1.0}, 'state': {'step': 3}}
   """
   return {
     "target": serialization.to_state_dict(target),
-    "state": {"step": step, "param_states": param_states},
+    "state": prune_empty({"step": step, "param_states": param_states}),
   }
 
 
