@@ -134,7 +134,7 @@ optimizers.MultiOptimizer.traversals_and_optimizers = (
 attn/lifecycle_tasks.traversal.pattern = 'attention'
 rest/lifecycle_tasks.traversal.pattern = '^((?!attention).)*$'
 optimizers.adamw.learning_rate = 0.01
-optimizers.sgd.learning_rate = 0.1
+optimizers.sgd.learning_rate = 0.0001
 """,
 }
 
