@@ -18,8 +18,9 @@
 - `kfac` (with `kfac_state`): kfac-jax, loaded on first use;
 - `low_precision`: any optax optimizer's param-shaped state stored in
   bfloat16 (stochastic rounding) or block-wise 8 bits between steps;
-- `convert`: optimizer-state conversion between optimizers (a registry of
-  converters keyed by state type).
+- `convert`: optimizer-state conversion between optimizers, through the
+  registry of converters keyed by state type (`convert_registry`) and the
+  built-in converters and their formulas (`convert_builtin`).
 
 Each adapter plugs its spec rules into layer 1 (`t5x_optim._axes`) and
 imports nothing above it; `t5x_optim._keypaths` names tree paths for all
