@@ -50,10 +50,10 @@ from t5x_optim._optimizers.optax_wrapper import (
 from t5x_optim._optimizers.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
 from t5x_optim._training.convert_checkpoint import restore_converted
+from t5x_optim._training.t5x_checkpoint_writer import save_t5x_checkpoint
 from t5x_optim._training.t5x_checkpoints import (
   latest_t5x_step,
   restore_t5x_checkpoint,
-  save_t5x_checkpoint,
   t5x_checkpoint_steps,
 )
 from t5x_optim._training.train_state import TrainState

@@ -23,13 +23,13 @@ from t5x_optim import (
   restore_t5x_checkpoint,
   save_t5x_checkpoint,
 )
-from t5x_optim._optimizers.low_precision import (
-  _dequantize,
-  _quantize,
-  _to_bfloat16,
+from t5x_optim._optimizers.low_precision import leaf_storage
+from t5x_optim._optimizers.quantize import (
+  dequantize,
   dynamic_map,
-  leaf_storage,
+  quantize,
   rounding_bits,
+  to_bfloat16,
 )
 
 STEPS = 3
@@ -145,11 +145,11 @@ def test_quantize_matches_reference_bit_for_bit():
   leaf = state.inner_state[0].trace["w"]
   assert isinstance(leaf, QuantizedLeaf) and leaf.scales.shape == (6, 4)
   codes, scales = ref_quantize(x, 16)
-  got = jax.jit(_quantize, static_argnums=1)(jnp.asarray(x), 16)
+  got = jax.jit(quantize, static_argnums=1)(jnp.asarray(x), 16)
   np.testing.assert_array_equal(np.asarray(got.codes), codes)
   np.testing.assert_array_equal(np.asarray(got.scales), scales)
   assert (scales[3:5] > 0).all() and (scales[:3] < 0).all() and (scales[5] == 0).all()
-  back = np.asarray(jax.jit(_dequantize)(got))
+  back = np.asarray(jax.jit(dequantize)(got))
   np.testing.assert_array_equal(back, ref_dequantize(codes, scales))
   # The top decade of a block keeps a relative error of a few percent.
   top = np.abs(x) >= 0.1 * np.abs(x).max(axis=1, keepdims=True)
@@ -263,9 +263,9 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
 def test_stochastic_rounding_is_unbiased_and_accumulates():
   """A nu that grows by 1e-4 per step from 1: to nearest it never moves, stochastically it does."""
   x = jnp.full((4096,), 1.0 + 2.0**-10, jnp.float32)  # a quarter of a bfloat16 step above 1
-  rounded = _to_bfloat16(x, rounding_bits(x.shape, 0, jnp.int32(0), 0)).astype(jnp.float32)
+  rounded = to_bfloat16(x, rounding_bits(x.shape, 0, jnp.int32(0), 0)).astype(jnp.float32)
   assert abs(float(rounded.mean()) - float(x[0])) < 2.0**-8 * 0.05
-  assert float(_to_bfloat16(x, None)[0]) == 1.0
+  assert float(to_bfloat16(x, None)[0]) == 1.0
 
   def accumulate(stochastic):
     tx = low_precision(

@@ -25,7 +25,7 @@ from flax import serialization, traverse_util
 
 import t5x_optim
 from t5x_optim import partitioning
-from t5x_optim._training import t5x_checkpoints as t5x_checkpoints_impl
+from t5x_optim._training import t5x_checkpoint_writer
 from t5x_optim.partitioning import Partitioner
 
 DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
@@ -254,7 +254,7 @@ def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(
     return real_open(spec, **kwargs)
 
   monkeypatch.setattr(
-    t5x_checkpoints_impl, "ts", types.SimpleNamespace(open=open_failing_the_fifth)
+    t5x_checkpoint_writer, "ts", types.SimpleNamespace(open=open_failing_the_fifth)
   )
   with pytest.raises(ValueError, match="NOT_FOUND"):
     t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"], step=3)

@@ -45,18 +45,15 @@ two layouts, chosen from the sub-optimizers' states:
 from __future__ import annotations
 
 import copy
-import dataclasses
-import re
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import serialization, traverse_util
-from flax.core import FrozenDict
 
 from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
 from t5x_optim._axes.rules import is_spec_leaf
@@ -67,12 +64,20 @@ from t5x_optim._optimizers.interface import (
   OptimizerState,
   hyper_param_names_of,
   missing_def_methods,
-  structure_mismatch,
+)
+from t5x_optim._optimizers.param_subsets import (
+  Partition,
+  PathFilter,
+  Traversal,
+  as_traversal,
+  describe_traversal,
+  format_paths,
+  is_none,
+  subset,
+  traversal_mask,
 )
 
 __all__ = ["MultiOptimizer", "PathFilter"]
-
-_MAX_LISTED_PATHS = 10
 
 
 def _own_copy(value: Any) -> Any:
@@ -87,180 +92,6 @@ def _own_copy(value: Any) -> Any:
 def _extra_arg_names(opt_def: Any) -> frozenset[str]:
   """The update's extra keywords `opt_def` takes (none for T5X's own definitions)."""
   return frozenset(getattr(opt_def, "extra_arg_names", ()))
-
-
-class FlaxTraversal(Protocol):
-  """What `MultiOptimizer` needs of a `flax.traverse_util.Traversal`."""
-
-  def update(self, fn: Any, inputs: Any) -> Any:
-    """Returns `inputs` with `fn` applied to every selected leaf."""
-
-
-class PathFilter:
-  """Selects params whose '/'-joined path matches a regex.
-
-  Paths have no leading '/' (``'encoder/layers_0/mlp/wi/kernel'``). Each
-  pattern is applied with `re.search`, so it matches anywhere in the path;
-  anchor it with ``^`` and ``$`` to match the whole path. Built from plain
-  constructor arguments, so gin can configure it.
-
-  Args:
-    patterns: a regex or a list of regexes; a path is selected when any of
-      them matches.
-    invert: select the paths that no pattern matches instead.
-
-  Example:
-    >>> kernels = PathFilter(r'kernel$')
-    >>> kernels.matches('dense/kernel'), kernels.matches('dense/bias')
-    (True, False)
-    >>> PathFilter(['bias', 'scale'], invert=True).matches('dense/kernel')
-    True
-  """
-
-  def __init__(self, patterns: str | Sequence[str], *, invert: bool = False):
-    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
-    if not patterns:
-      raise ValueError("PathFilter needs at least one pattern.")
-    try:
-      self._regexes = tuple(re.compile(pattern) for pattern in patterns)
-    except re.error as error:
-      raise ValueError(f"PathFilter got an invalid regex in {list(patterns)}: {error}") from error
-    self.patterns = patterns
-    self.invert = invert
-
-  def matches(self, path: str) -> bool:
-    """True when the '/'-joined `path` is selected."""
-    return any(regex.search(path) for regex in self._regexes) != self.invert
-
-  def __repr__(self) -> str:
-    patterns = self.patterns[0] if len(self.patterns) == 1 else list(self.patterns)
-    invert = ", invert=True" if self.invert else ""
-    return f"PathFilter({patterns!r}{invert})"
-
-  def __eq__(self, other: object) -> bool:
-    if not isinstance(other, PathFilter):
-      return NotImplemented
-    return (self.patterns, self.invert) == (other.patterns, other.invert)
-
-  def __hash__(self) -> int:
-    return hash((self.patterns, self.invert))
-
-
-Traversal = PathFilter | FlaxTraversal | str | Sequence[str]
-
-
-def _as_traversal(traversal: Traversal, index: int) -> PathFilter | FlaxTraversal:
-  if isinstance(traversal, str) or (
-    isinstance(traversal, Sequence) and all(isinstance(p, str) for p in traversal)
-  ):
-    return PathFilter(traversal)
-  if isinstance(traversal, PathFilter) or callable(getattr(traversal, "update", None)):
-    return traversal
-  raise TypeError(
-    f"Traversal {index} is a {type(traversal).__name__}; expected a PathFilter, a regex "
-    "or list of regexes, or a flax.traverse_util.ModelParamTraversal."
-  )
-
-
-def _describe(index: int, traversal: PathFilter | FlaxTraversal) -> str:
-  if isinstance(traversal, PathFilter):
-    return f"filter {index} {traversal!r}"
-  return f"filter {index} ({type(traversal).__name__})"
-
-
-class _Selected:
-  """Marks a leaf a flax traversal selected (an opaque pytree leaf)."""
-
-
-def _traversal_mask(traversal: FlaxTraversal, keys: list[tuple[str, ...]], tree: Any) -> list[bool]:
-  """Which leaves a flax traversal selects, through its public `update`."""
-  marked = traversal.update(lambda _: _Selected(), tree)
-  flat = traverse_util.flatten_dict(flax.core.unfreeze(marked))
-  selected = {tuple(map(str, key)) for key, value in flat.items() if isinstance(value, _Selected)}
-  return [key in selected for key in keys]
-
-
-def _subset(node: Any, keep: frozenset[int], path: tuple[str, ...]) -> Any:
-  """The part of an index tree whose leaves are in `keep`, same containers."""
-  if isinstance(node, int):
-    return node if node in keep else None
-  if not isinstance(node, dict | FrozenDict):
-    raise TypeError(
-      f"MultiOptimizer params must be nested dicts or FrozenDicts; found a "
-      f"{type(node).__name__} at '{_state_dict.key_path_str(path)}'."
-    )
-  kept = {}
-  for key, child in node.items():
-    child = _subset(child, keep, (*path, str(key)))
-    if child is not None:
-      kept[key] = child
-  if not kept and path:
-    return None
-  return FrozenDict(kept) if isinstance(node, FrozenDict) else kept
-
-
-@dataclasses.dataclass(frozen=True)
-class _Partition:
-  """Which leaves (by flat index) each sub-optimizer owns, for one treedef.
-
-  Attributes:
-    treedef: the params' treedef.
-    plain_treedef: the same tree with plain dicts (to align FrozenDict trees).
-    groups: per sub-optimizer, the flat indices of its leaves, in the order of
-      its subtree's leaves.
-    sub_treedefs: per sub-optimizer, the treedef of its subtree.
-  """
-
-  treedef: jax.tree_util.PyTreeDef
-  plain_treedef: jax.tree_util.PyTreeDef
-  groups: tuple[tuple[int, ...], ...]
-  sub_treedefs: tuple[jax.tree_util.PyTreeDef, ...]
-
-  def split(self, leaves: Sequence[Any]) -> list[Any]:
-    """Builds each sub-optimizer's subtree from the full tree's leaves."""
-    return [
-      sub_def.unflatten([leaves[j] for j in group])
-      for sub_def, group in zip(self.sub_treedefs, self.groups)
-    ]
-
-  def merge(self, leaves: Sequence[Any], subtrees: Sequence[Any]) -> Any:
-    """The full tree with each sub-optimizer's leaves taken from `subtrees`."""
-    merged = list(leaves)
-    for i, (group, subtree) in enumerate(zip(self.groups, subtrees)):
-      sub_leaves = jax.tree.leaves(subtree, is_leaf=_is_none)
-      if len(sub_leaves) != len(group):
-        raise ValueError(
-          f"Sub-optimizer {i} returned {len(sub_leaves)} params for its {len(group)}: "
-          f"{jax.tree.structure(subtree)} instead of {self.sub_treedefs[i]}."
-        )
-      for j, leaf in zip(group, sub_leaves):
-        merged[j] = leaf
-    return self.treedef.unflatten(merged)
-
-  def leaves_of(self, tree: Any, *, name: str, reference: Any) -> list[Any]:
-    """`tree`'s leaves in the params' order; dicts and FrozenDicts mix freely.
-
-    None leaves (e.g. replicated logical axes) count as leaves.
-
-    Raises:
-      ValueError: when `tree` does not have the params' structure, naming the
-        paths only one of them has.
-    """
-    try:
-      return self.treedef.flatten_up_to(tree)
-    except (TypeError, ValueError):
-      pass
-    try:
-      return self.plain_treedef.flatten_up_to(flax.core.unfreeze(tree))
-    except (TypeError, ValueError) as error:
-      mismatch = structure_mismatch(tree, reference, name=name)
-      raise ValueError(f"The {name} do not fit the params: {mismatch}.") from error
-
-
-def _format_paths(paths: Sequence[str]) -> str:
-  listed = ", ".join(paths[:_MAX_LISTED_PATHS])
-  more = len(paths) - _MAX_LISTED_PATHS
-  return listed + (f" and {more} more" if more > 0 else "")
 
 
 def _with_context(error: Exception, context: str) -> Exception:
@@ -322,7 +153,7 @@ class MultiOptimizer(OptimizerDef):
     pairs = list(traversals_and_optimizers)
     if not pairs:
       raise ValueError("MultiOptimizer needs at least one (traversal, optimizer_def) pair.")
-    self.traversals = tuple(_as_traversal(t, i) for i, (t, _) in enumerate(pairs))
+    self.traversals = tuple(as_traversal(t, i) for i, (t, _) in enumerate(pairs))
     self.sub_optimizers = tuple(opt_def for _, opt_def in pairs)
     for i, opt_def in enumerate(self.sub_optimizers):
       missing = missing_def_methods(opt_def)
@@ -334,7 +165,7 @@ class MultiOptimizer(OptimizerDef):
         )
     self.extra_arg_names = frozenset().union(*map(_extra_arg_names, self.sub_optimizers))
     self._path_only = all(isinstance(t, PathFilter) for t in self.traversals)
-    self._partitions: dict[Any, _Partition] = {}
+    self._partitions: dict[Any, Partition] = {}
     if any(hasattr(opt, "set_param_axes") for opt in self.sub_optimizers):
       self.set_param_axes = self._set_param_axes
     super().__init__(hyper_params=tuple(opt.hyper_params for opt in self.sub_optimizers))
@@ -342,21 +173,21 @@ class MultiOptimizer(OptimizerDef):
 
   def __repr__(self) -> str:
     pairs = ", ".join(
-      f"({_describe(i, t)}, {type(o).__name__})"
+      f"({describe_traversal(i, t)}, {type(o).__name__})"
       for i, (t, o) in enumerate(zip(self.traversals, self.sub_optimizers))
     )
     return f"MultiOptimizer([{pairs}])"
 
-  def _compute_partition(self, tree: Any) -> _Partition:
+  def _compute_partition(self, tree: Any) -> Partition:
     """Splits `tree`'s leaves between the traversals and checks the split.
 
     None leaves (replicated axes, absent values) count as leaves.
     """
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
     keys = [_state_dict.key_path_parts(path) for path, _ in path_leaves]
     paths = ["/".join(key) for key in keys]
     masks = [
-      [t.matches(p) for p in paths] if isinstance(t, PathFilter) else _traversal_mask(t, keys, tree)
+      [t.matches(p) for p in paths] if isinstance(t, PathFilter) else traversal_mask(t, keys, tree)
       for t in self.traversals
     ]
     owners: list[list[int]] = [[] for _ in paths]
@@ -368,29 +199,29 @@ class MultiOptimizer(OptimizerDef):
     if overlaps:
       raise ValueError(
         f"MultiOptimizer filters overlap: {len(overlaps)} params are selected by more "
-        f"than one filter: {_format_paths(overlaps)}. Filters: "
-        f"{[_describe(i, t) for i, t in enumerate(self.traversals)]}."
+        f"than one filter: {format_paths(overlaps)}. Filters: "
+        f"{[describe_traversal(i, t) for i, t in enumerate(self.traversals)]}."
       )
     groups = [tuple(j for j in range(len(paths)) if owners[j] == [i]) for i in range(len(masks))]
     for i, group in enumerate(groups):
       if not group:
         warnings.warn(
-          f"MultiOptimizer {_describe(i, self.traversals[i])} selects no params, so its "
-          f"optimizer gets an empty tree; the params are {_format_paths(paths)}.",
+          f"MultiOptimizer {describe_traversal(i, self.traversals[i])} selects no params, so its "
+          f"optimizer gets an empty tree; the params are {format_paths(paths)}.",
           stacklevel=4,
         )
     index_tree = treedef.unflatten(range(len(paths)))
-    subtrees = [_subset(index_tree, frozenset(group), ()) for group in groups]
-    return _Partition(
+    subtrees = [subset(index_tree, frozenset(group), ()) for group in groups]
+    return Partition(
       treedef=treedef,
       plain_treedef=jax.tree.structure(flax.core.unfreeze(index_tree)),
       groups=tuple(tuple(jax.tree.leaves(s)) for s in subtrees),
       sub_treedefs=tuple(jax.tree.structure(s) for s in subtrees),
     )
 
-  def _partition(self, params: Any) -> tuple[_Partition, list[Any]]:
+  def _partition(self, params: Any) -> tuple[Partition, list[Any]]:
     """The (cached) partition for `params`' structure and `params`' leaves."""
-    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_none)
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
     key = treedef
     if not self._path_only:
       key = (treedef, tuple(_signature(x) for x in leaves))
@@ -462,7 +293,7 @@ class MultiOptimizer(OptimizerDef):
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:
-        context = f"MultiOptimizer sub-optimizer {i} ({_describe(i, self.traversals[i])})"
+        context = f"MultiOptimizer sub-optimizer {i} ({describe_traversal(i, self.traversals[i])})"
         raise _with_context(error, context) from error
       new_subtrees.append(new_params)
       new_states.append(new_state)
@@ -623,10 +454,6 @@ class MultiOptimizer(OptimizerDef):
 
 def _spec_or_replicated(x: jax.sharding.PartitionSpec | None) -> jax.sharding.PartitionSpec:
   return jax.sharding.PartitionSpec() if x is None else x
-
-
-def _is_none(x: Any) -> bool:
-  return x is None
 
 
 def _signature(leaf: Any) -> tuple[Any, ...]:
