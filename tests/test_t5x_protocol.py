@@ -472,3 +472,12 @@ def test_state_dicts_hold_no_empty_subtree(opt_def):
   )
   assert [k for k, v in flat.items() if v is traverse_util.empty_node] == []
   assert not any(k.startswith("state/param_states/1/param_states") for k in flat)
+
+
+def test_a_nested_multi_optimizer_passes_its_subs_hyper_parameters_on():
+  """A sub-definition's own hyper_param_names (a MultiOptimizer's) is asked, not bypassed."""
+  inner = MultiOptimizer([("kernel", PerParamMomentum(0.1)), ("dense/bias", PerParamMomentum())])
+  outer = MultiOptimizer([("dense", inner), ("head", PerParamMomentum())])
+  assert {"learning_rate", "beta"} <= outer.hyper_param_names()
+  opt = outer.create(make_params()).apply_gradient(grads_for(make_params()), learning_rate=0.5)
+  np.testing.assert_array_equal(opt.target["dense"]["kernel"], 0.5 - 0.5 * 0.25)

@@ -134,7 +134,7 @@ class OptimizerDef(abc.ABC):
 
   def hyper_param_names(self) -> frozenset[str]:
     """The keywords `apply_gradient` treats as hyper-parameter overrides."""
-    return hyper_param_names_of(self)
+    return _dataclass_hyper_param_names(self.hyper_params)
 
   def split_apply_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Splits `Optimizer.apply_gradient` keywords into overrides and extras.
@@ -248,20 +248,24 @@ def missing_def_methods(opt_def: Any) -> list[str]:
   return missing + [name for name in _DEF_METHODS if not callable(getattr(opt_def, name, None))]
 
 
+def _dataclass_hyper_param_names(hyper_params: Any) -> frozenset[str]:
+  """``hyper_params`` and the fields of the hyper-params dataclass `hyper_params`."""
+  names = {"hyper_params"}
+  if dataclasses.is_dataclass(hyper_params):
+    names.update(field.name for field in dataclasses.fields(hyper_params))
+  return frozenset(names)
+
+
 def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
   """The keywords `opt_def.apply_gradient` treats as hyper-parameter overrides.
 
-  ``hyper_params`` and the fields of its hyper-params dataclass; a
-  definition's own `hyper_param_names` where it has one.
+  The definition's own `hyper_param_names` where it has one (every
+  `OptimizerDef`, and its overrides, `MultiOptimizer`'s among them); for
+  T5X's own definitions, ``hyper_params`` and its dataclass's fields.
   """
-  if not isinstance(opt_def, OptimizerDef) and callable(
-    getattr(opt_def, "hyper_param_names", None)
-  ):
+  if callable(getattr(opt_def, "hyper_param_names", None)):
     return frozenset(opt_def.hyper_param_names())
-  names = {"hyper_params"}
-  if dataclasses.is_dataclass(opt_def.hyper_params):
-    names.update(field.name for field in dataclasses.fields(opt_def.hyper_params))
-  return frozenset(names)
+  return _dataclass_hyper_param_names(opt_def.hyper_params)
 
 
 def _leaf_paths(tree: Any) -> set[str]:
