@@ -273,7 +273,7 @@ def test_unknown_keyword_raises() -> None:
 
 def test_mismatched_grads_name_the_paths() -> None:
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](0.1).create(make_params())
-  with pytest.raises(ValueError, match=r"paths only in the grads: \[\"\['other'\]\"\]"):
+  with pytest.raises(ValueError, match=r"paths only in the grads: \['other'\]"):
     opt.apply_gradient({"other": jnp.ones(2), **grads_at(make_params(), 0)})
 
 
@@ -287,7 +287,7 @@ def _twice_stored(step_size: float) -> tuple[Any, Any, Any]:
 
 
 def test_param_read_from_two_arrays_raises() -> None:
-  with pytest.raises(ValueError, match=r"get_params reads param \['w'\] from state arrays"):
+  with pytest.raises(ValueError, match=r"get_params reads param 'w' from state arrays"):
     ExampleLibOptimizerDef(_twice_stored(0.1)).create({"w": jnp.ones(3)})
 
 
@@ -298,7 +298,7 @@ def _python_counter(step_size: float) -> tuple[Any, Any, Any]:
 
 def test_changing_python_state_raises() -> None:
   opt = ExampleLibOptimizerDef(_python_counter(0.1)).create({"w": jnp.ones(3)})
-  with pytest.raises(ValueError, match=r"changed the Python value 0 in the state of param \['w'\]"):
+  with pytest.raises(ValueError, match=r"changed the Python value 0 in the state of param 'w'"):
     opt.apply_gradient({"w": jnp.ones(3)})
 
 
@@ -360,10 +360,10 @@ def test_unmatched_state_leaf_goes_to_the_fallback(fallback: StateRulesFallback)
   opt = opt_def.create({"w": jnp.ones((4, 8))})
   axes = {"w": P("embed", "mlp")}
   if fallback is StateRulesFallback.RAISE:
-    with pytest.raises(ValueError, match=r"\['w'\]\['1'\]"):
+    with pytest.raises(ValueError, match=r"w/1 \(shape"):
       opt_def.derive_logical_axes(opt, axes)
   else:
-    with pytest.warns(UserWarning, match=r"\['w'\]\['1'\]"):
+    with pytest.warns(UserWarning, match=r"w/1 \(shape"):
       assert opt_def.derive_logical_axes(opt, axes).state.param_states == {"w": {"1": None}}
 
 

@@ -50,7 +50,7 @@ def test_grads_of_wrong_shape_or_kind_are_refused(opt, jitted_apply, kernel, mes
 
 
 def test_grads_of_wrong_structure_name_the_paths(opt):
-  with pytest.raises(ValueError, match=r"paths only in the grads: \[\"\['dense'\]\['extra'\]\"\]"):
+  with pytest.raises(ValueError, match=r"paths only in the grads: \['dense/extra'\]"):
     opt.apply_gradient({"dense": {**PARAMS["dense"], "extra": jnp.ones(2)}})
 
 

@@ -21,9 +21,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import optax
 import pytest
 
 import t5x_optim
+from t5x_optim._optimizers.fused import FusedUpdate
+from t5x_optim._optimizers.layouts import UpdateLayout
+from t5x_optim._optimizers.stacked import StackedOptimizerDef, stack_params
 
 PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
 
@@ -161,14 +166,33 @@ def _methods_naming(cls: ast.ClassDef, names: set[str]) -> set[str]:
   }
 
 
-def test_optax_wrapper_names_stacked_and_fused_types_only_in_their_hooks():
-  """`create` hands `StackedParams` to the stacked layer; `__init__` takes the fused mode."""
-  tree = ast.parse((PACKAGE_DIR / "_optimizers" / "optax_wrapper.py").read_text())
-  wrapper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OptaxWrapper")
+def test_optax_wrapper_names_stacked_and_fused_types_only_in_its_layout_hook():
+  """The wrapper reaches the fused and stacked layouts only through `UpdateLayout`."""
+  path = PACKAGE_DIR / "_optimizers" / "optax_wrapper.py"
+  source = path.read_text()
+  imported = {m for _, m in imported_modules(source, "t5x_optim._optimizers.optax_wrapper")}
+  assert not {m for m in imported if m.startswith((FUSED, "t5x_optim._optimizers.stacked"))}
+  assert "t5x_optim._optimizers.layouts" in imported
+  tree = ast.parse(source)
   stacked = {"_stacked", "StackedParams", "StackedOptimizerDef", "StackedLayout"}
   fused = {"FusedUpdate", "FusedPlan", "NotFusible", "plan_fused_update", "fused_apply"}
-  assert _methods_naming(wrapper, stacked) == {"create"}
-  assert _methods_naming(wrapper, fused) == {"__init__"}
+  named = {getattr(node, "id", None) for node in ast.walk(tree)}
+  named |= {getattr(node, "attr", None) for node in ast.walk(tree)}
+  assert not named & (stacked | fused)
+  wrapper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OptaxWrapper")
+  assert _methods_naming(wrapper, {"UpdateLayout"}) == {"__init__"}
+
+
+def test_layout_hook_routes_stacked_targets_and_fused_modes():
+  opt_def = t5x_optim.OptaxWrapper(optax.adam(0.1), fused="interpret")
+  assert isinstance(opt_def.layout, UpdateLayout)
+  assert opt_def.fused is FusedUpdate.INTERPRET
+  stacked = opt_def.create(stack_params({"a": jnp.ones(2), "b": jnp.ones(2)}))
+  assert isinstance(stacked.optimizer_def, StackedOptimizerDef)
+  assert stacked.optimizer_def.inner.fused is FusedUpdate.OFF
+  assert opt_def.fused is FusedUpdate.INTERPRET
+  plain = opt_def.create({"a": jnp.ones(2)})
+  assert plain.optimizer_def is opt_def
 
 
 @pytest.mark.slow

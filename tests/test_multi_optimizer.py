@@ -527,7 +527,7 @@ def test_partition_computed_once_per_tree_structure() -> None:
 def test_grads_structure_error_names_paths() -> None:
   opt = stepped()
   grads = {**fake_grads(opt.target, 0), "extra": {"w": jnp.ones(2)}}
-  message = "The grads do not fit the params: paths only in the grads: [\"['extra']['w']\"]"
+  message = "The grads do not fit the params: paths only in the grads: ['extra/w']"
   with pytest.raises(ValueError, match=re.escape(message)):
     opt.apply_gradient(grads)
 

@@ -252,7 +252,7 @@ def test_plain_dict_grads_for_frozendict_params_and_back():
 
 def test_wrong_grads_structure_names_paths():
   opt = optimizers.sgd(0.1).create(_params())
-  with pytest.raises(ValueError, match=r"paths only in the grads: \[\"\['dense'\]\['kernal'\]\"\]"):
+  with pytest.raises(ValueError, match=r"paths only in the grads: \['dense/kernal'\]"):
     opt.apply_gradient({"dense": {"kernal": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
 
 

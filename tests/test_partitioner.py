@@ -245,7 +245,7 @@ def test_get_mesh_axes_indivisible_dim_names_path_shape_and_axis():
   params = {"dense": {"kernel": jnp.zeros((8, 6))}}
   state = _abstract_state(params, {"dense": {"kernel": P("embed", "mlp")}})
   match = (
-    r"\.params\['dense'\]\['kernel'\]: dimension 1 of shape \(8, 6\) "
+    r"params/dense/kernel: dimension 1 of shape \(8, 6\) "
     r"is not divisible by mesh axis 'model' of size 4"
   )
   with pytest.raises(ValueError, match=match):
@@ -255,7 +255,7 @@ def test_get_mesh_axes_indivisible_dim_names_path_shape_and_axis():
 def test_get_mesh_axes_unknown_name_names_path():
   params = {"dense": {"kernel": jnp.zeros((8, 8))}}
   state = _abstract_state(params, {"dense": {"kernel": P("embed", "expert")}})
-  match = r"\.params\['dense'\]\['kernel'\]: No logical axis rule for \['expert'\]"
+  match = r"params/dense/kernel: No logical axis rule for \['expert'\]"
   with pytest.raises(ValueError, match=match):
     _partitioner(2, 4).get_mesh_axes(state)
   mesh = create_mesh(num_partitions=4)
@@ -270,14 +270,14 @@ def test_get_mesh_axes_unknown_name_names_path():
       {"w": P("embed", "mlp")},
       None,
       (8, 6),
-      r"args\[0\]\['w'\]: dimension 1 of shape \(8, 6\) is not divisible by mesh axis 'model' "
+      r"args/0/w: dimension 1 of shape \(8, 6\) is not divisible by mesh axis 'model' "
       r"of size 4",
     ),
     (
       None,
       {"w": P("batch", "mlp")},
       (5, 8),
-      r"output\['w'\]: dimension 0 of shape \(5, 8\) is not divisible by mesh axis 'data' "
+      r"output/w: dimension 0 of shape \(5, 8\) is not divisible by mesh axis 'data' "
       r"of size 2",
     ),
   ],
@@ -302,7 +302,7 @@ def test_partition_runs_with_logical_constraints_inside():
 
 def test_lower_and_mesh_axis_errors():
   partitioner = Partitioner(create_mesh(num_partitions=4), [("batch", "replica")])
-  with pytest.raises(ValueError, match=r"\['x'\]: .*replica"):
+  with pytest.raises(ValueError, match=r"^x: .*replica"):
     partitioner.mesh_sharding({"x": P("batch")})
   ok = _partitioner(2, 4).partition(lambda x: x + 1, P("batch"), P("batch"))
   assert "add" in ok.lower(np.ones(4, np.float32)).as_text()
@@ -330,7 +330,7 @@ def test_abstract_train_state_passes_the_definitions_fallback_through():
   partitioner = Partitioner(create_mesh(num_partitions=2))
   strict = OptaxWrapper(optax.adam(0.1), fallback=StateRulesFallback.RAISE)
   too_long = lambda: {"params": {"w": nn.LogicallyPartitioned(jnp.ones(4), ("embed", "mlp"))}}  # noqa: E731
-  with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\] \(shape \(4,\), spec"):
+  with pytest.raises(ValueError, match=r"0/mu/w \(shape \(4,\), spec"):
     abstract_train_state(partitioner, strict, too_long)
   # A definition without the setting (T5X's own) goes through unchanged.
   state = abstract_train_state(partitioner, _LegacyDef(), _boxed_variables)

@@ -241,11 +241,11 @@ def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
   [
     (
       AxesMLP(mlp_axis="expert"),
-      r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: No logical axis rule for \['expert'\]",
+      r"_optimizer/state/param_states/0/mu/bi: No logical axis rule for \['expert'\]",
     ),
     (
       AxesMLP(mlp=6),
-      r"\._optimizer\.state\.param_states\[0\]\.mu\['bi'\]: dimension 0 of shape \(6,\) is not "
+      r"_optimizer/state/param_states/0/mu/bi: dimension 0 of shape \(6,\) is not "
       r"divisible by mesh axis 'model' of size 4",
     ),
   ],

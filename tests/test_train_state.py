@@ -174,7 +174,7 @@ def test_replace_params_and_step():
   replaced = state.replace_params(flax.core.freeze({"w": jnp.zeros(2)})).replace_step(7)
   assert type(replaced.params) is dict and float(replaced.params["w"].sum()) == 0.0
   assert replaced.step == 7
-  with pytest.raises(ValueError, match=r"paths only in the new params: \[\"\['v'\]\"\]"):
+  with pytest.raises(ValueError, match=r"paths only in the new params: \['v'\]"):
     state.replace_params({"w": jnp.ones(2), "v": jnp.ones(2)})
 
 
@@ -222,9 +222,9 @@ def test_as_logical_axes_applies_the_definitions_fallback(fallback):
     OptaxWrapper(optax.adam(0.1), fallback=fallback), {"params": {"w": boxed}}
   )
   if fallback is StateRulesFallback.RAISE:
-    with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\] \(shape \(4,\), spec"):
+    with pytest.raises(ValueError, match=r"0/mu/w \(shape \(4,\), spec"):
       state.as_logical_axes()
   else:
-    with pytest.warns(UserWarning, match=r"replicating 2 optimizer state leaves.*\[0\]\.nu\['w'\]"):
+    with pytest.warns(UserWarning, match=r"replicating 2 optimizer state leaves.*0/nu/w \(shape"):
       logical = state.as_logical_axes()
     assert logical.param_states[0].mu == {"w": None}

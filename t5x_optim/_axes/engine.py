@@ -41,6 +41,7 @@ from t5x_optim._axes import builtin as _state_rules_builtin  # noqa: F401  (regi
 from t5x_optim._axes import generic, registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._keypaths import key_path_str
 
 _MAX_PATHS_IN_WARNING = 5
 _NO_SPEC_DERIVED = "no spec could be derived"
@@ -117,7 +118,7 @@ def _to_spec(path: Any, x: Any) -> PartitionSpec | None:
   if hasattr(x, "shape"):
     return None
   raise TypeError(
-    f"params_axes leaf at {jax.tree_util.keystr(path)} is a "
+    f"params_axes leaf at '{key_path_str(path)}' is a "
     f"{type(x).__name__}; expected a PartitionSpec, None, a tuple of axis "
     "names, a flax LogicallyPartitioned box or an array"
   )
@@ -423,7 +424,7 @@ def derive_state_specs(
   transformation: optax.GradientTransformation | None = None,
   params: Any | None = None,
   fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
-  leaf_name: Callable[[jax.tree_util.KeyPath], str] = jax.tree_util.keystr,
+  leaf_name: Callable[[jax.tree_util.KeyPath], str] = key_path_str,
 ) -> Any:
   """The engine: logical specs for every leaf of any optimizer state.
 

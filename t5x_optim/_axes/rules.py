@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from t5x_optim._keypaths import key_path_str
+
 MeshAxes = str | tuple[str, ...] | None
 """What one rule maps a logical name to: a mesh axis, several, or None."""
 
@@ -310,8 +312,7 @@ def check_spec_leaf(path: jax.tree_util.KeyPath, leaf: Any) -> None:
   """Raises ``TypeError`` naming ``path`` unless ``leaf`` is a spec leaf."""
   if not is_spec_leaf(leaf):
     raise TypeError(
-      f"{jax.tree_util.keystr(path)}: expected a PartitionSpec or None, "
-      f"got {type(leaf).__name__} {leaf!r}."
+      f"{key_path_str(path)}: expected a PartitionSpec or None, got {type(leaf).__name__} {leaf!r}."
     )
 
 
@@ -351,7 +352,7 @@ def logical_to_mesh_axes_tree(
     try:
       return logical_to_mesh_axes(spec, rules, unknown=unknown)
     except ValueError as e:
-      raise ValueError(f"{jax.tree_util.keystr(path)}: {e}") from e
+      raise ValueError(f"{key_path_str(path)}: {e}") from e
 
   return jax.tree.map_with_path(convert, logical_tree, is_leaf=is_spec_leaf)
 

@@ -11,6 +11,8 @@
 - `stacked`: params and optax state kept stacked by shape between steps,
   and the stacked layer `OptaxWrapper.create` puts around itself for them;
   it needs only the fused update's elementwise analysis;
+- `layouts`: `UpdateLayout`, the wrapper's one hook into the fused update
+  and the stacked layer;
 - `multi_optimizer`: T5X's `MultiOptimizer` over parts of the params, which
   `param_subsets` chooses (traversals and the partition they make);
 - `example_lib` (with `example_lib_layout`): `jax.example_libraries`

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.registry import StateRuleContext, register_state_rule
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers.interface import structure_mismatch
 
 __all__ = ["Layout", "PartsNode", "leaf_name", "trace_layout"]
@@ -86,7 +87,7 @@ class _LeafLayout:
       elif kind is _Slot.STATIC and (_is_array(leaf) or leaf != data):
         raise ValueError(
           f"The triple's update changed the Python value {data!r} in the state of "
-          f"param {where} to {leaf!r}; ExampleLibOptimizerDef rebuilds Python "
+          f"param '{where}' to {leaf!r}; ExampleLibOptimizerDef rebuilds Python "
           "values from the params, so state that changes must be arrays."
         )
     return parts
@@ -228,7 +229,7 @@ def _leaf_layout(
   """The layout of one param's state; raises unless it holds the param once."""
   if len(sources) != 1 or next(iter(sources))[0] != index:
     raise ValueError(
-      f"The triple's get_params reads param {path} from state arrays "
+      f"The triple's get_params reads param '{path}' from state arrays "
       f"{sorted(sources)} (param, array); ExampleLibOptimizerDef needs each "
       "param kept once in its own per-param state, as every "
       "jax.example_libraries optimizer keeps it."
@@ -265,7 +266,7 @@ def trace_layout(
   triple: example_lib.Optimizer, params: Any, slot_names: Sequence[str] | None
 ) -> Layout:
   path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
-  paths = tuple(jax.tree_util.keystr(p) for p, _ in path_leaves)
+  paths = tuple(key_path_str(p) for p, _ in path_leaves)
   leaves = [leaf for _, leaf in path_leaves]
   shapes, statics, treedefs = _abstract_init(triple, params)
   sources = _param_sources(triple, params_def, shapes, statics, treedefs)
@@ -344,5 +345,5 @@ register_state_rule(
 
 
 def leaf_name(path: jax.tree_util.KeyPath) -> str:
-  """A parts leaf's path in `param_states` (`['dense']['kernel']['m']`)."""
-  return jax.tree_util.keystr(path[1:])
+  """A parts leaf's path in `param_states` (`dense/kernel/m`)."""
+  return key_path_str(path[1:])

@@ -270,7 +270,7 @@ def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
 
 def _leaf_paths(tree: Any) -> set[str]:
   return {
-    jax.tree_util.keystr(path)
+    key_path_str(path)
     for path, _ in jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(tree))[0]
   }
 

@@ -15,9 +15,8 @@ import optax
 from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
-from t5x_optim._optimizers import stacked as _stacked
-from t5x_optim._optimizers.fused import FusedUpdate
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.layouts import FusedOption, UpdateLayout
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
@@ -141,7 +140,8 @@ class OptaxWrapper(OptimizerDef):
   stacked by shape between steps): `create` then puts this definition
   inside the stacked layer, `t5x_optim._optimizers.stacked.StackedOptimizerDef`,
   which checks that the update is elementwise per leaf and keeps state
-  dicts and checkpoints per leaf.
+  dicts and checkpoints per leaf. Both layouts plug in through one hook,
+  `layout` (a `t5x_optim._optimizers.layouts.UpdateLayout`).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -159,10 +159,10 @@ class OptaxWrapper(OptimizerDef):
     fallback: _state_rules.StateRulesFallback | str = (
       _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
     ),
-    fused: FusedUpdate | str | bool = FusedUpdate.OFF,
+    fused: FusedOption = "off",
   ):
     super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
-    self.fused = FusedUpdate.of(fused)
+    self.layout = UpdateLayout(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
@@ -171,9 +171,12 @@ class OptaxWrapper(OptimizerDef):
 
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
-    if isinstance(target, _stacked.StackedParams):
-      return _stacked.StackedOptimizerDef(self).create(target)
-    return super().create(target)
+    return self.layout.create(self, target, super().create)
+
+  @property
+  def fused(self) -> Any:
+    """The fused mode of the update (a `FusedUpdate`)."""
+    return self.layout.fused
 
   def prepare_grads(self, params: Any, grads: Any) -> Any:
     """`OptimizerDef.prepare_grads`; for `optax.lookahead`, against the fast params."""
@@ -198,7 +201,7 @@ class OptaxWrapper(OptimizerDef):
     if hyper_params.learning_rate is not None:
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
-    new_params, new_param_states = self.fused.update(
+    new_params, new_param_states = self.layout.update(
       self.optax_optimizer, params, grads, param_states, extra_args
     )
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
@@ -249,7 +252,7 @@ def wrap_optax_optimizer(
 def chain(
   transformations: Sequence[optax.GradientTransformation],
   *,
-  fused: FusedUpdate | str | bool = FusedUpdate.OFF,
+  fused: FusedOption = "off",
 ) -> OptaxWrapper:
   """`optax.chain` over a list (gin cannot bind `*args`), as an `OptaxWrapper`.
 

@@ -55,7 +55,6 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._optimizers.fused import FusedUpdate
 from t5x_optim._optimizers.fused.analysis import FusedPlan, NotFusible, plan_fused_update
 from t5x_optim._optimizers.fused.program import program_key
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState, check_grads
@@ -377,7 +376,7 @@ class StackedOptimizerDef(OptimizerDef):
   def __init__(self, inner: Any):
     super().__init__(inner.hyper_params, fallback=inner.fallback)
     self.inner = copy.copy(inner)
-    self.inner.fused = FusedUpdate.OFF
+    self.inner.layout = inner.layout.unfused()
     self.optax_optimizer = inner.optax_optimizer
     self.extra_arg_names = inner.extra_arg_names
 

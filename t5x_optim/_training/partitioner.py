@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_optim._axes import rules as _axis_rules
 from t5x_optim._axes.rules import LogicalAxisRules, Rule, UnknownAxis
+from t5x_optim._keypaths import key_path_str
 
 OPTIMIZER_STATE_KEY = "param_states"
 
@@ -37,7 +38,7 @@ def _is_resource_leaf(x: Any) -> bool:
 
 
 def _where(path: jax.tree_util.KeyPath) -> str:
-  return jax.tree_util.keystr(path) or "<root>"
+  return key_path_str(path)
 
 
 def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
@@ -112,7 +113,7 @@ def check_divisible(values: Any, shardings: Any, *, name: str = "") -> None:
   for (path, value), sharding in zip(
     jax.tree.leaves_with_path(values), jax.tree.leaves(full, is_leaf=is_sharding)
   ):
-    where = name + jax.tree_util.keystr(path) or "<root>"
+    where = key_path_str((name, *path)) if name else key_path_str(path)
     _check_leaf_divisible(where, np.shape(value), sharding.spec, sharding.mesh.shape)
 
 
@@ -181,7 +182,7 @@ class PartitionedFunction:
       in_shardings = (in_shardings,) * len(dynamic)
     positions = [i for i in range(len(args)) if i not in static]
     for position, value, sharding in zip(positions, dynamic, in_shardings):
-      check_divisible(value, sharding, name=f"args[{position}]")
+      check_divisible(value, sharding, name=f"args/{position}")
     self._checked.add(key)
 
   def _check_outputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
