@@ -24,6 +24,7 @@ from t5x_optim import (
   save_t5x_checkpoint,
 )
 from t5x_optim._optimizers.low_precision import leaf_storage
+from t5x_optim._optimizers.quantize import _codes as quantize_codes
 from t5x_optim._optimizers.quantize import (
   dequantize,
   dynamic_map,
@@ -39,6 +40,31 @@ MODES = ["8bit", "bfloat16"]
 # The reference: quantize and dequantize in numpy, one block at a time.
 
 
+def ref_thresholds(signed: bool) -> np.ndarray:
+  """The 255 thresholds between map values: decade i's inner ones (n/9 + k + 1) * (0.9 10^(i-6) / n).
+
+  Each decade of n values has n - 1 inner thresholds, computed in float32
+  as written; the thresholds next to 0, between decades and next to 1 are
+  the means of their two map values. The signed map's negative half mirrors.
+  """
+  table = dynamic_map(signed)
+  positive_values = table[127:] if signed else table
+  thresholds, first = [], 1
+  for i in range(7):
+    n = 2**i if signed else 2 ** (i + 1)
+    last_before = positive_values[first - 1]
+    thresholds.append((last_before + positive_values[first]) / np.float32(2))
+    scale = np.float32(10.0) ** np.float32(i - 6)
+    for k in range(n - 1):
+      a = np.float32(n) / np.float32(9)
+      b = (np.float32(0.9) * scale) / np.float32(n)
+      thresholds.append((a + np.float32(k + 1)) * b)
+    first += n
+  thresholds.append((positive_values[-2] + positive_values[-1]) / np.float32(2))
+  positive = np.asarray(thresholds, np.float32)
+  return np.concatenate([-positive[-2::-1], positive]) if signed else positive
+
+
 def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
   """Block-wise dynamic 8-bit quantization, written out element by element over blocks."""
   flat = x.reshape(-1, block)
@@ -47,8 +73,7 @@ def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
   for b, values in enumerate(flat):
     absmax = np.max(np.abs(values))
     signed = bool(np.min(values) < 0)
-    table = dynamic_map(signed)
-    middles = (table[:-1] + table[1:]) / np.float32(2)
+    middles = ref_thresholds(signed)
     scaled = values / (absmax if absmax > 0 else np.float32(1))
     codes[b] = np.searchsorted(middles, scaled, side="left")
     scales[b] = -absmax if signed else absmax
@@ -155,6 +180,32 @@ def test_quantize_matches_reference_bit_for_bit():
   top = np.abs(x) >= 0.1 * np.abs(x).max(axis=1, keepdims=True)
   top &= x != 0
   assert np.max(np.abs(back - x)[top] / np.abs(x)[top]) < 0.08
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_match_the_thresholds_at_ties_and_every_decade(signed):
+  """The gather-free encoder counts exactly the thresholds below each value."""
+  thresholds, table = ref_thresholds(signed), dynamic_map(signed)
+  assert ((table[:-1] < thresholds) & (thresholds < table[1:])).all()
+  bnb = (table[:-1] + table[1:]) / np.float32(2)  # bitsandbytes' midpoints
+  assert np.abs(thresholds.view(np.int32) - bnb.view(np.int32)).max() <= 2
+  rng = np.random.default_rng(1)
+  powers = np.float32(10.0) ** np.arange(-8, 1, dtype=np.float32)
+  special = np.float32([0, 1, 1e-30, 1e-7, 1.5e-7, 1.6e-7, 3e-7])
+  values = np.concatenate(
+    [
+      *(np.nextafter(v, d) for v in (thresholds, table, powers) for d in (-np.inf, np.inf)),
+      thresholds,
+      table,
+      powers,
+      special,
+      np.float32(10.0) ** rng.uniform(-9, 0, 20000).astype(np.float32),
+    ]
+  )
+  values = np.clip(values, -1, 1).astype(np.float32)
+  values = np.concatenate([values, -values]) if signed else np.abs(values)
+  got = jax.jit(quantize_codes)(jnp.asarray(values), jnp.full(values.shape, signed))
+  np.testing.assert_array_equal(np.asarray(got), np.searchsorted(thresholds, values, side="left"))
 
 
 def _low(inner, mode, **kwargs):

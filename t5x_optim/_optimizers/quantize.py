@@ -7,8 +7,11 @@
 * 8 bits: `quantize` scales each block of the last dimension by its absolute
   maximum and stores each value as the index (``uint8``) of the nearest of
   256 values of bitsandbytes' dynamic map (`dynamic_map`), signed for a block
-  with a negative value; `dequantize` inverts it. `leaf_block` chooses a
-  leaf's block so that the scales shard wherever the codes do.
+  with a negative value; `dequantize` inverts it. "Nearest" is decided by 255
+  thresholds (`_midpoints`) within 2 float32 ulps of the midpoints between
+  map values, defined so that encoding computes them instead of looking
+  them up. `leaf_block` chooses a leaf's block so that the scales shard
+  wherever the codes do.
 """
 
 from __future__ import annotations
@@ -73,48 +76,122 @@ def dynamic_map(signed: bool) -> np.ndarray:
 
 
 @functools.cache
-def _midpoints(signed: bool) -> np.ndarray:
-  table = dynamic_map(signed)
-  return (table[:-1] + table[1:]) / np.float32(2)
-
-
-@functools.cache
-def _joined_tables() -> tuple[np.ndarray, np.ndarray]:
-  """(midpoints, values): the signed map's at 0-255, the unsigned map's at 256-511.
-
-  Each map's 255 midpoints are padded with +inf to 256, so a binary search
-  over one half never leaves it.
-  """
-  pad = np.array([np.inf], np.float32)
-  middles = np.concatenate([_midpoints(True), pad, _midpoints(False), pad])
-  return middles, np.concatenate([dynamic_map(True), dynamic_map(False)])
+def _joined_values() -> np.ndarray:
+  """The signed map's values at 0-255, the unsigned map's at 256-511 (for decoding)."""
+  return np.concatenate([dynamic_map(True), dynamic_map(False)])
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
-  """The index of the nearest map value: the number of the map's midpoints below ``scaled``.
+def _decade_sizes(signed: bool) -> tuple[int, ...]:
+  """How many values each of the map's seven decades holds above 0."""
+  return tuple(2**i if signed else 2 ** (i + 1) for i in range(7))
 
-  A binary search of 8 steps over the joined tables (one gather per step);
-  under explicit sharding (generic spec derivation traces ``init`` so),
-  where a gather from a replicated table does not trace, a count over all
-  midpoints. Both count the same midpoints.
+
+@functools.cache
+def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(a, b, boundaries)``: decade ``i``'s inner midpoints are ``(a[i] + k + 1) * b[i]``.
+
+  A decade of ``n`` values ``10**(i-6) * (0.1 + (k + 1/2) * 0.9 / n)`` has
+  ``n - 1`` midpoints between them, ``10**(i-6) * (0.1 + (k + 1) * 0.9 / n)``,
+  computed in float32 as ``(n / 9 + (k + 1)) * (0.9 * 10**(i-6) / n)``: an
+  addition, then a multiplication, which no compiler contracts into a
+  fused multiply-add, so encoding computes exactly these values. The 8
+  boundaries (between 0 and the first value, between decades, between the
+  last value and 1) are the float32 means of their two map values.
   """
-  if _explicitly_sharded(scaled):
-    return jnp.where(
-      signed,
-      jnp.searchsorted(jnp.asarray(_midpoints(True)), scaled, method="compare_all"),
-      jnp.searchsorted(jnp.asarray(_midpoints(False)), scaled, method="compare_all"),
-    )
-  middles = jnp.asarray(_joined_tables()[0])
-  offset = jnp.where(signed, 0, 256)
-  found = jnp.zeros(scaled.shape, jnp.int32)
-  for step in (128, 64, 32, 16, 8, 4, 2, 1):
-    candidate = found + step
-    found = jnp.where(middles[offset + candidate - 1] < scaled, candidate, found)
-  return found
+  sizes = np.asarray(_decade_sizes(signed), np.float32)
+  scales = np.float32(10.0) ** np.arange(-6, 1, dtype=np.float32)
+  a = sizes / np.float32(9)
+  b = (np.float32(0.9) * scales) / sizes
+  positive = dynamic_map(signed)[127 if signed else 0 :]
+  firsts = np.cumsum([1, *_decade_sizes(signed)])
+  low, high = positive[firsts[:-1]], positive[firsts[1:] - 1]
+  lower = np.concatenate([[positive[0]], high])
+  upper = np.concatenate([low, [positive[-1]]])
+  boundaries = (lower + upper) / np.float32(2)
+  return a, b, boundaries.astype(np.float32)
+
+
+@functools.cache
+def _midpoints(signed: bool) -> np.ndarray:
+  """The 255 ascending thresholds between the map's values that `quantize` codes against.
+
+  Each lies strictly between its two map values; see `_decade_constants`
+  for how each is computed. The signed map's negative half mirrors its
+  positive half.
+
+  Example:
+    >>> m, t = _midpoints(True), dynamic_map(True)
+    >>> len(m), bool(((t[:-1] < m) & (m < t[1:])).all())
+    (255, True)
+  """
+  a, b, boundaries = _decade_constants(signed)
+  positive = [boundaries[0]]
+  for i, n in enumerate(_decade_sizes(signed)):
+    k = np.arange(n - 1, dtype=np.float32)
+    positive += list((a[i] + (k + np.float32(1))) * b[i])
+    positive.append(boundaries[i + 1])
+  positive = np.asarray(positive, np.float32)
+  out = np.concatenate([-positive[-2::-1], positive]) if signed else positive
+  out.setflags(write=False)
+  return out
+
+
+def _pick(index: jax.Array, values: Any, dtype: Any) -> jax.Array:
+  """``values[index]`` for a short list of constants, by selects (no gather)."""
+  out = jnp.full(index.shape, values[0], dtype)
+  for i in range(1, len(values)):
+    out = jnp.where(index >= i, jnp.asarray(values[i], dtype), out)
+  return out
+
+
+def _count_below(magnitude: jax.Array, signed: bool, mirror: jax.Array) -> jax.Array:
+  """How many of one map's thresholds above 0 lie below ``magnitude``.
+
+  Where ``mirror`` (a negative value of the signed map), thresholds equal
+  to ``magnitude`` count too, and the last one (next to 1) does not. The
+  decade comes from 6 comparisons with its boundaries, the position inside
+  it from one division, corrected exactly by comparing with the two
+  thresholds next to it.
+  """
+  a, b, boundaries = _decade_constants(signed)
+  sizes = _decade_sizes(signed)
+
+  def below(threshold: jax.Array) -> jax.Array:
+    return (threshold < magnitude) | (mirror & (threshold == magnitude))
+
+  decade = sum(below(jnp.float32(t)).astype(jnp.int32) for t in boundaries[1:7])
+  size = _pick(decade, sizes, jnp.int32)
+  a_d, b_d = _pick(decade, a, jnp.float32), _pick(decade, b, jnp.float32)
+  before = _pick(decade, np.cumsum([1, *sizes[:-1]]), jnp.int32)
+  guess = jnp.clip(jnp.floor(magnitude / b_d - a_d), 0, size - 1).astype(jnp.int32)
+
+  def inner_below(k: jax.Array) -> jax.Array:
+    threshold = (a_d + (k + 1).astype(jnp.float32)) * b_d
+    return jnp.where(k < 0, True, jnp.where(k >= size - 1, False, below(threshold)))
+
+  inner = guess - 1 + inner_below(guess - 1).astype(jnp.int32) + inner_below(guess)
+  count = jnp.where(below(jnp.float32(boundaries[0])), before + inner, 0)
+  return jnp.where(below(jnp.float32(boundaries[7])) & ~mirror, sum(sizes) + 1, count)
+
+
+def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
+  """The index of the nearest map value: the number of `_midpoints` below ``scaled``.
+
+  Arithmetic and comparisons only, no table lookup: XLA:CPU runs a lookup
+  one element at a time inside a fused loop (10x slower here), and a lookup
+  does not trace under explicit sharding. A negative value of the signed
+  map mirrors: its code is 127 less the thresholds at or below its
+  magnitude.
+  """
+  magnitude = jnp.abs(scaled)
+  negative = scaled < 0
+  unsigned = _count_below(magnitude, False, jnp.zeros_like(negative))
+  half = _count_below(magnitude, True, negative)
+  return jnp.where(signed, jnp.where(negative, 127 - half, 127 + half), unsigned)
 
 
 def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
@@ -132,15 +209,8 @@ def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
 def dequantize(leaf: QuantizedLeaf) -> jax.Array:
   codes = _blocks(leaf.codes.astype(jnp.int32), leaf.codes.shape[-1] // leaf.scales.shape[-1])
   offset = jnp.where(leaf.scales < 0, 0, 256)[..., None]
-  values = jnp.asarray(_joined_tables()[1])[offset + codes]
+  values = jnp.asarray(_joined_values())[offset + codes]
   return (values * jnp.abs(leaf.scales)[..., None]).reshape(leaf.codes.shape)
-
-
-def _explicitly_sharded(x: jax.Array) -> bool:
-  """Whether ``x`` is traced sharded over an explicit mesh (sharding in types)."""
-  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-  types = () if mesh is None or mesh.empty else mesh.axis_types
-  return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def _hash32(x: jax.Array) -> jax.Array:
