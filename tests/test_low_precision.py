@@ -274,7 +274,7 @@ def test_table_matches_reference_bit_for_bit(case, mode):
 @pytest.mark.parametrize(
   "mode, stochastic", [("8bit", True), ("bfloat16", True), ("bfloat16", False)]
 )
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+@pytest.mark.parametrize("name", [pytest.param("adamw", marks=pytest.mark.slow), "lion", "sgd"])
 def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
   """Dequantize, update and quantize fused in one jitted step: still the reference's bits."""
   make = {
@@ -425,6 +425,7 @@ def _flatten(tree, prefix=()):
   return {k: v for key, sub in tree.items() for k, v in _flatten(sub, (*prefix, key)).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_restore_into_a_float32_optimizer_and_back(mode):
   params = make_params()
