@@ -182,13 +182,36 @@ def test_quantize_matches_reference_bit_for_bit():
   assert np.max(np.abs(back - x)[top] / np.abs(x)[top]) < 0.08
 
 
+def bitsandbytes_map(signed: bool) -> np.ndarray:
+  """``bitsandbytes.functional.create_dynamic_map(signed)``, as bitsandbytes computes it."""
+  values = [0.0, 1.0]
+  for i in range(7):
+    items = 2**i + 1 if signed else 2 ** (i + 1) + 1
+    bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+    means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+    decade = (np.float32(10.0 ** (i - 6)) * means).tolist()
+    values += decade + ([-v for v in decade] if signed else [])
+  return np.sort(np.asarray(values, np.float32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_map_is_bitsandbytes_within_3_ulps_and_decodes_without_lookup(signed):
+  table = dynamic_map(signed)
+  assert np.abs(table.view(np.int32) - bitsandbytes_map(signed).view(np.int32)).max() <= 3
+  assert len(np.unique(table)) == 256
+  codes = np.arange(256, dtype=np.uint8).reshape(1, 256)
+  scales = np.float32([-1.0 if signed else 1.0])
+  got = jax.jit(dequantize)(QuantizedLeaf(jnp.asarray(codes), jnp.asarray(scales)))
+  np.testing.assert_array_equal(np.asarray(got)[0], table)
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_codes_match_the_thresholds_at_ties_and_every_decade(signed):
   """The gather-free encoder counts exactly the thresholds below each value."""
   thresholds, table = ref_thresholds(signed), dynamic_map(signed)
   assert ((table[:-1] < thresholds) & (thresholds < table[1:])).all()
-  bnb = (table[:-1] + table[1:]) / np.float32(2)  # bitsandbytes' midpoints
-  assert np.abs(thresholds.view(np.int32) - bnb.view(np.int32)).max() <= 2
+  middles = (table[:-1] + table[1:]) / np.float32(2)
+  assert np.abs(thresholds.view(np.int32) - middles.view(np.int32)).max() <= 2
   rng = np.random.default_rng(1)
   powers = np.float32(10.0) ** np.arange(-8, 1, dtype=np.float32)
   special = np.float32([0, 1, 1e-30, 1e-7, 1.5e-7, 1.6e-7, 3e-7])

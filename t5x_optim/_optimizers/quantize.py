@@ -49,6 +49,26 @@ class QuantizedLeaf(NamedTuple):
   scales: Any
 
 
+def _decade_sizes(signed: bool) -> tuple[int, ...]:
+  """How many values each of the map's seven decades holds above 0."""
+  return tuple(2**i if signed else 2 ** (i + 1) for i in range(7))
+
+
+@functools.cache
+def _decade_factors(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+  """``(a, b)``: decade ``i``'s value ``k`` is ``(a[i] + (k + 1/2)) * b[i]`` in float32.
+
+  That is ``10**(i-6) * (0.1 + (k + 1/2) * 0.9 / n)`` for a decade of ``n``
+  values, written as ``(n / 9 + (k + 1/2)) * (0.9 * 10**(i-6) / n)``: an
+  addition, then a multiplication, which no compiler contracts into a
+  fused multiply-add, so the codecs compute exactly the values of the
+  tables here, on any backend.
+  """
+  sizes = np.asarray(_decade_sizes(signed), np.float32)
+  scales = np.float32(10.0) ** np.arange(-6, 1, dtype=np.float32)
+  return sizes / np.float32(9), (np.float32(0.9) * scales) / sizes
+
+
 @functools.cache
 def dynamic_map(signed: bool) -> np.ndarray:
   """The 256 sorted float32 values of bitsandbytes' dynamic quantization map.
@@ -56,63 +76,45 @@ def dynamic_map(signed: bool) -> np.ndarray:
   Seven decades, ``1e-6`` to ``1``; decade ``i`` (from the smallest) holds
   the midpoints of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal steps
   of ``[0.1, 1]`` times ``10**(i - 6)``, the signed map with both signs; then
-  0 and 1. This is ``bitsandbytes.functional.create_dynamic_map(signed)``.
+  0 and 1. This is ``bitsandbytes.functional.create_dynamic_map(signed)``
+  to within 2 float32 ulps: each value is computed as `_decade_factors`
+  says, so that decoding computes it instead of looking it up.
 
   Example:
     >>> m = dynamic_map(True)
     >>> len(m), round(float(m[0]), 6), float(m[-1]), int((m == 0).sum())
     (256, -0.992969, 1.0, 1)
   """
-  values = [0.0, 1.0]
-  for i in range(7):
-    items = 2**i + 1 if signed else 2 ** (i + 1) + 1
-    bounds = np.linspace(0.1, 1, items, dtype=np.float32)
-    means = (bounds[:-1] + bounds[1:]) / np.float32(2)
-    decade = (np.float32(10.0 ** (i - 6)) * means).tolist()
-    values += decade + ([-v for v in decade] if signed else [])
+  a, b = _decade_factors(signed)
+  values = [np.float32(0), np.float32(1)]
+  for i, n in enumerate(_decade_sizes(signed)):
+    decade = (a[i] + (np.arange(n, dtype=np.float32) + np.float32(0.5))) * b[i]
+    values += [*decade, *(-decade if signed else [])]
   out = np.sort(np.asarray(values, np.float32))
   out.setflags(write=False)
   return out
-
-
-@functools.cache
-def _joined_values() -> np.ndarray:
-  """The signed map's values at 0-255, the unsigned map's at 256-511 (for decoding)."""
-  return np.concatenate([dynamic_map(True), dynamic_map(False)])
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _decade_sizes(signed: bool) -> tuple[int, ...]:
-  """How many values each of the map's seven decades holds above 0."""
-  return tuple(2**i if signed else 2 ** (i + 1) for i in range(7))
-
-
 @functools.cache
 def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """``(a, b, boundaries)``: decade ``i``'s inner midpoints are ``(a[i] + k + 1) * b[i]``.
+  """``(a, b, boundaries)``: decade ``i``'s inner thresholds are ``(a[i] + k + 1) * b[i]``.
 
-  A decade of ``n`` values ``10**(i-6) * (0.1 + (k + 1/2) * 0.9 / n)`` has
-  ``n - 1`` midpoints between them, ``10**(i-6) * (0.1 + (k + 1) * 0.9 / n)``,
-  computed in float32 as ``(n / 9 + (k + 1)) * (0.9 * 10**(i-6) / n)``: an
-  addition, then a multiplication, which no compiler contracts into a
-  fused multiply-add, so encoding computes exactly these values. The 8
-  boundaries (between 0 and the first value, between decades, between the
-  last value and 1) are the float32 means of their two map values.
+  Between the ``n`` values of a decade (`_decade_factors`) lie ``n - 1``
+  thresholds, the same formula at ``k + 1``: their midpoints up to rounding.
+  The 8 boundaries (between 0 and the first value, between decades, between
+  the last value and 1) are the float32 means of their two map values.
   """
-  sizes = np.asarray(_decade_sizes(signed), np.float32)
-  scales = np.float32(10.0) ** np.arange(-6, 1, dtype=np.float32)
-  a = sizes / np.float32(9)
-  b = (np.float32(0.9) * scales) / sizes
+  a, b = _decade_factors(signed)
   positive = dynamic_map(signed)[127 if signed else 0 :]
   firsts = np.cumsum([1, *_decade_sizes(signed)])
   low, high = positive[firsts[:-1]], positive[firsts[1:] - 1]
   lower = np.concatenate([[positive[0]], high])
   upper = np.concatenate([low, [positive[-1]]])
-  boundaries = (lower + upper) / np.float32(2)
-  return a, b, boundaries.astype(np.float32)
+  return a, b, ((lower + upper) / np.float32(2)).astype(np.float32)
 
 
 @functools.cache
@@ -206,10 +208,25 @@ def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
   )
 
 
+def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
+  """The map value of each code (`dynamic_map`), computed: no table lookup."""
+  values = []
+  for signed_map in (True, False):
+    a, b = _decade_factors(signed_map)
+    sizes = _decade_sizes(signed_map)
+    position = jnp.abs(codes - 127) if signed_map else codes
+    starts = np.cumsum([1, *sizes[:-1]])
+    decade = sum((position >= start).astype(jnp.int32) for start in starts[1:])
+    k = (position - _pick(decade, starts, jnp.int32)).astype(jnp.float32)
+    value = (_pick(decade, a, jnp.float32) + (k + 0.5)) * _pick(decade, b, jnp.float32)
+    value = jnp.where(position == 0, 0.0, jnp.where(position > sum(sizes), 1.0, value))
+    values.append(jnp.where(codes < 127, -value, value) if signed_map else value)
+  return jnp.where(signed, values[0], values[1])
+
+
 def dequantize(leaf: QuantizedLeaf) -> jax.Array:
   codes = _blocks(leaf.codes.astype(jnp.int32), leaf.codes.shape[-1] // leaf.scales.shape[-1])
-  offset = jnp.where(leaf.scales < 0, 0, 256)[..., None]
-  values = jnp.asarray(_joined_values())[offset + codes]
+  values = _decode(codes, (leaf.scales < 0)[..., None])
   return (values * jnp.abs(leaf.scales)[..., None]).reshape(leaf.codes.shape)
 
 

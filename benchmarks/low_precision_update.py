@@ -1,0 +1,92 @@
+"""One adamw update of a large leaf: float32 state vs bfloat16 (stochastic rounding) vs 8 bits.
+
+The job-level benchmark (`low_precision.py`) times whole training steps of a
+small model, where the optimizer update is a small part of the step. This one
+times the update alone, on one leaf of each size, so the cost of the codecs
+shows: plain ``optax.adamw`` (float32 state), and ``t5x_optim.low_precision``
+of it in ``"bfloat16"`` and ``"8bit"`` mode, each jitted with its state
+donated, all in the same process. It also times the 8-bit codec alone
+(quantize and dequantize of the leaf) and one elementwise float32 op over it,
+the floor any update pays.
+
+Run: ``python benchmarks/low_precision_update.py [--sizes 65536 1048576 4194304]
+[--repeats 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import optax
+
+from t5x_optim import low_precision
+from t5x_optim._optimizers.quantize import dequantize, quantize
+
+
+def _time(fn, *args, repeats: int) -> float:
+  """Median seconds of ``fn(*args)`` over `repeats` calls, after one warm-up."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _update_seconds(tx: optax.GradientTransformation, size: int, repeats: int) -> float:
+  params = {"w": jax.random.normal(jax.random.key(0), (size // 1024, 1024))}
+  grads = {"w": jax.random.normal(jax.random.key(1), params["w"].shape)}
+
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  params, state = step(params, state)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, state = jax.block_until_ready(step(params, state))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=[65536, 1048576, 4194304])
+  parser.add_argument("--repeats", type=int, default=20)
+  args = parser.parse_args()
+  runs = {
+    "float32": optax.adamw(1e-3),
+    "bf16+SR": low_precision(optax.adamw(1e-3), "bfloat16"),
+    "8bit": low_precision(optax.adamw(1e-3), "8bit"),
+  }
+  print(f"{jax.devices()[0].platform}, median of {args.repeats}; ms per call")
+  print(
+    f"{'values':>10}{'x*1.5':>9}{'quantize':>10}{'dequant':>9}"
+    + "".join(f"{name:>10}" for name in runs)
+    + "".join(f"{name + ' vs f32':>15}" for name in list(runs)[1:])
+  )
+  for size in args.sizes:
+    x = jax.random.normal(jax.random.key(2), (size // 1024, 1024))
+    scale = _time(jax.jit(lambda v: v * 1.5), x, repeats=args.repeats)
+    encode = jax.jit(lambda v: quantize(v, 256))
+    encoded = encode(x)
+    quant = _time(encode, x, repeats=args.repeats)
+    dequant = _time(jax.jit(dequantize), encoded, repeats=args.repeats)
+    updates = {name: _update_seconds(tx, size, args.repeats) for name, tx in runs.items()}
+    base = updates["float32"]
+    print(
+      f"{size:>10,}{scale * 1e3:>9.2f}{quant * 1e3:>10.2f}{dequant * 1e3:>9.2f}"
+      + "".join(f"{t * 1e3:>10.2f}" for t in updates.values())
+      + "".join(f"{base / updates[name]:>15.3f}" for name in list(runs)[1:])
+    )
+
+
+if __name__ == "__main__":
+  main()
