@@ -1,0 +1,138 @@
+"""A local Google Cloud Storage: `gcp-storage-emulator`, with generation preconditions.
+
+Run as a script, it serves on 127.0.0.1 until killed:
+
+  python tests/_gcs_emulator.py PORT
+
+The emulator ignores ``ifGenerationMatch``; real GCS honours it, and the
+writer lease of `Checkpointer` depends on it. So this script makes the
+emulator's object inserts and deletes check it (``0``: the object must not
+exist), answering 412 as GCS does; everything else is the emulator's own.
+`Emulator` starts the script on a free port and points tensorstore
+(``TENSORSTORE_GCS_HTTP_URL``) and gcsfs (``STORAGE_EMULATOR_HOST``) at it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http import HTTPStatus
+
+ENV = {
+  # gcsfs asks GCS's control plane for the bucket type; the emulator has none.
+  "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Emulator:
+  """The emulator in a subprocess on a free localhost port, and the environment that uses it.
+
+  Example (not run: it starts a server):
+    with Emulator() as emulator:
+      emulator.create_bucket("bkt")
+  """
+
+  def __init__(self) -> None:
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.env = {**ENV, "STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url}
+    self._process: subprocess.Popen | None = None
+    self._saved: dict[str, str | None] = {}
+
+  def __enter__(self) -> Emulator:
+    self._process = subprocess.Popen(
+      [sys.executable, __file__, str(self.port)],
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+      try:
+        socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        break
+      except OSError:
+        if self._process.poll() is not None or time.monotonic() > deadline:
+          self._process.kill()
+          raise RuntimeError(f"gcp-storage-emulator did not start on port {self.port}") from None
+        time.sleep(0.1)
+    self._saved = {key: os.environ.get(key) for key in self.env}
+    os.environ.update(self.env)
+    return self
+
+  def __exit__(self, *exc_info: object) -> None:
+    for key, value in self._saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+    if self._process is not None:
+      self._process.kill()
+      self._process.wait()
+
+  def create_bucket(self, name: str) -> None:
+    """Creates bucket `name` (the JSON API's buckets.insert)."""
+    import json  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    request = urllib.request.Request(
+      f"{self.url}/storage/v1/b?project=test",
+      data=json.dumps({"name": name}).encode(),
+      headers={"Content-Type": "application/json"},
+      method="POST",
+    )
+    with urllib.request.urlopen(request) as response:
+      response.read()
+
+
+def _serve(port: int) -> None:
+  from gcp_storage_emulator.exceptions import NotFound  # noqa: PLC0415
+  from gcp_storage_emulator.handlers import objects  # noqa: PLC0415
+
+  lock = threading.Lock()
+
+  def current_generation(storage, bucket: str, name: str) -> str:
+    try:
+      return str(storage.get_file_obj(bucket, name)["generation"])
+    except NotFound:
+      return "0"
+
+  def guarded(handler, name_of):
+    def handle(request, response, storage, *args, **kwargs):
+      wanted = request.query.get("ifGenerationMatch")
+      with lock:
+        if wanted:
+          bucket = request.params["bucket_name"]
+          if current_generation(storage, bucket, name_of(request)) != wanted[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+            return None
+        return handler(request, response, storage, *args, **kwargs)
+
+    return handle
+
+  def inserted_name(request) -> str:
+    if "name" in request.query:
+      return request.query["name"][0]
+    meta = request.data.get("meta", request.data) if isinstance(request.data, dict) else {}
+    return meta.get("name", "")
+
+  objects.insert = guarded(objects.insert, inserted_name)
+  objects.delete = guarded(objects.delete, lambda r: r.params["object_id"])
+
+  from gcp_storage_emulator.server import create_server  # noqa: PLC0415 - after the patch
+
+  create_server("127.0.0.1", port, in_memory=True).run()
+
+
+if __name__ == "__main__":
+  _serve(int(sys.argv[1]))
