@@ -48,6 +48,24 @@ SCHEMES: dict[str, tuple[str, str]] = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
+def _no_listing_caches() -> None:
+  """Makes fsspec's object-store backends list afresh every time.
+
+  gcsfs and s3fs cache directory listings forever by default, and do not see
+  what tensorstore (another client) writes: a step written since the first
+  listing would stay invisible. Set before any of their file systems exists.
+  """
+  try:
+    import fsspec.config  # noqa: PLC0415 - epath's backend for paths with a scheme
+  except ImportError:  # Then no scheme has a backend either.
+    return
+  for scheme in SCHEMES:
+    fsspec.config.conf.setdefault(scheme, {}).setdefault("use_listings_cache", False)
+
+
+_no_listing_caches()
+
+
 class StorageError(ValueError):
   """A path that cannot be used: unknown scheme, missing package, bucket or credentials."""
 
