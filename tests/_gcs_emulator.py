@@ -4,10 +4,12 @@ Run as a script, it serves on 127.0.0.1 until killed:
 
   python tests/_gcs_emulator.py PORT
 
-The emulator ignores ``ifGenerationMatch``; real GCS honours it, and the
-writer lease of `Checkpointer` depends on it. So this script makes the
-emulator's object inserts and deletes check it (``0``: the object must not
-exist), answering 412 as GCS does; everything else is the emulator's own.
+The emulator ignores ``ifGenerationMatch`` and sends no ``x-goog-generation``
+with a download; real GCS does both, and the writer lease of `Checkpointer`
+depends on them. So this script makes the emulator's object inserts and
+deletes check it (``0``: the object must not exist), answering 412 as GCS
+does, and its downloads name the generation; everything else is the
+emulator's own.
 `Emulator` starts the script on a free port and points tensorstore
 (``TENSORSTORE_GCS_HTTP_URL``) and gcsfs (``STORAGE_EMULATOR_HOST``) at it.
 """
@@ -24,8 +26,10 @@ from http import HTTPStatus
 
 ENV = {
   # gcsfs asks GCS's control plane for the bucket type; the emulator has none.
+  # Read when gcsfs is imported: import this module first.
   "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
 }
+os.environ.update(ENV)
 
 
 def _free_port() -> int:
@@ -126,7 +130,20 @@ def _serve(port: int) -> None:
     meta = request.data.get("meta", request.data) if isinstance(request.data, dict) else {}
     return meta.get("name", "")
 
+  def with_generation(handler):
+    """Downloads answer with the object's generation, as GCS does (``x-goog-generation``)."""
+
+    def handle(request, response, storage, *args, **kwargs):
+      bucket, name = request.params["bucket_name"], request.params["object_id"]
+      generation = current_generation(storage, bucket, name)
+      if generation != "0":
+        response["x-goog-generation"] = generation
+      return handler(request, response, storage, *args, **kwargs)
+
+    return handle
+
   objects.insert = guarded(objects.insert, inserted_name)
+  objects.download = with_generation(objects.download)
   objects.delete = guarded(objects.delete, lambda r: r.params["object_id"])
 
   from gcp_storage_emulator.server import create_server  # noqa: PLC0415 - after the patch

@@ -1,0 +1,255 @@
+"""Model directories on ``gs://``, against a local GCS emulator (tests/_gcs_emulator.py).
+
+The emulator runs on a free 127.0.0.1 port for this module, with a fresh
+bucket; tensorstore and gcsfs reach it through ``TENSORSTORE_GCS_HTTP_URL``
+and ``STORAGE_EMULATOR_HOST``. The commands are the README's "Cloud storage"
+ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from _gcs_emulator import Emulator  # First: it configures gcsfs.
+from etils import epath
+from tensorboard.backend.event_processing import event_accumulator
+from test_t5x_checkpoints import DATA, _assert_bit_for_bit, _partitioner, _target
+
+import t5x_optim
+from t5x_optim import optimizers
+from t5x_optim._training import storage
+from t5x_optim._training.checkpoint_lease import LEASE_FILE
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
+from t5x_optim.cli import main
+
+pytest.importorskip("gcsfs")
+pytest.importorskip("gcp_storage_emulator")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--gin_file", "examples/tiny.gin"]
+SHORT = ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2", "--gin_bindings"]
+
+
+@pytest.fixture(scope="module")
+def emulator():
+  with Emulator() as running:
+    yield running
+
+
+@pytest.fixture(scope="module")
+def bucket(emulator) -> str:
+  """A fresh bucket of this module, as ``gs://<name>``."""
+  name = f"t5x-optim-{uuid.uuid4().hex[:8]}"
+  emulator.create_bucket(name)
+  return f"gs://{name}"
+
+
+@pytest.fixture
+def where(bucket, request) -> str:
+  """A directory of its own for each test."""
+  return f"{bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def _upload(local: Path, remote: str) -> None:
+  for file in local.rglob("*"):
+    if file.is_file():
+      (epath.Path(remote) / file.relative_to(local).as_posix()).write_bytes(file.read_bytes())
+
+
+def _names(remote: str) -> list[str]:
+  return sorted(p.name for p in epath.Path(remote).iterdir())
+
+
+def _opt(scale: float = 1.0):
+  return optimizers.adam(0.1).create({"w": jnp.full((64, 32), scale), "b": jnp.arange(8.0)})
+
+
+def _equal(a, b) -> bool:
+  return all(
+    np.array_equal(x, y)
+    for x, y in zip(
+      jnp.asarray(a.target["w"]).ravel(), jnp.asarray(b.target["w"]).ravel(), strict=True
+    )
+  )
+
+
+def test_checkpointer_saves_restores_and_falls_back(where):
+  with Checkpointer(where, async_save=False) as ckpt:
+    ckpt.save(1, _opt(1.0))
+    ckpt.save(2, _opt(2.0))
+    assert ckpt.all_steps() == [1, 2]
+    assert LEASE_FILE in _names(where)
+  assert _names(where) == ["1", "2"]  # Closing deleted the lease.
+  with Checkpointer(where) as reader:
+    assert _equal(reader.restore(_opt(0.0)), _opt(2.0))
+  # Corrupt the arrays of step 2: fallback restores step 1.
+  objects = ts.KvStore.open(storage.kvstore_spec(f"{where}/2/")).result().list().result()
+  for key in objects:
+    if b"/d/" in key:
+      (epath.Path(f"{where}/2") / key.decode()).write_bytes(b"garbage")
+  with Checkpointer(where) as reader:
+    with pytest.raises(CheckpointError, match="Checkpoint step 2 in gs://"):
+      reader.restore(_opt(0.0))
+    assert _equal(reader.restore(_opt(0.0), fallback=True), _opt(1.0))
+    assert reader.restored_step == 1
+
+
+def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
+  with Checkpointer(where) as first, Checkpointer(where) as second:
+    first.save(1, _opt())
+    with pytest.raises(CheckpointError, match=rf"{where} is in use by another writer \(pid "):
+      second.save(2, _opt())
+  stale = {"holder": "pid 1 on gone", "expires": time.time() - 1}
+  lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
+  lease_dir.write(LEASE_FILE, json.dumps(stale).encode()).result()
+  with Checkpointer(where, async_save=False) as writer:
+    writer.save(2, _opt())
+    holder = json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"]
+    assert holder == f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+_KILLED_MID_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+from t5x_optim import optimizers
+from t5x_optim._training.checkpoint_lease import Lease
+from t5x_optim.checkpoints import Checkpointer
+Lease.seconds = 1.0
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save(1, optimizers.sgd(0.1).create({"w": jnp.ones((8,))}))
+ckpt.wait_until_finished()
+big = optimizers.adam(0.1).create({f"w{i}": jnp.full((256, 256), 2.0) for i in range(16)})
+ckpt.save(2, big)  # Returns once the arrays are off the devices; the writes go on.
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+  env.pop("XLA_FLAGS", None)
+  code = textwrap.dedent(_KILLED_MID_SAVE)
+  result = subprocess.run(
+    [sys.executable, "-c", code, where], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert result.returncode == -9, result.stderr[-2000:]
+  target = optimizers.sgd(0.1).create({"w": jnp.zeros((8,))})
+  time.sleep(1.5)  # The dead writer's lease expires.
+  with Checkpointer(where, async_save=False) as ckpt:
+    assert ckpt.all_steps() == [1]
+    assert ckpt.restore(target).target["w"].tolist() == [1.0] * 8
+    ckpt.save(2, target)  # The new writer takes the lease over and removes the partial step.
+    assert ckpt.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+def test_t5x_checkpoints_read_from_gs(fmt, where):
+  _upload(DATA / fmt, where)
+  expected = dict(np.load(DATA / "expected.npz"))
+  assert t5x_optim.t5x_checkpoint_steps(where) == [2]
+  _assert_bit_for_bit(
+    t5x_optim.restore_t5x_checkpoint(where, _target(_partitioner(2, 4))), expected
+  )
+
+
+def test_t5x_legacy_write_then_read(where):
+  expected = dict(np.load(DATA / "expected.npz"))
+  target = _target(_partitioner(2, 4))
+  state = t5x_optim.restore_t5x_checkpoint(DATA / "legacy", target)
+  path = t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  assert path == f"{where}/checkpoint_2"
+  assert _names(where) == ["checkpoint_2"]
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
+  with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):
+    t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  # A crashed save: arrays without their msgpack (the commit record) are no step, and
+  # are replaced by the next save of that step.
+  (epath.Path(path) / "checkpoint").unlink()
+  assert t5x_optim.t5x_checkpoint_steps(where) == []
+  t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
+
+
+def _scalars(remote: str, tmp_path: Path) -> dict[str, list[int]]:
+  local = tmp_path / remote.rsplit("/", 1)[1]
+  local.mkdir()
+  for event_file in epath.Path(remote).iterdir():
+    (local / event_file.name).write_bytes(event_file.read_bytes())
+  accumulator = event_accumulator.EventAccumulator(str(local))
+  accumulator.Reload()
+  return {tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+@pytest.mark.usefixtures("clean_gin")
+def test_train_runs_resumes_and_inits_from_gs(where, tmp_path, capsys):
+  steps = [*TINY, *SHORT]
+  assert main(["train", *steps, "TOTAL_STEPS = 2", "--model_dir", where]) == 0
+  assert f"model_dir:       {where} (new run)" in capsys.readouterr().out
+  assert main(["train", *steps, "TOTAL_STEPS = 4", "--model_dir", where]) == 0
+  assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
+  assert {"checkpoints", "config.gin", "train", "eval"} <= set(_names(where))
+  assert _names(f"{where}/checkpoints") == ["2", "4"]
+  assert "TOTAL_STEPS = 4" in (epath.Path(where) / "config.gin").read_text()
+  assert _scalars(f"{where}/train", tmp_path)["loss"][-1] == 4
+  new = f"{where}-init"
+  assert main(["train", *steps, "TOTAL_STEPS = 6", "--init_from", where, "--model_dir", new]) == 0
+  out = capsys.readouterr().out
+  assert f"init_from:       {where} at step 4" in out
+  assert _names(f"{new}/checkpoints") == ["6"]
+
+
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("run", "env", "message"),
+  [
+    ("gs://no-such-bucket-t5x/run", {}, "the bucket no-such-bucket-t5x does not exist."),
+    (
+      "BUCKET/run",
+      {"STORAGE_EMULATOR_HOST": None, "GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent.json"},
+      "no Google Cloud credentials (",
+    ),
+  ],
+)
+def test_a_missing_bucket_or_credential_is_one_line(run, env, message, bucket, monkeypatch, capsys):
+  run = run.replace("BUCKET", bucket)
+  for key, value in env.items():
+    if value is None:
+      monkeypatch.delenv(key)
+    else:
+      monkeypatch.setenv(key, value)
+  assert main(["train", *TINY, "--model_dir", run]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"t5x-optim train: error: --model_dir {run}: {message}"), err
+  assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+  ("path", "message"),
+  [
+    ("s3://bkt/run", "s3://bkt/run: s3:// paths need the s3fs package, which is not installed"),
+    ("hdfs://host/run", "hdfs://host/run: the scheme hdfs:// is not supported"),
+  ],
+)
+def test_a_scheme_without_backend_is_one_line(path, message, capsys):
+  if path.startswith("s3") and storage.importlib.util.find_spec("s3fs") is not None:
+    pytest.skip("s3fs is installed")
+  with pytest.raises(storage.StorageError, match=message):
+    storage.as_path(path)
+  with pytest.raises(SystemExit):
+    main(["train", *TINY, "--model_dir", path])
+  err = capsys.readouterr().err
+  assert (
+    err.strip().splitlines()[-1].endswith(f"argument --model_dir: {message} (pip install s3fs).")
+    if path.startswith("s3")
+    else message in err
+  )
