@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -38,7 +40,6 @@ pytest.importorskip("gcp_storage_emulator")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--gin_file", "examples/tiny.gin"]
-SHORT = ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2", "--gin_bindings"]
 
 
 @pytest.fixture(scope="module")
@@ -120,21 +121,28 @@ def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
 
 
 _KILLED_MID_SAVE = """
-import os, signal, sys
+import os, signal, sys, time
 import jax.numpy as jnp
+import tensorstore as ts
 from t5x_optim import optimizers
+from t5x_optim._training import storage
 from t5x_optim._training.checkpoint_lease import Lease
 from t5x_optim.checkpoints import Checkpointer
 Lease.seconds = 1.0
 ckpt = Checkpointer(sys.argv[1])
 ckpt.save(1, optimizers.sgd(0.1).create({"w": jnp.ones((8,))}))
 ckpt.wait_until_finished()
-big = optimizers.adam(0.1).create({f"w{i}": jnp.full((256, 256), 2.0) for i in range(16)})
+big = optimizers.adam(0.1).create({f"w{i}": jnp.full((256, 256), 2.0) for i in range(32)})
 ckpt.save(2, big)  # Returns once the arrays are off the devices; the writes go on.
+listing = ts.KvStore.open(storage.kvstore_spec(sys.argv[1] + "/")).result()
+while not any(key.startswith(b"2") for key in listing.list().result()):
+  time.sleep(0.005)
+print("killed with", len(listing.list().result()), "objects", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
   env.pop("XLA_FLAGS", None)
@@ -142,7 +150,8 @@ def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
   result = subprocess.run(
     [sys.executable, "-c", code, where], env=env, capture_output=True, text=True, timeout=120
   )
-  assert result.returncode == -9, result.stderr[-2000:]
+  assert result.returncode == -9 and "killed with" in result.stdout, result.stderr[-2000:]
+  assert any(name.startswith("2") for name in _names(where))  # Step 2 was begun.
   target = optimizers.sgd(0.1).create({"w": jnp.zeros((8,))})
   time.sleep(1.5)  # The dead writer's lease expires.
   with Checkpointer(where, async_save=False) as ckpt:
@@ -162,6 +171,7 @@ def test_t5x_checkpoints_read_from_gs(fmt, where):
   )
 
 
+@pytest.mark.slow
 def test_t5x_legacy_write_then_read(where):
   expected = dict(np.load(DATA / "expected.npz"))
   target = _target(_partitioner(2, 4))
@@ -180,32 +190,42 @@ def test_t5x_legacy_write_then_read(where):
   _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
 
 
-def _scalars(remote: str, tmp_path: Path) -> dict[str, list[int]]:
-  local = tmp_path / remote.rsplit("/", 1)[1]
-  local.mkdir()
-  for event_file in epath.Path(remote).iterdir():
-    (local / event_file.name).write_bytes(event_file.read_bytes())
-  accumulator = event_accumulator.EventAccumulator(str(local))
+def _scalars(remote: str) -> dict[str, list[int]]:
+  """The steps of every scalar in `remote`'s event files, read by TensorBoard (through fsspec)."""
+  accumulator = event_accumulator.EventAccumulator(remote)
   accumulator.Reload()
   return {tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
+def _readme_commands() -> list[list[str]]:
+  """The ``t5x-optim train`` lines of the README's Cloud storage block, continuations joined."""
+  text = (REPO / "README.md").read_text()
+  block = re.search(r"<!-- cloud-commands -->\n```bash\n(.*?)^```", text, re.M | re.S).group(1)
+  lines = block.replace("\\\n", " ").splitlines()
+  return [
+    shlex.split(line, comments=True)[1:] for line in lines if line.startswith("t5x-optim train")
+  ]
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
-def test_train_runs_resumes_and_inits_from_gs(where, tmp_path, capsys):
-  steps = [*TINY, *SHORT]
-  assert main(["train", *steps, "TOTAL_STEPS = 2", "--model_dir", where]) == 0
+def test_readme_train_commands_run_resume_and_init_from_gs(bucket, capsys):
+  new_run, resumed, init_from = [
+    [arg.replace("gs://BUCKET", f"{bucket}/readme") for arg in command]
+    for command in _readme_commands()
+  ]
+  where = f"{bucket}/readme/tiny"
+  assert main(new_run) == 0
   assert f"model_dir:       {where} (new run)" in capsys.readouterr().out
-  assert main(["train", *steps, "TOTAL_STEPS = 4", "--model_dir", where]) == 0
-  assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
+  assert main(resumed) == 0
+  assert "resuming from the checkpoint at step 40" in capsys.readouterr().out
   assert {"checkpoints", "config.gin", "train", "eval"} <= set(_names(where))
-  assert _names(f"{where}/checkpoints") == ["2", "4"]
-  assert "TOTAL_STEPS = 4" in (epath.Path(where) / "config.gin").read_text()
-  assert _scalars(f"{where}/train", tmp_path)["loss"][-1] == 4
-  new = f"{where}-init"
-  assert main(["train", *steps, "TOTAL_STEPS = 6", "--init_from", where, "--model_dir", new]) == 0
-  out = capsys.readouterr().out
-  assert f"init_from:       {where} at step 4" in out
-  assert _names(f"{new}/checkpoints") == ["6"]
+  assert _names(f"{where}/checkpoints") == ["40", "60", "80"]  # keep_checkpoints = 3
+  assert "TOTAL_STEPS = 80" in (epath.Path(where) / "config.gin").read_text()
+  assert _scalars(f"{where}/train")["loss"][-1] == 80
+  assert main(init_from) == 0
+  assert f"init_from:       {where} at step 80" in capsys.readouterr().out
+  assert _names(f"{bucket}/readme/tiny-2/checkpoints") == ["100"]
 
 
 @pytest.mark.usefixtures("clean_gin")
