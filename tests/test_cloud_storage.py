@@ -31,7 +31,7 @@ from test_t5x_checkpoints import DATA, _assert_bit_for_bit, _partitioner, _targe
 import t5x_optim
 from t5x_optim import optimizers
 from t5x_optim._training import storage
-from t5x_optim._training.checkpoint_lease import LEASE_FILE
+from t5x_optim._training.checkpoint_lease import LEASE_FILE, Lease
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.cli import main
 
@@ -118,6 +118,22 @@ def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
     writer.save(2, _opt())
     holder = json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"]
     assert holder == f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch):
+  monkeypatch.setattr(Lease, "seconds", 0.3)  # Renewed every 0.1 s.
+  with Checkpointer(where, async_save=False) as writer:
+    writer.save(1, _opt())
+    # Another writer found the lease expired (a long stall, say) and took it.
+    other = {"holder": "pid 2 on other", "expires": time.time() + 60}
+    lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
+    lease_dir.write(LEASE_FILE, json.dumps(other).encode()).result()
+    time.sleep(0.5)
+    with pytest.raises(
+      CheckpointError, match="lost its writer lease .*another writer took it over"
+    ):
+      writer.save(2, _opt())
+  assert json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"] == "pid 2 on other"
 
 
 _KILLED_MID_SAVE = """
