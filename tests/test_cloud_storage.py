@@ -26,6 +26,7 @@ import tensorstore as ts
 from _gcs_emulator import Emulator  # First: it configures gcsfs.
 from etils import epath
 from tensorboard.backend.event_processing import event_accumulator
+from test_readme import _expected
 from test_t5x_checkpoints import DATA, _assert_bit_for_bit, _partitioner, _target
 
 import t5x_optim
@@ -60,6 +61,13 @@ def bucket(emulator) -> str:
 def where(bucket, request) -> str:
   """A directory of its own for each test."""
   return f"{bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def _subprocess_env() -> dict[str, str]:
+  """This environment (the emulator's included) for a fresh interpreter on one CPU device."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
 
 
 def _upload(local: Path, remote: str) -> None:
@@ -160,11 +168,14 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-  env.pop("XLA_FLAGS", None)
   code = textwrap.dedent(_KILLED_MID_SAVE)
   result = subprocess.run(
-    [sys.executable, "-c", code, where], env=env, capture_output=True, text=True, timeout=120
+    [sys.executable, "-c", code, where],
+    env=_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
   )
   assert result.returncode == -9 and "killed with" in result.stdout, result.stderr[-2000:]
   assert any(name.startswith("2") for name in _names(where))  # Step 2 was begun.
@@ -242,6 +253,23 @@ def test_readme_train_commands_run_resume_and_init_from_gs(bucket, capsys):
   assert main(init_from) == 0
   assert f"init_from:       {where} at step 80" in capsys.readouterr().out
   assert _names(f"{bucket}/readme/tiny-2/checkpoints") == ["100"]
+
+
+@pytest.mark.slow
+def test_readme_python_block_runs_on_gs(bucket, tmp_path):
+  text = (REPO / "README.md").read_text()
+  block = re.search(r"<!-- cloud-python -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
+  result = subprocess.run(
+    [sys.executable, "-c", block.replace("gs://BUCKET", f"{bucket}/readme-python")],
+    cwd=tmp_path,
+    env=_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [line.strip() for line in result.stdout.splitlines()] == _expected(block)
 
 
 @pytest.mark.usefixtures("clean_gin")
