@@ -4,11 +4,14 @@ Run as a script, it serves on 127.0.0.1 until killed:
 
   python tests/_gcs_emulator.py PORT
 
-The emulator ignores ``ifGenerationMatch`` and sends no ``x-goog-generation``
-with a download; real GCS does both, and the writer lease of `Checkpointer`
-depends on them. So this script makes the emulator's object inserts and
-deletes check it (``0``: the object must not exist), answering 412 as GCS
-does, and its downloads name the generation; everything else is the
+The emulator ignores ``ifGenerationMatch``, sends no ``x-goog-generation``
+with a download and lists a whole bucket for a listing within
+``startOffset``/``endOffset`` (tensorstore's, which aborts on the keys it did
+not ask for); real GCS does all three right, and the writer lease of
+`Checkpointer` depends on the first two. So this script makes the
+emulator's object inserts and deletes check ``ifGenerationMatch`` (``0``: the
+object must not exist), answering 412 as GCS does, its downloads name the
+generation and its listings keep to the offsets; everything else is the
 emulator's own.
 `Emulator` starts the script on a free port and points tensorstore
 (``TENSORSTORE_GCS_HTTP_URL``) and gcsfs (``STORAGE_EMULATOR_HOST``) at it.
@@ -142,6 +145,24 @@ def _serve(port: int) -> None:
 
     return handle
 
+  def ls(request, response, storage, *args, **kwargs):
+    """Lists as the emulator does, within ``startOffset``/``endOffset`` (tensorstore sends them)."""
+    query = {key: values[0] for key, values in request.query.items()}
+    try:
+      files, prefixes = storage.get_file_list(
+        request.params["bucket_name"],
+        query.get("prefix"),
+        query.get("delimiter"),
+        query.get("matchGlob"),
+      )
+    except NotFound:
+      response.status = HTTPStatus.NOT_FOUND
+      return
+    start, end = query.get("startOffset", ""), query.get("endOffset")
+    files = [f for f in files if f["name"] >= start and (end is None or f["name"] < end)]
+    response.json({"kind": "storage#objects", "prefixes": prefixes, "items": files})
+
+  objects.ls = ls
   objects.insert = guarded(objects.insert, inserted_name)
   objects.download = with_generation(objects.download)
   objects.delete = guarded(objects.delete, lambda r: r.params["object_id"])

@@ -114,6 +114,18 @@ def test_checkpointer_saves_restores_and_falls_back(where):
     assert reader.restored_step == 1
 
 
+def test_files_under_and_seeking_reads(where):
+  for name in ["a.txt", "d/b.txt", "d/e/c.txt"]:
+    (epath.Path(where) / name).write_text(name)
+  files = storage.files_under(where)
+  assert [os.fspath(p) for p in files] == [
+    f"{where}/{n}" for n in ["a.txt", "d/b.txt", "d/e/c.txt"]
+  ]
+  with files[2].open("rb") as stream:
+    stream.seek(2)
+    assert stream.read() == b"e/c.txt"
+
+
 def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
   with Checkpointer(where) as first, Checkpointer(where) as second:
     first.save(1, _opt())

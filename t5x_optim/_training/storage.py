@@ -34,6 +34,7 @@ __all__ = [
   "StorageError",
   "as_path",
   "check_reachable",
+  "files_under",
   "is_object_store",
   "join",
   "kvstore_spec",
@@ -137,6 +138,30 @@ def join(path: str | os.PathLike[str], *names: str) -> str:
   if scheme_of(text) is None:
     return os.path.join(text, *names)
   return "/".join([text.rstrip("/"), *names])
+
+
+def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
+  """Every file below the directory `root`, recursively, sorted by path.
+
+  `epath`'s ``rglob`` refuses object stores (a request per directory), and
+  its ``walk`` drops the scheme; this lists them one directory at a time.
+
+  Example:
+    >>> import tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> (root / 'd').mkdir(); _ = (root / 'd' / 'b.txt').write_text('b')
+    >>> _ = (root / 'a.txt').write_text('a')
+    >>> [p.relative_to(root).as_posix() for p in files_under(root)]
+    ['a.txt', 'd/b.txt']
+  """
+  top = as_path(root)
+  if scheme_of(top) is None:
+    return sorted(path for path in top.rglob("*") if path.is_file())
+  found, pending = [], [top]
+  while pending:
+    for child in pending.pop().iterdir():
+      (pending if child.is_dir() else found).append(child)
+  return sorted(found, key=os.fspath)
 
 
 def _bucket_and_key(text: str) -> tuple[str, str]:
