@@ -13,8 +13,9 @@ the tests use), by
 Each case runs ``--rounds`` times into a fresh directory, after one warm-up
 round that is not counted; the table gives the median seconds, MB/s (1e6
 bytes of arrays) and the emulator's MB/s over local disk's. The emulator is a
-single-threaded Python server, so its numbers measure this package's request
-pattern on top of that server, not GCS: they are there to show a regression.
+Python server answering one request at a time, so its numbers measure this
+package's request pattern on top of that server, not GCS: they are there to
+show a regression.
 
 Run: ``python benchmarks/cloud_storage.py [--layers 4] [--rounds 3]``.
 """

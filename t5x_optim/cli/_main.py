@@ -110,14 +110,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
   )
 
 
-def _path_arg(text: str) -> Path:
-  """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes."""
+def _path_arg(text: str) -> Path | str:
+  """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes.
+
+  A scheme without its package stays text; using it then fails in one line.
+  """
   from t5x_optim._training import storage  # noqa: PLC0415
 
   try:
     return storage.as_path(text)
-  except storage.StorageError as error:
-    raise argparse.ArgumentTypeError(str(error)) from error
+  except storage.StorageError:
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
