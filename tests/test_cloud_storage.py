@@ -219,6 +219,8 @@ def test_t5x_legacy_write_then_read(where):
   assert path == f"{where}/checkpoint_2"
   assert _names(where) == ["checkpoint_2"]
   _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
+  with pytest.raises(storage.StorageError, match="gs://no-such-bucket-t5x/x: the bucket"):
+    t5x_optim.save_t5x_checkpoint("gs://no-such-bucket-t5x/x", state, step=2)
   with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):
     t5x_optim.save_t5x_checkpoint(where, state, step=2)
   # A crashed save: arrays without their msgpack (the commit record) are no step, and

@@ -168,7 +168,9 @@ def save_t5x_checkpoint(
 
   Raises:
     FileExistsError: the step directory exists already.
-    ValueError: a multi-process job, or abstract leaves.
+    ValueError: a multi-process job, or abstract leaves; `storage.StorageError`
+      (a `ValueError`): a missing bucket, credentials or package for the
+      path's scheme.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -185,7 +187,7 @@ def save_t5x_checkpoint(
     step = int(np.asarray(state_dict["state"]["step"]))
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
   flat = {path: leaf for path, leaf in flat.items() if leaf is not None}
-  root = storage.as_path(model_dir)
+  root = storage.check_reachable(model_dir)
   final = root / f"checkpoint_{int(step)}"
   if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
