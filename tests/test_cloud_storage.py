@@ -148,7 +148,10 @@ def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch)
     other = {"holder": "pid 2 on other", "expires": time.time() + 60}
     lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
     lease_dir.write(LEASE_FILE, json.dumps(other).encode()).result()
-    time.sleep(0.5)
+    lease = writer._open.lock._lease
+    deadline = time.monotonic() + 30
+    while not lease.lost and time.monotonic() < deadline:  # The next renewal finds it gone.
+      time.sleep(0.05)
     with pytest.raises(
       CheckpointError, match="lost its writer lease .*another writer took it over"
     ):

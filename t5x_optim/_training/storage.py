@@ -3,8 +3,9 @@
 A path is local (``/data/run``, ``run``, ``~/run``) or has a scheme
 (``gs://bucket/run``, ``s3://bucket/run``). Local paths stay `pathlib.Path`s,
 exactly as before; a path with a scheme becomes an `epath.Path`, read and
-written by the fsspec package of its scheme (``gcsfs`` for ``gs://``,
-``s3fs`` for ``s3://``), and its arrays are opened with the tensorstore
+written by the fsspec package of its scheme (``gcsfs`` for ``gs://``, or
+TensorFlow's gfile where TensorFlow is installed; ``s3fs`` for ``s3://``),
+and its arrays are opened with the tensorstore
 kvstore driver of that scheme (`kvstore_spec`). A scheme without its package,
 a missing bucket or missing credentials raise `StorageError`, one line that
 names the path.
@@ -99,7 +100,9 @@ def _check_backend(text: str, scheme: str) -> None:
       f"{text}: the scheme {scheme}:// is not supported (local paths, {supported})."
     )
   package = SCHEMES[scheme][0]
-  if importlib.util.find_spec(package) is None:
+  # With TensorFlow installed, epath reads and writes gs:// through its gfile instead.
+  backends = (package, "tensorflow") if scheme == "gs" else (package,)
+  if all(importlib.util.find_spec(name) is None for name in backends):
     raise StorageError(
       f"{text}: {scheme}:// paths need the {package} package, which is not installed "
       f"(pip install {package})."
