@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 
 from etils import epath
 from tensorboardX import record_writer
@@ -27,20 +28,27 @@ __all__ = ["event_dir"]
 
 
 class _EpathRecordWriter:
-  """An event file written whole through `epath` at every flush."""
+  """An event file written whole through `epath` at every flush.
+
+  tensorboardX flushes from its logging thread and from the caller's; the
+  lock keeps the uploads in order, so an older copy never lands last.
+  """
 
   def __init__(self, path: str):
     self._path = epath.Path(path)
     self._buffer = io.BytesIO()
     self._flushed = -1
+    self._lock = threading.Lock()
 
   def write(self, data: bytes) -> None:
-    self._buffer.write(data)
+    with self._lock:
+      self._buffer.write(data)
 
   def flush(self) -> None:
-    if self._buffer.tell() != self._flushed:
-      self._path.write_bytes(self._buffer.getvalue())
-      self._flushed = self._buffer.tell()
+    with self._lock:
+      if self._buffer.tell() != self._flushed:
+        self._path.write_bytes(self._buffer.getvalue())
+        self._flushed = self._buffer.tell()
 
   def close(self) -> None:
     self.flush()
