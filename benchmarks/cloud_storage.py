@@ -17,7 +17,7 @@ Python server answering one request at a time, so its numbers measure this
 package's request pattern on top of that server, not GCS: they are there to
 show a regression.
 
-Run: ``python benchmarks/cloud_storage.py [--layers 4] [--rounds 3]``.
+Run: ``python benchmarks/cloud_storage.py [--layers 4] [--rounds 5]``.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _time(case: str, run: Callable[[str], None], root: str, rounds: int) -> floa
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args()
   state = _state(args.layers)
   megabytes = _nbytes(state) / 1e6

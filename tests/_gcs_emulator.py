@@ -11,14 +11,18 @@ not ask for); real GCS does all three right, and the writer lease of
 `Checkpointer` depends on the first two. So this script makes the
 emulator's object inserts and deletes check ``ifGenerationMatch`` (``0``: the
 object must not exist), answering 412 as GCS does, its downloads name the
-generation and its listings keep to the offsets; everything else is the
-emulator's own.
+generation and its listings keep to the offsets. It also answers
+``Expect: 100-continue`` (curl, under tensorstore, otherwise waits a second
+before each upload over 1 MB) and queues up to 256 connections, not 5 (past
+those a connection waits a second for a TCP retransmit), as a server under
+concurrent clients must. Everything else is the emulator's own.
 `Emulator` starts the script on a free port and points tensorstore
 (``TENSORSTORE_GCS_HTTP_URL``) and gcsfs (``STORAGE_EMULATOR_HOST``) at it.
 """
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
 import subprocess
@@ -167,7 +171,29 @@ def _serve(port: int) -> None:
   objects.download = with_generation(objects.download)
   objects.delete = guarded(objects.delete, lambda r: r.params["object_id"])
 
-  from gcp_storage_emulator.server import create_server  # noqa: PLC0415 - after the patch
+  from gcp_storage_emulator import server  # noqa: PLC0415 - after the patches above
+
+  parse_request = server.RequestHandler.parse_request
+
+  def parse_request_continuing(self) -> bool:
+    """Answers ``Expect: 100-continue`` at once, as GCS does.
+
+    The emulator speaks HTTP/1.0, where `http.server` ignores the header, and
+    curl (tensorstore's client) then waits a second before sending each body
+    over 1 MB.
+    """
+    if not parse_request(self):
+      return False
+    if self.headers.get("Expect", "").lower() == "100-continue":
+      self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+      self.wfile.flush()
+    return True
+
+  server.RequestHandler.parse_request = parse_request_continuing
+  # tensorstore opens dozens of connections at once; past http.server's backlog of 5,
+  # connections wait for a TCP retransmit (a second).
+  http.server.HTTPServer.request_queue_size = 256
+  create_server = server.create_server
 
   create_server("127.0.0.1", port, in_memory=True).run()
 

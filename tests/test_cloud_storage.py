@@ -213,7 +213,6 @@ def test_t5x_checkpoints_read_from_gs(fmt, where):
   )
 
 
-@pytest.mark.slow
 def test_t5x_legacy_write_then_read(where):
   expected = dict(np.load(DATA / "expected.npz"))
   target = _target(_partitioner(2, 4))
