@@ -118,6 +118,7 @@ def test_files_under_and_seeking_reads(where):
   for name in ["a.txt", "d/b.txt", "d/e/c.txt"]:
     (epath.Path(where) / name).write_text(name)
   files = storage.files_under(where)
+  assert [storage.file_size(p) for p in files] == [5, 7, 9]
   assert [os.fspath(p) for p in files] == [
     f"{where}/{n}" for n in ["a.txt", "d/b.txt", "d/e/c.txt"]
   ]

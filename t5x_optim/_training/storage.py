@@ -35,6 +35,7 @@ __all__ = [
   "StorageError",
   "as_path",
   "check_reachable",
+  "file_size",
   "files_under",
   "is_object_store",
   "join",
@@ -165,6 +166,20 @@ def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
     for child in pending.pop().iterdir():
       (pending if child.is_dir() else found).append(child)
   return sorted(found, key=os.fspath)
+
+
+def file_size(path: str | os.PathLike[str]) -> int:
+  """The size of the file at `path` in bytes (`epath`'s stat has ``length``, not ``st_size``).
+
+  Example:
+    >>> import tempfile
+    >>> file = pathlib.Path(tempfile.mkdtemp()) / 'a.txt'
+    >>> _ = file.write_text('hello')
+    >>> file_size(file)
+    5
+  """
+  found = as_path(path)
+  return found.stat().st_size if scheme_of(found) is None else found.stat().length
 
 
 def _bucket_and_key(text: str) -> tuple[str, str]:
