@@ -17,7 +17,7 @@ from flax import serialization, traverse_util
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer
-from t5x_optim._training import t5x_checkpoints
+from t5x_optim._training import storage, t5x_checkpoints
 from t5x_optim._training.checkpoint_checksums import (
   CHECKSUMS_FILE,
   ChecksumsArgs,
@@ -127,12 +127,15 @@ class Checkpointer:
   Any number of checkpointers may read a directory, but only one may write:
   the first `save` locks the directory until `close` (or the death of the
   process), and a `save` by another checkpointer meanwhile raises
-  `CheckpointError` at once, before anything is written. Only a writer
+  `CheckpointError` at once, before anything is written. On an object store
+  (``gs://bucket/dir``) the lock is a lease object written with generation
+  preconditions, which a crashed writer leaves for at most a minute. Only a writer
   removes the partial steps left by a crash, so a reader never deletes a
   step that a writer is still completing.
 
   Args:
-    directory: the checkpoint directory (created if missing).
+    directory: the checkpoint directory (created if missing): local or with a
+      scheme (``gs://bucket/dir``; see the README's "Cloud storage").
     keep: keep only the newest `keep` steps (None keeps all).
     async_save: write in the background (`False` blocks in `save`).
 
@@ -152,6 +155,7 @@ class Checkpointer:
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be None or at least 1, got {keep}.")
     self._directory = os.fspath(directory)
+    storage.check_reachable(self._directory)
     # How the manager names step directories by default (passing it as
     # `step_name_format` would make every restore list the directory).
     self._step_names = ocp.step.standard_name_format()
@@ -224,6 +228,7 @@ class Checkpointer:
     step = int(step)
     if not self._open.lock.held:
       self._become_writer(step)
+    self._open.lock.check(f"checkpoint directory {self._directory}", step)
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(

@@ -1,9 +1,12 @@
 """Writing T5X's legacy checkpoint format (`save_t5x_checkpoint`), which T5X's own readers read.
 
 The arrays are written first, shard by shard (one copy of each, never
-gathered), then the ``checkpoint`` msgpack that names them, into a temporary
-directory that is renamed into place, so a failed save leaves the earlier
-steps as they were.
+gathered), then the ``checkpoint`` msgpack that names them. On a local disk
+they go into a temporary directory that is renamed into place; an object
+store (``gs://``) has no rename, so they go straight into the step directory
+and the msgpack, one object written whole, is the commit record: readers
+(T5X's and `t5x_checkpoints`) skip a step directory without it. Either way a
+failed save leaves the earlier steps as they were and no readable new one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flax import serialization, traverse_util
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._training import storage
 from t5x_optim._training.t5x_checkpoints import _MSGPACK_FILE, _TS_CONTEXT, Path, T5XState
 
 __all__ = ["save_t5x_checkpoint"]
@@ -118,7 +122,7 @@ def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, 
     opening = {}
     for path in pieces:
       spec = written[path]
-      kvstore = {"driver": "file", "path": os.fspath(step_dir / spec["kvstore"]["path"])}
+      kvstore = storage.kvstore_spec(storage.join(step_dir, spec["kvstore"]["path"]))
       full = {**spec, "kvstore": kvstore}
       opening[path] = ts.open(full, create=True, open=True, context=_TS_CONTEXT)
       started.append(opening[path])
@@ -146,13 +150,15 @@ def save_t5x_checkpoint(
   ``checkpoint`` (``{'version': 3, 'optimizer': <state dict>}``, scalars
   inline, every other array as a tensorstore spec) and one zarr array per
   non-scalar leaf, written shard by shard from this process's devices (one
-  copy of each shard; nothing is gathered). As T5X does, everything is written to
-  ``checkpoint_<step>.tmp-<time>`` first and renamed when complete, so a
-  failed save leaves no step directory and earlier steps untouched. Single
-  process only.
+  copy of each shard; nothing is gathered). On a local disk everything is
+  written to ``checkpoint_<step>.tmp-<time>`` first and renamed when
+  complete, as T5X does; on an object store (``gs://``) the msgpack is
+  written last, as the commit record. Either way a failed save leaves no
+  readable step and earlier steps untouched. Single process only.
 
   Args:
-    model_dir: the T5X model directory (created if missing; local path).
+    model_dir: the T5X model directory (created if missing): a local path
+      or one with a scheme (``gs://bucket/dir``, see `storage`).
     state: a `TrainState` or `Optimizer` (or anything with `state_dict`)
       holding real arrays, sharded or not.
     step: the step number of the directory; None takes the state's step.
@@ -162,7 +168,9 @@ def save_t5x_checkpoint(
 
   Raises:
     FileExistsError: the step directory exists already.
-    ValueError: a multi-process job, or abstract leaves.
+    ValueError: a multi-process job, or abstract leaves; `storage.StorageError`
+      (a `ValueError`): a missing bucket, credentials or package for the
+      path's scheme.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -179,17 +187,16 @@ def save_t5x_checkpoint(
     step = int(np.asarray(state_dict["state"]["step"]))
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
   flat = {path: leaf for path, leaf in flat.items() if leaf is not None}
-  root = epath.Path(model_dir)
+  root = storage.check_reachable(model_dir)
   final = root / f"checkpoint_{int(step)}"
-  if final.exists():
+  if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
+  if storage.is_object_store(root):
+    return _save_committed_last(final, flat)
   tmp = root / f"{final.name}.tmp-{time.time_ns()}"
   tmp.mkdir(parents=True)
   try:
-    written = _write_arrays(tmp, flat)
-    payload = serialization.msgpack_serialize(
-      {"version": _VERSION, "optimizer": traverse_util.unflatten_dict(written)}
-    )
+    payload = _payload(_write_arrays(tmp, flat))
     with open(tmp / _MSGPACK_FILE, "wb") as f:
       f.write(payload)
       f.flush()
@@ -198,4 +205,23 @@ def save_t5x_checkpoint(
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  return os.fspath(final)
+
+
+def _payload(written: Mapping[Path, Any]) -> bytes:
+  """The ``checkpoint`` msgpack of the arrays `written`."""
+  return serialization.msgpack_serialize(
+    {"version": _VERSION, "optimizer": traverse_util.unflatten_dict(dict(written))}
+  )
+
+
+def _save_committed_last(final: epath.Path, flat: Mapping[Path, Any]) -> str:
+  """Writes a step on an object store: arrays into `final`, then the msgpack as its commit.
+
+  What an earlier crashed save left in `final` (arrays without a msgpack,
+  invisible to readers) is removed first.
+  """
+  if final.exists():
+    final.rmtree()
+  (final / _MSGPACK_FILE).write_bytes(_payload(_write_arrays(final, flat)))
   return os.fspath(final)

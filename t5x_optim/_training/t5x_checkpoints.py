@@ -17,6 +17,7 @@ from flax import serialization, traverse_util
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._training import storage
 
 __all__ = [
   "latest_t5x_step",
@@ -92,7 +93,7 @@ def t5x_checkpoint_steps(model_dir: str | os.PathLike[str]) -> list[int]:
     >>> t5x_checkpoint_steps(tempfile.mkdtemp())
     []
   """
-  return list(_step_dirs(epath.Path(model_dir)))
+  return list(_step_dirs(storage.as_path(model_dir)))
 
 
 def latest_t5x_step(model_dir: str | os.PathLike[str]) -> int | None:
@@ -113,7 +114,7 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
   `path` is a model directory, a ``checkpoint_<step>`` directory, or a
   legacy checkpoint's ``checkpoint`` file.
   """
-  where = epath.Path(path)
+  where = storage.as_path(path)
   if where.is_file():
     if where.name != _MSGPACK_FILE:
       raise ValueError(f"{where} is not a T5X checkpoint file (named '{_MSGPACK_FILE}').")
@@ -181,7 +182,7 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
     )
   full = {
     "driver": spec["driver"],
-    "kvstore": {"driver": "file", "path": os.path.join(os.fspath(step_dir), relative)},
+    "kvstore": storage.kvstore_spec(storage.join(step_dir, relative)),
   }
   return ts.open(full, open=True, read=True, context=_TS_CONTEXT)
 
@@ -383,7 +384,8 @@ def restore_t5x_checkpoint(
 
   Args:
     path: a T5X model directory, one step's ``checkpoint_<step>`` directory,
-      or a legacy checkpoint's ``checkpoint`` file (local paths).
+      or a legacy checkpoint's ``checkpoint`` file; local or with a scheme
+      (``gs://``, see `storage`).
     target: gives the structure, shapes, dtypes and shardings.
     step: with a model directory, the step to restore (None: the latest).
     convert_from: the optimizer that wrote the checkpoint, when `target` has

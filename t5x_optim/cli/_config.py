@@ -26,8 +26,12 @@ import optax
 
 from t5x_optim import partitioning
 from t5x_optim._optimizers.interface import OptimizerDef
+from t5x_optim._training import storage
 from t5x_optim.cli._model import SyntheticTask, TransformerConfig
 from t5x_optim.partitioning import Partitioner
+
+# gin reads its files with `open`; a path with a scheme (gs://) is read through epath.
+gin.config.register_file_reader(lambda path: storage.as_path(path).open(), storage.is_object_store)
 
 __all__ = [
   "BINDING_IMPORTS",
@@ -395,6 +399,8 @@ def parse_config(
 def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   """`path` itself when it exists, else the first `directories` entry holding it.
 
+  A path with a scheme (``gs://bucket/run/config.gin``) is only checked.
+
   A relative path may also name a shipped file as ``gin/<kind>/<file>`` (the
   repository layout before the files moved into the package).
   Resolving here keeps gin from probing the path as a Python package (which
@@ -409,6 +415,11 @@ def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
     >>> resolve_gin_file('gin/optimizers/adamw.gin', []) == GIN_DIR / 'optimizers/adamw.gin'
     True
   """
+  if storage.is_object_store(path):
+    remote = storage.as_path(path)
+    if not remote.is_file():
+      raise FileNotFoundError(f"gin file {str(remote)!r} not found.")
+    return remote
   path = Path(path)
   relative = [] if path.is_absolute() else [directory / path for directory in directories]
   if not path.is_absolute() and path.parts[:1] == (GIN_DIR.name,):

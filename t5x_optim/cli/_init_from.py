@@ -16,12 +16,20 @@ from typing import Any, TextIO
 
 import gin
 
+from t5x_optim._training import storage
 from t5x_optim._training.convert_checkpoint import restore_converted
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli import _config
 from t5x_optim.cli._train import CHECKPOINTS, CONFIG_FILE, UsageError
 
 __all__ = ["initial_state_fn", "source_optimizer"]
+
+
+def _as_path(init_from: Path | str) -> Path:
+  try:
+    return storage.check_reachable(init_from)
+  except storage.StorageError as error:
+    raise UsageError(f"--init_from {error}") from error
 
 
 def _is_ours(init_from: Path) -> bool:
@@ -42,6 +50,7 @@ def source_optimizer(
     >>> source_optimizer(Path('/nonexistent'), [], [], {}) is None
     True
   """
+  init_from = _as_path(init_from)
   files = list(gin_files) or ([str(init_from / CONFIG_FILE)] if _is_ours(init_from) else [])
   if not files:
     return None
@@ -62,6 +71,8 @@ def initial_state_fn(
   momentum) starts from zero. A checkpoint that cannot be restored raises
   `UsageError` (one line on the command line).
   """
+
+  init_from = _as_path(init_from)
 
   def restore() -> TrainState:
     directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from

@@ -110,6 +110,19 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
   )
 
 
+def _path_arg(text: str) -> Path | str:
+  """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes.
+
+  A scheme without its package stays text; using it then fails in one line.
+  """
+  from t5x_optim._training import storage  # noqa: PLC0415
+
+  try:
+    return storage.as_path(text)
+  except storage.StorageError:
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="t5x-optim", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,14 +137,14 @@ def _parser() -> argparse.ArgumentParser:
   _add_config_flags(train)
   train.add_argument(
     "--model_dir",
-    type=Path,
+    type=_path_arg,
     default=None,
     help="the run's directory; resumed when it holds checkpoints "
     "(default: a new ./t5x_optim_runs/<date>-<time>)",
   )
   train.add_argument(
     "--init_from",
-    type=Path,
+    type=_path_arg,
     default=None,
     metavar="DIR",
     help="start a new run from DIR's latest checkpoint (a t5x-optim or T5X model "

@@ -29,6 +29,8 @@ from typing import Self
 
 import tensorboardX
 
+from t5x_optim.cli._event_files import event_dir
+
 __all__ = ["EVAL", "TRAIN", "MetricWriters"]
 
 TRAIN = "train"
@@ -47,7 +49,7 @@ class MetricWriters:
   def __init__(self, model_dir: Path, *, start_step: int):
     purge = start_step + 1 if start_step else None
     self._writers = {
-      kind: tensorboardX.SummaryWriter(str(Path(model_dir) / kind), purge_step=purge)
+      kind: tensorboardX.SummaryWriter(event_dir(model_dir, kind), purge_step=purge)
       for kind in (TRAIN, EVAL)
     }
 

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from t5x_optim._training import storage
 from t5x_optim._training.checkpoints import Checkpointer
 from t5x_optim._training.plan import format_bytes
 from t5x_optim._training.train_state import TrainState
@@ -104,15 +105,24 @@ def default_model_dir(base: Path | None = None) -> Path:
 def prepare_model_dir(path: Path) -> Path:
   """Creates `path` if needed and checks that a run can write there.
 
+  A path with a scheme (``gs://bucket/run``) stays one (an `epath.Path`);
+  its bucket and credentials are checked first.
+
   Raises:
-    UsageError: `path` is a file, cannot be created or is not writable (one line).
+    UsageError: `path` is a file, cannot be created or is not writable; its
+      bucket, credentials or scheme's package are missing (one line).
 
   Example:
     >>> import tempfile
     >>> prepare_model_dir(Path(tempfile.mkdtemp()) / 'run').is_dir()
     True
   """
-  path = Path(path).expanduser().absolute()
+  try:
+    path = storage.check_reachable(path)
+  except storage.StorageError as error:
+    raise UsageError(f"--model_dir {error}") from error
+  if not storage.is_object_store(path):
+    path = Path(path).expanduser().absolute()
   if path.exists() and not path.is_dir():
     raise UsageError(f"--model_dir {path} is a file, not a directory.")
   try:
@@ -427,7 +437,7 @@ def train(
   """
   job = setup.job
   stream = sys.stdout if stream is None else stream
-  model_dir = Path(model_dir)
+  model_dir = storage.as_path(model_dir)
   directory = model_dir / CHECKPOINTS
   with Checkpointer(directory, keep=job.keep_checkpoints) as checkpointer:
     latest = checkpointer.latest_step()

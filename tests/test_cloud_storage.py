@@ -1,0 +1,330 @@
+"""Model directories on ``gs://``, against a local GCS emulator (tests/_gcs_emulator.py).
+
+The emulator runs on a free 127.0.0.1 port for this module, with a fresh
+bucket; tensorstore and gcsfs reach it through ``TENSORSTORE_GCS_HTTP_URL``
+and ``STORAGE_EMULATOR_HOST``. The commands are the README's "Cloud storage"
+ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from _gcs_emulator import Emulator  # Before gcsfs loads: it configures it.
+from etils import epath
+from tensorboard.backend.event_processing import event_accumulator
+from test_readme import _expected
+from test_t5x_checkpoints import DATA, _assert_bit_for_bit, _partitioner, _target
+
+import t5x_optim
+from t5x_optim import optimizers
+from t5x_optim._training import storage
+from t5x_optim._training.checkpoint_lease import LEASE_FILE, Lease
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
+from t5x_optim.cli import main
+
+pytest.importorskip("gcsfs")
+pytest.importorskip("gcp_storage_emulator")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--gin_file", "examples/tiny.gin"]
+
+
+@pytest.fixture(scope="module")
+def emulator():
+  with Emulator() as running:
+    yield running
+
+
+@pytest.fixture(scope="module")
+def bucket(emulator) -> str:
+  """A fresh bucket of this module, as ``gs://<name>``."""
+  name = f"t5x-optim-{uuid.uuid4().hex[:8]}"
+  emulator.create_bucket(name)
+  return f"gs://{name}"
+
+
+@pytest.fixture
+def where(bucket, request) -> str:
+  """A directory of its own for each test."""
+  return f"{bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def _subprocess_env() -> dict[str, str]:
+  """This environment (the emulator's included) for a fresh interpreter on one CPU device."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+def _upload(local: Path, remote: str) -> None:
+  for file in local.rglob("*"):
+    if file.is_file():
+      (epath.Path(remote) / file.relative_to(local).as_posix()).write_bytes(file.read_bytes())
+
+
+def _names(remote: str) -> list[str]:
+  return sorted(p.name for p in epath.Path(remote).iterdir())
+
+
+def _opt(scale: float = 1.0):
+  return optimizers.adam(0.1).create({"w": jnp.full((64, 32), scale), "b": jnp.arange(8.0)})
+
+
+def _equal(a, b) -> bool:
+  return all(np.array_equal(a.target[k], b.target[k]) for k in ("w", "b"))
+
+
+def test_checkpointer_saves_restores_and_falls_back(where):
+  with Checkpointer(where, async_save=False) as ckpt:
+    ckpt.save(1, _opt(1.0))
+    ckpt.save(2, _opt(2.0))
+    assert ckpt.all_steps() == [1, 2]
+    assert LEASE_FILE in _names(where)
+  assert _names(where) == ["1", "2"]  # Closing deleted the lease.
+  with Checkpointer(where) as reader:
+    assert _equal(reader.restore(_opt(0.0)), _opt(2.0))
+  # Corrupt the arrays of step 2: fallback restores step 1.
+  objects = ts.KvStore.open(storage.kvstore_spec(f"{where}/2/")).result().list().result()
+  for key in objects:
+    if b"/d/" in key:
+      (epath.Path(f"{where}/2") / key.decode()).write_bytes(b"garbage")
+  with Checkpointer(where) as reader:
+    with pytest.raises(CheckpointError, match="Checkpoint step 2 in gs://"):
+      reader.restore(_opt(0.0))
+    assert _equal(reader.restore(_opt(0.0), fallback=True), _opt(1.0))
+    assert reader.restored_step == 1
+
+
+def test_files_under_and_seeking_reads(where):
+  for name in ["a.txt", "d/b.txt", "d/e/c.txt"]:
+    (epath.Path(where) / name).write_text(name)
+  files = storage.files_under(where)
+  assert [storage.file_size(p) for p in files] == [5, 7, 9]
+  assert [os.fspath(p) for p in files] == [
+    f"{where}/{n}" for n in ["a.txt", "d/b.txt", "d/e/c.txt"]
+  ]
+  with files[2].open("rb") as stream:
+    stream.seek(2)
+    assert stream.read() == b"e/c.txt"
+
+
+def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
+  with Checkpointer(where) as first, Checkpointer(where) as second:
+    first.save(1, _opt())
+    with pytest.raises(CheckpointError, match=rf"{where} is in use by another writer \(pid "):
+      second.save(2, _opt())
+  stale = {"holder": "pid 1 on gone", "expires": time.time() - 1}
+  lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
+  lease_dir.write(LEASE_FILE, json.dumps(stale).encode()).result()
+  with Checkpointer(where, async_save=False) as writer:
+    writer.save(2, _opt())
+    holder = json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"]
+    assert holder == f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch):
+  monkeypatch.setattr(Lease, "seconds", 0.3)  # Renewed every 0.1 s.
+  with Checkpointer(where, async_save=False) as writer:
+    writer.save(1, _opt())
+    # Another writer found the lease expired (a long stall, say) and took it.
+    other = {"holder": "pid 2 on other", "expires": time.time() + 60}
+    lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
+    lease_dir.write(LEASE_FILE, json.dumps(other).encode()).result()
+    lease = writer._open.lock._lease
+    deadline = time.monotonic() + 30
+    while not lease.lost and time.monotonic() < deadline:  # The next renewal finds it gone.
+      time.sleep(0.05)
+    with pytest.raises(
+      CheckpointError, match="lost its writer lease .*another writer took it over"
+    ):
+      writer.save(2, _opt())
+  assert json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"] == "pid 2 on other"
+
+
+_KILLED_MID_SAVE = """
+import os, signal, sys, time
+import jax.numpy as jnp
+import tensorstore as ts
+from t5x_optim import optimizers
+from t5x_optim._training import storage
+from t5x_optim._training.checkpoint_lease import Lease
+from t5x_optim.checkpoints import Checkpointer
+Lease.seconds = 1.0
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save(1, optimizers.sgd(0.1).create({"w": jnp.ones((8,))}))
+ckpt.wait_until_finished()
+big = optimizers.adam(0.1).create({f"w{i}": jnp.full((256, 256), 2.0) for i in range(32)})
+ckpt.save(2, big)  # Returns once the arrays are off the devices; the writes go on.
+listing = ts.KvStore.open(storage.kvstore_spec(sys.argv[1] + "/")).result()
+while not any(key.startswith(b"2") for key in listing.list().result()):
+  time.sleep(0.005)
+print("killed with", len(listing.list().result()), "objects", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
+  code = textwrap.dedent(_KILLED_MID_SAVE)
+  result = subprocess.run(
+    [sys.executable, "-c", code, where],
+    env=_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert result.returncode == -9 and "killed with" in result.stdout, result.stderr[-2000:]
+  assert any(name.startswith("2") for name in _names(where))  # Step 2 was begun.
+  target = optimizers.sgd(0.1).create({"w": jnp.zeros((8,))})
+  time.sleep(1.5)  # The dead writer's lease expires.
+  with Checkpointer(where, async_save=False) as ckpt:
+    assert ckpt.all_steps() == [1]
+    assert ckpt.restore(target).target["w"].tolist() == [1.0] * 8
+    ckpt.save(2, target)  # The new writer takes the lease over and removes the partial step.
+    assert ckpt.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+def test_t5x_checkpoints_read_from_gs(fmt, where):
+  _upload(DATA / fmt, where)
+  expected = dict(np.load(DATA / "expected.npz"))
+  assert t5x_optim.t5x_checkpoint_steps(where) == [2]
+  _assert_bit_for_bit(
+    t5x_optim.restore_t5x_checkpoint(where, _target(_partitioner(2, 4))), expected
+  )
+
+
+def test_t5x_legacy_write_then_read(where):
+  expected = dict(np.load(DATA / "expected.npz"))
+  target = _target(_partitioner(2, 4))
+  state = t5x_optim.restore_t5x_checkpoint(DATA / "legacy", target)
+  path = t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  assert path == f"{where}/checkpoint_2"
+  assert _names(where) == ["checkpoint_2"]
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
+  with pytest.raises(storage.StorageError, match="gs://no-such-bucket-t5x/x: the bucket"):
+    t5x_optim.save_t5x_checkpoint("gs://no-such-bucket-t5x/x", state, step=2)
+  with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):
+    t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  # A crashed save: arrays without their msgpack (the commit record) are no step, and
+  # are replaced by the next save of that step.
+  (epath.Path(path) / "checkpoint").unlink()
+  assert t5x_optim.t5x_checkpoint_steps(where) == []
+  t5x_optim.save_t5x_checkpoint(where, state, step=2)
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(where, target), expected)
+
+
+def _scalars(remote: str) -> dict[str, list[int]]:
+  """The steps of every scalar in `remote`'s event files, read by TensorBoard (through fsspec)."""
+  accumulator = event_accumulator.EventAccumulator(remote)
+  accumulator.Reload()
+  return {tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def _readme_commands() -> list[list[str]]:
+  """The ``t5x-optim train`` lines of the README's Cloud storage block."""
+  text = (REPO / "README.md").read_text()
+  block = re.search(r"<!-- cloud-commands -->\n```bash\n(.*?)^```", text, re.M | re.S).group(1)
+  lines = block.splitlines()
+  return [
+    shlex.split(line, comments=True)[1:] for line in lines if line.startswith("t5x-optim train")
+  ]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_readme_train_commands_run_resume_and_init_from_gs(bucket, capsys):
+  new_run, resumed, init_from = [
+    [arg.replace("gs://BUCKET", f"{bucket}/readme") for arg in command]
+    for command in _readme_commands()
+  ]
+  where = f"{bucket}/readme/tiny"
+  assert main(new_run) == 0
+  assert f"model_dir:       {where} (new run)" in capsys.readouterr().out
+  assert main(resumed) == 0
+  assert "resuming from the checkpoint at step 40" in capsys.readouterr().out
+  assert {"checkpoints", "config.gin", "train", "eval"} <= set(_names(where))
+  assert _names(f"{where}/checkpoints") == ["40", "60", "80"]  # keep_checkpoints = 3
+  assert "TOTAL_STEPS = 80" in (epath.Path(where) / "config.gin").read_text()
+  assert _scalars(f"{where}/train")["loss"][-1] == 80
+  assert main(init_from) == 0
+  assert f"init_from:       {where} at step 80" in capsys.readouterr().out
+  assert _names(f"{bucket}/readme/tiny-2/checkpoints") == ["100"]
+
+
+@pytest.mark.slow
+def test_readme_python_block_runs_on_gs(bucket, tmp_path):
+  text = (REPO / "README.md").read_text()
+  block = re.search(r"<!-- cloud-python -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
+  result = subprocess.run(
+    [sys.executable, "-c", block.replace("gs://BUCKET", f"{bucket}/readme-python")],
+    cwd=tmp_path,
+    env=_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [line.strip() for line in result.stdout.splitlines()] == _expected(block)
+
+
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("run", "env", "message"),
+  [
+    ("gs://no-such-bucket-t5x/run", {}, "the bucket no-such-bucket-t5x does not exist."),
+    (
+      "BUCKET/run",
+      {"STORAGE_EMULATOR_HOST": None, "GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent.json"},
+      "no Google Cloud credentials (",
+    ),
+  ],
+)
+def test_a_missing_bucket_or_credential_is_one_line(run, env, message, bucket, monkeypatch, capsys):
+  run = run.replace("BUCKET", bucket)
+  for key, value in env.items():
+    if value is None:
+      monkeypatch.delenv(key)
+    else:
+      monkeypatch.setenv(key, value)
+  assert main(["train", *TINY, "--model_dir", run]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"t5x-optim train: error: --model_dir {run}: {message}"), err
+  assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("path", "message"),
+  [
+    ("s3://bkt/run", "s3://bkt/run: s3:// paths need the s3fs package, which is not installed"),
+    ("hdfs://host/run", "hdfs://host/run: the scheme hdfs:// is not supported"),
+  ],
+)
+@pytest.mark.parametrize("flag", ["--model_dir", "--init_from"])
+def test_a_scheme_without_backend_is_one_line(flag, path, message, tmp_path, capsys):
+  if path.startswith("s3") and storage.importlib.util.find_spec("s3fs") is not None:
+    pytest.skip("s3fs is installed")
+  with pytest.raises(storage.StorageError, match=message):
+    storage.as_path(path)
+  flags = [flag, path] if flag == "--model_dir" else [flag, path, "--model_dir", str(tmp_path)]
+  assert main(["train", *TINY, *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"t5x-optim train: error: {flag} {message}"), err
+  assert len(err.strip().splitlines()) == 1, err
