@@ -4,7 +4,7 @@ Everything a gin file needs is reached through dynamic registration: optax
 (``import optax``), this package's optimizers and partitioning
 (``from t5x_optim import optimizers, partitioning``) and the job itself
 (``from t5x_optim import cli``: `TrainJob`, `TransformerConfig`,
-`SyntheticTask`). The default config is always parsed
+`SyntheticTask`, `TextTask`). The default config is always parsed
 first, then the ``--gin_file``s, then the ``--gin_bindings``, so a file or a
 binding overrides only what it names. Bindings may name anything those
 imports reach (``optax.adam.b1 = 0.95``) without importing it themselves.
@@ -27,6 +27,7 @@ import optax
 from t5x_optim import partitioning
 from t5x_optim._optimizers.interface import OptimizerDef
 from t5x_optim.cli._model import SyntheticTask, TransformerConfig
+from t5x_optim.cli._text import BYTE_VOCAB_SIZE, TextTask
 from t5x_optim.partitioning import Partitioner
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
   "TrainJob",
   "build_job",
   "check_mesh_pin",
+  "data_bindings",
   "default_num_partitions",
   "default_search_paths",
   "describe_optimizer",
@@ -92,7 +94,7 @@ cli.TrainJob:
   optimizer = %OPTIMIZER
   partitioner = %PARTITIONER
   model = @cli.TransformerConfig()
-  task = @cli.SyntheticTask()
+  task = %TASK
   total_steps = %TOTAL_STEPS
   learning_rate = %LEARNING_RATE
   checkpoint_every = 100
@@ -103,6 +105,9 @@ cli.TrainJob:
   seed = 0
 cli.TransformerConfig.vocab_size = %VOCAB_SIZE
 cli.SyntheticTask.vocab_size = %VOCAB_SIZE
+
+# The synthetic task; `--data PATH` binds TASK = @cli.TextTask() (bytes: VOCAB_SIZE = 256).
+TASK = @cli.SyntheticTask()
 """
 )
 """The config `t5x-optim train` and `t5x-optim plan` start from.
@@ -237,7 +242,7 @@ class TrainJob:
     optimizer: the optimizer definition (``%OPTIMIZER``).
     partitioner: mesh and logical axis rules (``%PARTITIONER``).
     model: sizes of the transformer LM.
-    task: the synthetic task (its batch size is global).
+    task: the data: `SyntheticTask` or `TextTask` (its batch size is global).
     total_steps: train until the step counter reaches this.
     learning_rate: what TensorBoard shows as ``learning_rate``: the
       optimizer's schedule (``%LEARNING_RATE``, a function of the step) or a
@@ -268,7 +273,7 @@ class TrainJob:
   optimizer: OptimizerDef
   partitioner: Partitioner
   model: TransformerConfig = TransformerConfig()
-  task: SyntheticTask = SyntheticTask()
+  task: SyntheticTask | TextTask = SyntheticTask()
   total_steps: int = 300
   learning_rate: float | Callable[[int], Any] | None = None
   checkpoint_every: int = 100
@@ -301,7 +306,12 @@ class TrainJob:
       "Set PARTITIONER to @partitioning.Partitioner().",
     )
     _check_type(owner, "model", self.model, TransformerConfig, "Use @cli.TransformerConfig().")
-    _check_type(owner, "task", self.task, SyntheticTask, "Use @cli.SyntheticTask().")
+    if not isinstance(self.task, (SyntheticTask, TextTask)):
+      raise TypeError(
+        f"{owner}.task must be a SyntheticTask or a TextTask, got {self.task!r} "
+        f"({type(self.task).__name__}). Use @cli.SyntheticTask() or @cli.TextTask()."
+      )
+    task = type(self.task).__name__
     for name in (
       "total_steps",
       "checkpoint_every",
@@ -325,19 +335,33 @@ class TrainJob:
     if self.model.vocab_size != self.task.vocab_size:
       raise ValueError(
         f"TransformerConfig.vocab_size={self.model.vocab_size} differs from "
-        f"SyntheticTask.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
+        f"{task}.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
       )
     if self.task.length > self.model.max_length:
       raise ValueError(
-        f"SyntheticTask.length={self.task.length} exceeds "
+        f"{task}.length={self.task.length} exceeds "
         f"TransformerConfig.max_length={self.model.max_length}."
       )
     data = dict(self.partitioner.mesh.shape).get("data", 1)
     if self.task.batch_size % data:
       raise ValueError(
-        f"SyntheticTask.batch_size={self.task.batch_size} is not divisible by the "
+        f"{task}.batch_size={self.task.batch_size} is not divisible by the "
         f"mesh's data axis ({data} devices)."
       )
+
+
+def data_bindings(path: str | Path) -> list[str]:
+  """The gin bindings of ``--data PATH``: the byte-level `TextTask` on `path`.
+
+  Example:
+    >>> data_bindings('hamlet.txt')
+    ['TASK = @cli.TextTask()', "cli.TextTask.path = 'hamlet.txt'", 'VOCAB_SIZE = 256']
+  """
+  return [
+    "TASK = @cli.TextTask()",
+    f"cli.TextTask.path = {str(path)!r}",
+    f"VOCAB_SIZE = {BYTE_VOCAB_SIZE}",
+  ]
 
 
 def default_search_paths() -> list[Path]:

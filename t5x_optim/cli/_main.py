@@ -29,7 +29,7 @@ _TRUST = (
   "so use only gin files you would trust as code."
 )
 _DESCRIPTION = f"""\
-Train a tiny gin-configured transformer LM on a synthetic task (train), or show
+Train a tiny gin-configured transformer LM on a synthetic task or on text (train), or show
 how its optimizer state shards without allocating it (plan).
 
 Runs on whatever is there: every GPU or TPU core, or, without an accelerator,
@@ -41,7 +41,7 @@ then the gin files shipped in the package (optimizers/, partitioning/, examples/
 {_TRUST}
 """
 _TRAIN_DESCRIPTION = f"""\
-Train on the synthetic task in MODEL_DIR (T5X's model-directory convention):
+Train on the synthetic task (or --data text) in MODEL_DIR (T5X's model-directory convention):
 checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
 MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
 MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
@@ -97,6 +97,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     help="directory searched for gin files and includes (repeatable)",
   )
   parser.add_argument(
+    "--data",
+    type=Path,
+    default=None,
+    metavar="FILE_OR_DIR",
+    help="train a byte-level LM on this text file or directory of them (a shipped "
+    "text by name: hamlet.txt) instead of the synthetic task; binds "
+    "TASK = @cli.TextTask() and VOCAB_SIZE = 256",
+  )
+  parser.add_argument(
     "--num_devices",
     type=_positive,
     default=None,
@@ -117,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
   commands = parser.add_subparsers(dest="command", required=True)
   train = commands.add_parser(
     "train",
-    help="train on the synthetic task",
+    help="train on the synthetic task or on text (--data)",
     description=_TRAIN_DESCRIPTION,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -231,9 +240,15 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       source = _init_from.source_optimizer(
         args.init_from, args.init_from_gin, args.gin_search_paths, _config.device_macros(count)
       )
+    data = []
+    if args.data is not None:
+      from t5x_optim.cli import _text  # noqa: PLC0415
+
+      data = _config.data_bindings(_text.resolve_data_path(args.data, label="--data"))
+      _text.scan_text(args.data, label="--data")
     _config.parse_config(
       gin_files=args.gin_file,
-      gin_bindings=args.gin_bindings,
+      gin_bindings=[*data, *args.gin_bindings],
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )

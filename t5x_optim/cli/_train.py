@@ -49,6 +49,7 @@ from t5x_optim._training.checkpoints import Checkpointer
 from t5x_optim._training.plan import format_bytes
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli._config import TrainJob
+from t5x_optim.cli._input import global_batch
 from t5x_optim.cli._interrupt import Interrupt
 from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli._model import TransformerLM, cross_entropy_loss
@@ -192,6 +193,7 @@ class Setup:
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
       ``loss``, ``grad_norm`` and ``learning_rate`` (when the job names one).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
+    batch_sharding: how a batch's rows shard over the mesh.
   """
 
   job: TrainJob
@@ -201,6 +203,23 @@ class Setup:
   abstract_state: TrainState
   step_fn: Any
   eval_fn: Any
+  batch_sharding: Any = None
+
+  def train_batch(self, step: int) -> dict[str, jax.Array]:
+    """The global batch of `step`; this process reads only its devices' rows."""
+    task = self.job.task
+    return global_batch(
+      lambda rows: task.batch(step, rows), self.batch_sharding, (task.batch_size, task.length)
+    )
+
+  def eval_batch(self, index: int) -> dict[str, jax.Array]:
+    """Held-out global batch `index`, read like `train_batch`."""
+    task = self.job.task
+    return global_batch(
+      lambda rows: task.eval_batch(index, rows),
+      self.batch_sharding,
+      (task.batch_size, task.length),
+    )
 
 
 def _abstract(job: TrainJob, create: Callable[..., TrainState], args: tuple[Any, ...]) -> Any:
@@ -251,7 +270,8 @@ def prepare(job: TrainJob) -> Setup:
       f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
     ) from error
   create = partitioner.partition(create_fn, None, shardings)
-  return Setup(job, model, init_args, create, abstract, step_fn, eval_fn)
+  batch_sharding = partitioner.mesh_sharding(BATCH_AXES["inputs"])
+  return Setup(job, model, init_args, create, abstract, step_fn, eval_fn, batch_sharding)
 
 
 def _leaf_bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
@@ -382,7 +402,7 @@ def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
 def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
   """Mean held-out loss (of the fast and the slow params, for lookahead)."""
   job = setup.job
-  batches = [job.task.eval_batch(i) for i in range(job.eval_batches)]
+  batches = [setup.eval_batch(i) for i in range(job.eval_batches)]
   copies = {"loss": _trained(state.params)}
   if isinstance(state.params, optax.LookaheadParams):
     copies["loss_slow"] = state.params.slow
@@ -497,7 +517,7 @@ def _loop(
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = None
   while step < job.total_steps and not interrupt.requested:
-    state, metrics = setup.step_fn(state, job.task.batch(step))
+    state, metrics = setup.step_fn(state, setup.train_batch(step))
     if one_in_flight:
       jax.block_until_ready(metrics)
     records.append(metrics)
