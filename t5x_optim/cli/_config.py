@@ -103,6 +103,7 @@ cli.TrainJob:
   eval_every = 50
   eval_batches = 4
   seed = 0
+  metrics_every = 50
 cli.TransformerConfig.vocab_size = %VOCAB_SIZE
 cli.SyntheticTask.vocab_size = %VOCAB_SIZE
 
@@ -254,6 +255,9 @@ class TrainJob:
     eval_every: evaluate on held-out batches every this many steps (and at the end).
     eval_batches: held-out batches per evaluation.
     seed: the PRNG seed of the model's initialisation.
+    metrics_every: every this many steps, write per-parameter metrics (RMS of
+      each param, its gradient, its update and each optimizer-state leaf,
+      as T5X's ``WeightMetricsComputer``) under ``train/``; 0 writes none.
 
   Raises:
     TypeError: a field of the wrong type (e.g. an optax transformation
@@ -282,6 +286,7 @@ class TrainJob:
   eval_every: int = 50
   eval_batches: int = 4
   seed: int = 0
+  metrics_every: int = 0
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -322,6 +327,7 @@ class TrainJob:
     ):
       _check_int(owner, name, getattr(self, name), minimum=1)
     _check_int(owner, "seed", self.seed, minimum=0)
+    _check_int(owner, "metrics_every", self.metrics_every, minimum=0)
     rate = self.learning_rate
     if not (
       rate is None

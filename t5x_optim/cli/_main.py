@@ -139,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
     "(default: a new ./t5x_optim_runs/<date>-<time>)",
   )
   train.add_argument(
+    "--metrics_every",
+    type=int,
+    default=None,
+    metavar="N",
+    help="write per-parameter metrics (RMS of params, gradients, updates and optimizer "
+    "states) every N steps, 0 for none; binds cli.TrainJob.metrics_every (default 50)",
+  )
+  train.add_argument(
     "--init_from",
     type=Path,
     default=None,
@@ -169,6 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     help="flag replicated optimizer-state leaves of at least this many bytes",
   )
   return parser
+
+
+def _metrics_bindings(args: argparse.Namespace) -> list[str]:
+  every = getattr(args, "metrics_every", None)
+  return [] if every is None else [f"cli.TrainJob.metrics_every = {every}"]
 
 
 def _error(command: str, message: str) -> int:
@@ -248,7 +261,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       _text.scan_text(args.data, label="--data")
     _config.parse_config(
       gin_files=args.gin_file,
-      gin_bindings=[*data, *args.gin_bindings],
+      gin_bindings=[*data, *_metrics_bindings(args), *args.gin_bindings],
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
