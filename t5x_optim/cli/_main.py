@@ -9,6 +9,7 @@ moment exits with status 130, after saving a checkpoint when a step ran.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from t5x_optim.cli import _processes
 from t5x_optim.cli._interrupt import EXIT_INTERRUPTED, Interrupt
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "console_main", "main", "simulate_cpu_devices"]
@@ -162,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
     "config.gin; none for T5X's legacy Adafactor)",
   )
+  _processes.add_flags(train)
   plan = commands.add_parser(
     "plan",
     help="show how the optimizer state shards (no training)",
@@ -213,7 +216,9 @@ def _devices(requested: int | None) -> tuple[int, str]:
     )
   count = len(devices) if requested is None else requested
   kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
-  return count, f"{count} x {kind}"
+  processes = jax.process_count()
+  spread = f" in {processes} processes of {count // processes}" if processes > 1 else ""
+  return count, f"{count} x {kind}{spread}"
 
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
@@ -238,6 +243,11 @@ def _fail(args: argparse.Namespace, error: Exception) -> int:
 
 
 def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
+  if args.command == "train":
+    try:
+      _processes.start(args)
+    except ValueError as error:
+      return _fail(args, error)
   import gin  # noqa: PLC0415
 
   from t5x_optim.cli import _config, _train  # noqa: PLC0415 - after the XLA flags are set
@@ -246,6 +256,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     train = args.command == "train"
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
+    primary = _processes.is_primary()
     source = None
     if train and args.init_from:
       from t5x_optim.cli import _init_from  # noqa: PLC0415
@@ -287,14 +298,16 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       model_dir=model_dir,
       interrupt=interrupt,
       about=about,
-      config_text=gin.operative_config_str(),
+      config_text=gin.operative_config_str() if primary else None,
+      stream=None if primary else io.StringIO(),
       initial_state=initial_state,
+      write_events=primary,
     )
   except _train.UsageError as error:
     return _fail(args, error)
   except _train.Interrupted:
     return _interrupted(args.command)
-  if not summary.finished_before:
+  if primary and not summary.finished_before:
     print(summary.format())
   return EXIT_INTERRUPTED if summary.interrupted else 0
 

@@ -405,6 +405,7 @@ def train(
   config_text: str | None = None,
   stream: TextIO | None = None,
   initial_state: Callable[[], TrainState] | None = None,
+  write_events: bool = True,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
 
@@ -421,6 +422,8 @@ def train(
     stream: where the output goes (default: standard output).
     initial_state: builds the state of a new run (default: `setup.create`);
       ``--init_from`` restores another run's checkpoint with it.
+    write_events: write TensorBoard events (only process 0 of a
+      multi-process run does).
 
   Returns:
     The summary.
@@ -467,7 +470,7 @@ def train(
     if config_text is not None:
       (model_dir / CONFIG_FILE).write_text(config_text)
     start = int(state.step)
-    with MetricWriters(model_dir, start_step=start) as writers:
+    with MetricWriters(model_dir, start_step=start, enabled=write_events) as writers:
       return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=latest)
 
 
