@@ -6,6 +6,7 @@ Every test starts real processes on 127.0.0.1, as the README's recipe does.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
 TINY_TEXT = ["train", "--gin_file", "examples/tiny.gin", "--data", "hamlet.txt"]
+SHORT = "--gin_bindings 'TOTAL_STEPS = 5'"
 HEARTBEAT_BOUND_S = 60
 """The survivor's exit after its peer is killed: the 10 s heartbeat plus a loaded machine."""
 
@@ -162,3 +164,34 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
     latest += 5
     _resume(model_dir, latest, processes, tmp_path)
   assert _checkpoint_steps(model_dir)[-1] == latest
+
+
+def _readme_recipe() -> str:
+  blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
+  (recipe,) = [block for block in blocks if "--num_processes 2" in block]
+  return recipe
+
+
+def test_the_readme_recipe_runs_two_processes(tmp_path):
+  model_dir = tmp_path / "run"
+  script = (
+    _readme_recipe()
+    .replace("PORT=12355", f"PORT={_free_port()}")
+    .replace("/tmp/two_processes", str(model_dir))
+    .replace("--data hamlet.txt", "--data hamlet.txt --gin_file examples/tiny.gin " + SHORT)
+  )
+  env = _env(8)
+  del env["XLA_FLAGS"]
+  env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+  result = subprocess.run(
+    ["bash", "-c", f"set -e\n{script}"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "devices:         8 x cpu (simulated) in 2 processes of 4" in result.stdout
+  assert "steps 0 -> 5," in result.stdout and _checkpoint_steps(model_dir) == [5]
