@@ -166,6 +166,19 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
   assert _checkpoint_steps(model_dir)[-1] == latest
 
 
+def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):
+  model_dir = tmp_path / "run"
+  args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 100000"]
+  args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 5"]
+  procs = _start(args, processes=2, cwd=tmp_path)
+  _wait_for_checkpoint(model_dir, procs)
+  procs[0].send_signal(signal.SIGINT)
+  results = _finish(procs)
+  assert [code for code, _, _ in results] == [130, 130], results[0][2][-2000:]
+  stopped = int(re.search(r"^interrupted at step (\d+)$", results[0][1], re.M).group(1))
+  assert stopped % 5 == 0 and _checkpoint_steps(model_dir)[-1] == stopped
+
+
 def _readme_recipe() -> str:
   blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]

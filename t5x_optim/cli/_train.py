@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from t5x_optim._training.checkpoints import Checkpointer
@@ -486,6 +487,21 @@ def _runs_on_cpu(job: TrainJob) -> bool:
   return job.partitioner.mesh.devices.flat[0].platform == "cpu"
 
 
+def _stop(interrupt: Interrupt, step: int, every: int) -> bool:
+  """Whether to stop before the next step (Ctrl-C).
+
+  The processes of a multi-process run must stop at the same step (they save
+  its checkpoint together), so they agree at every multiple of `every`
+  (``log_every``): all stop when any was interrupted.
+  """
+  if jax.process_count() == 1:
+    return interrupt.requested
+  if step % every:
+    return False
+  flags = multihost_utils.process_allgather(np.int32(interrupt.requested))
+  return bool(np.any(flags))
+
+
 def _loop(
   setup: Setup,
   state: TrainState,
@@ -504,7 +520,7 @@ def _loop(
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = None
   compiled_weights = False
-  while step < job.total_steps and not interrupt.requested:
+  while step < job.total_steps and not _stop(interrupt, step, job.log_every):
     if setup.weights_step_fn is not None and (step + 1) % job.metrics_every == 0:
       with clock.paused() if not compiled_weights else contextlib.nullcontext():
         state, metrics = setup.weights_step_fn(state, setup.train_batch(step))
@@ -565,7 +581,7 @@ def _loop(
     timed_seconds=clock.total_seconds,
     checkpoint_dir=str(checkpointer.directory),
     checkpoint_step=saved,
-    interrupted=interrupt.requested,
+    interrupted=step < job.total_steps,
     finished_before=False,
     tokens_per_step=job.task.batch_size * job.task.length,
   )
