@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing import event_accumulator
+from test_cli import _scalars
 
 pytestmark = pytest.mark.slow
 
@@ -86,15 +86,6 @@ def _train(args: Sequence[str], *, processes: int, cwd: Path) -> list[tuple[int,
   return results
 
 
-def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
-  accumulator = event_accumulator.EventAccumulator(str(directory), size_guidance={"scalars": 0})
-  accumulator.Reload()
-  return {
-    tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-    for tag in accumulator.Tags()["scalars"]
-  }
-
-
 def _checkpoint_steps(model_dir: Path) -> list[int]:
   directory = model_dir / "checkpoints"
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
@@ -142,12 +133,18 @@ def _resume(model_dir: Path, total: int, processes: int, cwd: Path) -> str:
   return out
 
 
-def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
+def _long_run(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:
+  """A 2-process run that checkpoints every 5 steps, once its first checkpoint is written."""
   model_dir = tmp_path / "run"
   args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 100000"]
   args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 5"]
   procs = _start(args, processes=2, cwd=tmp_path)
   _wait_for_checkpoint(model_dir, procs)
+  return model_dir, procs
+
+
+def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
+  model_dir, procs = _long_run(tmp_path)
   procs[1].send_signal(signal.SIGKILL)
   killed = time.monotonic()
   try:
@@ -167,11 +164,7 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
 
 
 def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):
-  model_dir = tmp_path / "run"
-  args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 100000"]
-  args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 5"]
-  procs = _start(args, processes=2, cwd=tmp_path)
-  _wait_for_checkpoint(model_dir, procs)
+  model_dir, procs = _long_run(tmp_path)
   procs[0].send_signal(signal.SIGINT)
   results = _finish(procs)
   assert [code for code, _, _ in results] == [130, 130], results[0][2][-2000:]

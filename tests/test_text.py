@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("clean_gin")
 TINY = ["--gin_file", "examples/tiny.gin"]
 
 
-def _windows(task: TextTask, batch: dict[str, np.ndarray]) -> list[bytes]:
+def _windows(batch: dict[str, np.ndarray]) -> list[bytes]:
   return [bytes(row.astype(np.uint8)) for row in batch["inputs"]]
 
 
@@ -35,9 +35,9 @@ def test_a_directory_is_one_stream_and_eval_reads_only_its_tail(tmp_path):
   (tmp_path / ".hidden").write_text("h" * 1000)
   task = TextTask(path=str(tmp_path), length=8, batch_size=64, eval_fraction=0.25)
   assert task.num_bytes == 400 and task.eval_start == 300
-  eval_text = b"".join(_windows(task, task.eval_batch(0)))
+  eval_text = b"".join(_windows(task.eval_batch(0)))
   assert set(eval_text) == {ord("b")}
-  train_text = b"".join(_windows(task, task.batch(0)))
+  train_text = b"".join(_windows(task.batch(0)))
   assert ord("a") in set(train_text) and ord("h") not in set(train_text)
   # A window crossing the file boundary reads both files.
   assert task._bytes(296, 8) == b"aaaabbbb"
@@ -100,3 +100,28 @@ def test_text_training_learns_and_writes_the_text_config(tmp_path, capsys):
   assert "eval loss" in out
   config = (model_dir / "config.gin").read_text()
   assert "cli.TextTask.path = " in config and str(_text.DATA_DIR / "hamlet.txt") in config
+
+
+def test_batches_read_their_windows_only(tmp_path, monkeypatch):
+  path = tmp_path / "big.txt"
+  path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 200_000)  # 8.8 MB
+  task = TextTask(path=str(path), length=16, batch_size=8)
+  read: list[int] = []
+  opened = Path.open
+
+  def counting_open(self, *args, **kwargs):
+    stream = opened(self, *args, **kwargs)
+    original = stream.read
+
+    def read_some(size=-1):
+      data = original(size)
+      read.append(len(data))
+      return data
+
+    stream.read = read_some
+    return stream
+
+  monkeypatch.setattr(Path, "open", counting_open)
+  task.batch(0)
+  task.eval_batch(0, rows=slice(0, 2))
+  assert sum(read) == 10 * 17
