@@ -172,6 +172,21 @@ def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):
   assert stopped % 5 == 0 and _checkpoint_steps(model_dir)[-1] == stopped
 
 
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--num_processes", "2", "--process_id", "0"], "--model_dir is required"),
+    (["--num_processes", "2", "--process_id", "2", "--model_dir", "x"], "--process_id 2 is not"),
+  ],
+)
+def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
+  from t5x_optim.cli import main  # noqa: PLC0415
+
+  assert main(["train", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and message in err, err
+
+
 def _readme_recipe() -> str:
   blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]

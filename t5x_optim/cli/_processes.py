@@ -73,10 +73,16 @@ def start(args: argparse.Namespace) -> None:
   """Connects this process to the others when `wanted`; call before any other jax call.
 
   Raises:
-    ValueError: the flags do not describe a process of a job (one line).
+    ValueError: the flags do not describe a process of a job, or no
+      ``--model_dir`` is given (one line).
   """
   if not wanted(args):
     return
+  if getattr(args, "model_dir", None) is None:
+    raise ValueError(
+      "--model_dir is required in a multi-process run: every process must write into the "
+      "same directory."
+    )
   count, index = args.num_processes, args.process_id
   if count is not None and count < 1:
     raise ValueError(f"--num_processes must be at least 1, got {count}.")
