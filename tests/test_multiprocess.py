@@ -97,8 +97,10 @@ def test_two_processes_train_like_one_and_only_process_0_writes(tmp_path):
   one = _train([*args, "--model_dir", str(tmp_path / "one")], processes=1, cwd=tmp_path)
   two = _train([*args, "--model_dir", str(tmp_path / "two")], processes=2, cwd=tmp_path)
   assert "devices:         8 x cpu (simulated) in 2 processes of 4" in two[0][1]
-  # Process 1 prints nothing of its own (gloo's C++ connection lines may appear).
-  assert [line for line in two[1][1].splitlines() if not line.startswith("[Gloo]")] == []
+  # Process 1 prints none of the run's lines (gloo's C++ threads print connection lines,
+  # sometimes interleaved).
+  ours = r"^(model_dir|devices|mesh|optimizer|params|step|eval|loss|checkpoint|interrupted)"
+  assert not re.search(ours, two[1][1], re.M), two[1][1]
   assert "loss 5.8711 -> " in one[0][1] and "loss 5.8711 -> " in two[0][1]
   for kind in ("train", "eval"):
     assert len(list((tmp_path / "two" / kind).iterdir())) == 1, "one event file, process 0's"
