@@ -65,29 +65,39 @@ def _sum_squares(x: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
-def _sharded_sum_squares(leaves: list[jax.Array], shardings: list[NamedSharding]) -> jax.Array:
-  """Every leaf's sum of squares, with one all-reduce for all of them.
+def _sum_squares_of(terms: tuple[jax.Array, ...]) -> jax.Array:
+  """The sum of squares of ``terms[0]``, or of ``terms[0] - terms[1]`` (an update)."""
+  if len(terms) == 1:
+    return _sum_squares(terms[0])
+  new, old = terms
+  return jnp.sum(jnp.square(new.astype(jnp.float32) - old.astype(jnp.float32)))
 
-  Each device sums the squares of its shard of every leaf; one ``psum`` over
-  the whole mesh adds the per-device vectors, and each leaf's total is
-  divided by how many devices hold each of its shards (its replication).
+
+def _sharded_sum_squares(
+  terms: list[tuple[jax.Array, ...]], shardings: list[NamedSharding]
+) -> jax.Array:
+  """Every term's sum of squares, with one all-reduce for all of them.
+
+  Each device sums the squares of its shard of every term (an update's
+  difference inside the same loop, so it is never materialised); one
+  ``psum`` over the whole mesh adds the per-device vectors, and each term's
+  total is divided by how many devices hold each of its shards (its
+  replication).
   """
   mesh = shardings[0].mesh
-  specs = [sharding.spec for sharding in shardings]
   replicas = []
-  for leaf, sharding in zip(leaves, shardings, strict=True):
+  for term, sharding in zip(terms, shardings, strict=True):
     shards = len(
-      {tuple(map(str, index)) for index in sharding.devices_indices_map(leaf.shape).values()}
+      {tuple(map(str, index)) for index in sharding.devices_indices_map(term[0].shape).values()}
     )
     replicas.append(mesh.size // shards)
+  specs = tuple(tuple(sharding.spec for _ in term) for term, sharding in zip(terms, shardings))
 
-  def local(*shards: jax.Array) -> jax.Array:
-    partial = jnp.stack([_sum_squares(x) for x in shards])
+  def local(*shards: tuple[jax.Array, ...]) -> jax.Array:
+    partial = jnp.stack([_sum_squares_of(term) for term in shards])
     return jax.lax.psum(partial, tuple(mesh.axis_names))
 
-  totals = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)(
-    *leaves
-  )
+  totals = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*terms)
   return totals / jnp.asarray(replicas, jnp.float32)
 
 
@@ -144,24 +154,23 @@ def metric_vector(
     param_shardings = state_shardings = None
   else:
     grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-  updates = jax.tree.map(
-    lambda new, old: new.astype(jnp.float32) - old.astype(jnp.float32), new_params, old_params
-  )
-  groups = [
-    _leaves(new_params, param_shardings),
-    _leaves(grads, param_shardings),
-    _leaves(updates, param_shardings),
-    _leaves(param_states, state_shardings),
+  news = _leaves(new_params, param_shardings)
+  olds = [leaf for _, leaf, _ in _leaves(old_params, param_shardings)]
+  entries = [
+    *[((leaf,), sharding) for _, leaf, sharding in news],
+    *[((leaf,), sharding) for _, leaf, sharding in _leaves(grads, param_shardings)],
+    *[((leaf, old), sharding) for (_, leaf, sharding), old in zip(news, olds, strict=True)],
+    *[((leaf,), sharding) for _, leaf, sharding in _leaves(param_states, state_shardings)],
   ]
-  leaves = [leaf for entries in groups for _, leaf, _ in entries]
-  shardings = [sharding for entries in groups for _, _, sharding in entries]
-  if not leaves:
+  if not entries:
     return jnp.zeros([0], jnp.float32)
-  sizes = jnp.asarray([leaf.size for leaf in leaves], jnp.float32)
+  terms = [term for term, _ in entries]
+  shardings = [sharding for _, sharding in entries]
+  sizes = jnp.asarray([term[0].size for term in terms], jnp.float32)
   if all(isinstance(s, NamedSharding) for s in shardings) and len({s.mesh for s in shardings}) == 1:
-    totals = _sharded_sum_squares(leaves, shardings)
+    totals = _sharded_sum_squares(terms, shardings)
   else:
-    totals = jnp.stack([_sum_squares(leaf) for leaf in leaves])
+    totals = jnp.stack([_sum_squares_of(term) for term in terms])
   return jnp.sqrt(totals / sizes)
 
 
