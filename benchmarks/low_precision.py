@@ -1,7 +1,8 @@
 """Benchmark: adamw with its state in float32, bfloat16 (stochastic rounding) and 8 bits.
 
-Each run is the `t5x-optim train` job (the default transformer on the CLI's
-synthetic task, the default mesh) with one optimizer gin file:
+Each run is the `t5x-optim train` job (the default transformer on the text task,
+``--data``, default the shipped ``hamlet.txt``, or with ``--synthetic`` the CLI's
+synthetic task; the default mesh) with one optimizer gin file:
 
 * ``float32``: ``optimizers/adamw.gin``;
 * ``bf16+SR``: ``optimizers/adamw_bf16_sr.gin``;
@@ -26,7 +27,8 @@ model (about 110M params). ``--png`` writes the eval-loss
 curves (matplotlib, imported only then).
 
 Run: ``python benchmarks/low_precision.py [--steps 2000] [--seeds 0 1 2]
-[--eval_every 100] [--num_devices 1] [--larger] [--png PATH] [--bytes_only]``.
+[--eval_every 100] [--num_devices 1] [--larger] [--png PATH] [--bytes_only]
+[--data PATH | --synthetic]``.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def _parse() -> argparse.Namespace:
     "--num_devices", type=int, default=1, help="simulated CPU devices (ignored on an accelerator)"
   )
   parser.add_argument("--png", default=None, help="write the eval-loss curves here")
+  parser.add_argument("--data", default="hamlet.txt", help="text file or directory")
+  parser.add_argument("--synthetic", action="store_true", help="the synthetic task instead")
   parser.add_argument(
     "--bytes_only", action="store_true", help="print only the state bytes (abstract, no training)"
   )
@@ -85,6 +89,16 @@ def _parse() -> argparse.Namespace:
     help="a gin binding for every run (e.g. 'optimizers.low_precision.shard_multiple = 1')",
   )
   return parser.parse_args()
+
+
+def _task_bindings(args: argparse.Namespace) -> list[str]:
+  from t5x_optim.cli import _config  # noqa: PLC0415
+
+  return [] if args.synthetic else _config.data_bindings(args.data)
+
+
+def _data(args: argparse.Namespace) -> str:
+  return "synthetic task" if args.synthetic else f"text task ({args.data})"
 
 
 def _state_bytes(abstract) -> tuple[int, int, int, int]:
@@ -124,6 +138,7 @@ class _Run:
       f"cli.TrainJob.seed = {seed}",
       "cli.TrainJob.eval_batches = 8",
       *(LARGER if args.larger else []),
+      *_task_bindings(args),
       *args.binding,
     ]
     if "low_precision" in (_config.GIN_DIR / gin_file).read_text():
@@ -145,10 +160,10 @@ class _Run:
   def train(self, steps: int) -> None:
     import jax  # noqa: PLC0415
 
-    task = self.setup.job.task
     for _ in range(steps):
+      batch = self.setup.train_batch(self.step)
       start = time.perf_counter()
-      self.state, metrics = self.setup.step_fn(self.state, task.batch(self.step))
+      self.state, metrics = self.setup.step_fn(self.state, batch)
       jax.block_until_ready(metrics)
       if self.step:
         self.times.append(time.perf_counter() - start)
@@ -220,7 +235,7 @@ def main() -> None:
   first = next(iter(runs.values()))[0]
   platform = jax.devices()[0].platform
   print(
-    f"\n{'larger' if args.larger else 'default'} model ({first.params:,} params), synthetic task, "
+    f"\n{'larger' if args.larger else 'default'} model ({first.params:,} params), {_data(args)}, "
     f"{args.steps} steps, seeds {args.seeds}, {args.num_devices} {platform} device(s); "
     f"{time.perf_counter() - started:.0f} s in all"
   )
@@ -243,7 +258,7 @@ def main() -> None:
       f"{run.total / run.params:>9.3f}{per_moment:>10.3f}{run.per_device:>10,}"
       f"{ms:>9.2f}{base_ms / ms:>14.3f}"
     )
-  _print_bytes(args.runs, model, args.binding, "the same model")
+  _print_bytes(args.runs, [*model, *_task_bindings(args)], args.binding, "the same model")
   if args.png:
     import matplotlib  # noqa: PLC0415
 
@@ -258,7 +273,7 @@ def main() -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("eval loss")
     ax.set_yscale("log")
-    ax.set_title("adamw state: float32 vs bfloat16 vs 8-bit (default job, synthetic task)")
+    ax.set_title(f"adamw state: float32 vs bfloat16 vs 8-bit (default job, {_data(args)})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.png, dpi=100)

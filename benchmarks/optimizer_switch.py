@@ -1,7 +1,8 @@
 """Benchmark: switching optimizers mid-run, with the old state reset or converted.
 
-The main job's model (`t5x-optim train`'s default transformer and synthetic task,
-vocabulary 32) trains with Adafactor (as ``optimizers/adafactor.gin`` configures
+The main job's model (`t5x-optim train`'s default transformer) on the text task
+(``--data``, default the shipped ``hamlet.txt``: a byte-level LM, vocabulary 256;
+``--synthetic`` for the synthetic task, vocabulary 32) trains with Adafactor (as ``optimizers/adafactor.gin`` configures
 it, at a constant learning rate) for ``--before`` steps; then AdamW takes over with a
 constant learning rate and no new warmup, in three runs from the same params:
 
@@ -19,7 +20,8 @@ the loss above the pre-switch loss), and the final loss (mean of the last 10
 steps), each the mean over ``--seeds`` seeds (model init and task). The same
 batches feed every run of a seed. The curves go to ``--png``.
 
-Run: ``python benchmarks/optimizer_switch.py [--before 400] [--after 100] [--seeds 2] [--adamw_lr 1e-2]``.
+Run: ``python benchmarks/optimizer_switch.py [--before 400] [--after 100] [--seeds 2]
+[--adamw_lr 1e-2] [--data PATH | --synthetic]``.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from t5x_optim.cli._model import (  # noqa: E402
   TransformerLM,
   cross_entropy_loss,
 )
+from t5x_optim.cli._text import TextTask  # noqa: E402
 
 SMOOTH, PRE = 5, 10
-VOCAB_SIZE = 32  # the main job's (t5x-optim's default config)
+SYNTHETIC_VOCAB_SIZE = 32  # the main job's synthetic task (t5x-optim's default config)
 
 
 def _parse() -> argparse.Namespace:
@@ -55,6 +58,8 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--seeds", type=int, default=2)
   parser.add_argument("--adafactor_lr", type=float, default=1e-2)
   parser.add_argument("--adamw_lr", type=float, default=1e-2)
+  parser.add_argument("--data", default="hamlet.txt", help="text file or directory")
+  parser.add_argument("--synthetic", action="store_true", help="the synthetic task instead")
   parser.add_argument(
     "--png",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "optimizer_switch.png"),
@@ -89,7 +94,13 @@ def _runner(model: TransformerLM):
   return jax.jit(lambda opt, batches: jax.lax.scan(step, opt, batches))
 
 
-def _batches(task: SyntheticTask, start: int, count: int) -> dict[str, jax.Array]:
+def _task(args: argparse.Namespace, seed: int) -> SyntheticTask | TextTask:
+  if args.synthetic:
+    return SyntheticTask(vocab_size=SYNTHETIC_VOCAB_SIZE, seed=seed)
+  return TextTask(path=args.data, seed=seed)
+
+
+def _batches(task: SyntheticTask | TextTask, start: int, count: int) -> dict[str, jax.Array]:
   batches = [task.batch(step) for step in range(start, start + count)]
   return {key: jnp.stack([b[key] for b in batches]) for key in batches[0]}
 
@@ -107,8 +118,8 @@ def _metrics(pre: np.ndarray, after: np.ndarray) -> dict[str, float]:
 def _switch(args, seed: int, first: str, second: str) -> dict[str, np.ndarray]:
   """Loss curves of one seed: the first optimizer's steps, then each run after the switch."""
   defs = _optimizers(args)
-  task = SyntheticTask(vocab_size=VOCAB_SIZE, seed=seed)
-  model = TransformerLM(TransformerConfig(vocab_size=VOCAB_SIZE))
+  task = _task(args, seed)
+  model = TransformerLM(TransformerConfig(vocab_size=task.vocab_size))
   params = model.init(jax.random.key(seed), jnp.zeros((1, task.length), jnp.int32))["params"]
   run = _runner(model)
   old, pre = run(defs[first].create(params), _batches(task, 0, args.before))
@@ -157,8 +168,10 @@ def main() -> None:
   for first, second in (("adafactor", "adamw"), ("adamw", "adafactor")):
     title = f"{first} -> {second}"
     results[title] = [_switch(args, seed, first, second) for seed in range(args.seeds)]
+  data = "synthetic task" if args.synthetic else f"text task ({args.data})"
   print(
-    f"{args.before} steps before the switch, {args.after} after; mean of {args.seeds} seeds; "
+    f"{data}: {args.before} steps before the switch, {args.after} after; mean of "
+    f"{args.seeds} seeds; "
     f"adafactor lr {args.adafactor_lr}, adamw lr {args.adamw_lr} (constant, no warmup)\n"
   )
   print("| switch | run | peak excess | area | final loss | pre-switch loss |")

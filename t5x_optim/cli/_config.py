@@ -4,7 +4,7 @@ Everything a gin file needs is reached through dynamic registration: optax
 (``import optax``), this package's optimizers and partitioning
 (``from t5x_optim import optimizers, partitioning``) and the job itself
 (``from t5x_optim import cli``: `TrainJob`, `TransformerConfig`,
-`SyntheticTask`). The default config is always parsed
+`SyntheticTask`, `TextTask`). The default config is always parsed
 first, then the ``--gin_file``s, then the ``--gin_bindings``, so a file or a
 binding overrides only what it names. Bindings may name anything those
 imports reach (``optax.adam.b1 = 0.95``) without importing it themselves.
@@ -28,6 +28,7 @@ from t5x_optim import partitioning
 from t5x_optim._optimizers.interface import OptimizerDef
 from t5x_optim._training import storage
 from t5x_optim.cli._model import SyntheticTask, TransformerConfig
+from t5x_optim.cli._text import BYTE_VOCAB_SIZE, TextTask
 from t5x_optim.partitioning import Partitioner
 
 # gin reads its files with `open`; a path with a scheme (gs://) is read through epath.
@@ -40,6 +41,7 @@ __all__ = [
   "TrainJob",
   "build_job",
   "check_mesh_pin",
+  "data_bindings",
   "default_num_partitions",
   "default_search_paths",
   "describe_optimizer",
@@ -96,7 +98,7 @@ cli.TrainJob:
   optimizer = %OPTIMIZER
   partitioner = %PARTITIONER
   model = @cli.TransformerConfig()
-  task = @cli.SyntheticTask()
+  task = %TASK
   total_steps = %TOTAL_STEPS
   learning_rate = %LEARNING_RATE
   checkpoint_every = 100
@@ -105,8 +107,12 @@ cli.TrainJob:
   eval_every = 50
   eval_batches = 4
   seed = 0
+  metrics_every = 50
 cli.TransformerConfig.vocab_size = %VOCAB_SIZE
 cli.SyntheticTask.vocab_size = %VOCAB_SIZE
+
+# The synthetic task; `--data PATH` binds TASK = @cli.TextTask() (bytes: VOCAB_SIZE = 256).
+TASK = @cli.SyntheticTask()
 """
 )
 """The config `t5x-optim train` and `t5x-optim plan` start from.
@@ -241,7 +247,7 @@ class TrainJob:
     optimizer: the optimizer definition (``%OPTIMIZER``).
     partitioner: mesh and logical axis rules (``%PARTITIONER``).
     model: sizes of the transformer LM.
-    task: the synthetic task (its batch size is global).
+    task: the data: `SyntheticTask` or `TextTask` (its batch size is global).
     total_steps: train until the step counter reaches this.
     learning_rate: what TensorBoard shows as ``learning_rate``: the
       optimizer's schedule (``%LEARNING_RATE``, a function of the step) or a
@@ -253,6 +259,9 @@ class TrainJob:
     eval_every: evaluate on held-out batches every this many steps (and at the end).
     eval_batches: held-out batches per evaluation.
     seed: the PRNG seed of the model's initialisation.
+    metrics_every: every this many steps, write per-parameter metrics (RMS of
+      each param, its gradient, its update and each optimizer-state leaf,
+      as T5X's ``WeightMetricsComputer``) under ``train/``; 0 writes none.
 
   Raises:
     TypeError: a field of the wrong type (e.g. an optax transformation
@@ -272,7 +281,7 @@ class TrainJob:
   optimizer: OptimizerDef
   partitioner: Partitioner
   model: TransformerConfig = TransformerConfig()
-  task: SyntheticTask = SyntheticTask()
+  task: SyntheticTask | TextTask = SyntheticTask()
   total_steps: int = 300
   learning_rate: float | Callable[[int], Any] | None = None
   checkpoint_every: int = 100
@@ -281,6 +290,7 @@ class TrainJob:
   eval_every: int = 50
   eval_batches: int = 4
   seed: int = 0
+  metrics_every: int = 0
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -305,7 +315,12 @@ class TrainJob:
       "Set PARTITIONER to @partitioning.Partitioner().",
     )
     _check_type(owner, "model", self.model, TransformerConfig, "Use @cli.TransformerConfig().")
-    _check_type(owner, "task", self.task, SyntheticTask, "Use @cli.SyntheticTask().")
+    if not isinstance(self.task, (SyntheticTask, TextTask)):
+      raise TypeError(
+        f"{owner}.task must be a SyntheticTask or a TextTask, got {self.task!r} "
+        f"({type(self.task).__name__}). Use @cli.SyntheticTask() or @cli.TextTask()."
+      )
+    task = type(self.task).__name__
     for name in (
       "total_steps",
       "checkpoint_every",
@@ -316,6 +331,7 @@ class TrainJob:
     ):
       _check_int(owner, name, getattr(self, name), minimum=1)
     _check_int(owner, "seed", self.seed, minimum=0)
+    _check_int(owner, "metrics_every", self.metrics_every, minimum=0)
     rate = self.learning_rate
     if not (
       rate is None
@@ -329,19 +345,33 @@ class TrainJob:
     if self.model.vocab_size != self.task.vocab_size:
       raise ValueError(
         f"TransformerConfig.vocab_size={self.model.vocab_size} differs from "
-        f"SyntheticTask.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
+        f"{task}.vocab_size={self.task.vocab_size}; bind both (VOCAB_SIZE)."
       )
     if self.task.length > self.model.max_length:
       raise ValueError(
-        f"SyntheticTask.length={self.task.length} exceeds "
+        f"{task}.length={self.task.length} exceeds "
         f"TransformerConfig.max_length={self.model.max_length}."
       )
     data = dict(self.partitioner.mesh.shape).get("data", 1)
     if self.task.batch_size % data:
       raise ValueError(
-        f"SyntheticTask.batch_size={self.task.batch_size} is not divisible by the "
+        f"{task}.batch_size={self.task.batch_size} is not divisible by the "
         f"mesh's data axis ({data} devices)."
       )
+
+
+def data_bindings(path: str | Path) -> list[str]:
+  """The gin bindings of ``--data PATH``: the byte-level `TextTask` on `path`.
+
+  Example:
+    >>> data_bindings('hamlet.txt')
+    ['TASK = @cli.TextTask()', "cli.TextTask.path = 'hamlet.txt'", 'VOCAB_SIZE = 256']
+  """
+  return [
+    "TASK = @cli.TextTask()",
+    f"cli.TextTask.path = {str(path)!r}",
+    f"VOCAB_SIZE = {BYTE_VOCAB_SIZE}",
+  ]
 
 
 def default_search_paths() -> list[Path]:

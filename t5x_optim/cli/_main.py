@@ -9,6 +9,7 @@ moment exits with status 130, after saving a checkpoint when a step ran.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from t5x_optim.cli import _processes
 from t5x_optim.cli._interrupt import EXIT_INTERRUPTED, Interrupt
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "console_main", "main", "simulate_cpu_devices"]
@@ -29,7 +31,7 @@ _TRUST = (
   "so use only gin files you would trust as code."
 )
 _DESCRIPTION = f"""\
-Train a tiny gin-configured transformer LM on a synthetic task (train), or show
+Train a tiny gin-configured transformer LM on a synthetic task or on text (train), or show
 how its optimizer state shards without allocating it (plan).
 
 Runs on whatever is there: every GPU or TPU core, or, without an accelerator,
@@ -41,7 +43,7 @@ then the gin files shipped in the package (optimizers/, partitioning/, examples/
 {_TRUST}
 """
 _TRAIN_DESCRIPTION = f"""\
-Train on the synthetic task in MODEL_DIR (T5X's model-directory convention):
+Train on the synthetic task (or --data text) in MODEL_DIR (T5X's model-directory convention):
 checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
 MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
 MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
@@ -97,6 +99,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     help="directory searched for gin files and includes (repeatable)",
   )
   parser.add_argument(
+    "--data",
+    type=Path,
+    default=None,
+    metavar="FILE_OR_DIR",
+    help="train a byte-level LM on this text file or directory of them (a shipped "
+    "text by name: hamlet.txt) instead of the synthetic task; binds "
+    "TASK = @cli.TextTask() and VOCAB_SIZE = 256",
+  )
+  parser.add_argument(
     "--num_devices",
     type=_positive,
     default=None,
@@ -130,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
   commands = parser.add_subparsers(dest="command", required=True)
   train = commands.add_parser(
     "train",
-    help="train on the synthetic task",
+    help="train on the synthetic task or on text (--data)",
     description=_TRAIN_DESCRIPTION,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -141,6 +152,14 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     help="the run's directory; resumed when it holds checkpoints "
     "(default: a new ./t5x_optim_runs/<date>-<time>)",
+  )
+  train.add_argument(
+    "--metrics_every",
+    type=int,
+    default=None,
+    metavar="N",
+    help="write per-parameter metrics (RMS of params, gradients, updates and optimizer "
+    "states) every N steps, 0 for none; binds cli.TrainJob.metrics_every (default 50)",
   )
   train.add_argument(
     "--init_from",
@@ -158,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
     "config.gin; none for T5X's legacy Adafactor)",
   )
+  _processes.add_flags(train)
   plan = commands.add_parser(
     "plan",
     help="show how the optimizer state shards (no training)",
@@ -173,6 +193,11 @@ def _parser() -> argparse.ArgumentParser:
     help="flag replicated optimizer-state leaves of at least this many bytes",
   )
   return parser
+
+
+def _metrics_bindings(args: argparse.Namespace) -> list[str]:
+  every = getattr(args, "metrics_every", None)
+  return [] if every is None else [f"cli.TrainJob.metrics_every = {every}"]
 
 
 def _error(command: str, message: str) -> int:
@@ -204,7 +229,9 @@ def _devices(requested: int | None) -> tuple[int, str]:
     )
   count = len(devices) if requested is None else requested
   kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
-  return count, f"{count} x {kind}"
+  processes = jax.process_count()
+  spread = f" in {processes} processes of {count // processes}" if processes > 1 else ""
+  return count, f"{count} x {kind}{spread}"
 
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
@@ -229,6 +256,11 @@ def _fail(args: argparse.Namespace, error: Exception) -> int:
 
 
 def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
+  if args.command == "train":
+    try:
+      _processes.start(args)
+    except ValueError as error:
+      return _fail(args, error)
   import gin  # noqa: PLC0415
 
   from t5x_optim.cli import _config, _train  # noqa: PLC0415 - after the XLA flags are set
@@ -237,6 +269,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     train = args.command == "train"
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
+    primary = _processes.is_primary()
     source = None
     if train and args.init_from:
       from t5x_optim.cli import _init_from  # noqa: PLC0415
@@ -244,9 +277,15 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       source = _init_from.source_optimizer(
         args.init_from, args.init_from_gin, args.gin_search_paths, _config.device_macros(count)
       )
+    data = []
+    if args.data is not None:
+      from t5x_optim.cli import _text  # noqa: PLC0415
+
+      data = _config.data_bindings(_text.resolve_data_path(args.data, label="--data"))
+      _text.scan_text(args.data, label="--data")
     _config.parse_config(
       gin_files=args.gin_file,
-      gin_bindings=args.gin_bindings,
+      gin_bindings=[*data, *_metrics_bindings(args), *args.gin_bindings],
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
@@ -272,14 +311,16 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       model_dir=model_dir,
       interrupt=interrupt,
       about=about,
-      config_text=gin.operative_config_str(),
+      config_text=gin.operative_config_str() if primary else None,
+      stream=None if primary else io.StringIO(),
       initial_state=initial_state,
+      write_events=primary,
     )
   except _train.UsageError as error:
     return _fail(args, error)
   except _train.Interrupted:
     return _interrupted(args.command)
-  if not summary.finished_before:
+  if primary and not summary.finished_before:
     print(summary.format())
   return EXIT_INTERRUPTED if summary.interrupted else 0
 

@@ -44,13 +44,15 @@ class MetricWriters:
     model_dir: the run's directory.
     start_step: the step the run starts from; on a resumed run TensorBoard
       drops events logged after it by the interrupted run (its purge step).
+    enabled: False writes nothing (the processes other than 0 of a run).
   """
 
-  def __init__(self, model_dir: Path, *, start_step: int):
+  def __init__(self, model_dir: Path, *, start_step: int, enabled: bool = True):
     purge = start_step + 1 if start_step else None
     self._writers = {
       kind: tensorboardX.SummaryWriter(event_dir(model_dir, kind), purge_step=purge)
       for kind in (TRAIN, EVAL)
+      if enabled
     }
 
   def __enter__(self) -> Self:
@@ -61,7 +63,9 @@ class MetricWriters:
 
   def write(self, kind: str, step: int, scalars: Mapping[str, float | None]) -> None:
     """Writes the scalars that are not None at `step` and flushes them to disk."""
-    writer = self._writers[kind]
+    writer = self._writers.get(kind)
+    if writer is None:
+      return
     for tag, value in scalars.items():
       if value is not None:
         writer.add_scalar(tag, float(value), step)

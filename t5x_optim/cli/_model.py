@@ -251,25 +251,28 @@ class SyntheticTask:
     guessed = self.length - free
     return (free * math.log(self.vocab_size) + guessed * math.log(self.branching)) / self.length
 
-  def batch(self, step: int) -> dict[str, np.ndarray]:
-    """The training batch of `step`: ``inputs`` and next-token ``targets``, int32."""
-    return self._sample(np.random.default_rng((self.seed, step)))
+  def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+    """Rows `rows` (default: all) of the training batch of `step`: ``inputs``
+    and next-token ``targets``, int32."""
+    return self._sample(np.random.default_rng((self.seed, step)), rows)
 
-  def eval_batch(self, index: int) -> dict[str, np.ndarray]:
-    """Held-out batch `index`: the same language, sampled apart from every training batch.
+  def eval_batch(self, index: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+    """Held-out batch `index` (its rows `rows`): the same language, sampled apart
+    from every training batch.
 
     Example:
       >>> task = SyntheticTask(vocab_size=8, length=4, batch_size=2)
       >>> bool((task.eval_batch(0)['inputs'] == task.batch(0)['inputs']).all())
       False
     """
-    return self._sample(np.random.default_rng((self.seed, index, _EVAL_STREAM)))
+    return self._sample(np.random.default_rng((self.seed, index, _EVAL_STREAM)), rows)
 
-  def _sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  def _sample(self, rng: np.random.Generator, rows: slice | None) -> dict[str, np.ndarray]:
     table = _successor_table(self.vocab_size, self.branching, self.seed)
     tokens = np.empty((self.batch_size, self.length + 1), np.int32)
     tokens[:, :2] = rng.integers(self.vocab_size, size=(self.batch_size, 2))
     choices = rng.integers(self.branching, size=(self.batch_size, self.length + 1))
     for t in range(2, self.length + 1):
       tokens[:, t] = table[tokens[:, t - 2], tokens[:, t - 1], choices[:, t]]
+    tokens = tokens if rows is None else tokens[rows]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -43,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from t5x_optim._training import storage
@@ -50,10 +53,13 @@ from t5x_optim._training.checkpoints import Checkpointer
 from t5x_optim._training.plan import format_bytes
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli._config import TrainJob
+from t5x_optim.cli._input import global_batch
 from t5x_optim.cli._interrupt import Interrupt
 from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli._model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli._progress import Clock, Progress, format_metrics
+from t5x_optim.cli._summary import TrainSummary
+from t5x_optim.cli._weight_metrics import metric_tags, metric_vector
 
 __all__ = [
   "CONFIG_FILE",
@@ -170,9 +176,17 @@ def _trained(params: Any) -> Any:
 
 
 def _train_step(
-  model: TransformerLM, learning_rate: Any, state: TrainState, batch: dict[str, Any]
+  model: TransformerLM,
+  learning_rate: Any,
+  state: TrainState,
+  batch: dict[str, Any],
+  *,
+  weights: bool = False,
+  shardings: TrainState | None = None,
 ) -> Any:
-  """One update; the metrics are the loss, the gradient norm and the step's learning rate."""
+  """One update; the metrics are the loss, the gradient norm and the step's learning rate,
+  and with `weights` the per-parameter metrics (`metric_vector`, reduced with one
+  all-reduce given the state's `shardings`) under ``weights``."""
 
   def loss_fn(params: Any) -> jax.Array:
     return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
@@ -182,7 +196,17 @@ def _train_step(
   if learning_rate is not None:
     rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
-  return state.apply_gradient(grads), metrics
+  new_state = state.apply_gradient(grads)
+  if weights:
+    metrics["weights"] = metric_vector(
+      _trained(state.params),
+      _trained(new_state.params),
+      grads,
+      new_state.param_states,
+      param_shardings=None if shardings is None else _trained(shardings.params),
+      state_shardings=None if shardings is None else shardings.param_states,
+    )
+  return new_state, metrics
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
@@ -202,6 +226,9 @@ class Setup:
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
       ``loss``, ``grad_norm`` and ``learning_rate`` (when the job names one).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
+    batch_sharding: how a batch's rows shard over the mesh.
+    weights_step_fn: `step_fn` that also returns the per-parameter metrics
+      under ``weights``, a vector (None when ``metrics_every`` is 0).
   """
 
   job: TrainJob
@@ -211,6 +238,30 @@ class Setup:
   abstract_state: TrainState
   step_fn: Any
   eval_fn: Any
+  batch_sharding: Any = None
+  weights_step_fn: Any = None
+
+  @functools.cached_property
+  def weight_tags(self) -> list[str]:
+    """The tags of the ``weights`` vector of `weights_step_fn`."""
+    state = self.abstract_state
+    return metric_tags(_trained(state.params), state.param_states)
+
+  def train_batch(self, step: int) -> dict[str, jax.Array]:
+    """The global batch of `step`; this process reads only its devices' rows."""
+    task = self.job.task
+    return global_batch(
+      lambda rows: task.batch(step, rows), self.batch_sharding, (task.batch_size, task.length)
+    )
+
+  def eval_batch(self, index: int) -> dict[str, jax.Array]:
+    """Held-out global batch `index`, read like `train_batch`."""
+    task = self.job.task
+    return global_batch(
+      lambda rows: task.eval_batch(index, rows),
+      self.batch_sharding,
+      (task.batch_size, task.length),
+    )
 
 
 def _abstract(job: TrainJob, create: Callable[..., TrainState], args: tuple[Any, ...]) -> Any:
@@ -243,11 +294,16 @@ def prepare(job: TrainJob) -> Setup:
   abstract = _abstract(job, create_fn, init_args)
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
   partitioner = job.partitioner
-  step_fn = partitioner.partition(
-    lambda state, batch: _train_step(model, job.learning_rate, state, batch),
-    (shardings, BATCH_AXES),
-    (shardings, None),
-    donate_argnums=0,
+  step_fn, weights_step_fn = (
+    partitioner.partition(
+      functools.partial(
+        _train_step, model, job.learning_rate, weights=weights, shardings=shardings
+      ),
+      (shardings, BATCH_AXES),
+      (shardings, None),
+      donate_argnums=0,
+    )
+    for weights in (False, True)
   )
   param_shardings = _trained(shardings.params)
   eval_fn = partitioner.partition(
@@ -261,7 +317,12 @@ def prepare(job: TrainJob) -> Setup:
       f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
     ) from error
   create = partitioner.partition(create_fn, None, shardings)
-  return Setup(job, model, init_args, create, abstract, step_fn, eval_fn)
+  batch_sharding = partitioner.mesh_sharding(BATCH_AXES["inputs"])
+  if not job.metrics_every:
+    weights_step_fn = None
+  return Setup(
+    job, model, init_args, create, abstract, step_fn, eval_fn, batch_sharding, weights_step_fn
+  )
 
 
 def _leaf_bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
@@ -293,62 +354,6 @@ def describe_setup(setup: Setup, *, devices: str, optimizer: str) -> list[str]:
     f"optimizer state: {format_bytes(per_device)} per device "
     f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
   ]
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSummary:
-  """What a run did.
-
-  Attributes:
-    start_step: the step it started (or resumed) from.
-    end_step: the step it stopped at.
-    first_loss: train loss of its first step (None if it ran none).
-    final_loss: train loss of its last step.
-    eval_loss: the last held-out loss.
-    timed_steps: steps timed for the rate (all but the first, compiling one).
-    timed_seconds: their wall time, evaluations and checkpoint saves excluded.
-    checkpoint_dir: where the checkpoints are.
-    checkpoint_step: the latest saved step.
-    interrupted: stopped by Ctrl-C.
-    finished_before: the directory already held the finished run.
-
-  Example:
-    >>> print(TrainSummary(0, 10, 3.5, 1.25, 1.5, 9, 2.0, '/tmp/c', 10, False, False).format())
-    steps 0 -> 10, 4.5 steps/s (9 steps in 2.0 s, compilation excluded)
-    loss 3.5000 -> 1.2500, eval loss 1.5000
-    checkpoint: step 10 in /tmp/c
-  """
-
-  start_step: int
-  end_step: int
-  first_loss: float | None
-  final_loss: float | None
-  eval_loss: float | None
-  timed_steps: int
-  timed_seconds: float
-  checkpoint_dir: str
-  checkpoint_step: int | None
-  interrupted: bool
-  finished_before: bool
-
-  def format(self) -> str:
-    lines = []
-    if self.interrupted:
-      lines.append(f"interrupted at step {self.end_step}")
-    if self.timed_steps and self.timed_seconds > 0:
-      rate = (
-        f"{self.timed_steps / self.timed_seconds:.1f} steps/s ({self.timed_steps} steps "
-        f"in {self.timed_seconds:.1f} s, compilation excluded)"
-      )
-    else:
-      rate = "too few steps to time"
-    lines.append(f"steps {self.start_step} -> {self.end_step}, {rate}")
-    if self.final_loss is not None:
-      evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
-      lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")
-    saved = "none" if self.checkpoint_step is None else f"step {self.checkpoint_step}"
-    lines.append(f"checkpoint: {saved} in {self.checkpoint_dir}")
-    return "\n".join(lines)
 
 
 def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
@@ -392,7 +397,7 @@ def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
 def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
   """Mean held-out loss (of the fast and the slow params, for lookahead)."""
   job = setup.job
-  batches = [job.task.eval_batch(i) for i in range(job.eval_batches)]
+  batches = [setup.eval_batch(i) for i in range(job.eval_batches)]
   copies = {"loss": _trained(state.params)}
   if isinstance(state.params, optax.LookaheadParams):
     copies["loss_slow"] = state.params.slow
@@ -411,6 +416,7 @@ def train(
   config_text: str | None = None,
   stream: TextIO | None = None,
   initial_state: Callable[[], TrainState] | None = None,
+  write_events: bool = True,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
 
@@ -427,6 +433,8 @@ def train(
     stream: where the output goes (default: standard output).
     initial_state: builds the state of a new run (default: `setup.create`);
       ``--init_from`` restores another run's checkpoint with it.
+    write_events: write TensorBoard events (only process 0 of a
+      multi-process run does).
 
   Returns:
     The summary.
@@ -473,7 +481,7 @@ def train(
     if config_text is not None:
       (model_dir / CONFIG_FILE).write_text(config_text)
     start = int(state.step)
-    with MetricWriters(model_dir, start_step=start) as writers:
+    with MetricWriters(model_dir, start_step=start, enabled=write_events) as writers:
       return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=latest)
 
 
@@ -487,6 +495,21 @@ def _runs_on_cpu(job: TrainJob) -> bool:
   the devices are the host's cores anyway.
   """
   return job.partitioner.mesh.devices.flat[0].platform == "cpu"
+
+
+def _stop(interrupt: Interrupt, step: int, every: int) -> bool:
+  """Whether to stop before the next step (Ctrl-C).
+
+  The processes of a multi-process run must stop at the same step (they save
+  its checkpoint together), so they agree at every multiple of `every`
+  (``log_every``): all stop when any was interrupted.
+  """
+  if jax.process_count() == 1:
+    return interrupt.requested
+  if step % every:
+    return False
+  flags = multihost_utils.process_allgather(np.int32(interrupt.requested))
+  return bool(np.any(flags))
 
 
 def _loop(
@@ -506,12 +529,24 @@ def _loop(
   clock = Clock()
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = None
-  while step < job.total_steps and not interrupt.requested:
-    state, metrics = setup.step_fn(state, job.task.batch(step))
+  compiled_weights = False
+  while step < job.total_steps and not _stop(interrupt, step, job.log_every):
+    if setup.weights_step_fn is not None and (step + 1) % job.metrics_every == 0:
+      with clock.paused() if not compiled_weights else contextlib.nullcontext():
+        state, metrics = setup.weights_step_fn(state, setup.train_batch(step))
+        if not compiled_weights:
+          jax.block_until_ready(metrics)
+          compiled_weights = True
+    else:
+      state, metrics = setup.step_fn(state, setup.train_batch(step))
+    weights = metrics.pop("weights", None)
     if one_in_flight:
       jax.block_until_ready(metrics)
     records.append(metrics)
     step += 1
+    if weights is not None:
+      with clock.paused():
+        writers.write(TRAIN, step, dict(zip(setup.weight_tags, jax.device_get(weights).tolist())))
     progress.advance(step)
     if step == start + 1:
       first_loss = float(metrics["loss"])
@@ -556,6 +591,7 @@ def _loop(
     timed_seconds=clock.total_seconds,
     checkpoint_dir=str(checkpointer.directory),
     checkpoint_step=saved,
-    interrupted=interrupt.requested,
+    interrupted=step < job.total_steps,
     finished_before=False,
+    tokens_per_step=job.task.batch_size * job.task.length,
   )

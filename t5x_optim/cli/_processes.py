@@ -1,0 +1,107 @@
+"""Multi-process runs of `t5x-optim train`: flags, start-up and who writes.
+
+JAX's multi-controller runtime runs the job: every process runs the same
+program on its own devices, and the collectives of the jitted steps span
+all of them. `start` connects the processes through
+`t5x_optim.distributed.initialize` (a 10 s heartbeat, so a killed process
+ends the others within about that) when ``--coordinator_address``,
+``--num_processes`` or ``--process_id`` is given, or when the environment
+is a multi-process job of a cluster that jax detects by itself (Slurm,
+Open MPI, multi-host TPU); arguments left out are detected as jax does.
+
+Only process 0 writes the log, TensorBoard events and ``config.gin``;
+checkpoints are written by every process (each its own shards), once per
+step, as orbax does.
+
+Example:
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser()
+  >>> add_flags(parser)
+  >>> wanted(parser.parse_args(['--num_processes', '2']), environ={})
+  True
+  >>> wanted(parser.parse_args([]), environ={'OMPI_COMM_WORLD_SIZE': '4'})
+  True
+  >>> wanted(parser.parse_args([]), environ={'SLURM_JOB_ID': '7', 'SLURM_NTASKS': '1'})
+  False
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+__all__ = ["add_flags", "is_primary", "start", "wanted"]
+
+_CLUSTER_SIZES = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds ``--coordinator_address``, ``--num_processes`` and ``--process_id``."""
+  group = parser.add_argument_group(
+    "multi-process (JAX's multi-controller runtime)",
+    "Run one process per host (or per group of devices), each with the same flags except "
+    "--process_id. Left out, they are detected on Slurm, Open MPI and multi-host TPU.",
+  )
+  group.add_argument(
+    "--coordinator_address",
+    default=None,
+    metavar="HOST:PORT",
+    help="where process 0 runs the coordination service",
+  )
+  group.add_argument("--num_processes", type=int, default=None, metavar="N")
+  group.add_argument("--process_id", type=int, default=None, metavar="I", help="0 <= I < N")
+
+
+def _cluster_size(environ: Mapping[str, str]) -> int:
+  for name in _CLUSTER_SIZES:
+    value = environ.get(name, "")
+    if value.isdigit():
+      return int(value)
+  hosts = environ.get("TPU_WORKER_HOSTNAMES", "")
+  return len(hosts.split(",")) if hosts else 1
+
+
+def wanted(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:
+  """Whether this run is one process of several: flags given, or a multi-process cluster job."""
+  given = (args.coordinator_address, args.num_processes, args.process_id)
+  environ = os.environ if environ is None else environ
+  return any(value is not None for value in given) or _cluster_size(environ) > 1
+
+
+def start(args: argparse.Namespace) -> None:
+  """Connects this process to the others when `wanted`; call before any other jax call.
+
+  Raises:
+    ValueError: the flags do not describe a process of a job, or no
+      ``--model_dir`` is given (one line).
+  """
+  if not wanted(args):
+    return
+  if getattr(args, "model_dir", None) is None:
+    raise ValueError(
+      "--model_dir is required in a multi-process run: every process must write into the "
+      "same directory."
+    )
+  count, index = args.num_processes, args.process_id
+  if count is not None and count < 1:
+    raise ValueError(f"--num_processes must be at least 1, got {count}.")
+  if index is not None and count is not None and not 0 <= index < count:
+    raise ValueError(f"--process_id {index} is not in [0, {count}) (--num_processes {count}).")
+  import jax  # noqa: PLC0415 - after the XLA flags are set
+
+  from t5x_optim import distributed  # noqa: PLC0415
+
+  # CPU devices of different processes exchange collectives through gloo.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    distributed.initialize(args.coordinator_address, num_processes=count, process_id=index)
+  except (RuntimeError, ValueError) as error:
+    raise ValueError(f"multi-process start-up failed: {' '.join(str(error).split())}") from error
+
+
+def is_primary() -> bool:
+  """Whether this is process 0, the one that writes logs, events and ``config.gin``."""
+  import jax  # noqa: PLC0415
+
+  return jax.process_index() == 0

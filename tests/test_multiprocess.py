@@ -1,0 +1,220 @@
+"""`t5x-optim train` as 2 processes x 4 simulated CPU devices (JAX's multi-controller runtime).
+
+Every test starts real processes on 127.0.0.1, as the README's recipe does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import _scalars
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+TINY_TEXT = ["train", "--gin_file", "examples/tiny.gin", "--data", "hamlet.txt"]
+SHORT = "--gin_bindings 'TOTAL_STEPS = 5'"
+HEARTBEAT_BOUND_S = 60
+"""The survivor's exit after its peer is killed: the 10 s heartbeat plus a loaded machine."""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict[str, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+def _start(args: Sequence[str], *, processes: int, cwd: Path) -> list[subprocess.Popen]:
+  """`processes` processes of one job, each with 8 / `processes` devices."""
+  flags: list[list[str]] = [[]]
+  if processes > 1:
+    address = f"127.0.0.1:{_free_port()}"
+    flags = [
+      ["--coordinator_address", address, "--num_processes", str(processes), "--process_id", str(i)]
+      for i in range(processes)
+    ]
+  return [
+    subprocess.Popen(
+      [sys.executable, "-m", "t5x_optim_launcher", *args, *extra],
+      cwd=cwd,
+      env=_env(8 // processes),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for extra in flags
+  ]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+  deadline = time.monotonic() + TIMEOUT
+  results = []
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      out, err = proc.communicate()
+      err = f"timed out after {TIMEOUT} s\n{err}"
+    results.append((proc.returncode, out, err))
+  return results
+
+
+def _train(args: Sequence[str], *, processes: int, cwd: Path) -> list[tuple[int, str, str]]:
+  results = _finish(_start(args, processes=processes, cwd=cwd))
+  for code, out, err in results:
+    assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+  return results
+
+
+def _checkpoint_steps(model_dir: Path) -> list[int]:
+  directory = model_dir / "checkpoints"
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_two_processes_train_like_one_and_only_process_0_writes(tmp_path):
+  steps = ["--gin_bindings", "TOTAL_STEPS = 20", "--gin_bindings", "cli.TrainJob.log_every = 1"]
+  args = [*TINY_TEXT, *steps, "--metrics_every", "10"]
+  one = _train([*args, "--model_dir", str(tmp_path / "one")], processes=1, cwd=tmp_path)
+  two = _train([*args, "--model_dir", str(tmp_path / "two")], processes=2, cwd=tmp_path)
+  assert "devices:         8 x cpu (simulated) in 2 processes of 4" in two[0][1]
+  # Process 1 prints none of the run's lines (gloo's C++ threads print connection lines,
+  # sometimes interleaved).
+  ours = r"^(model_dir|devices|mesh|optimizer|params|step|eval|loss|checkpoint|interrupted)"
+  assert not re.search(ours, two[1][1], re.M), two[1][1]
+  assert "loss 5.8711 -> " in one[0][1] and "loss 5.8711 -> " in two[0][1]
+  for kind in ("train", "eval"):
+    assert len(list((tmp_path / "two" / kind).iterdir())) == 1, "one event file, process 0's"
+    expected, got = _scalars(tmp_path / "one" / kind), _scalars(tmp_path / "two" / kind)
+    assert set(got) == set(expected)
+    for tag in set(expected) - {"steps_per_sec"}:
+      assert [s for s, _ in got[tag]] == [s for s, _ in expected[tag]]
+      # Not bit-exact: gloo adds the partial sums of a cross-process all-reduce in another
+      # order than XLA's in-process all-reduce (float32 rounding: ~1e-7 relative per step).
+      np.testing.assert_allclose(
+        [v for _, v in got[tag]], [v for _, v in expected[tag]], rtol=2e-5, err_msg=tag
+      )
+  assert (tmp_path / "two" / "config.gin").is_file()
+  assert _checkpoint_steps(tmp_path / "two") == [20]
+
+
+def _wait_for_checkpoint(model_dir: Path, procs: list[subprocess.Popen]) -> None:
+  deadline = time.monotonic() + TIMEOUT
+  while time.monotonic() < deadline:
+    if (model_dir / "checkpoints").is_dir() and _checkpoint_steps(model_dir):
+      return
+    assert all(p.poll() is None for p in procs), _finish(procs)
+    time.sleep(0.5)
+  pytest.fail(f"no checkpoint in {TIMEOUT} s")
+
+
+def _resume(model_dir: Path, total: int, processes: int, cwd: Path) -> str:
+  args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", f"TOTAL_STEPS = {total}"]
+  out = _train(args, processes=processes, cwd=cwd)[0][1]
+  assert f"(resuming from the checkpoint at step {total - 5})" in out, out
+  assert f"steps {total - 5} -> {total}," in out
+  return out
+
+
+def _long_run(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:
+  """A 2-process run that checkpoints every 5 steps, once its first checkpoint is written."""
+  model_dir = tmp_path / "run"
+  args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 100000"]
+  args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 5"]
+  procs = _start(args, processes=2, cwd=tmp_path)
+  _wait_for_checkpoint(model_dir, procs)
+  return model_dir, procs
+
+
+def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
+  model_dir, procs = _long_run(tmp_path)
+  procs[1].send_signal(signal.SIGKILL)
+  killed = time.monotonic()
+  try:
+    procs[0].wait(timeout=HEARTBEAT_BOUND_S)
+  except subprocess.TimeoutExpired:
+    procs[0].kill()
+    pytest.fail(f"process 0 still ran {HEARTBEAT_BOUND_S} s after process 1 was killed")
+  survived = time.monotonic() - killed
+  assert procs[0].returncode != 0 and survived < HEARTBEAT_BOUND_S
+  _finish(procs)
+  latest = _checkpoint_steps(model_dir)[-1]
+  # Resume in 2 processes, then the 2-process checkpoint in 1, then that one in 2.
+  for processes in (2, 1, 2):
+    latest += 5
+    _resume(model_dir, latest, processes, tmp_path)
+  assert _checkpoint_steps(model_dir)[-1] == latest
+
+
+def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):
+  model_dir, procs = _long_run(tmp_path)
+  procs[0].send_signal(signal.SIGINT)
+  results = _finish(procs)
+  assert [code for code, _, _ in results] == [130, 130], results[0][2][-2000:]
+  stopped = int(re.search(r"^interrupted at step (\d+)$", results[0][1], re.M).group(1))
+  assert stopped % 5 == 0 and _checkpoint_steps(model_dir)[-1] == stopped
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--num_processes", "2", "--process_id", "0"], "--model_dir is required"),
+    (["--num_processes", "2", "--process_id", "2", "--model_dir", "x"], "--process_id 2 is not"),
+  ],
+)
+def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
+  from t5x_optim.cli import main  # noqa: PLC0415
+
+  assert main(["train", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and message in err, err
+
+
+def _readme_recipe() -> str:
+  blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
+  (recipe,) = [block for block in blocks if "--num_processes 2" in block]
+  return recipe
+
+
+def test_the_readme_recipe_runs_two_processes(tmp_path):
+  model_dir = tmp_path / "run"
+  script = (
+    _readme_recipe()
+    .replace("PORT=12355", f"PORT={_free_port()}")
+    .replace("/tmp/two_processes", str(model_dir))
+    .replace("--data hamlet.txt", "--data hamlet.txt --gin_file examples/tiny.gin " + SHORT)
+  )
+  env = _env(8)
+  del env["XLA_FLAGS"]
+  env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+  result = subprocess.run(
+    ["bash", "-c", f"set -e\n{script}"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "devices:         8 x cpu (simulated) in 2 processes of 4" in result.stdout
+  assert "steps 0 -> 5," in result.stdout and _checkpoint_steps(model_dir) == [5]

@@ -1,0 +1,127 @@
+"""Byte-level text data (`TextTask`, ``--data``): reading, splits, bad input, a run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from t5x_optim.cli import TextTask, _text, main
+
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
+TINY = ["--gin_file", "examples/tiny.gin"]
+
+
+def _windows(batch: dict[str, np.ndarray]) -> list[bytes]:
+  return [bytes(row.astype(np.uint8)) for row in batch["inputs"]]
+
+
+def test_rows_of_a_batch_equal_the_same_rows_of_the_whole_batch():
+  task = TextTask(path="hamlet.txt", length=16, batch_size=8)
+  whole = task.batch(5)
+  halves = [task.batch(5, slice(0, 4)), task.batch(5, slice(4, 8))]
+  for name in ("inputs", "targets"):
+    np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), whole[name])
+  np.testing.assert_array_equal(task.batch(5)["inputs"], whole["inputs"])
+  assert not np.array_equal(task.batch(6)["inputs"], whole["inputs"])
+
+
+def test_a_directory_is_one_stream_and_eval_reads_only_its_tail(tmp_path):
+  (tmp_path / "a.txt").write_text("a" * 300)
+  (tmp_path / "b.txt").write_text("b" * 100)
+  (tmp_path / ".hidden").write_text("h" * 1000)
+  task = TextTask(path=str(tmp_path), length=8, batch_size=64, eval_fraction=0.25)
+  assert task.num_bytes == 400 and task.eval_start == 300
+  eval_text = b"".join(_windows(task.eval_batch(0)))
+  assert set(eval_text) == {ord("b")}
+  train_text = b"".join(_windows(task.batch(0)))
+  assert ord("a") in set(train_text) and ord("h") not in set(train_text)
+  # A window crossing the file boundary reads both files.
+  assert task._bytes(296, 8) == b"aaaabbbb"
+
+
+def test_shipped_text_is_found_by_name_and_is_plain_ascii():
+  path = _text.resolve_data_path("hamlet.txt")
+  assert path.parent == _text.DATA_DIR
+  data = path.read_bytes()
+  assert data.isascii() and 100_000 < len(data) < 500_000 and b"Elsinore" in data
+
+
+def _bad(tmp_path: Path, kind: str) -> Path:
+  path = tmp_path / f"{kind}.txt"
+  if kind == "missing":
+    return path
+  if kind == "directory":
+    path.mkdir()
+    return path
+  path.write_bytes(
+    {"empty": b"", "binary": bytes(range(256)) * 8, "latin1": b"caf\xe9 " * 50}[kind]
+  )
+  return path
+
+
+@pytest.mark.parametrize(
+  "kind, message",
+  [
+    ("missing", "no such file or directory"),
+    ("empty", "the file is empty"),
+    ("binary", "binary data (NUL bytes), not text"),
+    ("latin1", "not UTF-8 text (invalid byte at offset 3)"),
+    ("directory", "the directory holds no files"),
+  ],
+)
+def test_bad_data_is_one_line(kind, message, tmp_path, capsys):
+  path = _bad(tmp_path, kind)
+  assert main(["train", *TINY, "--data", str(path), "--model_dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert err == f"t5x-optim train: error: --data {path}: {message}.\n"
+
+
+def test_too_little_text_names_the_window(tmp_path, capsys):
+  path = tmp_path / "short.txt"
+  path.write_text("to be")
+  assert main(["plan", *TINY, "--data", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and "5 bytes are too few" in err, err
+
+
+@pytest.mark.slow
+def test_text_training_learns_and_writes_the_text_config(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  argv = ["train", *TINY, "--data", "hamlet.txt", "--model_dir", str(model_dir)]
+  argv += ["--gin_bindings", "TOTAL_STEPS = 30", "--num_devices", "2"]
+  assert main(argv) == 0
+  out = capsys.readouterr().out
+  first, final = map(float, re.search(r"^loss (\S+) -> ([\d.]+)", out, re.M).groups())
+  assert first > 5.0 and final < first - 1.5, out
+  assert "eval loss" in out
+  config = (model_dir / "config.gin").read_text()
+  assert "cli.TextTask.path = " in config and str(_text.DATA_DIR / "hamlet.txt") in config
+
+
+def test_batches_read_their_windows_only(tmp_path, monkeypatch):
+  path = tmp_path / "big.txt"
+  path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 200_000)  # 8.8 MB
+  task = TextTask(path=str(path), length=16, batch_size=8)
+  read: list[int] = []
+  opened = Path.open
+
+  def counting_open(self, *args, **kwargs):
+    stream = opened(self, *args, **kwargs)
+    original = stream.read
+
+    def read_some(size=-1):
+      data = original(size)
+      read.append(len(data))
+      return data
+
+    stream.read = read_some
+    return stream
+
+  monkeypatch.setattr(Path, "open", counting_open)
+  task.batch(0)
+  task.eval_batch(0, rows=slice(0, 2))
+  assert sum(read) == 10 * 17

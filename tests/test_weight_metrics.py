@@ -1,0 +1,105 @@
+"""Per-parameter metrics (``metrics_every``): values, collectives, TensorBoard."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from t5x_optim import optimizers, partitioning
+from t5x_optim.cli import _train, main
+from t5x_optim.cli._config import TrainJob
+from t5x_optim.cli._model import TransformerConfig
+from t5x_optim.cli._text import TextTask
+from t5x_optim.cli._train import _abstract_batch
+
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
+TINY_MODEL = TransformerConfig(
+  vocab_size=256, embed_dim=32, num_heads=2, head_dim=16, mlp_dim=64, num_layers=1, max_length=8
+)
+
+
+@pytest.fixture(scope="module")
+def setup() -> _train.Setup:
+  mesh = partitioning.create_mesh(num_partitions=2)
+  job = TrainJob(
+    optimizers.adamw(1e-2),
+    partitioning.Partitioner(mesh),
+    model=TINY_MODEL,
+    task=TextTask(path="hamlet.txt", length=8, batch_size=8),
+    total_steps=2,
+    metrics_every=1,
+  )
+  return _train.prepare(job)
+
+
+def _rms(x) -> float:
+  x = np.asarray(x, np.float64)
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+def test_metrics_equal_the_rms_of_the_gathered_arrays(setup):
+  state = setup.create(*setup.init_args)
+  old = jax.device_get(state.params)
+  new_state, metrics = setup.weights_step_fn(state, setup.train_batch(0))
+  values = dict(zip(setup.weight_tags, jax.device_get(metrics["weights"]).tolist(), strict=True))
+  new = jax.device_get(new_state.params)
+  states = jax.device_get(new_state.param_states)
+  wi = ("layers_0", "mlp", "wi")
+
+  def pick(tree):
+    for key in wi:
+      tree = tree[key]
+    return tree
+
+  np.testing.assert_allclose(values["weight_rms/layers_0/mlp/wi"], _rms(pick(new)), rtol=1e-5)
+  np.testing.assert_allclose(
+    values["weight_update_rms/layers_0/mlp/wi"], _rms(pick(new) - pick(old)), rtol=1e-4
+  )
+  np.testing.assert_allclose(
+    values["optimizer_state_rms/mu/layers_0/mlp/wi"], _rms(pick(states[0].mu)), rtol=1e-5
+  )
+  # Adam's first moment after one step is (1 - b1) * gradient.
+  np.testing.assert_allclose(
+    values["weight_gradient_rms/layers_0/mlp/wi"] * 0.1, _rms(pick(states[0].mu)), rtol=1e-4
+  )
+  # Three per param, and Adam's mu and nu.
+  assert len(values) == 5 * len(jax.tree.leaves(new)) and all(v > 0 for v in values.values())
+
+
+def _collectives(fn, setup) -> dict[str, int]:
+  batch = _abstract_batch(setup.job.task.batch(0))
+  text = fn.lower(setup.abstract_state, batch).compile().as_text()
+  ops = r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
+  return collections.Counter(re.findall(rf"= \S+ ({ops})(?:-start)?\(", text))
+
+
+def test_metrics_add_one_all_reduce_and_gather_nothing(setup):
+  plain = _collectives(setup.step_fn, setup)
+  with_metrics = _collectives(setup.weights_step_fn, setup)
+  assert with_metrics == {**plain, "all-reduce": plain["all-reduce"] + 1}
+
+
+@pytest.mark.slow
+def test_metrics_are_written_under_train_every_n_steps(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  argv = ["train", "--gin_file", "examples/tiny.gin", "--data", "hamlet.txt"]
+  argv += ["--metrics_every", "15", "--model_dir", str(model_dir)]
+  assert main(argv) == 0
+  capsys.readouterr()
+  accumulator = event_accumulator.EventAccumulator(str(model_dir / "train"))
+  accumulator.Reload()
+  tags = set(accumulator.Tags()["scalars"])
+  prefixes = ("weight_rms", "weight_gradient_rms", "weight_update_rms")
+  for prefix in prefixes:
+    assert f"{prefix}/layers_0/attention/query" in tags
+    assert f"{prefix}/token_embedding" in tags
+  assert {"optimizer_state_rms/mu/logits", "optimizer_state_rms/nu/logits", "loss"} <= tags
+  steps = [event.step for event in accumulator.Scalars("weight_update_rms/logits")]
+  assert steps == [15, 30]
+  assert all(event.value > 0 for event in accumulator.Scalars("weight_rms/logits"))
