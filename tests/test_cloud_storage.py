@@ -328,3 +328,22 @@ def test_a_scheme_without_backend_is_one_line(flag, path, message, tmp_path, cap
   err = capsys.readouterr().err
   assert err.startswith(f"t5x-optim train: error: {flag} {message}"), err
   assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.usefixtures("clean_gin")
+def test_train_on_text_data_from_gs(where, capsys):
+  (epath.Path(where) / "text" / "hamlet.txt").write_bytes(
+    (REPO / "t5x_optim/data/hamlet.txt").read_bytes()
+  )
+  flags = [
+    "--data",
+    f"{where}/text",
+    "--gin_bindings",
+    "TOTAL_STEPS = 2",
+    "--model_dir",
+    f"{where}/run",
+  ]
+  assert main(["train", *TINY, *flags]) == 0, capsys.readouterr().err
+  assert _names(f"{where}/run/checkpoints") == ["2"]
+  assert main(["train", *TINY, "--data", f"{where}/none", "--model_dir", f"{where}/run2"]) == 2
+  assert "--data gs://" in capsys.readouterr().err

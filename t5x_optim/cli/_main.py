@@ -100,7 +100,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
   )
   parser.add_argument(
     "--data",
-    type=Path,
+    type=_path_arg,
     default=None,
     metavar="FILE_OR_DIR",
     help="train a byte-level LM on this text file or directory of them (a shipped "

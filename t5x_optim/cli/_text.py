@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from t5x_optim._training import storage
+
 __all__ = ["BYTE_VOCAB_SIZE", "DATA_DIR", "TextTask", "resolve_data_path", "scan_text"]
 
 BYTE_VOCAB_SIZE = 256
@@ -58,6 +60,14 @@ def resolve_data_path(path: str | Path, *, label: str = "text data") -> Path:
     >>> resolve_data_path('hamlet.txt').name
     'hamlet.txt'
   """
+  if storage.is_object_store(path):
+    try:
+      remote = storage.check_reachable(path)
+    except storage.StorageError as error:
+      raise ValueError(f"{label} {error}") from error
+    if remote.exists():
+      return remote
+    raise ValueError(f"{label} {path}: no such file or directory.")
   given = Path(path).expanduser()
   if given.exists():
     return given.resolve()
@@ -77,7 +87,7 @@ def _files(root: Path, label: str) -> list[Path]:
   if not root.is_dir():
     raise ValueError(f"{label} {root}: not a regular file or directory.")
   files = []
-  for candidate in sorted(root.rglob("*")):
+  for candidate in storage.files_under(root):
     relative = candidate.relative_to(root).parts
     if any(part.startswith(".") for part in relative) or not candidate.is_file():
       continue
@@ -131,7 +141,7 @@ def scan_text(path: str | Path, *, label: str = "text data") -> tuple[list[Path]
   starts = [0]
   for file in files:
     _check_text(file, label)
-    starts.append(starts[-1] + file.stat().st_size)
+    starts.append(starts[-1] + storage.file_size(file))
   return files, starts
 
 
