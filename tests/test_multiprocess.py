@@ -163,6 +163,13 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
     latest += 5
     _resume(model_dir, latest, processes, tmp_path)
   assert _checkpoint_steps(model_dir)[-1] == latest
+  # A new 2-process run from that run's checkpoint: only process 0 reports the conversion.
+  args = [*TINY_TEXT, "--init_from", str(model_dir), "--model_dir", str(tmp_path / "next")]
+  args += ["--gin_bindings", f"TOTAL_STEPS = {latest + 5}"]
+  (_, first, _), (_, second, _) = _train(args, processes=2, cwd=tmp_path)
+  assert f"init_from:       {model_dir} at step {latest}" in first, first
+  assert "init_from" not in second, second
+  assert _checkpoint_steps(tmp_path / "next") == [latest + 5]
 
 
 def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):

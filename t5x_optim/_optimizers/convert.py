@@ -346,8 +346,16 @@ def _placed(value: Any, like: Any) -> Any:
   that donates its state would otherwise donate one buffer twice).
   """
   sharding = getattr(like, "sharding", None)
-  value = jnp.array(value, getattr(like, "dtype", None), copy=True)
-  return value if sharding is None else jax.device_put(value, sharding)
+  dtype = getattr(like, "dtype", None)
+  if sharding is None:
+    return jnp.array(value, dtype, copy=True)
+  if sharding.is_fully_addressable:
+    return jax.device_put(jnp.array(value, dtype, copy=True), sharding)
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)(value)
+  # A multi-process target: each process holds the whole value and places its own shards.
+  local = np.asarray(value, dtype)
+  return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
 def convert_state(
