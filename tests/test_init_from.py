@@ -36,9 +36,12 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
   )
   capsys.readouterr()
   flags = ["--init_from", str(old_dir), *source_flags, "--model_dir", str(new_dir)]
-  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 5", *flags]) == 0
+  adamw = [*TINY, "--gin_file", "optimizers/adamw.gin"]
+  assert main(["train", *adamw, "--gin_bindings", "TOTAL_STEPS = 5", *flags]) == 0
   out = capsys.readouterr().out
   assert f"init_from:       {old_dir} at step 3" in out
+  # The new optimizer's b1 and b2 come from its gin file (optimizers/adamw.gin binds them).
+  assert "hparams: old multiply_by_parameter_scale=False, new b1=0.9, b2=0.98\n" in out, out
   assert re.search(r"ScaleByAdamState\)\.nu: \d+ params, from 0 \(FactoredState\)", out), out
   assert re.search(r"^steps 3 -> 5,", out, re.M), out
   step, old = _params(old_dir, ADAFACTOR)

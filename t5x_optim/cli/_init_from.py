@@ -6,13 +6,20 @@ operative gin config in ``DIR/config.gin``) or a T5X model directory (T5X's
 mutables are restored exactly and the old optimizer's state is converted into the
 gin file's optimizer (`t5x_optim.convert_state`), so the new optimizer keeps what the
 old one learned.
+
+The hyper-parameters a conversion needs and a state does not hold (Adam's ``b1``
+and ``b2``, SGD's ``momentum``, ...) are read from each side's gin config, where
+it binds them to literal values (``optax.adamw.b2 = 0.98``); the others are
+optax's defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import ast
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import gin
 
@@ -22,7 +29,50 @@ from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli import _config
 from t5x_optim.cli._train import CHECKPOINTS, CONFIG_FILE, UsageError
 
-__all__ = ["initial_state_fn", "source_optimizer"]
+__all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
+
+CONVERSION_HPARAMS = frozenset(
+  {"b1", "b2", "b3", "momentum", "decay", "learning_rate", "beta1", "epsilon2"}
+  | {"multiply_by_parameter_scale"}
+)
+"""The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
+
+_BINDING = re.compile(r"^([\w./]+)\.(\w+) = (.+)$")
+
+
+class Source(NamedTuple):
+  """The optimizer that wrote an ``--init_from`` directory, and its hyper-parameters."""
+
+  optimizer: Any
+  hparams: Mapping[str, Any]
+
+
+def bound_hparams() -> dict[str, Any]:
+  """The `CONVERSION_HPARAMS` that gin's current config binds to one literal value each.
+
+  A name bound to two different values (two optimizers in one config) or to
+  a macro or reference is left out, so its converter uses optax's default.
+
+  Example:
+    >>> import gin
+    >>> _ = gin.parse_config(["from __gin__ import dynamic_registration", "import optax",
+    ...                       "optax.adamw.b2 = 0.98", "optax.sgd.momentum = None"])
+    >>> bound_hparams()
+    {'b2': 0.98}
+    >>> gin.clear_config()
+  """
+  values: dict[str, set[Any]] = {}
+  for line in gin.config_str().splitlines():
+    match = _BINDING.match(line)
+    if not match or match.group(2) not in CONVERSION_HPARAMS:
+      continue
+    try:
+      value = ast.literal_eval(match.group(3))
+    except (ValueError, SyntaxError):
+      continue
+    if isinstance(value, bool | int | float):
+      values.setdefault(match.group(2), set()).add(value)
+  return {name: next(iter(found)) for name, found in sorted(values.items()) if len(found) == 1}
 
 
 def _as_path(init_from: Path | str) -> Path:
@@ -32,41 +82,52 @@ def _as_path(init_from: Path | str) -> Path:
     raise UsageError(f"--init_from {error}") from error
 
 
+def _describe(hparams: Mapping[str, Any] | None) -> str:
+  return ", ".join(f"{k}={v}" for k, v in (hparams or {}).items()) or "optax's defaults"
+
+
 def _is_ours(init_from: Path) -> bool:
   return (init_from / CHECKPOINTS).is_dir() and (init_from / CONFIG_FILE).is_file()
 
 
 def source_optimizer(
   init_from: Path, gin_files: Sequence[str], search_paths: Sequence[str], macros: dict[str, Any]
-) -> Any:
-  """The optimizer definition that wrote `init_from`'s checkpoints, or None.
+) -> Source:
+  """The optimizer definition that wrote `init_from`'s checkpoints, and its `bound_hparams`.
 
   Built from `gin_files` when given (e.g. ``optimizers/adafactor.gin``), else
-  from a t5x-optim model directory's ``config.gin``. None for a T5X model
-  directory without `gin_files`: T5X's legacy Adafactor is then recognised by
-  its state's layout. Parsing leaves gin's config cleared.
+  from a t5x-optim model directory's ``config.gin``. The optimizer is None for
+  a T5X model directory without `gin_files`: T5X's legacy Adafactor is then
+  recognised by its state's layout. Parsing leaves gin's config cleared.
 
   Example:
-    >>> source_optimizer(Path('/nonexistent'), [], [], {}) is None
-    True
+    >>> source_optimizer(Path('/nonexistent'), [], [], {})
+    Source(optimizer=None, hparams={})
   """
   init_from = _as_path(init_from)
   files = list(gin_files) or ([str(init_from / CONFIG_FILE)] if _is_ours(init_from) else [])
   if not files:
-    return None
+    return Source(None, {})
   try:
     _config.parse_config(gin_files=files, search_paths=search_paths, macros=macros)
-    return _config.build_job().optimizer
+    return Source(_config.build_job().optimizer, bound_hparams())
   finally:
     gin.clear_config()
 
 
 def initial_state_fn(
-  init_from: Path, source: Any, abstract_state: TrainState, stream: TextIO
+  init_from: Path,
+  source: Source,
+  abstract_state: TrainState,
+  stream: TextIO,
+  *,
+  target_hparams: Mapping[str, Any] | None = None,
 ) -> Callable[[], TrainState]:
   """A function restoring `init_from`'s latest checkpoint into `abstract_state`'s optimizer.
 
-  What was converted and what started fresh is written to `stream`. A moment
+  `target_hparams` are the new optimizer's (`bound_hparams` of the job's
+  config). What was converted, with which hyper-parameters, and what started
+  fresh is written to `stream`. A moment
   the old optimizer did not keep (Adam's ``mu`` after an Adafactor without
   momentum) starts from zero. A checkpoint that cannot be restored raises
   `UsageError` (one line on the command line).
@@ -77,10 +138,18 @@ def initial_state_fn(
   def restore() -> TrainState:
     directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from
     try:
-      state, report = restore_converted(directory, abstract_state, source=source, missing="init")
+      state, report = restore_converted(
+        directory,
+        abstract_state,
+        source=source.optimizer,
+        missing="init",
+        source_hparams=source.hparams,
+        target_hparams=target_hparams,
+      )
     except (ValueError, FileNotFoundError) as error:
       raise UsageError(f"--init_from {init_from}: {error}") from error
     stream.write(f"init_from:       {init_from} at step {int(state.step)}\n")
+    stream.write(f"  hparams: old {_describe(source.hparams)}, new {_describe(target_hparams)}\n")
     stream.write("".join(f"  {line}\n" for line in str(report).splitlines()))
     return state
 
