@@ -274,7 +274,7 @@ def main() -> None:
     ax.set_ylabel("eval loss")
     ax.set_yscale("log")
     model_name = "larger model" if args.larger else "default model"
-    ax.set_title(f"adamw state: float32 vs bfloat16 vs 8-bit ({model_name}, {_data(args)})")
+    ax.set_title(f"adamw state: float32 vs bfloat16 vs 8-bit\n{model_name}, {_data(args)}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.png, dpi=100)
