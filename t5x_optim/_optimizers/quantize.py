@@ -8,7 +8,7 @@
   maximum and stores each value as the index (``uint8``) of the nearest of
   256 values of bitsandbytes' dynamic map (`dynamic_map`), signed for a block
   with a negative value; `dequantize` inverts it. "Nearest" is decided by 255
-  thresholds (`_midpoints`) within 2 float32 ulps of the midpoints between
+  thresholds (`_decade_constants`) within 2 float32 ulps of the midpoints between
   map values, defined so that encoding computes them instead of looking
   them up. `leaf_block` chooses a leaf's block so that the scales shard
   wherever the codes do.
@@ -117,31 +117,6 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   return a, b, ((lower + upper) / np.float32(2)).astype(np.float32)
 
 
-@functools.cache
-def _midpoints(signed: bool) -> np.ndarray:
-  """The 255 ascending thresholds between the map's values that `quantize` codes against.
-
-  Each lies strictly between its two map values; see `_decade_constants`
-  for how each is computed. The signed map's negative half mirrors its
-  positive half.
-
-  Example:
-    >>> m, t = _midpoints(True), dynamic_map(True)
-    >>> len(m), bool(((t[:-1] < m) & (m < t[1:])).all())
-    (255, True)
-  """
-  a, b, boundaries = _decade_constants(signed)
-  positive = [boundaries[0]]
-  for i, n in enumerate(_decade_sizes(signed)):
-    k = np.arange(n - 1, dtype=np.float32)
-    positive += list((a[i] + (k + np.float32(1))) * b[i])
-    positive.append(boundaries[i + 1])
-  positive = np.asarray(positive, np.float32)
-  out = np.concatenate([-positive[-2::-1], positive]) if signed else positive
-  out.setflags(write=False)
-  return out
-
-
 def _pick(index: jax.Array, values: Any, dtype: Any) -> jax.Array:
   """``values[index]`` for a short list of constants, by selects (no gather)."""
   out = jnp.full(index.shape, values[0], dtype)
@@ -181,7 +156,7 @@ def _count_below(magnitude: jax.Array, signed: bool, mirror: jax.Array) -> jax.A
 
 
 def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
-  """The index of the nearest map value: the number of `_midpoints` below ``scaled``.
+  """The index of the nearest map value: the number of thresholds below ``scaled``.
 
   Arithmetic and comparisons only, no table lookup: XLA:CPU runs a lookup
   one element at a time inside a fused loop (10x slower here), and a lookup

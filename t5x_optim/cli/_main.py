@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
     primary = _processes.is_primary()
-    source = target_hparams = None
+    source = None
     if train and args.init_from:
       from t5x_optim.cli import _init_from  # noqa: PLC0415
 
@@ -290,8 +290,6 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       macros=_config.device_macros(count),
     )
     _config.check_mesh_pin(count)
-    if train and args.init_from:
-      target_hparams = _init_from.bound_hparams()
     setup = _train.prepare(_config.build_job())
     initial_state = None
     if train and args.init_from:
@@ -300,7 +298,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
         source,
         setup.abstract_state,
         sys.stdout if primary else io.StringIO(),
-        target_hparams=target_hparams,
+        target_hparams=_init_from.bound_hparams(),
       )
     if train and model_dir is None:
       model_dir = _train.prepare_model_dir(_train.default_model_dir())
