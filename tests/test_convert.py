@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _t5x import t5x_at_hand
 from flax import traverse_util
 
 import t5x_optim
@@ -61,6 +64,12 @@ class Kind:
   make: Callable[[], optax.GradientTransformation]
   quantities: frozenset[str]
   stored: Callable[[Any, Any, int], Any]
+  mu_needs_nu: bool = False  # its mu is written from mu and nu together
+
+  def usable(self, source: Kind) -> frozenset[str]:
+    """The moments of `source` this kind's state is written from."""
+    has = source.quantities & self.quantities
+    return has - {"mu"} if self.mu_needs_nu and "nu" not in has else has
 
   def __repr__(self) -> str:
     return self.name
@@ -87,6 +96,22 @@ def _adafactor_stored(mu, nu, t):
     ),
     *(optax.EmptyState(),) * 4,
   )
+
+
+LEARNING_RATE = 1e-3
+HPARAMS = {"learning_rate": LEARNING_RATE, "momentum": 0.9}
+"""What the table's optimizers were made with and their states do not hold (SGD's
+momentum and Adafactor's are both 0.9)."""
+
+
+def _adafactor_momentum_stored(mu, nu, t):
+  """optax Adafactor's EmaState averages the updates lr * max(rms(p), 1e-3) * g / sqrt(v)."""
+  factored = _adafactor_stored(mu, nu, t)
+  if mu is ZERO:  # no momentum to convert: the EMA starts fresh
+    return (*factored[:4], optax.EmaState(jnp.int32(0), ZERO), optax.EmptyState())
+  scale = jax.tree.map(lambda p: LEARNING_RATE * max(float(jnp.sqrt(jnp.mean(p**2))), 1e-3), PARAMS)
+  ema = jax.tree.map(lambda m, v, s: m * s / jnp.sqrt(v) * _decay(0.9, t), mu, nu, scale)
+  return (*factored[:4], optax.EmaState(jnp.int32(t), ema), optax.EmptyState())
 
 
 KINDS = [
@@ -142,6 +167,9 @@ KINDS = [
   ),
   Kind("adafactor", lambda: optax.adafactor(1e-3, min_dim_size_to_factor=2), frozenset({"nu"}),
        _adafactor_stored),
+  Kind("adafactor_momentum",
+       lambda: optax.adafactor(LEARNING_RATE, min_dim_size_to_factor=2, momentum=0.9),
+       frozenset({"mu", "nu"}), _adafactor_momentum_stored, mu_needs_nu=True),
 ]  # fmt: skip
 BY_NAME = {kind.name: kind for kind in KINDS}
 
@@ -169,9 +197,13 @@ PAIRS = [(a, b) for a in KINDS for b in KINDS if a is not b]
 
 @pytest.mark.parametrize(("source", "target"), PAIRS, ids=lambda k: k.name)
 def test_conversion_matches_the_formulas(source, target):
-  has = source.quantities & target.quantities
+  has = target.usable(source)
   new, report = t5x_optim.convert_state(
-    _optimizer(source), OptaxWrapper(target.make()), missing="init"
+    _optimizer(source),
+    OptaxWrapper(target.make()),
+    source_hparams=HPARAMS,
+    target_hparams=HPARAMS,
+    missing="init",
   )
   expected = target.stored(M if "mu" in has else ZERO, V if "nu" in has else ZERO, T if has else 0)
   _assert_close(new.state.param_states, expected, f"{source.name} -> {target.name}: ")
@@ -188,7 +220,12 @@ def test_conversion_matches_the_formulas(source, target):
 )
 def test_a_missing_moment_raises_unless_told(source, target):
   with pytest.raises(ValueError, match=r"cannot be fully converted.*missing='init'"):
-    t5x_optim.convert_state(_optimizer(source), OptaxWrapper(target.make()))
+    t5x_optim.convert_state(
+      _optimizer(source),
+      OptaxWrapper(target.make()),
+      source_hparams=HPARAMS,
+      target_hparams=HPARAMS,
+    )
 
 
 @pytest.mark.parametrize(
@@ -202,12 +239,15 @@ def test_a_missing_moment_raises_unless_told(source, target):
     ("adafactor", "adam", "nu"),
     ("lion", "adam", "mu"),
     ("sgd_momentum", "lion", "mu"),
+    ("adam", "adafactor_momentum", "mu nu"),
+    ("adafactor_momentum", "adan", "mu nu"),
   ],
 )
 def test_round_trip_returns_the_same_values(start, via, kept):
   original = _optimizer(BY_NAME[start])
-  there, _ = t5x_optim.convert_state(original, OptaxWrapper(BY_NAME[via].make()), missing="init")
-  back, _ = t5x_optim.convert_state(there, OptaxWrapper(BY_NAME[start].make()), missing="init")
+  hparams = {"source_hparams": HPARAMS, "target_hparams": HPARAMS, "missing": "init"}
+  there, _ = t5x_optim.convert_state(original, OptaxWrapper(BY_NAME[via].make()), **hparams)
+  back, _ = t5x_optim.convert_state(there, OptaxWrapper(BY_NAME[start].make()), **hparams)
   kept_mu, kept_nu = "mu" in kept, "nu" in kept
   expected = BY_NAME[start].stored(M if kept_mu else ZERO, V if kept_nu else ZERO, T)
   _assert_close(back.state.param_states, expected, f"{start} -> {via} -> {start}: ")
@@ -240,6 +280,71 @@ def test_hparams_reach_the_formulas():
   )
   mu = _scaled(M, _decay(0.9, T) / _decay(0.8, T))  # stored with 0.9, read with 0.8
   _assert_close(new.state.param_states[0].trace, _scaled(mu, _decay(0.5, T) / 0.5))
+
+
+def test_adafactor_momentum_is_read_from_optaxs_own_updates():
+  """optax.adafactor(momentum=0.9) run on a constant gradient: its EMA reads back as the gradient.
+
+  With ``g**2`` of rank 1, Adafactor's factored ``v`` is ``g**2`` exactly, each update
+  ``lr * scale * g / |g|`` (rms 1: not clipped), and the EMA of t of them over
+  ``(1 - 0.9^t)`` is one update, so the converted Adam state must hold ``g``.
+  """
+  grads = {"w": jnp.asarray(np.outer([1.0, -2.0, 0.5], [3.0, 1.0, -1.0, 2.0]), jnp.float32)}
+  params = {"w": jnp.full((3, 4), 0.5)}
+  tx = optax.adafactor(0.01, momentum=0.9, min_dim_size_to_factor=2)
+  state = tx.init(params)
+  for _ in range(4):
+    _, state = tx.update(grads, state, params)
+  source = OptaxWrapper(tx).create(params)
+  source = source.replace(state=t5x_optim.OptimizerState(jnp.int32(4), state))
+  adam, report = t5x_optim.convert_state(
+    source,
+    OptaxWrapper(optax.adam(1e-3)),
+    source_hparams={"learning_rate": 0.01, "momentum": 0.9},
+  )
+  _assert_close(adam.state.param_states[0].mu, _scaled(grads, _decay(0.9, 4)))
+  _assert_close(
+    adam.state.param_states[0].nu, _scaled(jax.tree.map(jnp.square, grads), _decay(0.999, 4))
+  )
+  assert any("ScaleByAdamState).mu" in line and "4 (EmaState)" in line for line in report.converted)
+
+
+def test_an_ema_adafactor_momentum_cannot_read_is_dropped_with_the_reason():
+  opt = _optimizer(BY_NAME["adafactor_momentum"])
+  _, report = t5x_optim.convert_state(
+    opt, OptaxWrapper(optax.adam(1e-3)), source_hparams={"momentum": 0.9}, missing="init"
+  )
+  assert report.dropped == (
+    "4 (EmaState: Adafactor's momentum, which needs the hyper-parameters ['learning_rate'])",
+  )
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]),
+    OptaxWrapper(BY_NAME["adafactor_momentum"].make()),
+    missing="init",
+  )
+  assert report.initialised == (
+    "4 (EmaState).ema (Adafactor's momentum, which needs the hyper-parameters "
+    "['learning_rate', 'momentum']): 2 params without a source value (e.g. dense/bias)",
+  )
+  polyak = OptaxWrapper(optax.chain(optax.ema(0.9), optax.scale(-1.0))).create(PARAMS)
+  _, report = t5x_optim.convert_state(polyak, OptaxWrapper(optax.sgd(0.1)), missing="init")
+  assert report.dropped == (
+    "0 (EmaState: an EMA after no FactoredState in its chain: not Adafactor's momentum)",
+  )
+
+
+def test_injected_hyperparameters_are_the_states_own():
+  """An inject_hyperparams state's b1 (0.8 here) reads its mu, not optax's default 0.9."""
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b1=0.8)
+  source = OptaxWrapper(tx).create(PARAMS)
+  adam = optax.ScaleByAdamState(
+    jnp.int32(T), _scaled(M, _decay(0.8, T)), _scaled(V, _decay(0.999, T))
+  )
+  inner = (adam, *source.state.param_states.inner_state[1:])
+  state = source.state.param_states._replace(inner_state=inner)
+  source = source.replace(state=t5x_optim.OptimizerState(jnp.int32(T), state))
+  lion, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.lion(1e-3)), missing="init")
+  _assert_close(lion.state.param_states[0].mu, _scaled(M, _decay(0.99, T)))
 
 
 NESTED = [
@@ -439,6 +544,67 @@ def test_t5x_legacy_adafactor_without_learning_rate_leaves_mu_fresh(partitioner)
                               "(T5XAdafactorParamState), dense/kernel (T5XAdafactorParamState), "
                               "embedding (T5XAdafactorParamState)",)  # fmt: skip
   assert not np.any(np.asarray(state.param_states[0].mu["embedding"]))
+
+
+class _T5XAdafactorLayout(t5x_optim.OptimizerDef):
+  """A definition whose initial state is laid out as T5X's own Adafactor saved it.
+
+  Each param's `T5XAdafactorParamState` has zeros of the shapes in
+  ``expected.npz``: the factored dims and placeholders T5X chose. It only
+  initialises: the conversion writes into its state.
+  """
+
+  def __init__(self, expected):
+    super().__init__(hyper_params=None)
+    self._expected = expected
+
+  def init_state(self, params):
+    def zeros(path, _):
+      keys = ("state", "param_states", *(k.key for k in path))
+      return t5x_optim.T5XAdafactorParamState(
+        *(jnp.zeros_like(self._expected[(*keys, name)]) for name in ("v_row", "v_col", "v", "m"))
+      )
+
+    return t5x_optim.OptimizerState(jnp.int32(0), jax.tree_util.tree_map_with_path(zeros, params))
+
+  def apply_gradient(self, hyper_params, params, state, grads):
+    raise NotImplementedError("only its initial state is used")
+
+
+def test_t5x_legacy_adafactor_round_trips_through_adamw_to_t5xs_own_values(
+  partitioner, t5x_expected
+):
+  """T5X's checkpoint -> adamw -> T5X's legacy layout gives back what T5X saved.
+
+  Adafactor's row and column statistics average the same squared gradients, so the
+  factoring of the reconstructed second moment returns them, and ``m`` its own value.
+  """
+  target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
+  hparams = {"learning_rate": T5X_LEARNING_RATE}
+  adamw, _ = t5x_optim.restore_converted(T5X_DATA / "legacy", target, source_hparams=hparams)
+  back, report = t5x_optim.convert_state(
+    adamw.optimizer, _T5XAdafactorLayout(t5x_expected), target_hparams=hparams
+  )
+  assert not report.initialised, report
+  assert int(back.state.step) == T5X_STEP
+  for path in traverse_util.flatten_dict(SHAPES, is_leaf=lambda p, x: isinstance(x, tuple)):
+    state = back.state.param_states
+    for key in path:
+      state = state[key]
+    for name in ("v_row", "v_col", "v", "m"):
+      want = t5x_expected[("state", "param_states", *path, name)]
+      np.testing.assert_allclose(getattr(state, name), want, rtol=2e-5, err_msg=f"{path} {name}")
+  with pytest.raises(ValueError, match=r"m \(needs the learning_rate hyper-parameter\): 1 params"):
+    t5x_optim.convert_state(adamw.optimizer, _T5XAdafactorLayout(t5x_expected))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_t5x_own_legacy_adafactor_is_a_conversion_target():
+  """data/t5x_adafactor/convert_with_t5x.py, in a fresh process with T5X's own code."""
+  script = T5X_DATA / "convert_with_t5x.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from t5x_optim import Checkpointer
-from t5x_optim.cli import _config, _train, main
+from t5x_optim.cli import _config, _init_from, _train, main
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
@@ -41,7 +41,10 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
   out = capsys.readouterr().out
   assert f"init_from:       {old_dir} at step 3" in out
   # The new optimizer's b1 and b2 come from its gin file (optimizers/adamw.gin binds them).
-  assert "hparams: old multiply_by_parameter_scale=False, new b1=0.9, b2=0.98\n" in out, out
+  assert (
+    "hparams: old learning_rate=a schedule, multiply_by_parameter_scale=False, "
+    "new b1=0.9, b2=0.98, learning_rate=a schedule\n"
+  ) in out, out
   assert re.search(r"ScaleByAdamState\)\.nu: \d+ params, from 0 \(FactoredState\)", out), out
   assert re.search(r"^steps 3 -> 5,", out, re.M), out
   step, old = _params(old_dir, ADAFACTOR)
@@ -53,6 +56,19 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
   assert not all(
     np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(old.params))
   )  # it trained on from there
+
+
+def test_bound_hparams_evaluate_macros_and_schedules():
+  """adafactor.gin binds learning_rate = %LEARNING_RATE = @optax.linear_schedule()."""
+  _config.parse_config(
+    gin_files=["optimizers/adafactor.gin"],
+    gin_bindings=["TOTAL_STEPS = 10", "B1 = 0.8", "optax.adamw.b1 = %B1"],
+    macros=_config.device_macros(8),
+  )
+  hparams = _init_from.bound_hparams()
+  assert sorted(hparams) == ["b1", "learning_rate", "multiply_by_parameter_scale"]
+  assert hparams["b1"] == 0.8 and hparams["multiply_by_parameter_scale"] is False
+  np.testing.assert_allclose([hparams["learning_rate"](s) for s in (0, 10)], [1e-2, 1e-3])
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ hand, as in `../shared/t5x/`; CI has neither and skips it.
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _t5x import t5x_at_hand
 
 import t5x_optim
 
@@ -104,15 +104,8 @@ def test_compare_explains_a_step_t5x_restored_in_bfloat16():
   assert lifecycle.compare(ours, t5x) == "loss differs (max |d| 0.5)"
 
 
-def _t5x_at_hand() -> bool:
-  src = os.environ.get("T5X_SRC", "")
-  return os.path.isdir(src) and all(
-    importlib.util.find_spec(name) for name in ("tensorflow", "seqio", "clu")
-  )
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_resumes_with_our_optimizers(tmp_path):
   command = [
     sys.executable,

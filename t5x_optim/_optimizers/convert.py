@@ -46,6 +46,7 @@ from t5x_optim._optimizers.convert_registry import (
   T5XAdafactorParamState,
   _by_param,
   _field,
+  _is_namedtuple,
   register_state_converter,
   registered_converters,
 )
@@ -65,10 +66,6 @@ __all__ = [
 _MISSING_POLICIES = ("raise", "init")
 
 # ------------------------------------------------------------------ engine
-
-
-def _is_namedtuple(node: Any) -> bool:
-  return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
 def _children(node: Any) -> list[tuple[str, Any]] | None:
@@ -140,18 +137,17 @@ def _read_source(
   source = _Source()
   converters = registered_converters()
 
-  def visit(node: Any, path: tuple[str, ...]) -> None:
-    converter = converters.get(type(node))
+  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> None:
+    converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None and converter.read is not None:
-      own = _param_suffix(path, params) if converter.per_param else None
-      if converter.per_param and own is None:
-        raise ValueError(
-          f"The {type(node).__name__} at '{where}' is the state of no param: no suffix "
-          f"of its path is one of the params {sorted(params)}."
-        )
-      ctx = ConversionContext(where, step, params, hparams, own)
-      for quantity, tree in converter.read(node, ctx).items():
+      own = _own_param(node, converter, path, params)
+      ctx = ConversionContext(where, step, params, hparams, own, chain)
+      read = converter.read(node, ctx)
+      if "unread" in read:
+        source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
+        return
+      for quantity, tree in read.items():
         if quantity == "count":
           continue
         for param, value in {own: tree}.items() if own else _by_param(tree).items():
@@ -169,7 +165,8 @@ def _read_source(
     children = _children(node)
     if children is None:
       return
-    for key, child in children:
+    hparams = _injected(node, hparams)
+    for i, (key, child) in enumerate(children):
       if (
         (_is_namedtuple(node) or dataclasses.is_dataclass(node))
         and not _has_state_nodes(child)
@@ -177,10 +174,65 @@ def _read_source(
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
-      visit(child, (*path, key))
+      visit(child, (*path, key), hparams, _chained(node, children, i))
 
-  visit(param_states, ())
+  visit(param_states, (), hparams, ())
   return source
+
+
+def _fields(node: Any) -> tuple[str, ...]:
+  if _is_namedtuple(node):
+    return tuple(node._fields)
+  if dataclasses.is_dataclass(node) and not isinstance(node, type):
+    return tuple(f.name for f in dataclasses.fields(node))
+  return ()
+
+
+def _converter(node: Any, converters: Mapping[type, StateConverter]) -> StateConverter | None:
+  """The converter registered for `node`'s type; T5X's legacy Adafactor param state by its fields.
+
+  T5X's own ``_AdafactorParamState`` (a dataclass of ``v_row``, ``v_col``,
+  ``v``, ``m``) cannot be imported here; it converts as `T5XAdafactorParamState`.
+  """
+  found = converters.get(type(node))
+  if found is None and _fields(node) == T5XAdafactorParamState._fields:
+    found = converters.get(T5XAdafactorParamState)
+  return found
+
+
+def _own_param(
+  node: Any, converter: StateConverter, path: tuple[str, ...], params: Mapping[str, Any]
+) -> str | None:
+  """The param a ``per_param`` node holds the state of (None for other nodes)."""
+  if not converter.per_param:
+    return None
+  own = _param_suffix(path, params)
+  if own is None:
+    raise ValueError(
+      f"The {type(node).__name__} at '{'/'.join(path) or '<root>'}' is the state of no param: "
+      f"no suffix of its path is one of the params {sorted(params)}."
+    )
+  return own
+
+
+def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
+  """`hparams` updated with those an ``inject_hyperparams`` state holds (its values rule).
+
+  Such a state is recognised by structure: a NamedTuple with a mapping
+  ``hyperparams`` and an ``inner_state``.
+  """
+  if not (_is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
+    return hparams
+  if not isinstance(node.hyperparams, Mapping):
+    return hparams
+  return {**hparams, **node.hyperparams}
+
+
+def _chained(node: Any, children: list[tuple[str, Any]], i: int) -> tuple[Any, ...]:
+  """The states before child `i` of a ``chain`` state (a plain tuple), else ()."""
+  if isinstance(node, tuple) and not _is_namedtuple(node):
+    return tuple(child for _, child in children[:i])
+  return ()
 
 
 def _is_integer_scalar(value: Any) -> bool:
@@ -225,21 +277,23 @@ def _write_target(
   recorder = _Recorder()
   no_converter: list[str] = []
 
-  def visit(node: Any, path: tuple[str, ...]) -> Any:
-    converter = converters.get(type(node))
+  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> Any:
+    converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None:
       if converter.write is None:
         no_converter.append(f"{where} ({type(node).__name__}: its converter only reads)")
         return node
       label = f"{where} ({type(node).__name__})"
-      ctx = ConversionContext(where, step, params, hparams)
+      own = _own_param(node, converter, path, params)
+      ctx = ConversionContext(where, step, params, hparams, own, chain)
       return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
     children = _children(node)
     if children is None:
       return node
+    hparams = _injected(node, hparams)
     new = []
-    for key, child in children:
+    for i, (key, child) in enumerate(children):
       state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(jnp.asarray(step, jnp.result_type(child)))
@@ -252,10 +306,10 @@ def _write_target(
         no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         new.append(child)
       else:
-        new.append(visit(child, (*path, key)))
+        new.append(visit(child, (*path, key), hparams, _chained(node, children, i)))
     return _rebuild(node, new)
 
-  written = visit(template, ())
+  written = visit(template, (), hparams, ())
   converted, initialised = [], []
   for field, by in recorder.fields.items():
     if by[True]:
@@ -376,7 +430,9 @@ def convert_state(
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
   ``MultiOptimizer``). Built in: Adam's state (adam, adamw, nadam, radam),
   AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
-  (factored or not) and, as a source, T5X's legacy ``adafactor.Adafactor``;
+  (factored or not, and its momentum: the ``EmaState`` after its
+  ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
+  dict's layout, or T5X's own param state class, matched by its fields);
   see the module docstring for the step-count rule and each converter for
   its formula. Other states (adabelief's, say) need a registered converter.
 
@@ -392,8 +448,11 @@ def convert_state(
       does not hold (defaults: optax's): ``b1``/``b2`` (Adam 0.9/0.999, Lion
       b2 0.99), ``momentum`` (SGD, 0.9), ``decay`` (RMSProp, 0.9),
       ``b1``/``b3`` (Adan 0.98/0.99); T5X's Adafactor momentum ``m`` is read
-      only with ``learning_rate`` (the rate of its last steps; also
-      ``beta1`` 0.9, ``epsilon2`` 1e-3, ``multiply_by_parameter_scale`` True).
+      only with ``learning_rate`` (the rate of its last steps, or a schedule,
+      called at the step; also ``beta1`` 0.9, ``epsilon2`` 1e-3,
+      ``multiply_by_parameter_scale`` True), optax Adafactor's only with
+      ``learning_rate`` and ``momentum``. Values an ``inject_hyperparams``
+      state holds override these for the states inside it.
     target_hparams: the same for the new optimizer.
     missing: ``"raise"`` (default) when some state of the new optimizer would
       keep its initial value (no source value for a param's moment, or a

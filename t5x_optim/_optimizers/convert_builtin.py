@@ -1,12 +1,14 @@
 """The built-in optimizer-state converters and their formulas (registered on import).
 
 Adam family (adam, adamw, nadam, radam), AMSGrad, Adan, Lion, SGD momentum,
-RMSProp, optax's factored Adafactor, and T5X's legacy Adafactor as a source;
+RMSProp, optax's factored Adafactor and its momentum, and T5X's legacy
+Adafactor;
 `t5x_optim._optimizers.convert` documents what each reads and writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from t5x_optim._optimizers.convert_registry import (
   _by_param,
   _field,
   _has_field,
+  _is_namedtuple,
   register_state_converter,
 )
 
@@ -225,6 +228,30 @@ def _write_factored(template: optax.FactoredState, moments: Moments, ctx: Conver
   )
 
 
+def _update_scale(ctx: ConversionContext, param: str) -> jax.Array:
+  """``lr * max(rms(param), epsilon2)``: Adafactor's factor on ``g / sqrt(v)`` before momentum.
+
+  The param-scale factor only with ``multiply_by_parameter_scale`` (default
+  True; optax's ``scale_by_param_block_rms`` uses the same 1e-3 floor).
+  """
+  scale = jnp.asarray(ctx.rate(), jnp.float32)
+  if ctx.hparam("multiply_by_parameter_scale", True):
+    rms = jnp.sqrt(jnp.mean(jnp.square(ctx.params[param])))
+    scale = scale * jnp.maximum(rms, ctx.hparam("epsilon2", 1e-3))
+  return scale
+
+
+def _gradient_average(m: Any, nu: Any, scale: Any, decay: Any, count: Any) -> jax.Array:
+  """mu = m sqrt(nu) / scale / (1 - decay^count), from an average ``m`` of Adafactor's updates."""
+  return _corrected(decay, count)(m * jnp.sqrt(nu) / scale)
+
+
+def _update_average(mu: Any, nu: Any, scale: Any, decay: Any, count: Any) -> jax.Array:
+  """m = mu scale / sqrt(nu) (1 - decay^count): the inverse of `_gradient_average` (0 where nu is)."""
+  safe = jnp.where(nu > 0, nu, 1.0)
+  return jnp.where(nu > 0, mu * scale / jnp.sqrt(safe), 0.0) * _decay(decay, count)
+
+
 def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -> dict[str, Any]:
   """nu as in `_read_factored`; mu = m sqrt(nu) / (lr scale) / (1 - beta1^t).
 
@@ -232,7 +259,8 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   ``scale = max(rms(param), epsilon2)`` (``multiply_by_parameter_scale``) and
   no bias correction; dividing by the same factors gives back an average of
   gradients, for a slowly changing ``v``. That needs the learning rate the
-  run used: ``source_hparams['learning_rate']``; without it ``m`` is not read.
+  run used: ``source_hparams['learning_rate']`` (a schedule is called at the
+  step); without it ``m`` is not read.
   """
   param = ctx.params[ctx.param]
   if _is_factored(state.v_row):
@@ -241,15 +269,124 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   else:
     nu = state.v
   read = {NU: nu}
-  learning_rate = ctx.hparam("learning_rate", None)
-  if state.m is not None and learning_rate is not None:
-    scale = learning_rate
-    if ctx.hparam("multiply_by_parameter_scale", True):
-      rms = jnp.sqrt(jnp.mean(jnp.square(param)))
-      scale = scale * jnp.maximum(rms, ctx.hparam("epsilon2", 1e-3))
-    mu = state.m * jnp.sqrt(nu) / scale
-    read[MU] = _corrected(ctx.hparam("beta1", 0.9), ctx.step)(mu)
+  if _has_momentum(state, param) and ctx.rate() is not None:
+    scale = _update_scale(ctx, ctx.param)
+    read[MU] = _gradient_average(state.m, nu, scale, ctx.hparam("beta1", 0.9), ctx.step)
   return read
+
+
+def _has_momentum(state: Any, param: Any) -> bool:
+  """Whether a T5X Adafactor param state has ``m`` (beta1 set), not its (1,) placeholder."""
+  return state.m is not None and jnp.shape(state.m) == jnp.shape(param)
+
+
+def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
+  """One param's T5X Adafactor state: ``v_row``, ``v_col`` or ``v`` from nu, ``m`` from mu.
+
+  As `_write_factored` for the second moment (the template's shapes say
+  which dims T5X factored), and ``m = mu lr scale / sqrt(nu) (1 - beta1^t)``
+  with ``nu`` as the factored statistics give it back, the inverse of
+  `_read_t5x_adafactor`; ``m`` needs ``learning_rate`` (T5X passes it at
+  each step, the state does not hold it). Placeholders stay as they are.
+  """
+  param = ctx.param
+  shape = jnp.shape(ctx.params[param])
+  factored = _is_factored(template.v_row)
+  dims = (
+    factored_dims(shape, jnp.shape(template.v_row), jnp.shape(template.v_col)) if factored else ()
+  )
+
+  def seen(nu: Any) -> Any:
+    return reconstruct_second_moment(*factor_second_moment(nu, *dims), *dims) if factored else nu
+
+  fields = {}
+  if factored:
+    for which, name in enumerate(("v_row", "v_col")):
+      fields[name] = moments.fill(
+        getattr(template, name), NU,
+        lambda nu, leaf, p, which=which: factor_second_moment(nu, *dims)[which],
+        field=name, param=param,
+      )  # fmt: skip
+  else:
+    fields["v"] = moments.fill(template.v, NU, lambda nu, leaf, p: nu, field="v", param=param)
+  if _has_momentum(template, ctx.params[param]):
+    if ctx.rate() is None:
+      fields["m"] = moments.keep(
+        template.m, "m (needs the learning_rate hyper-parameter)", param=param
+      )
+    else:
+      scale, beta1 = _update_scale(ctx, param), ctx.hparam("beta1", 0.9)
+      fields["m"] = moments.fill(
+        template.m, MU,
+        lambda mu, leaf, p: _update_average(mu, seen(moments.value(p, NU)), scale, beta1, ctx.step),
+        field="m", needs=(NU,), param=param,
+      )  # fmt: skip
+  if _is_namedtuple(template):
+    return template._replace(**fields)
+  return dataclasses.replace(template, **fields)
+
+
+def _adafactor_momentum(ctx: ConversionContext) -> tuple[Any, str | None]:
+  """The ``FactoredState`` an ``EmaState`` is Adafactor's momentum of, or (None, why not)."""
+  factored = next((s for s in reversed(ctx.chain) if isinstance(s, optax.FactoredState)), None)
+  if factored is None:
+    return None, "an EMA after no FactoredState in its chain: not Adafactor's momentum"
+  missing = [name for name in ("learning_rate", "momentum") if ctx.hparams.get(name) is None]
+  if missing:
+    return None, f"Adafactor's momentum, which needs the hyper-parameters {missing}"
+  return factored, None
+
+
+def _read_adafactor_momentum(state: optax.EmaState, ctx: ConversionContext) -> dict[str, Any]:
+  """mu = ema sqrt(nu) / (lr scale) / (1 - momentum^t), nu from the FactoredState before it.
+
+  In ``optax.adafactor(momentum=...)`` the ``EmaState`` (no debiasing)
+  averages the updates ``lr * scale * g / sqrt(v)`` (`_update_scale`), as
+  T5X's ``m`` does; the block-RMS clipping between them is not undone.
+  Reading it needs ``learning_rate`` and ``momentum``; an ``EmaState`` with
+  no ``FactoredState`` before it in its chain is not read.
+  """
+  factored, why = _adafactor_momentum(ctx)
+  if factored is None:
+    return {"unread": why}
+  nu = _by_param(_read_factored(factored, ctx)[NU])
+  momentum = ctx.hparam("momentum", None)
+
+  def mu(path: Any, ema: Any) -> Any:
+    param = _state_dict.key_path_str(path)
+    return _gradient_average(ema, nu[param], _update_scale(ctx, param), momentum, state.count)
+
+  return {MU: jax.tree_util.tree_map_with_path(mu, state.ema), "count": state.count}
+
+
+def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: ConversionContext):
+  """ema = mu lr scale / sqrt(nu) (1 - momentum^t), with nu as the Adafactor will see it.
+
+  ``nu`` is the source's, factored and reconstructed as the ``FactoredState``
+  before it stores it, so the average is of the updates that Adafactor
+  would have made.
+  """
+  factored, why = _adafactor_momentum(ctx)
+  if factored is None:
+    return template._replace(ema=moments.keep(template.ema, f"ema ({why})"))
+  rows, cols = _by_param(factored.v_row), _by_param(factored.v_col)
+  momentum = ctx.hparam("momentum", None)
+  written = any(
+    moments.value(param, MU) is not None and moments.value(param, NU) is not None
+    for param in _by_param(template.ema)
+  )
+  count = moments.count(template.ema, template.count, (MU,)) if written else template.count
+
+  def ema(mu: Any, leaf: Any, param: str) -> Any:
+    nu = moments.value(param, NU)
+    if _is_factored(rows[param]):
+      d1, d0 = factored_dims(jnp.shape(nu), jnp.shape(rows[param]), jnp.shape(cols[param]))
+      nu = reconstruct_second_moment(*factor_second_moment(nu, d1, d0), d1, d0)
+    return _update_average(mu, nu, _update_scale(ctx, param), momentum, count)
+
+  return template._replace(
+    count=count, ema=moments.fill(template.ema, MU, ema, field="ema", needs=(NU,))
+  )
 
 
 def _read_adan(state: Any, ctx: ConversionContext) -> dict[str, Any]:
@@ -299,7 +436,12 @@ def _builtin() -> None:
   register_state_converter(optax.ScaleByAmsgradState, read=_read_amsgrad, write=_write_amsgrad)
   register_state_converter(optax.ScaleByAdanState, read=_read_adan, write=_write_adan)
   register_state_converter(optax.FactoredState, read=_read_factored, write=_write_factored)
-  register_state_converter(T5XAdafactorParamState, read=_read_t5x_adafactor, per_param=True)
+  register_state_converter(
+    optax.EmaState, read=_read_adafactor_momentum, write=_write_adafactor_momentum
+  )
+  register_state_converter(
+    T5XAdafactorParamState, read=_read_t5x_adafactor, write=_write_t5x_adafactor, per_param=True
+  )
 
 
 _builtin()

@@ -34,7 +34,11 @@ MU, NU = "mu", "nu"
 
 
 class T5XAdafactorParamState(NamedTuple):
-  """One param's state of T5X's legacy `adafactor.Adafactor` (read from its state dict).
+  """One param's state of T5X's legacy `adafactor.Adafactor`.
+
+  Read from its state dict as this NamedTuple. T5X's own param state class
+  (a dataclass with these four fields, in a T5X process) converts, read or
+  written, through the same converter: states are matched by their fields.
 
   Attributes:
     v_row: the factored second moment's row statistics (the param's shape
@@ -42,7 +46,7 @@ class T5XAdafactorParamState(NamedTuple):
     v_col: the column statistics (the shape without the row dims), or (1,).
     v: the full second moment when not factored, else a (1,) placeholder.
     m: the momentum (an average of past updates, learning rate included) when
-      Adafactor ran with ``beta1``, else None.
+      Adafactor ran with ``beta1``, else None or a (1,) placeholder.
   """
 
   v_row: Any
@@ -63,6 +67,11 @@ class ConversionContext:
       written (``target_hparams``), for converters whose state does not hold
       them (Adam's ``b1`` and ``b2``, SGD's ``momentum``, ...).
     param: the param path of a ``per_param`` node, else None.
+    chain: the states of the transformations chained before this one (the
+      node's earlier siblings in a ``chain`` state, nearest last), for a
+      state whose meaning depends on them: optax Adafactor's momentum is an
+      ``EmaState`` of updates already divided by the ``FactoredState``'s
+      second moment.
   """
 
   path: str
@@ -70,10 +79,16 @@ class ConversionContext:
   params: Mapping[str, Any]
   hparams: Mapping[str, Any]
   param: str | None = None
+  chain: tuple[Any, ...] = ()
 
   def hparam(self, name: str, default: Any) -> Any:
     """``hparams[name]``, or `default` (optax's default for the state's factory)."""
     return self.hparams.get(name, default)
+
+  def rate(self, name: str = "learning_rate") -> Any:
+    """The hyper-parameter `name` at the current step (a schedule is called), or None."""
+    value = self.hparams.get(name)
+    return value(self.step) if callable(value) else value
 
 
 class Moments:
@@ -87,6 +102,10 @@ class Moments:
   def __init__(self, stats: Mapping[str, dict[str, Any]], record: Callable[[str, str, bool], None]):
     self._stats, self._record = stats, record
 
+  def value(self, param: str, quantity: str) -> Any:
+    """The source's `quantity` (``"mu"``, ``"nu"``) of `param`, or None."""
+    return self._stats.get(param, {}).get(quantity)
+
   def fill(
     self,
     tree: Any,
@@ -94,6 +113,8 @@ class Moments:
     fn: Callable[[Any, Any, str], Any],
     *,
     field: str | None = None,
+    needs: tuple[str, ...] = (),
+    param: str | None = None,
   ) -> Any:
     """`tree` with each leaf replaced by ``fn(value, leaf, param_path)``.
 
@@ -103,17 +124,33 @@ class Moments:
       fn: the formula; ``value`` is the param's moment, ``leaf`` the
         template's leaf. The result is cast to the leaf's dtype.
       field: the node's field name, for the report (defaults to `quantity`).
+      needs: other quantities the formula reads (with `value`); a param
+        without all of them keeps its leaf, as one without `quantity` does.
+      param: for a ``per_param`` node: `tree` is one array, this param's.
     """
 
-    def one(path: Any, leaf: Any) -> Any:
-      param = _state_dict.key_path_str(path)
-      value = self._stats.get(param, {}).get(quantity)
-      self._record(field or quantity, param, value is not None)
-      if value is None:
+    def one(param: str, leaf: Any) -> Any:
+      value = self.value(param, quantity)
+      found = value is not None and all(self.value(param, q) is not None for q in needs)
+      self._record(field or quantity, param, found)
+      if not found:
         return leaf
       return jnp.asarray(fn(value, leaf, param), dtype=leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+    if param is not None:
+      return one(param, tree)
+    return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: one(_state_dict.key_path_str(path), leaf), tree
+    )
+
+  def keep(self, tree: Any, field: str, *, param: str | None = None) -> Any:
+    """`tree` unchanged, every param of it (or `param`) recorded as initialised under `field`."""
+    if param is not None:
+      self._record(field, param, False)
+      return tree
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      self._record(field, _state_dict.key_path_str(path), False)
+    return tree
 
   def count(self, tree: Any, template_count: Any, quantities: tuple[str, ...] = (MU, NU)) -> Any:
     """The source's count for the params of `tree`, or `template_count`.
@@ -130,6 +167,9 @@ class Moments:
 
 Reader = Callable[[Any, ConversionContext], Mapping[str, Any]]
 """``read(node, context) -> {'mu': tree, 'nu': tree, 'count': scalar}`` (any subset).
+
+A reader that cannot read its node in its context returns ``{'unread': why}``
+instead; the node is then listed as dropped, with the reason.
 
 Trees mirror the params below the node (param paths relative to the node's
 param tree, as optax states hold them); for a ``per_param`` converter they are
@@ -149,8 +189,8 @@ class StateConverter:
     write: see `Writer`; None if states of the type cannot be written.
     per_param: the node holds one param's state (T5X's legacy Adafactor);
       its param path (`ConversionContext.param`) is the longest suffix of the
-      node's path that names a param, and `read` returns single arrays.
-      Only read: the written states are optax's, whose trees span params.
+      node's path that names a param, `read` returns single arrays and
+      `write` fills single arrays (``Moments.fill(..., param=ctx.param)``).
   """
 
   read: Reader | None
@@ -245,6 +285,10 @@ class ConversionReport:
 
 def _type_name(state_type: type) -> str:
   return f"{state_type.__module__}.{state_type.__qualname__}"
+
+
+def _is_namedtuple(node: Any) -> bool:
+  return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
 def _has_field(node: Any, name: str) -> bool:

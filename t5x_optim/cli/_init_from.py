@@ -9,13 +9,12 @@ old one learned.
 
 The hyper-parameters a conversion needs and a state does not hold (Adam's ``b1``
 and ``b2``, SGD's ``momentum``, ...) are read from each side's gin config, where
-it binds them to literal values (``optax.adamw.b2 = 0.98``); the others are
-optax's defaults.
+it binds them (``optax.adamw.b2 = 0.98``, through macros too; a learning-rate
+schedule is kept as one); the others are optax's defaults.
 """
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,31 +47,50 @@ class Source(NamedTuple):
 
 
 def bound_hparams() -> dict[str, Any]:
-  """The `CONVERSION_HPARAMS` that gin's current config binds to one literal value each.
+  """The `CONVERSION_HPARAMS` that gin's current config binds to one value each.
 
-  A name bound to two different values (two optimizers in one config) or to
-  a macro or reference is left out, so its converter uses optax's default.
+  A binding to a macro (``%LEARNING_RATE``) or to a configurable's call
+  (``@optax.linear_schedule()``) is evaluated as gin would evaluate it. A
+  number is kept, and a schedule for ``learning_rate`` (converters call it at
+  the step); a name bound to two different values (two optimizers in one
+  config) or to anything else is left out, so its converter uses optax's
+  default.
 
   Example:
     >>> import gin
     >>> _ = gin.parse_config(["from __gin__ import dynamic_registration", "import optax",
-    ...                       "optax.adamw.b2 = 0.98", "optax.sgd.momentum = None"])
+    ...                       "B2 = 0.98", "optax.adamw.b2 = %B2", "optax.sgd.momentum = None"])
     >>> bound_hparams()
     {'b2': 0.98}
     >>> gin.clear_config()
   """
-  values: dict[str, set[Any]] = {}
+  values: dict[str, dict[Any, Any]] = {}
   for line in gin.config_str().splitlines():
     match = _BINDING.match(line)
     if not match or match.group(2) not in CONVERSION_HPARAMS:
       continue
-    try:
-      value = ast.literal_eval(match.group(3))
-    except (ValueError, SyntaxError):
-      continue
+    selector, name, text = match.groups()
+    value = _bound_value(f"{selector}.{name}")
     if isinstance(value, bool | int | float):
-      values.setdefault(match.group(2), set()).add(value)
-  return {name: next(iter(found)) for name, found in sorted(values.items()) if len(found) == 1}
+      values.setdefault(name, {})[value] = value
+    elif callable(value) and name == "learning_rate":
+      values.setdefault(name, {})[text] = value
+  return {
+    name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
+  }
+
+
+def _bound_value(binding_key: str) -> Any:
+  """The value gin binds to `binding_key`, with a macro or ``@configurable()`` evaluated."""
+  value = gin.query_parameter(binding_key)
+  if not isinstance(value, gin.config.ConfigurableReference):
+    return value
+  if not value.evaluate:
+    return None
+  try:
+    return value.scoped_configurable_fn()
+  except (TypeError, ValueError):  # a configurable that cannot be called alone
+    return None
 
 
 def _as_path(init_from: Path | str) -> Path:
@@ -83,7 +101,8 @@ def _as_path(init_from: Path | str) -> Path:
 
 
 def _describe(hparams: Mapping[str, Any] | None) -> str:
-  return ", ".join(f"{k}={v}" for k, v in (hparams or {}).items()) or "optax's defaults"
+  shown = [f"{k}={'a schedule' if callable(v) else v}" for k, v in (hparams or {}).items()]
+  return ", ".join(shown) or "optax's defaults"
 
 
 def _is_ours(init_from: Path) -> bool:

@@ -1,0 +1,17 @@
+"""Whether T5X itself is at hand: a T5X git directory (T5X_SRC) and T5X's dependencies.
+
+Tests that run T5X's own code in a fresh process (its train.py, its legacy Adafactor)
+need both, as in ``../shared/t5x/``; CI has neither and skips them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def t5x_at_hand() -> bool:
+  src = os.environ.get("T5X_SRC", "")
+  return os.path.isdir(src) and all(
+    importlib.util.find_spec(name) for name in ("tensorflow", "seqio", "clu")
+  )
