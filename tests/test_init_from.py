@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
+import t5x_optim
 from t5x_optim import Checkpointer
 from t5x_optim.cli import _config, _init_from, _train, main
+from t5x_optim.cli._t5x_config import optimizer_config
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
@@ -59,16 +63,66 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
 
 
 def test_bound_hparams_evaluate_macros_and_schedules():
-  """adafactor.gin binds learning_rate = %LEARNING_RATE = @optax.linear_schedule()."""
+  """adafactor.gin binds learning_rate = %LEARNING_RATE = @optax.linear_schedule().
+
+  Only what its OPTIMIZER reaches counts: the default config's adamw, and a b1 bound to
+  it here, are another optimizer's.
+  """
   _config.parse_config(
     gin_files=["optimizers/adafactor.gin"],
-    gin_bindings=["TOTAL_STEPS = 10", "B1 = 0.8", "optax.adamw.b1 = %B1"],
+    gin_bindings=["TOTAL_STEPS = 10", "M = 0.8", "optimizers.adafactor.momentum = %M"]
+    + ["optax.adamw.b1 = 0.5"],
     macros=_config.device_macros(8),
   )
   hparams = _init_from.bound_hparams()
-  assert sorted(hparams) == ["b1", "learning_rate", "multiply_by_parameter_scale"]
-  assert hparams["b1"] == 0.8 and hparams["multiply_by_parameter_scale"] is False
+  assert sorted(hparams) == ["learning_rate", "momentum", "multiply_by_parameter_scale"]
+  assert hparams["momentum"] == 0.8 and hparams["multiply_by_parameter_scale"] is False
   np.testing.assert_allclose([hparams["learning_rate"](s) for s in (0, 10)], [1e-2, 1e-3])
+
+
+T5X_CONFIG = pathlib.Path(__file__).parent / "data" / "t5x_config" / "config.gin"
+
+
+def test_t5x_operative_config_gives_its_optimizer():
+  """The config T5X's train.py wrote: adamw, learning_rate 0.01, among T5X's own modules."""
+  found = optimizer_config(T5X_CONFIG.read_text())
+  assert found.gin.splitlines() == [
+    "from __gin__ import dynamic_registration",
+    "from t5x_optim import optimizers",
+    "OPTIMIZER = @optimizers.adamw()",
+    "optimizers.adamw.learning_rate = 0.01",
+  ]
+  legacy = T5X_CONFIG.read_text().replace("@optimizers.adamw()", "@adafactor.Adafactor()")
+  assert optimizer_config(legacy) == (None, {"decay_rate": 0.8, "step_offset": 0})
+  foreign = T5X_CONFIG.read_text().replace("@optimizers.adamw()", "@utils.DatasetConfig()")
+  with pytest.raises(ValueError, match=r"uses utils.DatasetConfig from t5x.utils, which"):
+    optimizer_config(foreign)
+  with pytest.raises(ValueError, match="binds no optimizer"):
+    optimizer_config("from t5x import utils\nutils.CheckpointConfig.restore = None")
+
+
+@pytest.mark.slow
+def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path, capsys):
+  """A T5X model directory: T5X-format checkpoints (adamw) and T5X's operative config."""
+  t5x_dir = tmp_path / "t5x"
+  _config.parse_config(
+    gin_files=["examples/tiny.gin"],
+    gin_bindings=["OPTIMIZER = @optimizers.adamw()", "optimizers.adamw.learning_rate = 0.01"],
+    macros=_config.device_macros(8),
+  )
+  setup = _train.prepare(_config.build_job())
+  state = setup.create(*setup.init_args)
+  for step in range(2):
+    state, _ = setup.step_fn(state, setup.train_batch(step))
+  t5x_optim.save_t5x_checkpoint(t5x_dir, state)
+  shutil.copy(T5X_CONFIG, t5x_dir / "config.gin")
+  adafactor = [*TINY, "--gin_file", "optimizers/adafactor.gin", "--gin_bindings", "TOTAL_STEPS = 4"]
+  flags = ["--init_from", str(t5x_dir), "--model_dir", str(tmp_path / "new")]
+  assert main(["train", *adafactor, *flags]) == 0
+  out = capsys.readouterr().out
+  assert f"init_from:       {t5x_dir} at step 2" in out, out
+  assert "hparams: old learning_rate=0.01, new learning_rate=a schedule" in out, out
+  assert re.search(r"FactoredState\)\.v_row: \d+ params, from 0 \(ScaleByAdamState\)", out), out
 
 
 @pytest.mark.slow

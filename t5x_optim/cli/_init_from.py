@@ -2,7 +2,9 @@
 
 DIR is a t5x-optim model directory (its checkpoints in ``DIR/checkpoints`` and its
 operative gin config in ``DIR/config.gin``) or a T5X model directory (T5X's
-``checkpoint_<step>`` directories, legacy or Orbax format). The params, step and
+``checkpoint_<step>`` directories, legacy or Orbax format, and the operative
+``config.gin`` T5X's train.py writes, whose optimizer bindings name the old
+optimizer). The params, step and
 mutables are restored exactly and the old optimizer's state is converted into the
 gin file's optimizer (`t5x_optim.convert_state`), so the new optimizer keeps what the
 old one learned.
@@ -26,6 +28,7 @@ from t5x_optim._training import storage
 from t5x_optim._training.convert_checkpoint import restore_converted
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli import _config
+from t5x_optim.cli._t5x_config import optimizer_config, optimizer_statements
 from t5x_optim.cli._train import CHECKPOINTS, CONFIG_FILE, UsageError
 
 __all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
@@ -49,6 +52,9 @@ class Source(NamedTuple):
 def bound_hparams() -> dict[str, Any]:
   """The `CONVERSION_HPARAMS` that gin's current config binds to one value each.
 
+  Only the configurables its ``OPTIMIZER`` reaches count (all, in a config
+  without one).
+
   A binding to a macro (``%LEARNING_RATE``) or to a configurable's call
   (``@optax.linear_schedule()``) is evaluated as gin would evaluate it. A
   number is kept, and a schedule for ``learning_rate`` (converters call it at
@@ -64,12 +70,17 @@ def bound_hparams() -> dict[str, Any]:
     {'b2': 0.98}
     >>> gin.clear_config()
   """
+  config = gin.config_str()
+  reached = optimizer_statements(config)
+  used = None if reached is None else {_selector(b) for b in reached.kept if b.arg_name}
   values: dict[str, dict[Any, Any]] = {}
-  for line in gin.config_str().splitlines():
+  for line in config.splitlines():
     match = _BINDING.match(line)
     if not match or match.group(2) not in CONVERSION_HPARAMS:
       continue
     selector, name, text = match.groups()
+    if used is not None and selector not in used:
+      continue  # a configurable the optimizer does not use
     value = _bound_value(f"{selector}.{name}")
     if isinstance(value, bool | int | float):
       values.setdefault(name, {})[value] = value
@@ -78,6 +89,10 @@ def bound_hparams() -> dict[str, Any]:
   return {
     name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
   }
+
+
+def _selector(binding: Any) -> str:
+  return f"{binding.scope}/{binding.selector}" if binding.scope else binding.selector
 
 
 def _bound_value(binding_key: str) -> Any:
@@ -115,20 +130,39 @@ def source_optimizer(
   """The optimizer definition that wrote `init_from`'s checkpoints, and its `bound_hparams`.
 
   Built from `gin_files` when given (e.g. ``optimizers/adafactor.gin``), else
-  from a t5x-optim model directory's ``config.gin``. The optimizer is None for
-  a T5X model directory without `gin_files`: T5X's legacy Adafactor is then
-  recognised by its state's layout. Parsing leaves gin's config cleared.
+  from a t5x-optim model directory's ``config.gin``, else from the optimizer
+  bindings of the operative ``config.gin`` T5X's train.py wrote into a T5X
+  model directory (`t5x_config.optimizer_config`). The optimizer is None for
+  T5X's legacy Adafactor, recognised by its state's layout, and for a T5X
+  directory without a config. Parsing leaves gin's config cleared.
+
+  Raises:
+    UsageError: T5X's config builds its optimizer from modules t5x_optim
+      cannot import, or binds none.
 
   Example:
     >>> source_optimizer(Path('/nonexistent'), [], [], {})
     Source(optimizer=None, hparams={})
   """
   init_from = _as_path(init_from)
+  bindings: list[str] = []
   files = list(gin_files) or ([str(init_from / CONFIG_FILE)] if _is_ours(init_from) else [])
-  if not files:
+  if not files and (init_from / CONFIG_FILE).is_file():
+    config = init_from / CONFIG_FILE
+    try:
+      t5x = optimizer_config(config.read_text(), str(config))
+    except ValueError as error:
+      raise UsageError(f"--init_from {error}") from error
+    if t5x.gin is None:
+      return Source(None, {k: v for k, v in t5x.hparams.items() if k in CONVERSION_HPARAMS})
+    # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
+    bindings = [line for line in t5x.gin.splitlines() if not line.startswith("from __gin__")]
+  if not files and not bindings:
     return Source(None, {})
   try:
-    _config.parse_config(gin_files=files, search_paths=search_paths, macros=macros)
+    _config.parse_config(
+      gin_files=files, gin_bindings=bindings, search_paths=search_paths, macros=macros
+    )
     return Source(_config.build_job().optimizer, bound_hparams())
   finally:
     gin.clear_config()

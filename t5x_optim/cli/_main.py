@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
     default=[],
     metavar="PATH",
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
-    "config.gin; none for T5X's legacy Adafactor)",
+    "config.gin; for a T5X directory, the optimizer bindings of the config.gin T5X wrote)",
   )
   _processes.add_flags(train)
   plan = commands.add_parser(
