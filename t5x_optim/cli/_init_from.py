@@ -64,6 +64,7 @@ def bound_hparams() -> dict[str, Any]:
 
   Example:
     >>> import gin
+    >>> gin.clear_config()
     >>> _ = gin.parse_config(["from __gin__ import dynamic_registration", "import optax",
     ...                       "B2 = 0.98", "optax.adamw.b2 = %B2", "optax.sgd.momentum = None"])
     >>> bound_hparams()
