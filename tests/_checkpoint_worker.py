@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _subprocesses import communicate_all
 
 from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState, distributed
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
@@ -68,23 +68,7 @@ def run_workers(argvs: Sequence[Sequence[str]], *, devices: int) -> list[tuple[i
     )
     for argv in argvs
   ]
-  deadline = time.monotonic() + WORKER_TIMEOUT_S
-  results = []
-  for proc in procs:
-    try:
-      out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      out = f"timed out after {WORKER_TIMEOUT_S}s\n{proc.communicate()[0]}"
-    results.append((proc.returncode, out[-4000:]))
-  return results
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return [(code, out[-4000:]) for code, out, _ in communicate_all(procs, WORKER_TIMEOUT_S)]
 
 
 OPTIMIZERS = {

@@ -31,18 +31,14 @@ import threading
 import time
 from http import HTTPStatus
 
+from _subprocesses import free_port
+
 ENV = {
   # gcsfs asks GCS's control plane for the bucket type; the emulator has none.
   # Read when gcsfs is imported: import this module first.
   "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
 }
 os.environ.update(ENV)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Emulator:
@@ -54,7 +50,7 @@ class Emulator:
   """
 
   def __init__(self) -> None:
-    self.port = _free_port()
+    self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.env = {**ENV, "STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url}
     self._process: subprocess.Popen | None = None

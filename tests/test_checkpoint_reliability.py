@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _subprocesses import free_port
 
 from t5x_optim import CheckpointError, distributed
 from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
@@ -277,7 +278,7 @@ def test_distributed_timeouts_are_checked(name, value):
 )
 def test_survivor_exits_soon_after_a_peer_dies(tmp_path):
   kill_file = tmp_path / "killed_at"
-  port = w.free_port()
+  port = free_port()
   [(code, output), (victim_code, _)] = w.run_workers(
     [["peer_killed", str(port), str(i), str(kill_file)] for i in range(2)], devices=4
   )

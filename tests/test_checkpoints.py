@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _subprocesses import free_port
 
 from t5x_optim._training import checkpoint_headers
 from t5x_optim._training import checkpoints as checkpoints_impl
@@ -316,7 +317,7 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   in_dir, out_dir = tmp_path / "in", tmp_path / "out"
   state = w.train(w.fresh_state("adamw", part_2x4), w.MP_STEPS)
   _save(in_dir, w.MP_STEPS, state)
-  port = w.free_port()
+  port = free_port()
 
   results = w.run_workers(
     [["multiprocess", str(in_dir), str(out_dir), str(port), str(i)] for i in range(2)], devices=4

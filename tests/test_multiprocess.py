@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _subprocesses import communicate_all, free_port
 from test_cli import _scalars
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ TINY_TEXT = ["train", "--gin_file", "examples/tiny.gin", "--data", "hamlet.txt"]
 SHORT = "--gin_bindings 'TOTAL_STEPS = 5'"
 HEARTBEAT_BOUND_S = 60
 """The survivor's exit after its peer is killed: the 10 s heartbeat plus a loaded machine."""
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict[str, str]:
@@ -46,7 +40,7 @@ def _start(args: Sequence[str], *, processes: int, cwd: Path) -> list[subprocess
   """`processes` processes of one job, each with 8 / `processes` devices."""
   flags: list[list[str]] = [[]]
   if processes > 1:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     flags = [
       ["--coordinator_address", address, "--num_processes", str(processes), "--process_id", str(i)]
       for i in range(processes)
@@ -64,23 +58,8 @@ def _start(args: Sequence[str], *, processes: int, cwd: Path) -> list[subprocess
   ]
 
 
-def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
-  deadline = time.monotonic() + TIMEOUT
-  results = []
-  for proc in procs:
-    try:
-      out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      out, err = proc.communicate()
-      err = f"timed out after {TIMEOUT} s\n{err}"
-    results.append((proc.returncode, out, err))
-  return results
-
-
 def _train(args: Sequence[str], *, processes: int, cwd: Path) -> list[tuple[int, str, str]]:
-  results = _finish(_start(args, processes=processes, cwd=cwd))
+  results = communicate_all(_start(args, processes=processes, cwd=cwd), TIMEOUT)
   for code, out, err in results:
     assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
   return results
@@ -122,7 +101,7 @@ def _wait_for_checkpoint(model_dir: Path, procs: list[subprocess.Popen]) -> None
   while time.monotonic() < deadline:
     if (model_dir / "checkpoints").is_dir() and _checkpoint_steps(model_dir):
       return
-    assert all(p.poll() is None for p in procs), _finish(procs)
+    assert all(p.poll() is None for p in procs), communicate_all(procs, TIMEOUT)
     time.sleep(0.5)
   pytest.fail(f"no checkpoint in {TIMEOUT} s")
 
@@ -156,7 +135,7 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
     pytest.fail(f"process 0 still ran {HEARTBEAT_BOUND_S} s after process 1 was killed")
   survived = time.monotonic() - killed
   assert procs[0].returncode != 0 and survived < HEARTBEAT_BOUND_S
-  _finish(procs)
+  communicate_all(procs, TIMEOUT)
   latest = _checkpoint_steps(model_dir)[-1]
   # Resume in 2 processes, then the 2-process checkpoint in 1, then that one in 2.
   for processes in (2, 1, 2):
@@ -175,7 +154,7 @@ def test_kill_one_process_then_resume_in_two_one_and_two_processes(tmp_path):
 def test_ctrl_c_in_one_process_stops_both_at_the_same_step(tmp_path):
   model_dir, procs = _long_run(tmp_path)
   procs[0].send_signal(signal.SIGINT)
-  results = _finish(procs)
+  results = communicate_all(procs, TIMEOUT)
   assert [code for code, _, _ in results] == [130, 130], results[0][2][-2000:]
   stopped = int(re.search(r"^interrupted at step (\d+)$", results[0][1], re.M).group(1))
   assert stopped % 5 == 0 and _checkpoint_steps(model_dir)[-1] == stopped
@@ -206,7 +185,7 @@ def test_the_readme_recipe_runs_two_processes(tmp_path):
   model_dir = tmp_path / "run"
   script = (
     _readme_recipe()
-    .replace("PORT=12355", f"PORT={_free_port()}")
+    .replace("PORT=12355", f"PORT={free_port()}")
     .replace("/tmp/two_processes", str(model_dir))
     .replace("--data hamlet.txt", "--data hamlet.txt --gin_file examples/tiny.gin " + SHORT)
   )
