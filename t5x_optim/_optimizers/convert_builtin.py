@@ -186,6 +186,31 @@ def _is_factored(v_row: Any) -> bool:
   return jnp.shape(v_row) != (1,)
 
 
+def _second_moment(shape: tuple[int, ...], v_row: Any, v_col: Any, v: Any) -> Any:
+  """The full second moment of a param of `shape`: `v`, or reconstructed from its factors."""
+  if not _is_factored(v_row):
+    return v
+  d1, d0 = factored_dims(shape, jnp.shape(v_row), jnp.shape(v_col))
+  return reconstruct_second_moment(v_row, v_col, d1, d0)
+
+
+def _factors(nu: Any, v_row: Any, v_col: Any) -> tuple[Any, Any]:
+  """`factor_second_moment` of `nu` on the dims that factors shaped as `v_row`, `v_col` imply."""
+  return factor_second_moment(nu, *factored_dims(jnp.shape(nu), jnp.shape(v_row), jnp.shape(v_col)))
+
+
+def _as_factored(nu: Any, v_row: Any, v_col: Any) -> Any:
+  """`nu` as an Adafactor whose factors have the shapes of `v_row`, `v_col` stores it back.
+
+  Factored and reconstructed (`factor_second_moment`, then
+  `reconstruct_second_moment`); `nu` itself for an unfactored param.
+  """
+  if not _is_factored(v_row):
+    return nu
+  d1, d0 = factored_dims(jnp.shape(nu), jnp.shape(v_row), jnp.shape(v_col))
+  return reconstruct_second_moment(*factor_second_moment(nu, d1, d0), d1, d0)
+
+
 def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[str, Any]:
   """nu = v where unfactored, else `reconstruct_second_moment` of v_row and v_col.
 
@@ -196,10 +221,7 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
 
   def nu(path: Any, v_row: Any) -> Any:
     param = _state_dict.key_path_str(path)
-    if not _is_factored(v_row):
-      return full[param]
-    d1, d0 = factored_dims(jnp.shape(ctx.params[param]), jnp.shape(v_row), jnp.shape(cols[param]))
-    return reconstruct_second_moment(v_row, cols[param], d1, d0)
+    return _second_moment(jnp.shape(ctx.params[param]), v_row, cols[param], full[param])
 
   return {NU: jax.tree_util.tree_map_with_path(nu, state.v_row), "count": state.count}
 
@@ -210,10 +232,7 @@ def _write_factored(template: optax.FactoredState, moments: Moments, ctx: Conver
 
   def factor(which: int) -> Callable[[Any, Any, str], Any]:
     def fn(nu: Any, leaf: Any, param: str) -> Any:
-      if not _is_factored(rows[param]):
-        return leaf
-      d1, d0 = factored_dims(jnp.shape(nu), jnp.shape(rows[param]), jnp.shape(cols[param]))
-      return factor_second_moment(nu, d1, d0)[which]
+      return _factors(nu, rows[param], cols[param])[which] if _is_factored(rows[param]) else leaf
 
     return fn
 
@@ -263,11 +282,7 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   step); without it ``m`` is not read.
   """
   param = ctx.params[ctx.param]
-  if _is_factored(state.v_row):
-    d1, d0 = factored_dims(jnp.shape(param), jnp.shape(state.v_row), jnp.shape(state.v_col))
-    nu = reconstruct_second_moment(state.v_row, state.v_col, d1, d0)
-  else:
-    nu = state.v
+  nu = _second_moment(jnp.shape(param), state.v_row, state.v_col, state.v)
   read = {NU: nu}
   if _has_momentum(state, param) and ctx.rate() is not None:
     scale = _update_scale(ctx, ctx.param)
@@ -290,21 +305,12 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
   each step, the state does not hold it). Placeholders stay as they are.
   """
   param = ctx.param
-  shape = jnp.shape(ctx.params[param])
-  factored = _is_factored(template.v_row)
-  dims = (
-    factored_dims(shape, jnp.shape(template.v_row), jnp.shape(template.v_col)) if factored else ()
-  )
-
-  def seen(nu: Any) -> Any:
-    return reconstruct_second_moment(*factor_second_moment(nu, *dims), *dims) if factored else nu
-
   fields = {}
-  if factored:
+  if _is_factored(template.v_row):
     for which, name in enumerate(("v_row", "v_col")):
       fields[name] = moments.fill(
         getattr(template, name), NU,
-        lambda nu, leaf, p, which=which: factor_second_moment(nu, *dims)[which],
+        lambda nu, leaf, p, which=which: _factors(nu, template.v_row, template.v_col)[which],
         field=name, param=param,
       )  # fmt: skip
   else:
@@ -318,7 +324,10 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
       scale, beta1 = _update_scale(ctx, param), ctx.hparam("beta1", 0.9)
       fields["m"] = moments.fill(
         template.m, MU,
-        lambda mu, leaf, p: _update_average(mu, seen(moments.value(p, NU)), scale, beta1, ctx.step),
+        lambda mu, leaf, p: _update_average(
+          mu, _as_factored(moments.value(p, NU), template.v_row, template.v_col), scale, beta1,
+          ctx.step,
+        ),
         field="m", needs=(NU,), param=param,
       )  # fmt: skip
   if _is_namedtuple(template):
@@ -371,17 +380,10 @@ def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: C
     return template._replace(ema=moments.keep(template.ema, f"ema ({why})"))
   rows, cols = _by_param(factored.v_row), _by_param(factored.v_col)
   momentum = ctx.hparam("momentum", None)
-  written = any(
-    moments.value(param, MU) is not None and moments.value(param, NU) is not None
-    for param in _by_param(template.ema)
-  )
-  count = moments.count(template.ema, template.count, (MU,)) if written else template.count
+  count = moments.count(template.ema, template.count, (MU,), needs=(NU,))
 
   def ema(mu: Any, leaf: Any, param: str) -> Any:
-    nu = moments.value(param, NU)
-    if _is_factored(rows[param]):
-      d1, d0 = factored_dims(jnp.shape(nu), jnp.shape(rows[param]), jnp.shape(cols[param]))
-      nu = reconstruct_second_moment(*factor_second_moment(nu, d1, d0), d1, d0)
+    nu = _as_factored(moments.value(param, NU), rows[param], cols[param])
     return _update_average(mu, nu, _update_scale(ctx, param), momentum, count)
 
   return template._replace(

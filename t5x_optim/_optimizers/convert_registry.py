@@ -152,15 +152,23 @@ class Moments:
       self._record(field, _state_dict.key_path_str(path), False)
     return tree
 
-  def count(self, tree: Any, template_count: Any, quantities: tuple[str, ...] = (MU, NU)) -> Any:
+  def count(
+    self,
+    tree: Any,
+    template_count: Any,
+    quantities: tuple[str, ...] = (MU, NU),
+    *,
+    needs: tuple[str, ...] = (),
+  ) -> Any:
     """The source's count for the params of `tree`, or `template_count`.
 
     The template's count (a fresh start) stays when no param of `tree` has
-    any of the `quantities` the node is written from.
+    any of the `quantities` the node is written from (and all its `needs`,
+    as `fill` takes them).
     """
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
       stats = self._stats.get(_state_dict.key_path_str(path), {})
-      if any(q in stats for q in quantities):
+      if any(q in stats for q in quantities) and all(q in stats for q in needs):
         return jnp.asarray(stats["count"], jnp.result_type(template_count))
     return template_count
 
