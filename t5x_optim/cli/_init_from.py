@@ -17,7 +17,6 @@ schedule is kept as one); the others are optax's defaults.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -28,7 +27,11 @@ from t5x_optim._training import storage
 from t5x_optim._training.convert_checkpoint import restore_converted
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli import _config
-from t5x_optim.cli._t5x_config import optimizer_config, optimizer_statements
+from t5x_optim.cli._t5x_config import (
+  binding_statements,
+  optimizer_config,
+  optimizer_statements,
+)
 from t5x_optim.cli._train import CHECKPOINTS, CONFIG_FILE, UsageError
 
 __all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
@@ -39,12 +42,17 @@ CONVERSION_HPARAMS = frozenset(
 )
 """The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
 
-_BINDING = re.compile(r"^([\w./]+)\.(\w+) = (.+)$")
-
 
 class Source(NamedTuple):
-  """The optimizer that wrote an ``--init_from`` directory, and its hyper-parameters."""
+  """An ``--init_from`` directory, the optimizer that wrote it, and its hyper-parameters.
 
+  Attributes:
+    directory: the directory, checked reachable (`storage.check_reachable`).
+    optimizer: the optimizer definition, or None (see `source_optimizer`).
+    hparams: its `bound_hparams`.
+  """
+
+  directory: Path
   optimizer: Any
   hparams: Mapping[str, Any]
 
@@ -73,20 +81,17 @@ def bound_hparams() -> dict[str, Any]:
   """
   config = gin.config_str()
   reached = optimizer_statements(config)
-  used = None if reached is None else {_selector(b) for b in reached.kept if b.arg_name}
+  bindings = reached.kept if reached is not None else binding_statements(config)
   values: dict[str, dict[Any, Any]] = {}
-  for line in config.splitlines():
-    match = _BINDING.match(line)
-    if not match or match.group(2) not in CONVERSION_HPARAMS:
+  for binding in bindings:
+    name = binding.arg_name
+    if name not in CONVERSION_HPARAMS:
       continue
-    selector, name, text = match.groups()
-    if used is not None and selector not in used:
-      continue  # a configurable the optimizer does not use
-    value = _bound_value(f"{selector}.{name}")
+    value = _bound_value(f"{_selector(binding)}.{name}")
     if isinstance(value, bool | int | float):
       values.setdefault(name, {})[value] = value
-    elif callable(value) and name == "learning_rate":
-      values.setdefault(name, {})[text] = value
+    elif callable(value) and name == "learning_rate":  # one schedule per reference bound
+      values.setdefault(name, {})[binding.value] = value
   return {
     name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
   }
@@ -143,7 +148,7 @@ def source_optimizer(
 
   Example:
     >>> source_optimizer(Path('/nonexistent'), [], [], {})
-    Source(optimizer=None, hparams={})
+    Source(directory=PosixPath('/nonexistent'), optimizer=None, hparams={})
   """
   init_from = _as_path(init_from)
   bindings: list[str] = []
@@ -155,29 +160,29 @@ def source_optimizer(
     except ValueError as error:
       raise UsageError(f"--init_from {error}") from error
     if t5x.gin is None:
-      return Source(None, {k: v for k, v in t5x.hparams.items() if k in CONVERSION_HPARAMS})
+      hparams = {k: v for k, v in t5x.hparams.items() if k in CONVERSION_HPARAMS}
+      return Source(init_from, None, hparams)
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
     bindings = [line for line in t5x.gin.splitlines() if not line.startswith("from __gin__")]
   if not files and not bindings:
-    return Source(None, {})
+    return Source(init_from, None, {})
   try:
     _config.parse_config(
       gin_files=files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return Source(_config.build_job().optimizer, bound_hparams())
+    return Source(init_from, _config.build_job().optimizer, bound_hparams())
   finally:
     gin.clear_config()
 
 
 def initial_state_fn(
-  init_from: Path,
   source: Source,
   abstract_state: TrainState,
   stream: TextIO,
   *,
   target_hparams: Mapping[str, Any] | None = None,
 ) -> Callable[[], TrainState]:
-  """A function restoring `init_from`'s latest checkpoint into `abstract_state`'s optimizer.
+  """A function restoring `source`'s latest checkpoint into `abstract_state`'s optimizer.
 
   `target_hparams` are the new optimizer's (`bound_hparams` of the job's
   config). What was converted, with which hyper-parameters, and what started
@@ -187,7 +192,7 @@ def initial_state_fn(
   `UsageError` (one line on the command line).
   """
 
-  init_from = _as_path(init_from)
+  init_from = source.directory
 
   def restore() -> TrainState:
     directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from

@@ -294,7 +294,6 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     initial_state = None
     if train and args.init_from:
       initial_state = _init_from.initial_state_fn(
-        args.init_from,
         source,
         setup.abstract_state,
         sys.stdout if primary else io.StringIO(),

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from gin import config_parser
 
-__all__ = ["T5XOptimizer", "optimizer_config", "optimizer_statements"]
+__all__ = ["T5XOptimizer", "binding_statements", "optimizer_config", "optimizer_statements"]
 
 _LEGACY_ADAFACTOR = "t5x.adafactor"
 _MODULES = {"t5x.optimizers": "t5x_optim.optimizers", "optax": "optax"}
@@ -98,9 +98,8 @@ def _module_of(selector: str, modules: Mapping[str, str]) -> str | None:
   return None
 
 
-def optimizer_statements(text: str) -> _Reached | None:
-  """What builds the optimizer of a gin config: its ``OPTIMIZER`` (or ``optimizer_def``) binding,
-  and every binding and macro that binding reaches; None if it binds no optimizer."""
+def _parse(text: str) -> tuple[dict[str, str], list[config_parser.BindingStatement]]:
+  """A gin config's imports (name -> module) and bindings, parsed without importing anything."""
   modules: dict[str, str] = {}
   bindings: list[config_parser.BindingStatement] = []
   for statement in config_parser.ConfigParser(text, _Delegate()):
@@ -110,6 +109,18 @@ def optimizer_statements(text: str) -> _Reached | None:
       modules[name] = statement.module
     elif isinstance(statement, config_parser.BindingStatement):
       bindings.append(statement)
+  return modules, bindings
+
+
+def binding_statements(text: str) -> list[config_parser.BindingStatement]:
+  """Every binding (and macro) of a gin config, parsed without importing anything."""
+  return _parse(text)[1]
+
+
+def optimizer_statements(text: str) -> _Reached | None:
+  """What builds the optimizer of a gin config: its ``OPTIMIZER`` (or ``optimizer_def``) binding,
+  and every binding and macro that binding reaches; None if it binds no optimizer."""
+  modules, bindings = _parse(text)
   macros = {b.selector: b for b in bindings if not b.arg_name and not b.scope}
   root = macros.get("OPTIMIZER") or next(
     (b for b in bindings if b.arg_name == "optimizer_def"), None
