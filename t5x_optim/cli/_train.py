@@ -294,17 +294,15 @@ def prepare(job: TrainJob) -> Setup:
   abstract = _abstract(job, create_fn, init_args)
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
   partitioner = job.partitioner
-  step_fn, weights_step_fn = (
-    partitioner.partition(
-      functools.partial(
-        _train_step, model, job.learning_rate, weights=weights, shardings=shardings
-      ),
-      (shardings, BATCH_AXES),
-      (shardings, None),
-      donate_argnums=0,
+
+  def partitioned_step(weights: bool) -> Any:
+    step = functools.partial(
+      _train_step, model, job.learning_rate, weights=weights, shardings=shardings
     )
-    for weights in (False, True)
-  )
+    return partitioner.partition(step, (shardings, BATCH_AXES), (shardings, None), donate_argnums=0)
+
+  step_fn = partitioned_step(weights=False)
+  weights_step_fn = partitioned_step(weights=True) if job.metrics_every else None
   param_shardings = _trained(shardings.params)
   eval_fn = partitioner.partition(
     lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
@@ -318,8 +316,6 @@ def prepare(job: TrainJob) -> Setup:
     ) from error
   create = partitioner.partition(create_fn, None, shardings)
   batch_sharding = partitioner.mesh_sharding(BATCH_AXES["inputs"])
-  if not job.metrics_every:
-    weights_step_fn = None
   return Setup(
     job, model, init_args, create, abstract, step_fn, eval_fn, batch_sharding, weights_step_fn
   )
