@@ -8,8 +8,8 @@ constant learning rate and no new warmup, in three runs from the same params:
 
 * ``reset``: AdamW's state starts from zeros (T5X's answer: drop the old state);
 * ``converted``: AdamW's state comes from `t5x_optim.convert_state` (Adam's ``nu``
-  from Adafactor's factored second moment, the count carried; Adafactor here keeps
-  no momentum, so ``mu`` starts at zero);
+  from Adafactor's factored second moment, the count carried; ``mu`` from Adafactor's
+  momentum with ``--adafactor_momentum``, else it starts at zero);
 * ``continued``: Adafactor goes on (no switch), for reference.
 
 The reverse switch (AdamW first, then Adafactor) runs the same way. For each
@@ -21,7 +21,7 @@ steps), each the mean over ``--seeds`` seeds (model init and task). The same
 batches feed every run of a seed. The curves go to ``--png``.
 
 Run: ``python benchmarks/optimizer_switch.py [--before 400] [--after 100] [--seeds 2]
-[--adamw_lr 1e-2] [--data PATH | --synthetic]``.
+[--adamw_lr 1e-2] [--adafactor_momentum 0.9] [--data PATH | --synthetic]``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--seeds", type=int, default=2)
   parser.add_argument("--adafactor_lr", type=float, default=1e-2)
   parser.add_argument("--adamw_lr", type=float, default=1e-2)
+  parser.add_argument(
+    "--adafactor_momentum",
+    type=float,
+    default=None,
+    help="Adafactor's momentum (optax's EmaState; default: none, as optimizers/adafactor.gin)",
+  )
   parser.add_argument("--data", default="hamlet.txt", help="text file or directory")
   parser.add_argument("--synthetic", action="store_true", help="the synthetic task instead")
   parser.add_argument(
@@ -75,10 +81,19 @@ def _optimizers(args: argparse.Namespace) -> dict[str, t5x_optim.OptimizerDef]:
         clipping_threshold=1.0,
         multiply_by_parameter_scale=False,
         min_dim_size_to_factor=32,
+        momentum=args.adafactor_momentum,
       )
     ),
     "adamw": OptaxWrapper(optax.adamw(args.adamw_lr, weight_decay=1e-4)),
   }
+
+
+def _hparams(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+  """What each optimizer's state does not hold and its converter reads (Adafactor's momentum)."""
+  adafactor = {"learning_rate": args.adafactor_lr, "multiply_by_parameter_scale": False}
+  if args.adafactor_momentum is not None:
+    adafactor["momentum"] = args.adafactor_momentum
+  return {"adafactor": adafactor, "adamw": {}}
 
 
 def _runner(model: TransformerLM):
@@ -126,7 +141,11 @@ def _switch(args, seed: int, first: str, second: str) -> dict[str, np.ndarray]:
   after_batches = _batches(task, args.before, args.after)
   fresh = defs[second].create(old.target)
   fresh = fresh.replace(state=fresh.state.replace(step=old.state.step))
-  converted, report = t5x_optim.convert_state(old, defs[second], missing="init")
+  hparams = _hparams(args)
+  converted, report = t5x_optim.convert_state(
+    old, defs[second], source_hparams=hparams[first], target_hparams=hparams[second],
+    missing="init",
+  )  # fmt: skip
   if seed == 0:
     print(f"{first} -> {second}: {report}\n")
   curves = {"before": np.asarray(pre)}
@@ -172,7 +191,8 @@ def main() -> None:
   print(
     f"{data}: {args.before} steps before the switch, {args.after} after; mean of "
     f"{args.seeds} seeds; "
-    f"adafactor lr {args.adafactor_lr}, adamw lr {args.adamw_lr} (constant, no warmup)\n"
+    f"adafactor lr {args.adafactor_lr} (momentum {args.adafactor_momentum}), "
+    f"adamw lr {args.adamw_lr} (constant, no warmup)\n"
   )
   print("| switch | run | peak excess | area | final loss | pre-switch loss |")
   print("|---|---|---|---|---|---|")
