@@ -321,20 +321,24 @@ class MultiOptimizer(OptimizerDef):
         flat[path] = _get(sub_dict.get("param_states", {}), path)
     return traverse_util.unflatten_dict(flat)
 
-  @staticmethod
-  def _per_param(sub_targets: Sequence[Any], sub_dicts: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether every sub-optimizer's state dict keeps one subtree per param."""
-    for sub_target, sub_dict in zip(sub_targets, sub_dicts):
-      param_states = sub_dict.get("param_states", {})
-      paths = _param_paths(sub_target)
-      if not isinstance(param_states, Mapping):
-        return False
-      if not paths:
-        if param_states:
-          return False
-      elif set(_top_paths(param_states, paths)) != set(paths):
-        return False
-    return True
+  def _per_param(
+    self,
+    sub_targets: Sequence[Any],
+    sub_states: Sequence[Any],
+    sub_dicts: Sequence[Mapping[str, Any]],
+  ) -> bool:
+    """Whether every sub-optimizer keeps one state subtree per param.
+
+    Decided on the states themselves (`keeps_per_param_states`), never on
+    the keys of their state dicts, which params named ``'0'``, ``'1'``
+    make look like an optax state's.
+    """
+    return all(
+      keeps_per_param_states(opt, sub_target, sub_state, sub_dict)
+      for opt, sub_target, sub_state, sub_dict in zip(
+        self.sub_optimizers, sub_targets, sub_states, sub_dicts
+      )
+    )
 
   def _sub_state_dicts(self, sub_targets: Sequence[Any], state: OptimizerState) -> list[Any]:
     return [
@@ -346,7 +350,7 @@ class MultiOptimizer(OptimizerDef):
     """The sub-targets, whether the layout is per param, and `param_states` in it."""
     sub_targets = self._sub_targets(target)
     sub_dicts = self._sub_state_dicts(sub_targets, state)
-    per_param = self._per_param(sub_targets, sub_dicts)
+    per_param = self._per_param(sub_targets, state.param_states, sub_dicts)
     param_states = self._param_states_dict(target, sub_targets, sub_dicts, per_param=per_param)
     return sub_targets, per_param, param_states
 
@@ -450,6 +454,55 @@ class MultiOptimizer(OptimizerDef):
     for opt, sub_axes in zip(self.sub_optimizers, partition.split(leaves)):
       if hasattr(opt, "set_param_axes"):
         opt.set_param_axes(sub_axes)
+
+
+def _is_param_subtree_prefix(target: Any, param_states: Any) -> bool:
+  """Whether `param_states` has `target`'s tree structure down to its leaves.
+
+  Containers are compared as nested dicts (a FrozenDict target and a dict
+  state agree); a param's subtree may be anything, None included.
+  """
+  treedef = jax.tree.structure(flax.core.unfreeze(target), is_leaf=is_none)
+  try:
+    treedef.flatten_up_to(flax.core.unfreeze(param_states))
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def keeps_per_param_states(
+  opt_def: Any, target: Any, state: Any, state_dict: Mapping[str, Any]
+) -> bool:
+  """Whether `opt_def`'s state over `target` is one subtree per param (T5X's layout).
+
+  True when its in-memory `param_states` has the params' tree structure down
+  to each param (T5X's legacy `Adafactor`) or, for a nested
+  `MultiOptimizer`, when it writes T5X's layout itself; and when its state
+  dict's ``param_states`` has a subtree at every param path. An optax state
+  (a tuple of NamedTuples) never qualifies, whatever the params are named.
+  A sub-optimizer without params qualifies when it has no state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> params = {'0': jnp.ones(2)}
+    >>> opt = OptaxWrapper(optax.adam(0.1)).create(params)
+    >>> keeps_per_param_states(opt.optimizer_def, params, opt.state, opt.state_dict()['state'])
+    False
+  """
+  param_states = state_dict.get("param_states", {})
+  paths = _param_paths(target)
+  if not isinstance(param_states, Mapping):
+    return False
+  if not paths:
+    return not param_states
+  if set(_top_paths(param_states, paths)) != set(paths):
+    return False
+  if isinstance(opt_def, MultiOptimizer):
+    sub_targets = opt_def._sub_targets(target)
+    sub_dicts = opt_def._sub_state_dicts(sub_targets, state)
+    return opt_def._per_param(sub_targets, state.param_states, sub_dicts)
+  return _is_param_subtree_prefix(target, getattr(state, "param_states", None))
 
 
 def _spec_or_replicated(x: jax.sharding.PartitionSpec | None) -> jax.sharding.PartitionSpec:

@@ -23,6 +23,7 @@ from t5x_optim._keypaths import key_path_str
 __all__ = [
   "Fit",
   "build_state_dict",
+  "holds_no_data",
   "is_prng_key",
   "key_path_parts",
   "key_path_str",
@@ -61,6 +62,22 @@ def to_pruned_state_dict(tree: Any) -> Any:
 
 def _is_empty(tree: Any) -> bool:
   return tree is traverse_util.empty_node or (isinstance(tree, Mapping) and not prune_empty(tree))
+
+
+def holds_no_data(tree: Any) -> bool:
+  """Whether `tree` holds no array: None, an empty node, or mappings of only those.
+
+  A frozen param's state in T5X's MultiOptimizer layout is such a subtree
+  (``{'scale': None}``): checkpoints write no array for it, and a restore
+  takes it from the optimizer's own state dict when it is absent.
+
+  Example:
+    >>> holds_no_data({'norm': {'scale': None}, 'empty': {}}), holds_no_data({'a': 0})
+    (True, False)
+  """
+  if tree is None or tree is traverse_util.empty_node:
+    return True
+  return isinstance(tree, Mapping) and all(holds_no_data(value) for value in tree.values())
 
 
 def key_path_parts(path: Sequence[Any]) -> tuple[str, ...]:
@@ -359,6 +376,8 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   if not isinstance(reference, Mapping):
     return _convert_leaf(reference, given, path)
   if not isinstance(given, Mapping):
+    if given is None and holds_no_data(reference):
+      return reference
     raise ValueError(
       f"State dict mismatch at '{key_path_str(path)}': expected "
       f"{_describe(prune_empty(reference))}, got {_describe(given)}."
@@ -366,7 +385,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   unexpected = sorted(
     str(key)
     for key, value in given.items()
-    if key not in reference and not (value is None or _is_empty(value))
+    if key not in reference and not holds_no_data(value)
   )
   if unexpected:
     raise ValueError(
@@ -377,7 +396,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
   for key, ref_value in reference.items():
     sub_path = (*path, str(key))
     if key not in given:
-      if not (ref_value is None or _is_empty(ref_value)):
+      if not holds_no_data(ref_value):
         raise ValueError(
           f"Missing key '{key_path_str(sub_path)}' in the state dict: the optimizer "
           f"has {_describe(prune_empty(ref_value))} there."

@@ -68,8 +68,18 @@ def root_cause(error: BaseException) -> str:
 
 
 def flatten(tree: Mapping[str, Any]) -> dict[Path, Any]:
-  """A nested state dict as ``{path: leaf}`` (empty mappings dropped)."""
-  return traverse_util.flatten_dict(_state_dict.prune_empty(tree))
+  """A nested state dict's arrays as ``{path: leaf}``.
+
+  Empty mappings and None leaves (no state: a frozen param's in T5X's
+  MultiOptimizer layout) hold no array and are dropped; a restore takes
+  them from the target's own state dict.
+
+  Example:
+    >>> flatten({'state': {'param_states': {'norm': {'scale': None}}, 'step': 1}})
+    {('state', 'step'): 1}
+  """
+  flat = traverse_util.flatten_dict(_state_dict.prune_empty(tree))
+  return {path: leaf for path, leaf in flat.items() if leaf is not None}
 
 
 def saveable(leaf: Any) -> Any:

@@ -235,10 +235,13 @@ class Checkpointer:
         f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
         "and steps must increase."
       )
-    state_dict = jax.tree.map(saveable, state.state_dict())
-    checksums = dispatch_checksums(flatten(state_dict))
+    arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
+    checksums = dispatch_checksums(arrays)
     args = ocp.args.Composite(
-      **{_ARRAYS: ocp.args.PyTreeSave(state_dict), _CHECKSUMS: ChecksumsArgs(checksums)}
+      **{
+        _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
+        _CHECKSUMS: ChecksumsArgs(checksums),
+      }
     )
     self._manager.save(step, args=args, force=True)
 

@@ -90,6 +90,9 @@ def _plan_writes(
   """
   written, pieces, names = {}, {}, {}
   for path, leaf in flat.items():
+    if leaf is None:
+      written[path] = None  # No state (a frozen param's): nil, as T5X writes it.
+      continue
     if isinstance(leaf, jax.ShapeDtypeStruct):
       raise ValueError(
         f"Cannot save the abstract leaf at '{key_path_str(path)}': give real arrays."
@@ -186,7 +189,6 @@ def save_t5x_checkpoint(
   if step is None:
     step = int(np.asarray(state_dict["state"]["step"]))
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
-  flat = {path: leaf for path, leaf in flat.items() if leaf is not None}
   root = storage.check_reachable(model_dir)
   final = root / f"checkpoint_{int(step)}"
   if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):

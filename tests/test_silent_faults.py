@@ -1,0 +1,287 @@
+"""No restore or save hands back a silently wrong state.
+
+Each test is one way a careful user reached a wrong result without an
+error: frozen params in T5X's per-param MultiOptimizer layout, integers
+narrowed on their way to the devices, abstract stacked targets restored
+onto one device, another optimizer's checkpoint restored because its keys
+match, step numbers that are not non-negative integers, logical names
+handed to the mesh, and missing array files read as zeros. Sharded cases
+run on the 8 simulated CPU devices of conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import struct, traverse_util
+from flax.core import FrozenDict
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_optim import (
+  MultiOptimizer,
+  OptaxWrapper,
+  OptimizerDef,
+  OptimizerState,
+  restore_t5x_checkpoint,
+  save_t5x_checkpoint,
+  stack_params,
+)
+from t5x_optim.checkpoints import Checkpointer
+
+
+@struct.dataclass
+class _HyperParams:
+  learning_rate: float = 0.1
+
+
+@struct.dataclass
+class _ParamState:
+  momentum: jax.Array
+
+
+class PerParamMomentum(OptimizerDef):
+  """A T5X-style legacy definition: one state subtree per param."""
+
+  def __init__(self, learning_rate: float = 0.1):
+    super().__init__(_HyperParams(learning_rate))
+
+  def init_state(self, params: Any) -> OptimizerState:
+    states = jax.tree.map(lambda p: _ParamState(jnp.zeros_like(p)), params)
+    return OptimizerState(jnp.asarray(0, jnp.int32), states)
+
+  def apply_gradient(self, hyper_params, params, state, grads):
+    momentum = jax.tree.map(lambda g, s: 0.9 * s.momentum + g, grads, state.param_states)
+    new_params = jax.tree.map(lambda p, m: p - hyper_params.learning_rate * m, params, momentum)
+    states = jax.tree.map(_ParamState, momentum)
+    return new_params, OptimizerState(state.step + 1, states)
+
+
+def _mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+def _params(container: type = dict) -> Any:
+  params = {
+    "dense": {"kernel": jnp.arange(32.0).reshape(4, 8), "bias": jnp.ones(8)},
+    "norm": {"scale": jnp.full(8, 2.0)},
+  }
+  return FrozenDict(params) if container is FrozenDict else params
+
+
+def _stepped(opt: Any) -> Any:
+  return opt.apply_gradient(jax.tree.map(lambda p: jnp.full_like(p, 0.5), opt.target))
+
+
+def _same(a: Any, b: Any) -> bool:
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(leaves_a) == len(leaves_b) and all(
+    np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)
+  )
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+  )
+
+
+def _checkpointer_round_trip(tmp_path, opt, target):
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+    ckpt.save(1, opt)
+    return ckpt.restore(target)
+
+
+def _t5x_round_trip(tmp_path, opt, target):
+  save_t5x_checkpoint(tmp_path / "t5x", opt, step=1)
+  return restore_t5x_checkpoint(tmp_path / "t5x", target)
+
+
+ROUND_TRIPS = {"checkpointer": _checkpointer_round_trip, "t5x_legacy": _t5x_round_trip}
+
+
+# ---------------------------------------------------------------- frozen params (item 2)
+
+
+def _frozen_multi() -> MultiOptimizer:
+  return MultiOptimizer([("dense/kernel", PerParamMomentum(0.1)), ("bias", PerParamMomentum(0.2))])
+
+
+@pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
+@pytest.mark.parametrize("abstract", [False, True], ids=["real", "abstract"])
+@pytest.mark.parametrize("round_trip", list(ROUND_TRIPS), ids=list(ROUND_TRIPS))
+def test_frozen_params_of_the_per_param_layout_round_trip(tmp_path, round_trip, abstract, container):
+  opt = _stepped(_frozen_multi().create(_params(container)))
+  flat = traverse_util.flatten_dict(opt.state_dict(), sep="/")
+  assert flat["state/param_states/norm/scale"] is None
+  template = _frozen_multi().create(_params(container))
+  target = template.replace(state=_abstract(template.state)) if abstract else template
+  restored = ROUND_TRIPS[round_trip](tmp_path, opt, target)
+  assert _same(restored, opt)
+
+
+def test_a_t5x_legacy_checkpoint_keeps_frozen_params_as_none(tmp_path):
+  """T5X's own legacy checkpointer writes nil for a frozen param's state; so do we."""
+  opt = _stepped(_frozen_multi().create(_params()))
+  step_dir = save_t5x_checkpoint(tmp_path, opt, step=1)
+  with open(os.path.join(step_dir, "checkpoint"), "rb") as f:
+    contents = flax.serialization.msgpack_restore(f.read())
+  assert contents["optimizer"]["state"]["param_states"]["norm"] == {"scale": None}
+
+
+def test_a_t5x_orbax_checkpoint_with_frozen_params_restores(tmp_path):
+  """T5X's Orbax format: an orbax PyTree of the state dict, None where params are frozen."""
+  opt = _stepped(_frozen_multi().create(_params()))
+  state_dict = jax.tree.map(np.asarray, opt.state_dict())
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
+    tmp_path / "checkpoint_1" / "state", state_dict
+  )
+  assert _same(restore_t5x_checkpoint(tmp_path, _frozen_multi().create(_params())), opt)
+
+
+@pytest.mark.parametrize("names", [("0", "1"), ("a", "b")], ids=["digits", "letters"])
+def test_the_state_dict_layout_does_not_depend_on_param_names(tmp_path, names):
+  """optax sub-optimizers keep the indexed layout, whatever the params are called."""
+  params = {names[0]: jnp.ones(4), names[1]: jnp.full(4, 2.0)}
+  opt_def = MultiOptimizer([(f"^{names[0]}$", OptaxWrapper(optax.adam(0.1)))])
+  opt = _stepped(opt_def.create(params))
+  flat = traverse_util.flatten_dict(opt.state_dict(), sep="/")
+  assert f"state/param_states/0/param_states/0/mu/{names[0]}" in flat
+  for round_trip in ROUND_TRIPS.values():
+    restored = round_trip(tmp_path / round_trip.__name__, opt, opt_def.create(params))
+    assert _same(restored, opt)
+
+
+# ---------------------------------------------------------------- integer ranges (item 3)
+
+
+def _with_step(opt: Any, step: Any) -> Any:
+  return opt.replace(state=opt.state.replace(step=step))
+
+
+def _replicated(opt: Any) -> Any:
+  return jax.device_put(opt, NamedSharding(_mesh(), P()))
+
+
+def _save_t5x_orbax(tmp_path, opt):
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
+    tmp_path / "checkpoint_1" / "state", jax.tree.map(np.asarray, opt.state_dict())
+  )
+  return restore_t5x_checkpoint
+
+
+def _restore_t5x(tmp_path, target):
+  return restore_t5x_checkpoint(tmp_path, target)
+
+
+def _restore_checkpointer(tmp_path, target):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    return ckpt.restore(target)
+
+
+def _save_checkpointer(tmp_path, opt):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, opt)
+
+
+WRITERS = {
+  "checkpointer": (_save_checkpointer, _restore_checkpointer),
+  "t5x_legacy": (lambda path, opt: save_t5x_checkpoint(path, opt, step=1), _restore_t5x),
+  "t5x_orbax": (_save_t5x_orbax, _restore_t5x),
+}
+
+
+@pytest.mark.parametrize("value", [2**32 + 3, -(2**33)], ids=["above", "below"])
+@pytest.mark.parametrize("abstract", [False, True], ids=["real", "abstract"])
+@pytest.mark.parametrize("writer", list(WRITERS), ids=list(WRITERS))
+def test_an_integer_out_of_the_targets_range_is_refused(tmp_path, writer, abstract, value):
+  opt = optax_opt()
+  save, restore = WRITERS[writer]
+  save(tmp_path, _with_step(opt, np.int64(value)))
+  target = _replicated(opt)
+  if abstract:
+    target = _abstract(target)
+  with pytest.raises(ValueError, match=r"state/step.*whole numbers? .*int32|int32.*state/step"):
+    restore(tmp_path, target)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS), ids=list(WRITERS))
+def test_an_integer_in_range_restores_into_a_sharded_target(tmp_path, writer):
+  opt = optax_opt()
+  save, restore = WRITERS[writer]
+  save(tmp_path, _with_step(opt, np.int64(2**31 - 1)))
+  restored = restore(tmp_path, _abstract(_replicated(opt)))
+  assert restored.state.step.dtype == jnp.int32 and int(restored.state.step) == 2**31 - 1
+  assert restored.state.step.sharding == NamedSharding(_mesh(), P())
+
+
+def optax_opt() -> Any:
+  return OptaxWrapper(optax.adam(0.1)).create({"w": jnp.ones((4, 8))})
+
+
+# ---------------------------------------------------------------- stacked shardings (item 4)
+
+
+def _stacked_sharded():
+  params = {"a": jnp.ones((4, 8)), "b": jnp.full((4, 8), 2.0)}
+  opt = _stepped(OptaxWrapper(optax.adam(0.1)).create(stack_params(params)))
+  sharding = NamedSharding(_mesh(), P(None, None, "model"))
+  scalar = NamedSharding(_mesh(), P())
+  return jax.tree.map(lambda x: jax.device_put(x, sharding if x.ndim == 3 else scalar), opt)
+
+
+@pytest.mark.parametrize("round_trip", list(ROUND_TRIPS), ids=list(ROUND_TRIPS))
+def test_an_abstract_stacked_target_keeps_its_shardings(tmp_path, round_trip):
+  opt = _stacked_sharded()
+  restored = ROUND_TRIPS[round_trip](tmp_path, opt, _abstract(opt))
+  assert _same(restored, opt)
+  assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(lambda x: x.sharding, opt)
+
+
+# ---------------------------------------------------------------- which optimizer wrote it (8d)
+
+
+def test_a_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp_path):
+  params = {"w": jnp.ones((4, 8))}
+  adam = _stepped(OptaxWrapper(optax.adam(0.1)).create(params))
+  adabelief = OptaxWrapper(optax.adabelief(0.1)).create(params)
+  assert adam.state_dict().keys() == adabelief.state_dict().keys()
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, adam)
+    with pytest.raises(ValueError, match=r"ScaleByAdamState.*ScaleByBeliefState"):
+      ckpt.restore(adabelief)
+    # Switching optimizers on purpose restores the params only.
+    restored = ckpt.restore(adabelief, params_only=True)
+  assert _same(restored.target, adam.target)
+
+
+# ---------------------------------------------------------------- step numbers (8e)
+
+
+@pytest.mark.parametrize("step", [-1, 2.9, True, "3", np.float32(2.0)])
+def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path, step):
+  opt = optax_opt()
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+    with pytest.raises(ValueError, match="non-negative integer"):
+      ckpt.save(step, opt)
+  assert not any((tmp_path / "ckpt").iterdir()) or sorted(
+    p.name for p in (tmp_path / "ckpt").iterdir()
+  ) == [".t5x_optim.lock"]
+  with pytest.raises(ValueError, match="non-negative integer"):
+    save_t5x_checkpoint(tmp_path / "t5x", opt, step=step)
+  assert not (tmp_path / "t5x").exists() or not any((tmp_path / "t5x").iterdir())
+
+
+@pytest.mark.parametrize("step", [0, 3, np.int64(4), jnp.int32(5)])
+def test_integer_steps_are_taken(tmp_path, step):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(step, optax_opt())
+    assert ckpt.all_steps() == [int(step)]
