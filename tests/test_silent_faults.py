@@ -118,7 +118,9 @@ def _frozen_multi() -> MultiOptimizer:
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
 @pytest.mark.parametrize("abstract", [False, True], ids=["real", "abstract"])
 @pytest.mark.parametrize("round_trip", list(ROUND_TRIPS), ids=list(ROUND_TRIPS))
-def test_frozen_params_of_the_per_param_layout_round_trip(tmp_path, round_trip, abstract, container):
+def test_frozen_params_of_the_per_param_layout_round_trip(
+  tmp_path, round_trip, abstract, container
+):
   opt = _stepped(_frozen_multi().create(_params(container)))
   flat = traverse_util.flatten_dict(opt.state_dict(), sep="/")
   assert flat["state/param_states/norm/scale"] is None

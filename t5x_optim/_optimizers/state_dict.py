@@ -23,6 +23,7 @@ from t5x_optim._keypaths import key_path_str
 __all__ = [
   "Fit",
   "build_state_dict",
+  "fit_on_host",
   "holds_no_data",
   "is_prng_key",
   "key_path_parts",
@@ -30,6 +31,7 @@ __all__ = [
   "leaf_fit",
   "optimizer_part",
   "prune_empty",
+  "reads_on_host",
   "restore_into",
   "restore_state_dict",
   "to_pruned_state_dict",
@@ -244,6 +246,67 @@ def values_fit(value: Any, dtype: Any) -> bool:
   return info.min <= int(xp.min(value)) and int(xp.max(value)) <= info.max
 
 
+def reads_on_host(stored_dtype: Any, ref_dtype: Any) -> bool:
+  """Whether stored data must be checked on the host before it goes to a device.
+
+  Integer data whose values decide whether it restores (`Fit.IF_VALUES_FIT`),
+  and any dtype the devices cannot hold (int64 without ``jax_enable_x64``):
+  placing such data on a device first would narrow it silently (``2**32 + 3``
+  becomes 3), so every restore reads it on the host and checks it there
+  (`fit_on_host`).
+
+  Example:
+    >>> import numpy as np
+    >>> reads_on_host(np.int64, np.int32), reads_on_host(np.float32, np.float32)
+    (True, False)
+  """
+  src = np.dtype(stored_dtype)
+  if jax.dtypes.canonicalize_dtype(src) != src:
+    return True
+  return leaf_fit((), src, (), ref_dtype) is Fit.IF_VALUES_FIT
+
+
+def fit_on_host(value: Any, ref_dtype: Any, path: Sequence[str]) -> np.ndarray:
+  """Host data `value` checked against a leaf of dtype `ref_dtype`, cast where the rule says.
+
+  `leaf_fit`'s rule, applied before any device sees the data: integer or
+  floating data restores into an integer dtype only when every value is a
+  whole number in its range (and is then cast to it); other data is
+  returned unchanged (a float is cast where it is placed, as before).
+
+  Raises:
+    ValueError: naming the path, the stored dtype and range and the target
+      dtype, when a value does not fit, or the kind may not change (the
+      message is a clause, for callers that list several).
+
+  Example:
+    >>> import numpy as np
+    >>> fit_on_host(np.array([3], np.int64), np.int32, ('state', 'step')).dtype
+    dtype('int32')
+    >>> fit_on_host(np.array([2**32 + 3]), np.int32, ('state', 'step'))
+    Traceback (most recent call last):
+    ...
+    ValueError: Value mismatch at 'state/step': the stored int64 values (from 4294967299 to 4294967299) are not all whole numbers within the target's int32
+  """
+  value = np.asarray(value)
+  fit = leaf_fit(value.shape, value.dtype, value.shape, ref_dtype)
+  where = key_path_str(tuple(path))
+  if fit is Fit.OTHER_DTYPE:
+    raise ValueError(
+      f"Dtype mismatch at '{where}': the stored {value.dtype} cannot be cast safely to the "
+      f"target's {np.dtype(ref_dtype)}"
+    )
+  if fit is not Fit.IF_VALUES_FIT:
+    return value
+  if not values_fit(value, ref_dtype):
+    span = f" (from {value.min()} to {value.max()})" if value.size else ""
+    raise ValueError(
+      f"Value mismatch at '{where}': the stored {value.dtype} values{span} are not all "
+      f"whole numbers within the target's {np.dtype(ref_dtype)}"
+    )
+  return value.astype(ref_dtype)
+
+
 def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
   """Whether `value`, whose dtype fits `dst` as `fit` says, may restore into `dst`.
 
@@ -383,9 +446,7 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
       f"{_describe(prune_empty(reference))}, got {_describe(given)}."
     )
   unexpected = sorted(
-    str(key)
-    for key, value in given.items()
-    if key not in reference and not holds_no_data(value)
+    str(key) for key, value in given.items() if key not in reference and not holds_no_data(value)
   )
   if unexpected:
     raise ValueError(

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from t5x_optim._optimizers import state_dict as _state_dict
 
 __all__ = [
   "CheckpointError",
+  "HostRead",
   "Path",
   "as_read",
   "as_stored",
@@ -34,6 +36,7 @@ __all__ = [
   "flatten",
   "leaf_problems",
   "orbax_restore_args",
+  "place",
   "rewrap_keys",
   "root_cause",
   "saveable",
@@ -157,15 +160,30 @@ def leaf_problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> l
   return problems
 
 
+@dataclasses.dataclass(frozen=True)
+class HostRead:
+  """A leaf read onto the host in its stored dtype, checked there before it is placed.
+
+  See `_state_dict.reads_on_host`: integers whose values must fit the
+  target's dtype, and dtypes the devices cannot hold.
+  """
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
 def as_read(expected: Any, stored: Any) -> Any:
   """How to read a leaf: in the target's dtype when that cast is exact.
 
-  Otherwise (a float that rounds, an integer whose values must be checked)
-  the leaf is read in its stored dtype, so its checksum is verified on the
-  data as written, and `fit_read` casts it.
+  Otherwise the leaf is read in its stored dtype, so its checksum is
+  verified on the data as written, and `fit_read` casts it: a float that
+  rounds on its devices, an integer whose values must be checked on the
+  host (`HostRead`), before any device could narrow it.
   """
   shape, dtype = _shape_dtype(expected)
   stored_dtype = _shape_dtype(stored)[1]
+  if _state_dict.reads_on_host(stored_dtype, dtype):
+    return HostRead(shape, stored_dtype)
   if _state_dict.leaf_fit(shape, stored_dtype, shape, dtype) is _state_dict.Fit.EXACT:
     return expected
   return jax.ShapeDtypeStruct(shape, stored_dtype, sharding=getattr(expected, "sharding", None))
@@ -176,19 +194,34 @@ def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
   return x.astype(dtype)
 
 
+def place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> Any:
+  """Host data on the devices of `sharding` (each device given its own slice); as is if None."""
+  if sharding is None:
+    return value
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def fit_read(
   read: Mapping[Path, Any], expected: Mapping[Path, Any]
 ) -> tuple[dict[Path, Any], list[str]]:
   """The leaves read, each in its target dtype, and the values that do not fit it.
 
-  A leaf read in another dtype (`as_read`) is cast, in its sharding, when
-  `_state_dict.leaf_fit` allows: always between floats, into integers when
-  `_state_dict.values_fit`. Returns the cast leaves and a problem per leaf
-  whose values do not fit.
+  A leaf read onto the host (`HostRead`) is checked there
+  (`_state_dict.fit_on_host`), then placed in the target's sharding. A leaf
+  read in another dtype on its devices (`as_read`) is cast there (floats
+  only). Returns the cast leaves and a problem per leaf that does not fit.
   """
   cast, problems = {}, []
   for path, leaf in read.items():
     dtype = _shape_dtype(expected[path])[1]
+    if isinstance(leaf, np.ndarray | np.generic):
+      try:
+        value = _state_dict.fit_on_host(leaf, dtype, path)
+      except ValueError as e:
+        problems.append(str(e))
+        continue
+      cast[path] = place(value, _abstract_leaf(expected[path]).sharding)
+      continue
     if leaf.dtype == dtype:
       cast[path] = leaf
       continue
@@ -217,9 +250,19 @@ def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 def orbax_restore_args(expected: Mapping[Path, Any]) -> tuple[dict[str, Any], Any]:
-  """The orbax restore target (abstract arrays) and its per-leaf restore args."""
-  abstract = traverse_util.unflatten_dict({p: _abstract_leaf(x) for p, x in expected.items()})
-  return abstract, ocp.checkpoint_utils.construct_restore_args(abstract)
+  """The orbax restore target (abstract arrays) and its per-leaf restore args.
+
+  A `HostRead` leaf is read as a numpy array in its stored dtype.
+  """
+  abstract, args = {}, {}
+  for path, leaf in expected.items():
+    if isinstance(leaf, HostRead):
+      abstract[path] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+      args[path] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+    else:
+      abstract[path] = _abstract_leaf(leaf)
+      args[path] = ocp.checkpoint_utils.construct_restore_args(abstract[path])
+  return traverse_util.unflatten_dict(abstract), traverse_util.unflatten_dict(args)
 
 
 def rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:

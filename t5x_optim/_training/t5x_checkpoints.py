@@ -304,14 +304,56 @@ def _start_shard_reads(
   return reads
 
 
-def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -> dict[Path, Any]:
+def _on_host(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -> set[Path]:
+  """The leaves to read whole onto the host and check there (`state_dict.reads_on_host`)."""
+  return {
+    path
+    for path, leaf in expected.items()
+    if _state_dict.reads_on_host(stored[path].dtype, _shape_dtype(leaf)[1])
+  }
+
+
+def _fit_host_leaves(
+  step_dir: epath.Path, read: Mapping[Path, Any], expected: Mapping[Path, Any], host: set[Path]
+) -> dict[Path, Any]:
+  """Checks the host-read leaves against the target (`state_dict.fit_on_host`), then places them.
+
+  Raises:
+    ValueError: naming every leaf whose values do not fit; nothing is placed.
+  """
+  fitted, problems = dict(read), []
+  for path in sorted(host):
+    try:
+      fitted[path] = _state_dict.fit_on_host(read[path], _shape_dtype(expected[path])[1], path)
+    except ValueError as e:
+      problems.append(str(e))
+  if problems:
+    raise ValueError(
+      f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
+      "Nothing was restored."
+    )
+  for path in host:
+    sharding = _sharding(expected[path])
+    if sharding is not None:
+      value = fitted[path]
+      fitted[path] = jax.make_array_from_callback(
+        value.shape, sharding, lambda index, value=value: value[index]
+      )
+  return fitted
+
+
+def _read_legacy(
+  stored: Mapping[Path, _Stored], expected: Mapping[Path, Any], host: set[Path]
+) -> dict[Path, Any]:
   """Reads every expected leaf, each into its target sharding (its shards only).
 
-  All reads are started before any is waited for.
+  The `host` leaves are read whole onto the host instead, to be checked
+  before they are placed. All reads are started before any is waited for.
   """
   started = {}
   for path, leaf in expected.items():
-    item, sharding = stored[path], _sharding(leaf)
+    item = stored[path]
+    sharding = None if path in host else _sharding(leaf)
     if item.store is not None:
       started[path] = (
         item.store.read()
@@ -320,7 +362,8 @@ def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -
       )
   restored = {}
   for path, leaf in expected.items():
-    item, sharding = stored[path], _sharding(leaf)
+    item = stored[path]
+    sharding = None if path in host else _sharding(leaf)
     if item.store is None:
       value = item.value
       restored[path] = (
@@ -339,9 +382,16 @@ def _read_legacy(stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]) -
 
 
 def _read_orbax(
-  step_dir: epath.Path, stored: Mapping[Path, _Stored], expected: Mapping[Path, Any]
+  step_dir: epath.Path,
+  stored: Mapping[Path, _Stored],
+  expected: Mapping[Path, Any],
+  host: set[Path],
 ) -> dict[Path, Any]:
-  """Reads every expected leaf with orbax, each into its target sharding."""
+  """Reads every expected leaf with orbax, each into its target sharding.
+
+  The `host` leaves are read as numpy arrays, to be checked before they are
+  placed.
+  """
 
   def abstract(path: Path) -> jax.ShapeDtypeStruct:
     sharding = _sharding(expected[path])
@@ -349,10 +399,15 @@ def _read_orbax(
       sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(stored[path].shape, stored[path].dtype, sharding=sharding)
 
+  def restore_args(path: Path) -> ocp.RestoreArgs:
+    if path in host:
+      return ocp.RestoreArgs(restore_type=np.ndarray, dtype=stored[path].dtype)
+    return ocp.checkpoint_utils.construct_restore_args(abstract(path))
+
   target = traverse_util.unflatten_dict({path: abstract(path) for path in expected})
   args = ocp.args.PyTreeRestore(
     target,
-    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    restore_args=traverse_util.unflatten_dict({path: restore_args(path) for path in expected}),
     partial_restore=True,
   )
   try:
@@ -427,8 +482,10 @@ def restore_t5x_checkpoint(
       f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
       "Nothing was restored."
     )
+  host = _on_host(stored, expected)
   if fmt == "legacy":
-    restored = _read_legacy(stored, expected)
+    restored = _read_legacy(stored, expected, host)
   else:
-    restored = _read_orbax(step_dir, stored, expected)
+    restored = _read_orbax(step_dir, stored, expected, host)
+  restored = _fit_host_leaves(step_dir, restored, expected, host)
   return target.restore_state(traverse_util.unflatten_dict(restored))
