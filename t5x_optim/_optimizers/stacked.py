@@ -167,7 +167,9 @@ class StackedLayout:
       raise ValueError(f"The {what} leaves stacked together differ in shape or dtype: {described}.")
     if isinstance(members[0], jax.ShapeDtypeStruct):
       shape, dtype = kinds.pop()
-      return jax.ShapeDtypeStruct((len(members), *shape), dtype)
+      shardings = {getattr(m, "sharding", None) for m in members}
+      sharding = _stacked_sharding(shardings.pop(), len(shape)) if len(shardings) == 1 else None
+      return jax.ShapeDtypeStruct((len(members), *shape), dtype, sharding=sharding)
     return jnp.stack(members)
 
   def unstack(self, buffers: Sequence[Any]) -> Any:
@@ -184,13 +186,57 @@ class StackedLayout:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _stacked_sharding(sharding: Any, rank: int) -> jax.sharding.Sharding | None:
+  """A leaf's sharding for the buffer stacking such leaves: an unsharded axis in front.
+
+  A `NamedSharding` gains a leading None in its spec, a single device stays;
+  None (and any other sharding, which says nothing per axis) gives None.
+
+  Example:
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ('model',))
+    >>> _stacked_sharding(jax.sharding.NamedSharding(mesh, PartitionSpec('model')), 1).spec
+    P(None, 'model')
+  """
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = (*sharding.spec, *([None] * (rank - len(sharding.spec))))
+    return jax.sharding.NamedSharding(
+      sharding.mesh, PartitionSpec(None, *spec), memory_kind=sharding.memory_kind
+    )
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  return None
+
+
+def _leaf_sharding(sharding: Any) -> jax.sharding.Sharding | None:
+  """The sharding of one leaf of a buffer sharded so: the buffer's behind its stacking axis.
+
+  A leaf of a buffer sharded along its stacking axis (ZeRO) lives on part
+  of the devices; it is described replicated along that axis, and the
+  buffer it is stacked back into is placed in its own sharding
+  (`_placed_like`).
+
+  Example:
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ('model',))
+    >>> _leaf_sharding(jax.sharding.NamedSharding(mesh, PartitionSpec(None, 'model'))).spec
+    P('model',)
+  """
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(
+      sharding.mesh, PartitionSpec(*sharding.spec[1:]), memory_kind=sharding.memory_kind
+    )
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  return None
+
+
 def _unstack_buffer(buffer: Any, n: int) -> list[Any]:
   if buffer is None or isinstance(buffer, optax.MaskedNode):
     return [buffer] * n
   if isinstance(buffer, PartitionSpec):
     return [PartitionSpec(*buffer[1:])] * n
   if isinstance(buffer, jax.ShapeDtypeStruct):
-    return [jax.ShapeDtypeStruct(buffer.shape[1:], buffer.dtype)] * n
+    sharding = _leaf_sharding(getattr(buffer, "sharding", None))
+    return [jax.ShapeDtypeStruct(buffer.shape[1:], buffer.dtype, sharding=sharding)] * n
   shape = np.shape(buffer)[1:]
   if n == 1:
     return [jnp.reshape(buffer, shape)]
@@ -431,7 +477,7 @@ class StackedOptimizerDef(OptimizerDef):
   ) -> tuple[StackedParams, OptimizerState]:
     """Restores per leaf, then stacks; errors name the per-leaf paths."""
     target, new_state = self.inner.restore_state(*_unstacked(opt_target, opt_state), state_dict)
-    return _restacked(opt_state, target, new_state, opt_target.layout)
+    return _restacked(opt_state, target, new_state, opt_target)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
     """The inner definition's logical axes, with the per-leaf (or stacked) params' axes.
@@ -459,7 +505,7 @@ def _unstacked(target: StackedParams, state: OptimizerState) -> tuple[Any, Optim
 
 
 def _restacked(
-  reference: OptimizerState, target: Any, state: OptimizerState, layout: StackedLayout
+  reference: OptimizerState, target: Any, state: OptimizerState, reference_target: StackedParams
 ) -> tuple[StackedParams, OptimizerState]:
   """Inverse of `_unstacked`: stacks what `reference` holds as `StackedParams`."""
   nodes, outer = jax.tree.flatten(
@@ -469,8 +515,29 @@ def _restacked(
   param_states = jax.tree.unflatten(
     outer,
     [
-      node.layout.stack(value, what="optimizer state") if isinstance(node, StackedParams) else value
+      _placed_like(node.layout.stack(value, what="optimizer state"), node)
+      if isinstance(node, StackedParams)
+      else value
       for node, value in zip(nodes, restored, strict=True)
     ],
   )
-  return layout.stack(target), state.replace(param_states=param_states)
+  stacked_target = _placed_like(reference_target.layout.stack(target), reference_target)
+  return stacked_target, state.replace(param_states=param_states)
+
+
+def _placed_like(stacked: StackedParams, reference: Any) -> StackedParams:
+  """`stacked` with each array buffer in the sharding of `reference`'s buffer.
+
+  The reference's buffers (real or `jax.ShapeDtypeStruct`s) say where a
+  restored buffer belongs; stacking its leaves alone would leave it where
+  they were computed. Placeholders (specs, abstract values) are kept.
+  """
+  if not isinstance(reference, StackedParams):
+    return stacked
+  buffers = []
+  for buffer, ref in zip(stacked.buffers, reference.buffers, strict=True):
+    sharding = getattr(ref, "sharding", None)
+    if isinstance(buffer, jax.Array) and isinstance(sharding, jax.sharding.Sharding):
+      buffer = jax.device_put(buffer, sharding)
+    buffers.append(buffer)
+  return stacked.replace(buffers=tuple(buffers))
