@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
+from flax.core import FrozenDict
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
@@ -32,6 +33,7 @@ __all__ = [
   "Path",
   "as_read",
   "as_stored",
+  "class_problems",
   "fit_read",
   "flatten",
   "leaf_problems",
@@ -40,6 +42,7 @@ __all__ = [
   "rewrap_keys",
   "root_cause",
   "saveable",
+  "state_classes",
 ]
 
 
@@ -263,6 +266,63 @@ def orbax_restore_args(expected: Mapping[Path, Any]) -> tuple[dict[str, Any], An
       abstract[path] = _abstract_leaf(leaf)
       args[path] = ocp.checkpoint_utils.construct_restore_args(abstract[path])
   return traverse_util.unflatten_dict(abstract), traverse_util.unflatten_dict(args)
+
+
+def _is_state_class(node: Any) -> bool:
+  """Whether `node` is a pytree node of its own class (a NamedTuple, a dataclass, ...)."""
+  if type(node) in (dict, list, tuple, FrozenDict) or node is None:
+    return False
+  return not jax.tree_util.treedef_is_leaf(jax.tree.structure(node))
+
+
+def state_classes(param_states: Any) -> dict[str, str]:
+  """The class of every state node of an optimizer state, by its '/'-joined path.
+
+  Checkpoints record it: optimizers whose states have the same keys (adam's
+  and adabelief's ``mu`` and ``nu``) differ in these classes. Plain
+  containers (dicts, lists, tuples) and nodes without leaves (optax's
+  `EmptyState`) are not recorded.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> state_classes(optax.adam(0.1).init({'w': jnp.ones(2)}))
+    {'0': 'ScaleByAdamState'}
+  """
+  found: dict[str, str] = {}
+
+  def walk(node: Any, prefix: tuple[str, ...]) -> None:
+    children, _ = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node and _is_state_class(x)
+    )
+    for path, child in children:
+      if _is_state_class(child):
+        where = (*prefix, *_state_dict.key_path_parts(path))
+        found["/".join(where)] = type(child).__qualname__
+        walk(child, where)
+
+  if _is_state_class(param_states):
+    found[""] = type(param_states).__qualname__
+  walk(param_states, ())
+  return found
+
+
+def class_problems(recorded: Mapping[str, str], target: Mapping[str, str]) -> list[str]:
+  """Where the same state path holds another class in the checkpoint than in the target.
+
+  Paths only one side has are not compared (a stacked layout's buffers
+  restore into per-leaf params; their keys are checked on their own).
+
+  Example:
+    >>> class_problems({'0': 'ScaleByAdamState'}, {'0': 'ScaleByBeliefState'})
+    ["state class mismatch at 'state/param_states/0': the checkpoint was written by an optimizer whose state has a ScaleByAdamState there, the target's has a ScaleByBeliefState"]
+  """
+  return [
+    f"state class mismatch at '{'/'.join(('state', 'param_states', path)).rstrip('/')}': the "
+    f"checkpoint was written by an optimizer whose state has a {recorded[path]} there, the "
+    f"target's has a {target[path]}"
+    for path in sorted(set(recorded) & set(target))
+    if recorded[path] != target[path]
+  ]
 
 
 def rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:

@@ -31,6 +31,7 @@ from t5x_optim._training.checkpoint_leaves import (
   Path,
   as_read,
   as_stored,
+  class_problems,
   fit_read,
   flatten,
   leaf_problems,
@@ -38,6 +39,7 @@ from t5x_optim._training.checkpoint_leaves import (
   rewrap_keys,
   root_cause,
   saveable,
+  state_classes,
 )
 from t5x_optim._training.checkpoint_lock import WriterLock
 from t5x_optim._training.train_state import TrainState
@@ -53,6 +55,9 @@ _PARAM_STATES = "param_states"
 _FLAX_MUTABLES = "flax_mutables"
 _ARRAYS = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
 _CHECKSUMS = "checksums"
+_STATE_CLASSES = "state_classes"
+# The file orbax's JsonCheckpointHandler writes an item to.
+_JSON_FILE = "metadata"
 
 
 class CheckpointState(Protocol):
@@ -90,6 +95,13 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
     lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
   )
   return init(serialization.from_state_dict(optimizer.target, params))
+
+
+def _state_classes_of(state: Any) -> dict[str, str] | None:
+  """The classes of the optimizer state's nodes (`state_classes`); None for other states."""
+  if not isinstance(state, TrainState | Optimizer):
+    return None
+  return state_classes(_optimizer_of(state).state.param_states)
 
 
 def _is_params_only_path(path: Path) -> bool:
@@ -177,6 +189,7 @@ class Checkpointer:
     handlers = {
       _ARRAYS: ocp.PyTreeCheckpointHandler(),
       _CHECKSUMS: ChecksumsHandler(),
+      _STATE_CLASSES: ocp.JsonCheckpointHandler(),
     }
     return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
 
@@ -237,13 +250,14 @@ class Checkpointer:
       )
     arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
     checksums = dispatch_checksums(arrays)
-    args = ocp.args.Composite(
-      **{
-        _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
-        _CHECKSUMS: ChecksumsArgs(checksums),
-      }
-    )
-    self._manager.save(step, args=args, force=True)
+    items = {
+      _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
+      _CHECKSUMS: ChecksumsArgs(checksums),
+    }
+    classes = _state_classes_of(state)
+    if classes is not None:
+      items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _become_writer(self, step: int) -> None:
     """Locks the directory, then reopens it as its writer (removing partial steps)."""
@@ -318,8 +332,33 @@ class Checkpointer:
       )
     return step
 
-  def _check(self, step: int, expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> None:
+  def _recorded_classes(self, step: int) -> dict[str, str]:
+    """The state classes saved with step `step`; {} for a step saved before they were."""
+    path = self._item(step, _STATE_CLASSES) / _JSON_FILE
+    if not path.exists():
+      return {}
+    try:
+      recorded = json.loads(path.read_text())
+      if not isinstance(recorded, dict):
+        raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
+    except (OSError, ValueError) as e:
+      raise CheckpointError(
+        f"{self._where(step)} has an unreadable record of its optimizer ({path}): {e}.",
+        step=step,
+      ) from e
+    return {str(key): str(value) for key, value in recorded.items()}
+
+  def _check(
+    self,
+    step: int,
+    expected: Mapping[Path, Any],
+    stored: Mapping[Path, Any],
+    classes: Mapping[str, str] | None,
+  ) -> None:
+    """Refuses a checkpoint whose leaves or optimizer state classes do not fit the target."""
     problems = leaf_problems(expected, stored)
+    if classes is not None:
+      problems += class_problems(self._recorded_classes(step), classes)
     if problems:
       self._refuse(step, problems)
 
@@ -371,7 +410,8 @@ class Checkpointer:
     stored = open_stored(self._item(step), self._where(step), step, wanted)
     target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
-    self._check(step, expected, stored)
+    classes = None if params_only else _state_classes_of(target)
+    self._check(step, expected, stored, classes)
     if verify:
       recorded = self._recorded_checksums(step)
       unrecorded = [f"'{key_path_str(p)}'" for p in expected if key_path_str(p) not in recorded]
@@ -465,7 +505,10 @@ class Checkpointer:
       FileNotFoundError: no complete checkpoint (for `step`).
       ValueError: the checkpoint does not fit the target (missing or
         unexpected keys, e.g. another optimizer's state; other shapes;
-        dtypes of another kind), checked on the metadata before any array
+        dtypes of another kind; an optimizer state of other classes where
+        the keys agree, such as adam's checkpoint restored into adabelief:
+        each step records the classes of its optimizer state's nodes, see
+        `state_classes`), checked on the metadata before any array
         is read and naming every such path; or a stored array whose values
         are not all whole numbers within the target's integer dtype, which
         can only be checked once read (after its checksum). Never retried by
