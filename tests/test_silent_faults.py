@@ -287,3 +287,15 @@ def test_integer_steps_are_taken(tmp_path, step):
   with Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(step, optax_opt())
     assert ckpt.all_steps() == [int(step)]
+
+
+@pytest.mark.parametrize("step", [2.9, -1, "2"])
+def test_a_restore_of_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path, step):
+  opt = optax_opt()
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+    ckpt.save(2, opt)
+    with pytest.raises(ValueError, match="non-negative integer"):
+      ckpt.restore(opt, step=step)
+  save_t5x_checkpoint(tmp_path / "t5x", opt, step=2)
+  with pytest.raises(ValueError, match="non-negative integer"):
+    restore_t5x_checkpoint(tmp_path / "t5x", opt, step=step)

@@ -33,6 +33,7 @@ __all__ = [
   "Path",
   "as_read",
   "as_stored",
+  "checked_step",
   "class_problems",
   "fit_read",
   "flatten",
@@ -64,6 +65,36 @@ class CheckpointError(ValueError):
   def __init__(self, message: str, *, step: int):
     super().__init__(message)
     self.step = step
+
+
+def checked_step(step: Any) -> int:
+  """`step` as an int, when it is a non-negative integer (a Python, numpy or 0-d jax one).
+
+  Checkpoint directories are named by step and listed as integers, so a
+  step is never rounded (``2.9``), read from a string or a bool, or negative
+  (which no listing finds).
+
+  Raises:
+    ValueError: for anything else, naming it.
+
+  Example:
+    >>> checked_step(3), checked_step(np.int64(4))
+    (3, 4)
+    >>> checked_step(2.9)
+    Traceback (most recent call last):
+    ...
+    ValueError: A checkpoint step must be a non-negative integer, got 2.9 (float).
+  """
+  value = step
+  if isinstance(step, np.ndarray | jax.Array) and np.ndim(step) == 0:
+    value = step.item() if np.issubdtype(step.dtype, np.integer) else None
+  elif isinstance(step, np.integer):
+    value = int(step)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(
+      f"A checkpoint step must be a non-negative integer, got {step!r} ({type(step).__name__})."
+    )
+  return value
 
 
 def root_cause(error: BaseException) -> str:

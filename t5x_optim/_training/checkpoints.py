@@ -31,6 +31,7 @@ from t5x_optim._training.checkpoint_leaves import (
   Path,
   as_read,
   as_stored,
+  checked_step,
   class_problems,
   fit_read,
   flatten,
@@ -235,10 +236,11 @@ class Checkpointer:
       state: a `TrainState` or an `Optimizer` (arrays may be sharded).
 
     Raises:
-      ValueError: when `step` is not newer than the latest saved step.
+      ValueError: when `step` is not a non-negative integer or not newer
+        than the latest saved step; nothing is written.
       CheckpointError: another checkpointer writes into this directory.
     """
-    step = int(step)
+    step = checked_step(step)
     if not self._open.lock.held:
       self._become_writer(step)
     self._open.lock.check(f"checkpoint directory {self._directory}", step)
@@ -318,7 +320,7 @@ class Checkpointer:
     """
     self._manager.wait_until_finished()
     if step is not None:
-      step = int(step)
+      step = checked_step(step)
     if step is None or step not in self._manager.all_steps() or not self._item(step).exists():
       self._manager.reload()
     steps = self.all_steps()

@@ -27,6 +27,7 @@ from flax import serialization, traverse_util
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._training import storage
+from t5x_optim._training.checkpoint_leaves import checked_step
 from t5x_optim._training.t5x_checkpoints import _MSGPACK_FILE, _TS_CONTEXT, Path, T5XState
 
 __all__ = ["save_t5x_checkpoint"]
@@ -171,7 +172,8 @@ def save_t5x_checkpoint(
 
   Raises:
     FileExistsError: the step directory exists already.
-    ValueError: a multi-process job, or abstract leaves; `storage.StorageError`
+    ValueError: a step that is not a non-negative integer (nothing is
+      written), a multi-process job, or abstract leaves; `storage.StorageError`
       (a `ValueError`): a missing bucket, credentials or package for the
       path's scheme.
 
@@ -186,11 +188,10 @@ def save_t5x_checkpoint(
   if jax.process_count() > 1:
     raise ValueError("save_t5x_checkpoint writes from a single process only.")
   state_dict = state.state_dict()
-  if step is None:
-    step = int(np.asarray(state_dict["state"]["step"]))
+  step = _state_step(state_dict) if step is None else checked_step(step)
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
   root = storage.check_reachable(model_dir)
-  final = root / f"checkpoint_{int(step)}"
+  final = root / f"checkpoint_{step}"
   if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
   if storage.is_object_store(root):
@@ -208,6 +209,19 @@ def save_t5x_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return os.fspath(final)
+
+
+def _state_step(state_dict: Mapping[str, Any]) -> int:
+  """The state's own step counter as a step number (a whole float32 one too, as T5X's Orbax
+  checkpointer restores it).
+
+  Raises:
+    ValueError: when it is not a non-negative whole number.
+  """
+  step = np.asarray(state_dict["state"]["step"])
+  if np.issubdtype(step.dtype, np.floating) and step.ndim == 0 and float(step).is_integer():
+    step = step.astype(np.int64)
+  return checked_step(step)
 
 
 def _payload(written: Mapping[Path, Any]) -> bytes:

@@ -18,6 +18,7 @@ from flax import serialization, traverse_util
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._training import storage
+from t5x_optim._training.checkpoint_leaves import checked_step
 
 __all__ = [
   "latest_t5x_step",
@@ -132,13 +133,12 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
       f"No T5X checkpoint in {where}: no checkpoint_<step> directory holds a "
       f"'{_MSGPACK_FILE}' file (legacy format) or a '{_ORBAX_ITEM}' directory (Orbax format)."
     )
-  if step is None:
-    step = list(dirs)[-1]
-  if int(step) not in dirs:
+  step = list(dirs)[-1] if step is None else checked_step(step)
+  if step not in dirs:
     raise FileNotFoundError(
       f"No T5X checkpoint for step {step} in {where}; the steps are {list(dirs)}."
     )
-  step_dir = dirs[int(step)]
+  step_dir = dirs[step]
   return step_dir, _format(step_dir)
 
 
