@@ -12,9 +12,10 @@ run on the 8 simulated CPU devices of conftest.py.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +37,12 @@ from t5x_optim import (
   stack_params,
 )
 from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.partitioning import (
+  Partitioner,
+  create_mesh,
+  init_sharded,
+  standard_logical_axis_rules,
+)
 
 
 @struct.dataclass
@@ -299,3 +306,57 @@ def test_a_restore_of_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_p
   save_t5x_checkpoint(tmp_path / "t5x", opt, step=2)
   with pytest.raises(ValueError, match="non-negative integer"):
     restore_t5x_checkpoint(tmp_path / "t5x", opt, step=step)
+
+
+# ---------------------------------------------------------------- spec derivation (7, 8c)
+
+
+class _FlatState(NamedTuple):
+  flat: Any
+  history: Any
+
+
+def _flattening(history: int = 3) -> optax.GradientTransformation:
+  """A user-defined state: each param flattened, and a small history buffer."""
+
+  def init(params):
+    return _FlatState(jax.tree.map(lambda p: p.reshape(-1), params), jnp.zeros(history))
+
+  return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
+
+
+def _logically_partitioned() -> dict[str, Any]:
+  kernel = nn.LogicallyPartitioned(jnp.ones((16, 32)), ("embed", "mlp"))
+  return {"params": {"dense": {"kernel": kernel}}}
+
+
+@pytest.mark.parametrize(
+  ("rules", "flat_spec"),
+  [
+    ((("embed", "model"), ("mlp", "data")), P("model")),
+    (standard_logical_axis_rules(shard_optimizer_state_over_data=True), P("data")),
+  ],
+  ids=["embed_on_model", "zero"],
+)
+def test_a_flattened_param_gets_a_spec_the_mesh_takes(rules, flat_spec):
+  """The merged dimension is sharded as the kernel's major (first) dimension."""
+  mesh = create_mesh(shape={"data": 2, "model": 4})
+  state = init_sharded(
+    Partitioner(mesh, rules), OptaxWrapper(_flattening()), _logically_partitioned
+  )
+  flat = state.optimizer.state.param_states.flat["dense"]["kernel"]
+  np.testing.assert_array_equal(np.asarray(flat), np.ones(16 * 32))
+  assert flat.sharding.spec == flat_spec
+
+
+def test_one_leaf_without_a_traced_spec_leaves_the_others_theirs():
+  params = {"w": jnp.ones((4, 8))}
+  opt_def = OptaxWrapper(_flattening(), fallback="replicate_with_warning")
+  opt = opt_def.create(params)
+  # The state's history has grown since init: tracing init gives it another shape.
+  opt = opt.replace(
+    state=opt.state.replace(param_states=opt.state.param_states._replace(history=jnp.zeros(5)))
+  )
+  with pytest.warns(UserWarning, match="history"):
+    axes = opt_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}).state.param_states
+  assert axes.flat == {"w": P("embed")} and axes.history is None

@@ -57,20 +57,27 @@ def _trace_init(
 
 def _matching_specs(
   abstract_state: Any, state_def: jax.tree_util.PyTreeDef, state_shapes: Sequence[tuple[int, ...]]
-) -> list[PartitionSpec | None] | None:
-  """Specs of ``abstract_state``'s leaves if it matches the real state."""
+) -> list[Any] | None:
+  """Specs of ``abstract_state``'s leaves if its structure matches the real state.
+
+  A leaf whose shape differs from the real one gets ``UNDERIVED`` (the
+  fallback decides it), and only it: the other leaves keep their specs.
+  Each spec names at most one logical axis per dimension
+  (`specs_lib.one_name_per_dim`).
+  """
   leaves, treedef = jax.tree.flatten(abstract_state)
   if treedef != state_def:
     return None
   specs: dict[int, PartitionSpec | None] = {}
-  out = []
+  out: list[Any] = []
   for leaf, expected in zip(leaves, state_shapes):
     shape = specs_lib.leaf_shape(leaf)
     if shape != expected:
-      return None
+      out.append(specs_lib.UNDERIVED)
+      continue
     if id(leaf) not in specs:
       spec = getattr(getattr(leaf, "sharding", None), "spec", None)
-      specs[id(leaf)] = specs_lib.canonical(spec, len(shape))
+      specs[id(leaf)] = specs_lib.canonical(specs_lib.one_name_per_dim(spec), len(shape))
     out.append(specs[id(leaf)])
   return out
 
@@ -96,7 +103,10 @@ def _probe_specs(transformation, classes, class_of, params_def, mesh, state_def,
     # only means the probe does not apply; the full trace decides.
     return None
   expanded = jax.tree.map(expand, probe_state, is_leaf=is_probe)
-  return _matching_specs(expanded, state_def, state_shapes)
+  found = _matching_specs(expanded, state_def, state_shapes)
+  if found is None or any(s is specs_lib.UNDERIVED for s in found):
+    return None  # Only an exact probe stands for the full trace.
+  return found
 
 
 def derive_generic(

@@ -89,6 +89,29 @@ def drop_repeated_names(spec: PartitionSpec | None) -> PartitionSpec | None:
 
 
 @functools.lru_cache(maxsize=4096)
+def one_name_per_dim(spec: PartitionSpec | None) -> PartitionSpec | None:
+  """Keeps the first (major) logical name of an entry that names several.
+
+  Sharding-in-types gives a dimension merged from several (a param
+  flattened by ``reshape(-1)``) all their names, ``P(('embed', 'mlp'))``.
+  A logical spec names one axis per dimension: rule tables
+  (``flax.linen.logical_to_mesh_axes``) would pass a tuple through as mesh
+  axes. The major name shards the merged dimension in contiguous blocks,
+  as that param dimension is sharded.
+
+  >>> one_name_per_dim(PartitionSpec(('embed', 'mlp'), None))
+  P('embed', None)
+  """
+  if spec is None:
+    return None
+  entries = []
+  for entry in spec:
+    names = entry_names(entry)
+    entries.append(names[0] if names else None)
+  return PartitionSpec(*entries)
+
+
+@functools.lru_cache(maxsize=4096)
 def canonical(spec: PartitionSpec | None, rank: int) -> PartitionSpec | None:
   """Pads ``spec`` to ``rank`` and maps a spec naming no axis to None.
 
@@ -122,6 +145,8 @@ def _spec_problem(spec: Any, rank: int) -> str | None:
     return f"{type(spec).__name__} is not a PartitionSpec"
   if len(spec) != rank:
     return f"spec has {len(spec)} entries for a rank-{rank} leaf"
+  if any(not (entry is None or isinstance(entry, str)) for entry in spec):
+    return "a spec entry is not one logical name or None"
   names = spec_names(spec)
   if len(set(names)) != len(names):
     return "spec names an axis twice"
