@@ -360,3 +360,18 @@ def test_one_leaf_without_a_traced_spec_leaves_the_others_theirs():
   with pytest.warns(UserWarning, match="history"):
     axes = opt_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}).state.param_states
   assert axes.flat == {"w": P("embed")} and axes.history is None
+
+
+# ---------------------------------------------------------------- missing chunk files (8a)
+
+
+def test_a_legacy_t5x_checkpoint_missing_a_chunk_file_is_refused(tmp_path):
+  opt = _stepped(optax_opt())
+  step_dir = save_t5x_checkpoint(tmp_path, opt, step=1)
+  array_dir = os.path.join(step_dir, "state.param_states.0.mu.w")
+  chunks = [name for name in os.listdir(array_dir) if not name.startswith(".")]
+  assert chunks
+  os.remove(os.path.join(array_dir, chunks[0]))
+  for target in (opt, _abstract(_replicated(opt))):
+    with pytest.raises(ValueError, match=r"incomplete: the array at 'state/param_states/0/mu/w'"):
+      restore_t5x_checkpoint(tmp_path, target)

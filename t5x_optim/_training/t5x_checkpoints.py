@@ -171,7 +171,9 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
 
   As T5X does, only the path is taken from the spec (chunks and compressor
   come from the stored ``.zarray``); a path written for GCS is read from
-  `step_dir` too.
+  `step_dir` too. A missing chunk file is an error when read, not zeros:
+  T5X's arrays have no fill value, so every chunk was written
+  (`_without_fill_value_check` reopens an array that has one).
   """
   kvstore = spec.get("kvstore")
   relative = kvstore.get("path") if isinstance(kvstore, Mapping) else None
@@ -180,11 +182,30 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
     raise ValueError(
       f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
     )
-  full = {
-    "driver": spec["driver"],
-    "kvstore": storage.kvstore_spec(storage.join(step_dir, relative)),
-  }
-  return ts.open(full, open=True, read=True, context=_TS_CONTEXT)
+  return ts.open(
+    _full_spec(step_dir, spec["driver"], relative), open=True, read=True, context=_TS_CONTEXT
+  )
+
+
+def _full_spec(step_dir: epath.Path, driver: str, relative: str, *, strict: bool = True) -> dict:
+  """The tensorstore spec of a stored array; `strict`: a missing chunk fails its read."""
+  full = {"driver": driver, "kvstore": storage.kvstore_spec(storage.join(step_dir, relative))}
+  if strict:
+    full["fill_missing_data_reads"] = False
+  return full
+
+
+def _without_fill_value_check(step_dir: epath.Path, spec: Mapping[str, Any], store: Any) -> Any:
+  """`store` as opened, or reopened reading missing chunks as its fill value when it has one.
+
+  A writer that declares a fill value may leave chunks equal to it unwritten.
+  """
+  if store.fill_value is None:
+    return store
+  kvstore = spec.get("kvstore")
+  relative = (kvstore.get("path") if isinstance(kvstore, Mapping) else None) or spec.get("path")
+  full = _full_spec(step_dir, spec["driver"], relative, strict=False)
+  return ts.open(full, open=True, read=True, context=_TS_CONTEXT).result()
 
 
 def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
@@ -216,7 +237,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
       stored[path] = _Stored(value.shape, value.dtype, value=value)
       continue
     try:
-      store = opening[path].result()
+      store = _without_fill_value_check(step_dir, leaves[path], opening[path].result())
     except (OSError, ValueError) as e:
       unreadable.append(f"'{key_path_str(path)}' ({e})")
       continue
@@ -342,6 +363,14 @@ def _fit_host_leaves(
   return fitted
 
 
+def _result(future: Any, path: Path) -> Any:
+  """The data a started read gives; a failed read (a missing chunk file) names its array."""
+  try:
+    return future.result()
+  except (OSError, ValueError) as e:
+    raise ValueError(f"the array at '{key_path_str(path)}' could not be read: {e}") from e
+
+
 def _read_legacy(
   stored: Mapping[Path, _Stored], expected: Mapping[Path, Any], host: set[Path]
 ) -> dict[Path, Any]:
@@ -374,9 +403,9 @@ def _read_legacy(
         )
       )
     elif sharding is None:
-      restored[path] = started[path].result()
+      restored[path] = _result(started[path], path)
     else:
-      shards = [jax.device_put(future.result(), device) for device, future in started[path]]
+      shards = [jax.device_put(_result(future, path), device) for device, future in started[path]]
       restored[path] = jax.make_array_from_single_device_arrays(item.shape, sharding, shards)
   return restored
 
@@ -484,7 +513,10 @@ def restore_t5x_checkpoint(
     )
   host = _on_host(stored, expected)
   if fmt == "legacy":
-    restored = _read_legacy(stored, expected, host)
+    try:
+      restored = _read_legacy(stored, expected, host)
+    except ValueError as e:
+      raise ValueError(f"The T5X checkpoint in {step_dir} is incomplete: {e}") from e
   else:
     restored = _read_orbax(step_dir, stored, expected, host)
   restored = _fit_host_leaves(step_dir, restored, expected, host)
