@@ -375,3 +375,19 @@ def test_a_legacy_t5x_checkpoint_missing_a_chunk_file_is_refused(tmp_path):
   for target in (opt, _abstract(_replicated(opt))):
     with pytest.raises(ValueError, match=r"incomplete: the array at 'state/param_states/0/mu/w'"):
       restore_t5x_checkpoint(tmp_path, target)
+
+
+def _transposing() -> optax.GradientTransformation:
+  """A user-defined state holding each param transposed."""
+  return optax.GradientTransformation(
+    lambda params: jax.tree.map(jnp.transpose, params),
+    lambda updates, state, params=None: (updates, state),
+  )
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (8, 4)], ids=["square", "oblong"])
+def test_a_transposed_state_gets_the_transposed_spec(shape):
+  params = {"w": jnp.ones(shape)}
+  opt = OptaxWrapper(_transposing()).create(params)
+  axes = opt.optimizer_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}).state.param_states
+  assert axes == {"w": P("mlp", "embed")}

@@ -294,8 +294,14 @@ def _known_param_shapes(index: _ParamIndex, mirrors, shapes, specs) -> list[Any]
 
 def _mirror_specs(
   index: _ParamIndex, mirrors, shapes: list[tuple[int, ...]], specs: list[Any]
-) -> None:
-  """Fills mirror leaves in place: replicated params replicate their mirrors."""
+) -> list[int]:
+  """Fills mirror leaves in place: replicated params replicate their mirrors.
+
+  Returns the leaves whose spec the shape alone cannot confirm: those with
+  two dimensions of one size that the spec shards differently, which a
+  transposed copy of a square param also has.
+  """
+  unsure = []
   param_shapes = _known_param_shapes(index, mirrors, shapes, specs)
   param_specs = index.specs
   if index.shapes is None:
@@ -309,6 +315,25 @@ def _mirror_specs(
         specs[i] = None
       elif shapes[i] == param_shapes[j]:
         specs[i] = param_specs[j]
+        if _permutable(shapes[i], specs[i]):
+          unsure.append(i)
+  return unsure
+
+
+def _permutable(shape: tuple[int, ...], spec: Any) -> bool:
+  """Whether two dimensions of `shape` have one size but different spec entries.
+
+  >>> _permutable((8, 8), PartitionSpec('embed', 'mlp')), _permutable((8, 4), PartitionSpec('embed', 'mlp'))
+  (True, False)
+  """
+  if not isinstance(spec, PartitionSpec):
+    return False
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  return any(
+    shape[a] == shape[b] and entries[a] != entries[b]
+    for a in range(len(shape))
+    for b in range(a + 1, len(shape))
+  )
 
 
 def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
@@ -458,7 +483,7 @@ def derive_state_specs(
   specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
   rules = registry.registered_rules()
   mirrors, ruled = _scan(state_def, index, tuple(rules))
-  _mirror_specs(index, mirrors, shapes, specs)
+  unsure = _mirror_specs(index, mirrors, shapes, specs)
   specs = [
     None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
     for s, shape in zip(specs, shapes)
@@ -468,16 +493,22 @@ def derive_state_specs(
   if (
     transformation is not None
     and index.leaves is not None
-    and any(s is specs_lib.UNDERIVED for s in specs)
+    and (unsure or any(s is specs_lib.UNDERIVED for s in specs))
   ):
     try:
       derived = generic.derive_generic(
         transformation, index.leaves, index.params_def, index.specs, state_def, shapes
       )
     except generic.GenericDerivationError as e:
-      cause = e
+      if any(s is specs_lib.UNDERIVED for s in specs):
+        cause = e
     else:
-      specs = [d if s is specs_lib.UNDERIVED else s for s, d in zip(specs, derived)]
+      # Tracing also decides the mirror leaves whose shape could be a transpose.
+      redo = set(unsure)
+      specs = [
+        d if s is specs_lib.UNDERIVED or (i in redo and d is not specs_lib.UNDERIVED) else s
+        for i, (s, d) in enumerate(zip(specs, derived))
+      ]
   if ruled:
     _apply_rules(ruled, rules, state_leaves, specs, index, paths)
   specs = resolve(specs, shapes, paths, fallback, reasons=_rule_reasons(ruled, rules), cause=cause)
