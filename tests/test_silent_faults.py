@@ -391,3 +391,19 @@ def test_a_transposed_state_gets_the_transposed_spec(shape):
   opt = OptaxWrapper(_transposing()).create(params)
   axes = opt.optimizer_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}).state.param_states
   assert axes == {"w": P("mlp", "embed")}
+
+
+# ---------------------------------------------------------------- found on the way
+
+
+def test_params_only_restores_into_the_per_param_layout(tmp_path):
+  """The fresh optimizer state is laid out by the definition's own state_dict."""
+  opt = _stepped(_frozen_multi().create(_params()))
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, opt)
+    restored = ckpt.restore(_frozen_multi().create(_params()), params_only=True)
+  assert _same(restored.target, opt.target)
+  fresh = _frozen_multi().create(_params()).state.param_states
+  assert _same(
+    [s.param_states for s in restored.state.param_states], [s.param_states for s in fresh]
+  )

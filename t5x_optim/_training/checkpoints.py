@@ -15,7 +15,6 @@ from etils import epath
 from flax import serialization, traverse_util
 
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.interface import Optimizer
 from t5x_optim._training import storage, t5x_checkpoints
 from t5x_optim._training.checkpoint_checksums import (
@@ -82,11 +81,12 @@ def _optimizer_of(target: CheckpointState) -> Optimizer:
 
 
 def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> Any:
-  """The optimizer's initial per-param state for `params`, in the target's shardings.
+  """The state dict's ``param_states`` of the optimizer's initial state for `params`.
 
   Runs the definition's `init_state` under `jax.jit` with the shardings of
   the target's optimizer state as `out_shardings`, so each device only ever
-  holds its own shards.
+  holds its own shards; the definition's own `state_dict` lays it out (a
+  MultiOptimizer's per-param layout included).
   """
   optimizer = _optimizer_of(target)
   leaves, treedef = jax.tree.flatten(optimizer.state.param_states)
@@ -95,7 +95,10 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   init = jax.jit(
     lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
   )
-  return init(serialization.from_state_dict(optimizer.target, params))
+  restored_params = serialization.from_state_dict(optimizer.target, params)
+  fresh = optimizer.state.replace(param_states=init(restored_params))
+  state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
+  return state.get(_PARAM_STATES, {})
 
 
 def _state_classes_of(state: Any) -> dict[str, str] | None:
@@ -435,9 +438,7 @@ class Checkpointer:
       self._refuse(step, unfit)
     state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
-      state_dict[_STATE][_PARAM_STATES] = _state_dict.to_pruned_state_dict(
-        _fresh_param_states(target, state_dict[_TARGET])
-      )
+      state_dict[_STATE][_PARAM_STATES] = _fresh_param_states(target, state_dict[_TARGET])
     state = target.restore_state(state_dict)
     if verify:
       self._verify(step, pending, recorded)
