@@ -407,3 +407,12 @@ def test_params_only_restores_into_the_per_param_layout(tmp_path):
   assert _same(
     [s.param_states for s in restored.state.param_states], [s.param_states for s in fresh]
   )
+
+
+@pytest.mark.parametrize("writer", list(WRITERS), ids=list(WRITERS))
+def test_an_int64_restores_whole_into_a_host_int64_target(tmp_path, writer):
+  opt = _with_step(optax_opt(), np.int64(2**32 + 3))
+  save, restore = WRITERS[writer]
+  save(tmp_path, opt)
+  restored = restore(tmp_path, opt)
+  assert restored.state.step.dtype == np.int64 and int(restored.state.step) == 2**32 + 3

@@ -241,7 +241,8 @@ def fit_read(
   """The leaves read, each in its target dtype, and the values that do not fit it.
 
   A leaf read onto the host (`HostRead`) is checked there
-  (`_state_dict.fit_on_host`), then placed in the target's sharding. A leaf
+  (`_state_dict.fit_on_host`), then placed in the target's sharding (kept
+  on the host for a target leaf without one). A leaf
   read in another dtype on its devices (`as_read`) is cast there (floats
   only). Returns the cast leaves and a problem per leaf that does not fit.
   """
@@ -254,7 +255,8 @@ def fit_read(
       except ValueError as e:
         problems.append(str(e))
         continue
-      cast[path] = place(value, _abstract_leaf(expected[path]).sharding)
+      # A host target (numpy) keeps the host data: a device could not hold an int64.
+      cast[path] = place(value, getattr(expected[path], "sharding", None))
       continue
     if leaf.dtype == dtype:
       cast[path] = leaf
