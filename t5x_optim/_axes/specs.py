@@ -145,8 +145,6 @@ def _spec_problem(spec: Any, rank: int) -> str | None:
     return f"{type(spec).__name__} is not a PartitionSpec"
   if len(spec) != rank:
     return f"spec has {len(spec)} entries for a rank-{rank} leaf"
-  if any(not (entry is None or isinstance(entry, str)) for entry in spec):
-    return "a spec entry is not one logical name or None"
   names = spec_names(spec)
   if len(set(names)) != len(names):
     return "spec names an axis twice"

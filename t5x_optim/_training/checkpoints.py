@@ -363,7 +363,13 @@ class Checkpointer:
     """Refuses a checkpoint whose leaves or optimizer state classes do not fit the target."""
     problems = leaf_problems(expected, stored)
     if classes is not None:
-      problems += class_problems(self._recorded_classes(step), classes)
+      other = class_problems(self._recorded_classes(step), classes)
+      if other:
+        other[-1] += (
+          " (another optimizer: restore with params_only=True to start its state afresh, "
+          "or with convert_from= to convert it)"
+        )
+      problems += other
     if problems:
       self._refuse(step, problems)
 
