@@ -23,7 +23,10 @@ recomputes it on the restored arrays, on whatever mesh they land, and any
 difference, like every other storage failure (missing, truncated or corrupt
 files, tensorstore errors, a step without checksums), raises `CheckpointError`
 naming the step and the array path. `Checkpointer.restore(..., fallback=True)`
-then falls back to the newest intact step. One writer per directory: the
+then falls back to the newest intact step. Each step also records the
+classes of the optimizer state's nodes (``<step>/state_classes``): a restore
+into an optimizer whose state has another class at the same path (adam's
+checkpoint into adabelief, whose keys agree) is refused. One writer per directory: the
 first `save` takes an exclusive lock (``fcntl.flock`` on
 ``<directory>/.t5x_optim.lock``, held by process 0, released by `close` or
 when the process dies).
