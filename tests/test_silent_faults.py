@@ -416,3 +416,15 @@ def test_an_int64_restores_whole_into_a_host_int64_target(tmp_path, writer):
   save(tmp_path, opt)
   restored = restore(tmp_path, opt)
   assert restored.state.step.dtype == np.int64 and int(restored.state.step) == 2**32 + 3
+
+
+def test_a_t5x_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp_path):
+  """save_t5x_checkpoint records the optimizer's state classes beside T5X's files."""
+  params = {"w": jnp.ones((4, 8))}
+  adam = _stepped(OptaxWrapper(optax.adam(0.1)).create(params))
+  save_t5x_checkpoint(tmp_path, adam, step=1)
+  with pytest.raises(ValueError, match=r"ScaleByAdamState.*ScaleByBeliefState"):
+    restore_t5x_checkpoint(tmp_path, OptaxWrapper(optax.adabelief(0.1)).create(params))
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match="ScaleByBeliefState"):
+    ckpt.restore(OptaxWrapper(optax.adabelief(0.1)).create(params))
+  assert _same(restore_t5x_checkpoint(tmp_path, adam), adam)

@@ -26,6 +26,8 @@ from flax.core import FrozenDict
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._optimizers.interface import Optimizer
+from t5x_optim._training.train_state import TrainState
 
 __all__ = [
   "CheckpointError",
@@ -38,6 +40,7 @@ __all__ = [
   "fit_read",
   "flatten",
   "leaf_problems",
+  "optimizer_state_classes",
   "orbax_restore_args",
   "place",
   "rewrap_keys",
@@ -337,6 +340,22 @@ def state_classes(param_states: Any) -> dict[str, str]:
     found[""] = type(param_states).__qualname__
   walk(param_states, ())
   return found
+
+
+def optimizer_state_classes(state: Any) -> dict[str, str] | None:
+  """`state_classes` of a `TrainState`'s or `Optimizer`'s optimizer state; None for other states.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from t5x_optim import optimizers
+    >>> optimizer_state_classes(optimizers.adam(0.1).create({'w': jnp.ones(2)}))
+    {'0': 'ScaleByAdamState'}
+  """
+  if isinstance(state, TrainState):
+    state = state.optimizer
+  if not isinstance(state, Optimizer):
+    return None
+  return state_classes(state.state.param_states)
 
 
 def class_problems(recorded: Mapping[str, str], target: Mapping[str, str]) -> list[str]:

@@ -35,11 +35,11 @@ from t5x_optim._training.checkpoint_leaves import (
   fit_read,
   flatten,
   leaf_problems,
+  optimizer_state_classes,
   orbax_restore_args,
   rewrap_keys,
   root_cause,
   saveable,
-  state_classes,
 )
 from t5x_optim._training.checkpoint_lock import WriterLock
 from t5x_optim._training.train_state import TrainState
@@ -99,13 +99,6 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   fresh = optimizer.state.replace(param_states=init(restored_params))
   state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
   return state.get(_PARAM_STATES, {})
-
-
-def _state_classes_of(state: Any) -> dict[str, str] | None:
-  """The classes of the optimizer state's nodes (`state_classes`); None for other states."""
-  if not isinstance(state, TrainState | Optimizer):
-    return None
-  return state_classes(_optimizer_of(state).state.param_states)
 
 
 def _is_params_only_path(path: Path) -> bool:
@@ -259,7 +252,7 @@ class Checkpointer:
       _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
       _CHECKSUMS: ChecksumsArgs(checksums),
     }
-    classes = _state_classes_of(state)
+    classes = optimizer_state_classes(state)
     if classes is not None:
       items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -421,7 +414,7 @@ class Checkpointer:
     stored = open_stored(self._item(step), self._where(step), step, wanted)
     target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
-    classes = None if params_only else _state_classes_of(target)
+    classes = None if params_only else optimizer_state_classes(target)
     self._check(step, expected, stored, classes)
     if verify:
       recorded = self._recorded_checksums(step)

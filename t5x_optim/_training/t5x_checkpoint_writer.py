@@ -11,6 +11,7 @@ failed save leaves the earlier steps as they were and no readable new one.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -27,8 +28,14 @@ from flax import serialization, traverse_util
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._training import storage
-from t5x_optim._training.checkpoint_leaves import checked_step
-from t5x_optim._training.t5x_checkpoints import _MSGPACK_FILE, _TS_CONTEXT, Path, T5XState
+from t5x_optim._training.checkpoint_leaves import checked_step, optimizer_state_classes
+from t5x_optim._training.t5x_checkpoints import (
+  _MSGPACK_FILE,
+  _TS_CONTEXT,
+  STATE_CLASSES_FILE,
+  Path,
+  T5XState,
+)
 
 __all__ = ["save_t5x_checkpoint"]
 
@@ -154,7 +161,10 @@ def save_t5x_checkpoint(
   ``checkpoint`` (``{'version': 3, 'optimizer': <state dict>}``, scalars
   inline, every other array as a tensorstore spec) and one zarr array per
   non-scalar leaf, written shard by shard from this process's devices (one
-  copy of each shard; nothing is gathered). On a local disk everything is
+  copy of each shard; nothing is gathered), and, for a `TrainState` or an
+  `Optimizer`, ``t5x_optim_state_classes.json``: the classes of its
+  optimizer state's nodes, which `restore_t5x_checkpoint` compares with
+  its target's (T5X ignores the file). On a local disk everything is
   written to ``checkpoint_<step>.tmp-<time>`` first and renamed when
   complete, as T5X does; on an object store (``gs://``) the msgpack is
   written last, as the commit record. Either way a failed save leaves no
@@ -182,8 +192,9 @@ def save_t5x_checkpoint(
     >>> from t5x_optim import optimizers
     >>> opt = optimizers.adam(1e-3).create({'w': jnp.ones((2, 3))})
     >>> path = save_t5x_checkpoint(tempfile.mkdtemp(), opt, step=5)
-    >>> sorted(os.listdir(path))
-    ['checkpoint', 'state.param_states.0.mu.w', 'state.param_states.0.nu.w', 'target.w']
+    >>> sorted(os.listdir(path))  # doctest: +NORMALIZE_WHITESPACE
+    ['checkpoint', 'state.param_states.0.mu.w', 'state.param_states.0.nu.w',
+     't5x_optim_state_classes.json', 'target.w']
   """
   if jax.process_count() > 1:
     raise ValueError("save_t5x_checkpoint writes from a single process only.")
@@ -194,12 +205,14 @@ def save_t5x_checkpoint(
   final = root / f"checkpoint_{step}"
   if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
+  classes = optimizer_state_classes(state)
   if storage.is_object_store(root):
-    return _save_committed_last(final, flat)
+    return _save_committed_last(final, flat, classes)
   tmp = root / f"{final.name}.tmp-{time.time_ns()}"
   tmp.mkdir(parents=True)
   try:
     payload = _payload(_write_arrays(tmp, flat))
+    _write_classes(tmp, classes)
     with open(tmp / _MSGPACK_FILE, "wb") as f:
       f.write(payload)
       f.flush()
@@ -231,7 +244,15 @@ def _payload(written: Mapping[Path, Any]) -> bytes:
   )
 
 
-def _save_committed_last(final: epath.Path, flat: Mapping[Path, Any]) -> str:
+def _write_classes(step_dir: epath.Path, classes: Mapping[str, str] | None) -> None:
+  """Records the optimizer state's classes beside T5X's files (`restore_t5x_checkpoint` checks them)."""
+  if classes is not None:
+    (step_dir / STATE_CLASSES_FILE).write_text(json.dumps(dict(classes), sort_keys=True))
+
+
+def _save_committed_last(
+  final: epath.Path, flat: Mapping[Path, Any], classes: Mapping[str, str] | None
+) -> str:
   """Writes a step on an object store: arrays into `final`, then the msgpack as its commit.
 
   What an earlier crashed save left in `final` (arrays without a msgpack,
@@ -239,5 +260,7 @@ def _save_committed_last(final: epath.Path, flat: Mapping[Path, Any]) -> str:
   """
   if final.exists():
     final.rmtree()
-  (final / _MSGPACK_FILE).write_bytes(_payload(_write_arrays(final, flat)))
+  payload = _payload(_write_arrays(final, flat))
+  _write_classes(final, classes)
+  (final / _MSGPACK_FILE).write_bytes(payload)
   return os.fspath(final)

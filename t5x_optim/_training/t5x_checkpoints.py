@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -18,7 +19,11 @@ from flax import serialization, traverse_util
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._training import storage
-from t5x_optim._training.checkpoint_leaves import checked_step
+from t5x_optim._training.checkpoint_leaves import (
+  checked_step,
+  class_problems,
+  optimizer_state_classes,
+)
 
 __all__ = [
   "latest_t5x_step",
@@ -29,6 +34,8 @@ __all__ = [
 Path = tuple[str, ...]
 _STEP_DIR = re.compile(r"checkpoint_(\d+)")
 _MSGPACK_FILE = "checkpoint"
+# t5x_optim's record of the optimizer state's classes, beside T5X's files (T5X ignores it).
+STATE_CLASSES_FILE = "t5x_optim_state_classes.json"
 _ORBAX_ITEM = "state"
 _TS_CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}})
 
@@ -304,6 +311,24 @@ def _problems(expected: Mapping[Path, Any], stored: Mapping[Path, _Stored]) -> l
   return problems
 
 
+def _class_problems(step_dir: epath.Path, target: Any) -> list[str]:
+  """`class_problems` of the classes recorded with a step (by `save_t5x_checkpoint`) and `target`'s.
+
+  A step written by T5X records none: nothing to compare.
+  """
+  classes = optimizer_state_classes(target)
+  file = step_dir / STATE_CLASSES_FILE
+  if classes is None or not file.exists():
+    return []
+  try:
+    recorded = json.loads(file.read_text())
+    if not isinstance(recorded, dict):
+      raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{file} is not a readable record of the optimizer: {e}") from e
+  return class_problems({str(k): str(v) for k, v in recorded.items()}, classes)
+
+
 def _sharding(leaf: Any) -> jax.sharding.Sharding | None:
   """The target sharding of a target leaf (None: a host value)."""
   if _state_dict.is_prng_key(leaf):
@@ -483,7 +508,9 @@ def restore_t5x_checkpoint(
   Raises:
     FileNotFoundError: no T5X checkpoint (for `step`) at `path`.
     ValueError: the checkpoint does not fit the target (missing or unexpected
-      keys, e.g. another model or optimizer; other shapes), naming every such
+      keys, e.g. another model or optimizer; other shapes; an optimizer state
+      of other classes where a step written by `save_t5x_checkpoint` records
+      them, such as adam's restored into adabelief), naming every such
       path with both sides; an unreadable checkpoint; or what the target's
       `restore_state` rejects.
 
@@ -505,7 +532,7 @@ def restore_t5x_checkpoint(
   stored = _read_legacy_metadata(step_dir) if fmt == "legacy" else _read_orbax_metadata(step_dir)
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
   expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
-  problems = _problems(expected, stored)
+  problems = _problems(expected, stored) + _class_problems(step_dir, target)
   if problems:
     raise ValueError(
       f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
