@@ -36,6 +36,7 @@ from t5x_optim import (
   save_t5x_checkpoint,
   stack_params,
 )
+from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,
@@ -428,3 +429,13 @@ def test_a_t5x_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp
   with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match="ScaleByBeliefState"):
     ckpt.restore(OptaxWrapper(optax.adabelief(0.1)).create(params))
   assert _same(restore_t5x_checkpoint(tmp_path, adam), adam)
+
+
+def test_checksums_see_the_high_words_of_host_integers():
+  def checksum(value):
+    return fetch(dispatch_checksums({("a",): value}))["a"]
+
+  assert checksum(np.int64(2**32 + 3)) != checksum(np.int64(3))
+  assert checksum(np.array([-(2**33)])) != checksum(np.array([0]))
+  # Values that fit a device's int32 keep the checksums recorded before.
+  assert checksum(np.int64(3)) == checksum(np.int32(3))

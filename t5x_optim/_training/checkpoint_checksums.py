@@ -88,6 +88,27 @@ def _checksum(x: jax.Array, dtype: np.dtype | None = None) -> jax.Array:
 _IN_FLIGHT = 4
 
 
+def _exact(leaf: Any) -> Any:
+  """`leaf`, or the uint32 words of a host integer array a device would narrow.
+
+  Without ``jax_enable_x64`` a device holds an int64 as int32; a checksum
+  of the narrowed values would not see a change of the high words. Data
+  whose values all fit the narrower dtype is checksummed as before (so
+  checksums recorded earlier still verify); other data by its words.
+
+  Example:
+    >>> _exact(np.int64(3)), _exact(np.array([2**32 + 3])).tolist()
+    (np.int64(3), [[3, 1]])
+  """
+  if not isinstance(leaf, np.ndarray | np.generic) or not np.issubdtype(leaf.dtype, np.integer):
+    return leaf
+  narrow = jax.dtypes.canonicalize_dtype(leaf.dtype)
+  if narrow == leaf.dtype or np.array_equal(np.asarray(leaf).astype(narrow), leaf):
+    return leaf
+  value = np.ascontiguousarray(leaf)
+  return value.view(np.uint32).reshape(*value.shape, value.dtype.itemsize // 4)
+
+
 def dispatch_checksums(
   leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
 ) -> dict[str, jax.Array]:
@@ -101,7 +122,7 @@ def dispatch_checksums(
   for i, (path, leaf) in enumerate(leaves.items()):
     if i and i % _IN_FLIGHT == 0:
       jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
-    pending[key_path_str(path)] = _checksum(leaf, dtypes.get(path))
+    pending[key_path_str(path)] = _checksum(_exact(leaf), dtypes.get(path))
   return pending
 
 
