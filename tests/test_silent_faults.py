@@ -439,3 +439,16 @@ def test_checksums_see_the_high_words_of_host_integers():
   assert checksum(np.array([-(2**33)])) != checksum(np.array([0]))
   # Values that fit a device's int32 keep the checksums recorded before.
   assert checksum(np.int64(3)) == checksum(np.int32(3))
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["real", "abstract"])
+def test_params_only_restores_into_a_stacked_target(tmp_path, abstract):
+  """The definition lays the restored params out (stacks them) before the fresh state is made."""
+  opt = _stacked_sharded()
+  sgd = OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(opt.target)
+  sgd = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(_mesh(), P())), sgd)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, opt)
+    restored = ckpt.restore(_abstract(sgd) if abstract else sgd, params_only=True)
+  assert _same(restored.target, opt.target)
+  assert [b.sharding for b in restored.target.buffers] == [b.sharding for b in sgd.target.buffers]

@@ -12,7 +12,7 @@ from typing import Any, NoReturn, Protocol, Self
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import serialization, traverse_util
+from flax import traverse_util
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers.interface import Optimizer
@@ -95,7 +95,9 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   init = jax.jit(
     lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
   )
-  restored_params = serialization.from_state_dict(optimizer.target, params)
+  # The definition lays the params out (a stacked layout stacks them); its state is kept as is.
+  own_state = optimizer.state_dict()[_STATE]
+  restored_params = optimizer.restore_state({_TARGET: params, _STATE: own_state}).target
   fresh = optimizer.state.replace(param_states=init(restored_params))
   state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
   return state.get(_PARAM_STATES, {})
