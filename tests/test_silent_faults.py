@@ -116,7 +116,7 @@ def _t5x_round_trip(tmp_path, opt, target):
 ROUND_TRIPS = {"checkpointer": _checkpointer_round_trip, "t5x_legacy": _t5x_round_trip}
 
 
-# ---------------------------------------------------------------- frozen params (item 2)
+# ---------------------------------------------------------------- frozen params
 
 
 def _frozen_multi() -> MultiOptimizer:
@@ -150,10 +150,7 @@ def test_a_t5x_legacy_checkpoint_keeps_frozen_params_as_none(tmp_path):
 def test_a_t5x_orbax_checkpoint_with_frozen_params_restores(tmp_path):
   """T5X's Orbax format: an orbax PyTree of the state dict, None where params are frozen."""
   opt = _stepped(_frozen_multi().create(_params()))
-  state_dict = jax.tree.map(np.asarray, opt.state_dict())
-  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
-    tmp_path / "checkpoint_1" / "state", state_dict
-  )
+  _save_t5x_orbax(tmp_path, opt)
   assert _same(restore_t5x_checkpoint(tmp_path, _frozen_multi().create(_params())), opt)
 
 
@@ -170,7 +167,7 @@ def test_the_state_dict_layout_does_not_depend_on_param_names(tmp_path, names):
     assert _same(restored, opt)
 
 
-# ---------------------------------------------------------------- integer ranges (item 3)
+# ---------------------------------------------------------------- integer ranges
 
 
 def _with_step(opt: Any, step: Any) -> Any:
@@ -185,7 +182,6 @@ def _save_t5x_orbax(tmp_path, opt):
   ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
     tmp_path / "checkpoint_1" / "state", jax.tree.map(np.asarray, opt.state_dict())
   )
-  return restore_t5x_checkpoint
 
 
 def _restore_t5x(tmp_path, target):
@@ -237,7 +233,7 @@ def optax_opt() -> Any:
   return OptaxWrapper(optax.adam(0.1)).create({"w": jnp.ones((4, 8))})
 
 
-# ---------------------------------------------------------------- stacked shardings (item 4)
+# ---------------------------------------------------------------- stacked shardings
 
 
 def _stacked_sharded():
@@ -256,7 +252,7 @@ def test_an_abstract_stacked_target_keeps_its_shardings(tmp_path, round_trip):
   assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(lambda x: x.sharding, opt)
 
 
-# ---------------------------------------------------------------- which optimizer wrote it (8d)
+# ---------------------------------------------------------------- which optimizer wrote it
 
 
 def test_a_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp_path):
@@ -273,7 +269,7 @@ def test_a_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp_pat
   assert _same(restored.target, adam.target)
 
 
-# ---------------------------------------------------------------- step numbers (8e)
+# ---------------------------------------------------------------- step numbers
 
 
 @pytest.mark.parametrize("step", [-1, 2.9, True, "3", np.float32(2.0)])
@@ -309,7 +305,7 @@ def test_a_restore_of_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_p
     restore_t5x_checkpoint(tmp_path / "t5x", opt, step=step)
 
 
-# ---------------------------------------------------------------- spec derivation (7, 8c)
+# ---------------------------------------------------------------- spec derivation
 
 
 class _FlatState(NamedTuple):
@@ -363,7 +359,7 @@ def test_one_leaf_without_a_traced_spec_leaves_the_others_theirs():
   assert axes.flat == {"w": P("embed")} and axes.history is None
 
 
-# ---------------------------------------------------------------- missing chunk files (8a)
+# ---------------------------------------------------------------- missing chunk files
 
 
 def test_a_legacy_t5x_checkpoint_missing_a_chunk_file_is_refused(tmp_path):
