@@ -11,16 +11,28 @@ Converting A to B reads every node of A's state that has a converter, then
 writes every node of B's template state from the moments of its params, so any
 pair of registered states converts (N converters, not N^2 conversions).
 
-Step-count rule: a converted node's count is the source's count for its params
-(the count of the source node that held them, or the source optimizer's step
-when that node has none), and each state stores its moments scaled as its own
-update expects after that many steps. Adam's bias correction at the next step
-divides by ``1 - b^(count+1)``, close to ``1 - b^count``, so it sees the
-source's estimates and does not re-amplify a converted ``nu``. Every other
-``count`` field of the new state (learning-rate schedules, injected
-hyper-parameters) is set to the source optimizer's step, so schedules go on
-where the old run was instead of warming up again; a node that gets none of its
-moments starts fresh with count 0.
+Step counts. Every state node was built over some number of updates of its
+transformation, its *clock*: the optimizer's step at the root; inside a
+``MultiSteps`` state its ``gradient_step`` (the inner optimizer's updates, not
+the mini-steps); inside a sub-optimizer's `OptimizerState` (`MultiOptimizer`)
+that sub-optimizer's step. A state
+without a count of its own (SGD's trace) is read and written over its clock.
+
+A converted node's count is the source's count for its params (the count of the
+source node that held them, or that node's clock), and each state stores its
+moments scaled as its own update expects after that many steps. Adam's bias
+correction at the next step divides by ``1 - b^(count+1)``, close to
+``1 - b^count``, so it sees the source's estimates and does not re-amplify a
+converted ``nu``. In the new state, the root's clock is the source optimizer's
+step; a sub-optimizer's step is its parent's clock (it updates once per
+step of it, as in T5X, whose
+``MultiOptimizer`` passes its own step to its sub-optimizers); a
+``MultiSteps``' ``gradient_step`` is the source's count for its params (its
+inner optimizer goes on from as many updates as its moments were gathered
+over), with ``mini_step`` 0 and no accumulated gradient. Every other ``count``
+field (learning-rate schedules, injected hyper-parameters) is set to its clock,
+so schedules go on where the old run was instead of warming up again; a node
+that gets none of its moments starts fresh with count 0.
 """
 
 from __future__ import annotations
@@ -122,6 +134,37 @@ def _param_suffix(path: tuple[str, ...], params: Mapping[str, Any]) -> str | Non
   return None
 
 
+def _as_count(value: Any, like: Any) -> jax.Array:
+  """`value` as a step count of `like`'s integer dtype."""
+  return jnp.asarray(value, jnp.result_type(like))
+
+
+def _clock_of(node: Any, clock: Any) -> Any:
+  """The step count the states inside a source `node` were built over (see the module docstring)."""
+  if isinstance(node, optax.MultiStepsState):
+    return node.gradient_step
+  if isinstance(node, OptimizerState):
+    return node.step
+  return clock
+
+
+def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
+  """A target `node` with its own step count set, and the clock of the states inside it.
+
+  A sub-optimizer's `OptimizerState` takes its parent's clock. A
+  ``MultiSteps`` state's inner optimizer has made as many updates as the
+  source's moments for its params were gathered over (the parent's clock
+  when the source has none); ``mini_step`` stays 0, as the accumulated
+  gradient starts empty.
+  """
+  if isinstance(node, optax.MultiStepsState):
+    inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
+    return node._replace(gradient_step=inner), inner
+  if isinstance(node, OptimizerState):
+    return node.replace(step=_as_count(clock, node.step)), clock
+  return node, clock
+
+
 @dataclasses.dataclass
 class _Source:
   """The moments read from a source state, by param path."""
@@ -137,12 +180,14 @@ def _read_source(
   source = _Source()
   converters = registered_converters()
 
-  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> None:
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> None:
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None and converter.read is not None:
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, step, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
       read = converter.read(node, ctx)
       if "unread" in read:
         source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
@@ -159,13 +204,14 @@ def _read_source(
               "the conversion would have to choose."
             )
           entry[quantity] = value
-          entry.setdefault("count", _count_of(node, step))
+          entry.setdefault("count", _count_of(node, clock))
           source.origin[(param, quantity)] = f"{where} ({type(node).__name__})"
       return
     children = _children(node)
     if children is None:
       return
     hparams = _injected(node, hparams)
+    clock = _clock_of(node, clock)
     for i, (key, child) in enumerate(children):
       if (
         (_is_namedtuple(node) or dataclasses.is_dataclass(node))
@@ -174,9 +220,9 @@ def _read_source(
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
-      visit(child, (*path, key), hparams, _chained(node, children, i))
+      visit(child, (*path, key), hparams, _chained(node, children, i), clock)
 
-  visit(param_states, (), hparams, ())
+  visit(param_states, (), hparams, (), step)
   return source
 
 
@@ -243,13 +289,13 @@ def _is_integer_scalar(value: Any) -> bool:
   )
 
 
-def _count_of(node: Any, step: Any) -> Any:
-  """A node's own step count (``count``, ``t``), or the optimizer's step."""
+def _count_of(node: Any, clock: Any) -> Any:
+  """A node's own step count (``count``, ``t``), or its clock."""
   for name in ("count", "t"):
     value = _field(node, name, None)
     if value is not None and jnp.ndim(value) == 0:
       return value
-  return step
+  return clock
 
 
 class _Recorder:
@@ -276,8 +322,11 @@ def _write_target(
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
+  counts = Moments(source.stats, lambda field, param, converted: None)
 
-  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> Any:
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> Any:
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None:
@@ -286,17 +335,19 @@ def _write_target(
         return node
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, step, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
       return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
     children = _children(node)
     if children is None:
       return node
     hparams = _injected(node, hparams)
+    node, clock = _with_clock(node, clock, counts)
+    children = _children(node)
     new = []
     for i, (key, child) in enumerate(children):
       state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
-        new.append(jnp.asarray(step, jnp.result_type(child)))
+        new.append(_as_count(clock, child))
       elif (
         state_node
         and not _has_state_nodes(child)
@@ -306,10 +357,10 @@ def _write_target(
         no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         new.append(child)
       else:
-        new.append(visit(child, (*path, key), hparams, _chained(node, children, i)))
+        new.append(visit(child, (*path, key), hparams, _chained(node, children, i), clock))
     return _rebuild(node, new)
 
-  written = visit(template, (), hparams, ())
+  written = visit(template, (), hparams, (), step)
   converted, initialised = [], []
   for field, by in recorder.fields.items():
     if by[True]:
