@@ -511,6 +511,30 @@ def test_conversion_into_a_multi_optimizer_gives_its_sub_optimizers_the_step(tmp
   _assert_close(restored.apply_gradient(M).target, expected)
 
 
+def test_a_multi_optimizer_in_t5xs_layout_behaves_the_same_after_a_state_dict_round_trip():
+  """T5X's layout (per-param sub-states) stores no sub step: restored, each is the outer step.
+
+  The converted state has the same, so it steps as its checkpoint does.
+  """
+  target = t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), optimizers.example_lib_momentum(_warm_up, mass=0.9)),
+      (t5x_optim.PathFilter("bias"), optimizers.example_lib_momentum(0.1, mass=0.9)),
+    ]
+  )
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), target, missing="init")
+  state_dict = new.state_dict()
+  assert "step" not in state_dict["state"]["param_states"]  # T5X's layout: no sub steps
+  round_trip = target.create(PARAMS).restore_state(state_dict)
+  assert _sub_steps(new) == _sub_steps(round_trip) == [T, T]
+  kernel = PARAMS["dense"]["kernel"] - _warm_up(T) * M["dense"]["kernel"]  # fresh velocity
+  expected = {
+    "dense": {"kernel": kernel, "bias": PARAMS["dense"]["bias"] - 0.1 * M["dense"]["bias"]}
+  }
+  for optimizer in (new, round_trip):
+    _assert_close(optimizer.apply_gradient(M).target, expected)
+
+
 def test_a_state_without_converter_is_named():
   with pytest.raises(ValueError, match=r"ScaleByBeliefState\.mu.*no converter"):
     t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)))
