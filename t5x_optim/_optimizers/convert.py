@@ -385,12 +385,11 @@ def _write_target(
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain)
       return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+    node, clock = _with_clock(node, clock, counts)
     children = _children(node)
     if children is None:
       return node
     hparams = _injected(node, hparams)
-    node, clock = _with_clock(node, clock, counts)
-    children = _children(node)
     new = []
     for i, (key, child) in enumerate(children):
       state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
