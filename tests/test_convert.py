@@ -408,6 +408,133 @@ def test_multi_optimizer_sub_states_are_converted():
   _assert_close(back.state.param_states[0].mu, adam.mu)
 
 
+# ------------------------------------------------- step counts of the states
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+@pytest.mark.parametrize("target", ["adam", "sgd_momentum", "lion"])
+def test_a_fresh_sgd_momentum_converts_to_the_targets_fresh_state(nesterov, target):
+  """At step 0 the trace holds no gradient: the new state is the target's initial one."""
+  source = OptaxWrapper(optax.sgd(0.1, momentum=0.9, nesterov=nesterov)).create(PARAMS)
+  new, _ = t5x_optim.convert_state(source, OptaxWrapper(BY_NAME[target].make()), missing="init")
+  tx = BY_NAME[target].make()
+  fresh = tx.init(PARAMS)
+  _assert_close(new.state.param_states, fresh, f"{target}: ")
+  updates, _ = tx.update(M, fresh, PARAMS)
+  _assert_close(new.apply_gradient(M).target, optax.apply_updates(PARAMS, updates))
+
+
+def _accumulating_sgd():
+  return optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=4)
+
+
+def test_multisteps_states_convert_over_their_inner_updates():
+  """8 gradients of 1 in MultiSteps(every 4): 2 inner updates, trace 1 + 0.9, E[g] 1."""
+  params, grads = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}
+  tx = _accumulating_sgd().gradient_transformation()
+  state, p = tx.init(params), params
+  for _ in range(8):
+    updates, state = tx.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+  source = OptaxWrapper(tx).create(params)
+  source = source.replace(target=p, state=t5x_optim.OptimizerState(jnp.int32(8), state))
+  adam, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-3)), missing="init")
+  assert int(adam.state.param_states[0].count) == 2
+  _assert_close(adam.state.param_states[0].mu, {"w": jnp.full(3, 1 - 0.9**2)})
+  assert (
+    "0 (ScaleByAdamState).mu: 1 params, from inner_opt_state/0 (TraceState)" in report.converted
+  )
+  back, _ = t5x_optim.convert_state(adam, OptaxWrapper(tx), missing="init")
+  converted = back.state.param_states
+  assert (int(converted.mini_step), int(converted.gradient_step)) == (0, 2)
+  _assert_close(converted.inner_opt_state[0].trace, {"w": jnp.full(3, 1.9)})
+  for _ in range(4):  # and it goes on as optax's own loop does
+    updates, state = tx.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+    back = back.apply_gradient(grads)
+  _assert_close(back.target, p)
+
+
+def test_a_plain_state_converts_into_multisteps_over_its_own_count():
+  """Adam at count 5 into MultiSteps(sgd): the inner trace and gradient_step count 5 updates."""
+  new, _ = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(_accumulating_sgd()), missing="init"
+  )
+  state = new.state.param_states
+  assert (int(state.mini_step), int(state.gradient_step)) == (0, T)
+  _assert_close(state.inner_opt_state[0].trace, _scaled(M, _decay(0.9, T) / 0.1))
+
+
+def _warm_up(step):
+  return 0.01 * step
+
+
+def _kernel_warm_up_bias_sgd():
+  """Kernels: a triple that reads its own step (a warm-up); biases: SGD with momentum."""
+  return t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), optimizers.example_lib_sgd(step_size=_warm_up)),
+      (t5x_optim.PathFilter("bias"), optimizers.sgd(0.1, momentum=0.9)),
+    ]
+  )
+
+
+def _sub_steps(optimizer):
+  return [int(sub.step) for sub in optimizer.state.param_states]
+
+
+def test_conversion_into_a_multi_optimizer_gives_its_sub_optimizers_the_step(tmp_path):
+  """A sub-optimizer steps with the MultiOptimizer (T5X passes it the outer step).
+
+  After a conversion, a state-dict round trip and a restore with `convert_from=`
+  alike, the warm-up goes on at step T (0.05) instead of starting again at 0.
+  """
+  source = _optimizer(BY_NAME["sgd_momentum"])
+  target = _kernel_warm_up_bias_sgd()
+  new, report = t5x_optim.convert_state(source, target, source_hparams=HPARAMS)
+  assert not report.initialised, report
+  assert int(new.state.step) == T and _sub_steps(new) == [T, T]
+  trace = BY_NAME["sgd_momentum"].stored(M, V, T)[0].trace
+  kernel = PARAMS["dense"]["kernel"] - _warm_up(T) * M["dense"]["kernel"]
+  bias = PARAMS["dense"]["bias"] - 0.1 * (M["dense"]["bias"] + 0.9 * trace["dense"]["bias"])
+  expected = {"dense": {"kernel": kernel, "bias": bias}}
+  _assert_close(new.apply_gradient(M).target, expected)
+  round_trip = target.create(PARAMS).restore_state(new.state_dict())
+  assert _sub_steps(round_trip) == [T, T]
+  _assert_close(round_trip.apply_gradient(M).target, expected)
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(T, source)
+    restored = checkpointer.restore(
+      target.create(PARAMS), convert_from=OptaxWrapper(BY_NAME["sgd_momentum"].make())
+    )
+  assert _sub_steps(restored) == [T, T]
+  _assert_close(restored.apply_gradient(M).target, expected)
+
+
+def test_a_multi_optimizer_in_t5xs_layout_behaves_the_same_after_a_state_dict_round_trip():
+  """T5X's layout (per-param sub-states) stores no sub step: restored, each is the outer step.
+
+  The converted state has the same, so it steps as its checkpoint does.
+  """
+  target = t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), optimizers.example_lib_momentum(_warm_up, mass=0.9)),
+      (t5x_optim.PathFilter("bias"), optimizers.example_lib_momentum(0.1, mass=0.9)),
+    ]
+  )
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), target, missing="init")
+  state_dict = new.state_dict()
+  assert "step" not in state_dict["state"]["param_states"]  # T5X's layout: no sub steps
+  round_trip = target.create(PARAMS).restore_state(state_dict)
+  assert _sub_steps(new) == _sub_steps(round_trip) == [T, T]
+  kernel = PARAMS["dense"]["kernel"] - _warm_up(T) * M["dense"]["kernel"]  # fresh velocity
+  expected = {
+    "dense": {"kernel": kernel, "bias": PARAMS["dense"]["bias"] - 0.1 * M["dense"]["bias"]}
+  }
+  for optimizer in (new, round_trip):
+    _assert_close(optimizer.apply_gradient(M).target, expected)
+
+
 def test_a_state_without_converter_is_named():
   with pytest.raises(ValueError, match=r"ScaleByBeliefState\.mu.*no converter"):
     t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)))

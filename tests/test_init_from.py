@@ -62,6 +62,29 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
   )  # it trained on from there
 
 
+@pytest.mark.slow
+def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys):
+  """adamw_8bit (every leaf 8-bit) -> adamw: mu and nu of every param, not of codes and scales."""
+  old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+  eight_bit = [*TINY, "--gin_file", "optimizers/adamw_8bit.gin"]
+  eight_bit += ["--gin_bindings", "optimizers.low_precision.min_size = 0"]
+  total = ["--gin_bindings", "TOTAL_STEPS = 3"]
+  assert main(["train", *eight_bit, *total, "--model_dir", str(old_dir)]) == 0
+  capsys.readouterr()
+  adamw = [*TINY, "--gin_file", "optimizers/adamw.gin"]
+  flags = ["--init_from", str(old_dir), "--model_dir", str(new_dir)]
+  assert main(["train", *adamw, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 0
+  out = capsys.readouterr().out
+  _, new = _params(new_dir, adamw)
+  count = len(jax.tree.leaves(new.params))
+  for field in ("mu", "nu"):
+    line = (
+      f"1/0 (ScaleByAdamState).{field}: {count} params, from 1/inner_state/0 (ScaleByAdamState)"
+    )
+    assert line in out, out
+  assert "initialised (0):" in out, out
+
+
 def test_bound_hparams_evaluate_macros_and_schedules():
   """adafactor.gin binds learning_rate = %LEARNING_RATE = @optax.linear_schedule().
 

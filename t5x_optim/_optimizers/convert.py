@@ -11,16 +11,34 @@ Converting A to B reads every node of A's state that has a converter, then
 writes every node of B's template state from the moments of its params, so any
 pair of registered states converts (N converters, not N^2 conversions).
 
-Step-count rule: a converted node's count is the source's count for its params
-(the count of the source node that held them, or the source optimizer's step
-when that node has none), and each state stores its moments scaled as its own
-update expects after that many steps. Adam's bias correction at the next step
-divides by ``1 - b^(count+1)``, close to ``1 - b^count``, so it sees the
-source's estimates and does not re-amplify a converted ``nu``. Every other
-``count`` field of the new state (learning-rate schedules, injected
-hyper-parameters) is set to the source optimizer's step, so schedules go on
-where the old run was instead of warming up again; a node that gets none of its
-moments starts fresh with count 0.
+Step counts. Every state node was built over some number of updates of its
+transformation, its *clock*: the optimizer's step at the root; inside a
+``MultiSteps`` state its ``gradient_step`` (the inner optimizer's updates, not
+the mini-steps); inside a sub-optimizer's `OptimizerState` (`MultiOptimizer`)
+that sub-optimizer's step; inside a `LowPrecisionState` its ``count``. A state
+without a count of its own (SGD's trace) is read and written over its clock.
+
+A converted node's count is the source's count for its params (the count of the
+source node that held them, or that node's clock), and each state stores its
+moments scaled as its own update expects after that many steps. Adam's bias
+correction at the next step divides by ``1 - b^(count+1)``, close to
+``1 - b^count``, so it sees the source's estimates and does not re-amplify a
+converted ``nu``. In the new state, the root's clock is the source optimizer's
+step; a sub-optimizer's step and a `LowPrecisionState`'s count are their
+parent's clock (they update once per step of it; T5X's ``MultiOptimizer``
+passes its own step to its sub-optimizers); a ``MultiSteps``'
+``gradient_step`` is the source's count for its params (its inner optimizer
+goes on from as many updates as its moments were gathered over), with
+``mini_step`` 0 and no accumulated gradient. Every other ``count``
+field (learning-rate schedules, injected hyper-parameters) is set to its clock,
+so schedules go on where the old run was instead of warming up again; a node
+that gets none of its moments starts fresh with count 0.
+
+Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16 or 8-bit
+state) is decoded to float32 (`low_precision_to_float32`) before it is read,
+and a target's is written in float32 and encoded again
+(`float32_to_low_precision`), so moments convert between any two storages.
+An 8-bit leaf anywhere else cannot be decoded and is refused, with its path.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ import optax
 from flax import serialization, traverse_util
 
 from t5x_optim._optimizers import convert_builtin  # noqa: F401  (registers the built-in converters)
+from t5x_optim._optimizers import state_dict as _state_dict
 from t5x_optim._optimizers.convert_registry import (
   MU,
   NU,
@@ -51,6 +70,12 @@ from t5x_optim._optimizers.convert_registry import (
   registered_converters,
 )
 from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._optimizers.low_precision import (
+  LowPrecisionState,
+  QuantizedLeaf,
+  float32_to_low_precision,
+  low_precision_to_float32,
+)
 
 __all__ = [
   "ConversionContext",
@@ -122,6 +147,58 @@ def _param_suffix(path: tuple[str, ...], params: Mapping[str, Any]) -> str | Non
   return None
 
 
+def _as_count(value: Any, like: Any) -> jax.Array:
+  """`value` as a step count of `like`'s integer dtype."""
+  return jnp.asarray(value, jnp.result_type(like))
+
+
+def _clock_of(node: Any, clock: Any) -> Any:
+  """The step count the states inside a source `node` were built over (see the module docstring)."""
+  if isinstance(node, optax.MultiStepsState):
+    return node.gradient_step
+  if isinstance(node, OptimizerState):
+    return node.step
+  return clock
+
+
+def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
+  """A target `node` with its own step count set, and the clock of the states inside it.
+
+  A sub-optimizer's `OptimizerState` takes its parent's clock. A
+  ``MultiSteps`` state's inner optimizer has made as many updates as the
+  source's moments for its params were gathered over (the parent's clock
+  when the source has none); ``mini_step`` stays 0, as the accumulated
+  gradient starts empty.
+  """
+  if isinstance(node, optax.MultiStepsState):
+    inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
+    return node._replace(gradient_step=inner), inner
+  if isinstance(node, OptimizerState):
+    return node.replace(step=_as_count(clock, node.step)), clock
+  return node, clock
+
+
+def _is_quantized(node: Any) -> bool:
+  return isinstance(node, QuantizedLeaf)
+
+
+def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
+  """Raises, naming its path, if `node` holds an 8-bit leaf (one outside a `LowPrecisionState`).
+
+  Only a `LowPrecisionState` knows how its leaves are stored; an 8-bit leaf
+  elsewhere would be converted as its codes and scales.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_quantized)[0]
+  for leaf_path, leaf in flat:
+    if _is_quantized(leaf):
+      where = "/".join((*path, *_state_dict.key_path_parts(leaf_path))) or "<root>"
+      raise ValueError(
+        f"The {side} state's leaf '{where}' is 8-bit (uint8 codes and scales) outside a "
+        "LowPrecisionState: convert_state decodes and encodes 8-bit leaves only inside "
+        "low_precision's state; convert it to float32 first."
+      )
+
+
 @dataclasses.dataclass
 class _Source:
   """The moments read from a source state, by param path."""
@@ -137,12 +214,20 @@ def _read_source(
   source = _Source()
   converters = registered_converters()
 
-  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> None:
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> None:
+    if isinstance(node, LowPrecisionState):
+      inner = low_precision_to_float32(node)
+      visit(inner, (*path, "inner_state"), hparams, chain, node.count)
+      return
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
+    if converter is not None or _is_quantized(node):
+      _refuse_quantized(node, path, "source")
     if converter is not None and converter.read is not None:
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, step, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
       read = converter.read(node, ctx)
       if "unread" in read:
         source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
@@ -159,13 +244,14 @@ def _read_source(
               "the conversion would have to choose."
             )
           entry[quantity] = value
-          entry.setdefault("count", _count_of(node, step))
+          entry.setdefault("count", _count_of(node, clock))
           source.origin[(param, quantity)] = f"{where} ({type(node).__name__})"
       return
     children = _children(node)
     if children is None:
       return
     hparams = _injected(node, hparams)
+    clock = _clock_of(node, clock)
     for i, (key, child) in enumerate(children):
       if (
         (_is_namedtuple(node) or dataclasses.is_dataclass(node))
@@ -174,9 +260,9 @@ def _read_source(
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
-      visit(child, (*path, key), hparams, _chained(node, children, i))
+      visit(child, (*path, key), hparams, _chained(node, children, i), clock)
 
-  visit(param_states, (), hparams, ())
+  visit(param_states, (), hparams, (), step)
   return source
 
 
@@ -243,13 +329,13 @@ def _is_integer_scalar(value: Any) -> bool:
   )
 
 
-def _count_of(node: Any, step: Any) -> Any:
-  """A node's own step count (``count``, ``t``), or the optimizer's step."""
+def _count_of(node: Any, clock: Any) -> Any:
+  """A node's own step count (``count``, ``t``), or its clock."""
   for name in ("count", "t"):
     value = _field(node, name, None)
     if value is not None and jnp.ndim(value) == 0:
       return value
-  return step
+  return clock
 
 
 class _Recorder:
@@ -276,18 +362,30 @@ def _write_target(
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
+  counts = Moments(source.stats, lambda field, param, converted: None)
 
-  def visit(node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple) -> Any:
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> Any:
+    if isinstance(node, LowPrecisionState):
+      decoded = low_precision_to_float32(node)
+      inner = visit(decoded, (*path, "inner_state"), hparams, chain, clock)
+      # Encoded where the template lives: the source's arrays may sit on other devices.
+      inner = jax.tree.map(_placed, inner, decoded)
+      return float32_to_low_precision(inner, node.replace(count=_placed(clock, node.count)))
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
+    if converter is not None or _is_quantized(node):
+      _refuse_quantized(node, path, "target")
     if converter is not None:
       if converter.write is None:
         no_converter.append(f"{where} ({type(node).__name__}: its converter only reads)")
         return node
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, step, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
       return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+    node, clock = _with_clock(node, clock, counts)
     children = _children(node)
     if children is None:
       return node
@@ -296,7 +394,7 @@ def _write_target(
     for i, (key, child) in enumerate(children):
       state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
-        new.append(jnp.asarray(step, jnp.result_type(child)))
+        new.append(_as_count(clock, child))
       elif (
         state_node
         and not _has_state_nodes(child)
@@ -306,10 +404,10 @@ def _write_target(
         no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         new.append(child)
       else:
-        new.append(visit(child, (*path, key), hparams, _chained(node, children, i)))
+        new.append(visit(child, (*path, key), hparams, _chained(node, children, i), clock))
     return _rebuild(node, new)
 
-  written = visit(template, (), hparams, ())
+  written = visit(template, (), hparams, (), step)
   converted, initialised = [], []
   for field, by in recorder.fields.items():
     if by[True]:
@@ -428,7 +526,8 @@ def convert_state(
   every node of the target's initial state with a converter is written from
   them. Nodes are found wherever they nest (``chain``,
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
-  ``MultiOptimizer``). Built in: Adam's state (adam, adamw, nadam, radam),
+  ``MultiOptimizer``, ``low_precision``: its bfloat16 and 8-bit leaves are
+  decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
   AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
   (factored or not, and its momentum: the ``EmaState`` after its
   ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
@@ -467,8 +566,9 @@ def convert_state(
     TypeError: `source` is neither an Optimizer nor a state dict.
     ValueError: a state dict that `source_def` does not fit (or, without
       it, that is not T5X's legacy Adafactor layout); a param with the same
-      moment in two source states; with ``missing="raise"``, anything the
-      conversion would initialise.
+      moment in two source states; an 8-bit leaf outside a
+      ``LowPrecisionState`` (naming its path); with ``missing="raise"``,
+      anything the conversion would initialise.
 
   Example:
     >>> import jax.numpy as jnp, optax

@@ -154,14 +154,18 @@ def _write_lion(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
 
 
 def _read_trace(state: Any, ctx: ConversionContext) -> dict[str, Any]:
-  """mu = trace (1 - m) / (1 - m^t): the trace is a sum of decayed gradients, not an average."""
+  """mu = trace (1 - m) / (1 - m^t): the trace is a sum of decayed gradients, not an average.
+
+  ``t`` is the trace's clock (it has no count of its own); at ``t = 0`` it
+  holds no gradient and mu is 0.
+  """
   m = ctx.hparam("momentum", 0.9)
-  scale = (1.0 - m) / _decay(m, ctx.step)
-  return {MU: jax.tree.map(lambda x: x * scale, state.trace)}
+  corrected = _corrected(m, ctx.step)
+  return {MU: jax.tree.map(lambda x: corrected(x * (1.0 - m)), state.trace)}
 
 
 def _write_trace(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
-  """trace = mu (1 - m^t) / (1 - m)."""
+  """trace = mu (1 - m^t) / (1 - m), over the trace's clock ``t``."""
   m = ctx.hparam("momentum", 0.9)
   scale = _decay(m, ctx.step) / (1.0 - m)
   return template._replace(trace=moments.fill(template.trace, MU, lambda v, leaf, p: v * scale))

@@ -61,7 +61,12 @@ class ConversionContext:
 
   Attributes:
     path: the node's path in the optimizer state ('/'-joined).
-    step: the source optimizer's step (an int32 scalar).
+    step: the node's clock, the number of updates its state was built over
+      (an int32 scalar): the optimizer's step, or inside a ``MultiSteps``
+      state its ``gradient_step``, inside a sub-optimizer's state that
+      sub-optimizer's step, inside a ``LowPrecisionState`` its ``count``
+      (see `t5x_optim._optimizers.convert`). A state without a count of
+      its own is read and written over it.
     params: the params, flat: '/'-joined param path to array.
     hparams: hyper-parameters of the side being read (``source_hparams``) or
       written (``target_hparams``), for converters whose state does not hold

@@ -1,0 +1,220 @@
+"""Conversion of `low_precision` states: bfloat16 and 8-bit moments are decoded and encoded.
+
+Every pair of storages (float32, bfloat16, 8-bit) converts as the float32 state does:
+the source decoded with `low_precision_to_float32` and converted in float32 gives the
+float32 target exactly, and a compressed target is that float32 result encoded
+(`float32_to_low_precision`), within the codec's error of it. The sources are
+hand-written optax loops of `low_precision(adam)` on random gradients.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import t5x_optim
+from t5x_optim import OptaxWrapper, low_precision_to_float32, partitioning
+
+STORAGES = ("float32", "bfloat16", "8bit")
+STEPS = 3
+RNG = np.random.default_rng(0)
+PARAMS = {
+  "dense": {
+    "kernel": jnp.asarray(RNG.normal(size=(4, 512)), jnp.float32),
+    "bias": jnp.asarray(RNG.normal(size=(256,)), jnp.float32),
+  }
+}
+GRADS = [
+  jax.tree.map(lambda p: jnp.asarray(RNG.normal(size=p.shape), jnp.float32), PARAMS)
+  for _ in range(STEPS)
+]
+TARGETS = {
+  "adam_b2": (lambda: optax.adam(1e-3, b2=0.95), {"b2": 0.95}, ("mu", "nu")),
+  "lion": (lambda: optax.lion(1e-3), {}, ("mu",)),
+  "sgd_momentum": (lambda: optax.sgd(1e-3, momentum=0.9), {}, ("trace",)),
+}
+# The codec's error, as a fraction of a leaf's largest magnitude: 8 bits with a block's
+# absolute maximum for scale, bfloat16's 8-bit significand rounded stochastically.
+CODEC_ERROR = {"float32": 0.0, "bfloat16": 2.0**-7, "8bit": 2e-2}
+
+
+def _stored(inner: optax.GradientTransformation, storage: str) -> optax.GradientTransformation:
+  if storage == "float32":
+    return inner
+  return t5x_optim.low_precision(inner, storage, min_size=0, block_size=128)
+
+
+def _trained(storage: str) -> t5x_optim.Optimizer:
+  """Adam stored in `storage`, after STEPS steps of optax's own loop."""
+  tx = _stored(optax.adam(1e-3), storage)
+  state, params = tx.init(PARAMS), PARAMS
+  for grads in GRADS:
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  optimizer = OptaxWrapper(tx).create(PARAMS)
+  return optimizer.replace(target=params, state=t5x_optim.OptimizerState(jnp.int32(STEPS), state))
+
+
+def _as_float32(source: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
+  """The same optimizer as plain float32 adam, its state decoded."""
+  optimizer = OptaxWrapper(optax.adam(1e-3)).create(source.target)
+  state = low_precision_to_float32(source.state.param_states)
+  return optimizer.replace(state=t5x_optim.OptimizerState(source.state.step, state))
+
+
+def _assert_leaves(got, want, atol, what):
+  flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+  flat_want = jax.tree.leaves(want)
+  assert len(flat_got) == len(flat_want), what
+  for (path, a), b in zip(flat_got, flat_want, strict=True):
+    bound = atol * float(np.max(np.abs(b))) if np.ndim(b) else 0.0
+    np.testing.assert_allclose(a, b, rtol=0, atol=bound, err_msg=f"{what}{path}")
+
+
+@pytest.mark.parametrize("target_storage", STORAGES)
+@pytest.mark.parametrize("source_storage", STORAGES)
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_storage_pair_converts_as_float32_does(target, source_storage, target_storage):
+  make, hparams, fields = TARGETS[target]
+  source = _trained(source_storage)
+  reference, _ = t5x_optim.convert_state(
+    _as_float32(source), OptaxWrapper(make()), target_hparams=hparams, missing="init"
+  )
+  new, report = t5x_optim.convert_state(
+    source, OptaxWrapper(_stored(make(), target_storage)), target_hparams=hparams, missing="init"
+  )
+  what = f"{source_storage} -> {target_storage} {target}: "
+  got = new.state.param_states
+  if target_storage == "float32":
+    _assert_leaves(got, reference.state.param_states, 0.0, what)
+  else:
+    assert isinstance(got, t5x_optim.LowPrecisionState)
+    assert int(got.count) == STEPS
+    encoded = t5x_optim.float32_to_low_precision(reference.state.param_states, got)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(encoded), strict=True):
+      np.testing.assert_array_equal(a, b, err_msg=what)
+    got = low_precision_to_float32(got)
+    _assert_leaves(got, reference.state.param_states, CODEC_ERROR[target_storage], what)
+  jax.tree.map(np.testing.assert_array_equal, new.target, source.target)
+  assert int(new.state.step) == STEPS
+  assert len(report.converted) == len(fields), report
+  assert all(": 2 params, from " in line for line in report.converted), report
+  assert not any(line.startswith(("0 ", "inner_state/0 ")) for line in report.initialised), report
+
+
+def test_eight_bit_adam_into_eight_bit_adam_with_another_b2_moves_the_params_as_float32():
+  """The next step after 8-bit -> 8-bit (b2 0.999 -> 0.95) is the float32 conversion's step."""
+  source = _trained("8bit")
+  make, hparams, _ = TARGETS["adam_b2"]
+  new, _ = t5x_optim.convert_state(
+    source, OptaxWrapper(_stored(make(), "8bit")), target_hparams=hparams
+  )
+  reference, _ = t5x_optim.convert_state(
+    _as_float32(source), OptaxWrapper(make()), target_hparams=hparams
+  )
+  grads = GRADS[0]
+  moved = jax.tree.map(jnp.subtract, new.apply_gradient(grads).target, new.target)
+  updates, _ = make().update(grads, reference.state.param_states, reference.target)
+  _assert_leaves(moved, updates, 2e-2, "8-bit adam's next step: ")
+
+
+def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
+  source = _trained("8bit")
+  inner = source.state.param_states.inner_state  # 8-bit leaves without their wrapper
+  bare = OptaxWrapper(optax.adam(1e-3)).create(PARAMS)
+  bare = bare.replace(state=t5x_optim.OptimizerState(jnp.int32(STEPS), inner))
+  with pytest.raises(ValueError, match=r"source state's leaf '0/mu/dense/bias' is 8-bit"):
+    t5x_optim.convert_state(bare, OptaxWrapper(optax.lion(1e-3)))
+
+
+@pytest.mark.parametrize("target_storage", ["float32", "8bit"])
+def test_an_eight_bit_checkpoint_restores_converted(tmp_path, target_storage):
+  """restore_converted reads the checkpoint's 8-bit state as convert_state reads it in memory."""
+  source = _trained("8bit")
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(STEPS, source)
+  target = OptaxWrapper(_stored(optax.lion(1e-3), target_storage))
+  restored, report = t5x_optim.restore_converted(
+    tmp_path, target.create(PARAMS), source=source.optimizer_def
+  )
+  in_memory, _ = t5x_optim.convert_state(source, target)
+  assert report.converted == (
+    f"{'inner_state/' if target_storage == '8bit' else ''}0 (ScaleByLionState).mu: 2 params, "
+    "from inner_state/0 (ScaleByAdamState)",
+  )
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(in_memory), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+AXES = {"dense": {"kernel": ("embed", "mlp"), "bias": ("mlp",)}}
+
+
+def _variables():
+  boxed = jax.tree.map(lambda p, names: nn.LogicallyPartitioned(p, names), PARAMS, AXES,
+                       is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
+  return {"params": boxed}
+
+
+def _partitioner():
+  mesh = partitioning.create_mesh(shape={"data": 2, "model": 4})
+  rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+  return partitioning.Partitioner(mesh, rules)
+
+
+def _assert_placed(state, want, target, what):
+  """`state`'s leaves are `want`'s values in `target`'s shardings."""
+  for (path, leaf), value, like in zip(
+    jax.tree_util.tree_flatten_with_path(state)[0],
+    jax.tree.leaves(want),
+    jax.tree.leaves(target),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(leaf, value, err_msg=f"{what} {path}")
+    assert leaf.sharding.is_equivalent_to(like.sharding, leaf.ndim), (what, path, leaf.sharding)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
+def test_a_source_on_other_devices_converts_into_a_sharded_low_precision_state(storage):
+  """A source on device 0 into a state sharded over 8: encoded on the target's devices.
+
+  Adan's ``v`` (gradient differences) keeps its initial value, on the target's devices,
+  beside moments converted from the source's.
+  """
+  source = jax.device_put(_trained("float32"), jax.devices()[0])
+  target_def = OptaxWrapper(_stored(optax.adan(1e-3), storage))
+  target = partitioning.abstract_train_state(_partitioner(), target_def, _variables).optimizer
+  new, _ = t5x_optim.convert_state(source, target)
+  unsharded, _ = t5x_optim.convert_state(_trained("float32"), target_def)
+  _assert_placed(new.state.param_states, unsharded.state.param_states, target.state.param_states,
+                 storage)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_eight_bit_checkpoint_restores_converted_into_sharded_low_precision_states(tmp_path):
+  """On a 2x4 mesh: 8-bit adam -> 8-bit lion and bfloat16 SGD, in the targets' shardings.
+
+  Each is the float32 conversion of the decoded source, encoded.
+  """
+  partitioner = _partitioner()
+  source_def = OptaxWrapper(_stored(optax.adam(1e-3), "8bit"))
+  old = partitioning.init_sharded(partitioner, source_def, lambda key: _variables(), None)
+  for grads in GRADS:
+    old = old.apply_gradient(grads)
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(STEPS, old)
+  abstract_old = partitioning.abstract_train_state(partitioner, source_def, _variables)
+  for make, storage in (
+    (lambda: optax.lion(1e-3), "8bit"),
+    (TARGETS["sgd_momentum"][0], "bfloat16"),
+  ):
+    target_def = OptaxWrapper(_stored(make(), storage))
+    target = partitioning.abstract_train_state(partitioner, target_def, _variables)
+    state, _ = t5x_optim.restore_converted(tmp_path, target, source=abstract_old)
+    reference, _ = t5x_optim.convert_state(_as_float32(old.optimizer), OptaxWrapper(make()))
+    like = jax.tree.map(np.asarray, state.param_states)  # on the reference's device
+    encoded = t5x_optim.float32_to_low_precision(reference.state.param_states, like)
+    _assert_placed(state.param_states, encoded, target.param_states, storage)
