@@ -232,7 +232,12 @@ def test_codes_match_the_thresholds_at_ties_and_every_decade(signed):
 
 
 def _low(inner, mode, **kwargs):
-  """`low_precision` with blocks of 4 along the last dimension, every leaf compressed."""
+  """`low_precision` with blocks of 4 along the last dimension, every leaf compressed.
+
+  The whole-tree update (``stream=False``), which the reference spells out; the
+  streamed update is held against it in ``test_low_precision_streaming.py``.
+  """
+  kwargs.setdefault("stream", False)
   return low_precision(inner, mode, block_size=4, shard_multiple=1, min_size=0, **kwargs)
 
 

@@ -70,6 +70,14 @@ from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._optimizers.fused.analysis import (
+  FusedPlan,
+  NotFusible,
+  eval_outside,
+  plan_fused_update,
+  split_extras,
+)
+from t5x_optim._optimizers.fused.program import Lit, run_program
 from t5x_optim._optimizers.quantize import (
   QuantizedLeaf,
   dequantize,
@@ -215,32 +223,166 @@ def _plan_storage(
   return tuple(storage), tuple(indices)
 
 
+def _decode(kind: str, stored: Any) -> jax.Array:
+  """One stored leaf in float32."""
+  if kind == _8BIT:
+    return dequantize(stored)
+  if kind == _BF16:
+    return stored.astype(jnp.float32)
+  return stored
+
+
+def _encode(kind: str, x: Any, bits: jax.Array | None, block: Any) -> Any:
+  """One float32 leaf stored as ``kind`` says.
+
+  ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
+  to nearest); ``block`` maps the last dimension to an 8-bit block.
+  """
+  if kind == _8BIT:
+    return quantize(jnp.asarray(x, jnp.float32), block(x.shape[-1]))
+  if kind == _BF16:
+    return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
+  return x
+
+
+def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
+  """The stochastic-rounding bits of inner leaf ``leaf``, or None (to nearest)."""
+  if not state.stochastic_rounding:
+    return None
+  return rounding_bits(shape, state.seed, count, leaf)
+
+
 def _compress(inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any) -> Any:
   """``inner_state`` (float32) stored as ``state``'s static fields say."""
   leaves, treedef = jax.tree.flatten(inner_state)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
-    if kind == _8BIT:
-      out.append(quantize(jnp.asarray(leaf, jnp.float32), block(leaf.shape[-1])))
-    elif kind == _BF16:
-      bits = rounding_bits(leaf.shape, state.seed, count, i) if state.stochastic_rounding else None
-      out.append(to_bfloat16(jnp.asarray(leaf, jnp.float32), bits))
-    else:
-      out.append(leaf)
+    bits = _bits(state, count, i, jnp.shape(leaf)) if kind == _BF16 else None
+    out.append(_encode(kind, leaf, bits, block))
   return treedef.unflatten(out)
 
 
 def _expand(state: LowPrecisionState) -> Any:
   """The inner state, each compressed leaf back in float32."""
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
-  out = []
-  for leaf, kind in zip(leaves, state.storage, strict=True):
-    if kind == _8BIT:
-      leaf = dequantize(leaf)
-    elif kind == _BF16:
-      leaf = leaf.astype(jnp.float32)
-    out.append(leaf)
-  return treedef.unflatten(out)
+  return treedef.unflatten(
+    [_decode(kind, leaf) for leaf, kind in zip(leaves, state.storage, strict=True)]
+  )
+
+
+def _stream_plan(
+  inner: optax.GradientTransformation,
+  updates: Any,
+  state: LowPrecisionState,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> FusedPlan | None:
+  """The per-leaf programs of ``inner``'s update, or None when it cannot stream.
+
+  It streams when `plan_fused_update` proves every leaf's update
+  elementwise in its own param, gradient and state leaves (the scalars and
+  the global reductions of the gradients, such as a global norm, are
+  computed first), no global computation reads a param-shaped state leaf,
+  and some leaf is compressed.
+  """
+  if params is None or not any(kind in (_8BIT, _BF16) for kind in state.storage):
+    return None
+  try:
+    plan = plan_fused_update(
+      inner,
+      params,
+      updates,
+      jax.eval_shape(_expand, state),
+      extra_args,
+      bounded_groups=False,
+      apply_updates=False,
+    )
+  except NotFusible:
+    return None
+  n = len(plan.paths)
+  mirrored = {
+    v for v, slot in zip(plan.inputs[2 * n :], plan.slots, strict=False) if slot is not None
+  }
+  if any(a in mirrored for op in plan.outside for a in op.ins if isinstance(a, int)):
+    return None
+  return plan
+
+
+def _after(x: jax.Array) -> jax.Array:
+  """True, computed from ``x``'s first element: a predicate that waits for ``x``.
+
+  The sign bit of any float is 0 or 1, which no compiler simplification
+  knows, so the predicate cannot be folded away or hoisted above ``x``.
+  """
+  width = jnp.dtype(x.dtype).itemsize * 8
+  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[:1], jnp.dtype(f"uint{width}"))
+  return (bits >> (width - 1) <= 1).all()
+
+
+def _streamed_update(
+  plan: FusedPlan,
+  updates: Any,
+  state: LowPrecisionState,
+  params: Any,
+  extra_args: dict[str, Any],
+  count: jax.Array,
+  *,
+  block: Any,
+) -> tuple[Any, Any]:
+  """``(updates, new stored inner state)``, computed one param leaf at a time.
+
+  Leaf ``i`` decodes its state, runs its program (`plan`) and encodes its
+  new state inside a conditional whose predicate reads leaf ``i - 1``'s new
+  param (`_after`): a conditional's branch runs as a whole, after its
+  predicate, so at most one leaf's float32 state is live, whatever order
+  the compiler's scheduler prefers (optimization barriers do not order
+  work on every backend: XLA:CPU removes them before scheduling). The new
+  param is the caller's ``optax.apply_updates`` of the leaf, which XLA's
+  common-subexpression elimination merges with the one here: each param is
+  updated, and its float32 update freed, before the next leaf starts.
+  """
+  p_leaves, params_def = jax.tree.flatten(params)
+  g_leaves = jax.tree.leaves(updates)
+  stored, stored_def = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  extra_leaves, _ = split_extras(extra_args)
+  mirrors_absent = [s if j is None else None for s, j in zip(stored, plan.slots, strict=True)]
+  values = eval_outside(plan, [*p_leaves, *g_leaves, *mirrors_absent, *extra_leaves, *plan.consts])
+  globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
+  new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
+  group_of = {i: group for group in plan.groups for i in group.leaves}
+  new_updates = []
+  previous = g_leaves[0]
+  for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+    ks = [k for k, j in enumerate(plan.slots) if j == i]
+
+    def leaf_update(operands: tuple, ks: list[int] = ks, i: int = i) -> tuple[Any, list]:
+      p, g, leaves, residuals = operands
+      decoded = [_decode(state.storage[k], leaf) for k, leaf in zip(ks, leaves, strict=True)]
+      outs = run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
+      encoded = [
+        _encode(state.storage[k], x, _bits(state, count, k, jnp.shape(p)), block)
+        for k, x in zip(ks, outs[1:], strict=True)
+      ]
+      return outs[0], encoded
+
+    operands = (
+      p,
+      g,
+      [new_stored[k] for k in ks],
+      [jnp.asarray(values[r]) for r in group_of[i].residuals],
+    )
+    shapes = jax.eval_shape(leaf_update, operands)
+    update, encoded = jax.lax.cond(
+      _after(previous),
+      leaf_update,
+      lambda _, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+      operands,
+    )
+    new_updates.append(update)
+    for k, leaf in zip(ks, encoded, strict=True):
+      new_stored[k] = leaf
+    previous = optax.apply_updates(p, update)
+  return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
 
 def low_precision(
@@ -253,6 +395,7 @@ def low_precision(
   min_size: int = 4096,
   states: str | None = None,
   seed: int = 0,
+  stream: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
 
@@ -320,8 +463,14 @@ def low_precision(
   def update(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
   ) -> tuple[Any, LowPrecisionState]:
-    new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
     count = optax.safe_int32_increment(state.count)
+    plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
+    if plan is not None:
+      new_updates, inner_state = _streamed_update(
+        plan, updates, state, params, extra_args, count, block=block
+      )
+      return new_updates, state.replace(count=count, inner_state=inner_state)
+    new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
     return new_updates, state.replace(
       count=count, inner_state=_compress(inner_state, state, count, block=block)
     )

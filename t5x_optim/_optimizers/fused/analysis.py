@@ -43,7 +43,7 @@ import optax
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._optimizers.fused.program import Group, Lit, Op, Program, lit_key, program_signature
 
-__all__ = ["FusedPlan", "NotFusible", "plan_fused_update", "split_extras"]
+__all__ = ["FusedPlan", "NotFusible", "eval_outside", "plan_fused_update", "split_extras"]
 
 # Primitives whose every output element depends only on the same element of
 # each operand (rank-0 operands broadcast). Anything else touching a leaf
@@ -367,17 +367,37 @@ def split_extras(extra_args: dict[str, Any]) -> tuple[list, Callable[[list], dic
   return arrays, rebuild
 
 
-def _update_fn(tx: optax.GradientTransformation, params_def, state_def, rebuild) -> Callable:
+def eval_outside(plan: FusedPlan, inputs: Sequence[Any]) -> dict[int, Any]:
+  """Runs what the per-leaf programs need first (scalars, reductions); values by id.
+
+  Args:
+    plan: the plan.
+    inputs: the values of ``plan.inputs``, in order; a value no outside
+      operation reads may be None.
+  """
+  values = dict(zip(plan.inputs, inputs, strict=True))
+  for op in plan.outside:
+    args = [a.value if isinstance(a, Lit) else values[a] for a in op.ins]
+    outs = op.primitive.bind(*args, **op.params)
+    for out_id, out in zip(op.outs, outs if op.primitive.multiple_results else [outs], strict=True):
+      values[out_id] = out
+  return values
+
+
+def _update_fn(
+  tx: optax.GradientTransformation, params_def, state_def, rebuild, apply_updates: bool
+) -> Callable:
   def update(p_leaves, g_leaves, s_leaves, extra_leaves):
     params = jax.tree.unflatten(params_def, p_leaves)
     grads = jax.tree.unflatten(params_def, g_leaves)
     state = jax.tree.unflatten(state_def, s_leaves)
     updates, new_state = tx.update(grads, state, params, **rebuild(extra_leaves))
-    new_params = optax.apply_updates(params, updates)
+    if apply_updates:
+      updates = optax.apply_updates(params, updates)
     new_s_leaves, new_state_def = jax.tree.flatten(new_state)
     if new_state_def != state_def:
       raise NotFusible("the update changes the state's tree structure")
-    return jax.tree.leaves(new_params), new_s_leaves
+    return jax.tree.leaves(updates), new_s_leaves
 
   return update
 
@@ -402,8 +422,10 @@ class _Traced:
   new_s: list[int | Lit]
 
 
-def _trace(tx, params_def, state_def, extra_args, p_avals, s_avals, paths) -> _Traced:
-  """Traces ``tx.update`` + ``apply_updates`` and inlines it.
+def _trace(
+  tx, params_def, state_def, extra_args, p_avals, s_avals, paths, apply_updates
+) -> _Traced:
+  """Traces ``tx.update`` (+ ``apply_updates`` when asked) and inlines it.
 
   Raises:
     NotFusible: when the update changes the state's structure or a leaf's
@@ -411,7 +433,7 @@ def _trace(tx, params_def, state_def, extra_args, p_avals, s_avals, paths) -> _T
   """
   extra_leaves, rebuild = split_extras(extra_args)
   e_avals = [_aval(x) for x in extra_leaves]
-  closed = jax.make_jaxpr(_update_fn(tx, params_def, state_def, rebuild))(
+  closed = jax.make_jaxpr(_update_fn(tx, params_def, state_def, rebuild, apply_updates))(
     p_avals, p_avals, s_avals, e_avals
   )
   inliner = _Inliner()
@@ -521,6 +543,7 @@ def plan_fused_update(
   kernel: str | None = None,
   platform: str | None = None,
   bounded_groups: bool = True,
+  apply_updates: bool = True,
 ) -> FusedPlan:
   """Analyses ``tx.update`` on these trees (arrays or abstract values).
 
@@ -539,6 +562,9 @@ def plan_fused_update(
     bounded_groups: cut groups at `_GROUP_ELEMENTS` elements, which bounds
       a kernel's temporary buffers; False for grouping without kernels, as
       `stack_params` does.
+    apply_updates: each leaf's program returns its new param
+      (``optax.apply_updates``); False: its update, as ``tx.update`` does
+      (what a transformation that wraps ``tx`` streams, `low_precision`).
 
   Returns:
     The `FusedPlan`.
@@ -568,7 +594,14 @@ def plan_fused_update(
   if any(len(ks) != len(per_leaf[0]) for ks in per_leaf):
     raise NotFusible("the state's per-param components do not cover every leaf alike")
   traced = _trace(
-    tx, params_def, state_def, dict(extra_args or {}), p_avals, [_aval(x) for x in s_leaves], paths
+    tx,
+    params_def,
+    state_def,
+    dict(extra_args or {}),
+    p_avals,
+    [_aval(x) for x in s_leaves],
+    paths,
+    apply_updates,
   )
   sizes = [math.prod(a.shape) for a in p_avals]
   groups = _groups(traced, per_leaf, paths, sizes, _GROUP_ELEMENTS if bounded_groups else None)

@@ -32,22 +32,11 @@ import optax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from t5x_optim._optimizers.fused.analysis import FusedPlan, split_extras
+from t5x_optim._optimizers.fused.analysis import FusedPlan, eval_outside, split_extras
 from t5x_optim._optimizers.fused.kernel import local_update
 from t5x_optim._optimizers.fused.program import Lit
 
 __all__ = ["fused_apply"]
-
-
-def _eval_outside(plan: FusedPlan, inputs: Sequence[Any]) -> dict[int, Any]:
-  """Runs what the kernels need first (scalars, reductions); values by id."""
-  values = dict(zip(plan.inputs, inputs, strict=True))
-  for op in plan.outside:
-    args = [a.value if isinstance(a, Lit) else values[a] for a in op.ins]
-    outs = op.primitive.bind(*args, **op.params)
-    for out_id, out in zip(op.outs, outs if op.primitive.multiple_results else [outs], strict=True):
-      values[out_id] = out
-  return values
 
 
 def _most_sharded(shardings: Sequence[Any], shape: tuple) -> Any:
@@ -158,7 +147,7 @@ def _fused_leaves(
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(grads)
   s_leaves, state_def = jax.tree.flatten(state)
-  values = _eval_outside(plan, [*p_leaves, *g_leaves, *s_leaves, *extra_leaves, *plan.consts])
+  values = eval_outside(plan, [*p_leaves, *g_leaves, *s_leaves, *extra_leaves, *plan.consts])
   per_leaf = [[] for _ in p_leaves]
   for leaf, slot in zip(s_leaves, plan.slots, strict=True):
     if slot is not None:

@@ -1,0 +1,134 @@
+"""`low_precision`'s streamed update: the same values as the whole-tree update, and a bounded peak.
+
+The streamed update decodes, updates and encodes one param leaf at a time;
+the whole-tree update (``stream=False``) expands the whole state to float32
+first. Both are compared step by step from the same inputs, over the
+optimizer table, and the compiled step's temporaries are read from XLA's
+memory analysis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
+
+from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
+from t5x_optim._optimizers.low_precision import _stream_plan
+
+MODES = ["8bit", "bfloat16"]
+STEPS = 3
+
+
+def _pair(make, mode, **kwargs):
+  options = dict(block_size=4, shard_multiple=1, min_size=0, **kwargs)
+  return (
+    low_precision(make(), mode, stream=True, **options),
+    low_precision(make(), mode, stream=False, **options),
+  )
+
+
+def _close(got, want, *, rtol: float, spread: float) -> None:
+  """Leaf by leaf: at most a ``spread`` share of elements differ by more than ``rtol``."""
+  for (path, x), y in zip(
+    jax.tree_util.tree_leaves_with_path(to_numpy(got)), jax.tree.leaves(to_numpy(want))
+  ):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    off = ~np.isclose(x, y, rtol=rtol, atol=0, equal_nan=True)
+    assert off.mean() <= spread, (jax.tree_util.keystr(path), off.sum(), x[off][:4], y[off][:4])
+
+
+def _assert_same_state_and_updates(streamed, whole, params, *, jit):
+  """From the same inputs at every step: the same updates and decoded state, to rounding.
+
+  The streamed update runs each leaf's operations apart from the rest of the
+  step, where XLA rounds some of them differently (a float32 ulp, seen in a
+  product of a gradient and a scalar); a stored value next to a rounding
+  boundary (an 8-bit threshold) may then land on the other side of it.
+  """
+  state = whole.init(params)
+  assert jax.tree.structure(streamed.init(params)) == jax.tree.structure(state)
+  for _ in range(STEPS):
+    grads, extras = grads_and_extras(whole, params)
+
+    def step(tx, grads, state, params, extras=extras):
+      return tx.update(grads, state, params, **extras)
+
+    if jit:
+      step = jax.jit(step, static_argnums=0)
+    got_updates, got_state = step(streamed, grads, state, params)
+    want_updates, want_state = step(whole, grads, state, params)
+    assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+    _close(got_updates, want_updates, rtol=1e-5, spread=0.0)
+    _close(
+      low_precision_to_float32(got_state),
+      low_precision_to_float32(want_state),
+      rtol=1e-5,
+      spread=0.02,
+    )
+    params, state = optax.apply_updates(params, want_updates), want_state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_streamed_update_equals_the_whole_tree_update(case, mode):
+  params = initial_params(case)
+  _assert_same_state_and_updates(*_pair(case.make, mode), params, jit=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.adamw(1e-2),
+    lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.lion(1e-3)),
+    lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  ],
+  ids=["adamw", "clip+lion", "nesterov"],
+)
+def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
+  _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
+
+
+def test_elementwise_optimizers_stream_and_others_do_not():
+  params = {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))}
+  state = low_precision(optax.adam(1e-3), min_size=0).init(params)
+  assert _stream_plan(optax.adam(1e-3), params, state, params, {}) is not None
+  # adafactor's factored moments are not param-shaped: nothing streams where nothing is compressed.
+  factored = low_precision(optax.adafactor(1e-3), min_size=0)
+  fstate = factored.init(params)
+  assert _stream_plan(optax.adafactor(1e-3), params, fstate, params, {}) is None
+  # No params: optax's update may not read them, but the stream needs their shapes.
+  assert _stream_plan(optax.adam(1e-3), params, state, None, {}) is None
+
+
+def _step_memory(tx, shapes):
+  params = {f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+  opt = jax.eval_shape(lambda p: OptaxWrapper(tx).create(p), params)
+  step = jax.jit(lambda o, g: o.apply_gradient(g), donate_argnums=0)
+  return step.lower(opt, params).compile().memory_analysis()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
+  """Eight equal leaves: the streamed step's temporaries are those of about one leaf.
+
+  The whole-tree update keeps every leaf's float32 state (or a copy of the
+  stored one) live at once: 4 bytes per param or more.
+  """
+  shapes, size = [(256, 512)] * 8, 256 * 512
+  streamed = _step_memory(low_precision(optax.adamw(1e-3), mode), shapes)
+  whole = _step_memory(low_precision(optax.adamw(1e-3), mode, stream=False), shapes)
+  n = size * len(shapes)
+  assert whole.temp_size_in_bytes >= 4 * n
+  # Decoded mu and nu, the new ones and the update of one leaf: at most 5 float32 copies.
+  assert streamed.temp_size_in_bytes <= 5 * 4 * size
+  assert math.isclose(
+    streamed.argument_size_in_bytes, whole.argument_size_in_bytes, rel_tol=0, abs_tol=0
+  )
