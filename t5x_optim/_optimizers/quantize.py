@@ -62,10 +62,12 @@ def _decade_factors(signed: bool) -> tuple[np.ndarray, np.ndarray]:
   values, written as ``(n / 9 + (k + 1/2)) * (0.9 * 10**(i-6) / n)``: an
   addition, then a multiplication, which no compiler contracts into a
   fused multiply-add, so the codecs compute exactly the values of the
-  tables here, on any backend.
+  tables here, on any backend. The powers of ten are decimal literals, each
+  rounded once to float32: numpy's vectorized float32 power gives some of
+  them one ulp away, depending on the CPU it runs on.
   """
   sizes = np.asarray(_decade_sizes(signed), np.float32)
-  scales = np.float32(10.0) ** np.arange(-6, 1, dtype=np.float32)
+  scales = np.asarray([1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0], np.float32)
   return sizes / np.float32(9), (np.float32(0.9) * scales) / sizes
 
 
