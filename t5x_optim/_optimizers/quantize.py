@@ -10,14 +10,18 @@
   with a negative value; `dequantize` inverts it. "Nearest" is decided by 255
   thresholds (`_decade_constants`) within 2 float32 ulps of the midpoints between
   map values, defined so that encoding computes them instead of looking
-  them up. `leaf_block` chooses a leaf's block so that the scales shard
-  wherever the codes do.
+  them up; in the unsigned map only 0 encodes as 0 (a positive second
+  moment never decodes as 0). A non-finite value saturates (+/-inf to +/-
+  its block's largest finite magnitude, NaN to 0) and leaves the rest of
+  its block as it would be. `leaf_block` chooses a leaf's block so that the
+  scales shard wherever the codes do.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -108,7 +112,16 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   Between the ``n`` values of a decade (`_decade_factors`) lie ``n - 1``
   thresholds, the same formula at ``k + 1``: their midpoints up to rounding.
   The 8 boundaries (between 0 and the first value, between decades, between
-  the last value and 1) are the float32 means of their two map values.
+  the last value and 1) are the float32 means of their two map values,
+  except the unsigned map's first, which is 0: there only 0 encodes as 0,
+  and a positive value below the smallest positive map value encodes as it
+  (the zero-point problem of Li et al., 2023: a small second moment stored
+  as 0 turns adam's update into ``mu / eps``). Overestimating a tiny value
+  of an all-positive block by at most that smallest value (``3.25e-7`` of
+  the block's largest) is harmless for a first moment too: the signed map
+  rounds its values near 0 with an error as large (``2.75e-7``); in the
+  signed map, whose blocks are first moments, a small value still rounds to
+  0, since an overestimated ``mu`` would scale adam's update up.
   """
   a, b = _decade_factors(signed)
   positive = dynamic_map(signed)[127 if signed else 0 :]
@@ -116,7 +129,10 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   low, high = positive[firsts[:-1]], positive[firsts[1:] - 1]
   lower = np.concatenate([[positive[0]], high])
   upper = np.concatenate([low, [positive[-1]]])
-  return a, b, ((lower + upper) / np.float32(2)).astype(np.float32)
+  boundaries = ((lower + upper) / np.float32(2)).astype(np.float32)
+  if not signed:
+    boundaries[0] = 0
+  return a, b, boundaries
 
 
 def _pick(index: jax.Array, values: Any, dtype: Any) -> jax.Array:
@@ -173,16 +189,66 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return jnp.where(signed, jnp.where(negative, 127 - half, 127 + half), unsigned)
 
 
-def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
-  """Block-wise dynamic 8-bit quantization of a float32 array."""
+def _block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each block's absolute maximum and whether it holds a negative value."""
+  return jnp.max(jnp.abs(blocks), axis=-1), jnp.min(blocks, axis=-1) < 0
+
+
+def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`_block_stats` over finite values, for a leaf with an inf or NaN.
+
+  The maximum is over the finite magnitudes; -inf counts as a negative
+  value (it saturates to the negative maximum), NaN does not. The selects
+  here cost a pass over the leaf that `_block_stats`' plain reductions do
+  not: `quantize` takes this only for a leaf with a non-finite value.
+  """
+  magnitude = jnp.abs(blocks)
+  absmax = jnp.max(jnp.where(magnitude < jnp.inf, magnitude, 0.0), axis=-1)
+  return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
+
+
+def _quantize(x: jax.Array, block: int, stats: Callable[..., Any]) -> QuantizedLeaf:
+  """`quantize` with each block's maximum and sign from ``stats``."""
   blocks = _blocks(x, block)
-  absmax = jnp.max(jnp.abs(blocks), axis=-1)
-  signed = jnp.min(blocks, axis=-1) < 0
-  scaled = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+  absmax, signed = stats(blocks)
+  # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
+  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(
+    blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
+  )
   codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
   return QuantizedLeaf(
     codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
   )
+
+
+def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
+  """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
+
+  Each block is scaled by its largest finite magnitude and uses the signed
+  map if it holds a negative value, else the unsigned one (`dynamic_map`).
+  Each value is stored as the code of the nearest map value, except that in
+  the unsigned map a positive value never rounds to 0: below the map's
+  smallest positive value (``3.25e-7`` of the block's largest) it stores
+  that value, so a small positive second moment never decodes as 0 (a
+  subnormal float32 value counts as 0: XLA flushes it to 0 anyway). A
+  non-finite value damages only its own element: ``+/-inf`` stores +/- the
+  block's largest finite magnitude (0 in a block without one) and NaN
+  stores 0; the other values are stored exactly as with that finite value
+  in its place. Each block depends on its own values only: quantizing some
+  rows of ``x`` gives those rows of quantizing all of it.
+
+  Example:
+    >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan]])
+    >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
+    [2.0, 6.5e-07, 2.0, 0.0]
+  """
+  fast = functools.partial(_quantize, block=block, stats=_block_stats)
+  safe = functools.partial(_quantize, block=block, stats=_finite_block_stats)
+  # Both agree where every value is finite; there the plain reductions save a pass.
+  return jax.lax.cond(jnp.isfinite(jnp.max(jnp.abs(x))), fast, safe, x)
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
