@@ -1,15 +1,19 @@
-"""The 8-bit codec on hand-made inputs: non-finite values, tiny second moments."""
+"""The 8-bit codec on hand-made inputs: non-finite values, tiny second moments, short blocks."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from t5x_optim import low_precision
-from t5x_optim._optimizers.quantize import dequantize, dynamic_map, quantize
+from t5x_optim import OptaxWrapper, QuantizedLeaf, low_precision
+from t5x_optim._optimizers.low_precision import leaf_storage
+from t5x_optim._optimizers.quantize import dequantize, dynamic_map, leaf_block, quantize
 
 _quantize = jax.jit(quantize, static_argnums=1)
 _dequantize = jax.jit(dequantize)
@@ -118,6 +122,75 @@ def test_adam_moves_a_tiny_gradient_element_no_farther_than_float32(ratio, signs
   np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=0.01)
   assert (np.sign(got) == np.sign(want)).all(), (got, want)
   assert (np.abs(got[[1, 3]]) <= 1.3 * np.abs(want[[1, 3]])).all(), (got, want)
+
+
+# 3. A leaf is never stored in more bytes than float32.
+
+
+def _bytes_per_value(leaf) -> float:
+  arrays = [leaf.codes, leaf.scales] if isinstance(leaf, QuantizedLeaf) else [leaf]
+  return sum(a.nbytes for a in arrays) / math.prod(np.shape(arrays[0]))
+
+
+_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
+
+
+@pytest.mark.parametrize(
+  "shape, storage, bytes_per_value",
+  [
+    ((64, 257), _NO_BLOCK, 4),  # a prime last dimension above block_size
+    ((8192, 1), _NO_BLOCK, 4),
+    ((64, 4099), _NO_BLOCK, 4),
+    ((1024, 3), _NO_BLOCK, 4),
+    ((512, 8), "8bit", 1 + 4 / 8),  # one block: no aligned one of 4 or more
+    ((4096, 16), "8bit", 1 + 4 / 16),
+    ((64, 24), "8bit", 1 + 4 / 24),
+    ((64, 32), "8bit", 1 + 4 / 4),  # aligned blocks of 4, as before
+    ((64, 768), "8bit", 1 + 4 / 96),
+  ],
+)
+def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):
+  state = low_precision(optax.adam(1e-3), "8bit", min_size=0).init({"w": jnp.zeros(shape)})
+  mu = state.inner_state[0].mu["w"]
+  assert _bytes_per_value(mu) == pytest.approx(bytes_per_value)
+  kinds = set(leaf_storage(state).values()) - {"kept: not param-shaped"}
+  assert kinds == ({"8bit codes", "8bit scales"} if storage == "8bit" else {storage})
+  if storage == "8bit":
+    back = low_precision(optax.adam(1e-3), "8bit", min_size=0).update(
+      {"w": jnp.ones(shape)}, state, {"w": jnp.zeros(shape)}
+    )[1]
+    assert isinstance(back.inner_state[0].nu["w"], QuantizedLeaf)
+
+
+@pytest.mark.parametrize("block_size, shard_multiple", [(256, 8), (256, 1), (4, 4), (64, 8)])
+def test_every_block_tiles_the_last_dimension_in_at_most_2_bytes_per_value(
+  block_size, shard_multiple
+):
+  """Every last dimension up to 2100: a block of 4 to block_size values, or None (float32).
+
+  Blocks split the last dimension into a multiple of its shard count (the
+  scales shard with the codes) or into one block (the scales are not split
+  along it).
+  """
+  for last_dim in range(1, 2100):
+    block = leaf_block(last_dim, block_size, shard_multiple)
+    if block is None:
+      continue
+    count = last_dim // block
+    assert 4 <= block <= block_size and count * block == last_dim, (last_dim, block)
+    assert count == 1 or count % math.gcd(last_dim, shard_multiple) == 0, (last_dim, block)
+
+
+def test_a_kept_leaf_and_a_one_block_leaf_get_their_params_axes():
+  params = {"odd": jnp.ones((16, 257)), "short": jnp.ones((16, 8))}
+  axes = {"odd": P("embed", "mlp"), "short": P("embed", "mlp")}
+  opt_def = OptaxWrapper(low_precision(optax.adam(1e-3), "8bit", min_size=0), fallback="raise")
+  specs = opt_def.derive_logical_axes(opt_def.create(params), axes).state.param_states
+  mu = specs.inner_state[0].mu
+  assert mu == {
+    "odd": P("embed", "mlp"),
+    "short": QuantizedLeaf(P("embed", "mlp"), P("embed", None)),
+  }
 
 
 def test_quantizing_rows_gives_the_rows_of_the_whole_leaf():

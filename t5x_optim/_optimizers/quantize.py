@@ -14,7 +14,8 @@
   moment never decodes as 0). A non-finite value saturates (+/-inf to +/-
   its block's largest finite magnitude, NaN to 0) and leaves the rest of
   its block as it would be. `leaf_block` chooses a leaf's block so that the
-  scales shard wherever the codes do.
+  scales shard wherever the codes do, and none (float32) where every block
+  would cost more than 2 bytes per value.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+  "MIN_BLOCK",
   "QuantizedLeaf",
   "dequantize",
   "dynamic_map",
@@ -312,18 +314,35 @@ def to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 
 
-def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int:
-  """The block of an 8-bit leaf whose last dimension is ``last_dim``.
+MIN_BLOCK = 4
+"""The smallest block `leaf_block` chooses: at most 2 bytes per value (1 + 4 / 4)."""
+
+
+def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int | None:
+  """The block of an 8-bit leaf whose last dimension is ``last_dim``, or None: keep it float32.
 
   The largest divisor of ``last_dim // gcd(last_dim, shard_multiple)`` not
   above ``block_size``: blocks tile the last dimension, and the block count
   is a multiple of ``gcd(last_dim, shard_multiple)``, so the scales shard
   along the last dimension wherever the codes do over up to
-  ``shard_multiple`` devices (a power of two).
+  ``shard_multiple`` devices (a power of two). Such a block below
+  `MIN_BLOCK` values would cost more than 2 bytes per value (5 for a block
+  of 1, more than float32's 4): then the whole last dimension is one block
+  if it has `MIN_BLOCK` to ``block_size`` values (its scales are not split
+  along it: as many bytes per device as with the aligned block or fewer,
+  fewer in all), else there is none and the leaf stays float32 (a last
+  dimension below 4, or above ``block_size`` without such a block: 257,
+  4099, 8 * 257). So an 8-bit leaf takes at most 2 bytes per value, and
+  with ``block_size`` below 4 every leaf stays float32.
 
   Example:
     >>> leaf_block(4096), leaf_block(3072), leaf_block(768), leaf_block(768, shard_multiple=1)
     (256, 192, 96, 256)
+    >>> leaf_block(16), leaf_block(257), leaf_block(1)
+    (16, None, None)
   """
   rest = last_dim // math.gcd(last_dim, shard_multiple)
-  return next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
+  aligned = next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
+  if aligned >= MIN_BLOCK:
+    return aligned
+  return last_dim if MIN_BLOCK <= last_dim <= block_size else None
