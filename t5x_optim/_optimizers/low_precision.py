@@ -27,11 +27,20 @@ update runs in float32, and its new state is compressed again.
   shard along the same dimensions. A leaf's block (`leaf_block`) is the
   largest that tiles the last dimension, is at most ``block_size`` and leaves
   a block count that the last dimension's shards divide (up to
-  ``shard_multiple`` of them). 1 + 4 / block bytes per value (1.016 for 256).
+  ``shard_multiple`` of them); below 4 values, the whole last dimension if
+  it fits in ``block_size``, else none: the leaf stays float32 (a last
+  dimension of 1, 257 or 4099 would cost 5 bytes per value). 1 + 4 / block
+  bytes per value (1.016 for 256, at most 2). The codec never spreads a
+  fault: an inf or NaN damages only its own element (inf saturates to its
+  block's largest finite magnitude, NaN is stored as 0), and in a block
+  without a negative value (adam's ``nu``) only 0 decodes as 0, so a small
+  second moment beside a large one does not become 0 and turn adam's
+  update into ``mu / eps``.
 
-Leaves smaller than ``min_size`` elements, leaves that are not param-shaped
-mirrors (adafactor's factored ``v_row``, L-BFGS history), non-floating leaves
-and scalars stay as they are; `leaf_storage` says why for each leaf, and
+Leaves smaller than ``min_size`` elements, 8-bit leaves without a block,
+leaves that are not param-shaped mirrors (adafactor's factored ``v_row``,
+L-BFGS history), non-floating leaves and scalars stay as they are;
+`leaf_storage` says why for each leaf, and
 ``t5x-optim plan`` shows it. ``states=`` (a regular expression on the state
 path, e.g. ``'0/(mu|nu)/'``) restricts compression to matching leaves, and
 refuses, naming the path, a matching leaf the mode does not apply to.
@@ -58,6 +67,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -107,6 +117,7 @@ LOW_PRECISION_MODES = ("bfloat16", "8bit")
 _BF16 = "bfloat16"
 _8BIT = "8bit"
 _KEPT_SMALL = "float32: below min_size"
+_KEPT_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
@@ -181,9 +192,19 @@ def _not_applicable(leaf: Any, param: Any | None) -> str | None:
 
 
 def _plan_storage(
-  mode: str, inner_state: Any, params: Any, *, min_size: int, states: str | None
+  mode: str,
+  inner_state: Any,
+  params: Any,
+  *,
+  min_size: int,
+  states: str | None,
+  block: Callable[[int], int | None] = leaf_block,
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+
+  In 8-bit mode a leaf whose last dimension has no block (``block``, that
+  is `leaf_block` with the mode's arguments, returns None) stays float32:
+  8 bits would cost it more than 2 bytes per value.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -213,6 +234,8 @@ def _plan_storage(
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_KEPT_SMALL)
+    elif mode == _8BIT and block(jnp.shape(leaf)[-1]) is None:
+      storage.append(_KEPT_NO_BLOCK)
     else:
       storage.append(mode)
   if pattern is not None and not matched:
@@ -448,7 +471,7 @@ def low_precision(
   def init(params: Any) -> LowPrecisionState:
     inner_state = inner.init(params)
     storage, param_index = _plan_storage(
-      state_dtype, inner_state, params, min_size=min_size, states=states
+      state_dtype, inner_state, params, min_size=min_size, states=states, block=block
     )
     state = LowPrecisionState(
       count=jnp.zeros([], jnp.int32),
@@ -483,8 +506,10 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
 
   Keys are state-dict paths below ``param_states`` (as tuples of keys);
   values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
-  leaf is kept as it is (``"float32: below min_size"``, ``"kept: not
-  param-shaped"``, ...). Leaves outside a `LowPrecisionState` are absent.
+  leaf is kept as it is (``"float32: below min_size"``, ``"float32: no
+  8-bit block of 4 or more values tiles the last dimension"`` (see
+  `leaf_block`), ``"kept: not param-shaped"``, ...). Leaves outside a
+  `LowPrecisionState` are absent.
 
   Example:
     >>> import jax.numpy as jnp, optax

@@ -10,14 +10,19 @@
   with a negative value; `dequantize` inverts it. "Nearest" is decided by 255
   thresholds (`_decade_constants`) within 2 float32 ulps of the midpoints between
   map values, defined so that encoding computes them instead of looking
-  them up. `leaf_block` chooses a leaf's block so that the scales shard
-  wherever the codes do.
+  them up; in the unsigned map only 0 encodes as 0 (a positive second
+  moment never decodes as 0). A non-finite value saturates (+/-inf to +/-
+  its block's largest finite magnitude, NaN to 0) and leaves the rest of
+  its block as it would be. `leaf_block` chooses a leaf's block so that the
+  scales shard wherever the codes do, and none (float32) where every block
+  would cost more than 2 bytes per value.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+  "MIN_BLOCK",
   "QuantizedLeaf",
   "dequantize",
   "dynamic_map",
@@ -62,10 +68,12 @@ def _decade_factors(signed: bool) -> tuple[np.ndarray, np.ndarray]:
   values, written as ``(n / 9 + (k + 1/2)) * (0.9 * 10**(i-6) / n)``: an
   addition, then a multiplication, which no compiler contracts into a
   fused multiply-add, so the codecs compute exactly the values of the
-  tables here, on any backend.
+  tables here, on any backend. The powers of ten are decimal literals, each
+  rounded once to float32: numpy's vectorized float32 power gives some of
+  them one ulp away, depending on the CPU it runs on.
   """
   sizes = np.asarray(_decade_sizes(signed), np.float32)
-  scales = np.float32(10.0) ** np.arange(-6, 1, dtype=np.float32)
+  scales = np.asarray([1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0], np.float32)
   return sizes / np.float32(9), (np.float32(0.9) * scales) / sizes
 
 
@@ -106,7 +114,16 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   Between the ``n`` values of a decade (`_decade_factors`) lie ``n - 1``
   thresholds, the same formula at ``k + 1``: their midpoints up to rounding.
   The 8 boundaries (between 0 and the first value, between decades, between
-  the last value and 1) are the float32 means of their two map values.
+  the last value and 1) are the float32 means of their two map values,
+  except the unsigned map's first, which is 0: there only 0 encodes as 0,
+  and a positive value below the smallest positive map value encodes as it
+  (the zero-point problem of Li et al., 2023: a small second moment stored
+  as 0 turns adam's update into ``mu / eps``). Overestimating a tiny value
+  of an all-positive block by at most that smallest value (``3.25e-7`` of
+  the block's largest) is harmless for a first moment too: the signed map
+  rounds its values near 0 with an error as large (``2.75e-7``); in the
+  signed map, whose blocks are first moments, a small value still rounds to
+  0, since an overestimated ``mu`` would scale adam's update up.
   """
   a, b = _decade_factors(signed)
   positive = dynamic_map(signed)[127 if signed else 0 :]
@@ -114,7 +131,10 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   low, high = positive[firsts[:-1]], positive[firsts[1:] - 1]
   lower = np.concatenate([[positive[0]], high])
   upper = np.concatenate([low, [positive[-1]]])
-  return a, b, ((lower + upper) / np.float32(2)).astype(np.float32)
+  boundaries = ((lower + upper) / np.float32(2)).astype(np.float32)
+  if not signed:
+    boundaries[0] = 0
+  return a, b, boundaries
 
 
 def _pick(index: jax.Array, values: Any, dtype: Any) -> jax.Array:
@@ -171,16 +191,66 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return jnp.where(signed, jnp.where(negative, 127 - half, 127 + half), unsigned)
 
 
-def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
-  """Block-wise dynamic 8-bit quantization of a float32 array."""
+def _block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each block's absolute maximum and whether it holds a negative value."""
+  return jnp.max(jnp.abs(blocks), axis=-1), jnp.min(blocks, axis=-1) < 0
+
+
+def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`_block_stats` over finite values, for a leaf with an inf or NaN.
+
+  The maximum is over the finite magnitudes; -inf counts as a negative
+  value (it saturates to the negative maximum), NaN does not. The selects
+  here cost a pass over the leaf that `_block_stats`' plain reductions do
+  not: `quantize` takes this only for a leaf with a non-finite value.
+  """
+  magnitude = jnp.abs(blocks)
+  absmax = jnp.max(jnp.where(magnitude < jnp.inf, magnitude, 0.0), axis=-1)
+  return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
+
+
+def _quantize(x: jax.Array, block: int, stats: Callable[..., Any]) -> QuantizedLeaf:
+  """`quantize` with each block's maximum and sign from ``stats``."""
   blocks = _blocks(x, block)
-  absmax = jnp.max(jnp.abs(blocks), axis=-1)
-  signed = jnp.min(blocks, axis=-1) < 0
-  scaled = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+  absmax, signed = stats(blocks)
+  # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
+  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(
+    blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
+  )
   codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
   return QuantizedLeaf(
     codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
   )
+
+
+def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
+  """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
+
+  Each block is scaled by its largest finite magnitude and uses the signed
+  map if it holds a negative value, else the unsigned one (`dynamic_map`).
+  Each value is stored as the code of the nearest map value, except that in
+  the unsigned map a positive value never rounds to 0: below the map's
+  smallest positive value (``3.25e-7`` of the block's largest) it stores
+  that value, so a small positive second moment never decodes as 0 (a
+  subnormal float32 value counts as 0: XLA flushes it to 0 anyway). A
+  non-finite value damages only its own element: ``+/-inf`` stores +/- the
+  block's largest finite magnitude (0 in a block without one) and NaN
+  stores 0; the other values are stored exactly as with that finite value
+  in its place. Each block depends on its own values only: quantizing some
+  rows of ``x`` gives those rows of quantizing all of it.
+
+  Example:
+    >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan]])
+    >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
+    [2.0, 6.5e-07, 2.0, 0.0]
+  """
+  fast = functools.partial(_quantize, block=block, stats=_block_stats)
+  safe = functools.partial(_quantize, block=block, stats=_finite_block_stats)
+  # Both agree where every value is finite; there the plain reductions save a pass.
+  return jax.lax.cond(jnp.isfinite(jnp.max(jnp.abs(x))), fast, safe, x)
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
@@ -244,18 +314,35 @@ def to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 
 
-def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int:
-  """The block of an 8-bit leaf whose last dimension is ``last_dim``.
+MIN_BLOCK = 4
+"""The smallest block `leaf_block` chooses: at most 2 bytes per value (1 + 4 / 4)."""
+
+
+def leaf_block(last_dim: int, block_size: int = 256, shard_multiple: int = 8) -> int | None:
+  """The block of an 8-bit leaf whose last dimension is ``last_dim``, or None: keep it float32.
 
   The largest divisor of ``last_dim // gcd(last_dim, shard_multiple)`` not
   above ``block_size``: blocks tile the last dimension, and the block count
   is a multiple of ``gcd(last_dim, shard_multiple)``, so the scales shard
   along the last dimension wherever the codes do over up to
-  ``shard_multiple`` devices (a power of two).
+  ``shard_multiple`` devices (a power of two). Such a block below
+  `MIN_BLOCK` values would cost more than 2 bytes per value (5 for a block
+  of 1, more than float32's 4): then the whole last dimension is one block
+  if it has `MIN_BLOCK` to ``block_size`` values (its scales are not split
+  along it: as many bytes per device as with the aligned block or fewer,
+  fewer in all), else there is none and the leaf stays float32 (a last
+  dimension below 4, or above ``block_size`` without such a block: 257,
+  4099, 8 * 257). So an 8-bit leaf takes at most 2 bytes per value, and
+  with ``block_size`` below 4 every leaf stays float32.
 
   Example:
     >>> leaf_block(4096), leaf_block(3072), leaf_block(768), leaf_block(768, shard_multiple=1)
     (256, 192, 96, 256)
+    >>> leaf_block(16), leaf_block(257), leaf_block(1)
+    (16, None, None)
   """
   rest = last_dim // math.gcd(last_dim, shard_multiple)
-  return next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
+  aligned = next(b for b in range(min(block_size, rest), 0, -1) if rest % b == 0)
+  if aligned >= MIN_BLOCK:
+    return aligned
+  return last_dim if MIN_BLOCK <= last_dim <= block_size else None
