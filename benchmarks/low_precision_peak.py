@@ -92,10 +92,7 @@ def _measure(step: Callable, opt: Any, *args: Any) -> dict[str, float]:
   seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
   peak = (
-    m.argument_size_in_bytes
-    + m.output_size_in_bytes
-    + m.temp_size_in_bytes
-    - m.alias_size_in_bytes
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   )
   return {"temp": m.temp_size_in_bytes, "peak": peak, "compile": seconds}
 
