@@ -377,6 +377,7 @@ def test_plan_shows_factored_leaves_with_dropped_dims():
   assert result.returncode == 0, result.stderr
   out = result.stdout
   assert "mesh data=4 x model=2 (8 devices)" in out
+  assert re.search(r"^train step: peak \S+ \S+ per device \(XLA's memory analysis", out, re.M)
   row = next(line for line in out.splitlines() if "0/v_row/layers_0/mlp/wi " in line)
   assert re.search(
     r"\(32,\)\s+float32\s+\(embed\)\s+replicated\s+128 B\s+"
@@ -420,6 +421,21 @@ def test_plan_json_matches_a_real_init(extra, capsys):
   } == leaves
   factored = [leaf for leaf in plan["leaves"] if leaf["dropped_axes"]]
   assert {leaf["group"] for leaf in factored} == {"0/v_row", "0/v_col"}
+  memory = plan["train_step_bytes_per_device"]
+  analysis = (
+    setup.step_fn.lower(
+      setup.abstract_state,
+      {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in job.task.batch(0).items()},
+    )
+    .compile()
+    .memory_analysis()
+  )
+  assert memory["temporaries"] == analysis.temp_size_in_bytes
+  assert memory["peak"] == (
+    memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+  )
+  # The state, params and batch are arguments: the peak is at least the state at rest.
+  assert memory["arguments"] > per_device
 
 
 BAD_CONFIGS = {

@@ -65,6 +65,43 @@ def test_a_block_of_zeros_and_one_non_finite_value_decodes_to_zeros(bad):
 # 2. A nonzero second moment never decodes to zero.
 
 
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
+def test_a_non_finite_gradient_element_damages_only_its_own_param(mode):
+  """Through adam's streamed step: one inf gradient element; every other param stays finite.
+
+  float32 adam damages that element alone (its update is NaN); so does the
+  low-precision state, over this step and a clean one after it (where 8 bits
+  have stored the inf as its block's largest finite value, and bfloat16 as inf).
+  """
+  tx = low_precision(optax.adam(1e-2), mode, min_size=0)
+  params = {"w": jnp.ones((4, 256))}
+  state = tx.init(params)
+  grads = {"w": jnp.full((4, 256), 0.5).at[1, 7].set(jnp.inf)}
+  step = jax.jit(tx.update)
+  others = np.ones((4, 256), bool)
+  others[1, 7] = False
+  for i, g in enumerate((grads, {"w": jnp.full((4, 256), 0.5)})):
+    updates, state = step(g, state, params)
+    finite = np.isfinite(np.asarray(updates["w"]))
+    assert finite[others].all()
+    assert i > 0 or not finite[1, 7]
+    params = optax.apply_updates(params, updates)
+
+
+def test_apply_if_finite_refuses_the_whole_step_and_keeps_the_stored_state():
+  """The other choice: ``optax.apply_if_finite`` around the 8-bit optimizer skips the step."""
+  tx = optax.apply_if_finite(low_precision(optax.adam(1e-2), "8bit", min_size=0), 3)
+  params = {"w": jnp.ones((4, 256))}
+  state = jax.jit(tx.update)({"w": jnp.full((4, 256), 0.5)}, tx.init(params), params)[1]
+  updates, after = jax.jit(tx.update)(
+    {"w": jnp.full((4, 256), 0.5).at[1, 7].set(jnp.nan)}, state, params
+  )
+  assert not np.asarray(updates["w"]).any()
+  for x, y in zip(jax.tree.leaves(after.inner_state), jax.tree.leaves(state.inner_state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert int(after.notfinite_count) == 1
+
+
 def test_a_tiny_nonnegative_value_decodes_to_the_smallest_map_value_not_zero():
   """In a block without negatives (adam's nu) only an exact 0 decodes to 0."""
   x = np.float32([[1.0, 1e-7, 1e-12, 1e-30, 0.0, 5e-7, 1e-3, 0.5]])

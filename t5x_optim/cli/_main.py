@@ -236,16 +236,26 @@ def _devices(requested: int | None) -> tuple[int, str]:
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
   from t5x_optim._training import plan as _plan  # noqa: PLC0415
+  from t5x_optim.cli import _train  # noqa: PLC0415
 
   plan = _plan.build_plan(
     setup.abstract_state,
     logical=setup.abstract_state.as_logical_axes(),
     warn_replicated_bytes=args.warn_replicated_bytes,
   )
+  memory = _train.step_memory(setup)
   if args.format == "json":
-    print(json.dumps(_plan.plan_to_json(plan), indent=2))
+    print(json.dumps(_plan.plan_to_json(plan) | {"train_step_bytes_per_device": memory}, indent=2))
   else:
     print(_plan.format_table(plan))
+    print(
+      f"train step: peak {_plan.format_bytes(memory['peak'])} per device (XLA's memory "
+      f"analysis of the compiled step: arguments {_plan.format_bytes(memory['arguments'])} + "
+      f"outputs {_plan.format_bytes(memory['outputs'])} + temporaries "
+      f"{_plan.format_bytes(memory['temporaries'])} - donated "
+      f"{_plan.format_bytes(memory['aliased'])}); optimizer state at rest "
+      f"{_plan.format_bytes(plan.bytes_per_device)}"
+    )
   return 0
 
 
