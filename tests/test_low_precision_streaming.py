@@ -75,11 +75,14 @@ def _assert_same_state_and_updates(streamed, whole, params, *, jit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", TABLE, ids=repr)
-def test_streamed_update_equals_the_whole_tree_update(case, mode):
+def test_streamed_update_equals_the_whole_tree_update(case):
+  """The whole table in bfloat16; the 8-bit codec, the same in both updates, in the quick test.
+
+  (Each 8-bit case compiles its codec once per leaf twice over: 10-25 s.)
+  """
   params = initial_params(case)
-  _assert_same_state_and_updates(*_pair(case.make, mode), params, jit=True)
+  _assert_same_state_and_updates(*_pair(case.make, "bfloat16"), params, jit=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -127,8 +130,9 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   whole = _step_memory(low_precision(optax.adamw(1e-3), mode, stream=False), shapes)
   n = size * len(shapes)
   assert whole.temp_size_in_bytes >= 4 * n
-  # Decoded mu and nu, the new ones and the update of one leaf: at most 5 float32 copies.
-  assert streamed.temp_size_in_bytes <= 5 * 4 * size
+  # Decoded mu and nu, the new ones and the update of one leaf, and the 8-bit
+  # encoder's pass for non-finite values: at most 6 float32 copies of one leaf.
+  assert streamed.temp_size_in_bytes <= 6 * 4 * size
   assert math.isclose(
     streamed.argument_size_in_bytes, whole.argument_size_in_bytes, rel_tol=0, abs_tol=0
   )

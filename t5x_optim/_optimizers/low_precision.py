@@ -2,8 +2,11 @@
 
 Between steps, the param-shaped ("mirror") state leaves of the wrapped
 transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
-one of two forms (the codecs are `t5x_optim._optimizers.quantize`); inside the update they are expanded to float32, the wrapped
-update runs in float32, and its new state is compressed again.
+one of two forms (the codecs are `t5x_optim._optimizers.quantize`); inside the
+update they are expanded to float32, the wrapped update runs in float32, and
+its new state is compressed again, one param leaf at a time where the update
+is elementwise per leaf (`_streamed_update`), so the step holds one leaf's
+float32 state rather than the whole tree's.
 
 * ``"bfloat16"``: each float32 value is rounded to bfloat16. With
   ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
@@ -440,6 +443,10 @@ def low_precision(
       ``0/mu/dense/kernel``) it matches are compressed, and each must be a
       floating param-shaped mirror. None: every such leaf.
     seed: the seed of the stochastic-rounding bits.
+    stream: decode, update and encode one param leaf at a time when the
+      update is elementwise per leaf (`plan_fused_update` proves it); False
+      (or an update that is not) expands the whole state to float32 at once,
+      which is what the step's peak then holds.
 
   Returns:
     The wrapped transformation; its state is a `LowPrecisionState`.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -209,23 +208,6 @@ def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
 
 
-def _quantize(x: jax.Array, block: int, stats: Callable[..., Any]) -> QuantizedLeaf:
-  """`quantize` with each block's maximum and sign from ``stats``."""
-  blocks = _blocks(x, block)
-  absmax, signed = stats(blocks)
-  # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
-  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
-  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
-  tiny = np.finfo(np.float32).tiny
-  scaled = jnp.where(
-    blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
-  )
-  codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
-  return QuantizedLeaf(
-    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
-  )
-
-
 def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
   """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
 
@@ -247,10 +229,23 @@ def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
     >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
     [2.0, 6.5e-07, 2.0, 0.0]
   """
-  fast = functools.partial(_quantize, block=block, stats=_block_stats)
-  safe = functools.partial(_quantize, block=block, stats=_finite_block_stats)
+  blocks = _blocks(x, block)
   # Both agree where every value is finite; there the plain reductions save a pass.
-  return jax.lax.cond(jnp.isfinite(jnp.max(jnp.abs(x))), fast, safe, x)
+  # Only the statistics are chosen, so the encoder below is compiled once.
+  absmax, signed = jax.lax.cond(
+    jnp.isfinite(jnp.max(jnp.abs(x))), _block_stats, _finite_block_stats, blocks
+  )
+  # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
+  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(
+    blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
+  )
+  codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
+  return QuantizedLeaf(
+    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
+  )
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
