@@ -136,3 +136,24 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   assert math.isclose(
     streamed.argument_size_in_bytes, whole.argument_size_in_bytes, rel_tol=0, abs_tol=0
   )
+
+
+def test_without_the_nonfinite_guard_the_8bit_step_holds_about_two_float32_copies_of_a_leaf():
+  """``guard_nonfinite=False`` drops the check's pass, and the copy of a leaf it holds."""
+  shapes, size = [(256, 512)] * 8, 256 * 512
+  guarded = _step_memory(low_precision(optax.adamw(1e-3), "8bit"), shapes)
+  plain = _step_memory(low_precision(optax.adamw(1e-3), "8bit", guard_nonfinite=False), shapes)
+  assert plain.temp_size_in_bytes <= 2.5 * 4 * size < guarded.temp_size_in_bytes
+
+
+def test_without_the_nonfinite_guard_apply_if_finite_still_refuses_the_step():
+  tx = optax.apply_if_finite(
+    low_precision(optax.adam(1e-2), "8bit", min_size=0, guard_nonfinite=False), 3
+  )
+  params = {"w": jnp.ones((4, 256))}
+  state = jax.jit(tx.update)({"w": jnp.full((4, 256), 0.5)}, tx.init(params), params)[1]
+  grads = {"w": jnp.full((4, 256), 0.5).at[1, 7].set(jnp.inf)}
+  updates, after = jax.jit(tx.update)(grads, state, params)
+  assert not np.asarray(updates["w"]).any()
+  for x, y in zip(jax.tree.leaves(after.inner_state), jax.tree.leaves(state.inner_state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -208,7 +208,7 @@ def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
 
 
-def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
+def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> QuantizedLeaf:
   """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
 
   Each block is scaled by its largest finite magnitude and uses the signed
@@ -224,6 +224,10 @@ def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
   in its place. Each block depends on its own values only: quantizing some
   rows of ``x`` gives those rows of quantizing all of it.
 
+  ``guard_nonfinite=False`` skips the check for non-finite values (a pass
+  over ``x`` that holds it in memory): an inf or NaN then damages its whole
+  block, for callers that refuse such a step anyway.
+
   Example:
     >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan]])
     >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
@@ -232,9 +236,12 @@ def quantize(x: jax.Array, block: int) -> QuantizedLeaf:
   blocks = _blocks(x, block)
   # Both agree where every value is finite; there the plain reductions save a pass.
   # Only the statistics are chosen, so the encoder below is compiled once.
-  absmax, signed = jax.lax.cond(
-    jnp.isfinite(jnp.max(jnp.abs(x))), _block_stats, _finite_block_stats, blocks
-  )
+  if guard_nonfinite:
+    absmax, signed = jax.lax.cond(
+      jnp.isfinite(jnp.max(jnp.abs(x))), _block_stats, _finite_block_stats, blocks
+    )
+  else:
+    absmax, signed = _block_stats(blocks)
   # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
   scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
   # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
