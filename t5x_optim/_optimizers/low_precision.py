@@ -273,8 +273,9 @@ def _encode(kind: str, x: Any, bits: jax.Array | None, block: Any, guard: bool =
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
-  """The stochastic-rounding bits of inner leaf ``leaf``, or None (to nearest)."""
-  if not state.stochastic_rounding:
+  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is stored in
+  bfloat16 with stochastic rounding."""
+  if state.storage[leaf] != _BF16 or not state.stochastic_rounding:
     return None
   return rounding_bits(shape, state.seed, count, leaf)
 
@@ -286,8 +287,7 @@ def _compress(
   leaves, treedef = jax.tree.flatten(inner_state)
   out = []
   for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
-    bits = _bits(state, count, i, jnp.shape(leaf)) if kind == _BF16 else None
-    out.append(_encode(kind, leaf, bits, block, guard))
+    out.append(_encode(kind, leaf, _bits(state, count, i, jnp.shape(leaf)), block, guard))
   return treedef.unflatten(out)
 
 
