@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from t5x_optim import TrainState, optimizers
-from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
-from t5x_optim._training.checkpoint_leaves import flatten
+from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
+from t5x_optim._checkpoint.leaves import flatten
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,

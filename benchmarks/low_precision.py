@@ -107,8 +107,8 @@ def _state_bytes(abstract) -> tuple[int, int, int, int]:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from t5x_optim._optimizers.low_precision import leaf_storage  # noqa: PLC0415
-  from t5x_optim._optimizers.state_dict import key_path_parts  # noqa: PLC0415
+  from t5x_optim._core.state_dict import key_path_parts  # noqa: PLC0415
+  from t5x_optim._low_precision.low_precision import leaf_storage  # noqa: PLC0415
 
   storage = leaf_storage(abstract.param_states)
   total = per_device = compressed = values = 0

@@ -23,7 +23,7 @@ import jax
 import optax
 
 from t5x_optim import low_precision
-from t5x_optim._optimizers.quantize import dequantize, quantize
+from t5x_optim._low_precision.quantize import dequantize, quantize
 
 
 def _time(fn, *args, repeats: int) -> float:

@@ -16,7 +16,7 @@ Layouts ("variant" column):
   * ``wrapper``: `OptaxWrapper.create(...).apply_gradient` (the library path).
   * ``fused_pallas``, ``fused_interpret``: the same with
     ``OptaxWrapper(tx, fused=...)``, the multi-tensor update of
-    `t5x_optim._optimizers.fused`: per group of leaves, params, grads and
+    `t5x_optim._layouts.fused`: per group of leaves, params, grads and
     state concatenated into flat buffers, one Pallas kernel, split back.
     ``fused_pallas`` needs a GPU; ``fused_interpret`` runs the same kernel
     in Pallas interpret mode on any backend, slowly.

@@ -13,7 +13,30 @@ import importlib
 from typing import Any
 
 from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
-from t5x_optim._optimizers.convert import (
+from t5x_optim._adapters.discovery import optax_optimizer_factories
+from t5x_optim._adapters.example_lib import (
+  ExampleLibHyperParams,
+  ExampleLibOptimizerDef,
+  example_lib_optimizer_makers,
+  wrap_example_lib_optimizer,
+)
+from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._adapters.optax_wrapper import (
+  OptaxHyperParams,
+  OptaxWrapper,
+  chain,
+  inject_hyperparams,
+  wrap_optax_optimizer,
+)
+from t5x_optim._checkpoint.converting import restore_converted
+from t5x_optim._checkpoint.store import Checkpointer, CheckpointError
+from t5x_optim._checkpoint.t5x_read import (
+  latest_t5x_step,
+  restore_t5x_checkpoint,
+  t5x_checkpoint_steps,
+)
+from t5x_optim._checkpoint.t5x_write import save_t5x_checkpoint
+from t5x_optim._convert.convert import (
   ConversionContext,
   ConversionReport,
   Moments,
@@ -23,38 +46,15 @@ from t5x_optim._optimizers.convert import (
   register_state_converter,
   registered_converters,
 )
-from t5x_optim._optimizers.discovery import optax_optimizer_factories
-from t5x_optim._optimizers.example_lib import (
-  ExampleLibHyperParams,
-  ExampleLibOptimizerDef,
-  example_lib_optimizer_makers,
-  wrap_example_lib_optimizer,
-)
-from t5x_optim._optimizers.fused import FusedUpdate, FusionReport, fusion_report
-from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim._optimizers.low_precision import (
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._layouts.fused import FusedUpdate, FusionReport, fusion_report
+from t5x_optim._layouts.stacked import StackedLayout, StackedParams, stack_params
+from t5x_optim._low_precision.low_precision import (
   LowPrecisionState,
   QuantizedLeaf,
   float32_to_low_precision,
   low_precision,
   low_precision_to_float32,
-)
-from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optimizers.optax_wrapper import (
-  OptaxHyperParams,
-  OptaxWrapper,
-  chain,
-  inject_hyperparams,
-  wrap_optax_optimizer,
-)
-from t5x_optim._optimizers.stacked import StackedLayout, StackedParams, stack_params
-from t5x_optim._training.checkpoints import Checkpointer, CheckpointError
-from t5x_optim._training.convert_checkpoint import restore_converted
-from t5x_optim._training.t5x_checkpoint_writer import save_t5x_checkpoint
-from t5x_optim._training.t5x_checkpoints import (
-  latest_t5x_step,
-  restore_t5x_checkpoint,
-  t5x_checkpoint_steps,
 )
 from t5x_optim._training.train_state import TrainState
 
@@ -108,7 +108,7 @@ __all__ = [
   "wrap_optax_optimizer",
 ]
 
-_KFAC = "t5x_optim._optimizers.kfac"
+_KFAC = "t5x_optim._adapters.kfac"
 _LAZY = {"KfacHyperParams": _KFAC, "KfacOptimizerDef": _KFAC}
 
 

@@ -43,6 +43,6 @@ Example:
   [1.0, 1.0, 1.0, 1.0]
 """
 
-from t5x_optim._training.checkpoints import Checkpointer, CheckpointError, CheckpointState
+from t5x_optim._checkpoint.store import Checkpointer, CheckpointError, CheckpointState
 
 __all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]

@@ -19,24 +19,24 @@ Example:
 
 import optax
 
-from t5x_optim._axes.engine import OptaxStatePartitionRules
-from t5x_optim._optimizers.discovery import optax_optimizer_factories
-from t5x_optim._optimizers.example_lib import (
+from t5x_optim._adapters.discovery import optax_optimizer_factories
+from t5x_optim._adapters.example_lib import (
   EXAMPLE_LIB_OPTIMIZERS,
   ExampleLibOptimizerDef,
   wrap_example_lib_optimizer,
 )
-from t5x_optim._optimizers.fused import FusedUpdate, fusion_report
-from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim._optimizers.low_precision import low_precision
-from t5x_optim._optimizers.multi_optimizer import MultiOptimizer, PathFilter
-from t5x_optim._optimizers.optax_wrapper import (
+from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._adapters.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
   chain,
   inject_hyperparams,
   wrap_optax_optimizer,
 )
+from t5x_optim._axes.engine import OptaxStatePartitionRules
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._layouts.fused import FusedUpdate, fusion_report
+from t5x_optim._low_precision.low_precision import low_precision
 
 OptimizerType = Optimizer
 OptimizerStateType = OptimizerState

@@ -17,7 +17,7 @@ import pytest
 from _subprocesses import free_port
 
 from t5x_optim import CheckpointError, distributed
-from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
+from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 
 

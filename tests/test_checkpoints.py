@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 from _subprocesses import free_port
 
-from t5x_optim._training import checkpoint_headers
-from t5x_optim._training import checkpoints as checkpoints_impl
+from t5x_optim._checkpoint import headers as checkpoint_headers
+from t5x_optim._checkpoint import store as checkpoints_impl
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 

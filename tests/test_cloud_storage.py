@@ -31,8 +31,8 @@ from test_t5x_checkpoints import DATA, _assert_bit_for_bit, _partitioner, _targe
 
 import t5x_optim
 from t5x_optim import optimizers
-from t5x_optim._training import storage
-from t5x_optim._training.checkpoint_lease import LEASE_FILE, Lease
+from t5x_optim._checkpoint import storage
+from t5x_optim._checkpoint.lease import LEASE_FILE, Lease
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.cli import main
 
@@ -160,8 +160,8 @@ import os, signal, sys, time
 import jax.numpy as jnp
 import tensorstore as ts
 from t5x_optim import optimizers
-from t5x_optim._training import storage
-from t5x_optim._training.checkpoint_lease import Lease
+from t5x_optim._checkpoint import storage
+from t5x_optim._checkpoint.lease import Lease
 from t5x_optim.checkpoints import Checkpointer
 Lease.seconds = 1.0
 ckpt = Checkpointer(sys.argv[1])

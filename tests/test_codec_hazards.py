@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, QuantizedLeaf, low_precision
-from t5x_optim._optimizers.low_precision import leaf_storage
-from t5x_optim._optimizers.quantize import dequantize, dynamic_map, leaf_block, quantize
+from t5x_optim._low_precision.low_precision import leaf_storage
+from t5x_optim._low_precision.quantize import dequantize, dynamic_map, leaf_block, quantize
 
 _quantize = jax.jit(quantize, static_argnums=1)
 _dequantize = jax.jit(dequantize)

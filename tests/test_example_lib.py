@@ -22,7 +22,7 @@ from t5x_optim import (
   example_lib_optimizer_makers,
   wrap_example_lib_optimizer,
 )
-from t5x_optim._optimizers.example_lib import EXAMPLE_LIB_OPTIMIZERS
+from t5x_optim._adapters.example_lib import EXAMPLE_LIB_OPTIMIZERS
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from optimizer_table import TABLE, Case, grads_and_extras, initial_params, make_params, tree_equal
 
 from t5x_optim import FusedUpdate, MultiOptimizer, OptaxWrapper, PathFilter, fusion_report
-from t5x_optim._optimizers import fused as fused_module
+from t5x_optim._layouts import fused as fused_module
 
 STEPS = 3
 # The documented bound: one fused step and one plain step from the same

@@ -13,7 +13,7 @@ from optimizer_table import T5X_OPTIMIZER_NAMES
 
 import t5x_optim
 from t5x_optim import checkpoints, optimizers, partitioning
-from t5x_optim._optimizers.example_lib import EXAMPLE_LIB_OPTIMIZERS
+from t5x_optim._adapters.example_lib import EXAMPLE_LIB_OPTIMIZERS
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_kfac_names_load_lazily():
   pytest.importorskip("kfac_jax")
   script = (
     "import sys, t5x_optim\n"
-    "assert 't5x_optim._optimizers.kfac' not in sys.modules and 'kfac_jax' not in sys.modules\n"
+    "assert 't5x_optim._adapters.kfac' not in sys.modules and 'kfac_jax' not in sys.modules\n"
     "from t5x_optim._optimizers import kfac\n"
     "assert t5x_optim.KfacOptimizerDef is kfac.KfacOptimizerDef\n"
     "assert t5x_optim.KfacHyperParams is kfac.KfacHyperParams\n"

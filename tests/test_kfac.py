@@ -24,8 +24,8 @@ pytestmark = [
 from kfac_jax._src import tag_graph_matcher  # noqa: E402
 
 from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
-from t5x_optim._optimizers import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
-from t5x_optim._optimizers import kfac_state  # noqa: E402
+from t5x_optim._adapters import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
+from t5x_optim._adapters import kfac_state  # noqa: E402
 from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
 
 _NUM_STEPS = 6

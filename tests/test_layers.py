@@ -26,9 +26,9 @@ import optax
 import pytest
 
 import t5x_optim
-from t5x_optim._optimizers.fused import FusedUpdate
-from t5x_optim._optimizers.layouts import UpdateLayout
-from t5x_optim._optimizers.stacked import StackedOptimizerDef, stack_params
+from t5x_optim._layouts.fused import FusedUpdate
+from t5x_optim._layouts.layouts import UpdateLayout
+from t5x_optim._layouts.stacked import StackedOptimizerDef, stack_params
 
 PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
 
@@ -118,7 +118,7 @@ def test_key_paths_import_no_t5x_optim_module():
   assert imported_modules(source, "t5x_optim._keypaths") == []
 
 
-FUSED = "t5x_optim._optimizers.fused"
+FUSED = "t5x_optim._layouts.fused"
 FUSED_ORDER = [
   f"{FUSED}.program",
   f"{FUSED}.analysis",
@@ -151,7 +151,7 @@ def _inside_function(source: str, line: int) -> bool:
 
 def test_stacked_params_need_only_the_elementwise_analysis():
   source = (PACKAGE_DIR / "_optimizers" / "stacked.py").read_text()
-  fused = {m for _, m in imported_modules(source, "t5x_optim._optimizers.stacked") if "fused" in m}
+  fused = {m for _, m in imported_modules(source, "t5x_optim._layouts.stacked") if "fused" in m}
   assert fused <= {FUSED, f"{FUSED}.analysis", f"{FUSED}.program"}
 
 
@@ -170,9 +170,9 @@ def test_optax_wrapper_names_stacked_and_fused_types_only_in_its_layout_hook():
   """The wrapper reaches the fused and stacked layouts only through `UpdateLayout`."""
   path = PACKAGE_DIR / "_optimizers" / "optax_wrapper.py"
   source = path.read_text()
-  imported = {m for _, m in imported_modules(source, "t5x_optim._optimizers.optax_wrapper")}
-  assert not {m for m in imported if m.startswith((FUSED, "t5x_optim._optimizers.stacked"))}
-  assert "t5x_optim._optimizers.layouts" in imported
+  imported = {m for _, m in imported_modules(source, "t5x_optim._adapters.optax_wrapper")}
+  assert not {m for m in imported if m.startswith((FUSED, "t5x_optim._layouts.stacked"))}
+  assert "t5x_optim._layouts.layouts" in imported
   tree = ast.parse(source)
   stacked = {"_stacked", "StackedParams", "StackedOptimizerDef", "StackedLayout"}
   fused = {"FusedUpdate", "FusedPlan", "NotFusible", "plan_fused_update", "fused_apply"}
@@ -205,6 +205,6 @@ def test_import_loads_no_pallas():
   )
   out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
   assert out.stdout.split() == [
-    "['t5x_optim._optimizers.fused.analysis',",
-    "'t5x_optim._optimizers.fused.program']",
+    "['t5x_optim._layouts.fused.analysis',",
+    "'t5x_optim._layouts.fused.program']",
   ]

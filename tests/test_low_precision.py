@@ -23,9 +23,9 @@ from t5x_optim import (
   restore_t5x_checkpoint,
   save_t5x_checkpoint,
 )
-from t5x_optim._optimizers.low_precision import leaf_storage
-from t5x_optim._optimizers.quantize import _codes as quantize_codes
-from t5x_optim._optimizers.quantize import (
+from t5x_optim._low_precision.low_precision import leaf_storage
+from t5x_optim._low_precision.quantize import _codes as quantize_codes
+from t5x_optim._low_precision.quantize import (
   dequantize,
   dynamic_map,
   quantize,

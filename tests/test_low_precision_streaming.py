@@ -19,7 +19,7 @@ import pytest
 from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
 
 from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
-from t5x_optim._optimizers.low_precision import _stream_plan
+from t5x_optim._low_precision.low_precision import _stream_plan
 
 MODES = ["8bit", "bfloat16"]
 STEPS = 3

@@ -36,7 +36,7 @@ from t5x_optim import (
   save_t5x_checkpoint,
   stack_params,
 )
-from t5x_optim._training.checkpoint_checksums import dispatch_checksums, fetch
+from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,

@@ -671,8 +671,8 @@ def test_bad_fallback_value_is_refused():
 
 
 def test_adapter_state_rules_are_registered_once():
+  from t5x_optim._adapters.example_lib_layout import PartsNode
   from t5x_optim._axes.registry import registered_rules
-  from t5x_optim._optimizers.example_lib_layout import PartsNode
 
   registered = registered_rules()
   types = [optax.ScaleByLBFGSState, contrib.GaLoreState, PartsNode]

@@ -25,7 +25,7 @@ from flax import serialization, traverse_util
 
 import t5x_optim
 from t5x_optim import partitioning
-from t5x_optim._training import t5x_checkpoint_writer
+from t5x_optim._checkpoint import t5x_write as t5x_checkpoint_writer
 from t5x_optim.partitioning import Partitioner
 
 DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"

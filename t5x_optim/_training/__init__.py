@@ -1,13 +1,11 @@
-"""Layer 3, training: train state, mesh, partitioner, checkpoints, plans.
+"""The training room: the train state and what places it on devices.
 
-Checkpoints are `checkpoints` (the `Checkpointer`) and the modules it is
-made of: `checkpoint_leaves` (stored against expected leaves),
-`checkpoint_headers` (reading array headers only), `checkpoint_checksums`
-and `checkpoint_lock` (the writer lock; `checkpoint_lease` on object stores);
-every path goes through `storage` (epath files, tensorstore kvstores by
-scheme); `t5x_checkpoints` reads T5X's own
-format and `t5x_checkpoint_writer` writes it; `convert_checkpoint` restores either into a train state
-with another optimizer. Imports layers 0-2 only. Public through `t5x_optim`,
-`t5x_optim.partitioning`, `t5x_optim.checkpoints`, `t5x_optim.t5x_checkpoints`
-and `t5x_optim.distributed`.
+- `train_state`: T5X's `TrainState` around an `Optimizer`;
+- `mesh` and `partitioner`: device meshes and the partitioner that maps
+  logical axes onto them; `init`: a sharded train state, built in place;
+- `plan`: what every state leaf costs per device, before anything runs;
+- `distributed`: starting and checking a multi-process job.
+
+Imports the low-precision, core and lower rooms. Public through
+`t5x_optim.partitioning` and `t5x_optim.distributed`.
 """

@@ -15,7 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from t5x_optim._optimizers.interface import OptimizerDef
+from t5x_optim._core.interface import OptimizerDef
 from t5x_optim._training.partitioner import Partitioner
 from t5x_optim._training.train_state import TrainState
 

@@ -33,9 +33,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._optimizers import low_precision as _low_precision
-from t5x_optim._optimizers import state_dict as _state_dict
+from t5x_optim._low_precision import low_precision as _low_precision
 
 __all__ = ["LeafRow", "Plan", "build_plan", "format_bytes", "format_table", "plan_to_json"]
 

@@ -23,9 +23,9 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
+from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._optimizers import state_dict as _state_dict
-from t5x_optim._optimizers.interface import Optimizer, OptimizerDef, structure_mismatch
 
 __all__ = ["TrainState"]
 

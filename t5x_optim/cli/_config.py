@@ -25,8 +25,8 @@ import jax
 import optax
 
 from t5x_optim import partitioning
-from t5x_optim._optimizers.interface import OptimizerDef
-from t5x_optim._training import storage
+from t5x_optim._checkpoint import storage
+from t5x_optim._core.interface import OptimizerDef
 from t5x_optim.cli._model import SyntheticTask, TransformerConfig
 from t5x_optim.cli._text import BYTE_VOCAB_SIZE, TextTask
 from t5x_optim.partitioning import Partitioner

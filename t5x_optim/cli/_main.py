@@ -126,7 +126,7 @@ def _path_arg(text: str) -> Path | str:
 
   A scheme without its package stays text; using it then fails in one line.
   """
-  from t5x_optim._training import storage  # noqa: PLC0415
+  from t5x_optim._checkpoint import storage  # noqa: PLC0415
 
   try:
     return storage.as_path(text)

@@ -48,8 +48,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from t5x_optim._training import storage
-from t5x_optim._training.checkpoints import Checkpointer
+from t5x_optim._checkpoint import storage
+from t5x_optim._checkpoint.store import Checkpointer
 from t5x_optim._training.plan import format_bytes
 from t5x_optim._training.train_state import TrainState
 from t5x_optim.cli._config import TrainJob

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim._optimizers.state_dict import key_path_parts
+from t5x_optim._core.state_dict import key_path_parts
 
 __all__ = ["metric_tags", "metric_vector", "weight_metrics"]
 

@@ -1,0 +1,305 @@
+"""`OptaxWrapper`: any optax `GradientTransformation` as an `OptimizerDef`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from t5x_optim._axes import engine as _state_rules
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._layouts.layouts import FusedOption, UpdateLayout
+
+__all__ = [
+  "OPTAX_EXTRA_ARGS",
+  "OptaxHyperParams",
+  "OptaxWrapper",
+  "chain",
+  "inject_hyperparams",
+  "wrap_optax_optimizer",
+]
+
+_LEARNING_RATE = "learning_rate"
+
+# The extra update arguments optax's own transformations read: `value`
+# (reduce_on_plateau, momo), `grad` and `value_fn` (L-BFGS line search),
+# `obj_fn` (sophia). Transformations reading others name them with
+# `OptaxWrapper(..., extra_args=...)`.
+OPTAX_EXTRA_ARGS = frozenset({"value", "grad", "value_fn", "obj_fn"})
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+  """Checks that a `learning_rate=` override is a real scalar.
+
+  Raises:
+    TypeError: for a string, a bool, a complex number, a non-numeric value
+      or anything that is not a scalar (a list, a shaped array).
+
+  Example:
+    >>> check_learning_rate(0.1)
+  """
+  problem = None
+  if isinstance(learning_rate, bool) or not isinstance(
+    learning_rate, int | float | np.ndarray | np.generic | jax.Array
+  ):
+    problem = f"a {type(learning_rate).__name__}"
+  elif jnp.ndim(learning_rate) != 0:
+    problem = f"an array of shape {jnp.shape(learning_rate)}"
+  else:
+    dtype = jnp.result_type(learning_rate)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+      problem = f"a scalar of dtype {dtype}"
+  if problem is not None:
+    raise TypeError(
+      f"learning_rate= must be a real scalar (a Python number or a 0-d real array); "
+      f"got {problem}: {learning_rate!r}."
+    )
+
+
+@struct.dataclass
+class OptaxHyperParams:
+  """Hyper-params of an `OptaxWrapper`.
+
+  Optax keeps its hyper-parameters (and schedules) inside the transformation;
+  the only override is T5X's `learning_rate`, which takes effect when the
+  transformation was built with `optax.inject_hyperparams`.
+  """
+
+  learning_rate: Any = None
+
+
+def _is_injected_state(node: Any) -> bool:
+  """Structural test for optax's inject_(stateful_)hyperparams states."""
+  fields = getattr(node, "_fields", ())
+  return isinstance(node, tuple) and "hyperparams" in fields and "inner_state" in fields
+
+
+def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
+  """Sets `learning_rate` in every constant injected-hyperparams state of the tree.
+
+  T5X's trainer passes its `learning_rate_fn` value to every
+  `apply_gradient`, while optax keeps the learning rate (and its schedule)
+  inside the transformation. Like T5X's own `OptaxWrapper`, the override is
+  then ignored: when no state of the tree has an injectable constant
+  learning rate (none was injected, or `inject_hyperparams` got a schedule)
+  the states come back unchanged, with a warning that says so.
+  """
+  found = []
+
+  def set_rate(node: Any) -> Any:
+    if not (_is_injected_state(node) and _LEARNING_RATE in node.hyperparams):
+      return node
+    if _LEARNING_RATE in (getattr(node, "hyperparams_states", None) or {}):
+      return node
+    found.append(node)
+    old = node.hyperparams[_LEARNING_RATE]
+    hyperparams = dict(node.hyperparams)
+    hyperparams[_LEARNING_RATE] = jnp.asarray(learning_rate, dtype=jnp.result_type(old))
+    return node._replace(hyperparams=hyperparams)
+
+  new_states = jax.tree.map(set_rate, param_states, is_leaf=_is_injected_state)
+  if not found:
+    warnings.warn(
+      "learning_rate= was passed to apply_gradient (T5X's trainer passes its "
+      "learning_rate_fn value), but the optax transformation has no injectable "
+      "constant learning rate, so the override is ignored and optax's own "
+      "learning rate or schedule applies, as with T5X's OptaxWrapper. To "
+      "override it per step, build the transformation with "
+      "optax.inject_hyperparams and a constant learning rate.",
+      stacklevel=5,
+    )
+  return new_states
+
+
+class OptaxWrapper(OptimizerDef):
+  """Exposes an optax `GradientTransformation` as a T5X `OptimizerDef`.
+
+  The state is `OptimizerState(step, param_states)` where `step` is an int32
+  array and `param_states` the optax state (an `optax.MultiSteps` is taken
+  through its `gradient_transformation()`). Extra keyword arguments of
+  `Optimizer.apply_gradient` (e.g. `value=` for `reduce_on_plateau`) are
+  passed on to `update`. `fallback` (keyword-only) is `OptimizerDef`'s.
+
+  `fused` (keyword-only, a `FusedUpdate` or its string; default ``"off"``)
+  opts in to the multi-tensor update of `t5x_optim._layouts.fused`: an
+  elementwise update (adam, adamw, lion, sgd with momentum, rmsprop, ...)
+  then runs as one kernel per group of leaves. Updates that cannot (not
+  elementwise, or needing a primitive the GPU kernel lacks) take the plain
+  path with a warning saying why; the state, its partition specs and the
+  state dict are the same either way.
+
+  The target may be `StackedParams` (`t5x_optim.stack_params`: params kept
+  stacked by shape between steps): `create` then puts this definition
+  inside the stacked layer, `t5x_optim._layouts.stacked.StackedOptimizerDef`,
+  which checks that the update is elementwise per leaf and keeps state
+  dicts and checkpoints per leaf. Both layouts plug in through one hook,
+  `layout` (a `t5x_optim._layouts.layouts.UpdateLayout`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = OptaxWrapper(optax.adamw(1e-3)).create({'w': jnp.ones(3)})
+    >>> opt = opt.apply_gradient({'w': jnp.ones(3)})
+    >>> int(opt.state.step)
+    1
+  """
+
+  def __init__(
+    self,
+    optax_optimizer: optax.GradientTransformation | optax.MultiSteps,
+    *,
+    extra_args: Collection[str] = OPTAX_EXTRA_ARGS,
+    fallback: _state_rules.StateRulesFallback | str = (
+      _state_rules.StateRulesFallback.REPLICATE_WITH_WARNING
+    ),
+    fused: FusedOption = "off",
+  ):
+    super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
+    self.layout = UpdateLayout(fused)
+    if isinstance(optax_optimizer, optax.MultiSteps):
+      optax_optimizer = optax_optimizer.gradient_transformation()
+    self.optax_optimizer = optax_optimizer
+    takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
+    self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
+
+  def create(self, target: Any) -> Optimizer:
+    """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
+    return self.layout.create(self, target, super().create)
+
+  @property
+  def fused(self) -> Any:
+    """The fused mode of the update (a `FusedUpdate`)."""
+    return self.layout.fused
+
+  def prepare_grads(self, params: Any, grads: Any) -> Any:
+    """`OptimizerDef.prepare_grads`; for `optax.lookahead`, against the fast params."""
+    if isinstance(params, optax.LookaheadParams):
+      params = params.fast
+    return super().prepare_grads(params, grads)
+
+  def init_state(self, params: Any) -> OptimizerState:
+    return OptimizerState(
+      step=jnp.zeros((), jnp.int32), param_states=self.optax_optimizer.init(params)
+    )
+
+  def apply_gradient(
+    self,
+    hyper_params: OptaxHyperParams,
+    params: Any,
+    state: OptimizerState,
+    grads: Any,
+    **extra_args: Any,
+  ) -> tuple[Any, OptimizerState]:
+    param_states = state.param_states
+    if hyper_params.learning_rate is not None:
+      check_learning_rate(hyper_params.learning_rate)
+      param_states = override_learning_rate(param_states, hyper_params.learning_rate)
+    new_params, new_param_states = self.layout.update(
+      self.optax_optimizer, params, grads, param_states, extra_args
+    )
+    return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
+
+  def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    """Returns `optimizer` with every leaf replaced by its logical spec.
+
+    The target becomes the params' logical axes, `step` becomes `None` and
+    every optax state leaf a `PartitionSpec` (or `None`, replicated); empty
+    optax nodes stay as they are. Leaves without a valid spec go to
+    `fallback`.
+    """
+    axes = _state_rules.logical_axes_from(param_logical_axes)
+    param_states = _state_rules.OptaxStatePartitionRules.derive_optax_logical_axes(
+      optimizer.state.param_states,
+      axes,
+      transformation=self.optax_optimizer,
+      params=optimizer.target,
+      fallback=self.fallback,
+    )
+    return optimizer.replace(
+      target=axes, state=OptimizerState(step=None, param_states=param_states)
+    )
+
+
+def wrap_optax_optimizer(
+  optax_optimizer: Callable[..., optax.GradientTransformation],
+) -> Callable[..., OptaxWrapper]:
+  """Turns an optax factory into one that builds an `OptaxWrapper`.
+
+  The result keeps the factory's name, docstring and signature, so gin can
+  configure it.
+
+  Example:
+    >>> import optax
+    >>> adamw = wrap_optax_optimizer(optax.adamw)
+    >>> type(adamw(learning_rate=1e-3)).__name__
+    'OptaxWrapper'
+  """
+
+  @functools.wraps(optax_optimizer)
+  def wrapped_optimizer(*args: Any, **kwargs: Any) -> OptaxWrapper:
+    return OptaxWrapper(optax_optimizer(*args, **kwargs))
+
+  return wrapped_optimizer
+
+
+def chain(
+  transformations: Sequence[optax.GradientTransformation],
+  *,
+  fused: FusedOption = "off",
+) -> OptaxWrapper:
+  """`optax.chain` over a list (gin cannot bind `*args`), as an `OptaxWrapper`.
+
+  `fused` is `OptaxWrapper`'s (in gin: ``optimizers.chain.fused = 'auto'``).
+
+  Example:
+    >>> import optax
+    >>> opt_def = chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)])
+  """
+  return OptaxWrapper(optax.chain(*transformations), fused=fused)
+
+
+def inject_hyperparams(
+  inner_factory: Callable[..., optax.GradientTransformation],
+  *,
+  hyperparams: Mapping[str, Any],
+  static_args: Sequence[str] = (),
+) -> optax.GradientTransformation:
+  """`optax.inject_hyperparams(inner_factory)(**hyperparams)`, configurable by gin.
+
+  Gin cannot call the function `optax.inject_hyperparams` returns; this does
+  (in gin: ``@optimizers.inject_hyperparams()``).
+  The result is a transformation: use it inside `optimizers.chain` or wrap it
+  with `optimizers.OptaxWrapper`. A constant injected ``learning_rate`` can
+  then be overridden per step (T5X's ``apply_gradient(learning_rate=...)``).
+
+  Args:
+    inner_factory: an optax factory (in gin, a reference without call:
+      ``@optax.sgd``).
+    hyperparams: the factory's arguments; numbers (or schedules) are
+      injected into the state, other values are passed as they are.
+    static_args: names of arguments that must stay static.
+
+  Raises:
+    TypeError: when `hyperparams` names an argument `inner_factory` lacks.
+
+  Example:
+    >>> import optax
+    >>> tx = inject_hyperparams(optax.sgd, hyperparams={'learning_rate': 0.1})
+    >>> round(float(tx.init({}).hyperparams['learning_rate']), 6)
+    0.1
+  """
+  accepted = inspect.signature(inner_factory).parameters
+  unknown = sorted(set(hyperparams) - set(accepted))
+  if unknown:
+    raise TypeError(
+      f"inject_hyperparams: {getattr(inner_factory, '__name__', inner_factory)} has no "
+      f"argument(s) {unknown}; it takes {sorted(accepted)}."
+    )
+  return optax.inject_hyperparams(inner_factory, static_args=tuple(static_args))(**hyperparams)

@@ -1,0 +1,167 @@
+"""Restoring a checkpoint written with one optimizer into a train state with another."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import traverse_util
+
+from t5x_optim._checkpoint import store as _checkpoints
+from t5x_optim._checkpoint import t5x_read as _t5x
+from t5x_optim._convert import convert as _convert
+from t5x_optim._core.interface import Optimizer, OptimizerDef
+from t5x_optim._training.train_state import TrainState
+
+__all__ = ["restore_converted"]
+
+State = TrainState | Optimizer
+_log = logging.getLogger("t5x_optim.checkpoints")
+
+
+class _StoredStateDict:
+  """A restore target that is the checkpoint's own state dict (T5X format only).
+
+  Its `state_dict` lists every stored array as a `jax.ShapeDtypeStruct`, so
+  `restore_t5x_checkpoint` reads them all, and `restore_state` returns the
+  state dict it is given.
+  """
+
+  def __init__(self, path: str | os.PathLike[str], step: int | None):
+    step_dir, fmt = _t5x._locate(path, step)
+    read = _t5x._read_legacy_metadata if fmt == "legacy" else _t5x._read_orbax_metadata
+    self._abstract = traverse_util.unflatten_dict(
+      {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in read(step_dir).items()}
+    )
+
+  def state_dict(self) -> dict[str, Any]:
+    return self._abstract
+
+  def restore_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(state_dict)
+
+
+def _holds_t5x(path: str | os.PathLike[str]) -> bool:
+  try:
+    _t5x._locate(path, None)
+  except (FileNotFoundError, ValueError):
+    return False
+  return True
+
+
+def _optimizer(state: State) -> Optimizer:
+  return state.optimizer if isinstance(state, TrainState) else state
+
+
+def _with_optimizer(state: State, optimizer: Optimizer) -> State:
+  return state.replace(_optimizer=optimizer) if isinstance(state, TrainState) else optimizer
+
+
+def restore_converted(
+  path: str | os.PathLike[str],
+  target: State,
+  *,
+  source: OptimizerDef | State | None = None,
+  step: int | None = None,
+  source_hparams: Mapping[str, Any] | None = None,
+  target_hparams: Mapping[str, Any] | None = None,
+  missing: str = "raise",
+) -> tuple[State, _convert.ConversionReport]:
+  """Restores a checkpoint written with another optimizer, converting its state.
+
+  The checkpoint (a T5X model directory in either format, or a
+  `Checkpointer` directory) is restored into a state of the old optimizer,
+  then `convert_state` turns that optimizer's state into `target`'s: the
+  params (and step, and ``flax_mutables``) are exact, the new optimizer's
+  state is converted and placed in `target`'s shardings.
+
+  Args:
+    path: the model directory (or a T5X step directory).
+    target: the `TrainState` or `Optimizer` to restore into, with the new
+      optimizer; real or abstract (`partitioning.abstract_train_state`).
+    source: the optimizer that wrote the checkpoint: its definition (its
+      state is then read with the default placement), or an abstract state
+      of it with shardings (each array is read straight into them). None
+      only for T5X's legacy ``adafactor.Adafactor``, recognised by its
+      layout.
+    step: the step to restore; None: the latest.
+    source_hparams: see `convert_state`.
+    target_hparams: see `convert_state`.
+    missing: see `convert_state`.
+
+  Returns:
+    ``(state, report)``: a new object of `target`'s type and the
+    `ConversionReport`.
+
+  Raises:
+    FileNotFoundError: no checkpoint (for `step`) at `path`.
+    ValueError: the checkpoint does not fit `source` (naming the paths), no
+      `source` for a checkpoint that is not T5X's legacy Adafactor, or what
+      `convert_state` raises.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, t5x_optim
+    >>> from t5x_optim import optimizers
+    >>> params = {'w': jnp.ones((2, 3))}
+    >>> old = optimizers.adafactor(0.1, min_dim_size_to_factor=1).create(params)
+    >>> model_dir = tempfile.mkdtemp()
+    >>> _ = t5x_optim.save_t5x_checkpoint(model_dir, old.apply_gradient({'w': jnp.ones((2, 3))}))
+    >>> new = optimizers.adamw(1e-3).create(params)
+    >>> new, report = restore_converted(model_dir, new, source=old.optimizer_def, missing='init')
+    >>> int(new.state.step), new.state.param_states[0].nu['w'].shape
+    (1, (2, 3))
+  """
+  hparams = {"source_hparams": source_hparams, "target_hparams": target_hparams}
+  t5x = _holds_t5x(path)
+  if source is None:
+    if not t5x:
+      raise ValueError(
+        f"{path} holds no T5X checkpoint; pass source= (the optimizer that wrote it) "
+        "to restore it into another optimizer."
+      )
+    state_dict = _t5x.restore_t5x_checkpoint(path, _StoredStateDict(path, step), step=step)
+    optimizer, report = _convert.convert_state(
+      state_dict, _optimizer(target), missing=missing, **hparams
+    )
+    restored = _with_optimizer(target, optimizer)
+    if isinstance(restored, TrainState) and "flax_mutables" in state_dict:
+      restored = restored.restore_state(
+        {**optimizer.state_dict(), "flax_mutables": state_dict["flax_mutables"]}
+      )
+    return restored, report
+  if isinstance(source, OptimizerDef) or not isinstance(source, TrainState | Optimizer):
+    old = jax.eval_shape(source.create, _optimizer(target).target)
+    source = _with_optimizer(target, old)
+  if t5x:
+    old_state = _t5x.restore_t5x_checkpoint(path, source, step=step)
+  else:
+    with _checkpoints.Checkpointer(path) as checkpointer:
+      old_state = checkpointer.restore(source, step)
+  optimizer, report = _convert.convert_state(
+    _optimizer(old_state), _optimizer(target), missing=missing, **hparams
+  )
+  if isinstance(target, TrainState):
+    return old_state.replace(
+      _optimizer=optimizer,
+      param_axis_leaves=target.param_axis_leaves,
+      mutable_axis_leaves=target.mutable_axis_leaves,
+    ), report
+  return optimizer, report
+
+
+def restore_with_conversion(
+  path: str | os.PathLike[str], target: State, convert_from: Any, step: int | None
+) -> State:
+  """The ``convert_from=`` keyword of `Checkpointer.restore` and `restore_t5x_checkpoint`.
+
+  `restore_converted` with ``source=convert_from`` (True: T5X's legacy
+  Adafactor, recognised by its layout) and its defaults; the report is
+  logged at INFO level.
+  """
+  source = None if convert_from is True else convert_from
+  state, report = restore_converted(path, target, source=source, step=step)
+  _log.info("Restored %s into another optimizer:\n%s", path, report)
+  return state

@@ -1,0 +1,564 @@
+"""Implementation of `t5x_optim.checkpoints`, documented there."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any, NoReturn, Protocol, Self
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import traverse_util
+
+from t5x_optim._checkpoint import storage
+from t5x_optim._checkpoint import t5x_read as t5x_checkpoints
+from t5x_optim._checkpoint.checksums import (
+  CHECKSUMS_FILE,
+  ChecksumsArgs,
+  ChecksumsHandler,
+  dispatch_checksums,
+  fetch,
+)
+from t5x_optim._checkpoint.headers import open_stored
+from t5x_optim._checkpoint.leaves import (
+  CheckpointError,
+  Path,
+  as_read,
+  as_stored,
+  checked_step,
+  class_problems,
+  fit_read,
+  flatten,
+  leaf_problems,
+  optimizer_state_classes,
+  orbax_restore_args,
+  rewrap_keys,
+  root_cause,
+  saveable,
+)
+from t5x_optim._checkpoint.lock import WriterLock
+from t5x_optim._core.interface import Optimizer
+from t5x_optim._keypaths import key_path_str
+from t5x_optim._training.train_state import TrainState
+
+__all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]
+
+_log = logging.getLogger("t5x_optim.checkpoints")
+
+_TARGET = "target"
+_STATE = "state"
+_STEP = "step"
+_PARAM_STATES = "param_states"
+_FLAX_MUTABLES = "flax_mutables"
+_ARRAYS = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+_CHECKSUMS = "checksums"
+_STATE_CLASSES = "state_classes"
+# The file orbax's JsonCheckpointHandler writes an item to.
+_JSON_FILE = "metadata"
+
+
+class CheckpointState(Protocol):
+  """What `Checkpointer` saves and restores: a `TrainState` or an `Optimizer`."""
+
+  def state_dict(self) -> dict[str, Any]:
+    """The T5X-layout state dict."""
+
+  def restore_state(self, state_dict: Mapping[str, Any]) -> Self:
+    """A copy restored from a T5X-layout state dict."""
+
+
+def _optimizer_of(target: CheckpointState) -> Optimizer:
+  if isinstance(target, TrainState):
+    return target.optimizer
+  if isinstance(target, Optimizer):
+    return target
+  raise TypeError(
+    f"params_only=True needs a TrainState or an Optimizer, got {type(target).__name__}."
+  )
+
+
+def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> Any:
+  """The state dict's ``param_states`` of the optimizer's initial state for `params`.
+
+  Runs the definition's `init_state` under `jax.jit` with the shardings of
+  the target's optimizer state as `out_shardings`, so each device only ever
+  holds its own shards; the definition's own `state_dict` lays it out (a
+  MultiOptimizer's per-param layout included).
+  """
+  optimizer = _optimizer_of(target)
+  leaves, treedef = jax.tree.flatten(optimizer.state.param_states)
+  shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
+  out_shardings = None if None in shardings else treedef.unflatten(shardings)
+  init = jax.jit(
+    lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
+  )
+  # The definition lays the params out (a stacked layout stacks them); its state is kept as is.
+  own_state = optimizer.state_dict()[_STATE]
+  restored_params = optimizer.restore_state({_TARGET: params, _STATE: own_state}).target
+  fresh = optimizer.state.replace(param_states=init(restored_params))
+  state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
+  return state.get(_PARAM_STATES, {})
+
+
+def _is_params_only_path(path: Path) -> bool:
+  return path[0] in (_TARGET, _FLAX_MUTABLES) or path == (_STATE, _STEP)
+
+
+def _any_path(path: Path) -> bool:
+  del path
+  return True
+
+
+class _Open:
+  """A checkpointer's orbax manager and writer lock: what closing releases."""
+
+  def __init__(self, manager: ocp.CheckpointManager, lock: WriterLock):
+    self.manager, self.lock = manager, lock
+
+  def close(self) -> None:
+    """Finishes pending saves, then releases the lock (also if they fail)."""
+    try:
+      self.manager.close()
+    finally:
+      self.lock.release()
+
+
+class Checkpointer:
+  """Saves and restores train states or optimizers as sharded orbax checkpoints.
+
+  Steps live in ``directory/<step>``. Saves are asynchronous by default:
+  `save` returns once the arrays are copied off the devices and the files are
+  written in the background; call `wait_until_finished` (or `close`) before
+  relying on them. All processes of a multi-process job must call `save`,
+  `restore` and `close` together with the same arguments.
+
+  Any number of checkpointers may read a directory, but only one may write:
+  the first `save` locks the directory until `close` (or the death of the
+  process), and a `save` by another checkpointer meanwhile raises
+  `CheckpointError` at once, before anything is written. On an object store
+  (``gs://bucket/dir``) the lock is a lease object written with generation
+  preconditions, which a crashed writer leaves for at most a minute. Only a writer
+  removes the partial steps left by a crash, so a reader never deletes a
+  step that a writer is still completing.
+
+  Args:
+    directory: the checkpoint directory (created if missing): local or with a
+      scheme (``gs://bucket/dir``; see the README's "Cloud storage").
+    keep: keep only the newest `keep` steps (None keeps all).
+    async_save: write in the background (`False` blocks in `save`).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from t5x_optim import optimizers
+    >>> opt = optimizers.sgd(0.1).create({'w': jnp.ones(2)})
+    >>> with Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
+    ...   ckpt.save(7, opt)
+    ...   ckpt.all_steps(), ckpt.latest_step()
+    ([7], 7)
+  """
+
+  def __init__(
+    self, directory: str | os.PathLike[str], *, keep: int | None = None, async_save: bool = True
+  ):
+    if keep is not None and keep < 1:
+      raise ValueError(f"keep must be None or at least 1, got {keep}.")
+    self._directory = os.fspath(directory)
+    storage.check_reachable(self._directory)
+    # How the manager names step directories by default (passing it as
+    # `step_name_format` would make every restore list the directory).
+    self._step_names = ocp.step.standard_name_format()
+    self._keep, self._async_save = keep, async_save
+    self._restored_step: int | None = None
+    self._open = _Open(self._new_manager(writer=False), WriterLock(self._directory))
+    # Closes a checkpointer that was never closed when it is collected or at
+    # interpreter exit: pending saves finish, then the lock is released.
+    self._finalizer = weakref.finalize(self, self._open.close)
+
+  def _new_manager(self, *, writer: bool) -> ocp.CheckpointManager:
+    """An orbax manager of the directory; only a writer's removes partial steps."""
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=self._keep,
+      enable_async_checkpointing=self._async_save,
+      cleanup_tmp_directories=writer,
+      create=True,
+    )
+    handlers = {
+      _ARRAYS: ocp.PyTreeCheckpointHandler(),
+      _CHECKSUMS: ChecksumsHandler(),
+      _STATE_CLASSES: ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
+
+  @property
+  def _manager(self) -> ocp.CheckpointManager:
+    return self._open.manager
+
+  @property
+  def directory(self) -> str:
+    """The checkpoint directory."""
+    return self._directory
+
+  def __enter__(self) -> Self:
+    return self
+
+  def __exit__(self, *exc_info: object) -> None:
+    self.close()
+
+  def all_steps(self) -> list[int]:
+    """The saved steps, ascending.
+
+    These are the complete checkpoints found on disk (partial ones from a
+    crash never count) plus this checkpointer's own saves still in flight;
+    call `wait_until_finished` first to list only complete ones.
+    """
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest of `all_steps`, or None when there is none."""
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: CheckpointState) -> None:
+    """Saves `state`'s state dict as checkpoint `step`.
+
+    Each process writes the shards it holds. With `async_save` this returns
+    once the arrays are copied off the devices, before the files are
+    complete; the step becomes a checkpoint directory only when they are.
+    The checksum of every array is computed on its devices and saved in the
+    same atomic commit.
+
+    Args:
+      step: the step number; must be newer than every saved step.
+      state: a `TrainState` or an `Optimizer` (arrays may be sharded).
+
+    Raises:
+      ValueError: when `step` is not a non-negative integer or not newer
+        than the latest saved step; nothing is written.
+      CheckpointError: another checkpointer writes into this directory.
+    """
+    step = checked_step(step)
+    if not self._open.lock.held:
+      self._become_writer(step)
+    self._open.lock.check(f"checkpoint directory {self._directory}", step)
+    latest = self.latest_step()
+    if latest is not None and step <= latest:
+      raise ValueError(
+        f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
+        "and steps must increase."
+      )
+    arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
+    checksums = dispatch_checksums(arrays)
+    items = {
+      _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
+      _CHECKSUMS: ChecksumsArgs(checksums),
+    }
+    classes = optimizer_state_classes(state)
+    if classes is not None:
+      items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def _become_writer(self, step: int) -> None:
+    """Locks the directory, then reopens it as its writer (removing partial steps)."""
+    self._open.lock.acquire(f"checkpoint directory {self._directory}", step)
+    self._open.manager.close()
+    self._open.manager = self._new_manager(writer=True)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until every pending asynchronous save is complete."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Finishes pending saves, releases the manager's resources and the lock."""
+    self._finalizer()
+
+  @property
+  def restored_step(self) -> int | None:
+    """The step the last successful `restore` read (None before any)."""
+    return self._restored_step
+
+  def _where(self, step: int) -> str:
+    return f"Checkpoint step {step} in {self._directory}"
+
+  def _item(self, step: int, name: str = _ARRAYS) -> epath.Path:
+    """The directory orbax writes item `name` of checkpoint `step` to."""
+    return epath.Path(self._directory) / self._step_names.build_name(step) / name
+
+  def _recorded_checksums(self, step: int) -> dict[str, int]:
+    """The checksums saved with step `step`, by joined array path."""
+    path = self._item(step, _CHECKSUMS) / CHECKSUMS_FILE
+    try:
+      recorded = json.loads(path.read_text())
+      if not isinstance(recorded, dict):
+        raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
+      return {str(key): int(value) for key, value in recorded.items()}
+    except (OSError, ValueError, TypeError) as e:
+      raise CheckpointError(
+        f"{self._where(step)} has no readable checksums ({path}): {e}. A step written "
+        "before checksums existed restores with verify=False, unverified.",
+        step=step,
+      ) from e
+
+  def _holds_only_t5x_checkpoints(self) -> bool:
+    """Whether the directory has T5X's checkpoints and none of ours."""
+    self._manager.wait_until_finished()
+    if self.all_steps():
+      return False
+    self._manager.reload()
+    return not self.all_steps() and bool(t5x_checkpoints.t5x_checkpoint_steps(self._directory))
+
+  def _resolve_step(self, step: int | None) -> int:
+    """The step to restore, from complete checkpoints only.
+
+    Pending saves are finished first. An explicit step this checkpointer
+    already knows (it saved or listed it) and that is still on disk needs no
+    re-read of the directory; otherwise the directory is re-read, so steps
+    written by other processes are seen.
+    """
+    self._manager.wait_until_finished()
+    if step is not None:
+      step = checked_step(step)
+    if step is None or step not in self._manager.all_steps() or not self._item(step).exists():
+      self._manager.reload()
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f"No complete checkpoint in {self._directory}.")
+      return steps[-1]
+    if step not in steps:
+      raise FileNotFoundError(
+        f"No complete checkpoint for step {step} in {self._directory}; the steps are {steps}."
+      )
+    return step
+
+  def _recorded_classes(self, step: int) -> dict[str, str]:
+    """The state classes saved with step `step`; {} for a step saved before they were."""
+    path = self._item(step, _STATE_CLASSES) / _JSON_FILE
+    if not path.exists():
+      return {}
+    try:
+      recorded = json.loads(path.read_text())
+      if not isinstance(recorded, dict):
+        raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
+    except (OSError, ValueError) as e:
+      raise CheckpointError(
+        f"{self._where(step)} has an unreadable record of its optimizer ({path}): {e}.",
+        step=step,
+      ) from e
+    return {str(key): str(value) for key, value in recorded.items()}
+
+  def _check(
+    self,
+    step: int,
+    expected: Mapping[Path, Any],
+    stored: Mapping[Path, Any],
+    classes: Mapping[str, str] | None,
+  ) -> None:
+    """Refuses a checkpoint whose leaves or optimizer state classes do not fit the target."""
+    problems = leaf_problems(expected, stored)
+    if classes is not None:
+      other = class_problems(self._recorded_classes(step), classes)
+      if other:
+        other[-1] += (
+          " (another optimizer: restore with params_only=True to start its state afresh, "
+          "or with convert_from= to convert it)"
+        )
+      problems += other
+    if problems:
+      self._refuse(step, problems)
+
+  def _refuse(self, step: int, problems: list[str]) -> NoReturn:
+    raise ValueError(
+      f"{self._where(step)} does not fit the target: {'; '.join(problems)}. Nothing was restored."
+    )
+
+  def _read(self, step: int, expected: Mapping[Path, Any], *, partial: bool) -> dict[Path, Any]:
+    """Reads the `expected` leaves of checkpoint `step` into their shardings."""
+    abstract, restore_args = orbax_restore_args(expected)
+    args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=partial)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{_ARRAYS: args}))
+    except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions.
+      cause = root_cause(e)
+      at = [f"'{key_path_str(p)}'" for p in expected if f'"{".".join(p)}/' in cause]
+      raise CheckpointError(
+        f"{self._where(step)} could not be read at {', '.join(at) or self._item(step)}: {cause}",
+        step=step,
+      ) from e
+    return traverse_util.flatten_dict(dict(restored[_ARRAYS]))
+
+  def _verify(
+    self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
+  ) -> None:
+    """Raises `CheckpointError` naming every array whose checksum differs."""
+    actual = fetch(pending)
+    wrong = [
+      f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
+      for path, value in actual.items()
+      if recorded[path] != value
+    ]
+    if wrong:
+      raise CheckpointError(
+        f"{self._where(step)} is corrupt: the checksum differs at {', '.join(wrong)}.",
+        step=step,
+      )
+
+  def _restore_step(
+    self, target: CheckpointState, step: int, *, params_only: bool, verify: bool
+  ) -> CheckpointState:
+    """`restore` of exactly `step`: check, read, build the state, verify.
+
+    The checksums of the arrays read are computed on their devices while the
+    state is built; a mismatch discards that state.
+    """
+    wanted = _is_params_only_path if params_only else _any_path
+    stored = open_stored(self._item(step), self._where(step), step, wanted)
+    target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
+    expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
+    classes = None if params_only else optimizer_state_classes(target)
+    self._check(step, expected, stored, classes)
+    if verify:
+      recorded = self._recorded_checksums(step)
+      unrecorded = [f"'{key_path_str(p)}'" for p in expected if key_path_str(p) not in recorded]
+      if unrecorded:
+        raise CheckpointError(
+          f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
+          step=step,
+        )
+    to_read = {path: as_read(leaf, stored[path]) for path, leaf in expected.items()}
+    restored = self._read(step, to_read, partial=params_only)
+    if verify:
+      # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
+      dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
+      pending = dispatch_checksums(restored, dtypes)
+    restored, unfit = fit_read(restored, expected)
+    if unfit:
+      if verify:
+        self._verify(step, pending, recorded)  # Corrupt data is not the target's fault.
+      self._refuse(step, unfit)
+    state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
+    if params_only:
+      state_dict[_STATE][_PARAM_STATES] = _fresh_param_states(target, state_dict[_TARGET])
+    state = target.restore_state(state_dict)
+    if verify:
+      self._verify(step, pending, recorded)
+    return state
+
+  def restore(
+    self,
+    target: CheckpointState,
+    step: int | None = None,
+    *,
+    params_only: bool = False,
+    fallback: bool = False,
+    verify: bool = True,
+    convert_from: Any = None,
+  ) -> CheckpointState:
+    """Restores checkpoint `step` into `target`'s structure and shardings.
+
+    `target` is only a template and is never modified: its leaves may be real
+    arrays or `jax.ShapeDtypeStruct`s with shardings (see
+    `partitioning.abstract_train_state`). Each array is read straight into
+    its target sharding, whatever mesh or device count the checkpoint was
+    saved from; no unsharded copy is made. Every array read is checked
+    against the checksum saved with it. Each leaf comes back in the
+    target's dtype, by the rule `Optimizer.restore_state` follows: floating
+    data may be cast to any floating dtype (a float32 checkpoint restores
+    into bfloat16 params, as with T5X's ``restore_dtype``), an integer to a
+    narrower integer, or a float to an integer (a float32 step counter),
+    when every value is a whole number that fits; another change of kind
+    (complex to real) is refused. Arrays whose stored dtype casts exactly
+    into the target's are read in the target's dtype and returned as read,
+    without another device copy; the others are read as stored and cast
+    on their devices. Pending saves of this checkpointer are finished
+    first. The directory is re-read, so checkpoints written by other
+    processes are seen, unless `step` is one this checkpointer already
+    knows.
+
+    Args:
+      target: a `TrainState` or `Optimizer` giving structure, dtypes and
+        shardings.
+      step: the step to restore; None means the latest.
+      params_only: restore only the params (`target`), the step counter and
+        the `flax_mutables`, and start the optimizer state afresh: the
+        target optimizer's `init_state` of the restored params. For
+        switching optimizers (e.g. to fine-tune): the checkpoint's optimizer
+        state is neither checked nor read.
+      fallback: when `step` (or the latest) raises `CheckpointError`, try
+        the older steps, newest first, and restore the first intact one.
+        Each step skipped is logged as a warning with its error; the step
+        used is logged and is `restored_step` afterwards.
+      verify: check every array against its recorded checksum. Only for
+        steps written before checksums existed: False restores them
+        unverified.
+      convert_from: the optimizer that wrote the checkpoint, when `target`
+        has another (its definition or an abstract state of it; True: T5X's
+        legacy Adafactor): params restored exactly, the optimizer state
+        converted, see `t5x_optim.restore_converted`.
+
+    A directory that holds no t5x_optim checkpoint but T5X's
+    ``checkpoint_<step>`` directories (legacy or Orbax format) is restored
+    with `t5x_checkpoints.restore_t5x_checkpoint` (T5X's format has no
+    checksums, and no `params_only` or `fallback`).
+
+    Returns:
+      A new object of `target`'s type holding real, sharded arrays.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (for `step`).
+      ValueError: the checkpoint does not fit the target (missing or
+        unexpected keys, e.g. another optimizer's state; other shapes;
+        dtypes of another kind; an optimizer state of other classes where
+        the keys agree, such as adam's checkpoint restored into adabelief:
+        each step records the classes of its optimizer state's nodes, see
+        `state_classes`), checked on the metadata before any array
+        is read and naming every such path; or a stored array whose values
+        are not all whole numbers within the target's integer dtype, which
+        can only be checked once read (after its checksum). Never retried by
+        `fallback`: it is the target that is wrong.
+      CheckpointError: the step's files are missing, unreadable or corrupt
+        (with `fallback`: those of every step tried), naming the step and the
+        array path.
+    """
+    if convert_from is not None:
+      from t5x_optim._checkpoint import converting as convert_checkpoint  # noqa: PLC0415 - it imports this one
+
+      restored = convert_checkpoint.restore_with_conversion(
+        self._directory, target, convert_from, step
+      )
+      self._restored_step = int(_optimizer_of(restored).state.step)
+      return restored
+    if self._holds_only_t5x_checkpoints():
+      if params_only or fallback:
+        raise ValueError(
+          f"{self._directory} holds T5X checkpoints, which restore with neither "
+          "params_only nor fallback."
+        )
+      restored = t5x_checkpoints.restore_t5x_checkpoint(self._directory, target, step=step)
+      self._restored_step = (
+        t5x_checkpoints.latest_t5x_step(self._directory) if step is None else step
+      )
+      return restored
+    step = self._resolve_step(step)
+    candidates = [s for s in reversed(self.all_steps()) if s <= step] if fallback else [step]
+    errors = []
+    for candidate in candidates:
+      try:
+        restored = self._restore_step(target, candidate, params_only=params_only, verify=verify)
+      except CheckpointError as e:
+        if not fallback:
+          raise
+        _log.warning("Skipping checkpoint step %d: %s", candidate, e)
+        errors.append(e)
+        continue
+      self._restored_step = candidate
+      if errors:
+        _log.warning("Restored checkpoint step %d of %s instead.", candidate, self._directory)
+      return restored
+    raise CheckpointError(
+      f"No intact checkpoint up to step {step} in {self._directory}: "
+      + "; ".join(str(e) for e in errors),
+      step=step,
+    ) from errors[-1]

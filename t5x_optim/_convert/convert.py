@@ -1,0 +1,606 @@
+"""Optimizer-state conversion: carry one optimizer's statistics into another's state.
+
+Every converter reads a state node into per-param *moments* and writes moments
+into a node of its type:
+
+- ``mu``: the estimate of the gradient's mean, E[g] (a bias-corrected average);
+- ``nu``: the estimate of the gradient's second moment, E[g^2];
+- ``count``: how many gradients the estimates have seen.
+
+Converting A to B reads every node of A's state that has a converter, then
+writes every node of B's template state from the moments of its params, so any
+pair of registered states converts (N converters, not N^2 conversions).
+
+Step counts. Every state node was built over some number of updates of its
+transformation, its *clock*: the optimizer's step at the root; inside a
+``MultiSteps`` state its ``gradient_step`` (the inner optimizer's updates, not
+the mini-steps); inside a sub-optimizer's `OptimizerState` (`MultiOptimizer`)
+that sub-optimizer's step; inside a `LowPrecisionState` its ``count``. A state
+without a count of its own (SGD's trace) is read and written over its clock.
+
+A converted node's count is the source's count for its params (the count of the
+source node that held them, or that node's clock), and each state stores its
+moments scaled as its own update expects after that many steps. Adam's bias
+correction at the next step divides by ``1 - b^(count+1)``, close to
+``1 - b^count``, so it sees the source's estimates and does not re-amplify a
+converted ``nu``. In the new state, the root's clock is the source optimizer's
+step; a sub-optimizer's step and a `LowPrecisionState`'s count are their
+parent's clock (they update once per step of it; T5X's ``MultiOptimizer``
+passes its own step to its sub-optimizers); a ``MultiSteps``'
+``gradient_step`` is the source's count for its params (its inner optimizer
+goes on from as many updates as its moments were gathered over), with
+``mini_step`` 0 and no accumulated gradient. Every other ``count``
+field (learning-rate schedules, injected hyper-parameters) is set to its clock,
+so schedules go on where the old run was instead of warming up again; a node
+that gets none of its moments starts fresh with count 0.
+
+Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16 or 8-bit
+state) is decoded to float32 (`low_precision_to_float32`) before it is read,
+and a target's is written in float32 and encoded again
+(`float32_to_low_precision`), so moments convert between any two storages.
+An 8-bit leaf anywhere else cannot be decoded and is refused, with its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization, traverse_util
+
+from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
+from t5x_optim._convert.registry import (
+  MU,
+  NU,
+  ConversionContext,
+  ConversionReport,
+  Moments,
+  StateConverter,
+  T5XAdafactorParamState,
+  _by_param,
+  _field,
+  _is_namedtuple,
+  register_state_converter,
+  registered_converters,
+)
+from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._low_precision.low_precision import (
+  LowPrecisionState,
+  QuantizedLeaf,
+  float32_to_low_precision,
+  low_precision_to_float32,
+)
+
+__all__ = [
+  "ConversionContext",
+  "ConversionReport",
+  "Moments",
+  "StateConverter",
+  "T5XAdafactorParamState",
+  "convert_state",
+  "register_state_converter",
+  "registered_converters",
+]
+
+_MISSING_POLICIES = ("raise", "init")
+
+# ------------------------------------------------------------------ engine
+
+
+def _children(node: Any) -> list[tuple[str, Any]] | None:
+  """The (key, child) pairs of a container node, or None for a leaf."""
+  if isinstance(node, optax.MaskedNode):
+    return None
+  if _is_namedtuple(node):
+    return [(name, getattr(node, name)) for name in node._fields]
+  if isinstance(node, tuple | list):
+    return [(str(i), child) for i, child in enumerate(node)]
+  if isinstance(node, Mapping):
+    return [(str(key), child) for key, child in node.items()]
+  if dataclasses.is_dataclass(node) and not isinstance(node, type):
+    return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+  return None
+
+
+def _rebuild(node: Any, children: list[Any]) -> Any:
+  if _is_namedtuple(node):
+    return type(node)(*children)
+  if isinstance(node, tuple | list):
+    return type(node)(children)
+  if isinstance(node, Mapping):
+    return type(node)(zip(node.keys(), children, strict=True))
+  return node.replace(
+    **{f.name: c for f, c in zip(dataclasses.fields(node), children, strict=True)}
+  )
+
+
+def _has_state_nodes(tree: Any) -> bool:
+  """Whether `tree` holds a NamedTuple or dataclass state (other than masked holes)."""
+  children = _children(tree)
+  if children is None:
+    return False
+  if _is_namedtuple(tree) or dataclasses.is_dataclass(tree):
+    return True
+  return any(_has_state_nodes(child) for _, child in children)
+
+
+def _has_tensors(tree: Any) -> bool:
+  """Whether `tree` holds an array that is not a scalar (per-param statistics)."""
+  return any(jnp.ndim(leaf) > 0 for leaf in jax.tree.leaves(tree))
+
+
+# Fields that hold no statistics of the gradients and start at their initial value.
+_FRESH_FIELDS = {(optax.MultiStepsState, "acc_grads")}
+
+
+def _param_suffix(path: tuple[str, ...], params: Mapping[str, Any]) -> str | None:
+  for start in range(len(path)):
+    candidate = "/".join(path[start:])
+    if candidate in params:
+      return candidate
+  return None
+
+
+def _as_count(value: Any, like: Any) -> jax.Array:
+  """`value` as a step count of `like`'s integer dtype."""
+  return jnp.asarray(value, jnp.result_type(like))
+
+
+def _clock_of(node: Any, clock: Any) -> Any:
+  """The step count the states inside a source `node` were built over (see the module docstring)."""
+  if isinstance(node, optax.MultiStepsState):
+    return node.gradient_step
+  if isinstance(node, OptimizerState):
+    return node.step
+  return clock
+
+
+def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
+  """A target `node` with its own step count set, and the clock of the states inside it.
+
+  A sub-optimizer's `OptimizerState` takes its parent's clock. A
+  ``MultiSteps`` state's inner optimizer has made as many updates as the
+  source's moments for its params were gathered over (the parent's clock
+  when the source has none); ``mini_step`` stays 0, as the accumulated
+  gradient starts empty.
+  """
+  if isinstance(node, optax.MultiStepsState):
+    inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
+    return node._replace(gradient_step=inner), inner
+  if isinstance(node, OptimizerState):
+    return node.replace(step=_as_count(clock, node.step)), clock
+  return node, clock
+
+
+def _is_quantized(node: Any) -> bool:
+  return isinstance(node, QuantizedLeaf)
+
+
+def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
+  """Raises, naming its path, if `node` holds an 8-bit leaf (one outside a `LowPrecisionState`).
+
+  Only a `LowPrecisionState` knows how its leaves are stored; an 8-bit leaf
+  elsewhere would be converted as its codes and scales.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_quantized)[0]
+  for leaf_path, leaf in flat:
+    if _is_quantized(leaf):
+      where = "/".join((*path, *_state_dict.key_path_parts(leaf_path))) or "<root>"
+      raise ValueError(
+        f"The {side} state's leaf '{where}' is 8-bit (uint8 codes and scales) outside a "
+        "LowPrecisionState: convert_state decodes and encodes 8-bit leaves only inside "
+        "low_precision's state; convert it to float32 first."
+      )
+
+
+@dataclasses.dataclass
+class _Source:
+  """The moments read from a source state, by param path."""
+
+  stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+  origin: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+  dropped: list[str] = dataclasses.field(default_factory=list)
+
+
+def _read_source(
+  param_states: Any, step: Any, params: Mapping[str, Any], hparams: Mapping[str, Any]
+) -> _Source:
+  source = _Source()
+  converters = registered_converters()
+
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> None:
+    if isinstance(node, LowPrecisionState):
+      inner = low_precision_to_float32(node)
+      visit(inner, (*path, "inner_state"), hparams, chain, node.count)
+      return
+    converter = _converter(node, converters)
+    where = "/".join(path) or "<root>"
+    if converter is not None or _is_quantized(node):
+      _refuse_quantized(node, path, "source")
+    if converter is not None and converter.read is not None:
+      own = _own_param(node, converter, path, params)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
+      read = converter.read(node, ctx)
+      if "unread" in read:
+        source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
+        return
+      for quantity, tree in read.items():
+        if quantity == "count":
+          continue
+        for param, value in {own: tree}.items() if own else _by_param(tree).items():
+          entry = source.stats.setdefault(param, {})
+          if quantity in entry:
+            raise ValueError(
+              f"Param '{param}' has a {quantity} in two source states: "
+              f"'{source.origin[(param, quantity)]}' and '{where}' ({type(node).__name__}); "
+              "the conversion would have to choose."
+            )
+          entry[quantity] = value
+          entry.setdefault("count", _count_of(node, clock))
+          source.origin[(param, quantity)] = f"{where} ({type(node).__name__})"
+      return
+    children = _children(node)
+    if children is None:
+      return
+    hparams = _injected(node, hparams)
+    clock = _clock_of(node, clock)
+    for i, (key, child) in enumerate(children):
+      if (
+        (_is_namedtuple(node) or dataclasses.is_dataclass(node))
+        and not _has_state_nodes(child)
+        and _has_tensors(child)
+      ):
+        source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
+        continue
+      visit(child, (*path, key), hparams, _chained(node, children, i), clock)
+
+  visit(param_states, (), hparams, (), step)
+  return source
+
+
+def _fields(node: Any) -> tuple[str, ...]:
+  if _is_namedtuple(node):
+    return tuple(node._fields)
+  if dataclasses.is_dataclass(node) and not isinstance(node, type):
+    return tuple(f.name for f in dataclasses.fields(node))
+  return ()
+
+
+def _converter(node: Any, converters: Mapping[type, StateConverter]) -> StateConverter | None:
+  """The converter registered for `node`'s type; T5X's legacy Adafactor param state by its fields.
+
+  T5X's own ``_AdafactorParamState`` (a dataclass of ``v_row``, ``v_col``,
+  ``v``, ``m``) cannot be imported here; it converts as `T5XAdafactorParamState`.
+  """
+  found = converters.get(type(node))
+  if found is None and _fields(node) == T5XAdafactorParamState._fields:
+    found = converters.get(T5XAdafactorParamState)
+  return found
+
+
+def _own_param(
+  node: Any, converter: StateConverter, path: tuple[str, ...], params: Mapping[str, Any]
+) -> str | None:
+  """The param a ``per_param`` node holds the state of (None for other nodes)."""
+  if not converter.per_param:
+    return None
+  own = _param_suffix(path, params)
+  if own is None:
+    raise ValueError(
+      f"The {type(node).__name__} at '{'/'.join(path) or '<root>'}' is the state of no param: "
+      f"no suffix of its path is one of the params {sorted(params)}."
+    )
+  return own
+
+
+def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
+  """`hparams` updated with those an ``inject_hyperparams`` state holds (its values rule).
+
+  Such a state is recognised by structure: a NamedTuple with a mapping
+  ``hyperparams`` and an ``inner_state``.
+  """
+  if not (_is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
+    return hparams
+  if not isinstance(node.hyperparams, Mapping):
+    return hparams
+  return {**hparams, **node.hyperparams}
+
+
+def _chained(node: Any, children: list[tuple[str, Any]], i: int) -> tuple[Any, ...]:
+  """The states before child `i` of a ``chain`` state (a plain tuple), else ()."""
+  if isinstance(node, tuple) and not _is_namedtuple(node):
+    return tuple(child for _, child in children[:i])
+  return ()
+
+
+def _is_integer_scalar(value: Any) -> bool:
+  return (
+    isinstance(value, jax.Array | np.ndarray | np.generic)
+    and value.ndim == 0
+    and jnp.issubdtype(value.dtype, jnp.integer)
+  )
+
+
+def _count_of(node: Any, clock: Any) -> Any:
+  """A node's own step count (``count``, ``t``), or its clock."""
+  for name in ("count", "t"):
+    value = _field(node, name, None)
+    if value is not None and jnp.ndim(value) == 0:
+      return value
+  return clock
+
+
+class _Recorder:
+  """Collects, per written field, which params were converted and which kept fresh."""
+
+  def __init__(self) -> None:
+    self.fields: dict[str, dict[bool, list[str]]] = {}
+
+  def record(self, where: str) -> Callable[[str, str, bool], None]:
+    def add(field: str, param: str, converted: bool) -> None:
+      self.fields.setdefault(f"{where}.{field}", {True: [], False: []})[converted].append(param)
+
+    return add
+
+
+def _write_target(
+  template: Any,
+  source: _Source,
+  step: Any,
+  params: Mapping[str, Any],
+  hparams: Mapping[str, Any],
+  missing: str,
+) -> tuple[Any, ConversionReport]:
+  converters = registered_converters()
+  recorder = _Recorder()
+  no_converter: list[str] = []
+  counts = Moments(source.stats, lambda field, param, converted: None)
+
+  def visit(
+    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+  ) -> Any:
+    if isinstance(node, LowPrecisionState):
+      decoded = low_precision_to_float32(node)
+      inner = visit(decoded, (*path, "inner_state"), hparams, chain, clock)
+      # Encoded where the template lives: the source's arrays may sit on other devices.
+      inner = jax.tree.map(_placed, inner, decoded)
+      return float32_to_low_precision(inner, node.replace(count=_placed(clock, node.count)))
+    converter = _converter(node, converters)
+    where = "/".join(path) or "<root>"
+    if converter is not None or _is_quantized(node):
+      _refuse_quantized(node, path, "target")
+    if converter is not None:
+      if converter.write is None:
+        no_converter.append(f"{where} ({type(node).__name__}: its converter only reads)")
+        return node
+      label = f"{where} ({type(node).__name__})"
+      own = _own_param(node, converter, path, params)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain)
+      return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+    node, clock = _with_clock(node, clock, counts)
+    children = _children(node)
+    if children is None:
+      return node
+    hparams = _injected(node, hparams)
+    new = []
+    for i, (key, child) in enumerate(children):
+      state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
+      if state_node and key == "count" and _is_integer_scalar(child):
+        new.append(_as_count(clock, child))
+      elif (
+        state_node
+        and not _has_state_nodes(child)
+        and _has_tensors(child)
+        and (type(node), key) not in _FRESH_FIELDS
+      ):
+        no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
+        new.append(child)
+      else:
+        new.append(visit(child, (*path, key), hparams, _chained(node, children, i), clock))
+    return _rebuild(node, new)
+
+  written = visit(template, (), hparams, (), step)
+  converted, initialised = [], []
+  for field, by in recorder.fields.items():
+    if by[True]:
+      origins = sorted(
+        {source.origin[(p, q)] for p in by[True] for q in (MU, NU) if (p, q) in source.origin}
+      )
+      converted.append(f"{field}: {len(by[True])} params, from {', '.join(origins)}")
+    if by[False]:
+      initialised.append(
+        f"{field}: {len(by[False])} params without a source value (e.g. {by[False][0]})"
+      )
+  initialised += [f"{entry}: no converter" for entry in no_converter]
+  report = ConversionReport(tuple(converted), tuple(initialised), tuple(source.dropped))
+  if initialised and missing == "raise":
+    raise ValueError(
+      "The new optimizer's state cannot be fully converted from the old one: "
+      + "; ".join(initialised)
+      + ". Pass missing='init' to start these from their initial values."
+    )
+  return written, report
+
+
+_T5X_ADAFACTOR_KEYS = frozenset(T5XAdafactorParamState._fields)
+
+
+def _t5x_adafactor_states(param_states: Any, params: Any) -> Any | None:
+  """T5X's legacy Adafactor param states as `T5XAdafactorParamState`s, or None if not that layout."""
+  if not isinstance(param_states, Mapping):
+    return None
+  flat_params = traverse_util.flatten_dict(serialization.to_state_dict(params))
+  flat_states = {}
+  for path in flat_params:
+    node = param_states
+    for key in path:
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if (
+      not isinstance(node, Mapping)
+      or not {"v_row", "v_col", "v"} <= set(node) <= _T5X_ADAFACTOR_KEYS
+    ):
+      return None
+    flat_states[path] = T5XAdafactorParamState(**node)
+  return traverse_util.unflatten_dict(flat_states)
+
+
+def _source_parts(
+  source: Optimizer | Mapping[str, Any], source_def: OptimizerDef | None
+) -> tuple[Any, Any, Any]:
+  """``(params, step, param_states)`` of the source optimizer or state dict."""
+  if isinstance(source, Optimizer):
+    return source.target, source.state.step, source.state.param_states
+  if not isinstance(source, Mapping) or "target" not in source or "state" not in source:
+    raise TypeError(
+      "source must be an Optimizer or a T5X-layout state dict ({'target': ..., 'state': "
+      f"{{'step': ..., 'param_states': ...}}}}), got {type(source).__name__}."
+    )
+  params, state = source["target"], source["state"]
+  if source_def is not None:
+    abstract = jax.eval_shape(source_def.create, params)
+    try:
+      restored = abstract.restore_state(source)
+    except ValueError as e:
+      raise ValueError(
+        f"The source state dict does not fit source_def {type(source_def).__name__}: {e}"
+      ) from e
+    return restored.target, restored.state.step, restored.state.param_states
+  states = _t5x_adafactor_states(state.get("param_states"), params)
+  if states is None:
+    raise ValueError(
+      "The source state dict is not T5X's legacy Adafactor layout (v_row, v_col, v and "
+      "optionally m under every param's path in state/param_states); pass source_def= "
+      "(the optimizer definition that wrote it) to read it."
+    )
+  return params, jnp.asarray(state["step"]).astype(jnp.int32), states
+
+
+def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
+  """The definition's initial state for `params`, placed in `like`'s shardings if it has them."""
+  leaves, treedef = jax.tree.flatten(like)
+  shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
+  out = None if like is None or None in shardings else treedef.unflatten(shardings)
+  return jax.jit(optimizer_def.init_state, out_shardings=out)(params)
+
+
+def _placed(value: Any, like: Any) -> Any:
+  """`value` as a new array in `like`'s dtype and sharding.
+
+  Always a copy, so no two leaves of the result share a buffer (a jitted step
+  that donates its state would otherwise donate one buffer twice).
+  """
+  sharding = getattr(like, "sharding", None)
+  dtype = getattr(like, "dtype", None)
+  if sharding is None:
+    return jnp.array(value, dtype, copy=True)
+  if sharding.is_fully_addressable:
+    return jax.device_put(jnp.array(value, dtype, copy=True), sharding)
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)(value)
+  # A multi-process target: each process holds the whole value and places its own shards.
+  local = np.asarray(value, dtype)
+  return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
+
+
+def convert_state(
+  source: Optimizer | Mapping[str, Any],
+  target: Optimizer | OptimizerDef,
+  *,
+  source_def: OptimizerDef | None = None,
+  source_hparams: Mapping[str, Any] | None = None,
+  target_hparams: Mapping[str, Any] | None = None,
+  missing: str = "raise",
+) -> tuple[Optimizer, ConversionReport]:
+  """Converts an optimizer's state into another optimizer's, over the same params.
+
+  Every state node of the source with a registered converter is read into
+  per-param moments (E[g] as ``mu``, E[g^2] as ``nu``, and their count);
+  every node of the target's initial state with a converter is written from
+  them. Nodes are found wherever they nest (``chain``,
+  ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
+  ``MultiOptimizer``, ``low_precision``: its bfloat16 and 8-bit leaves are
+  decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
+  AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
+  (factored or not, and its momentum: the ``EmaState`` after its
+  ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
+  dict's layout, or T5X's own param state class, matched by its fields);
+  see the module docstring for the step-count rule and each converter for
+  its formula. Other states (adabelief's, say) need a registered converter.
+
+  Args:
+    source: the old optimizer, or its T5X-layout state dict (ours, or a T5X
+      checkpoint's). A state dict is read with `source_def`, or without it
+      when it has T5X's legacy Adafactor layout.
+    target: the new optimizer: an `OptimizerDef`, or an `Optimizer` (real or
+      abstract, e.g. `jax.eval_shape` of ``create`` with sharded leaves)
+      whose state structure, dtypes and shardings the result takes.
+    source_def: the definition that wrote a state-dict `source`.
+    source_hparams: hyper-parameters of the old optimizer that its state
+      does not hold (defaults: optax's): ``b1``/``b2`` (Adam 0.9/0.999, Lion
+      b2 0.99), ``momentum`` (SGD, 0.9), ``decay`` (RMSProp, 0.9),
+      ``b1``/``b3`` (Adan 0.98/0.99); T5X's Adafactor momentum ``m`` is read
+      only with ``learning_rate`` (the rate of its last steps, or a schedule,
+      called at the step; also ``beta1`` 0.9, ``epsilon2`` 1e-3,
+      ``multiply_by_parameter_scale`` True), optax Adafactor's only with
+      ``learning_rate`` and ``momentum``. Values an ``inject_hyperparams``
+      state holds override these for the states inside it.
+    target_hparams: the same for the new optimizer.
+    missing: ``"raise"`` (default) when some state of the new optimizer would
+      keep its initial value (no source value for a param's moment, or a
+      state type without a converter), naming each; ``"init"`` to let it
+      start fresh. Either way the report lists what was initialised.
+
+  Returns:
+    ``(optimizer, report)``: the new optimizer with the source's params (in
+    the target's dtypes and shardings) and step, and a `ConversionReport`.
+
+  Raises:
+    TypeError: `source` is neither an Optimizer nor a state dict.
+    ValueError: a state dict that `source_def` does not fit (or, without
+      it, that is not T5X's legacy Adafactor layout); a param with the same
+      moment in two source states; an 8-bit leaf outside a
+      ``LowPrecisionState`` (naming its path); with ``missing="raise"``,
+      anything the conversion would initialise.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> params = {'w': jnp.ones((2, 3))}
+    >>> old = OptaxWrapper(optax.adafactor(0.1, min_dim_size_to_factor=1)).create(params)
+    >>> old = old.apply_gradient({'w': jnp.full((2, 3), 2.0)})
+    >>> new, report = convert_state(old, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+    >>> nu = new.state.param_states[0].nu['w']  # 4.0 * (1 - 0.999): Adam's scale at count 1
+    >>> round(float(nu[0, 0]), 6), int(new.state.param_states[0].count)
+    (0.004, 1)
+    >>> report.initialised
+    ('0 (ScaleByAdamState).mu: 1 params without a source value (e.g. w)',)
+  """
+  if missing not in _MISSING_POLICIES:
+    raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
+  params, step, param_states = _source_parts(source, source_def)
+  step = jnp.asarray(step).astype(jnp.int32)
+  if isinstance(target, Optimizer):
+    optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
+    params = jax.tree.map(_placed, params, like_params)
+  else:
+    optimizer_def, like_state = target, None
+  template = _fresh_state(optimizer_def, params, like_state)
+  flat_params = {
+    "/".join(map(str, path)): leaf
+    for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(params)).items()
+  }
+  source_stats = _read_source(param_states, step, flat_params, dict(source_hparams or {}))
+  written, report = _write_target(
+    template.param_states, source_stats, step, flat_params, dict(target_hparams or {}), missing
+  )
+  written = jax.tree.map(_placed, written, template.param_states)
+  state = OptimizerState(step=_placed(step, template.step), param_states=written)
+  return Optimizer(optimizer_def=optimizer_def, state=state, target=params), report

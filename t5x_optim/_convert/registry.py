@@ -1,0 +1,321 @@
+"""The registry of optimizer-state converters (`convert_state` uses it).
+
+A `StateConverter` reads a state node of its type into per-param moments
+(``mu``, ``nu``, ``count``; see `t5x_optim._convert.convert`) and writes
+moments into a node of its type. `register_state_converter` refuses a second
+converter for a type unless told to replace it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from t5x_optim._core import state_dict as _state_dict
+
+__all__ = [
+  "MU",
+  "NU",
+  "ConversionContext",
+  "ConversionReport",
+  "Moments",
+  "StateConverter",
+  "T5XAdafactorParamState",
+  "register_state_converter",
+  "registered_converters",
+]
+
+MU, NU = "mu", "nu"
+
+
+class T5XAdafactorParamState(NamedTuple):
+  """One param's state of T5X's legacy `adafactor.Adafactor`.
+
+  Read from its state dict as this NamedTuple. T5X's own param state class
+  (a dataclass with these four fields, in a T5X process) converts, read or
+  written, through the same converter: states are matched by their fields.
+
+  Attributes:
+    v_row: the factored second moment's row statistics (the param's shape
+      without its column dims), or a (1,) placeholder when not factored.
+    v_col: the column statistics (the shape without the row dims), or (1,).
+    v: the full second moment when not factored, else a (1,) placeholder.
+    m: the momentum (an average of past updates, learning rate included) when
+      Adafactor ran with ``beta1``, else None or a (1,) placeholder.
+  """
+
+  v_row: Any
+  v_col: Any
+  v: Any
+  m: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionContext:
+  """What a converter may know besides its node.
+
+  Attributes:
+    path: the node's path in the optimizer state ('/'-joined).
+    step: the node's clock, the number of updates its state was built over
+      (an int32 scalar): the optimizer's step, or inside a ``MultiSteps``
+      state its ``gradient_step``, inside a sub-optimizer's state that
+      sub-optimizer's step, inside a ``LowPrecisionState`` its ``count``
+      (see `t5x_optim._convert.convert`). A state without a count of
+      its own is read and written over it.
+    params: the params, flat: '/'-joined param path to array.
+    hparams: hyper-parameters of the side being read (``source_hparams``) or
+      written (``target_hparams``), for converters whose state does not hold
+      them (Adam's ``b1`` and ``b2``, SGD's ``momentum``, ...).
+    param: the param path of a ``per_param`` node, else None.
+    chain: the states of the transformations chained before this one (the
+      node's earlier siblings in a ``chain`` state, nearest last), for a
+      state whose meaning depends on them: optax Adafactor's momentum is an
+      ``EmaState`` of updates already divided by the ``FactoredState``'s
+      second moment.
+  """
+
+  path: str
+  step: Any
+  params: Mapping[str, Any]
+  hparams: Mapping[str, Any]
+  param: str | None = None
+  chain: tuple[Any, ...] = ()
+
+  def hparam(self, name: str, default: Any) -> Any:
+    """``hparams[name]``, or `default` (optax's default for the state's factory)."""
+    return self.hparams.get(name, default)
+
+  def rate(self, name: str = "learning_rate") -> Any:
+    """The hyper-parameter `name` at the current step (a schedule is called), or None."""
+    value = self.hparams.get(name)
+    return value(self.step) if callable(value) else value
+
+
+class Moments:
+  """The moments available to a writer, looked up by param path.
+
+  `fill` maps a tree of the template node (its ``mu``, say) to the converted
+  values, keeping the template's leaf (the fresh initial value) where the
+  source has nothing, and records which.
+  """
+
+  def __init__(self, stats: Mapping[str, dict[str, Any]], record: Callable[[str, str, bool], None]):
+    self._stats, self._record = stats, record
+
+  def value(self, param: str, quantity: str) -> Any:
+    """The source's `quantity` (``"mu"``, ``"nu"``) of `param`, or None."""
+    return self._stats.get(param, {}).get(quantity)
+
+  def fill(
+    self,
+    tree: Any,
+    quantity: str,
+    fn: Callable[[Any, Any, str], Any],
+    *,
+    field: str | None = None,
+    needs: tuple[str, ...] = (),
+    param: str | None = None,
+  ) -> Any:
+    """`tree` with each leaf replaced by ``fn(value, leaf, param_path)``.
+
+    Args:
+      tree: the template's tree over the params (MaskedNode holes allowed).
+      quantity: ``"mu"`` or ``"nu"``: the moment the leaves are made from.
+      fn: the formula; ``value`` is the param's moment, ``leaf`` the
+        template's leaf. The result is cast to the leaf's dtype.
+      field: the node's field name, for the report (defaults to `quantity`).
+      needs: other quantities the formula reads (with `value`); a param
+        without all of them keeps its leaf, as one without `quantity` does.
+      param: for a ``per_param`` node: `tree` is one array, this param's.
+    """
+
+    def one(param: str, leaf: Any) -> Any:
+      value = self.value(param, quantity)
+      found = value is not None and all(self.value(param, q) is not None for q in needs)
+      self._record(field or quantity, param, found)
+      if not found:
+        return leaf
+      return jnp.asarray(fn(value, leaf, param), dtype=leaf.dtype)
+
+    if param is not None:
+      return one(param, tree)
+    return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: one(_state_dict.key_path_str(path), leaf), tree
+    )
+
+  def keep(self, tree: Any, field: str, *, param: str | None = None) -> Any:
+    """`tree` unchanged, every param of it (or `param`) recorded as initialised under `field`."""
+    if param is not None:
+      self._record(field, param, False)
+      return tree
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      self._record(field, _state_dict.key_path_str(path), False)
+    return tree
+
+  def count(
+    self,
+    tree: Any,
+    template_count: Any,
+    quantities: tuple[str, ...] = (MU, NU),
+    *,
+    needs: tuple[str, ...] = (),
+  ) -> Any:
+    """The source's count for the params of `tree`, or `template_count`.
+
+    The template's count (a fresh start) stays when no param of `tree` has
+    any of the `quantities` the node is written from (and all its `needs`,
+    as `fill` takes them).
+    """
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      stats = self._stats.get(_state_dict.key_path_str(path), {})
+      if any(q in stats for q in quantities) and all(q in stats for q in needs):
+        return jnp.asarray(stats["count"], jnp.result_type(template_count))
+    return template_count
+
+
+Reader = Callable[[Any, ConversionContext], Mapping[str, Any]]
+"""``read(node, context) -> {'mu': tree, 'nu': tree, 'count': scalar}`` (any subset).
+
+A reader that cannot read its node in its context returns ``{'unread': why}``
+instead; the node is then listed as dropped, with the reason.
+
+Trees mirror the params below the node (param paths relative to the node's
+param tree, as optax states hold them); for a ``per_param`` converter they are
+single arrays of the node's own param.
+"""
+
+Writer = Callable[[Any, Moments, ConversionContext], Any]
+"""``write(template, moments, context) -> node``: the template node, converted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateConverter:
+  """A registered converter of one state type.
+
+  Attributes:
+    read: see `Reader`; None if states of the type cannot be read.
+    write: see `Writer`; None if states of the type cannot be written.
+    per_param: the node holds one param's state (T5X's legacy Adafactor);
+      its param path (`ConversionContext.param`) is the longest suffix of the
+      node's path that names a param, `read` returns single arrays and
+      `write` fills single arrays (``Moments.fill(..., param=ctx.param)``).
+  """
+
+  read: Reader | None
+  write: Writer | None
+  per_param: bool = False
+
+
+_LOCK = threading.Lock()
+_CONVERTERS: dict[type, StateConverter] = {}
+
+
+def register_state_converter(
+  state_type: type,
+  *,
+  read: Reader | None = None,
+  write: Writer | None = None,
+  per_param: bool = False,
+  replace: bool = False,
+) -> None:
+  """Registers how states of `state_type` are read into moments and written from them.
+
+  Args:
+    state_type: the exact type of the state node (e.g. a NamedTuple class).
+    read: ``read(node, context) -> {'mu': ..., 'nu': ..., 'count': ...}``.
+    write: ``write(template, moments, context) -> node``.
+    per_param: the node is one param's state, see `StateConverter`.
+    replace: allow replacing a converter already registered for the type.
+
+  Raises:
+    TypeError: `state_type` is not a type, or `read`/`write` not callable.
+    ValueError: neither `read` nor `write` is given, or a converter for
+      `state_type` exists and `replace` is False.
+
+  Example:
+    >>> class MyState(NamedTuple):
+    ...   avg: Any
+    >>> register_state_converter(
+    ...   MyState,
+    ...   read=lambda s, ctx: {"mu": s.avg},
+    ...   write=lambda t, m, ctx: MyState(avg=m.fill(t.avg, "mu", lambda v, leaf, p: v)),
+    ... )
+    >>> MyState in registered_converters()
+    True
+  """
+  if not isinstance(state_type, type):
+    raise TypeError(f"state_type must be a type, got {state_type!r}")
+  for name, fn in (("read", read), ("write", write)):
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be callable, got {fn!r}")
+  if read is None and write is None:
+    raise ValueError(f"a converter for {_type_name(state_type)} needs read, write or both")
+  with _LOCK:
+    if state_type in _CONVERTERS and not replace:
+      raise ValueError(
+        f"a state converter for {_type_name(state_type)} is already registered; "
+        "pass replace=True to replace it"
+      )
+    _CONVERTERS[state_type] = StateConverter(read, write, per_param)
+
+
+def registered_converters() -> Mapping[type, StateConverter]:
+  """A snapshot of the registered converters, keyed by state type."""
+  with _LOCK:
+    return dict(_CONVERTERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionReport:
+  """What `convert_state` carried over and what started fresh.
+
+  Attributes:
+    converted: one line per written state field: its path, type and field,
+      how many params got a converted value, and from which source nodes.
+    initialised: one line per field (or state without a converter) that
+      kept its fresh initial value for some params, with an example param.
+    dropped: the source's states that no converter reads (their content is
+      not carried).
+  """
+
+  converted: tuple[str, ...]
+  initialised: tuple[str, ...]
+  dropped: tuple[str, ...]
+
+  def __str__(self) -> str:
+    sections = [("converted", self.converted), ("initialised", self.initialised)]
+    sections.append(("dropped", self.dropped))
+    return "\n".join(
+      f"{name} ({len(lines)}):" + "".join(f"\n  {line}" for line in lines)
+      for name, lines in sections
+    )
+
+
+def _type_name(state_type: type) -> str:
+  return f"{state_type.__module__}.{state_type.__qualname__}"
+
+
+def _is_namedtuple(node: Any) -> bool:
+  return isinstance(node, tuple) and hasattr(node, "_fields")
+
+
+def _has_field(node: Any, name: str) -> bool:
+  """Whether a NamedTuple state has field `name` (``tuple.count`` is a method of them all)."""
+  return name in getattr(node, "_fields", ())
+
+
+def _field(node: Any, name: str, default: Any) -> Any:
+  return getattr(node, name) if _has_field(node, name) else default
+
+
+def _by_param(tree: Any) -> dict[str, Any]:
+  """A tree over the params, flat: '/'-joined param path to leaf."""
+  return {
+    _state_dict.key_path_str(path): leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }

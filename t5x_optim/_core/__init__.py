@@ -1,0 +1,9 @@
+"""The core room: T5X's optimizer interface and its state-dict layout.
+
+- `interface`: T5X's contract (`OptimizerDef`, `Optimizer`, `OptimizerState`)
+  and the checks every definition shares;
+- `state_dict`: T5X's state-dict layout and the restore checks that name a
+  path and both sides.
+
+Imports only the axes room (`t5x_optim._axes`) and `t5x_optim._keypaths`.
+"""

@@ -1,0 +1,340 @@
+"""T5X's optimizer interface: `OptimizerState`, `Optimizer`, `OptimizerDef`."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax
+import jax
+from flax import struct
+
+from t5x_optim._axes.engine import StateRulesFallback
+from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._keypaths import key_path_str
+
+__all__ = ["Optimizer", "OptimizerDef", "OptimizerState"]
+
+
+@struct.dataclass
+class OptimizerState:
+  """The optimizer's state: an int32 step counter and the per-param states."""
+
+  step: Any
+  param_states: Any
+
+
+class Optimizer(struct.PyTreeNode):
+  """An optimizer definition together with its target (params) and state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> opt = OptaxWrapper(optax.sgd(0.1)).create({'w': jnp.ones(2)})
+    >>> opt.apply_gradient({'w': jnp.ones(2)}).target['w']
+    Array([0.9, 0.9], dtype=float32)
+  """
+
+  optimizer_def: OptimizerDef = struct.field(pytree_node=False)
+  state: Any = struct.field(pytree_node=True)
+  target: Any = struct.field(pytree_node=True)
+
+  def apply_gradient(self, grads: Any, **kwargs: Any) -> Optimizer:
+    """Applies `grads` and returns the optimizer with new target and state.
+
+    Args:
+      grads: gradients with the target's structure, shapes and (real or
+        complex) kind; dicts and FrozenDicts are interchangeable.
+      **kwargs: hyper-parameter overrides (fields of the definition's
+        `hyper_params`, e.g. T5X's `learning_rate=`, or `hyper_params=`), or
+        extra arguments of the update rule the definition accepts
+        (`OptimizerDef.extra_arg_names`, e.g. optax's `value=` for
+        `reduce_on_plateau`).
+
+    Raises:
+      TypeError: for a keyword that is neither.
+      ValueError: when `grads` does not fit the target, naming the paths and
+        both sides; checked before anything runs (under `jax.jit` too).
+    """
+    overrides, extra_args = self.optimizer_def.split_apply_kwargs(kwargs)
+    grads = self.optimizer_def.prepare_grads(self.target, grads)
+    hyper_params = self.optimizer_def.update_hyper_params(**overrides)
+    new_target, new_state = self.optimizer_def.apply_gradient(
+      hyper_params, self.target, self.state, grads, **extra_args
+    )
+    return self.replace(target=new_target, state=new_state)
+
+  def state_dict(self) -> dict[str, Any]:
+    """The T5X-layout state dict: `{'target': ..., 'state': {...}}`."""
+    return self.optimizer_def.state_dict(self.target, self.state)
+
+  def restore_state(self, state: Mapping[str, Any]) -> Optimizer:
+    """Returns a new optimizer restored from `state`; `self` is unchanged.
+
+    `state` is a T5X-layout state dict; keys beside ``target`` and ``state``
+    (a train state's ``flax_mutables``) are ignored, as T5X does. See
+    `OptimizerDef.restore_state` for what is checked.
+    """
+    target, new_state = self.optimizer_def.restore_state(
+      self.target, self.state, _state_dict.optimizer_part(state)
+    )
+    return self.replace(target=target, state=new_state)
+
+
+class OptimizerDef(abc.ABC):
+  """Base class of optimizer definitions (T5X's `OptimizerDef` contract).
+
+  Subclasses implement `init_state` and `apply_gradient`, and
+  `derive_logical_axes` to be partitioned by logical axes (the base class
+  has none, as in T5X, whose train state asks `hasattr` first). Definitions
+  written against `t5x.optimizers` (T5X's legacy `Adafactor`, say) work
+  unchanged. A definition whose `apply_gradient` takes extra keyword
+  arguments lists their names in `extra_arg_names`.
+
+  Args:
+    hyper_params: the hyper-params struct (with `.replace`).
+    fallback: what `derive_logical_axes` does with an optimizer-state leaf
+      whose logical spec cannot be derived or does not fit it: replicate it
+      and warn (the default), or raise naming the leaf's path and shape.
+      Every adapter (optax, MultiOptimizer, example_libraries, K-FAC) takes
+      it; `TrainState` and the partitioner call `derive_logical_axes`, so
+      the definition's setting applies there too. Strings (`"raise"`) work,
+      for gin.
+
+  Example:
+    >>> import optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> OptaxWrapper(optax.sgd(0.1), fallback="raise").fallback
+    <StateRulesFallback.RAISE: 'raise'>
+  """
+
+  extra_arg_names: frozenset[str] = frozenset()
+  fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING
+
+  def __init__(
+    self,
+    hyper_params: Any,
+    *,
+    fallback: StateRulesFallback | str = StateRulesFallback.REPLICATE_WITH_WARNING,
+  ):
+    self.hyper_params = hyper_params
+    self.fallback = StateRulesFallback(fallback)
+
+  @abc.abstractmethod
+  def init_state(self, params: Any) -> OptimizerState:
+    """Returns the initial state for `params`."""
+
+  @abc.abstractmethod
+  def apply_gradient(
+    self, hyper_params: Any, params: Any, state: OptimizerState, grads: Any, **extra_args: Any
+  ) -> tuple[Any, OptimizerState]:
+    """Returns `(new_params, new_state)`."""
+
+  def hyper_param_names(self) -> frozenset[str]:
+    """The keywords `apply_gradient` treats as hyper-parameter overrides."""
+    return _dataclass_hyper_param_names(self.hyper_params)
+
+  def split_apply_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits `Optimizer.apply_gradient` keywords into overrides and extras.
+
+    Raises:
+      TypeError: for a keyword that is neither a hyper-parameter nor in
+        `extra_arg_names`, listing the accepted ones.
+    """
+    names = self.hyper_param_names()
+    unknown = sorted(set(kwargs) - names - self.extra_arg_names)
+    if unknown:
+      extras = sorted(self.extra_arg_names)
+      raise TypeError(
+        f"{type(self).__name__}.apply_gradient got unknown keyword arguments {unknown}; "
+        f"it accepts the hyper-parameters {sorted(names)}"
+        + (f" and the update's extra arguments {extras}." if extras else ".")
+      )
+    overrides = {k: v for k, v in kwargs.items() if k in names}
+    extra_args = {k: v for k, v in kwargs.items() if k not in names}
+    return overrides, extra_args
+
+  def prepare_grads(self, params: Any, grads: Any) -> Any:
+    """Checks `grads` against `params` and returns them as `apply_gradient` takes them.
+
+    `Optimizer.apply_gradient` calls it once per step, before anything
+    runs (under `jax.jit`, at trace time). Here the grads must have the
+    params' structure, shapes and real or complex kind, and come back in the
+    params' containers (dicts and FrozenDicts are interchangeable).
+    Definitions whose grads have another form override it.
+
+    Raises:
+      ValueError: when `grads` does not fit, naming the paths and both sides.
+    """
+    check_grads(grads, params)
+    return tree_like(grads, params)
+
+  def update_hyper_params(self, **hyper_param_overrides: Any) -> Any:
+    """Returns the hyper-params with overrides applied.
+
+    `hyper_params=` replaces all of them; other keywords are `.replace`d.
+    """
+    hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
+    if hyper_param_overrides:
+      hyper_params = hyper_params.replace(**hyper_param_overrides)
+    return hyper_params
+
+  def create(self, target: Any) -> Optimizer:
+    """Creates an `Optimizer` for `target` (the params)."""
+    return Optimizer(optimizer_def=self, state=self.init_state(target), target=target)
+
+  def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
+    """The T5X-layout state dict of `target` and `state`.
+
+    `param_states` has every empty container removed, as T5X writes it.
+    """
+    return _state_dict.build_state_dict(
+      target, state.step, _state_dict.to_pruned_state_dict(state.param_states)
+    )
+
+  def restore_state(
+    self, opt_target: Any, opt_state: OptimizerState, state_dict: Mapping[str, Any]
+  ) -> tuple[Any, OptimizerState]:
+    """Restores `(target, state)` from a state dict, validating it first.
+
+    T5X uses this as a tree replace as well as for arrays, so besides array
+    data the leaves may be None, `PartitionSpec`s, `jax.ShapeDtypeStruct`s
+    or lazy arrays, placed as given (`_state_dict.restore_into` has the
+    rules). Keys beside ``target`` and ``state`` are ignored. Dtypes follow
+    `_state_dict.leaf_fit`: floating params keep the state dict's floating
+    dtype (T5X's ``restore_dtype``); optimizer-state arrays take the
+    state's own dtypes; a float restores into an integer leaf (T5X's
+    float32 step counters) only when every value is a whole number that
+    fits; casts that change the kind otherwise (complex to real) or
+    overflow are refused.
+
+    Raises:
+      ValueError: naming the path and both sides, on any missing or
+        unexpected key, shape mismatch or unsafe dtype cast. The inputs are
+        never modified.
+    """
+    target, step, param_states = _state_dict.restore_state_dict(
+      opt_target, opt_state.step, opt_state.param_states, state_dict
+    )
+    return target, opt_state.replace(step=step, param_states=param_states)
+
+
+_DEF_METHODS = (
+  "init_state",
+  "apply_gradient",
+  "update_hyper_params",
+  "state_dict",
+  "restore_state",
+)
+
+
+def missing_def_methods(opt_def: Any) -> list[str]:
+  """What `opt_def` lacks of T5X's `OptimizerDef` interface (empty: it has it all).
+
+  A definition is recognised by what it has, not by its base class: T5X's
+  own `t5x.optimizers.OptimizerDef` subclasses (its legacy `Adafactor`, when
+  T5X is installed beside this package) have the same methods as
+  `OptimizerDef` and work wherever one is taken.
+
+  Example:
+    >>> import optax
+    >>> from t5x_optim import OptaxWrapper
+    >>> missing_def_methods(OptaxWrapper(optax.sgd(0.1))), missing_def_methods(optax.sgd(0.1))[:2]
+    ([], ['hyper_params', 'init_state'])
+  """
+  missing = [] if hasattr(opt_def, "hyper_params") else ["hyper_params"]
+  return missing + [name for name in _DEF_METHODS if not callable(getattr(opt_def, name, None))]
+
+
+def _dataclass_hyper_param_names(hyper_params: Any) -> frozenset[str]:
+  """``hyper_params`` and the fields of the hyper-params dataclass `hyper_params`."""
+  names = {"hyper_params"}
+  if dataclasses.is_dataclass(hyper_params):
+    names.update(field.name for field in dataclasses.fields(hyper_params))
+  return frozenset(names)
+
+
+def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
+  """The keywords `opt_def.apply_gradient` treats as hyper-parameter overrides.
+
+  The definition's own `hyper_param_names` where it has one (every
+  `OptimizerDef`, and its overrides, `MultiOptimizer`'s among them); for
+  T5X's own definitions, ``hyper_params`` and its dataclass's fields.
+  """
+  if callable(getattr(opt_def, "hyper_param_names", None)):
+    return frozenset(opt_def.hyper_param_names())
+  return _dataclass_hyper_param_names(opt_def.hyper_params)
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+  return {
+    key_path_str(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(tree))[0]
+  }
+
+
+def tree_like(value: Any, reference: Any) -> Any:
+  """Returns `value` in `reference`'s container types (dict vs FrozenDict).
+
+  Trees that differ in more than the mapping type come back unchanged.
+  """
+  ref_def = jax.tree.structure(reference)
+  if jax.tree.structure(value) == ref_def:
+    return value
+  if jax.tree.structure(flax.core.unfreeze(value)) != jax.tree.structure(
+    flax.core.unfreeze(reference)
+  ):
+    return value
+  return jax.tree.unflatten(ref_def, jax.tree.leaves(value))
+
+
+def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
+  """Describes how `value`'s structure differs from `reference`'s, or None."""
+  value_def = jax.tree.structure(flax.core.unfreeze(value))
+  ref_def = jax.tree.structure(flax.core.unfreeze(reference))
+  if value_def == ref_def:
+    return None
+  value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
+  return (
+    f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
+    f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
+    f"params tree: {ref_def}"
+  )
+
+
+def _kind(dtype: Any) -> str:
+  return "complex" if jax.dtypes.issubdtype(dtype, jax.numpy.complexfloating) else "real"
+
+
+def check_grads(grads: Any, params: Any) -> None:
+  """Checks that `grads` fit `params`: structure, shapes and real/complex kind.
+
+  Dicts and FrozenDicts are interchangeable. Under `jax.jit` the check runs at
+  trace time (shapes are static).
+
+  Raises:
+    ValueError: naming the paths only one side has, or each leaf whose shape
+      or kind differs, with both sides.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> check_grads({"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+  """
+  mismatch = structure_mismatch(grads, params, name="grads")
+  if mismatch is not None:
+    raise ValueError(f"The grads do not fit the params: {mismatch}.")
+  flat_params = jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(params))[0]
+  bad = []
+  for (path, param), grad in zip(flat_params, jax.tree.leaves(flax.core.unfreeze(grads))):
+    grad_shape, param_shape = jax.numpy.shape(grad), jax.numpy.shape(param)
+    grad_kind = _kind(jax.numpy.result_type(grad))
+    param_kind = _kind(jax.numpy.result_type(param))
+    if grad_shape != param_shape or (grad_kind == "complex" and param_kind == "real"):
+      bad.append(
+        f"'{key_path_str(path)}': grads {grad_kind} {grad_shape}, params {param_kind} {param_shape}"
+      )
+  if bad:
+    leaves = "leaf" if len(bad) == 1 else "leaves"
+    raise ValueError(f"The grads do not fit the params at {len(bad)} {leaves}: {'; '.join(bad)}.")

@@ -1,0 +1,674 @@
+"""`low_precision`: any optax optimizer with its param-shaped state stored compressed.
+
+Between steps, the param-shaped ("mirror") state leaves of the wrapped
+transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
+one of two forms (the codecs are `t5x_optim._low_precision.quantize`); inside the
+update they are expanded to float32, the wrapped update runs in float32, and
+its new state is compressed again, one param leaf at a time where the update
+is elementwise per leaf (`_streamed_update`), so the step holds one leaf's
+float32 state rather than the whole tree's.
+
+* ``"bfloat16"``: each float32 value is rounded to bfloat16. With
+  ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
+  rounded up with probability equal to their value, so the stored value is
+  unbiased; the random bits hash the element's index with the seed, the step
+  count and the leaf's index (`rounding_bits`), so a run is reproducible,
+  sharded or not.
+  ``stochastic_rounding=False`` rounds to nearest (a small ``nu`` update then
+  rounds away: accumulation stalls). 2 bytes per value.
+* ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
+  of bitsandbytes (Dettmers et al., 2022), as torchao's 8-bit optimizers use
+  them: each block of up to ``block_size`` consecutive elements along the *last*
+  dimension is scaled by its absolute maximum, and each scaled value is
+  stored as the index (``uint8``) of the nearest of 256 map values. A block
+  with a negative value uses the signed map (sign, 7 decades of exponent);
+  a block without uses the unsigned map, which spends the sign bit on
+  precision: adam's ``mu`` gets the signed map and ``nu`` the unsigned one,
+  as in bitsandbytes and torchao, with no per-optimizer table of names. The
+  scale is stored negated for signed blocks. The codes have the param's shape
+  and shard like it; the scales, shaped ``(*shape[:-1], shape[-1] // block)``,
+  shard along the same dimensions. A leaf's block (`leaf_block`) is the
+  largest that tiles the last dimension, is at most ``block_size`` and leaves
+  a block count that the last dimension's shards divide (up to
+  ``shard_multiple`` of them); below 4 values, the whole last dimension if
+  it fits in ``block_size``, else none: the leaf stays float32 (a last
+  dimension of 1, 257 or 4099 would cost 5 bytes per value). 1 + 4 / block
+  bytes per value (1.016 for 256, at most 2). The codec never spreads a
+  fault: an inf or NaN damages only its own element (inf saturates to its
+  block's largest finite magnitude, NaN is stored as 0), and in a block
+  without a negative value (adam's ``nu``) only 0 decodes as 0, so a small
+  second moment beside a large one does not become 0 and turn adam's
+  update into ``mu / eps``.
+
+Leaves smaller than ``min_size`` elements, 8-bit leaves without a block,
+leaves that are not param-shaped mirrors (adafactor's factored ``v_row``,
+L-BFGS history), non-floating leaves and scalars stay as they are;
+`leaf_storage` says why for each leaf, and
+``t5x-optim plan`` shows it. ``states=`` (a regular expression on the state
+path, e.g. ``'0/(mu|nu)/'``) restricts compression to matching leaves, and
+refuses, naming the path, a matching leaf the mode does not apply to.
+
+The state is `LowPrecisionState` (an int32 ``count`` and the compressed
+``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
+``inner_state/0/mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16
+leaf one, ``inner_state/0/mu/dense/kernel``.
+`low_precision_to_float32` and `float32_to_low_precision` convert states
+both ways, e.g. to restore into an optimizer without the wrapper and back.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+  >>> params = {'w': jnp.ones((2, 256))}
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update({'w': jnp.ones((2, 256))}, state, params)
+  >>> state.inner_state[0].mu['w'].codes.dtype, state.inner_state[0].mu['w'].scales.shape
+  (dtype('uint8'), (2, 8))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from t5x_optim._axes import registry
+from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._layouts.fused.analysis import (
+  FusedPlan,
+  NotFusible,
+  eval_outside,
+  plan_fused_update,
+  split_extras,
+)
+from t5x_optim._layouts.fused.program import Lit, run_program
+from t5x_optim._low_precision.quantize import (
+  QuantizedLeaf,
+  dequantize,
+  dynamic_map,
+  leaf_block,
+  quantize,
+  rounding_bits,
+  to_bfloat16,
+)
+
+__all__ = [
+  "LOW_PRECISION_MODES",
+  "LowPrecisionState",
+  "QuantizedLeaf",
+  "dynamic_map",
+  "float32_to_low_precision",
+  "leaf_block",
+  "leaf_storage",
+  "low_precision",
+  "low_precision_to_float32",
+  "rounding_bits",
+]
+
+LOW_PRECISION_MODES = ("bfloat16", "8bit")
+"""The modes of `low_precision`'s ``state_dtype``."""
+
+_BF16 = "bfloat16"
+_8BIT = "8bit"
+_KEPT_SMALL = "float32: below min_size"
+_KEPT_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
+_KEPT_NOT_MIRROR = "kept: not param-shaped"
+_KEPT_NOT_FLOAT = "kept: not floating"
+_KEPT_NOT_SELECTED = "kept: not selected by states="
+
+
+@struct.dataclass
+class LowPrecisionState:
+  """State of `low_precision`.
+
+  Attributes:
+    count: int32 steps taken (folded into the stochastic-rounding bits).
+    inner_state: the wrapped transformation's state, each compressed leaf a
+      bfloat16 array or a `QuantizedLeaf`.
+    storage: static; for each leaf of the float32 inner state, how it is
+      stored: ``"bfloat16"``, ``"8bit"`` or why it is kept (`leaf_storage`).
+    param_index: static; for each leaf of the float32 inner state, the index
+      of the param it mirrors (in the params' leaf order) or -1.
+    stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
+    seed: static; the seed of the stochastic-rounding bits.
+  """
+
+  count: Any
+  inner_state: Any
+  storage: tuple[str, ...] = struct.field(pytree_node=False, default=())
+  param_index: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
+  seed: int = struct.field(pytree_node=False, default=0)
+
+
+def _is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedLeaf)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _mirror_params(inner_state: Any, params: Any) -> list[int]:
+  """For each leaf of ``inner_state``, the index of the param it mirrors, or -1.
+
+  A mirror is a subtree with the params' structure (``MaskedNode`` holes
+  allowed); its leaves mirror the params at the same positions.
+  """
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_def = jax.tree.structure(reference, is_leaf=_is_masked)
+  if param_def.num_nodes == 1:
+    return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
+
+  def is_mirror(node: Any) -> bool:
+    return jax.tree.structure(node, is_leaf=_is_masked) == param_def
+
+  out: list[int] = []
+  for node in jax.tree.leaves(inner_state, is_leaf=is_mirror):
+    if not is_mirror(node):
+      out.append(-1)
+      continue
+    for j, leaf in enumerate(jax.tree.leaves(node, is_leaf=_is_masked)):
+      if not _is_masked(leaf):
+        out.append(j)
+  return out
+
+
+def _not_applicable(leaf: Any, param: Any | None) -> str | None:
+  """Why the modes do not apply to an inner leaf (its param or None), or None."""
+  if param is None:
+    return "mirrors no param"
+  if jnp.shape(leaf) != jnp.shape(param):
+    return f"its shape {jnp.shape(leaf)} is not its param's {jnp.shape(param)}"
+  if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    return f"its dtype {jnp.result_type(leaf)} is not floating"
+  return None
+
+
+def _plan_storage(
+  mode: str,
+  inner_state: Any,
+  params: Any,
+  *,
+  min_size: int,
+  states: str | None,
+  block: Callable[[int], int | None] = leaf_block,
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+
+  In 8-bit mode a leaf whose last dimension has no block (``block``, that
+  is `leaf_block` with the mode's arguments, returns None) stays float32:
+  8 bits would cost it more than 2 bytes per value.
+
+  Raises:
+    ValueError: naming the path, when ``states`` selects a leaf that is not a
+      floating param-shaped mirror, or selects no leaf at all.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+  indices = _mirror_params(inner_state, params)
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
+  pattern = None if states is None else re.compile(states)
+  storage = []
+  matched = False
+  for (path, leaf), j in zip(flat, indices, strict=True):
+    where = _state_dict.key_path_str(path)
+    selected = pattern is None or pattern.search(where) is not None
+    matched |= selected
+    why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
+    if why is not None and pattern is not None and selected:
+      raise ValueError(
+        f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
+        f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
+        f"the mode compresses floating param-shaped state leaves, and {why}."
+      )
+    if why is not None:
+      storage.append(_KEPT_NOT_FLOAT if "dtype" in why else _KEPT_NOT_MIRROR)
+    elif not selected:
+      storage.append(_KEPT_NOT_SELECTED)
+    elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
+      storage.append(_KEPT_SMALL)
+    elif mode == _8BIT and block(jnp.shape(leaf)[-1]) is None:
+      storage.append(_KEPT_NO_BLOCK)
+    else:
+      storage.append(mode)
+  if pattern is not None and not matched:
+    raise ValueError(
+      f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
+      f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
+    )
+  return tuple(storage), tuple(indices)
+
+
+def _decode(kind: str, stored: Any) -> jax.Array:
+  """One stored leaf in float32."""
+  if kind == _8BIT:
+    return dequantize(stored)
+  if kind == _BF16:
+    return stored.astype(jnp.float32)
+  return stored
+
+
+def _encode(kind: str, x: Any, bits: jax.Array | None, block: Any, guard: bool = True) -> Any:
+  """One float32 leaf stored as ``kind`` says.
+
+  ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
+  to nearest); ``block`` maps the last dimension to an 8-bit block;
+  ``guard`` is `quantize`'s ``guard_nonfinite``.
+  """
+  if kind == _8BIT:
+    return quantize(jnp.asarray(x, jnp.float32), block(x.shape[-1]), guard_nonfinite=guard)
+  if kind == _BF16:
+    return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
+  return x
+
+
+def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
+  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is stored in
+  bfloat16 with stochastic rounding."""
+  if state.storage[leaf] != _BF16 or not state.stochastic_rounding:
+    return None
+  return rounding_bits(shape, state.seed, count, leaf)
+
+
+def _compress(
+  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any, guard: bool = True
+) -> Any:
+  """``inner_state`` (float32) stored as ``state``'s static fields say."""
+  leaves, treedef = jax.tree.flatten(inner_state)
+  out = []
+  for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
+    out.append(_encode(kind, leaf, _bits(state, count, i, jnp.shape(leaf)), block, guard))
+  return treedef.unflatten(out)
+
+
+def _expand(state: LowPrecisionState) -> Any:
+  """The inner state, each compressed leaf back in float32."""
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  return treedef.unflatten(
+    [_decode(kind, leaf) for leaf, kind in zip(leaves, state.storage, strict=True)]
+  )
+
+
+def _stream_plan(
+  inner: optax.GradientTransformation,
+  updates: Any,
+  state: LowPrecisionState,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> FusedPlan | None:
+  """The per-leaf programs of ``inner``'s update, or None when it cannot stream.
+
+  It streams when `plan_fused_update` proves every leaf's update
+  elementwise in its own param, gradient and state leaves (the scalars and
+  the global reductions of the gradients, such as a global norm, are
+  computed first), no global computation reads a param-shaped state leaf,
+  and some leaf is compressed.
+  """
+  if params is None or not any(kind in (_8BIT, _BF16) for kind in state.storage):
+    return None
+  try:
+    plan = plan_fused_update(
+      inner,
+      params,
+      updates,
+      jax.eval_shape(_expand, state),
+      extra_args,
+      bounded_groups=False,
+      apply_updates=False,
+    )
+  except NotFusible:
+    return None
+  n = len(plan.paths)
+  mirrored = {
+    v for v, slot in zip(plan.inputs[2 * n :], plan.slots, strict=False) if slot is not None
+  }
+  if any(a in mirrored for op in plan.outside for a in op.ins if isinstance(a, int)):
+    return None
+  return plan
+
+
+def _after(x: jax.Array) -> jax.Array:
+  """True, computed from ``x``'s first element: a predicate that waits for ``x``.
+
+  The sign bit of any float is 0 or 1, which no compiler simplification
+  knows, so the predicate cannot be folded away or hoisted above ``x``.
+  """
+  width = jnp.dtype(x.dtype).itemsize * 8
+  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[:1], jnp.dtype(f"uint{width}"))
+  return (bits >> (width - 1) <= 1).all()
+
+
+def _streamed_update(
+  plan: FusedPlan,
+  updates: Any,
+  state: LowPrecisionState,
+  params: Any,
+  extra_args: dict[str, Any],
+  count: jax.Array,
+  *,
+  block: Any,
+  guard: bool,
+) -> tuple[Any, Any]:
+  """``(updates, new stored inner state)``, computed one param leaf at a time.
+
+  Leaf ``i`` decodes its state, runs its program (`plan`) and encodes its
+  new state inside a conditional whose predicate reads leaf ``i - 1``'s new
+  param (`_after`): a conditional's branch runs as a whole, after its
+  predicate, so at most one leaf's float32 state is live, whatever order
+  the compiler's scheduler prefers (optimization barriers do not order
+  work on every backend: XLA:CPU removes them before scheduling). The new
+  param is the caller's ``optax.apply_updates`` of the leaf, which XLA's
+  common-subexpression elimination merges with the one here: each param is
+  updated, and its float32 update freed, before the next leaf starts.
+  """
+  p_leaves, params_def = jax.tree.flatten(params)
+  g_leaves = jax.tree.leaves(updates)
+  stored, stored_def = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  extra_leaves, _ = split_extras(extra_args)
+  mirrors_absent = [s if j is None else None for s, j in zip(stored, plan.slots, strict=True)]
+  values = eval_outside(plan, [*p_leaves, *g_leaves, *mirrors_absent, *extra_leaves, *plan.consts])
+  globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
+  new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
+  group_of = {i: group for group in plan.groups for i in group.leaves}
+  new_updates = []
+  previous = g_leaves[0]
+  for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+    ks = [k for k, j in enumerate(plan.slots) if j == i]
+
+    def leaf_update(operands: tuple, ks: list[int] = ks, i: int = i) -> tuple[Any, list]:
+      p, g, leaves, residuals = operands
+      decoded = [_decode(state.storage[k], leaf) for k, leaf in zip(ks, leaves, strict=True)]
+      outs = run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
+      encoded = [
+        _encode(state.storage[k], x, _bits(state, count, k, jnp.shape(p)), block, guard)
+        for k, x in zip(ks, outs[1:], strict=True)
+      ]
+      return outs[0], encoded
+
+    operands = (
+      p,
+      g,
+      [new_stored[k] for k in ks],
+      [jnp.asarray(values[r]) for r in group_of[i].residuals],
+    )
+    shapes = jax.eval_shape(leaf_update, operands)
+    update, encoded = jax.lax.cond(
+      _after(previous),
+      leaf_update,
+      lambda _, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+      operands,
+    )
+    new_updates.append(update)
+    for k, leaf in zip(ks, encoded, strict=True):
+      new_stored[k] = leaf
+    previous = optax.apply_updates(p, update)
+  return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
+
+
+def low_precision(
+  inner: optax.GradientTransformation,
+  state_dtype: str = _8BIT,
+  *,
+  stochastic_rounding: bool = True,
+  block_size: int = 256,
+  shard_multiple: int = 8,
+  min_size: int = 4096,
+  states: str | None = None,
+  seed: int = 0,
+  stream: bool = True,
+  guard_nonfinite: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
+
+  See the module docstring for the two modes. In gin:
+  ``optimizers.low_precision.inner = @optax.adamw()`` and
+  ``optimizers.low_precision.state_dtype = '8bit'``; ready configs are
+  ``optimizers/adamw_8bit.gin`` and ``optimizers/adamw_bf16_sr.gin``.
+
+  Args:
+    inner: the optax transformation whose state is compressed.
+    state_dtype: ``"8bit"`` or ``"bfloat16"``.
+    stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
+    block_size: 8-bit mode: the largest block (see `leaf_block`).
+    shard_multiple: 8-bit mode: each leaf's block count is a multiple of
+      ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
+      dimension wherever the codes do over up to that many devices.
+    min_size: leaves with fewer elements stay as they are.
+    states: a regular expression; only inner leaves whose state path (e.g.
+      ``0/mu/dense/kernel``) it matches are compressed, and each must be a
+      floating param-shaped mirror. None: every such leaf.
+    seed: the seed of the stochastic-rounding bits.
+    stream: decode, update and encode one param leaf at a time when the
+      update is elementwise per leaf (`plan_fused_update` proves it); False
+      (or an update that is not) expands the whole state to float32 at once,
+      which is what the step's peak then holds.
+    guard_nonfinite: 8-bit mode: an inf or NaN in the new state damages only
+      its own element (`quantize`); the check holds a float32 copy of each
+      leaf's new state at the step's peak (1.2 bytes per param more at
+      T5.1.1-base shapes). False: an inf or NaN damages its block, for an
+      optimizer that refuses such steps anyway
+      (``optax.apply_if_finite(low_precision(...))``).
+
+  Returns:
+    The wrapped transformation; its state is a `LowPrecisionState`.
+
+  Raises:
+    ValueError: for an unknown ``state_dtype`` or a non-positive
+      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+      does not apply to (naming its path) or no leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adamw(1e-3), "bfloat16", min_size=0)
+    >>> state = tx.init({'w': jnp.zeros((4, 4))})
+    >>> state.inner_state[0].nu['w'].dtype, state.storage
+    (dtype(bfloat16), ('kept: not param-shaped', 'bfloat16', 'bfloat16'))
+  """
+  if state_dtype not in LOW_PRECISION_MODES:
+    raise ValueError(
+      f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
+    )
+  if block_size < 1 or shard_multiple < 1:
+    raise ValueError(
+      f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
+      f"and {shard_multiple}."
+    )
+  block = functools.partial(leaf_block, block_size=block_size, shard_multiple=shard_multiple)
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params: Any) -> LowPrecisionState:
+    inner_state = inner.init(params)
+    storage, param_index = _plan_storage(
+      state_dtype, inner_state, params, min_size=min_size, states=states, block=block
+    )
+    state = LowPrecisionState(
+      count=jnp.zeros([], jnp.int32),
+      inner_state=inner_state,
+      storage=storage,
+      param_index=param_index,
+      stochastic_rounding=stochastic_rounding,
+      seed=seed,
+    )
+    return state.replace(inner_state=_compress(inner_state, state, state.count, block=block))
+
+  def update(
+    updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+  ) -> tuple[Any, LowPrecisionState]:
+    count = optax.safe_int32_increment(state.count)
+    plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
+    if plan is not None:
+      new_updates, inner_state = _streamed_update(
+        plan, updates, state, params, extra_args, count, block=block, guard=guard_nonfinite
+      )
+      return new_updates, state.replace(count=count, inner_state=inner_state)
+    new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
+    return new_updates, state.replace(
+      count=count,
+      inner_state=_compress(inner_state, state, count, block=block, guard=guard_nonfinite),
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
+  """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
+
+  Keys are state-dict paths below ``param_states`` (as tuples of keys);
+  values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
+  leaf is kept as it is (``"float32: below min_size"``, ``"float32: no
+  8-bit block of 4 or more values tiles the last dimension"`` (see
+  `leaf_block`), ``"kept: not param-shaped"``, ...). Leaves outside a
+  `LowPrecisionState` are absent.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> state = low_precision(optax.sgd(0.1, momentum=0.9), min_size=0).init(
+    ...     {'w': jnp.zeros((2, 8))})
+    >>> leaf_storage(state)
+    {('count',): 'kept: not param-shaped', ('inner_state', '0', 'trace', 'w', 'codes'): '8bit codes', ('inner_state', '0', 'trace', 'w', 'scales'): '8bit scales'}
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  out: dict[tuple[str, ...], str] = {}
+  for path, node in jax.tree_util.tree_flatten_with_path(param_states, is_leaf=is_node)[0]:
+    if not is_node(node):
+      continue
+    prefix = _state_dict.key_path_parts(path)
+    out[(*prefix, "count")] = _KEPT_NOT_MIRROR
+    flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
+    for (leaf_path, _), kind in zip(flat, node.storage, strict=True):
+      parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
+      if kind == _8BIT:
+        out[(*parts, "codes")] = "8bit codes"
+        out[(*parts, "scales")] = "8bit scales"
+      else:
+        out[parts] = kind
+  return out
+
+
+def low_precision_to_float32(param_states: Any) -> Any:
+  """``param_states`` with every `LowPrecisionState` replaced by its float32 inner state.
+
+  Compressed leaves are expanded back to their float32 values; the result is
+  the state of the wrapped transformation alone (e.g. to restore into an
+  `OptaxWrapper` of ``inner``: its state dict has that optimizer's keys).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> inner = low_precision_to_float32(tx.init({'w': jnp.ones((2, 4))}))
+    >>> inner[0].mu['w'].dtype
+    dtype('float32')
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  return jax.tree.map(lambda x: _expand(x) if is_node(x) else x, param_states, is_leaf=is_node)
+
+
+def float32_to_low_precision(param_states: Any, like: Any) -> Any:
+  """The inverse of `low_precision_to_float32`: compresses a float32 state like ``like``.
+
+  Args:
+    param_states: a float32 state: ``like`` with every `LowPrecisionState`
+      replaced by the wrapped transformation's state.
+    like: a state of the low-precision optimizer (e.g. from ``init``): where
+      its `LowPrecisionState`s sit and how each leaf is stored.
+
+  Returns:
+    ``like``'s structure holding ``param_states``' values, compressed; the
+    step counts of ``like`` are kept.
+
+  Raises:
+    ValueError: naming the path, when ``param_states`` does not have the
+      structure of ``like``'s float32 state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.adam(1e-3), "8bit", min_size=0)
+    >>> like = tx.init({'w': jnp.ones((2, 4))})
+    >>> back = float32_to_low_precision(low_precision_to_float32(like), like)
+    >>> back.inner_state[0].nu['w'].codes.shape
+    (2, 4)
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  nodes, outer = jax.tree.flatten(like, is_leaf=is_node)
+  try:
+    values = outer.flatten_up_to(param_states)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"float32_to_low_precision: the float32 state does not have the structure of "
+      f"the low-precision state's outer part: {outer} vs {jax.tree.structure(param_states)}"
+    ) from e
+  out = []
+  for node, value in zip(nodes, values, strict=True):
+    if not is_node(node):
+      out.append(value)
+      continue
+    expected = jax.tree.structure(_expand(node))
+    if jax.tree.structure(value) != expected:
+      raise ValueError(
+        f"float32_to_low_precision: the float32 inner state has structure "
+        f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
+      )
+    blocks = {
+      leaf.codes.shape[-1]: leaf.codes.shape[-1] // leaf.scales.shape[-1]
+      for leaf in jax.tree.leaves(node.inner_state, is_leaf=_is_quantized)
+      if _is_quantized(leaf)
+    }
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
+  return outer.unflatten(out)
+
+
+def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> Any:
+  """The codes' spec for the scales; the last axis is dropped when there is one block."""
+  if spec is None or spec is specs_lib.UNDERIVED:
+    return spec
+  if scales_shape[-1] == 1 and codes_shape[-1] != 1:
+    return specs_lib.canonical(PartitionSpec(*spec[:-1], None), len(scales_shape))
+  return spec
+
+
+def _state_rule(
+  state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
+) -> LowPrecisionState:
+  """Codes get their param's spec; scales too, on their block dimension.
+
+  Param-shaped leaves kept in float32 (or in bfloat16) get their param's spec
+  as well: once a sibling is 8-bit, their subtree no longer mirrors the params.
+  """
+  param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  spec_leaves = treedef.flatten_up_to(specs.inner_state)
+  out = []
+  for leaf, spec, kind, j in zip(
+    leaves, spec_leaves, state.storage, state.param_index, strict=True
+  ):
+    if kind == _8BIT and 0 <= j < len(param_specs):
+      shape = specs_lib.leaf_shape(leaf.codes)
+      codes = specs_lib.canonical(param_specs[j], len(shape))
+      spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+    elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
+      # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
+      spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
+    out.append(spec)
+  return specs.replace(count=None, inner_state=treedef.unflatten(out))
+
+
+registry.register_state_rule(LowPrecisionState, _state_rule)
