@@ -41,7 +41,7 @@ import optax
 from update_bandwidth import VOCAB, t5_shapes
 
 from t5x_optim import OptaxWrapper, low_precision
-from t5x_optim.cli._model import TransformerConfig, TransformerLM, cross_entropy_loss
+from t5x_optim.cli.demo.model import TransformerConfig, TransformerLM, cross_entropy_loss
 
 MODES: dict[str, Callable[[], optax.GradientTransformation]] = {
   "float32": lambda: optax.adamw(1e-3),

@@ -39,13 +39,13 @@ import optax  # noqa: E402
 
 import t5x_optim  # noqa: E402
 from t5x_optim import OptaxWrapper  # noqa: E402
-from t5x_optim.cli._model import (  # noqa: E402
+from t5x_optim.cli.demo.model import (  # noqa: E402
   SyntheticTask,
   TransformerConfig,
   TransformerLM,
   cross_entropy_loss,
 )
-from t5x_optim.cli._text import TextTask  # noqa: E402
+from t5x_optim.cli.demo.text import TextTask  # noqa: E402
 
 SMOOTH, PRE = 5, 10
 SYNTHETIC_VOCAB_SIZE = 32  # the main job's synthetic task (t5x-optim's default config)

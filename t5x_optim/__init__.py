@@ -29,13 +29,6 @@ from t5x_optim._adapters.optax_wrapper import (
   wrap_optax_optimizer,
 )
 from t5x_optim._checkpoint.converting import restore_converted
-from t5x_optim._checkpoint.store import Checkpointer, CheckpointError
-from t5x_optim._checkpoint.t5x_read import (
-  latest_t5x_step,
-  restore_t5x_checkpoint,
-  t5x_checkpoint_steps,
-)
-from t5x_optim._checkpoint.t5x_write import save_t5x_checkpoint
 from t5x_optim._convert.convert import (
   ConversionContext,
   ConversionReport,
@@ -57,6 +50,13 @@ from t5x_optim._low_precision.low_precision import (
   low_precision_to_float32,
 )
 from t5x_optim._training.train_state import TrainState
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
+from t5x_optim.t5x_checkpoints import (
+  latest_t5x_step,
+  restore_t5x_checkpoint,
+  save_t5x_checkpoint,
+  t5x_checkpoint_steps,
+)
 
 __all__ = [
   "CheckpointError",

@@ -43,6 +43,7 @@ Example:
   [1.0, 1.0, 1.0, 1.0]
 """
 
-from t5x_optim._checkpoint.store import Checkpointer, CheckpointError, CheckpointState
+from t5x_optim._checkpoint.api import Checkpointer
+from t5x_optim._checkpoint.store import CheckpointError, CheckpointState
 
 __all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]

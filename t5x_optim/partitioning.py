@@ -35,7 +35,14 @@ from t5x_optim._axes.rules import (
 from t5x_optim._training.init import abstract_train_state, init_sharded
 from t5x_optim._training.mesh import create_mesh
 from t5x_optim._training.partitioner import Partitioner, check_divisible
-from t5x_optim._training.plan import LeafRow, Plan, build_plan
+from t5x_optim._training.plan import (
+  LeafRow,
+  Plan,
+  build_plan,
+  format_bytes,
+  format_table,
+  plan_to_json,
+)
 
 __all__ = [
   "LeafRow",
@@ -52,11 +59,14 @@ __all__ = [
   "build_plan",
   "check_divisible",
   "create_mesh",
+  "format_bytes",
+  "format_table",
   "init_sharded",
   "logical_axes_from",
   "logical_to_mesh_axes",
   "logical_to_mesh_axes_tree",
   "optimizer_state_mesh_axes_tree",
+  "plan_to_json",
   "register_state_rule",
   "standard_logical_axis_rules",
 ]

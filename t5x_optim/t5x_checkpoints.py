@@ -37,11 +37,8 @@ Example:
   [0.0, 1.0, 2.0, 3.0]
 """
 
-from t5x_optim._checkpoint.t5x_read import (
-  latest_t5x_step,
-  restore_t5x_checkpoint,
-  t5x_checkpoint_steps,
-)
+from t5x_optim._checkpoint.api import restore_t5x_checkpoint
+from t5x_optim._checkpoint.t5x_read import latest_t5x_step, t5x_checkpoint_steps
 from t5x_optim._checkpoint.t5x_write import save_t5x_checkpoint
 
 __all__ = [

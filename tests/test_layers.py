@@ -1,17 +1,25 @@
-"""The package's layers import only downwards (DESIGN.md section 2).
+"""The package's rooms import only rooms below them (docs/design.md, "Rooms").
 
-0. key paths (``t5x_optim/_keypaths.py``), which every layer may import;
-1. axes (``t5x_optim/_axes``): logical-axis rules and optimizer-state specs;
-2. optimizers (``t5x_optim/_optimizers``, ``t5x_optim.optimizers``);
-3. training (``t5x_optim/_training`` and its public faces ``partitioning``,
-   ``checkpoints``, ``t5x_checkpoints``, ``distributed``);
-4. cli (``t5x_optim/cli``, ``t5x_optim.__main__``);
-5. the package itself (``t5x_optim/__init__.py``), which re-exports all.
+From the bottom:
 
-Every import of a t5x_optim module is checked, those inside functions too.
-Inside the optimizers layer, the fused update is layered too (program <
-analysis < kernel < sharding), and only the fused subpackage's kernel module
-imports Pallas.
+0. key paths (``t5x_optim/_keypaths.py``), which every room may import;
+1. axes (``_axes``): logical-axis rules and optimizer-state specs;
+2. core (``_core``): T5X's optimizer interface and state dicts;
+3. layouts (``_layouts``): the fused and the stacked update;
+4. adapters (``_adapters``): optax, MultiOptimizer, example_libraries, kfac;
+5. low precision (``_low_precision``);
+6. conversion (``_convert``);
+7. training (``_training``): train state, mesh, partitioner, init, plan;
+8. checkpoints (``_checkpoint``);
+9. the public faces (``optimizers``, ``partitioning``, ``checkpoints``,
+   ``t5x_checkpoints``, ``distributed``, ``storage``);
+10. the package itself (``t5x_optim/__init__.py``), which re-exports them;
+11. the command line (``cli``, ``__main__``), which imports only public modules.
+
+Every import of a t5x_optim module is checked, those inside functions too,
+and no modules import each other in a circle. Inside the layouts room the
+fused update is layered too (program < kernel < analysis < sharding <
+package), and only its kernel module imports Pallas.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ import pytest
 
 import t5x_optim
 from t5x_optim._layouts.fused import FusedUpdate
-from t5x_optim._layouts.layouts import UpdateLayout
 from t5x_optim._layouts.stacked import StackedOptimizerDef, stack_params
 
 PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
@@ -35,17 +42,24 @@ PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
 LAYERS = {
   "t5x_optim._keypaths": 0,
   "t5x_optim._axes": 1,
-  "t5x_optim._optimizers": 2,
-  "t5x_optim.optimizers": 2,
-  "t5x_optim._training": 3,
-  "t5x_optim.partitioning": 3,
-  "t5x_optim.checkpoints": 3,
-  "t5x_optim.t5x_checkpoints": 3,
-  "t5x_optim.distributed": 3,
-  "t5x_optim.cli": 4,
-  "t5x_optim.__main__": 4,
-  "t5x_optim": 5,
+  "t5x_optim._core": 2,
+  "t5x_optim._layouts": 3,
+  "t5x_optim._adapters": 4,
+  "t5x_optim._low_precision": 5,
+  "t5x_optim._convert": 6,
+  "t5x_optim._training": 7,
+  "t5x_optim._checkpoint": 8,
+  "t5x_optim.optimizers": 9,
+  "t5x_optim.partitioning": 9,
+  "t5x_optim.checkpoints": 9,
+  "t5x_optim.t5x_checkpoints": 9,
+  "t5x_optim.distributed": 9,
+  "t5x_optim.storage": 9,
+  "t5x_optim": 10,
+  "t5x_optim.cli": 11,
+  "t5x_optim.__main__": 11,
 }
+PUBLIC = {name for name, layer in LAYERS.items() if layer >= 9}
 
 
 def layer_of(module: str) -> int:
@@ -118,13 +132,100 @@ def test_key_paths_import_no_t5x_optim_module():
   assert imported_modules(source, "t5x_optim._keypaths") == []
 
 
+def import_graph() -> dict[str, set[str]]:
+  """Every t5x_optim module and the t5x_optim modules it imports, inside functions too."""
+  return {
+    module_name(path): {m for _, m in imported_modules(path.read_text(), module_name(path))}
+    - {module_name(path)}
+    for path in MODULES
+  }
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of `graph` with more than one module (Tarjan)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  found = []
+
+  def visit(node: str) -> None:
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for other in sorted(graph.get(node, ())):
+      if other not in index:
+        visit(other)
+        low[node] = min(low[node], low[other])
+      elif other in on_stack:
+        low[node] = min(low[node], index[other])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == node:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  return found
+
+
+def test_no_import_circles():
+  assert circles(import_graph()) == []
+
+
+def test_circles_are_found():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+  assert circles(graph) == [["a", "b", "c"]]
+  assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_cli_imports_only_public_modules():
+  for path in (PACKAGE_DIR / "cli").rglob("*.py"):
+    name = module_name(path)
+    private = [
+      f"{name}:{line} imports {target}"
+      for line, target in imported_modules(path.read_text(), name)
+      if not target.startswith("t5x_optim.cli")
+      and layer_of(target) < min(LAYERS[m] for m in PUBLIC)
+    ]
+    assert private == []
+
+
+def test_no_private_room_holds_a_quarter_of_the_package():
+  def lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+  total = lines(MODULES)
+  for room in PACKAGE_DIR.iterdir():
+    if room.is_dir() and room.name.startswith("_") and room.name != "__pycache__":
+      assert lines(room.rglob("*.py")) <= total / 4, room.name
+
+
+def test_no_module_imports_a_private_name_of_another():
+  bad = []
+  for path in MODULES:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("t5x_optim"):
+        for alias in node.names:
+          if alias.name.startswith("_") and not _is_module(f"{node.module}.{alias.name}"):
+            bad.append(f"{module_name(path)}:{node.lineno} {node.module}.{alias.name}")
+  assert bad == []
+
+
 FUSED = "t5x_optim._layouts.fused"
 FUSED_ORDER = [
   f"{FUSED}.program",
-  f"{FUSED}.analysis",
-  FUSED,
   f"{FUSED}.kernel",
+  f"{FUSED}.analysis",
   f"{FUSED}.sharding",
+  FUSED,
 ]
 
 
@@ -136,63 +237,68 @@ def test_fused_modules_import_only_those_before_them(module):
   later = [
     f"line {line}: {target}"
     for line, target in imported_modules(path.read_text(), module)
-    if target in FUSED_ORDER[rank + 1 :] and not _inside_function(path.read_text(), line)
+    if target in FUSED_ORDER[rank + 1 :]
   ]
   assert later == []
 
 
-def _inside_function(source: str, line: int) -> bool:
-  """Whether `line` of `source` is inside a function body (a deferred import)."""
-  return any(
-    isinstance(node, ast.FunctionDef) and node.lineno < line <= node.end_lineno
-    for node in ast.walk(ast.parse(source))
-  )
-
-
 def test_stacked_params_need_only_the_elementwise_analysis():
-  source = (PACKAGE_DIR / "_optimizers" / "stacked.py").read_text()
+  source = (PACKAGE_DIR / "_layouts" / "stacked.py").read_text()
   fused = {m for _, m in imported_modules(source, "t5x_optim._layouts.stacked") if "fused" in m}
   assert fused <= {FUSED, f"{FUSED}.analysis", f"{FUSED}.program"}
 
 
-def _methods_naming(cls: ast.ClassDef, names: set[str]) -> set[str]:
-  """The methods of `cls` whose body or signature mentions one of `names`."""
-  return {
-    method.name
-    for method in cls.body
-    if isinstance(method, ast.FunctionDef)
-    for node in ast.walk(method)
-    if getattr(node, "id", None) in names or getattr(node, "attr", None) in names
-  }
+def _modules_entered(fn, *args) -> set[str]:
+  """The t5x_optim modules whose code runs while `fn(*args)` runs (a profile hook)."""
+  entered = set()
+  root = str(PACKAGE_DIR)
+
+  def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename.startswith(root):
+      entered.add(module_name(pathlib.Path(frame.f_code.co_filename)))
+
+  sys.setprofile(hook)
+  try:
+    fn(*args)
+  finally:
+    sys.setprofile(None)
+  return entered
 
 
-def test_optax_wrapper_names_stacked_and_fused_types_only_in_its_layout_hook():
-  """The wrapper reaches the fused and stacked layouts only through `UpdateLayout`."""
-  path = PACKAGE_DIR / "_optimizers" / "optax_wrapper.py"
-  source = path.read_text()
-  imported = {m for _, m in imported_modules(source, "t5x_optim._adapters.optax_wrapper")}
-  assert not {m for m in imported if m.startswith((FUSED, "t5x_optim._layouts.stacked"))}
-  assert "t5x_optim._layouts.layouts" in imported
-  tree = ast.parse(source)
-  stacked = {"_stacked", "StackedParams", "StackedOptimizerDef", "StackedLayout"}
-  fused = {"FusedUpdate", "FusedPlan", "NotFusible", "plan_fused_update", "fused_apply"}
-  named = {getattr(node, "id", None) for node in ast.walk(tree)}
-  named |= {getattr(node, "attr", None) for node in ast.walk(tree)}
-  assert not named & (stacked | fused)
-  wrapper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OptaxWrapper")
-  assert _methods_naming(wrapper, {"UpdateLayout"}) == {"__init__"}
+def test_a_plain_update_enters_no_layout_module():
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  opt = t5x_optim.optimizers.adamw(1e-3).create(params)
+  grads = jax_tree_ones(params)
+  entered = _modules_entered(opt.apply_gradient, grads)
+  assert "t5x_optim._adapters.optax_wrapper" in entered
+  assert not {m for m in entered if m.startswith("t5x_optim._layouts")}, entered
 
 
-def test_layout_hook_routes_stacked_targets_and_fused_modes():
+def test_a_fused_update_enters_the_fused_layout():
+  params = {"w": jnp.ones((3, 2))}
+  opt = t5x_optim.OptaxWrapper(optax.adam(0.1), fused="interpret").create(params)
+  entered = _modules_entered(opt.apply_gradient, jax_tree_ones(params))
+  assert FUSED in entered
+
+
+def jax_tree_ones(tree):
+  return {k: jnp.ones_like(v) for k, v in tree.items()}
+
+
+def test_stacked_targets_get_a_plain_wrapper_of_their_own():
   opt_def = t5x_optim.OptaxWrapper(optax.adam(0.1), fused="interpret")
-  assert isinstance(opt_def.layout, UpdateLayout)
-  assert opt_def.fused is FusedUpdate.INTERPRET
   stacked = opt_def.create(stack_params({"a": jnp.ones(2), "b": jnp.ones(2)}))
   assert isinstance(stacked.optimizer_def, StackedOptimizerDef)
+  assert stacked.optimizer_def.inner is not opt_def
   assert stacked.optimizer_def.inner.fused is FusedUpdate.OFF
   assert opt_def.fused is FusedUpdate.INTERPRET
   plain = opt_def.create({"a": jnp.ones(2)})
   assert plain.optimizer_def is opt_def
+
+
+def test_the_stacked_layer_refuses_a_fused_definition():
+  with pytest.raises(ValueError, match="fused='off'"):
+    StackedOptimizerDef(t5x_optim.OptaxWrapper(optax.adam(0.1), fused="interpret"))
 
 
 @pytest.mark.slow
@@ -201,7 +307,7 @@ def test_import_loads_no_pallas():
   code = (
     "import sys, t5x_optim\n"
     "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas')"
-    " or m.startswith(f'{t5x_optim.__name__}._optimizers.fused.')))"
+    " or m.startswith(f'{t5x_optim.__name__}._layouts.fused.')))"
   )
   out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
   assert out.stdout.split() == [

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from t5x_optim.cli import TextTask, _text, main
+from t5x_optim.cli import TextTask, main
+from t5x_optim.cli.demo import text as _text
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 

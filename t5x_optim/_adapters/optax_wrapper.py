@@ -16,7 +16,8 @@ from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
-from t5x_optim._layouts.layouts import FusedOption, UpdateLayout
+from t5x_optim._layouts.fused import FusedUpdate
+from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
@@ -28,6 +29,9 @@ __all__ = [
 ]
 
 _LEARNING_RATE = "learning_rate"
+
+FusedOption = FusedUpdate | str | bool
+"""What ``fused=`` takes: a `FusedUpdate`, its string value or a bool."""
 
 # The extra update arguments optax's own transformations read: `value`
 # (reduce_on_plateau, momo), `grad` and `value_fn` (L-BFGS line search),
@@ -137,11 +141,13 @@ class OptaxWrapper(OptimizerDef):
   state dict are the same either way.
 
   The target may be `StackedParams` (`t5x_optim.stack_params`: params kept
-  stacked by shape between steps): `create` then puts this definition
-  inside the stacked layer, `t5x_optim._layouts.stacked.StackedOptimizerDef`,
-  which checks that the update is elementwise per leaf and keeps state
-  dicts and checkpoints per leaf. Both layouts plug in through one hook,
-  `layout` (a `t5x_optim._layouts.layouts.UpdateLayout`).
+  stacked by shape between steps): `create` then builds the stacked layer,
+  `t5x_optim._layouts.stacked.StackedOptimizerDef`, around a plain copy of
+  this definition; it checks that the update is elementwise per leaf and
+  keeps state dicts and checkpoints per leaf.
+
+  The plain update is `apply_gradient`'s own: ``tx.update`` and
+  ``optax.apply_updates``; a layout runs only when one was asked for.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -162,7 +168,7 @@ class OptaxWrapper(OptimizerDef):
     fused: FusedOption = "off",
   ):
     super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
-    self.layout = UpdateLayout(fused)
+    self.fused = FusedUpdate.of(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = optax_optimizer
@@ -171,12 +177,12 @@ class OptaxWrapper(OptimizerDef):
 
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
-    return self.layout.create(self, target, super().create)
-
-  @property
-  def fused(self) -> Any:
-    """The fused mode of the update (a `FusedUpdate`)."""
-    return self.layout.fused
+    if isinstance(target, StackedParams):
+      plain = OptaxWrapper(
+        self.optax_optimizer, extra_args=self.extra_arg_names, fallback=self.fallback
+      )
+      return StackedOptimizerDef(plain).create(target)
+    return super().create(target)
 
   def prepare_grads(self, params: Any, grads: Any) -> Any:
     """`OptimizerDef.prepare_grads`; for `optax.lookahead`, against the fast params."""
@@ -201,9 +207,15 @@ class OptaxWrapper(OptimizerDef):
     if hyper_params.learning_rate is not None:
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
-    new_params, new_param_states = self.layout.update(
-      self.optax_optimizer, params, grads, param_states, extra_args
-    )
+    if self.fused is FusedUpdate.OFF:
+      updates, new_param_states = self.optax_optimizer.update(
+        grads, param_states, params, **extra_args
+      )
+      new_params = optax.apply_updates(params, updates)
+    else:
+      new_params, new_param_states = self.fused.update(
+        self.optax_optimizer, params, grads, param_states, extra_args
+      )
     return new_params, OptimizerState(step=state.step + 1, param_states=new_param_states)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:

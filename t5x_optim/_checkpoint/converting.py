@@ -31,8 +31,8 @@ class _StoredStateDict:
   """
 
   def __init__(self, path: str | os.PathLike[str], step: int | None):
-    step_dir, fmt = _t5x._locate(path, step)
-    read = _t5x._read_legacy_metadata if fmt == "legacy" else _t5x._read_orbax_metadata
+    step_dir, fmt = _t5x.locate(path, step)
+    read = _t5x.read_legacy_metadata if fmt == "legacy" else _t5x.read_orbax_metadata
     self._abstract = traverse_util.unflatten_dict(
       {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in read(step_dir).items()}
     )
@@ -46,7 +46,7 @@ class _StoredStateDict:
 
 def _holds_t5x(path: str | os.PathLike[str]) -> bool:
   try:
-    _t5x._locate(path, None)
+    _t5x.locate(path, None)
   except (FileNotFoundError, ValueError):
     return False
   return True

@@ -71,7 +71,7 @@ class CheckpointState(Protocol):
     """A copy restored from a T5X-layout state dict."""
 
 
-def _optimizer_of(target: CheckpointState) -> Optimizer:
+def optimizer_of(target: CheckpointState) -> Optimizer:
   if isinstance(target, TrainState):
     return target.optimizer
   if isinstance(target, Optimizer):
@@ -89,7 +89,7 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   holds its own shards; the definition's own `state_dict` lays it out (a
   MultiOptimizer's per-param layout included).
   """
-  optimizer = _optimizer_of(target)
+  optimizer = optimizer_of(target)
   leaves, treedef = jax.tree.flatten(optimizer.state.param_states)
   shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
   out_shardings = None if None in shardings else treedef.unflatten(shardings)
@@ -454,7 +454,6 @@ class Checkpointer:
     params_only: bool = False,
     fallback: bool = False,
     verify: bool = True,
-    convert_from: Any = None,
   ) -> CheckpointState:
     """Restores checkpoint `step` into `target`'s structure and shardings.
 
@@ -493,10 +492,6 @@ class Checkpointer:
       verify: check every array against its recorded checksum. Only for
         steps written before checksums existed: False restores them
         unverified.
-      convert_from: the optimizer that wrote the checkpoint, when `target`
-        has another (its definition or an abstract state of it; True: T5X's
-        legacy Adafactor): params restored exactly, the optimizer state
-        converted, see `t5x_optim.restore_converted`.
 
     A directory that holds no t5x_optim checkpoint but T5X's
     ``checkpoint_<step>`` directories (legacy or Orbax format) is restored
@@ -522,14 +517,6 @@ class Checkpointer:
         (with `fallback`: those of every step tried), naming the step and the
         array path.
     """
-    if convert_from is not None:
-      from t5x_optim._checkpoint import converting as convert_checkpoint  # noqa: PLC0415 - it imports this one
-
-      restored = convert_checkpoint.restore_with_conversion(
-        self._directory, target, convert_from, step
-      )
-      self._restored_step = int(_optimizer_of(restored).state.step)
-      return restored
     if self._holds_only_t5x_checkpoints():
       if params_only or fallback:
         raise ValueError(

@@ -27,17 +27,20 @@ from t5x_optim._keypaths import key_path_str
 
 __all__ = [
   "latest_t5x_step",
+  "locate",
+  "read_legacy_metadata",
+  "read_orbax_metadata",
   "restore_t5x_checkpoint",
   "t5x_checkpoint_steps",
 ]
 
 Path = tuple[str, ...]
 _STEP_DIR = re.compile(r"checkpoint_(\d+)")
-_MSGPACK_FILE = "checkpoint"
+MSGPACK_FILE = "checkpoint"
 # t5x_optim's record of the optimizer state's classes, beside T5X's files (T5X ignores it).
 STATE_CLASSES_FILE = "t5x_optim_state_classes.json"
 _ORBAX_ITEM = "state"
-_TS_CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}})
+TS_CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}})
 
 
 class T5XState(Protocol):
@@ -69,7 +72,7 @@ class _Stored:
 
 def _format(step_dir: epath.Path) -> str | None:
   """'legacy', 'orbax' or None (not a T5X step directory)."""
-  if (step_dir / _MSGPACK_FILE).is_file():
+  if (step_dir / MSGPACK_FILE).is_file():
     return "legacy"
   if (step_dir / _ORBAX_ITEM).is_dir():
     return "orbax"
@@ -116,7 +119,7 @@ def latest_t5x_step(model_dir: str | os.PathLike[str]) -> int | None:
   return steps[-1] if steps else None
 
 
-def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path, str]:
+def locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path, str]:
   """The step directory and format that `path` (and `step`) name.
 
   `path` is a model directory, a ``checkpoint_<step>`` directory, or a
@@ -124,8 +127,8 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
   """
   where = storage.as_path(path)
   if where.is_file():
-    if where.name != _MSGPACK_FILE:
-      raise ValueError(f"{where} is not a T5X checkpoint file (named '{_MSGPACK_FILE}').")
+    if where.name != MSGPACK_FILE:
+      raise ValueError(f"{where} is not a T5X checkpoint file (named '{MSGPACK_FILE}').")
     where = where.parent
   if not where.is_dir():
     raise FileNotFoundError(f"No T5X checkpoint at {where}: no such directory.")
@@ -138,7 +141,7 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> tuple[epath.Path,
   if not dirs:
     raise FileNotFoundError(
       f"No T5X checkpoint in {where}: no checkpoint_<step> directory holds a "
-      f"'{_MSGPACK_FILE}' file (legacy format) or a '{_ORBAX_ITEM}' directory (Orbax format)."
+      f"'{MSGPACK_FILE}' file (legacy format) or a '{_ORBAX_ITEM}' directory (Orbax format)."
     )
   step = list(dirs)[-1] if step is None else checked_step(step)
   if step not in dirs:
@@ -190,7 +193,7 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
       f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
     )
   return ts.open(
-    _full_spec(step_dir, spec["driver"], relative), open=True, read=True, context=_TS_CONTEXT
+    _full_spec(step_dir, spec["driver"], relative), open=True, read=True, context=TS_CONTEXT
   )
 
 
@@ -212,12 +215,12 @@ def _without_fill_value_check(step_dir: epath.Path, spec: Mapping[str, Any], sto
   kvstore = spec.get("kvstore")
   relative = (kvstore.get("path") if isinstance(kvstore, Mapping) else None) or spec.get("path")
   full = _full_spec(step_dir, spec["driver"], relative, strict=False)
-  return ts.open(full, open=True, read=True, context=_TS_CONTEXT).result()
+  return ts.open(full, open=True, read=True, context=TS_CONTEXT).result()
 
 
-def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
+def read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
   """Every array of a legacy checkpoint, opened (headers only, no data)."""
-  file = step_dir / _MSGPACK_FILE
+  file = step_dir / MSGPACK_FILE
   try:
     contents = serialization.msgpack_restore(file.read_bytes())
   except Exception as e:  # msgpack raises many types on corrupt input.
@@ -256,7 +259,7 @@ def _read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
   return stored
 
 
-def _read_orbax_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
+def read_orbax_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
   """Every array of an Orbax-format checkpoint, from orbax's tree metadata."""
   item = step_dir / _ORBAX_ITEM
   try:
@@ -477,7 +480,6 @@ def restore_t5x_checkpoint(
   target: T5XState,
   *,
   step: int | None = None,
-  convert_from: Any = None,
 ) -> T5XState:
   """Restores a T5X checkpoint (legacy or Orbax format) into `target`.
 
@@ -497,10 +499,6 @@ def restore_t5x_checkpoint(
       (``gs://``, see `storage`).
     target: gives the structure, shapes, dtypes and shardings.
     step: with a model directory, the step to restore (None: the latest).
-    convert_from: the optimizer that wrote the checkpoint, when `target` has
-      another: its definition or an abstract state of it (True: T5X's legacy
-      Adafactor). Its state is converted into `target`'s optimizer, see
-      `t5x_optim.restore_converted` (which also returns the report).
 
   Returns:
     A new object of `target`'s type.
@@ -524,12 +522,8 @@ def restore_t5x_checkpoint(
     >>> int(restored.state.step), restored.target['w'].tolist()
     (1, [0.5, 0.5])
   """
-  if convert_from is not None:
-    from t5x_optim._checkpoint import converting as convert_checkpoint  # noqa: PLC0415 - it imports this module
-
-    return convert_checkpoint.restore_with_conversion(path, target, convert_from, step)
-  step_dir, fmt = _locate(path, step)
-  stored = _read_legacy_metadata(step_dir) if fmt == "legacy" else _read_orbax_metadata(step_dir)
+  step_dir, fmt = locate(path, step)
+  stored = read_legacy_metadata(step_dir) if fmt == "legacy" else read_orbax_metadata(step_dir)
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
   expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
   problems = _problems(expected, stored) + _class_problems(step_dir, target)

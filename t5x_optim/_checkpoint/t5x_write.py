@@ -28,9 +28,9 @@ from flax import serialization, traverse_util
 from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint.leaves import checked_step, optimizer_state_classes
 from t5x_optim._checkpoint.t5x_read import (
-  _MSGPACK_FILE,
-  _TS_CONTEXT,
+  MSGPACK_FILE,
   STATE_CLASSES_FILE,
+  TS_CONTEXT,
   Path,
   T5XState,
 )
@@ -135,7 +135,7 @@ def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, 
       spec = written[path]
       kvstore = storage.kvstore_spec(storage.join(step_dir, spec["kvstore"]["path"]))
       full = {**spec, "kvstore": kvstore}
-      opening[path] = ts.open(full, create=True, open=True, context=_TS_CONTEXT)
+      opening[path] = ts.open(full, create=True, open=True, context=TS_CONTEXT)
       started.append(opening[path])
     writes = []
     for path, future in opening.items():
@@ -203,7 +203,7 @@ def save_t5x_checkpoint(
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
   root = storage.check_reachable(model_dir)
   final = root / f"checkpoint_{step}"
-  if (final / _MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
+  if (final / MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
   classes = optimizer_state_classes(state)
   if storage.is_object_store(root):
@@ -213,7 +213,7 @@ def save_t5x_checkpoint(
   try:
     payload = _payload(_write_arrays(tmp, flat))
     _write_classes(tmp, classes)
-    with open(tmp / _MSGPACK_FILE, "wb") as f:
+    with open(tmp / MSGPACK_FILE, "wb") as f:
       f.write(payload)
       f.flush()
       os.fsync(f.fileno())
@@ -262,5 +262,5 @@ def _save_committed_last(
     final.rmtree()
   payload = _payload(_write_arrays(final, flat))
   _write_classes(final, classes)
-  (final / _MSGPACK_FILE).write_bytes(payload)
+  (final / MSGPACK_FILE).write_bytes(payload)
   return os.fspath(final)

@@ -24,11 +24,11 @@ from t5x_optim._convert.registry import (
   ConversionContext,
   Moments,
   T5XAdafactorParamState,
-  _by_param,
-  _field,
-  _has_field,
-  _is_namedtuple,
+  by_param,
+  has_field,
+  is_namedtuple,
   register_state_converter,
+  state_field,
 )
 from t5x_optim._core import state_dict as _state_dict
 
@@ -173,16 +173,16 @@ def _write_trace(template: Any, moments: Moments, ctx: ConversionContext) -> Any
 
 def _read_rms(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   """nu = nu_stored / (1 - decay^t): RMSProp's average starts at zero."""
-  count = _field(state, "count", ctx.step)
+  count = state_field(state, "count", ctx.step)
   read = {NU: jax.tree.map(_corrected(ctx.hparam("decay", 0.9), count), state.nu)}
-  return {**read, "count": count} if _has_field(state, "count") else read
+  return {**read, "count": count} if has_field(state, "count") else read
 
 
 def _write_rms(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
   """nu_stored = nu (1 - decay^t)."""
-  if _has_field(template, "count"):
+  if has_field(template, "count"):
     template = template._replace(count=moments.count(template.nu, template.count, (NU,)))
-  scale = _decay(ctx.hparam("decay", 0.9), _field(template, "count", ctx.step))
+  scale = _decay(ctx.hparam("decay", 0.9), state_field(template, "count", ctx.step))
   return template._replace(nu=moments.fill(template.nu, NU, lambda v, leaf, p: v * scale))
 
 
@@ -221,7 +221,7 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
   Adafactor's decay ``1 - (t+1)^-0.8`` is 0 at the first step, so its
   statistics are estimates already: no bias correction.
   """
-  cols, full = _by_param(state.v_col), _by_param(state.v)
+  cols, full = by_param(state.v_col), by_param(state.v)
 
   def nu(path: Any, v_row: Any) -> Any:
     param = _state_dict.key_path_str(path)
@@ -232,7 +232,7 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
 
 def _write_factored(template: optax.FactoredState, moments: Moments, ctx: ConversionContext):
   """v = nu where unfactored; else v_row = mean(nu over d0), v_col = mean(nu over d1)."""
-  rows, cols = _by_param(template.v_row), _by_param(template.v_col)
+  rows, cols = by_param(template.v_row), by_param(template.v_col)
 
   def factor(which: int) -> Callable[[Any, Any, str], Any]:
     def fn(nu: Any, leaf: Any, param: str) -> Any:
@@ -334,7 +334,7 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
         ),
         field="m", needs=(NU,), param=param,
       )  # fmt: skip
-  if _is_namedtuple(template):
+  if is_namedtuple(template):
     return template._replace(**fields)
   return dataclasses.replace(template, **fields)
 
@@ -362,7 +362,7 @@ def _read_adafactor_momentum(state: optax.EmaState, ctx: ConversionContext) -> d
   factored, why = _adafactor_momentum(ctx)
   if factored is None:
     return {"unread": why}
-  nu = _by_param(_read_factored(factored, ctx)[NU])
+  nu = by_param(_read_factored(factored, ctx)[NU])
   momentum = ctx.hparam("momentum", None)
 
   def mu(path: Any, ema: Any) -> Any:
@@ -382,7 +382,7 @@ def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: C
   factored, why = _adafactor_momentum(ctx)
   if factored is None:
     return template._replace(ema=moments.keep(template.ema, f"ema ({why})"))
-  rows, cols = _by_param(factored.v_row), _by_param(factored.v_col)
+  rows, cols = by_param(factored.v_row), by_param(factored.v_col)
   momentum = ctx.hparam("momentum", None)
   count = moments.count(template.ema, template.count, (MU,), needs=(NU,))
 

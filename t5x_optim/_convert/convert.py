@@ -62,11 +62,11 @@ from t5x_optim._convert.registry import (
   Moments,
   StateConverter,
   T5XAdafactorParamState,
-  _by_param,
-  _field,
-  _is_namedtuple,
+  by_param,
+  is_namedtuple,
   register_state_converter,
   registered_converters,
+  state_field,
 )
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
@@ -97,7 +97,7 @@ def _children(node: Any) -> list[tuple[str, Any]] | None:
   """The (key, child) pairs of a container node, or None for a leaf."""
   if isinstance(node, optax.MaskedNode):
     return None
-  if _is_namedtuple(node):
+  if is_namedtuple(node):
     return [(name, getattr(node, name)) for name in node._fields]
   if isinstance(node, tuple | list):
     return [(str(i), child) for i, child in enumerate(node)]
@@ -109,7 +109,7 @@ def _children(node: Any) -> list[tuple[str, Any]] | None:
 
 
 def _rebuild(node: Any, children: list[Any]) -> Any:
-  if _is_namedtuple(node):
+  if is_namedtuple(node):
     return type(node)(*children)
   if isinstance(node, tuple | list):
     return type(node)(children)
@@ -125,7 +125,7 @@ def _has_state_nodes(tree: Any) -> bool:
   children = _children(tree)
   if children is None:
     return False
-  if _is_namedtuple(tree) or dataclasses.is_dataclass(tree):
+  if is_namedtuple(tree) or dataclasses.is_dataclass(tree):
     return True
   return any(_has_state_nodes(child) for _, child in children)
 
@@ -235,7 +235,7 @@ def _read_source(
       for quantity, tree in read.items():
         if quantity == "count":
           continue
-        for param, value in {own: tree}.items() if own else _by_param(tree).items():
+        for param, value in {own: tree}.items() if own else by_param(tree).items():
           entry = source.stats.setdefault(param, {})
           if quantity in entry:
             raise ValueError(
@@ -254,7 +254,7 @@ def _read_source(
     clock = _clock_of(node, clock)
     for i, (key, child) in enumerate(children):
       if (
-        (_is_namedtuple(node) or dataclasses.is_dataclass(node))
+        (is_namedtuple(node) or dataclasses.is_dataclass(node))
         and not _has_state_nodes(child)
         and _has_tensors(child)
       ):
@@ -267,7 +267,7 @@ def _read_source(
 
 
 def _fields(node: Any) -> tuple[str, ...]:
-  if _is_namedtuple(node):
+  if is_namedtuple(node):
     return tuple(node._fields)
   if dataclasses.is_dataclass(node) and not isinstance(node, type):
     return tuple(f.name for f in dataclasses.fields(node))
@@ -307,7 +307,7 @@ def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
   Such a state is recognised by structure: a NamedTuple with a mapping
   ``hyperparams`` and an ``inner_state``.
   """
-  if not (_is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
+  if not (is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
     return hparams
   if not isinstance(node.hyperparams, Mapping):
     return hparams
@@ -316,7 +316,7 @@ def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _chained(node: Any, children: list[tuple[str, Any]], i: int) -> tuple[Any, ...]:
   """The states before child `i` of a ``chain`` state (a plain tuple), else ()."""
-  if isinstance(node, tuple) and not _is_namedtuple(node):
+  if isinstance(node, tuple) and not is_namedtuple(node):
     return tuple(child for _, child in children[:i])
   return ()
 
@@ -332,7 +332,7 @@ def _is_integer_scalar(value: Any) -> bool:
 def _count_of(node: Any, clock: Any) -> Any:
   """A node's own step count (``count``, ``t``), or its clock."""
   for name in ("count", "t"):
-    value = _field(node, name, None)
+    value = state_field(node, name, None)
     if value is not None and jnp.ndim(value) == 0:
       return value
   return clock
@@ -392,7 +392,7 @@ def _write_target(
     hparams = _injected(node, hparams)
     new = []
     for i, (key, child) in enumerate(children):
-      state_node = _is_namedtuple(node) or dataclasses.is_dataclass(node)
+      state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(_as_count(clock, child))
       elif (

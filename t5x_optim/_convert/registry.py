@@ -26,6 +26,10 @@ __all__ = [
   "Moments",
   "StateConverter",
   "T5XAdafactorParamState",
+  "by_param",
+  "state_field",
+  "has_field",
+  "is_namedtuple",
   "register_state_converter",
   "registered_converters",
 ]
@@ -300,20 +304,20 @@ def _type_name(state_type: type) -> str:
   return f"{state_type.__module__}.{state_type.__qualname__}"
 
 
-def _is_namedtuple(node: Any) -> bool:
+def is_namedtuple(node: Any) -> bool:
   return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
-def _has_field(node: Any, name: str) -> bool:
+def has_field(node: Any, name: str) -> bool:
   """Whether a NamedTuple state has field `name` (``tuple.count`` is a method of them all)."""
   return name in getattr(node, "_fields", ())
 
 
-def _field(node: Any, name: str, default: Any) -> Any:
-  return getattr(node, name) if _has_field(node, name) else default
+def state_field(node: Any, name: str, default: Any) -> Any:
+  return getattr(node, name) if has_field(node, name) else default
 
 
-def _by_param(tree: Any) -> dict[str, Any]:
+def by_param(tree: Any) -> dict[str, Any]:
   """A tree over the params, flat: '/'-joined param path to leaf."""
   return {
     _state_dict.key_path_str(path): leaf

@@ -40,7 +40,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +55,7 @@ from jax.sharding import PartitionSpec
 from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, check_grads
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._layouts.fused import FusedUpdate
 from t5x_optim._layouts.fused.analysis import FusedPlan, NotFusible, plan_fused_update
 from t5x_optim._layouts.fused.program import program_key
 
@@ -399,8 +399,8 @@ def check_stacked_update(tx: optax.GradientTransformation, params: StackedParams
 class StackedOptimizerDef(OptimizerDef):
   """The stacked layer: an optax `OptimizerDef` whose target is `StackedParams`.
 
-  ``OptaxWrapper(tx).create(stack_params(params))`` builds it around the
-  wrapper. The transformation must be elementwise per leaf (checked by
+  ``OptaxWrapper(tx).create(stack_params(params))`` builds it around a
+  plain copy of the wrapper. The transformation must be elementwise per leaf (checked by
   `init_state`); gradients may come stacked (the gradient of a loss of
   ``target.unstack()``) or per leaf; `derive_logical_axes` takes the
   per-leaf logical axes; `state_dict` and `restore_state` read and write the
@@ -409,7 +409,8 @@ class StackedOptimizerDef(OptimizerDef):
   the fused update would make them.
 
   Args:
-    inner: the per-leaf definition (an `OptaxWrapper`).
+    inner: the per-leaf definition, an `OptaxWrapper` with the plain update
+      (``fused="off"``), which it runs on the stacked buffers.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -421,8 +422,11 @@ class StackedOptimizerDef(OptimizerDef):
 
   def __init__(self, inner: Any):
     super().__init__(inner.hyper_params, fallback=inner.fallback)
-    self.inner = copy.copy(inner)
-    self.inner.layout = inner.layout.unfused()
+    if getattr(inner, "fused", None) is not FusedUpdate.OFF:
+      raise ValueError(
+        f"The stacked layer runs a plain definition (fused='off'); got fused={inner.fused!r}."
+      )
+    self.inner = inner
     self.optax_optimizer = inner.optax_optimizer
     self.extra_arg_names = inner.extra_arg_names
 

@@ -24,11 +24,10 @@ import gin
 import jax
 import optax
 
-from t5x_optim import partitioning
-from t5x_optim._checkpoint import storage
-from t5x_optim._core.interface import OptimizerDef
-from t5x_optim.cli._model import SyntheticTask, TransformerConfig
-from t5x_optim.cli._text import BYTE_VOCAB_SIZE, TextTask
+from t5x_optim import partitioning, storage
+from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
+from t5x_optim.cli.demo.text import BYTE_VOCAB_SIZE, TextTask
+from t5x_optim.optimizers import OptimizerDef
 from t5x_optim.partitioning import Partitioner
 
 # gin reads its files with `open`; a path with a scheme (gs://) is read through epath.

@@ -22,7 +22,7 @@ import threading
 from etils import epath
 from tensorboardX import record_writer
 
-from t5x_optim._checkpoint import storage
+from t5x_optim import storage
 
 __all__ = ["event_dir"]
 

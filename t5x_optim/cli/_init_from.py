@@ -23,9 +23,7 @@ from typing import Any, NamedTuple, TextIO
 
 import gin
 
-from t5x_optim._checkpoint import storage
-from t5x_optim._checkpoint.converting import restore_converted
-from t5x_optim._training.train_state import TrainState
+from t5x_optim import TrainState, restore_converted, storage
 from t5x_optim.cli import _config
 from t5x_optim.cli._t5x_config import (
   binding_statements,

@@ -8,7 +8,7 @@ same as on one process.
 Example:
   >>> import jax
   >>> from jax.sharding import NamedSharding, PartitionSpec
-  >>> from t5x_optim.cli._model import SyntheticTask
+  >>> from t5x_optim.cli.demo.model import SyntheticTask
   >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
   >>> task = SyntheticTask(vocab_size=8, length=4, batch_size=4)
   >>> sharding = NamedSharding(mesh, PartitionSpec('data'))

@@ -126,7 +126,7 @@ def _path_arg(text: str) -> Path | str:
 
   A scheme without its package stays text; using it then fails in one line.
   """
-  from t5x_optim._checkpoint import storage  # noqa: PLC0415
+  from t5x_optim import storage  # noqa: PLC0415
 
   try:
     return storage.as_path(text)
@@ -235,7 +235,7 @@ def _devices(requested: int | None) -> tuple[int, str]:
 
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
-  from t5x_optim._training import plan as _plan  # noqa: PLC0415
+  from t5x_optim import partitioning as _plan  # noqa: PLC0415
   from t5x_optim.cli import _train  # noqa: PLC0415
 
   plan = _plan.build_plan(
@@ -289,7 +289,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       )
     data = []
     if args.data is not None:
-      from t5x_optim.cli import _text  # noqa: PLC0415
+      from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
 
       data = _config.data_bindings(_text.resolve_data_path(args.data, label="--data"))
       _text.scan_text(args.data, label="--data")

@@ -11,7 +11,7 @@ Example:
   >>> from t5x_optim import optimizers, partitioning
   >>> from t5x_optim.cli._config import TrainJob
   >>> from t5x_optim.cli._interrupt import Interrupt
-  >>> from t5x_optim.cli._model import SyntheticTask, TransformerConfig
+  >>> from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
   >>> mesh = partitioning.create_mesh(devices=jax.devices()[:1])
   >>> job = TrainJob(optimizers.adamw(1e-2), partitioning.Partitioner(mesh),
   ...                model=TransformerConfig(vocab_size=16, num_layers=1, max_length=8),
@@ -48,18 +48,17 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from t5x_optim._checkpoint import storage
-from t5x_optim._checkpoint.store import Checkpointer
-from t5x_optim._training.plan import format_bytes
-from t5x_optim._training.train_state import TrainState
+from t5x_optim import TrainState, storage
+from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.cli._config import TrainJob
 from t5x_optim.cli._input import global_batch
 from t5x_optim.cli._interrupt import Interrupt
 from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
-from t5x_optim.cli._model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli._progress import Clock, Progress, format_metrics
 from t5x_optim.cli._summary import TrainSummary
 from t5x_optim.cli._weight_metrics import metric_tags, metric_vector
+from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
+from t5x_optim.partitioning import format_bytes
 
 __all__ = [
   "CONFIG_FILE",

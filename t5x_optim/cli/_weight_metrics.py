@@ -34,8 +34,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim._core.state_dict import key_path_parts
-
 __all__ = ["metric_tags", "metric_vector", "weight_metrics"]
 
 
@@ -46,7 +44,7 @@ def _leaves(tree: Any, shardings: Any) -> list[tuple[tuple[str, ...], jax.Array,
   if len(specs) != len(leaves):
     raise ValueError(f"{len(specs)} shardings for {len(leaves)} leaves.")
   return [
-    (key_path_parts(path), leaf, spec)
+    (tuple(jax.tree_util.keystr((key,), simple=True) for key in path), leaf, spec)
     for (path, leaf), spec in zip(leaves, specs, strict=True)
     if hasattr(leaf, "shape") and leaf.ndim > 0 and leaf.size > 0
   ]

@@ -41,7 +41,16 @@ import numpy as np
 import optax
 
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._layouts.fused.program import Group, Lit, Op, Program, lit_key, program_signature
+from t5x_optim._layouts.fused.program import (
+  FusedPlan,
+  Group,
+  Lit,
+  NotFusible,
+  Op,
+  Program,
+  lit_key,
+  program_signature,
+)
 
 __all__ = ["FusedPlan", "NotFusible", "eval_outside", "plan_fused_update", "split_extras"]
 
@@ -81,27 +90,6 @@ _CALLS = frozenset(
 # Most elements per group buffer: bounds the temporary memory of a group.
 # Most elements per group buffer: bounds the temporary memory of a group.
 _GROUP_ELEMENTS = 1 << 24
-
-
-class NotFusible(ValueError):
-  """An update that cannot run fused; the message says why (the leaf and the operation)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedPlan:
-  """How one update of one tree runs fused (built by `plan_fused_update`)."""
-
-  outside: tuple[Op, ...]  # what runs before the kernels: scalars, reductions
-  inputs: tuple[int, ...]  # value ids: params, grads, state leaves, extra args, consts
-  consts: tuple[Any, ...]
-  global_outs: tuple[int | Lit, ...]  # new global state leaves
-  residual_ids: tuple[int, ...]  # every scalar residual used by some group
-  slots: tuple[int | None, ...]  # per state leaf: its param-leaf index or None
-  components: int  # per-param state leaves per param leaf
-  groups: tuple[Group, ...]
-  paths: tuple[str, ...]
-  tx: Any  # the transformation, for the plain path under `jax.vmap`
-  kernel: str | None = None  # "pallas", "interpret", or None for the analysis alone
 
 
 def _sub_jaxpr(eqn: Any) -> Any:

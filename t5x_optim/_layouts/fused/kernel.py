@@ -35,8 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from t5x_optim._layouts.fused.analysis import FusedPlan, NotFusible
-from t5x_optim._layouts.fused.program import Group, Program, run_program
+from t5x_optim._layouts.fused.program import FusedPlan, Group, NotFusible, Program, run_program
 
 __all__ = ["check_lowering", "local_update"]
 

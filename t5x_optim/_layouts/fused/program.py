@@ -3,7 +3,8 @@
 The elementwise analysis (`t5x_optim._layouts.fused.analysis`) cuts an
 optax update into one `Program` per leaf over ``("in", k)`` operands (the
 leaf's param, gradient and state components) and scalar residuals; leaves
-whose programs agree form a `Group`. `run_program` evaluates a program on
+whose programs agree form a `Group`, and the groups with the scalar part
+run before them make a `FusedPlan` (or a `NotFusible` refusal). `run_program` evaluates a program on
 arrays of any shape: a Pallas block, a flat buffer or, under the plain
 path's test, a whole leaf.
 
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+  "FusedPlan",
   "Group",
+  "NotFusible",
   "Lit",
   "Op",
   "Program",
@@ -140,3 +143,24 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
     value = read(operand)
     results.append(jnp.broadcast_to(value, shape) if jnp.ndim(value) == 0 else value)
   return results
+
+
+class NotFusible(ValueError):
+  """An update that cannot run fused; the message says why (the leaf and the operation)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+  """How one update of one tree runs fused (built by `plan_fused_update`)."""
+
+  outside: tuple[Op, ...]  # what runs before the kernels: scalars, reductions
+  inputs: tuple[int, ...]  # value ids: params, grads, state leaves, extra args, consts
+  consts: tuple[Any, ...]
+  global_outs: tuple[int | Lit, ...]  # new global state leaves
+  residual_ids: tuple[int, ...]  # every scalar residual used by some group
+  slots: tuple[int | None, ...]  # per state leaf: its param-leaf index or None
+  components: int  # per-param state leaves per param leaf
+  groups: tuple[Group, ...]
+  paths: tuple[str, ...]
+  tx: Any  # the transformation, for the plain path under `jax.vmap`
+  kernel: str | None = None  # "pallas", "interpret", or None for the analysis alone

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t5x_optim._checkpoint import storage
+from t5x_optim import storage
 
 __all__ = ["BYTE_VOCAB_SIZE", "DATA_DIR", "TextTask", "resolve_data_path", "scan_text"]
 
