@@ -92,7 +92,7 @@ def _parse() -> argparse.Namespace:
 
 
 def _task_bindings(args: argparse.Namespace) -> list[str]:
-  from t5x_optim.cli import _config  # noqa: PLC0415
+  from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
 
   return [] if args.synthetic else _config.data_bindings(args.data)
 
@@ -130,7 +130,8 @@ class _Run:
   def __init__(self, name: str, seed: int, args: argparse.Namespace):
     import jax  # noqa: PLC0415
 
-    from t5x_optim.cli import _config, _train  # noqa: PLC0415
+    from t5x_optim.cli.loop import config as _config
+    from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
     gin_file, bindings = RUNS[name]
     common = [
@@ -170,7 +171,7 @@ class _Run:
       self.step += 1
 
   def evaluate(self) -> float:
-    from t5x_optim.cli import _train  # noqa: PLC0415
+    from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
     loss = _train._evaluate(self.setup, self.state)["loss"]
     self.curve.append((self.step, loss))
@@ -179,7 +180,8 @@ class _Run:
 
 def _abstract_state(name: str, model: list[str], extra: list[str]):
   """The job's abstract train state on a 2x4 mesh with ZeRO (nothing allocated)."""
-  from t5x_optim.cli import _config, _train  # noqa: PLC0415
+  from t5x_optim.cli.loop import config as _config
+  from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
   gin_file, bindings = RUNS[name]
   _config.parse_config(

@@ -3,7 +3,7 @@
 Both sides run the default job's jitted train step (the default transformer,
 adamw, the default mesh) on the same synthetic batches:
 
-* ``t5x-optim``: `t5x_optim.cli._train.train`, the loop behind ``t5x-optim
+* ``t5x-optim``: `t5x_optim.cli.loop.train.train`, the loop behind ``t5x-optim
   train``: metrics fetched and averaged every ``log_every`` steps, TensorBoard
   events, progress lines (to a string buffer). Its own steps/s (compilation,
   evals and saves excluded) is what the table shows; evals and intermediate
@@ -47,8 +47,9 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.num_devices}"
   import jax  # noqa: PLC0415 - after the XLA flags
 
-  from t5x_optim.cli import _config, _train  # noqa: PLC0415
-  from t5x_optim.cli._interrupt import Interrupt  # noqa: PLC0415
+  from t5x_optim.cli.loop import config as _config
+  from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
+  from t5x_optim.cli.loop.interrupt import Interrupt  # noqa: PLC0415
 
   _config.parse_config(
     gin_bindings=[

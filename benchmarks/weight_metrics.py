@@ -19,7 +19,8 @@ import time
 import _cpu_devices  # noqa: F401  (first: XLA flags before jax)
 import jax
 
-from t5x_optim.cli import _config, _train
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
 
 
 def _time(fn, state, batch) -> tuple[float, object]:

@@ -18,7 +18,10 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5x_optim import Checkpointer
-from t5x_optim.cli import _config, _progress, _train, main
+from t5x_optim.cli import main
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import progress as _progress
+from t5x_optim.cli.loop import train as _train
 from t5x_optim.partitioning import init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin")

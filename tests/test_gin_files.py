@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from t5x_optim import OptimizerDef
-from t5x_optim.cli import _config
+from t5x_optim.cli.loop import config as _config
 from t5x_optim.partitioning import Partitioner
 
 pytestmark = pytest.mark.usefixtures("clean_gin")

@@ -12,8 +12,10 @@ import pytest
 
 import t5x_optim
 from t5x_optim import Checkpointer
-from t5x_optim.cli import _config, _init_from, _train, main
+from t5x_optim.cli import _init_from, main
 from t5x_optim.cli._t5x_config import optimizer_config
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 

@@ -198,6 +198,20 @@ def test_cli_imports_only_public_modules():
     assert private == []
 
 
+def test_cli_demo_below_its_loop_below_its_command():
+  """``cli/demo`` imports no other cli module; ``cli/loop`` only the demo and itself."""
+  allowed = {"demo": ("t5x_optim.cli.demo",), "loop": ("t5x_optim.cli.demo", "t5x_optim.cli.loop")}
+  for room, below in allowed.items():
+    for path in (PACKAGE_DIR / "cli" / room).rglob("*.py"):
+      name = module_name(path)
+      above = [
+        target
+        for _, target in imported_modules(path.read_text(), name)
+        if target.startswith("t5x_optim.cli") and not target.startswith(below)
+      ]
+      assert above == [], name
+
+
 def test_no_private_room_holds_a_quarter_of_the_package():
   def lines(paths) -> int:
     return sum(len(p.read_text().splitlines()) for p in paths)

@@ -11,11 +11,12 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5x_optim import optimizers, partitioning
-from t5x_optim.cli import _train, main
-from t5x_optim.cli._config import TrainJob
-from t5x_optim.cli._train import _abstract_batch
+from t5x_optim.cli import main
 from t5x_optim.cli.demo.model import TransformerConfig
 from t5x_optim.cli.demo.text import TextTask
+from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.config import TrainJob
+from t5x_optim.cli.loop.train import _abstract_batch
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 

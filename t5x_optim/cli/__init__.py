@@ -12,10 +12,10 @@ Example:
   ('TrainJob', 2)
 """
 
-from t5x_optim.cli._config import DEFAULT_CONFIG, GIN_DIR, TrainJob, mesh_devices
 from t5x_optim.cli._main import console_main, main
 from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig, TransformerLM
 from t5x_optim.cli.demo.text import TextTask
+from t5x_optim.cli.loop.config import DEFAULT_CONFIG, GIN_DIR, TrainJob, mesh_devices
 
 __all__ = [
   "DEFAULT_CONFIG",

@@ -24,13 +24,13 @@ from typing import Any, NamedTuple, TextIO
 import gin
 
 from t5x_optim import TrainState, restore_converted, storage
-from t5x_optim.cli import _config
 from t5x_optim.cli._t5x_config import (
   binding_statements,
   optimizer_config,
   optimizer_statements,
 )
-from t5x_optim.cli._train import CHECKPOINTS, CONFIG_FILE, UsageError
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop.train import CHECKPOINTS, CONFIG_FILE, UsageError
 
 __all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
 

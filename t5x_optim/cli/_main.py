@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from t5x_optim.cli import _processes
-from t5x_optim.cli._interrupt import EXIT_INTERRUPTED, Interrupt
+from t5x_optim.cli.loop.interrupt import EXIT_INTERRUPTED, Interrupt
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "console_main", "main", "simulate_cpu_devices"]
 
@@ -236,7 +236,7 @@ def _devices(requested: int | None) -> tuple[int, str]:
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
   from t5x_optim import partitioning as _plan  # noqa: PLC0415
-  from t5x_optim.cli import _train  # noqa: PLC0415
+  from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
   plan = _plan.build_plan(
     setup.abstract_state,
@@ -273,7 +273,8 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       return _fail(args, error)
   import gin  # noqa: PLC0415
 
-  from t5x_optim.cli import _config, _train  # noqa: PLC0415 - after the XLA flags are set
+  from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
+  from t5x_optim.cli.loop import train as _train  # noqa: PLC0415 - after the XLA flags are set
 
   try:
     train = args.command == "train"

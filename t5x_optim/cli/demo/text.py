@@ -43,7 +43,7 @@ from t5x_optim import storage
 __all__ = ["BYTE_VOCAB_SIZE", "DATA_DIR", "TextTask", "resolve_data_path", "scan_text"]
 
 BYTE_VOCAB_SIZE = 256
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 """The texts shipped in the package (``hamlet.txt``)."""
 _SNIFF_BYTES = 1 << 16
 _EVAL_STREAM = 1

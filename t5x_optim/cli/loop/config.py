@@ -121,7 +121,7 @@ names, so only use gin files you would run as code.
 """
 
 _GIN_PROBE_MESSAGE = "Path not found"
-GIN_DIR = Path(__file__).resolve().parents[1] / "gin"
+GIN_DIR = Path(__file__).resolve().parents[2] / "gin"
 """The gin files shipped in the package (``optimizers/``, ``partitioning/``, ``examples/``)."""
 _MESH_OPTIONS = ("num_partitions", "model_parallel_submesh", "shape")
 

@@ -29,7 +29,7 @@ from typing import Self
 
 import tensorboardX
 
-from t5x_optim.cli._event_files import event_dir
+from t5x_optim.cli.loop.event_files import event_dir
 
 __all__ = ["EVAL", "TRAIN", "MetricWriters"]
 

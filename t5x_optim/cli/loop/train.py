@@ -9,8 +9,8 @@ checkpoint is at ``total_steps`` is reported finished.
 Example:
   >>> import io, jax, tempfile
   >>> from t5x_optim import optimizers, partitioning
-  >>> from t5x_optim.cli._config import TrainJob
-  >>> from t5x_optim.cli._interrupt import Interrupt
+  >>> from t5x_optim.cli.loop.config import TrainJob
+  >>> from t5x_optim.cli.loop.interrupt import Interrupt
   >>> from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
   >>> mesh = partitioning.create_mesh(devices=jax.devices()[:1])
   >>> job = TrainJob(optimizers.adamw(1e-2), partitioning.Partitioner(mesh),
@@ -50,14 +50,14 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim import TrainState, storage
 from t5x_optim.checkpoints import Checkpointer
-from t5x_optim.cli._config import TrainJob
-from t5x_optim.cli._input import global_batch
-from t5x_optim.cli._interrupt import Interrupt
-from t5x_optim.cli._metrics import EVAL, TRAIN, MetricWriters
-from t5x_optim.cli._progress import Clock, Progress, format_metrics
-from t5x_optim.cli._summary import TrainSummary
-from t5x_optim.cli._weight_metrics import metric_tags, metric_vector
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
+from t5x_optim.cli.loop.config import TrainJob
+from t5x_optim.cli.loop.input import global_batch
+from t5x_optim.cli.loop.interrupt import Interrupt
+from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
+from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
+from t5x_optim.cli.loop.summary import TrainSummary
+from t5x_optim.cli.loop.weight_metrics import metric_tags, metric_vector
 from t5x_optim.partitioning import format_bytes
 
 __all__ = [
