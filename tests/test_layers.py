@@ -1,4 +1,4 @@
-"""The package's layers import only downwards (DESIGN.md section 2).
+"""The package's layers import only downwards (docs/design.md, "Layers").
 
 0. key paths (``t5x_optim/_keypaths.py``), which every layer may import;
 1. axes (``t5x_optim/_axes``): logical-axis rules and optimizer-state specs;
