@@ -1,7 +1,7 @@
 """Whether T5X itself is at hand: a T5X git directory (T5X_SRC) and T5X's dependencies.
 
 Tests that run T5X's own code in a fresh process (its train.py, its legacy Adafactor)
-need both, as in ``../shared/t5x/``; CI has neither and skips them.
+need both; CI has neither and skips them.
 """
 
 from __future__ import annotations

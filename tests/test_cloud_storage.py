@@ -2,7 +2,7 @@
 
 The emulator runs on a free 127.0.0.1 port for this module, with a fresh
 bucket; tensorstore and gcsfs reach it through ``TENSORSTORE_GCS_HTTP_URL``
-and ``STORAGE_EMULATOR_HOST``. The commands are the README's "Cloud storage"
+and ``STORAGE_EMULATOR_HOST``. The commands are docs/cloud-storage.md's
 ones.
 """
 
@@ -237,8 +237,8 @@ def _scalars(remote: str) -> dict[str, list[int]]:
 
 
 def _readme_commands() -> list[list[str]]:
-  """The ``t5x-optim train`` lines of the README's Cloud storage block."""
-  text = (REPO / "README.md").read_text()
+  """The ``t5x-optim train`` lines of docs/cloud-storage.md's block."""
+  text = (REPO / "docs" / "cloud-storage.md").read_text()
   block = re.search(r"<!-- cloud-commands -->\n```bash\n(.*?)^```", text, re.M | re.S).group(1)
   lines = block.splitlines()
   return [
@@ -269,7 +269,7 @@ def test_readme_train_commands_run_resume_and_init_from_gs(bucket, capsys):
 
 @pytest.mark.slow
 def test_readme_python_block_runs_on_gs(bucket, tmp_path):
-  text = (REPO / "README.md").read_text()
+  text = (REPO / "docs" / "cloud-storage.md").read_text()
   block = re.search(r"<!-- cloud-python -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
   result = subprocess.run(
     [sys.executable, "-c", block.replace("gs://BUCKET", f"{bucket}/readme-python")],

@@ -90,7 +90,7 @@ def test_axis_types(axis_types, expected):
 
 @pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit])
 def test_auto_mesh_shards_a_matmul_over_the_contracting_dim(axis_types):
-  """The default (Auto) mesh runs it; an Explicit one refuses it (DESIGN fact 3)."""
+  """The default (Auto) mesh runs it; an Explicit one refuses it (docs/design.md, "Meshes")."""
   mesh = create_mesh(num_partitions=4, axis_types=axis_types)
   x_values = np.arange(16, dtype=np.float32).reshape(2, 8)
   w_values = np.arange(24, dtype=np.float32).reshape(8, 3)

@@ -1,6 +1,6 @@
 """`t5x-optim train` as 2 processes x 4 simulated CPU devices (JAX's multi-controller runtime).
 
-Every test starts real processes on 127.0.0.1, as the README's recipe does.
+Every test starts real processes on 127.0.0.1, as the manual's recipe does (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
 
 
 def _readme_recipe() -> str:
-  blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
+  blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "docs" / "cli.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]
   return recipe
 

@@ -1,5 +1,5 @@
-"""The wheel ships the gin files and the `t5x-optim` script; the README's commands run
-from another directory after installing it (not editable).
+"""The wheel ships the gin files and the `t5x-optim` script; the commands of the README
+and of docs/ run from another directory after installing it (not editable).
 
 The wheel is built without build isolation (no network) and installed without
 its dependencies into a fresh venv that sees this interpreter's site-packages
@@ -29,15 +29,21 @@ SHORT = ["--gin_bindings", "TOTAL_STEPS = 1"]
 
 
 def _readme_commands() -> list[list[str]]:
-  """Every ``t5x-optim train|plan`` command line in the README's code blocks."""
-  blocks = re.findall(r"^```(\w*)\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S)
-  lines = [
+  """Every ``t5x-optim train|plan`` command line in the README's and docs/*.md's code blocks."""
+  documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+  blocks = [
+    block
+    for document in documents
+    for block in re.findall(r"^```(\w*)\n(.*?)^```$", document.read_text(), re.M | re.S)
+  ]
+  # A command shown in more than one place runs once.
+  lines = dict.fromkeys(
     line.removeprefix("$ ")
     for kind, block in blocks
     if kind in ("", "bash")
     for line in block.splitlines()
-  ]
-  # The gs:// commands (README: Cloud storage) run against an emulator in test_cloud_storage.py.
+  )
+  # The gs:// commands (docs/cloud-storage.md) run against an emulator in test_cloud_storage.py.
   return [
     shlex.split(line, comments=True)
     for line in lines

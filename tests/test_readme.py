@@ -1,7 +1,8 @@
-"""Every Python block of README.md runs as shown, each in a fresh interpreter.
+"""Every Python block of README.md and of the manual (docs/*.md) runs as shown.
 
-A line ``print(...)  # text`` in a block states what it prints: the printed
-lines must equal those comments, in order.
+Each block runs in a fresh interpreter, so a block may set ``XLA_FLAGS`` before
+it imports jax (8 simulated devices). A line ``print(...)  # text`` in a block
+states what it prints: the printed lines must equal those comments, in order.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from pathlib import Path
 
 import pytest
 
-# Runs the README's commands and examples in fresh processes.
+# Runs the README's and the manual's examples in fresh processes.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-# The gs:// blocks (README: Cloud storage) run against an emulator in test_cloud_storage.py.
-BLOCKS = [
-  block
-  for block in re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
-  if "gs://BUCKET" not in block
-]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The gs:// blocks (docs/cloud-storage.md) run against an emulator in test_cloud_storage.py.
+# A block shown in more than one place (README.md and the manual) runs once.
+FOUND: dict[str, str] = {}
+for document in DOCUMENTS:
+  for block in re.findall(r"^```python\n(.*?)^```", document.read_text(), re.M | re.S):
+    if "gs://BUCKET" not in block:
+      FOUND.setdefault(block, document.relative_to(REPO).as_posix())
+SOURCES = [(document, block) for block, document in FOUND.items()]
+BLOCKS = [block for _, block in SOURCES]
 TIMEOUT = 240
 
 
@@ -32,12 +37,15 @@ def _expected(block: str) -> list[str]:
   return [m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s+# (.*)$", block, re.M)]
 
 
-def test_readme_has_python_blocks():
-  assert len(BLOCKS) >= 2
+def test_readme_and_docs_have_python_blocks():
+  documents = {document for document, _ in SOURCES}
+  assert "README.md" in documents and len(documents) >= 2, documents
   assert all(_expected(block) for block in BLOCKS), "each block states what it prints"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize(
+  "index", range(len(BLOCKS)), ids=[f"{document}-{i}" for i, (document, _) in enumerate(SOURCES)]
+)
 def test_python_block_runs_as_shown(index, tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -76,7 +76,7 @@ def loss(p):
   )
 
 
-# Extra update arguments (DESIGN.md 3.7). L-BFGS's line search forwards every
+# Extra update arguments (docs/design.md, "Extra update arguments"). L-BFGS's line search forwards every
 # extra argument to ``value_fn`` and rejects ones it does not take, so
 # ``obj_fn`` goes only to the transformations that need it.
 NEEDS_OBJ_FN = ("sophia",)

@@ -4,7 +4,7 @@ The runner's verdicts rest on `read_checkpoint` and `compare`, tested here on
 checkpoints `save_t5x_checkpoint` writes in T5X's legacy layout. The job
 itself (T5X's own train.py in fresh processes) runs only where a T5X git
 directory (T5X_SRC) and T5X's dependencies (tensorflow, seqio, clu) are at
-hand, as in `../shared/t5x/`; CI has neither and skips it.
+hand; CI has neither and skips it.
 """
 
 from __future__ import annotations

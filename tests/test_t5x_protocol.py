@@ -1,12 +1,12 @@
 """T5X's calling protocol, in our own words (no T5X code).
 
-Each test is one way T5X's own modules call an optimizer (DESIGN.md, "How T5X
-calls an optimizer"): `state_dict()`/`restore_state()` as a tree replace with
+Each test is one way T5X's own modules call an optimizer (docs/design.md, "How
+T5X calls an optimizer"): `state_dict()`/`restore_state()` as a tree replace with
 None, PartitionSpec, empty-node, ShapeDtypeStruct and lazy-array leaves,
 whole train-state dicts, `restore_dtype` casts, legacy per-param
 `OptimizerDef` subclasses with `set_param_axes`, and T5X's MultiOptimizer
-state-dict layout. `../shared/t5x/suite.py` runs T5X's own tests against the
-same code; this module keeps CI guarding the contract.
+state-dict layout. T5X's own test files, run by hand against the same code,
+pass too (docs/t5x.md); this module keeps CI guarding the contract.
 """
 
 from __future__ import annotations

@@ -47,8 +47,7 @@ bit-exact.
 T5X cannot be installed from the package registry: its files are read at run
 time from a git directory of github.com/google-research/t5x (``--t5x-src`` or
 ``T5X_SRC``); nothing of T5X is kept. The Python running this script needs
-T5X's dependencies (``../shared/t5x/setup.sh`` makes such an environment) and
-t5x_optim installed. Two stand-ins are written for T5X imports that cannot be
+T5X's dependencies (tensorflow, seqio, clu, ...) and t5x_optim installed. Two stand-ins are written for T5X imports that cannot be
 installed and are never called here (``jestimator``, ``airio``).
 
 Usage::

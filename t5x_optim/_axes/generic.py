@@ -1,4 +1,7 @@
-"""Generic derivation of state specs by sharding-in-types (DESIGN.md 3.1).
+"""Generic derivation of state specs by sharding-in-types.
+
+docs/design.md, "Deriving state specs by sharding-in-types", says why this
+works and where it stops.
 
 The params are given to ``transformation.init`` as abstract arrays sharded over
 an ``AbstractMesh`` whose axes are the logical names (size 1, Explicit), so

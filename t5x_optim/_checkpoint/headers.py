@@ -41,7 +41,7 @@ class _ReadsHeaders:
 
   orbax's `jax.Array` handler also reads and parses every array's sharding
   file, one after another: 1.1-1.4 s for a checkpoint of 2,101 small arrays,
-  against 0.24-0.50 s here (benchmarks/README.md). The restore takes its
+  against 0.24-0.50 s here (docs/benchmarks.md). The restore takes its
   shardings from the target, so only the shape and dtype are needed. Every
   wanted array is opened with orbax's own read spec and the batch is awaited
   once. An array that is not wanted, or whose header cannot be read, becomes

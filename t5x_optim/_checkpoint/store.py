@@ -147,7 +147,7 @@ class Checkpointer:
 
   Args:
     directory: the checkpoint directory (created if missing): local or with a
-      scheme (``gs://bucket/dir``; see the README's "Cloud storage").
+      scheme (``gs://bucket/dir``; see docs/cloud-storage.md).
     keep: keep only the newest `keep` steps (None keeps all).
     async_save: write in the background (`False` blocks in `save`).
 

@@ -1,6 +1,7 @@
 """`t5x_optim.optimizers` with every `OptaxWrapper` fused, for T5X's own tests (run by hand).
 
-T5X's own test files, run by `../shared/t5x/suite.py` with this module as
+T5X's own test files, run by a runner of T5X's test files (kept outside
+this project) with this module as
 `t5x.optimizers`, then exercise the fused update through T5X's train state,
 partitioner and training loops. Every `OptaxWrapper` built here, directly or
 by a wrapped optax factory (``optimizers.adamw(...)``), defaults to
@@ -8,7 +9,7 @@ by a wrapped optax factory (``optimizers.adamw(...)``), defaults to
 
 Usage, from the project checkout:
   T5X_SRC=<t5x git dir> PYTHONPATH=tests/data/t5x_fused \\
-    /tmp/t5xv/bin/python ../shared/t5x/suite.py fused_optimizers \\
+    /tmp/t5xv/bin/python <T5X test runner> fused_optimizers \\
     --anchor-json /tmp/t5x-ref.json --files optimizers_test,train_state_test,partitioning_test
 """
 
