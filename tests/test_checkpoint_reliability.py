@@ -159,6 +159,7 @@ def test_fallback_limits(tmp_path, part_2x4, states, target):
     assert not isinstance(e.value, CheckpointError)
 
 
+@pytest.mark.slow
 def test_a_safe_cast_restore_is_verified(tmp_path, part_2x4):
   bf16 = w.init_sharded(part_2x4, w.optimizer_def("adamw"), lambda: w.init_fn(dtype=jnp.bfloat16))
   with Checkpointer(tmp_path) as ckpt:

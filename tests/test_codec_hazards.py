@@ -180,10 +180,10 @@ _NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimensio
     ((64, 4099), _NO_BLOCK, 4),
     ((1024, 3), _NO_BLOCK, 4),
     ((512, 8), "8bit", 1 + 4 / 8),  # one block: no aligned one of 4 or more
-    ((4096, 16), "8bit", 1 + 4 / 16),
-    ((64, 24), "8bit", 1 + 4 / 24),
+    pytest.param((4096, 16), "8bit", 1 + 4 / 16, marks=pytest.mark.slow),
+    pytest.param((64, 24), "8bit", 1 + 4 / 24, marks=pytest.mark.slow),
     ((64, 32), "8bit", 1 + 4 / 4),  # aligned blocks of 4, as before
-    ((64, 768), "8bit", 1 + 4 / 96),
+    pytest.param((64, 768), "8bit", 1 + 4 / 96, marks=pytest.mark.slow),
   ],
 )
 def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):

@@ -428,6 +428,7 @@ def _accumulating_sgd():
   return optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=4)
 
 
+@pytest.mark.slow
 def test_multisteps_states_convert_over_their_inner_updates():
   """8 gradients of 1 in MultiSteps(every 4): 2 inner updates, trace 1 + 0.9, E[g] 1."""
   params, grads = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}

@@ -79,6 +79,7 @@ def _collectives(fn, setup) -> dict[str, int]:
   return collections.Counter(re.findall(rf"= \S+ ({ops})(?:-start)?\(", text))
 
 
+@pytest.mark.slow
 def test_metrics_add_one_all_reduce_and_gather_nothing(setup):
   plain = _collectives(setup.step_fn, setup)
   with_metrics = _collectives(setup.weights_step_fn, setup)
