@@ -133,6 +133,7 @@ def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, targe
     ]
 
 
+@pytest.mark.slow
 def test_a_step_without_checksums_restores_unverified_when_asked(tmp_path, states, target):
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(2, states[2])

@@ -342,6 +342,7 @@ def test_gin_configures_fused(config):
   assert "pallas_call" in jaxpr
 
 
+@pytest.mark.slow
 def test_multi_optimizer_with_fused_sub_optimizers():
   params = make_params()
   grads = jax.tree.map(lambda x: jnp.sin(5.0 * x), params)

@@ -304,7 +304,8 @@ def test_table_matches_reference_bit_for_bit(case, mode):
 
 
 @pytest.mark.parametrize(
-  "mode, stochastic", [("8bit", True), ("bfloat16", True), ("bfloat16", False)]
+  "mode, stochastic",
+  [pytest.param("8bit", True, marks=pytest.mark.slow), ("bfloat16", True), ("bfloat16", False)],
 )
 @pytest.mark.parametrize(
   "name",

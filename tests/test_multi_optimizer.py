@@ -173,7 +173,8 @@ MIXED_CASES = {
 @pytest.mark.parametrize(
   "case",
   [
-    pytest.param(c, marks=pytest.mark.slow) if c == "multisteps" else c for c in sorted(MIXED_CASES)
+    pytest.param(c, marks=pytest.mark.slow) if c in ("multisteps", "nested") else c
+    for c in sorted(MIXED_CASES)
   ],
 )
 def test_mixed_sub_optimizers_match_multi_transform(case: str) -> None:

@@ -43,6 +43,7 @@ def _rms(x) -> float:
   return float(np.sqrt(np.mean(np.square(x))))
 
 
+@pytest.mark.slow
 def test_metrics_equal_the_rms_of_the_gathered_arrays(setup):
   state = setup.create(*setup.init_args)
   old = jax.device_get(state.params)
