@@ -18,3 +18,28 @@ def clean_gin():
   gin.clear_config()
   yield
   gin.clear_config()
+
+
+# Docstring examples that take seconds (they compile 8-bit codecs, or build and
+# train the CLI's model): left out of the quick loop (`-m "not slow"`), as a slow
+# test is. The modules they document keep fast tests, and CI runs these too.
+SLOW_DOCTESTS = {
+  "t5x_optim._optimizers.convert.convert_state",
+  "t5x_optim._optimizers.fused.kernel",
+  "t5x_optim._optimizers.kfac.KfacOptimizerDef",
+  "t5x_optim._optimizers.low_precision",
+  "t5x_optim._optimizers.low_precision.float32_to_low_precision",
+  "t5x_optim._optimizers.low_precision.leaf_storage",
+  "t5x_optim._optimizers.quantize.quantize",
+  "t5x_optim._optimizers.stacked",
+  "t5x_optim.cli._model",
+  "t5x_optim.cli._model.TransformerLM",
+  "t5x_optim.cli._train",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
+      item.add_marker(pytest.mark.slow)

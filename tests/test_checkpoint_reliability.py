@@ -133,6 +133,7 @@ def test_corruption_is_a_checkpoint_error_and_falls_back(tmp_path, states, targe
     ]
 
 
+@pytest.mark.slow
 def test_a_step_without_checksums_restores_unverified_when_asked(tmp_path, states, target):
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(2, states[2])
@@ -159,6 +160,7 @@ def test_fallback_limits(tmp_path, part_2x4, states, target):
     assert not isinstance(e.value, CheckpointError)
 
 
+@pytest.mark.slow
 def test_a_safe_cast_restore_is_verified(tmp_path, part_2x4):
   bf16 = w.init_sharded(part_2x4, w.optimizer_def("adamw"), lambda: w.init_fn(dtype=jnp.bfloat16))
   with Checkpointer(tmp_path) as ckpt:

@@ -36,7 +36,9 @@ def part_2x4():
   return w.partitioner(2, 4)
 
 
-@pytest.mark.parametrize("opt_name", ["adamw", "adafactor", "multi"])
+@pytest.mark.parametrize(
+  "opt_name", ["adamw", pytest.param("adafactor", marks=pytest.mark.slow), "multi"]
+)
 def test_round_trip(tmp_path, part_2x4, opt_name):
   state = w.train(w.fresh_state(opt_name, part_2x4), 2)
   _save(tmp_path, 2, state)

@@ -330,6 +330,7 @@ def test_a_scheme_without_backend_is_one_line(flag, path, message, tmp_path, cap
   assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
 def test_train_on_text_data_from_gs(where, capsys):
   (epath.Path(where) / "text" / "hamlet.txt").write_bytes(

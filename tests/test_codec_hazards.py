@@ -136,7 +136,10 @@ def _adam_run(tx: optax.GradientTransformation, grads: jax.Array, steps: int) ->
 
 
 @pytest.mark.parametrize("signs", [(1, 1), (1, -1)], ids=["nu-and-mu-unsigned", "mu-signed"])
-@pytest.mark.parametrize("ratio", [1e-2, 1e-3, 3e-4, 1e-4, 1e-5, 1e-8])
+@pytest.mark.parametrize(
+  "ratio",
+  [1e-4, *(pytest.param(r, marks=pytest.mark.slow) for r in (1e-2, 1e-3, 3e-4, 1e-5, 1e-8))],
+)
 def test_adam_moves_a_tiny_gradient_element_no_farther_than_float32(ratio, signs):
   """The zero-point problem: one block holds large and tiny constant gradients, 300 steps.
 
@@ -180,10 +183,10 @@ _NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimensio
     ((64, 4099), _NO_BLOCK, 4),
     ((1024, 3), _NO_BLOCK, 4),
     ((512, 8), "8bit", 1 + 4 / 8),  # one block: no aligned one of 4 or more
-    ((4096, 16), "8bit", 1 + 4 / 16),
-    ((64, 24), "8bit", 1 + 4 / 24),
+    pytest.param((4096, 16), "8bit", 1 + 4 / 16, marks=pytest.mark.slow),
+    pytest.param((64, 24), "8bit", 1 + 4 / 24, marks=pytest.mark.slow),
     ((64, 32), "8bit", 1 + 4 / 4),  # aligned blocks of 4, as before
-    ((64, 768), "8bit", 1 + 4 / 96),
+    pytest.param((64, 768), "8bit", 1 + 4 / 96, marks=pytest.mark.slow),
   ],
 )
 def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):

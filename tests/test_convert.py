@@ -282,6 +282,7 @@ def test_hparams_reach_the_formulas():
   _assert_close(new.state.param_states[0].trace, _scaled(mu, _decay(0.5, T) / 0.5))
 
 
+@pytest.mark.slow
 def test_adafactor_momentum_is_read_from_optaxs_own_updates():
   """optax.adafactor(momentum=0.9) run on a constant gradient: its EMA reads back as the gradient.
 
@@ -428,6 +429,7 @@ def _accumulating_sgd():
   return optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=4)
 
 
+@pytest.mark.slow
 def test_multisteps_states_convert_over_their_inner_updates():
   """8 gradients of 1 in MultiSteps(every 4): 2 inner updates, trace 1 + 0.9, E[g] 1."""
   params, grads = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}
@@ -698,6 +700,7 @@ class _T5XAdafactorLayout(t5x_optim.OptimizerDef):
     raise NotImplementedError("only its initial state is used")
 
 
+@pytest.mark.slow
 def test_t5x_legacy_adafactor_round_trips_through_adamw_to_t5xs_own_values(
   partitioner, t5x_expected
 ):

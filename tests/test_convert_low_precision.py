@@ -9,6 +9,9 @@ hand-written optax loops of `low_precision(adam)` on random gradients.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -48,8 +51,9 @@ def _stored(inner: optax.GradientTransformation, storage: str) -> optax.Gradient
   return t5x_optim.low_precision(inner, storage, min_size=0, block_size=128)
 
 
+@functools.cache
 def _trained(storage: str) -> t5x_optim.Optimizer:
-  """Adam stored in `storage`, after STEPS steps of optax's own loop."""
+  """Adam stored in `storage`, after STEPS steps of optax's own loop (built once: 8-bit is slow)."""
   tx = _stored(optax.adam(1e-3), storage)
   state, params = tx.init(PARAMS), PARAMS
   for grads in GRADS:
@@ -75,9 +79,18 @@ def _assert_leaves(got, want, atol, what):
     np.testing.assert_allclose(a, b, rtol=0, atol=bound, err_msg=f"{what}{path}")
 
 
-@pytest.mark.parametrize("target_storage", STORAGES)
-@pytest.mark.parametrize("source_storage", STORAGES)
-@pytest.mark.parametrize("target", sorted(TARGETS))
+# The quick loop: adam_b2 encoded into bfloat16 and decoded from it; the rest is slow (8
+# bits: the 8-bit source alone takes seconds, and each 8-bit codec compiles for seconds).
+QUICK_PAIRS = {("adam_b2", "float32", "bfloat16"), ("adam_b2", "bfloat16", "float32")}
+
+
+@pytest.mark.parametrize(
+  "target, source_storage, target_storage",
+  [
+    pytest.param(*case, marks=() if case in QUICK_PAIRS else pytest.mark.slow, id="-".join(case))
+    for case in itertools.product(sorted(TARGETS), STORAGES, STORAGES)
+  ],
+)
 def test_every_storage_pair_converts_as_float32_does(target, source_storage, target_storage):
   make, hparams, fields = TARGETS[target]
   source = _trained(source_storage)
@@ -106,6 +119,7 @@ def test_every_storage_pair_converts_as_float32_does(target, source_storage, tar
   assert not any(line.startswith(("0 ", "inner_state/0 ")) for line in report.initialised), report
 
 
+@pytest.mark.slow
 def test_eight_bit_adam_into_eight_bit_adam_with_another_b2_moves_the_params_as_float32():
   """The next step after 8-bit -> 8-bit (b2 0.999 -> 0.95) is the float32 conversion's step."""
   source = _trained("8bit")
@@ -122,6 +136,7 @@ def test_eight_bit_adam_into_eight_bit_adam_with_another_b2_moves_the_params_as_
   _assert_leaves(moved, updates, 2e-2, "8-bit adam's next step: ")
 
 
+@pytest.mark.slow
 def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
   source = _trained("8bit")
   inner = source.state.param_states.inner_state  # 8-bit leaves without their wrapper
@@ -131,6 +146,7 @@ def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_pat
     t5x_optim.convert_state(bare, OptaxWrapper(optax.lion(1e-3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_storage", ["float32", "8bit"])
 def test_an_eight_bit_checkpoint_restores_converted(tmp_path, target_storage):
   """restore_converted reads the checkpoint's 8-bit state as convert_state reads it in memory."""
@@ -177,7 +193,7 @@ def _assert_placed(state, want, target, what):
     assert leaf.sharding.is_equivalent_to(like.sharding, leaf.ndim), (what, path, leaf.sharding)
 
 
-@pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
+@pytest.mark.parametrize("storage", [pytest.param(s, marks=pytest.mark.slow) for s in STORAGES[1:]])
 def test_a_source_on_other_devices_converts_into_a_sharded_low_precision_state(storage):
   """A source on device 0 into a state sharded over 8: encoded on the target's devices.
 

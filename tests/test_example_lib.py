@@ -137,7 +137,10 @@ def test_wrapper_keeps_the_signature_for_gin() -> None:
   assert EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"].__name__ == "example_lib_adam"
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# Under jit (slow): each case compiles its step; the quick loop runs them eagerly.
+@pytest.mark.parametrize(
+  "jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"]
+)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_matches_native_loop_bit_for_bit(case: Case, jit: bool) -> None:
   expected_params, native_state = native_run(case, jit=jit)
@@ -175,7 +178,7 @@ def test_bare_triple_names_state_positions() -> None:
   assert jax.tree.map(jnp.shape, opt.state.param_states["scale"]) == {"1": (1,), "2": {"0": (1,)}}
 
 
-@pytest.mark.parametrize("maker", ["adam", "sm3"])
+@pytest.mark.parametrize("maker", [pytest.param("adam", marks=pytest.mark.slow), "sm3"])
 def test_state_dict_round_trip(maker: str) -> None:
   opt_def = EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.05)
   trained = adapter_run(opt_def.create(make_params()), jit=False, steps=2)
@@ -302,7 +305,9 @@ def test_changing_python_state_raises() -> None:
     opt.apply_gradient({"w": jnp.ones(3)})
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
+)
 def test_low_precision_params_keep_their_dtype(jit: bool) -> None:
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](
@@ -377,7 +382,7 @@ def shard(tree: Any, logical: Any, mesh: jax.sharding.Mesh) -> Any:
   )
 
 
-@pytest.mark.parametrize("maker", ["adam", "sm3"])
+@pytest.mark.parametrize("maker", [pytest.param("adam", marks=pytest.mark.slow), "sm3"])
 def test_sharded_jitted_step_matches_unsharded(maker: str) -> None:
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
   opt_def = EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.05)

@@ -180,6 +180,7 @@ def test_dtypes_form_their_own_groups():
   assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
 
 
+@pytest.mark.slow
 def test_state_dict_and_specs_are_the_plain_paths():
   params = make_params()
   grads = jax.tree.map(jnp.ones_like, params)
@@ -341,6 +342,7 @@ def test_gin_configures_fused(config):
   assert "pallas_call" in jaxpr
 
 
+@pytest.mark.slow
 def test_multi_optimizer_with_fused_sub_optimizers():
   params = make_params()
   grads = jax.tree.map(lambda x: jnp.sin(5.0 * x), params)
@@ -378,6 +380,7 @@ def test_scalar_and_empty_leaves(params):
   assert jax.tree.map(jnp.shape, fused.state) == jax.tree.map(jnp.shape, plain.state)
 
 
+@pytest.mark.slow
 def test_learning_rate_override_reaches_the_kernel():
   tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
   params = make_params()
@@ -428,6 +431,7 @@ def test_pallas_refuses_what_its_gpu_lowering_lacks(fn):
   )
 
 
+@pytest.mark.slow
 def test_vmap_takes_the_plain_path():
   """An ensemble under jax.vmap: per-member step counts are not scalars, so plain, exactly."""
   params = {"w": jnp.linspace(-1.0, 1.0, 60).reshape(3, 4, 5), "b": jnp.ones((3, 5))}

@@ -77,7 +77,15 @@ def test_every_gin_file_is_covered():
   assert {"1d", "2d", "zero"} <= set(_ids(_files("partitioning")))
 
 
-@pytest.mark.parametrize("path", _files("optimizers"), ids=_ids(_files("optimizers")))
+# multisteps (slow) compiles its accumulating step: seconds.
+@pytest.mark.parametrize(
+  "path",
+  [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem == "multisteps" else p
+    for p in _files("optimizers")
+  ],
+  ids=_ids(_files("optimizers")),
+)
 def test_optimizer_file_builds_a_working_optimizer(path):
   text = _text(path)
   assert "from t5x_optim import optimizers" in text and "OPTIMIZER = " in text

@@ -304,9 +304,17 @@ def test_table_matches_reference_bit_for_bit(case, mode):
 
 
 @pytest.mark.parametrize(
-  "mode, stochastic", [("8bit", True), ("bfloat16", True), ("bfloat16", False)]
+  "mode, stochastic",
+  [pytest.param("8bit", True, marks=pytest.mark.slow), ("bfloat16", True), ("bfloat16", False)],
 )
-@pytest.mark.parametrize("name", [pytest.param("adamw", marks=pytest.mark.slow), "lion", "sgd"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param("adamw", marks=pytest.mark.slow),
+    pytest.param("lion", marks=pytest.mark.slow),
+    "sgd",
+  ],
+)
 def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
   """Dequantize, update and quantize fused in one jitted step: still the reference's bits."""
   make = {
@@ -483,7 +491,7 @@ def test_restore_into_a_float32_optimizer_and_back(mode):
     )
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_logical_axes_are_derived(mode):
   """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""
   params = {"w": jnp.ones((16, 32)), "b": jnp.ones((32,)), "s": jnp.ones((2,))}
@@ -508,7 +516,7 @@ def test_logical_axes_are_derived(mode):
   assert mu == {"b": one_block, "s": P("mlp"), "w": w}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_t5x_checkpoint_round_trip(tmp_path, mode):
   """T5X's legacy checkpoint format: codes, scales and bfloat16 leaves come back exactly."""
   params = make_params()

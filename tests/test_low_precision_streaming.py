@@ -90,7 +90,7 @@ def test_streamed_update_equals_the_whole_tree_update(case):
   _assert_same_state_and_updates(*_pair(case.make, "bfloat16"), params, jit=True)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 @pytest.mark.parametrize(
   "make",
   [
@@ -123,7 +123,7 @@ def _step_memory(tx, shapes):
   return step.lower(opt, params).compile().memory_analysis()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   """Eight equal leaves: the streamed step's temporaries are those of about one leaf.
 
@@ -143,6 +143,7 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   )
 
 
+@pytest.mark.slow
 def test_without_the_nonfinite_guard_the_8bit_step_holds_about_two_float32_copies_of_a_leaf():
   """``guard_nonfinite=False`` drops the check's pass, and the copy of a leaf it holds."""
   shapes, size = [(256, 512)] * 8, 256 * 512

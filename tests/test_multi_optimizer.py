@@ -170,7 +170,13 @@ MIXED_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+@pytest.mark.parametrize(
+  "case",
+  [
+    pytest.param(c, marks=pytest.mark.slow) if c in ("multisteps", "nested") else c
+    for c in sorted(MIXED_CASES)
+  ],
+)
 def test_mixed_sub_optimizers_match_multi_transform(case: str) -> None:
   make_def, transforms = MIXED_CASES[case]
   names = {regex: str(i) for i, regex in enumerate(transforms)}
@@ -236,6 +242,7 @@ def test_hyper_param_override_errors(kwargs: dict[str, Any], error: type, messag
     opt.apply_gradient(fake_grads(opt.target, 0), **kwargs)
 
 
+@pytest.mark.slow
 def test_learning_rate_override_skips_sub_optimizers_without_injected_rate() -> None:
   opt_def = MultiOptimizer(
     [
@@ -279,6 +286,7 @@ class PlainSgd(OptimizerDef):
     self.param_axes.append(param_logical_axes)
 
 
+@pytest.mark.slow
 def test_extra_args_reach_only_sub_optimizers_that_take_them() -> None:
   plateau = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
   opt_def = MultiOptimizer([(KERNELS, PlainSgd(0.1)), (BIASES, OptaxWrapper(plateau))])

@@ -290,6 +290,7 @@ def test_learning_rate_override_without_injected_constant_warns_and_is_ignored(t
   assert tree_equal(overridden, opt.apply_gradient(grads))
 
 
+@pytest.mark.slow
 def test_extra_args_reach_reduce_on_plateau():
   tx = optax.chain(
     optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0)

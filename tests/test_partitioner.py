@@ -86,7 +86,9 @@ def _specs(tree):
   return jax.tree.map(lambda x: x.sharding.spec, tree)
 
 
-@pytest.mark.parametrize("data, model", MESHES)
+@pytest.mark.parametrize(
+  "data, model", [pytest.param(*MESHES[0], marks=pytest.mark.slow), MESHES[1]]
+)
 def test_partitioned_matmul_matches_unjitted(data, model):
   partitioner = _partitioner(data, model)
 

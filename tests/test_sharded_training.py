@@ -219,6 +219,7 @@ def test_adamw_shardings_on_2x4(zero, wi, mu_wi, mu_bi):
   assert state.param_states[0].count.sharding.spec == P()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [False, True])
 def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
   partitioner = _partitioner(2, 4, zero=zero)

@@ -176,6 +176,7 @@ def _by_layer() -> optax.GradientTransformation:
   )
 
 
+@pytest.mark.slow
 def test_unstack_gives_views_whose_gradient_is_stacked():
   params = make_params()
   stacked = stack_params(params)
@@ -185,6 +186,7 @@ def test_unstack_gives_views_whose_gradient_is_stacked():
   assert tree_equal(grads.unstack(), jax.grad(loss)(params))
 
 
+@pytest.mark.slow
 def test_per_leaf_grads_are_stacked_in_the_step():
   opt = OptaxWrapper(optax.adamw(1e-2)).create(stack_params(make_params()))
   from_stacked = opt.apply_gradient(jax.grad(stacked_loss)(opt.target))

@@ -248,6 +248,7 @@ def test_sharded_step_matches_unsharded(name, mesh):
   check_sharded_step(CASES[name](), params, axes, mesh, obj_fn=any(n in name for n in NEEDS_OBJ_FN))
 
 
+@pytest.mark.slow
 def test_lookahead_with_lookahead_params(mesh):
   tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
   params = optax.LookaheadParams.init_synced(make_params())

@@ -44,6 +44,7 @@ def _rms(x) -> float:
   return float(np.sqrt(np.mean(np.square(x))))
 
 
+@pytest.mark.slow
 def test_metrics_equal_the_rms_of_the_gathered_arrays(setup):
   state = setup.create(*setup.init_args)
   old = jax.device_get(state.params)
@@ -80,6 +81,7 @@ def _collectives(fn, setup) -> dict[str, int]:
   return collections.Counter(re.findall(rf"= \S+ ({ops})(?:-start)?\(", text))
 
 
+@pytest.mark.slow
 def test_metrics_add_one_all_reduce_and_gather_nothing(setup):
   plain = _collectives(setup.step_fn, setup)
   with_metrics = _collectives(setup.weights_step_fn, setup)
