@@ -299,6 +299,18 @@ def _expand(state: LowPrecisionState) -> Any:
   )
 
 
+def _expanded_shapes(state: LowPrecisionState) -> Any:
+  """The shapes and dtypes of `_expand`'s result, without tracing the decoders."""
+
+  def shape(leaf: Any, kind: str) -> Any:
+    if kind in (_8BIT, _BF16):
+      return jax.ShapeDtypeStruct(jnp.shape(leaf.codes if kind == _8BIT else leaf), jnp.float32)
+    return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  return treedef.unflatten([shape(x, k) for x, k in zip(leaves, state.storage, strict=True)])
+
+
 def _stream_plan(
   inner: optax.GradientTransformation,
   updates: Any,
@@ -321,7 +333,7 @@ def _stream_plan(
       inner,
       params,
       updates,
-      jax.eval_shape(_expand, state),
+      _expanded_shapes(state),
       extra_args,
       bounded_groups=False,
       apply_updates=False,
@@ -401,10 +413,12 @@ def _streamed_update(
       [new_stored[k] for k in ks],
       [jnp.asarray(values[r]) for r in group_of[i].residuals],
     )
-    shapes = jax.eval_shape(leaf_update, operands)
+    # Traced once: the shapes of the branch that never runs come from the cache.
+    traced = jax.jit(leaf_update)
+    shapes = traced.eval_shape(operands)
     update, encoded = jax.lax.cond(
       _after(previous),
-      leaf_update,
+      traced,
       lambda _, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
       operands,
     )

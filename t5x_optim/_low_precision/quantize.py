@@ -136,42 +136,36 @@ def _decade_constants(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   return a, b, boundaries
 
 
-def _pick(index: jax.Array, values: Any, dtype: Any) -> jax.Array:
-  """``values[index]`` for a short list of constants, by selects (no gather)."""
-  out = jnp.full(index.shape, values[0], dtype)
-  for i in range(1, len(values)):
-    out = jnp.where(index >= i, jnp.asarray(values[i], dtype), out)
-  return out
+class _Ops:
+  """`jax.lax` on arrays of one shape, constants broadcast: the codecs trace
+  several times faster than with `jax.numpy`, whose wrappers each trace a
+  nested jitted function."""
 
+  def __init__(self, like: jax.Array):
+    self.like = like
 
-def _count_below(magnitude: jax.Array, signed: bool, mirror: jax.Array) -> jax.Array:
-  """How many of one map's thresholds above 0 lie below ``magnitude``.
+  def full(self, value: Any, dtype: Any) -> jax.Array:
+    """``value`` broadcast like the codec's operand (its shape and sharding)."""
+    return jax.lax.full_like(self.like, value, dtype)
 
-  Where ``mirror`` (a negative value of the signed map), thresholds equal
-  to ``magnitude`` count too, and the last one (next to 1) does not. The
-  decade comes from 6 comparisons with its boundaries, the position inside
-  it from one division, corrected exactly by comparing with the two
-  thresholds next to it.
-  """
-  a, b, boundaries = _decade_constants(signed)
-  sizes = _decade_sizes(signed)
+  def int32(self, x: jax.Array) -> jax.Array:
+    return jax.lax.convert_element_type(x, jnp.int32)
 
-  def below(threshold: jax.Array) -> jax.Array:
-    return (threshold < magnitude) | (mirror & (threshold == magnitude))
+  def float32(self, x: jax.Array) -> jax.Array:
+    return jax.lax.convert_element_type(x, jnp.float32)
 
-  decade = sum(below(jnp.float32(t)).astype(jnp.int32) for t in boundaries[1:7])
-  size = _pick(decade, sizes, jnp.int32)
-  a_d, b_d = _pick(decade, a, jnp.float32), _pick(decade, b, jnp.float32)
-  before = _pick(decade, np.cumsum([1, *sizes[:-1]]), jnp.int32)
-  guess = jnp.clip(jnp.floor(magnitude / b_d - a_d), 0, size - 1).astype(jnp.int32)
+  def where(self, flag: jax.Array, x: Any, y: Any, dtype: Any = None) -> jax.Array:
+    """``x`` where ``flag`` else ``y``; a constant (a Python or numpy scalar) is broadcast."""
+    x = x if isinstance(x, jax.Array) else self.full(x, dtype)
+    y = y if isinstance(y, jax.Array) else self.full(y, dtype)
+    return jax.lax.select(flag, x, y)
 
-  def inner_below(k: jax.Array) -> jax.Array:
-    threshold = (a_d + (k + 1).astype(jnp.float32)) * b_d
-    return jnp.where(k < 0, True, jnp.where(k >= size - 1, False, below(threshold)))
-
-  inner = guess - 1 + inner_below(guess - 1).astype(jnp.int32) + inner_below(guess)
-  count = jnp.where(below(jnp.float32(boundaries[0])), before + inner, 0)
-  return jnp.where(below(jnp.float32(boundaries[7])) & ~mirror, sum(sizes) + 1, count)
+  def chain(self, above: list[jax.Array], values: Any, dtype: Any) -> jax.Array:
+    """``values[d]``, ``d`` the number of true ``above`` (true ones first), by selects (no gather)."""
+    out = self.full(values[0], dtype)
+    for flag, value in zip(above, values[1:], strict=True):
+      out = self.where(flag, value, out, dtype)
+    return out
 
 
 def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
@@ -179,15 +173,54 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
 
   Arithmetic and comparisons only, no table lookup: XLA:CPU runs a lookup
   one element at a time inside a fused loop (10x slower here), and a lookup
-  does not trace under explicit sharding. A negative value of the signed
-  map mirrors: its code is 127 less the thresholds at or below its
-  magnitude.
+  does not trace under explicit sharding. Both maps share one computation,
+  their constants chosen per element (a map's decade ``i`` holds
+  ``2**(i + u)`` values, ``u`` 1 for the unsigned map, so its factors are
+  the signed map's times ``2**u`` and ``2**-u``, exactly), which keeps
+  each leaf's compiled encoder small (a computation per map, selected
+  after, made the whole train step compile several times slower).
+  The decade comes from comparisons with its 6 inner boundaries, the
+  position inside it from one division, corrected exactly by comparing with
+  the two thresholds next to it. A negative value of the signed map mirrors:
+  its code is 127 less the thresholds at or below its magnitude (below the
+  next float up).
   """
-  magnitude = jnp.abs(scaled)
-  negative = scaled < 0
-  unsigned = _count_below(magnitude, False, jnp.zeros_like(negative))
-  half = _count_below(magnitude, True, negative)
-  return jnp.where(signed, jnp.where(negative, 127 - half, 127 + half), unsigned)
+  lax, ops = jax.lax, _Ops(scaled)
+  a_signed, b_signed, _ = _decade_constants(True)
+  bounds = {s: _decade_constants(s)[2] for s in (True, False)}
+  signed = jnp.broadcast_to(signed, scaled.shape)
+  mirror = signed & lax.lt(scaled, ops.full(0, jnp.float32))
+  unsigned = ops.int32(~signed)
+  # A threshold at or below a positive float lies below the next float up.
+  nudged = lax.bitcast_convert_type(lax.abs(scaled), jnp.int32) + ops.int32(mirror)
+  magnitude = lax.bitcast_convert_type(nudged, jnp.float32)
+
+  def below(threshold: jax.Array) -> jax.Array:
+    return lax.lt(threshold, magnitude)
+
+  def boundary(i: int) -> jax.Array:
+    return ops.where(signed, bounds[True][i], bounds[False][i], jnp.float32)
+
+  above = [below(boundary(i)) for i in range(1, 7)]
+  size = lax.shift_left(ops.chain(above, [2**i for i in range(7)], jnp.int32), unsigned)
+  a_d = ops.chain(above, a_signed, jnp.float32) * ops.where(signed, 1.0, 2.0, jnp.float32)
+  b_d = ops.chain(above, b_signed, jnp.float32) * ops.where(signed, 1.0, 0.5, jnp.float32)
+  last = size - ops.full(1, jnp.int32)
+  guess = lax.clamp(ops.full(0, jnp.float32), lax.floor(magnitude / b_d - a_d), ops.float32(last))
+  guess = ops.int32(guess)
+  one = ops.full(1, jnp.int32)
+
+  def inner_below(k: jax.Array) -> jax.Array:
+    return ops.int32(below((a_d + ops.float32(k + one)) * b_d))
+
+  low = ops.where(lax.gt(guess, ops.full(0, jnp.int32)), inner_below(guess - one), 1, jnp.int32)
+  high = ops.where(lax.lt(guess, last), inner_below(guess), 0, jnp.int32)
+  # Decade d's values start after 2**d (signed) or 2**(d + 1) - 1 (unsigned) codes.
+  count = ops.where(below(boundary(0)), last - unsigned + guess + low + high, 0, jnp.int32)
+  top = below(boundary(7)) & ~mirror
+  count = ops.where(top, ops.full(128, jnp.int32) + unsigned * ops.full(127, jnp.int32), count)
+  middle = ops.full(127, jnp.int32)
+  return ops.where(mirror, middle - count, ops.where(signed, middle + count, count))
 
 
 def _block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -256,19 +289,31 @@ def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> Quant
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
-  """The map value of each code (`dynamic_map`), computed: no table lookup."""
-  values = []
-  for signed_map in (True, False):
-    a, b = _decade_factors(signed_map)
-    sizes = _decade_sizes(signed_map)
-    position = jnp.abs(codes - 127) if signed_map else codes
-    starts = np.cumsum([1, *sizes[:-1]])
-    decade = sum((position >= start).astype(jnp.int32) for start in starts[1:])
-    k = (position - _pick(decade, starts, jnp.int32)).astype(jnp.float32)
-    value = (_pick(decade, a, jnp.float32) + (k + 0.5)) * _pick(decade, b, jnp.float32)
-    value = jnp.where(position == 0, 0.0, jnp.where(position > sum(sizes), 1.0, value))
-    values.append(jnp.where(codes < 127, -value, value) if signed_map else value)
-  return jnp.where(signed, values[0], values[1])
+  """The map value of each code (`dynamic_map`), computed: no table lookup.
+
+  One computation for both maps, as in `_codes`: position ``p`` of a map's
+  half lies in decade ``floor(log2(p + u)) - u`` (``u`` 1 for the unsigned
+  map), found by counting leading zeros.
+  """
+  lax, ops = jax.lax, _Ops(codes)
+  a_signed, b_signed = _decade_factors(True)
+  signed = jnp.broadcast_to(signed, codes.shape)
+  unsigned = ops.int32(~signed)
+  middle = ops.full(127, jnp.int32)
+  position = ops.where(signed, lax.abs(codes - middle), codes)
+  shifted = position + unsigned
+  exponent = ops.full(31, jnp.int32) - lax.clz(lax.max(shifted, ops.full(1, jnp.int32)))
+  decade = exponent - unsigned
+  above = [lax.ge(decade, ops.full(i, jnp.int32)) for i in range(1, 7)]
+  k = ops.float32(shifted - lax.shift_left(ops.full(1, jnp.int32), exponent))
+  a_d = ops.chain(above, a_signed, jnp.float32) * ops.where(signed, 1.0, 2.0, jnp.float32)
+  b_d = ops.chain(above, b_signed, jnp.float32) * ops.where(signed, 1.0, 0.5, jnp.float32)
+  value = (a_d + (k + ops.full(0.5, jnp.float32))) * b_d
+  top = lax.gt(position, middle + unsigned * middle)
+  value = ops.where(
+    lax.eq(position, ops.full(0, jnp.int32)), 0, ops.where(top, 1, value, jnp.float32), jnp.float32
+  )
+  return ops.where(signed & lax.lt(codes, middle), -value, value)
 
 
 def dequantize(leaf: QuantizedLeaf) -> jax.Array:
