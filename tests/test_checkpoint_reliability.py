@@ -144,6 +144,7 @@ def test_a_step_without_checksums_restores_unverified_when_asked(tmp_path, state
     w.assert_same_state(ckpt.restore(target, verify=False), states[2])
 
 
+@pytest.mark.slow
 def test_fallback_limits(tmp_path, part_2x4, states, target):
   with Checkpointer(tmp_path) as ckpt:
     for step, state in states.items():
@@ -188,6 +189,7 @@ def _meshes():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_, jnp.complex64])
+@pytest.mark.slow
 def test_checksum_is_sharding_free_and_sees_any_change(dtype):
   x = (jnp.arange(64).reshape(8, 8) * 3 % 11).astype(dtype)
   sums = {_checksum(jax.device_put(x, sharding)) for sharding in _meshes()}

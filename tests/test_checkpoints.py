@@ -46,6 +46,7 @@ def test_round_trip(tmp_path, part_2x4, opt_name):
     w.assert_same_state(_restore(tmp_path, target), state)
 
 
+@pytest.mark.slow
 def test_round_trip_of_an_optimizer(tmp_path, part_2x4):
   optimizer = w.train(w.fresh_state("adafactor", part_2x4), 1).optimizer
   _save(tmp_path, 1, optimizer)
@@ -87,6 +88,7 @@ def test_params_only_switches_optimizer(tmp_path, part_2x4):
   assert int(restored.step) == 3
 
 
+@pytest.mark.slow
 def test_params_only_into_an_optimizer(tmp_path):
   params = {"w": jnp.linspace(0.0, 1.0, 8)}
   adamw = w.OptaxWrapper(optax.adamw(0.1)).create(params)
@@ -105,6 +107,7 @@ def test_params_only_into_an_optimizer(tmp_path):
     ("numpy params", optax.adamw(0.1), {"w": np.arange(4, dtype=np.float32)}),
   ],
 )
+@pytest.mark.slow
 def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
   opt_def = w.OptaxWrapper(tx)
   optimizer = opt_def.create(params).apply_gradient(jax.tree.map(np.ones_like, params))

@@ -253,6 +253,7 @@ def test_round_trip_returns_the_same_values(start, via, kept):
   _assert_close(back.state.param_states, expected, f"{start} -> {via} -> {start}: ")
 
 
+@pytest.mark.slow
 def test_adafactor_reconstruction_is_adafactors_own():
   """One optax Adafactor step's update is g / sqrt(nu) with the reconstructed nu."""
   tx = optax.scale_by_factored_rms(min_dim_size_to_factor=2)
@@ -414,6 +415,7 @@ def test_multi_optimizer_sub_states_are_converted():
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
 @pytest.mark.parametrize("target", ["adam", "sgd_momentum", "lion"])
+@pytest.mark.slow
 def test_a_fresh_sgd_momentum_converts_to_the_targets_fresh_state(nesterov, target):
   """At step 0 the trace holds no gradient: the new state is the target's initial one."""
   source = OptaxWrapper(optax.sgd(0.1, momentum=0.9, nesterov=nesterov)).create(PARAMS)
@@ -485,6 +487,7 @@ def _sub_steps(optimizer):
   return [int(sub.step) for sub in optimizer.state.param_states]
 
 
+@pytest.mark.slow
 def test_conversion_into_a_multi_optimizer_gives_its_sub_optimizers_the_step(tmp_path):
   """A sub-optimizer steps with the MultiOptimizer (T5X passes it the outer step).
 
@@ -628,6 +631,7 @@ def _assert_target_shardings(state, target):
     assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
 
 
+@pytest.mark.slow
 def test_t5x_legacy_adafactor_checkpoint_restores_into_adamw(partitioner, t5x_expected):
   """Written by T5X's own `adafactor.Adafactor` (beta1=0.9), see data/t5x_adafactor/README.md."""
   target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
@@ -770,6 +774,7 @@ T5X_ADAMW = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+@pytest.mark.slow
 def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitioner):
   """T5X's OptaxWrapper(adamw) checkpoint (the Orbax one stores counts as float32)."""
   source = OptaxWrapper(optax.adamw(0.1, weight_decay=0.01))

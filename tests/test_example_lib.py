@@ -308,6 +308,7 @@ def test_changing_python_state_raises() -> None:
 @pytest.mark.parametrize(
   "jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
 )
+@pytest.mark.slow
 def test_low_precision_params_keep_their_dtype(jit: bool) -> None:
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](
@@ -412,6 +413,7 @@ def train_step(state: TrainState) -> TrainState:
 
 
 @pytest.mark.parametrize("maker", ["adam", "sm3"])
+@pytest.mark.slow
 def test_train_state_with_partitioner_and_zero(maker: str) -> None:
   boxed = jax.tree.map(
     lambda x, spec: nn.LogicallyPartitioned(x, tuple(spec or ())),

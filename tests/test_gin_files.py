@@ -136,6 +136,7 @@ def test_scheduled_files_are_the_expected_ones():
 
 @pytest.mark.parametrize("path", [None, *SCHEDULED], ids=["default", *_ids(SCHEDULED)])
 @pytest.mark.parametrize("total_steps", [1, 20, 1000])
+@pytest.mark.slow
 def test_schedule_follows_total_steps(path, total_steps):
   files = [] if path is None else [str(path)]
   _config.parse_config(

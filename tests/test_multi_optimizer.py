@@ -489,6 +489,7 @@ def model_param_traversal(filter_fn: Callable[[str, Any], bool]) -> Any:
   ids=["path", "value"],
 )
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
+@pytest.mark.slow
 def test_model_param_traversal(filter_fn, equivalent: PathFilter, container: type) -> None:
   def make_def(traversal: Any) -> MultiOptimizer:
     return MultiOptimizer(

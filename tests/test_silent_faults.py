@@ -245,6 +245,7 @@ def _stacked_sharded():
 
 
 @pytest.mark.parametrize("round_trip", list(ROUND_TRIPS), ids=list(ROUND_TRIPS))
+@pytest.mark.slow
 def test_an_abstract_stacked_target_keeps_its_shardings(tmp_path, round_trip):
   opt = _stacked_sharded()
   restored = ROUND_TRIPS[round_trip](tmp_path, opt, _abstract(opt))

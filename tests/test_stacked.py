@@ -195,6 +195,7 @@ def test_per_leaf_grads_are_stacked_in_the_step():
 
 
 @pytest.mark.parametrize("container", [dict, flax.core.freeze])
+@pytest.mark.slow
 def test_state_dict_is_the_per_leaf_one(container):
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   params = container(make_params())
