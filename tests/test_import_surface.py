@@ -58,7 +58,7 @@ def test_kfac_names_load_lazily():
   script = (
     "import sys, t5x_optim\n"
     "assert 't5x_optim._adapters.kfac' not in sys.modules and 'kfac_jax' not in sys.modules\n"
-    "from t5x_optim._optimizers import kfac\n"
+    "from t5x_optim._adapters import kfac\n"
     "assert t5x_optim.KfacOptimizerDef is kfac.KfacOptimizerDef\n"
     "assert t5x_optim.KfacHyperParams is kfac.KfacHyperParams\n"
   )
