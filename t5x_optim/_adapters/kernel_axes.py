@@ -58,11 +58,13 @@ class KernelAxesTarget:
     make: builds one param's dimension numbers from its `KernelAxes`.
     batches: whether the factory takes batch axes; when it does not, a
       param with batch axes gets None (no matrix treatment).
+    labels: how plans name the two treatments (matrix, other).
   """
 
   argument: str
   make: Callable[..., Any]
   batches: bool = True
+  labels: tuple[str, str] = ("muon", "adam")
 
 
 def _muon_numbers(kernel: KernelAxes) -> optax.contrib.MuonDimensionNumbers:
@@ -76,7 +78,7 @@ def _galore_numbers(kernel: KernelAxes) -> optax.contrib.GaLoreDimensionNumbers:
 KERNEL_AXES_FACTORIES: dict[Callable[..., Any], KernelAxesTarget] = {
   optax.contrib.muon: KernelAxesTarget("muon_weight_dimension_numbers", _muon_numbers),
   optax.contrib.galore: KernelAxesTarget(
-    "weight_dimension_numbers", _galore_numbers, batches=False
+    "weight_dimension_numbers", _galore_numbers, batches=False, labels=("galore", "plain")
   ),
 }
 """The optax factories that take weight dimension numbers, and how."""
@@ -210,13 +212,18 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     return jax.tree_util.tree_map_with_path(numbers, params)
 
   def describe_params(self, params: Any) -> list[str]:
-    """One line per param: where it goes (``matrix`` or ``adam``) and by which axes.
+    """One line per param: where it goes (``muon`` or ``adam`` for muon) and by which axes.
 
     Raises:
       ValueError, UnplaceableParamsError: as `placements`.
     """
     names = self._axis_names(params)
-    return describe(self.rule.place_all(names), names)
+    placed = {
+      path: None if kernel is not None and kernel.batch and not self.target.batches else kernel
+      for path, kernel in self.rule.place_all(names).items()
+    }
+    matrix, other = self.target.labels
+    return describe(placed, names, matrix=matrix, other=other)
 
 
 def _signature(factory: Callable[..., Any]) -> inspect.Signature:
@@ -237,7 +244,7 @@ def wrap_optax_optimizer(
   """Turns an optax factory into one that builds an `OptaxWrapper`.
 
   The result keeps the factory's name, docstring and signature, so gin can
-  configure it. For a factory that takes weight dimension numbers
+  configure it; `optax_factory` is the factory. For a factory that takes weight dimension numbers
   (`KERNEL_AXES_FACTORIES`: muon, galore) it builds a `KernelAxesOptaxWrapper`
   unless they are given by hand, and takes three more keyword-only arguments:
   ``kernel_axes_rule`` (a `KernelAxesRule`), ``param_axes`` and
@@ -258,6 +265,7 @@ def wrap_optax_optimizer(
     def wrapped_optimizer(*args: Any, **kwargs: Any) -> OptaxWrapper:
       return OptaxWrapper(optax_optimizer(*args, **kwargs))
 
+    wrapped_optimizer.optax_factory = optax_optimizer
     return wrapped_optimizer
 
   names = list(inspect.signature(optax_optimizer).parameters)
@@ -292,5 +300,9 @@ def wrap_optax_optimizer(
       wrap_transformation=wrap_transformation,
     )
 
+  # gin reads a function's parameters through `__wrapped__`, which would hide the
+  # extra ones: the factory is `optax_factory` here, and `__signature__` has them all.
+  del wrapped_kernel_axes_optimizer.__wrapped__
   wrapped_kernel_axes_optimizer.__signature__ = _signature(optax_optimizer)
+  wrapped_kernel_axes_optimizer.optax_factory = optax_optimizer
   return wrapped_kernel_axes_optimizer

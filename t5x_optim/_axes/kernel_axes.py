@@ -265,8 +265,16 @@ def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
   return {key_path_str(path): None if spec is None else PartitionSpec(*spec) for path, spec in flat}
 
 
-def describe(placed: Mapping[str, KernelAxes | None], axes: Mapping[str, AxisNames]) -> list[str]:
+def describe(
+  placed: Mapping[str, KernelAxes | None],
+  axes: Mapping[str, AxisNames],
+  *,
+  matrix: str = "matrix",
+  other: str = ADAM,
+) -> list[str]:
   """One line per param: its path, axes and where it goes (for plans and logs).
+
+  Params placed as a matrix are labelled `matrix`, the others `other`.
 
   Example:
     >>> describe({"w": KernelAxes((), (0,), (1,))}, {"w": ("embed", "mlp")})
@@ -276,12 +284,12 @@ def describe(placed: Mapping[str, KernelAxes | None], axes: Mapping[str, AxisNam
   for path, kernel in placed.items():
     names = axes[path]
     if kernel is None:
-      lines.append(f"{path} {names}: adam")
+      lines.append(f"{path} {names}: {other}")
       continue
     pick = lambda positions: tuple(names[i] for i in positions)  # noqa: E731
     batch = f", batch {pick(kernel.batch)}" if kernel.batch else ""
     lines.append(
-      f"{path} {names}: matrix, inputs {pick(kernel.reduction)}, outputs "
+      f"{path} {names}: {matrix}, inputs {pick(kernel.reduction)}, outputs "
       f"{pick(kernel.output)}{batch}"
     )
   return lines
