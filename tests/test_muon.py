@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import re
 
 import flax.linen as nn
 import gin
@@ -409,3 +411,50 @@ def test_gin_file_configures_the_rule():
   opt_def.set_param_axes(axes)
   numbers["decoder"]["logits_dense"]["kernel"] = D((0,), (1,))
   assert opt_def.dimension_numbers(params) == numbers
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_cli_plan_and_train_with_muon_gin(tmp_path, capsys):
+  from t5x_optim.cli import main  # noqa: PLC0415
+
+  muon = ["--gin_file", "examples/tiny.gin", "--gin_file", "optimizers/muon.gin"]
+  assert main(["plan", *muon]) == 0
+  out = capsys.readouterr().out
+  assert "update rule per param (12 params, from their logical axes):" in out
+  assert "layers_0/mlp/wi ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)" in out
+  assert "token_embedding ('vocab', 'embed'): adam" in out
+  assert "logits ('embed', 'vocab'): adam" in out
+  assert main(["plan", *muon, "--format", "json"]) == 0
+  routes = json.loads(capsys.readouterr().out)["param_routes"]
+  assert sum(line.endswith("adam") for line in routes) == 6 and len(routes) == 12
+  bindings = [
+    "--gin_bindings",
+    "TOTAL_STEPS = 20",
+    "--gin_bindings",
+    "cli.TrainJob.eval_every = 20",
+  ]
+  assert main(["train", *muon, *bindings, "--model_dir", str(tmp_path / "run")]) == 0
+  out = capsys.readouterr().out
+  first, last = re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups()
+  assert float(last) < float(first)
+
+
+@pytest.mark.usefixtures("clean_gin")
+def test_gin_wraps_the_transformation_in_low_precision():
+  gin.add_config_file_search_path(str(_config.GIN_DIR))
+  gin.parse_config_file(str(_config.GIN_DIR / "optimizers" / "muon.gin"))
+  gin.parse_config(
+    [
+      "TOTAL_STEPS = 10",
+      "optimizers.muon.wrap_transformation = @optimizers.low_precision",
+      "optimizers.low_precision.state_dtype = 'bfloat16'",
+      "optimizers.low_precision.min_size = 0",
+    ]
+  )
+  opt_def = gin.query_parameter("%OPTIMIZER").scoped_configurable_fn()
+  params, axes, _ = _scanned_t5()
+  opt_def.set_param_axes(axes)
+  optimizer = _wrapper_loop(opt_def, params, steps=2)
+  muon_state = optimizer.state.param_states.inner_state.inner_states["muon"].inner_state[0]
+  assert muon_state.mu["decoder"]["layers"]["mlp"]["wo"]["kernel"].dtype == jnp.bfloat16
