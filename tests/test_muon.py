@@ -441,17 +441,19 @@ def test_cli_plan_and_train_with_muon_gin(tmp_path, capsys):
 
 
 @pytest.mark.usefixtures("clean_gin")
-def test_gin_wraps_the_transformation_in_low_precision():
-  gin.add_config_file_search_path(str(_config.GIN_DIR))
-  gin.parse_config_file(str(_config.GIN_DIR / "optimizers" / "muon.gin"))
-  gin.parse_config(
-    [
-      "TOTAL_STEPS = 10",
-      "optimizers.muon.wrap_transformation = @optimizers.low_precision",
-      "optimizers.low_precision.state_dtype = 'bfloat16'",
-      "optimizers.low_precision.min_size = 0",
-    ]
+def test_gin_wraps_the_transformation_in_low_precision(tmp_path):
+  config = tmp_path / "muon_bf16.gin"
+  config.write_text(
+    "include 'optimizers/muon.gin'\n"
+    "from __gin__ import dynamic_registration\n"
+    "from t5x_optim import optimizers\n"
+    "TOTAL_STEPS = 10\n"
+    "optimizers.low_precision.state_dtype = 'bfloat16'\n"
+    "optimizers.low_precision.min_size = 0\n"
+    "optimizers.muon.wrap_transformation = @optimizers.low_precision\n"
   )
+  gin.add_config_file_search_path(str(_config.GIN_DIR))
+  gin.parse_config_file(str(config))
   opt_def = gin.query_parameter("%OPTIMIZER").scoped_configurable_fn()
   params, axes, _ = _scanned_t5()
   opt_def.set_param_axes(axes)
