@@ -258,7 +258,7 @@ def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
 
   Example:
     >>> specs_by_path({"dense": {"kernel": PartitionSpec("embed", "mlp"), "bias": None}})
-    {'dense/bias': None, 'dense/kernel': PartitionSpec('embed', 'mlp')}
+    {'dense/bias': None, 'dense/kernel': P('embed', 'mlp')}
   """
   is_leaf = lambda x: x is None or isinstance(x, PartitionSpec | tuple)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(param_axes, is_leaf=is_leaf)[0]
