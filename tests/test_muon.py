@@ -6,6 +6,7 @@ import functools
 import json
 import re
 
+import flax
 import flax.linen as nn
 import gin
 import jax
@@ -235,6 +236,13 @@ def test_param_axes_argument_and_boxed_forms():
   assert optimizers.muon(**MUON_ARGS, param_axes=axes).dimension_numbers(params) == numbers
   tuples = jax.tree.map(tuple, axes, is_leaf=lambda x: isinstance(x, P))
   assert optimizers.muon(**MUON_ARGS, param_axes=tuples).dimension_numbers(params) == numbers
+  # T5X hands set_param_axes a FrozenDict, and older T5X keeps FrozenDict params.
+  opt_def = optimizers.muon(**MUON_ARGS)
+  opt_def.set_param_axes(flax.core.freeze(axes))
+  frozen = flax.core.freeze(params)
+  assert flax.core.unfreeze(opt_def.dimension_numbers(frozen)) == numbers
+  optimizer = _wrapper_loop(opt_def, frozen, steps=1)
+  assert optimizer.target["decoder"]["layers"]["mlp"]["wo"]["kernel"].shape == (LAYERS, MLP, EMBED)
 
 
 def test_set_param_axes_raises_for_unplaceable_params():
