@@ -269,6 +269,14 @@ def test_hand_written_numbers_give_a_plain_wrapper():
     optimizers.muon(**MUON_ARGS, muon_weight_dimension_numbers=numbers, param_axes={})
 
 
+def test_positional_arguments_are_the_factorys():
+  params, axes, _ = _scanned_t5()
+  by_position = optimizers.muon(0.02, param_axes=axes)
+  assert by_position.factory_kwargs == {"learning_rate": 0.02}
+  with pytest.raises(TypeError, match=r"multiple values for \['learning_rate'\]"):
+    optimizers.muon(0.02, learning_rate=0.01)
+
+
 def test_custom_rule_and_override():
   params, axes, numbers = _scanned_t5()
   rule = KernelAxesRule(overrides={"decoder/logits_dense/kernel": ("embed", "vocab")})

@@ -278,7 +278,11 @@ def wrap_optax_optimizer(
     wrap_transformation: Callable[[Any], Any] | None = None,
     **kwargs: Any,
   ) -> OptaxWrapper:
-    kwargs.update(zip(names, args, strict=False))
+    positional = dict(zip(names, args, strict=False))
+    twice = sorted(set(positional) & set(kwargs))
+    if twice:
+      raise TypeError(f"{optax_optimizer.__name__}() got multiple values for {twice}.")
+    kwargs.update(positional)
     if kwargs.get(target.argument) is not None:
       given = [
         f"{name}="
