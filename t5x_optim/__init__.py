@@ -20,14 +20,15 @@ from t5x_optim._adapters.example_lib import (
   example_lib_optimizer_makers,
   wrap_example_lib_optimizer,
 )
+from t5x_optim._adapters.kernel_axes import KernelAxesOptaxWrapper, wrap_optax_optimizer
 from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._adapters.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
   chain,
   inject_hyperparams,
-  wrap_optax_optimizer,
 )
+from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
 from t5x_optim._checkpoint.converting import restore_converted
 from t5x_optim._convert.convert import (
   ConversionContext,
@@ -67,6 +68,8 @@ __all__ = [
   "ExampleLibOptimizerDef",
   "FusedUpdate",
   "FusionReport",
+  "KernelAxesOptaxWrapper",
+  "KernelAxesRule",
   "LowPrecisionState",
   "Moments",
   "MultiOptimizer",
@@ -82,6 +85,7 @@ __all__ = [
   "StateConverter",
   "T5XAdafactorParamState",
   "TrainState",
+  "UnplaceableParamsError",
   "chain",
   "checkpoints",
   "convert_state",

@@ -25,15 +25,16 @@ from t5x_optim._adapters.example_lib import (
   ExampleLibOptimizerDef,
   wrap_example_lib_optimizer,
 )
+from t5x_optim._adapters.kernel_axes import KernelAxesOptaxWrapper, wrap_optax_optimizer
 from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter
 from t5x_optim._adapters.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
   chain,
   inject_hyperparams,
-  wrap_optax_optimizer,
 )
 from t5x_optim._axes.engine import OptaxStatePartitionRules
+from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._layouts.fused import FusedUpdate, fusion_report
 from t5x_optim._low_precision.low_precision import low_precision
@@ -120,6 +121,8 @@ for _name, _maker in EXAMPLE_LIB_OPTIMIZERS.items():
 __all__ = [
   "ExampleLibOptimizerDef",
   "FusedUpdate",
+  "KernelAxesOptaxWrapper",
+  "KernelAxesRule",
   "MultiOptimizer",
   "OptaxHyperParams",
   "OptaxStatePartitionRules",
@@ -131,6 +134,7 @@ __all__ = [
   "OptimizerStateType",
   "OptimizerType",
   "PathFilter",
+  "UnplaceableParamsError",
   "chain",
   "fusion_report",
   "inject_hyperparams",

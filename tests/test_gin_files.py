@@ -31,6 +31,7 @@ EXPECTED_OPTIMIZERS = {
   "example_lib_adam",
   "adamw_8bit",
   "adamw_bf16_sr",
+  "muon",
 }
 ACCUMULATED_STEPS = 4
 """Enough steps for warmup to start and for multisteps.gin to apply its update."""
@@ -131,7 +132,7 @@ SCHEDULED = [path for path in _files("optimizers") if "%TOTAL_STEPS" in path.rea
 
 
 def test_scheduled_files_are_the_expected_ones():
-  assert {path.stem for path in SCHEDULED} == {"adamw", "adafactor", "lion"}
+  assert {path.stem for path in SCHEDULED} == {"adamw", "adafactor", "lion", "muon"}
 
 
 @pytest.mark.parametrize("path", [None, *SCHEDULED], ids=["default", *_ids(SCHEDULED)])

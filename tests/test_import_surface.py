@@ -84,6 +84,6 @@ def test_optimizers_namespace_is_written_out_as_discovery_finds_it():
   assert _explicit_names("wrap_optax_optimizer(") == set(factories)
   assert _explicit_names("EXAMPLE_LIB_OPTIMIZERS[") == set(EXAMPLE_LIB_OPTIMIZERS)
   for name, factory in factories.items():
-    assert getattr(optimizers, name).__wrapped__ is factory, name
+    assert getattr(optimizers, name).optax_factory is factory, name
   for name, maker in EXAMPLE_LIB_OPTIMIZERS.items():
     assert getattr(optimizers, name) is maker, name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -25,7 +24,6 @@ __all__ = [
   "OptaxWrapper",
   "chain",
   "inject_hyperparams",
-  "wrap_optax_optimizer",
 ]
 
 _LEARNING_RATE = "learning_rate"
@@ -237,28 +235,6 @@ class OptaxWrapper(OptimizerDef):
     return optimizer.replace(
       target=axes, state=OptimizerState(step=None, param_states=param_states)
     )
-
-
-def wrap_optax_optimizer(
-  optax_optimizer: Callable[..., optax.GradientTransformation],
-) -> Callable[..., OptaxWrapper]:
-  """Turns an optax factory into one that builds an `OptaxWrapper`.
-
-  The result keeps the factory's name, docstring and signature, so gin can
-  configure it.
-
-  Example:
-    >>> import optax
-    >>> adamw = wrap_optax_optimizer(optax.adamw)
-    >>> type(adamw(learning_rate=1e-3)).__name__
-    'OptaxWrapper'
-  """
-
-  @functools.wraps(optax_optimizer)
-  def wrapped_optimizer(*args: Any, **kwargs: Any) -> OptaxWrapper:
-    return OptaxWrapper(optax_optimizer(*args, **kwargs))
-
-  return wrapped_optimizer
 
 
 def chain(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 from optax._src import transform as _optax_transform
 
 from t5x_optim._convert.registry import (
@@ -150,6 +151,24 @@ def _write_lion(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
   b2 = ctx.hparam("b2", 0.99)
   count = moments.count(template.mu, template.count, (MU,))
   mu = moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b2, count))
+  return template._replace(count=count, mu=mu)
+
+
+def _read_muon(state: Any, ctx: ConversionContext) -> dict[str, Any]:
+  """mu = mu_stored / (1 - beta^t): Muon's momentum is an EMA of the gradients with rate beta.
+
+  Only the params Muon runs have a ``mu`` here (the others are
+  ``MaskedNode`` holes; their state is the Adam state beside it).
+  """
+  beta = ctx.hparam("beta", 0.95)
+  return {MU: jax.tree.map(_corrected(beta, state.count), state.mu), "count": state.count}
+
+
+def _write_muon(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
+  """mu_stored = mu (1 - beta^t); ``ns_coeffs`` stay the new optimizer's."""
+  beta = ctx.hparam("beta", 0.95)
+  count = moments.count(template.mu, template.count, (MU,))
+  mu = moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(beta, count))
   return template._replace(count=count, mu=mu)
 
 
@@ -437,6 +456,7 @@ def _builtin() -> None:
   register_state_converter(optax.ScaleByAdamState, **adam)
   register_state_converter(optax.ScaleByLionState, read=_read_lion, write=_write_lion)
   register_state_converter(optax.TraceState, read=_read_trace, write=_write_trace)
+  register_state_converter(optax.contrib.MuonState, read=_read_muon, write=_write_muon)
   register_state_converter(optax.ScaleByRmsState, read=_read_rms, write=_write_rms)
   register_state_converter(_RMS_WITH_COUNT, read=_read_rms, write=_write_rms)
   register_state_converter(optax.ScaleByAmsgradState, read=_read_amsgrad, write=_write_amsgrad)

@@ -234,6 +234,14 @@ def _devices(requested: int | None) -> tuple[int, str]:
   return count, f"{count} x {kind}{spread}"
 
 
+def _param_routes(abstract_state) -> list[str]:
+  """Where each param goes, for optimizers that decide it from the axes (muon: muon or adam)."""
+  optimizer_def = abstract_state.optimizer.optimizer_def
+  if getattr(optimizer_def, "param_specs", None) is None:
+    return []
+  return optimizer_def.describe_params(abstract_state.params)
+
+
 def _run_plan(args: argparse.Namespace, setup) -> int:
   from t5x_optim import partitioning as _plan  # noqa: PLC0415
   from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
@@ -244,9 +252,14 @@ def _run_plan(args: argparse.Namespace, setup) -> int:
     warn_replicated_bytes=args.warn_replicated_bytes,
   )
   memory = _train.step_memory(setup)
+  routes = _param_routes(setup.abstract_state)
   if args.format == "json":
-    print(json.dumps(_plan.plan_to_json(plan) | {"train_step_bytes_per_device": memory}, indent=2))
+    extra = {"train_step_bytes_per_device": memory} | ({"param_routes": routes} if routes else {})
+    print(json.dumps(_plan.plan_to_json(plan) | extra, indent=2))
   else:
+    if routes:
+      print(f"update rule per param ({len(routes)} params, from their logical axes):")
+      print("\n".join(f"  {line}" for line in routes) + "\n")
     print(_plan.format_table(plan))
     print(
       f"train step: peak {_plan.format_bytes(memory['peak'])} per device (XLA's memory "
