@@ -6,6 +6,8 @@ command in fresh processes and signal them at chosen phases.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
 import os
 import re
@@ -15,14 +17,15 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
-from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _steps
+from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env
 
-from t5x_optim import Checkpointer
-from t5x_optim.cli import main
+from t5x_optim import Checkpointer, optimizers, partitioning
+from t5x_optim.cli import SyntheticTask, TransformerConfig, main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
@@ -46,12 +49,18 @@ class _Run:
       text=True,
     )
     self.lines: list[str] = []
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
+    self.errors: list[str] = []
+    self._readers = [
+      threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+      for stream, lines in ((self.process.stdout, self.lines), (self.process.stderr, self.errors))
+    ]
+    for reader in self._readers:
+      reader.start()
 
-  def _read(self) -> None:
-    for line in self.process.stdout:
-      self.lines.append(line)
+  @staticmethod
+  def _read(stream, lines: list[str]) -> None:
+    for line in stream:
+      lines.append(line)
 
   def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match:
     """The first output line matching `pattern` (fails when the process ends first)."""
@@ -60,7 +69,7 @@ class _Run:
       for line in list(self.lines):
         if match := re.search(pattern, line):
           return match
-      if self.process.poll() is not None and not self._reader.is_alive():
+      if self.process.poll() is not None and not self._readers[0].is_alive():
         pytest.fail(f"exit {self.process.returncode} before {pattern!r}: {self.finish()}")
       time.sleep(0.05)
     self.process.kill()
@@ -69,11 +78,12 @@ class _Run:
   def finish(self, timeout: float = TIMEOUT) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) once the process ends."""
     try:
-      _, err = self.process.communicate(timeout=timeout)
+      self.process.wait(timeout=timeout)
     finally:
       self.process.kill()
-    self._reader.join(timeout=10)
-    return self.process.returncode, "".join(self.lines), err
+    for reader in self._readers:
+      reader.join(timeout=10)
+    return self.process.returncode, "".join(self.lines), "".join(self.errors)
 
 
 def _latest_restores(model_dir: Path, gin_files: list[str]) -> int:
@@ -103,7 +113,8 @@ def _gin_file(tmp_path: Path, name: str, text: str) -> str:
 @pytest.mark.slow
 def test_sigterm_mid_loop_saves_that_step_and_exits_143(tmp_path):
   model_dir = tmp_path / "run"
-  run = _Run(*TINY, *LONG, "--model_dir", str(model_dir), "--preemption_grace_seconds", "25")
+  args = [*TINY, *LONG, "--metrics_every", "0", "--preemption_grace_seconds", "25"]
+  run = _Run(*args, "--model_dir", str(model_dir))
   run.wait_for(r"^step 10/")
   run.process.send_signal(signal.SIGTERM)
   signalled = time.monotonic()
@@ -150,7 +161,8 @@ def test_sigterm_during_start_up_keeps_the_latest_checkpoint(phase, finished_tin
 
 def _wait_for_a_save_in_flight(run: _Run, model_dir: Path) -> None:
   deadline = time.monotonic() + TIMEOUT
-  while not (model_dir / "checkpoints").is_dir() or not _tmp_steps(model_dir):
+  checkpoints = model_dir / "checkpoints"
+  while not checkpoints.is_dir() or not _checkpoint_steps(model_dir) or not _tmp_steps(model_dir):
     assert run.process.poll() is None and time.monotonic() < deadline, run.finish()
     time.sleep(0.005)
 
@@ -223,29 +235,79 @@ def test_a_diverging_run_stops_and_never_saves_a_nonfinite_state(tmp_path):
   assert _latest_restores(model_dir, [*TINY[1::2], blowup]) == 60
 
 
+@dataclasses.dataclass(frozen=True)
+class _PoisonedTask(SyntheticTask):
+  """The synthetic task, whose batch `poisoned` has targets out of the vocabulary (a NaN loss)."""
+
+  poisoned: int = -1
+
+  def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+    batch = super().batch(step, rows)
+    if step == self.poisoned:
+      batch = dict(batch, targets=np.full_like(batch["targets"], 10**6))
+    return batch
+
+
+def _poisoned_job(total_steps: int, on_nonfinite: str) -> _config.TrainJob:
+  mesh = partitioning.create_mesh(devices=jax.devices()[:1])
+  return _config.TrainJob(
+    optimizers.adamw(1e-2),
+    partitioning.Partitioner(mesh),
+    model=TransformerConfig(vocab_size=16, num_layers=1, max_length=8, embed_dim=16, mlp_dim=32),
+    task=_PoisonedTask(vocab_size=16, length=8, batch_size=4, poisoned=30),
+    total_steps=total_steps,
+    checkpoint_every=10,
+    log_every=5,
+    eval_every=100,
+    on_nonfinite=on_nonfinite,
+  )
+
+
+def _train_to(model_dir: Path, total_steps: int, on_nonfinite: str = "skip") -> tuple[Any, str]:
+  stream = io.StringIO()
+  setup = _train.prepare(_poisoned_job(total_steps, on_nonfinite))
+  summary = _train.train(
+    setup, model_dir=model_dir, interrupt=Interrupt(), stream=stream, write_events=False
+  )
+  return summary, stream.getvalue()
+
+
+def _params(model_dir: Path, step: int) -> list[np.ndarray]:
+  setup = _train.prepare(_poisoned_job(step, "skip"))
+  with Checkpointer(model_dir / "checkpoints") as checkpointer:
+    state = checkpointer.restore(setup.abstract_state, step)
+  assert int(state.step) == step
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+
+
 @pytest.mark.slow
 def test_a_nonfinite_step_is_skipped_when_asked(tmp_path):
-  # An infinite learning rate for one step: its update is not finite, the next ones are.
-  spike = _gin_file(
-    tmp_path,
-    "spike.gin",
-    "LEARNING_RATE = @optax.piecewise_constant_schedule()\n"
-    "optax.piecewise_constant_schedule.init_value = 1e-2\n"
-    "optax.piecewise_constant_schedule.boundaries_and_scales = {30: 1e400, 31: 0.0}\n",
-  )
-  model_dir = tmp_path / "run"
-  args = [*TINY, "--gin_file", spike, "--on_nonfinite", "skip", "--model_dir", str(model_dir)]
-  code, out, err = _Run(*args).finish()
-  assert code == 0, err
+  summary, _ = _train_to(tmp_path, 30)
+  assert summary.skipped_steps == 0 and summary.checkpoint_step == 30
+  summary, log = _train_to(tmp_path, 40)
+  assert summary.skipped_steps == 1 and summary.end_step == 40, log
   assert re.search(
-    r"^step 31: not finite \(loss [\d.]+, grad_norm [\d.]+, updated params not finite\); "
-    r"skipped: params and optimizer state unchanged \(1 skipped in all\)$",
-    out,
+    r"^step 31: not finite \(loss nan, grad_norm nan\); skipped: params and optimizer state "
+    r"unchanged \(1 skipped in all\)$",
+    log,
     re.M,
-  ), out
-  assert "skipped 1 non-finite steps" in out and _steps(out) == (0, 40)
-  assert _checkpoint_steps(model_dir) == [20, 40]
-  assert _latest_restores(model_dir, [*TINY[1::2], spike]) == 40
+  ), log
+  assert "skipped 1 non-finite steps" in summary.format()
+  # Step 31 is the batch that was skipped: its params are step 30's, its counter moved on.
+  summary, _ = _train_to(tmp_path / "again", 30)
+  summary, _ = _train_to(tmp_path / "again", 31)
+  for before, after in zip(_params(tmp_path / "again", 30), _params(tmp_path / "again", 31)):
+    np.testing.assert_array_equal(before, after)
+  assert all(np.isfinite(x).all() for x in _params(tmp_path, 40))
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_stops_the_run_by_default(tmp_path):
+  summary, _ = _train_to(tmp_path, 20, "stop")
+  with pytest.raises(_train.Diverged, match=r"not finite at step 31 \(loss nan") as error:
+    _train_to(tmp_path, 40, "stop")
+  assert error.value.saved == 30
+  assert _checkpoint_steps(tmp_path) == [10, 20, 30]
 
 
 # Crashes ----------------------------------------------------------------------------------
