@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from _subprocesses import communicate_all
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env
 
 from t5x_optim import Checkpointer, optimizers, partitioning
@@ -395,3 +396,23 @@ def test_diverged_message_names_the_step_and_what_is_kept():
     "nan); stopped: the latest checkpoint is step 60 in /run/checkpoints; lower the learning "
     "rate (or skip such steps: --on_nonfinite skip)."
   )
+
+
+# Two processes ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
+  from test_multiprocess import _checkpoint_steps as steps_of  # noqa: PLC0415
+  from test_multiprocess import _long_run  # noqa: PLC0415
+
+  model_dir, procs = _long_run(tmp_path)
+  procs[1].send_signal(signal.SIGTERM)
+  signalled = time.monotonic()
+  results = communicate_all(procs, TIMEOUT)
+  took = time.monotonic() - signalled
+  assert [code for code, _, _ in results] == [EXIT_PREEMPTED] * 2, results[0][2][-3000:]
+  stopped = int(re.search(r"^preempted at step (\d+)$", results[0][1], re.M).group(1))
+  assert steps_of(model_dir)[-1] == stopped and not _tmp_steps(model_dir)
+  assert took < 30, took
+  print(f"2 processes, SIGTERM to process 1 to both exited 143: {took:.2f} s")
