@@ -145,7 +145,7 @@ def test_sigterm_during_start_up_keeps_the_latest_checkpoint(phase, finished_tin
   shutil.copytree(finished_tiny, model_dir)
   run = _Run(*TINY, *LONG, "--model_dir", str(model_dir))
   if phase == "importing":
-    time.sleep(0.3)
+    time.sleep(1.0)  # the launcher has installed its handlers; jax is being imported
   else:
     run.wait_for(r"^model_dir: ")
   run.process.send_signal(signal.SIGTERM)
