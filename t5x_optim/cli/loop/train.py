@@ -95,7 +95,7 @@ class Interrupted(Exception):
 
 
 class Diverged(Exception):
-  """A step's loss or gradient norm was not finite; the run stopped.
+  """A step's loss, gradient norm or updated params were not finite; the run stopped.
 
   Attributes:
     step: the step whose update was not finite (or the last of
@@ -108,13 +108,8 @@ class Diverged(Exception):
   """
 
   def __init__(self, step: int, loss: float, grad_norm: float, *, saved: int | None, skipped: bool):
-    self.step, self.loss, self.grad_norm, self.saved, self.skipped = (
-      step,
-      loss,
-      grad_norm,
-      saved,
-      skipped,
-    )
+    self.step, self.loss, self.grad_norm = step, loss, grad_norm
+    self.saved, self.skipped = saved, skipped
     super().__init__(self.message())
 
   def message(self, directory: str = "") -> str:
@@ -246,10 +241,10 @@ def _train_step(
   shardings: TrainState | None = None,
   skip: bool = False,
 ) -> Any:
-  """One update; the metrics are the loss, the gradient norm, the step's learning rate and
-  ``finite`` (whether the loss, the gradient norm and the updated params are), and with `weights` the per-parameter
-  metrics (`metric_vector`, reduced with one all-reduce given the state's `shardings`)
-  under ``weights``.
+  """One update; the metrics are the loss, the gradient norm, the step's learning rate
+  and ``finite`` (whether the loss, the gradient norm and the updated params are), and
+  with `weights` the per-parameter metrics (`metric_vector`, reduced with one all-reduce
+  given the state's `shardings`) under ``weights``.
 
   A step that is not finite returns the state it was given: its step counter
   advanced when `skip`, else unchanged. A non-finite update never reaches the
@@ -306,7 +301,7 @@ class Setup:
     create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
-      ``loss``, ``grad_norm``, ``finite`` (of both) and ``learning_rate``
+      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params) and ``learning_rate``
       (when the job names one). A step that is not finite leaves the state
       as it was (see `_train_step`).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
