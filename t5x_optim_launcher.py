@@ -1,9 +1,11 @@
-"""The `t5x-optim` console script: Ctrl-C is caught before anything is imported.
+"""The `t5x-optim` console script: Ctrl-C and SIGTERM are caught before anything is imported.
 
 Importing jax takes a while; a Ctrl-C during the import would otherwise end
-in a KeyboardInterrupt traceback. This module imports nothing heavy, installs
-a SIGINT handler that only records the signal, then imports the package and
-hands the recorded signals to the command, which exits with status 130.
+in a KeyboardInterrupt traceback, and a SIGTERM (a preemption) would kill the
+process at once. This module imports nothing heavy, installs handlers that
+only record the signals, then imports the package and hands the recorded
+signals to the command, which exits with status 130 (Ctrl-C) or 143
+(SIGTERM).
 
 Run: ``t5x-optim ...`` or ``python -m t5x_optim_launcher ...``.
 """
@@ -15,15 +17,18 @@ _PENDING: list[int] = []
 
 
 def _record(signum, frame):
+  if signum == signal.SIGTERM and signum in _PENDING:
+    return
   _PENDING.append(signum)
-  if len(_PENDING) > 1:
+  if _PENDING.count(signal.SIGINT) > 1:
     sys.exit(130)
 
 
 def main() -> None:
-  """Entry point: records Ctrl-C, then runs `t5x_optim.cli.main`."""
+  """Entry point: records Ctrl-C and SIGTERM, then runs `t5x_optim.cli.main`."""
   signal.signal(signal.SIGINT, _record)
-  from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handler on purpose
+  signal.signal(signal.SIGTERM, _record)
+  from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handlers on purpose
 
   sys.exit(_main.main(pending_signals=_PENDING))
 

@@ -15,7 +15,9 @@ generation and its listings keep to the offsets. It also answers
 ``Expect: 100-continue`` (curl, under tensorstore, otherwise waits a second
 before each upload over 1 MB) and queues up to 256 connections, not 5 (past
 those a connection waits a second for a TCP retransmit), as a server under
-concurrent clients must. Everything else is the emulator's own.
+concurrent clients must. To try the clients' retries, the first download of
+every object whose name contains ``flaky`` answers 503 (Service Unavailable),
+a transient error of real GCS. Everything else is the emulator's own.
 `Emulator` starts the script on a free port and points tensorstore
 (``TENSORSTORE_GCS_HTTP_URL``) and gcsfs (``STORAGE_EMULATOR_HOST``) at it.
 """
@@ -133,11 +135,23 @@ def _serve(port: int) -> None:
     meta = request.data.get("meta", request.data) if isinstance(request.data, dict) else {}
     return meta.get("name", "")
 
+  failed: set[tuple[str, str]] = set()
+
   def with_generation(handler):
-    """Downloads answer with the object's generation, as GCS does (``x-goog-generation``)."""
+    """Downloads answer with the object's generation, as GCS does (``x-goog-generation``).
+
+    The first download of an object whose name contains ``flaky`` answers 503.
+    """
 
     def handle(request, response, storage, *args, **kwargs):
       bucket, name = request.params["bucket_name"], request.params["object_id"]
+      with lock:
+        first = "flaky" in name and (bucket, name) not in failed
+        failed.add((bucket, name))
+      if first:
+        response.status = HTTPStatus.SERVICE_UNAVAILABLE
+        response.json({"error": {"code": 503, "message": "Service Unavailable"}})
+        return None
       generation = current_generation(storage, bucket, name)
       if generation != "0":
         response["x-goog-generation"] = generation

@@ -16,6 +16,9 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -348,3 +351,26 @@ def test_train_on_text_data_from_gs(where, capsys):
   assert _names(f"{where}/run/checkpoints") == ["2"]
   assert main(["train", *TINY, "--data", f"{where}/none", "--model_dir", f"{where}/run2"]) == 2
   assert "--data gs://" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_reads_retry_transient_errors(where, capsys):
+  # Every object under `flaky` answers its first download with 503 (tests/_gcs_emulator.py).
+  root = epath.Path(where) / "flaky"
+  (root / "probe").write_bytes(b"x")
+  bucket, _, name = f"{root}/probe".removeprefix("gs://").partition("/")
+  url = f"{os.environ['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}/o/"
+  url += f"{urllib.parse.quote(name, safe='')}?alt=media"
+  with pytest.raises(urllib.error.HTTPError, match="503"):
+    urllib.request.urlopen(url)
+  assert urllib.request.urlopen(url).read() == b"x"
+  (root / "text" / "hamlet.txt").write_bytes((REPO / "t5x_optim/data/hamlet.txt").read_bytes())
+  with Checkpointer(str(root / "ckpt"), async_save=False) as ckpt:
+    ckpt.save(1, _opt(2.0))
+  start = time.monotonic()
+  with Checkpointer(str(root / "ckpt")) as ckpt:
+    assert _equal(ckpt.restore(_opt()), _opt(2.0))
+  flags = ["--data", f"{root}/text", "--gin_bindings", "TOTAL_STEPS = 2"]
+  assert main(["train", *TINY, *flags, "--model_dir", f"{where}/run"]) == 0, capsys.readouterr().err
+  print(f"restore and a 2-step run through 503s: {time.monotonic() - start:.1f} s")

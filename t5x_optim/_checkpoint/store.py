@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, NoReturn, Protocol, Self
@@ -13,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import traverse_util
+from jax.experimental import multihost_utils
 
 from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint import t5x_read as t5x_checkpoints
@@ -113,11 +116,41 @@ def _any_path(path: Path) -> bool:
   return True
 
 
+class _SigtermFlag:
+  """Records SIGTERM in a single process; the handler it replaced still runs."""
+
+  def __init__(self) -> None:
+    self.received = False
+    self._previous: Any = None
+    self._installed = False
+
+  def install(self) -> None:
+    """Installs the handler once; a no-op outside the main thread (signals go there only)."""
+    if self._installed or threading.current_thread() is not threading.main_thread():
+      return
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._installed = True
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    self.received = True
+    if callable(self._previous):
+      self._previous(signum, frame)
+
+  def uninstall(self) -> None:
+    """Puts the replaced handler back, if this one is still the process's."""
+    if not self._installed or threading.current_thread() is not threading.main_thread():
+      return
+    if signal.getsignal(signal.SIGTERM) == self._handle:
+      signal.signal(signal.SIGTERM, self._previous)
+    self._installed = False
+
+
 class _Open:
-  """A checkpointer's orbax manager and writer lock: what closing releases."""
+  """A checkpointer's orbax manager, writer lock and SIGTERM flag: what closing releases."""
 
   def __init__(self, manager: ocp.CheckpointManager, lock: WriterLock):
     self.manager, self.lock = manager, lock
+    self.sigterm = _SigtermFlag()
 
   def close(self) -> None:
     """Finishes pending saves, then releases the lock (also if they fail)."""
@@ -125,6 +158,7 @@ class _Open:
       self.manager.close()
     finally:
       self.lock.release()
+      self.sigterm.uninstall()
 
 
 class Checkpointer:
@@ -269,6 +303,53 @@ class Checkpointer:
   def wait_until_finished(self) -> None:
     """Blocks until every pending asynchronous save is complete."""
     self._manager.wait_until_finished()
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether the job is being preempted and `step` is the one to save before exiting.
+
+    Call it after every train step, in every process, with the step just
+    completed. Schedulers preempt with SIGTERM and a SIGKILL some seconds
+    later (GKE: 30 s); once this is True, save `step`, call
+    `wait_until_finished` and exit.
+
+    In a multi-process job this is jax's preemption sync point
+    (`jax.experimental.multihost_utils.reached_preemption_sync_point`, as
+    orbax's ``CheckpointManager.reached_preemption``): when any process
+    receives SIGTERM, the coordination service tells all of them, and this is
+    True in every process at one and the same step, a step or a few after
+    the signal (so all save the same step). It needs the processes to call it
+    with the same steps. It is never True when jax's preemption service is
+    disabled (``jax_enable_preemption_service``).
+
+    In a single process the first call installs a SIGTERM handler (in the
+    main thread; the Python handler it replaces still runs, and `close` puts
+    it back), and from then on this is True at every call after a SIGTERM.
+    A SIGTERM before the first call ends the process as it would have.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from t5x_optim import optimizers
+      >>> opt = optimizers.sgd(0.1).create({'w': jnp.ones(2)})
+      >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+      ...   for step in range(1, 100):
+      ...     opt = opt.apply_gradient({'w': jnp.ones(2)})
+      ...     preempted = ckpt.reached_preemption(step)
+      ...     if step % 50 == 0 or preempted:
+      ...       ckpt.save(step, opt)
+      ...     if preempted:
+      ...       break
+      ...   ckpt.wait_until_finished()
+      ...   ckpt.all_steps()
+      [50]
+    """
+    step = checked_step(step)
+    if jax.process_count() > 1:
+      try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+      except RuntimeError:  # The preemption service is disabled.
+        return False
+    self._open.sigterm.install()
+    return self._open.sigterm.received
 
   def close(self) -> None:
     """Finishes pending saves, releases the manager's resources and the lock."""

@@ -3,7 +3,11 @@
 Bad input (gin, a job that does not fit the mesh, an unusable model
 directory, a checkpoint of another model) prints one line and exits with
 status 2; ``--traceback`` shows the whole traceback instead. Ctrl-C at any
-moment exits with status 130, after saving a checkpoint when a step ran.
+moment exits with status 130 and SIGTERM (a preemption) with 143, after
+saving a checkpoint when a step ran. A non-finite loss, gradient norm or
+update stops the run with status 3 (unless ``--on_nonfinite skip``) and is
+never saved; any other failure inside the training loop saves the last state
+and exits with status 1. Both print one line.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import sys
 import traceback
@@ -18,13 +23,33 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from t5x_optim.cli import _processes
-from t5x_optim.cli.loop.interrupt import EXIT_INTERRUPTED, Interrupt
+from t5x_optim.cli.loop.interrupt import (
+  DEFAULT_GRACE_SECONDS,
+  EXIT_INTERRUPTED,
+  EXIT_PREEMPTED,
+  Interrupt,
+)
 
-__all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "console_main", "main", "simulate_cpu_devices"]
+__all__ = [
+  "EXIT_CONFIG_ERROR",
+  "EXIT_DIVERGED",
+  "EXIT_FAILED",
+  "EXIT_INTERRUPTED",
+  "EXIT_PREEMPTED",
+  "TRACEBACK_FILE",
+  "console_main",
+  "main",
+  "simulate_cpu_devices",
+]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_SIMULATED_DEVICES = 8
+EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
+EXIT_DIVERGED = 3
+TRACEBACK_FILE = "traceback.txt"
+"""Where a failed run's traceback goes, in its model directory (process 0's)."""
+_log = logging.getLogger("t5x_optim.cli")
 
 _TRUST = (
   "Gin files are code: parsing one imports Python modules and calls what it names, "
@@ -47,7 +72,11 @@ Train on the synthetic task (or --data text) in MODEL_DIR (T5X's model-directory
 checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
 MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
 MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
-a finished run says so and exits 0. Ctrl-C saves a checkpoint and exits 130.
+a finished run says so and exits 0. Ctrl-C saves a checkpoint and exits 130;
+SIGTERM (a preemption) saves one and exits 143 within --preemption_grace_seconds.
+A non-finite loss or gradient norm is never saved: the run stops with status 3
+(or skips the step: --on_nonfinite skip). Any other failure in the loop saves
+the last finite state and exits 1.
 {_TRUST}
 """
 
@@ -72,6 +101,13 @@ def _positive(text: str) -> int:
   value = int(text)
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
+def _seconds(text: str) -> float:
+  value = float(text)
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
   return value
 
 
@@ -177,6 +213,24 @@ def _parser() -> argparse.ArgumentParser:
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
     "config.gin; for a T5X directory, the optimizer bindings of the config.gin T5X wrote)",
   )
+  train.add_argument(
+    "--on_nonfinite",
+    choices=("stop", "skip"),
+    default=None,
+    help="a step whose loss, gradient norm or updated params are not finite: stop the run "
+    "(status 3; it is never saved) or skip it (params and optimizer state unchanged, "
+    "counted and logged; stops after cli.TrainJob.max_consecutive_skips in a row); binds "
+    "cli.TrainJob.on_nonfinite (default stop)",
+  )
+  train.add_argument(
+    "--preemption_grace_seconds",
+    type=_seconds,
+    default=None,
+    metavar="S",
+    help="after SIGTERM, save the current step and exit 143 within S seconds (past them, "
+    "exit without that checkpoint); binds cli.TrainJob.preemption_grace_seconds "
+    f"(default {DEFAULT_GRACE_SECONDS:g}; GKE's SIGKILL comes after 30)",
+  )
   _processes.add_flags(train)
   plan = commands.add_parser(
     "plan",
@@ -195,9 +249,16 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _metrics_bindings(args: argparse.Namespace) -> list[str]:
-  every = getattr(args, "metrics_every", None)
-  return [] if every is None else [f"cli.TrainJob.metrics_every = {every}"]
+_FLAG_BINDINGS = ("metrics_every", "on_nonfinite", "preemption_grace_seconds")
+
+
+def _flag_bindings(args: argparse.Namespace) -> list[str]:
+  """The ``cli.TrainJob`` bindings of the flags given (``--metrics_every`` and the like)."""
+  return [
+    f"cli.TrainJob.{name} = {getattr(args, name)!r}"
+    for name in _FLAG_BINDINGS
+    if getattr(args, name, None) is not None
+  ]
 
 
 def _error(command: str, message: str) -> int:
@@ -210,11 +271,41 @@ def _describe(error: BaseException) -> str:
   return text if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {text}"
 
 
-def _interrupted(command: str) -> int:
+def _interrupted(command: str, interrupt: Interrupt) -> int:
+  what = "preempted (SIGTERM)" if interrupt.preempted else "interrupted"
+  print(f"t5x-optim {command}: {what} before the first step; nothing was saved.", file=sys.stderr)
+  interrupt.cancel()
+  return interrupt.exit_status
+
+
+def _saved_text(saved: int | None, directory: str, note: str) -> str:
+  if saved is None:
+    return f"no checkpoint was written{f' ({note})' if note else ''}"
+  latest = f"the latest checkpoint is step {saved} in {directory}"
+  return f"{latest} (not the last state: {note})" if note else latest
+
+
+def _loop_failed(args: argparse.Namespace, failure: Exception, model_dir, primary: bool) -> int:
+  """One line for a failure inside the loop; the traceback goes to the model directory."""
+  error = failure.error
+  text = "".join(traceback.format_exception(error))
+  _log.debug("t5x-optim train failed at step %d:\n%s", failure.step, text)
+  where = ""
+  if primary:
+    try:
+      (model_dir / TRACEBACK_FILE).write_text(text)
+      where = f"; traceback in {model_dir / TRACEBACK_FILE}"
+    except OSError:
+      pass
+  if args.traceback:
+    print(text, file=sys.stderr, end="")
+  saved = _saved_text(failure.saved, str(model_dir / "checkpoints"), failure.note)
   print(
-    f"t5x-optim {command}: interrupted before the first step; nothing was saved.", file=sys.stderr
+    f"t5x-optim train: error at step {failure.step}: {type(error).__name__}: "
+    f"{' '.join(str(error).split())}; {saved}{where}",
+    file=sys.stderr,
   )
-  return EXIT_INTERRUPTED
+  return EXIT_FAILED
 
 
 def _devices(requested: int | None) -> tuple[int, str]:
@@ -309,7 +400,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       _text.scan_text(args.data, label="--data")
     _config.parse_config(
       gin_files=args.gin_file,
-      gin_bindings=[*data, *_metrics_bindings(args), *args.gin_bindings],
+      gin_bindings=[*data, *_flag_bindings(args), *args.gin_bindings],
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
@@ -328,10 +419,11 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     return _fail(args, error)
   if interrupt.requested:
-    return _interrupted(args.command)
+    return _interrupted(args.command, interrupt)
   if args.command == "plan":
     return _run_plan(args, setup)
   about = _train.describe_setup(setup, devices=devices, optimizer=_config.describe_optimizer())
+  interrupt.set_grace(setup.job.preemption_grace_seconds)
   try:
     summary = _train.train(
       setup,
@@ -346,9 +438,20 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   except _train.UsageError as error:
     return _fail(args, error)
   except _train.Interrupted:
-    return _interrupted(args.command)
+    return _interrupted(args.command, interrupt)
+  except _train.Diverged as error:
+    print(
+      f"t5x-optim train: error: {error.message(str(model_dir / 'checkpoints'))}", file=sys.stderr
+    )
+    return EXIT_DIVERGED
+  except _train.LoopFailed as failure:
+    return _loop_failed(args, failure, model_dir, primary)
+  finally:
+    interrupt.cancel()
   if primary and not summary.finished_before:
     print(summary.format())
+  if summary.preempted:
+    return EXIT_PREEMPTED
   return EXIT_INTERRUPTED if summary.interrupted else 0
 
 
@@ -357,9 +460,9 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
 
   Args:
     argv: the arguments (default: ``sys.argv[1:]``).
-    pending_signals: SIGINTs recorded before this call (by the launcher);
-      when given, this call installs the Ctrl-C handler that the command
-      checks between steps.
+    pending_signals: SIGINTs and SIGTERMs recorded before this call (by the
+      launcher); when given, this call installs the Ctrl-C and SIGTERM
+      handlers that the command checks between steps.
 
   Example:
     >>> main(['plan', '--gin_bindings', "cli.TrainJob.total_steps = 'ten'"])
@@ -367,11 +470,12 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
   """
   args = _parser().parse_args(argv)
   simulate_cpu_devices(args.num_devices or DEFAULT_SIMULATED_DEVICES)
-  interrupt = Interrupt(pending_signals)
+  grace = getattr(args, "preemption_grace_seconds", None) or DEFAULT_GRACE_SECONDS
+  interrupt = Interrupt(pending_signals, grace_seconds=grace)
   if pending_signals is not None:
     interrupt.install()
     if interrupt.requested:
-      return _interrupted(args.command)
+      return _interrupted(args.command, interrupt)
   return _run(args, interrupt)
 
 

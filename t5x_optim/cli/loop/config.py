@@ -27,6 +27,7 @@ import optax
 from t5x_optim import partitioning, storage
 from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
 from t5x_optim.cli.demo.text import BYTE_VOCAB_SIZE, TextTask
+from t5x_optim.cli.loop.interrupt import DEFAULT_GRACE_SECONDS
 from t5x_optim.optimizers import OptimizerDef
 from t5x_optim.partitioning import Partitioner
 
@@ -37,6 +38,7 @@ __all__ = [
   "BINDING_IMPORTS",
   "DEFAULT_CONFIG",
   "GIN_DIR",
+  "NONFINITE_ACTIONS",
   "TrainJob",
   "build_job",
   "check_mesh_pin",
@@ -120,6 +122,8 @@ Gin files are Python code: parsing one imports modules and calls whatever it
 names, so only use gin files you would run as code.
 """
 
+NONFINITE_ACTIONS = ("stop", "skip")
+"""What `TrainJob.on_nonfinite` may be."""
 _GIN_PROBE_MESSAGE = "Path not found"
 GIN_DIR = Path(__file__).resolve().parents[2] / "gin"
 """The gin files shipped in the package (``optimizers/``, ``partitioning/``, ``examples/``)."""
@@ -261,6 +265,17 @@ class TrainJob:
     metrics_every: every this many steps, write per-parameter metrics (RMS of
       each param, its gradient, its update and each optimizer-state leaf,
       as T5X's ``WeightMetricsComputer``) under ``train/``; 0 writes none.
+    on_nonfinite: what a step whose loss, gradient norm or updated params
+      are not finite does: ``'stop'`` (the run stops, naming the step; the
+      latest checkpoint stays the latest) or ``'skip'`` (the step leaves the params and the
+      optimizer state as they were; the step counter still advances, so the
+      next step reads the next batch). A non-finite state is never saved.
+    max_consecutive_skips: with ``'skip'``, stop as ``'stop'`` does after
+      this many non-finite steps in a row.
+    preemption_grace_seconds: after a SIGTERM (a preemption), the run saves
+      the current step and exits with status 143; past this many seconds it
+      exits without waiting for that checkpoint (schedulers kill with SIGKILL
+      after their own grace: 30 s on GKE, so stay below theirs).
 
   Raises:
     TypeError: a field of the wrong type (e.g. an optax transformation
@@ -290,6 +305,9 @@ class TrainJob:
   eval_batches: int = 4
   seed: int = 0
   metrics_every: int = 0
+  on_nonfinite: str = "stop"
+  max_consecutive_skips: int = 10
+  preemption_grace_seconds: float = DEFAULT_GRACE_SECONDS
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -331,6 +349,16 @@ class TrainJob:
       _check_int(owner, name, getattr(self, name), minimum=1)
     _check_int(owner, "seed", self.seed, minimum=0)
     _check_int(owner, "metrics_every", self.metrics_every, minimum=0)
+    _check_int(owner, "max_consecutive_skips", self.max_consecutive_skips, minimum=1)
+    if self.on_nonfinite not in NONFINITE_ACTIONS:
+      raise ValueError(
+        f"{owner}.on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}."
+      )
+    grace = self.preemption_grace_seconds
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
+      raise ValueError(
+        f"{owner}.preemption_grace_seconds must be a number of seconds > 0, got {grace!r}."
+      )
     rate = self.learning_rate
     if not (
       rate is None

@@ -1,4 +1,4 @@
-"""Ctrl-C as a flag that the command checks between steps.
+"""Ctrl-C and SIGTERM as flags that the command checks between steps.
 
 A KeyboardInterrupt raised inside jax (tracing, XLA compilation, an orbax
 save in flight) can leave threads behind that crash the interpreter at exit,
@@ -8,13 +8,22 @@ while compiling) and exits with status 130; a second Ctrl-C exits at once
 (`os._exit`), which orbax's write-then-rename keeps safe for the checkpoints
 already completed.
 
+SIGTERM is how schedulers preempt a job (GKE, Cloud TPU and GCE spot VMs,
+Slurm, ``docker stop``), with a SIGKILL after a grace period (30 s on GKE).
+It sets the same flag: the command finishes the current step, saves it,
+waits until the checkpoint is committed and exits with status 143. A
+watchdog started with the signal exits with 143 anyway once
+``grace_seconds`` have passed (the latest complete checkpoint then stays the
+latest; a half-written step is never taken for one). Repeated SIGTERMs are
+ignored.
+
 Example:
-  >>> interrupt = Interrupt()
-  >>> interrupt.requested
-  False
-  >>> interrupt.handle(2, None)
-  >>> interrupt.requested
-  True
+  >>> interrupt = Interrupt(quiet=True)
+  >>> interrupt.requested, interrupt.exit_status
+  (False, 130)
+  >>> interrupt.handle(signal.SIGINT, None)
+  >>> interrupt.requested, interrupt.preempted
+  (True, False)
 """
 
 from __future__ import annotations
@@ -22,42 +31,127 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
-__all__ = ["EXIT_INTERRUPTED", "Interrupt"]
+__all__ = [
+  "DEFAULT_GRACE_SECONDS",
+  "EXIT_INTERRUPTED",
+  "EXIT_PREEMPTED",
+  "Interrupt",
+]
 
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 143
+DEFAULT_GRACE_SECONDS = 20.0
+"""How long after a SIGTERM the command may take to save and exit (GKE kills at 30 s)."""
 _NOTICE = "t5x-optim: interrupted; stopping at the next step (Ctrl-C again to quit at once)\n"
 _QUIT = "t5x-optim: interrupted twice; quitting now\n"
 
 
+def _write(text: str) -> None:
+  os.write(sys.stderr.fileno(), text.encode())
+
+
 class Interrupt:
-  """Counts SIGINTs in `pending` (shared with whoever installed the first handler).
+  """Records SIGINTs and SIGTERMs in `pending` (shared with whoever installed the first handler).
 
   Args:
     pending: the signals received so far; the launcher passes the list its
       own handler filled while the package was being imported.
-    quiet: do not print the notice on the first signal.
+    quiet: do not print the notices.
+    grace_seconds: after a SIGTERM, exit with status 143 once this many
+      seconds have passed, whatever the command is doing.
   """
 
-  def __init__(self, pending: list[int] | None = None, *, quiet: bool = False):
+  def __init__(
+    self,
+    pending: list[int] | None = None,
+    *,
+    quiet: bool = False,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+  ):
     self.pending = [] if pending is None else pending
     self._quiet = quiet
+    self._grace = grace_seconds
+    self._since: float | None = None
+    self._timer: threading.Timer | None = None
+    if self.preempted:
+      self.start_grace()
 
   @property
   def requested(self) -> bool:
-    """Whether Ctrl-C was pressed."""
+    """Whether Ctrl-C was pressed or SIGTERM received."""
     return bool(self.pending)
 
+  @property
+  def preempted(self) -> bool:
+    """Whether SIGTERM was received (or `start_grace` called: a peer's preemption notice)."""
+    return signal.SIGTERM in self.pending or self._since is not None
+
+  @property
+  def exit_status(self) -> int:
+    """143 after a SIGTERM, else 130."""
+    return EXIT_PREEMPTED if self.preempted else EXIT_INTERRUPTED
+
+  @property
+  def grace_seconds(self) -> float:
+    """The grace after a SIGTERM."""
+    return self._grace
+
   def handle(self, signum: int, frame: Any) -> None:
-    """The SIGINT handler: flag the first signal, quit on the second."""
+    """The handler: flag the first signal; quit on a second Ctrl-C; ignore a second SIGTERM."""
+    if signum == signal.SIGTERM:
+      if self.preempted:
+        return
+      self.pending.append(signum)
+      if not self._quiet:
+        _write(
+          f"t5x-optim: SIGTERM; saving at the next step and exiting within "
+          f"{self._grace:g} s (the preemption grace)\n"
+        )
+      self.start_grace()
+      return
     self.pending.append(signum)
-    if len(self.pending) > 1:
-      os.write(sys.stderr.fileno(), _QUIT.encode())
+    if self.pending.count(signal.SIGINT) > 1:
+      _write(_QUIT)
       os._exit(EXIT_INTERRUPTED)
     if not self._quiet:
-      os.write(sys.stderr.fileno(), _NOTICE.encode())
+      _write(_NOTICE)
+
+  def start_grace(self) -> None:
+    """Starts the grace watchdog now, unless it runs already."""
+    if self._since is None:
+      self._since = time.monotonic()
+      self._arm()
+
+  def set_grace(self, seconds: float) -> None:
+    """Sets the grace; a watchdog already running keeps its start and gets the new length."""
+    self._grace = seconds
+    if self._since is not None:
+      self._arm()
+
+  def cancel(self) -> None:
+    """Stops the watchdog (the command is exiting by itself)."""
+    if self._timer is not None:
+      self._timer.cancel()
+
+  def _arm(self) -> None:
+    self.cancel()
+    remaining = max(0.0, self._since + self._grace - time.monotonic())
+    self._timer = threading.Timer(remaining, self._expire)
+    self._timer.daemon = True
+    self._timer.start()
+
+  def _expire(self) -> None:
+    _write(
+      f"t5x-optim: the preemption grace of {self._grace:g} s ran out; exiting now (the "
+      "latest complete checkpoint stays the latest)\n"
+    )
+    os._exit(EXIT_PREEMPTED)
 
   def install(self) -> None:
-    """Makes this the process's SIGINT handler (main thread only)."""
+    """Makes this the process's SIGINT and SIGTERM handler (main thread only)."""
     signal.signal(signal.SIGINT, self.handle)
+    signal.signal(signal.SIGTERM, self.handle)

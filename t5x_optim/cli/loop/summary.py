@@ -21,9 +21,11 @@ class TrainSummary:
     timed_seconds: their wall time, evaluations and checkpoint saves excluded.
     checkpoint_dir: where the checkpoints are.
     checkpoint_step: the latest saved step.
-    interrupted: stopped by Ctrl-C.
+    interrupted: stopped by Ctrl-C or SIGTERM.
     finished_before: the directory already held the finished run.
     tokens_per_step: tokens in a global batch, for the token rate (0: not shown).
+    preempted: stopped by SIGTERM (a preemption).
+    skipped_steps: non-finite steps skipped (``on_nonfinite = 'skip'``).
 
   Example:
     >>> print(TrainSummary(0, 10, 3.5, 1.25, 1.5, 9, 2.0, '/tmp/c', 10, False, False).format())
@@ -44,10 +46,14 @@ class TrainSummary:
   interrupted: bool
   finished_before: bool
   tokens_per_step: int = 0
+  preempted: bool = False
+  skipped_steps: int = 0
 
   def format(self) -> str:
     lines = []
-    if self.interrupted:
+    if self.preempted:
+      lines.append(f"preempted at step {self.end_step}")
+    elif self.interrupted:
       lines.append(f"interrupted at step {self.end_step}")
     if self.timed_steps and self.timed_seconds > 0:
       steps_per_sec = self.timed_steps / self.timed_seconds
@@ -61,6 +67,8 @@ class TrainSummary:
     else:
       rate = "too few steps to time"
     lines.append(f"steps {self.start_step} -> {self.end_step}, {rate}")
+    if self.skipped_steps:
+      lines.append(f"skipped {self.skipped_steps} non-finite steps")
     if self.final_loss is not None:
       evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
       lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")

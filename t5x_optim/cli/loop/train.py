@@ -62,7 +62,9 @@ from t5x_optim.partitioning import format_bytes
 
 __all__ = [
   "CONFIG_FILE",
+  "Diverged",
   "Interrupted",
+  "LoopFailed",
   "Setup",
   "TrainSummary",
   "UsageError",
@@ -89,7 +91,61 @@ class UsageError(ValueError):
 
 
 class Interrupted(Exception):
-  """Ctrl-C before the first train step; nothing was written."""
+  """Ctrl-C or SIGTERM before the first train step; nothing was written."""
+
+
+class Diverged(Exception):
+  """A step's loss, gradient norm or updated params were not finite; the run stopped.
+
+  Attributes:
+    step: the step whose update was not finite (or the last of
+      ``max_consecutive_skips`` skipped in a row).
+    loss: its loss.
+    grad_norm: its gradient norm.
+    saved: the latest saved step, or None (the run saves nothing when it
+      diverges: the state before a divergence is often bad already).
+    skipped: whether the job skipped such steps (it stopped after too many).
+  """
+
+  def __init__(self, step: int, loss: float, grad_norm: float, *, saved: int | None, skipped: bool):
+    self.step, self.loss, self.grad_norm = step, loss, grad_norm
+    self.saved, self.skipped = saved, skipped
+    super().__init__(self.message())
+
+  def message(self, directory: str = "") -> str:
+    """One line: the step, its values, what was saved and what to do."""
+    values = f"loss {self.loss}, grad_norm {self.grad_norm}"
+    if math.isfinite(self.loss) and math.isfinite(self.grad_norm):
+      values += ", the updated params not finite"
+    where = f" in {directory}" if directory else ""
+    kept = (
+      "no checkpoint was written"
+      if self.saved is None
+      else f"the latest checkpoint is step {self.saved}{where}"
+    )
+    why = (
+      "the loss, gradient norm or updated params stayed non-finite for "
+      "cli.TrainJob.max_consecutive_skips steps in a row, up to"
+      if self.skipped
+      else "the loss, gradient norm or updated params are not finite at"
+    )
+    advice = "" if self.skipped else " (or skip such steps: --on_nonfinite skip)"
+    return f"{why} step {self.step} ({values}); stopped: {kept}; lower the learning rate{advice}."
+
+
+class LoopFailed(Exception):
+  """An exception inside the training loop, after the last finite state was saved.
+
+  Attributes:
+    step: the last step completed.
+    error: the exception.
+    saved: the latest saved step, or None.
+    note: why the state could not be saved on the way out ("" when it was).
+  """
+
+  def __init__(self, step: int, error: BaseException, *, saved: int | None, note: str):
+    self.step, self.error, self.saved, self.note = step, error, saved, note
+    super().__init__(f"step {step}: {type(error).__name__}: {error}")
 
 
 def default_model_dir(base: Path | None = None) -> Path:
@@ -183,20 +239,33 @@ def _train_step(
   *,
   weights: bool = False,
   shardings: TrainState | None = None,
+  skip: bool = False,
 ) -> Any:
-  """One update; the metrics are the loss, the gradient norm and the step's learning rate,
-  and with `weights` the per-parameter metrics (`metric_vector`, reduced with one
-  all-reduce given the state's `shardings`) under ``weights``."""
+  """One update; the metrics are the loss, the gradient norm, the step's learning rate
+  and ``finite`` (whether the loss, the gradient norm and the updated params are), and
+  with `weights` the per-parameter metrics (`metric_vector`, reduced with one all-reduce
+  given the state's `shardings`) under ``weights``.
+
+  A step that is not finite returns the state it was given: its step counter
+  advanced when `skip`, else unchanged. A non-finite update never reaches the
+  state.
+  """
 
   def loss_fn(params: Any) -> jax.Array:
     return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
   loss, grads = jax.value_and_grad(loss_fn)(_trained(state.params))
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  grad_norm = optax.tree.norm(grads)
+  metrics = {"loss": loss, "grad_norm": grad_norm}
   if learning_rate is not None:
     rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
-  new_state = state.apply_gradient(grads)
+  updated = state.apply_gradient(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
+  metrics["finite"] = finite
+  new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
+  if skip:
+    new_state = new_state.replace_step(updated.step)
   if weights:
     metrics["weights"] = metric_vector(
       _trained(state.params),
@@ -207,6 +276,14 @@ def _train_step(
       state_shardings=None if shardings is None else shardings.param_states,
     )
   return new_state, metrics
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every floating array of `tree` is finite (one fused reduction per leaf)."""
+  flags = [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
@@ -224,7 +301,9 @@ class Setup:
     create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
-      ``loss``, ``grad_norm`` and ``learning_rate`` (when the job names one).
+      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params) and ``learning_rate``
+      (when the job names one). A step that is not finite leaves the state
+      as it was (see `_train_step`).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
     batch_sharding: how a batch's rows shard over the mesh.
     weights_step_fn: `step_fn` that also returns the per-parameter metrics
@@ -317,7 +396,12 @@ def prepare(job: TrainJob) -> Setup:
 
   def partitioned_step(weights: bool) -> Any:
     step = functools.partial(
-      _train_step, model, job.learning_rate, weights=weights, shardings=shardings
+      _train_step,
+      model,
+      job.learning_rate,
+      weights=weights,
+      shardings=shardings,
+      skip=job.on_nonfinite == "skip",
     )
     return partitioner.partition(step, (shardings, BATCH_AXES), (shardings, None), donate_argnums=0)
 
@@ -457,7 +541,11 @@ def train(
 
   Raises:
     UsageError: the latest checkpoint does not fit the job.
-    Interrupted: Ctrl-C before the first step (nothing was written).
+    Interrupted: Ctrl-C or SIGTERM before the first step (nothing was written).
+    Diverged: a step's loss, gradient norm or updated params were not
+      finite (unless the job skips such steps); nothing more is saved.
+    LoopFailed: an exception inside the loop; the last finite state was
+      saved first (single-process runs).
   """
   job = setup.job
   stream = sys.stdout if stream is None else stream
@@ -513,22 +601,99 @@ def _runs_on_cpu(job: TrainJob) -> bool:
   return job.partitioner.mesh.devices.flat[0].platform == "cpu"
 
 
-def _stop(interrupt: Interrupt, step: int, every: int) -> bool:
-  """Whether to stop before the next step (Ctrl-C).
+def _stop(
+  interrupt: Interrupt, checkpointer: Checkpointer, step: int, every: int, *, first: bool
+) -> bool:
+  """Whether to stop before the next step (Ctrl-C or SIGTERM).
 
   The processes of a multi-process run must stop at the same step (they save
-  its checkpoint together), so they agree at every multiple of `every`
-  (``log_every``): all stop when any was interrupted.
+  its checkpoint together). A preemption notice (SIGTERM to any process, which
+  jax's coordination service passes on) stops all of them at the step jax's
+  preemption sync point names; Ctrl-C (and a SIGTERM received before the
+  processes connected) is agreed on at the first step and at every multiple
+  of `every` (``log_every``): all stop when any was interrupted, with status
+  143 when any was preempted.
   """
   if jax.process_count() == 1:
     return interrupt.requested
-  if step % every:
+  if checkpointer.reached_preemption(step):
+    interrupt.start_grace()
+    return True
+  if step % every and not first:
     return False
-  flags = multihost_utils.process_allgather(np.int32(interrupt.requested))
-  return bool(np.any(flags))
+  code = 2 if interrupt.preempted else int(interrupt.requested)
+  codes = multihost_utils.process_allgather(np.int32(code))
+  if np.max(codes) == 2:
+    interrupt.start_grace()
+  return bool(np.max(codes))
+
+
+def _usable(state: TrainState) -> bool:
+  """Whether every array of `state` still exists (a failed step may have consumed them)."""
+  return not any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(state))
+
+
+def _save_on_the_way_out(
+  checkpointer: Checkpointer, state: TrainState, step: int, saved: int | None
+) -> tuple[int | None, str]:
+  """Saves `state` as `step` unless it is saved; returns the latest saved step and a problem."""
+  if step == saved:
+    return saved, ""
+  if jax.process_count() > 1:
+    return saved, "the other processes cannot join a save after one process failed"
+  if not _usable(state):
+    return saved, "the failed step consumed the state"
+  try:
+    checkpointer.save(step, state)
+    checkpointer.wait_until_finished()
+  except Exception as error:  # noqa: BLE001 - reported with the error that stopped the run
+    return saved, f"saving it failed too: {type(error).__name__}: {error}"
+  return step, ""
 
 
 def _loop(
+  setup: Setup,
+  state: TrainState,
+  checkpointer: Checkpointer,
+  writers: MetricWriters,
+  interrupt: Interrupt,
+  stream: TextIO,
+  *,
+  saved: int | None,
+) -> TrainSummary:
+  """Trains from `state` to ``total_steps``; see `train`.
+
+  Raises:
+    Diverged: a non-finite step (nothing more is saved).
+    LoopFailed: any other exception (after saving the last finite state).
+  """
+  start = step = int(state.step)
+  try:
+    return _steps(setup, state, checkpointer, writers, interrupt, stream, saved=saved)
+  except _Stopped as stopped:
+    step, state, saved, error = stopped.step, stopped.state, stopped.saved, stopped.error
+  if isinstance(error, Diverged):
+    # Not saved: the state before a divergence is often already bad, and its save would
+    # rotate an older, good checkpoint away.
+    checkpointer.wait_until_finished()
+    raise Diverged(
+      error.step, error.loss, error.grad_norm, saved=saved, skipped=error.skipped
+    ) from None
+  saved, note = (
+    (saved, "") if step == start else _save_on_the_way_out(checkpointer, state, step, saved)
+  )
+  raise LoopFailed(step, error, saved=saved, note=note) from error
+
+
+class _Stopped(Exception):
+  """How `_steps` hands its last state to `_loop` when something stops it."""
+
+  def __init__(self, step: int, state: TrainState, saved: int | None, error: Exception):
+    super().__init__(str(error))
+    self.step, self.state, self.saved, self.error = step, state, saved, error
+
+
+def _steps(
   setup: Setup,
   state: TrainState,
   checkpointer: Checkpointer,
@@ -546,56 +711,81 @@ def _loop(
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = None
   compiled_weights = False
-  while step < job.total_steps and not _stop(interrupt, step, job.log_every):
-    if setup.weights_step_fn is not None and (step + 1) % job.metrics_every == 0:
-      with clock.paused() if not compiled_weights else contextlib.nullcontext():
-        state, metrics = setup.weights_step_fn(state, setup.train_batch(step))
-        if not compiled_weights:
-          jax.block_until_ready(metrics)
-          compiled_weights = True
-    else:
-      state, metrics = setup.step_fn(state, setup.train_batch(step))
-    weights = metrics.pop("weights", None)
-    if one_in_flight:
-      jax.block_until_ready(metrics)
-    records.append(metrics)
-    step += 1
-    if weights is not None:
-      with clock.paused():
-        writers.write(TRAIN, step, dict(zip(setup.weight_tags, jax.device_get(weights).tolist())))
-    progress.advance(step)
-    if step == start + 1:
-      first_loss = float(metrics["loss"])
-      clock.start(step)
-    if step % job.log_every == 0 or step == job.total_steps:
-      mean = _summarize(records)
-      records = []
-      steps, seconds = clock.interval(step)
-      with clock.paused():
-        rate = steps / seconds if steps and seconds > 0 else None
-        mean["steps_per_sec"] = rate
-        writers.write(TRAIN, step, mean)
-        progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
-        final_loss = mean["loss"]
-    if step % job.eval_every == 0 or step == job.total_steps:
-      with clock.paused():
-        evaluated = _evaluate(setup, state)
-        writers.write(EVAL, step, evaluated)
-        eval_loss = evaluated["loss"]
+  skipped = in_a_row = 0
+  try:
+    while step < job.total_steps and not _stop(
+      interrupt, checkpointer, step, job.log_every, first=step == start
+    ):
+      if setup.weights_step_fn is not None and (step + 1) % job.metrics_every == 0:
+        with clock.paused() if not compiled_weights else contextlib.nullcontext():
+          state, metrics = setup.weights_step_fn(state, setup.train_batch(step))
+          if not compiled_weights:
+            jax.block_until_ready(metrics)
+            compiled_weights = True
+      else:
+        state, metrics = setup.step_fn(state, setup.train_batch(step))
+      weights = metrics.pop("weights", None)
+      if one_in_flight:
+        jax.block_until_ready(metrics)
+      if not bool(metrics.pop("finite")):
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if job.on_nonfinite != "skip":
+          raise Diverged(step + 1, loss, grad_norm, saved=saved, skipped=False)
+        step += 1
+        skipped, in_a_row = skipped + 1, in_a_row + 1
+        updated = ", updated params not finite" if math.isfinite(loss + grad_norm) else ""
         progress.log(
-          f"eval step {step}  "
-          + "  ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
+          f"step {step}: not finite (loss {loss}, grad_norm {grad_norm}{updated}); skipped: "
+          f"params and optimizer state unchanged ({skipped} skipped in all)"
         )
-    if step % job.checkpoint_every == 0 and step != saved:
-      with clock.paused():
-        checkpointer.save(step, state)
-        saved = step
-  if step > start and records:
-    final_loss = _summarize(records)["loss"]
-  if step > start and step != saved:
-    checkpointer.save(step, state)
-    saved = step
-  checkpointer.wait_until_finished()
+        if in_a_row >= job.max_consecutive_skips:
+          raise Diverged(step, loss, grad_norm, saved=saved, skipped=True)
+        weights = None
+      else:
+        in_a_row = 0
+        records.append(metrics)
+        step += 1
+      if weights is not None:
+        with clock.paused():
+          writers.write(TRAIN, step, dict(zip(setup.weight_tags, jax.device_get(weights).tolist())))
+      progress.advance(step)
+      if step == start + 1:
+        first_loss = float(metrics["loss"])
+        clock.start(step)
+      if records and (step % job.log_every == 0 or step == job.total_steps):
+        mean = _summarize(records)
+        records = []
+        steps, seconds = clock.interval(step)
+        with clock.paused():
+          rate = steps / seconds if steps and seconds > 0 else None
+          mean["steps_per_sec"] = rate
+          if skipped:
+            mean["skipped_steps"] = skipped
+          writers.write(TRAIN, step, mean)
+          progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
+          final_loss = mean["loss"]
+      if step % job.eval_every == 0 or step == job.total_steps:
+        with clock.paused():
+          evaluated = _evaluate(setup, state)
+          writers.write(EVAL, step, evaluated)
+          eval_loss = evaluated["loss"]
+          progress.log(
+            f"eval step {step}  "
+            + "  ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
+          )
+      if step % job.checkpoint_every == 0 and step != saved:
+        with clock.paused():
+          checkpointer.save(step, state)
+          saved = step
+    if step > start and records:
+      final_loss = _summarize(records)["loss"]
+    if step > start and step != saved:
+      checkpointer.save(step, state)
+      saved = step
+    checkpointer.wait_until_finished()
+  except Exception as error:
+    progress.close()
+    raise _Stopped(step, state, saved, error) from error
   progress.close()
   return TrainSummary(
     start_step=start,
@@ -610,4 +800,6 @@ def _loop(
     interrupted=step < job.total_steps,
     finished_before=False,
     tokens_per_step=job.task.batch_size * job.task.length,
+    preempted=step < job.total_steps and interrupt.preempted,
+    skipped_steps=skipped,
   )

@@ -1,0 +1,418 @@
+"""What `t5x-optim train` survives: preemption (SIGTERM), divergence and crashes in the loop.
+
+docs/reliability.md's table names these tests. The slow ones run the real
+command in fresh processes and signal them at chosen phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from _subprocesses import communicate_all
+from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env
+
+from t5x_optim import Checkpointer, optimizers, partitioning
+from t5x_optim.cli import SyntheticTask, TransformerConfig, main
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
+
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
+LONG = ["--gin_bindings", "TOTAL_STEPS = 100000"]
+GIN_HEADER = "from __gin__ import dynamic_registration\nimport optax\n"
+
+
+class _Run:
+  """`t5x-optim train` in a subprocess whose output lines are collected as they come."""
+
+  def __init__(self, *args: str, cwd: Path = REPO):
+    self.process = subprocess.Popen(
+      _command("train", *args),
+      cwd=cwd,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    self.lines: list[str] = []
+    self.errors: list[str] = []
+    self._readers = [
+      threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+      for stream, lines in ((self.process.stdout, self.lines), (self.process.stderr, self.errors))
+    ]
+    for reader in self._readers:
+      reader.start()
+
+  @staticmethod
+  def _read(stream, lines: list[str]) -> None:
+    for line in stream:
+      lines.append(line)
+
+  def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match:
+    """The first output line matching `pattern` (fails when the process ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      for line in list(self.lines):
+        if match := re.search(pattern, line):
+          return match
+      if self.process.poll() is not None and not self._readers[0].is_alive():
+        pytest.fail(f"exit {self.process.returncode} before {pattern!r}: {self.finish()}")
+      time.sleep(0.05)
+    self.process.kill()
+    pytest.fail(f"no {pattern!r} in {timeout} s: {''.join(self.lines)}")
+
+  def finish(self, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) once the process ends."""
+    try:
+      self.process.wait(timeout=timeout)
+    finally:
+      self.process.kill()
+    for reader in self._readers:
+      reader.join(timeout=10)
+    return self.process.returncode, "".join(self.lines), "".join(self.errors)
+
+
+def _latest_restores(model_dir: Path, gin_files: list[str]) -> int:
+  """The latest complete step of `model_dir`, after restoring it and checking it is finite."""
+  _config.parse_config(gin_files=gin_files, macros=_config.device_macros(8))
+  setup = _train.prepare(_config.build_job())
+  with Checkpointer(model_dir / "checkpoints") as checkpointer:
+    state = checkpointer.restore(setup.abstract_state)
+  leaves = jax.tree.leaves(jax.device_get(state.params))
+  assert all(np.isfinite(leaf).all() for leaf in leaves)
+  return int(state.step)
+
+
+def _tmp_steps(model_dir: Path) -> list[str]:
+  return [p.name for p in (model_dir / "checkpoints").iterdir() if "orbax-checkpoint-tmp" in p.name]
+
+
+def _gin_file(tmp_path: Path, name: str, text: str) -> str:
+  path = tmp_path / name
+  path.write_text(GIN_HEADER + text)
+  return str(path)
+
+
+# Preemption -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_mid_loop_saves_that_step_and_exits_143(tmp_path):
+  model_dir = tmp_path / "run"
+  args = [*TINY, *LONG, "--metrics_every", "0", "--preemption_grace_seconds", "25"]
+  run = _Run(*args, "--model_dir", str(model_dir))
+  run.wait_for(r"^step 10/")
+  run.process.send_signal(signal.SIGTERM)
+  signalled = time.monotonic()
+  code, out, err = run.finish()
+  took = time.monotonic() - signalled
+  assert code == EXIT_PREEMPTED, err
+  assert "Traceback" not in err and took < 25, (took, err)
+  stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
+  assert stopped >= 10 and _checkpoint_steps(model_dir)[-1] == stopped
+  assert _latest_restores(model_dir, TINY[1::2]) == stopped
+  print(f"SIGTERM to exit 143: {took:.2f} s")
+
+
+@pytest.fixture(scope="module")
+def finished_tiny(tmp_path_factory) -> Path:
+  """A finished 40-step tiny run (checkpoints 20 and 40)."""
+  model_dir = tmp_path_factory.mktemp("tiny") / "run"
+  code, _, err = _Run(*TINY, "--model_dir", str(model_dir)).finish()
+  assert code == 0, err
+  return model_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["importing", "restoring"])
+def test_sigterm_during_start_up_keeps_the_latest_checkpoint(phase, finished_tiny, tmp_path):
+  model_dir = tmp_path / "run"
+  shutil.copytree(finished_tiny, model_dir)
+  run = _Run(*TINY, *LONG, "--model_dir", str(model_dir))
+  if phase == "importing":
+    time.sleep(1.0)  # the launcher has installed its handlers; jax is being imported
+  else:
+    run.wait_for(r"^model_dir: ")
+  run.process.send_signal(signal.SIGTERM)
+  code, out, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+  assert "Traceback" not in err
+  stopped = re.search(r"^preempted at step (\d+)$", out, re.M)
+  latest = int(stopped.group(1)) if stopped else 40
+  if not stopped:
+    assert "preempted (SIGTERM) before the first step; nothing was saved" in err, err
+  assert _checkpoint_steps(model_dir)[-1] == latest
+  assert _latest_restores(model_dir, TINY[1::2]) == latest
+
+
+def _wait_for_a_save_in_flight(run: _Run, model_dir: Path) -> None:
+  deadline = time.monotonic() + TIMEOUT
+  checkpoints = model_dir / "checkpoints"
+  while not checkpoints.is_dir() or not _checkpoint_steps(model_dir) or not _tmp_steps(model_dir):
+    assert run.process.poll() is None and time.monotonic() < deadline, run.finish()
+    time.sleep(0.005)
+
+
+SAVES_OFTEN = [*TINY, *LONG, "--gin_bindings", "cli.TrainJob.checkpoint_every = 3"]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_finishes_it_and_saves_the_step(tmp_path):
+  model_dir = tmp_path / "run"
+  run = _Run(*SAVES_OFTEN, "--model_dir", str(model_dir))
+  run.wait_for(r"^step 5/")
+  _wait_for_a_save_in_flight(run, model_dir)
+  run.process.send_signal(signal.SIGTERM)
+  code, out, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+  stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
+  assert _checkpoint_steps(model_dir)[-1] == stopped and not _tmp_steps(model_dir)
+  assert _latest_restores(model_dir, TINY[1::2]) == stopped
+
+
+@pytest.mark.slow
+def test_grace_running_out_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+  model_dir = tmp_path / "run"
+  run = _Run(*SAVES_OFTEN, "--model_dir", str(model_dir), "--preemption_grace_seconds", "0.001")
+  run.wait_for(r"^step 5/")
+  _wait_for_a_save_in_flight(run, model_dir)
+  run.process.send_signal(signal.SIGTERM)
+  code, _, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+  assert "the preemption grace of 0.001 s ran out; exiting now" in err, err
+  complete = _checkpoint_steps(model_dir)
+  latest = _latest_restores(model_dir, TINY[1::2])
+  assert latest == complete[-1]
+  # The next run resumes from that step, whatever the killed save left behind.
+  code, out, err = _Run(
+    *TINY, "--model_dir", str(model_dir), "--gin_bindings", f"TOTAL_STEPS = {latest + 2}"
+  ).finish()
+  assert code == 0, err
+  assert f"(resuming from the checkpoint at step {latest})" in out
+  assert not _tmp_steps(model_dir)
+
+
+# Divergence -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_and_never_saves_a_nonfinite_state(tmp_path):
+  blowup = _gin_file(
+    tmp_path,
+    "blowup.gin",
+    "LEARNING_RATE = @optax.piecewise_constant_schedule()\n"
+    "optax.piecewise_constant_schedule.init_value = 1e-2\n"
+    "optax.piecewise_constant_schedule.boundaries_and_scales = {60: 1e30}\n",
+  )
+  model_dir = tmp_path / "run"
+  args = [*TINY, "--gin_file", blowup, "--gin_bindings", "TOTAL_STEPS = 140"]
+  code, out, err = _Run(*args, "--model_dir", str(model_dir)).finish()
+  assert code == 3, err
+  assert len(err.splitlines()) == 1, err
+  step = int(
+    re.match(
+      r"t5x-optim train: error: the loss, gradient norm or updated params are not finite at "
+      r"step (\d+) \(loss \S+, grad_norm \S+\); stopped: the latest checkpoint is step 60 in ",
+      err,
+    ).group(1)
+  )
+  assert 60 < step < 70, err
+  assert _checkpoint_steps(model_dir) == [20, 40, 60]
+  assert _latest_restores(model_dir, [*TINY[1::2], blowup]) == 60
+
+
+@dataclasses.dataclass(frozen=True)
+class _PoisonedTask(SyntheticTask):
+  """The synthetic task, whose batch `poisoned` has targets out of the vocabulary (a NaN loss)."""
+
+  poisoned: int = -1
+
+  def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+    batch = super().batch(step, rows)
+    if step == self.poisoned:
+      batch = dict(batch, targets=np.full_like(batch["targets"], 10**6))
+    return batch
+
+
+def _poisoned_job(total_steps: int, on_nonfinite: str) -> _config.TrainJob:
+  mesh = partitioning.create_mesh(devices=jax.devices()[:1])
+  return _config.TrainJob(
+    optimizers.adamw(1e-2),
+    partitioning.Partitioner(mesh),
+    model=TransformerConfig(vocab_size=16, num_layers=1, max_length=8, embed_dim=16, mlp_dim=32),
+    task=_PoisonedTask(vocab_size=16, length=8, batch_size=4, poisoned=30),
+    total_steps=total_steps,
+    checkpoint_every=10,
+    log_every=5,
+    eval_every=100,
+    on_nonfinite=on_nonfinite,
+  )
+
+
+def _train_to(model_dir: Path, total_steps: int, on_nonfinite: str = "skip") -> tuple[Any, str]:
+  stream = io.StringIO()
+  setup = _train.prepare(_poisoned_job(total_steps, on_nonfinite))
+  summary = _train.train(
+    setup, model_dir=model_dir, interrupt=Interrupt(), stream=stream, write_events=False
+  )
+  return summary, stream.getvalue()
+
+
+def _params(model_dir: Path, step: int) -> list[np.ndarray]:
+  setup = _train.prepare(_poisoned_job(step, "skip"))
+  with Checkpointer(model_dir / "checkpoints") as checkpointer:
+    state = checkpointer.restore(setup.abstract_state, step)
+  assert int(state.step) == step
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_is_skipped_when_asked(tmp_path):
+  summary, _ = _train_to(tmp_path, 30)
+  assert summary.skipped_steps == 0 and summary.checkpoint_step == 30
+  summary, log = _train_to(tmp_path, 40)
+  assert summary.skipped_steps == 1 and summary.end_step == 40, log
+  assert re.search(
+    r"^step 31: not finite \(loss nan, grad_norm \S+\); skipped: params and optimizer state "
+    r"unchanged \(1 skipped in all\)$",
+    log,
+    re.M,
+  ), log
+  assert "skipped 1 non-finite steps" in summary.format()
+  # Step 31 is the batch that was skipped: its params are step 30's, its counter moved on.
+  summary, _ = _train_to(tmp_path / "again", 30)
+  summary, _ = _train_to(tmp_path / "again", 31)
+  for before, after in zip(_params(tmp_path / "again", 30), _params(tmp_path / "again", 31)):
+    np.testing.assert_array_equal(before, after)
+  assert all(np.isfinite(x).all() for x in _params(tmp_path, 40))
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_stops_the_run_by_default(tmp_path):
+  summary, _ = _train_to(tmp_path, 20, "stop")
+  with pytest.raises(_train.Diverged, match=r"not finite at step 31 \(loss nan") as error:
+    _train_to(tmp_path, 40, "stop")
+  assert error.value.saved == 30
+  assert _checkpoint_steps(tmp_path) == [10, 20, 30]
+
+
+# Crashes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_crash_in_the_loop_saves_the_last_state_and_exits_1(tmp_path):
+  data = tmp_path / "hamlet.txt"
+  shutil.copy(REPO / "t5x_optim" / "data" / "hamlet.txt", data)
+  model_dir = tmp_path / "run"
+  args = [*TINY, *LONG, "--data", str(data), "--model_dir", str(model_dir)]
+  run = _Run(*args, "--gin_bindings", "cli.TrainJob.checkpoint_every = 1000")
+  run.wait_for(r"^step 30/")
+  with data.open("r+b") as f:
+    f.truncate(200)
+  code, out, err = run.finish()
+  assert code == 1, err
+  assert len(err.splitlines()) == 1, err
+  match = re.match(
+    rf"t5x-optim train: error at step (\d+): ValueError: text data {data}: the file shrank "
+    rf"while training\.; the latest checkpoint is step (\d+) in {model_dir}/checkpoints; "
+    rf"traceback in {model_dir}/traceback\.txt$",
+    err.strip(),
+  )
+  assert match and match.group(1) == match.group(2), err
+  crashed = int(match.group(1))
+  assert "the file shrank" in (model_dir / "traceback.txt").read_text()
+  assert _checkpoint_steps(model_dir) == [crashed]
+
+
+# Quick checks of the parts ----------------------------------------------------------------
+
+
+def test_sigterm_sets_the_preemption_flag_once_and_arms_the_grace():
+  interrupt = Interrupt(quiet=True, grace_seconds=600)
+  interrupt.handle(signal.SIGTERM, None)
+  interrupt.handle(signal.SIGTERM, None)
+  try:
+    assert interrupt.pending == [signal.SIGTERM] and interrupt.preempted
+    assert interrupt.exit_status == EXIT_PREEMPTED and interrupt._timer.is_alive()
+  finally:
+    interrupt.cancel()
+  launched = Interrupt([signal.SIGTERM], quiet=True, grace_seconds=600)
+  try:
+    assert launched.preempted and launched._timer.is_alive()
+  finally:
+    launched.cancel()
+
+
+def test_checkpointer_reached_preemption_in_one_process(tmp_path):
+  before = signal.getsignal(signal.SIGTERM)
+  seen = []
+  signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+  try:
+    with Checkpointer(tmp_path) as ckpt:
+      assert not ckpt.reached_preemption(1)
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert ckpt.reached_preemption(2) and ckpt.reached_preemption(3)
+    assert seen == [signal.SIGTERM], "the handler it replaced still ran"
+    assert signal.getsignal(signal.SIGTERM) is not None and not isinstance(
+      signal.getsignal(signal.SIGTERM), type(ckpt.reached_preemption)
+    )
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize(
+  "binding, message",
+  [
+    ("cli.TrainJob.on_nonfinite = 'ignore'", "on_nonfinite must be one of ('stop', 'skip')"),
+    ("cli.TrainJob.preemption_grace_seconds = 0", "preemption_grace_seconds must be a number"),
+    ("cli.TrainJob.max_consecutive_skips = 0", "max_consecutive_skips must be an int >= 1"),
+  ],
+)
+def test_bad_reliability_settings_are_one_line(binding, message, capsys):
+  assert main(["plan", "--gin_bindings", binding]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_diverged_message_names_the_step_and_what_is_kept():
+  error = _train.Diverged(62, 2.5, math.nan, saved=60, skipped=False)
+  assert error.message("/run/checkpoints") == (
+    "the loss, gradient norm or updated params are not finite at step 62 (loss 2.5, grad_norm "
+    "nan); stopped: the latest checkpoint is step 60 in /run/checkpoints; lower the learning "
+    "rate (or skip such steps: --on_nonfinite skip)."
+  )
+
+
+# Two processes ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
+  from test_multiprocess import _checkpoint_steps as steps_of  # noqa: PLC0415
+  from test_multiprocess import _long_run  # noqa: PLC0415
+
+  model_dir, procs = _long_run(tmp_path)
+  procs[1].send_signal(signal.SIGTERM)
+  signalled = time.monotonic()
+  results = communicate_all(procs, TIMEOUT)
+  took = time.monotonic() - signalled
+  assert [code for code, _, _ in results] == [EXIT_PREEMPTED] * 2, results[0][2][-3000:]
+  stopped = int(re.search(r"^preempted at step (\d+)$", results[0][1], re.M).group(1))
+  assert steps_of(model_dir)[-1] == stopped and not _tmp_steps(model_dir)
+  assert took < 30, took
+  print(f"2 processes, SIGTERM to process 1 to both exited 143: {took:.2f} s")
