@@ -31,7 +31,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
-__all__ = ["add_flags", "is_primary", "start", "wanted"]
+__all__ = ["add_flags", "agree", "is_primary", "several", "start", "wanted"]
 
 _CLUSTER_SIZES = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
@@ -105,3 +105,71 @@ def is_primary() -> bool:
   import jax  # noqa: PLC0415
 
   return jax.process_index() == 0
+
+
+def several() -> bool:
+  """Whether this job runs as more than one process (after `start`)."""
+  import jax  # noqa: PLC0415
+
+  return jax.process_count() > 1
+
+
+def _gather_texts(text: str) -> list[str]:
+  """Every process's `text`, by process index (two small all-gathers)."""
+  import numpy as np  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  data = np.frombuffer(text.encode(), np.uint8)
+  lengths = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[: data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  return [bytes(row[: int(n)]).decode() for row, n in zip(gathered, lengths.reshape(-1))]
+
+
+def _first_difference(
+  mine: Mapping[str, str | None], theirs: Mapping[str, str | None], here: int, there: int
+) -> str:
+  """The first flag (or else gin binding) that differs, with both processes' values."""
+  for name in sorted(set(mine) | set(theirs)):
+    if name != "config" and mine.get(name) != theirs.get(name):
+      return f"{name} is {theirs.get(name)} on process {there}, {mine.get(name)} on process {here}"
+  from t5x_optim.cli.loop.job import config_changes  # noqa: PLC0415
+
+  changes = config_changes(theirs.get("config") or "", mine.get("config") or "")
+  first = f" ({changes[0]}, process {there} -> process {here})" if changes else ""
+  return f"the gin config differs{first}"
+
+
+def agree(flags: Mapping[str, str], config: str | None) -> str | None:
+  """Compares this process's flags and parsed gin config with every other process's.
+
+  Every process must call it, at the same point, before the job's first
+  collective; `config` is None on a process whose config failed (then every
+  process learns it, instead of waiting for it).
+
+  Returns:
+    None when every process has the same flags and config; else one line
+    naming the first difference with both sides.
+  """
+  import json  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  mine = {**flags, "config": config}
+  texts = _gather_texts(json.dumps(mine, sort_keys=True))
+  everyone = [json.loads(text) for text in texts]
+  here = jax.process_index()
+  failed = [i for i, other in enumerate(everyone) if other["config"] is None]
+  if failed and config is not None:
+    return (
+      f"process {failed[0]} of {len(everyone)} could not read the job's flags or gin config "
+      "(its own error says why); nothing was started."
+    )
+  for i, other in enumerate(everyone):
+    if other != mine:
+      return (
+        f"the processes were started with different jobs: {_first_difference(mine, other, here, i)}"
+        "; every process of a job needs the same flags (but --process_id) and gin files."
+      )
+  return None

@@ -16,10 +16,20 @@ from typing import Any, NamedTuple
 
 from gin import config_parser
 
-__all__ = ["T5XOptimizer", "binding_statements", "optimizer_config", "optimizer_statements"]
+__all__ = [
+  "T5XOptimizer",
+  "binding_statements",
+  "optimizer_config",
+  "optimizer_statements",
+  "render_value",
+]
 
 _LEGACY_ADAFACTOR = "t5x.adafactor"
-_MODULES = {"t5x.optimizers": "t5x_optim.optimizers", "optax": "optax"}
+_MODULES = {
+  "t5x.optimizers": "t5x_optim.optimizers",
+  "t5x_optim.optimizers": "t5x_optim.optimizers",
+  "optax": "optax",
+}
 """The modules a T5X optimizer may be built from, and what t5x_optim imports for each."""
 
 
@@ -70,6 +80,16 @@ def _render(value: Any) -> str:
   if isinstance(value, dict):
     return "{" + ", ".join(f"{_render(k)}: {_render(v)}" for k, v in value.items()) + "}"
   return repr(value)
+
+
+def render_value(value: Any) -> str:
+  """A parsed gin value (`binding_statements`) written back as gin text.
+
+  Example:
+    >>> render_value(binding_statements('A = [@optax.adam(), %B, 0.5]')[0].value)
+    '[@optax.adam(), %B, 0.5]'
+  """
+  return _render(value)
 
 
 def _children(value: Any) -> list[Any]:
