@@ -131,14 +131,15 @@ def _first_difference(
   mine: Mapping[str, str | None], theirs: Mapping[str, str | None], here: int, there: int
 ) -> str:
   """The first flag (or else gin binding) that differs, with both processes' values."""
+  (low, first), (high, second) = sorted([(here, mine), (there, theirs)], key=lambda x: x[0])
   for name in sorted(set(mine) | set(theirs)):
     if name != "config" and mine.get(name) != theirs.get(name):
-      return f"{name} is {theirs.get(name)} on process {there}, {mine.get(name)} on process {here}"
+      return f"{name} is {first.get(name)} on process {low}, {second.get(name)} on process {high}"
   from t5x_optim.cli.loop.job import config_changes  # noqa: PLC0415
 
-  changes = config_changes(theirs.get("config") or "", mine.get("config") or "")
-  first = f" ({changes[0]}, process {there} -> process {here})" if changes else ""
-  return f"the gin config differs{first}"
+  changes = config_changes(first.get("config") or "", second.get("config") or "")
+  shown = f" ({changes[0]}, process {low} -> process {high})" if changes else ""
+  return f"the gin config differs{shown}"
 
 
 def agree(flags: Mapping[str, str], config: str | None) -> str | None:
