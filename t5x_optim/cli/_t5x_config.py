@@ -16,13 +16,7 @@ from typing import Any, NamedTuple
 
 from gin import config_parser
 
-__all__ = [
-  "T5XOptimizer",
-  "binding_statements",
-  "optimizer_config",
-  "optimizer_statements",
-  "render_value",
-]
+__all__ = ["T5XOptimizer", "binding_statements", "optimizer_config", "optimizer_statements"]
 
 _LEGACY_ADAFACTOR = "t5x.adafactor"
 _MODULES = {
@@ -80,16 +74,6 @@ def _render(value: Any) -> str:
   if isinstance(value, dict):
     return "{" + ", ".join(f"{_render(k)}: {_render(v)}" for k, v in value.items()) + "}"
   return repr(value)
-
-
-def render_value(value: Any) -> str:
-  """A parsed gin value (`binding_statements`) written back as gin text.
-
-  Example:
-    >>> render_value(binding_statements('A = [@optax.adam(), %B, 0.5]')[0].value)
-    '[@optax.adam(), %B, 0.5]'
-  """
-  return _render(value)
 
 
 def _children(value: Any) -> list[Any]:

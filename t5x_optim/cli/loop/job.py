@@ -29,8 +29,7 @@ from typing import Any
 
 import jax
 from flax import traverse_util
-
-from t5x_optim.cli._t5x_config import binding_statements, render_value
+from gin import config_parser
 
 __all__ = [
   "FORMAT",
@@ -149,12 +148,33 @@ def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
   return "; ".join(problems[:_SHOWN]) + more
 
 
+class _Gin:
+  """A reference or macro of a parsed gin value, shown as gin writes it."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+class _AsText(config_parser.ParserDelegate):
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Gin:
+    return _Gin(f"@{scoped_configurable_name}{'()' if evaluate else ''}")
+
+  def macro(self, macro_name: str) -> _Gin:
+    return _Gin(f"%{macro_name}")
+
+
 def _bindings(text: str) -> dict[str, str]:
-  """``{binding: value}`` of a gin config, scoped duplicates of an unscoped binding dropped."""
+  """``{binding: value}`` of a gin config, parsed without importing anything; a scoped
+  binding counts once, under its unscoped name."""
   out: dict[str, str] = {}
-  for binding in binding_statements(text):
-    key = f"{binding.selector}.{binding.arg_name}" if binding.arg_name else binding.selector
-    out.setdefault(key, render_value(binding.value))
+  for statement in config_parser.ConfigParser(text, _AsText()):
+    if isinstance(statement, config_parser.BindingStatement):
+      name = statement.selector
+      key = f"{name}.{statement.arg_name}" if statement.arg_name else name
+      out.setdefault(key, repr(statement.value))
   return out
 
 
