@@ -577,7 +577,11 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
         if rate is None or isinstance(rate, bool):
           continue
         shown = _reference_text(bound, depth=0) or repr(rate)
-        found[shown] = (rate, f"{value.selector}.{key} = {shown}")
+        text = shown
+        if isinstance(bound, gin.config.ConfigurableReference):
+          macro = bound.configurable.wrapped is gin.config.macro
+          text = f"%{bound.scopes[-1]} = @{shown}()" if macro else f"@{shown}()"
+        found[shown] = (rate, f"{value.selector}.{key} = {text}")
       else:
         visit(bound, depth - 1)
 
