@@ -182,7 +182,7 @@ class Checkpointer:
       try:
         json.dumps(dict(job))
       except (TypeError, ValueError) as e:
-        raise ValueError(f"job must be a JSON object, got {type(job).__name__}: {e}.") from e
+        raise ValueError(f"job is not JSON: {e}.") from e
     self._job = None if job is None else dict(job)
     self._directory = os.fspath(directory)
     storage.check_reachable(self._directory)
