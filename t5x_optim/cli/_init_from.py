@@ -149,7 +149,9 @@ def _build_optimizer(where: str) -> Any:
     raise UsageError(f"{where} binds no OPTIMIZER.") from error
   if not isinstance(value, gin.config.ConfigurableReference):
     return value
-  return value.scoped_configurable_fn()
+  # As gin evaluates ``%OPTIMIZER``: in the macro's scope, where an operative config binds.
+  with gin.config_scope("OPTIMIZER"):
+    return value.scoped_configurable_fn()
 
 
 def source_optimizer(
