@@ -47,8 +47,12 @@ _TRAIN_DESCRIPTION = f"""\
 Train on the synthetic task (or --data text) in MODEL_DIR (T5X's model-directory convention):
 checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
 MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
-MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
-a finished run says so and exits 0. Ctrl-C saves a checkpoint and exits 130.
+MODEL_DIR/config.gin and, for each start, MODEL_DIR/config_<first step>.gin. A
+MODEL_DIR with checkpoints resumes from its newest intact one (an incomplete or
+corrupt one is set aside in MODEL_DIR/skipped_checkpoints), as the same job: another
+model, optimizer or optimizer-state layout is refused (--init_from starts a new
+MODEL_DIR from it); a finished run says so and exits 0. Ctrl-C saves a checkpoint
+and exits 130.
 {_TRUST}
 """
 
@@ -168,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     metavar="DIR",
     help="start a new run from DIR's latest checkpoint (a t5x-optim or T5X model "
-    "directory, any optimizer): params exact, optimizer state converted",
+    "directory, any optimizer): params exact, optimizer state converted; ignored, and "
+    "said so, when --model_dir already holds checkpoints",
   )
   train.add_argument(
     "--init_from_gin",

@@ -9,6 +9,10 @@ ends the others within about that) when ``--coordinator_address``,
 is a multi-process job of a cluster that jax detects by itself (Slurm,
 Open MPI, multi-host TPU); arguments left out are detected as jax does.
 
+Before the job's first collective, `agree` all-gathers every process's
+flags and parsed gin config: processes started with different jobs stop
+there, each with one line naming the first difference.
+
 Only process 0 writes the log, TensorBoard events and ``config.gin``;
 checkpoints are written by every process (each its own shards), once per
 step, as orbax does.

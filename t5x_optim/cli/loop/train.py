@@ -2,9 +2,11 @@
 
 A run lives in its model directory (T5X's convention): checkpoints in
 ``model_dir/checkpoints``, TensorBoard events in ``model_dir/train`` and
-``model_dir/eval``, the operative gin config in ``model_dir/config.gin``. A
-directory with checkpoints is resumed from its latest one; one whose latest
-checkpoint is at ``total_steps`` is reported finished.
+``model_dir/eval``, the operative gin config in ``model_dir/config.gin`` (and
+each start's in ``config_<first step>.gin``). A directory with checkpoints is
+resumed from its newest intact one, as the same job (`job.identity_problem`);
+one whose latest committed checkpoint is at ``total_steps`` is reported
+finished.
 
 Example:
   >>> import io, jax, tempfile
