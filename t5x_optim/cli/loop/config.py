@@ -524,7 +524,8 @@ def describe_optimizer() -> str:
 
 
 _IDENTITY_DEPTH = 16
-_RATE = "learning_rate"
+_RATES = frozenset({"learning_rate", "step_size"})
+"""The names of an optimizer's learning rate (``step_size``: jax.example_libraries')."""
 
 
 def optimizer_identity() -> str:
@@ -539,7 +540,7 @@ def optimizer_identity() -> str:
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
   value = gin.query_parameter("%OPTIMIZER")
-  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=frozenset({_RATE}))
+  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES)
   return text or f"(not a gin reference: {value!r})"
 
 
@@ -572,16 +573,16 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
     bindings = gin.get_bindings(value.selector)
     for key in bindings:
       bound = gin.query_parameter(f"{value.selector}.{key}")
-      if key == _RATE:
+      if key in _RATES:
         rate = _evaluated(bound)
         if rate is None or isinstance(rate, bool):
           continue
-        shown = _reference_text(bound, depth=0) or repr(rate)
-        text = shown
+        name = _reference_text(bound, depth=0)
+        shown = f"@{name}()" if name else repr(rate)
         if isinstance(bound, gin.config.ConfigurableReference):
-          macro = bound.configurable.wrapped is gin.config.macro
-          text = f"%{bound.scopes[-1]} = @{shown}()" if macro else f"@{shown}()"
-        found[shown] = (rate, f"{value.selector}.{key} = {text}")
+          if bound.configurable.wrapped is gin.config.macro:
+            shown = f"%{bound.scopes[-1]} = {shown}"
+        found[name or repr(rate)] = (rate, f"{value.selector}.{key} = {shown}")
       else:
         visit(bound, depth - 1)
 
