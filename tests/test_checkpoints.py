@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 from _subprocesses import free_port
 
+from t5x_optim import optimizers
 from t5x_optim._checkpoint import headers as checkpoint_headers
 from t5x_optim._checkpoint import store as checkpoints_impl
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
@@ -193,6 +194,22 @@ def test_steps_keep_and_order(tmp_path, part_2x4):
       ckpt.restore(state, step=1)
   with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
     _restore(tmp_path / "empty", state)
+
+
+def test_each_step_records_the_job_and_only_committed_steps_count(tmp_path):
+  opt = optimizers.adam(0.1).create({"w": jnp.ones(2)})
+  job = {"model": {"layers": 2}, "optimizer": "optax.adam"}
+  with Checkpointer(tmp_path, async_save=False) as plain:
+    plain.save(1, opt)
+  with Checkpointer(tmp_path, async_save=False, job=job) as ckpt:
+    ckpt.save(2, opt)
+    (tmp_path / "3").mkdir()  # an interrupted copy: a step's name, nothing committed
+    assert ckpt.recorded_job(2) == job and ckpt.recorded_job(1) is None
+    assert [ckpt.is_committed(step) for step in (1, 2, 3)] == [True, True, False]
+  with pytest.raises(
+    ValueError, match="job is not JSON: Object of type builtin_function_or_method"
+  ):
+    Checkpointer(tmp_path, job={"f": print})
 
 
 def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monkeypatch):

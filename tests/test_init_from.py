@@ -155,7 +155,10 @@ def test_init_from_a_directory_without_checkpoints_is_one_line(tmp_path, capsys)
   assert (
     main(["train", *TINY, "--init_from", str(tmp_path), "--model_dir", str(tmp_path / "new")]) == 2
   )
-  assert "holds no T5X checkpoint; pass source=" in capsys.readouterr().err
+  assert capsys.readouterr().err == (
+    f"t5x-optim train: error: --init_from {tmp_path} holds no checkpoint: neither a "
+    "t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories.\n"
+  )
   assert not (tmp_path / "new" / "checkpoints").exists() or not any(
     (tmp_path / "new" / "checkpoints").iterdir()
   )

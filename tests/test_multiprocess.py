@@ -175,6 +175,54 @@ def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and message in err, err
 
 
+def _two_processes(tmp_path: Path, extra: Sequence[Sequence[str]]) -> list[tuple[int, str, str]]:
+  """One job of 2 processes, process i with the flags `extra[i]` added."""
+  address = f"127.0.0.1:{free_port()}"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-m", "t5x_optim_launcher", *TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 5"]
+      + ["--model_dir", str(tmp_path / "run"), *flags, "--coordinator_address", address]
+      + ["--num_processes", "2", "--process_id", str(i)],
+      cwd=tmp_path,
+      env=_env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i, flags in enumerate(extra)
+  ]
+  return communicate_all(procs, TIMEOUT)
+
+
+@pytest.mark.parametrize(
+  "extra, message",
+  [
+    (
+      [[], ["--gin_bindings", "optax.adamw.weight_decay = 0.1"]],
+      "the processes were started with different jobs: --gin_bindings is ",
+    ),
+    (
+      [[], ["--gin_bindings", "TOTAL_STEPS = 7"]],
+      "the processes were started with different jobs: --gin_bindings is ",
+    ),
+    (
+      [["--num_devices", "1"], ["--num_devices", "1"]],
+      "--num_devices 1: a run of 2 processes uses every device of every process, 8 here",
+    ),
+  ],
+  ids=["weight_decay", "total_steps", "num_devices"],
+)
+def test_processes_of_different_jobs_stop_before_the_first_step(extra, message, tmp_path):
+  results = _two_processes(tmp_path, extra)
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert "step 1" not in out
+  assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+    (tmp_path / "run" / "checkpoints").iterdir()
+  )
+
+
 def _readme_recipe() -> str:
   blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "docs" / "cli.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]

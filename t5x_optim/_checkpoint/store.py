@@ -60,8 +60,12 @@ _FLAX_MUTABLES = "flax_mutables"
 _ARRAYS = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
 _CHECKSUMS = "checksums"
 _STATE_CLASSES = "state_classes"
+_JOB = "job"
 # The file orbax's JsonCheckpointHandler writes an item to.
 _JSON_FILE = "metadata"
+# What orbax writes into a step's directory when its save completes (locally, and on
+# object stores, where nothing is renamed).
+_COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class CheckpointState(Protocol):
@@ -184,6 +188,9 @@ class Checkpointer:
       scheme (``gs://bucket/dir``; see docs/cloud-storage.md).
     keep: keep only the newest `keep` steps (None keeps all).
     async_save: write in the background (`False` blocks in `save`).
+    job: a JSON object describing the job that writes the checkpoints (its
+      model, optimizer, config), recorded with every step this checkpointer
+      saves, in the same atomic commit; `recorded_job` reads it back.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -196,10 +203,21 @@ class Checkpointer:
   """
 
   def __init__(
-    self, directory: str | os.PathLike[str], *, keep: int | None = None, async_save: bool = True
+    self,
+    directory: str | os.PathLike[str],
+    *,
+    keep: int | None = None,
+    async_save: bool = True,
+    job: Mapping[str, Any] | None = None,
   ):
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be None or at least 1, got {keep}.")
+    if job is not None:
+      try:
+        json.dumps(dict(job))
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"job is not JSON: {e}.") from e
+    self._job = None if job is None else dict(job)
     self._directory = os.fspath(directory)
     storage.check_reachable(self._directory)
     # How the manager names step directories by default (passing it as
@@ -224,6 +242,7 @@ class Checkpointer:
       _ARRAYS: ocp.PyTreeCheckpointHandler(),
       _CHECKSUMS: ChecksumsHandler(),
       _STATE_CLASSES: ocp.JsonCheckpointHandler(),
+      _JOB: ocp.JsonCheckpointHandler(),
     }
     return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
 
@@ -292,6 +311,8 @@ class Checkpointer:
     classes = optimizer_state_classes(state)
     if classes is not None:
       items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
+    if self._job is not None:
+      items[_JOB] = ocp.args.JsonSave(self._job)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _become_writer(self, step: int) -> None:
@@ -429,6 +450,34 @@ class Checkpointer:
         step=step,
       ) from e
     return {str(key): str(value) for key, value in recorded.items()}
+
+  def recorded_job(self, step: int) -> dict[str, Any] | None:
+    """The `job` recorded with checkpoint `step`; None for a step saved without one.
+
+    Raises:
+      CheckpointError: the record is unreadable (a corrupt step).
+    """
+    path = self._item(checked_step(step), _JOB) / _JSON_FILE
+    if not path.exists():
+      return None
+    try:
+      recorded = json.loads(path.read_text())
+      if not isinstance(recorded, dict):
+        raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
+    except (OSError, ValueError) as e:
+      raise CheckpointError(
+        f"{self._where(step)} has an unreadable record of its job ({path}): {e}.", step=step
+      ) from e
+    return recorded
+
+  def is_committed(self, step: int) -> bool:
+    """Whether checkpoint `step` is on disk and was committed (its save completed).
+
+    A step directory without orbax's commit record (an empty or partly
+    copied ``<step>/``) is not a checkpoint, whatever its name.
+    """
+    directory = epath.Path(self._directory) / self._step_names.build_name(checked_step(step))
+    return any((directory / name).exists() for name in _COMMIT_RECORDS)
 
   def _check(
     self,

@@ -17,6 +17,7 @@ schedule is kept as one); the others are optax's defaults.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -128,49 +129,92 @@ def _is_ours(init_from: Path) -> bool:
   return (init_from / CHECKPOINTS).is_dir() and (init_from / CONFIG_FILE).is_file()
 
 
+def _holds_checkpoints(init_from: Path) -> bool:
+  if (init_from / CHECKPOINTS).is_dir():
+    return True
+  return init_from.is_dir() and any(
+    path.name.startswith("checkpoint_") for path in init_from.iterdir()
+  )
+
+
+def _flag_names(gin_files: Sequence[str]) -> str:
+  return f"--init_from_gin {' '.join(gin_files)}" if gin_files else "its config.gin"
+
+
+def _build_optimizer(where: str) -> Any:
+  """Evaluates the parsed config's ``%OPTIMIZER`` alone: no mesh, model or data is built."""
+  try:
+    value = gin.query_parameter("%OPTIMIZER")
+  except ValueError as error:
+    raise UsageError(f"{where} binds no OPTIMIZER.") from error
+  if not isinstance(value, gin.config.ConfigurableReference):
+    return value
+  # As gin evaluates ``%OPTIMIZER``: in the macro's scope, where an operative config binds.
+  with gin.config_scope("OPTIMIZER"):
+    return value.scoped_configurable_fn()
+
+
 def source_optimizer(
   init_from: Path, gin_files: Sequence[str], search_paths: Sequence[str], macros: dict[str, Any]
 ) -> Source:
   """The optimizer definition that wrote `init_from`'s checkpoints, and its `bound_hparams`.
 
-  Built from `gin_files` when given (e.g. ``optimizers/adafactor.gin``), else
-  from a t5x-optim model directory's ``config.gin``, else from the optimizer
-  bindings of the operative ``config.gin`` T5X's train.py wrote into a T5X
-  model directory (`t5x_config.optimizer_config`). The optimizer is None for
-  T5X's legacy Adafactor, recognised by its state's layout, and for a T5X
-  directory without a config. Parsing leaves gin's config cleared.
+  Built from `gin_files` when given (``--init_from_gin``, e.g.
+  ``optimizers/adafactor.gin``), else from the optimizer bindings of the
+  directory's ``config.gin`` (a t5x-optim run's operative config, or the one
+  T5X's train.py wrote; `t5x_config.optimizer_config`). Only ``%OPTIMIZER``
+  is evaluated: the source run's mesh, model and data are never built, so
+  neither its device count nor its data need to exist here. The optimizer is
+  None for T5X's legacy Adafactor, recognised by its state's layout, and for
+  a directory without a config. Parsing leaves gin's config cleared.
 
   Raises:
-    UsageError: T5X's config builds its optimizer from modules t5x_optim
-      cannot import, or binds none.
+    UsageError: the config builds its optimizer from modules t5x_optim
+      cannot import, binds none, or fails to build it (one line naming
+      ``--init_from`` or ``--init_from_gin``).
 
   Example:
     >>> source_optimizer(Path('/nonexistent'), [], [], {})
-    Source(directory=PosixPath('/nonexistent'), optimizer=None, hparams={})
+    Traceback (most recent call last):
+    ...
+    t5x_optim.cli.loop.train.UsageError: --init_from /nonexistent holds no checkpoint: neither a t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories.
   """
   init_from = _as_path(init_from)
+  if not _holds_checkpoints(init_from):
+    raise UsageError(
+      f"--init_from {init_from} holds no checkpoint: neither a t5x-optim run's "
+      f"{CHECKPOINTS}/ nor T5X's checkpoint_<step> directories."
+    )
   bindings: list[str] = []
-  files = list(gin_files) or ([str(init_from / CONFIG_FILE)] if _is_ours(init_from) else [])
-  if not files and (init_from / CONFIG_FILE).is_file():
+  where = f"--init_from {init_from}: {_flag_names(gin_files)}"
+  if not gin_files and (init_from / CONFIG_FILE).is_file():
     config = init_from / CONFIG_FILE
     try:
-      t5x = optimizer_config(config.read_text(), str(config))
+      found = optimizer_config(config.read_text(), str(config))
     except ValueError as error:
-      raise UsageError(f"--init_from {error}") from error
-    if t5x.gin is None:
-      hparams = {k: v for k, v in t5x.hparams.items() if k in CONVERSION_HPARAMS}
+      raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
+    if found.gin is None:
+      hparams = {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
       return Source(init_from, None, hparams)
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
-    bindings = [line for line in t5x.gin.splitlines() if not line.startswith("from __gin__")]
-  if not files and not bindings:
+    bindings = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
+  if not gin_files and not bindings:
     return Source(init_from, None, {})
   try:
     _config.parse_config(
-      gin_files=files, gin_bindings=bindings, search_paths=search_paths, macros=macros
+      gin_files=gin_files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return Source(init_from, _config.build_job().optimizer, bound_hparams())
+    return Source(init_from, _build_optimizer(where), bound_hparams())
+  except UsageError:
+    raise
+  except Exception as error:  # noqa: BLE001 - gin raises what the configurables raise
+    text = " ".join(str(error).split())
+    raise UsageError(f"{where} does not build the source's optimizer: {text}") from error
   finally:
     gin.clear_config()
+
+
+_PYTHON_ADVICE = re.compile(r"pass source(_def)?= \([^)]*\)( to [^.;]*)?")
 
 
 def initial_state_fn(
@@ -204,7 +248,14 @@ def initial_state_fn(
         target_hparams=target_hparams,
       )
     except (ValueError, FileNotFoundError) as error:
-      raise UsageError(f"--init_from {init_from}: {error}") from error
+      text = " ".join(str(error).split())
+      if source.optimizer is None:  # No config told which optimizer wrote it.
+        text = _PYTHON_ADVICE.sub(
+          f"it has no {CONFIG_FILE} that names the optimizer which wrote it: pass "
+          "--init_from_gin with a gin file of that optimizer (e.g. optimizers/adamw.gin)",
+          text,
+        )
+      raise UsageError(f"--init_from {init_from}: {text}") from error
     stream.write(f"init_from:       {init_from} at step {int(state.step)}\n")
     stream.write(f"  hparams: old {_describe(source.hparams)}, new {_describe(target_hparams)}\n")
     stream.write("".join(f"  {line}\n" for line in str(report).splitlines()))

@@ -13,6 +13,7 @@ and exits with status 1. Both print one line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import logging
@@ -71,12 +72,15 @@ _TRAIN_DESCRIPTION = f"""\
 Train on the synthetic task (or --data text) in MODEL_DIR (T5X's model-directory convention):
 checkpoints in MODEL_DIR/checkpoints, TensorBoard events in MODEL_DIR/train and
 MODEL_DIR/eval (tensorboard --logdir MODEL_DIR), the operative gin config in
-MODEL_DIR/config.gin. A MODEL_DIR with checkpoints resumes from the latest one;
-a finished run says so and exits 0. Ctrl-C saves a checkpoint and exits 130;
-SIGTERM (a preemption) saves one and exits 143 within --preemption_grace_seconds.
-A non-finite loss or gradient norm is never saved: the run stops with status 3
-(or skips the step: --on_nonfinite skip). Any other failure in the loop saves
-the last finite state and exits 1.
+MODEL_DIR/config.gin and, for each start, MODEL_DIR/config_<first step>.gin. A
+MODEL_DIR with checkpoints resumes from its newest intact one (an incomplete or
+corrupt one is set aside in MODEL_DIR/skipped_checkpoints), as the same job: another
+model, optimizer or optimizer-state layout is refused (--init_from starts a new
+MODEL_DIR from it); a finished run says so and exits 0. Ctrl-C saves a checkpoint
+and exits 130; SIGTERM (a preemption) saves one and exits 143 within
+--preemption_grace_seconds. A non-finite loss or gradient norm is never saved: the
+run stops with status 3 (or skips the step: --on_nonfinite skip). Any other failure
+in the loop saves the last finite state and exits 1.
 {_TRUST}
 """
 
@@ -203,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     metavar="DIR",
     help="start a new run from DIR's latest checkpoint (a t5x-optim or T5X model "
-    "directory, any optimizer): params exact, optimizer state converted",
+    "directory, any optimizer): params exact, optimizer state converted; ignored, and "
+    "said so, when --model_dir already holds checkpoints",
   )
   train.add_argument(
     "--init_from_gin",
@@ -321,6 +326,12 @@ def _devices(requested: int | None) -> tuple[int, str]:
   count = len(devices) if requested is None else requested
   kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
   processes = jax.process_count()
+  if processes > 1 and count != len(devices):
+    raise ValueError(
+      f"--num_devices {requested}: a run of {processes} processes uses every device of every "
+      f"process, {len(devices)} here ({len(devices) // processes} per process); leave "
+      f"--num_devices out or set it to {len(devices)}."
+    )
   spread = f" in {processes} processes of {count // processes}" if processes > 1 else ""
   return count, f"{count} x {kind}{spread}"
 
@@ -369,6 +380,15 @@ def _fail(args: argparse.Namespace, error: Exception) -> int:
   return _error(args.command, _describe(error))
 
 
+def _same_job_flags(args: argparse.Namespace) -> dict[str, str]:
+  """The flags every process of a job must share (all but ``--process_id`` and ``--traceback``)."""
+  return {
+    f"--{name}": repr(value if not isinstance(value, Path) else str(value))
+    for name, value in sorted(vars(args).items())
+    if name not in ("process_id", "traceback", "command")
+  }
+
+
 def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   if args.command == "train":
     try:
@@ -378,13 +398,14 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   import gin  # noqa: PLC0415
 
   from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
+  from t5x_optim.cli.loop import job as _job  # noqa: PLC0415
   from t5x_optim.cli.loop import train as _train  # noqa: PLC0415 - after the XLA flags are set
 
+  train = args.command == "train"
+  failure = None
   try:
-    train = args.command == "train"
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     count, devices = _devices(args.num_devices)
-    primary = _processes.is_primary()
     source = None
     if train and args.init_from:
       from t5x_optim.cli import _init_from  # noqa: PLC0415
@@ -404,8 +425,27 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
+  except Exception as error:  # noqa: BLE001 - every configuration error gets one line
+    failure = error
+  if _processes.several():
+    # Before the first collective of the job: every process, failed or not, compares.
+    config = None if failure is not None else gin.config_str()
+    mismatch = _processes.agree(_same_job_flags(args), config)
+    if mismatch is not None and failure is None:
+      return _error(args.command, mismatch)
+  if failure is not None:
+    return _fail(args, failure)
+  primary = _processes.is_primary()
+  try:
     _config.check_mesh_pin(count)
-    setup = _train.prepare(_config.build_job())
+    rate = _config.optimizer_learning_rate()
+    identity = _config.optimizer_identity()
+    job = _config.build_job()
+    rate_from = "cli.TrainJob.learning_rate, not read from the optimizer"
+    if rate is not None:
+      job = dataclasses.replace(job, learning_rate=rate[0])
+      rate_from = rate[1]
+    setup = _train.prepare(job)
     initial_state = None
     if train and args.init_from:
       initial_state = _init_from.initial_state_fn(
@@ -422,18 +462,29 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     return _interrupted(args.command, interrupt)
   if args.command == "plan":
     return _run_plan(args, setup)
-  about = _train.describe_setup(setup, devices=devices, optimizer=_config.describe_optimizer())
+  about = _train.describe_setup(
+    setup, devices=devices, optimizer=_config.describe_optimizer(), learning_rate=rate_from
+  )
   interrupt.set_grace(setup.job.preemption_grace_seconds)
+  config_text = gin.operative_config_str()
+  record = _job.job_record(
+    model=job.model,
+    optimizer=identity,
+    abstract_state=setup.abstract_state,
+    config_text=config_text,
+  )
   try:
     summary = _train.train(
       setup,
       model_dir=model_dir,
       interrupt=interrupt,
       about=about,
-      config_text=gin.operative_config_str() if primary else None,
+      config_text=config_text,
       stream=None if primary else io.StringIO(),
       initial_state=initial_state,
       write_events=primary,
+      job=record,
+      init_from=None if args.init_from is None else str(args.init_from),
     )
   except _train.UsageError as error:
     return _fail(args, error)

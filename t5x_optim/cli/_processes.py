@@ -9,6 +9,10 @@ ends the others within about that) when ``--coordinator_address``,
 is a multi-process job of a cluster that jax detects by itself (Slurm,
 Open MPI, multi-host TPU); arguments left out are detected as jax does.
 
+Before the job's first collective, `agree` all-gathers every process's
+flags and parsed gin config: processes started with different jobs stop
+there, each with one line naming the first difference.
+
 Only process 0 writes the log, TensorBoard events and ``config.gin``;
 checkpoints are written by every process (each its own shards), once per
 step, as orbax does.
@@ -31,7 +35,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
-__all__ = ["add_flags", "is_primary", "start", "wanted"]
+__all__ = ["add_flags", "agree", "is_primary", "several", "start", "wanted"]
 
 _CLUSTER_SIZES = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
@@ -105,3 +109,72 @@ def is_primary() -> bool:
   import jax  # noqa: PLC0415
 
   return jax.process_index() == 0
+
+
+def several() -> bool:
+  """Whether this job runs as more than one process (after `start`)."""
+  import jax  # noqa: PLC0415
+
+  return jax.process_count() > 1
+
+
+def _gather_texts(text: str) -> list[str]:
+  """Every process's `text`, by process index (two small all-gathers)."""
+  import numpy as np  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  data = np.frombuffer(text.encode(), np.uint8)
+  lengths = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[: data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  return [bytes(row[: int(n)]).decode() for row, n in zip(gathered, lengths.reshape(-1))]
+
+
+def _first_difference(
+  mine: Mapping[str, str | None], theirs: Mapping[str, str | None], here: int, there: int
+) -> str:
+  """The first flag (or else gin binding) that differs, with both processes' values."""
+  (low, first), (high, second) = sorted([(here, mine), (there, theirs)], key=lambda x: x[0])
+  for name in sorted(set(mine) | set(theirs)):
+    if name != "config" and mine.get(name) != theirs.get(name):
+      return f"{name} is {first.get(name)} on process {low}, {second.get(name)} on process {high}"
+  from t5x_optim.cli.loop.job import config_changes  # noqa: PLC0415
+
+  changes = config_changes(first.get("config") or "", second.get("config") or "")
+  shown = f" ({changes[0]}, process {low} -> process {high})" if changes else ""
+  return f"the gin config differs{shown}"
+
+
+def agree(flags: Mapping[str, str], config: str | None) -> str | None:
+  """Compares this process's flags and parsed gin config with every other process's.
+
+  Every process must call it, at the same point, before the job's first
+  collective; `config` is None on a process whose config failed (then every
+  process learns it, instead of waiting for it).
+
+  Returns:
+    None when every process has the same flags and config; else one line
+    naming the first difference with both sides.
+  """
+  import json  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  mine = {**flags, "config": config}
+  texts = _gather_texts(json.dumps(mine, sort_keys=True))
+  everyone = [json.loads(text) for text in texts]
+  here = jax.process_index()
+  failed = [i for i, other in enumerate(everyone) if other["config"] is None]
+  if failed and config is not None:
+    return (
+      f"process {failed[0]} of {len(everyone)} could not read the job's flags or gin config "
+      "(its own error says why); nothing was started."
+    )
+  for i, other in enumerate(everyone):
+    if other != mine:
+      return (
+        f"the processes were started with different jobs: {_first_difference(mine, other, here, i)}"
+        "; every process of a job needs the same flags (but --process_id) and gin files."
+      )
+  return None

@@ -19,7 +19,11 @@ from gin import config_parser
 __all__ = ["T5XOptimizer", "binding_statements", "optimizer_config", "optimizer_statements"]
 
 _LEGACY_ADAFACTOR = "t5x.adafactor"
-_MODULES = {"t5x.optimizers": "t5x_optim.optimizers", "optax": "optax"}
+_MODULES = {
+  "t5x.optimizers": "t5x_optim.optimizers",
+  "t5x_optim.optimizers": "t5x_optim.optimizers",
+  "optax": "optax",
+}
 """The modules a T5X optimizer may be built from, and what t5x_optim imports for each."""
 
 

@@ -48,6 +48,8 @@ __all__ = [
   "describe_optimizer",
   "device_macros",
   "mesh_devices",
+  "optimizer_identity",
+  "optimizer_learning_rate",
   "parse_config",
   "resolve_gin_file",
 ]
@@ -101,7 +103,6 @@ cli.TrainJob:
   model = @cli.TransformerConfig()
   task = %TASK
   total_steps = %TOTAL_STEPS
-  learning_rate = %LEARNING_RATE
   checkpoint_every = 100
   keep_checkpoints = 3
   log_every = 10
@@ -252,10 +253,12 @@ class TrainJob:
     model: sizes of the transformer LM.
     task: the data: `SyntheticTask` or `TextTask` (its batch size is global).
     total_steps: train until the step counter reaches this.
-    learning_rate: what TensorBoard shows as ``learning_rate``: the
-      optimizer's schedule (``%LEARNING_RATE``, a function of the step) or a
-      constant; None logs no learning rate. It does not change the
-      optimizer: bind the same ``%LEARNING_RATE`` there.
+    learning_rate: what TensorBoard shows as ``learning_rate`` when it is
+      not read from the optimizer (a schedule, a function of the step, or a
+      constant; None logs none). The command replaces it with the learning
+      rate the optimizer's own gin bindings give, and the step reads it from
+      the optimizer state where that holds one (``inject_hyperparams``). It
+      does not change the optimizer.
     checkpoint_every: save a checkpoint every this many steps (and at the end).
     keep_checkpoints: keep this many newest checkpoints.
     log_every: log metrics every this many steps.
@@ -512,21 +515,26 @@ def build_job() -> TrainJob:
   return gin.get_configurable(TrainJob)()
 
 
-def _reference_text(value: Any, depth: int) -> str | None:
-  """`value` as ``name(arg=...)`` when it is a gin reference (or a list of them)."""
+def _reference_text(value: Any, depth: int, skip: frozenset[str] = frozenset()) -> str | None:
+  """`value` as ``name(arg=...)`` when it is a gin reference (or a list of them).
+
+  Arguments named in `skip` are left out.
+  """
   if isinstance(value, (list, tuple)):
-    parts = [_reference_text(v, depth) for v in value]
+    parts = [_reference_text(v, depth, skip) for v in value]
     return f"[{', '.join(parts)}]" if all(parts) else None
   if not isinstance(value, gin.config.ConfigurableReference):
     return None
   name = value.selector
   if value.configurable.wrapped is gin.config.macro:
-    return _reference_text(gin.query_parameter(f"%{value.scopes[-1]}"), depth)
+    return _reference_text(gin.query_parameter(f"%{value.scopes[-1]}"), depth, skip)
   if depth == 0:
     return name
   inner = []
   for key in gin.get_bindings(value.selector):
-    text = _reference_text(gin.query_parameter(f"{value.selector}.{key}"), depth - 1)
+    if key in skip:
+      continue
+    text = _reference_text(gin.query_parameter(f"{value.selector}.{key}"), depth - 1, skip)
     if text is not None:
       inner.append(f"{key}={text}")
   return f"{name}({', '.join(inner)})" if inner else name
@@ -541,3 +549,75 @@ def describe_optimizer() -> str:
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])'
   """
   return _reference_text(gin.query_parameter("%OPTIMIZER"), depth=3) or "(not a gin reference)"
+
+
+_IDENTITY_DEPTH = 16
+_RATES = frozenset({"learning_rate", "step_size"})
+"""The names of an optimizer's learning rate (``step_size``: jax.example_libraries')."""
+
+
+def optimizer_identity() -> str:
+  """What makes the parsed config's ``%OPTIMIZER`` the same optimizer on resume.
+
+  The gin configurables it reaches, nested as they are bound, without the
+  learning rate and its schedule (which a resume may change) or any number.
+
+  Example:
+    >>> parse_config()
+    >>> optimizer_identity()
+    'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
+  """
+  value = gin.query_parameter("%OPTIMIZER")
+  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES)
+  return text or f"(not a gin reference: {value!r})"
+
+
+def optimizer_learning_rate() -> tuple[Any, str] | None:
+  """The learning rate the parsed config binds in the configurables ``%OPTIMIZER`` reaches.
+
+  Returns ``(value, where)``: a number or a schedule (a function of the
+  step), and the binding it comes from; None when no binding, or more than
+  one value, is found (an optimizer of several learning rates).
+
+  Example:
+    >>> parse_config(gin_bindings=['optax.adamw.learning_rate = 1e-5'])
+    >>> optimizer_learning_rate()
+    (1e-05, 'optax.adamw.learning_rate = 1e-05')
+  """
+  found: dict[str, tuple[Any, str]] = {}
+
+  def visit(value: Any, depth: int) -> None:
+    if depth == 0:
+      return
+    if isinstance(value, (list, tuple)):
+      for item in value:
+        visit(item, depth)
+      return
+    if not isinstance(value, gin.config.ConfigurableReference):
+      return
+    if value.configurable.wrapped is gin.config.macro:
+      visit(gin.query_parameter(f"%{value.scopes[-1]}"), depth - 1)
+      return
+    bindings = gin.get_bindings(value.selector)
+    for key in bindings:
+      bound = gin.query_parameter(f"{value.selector}.{key}")
+      if key in _RATES:
+        rate = _evaluated(bound)
+        if rate is None or isinstance(rate, bool):
+          continue
+        name = _reference_text(bound, depth=0)
+        shown = f"@{name}()" if name else repr(rate)
+        if isinstance(bound, gin.config.ConfigurableReference):
+          if bound.configurable.wrapped is gin.config.macro:
+            shown = f"%{bound.scopes[-1]} = {shown}"
+        found[name or repr(rate)] = (rate, f"{value.selector}.{key} = {shown}")
+      else:
+        visit(bound, depth - 1)
+
+  visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH)
+  if len(found) != 1:
+    return None
+  rate, where = next(iter(found.values()))
+  if not (callable(rate) or isinstance(rate, (int, float))):
+    return None
+  return rate, where

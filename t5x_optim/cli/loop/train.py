@@ -2,9 +2,11 @@
 
 A run lives in its model directory (T5X's convention): checkpoints in
 ``model_dir/checkpoints``, TensorBoard events in ``model_dir/train`` and
-``model_dir/eval``, the operative gin config in ``model_dir/config.gin``. A
-directory with checkpoints is resumed from its latest one; one whose latest
-checkpoint is at ``total_steps`` is reported finished.
+``model_dir/eval``, the operative gin config in ``model_dir/config.gin`` (and
+each start's in ``config_<first step>.gin``). A directory with checkpoints is
+resumed from its newest intact one, as the same job (`job.identity_problem`);
+one whose latest committed checkpoint is at ``total_steps`` is reported
+finished.
 
 Example:
   >>> import io, jax, tempfile
@@ -36,7 +38,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -49,11 +51,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from t5x_optim import TrainState, storage
-from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.input import global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
+from t5x_optim.cli.loop.job import config_changes, config_file_name, identity_problem
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
 from t5x_optim.cli.loop.summary import TrainSummary
@@ -70,6 +73,7 @@ __all__ = [
   "UsageError",
   "default_model_dir",
   "describe_setup",
+  "injected_learning_rates",
   "prepare",
   "step_memory",
   "prepare_model_dir",
@@ -79,8 +83,11 @@ __all__ = [
 BATCH_AXES = {"inputs": PartitionSpec("batch"), "targets": PartitionSpec("batch")}
 CONFIG_FILE = "config.gin"
 CHECKPOINTS = "checkpoints"
+SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
+_SHOWN_CHANGES = 6
+_REASON_CHARS = 300
 _PATH_PROBLEM = re.compile(
   r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'"
 )
@@ -266,6 +273,9 @@ def _train_step(
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
   if skip:
     new_state = new_state.replace_step(updated.step)
+  injected = injected_learning_rates(updated.param_states)
+  if len(injected) == 1:  # What the optimizer used in this step.
+    metrics["learning_rate"] = jnp.asarray(injected[0], jnp.float32)
   if weights:
     metrics["weights"] = metric_vector(
       _trained(state.params),
@@ -284,6 +294,34 @@ def _all_finite(tree: Any) -> jax.Array:
     jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
   ]
   return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
+
+
+def injected_learning_rates(param_states: Any) -> list[Any]:
+  """The ``learning_rate`` of every ``inject_hyperparams`` state in an optimizer state.
+
+  Such a state holds the value its optimizer used in the last update.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    >>> injected_learning_rates(tx.init({'w': jnp.ones(2)}))
+    [Array(0.5, dtype=float32)]
+  """
+  found: list[Any] = []
+
+  def visit(node: Any) -> None:
+    hyperparams = getattr(node, "hyperparams", None)
+    if isinstance(hyperparams, dict) and "learning_rate" in hyperparams:
+      found.append(hyperparams["learning_rate"])
+    if isinstance(node, tuple):
+      for child in node:
+        visit(child)
+    elif isinstance(node, dict):
+      for child in node.values():
+        visit(child)
+
+  visit(param_states)
+  return found
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
@@ -429,13 +467,18 @@ def _leaf_bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
   return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
 
-def describe_setup(setup: Setup, *, devices: str, optimizer: str) -> list[str]:
-  """The run's description: devices, mesh, optimizer, params, optimizer-state bytes.
+def describe_setup(
+  setup: Setup, *, devices: str, optimizer: str, learning_rate: str | None = None
+) -> list[str]:
+  """The run's description: devices, mesh, optimizer, params, optimizer-state bytes,
+  and where the logged learning rate comes from.
 
   Args:
     setup: from `prepare`.
     devices: how the devices are described (e.g. ``8 x cpu (simulated)``).
     optimizer: the optimizer's description (from its gin config).
+    learning_rate: where ``job.learning_rate`` comes from (a gin binding);
+      the optimizer state, where it holds the rate, takes precedence.
   """
   abstract = setup.abstract_state
   mesh = setup.job.partitioner.mesh
@@ -453,17 +496,34 @@ def describe_setup(setup: Setup, *, devices: str, optimizer: str) -> list[str]:
     f"params:          {num_params:,}{copies}",
     f"optimizer state: {format_bytes(per_device)} per device "
     f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
+    f"learning rate:   {_rate_source(setup, learning_rate)}",
   ]
+
+
+def _rate_source(setup: Setup, where: str | None) -> str:
+  """Where the logged learning rate comes from."""
+  injected = len(injected_learning_rates(setup.abstract_state.param_states))
+  if injected == 1:
+    return "read from the optimizer state (inject_hyperparams' learning_rate) after each step"
+  if setup.job.learning_rate is None:
+    return "not logged (the optimizer binds no single learning rate)"
+  kind = "a schedule, at each step's count" if callable(setup.job.learning_rate) else "a constant"
+  return f"{where or 'cli.TrainJob.learning_rate'} ({kind})"
+
+
+def _resume_advice(model_dir: Path) -> str:
+  return (
+    f"a run resumes only with the model, optimizer and optimizer-state layout it started "
+    f"with (its config: {model_dir / CONFIG_FILE}); to start from its checkpoint with "
+    f"another, pass --init_from {model_dir} and a new --model_dir"
+  )
 
 
 def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
   """A bounded description of a checkpoint that does not fit the model."""
-  text = str(error)
+  text = " ".join(str(error).split())
   paths = _PATH_PROBLEM.findall(text)
-  advice = (
-    f"it was written by another model or optimizer config (the one in "
-    f"{model_dir / CONFIG_FILE}); train with that config or use another --model_dir"
-  )
+  advice = _resume_advice(model_dir)
   if not paths:
     short = text if len(text) <= 300 else text[:300] + "..."
     return f"the checkpoint at step {step} cannot be restored: {short}; {advice}."
@@ -478,11 +538,102 @@ def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
   )
 
 
-def _restore(setup: Setup, checkpointer: Checkpointer, step: int, model_dir: Path) -> TrainState:
-  try:
-    return checkpointer.restore(setup.abstract_state)
-  except (ValueError, FileNotFoundError) as error:
-    raise UsageError(_mismatch_message(error, step, model_dir)) from error
+def _reason(error: Exception) -> str:
+  text = " ".join(str(error).split())
+  return text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS] + "..."
+
+
+@dataclasses.dataclass
+class _Resume:
+  """What a model directory's checkpoints give a new start."""
+
+  state: TrainState | None = None
+  step: int | None = None
+  recorded: dict[str, Any] | None = None
+  skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _Resume:
+  """Restores the newest intact checkpoint that the job may resume from.
+
+  Steps whose directory was never committed (an interrupted save or copy)
+  and steps whose data are corrupt are skipped, newest first.
+
+  Raises:
+    UsageError: the checkpoint was written by another job (model, optimizer,
+      state layout), or no checkpoint is intact.
+  """
+  resume = _Resume()
+  for step in reversed(reader.all_steps()):
+    if not reader.is_committed(step):
+      resume.skipped.append((step, "incomplete: its save or copy never completed"))
+      continue
+    try:
+      recorded = reader.recorded_job(step)
+    except CheckpointError as error:
+      resume.skipped.append((step, _reason(error)))
+      continue
+    if recorded is not None and job is not None:
+      problem = identity_problem(recorded, job)
+      if problem:
+        raise UsageError(
+          f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
+          f"{problem}; {_resume_advice(model_dir)}."
+        )
+    try:
+      resume.state = reader.restore(setup.abstract_state, step)
+    except CheckpointError as error:
+      resume.skipped.append((step, _reason(error)))
+      continue
+    except (ValueError, FileNotFoundError) as error:
+      raise UsageError(_mismatch_message(error, step, model_dir)) from error
+    resume.step, resume.recorded = step, recorded
+    return resume
+  if resume.skipped:
+    steps = "; ".join(f"step {step}: {why}" for step, why in resume.skipped)
+    raise UsageError(
+      f"--model_dir {model_dir} holds no intact checkpoint ({steps}); nothing was changed: "
+      "move its checkpoints away to start afresh there, or use another --model_dir."
+    )
+  return resume
+
+
+def _set_aside(model_dir: Path, step: int, why: str) -> Path:
+  """Moves checkpoint `step` out of the checkpoint directory, into ``skipped_checkpoints/``.
+
+  It is kept for inspection (with the reason next to it), out of reach of the
+  rotation of old steps and of a new save of the same step.
+  """
+  aside = model_dir / SKIPPED
+  aside.mkdir(parents=True, exist_ok=True)
+  name, n = str(step), 1
+  while (aside / name).exists():
+    n += 1
+    name = f"{step}-{n}"
+  (model_dir / CHECKPOINTS / str(step)).rename(aside / name)
+  (aside / f"{name}.txt").write_text(f"checkpoint step {step} was skipped on resume: {why}\n")
+  return aside / name
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def _config_change_line(model_dir: Path, resume: _Resume, config_text: str) -> str | None:
+  """What the resumed run's config changes against the config of the checkpoint's start."""
+  name = (resume.recorded or {}).get("config_file") or CONFIG_FILE
+  earlier = model_dir / name
+  if not earlier.exists():
+    return None
+  changes = config_changes(earlier.read_text(), config_text)
+  if not changes:
+    return None
+  more = f", and {len(changes) - _SHOWN_CHANGES} more" if len(changes) > _SHOWN_CHANGES else ""
+  return (
+    f"config:          changed since step {resume.step} ({name}): "
+    f"{', '.join(changes[:_SHOWN_CHANGES])}{more}"
+  )
 
 
 def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -517,46 +668,67 @@ def train(
   stream: TextIO | None = None,
   initial_state: Callable[[], TrainState] | None = None,
   write_events: bool = True,
+  job: Mapping[str, Any] | None = None,
+  init_from: str | None = None,
 ) -> TrainSummary:
-  """Runs the job to `total_steps` in `model_dir`, resuming from its latest checkpoint.
+  """Runs the job to `total_steps` in `model_dir`, resuming from its newest intact checkpoint.
 
   Prints the model directory (and whether the run is new, resumed or
-  finished) first, then `about`, then a log line every ``log_every`` steps
-  and an eval line every ``eval_every`` steps.
+  finished) first, then the checkpoints it skipped, then `about`, then a log
+  line every ``log_every`` steps and an eval line every ``eval_every`` steps.
+
+  A checkpoint that is incomplete (never committed) or corrupt is skipped for
+  the newest intact one and moved to ``model_dir/skipped_checkpoints/``, kept
+  for inspection. A checkpoint of another job (`job.identity_problem`) is
+  refused.
 
   Args:
     setup: from `prepare`.
     model_dir: the run's directory (from `prepare_model_dir`).
     interrupt: checked between steps; when set, the run saves and stops.
     about: lines describing the run (from `describe_setup`).
-    config_text: written to ``model_dir/config.gin`` when given.
+    config_text: the operative gin config; written to ``model_dir/config.gin``
+      and to this start's ``config_<first step>.gin`` (by the process that
+      writes events), and compared with the config of the resumed step.
     stream: where the output goes (default: standard output).
     initial_state: builds the state of a new run (default: `setup.create`);
       ``--init_from`` restores another run's checkpoint with it.
-    write_events: write TensorBoard events (only process 0 of a
-      multi-process run does).
+    write_events: write TensorBoard events and the config files (only
+      process 0 of a multi-process run does).
+    job: what makes the run this job (`job.job_record` without the config
+      file), recorded with every checkpoint and compared on resume.
+    init_from: the ``--init_from`` directory, named when a resume ignores it.
 
   Returns:
     The summary.
 
   Raises:
-    UsageError: the latest checkpoint does not fit the job.
+    UsageError: the checkpoint was written by another job or does not fit
+      it, or no checkpoint is intact.
     Interrupted: Ctrl-C or SIGTERM before the first step (nothing was written).
     Diverged: a step's loss, gradient norm or updated params were not
       finite (unless the job skips such steps); nothing more is saved.
     LoopFailed: an exception inside the loop; the last finite state was
       saved first (single-process runs).
   """
-  job = setup.job
+  train_job = setup.job
   stream = sys.stdout if stream is None else stream
   model_dir = storage.as_path(model_dir)
   directory = model_dir / CHECKPOINTS
-  with Checkpointer(directory, keep=job.keep_checkpoints) as checkpointer:
-    latest = checkpointer.latest_step()
-    if latest is not None and latest >= job.total_steps:
+  with Checkpointer(directory) as reader:
+    committed = [step for step in reader.all_steps() if reader.is_committed(step)]
+    latest = committed[-1] if committed else None
+    ignored = (
+      f"init_from:       ignored: {model_dir} already holds checkpoints, so the run resumes "
+      f"from them; to start from {init_from}, use a new --model_dir\n"
+      if init_from is not None and latest is not None
+      else ""
+    )
+    if latest is not None and latest >= train_job.total_steps:
+      stream.write(ignored)
       stream.write(
         f"model_dir: {model_dir} holds the finished run (checkpoint at step "
-        f"{latest}, total_steps={job.total_steps}); nothing to do. Raise "
+        f"{latest}, total_steps={train_job.total_steps}); nothing to do. Raise "
         f"TOTAL_STEPS to train further.\n"
       )
       return TrainSummary(
@@ -572,21 +744,48 @@ def train(
         interrupted=False,
         finished_before=True,
       )
-    status = "new run" if latest is None else f"resuming from the checkpoint at step {latest}"
-    stream.write(f"model_dir:       {model_dir} ({status})\n")
-    stream.write("".join(f"{line}\n" for line in about))
-    stream.flush()
-    if interrupt.requested:
-      raise Interrupted
-    if latest is None:
-      state = setup.create(*setup.init_args) if initial_state is None else initial_state()
-    else:
-      state = _restore(setup, checkpointer, latest, model_dir)
-    if config_text is not None:
+    resume = _resume(setup, reader, model_dir, job) if reader.all_steps() else _Resume()
+  status = (
+    "new run" if resume.step is None else f"resuming from the checkpoint at step {resume.step}"
+  )
+  stream.write(f"model_dir:       {model_dir} ({status})\n")
+  stream.write(ignored)
+  for step, why in resume.skipped:
+    kept = model_dir / SKIPPED / str(step)
+    stream.write(f"skipped:         checkpoint step {step}, kept in {kept}: {why}\n")
+  changed = (
+    _config_change_line(model_dir, resume, config_text)
+    if resume.step is not None and config_text is not None
+    else None
+  )
+  if changed:
+    stream.write(changed + "\n")
+  stream.write("".join(f"{line}\n" for line in about))
+  stream.flush()
+  if interrupt.requested:
+    raise Interrupted
+  if write_events:
+    for step, why in resume.skipped:
+      _set_aside(model_dir, step, why)
+  _sync("t5x_optim: skipped checkpoints set aside")
+  if resume.state is None:
+    state = setup.create(*setup.init_args) if initial_state is None else initial_state()
+  else:
+    state = resume.state
+  start = int(state.step)
+  record = None
+  if config_text is not None:
+    name = config_file_name(model_dir, start, config_text)
+    if write_events:
       (model_dir / CONFIG_FILE).write_text(config_text)
-    start = int(state.step)
-    with MetricWriters(model_dir, start_step=start, enabled=write_events) as writers:
-      return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=latest)
+      (model_dir / name).write_text(config_text)
+    if job is not None:
+      record = {**job, "config_file": name}
+  with (
+    Checkpointer(directory, keep=train_job.keep_checkpoints, job=record) as checkpointer,
+    MetricWriters(model_dir, start_step=start, enabled=write_events) as writers,
+  ):
+    return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=resume.step)
 
 
 def _runs_on_cpu(job: TrainJob) -> bool:

@@ -1,0 +1,211 @@
+"""What makes a run the same job on resume, and what a resume may change.
+
+Every checkpoint of `t5x-optim train` records its job (`job_record`, saved
+with the step by `Checkpointer(job=...)`): the model's sizes, the optimizer
+(the gin configurables ``%OPTIMIZER`` reaches, its learning rate and schedule
+left out), the optimizer state's layout (the class of each state node, each
+leaf's dtype and shape) and the config file of the start that wrote it. A
+resume compares the checkpoint's record with the new run's (`identity_problem`):
+another model, optimizer or layout is refused, since the state would be read
+as another's (adam's E[g^2] as adabelief's variance; 4 heads of 8 read from 2
+of 16, whose kernels have the same shapes). Everything else may change and is
+reported (`config_changes`): total steps, cadences, the learning rate and
+other numeric hyper-parameters, the data, the seed, the devices and mesh.
+
+Example:
+  >>> old = {'model': {'num_heads': 2}, 'optimizer': 'optax.adam', 'state': {}}
+  >>> new = {'model': {'num_heads': 4}, 'optimizer': 'optax.adam', 'state': {}}
+  >>> identity_problem(old, new)
+  'cli.TransformerConfig.num_heads is 2 there, 4 now'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import traverse_util
+from gin import config_parser
+
+__all__ = [
+  "FORMAT",
+  "config_changes",
+  "config_file_name",
+  "identity_problem",
+  "job_record",
+  "state_layout",
+]
+
+FORMAT = 1
+"""The version of the record's format."""
+_SHOWN = 4
+
+
+def _node_classes(tree: Any, path: tuple[str, ...], out: dict[str, str]) -> None:
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    out["/".join(path)] = type(tree).__name__
+    for name in tree._fields:
+      _node_classes(getattr(tree, name), (*path, name), out)
+  elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    out["/".join(path)] = type(tree).__name__
+    for field in dataclasses.fields(tree):
+      _node_classes(getattr(tree, field.name), (*path, field.name), out)
+  elif isinstance(tree, (tuple, list)):
+    for i, child in enumerate(tree):
+      _node_classes(child, (*path, str(i)), out)
+  elif isinstance(tree, Mapping):
+    for key, child in tree.items():
+      _node_classes(child, (*path, str(key)), out)
+
+
+def state_layout(abstract_state: Any) -> dict[str, dict[str, str]]:
+  """The optimizer state's layout: the class of each node and each leaf's ``dtype[shape]``.
+
+  Args:
+    abstract_state: a `TrainState` (of `jax.ShapeDtypeStruct`s or arrays).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from t5x_optim import optimizers
+    >>> layout = state_layout(optimizers.adam(0.1).create({'w': jnp.ones(2)}))
+    >>> layout['classes'], layout['leaves']['0/nu/w']
+    ({'0': 'ScaleByAdamState', '1': 'EmptyState'}, 'float32[2]')
+  """
+  optimizer = getattr(abstract_state, "optimizer", abstract_state)
+  classes: dict[str, str] = {}
+  _node_classes(optimizer.state.param_states, (), classes)
+  param_states = optimizer.state_dict()["state"].get("param_states", {})
+  leaves = traverse_util.flatten_dict(param_states, sep="/") if param_states else {}
+  return {
+    "classes": classes,
+    "leaves": {
+      path: f"{jax.numpy.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
+      for path, leaf in sorted(leaves.items())
+    },
+  }
+
+
+def job_record(
+  *, model: Any, optimizer: str, abstract_state: Any, config_text: str
+) -> dict[str, Any]:
+  """The record saved with every checkpoint of a run (the loop adds ``config_file``,
+  the name of the start's copy of its config in the model directory).
+
+  Args:
+    model: the `TransformerConfig`.
+    optimizer: the optimizer's gin structure (`config.optimizer_identity`).
+    abstract_state: the train state (`Setup.abstract_state`).
+    config_text: the operative gin config of this start.
+  """
+  return {
+    "format": FORMAT,
+    "model": dataclasses.asdict(model),
+    "optimizer": optimizer,
+    "state": state_layout(abstract_state),
+    "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+  }
+
+
+def _first_differences(name: str, there: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+  out = []
+  for path in sorted(set(there) | set(now)):
+    old, new = there.get(path, "nothing"), now.get(path, "nothing")
+    if old != new:
+      out.append(f"{name} {path} is {old} there, {new} now")
+  return out
+
+
+def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+  """What makes `current` another job than `recorded` (both from `job_record`), or None.
+
+  Compares the model, then the optimizer, then the optimizer state's layout,
+  and names the first differences with both sides (the checkpoint's first).
+  """
+  old_model, new_model = recorded.get("model", {}), current.get("model", {})
+  problems = [
+    f"cli.TransformerConfig.{key} is {old_model.get(key)} there, {new_model.get(key)} now"
+    for key in sorted(set(old_model) | set(new_model))
+    if old_model.get(key) != new_model.get(key)
+  ]
+  if not problems and recorded.get("optimizer") != current.get("optimizer"):
+    problems.append(
+      f"the optimizer is {recorded.get('optimizer')} there, {current.get('optimizer')} now"
+    )
+  if not problems:
+    old_state, new_state = recorded.get("state", {}), current.get("state", {})
+    problems = _first_differences(
+      "the optimizer state's node", old_state.get("classes", {}), new_state.get("classes", {})
+    ) or _first_differences(
+      "the optimizer state's leaf", old_state.get("leaves", {}), new_state.get("leaves", {})
+    )
+  if not problems:
+    return None
+  more = f" ({len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+  return "; ".join(problems[:_SHOWN]) + more
+
+
+class _Gin:
+  """A reference or macro of a parsed gin value, shown as gin writes it."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+class _AsText(config_parser.ParserDelegate):
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Gin:
+    return _Gin(f"@{scoped_configurable_name}{'()' if evaluate else ''}")
+
+  def macro(self, macro_name: str) -> _Gin:
+    return _Gin(f"%{macro_name}")
+
+
+def _bindings(text: str) -> dict[str, str]:
+  """``{binding: value}`` of a gin config, parsed without importing anything; a scoped
+  binding counts once, under its unscoped name."""
+  out: dict[str, str] = {}
+  for statement in config_parser.ConfigParser(text, _AsText()):
+    if isinstance(statement, config_parser.BindingStatement):
+      name = statement.selector
+      key = f"{name}.{statement.arg_name}" if statement.arg_name else name
+      out.setdefault(key, repr(statement.value))
+  return out
+
+
+def config_changes(old_text: str, new_text: str) -> list[str]:
+  """The bindings that differ between two gin configs, as ``name old -> new``.
+
+  Example:
+    >>> config_changes('TOTAL_STEPS = 40\\nA = 1', 'TOTAL_STEPS = 60\\nA = 1')
+    ['TOTAL_STEPS 40 -> 60']
+  """
+  old, new = _bindings(old_text), _bindings(new_text)
+  return [
+    f"{key} {old.get(key, '(unbound)')} -> {new.get(key, '(unbound)')}"
+    for key in sorted(set(old) | set(new))
+    if old.get(key) != new.get(key)
+  ]
+
+
+def config_file_name(model_dir: Path, start: int, text: str) -> str:
+  """The name of this start's config copy: ``config_<first step>.gin``, unique in `model_dir`.
+
+  A start at the same step with the same config reuses its name; with
+  another, the name gets a suffix, so no earlier config is overwritten.
+
+  Example:
+    >>> import tempfile
+    >>> config_file_name(Path(tempfile.mkdtemp()), 40, 'A = 1')
+    'config_40.gin'
+  """
+  name, n = f"config_{start}.gin", 1
+  while (model_dir / name).exists() and (model_dir / name).read_text() != text:
+    n += 1
+    name = f"config_{start}-{n}.gin"
+  return name

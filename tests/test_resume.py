@@ -1,0 +1,267 @@
+"""`t5x-optim train` on a model directory that already holds checkpoints: the same job or none.
+
+Each test runs the command (in this process, as tests/test_cli.py does, or in a
+subprocess where the device count must differ) on a run of examples/tiny.gin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import _checkpoint_steps, _env, _scalars
+
+import t5x_optim
+from t5x_optim.cli import main
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
+
+pytestmark = [pytest.mark.usefixtures("clean_gin"), pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--gin_file", "examples/tiny.gin"]
+EVERY_2 = ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2"]
+ADAM = [
+  "--gin_bindings",
+  "optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adam()]",
+  "--gin_bindings",
+  "optax.adam.learning_rate = %LEARNING_RATE",
+]
+ADABELIEF = [
+  "--gin_bindings",
+  "optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adabelief()]",
+  "--gin_bindings",
+  "optax.adabelief.learning_rate = %LEARNING_RATE",
+]
+HEADS_4X8 = [
+  "--gin_bindings",
+  "cli.TransformerConfig.num_heads = 4",
+  "--gin_bindings",
+  "cli.TransformerConfig.head_dim = 8",
+]
+
+
+def _steps(total: int) -> list[str]:
+  return ["--gin_bindings", f"TOTAL_STEPS = {total}"]
+
+
+def _train_run(model_dir: Path, *flags: str, capsys) -> tuple[int, str, str]:
+  code = main(["train", *TINY, "--model_dir", str(model_dir), *flags])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+  """A finished run of tiny.gin to step 4, checkpoints at 2 and 4."""
+  model_dir = tmp_path_factory.mktemp("resume") / "run"
+  code = main(["train", *TINY, *_steps(4), *EVERY_2, "--model_dir", str(model_dir)])
+  assert code == 0
+  return model_dir
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+  model_dir = tmp_path / "run"
+  shutil.copytree(run, model_dir)
+  return model_dir
+
+
+def _one_line_error(code: int, err: str) -> str:
+  assert code == 2, err
+  assert len(err.splitlines()) == 1, err
+  return err
+
+
+def test_resume_with_another_optimizer_is_refused_naming_both(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  assert _train_run(model_dir, *_steps(2), *ADAM, capsys=capsys)[0] == 0
+  code, _, err = _train_run(model_dir, *_steps(4), *ADABELIEF, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "holds another job: at its checkpoint step 2 the optimizer is " in err, err
+  assert "optax.adam]) there, " in err and "optax.adabelief]) now" in err, err
+  assert f"--init_from {model_dir} and a new --model_dir" in err, err
+  assert _checkpoint_steps(model_dir) == [2]
+
+
+def test_resume_with_same_shapes_of_another_model_is_refused(four_steps, tmp_path, capsys):
+  """2 heads of 16 and 4 heads of 8 give kernels of the same shapes."""
+  model_dir = _copy(four_steps, tmp_path)
+  config = (model_dir / "config.gin").read_text()
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, *HEADS_4X8, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert (
+    "at its checkpoint step 4 cli.TransformerConfig.head_dim is 16 there, 8 now; "
+    "cli.TransformerConfig.num_heads is 2 there, 4 now;"
+  ) in err, err
+  assert "--init_from" in err
+  assert _checkpoint_steps(model_dir) == [2, 4]
+  assert (model_dir / "config.gin").read_text() == config  # nothing half-written
+
+
+def test_resume_may_change_steps_and_cadences_and_keeps_every_config(four_steps, tmp_path, capsys):
+  model_dir = _copy(four_steps, tmp_path)
+  flags = [*_steps(6), *EVERY_2, "--gin_bindings", "cli.TrainJob.eval_every = 3"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  lines = out.splitlines()
+  assert lines[0] == f"model_dir:       {model_dir} (resuming from the checkpoint at step 4)"
+  assert lines[1] == (
+    "config:          changed since step 4 (config_0.gin): TOTAL_STEPS 4 -> 6, "
+    "cli.TrainJob.eval_every 20 -> 3"
+  ), out
+  assert "TOTAL_STEPS = 4" in (model_dir / "config_0.gin").read_text()
+  assert "TOTAL_STEPS = 6" in (model_dir / "config_4.gin").read_text()
+  assert (model_dir / "config.gin").read_text() == (model_dir / "config_4.gin").read_text()
+  with t5x_optim.Checkpointer(model_dir / "checkpoints") as checkpointer:
+    assert checkpointer.recorded_job(4)["config_file"] == "config_0.gin"
+    assert checkpointer.recorded_job(6)["config_file"] == "config_4.gin"
+    assert checkpointer.recorded_job(6)["model"]["num_heads"] == 2
+
+
+def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
+  four_steps, tmp_path, capsys
+):
+  model_dir = _copy(four_steps, tmp_path)
+  flags = [*_steps(6), *EVERY_2, "--init_from", str(four_steps)]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  assert out.splitlines()[1] == (
+    f"init_from:       ignored: {model_dir} already holds checkpoints, so the run resumes "
+    f"from them; to start from {four_steps}, use a new --model_dir"
+  )
+
+
+def _flip_one_byte(step_dir: Path) -> None:
+  """Flips one byte in the middle of each array-data file of a step (wherever orbax reads)."""
+  for root, _, names in os.walk(step_dir / "default"):
+    if os.path.basename(root) == "d":
+      for name in names:
+        path = Path(root) / name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):
+  model_dir = _copy(four_steps, tmp_path)
+  _flip_one_byte(model_dir / "checkpoints" / "4")
+  flags = [*_steps(8), *EVERY_2, "--gin_bindings", "cli.TrainJob.keep_checkpoints = 1"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  lines = out.splitlines()
+  assert lines[0] == f"model_dir:       {model_dir} (resuming from the checkpoint at step 2)"
+  assert re.fullmatch(
+    rf"skipped:         checkpoint step 4, kept in {model_dir}/skipped_checkpoints/4: "
+    r"Checkpoint step 4 in \S+ (is corrupt|could not be read|has unreadable).*",
+    lines[1],
+  ), out
+  assert re.search(r"^steps 2 -> 8,", out, re.M), out
+  # Rotation (keep 1) and the new save of step 4 left the skipped step alone.
+  assert _checkpoint_steps(model_dir) == [8]
+  kept = model_dir / "skipped_checkpoints"
+  assert sorted(p.name for p in kept.iterdir()) == ["4", "4.txt"]
+  assert (kept / "4" / "default").is_dir()
+  assert "was skipped on resume" in (kept / "4.txt").read_text()
+
+
+def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
+  model_dir = _copy(four_steps, tmp_path)
+  (model_dir / "checkpoints" / "6").mkdir()
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  lines = out.splitlines()
+  assert lines[0] == f"model_dir:       {model_dir} (resuming from the checkpoint at step 4)"
+  assert lines[1] == (
+    f"skipped:         checkpoint step 6, kept in {model_dir}/skipped_checkpoints/6: "
+    "incomplete: its save or copy never completed"
+  )
+  assert _checkpoint_steps(model_dir) == [2, 4, 6]
+  with t5x_optim.Checkpointer(model_dir / "checkpoints") as checkpointer:
+    assert checkpointer.is_committed(6)
+
+
+def test_no_intact_checkpoint_is_one_line_and_changes_nothing(four_steps, tmp_path, capsys):
+  model_dir = _copy(four_steps, tmp_path)
+  for step in (2, 4):
+    _flip_one_byte(model_dir / "checkpoints" / str(step))
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert f"--model_dir {model_dir} holds no intact checkpoint (step 4: " in err, err
+  assert _checkpoint_steps(model_dir) == [2, 4]
+  assert not (model_dir / "skipped_checkpoints").exists()
+
+
+def test_the_logged_learning_rate_is_the_optimizers(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  flags = [*_steps(10), "--gin_bindings", "optax.adamw.learning_rate = 1e-5"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  assert "learning rate:   optax.adamw.learning_rate = 1e-05 (a constant)\n" in out, out
+  assert re.search(r"^step 10/10  loss \S+  lr 1e-05  ", out, re.M), out
+  rates = [rate for _, rate in _scalars(model_dir / "train")["learning_rate"]]
+  assert rates == pytest.approx([1e-5, 1e-5])
+
+
+def test_a_learning_rate_in_the_optimizer_state_is_read_from_it(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  flags = [*_steps(5), "--gin_file", "optimizers/inject_hyperparams.gin"]
+  flags += ["--gin_bindings", "LEARNING_RATE = 0.25"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  assert "learning rate:   read from the optimizer state (inject_hyperparams'" in out, out
+  assert re.search(r"^step 5/5  loss \S+  lr 0.25  ", out, re.M), out
+
+
+def test_init_from_builds_only_the_sources_optimizer(tmp_path, capsys):
+  """The source ran on 8 devices with --data at a path that is gone: neither matters."""
+  text = tmp_path / "moved.txt"
+  shutil.copy(_config.GIN_DIR.parent / "data" / "hamlet.txt", text)
+  source = tmp_path / "source"
+  flags = [*_steps(2), "--data", str(text)]
+  assert _train_run(source, *flags, capsys=capsys)[0] == 0
+  text.unlink()
+  result = subprocess.run(
+    [sys.executable, "-m", "t5x_optim_launcher", "train", *TINY, *_steps(3), "--num_devices"]
+    + ["2", "--data", "hamlet.txt", "--init_from", str(source), "--model_dir"]
+    + [str(tmp_path / "new")],
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr
+  assert f"init_from:       {source} at step 2" in result.stdout, result.stdout
+
+
+def test_init_from_a_t5x_directory_without_config_asks_for_init_from_gin(tmp_path, capsys):
+  _config.parse_config(
+    gin_files=["examples/tiny.gin"],
+    gin_bindings=["OPTIMIZER = @optimizers.adamw()", "optimizers.adamw.learning_rate = 0.01"],
+    macros=_config.device_macros(8),
+  )
+  setup = _train.prepare(_config.build_job())
+  t5x_dir = tmp_path / "t5x"
+  t5x_optim.save_t5x_checkpoint(t5x_dir, setup.create(*setup.init_args))
+  code, _, err = _train_run(
+    tmp_path / "new", *_steps(2), "--init_from", str(t5x_dir), capsys=capsys
+  )
+  err = _one_line_error(code, err)
+  assert "source_def" not in err and "source=" not in err, err
+  assert err.startswith(f"t5x-optim train: error: --init_from {t5x_dir}: "), err
+  assert "pass --init_from_gin with a gin file of that optimizer" in err, err
+
+
+def test_init_from_gin_that_builds_no_optimizer_names_the_flag(four_steps, tmp_path, capsys):
+  bad = tmp_path / "bad.gin"
+  bad.write_text("OPTIMIZER = @optimizers.no_such_optimizer()\n")
+  flags = [*_steps(2), "--init_from", str(four_steps), "--init_from_gin", str(bad)]
+  code, _, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert f"--init_from {four_steps}: --init_from_gin {bad}" in err, err
