@@ -437,27 +437,12 @@ class Checkpointer:
 
   def _recorded_classes(self, step: int) -> dict[str, str]:
     """The state classes saved with step `step`; {} for a step saved before they were."""
-    path = self._item(step, _STATE_CLASSES) / _JSON_FILE
-    if not path.exists():
-      return {}
-    try:
-      recorded = json.loads(path.read_text())
-      if not isinstance(recorded, dict):
-        raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
-    except (OSError, ValueError) as e:
-      raise CheckpointError(
-        f"{self._where(step)} has an unreadable record of its optimizer ({path}): {e}.",
-        step=step,
-      ) from e
-    return {str(key): str(value) for key, value in recorded.items()}
+    recorded = self._json_record(step, _STATE_CLASSES, "its optimizer")
+    return {} if recorded is None else {str(k): str(v) for k, v in recorded.items()}
 
-  def recorded_job(self, step: int) -> dict[str, Any] | None:
-    """The `job` recorded with checkpoint `step`; None for a step saved without one.
-
-    Raises:
-      CheckpointError: the record is unreadable (a corrupt step).
-    """
-    path = self._item(checked_step(step), _JOB) / _JSON_FILE
+  def _json_record(self, step: int, item: str, what: str) -> dict[str, Any] | None:
+    """The JSON object of `item` saved with step `step`; None when it has none."""
+    path = self._item(step, item) / _JSON_FILE
     if not path.exists():
       return None
     try:
@@ -466,9 +451,17 @@ class Checkpointer:
         raise ValueError(f"expected a JSON object, got {type(recorded).__name__}")
     except (OSError, ValueError) as e:
       raise CheckpointError(
-        f"{self._where(step)} has an unreadable record of its job ({path}): {e}.", step=step
+        f"{self._where(step)} has an unreadable record of {what} ({path}): {e}.", step=step
       ) from e
     return recorded
+
+  def recorded_job(self, step: int) -> dict[str, Any] | None:
+    """The `job` recorded with checkpoint `step`; None for a step saved without one.
+
+    Raises:
+      CheckpointError: the record is unreadable (a corrupt step).
+    """
+    return self._json_record(checked_step(step), _JOB, "its job")
 
   def is_committed(self, step: int) -> bool:
     """Whether checkpoint `step` is on disk and was committed (its save completed).

@@ -140,36 +140,32 @@ def _write_adam(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
   )
 
 
-def _read_lion(state: Any, ctx: ConversionContext) -> dict[str, Any]:
-  """mu = mu_stored / (1 - b2^t): Lion's momentum is an EMA of the gradients with rate b2."""
-  b2 = ctx.hparam("b2", 0.99)
-  return {MU: jax.tree.map(_corrected(b2, state.count), state.mu), "count": state.count}
+def _ema_momentum(rate: str, default: float) -> tuple[Callable, Callable]:
+  """The reader and writer of a momentum stored as an uncorrected EMA of the gradients.
 
-
-def _write_lion(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
-  """mu_stored = mu (1 - b2^t)."""
-  b2 = ctx.hparam("b2", 0.99)
-  count = moments.count(template.mu, template.count, (MU,))
-  mu = moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b2, count))
-  return template._replace(count=count, mu=mu)
-
-
-def _read_muon(state: Any, ctx: ConversionContext) -> dict[str, Any]:
-  """mu = mu_stored / (1 - beta^t): Muon's momentum is an EMA of the gradients with rate beta.
-
-  Only the params Muon runs have a ``mu`` here (the others are
-  ``MaskedNode`` holes; their state is the Adam state beside it).
+  Reading: ``mu = mu_stored / (1 - r^t)``; writing: ``mu_stored = mu (1 - r^t)``,
+  with ``r`` the hyper-parameter `rate` (default `default`). The other fields
+  of the state stay the new optimizer's.
   """
-  beta = ctx.hparam("beta", 0.95)
-  return {MU: jax.tree.map(_corrected(beta, state.count), state.mu), "count": state.count}
+
+  def read(state: Any, ctx: ConversionContext) -> dict[str, Any]:
+    r = ctx.hparam(rate, default)
+    return {MU: jax.tree.map(_corrected(r, state.count), state.mu), "count": state.count}
+
+  def write(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
+    r = ctx.hparam(rate, default)
+    count = moments.count(template.mu, template.count, (MU,))
+    mu = moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(r, count))
+    return template._replace(count=count, mu=mu)
+
+  return read, write
 
 
-def _write_muon(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
-  """mu_stored = mu (1 - beta^t); ``ns_coeffs`` stay the new optimizer's."""
-  beta = ctx.hparam("beta", 0.95)
-  count = moments.count(template.mu, template.count, (MU,))
-  mu = moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(beta, count))
-  return template._replace(count=count, mu=mu)
+# Lion's momentum is an EMA of the gradients with rate b2; Muon's with rate beta
+# (only the params Muon runs have a ``mu``: the others are ``MaskedNode`` holes,
+# their state is the Adam state beside it).
+_read_lion, _write_lion = _ema_momentum("b2", 0.99)
+_read_muon, _write_muon = _ema_momentum("beta", 0.95)
 
 
 def _read_trace(state: Any, ctx: ConversionContext) -> dict[str, Any]:
