@@ -13,7 +13,6 @@ and exits with status 1. Both print one line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import logging
@@ -438,13 +437,9 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   primary = _processes.is_primary()
   try:
     _config.check_mesh_pin(count)
-    rate = _config.optimizer_learning_rate()
     identity = _config.optimizer_identity()
     job = _config.build_job()
-    rate_from = "cli.TrainJob.learning_rate, not read from the optimizer"
-    if rate is not None:
-      job = dataclasses.replace(job, learning_rate=rate[0])
-      rate_from = rate[1]
+    rate_from = _config.learning_rate_source()
     setup = _train.prepare(job)
     initial_state = None
     if train and args.init_from:

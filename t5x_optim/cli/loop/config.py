@@ -511,8 +511,21 @@ def _quiet_gin_path_probes() -> Iterator[None]:
 
 
 def build_job() -> TrainJob:
-  """Builds the `TrainJob` the parsed config describes (call `parse_config` first)."""
-  return gin.get_configurable(TrainJob)()
+  """Builds the `TrainJob` the parsed config describes (call `parse_config` first).
+
+  The learning rate it logs is the one the optimizer's bindings give
+  (`optimizer_learning_rate`) when they give one; `learning_rate_source`
+  says where it comes from.
+  """
+  job = gin.get_configurable(TrainJob)()
+  rate = optimizer_learning_rate()
+  return job if rate is None else dataclasses.replace(job, learning_rate=rate[0])
+
+
+def learning_rate_source() -> str:
+  """Where the learning rate that `build_job`'s job logs comes from, for the banner."""
+  rate = optimizer_learning_rate()
+  return "cli.TrainJob.learning_rate, not read from the optimizer" if rate is None else rate[1]
 
 
 def _reference_text(value: Any, depth: int, skip: frozenset[str] = frozenset()) -> str | None:
