@@ -223,22 +223,42 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(mirror, middle - count, ops.where(signed, middle + count, count))
 
 
-def _block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each block's absolute maximum and whether it holds a negative value."""
-  return jnp.max(jnp.abs(blocks), axis=-1), jnp.min(blocks, axis=-1) < 0
+_SIGN = 0x80000000
+_MAGNITUDE = 0x7FFFFFFF
+_INF = 0x7F800000
 
 
-def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`_block_stats` over finite values, for a leaf with an inf or NaN.
+def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
+  """The larger magnitude, negative if either is: an associative combination of float32s."""
+  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
+  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
 
-  The maximum is over the finite magnitudes; -inf counts as a negative
-  value (it saturates to the negative maximum), NaN does not. The selects
-  here cost a pass over the leaf that `_block_stats`' plain reductions do
-  not: `quantize` takes this only for a leaf with a non-finite value.
+
+def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
+  """Each block's stored scale: its absolute maximum, negated if it holds a negative value.
+
+  One reduction over the float32 bits, each element's magnitude with the
+  sign bit set where it is negative (-0.0 and NaN are not); the combination
+  (`_signed_absmax`) keeps the largest magnitude and any sign, so the
+  reduction's result is the stored scale itself, with no pass over the
+  blocks' statistics after it. ``finite``: non-finite elements count as
+  magnitude 0 (-inf still makes its block signed), with selects that fuse
+  into the reduction: no branch, no second pass over the leaf.
   """
-  magnitude = jnp.abs(blocks)
-  absmax = jnp.max(jnp.where(magnitude < jnp.inf, magnitude, 0.0), axis=-1)
-  return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
+  bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
+  magnitude = bits & jnp.uint32(_MAGNITUDE)
+  if finite:
+    magnitude = jnp.where(magnitude < jnp.uint32(_INF), magnitude, jnp.uint32(0))
+  element = magnitude | jnp.where(blocks < 0, jnp.uint32(_SIGN), jnp.uint32(0))
+  element, magnitude = (jax.lax.bitcast_convert_type(x, jnp.float32) for x in (element, magnitude))
+  scales, reciprocal = jax.lax.reduce(
+    (element, 1.0 / magnitude),
+    (jnp.float32(0), jnp.float32(jnp.inf)),
+    lambda a, b: (_signed_absmax(a[0], b[0]), jax.lax.min(a[1], b[1])),
+    (blocks.ndim - 1,),
+  )
+  return scales, jnp.where(reciprocal < jnp.inf, reciprocal, 1.0)
 
 
 def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> QuantizedLeaf:
@@ -257,9 +277,10 @@ def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> Quant
   in its place. Each block depends on its own values only: quantizing some
   rows of ``x`` gives those rows of quantizing all of it.
 
-  ``guard_nonfinite=False`` skips the check for non-finite values (a pass
-  over ``x`` that holds it in memory): an inf or NaN then damages its whole
-  block, for callers that refuse such a step anyway.
+  ``guard_nonfinite=False`` lets non-finite values into the block scales:
+  an inf or NaN then damages its whole block, for callers that refuse such
+  a step anyway. The guard costs no memory and no branch: its selects fuse
+  into the one reduction that computes the scales (`_block_scales`).
 
   Example:
     >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan]])
@@ -267,25 +288,17 @@ def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> Quant
     [2.0, 6.5e-07, 2.0, 0.0]
   """
   blocks = _blocks(x, block)
-  # Both agree where every value is finite; there the plain reductions save a pass.
-  # Only the statistics are chosen, so the encoder below is compiled once.
-  if guard_nonfinite:
-    absmax, signed = jax.lax.cond(
-      jnp.isfinite(jnp.max(jnp.abs(x))), _block_stats, _finite_block_stats, blocks
-    )
-  else:
-    absmax, signed = _block_stats(blocks)
+  scales, reciprocal = _block_scales(blocks, finite=guard_nonfinite)
+  signed = jax.lax.bitcast_convert_type(scales, jnp.int32) < 0
   # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
-  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
+  scaled = jnp.clip(blocks * reciprocal[..., None], -1.0, 1.0)
   # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
   tiny = np.finfo(np.float32).tiny
   scaled = jnp.where(
     blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
   )
-  codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
-  return QuantizedLeaf(
-    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
-  )
+  codes = _codes(scaled, signed[..., None])
+  return QuantizedLeaf(codes=codes.astype(jnp.uint8).reshape(x.shape), scales=scales)
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
