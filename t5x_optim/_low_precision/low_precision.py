@@ -360,6 +360,32 @@ def _after(x: jax.Array) -> jax.Array:
   return (bits >> (width - 1) <= 1).all()
 
 
+def _unchanged(shapes: Any, operands: tuple) -> Any:
+  """The branch of `_streamed_update`'s conditional that never runs: its operands back.
+
+  The update is the param (the gradient, or zeros, where its shape or dtype
+  differs) and the new stored leaves the old ones: nothing to compute.
+  """
+  p, g, leaves, _ = operands
+
+  def like(s: Any, *candidates: Any) -> Any:
+    same = (c for c in candidates if jnp.shape(c) == s.shape and jnp.result_type(c) == s.dtype)
+    return next(same, None)
+
+  update_shape, encoded_shapes = shapes
+  update = like(update_shape, p, g)
+  if update is None:
+    update = jnp.zeros(update_shape.shape, update_shape.dtype)
+  encoded = []
+  for old, new in zip(leaves, encoded_shapes, strict=True):
+    olds, news = jax.tree.leaves(old), jax.tree.leaves(new)
+    same = jax.tree.structure(old) == jax.tree.structure(new) and all(
+      like(n, o) is not None for o, n in zip(olds, news, strict=True)
+    )
+    encoded.append(old if same else jax.tree.map(lambda n: jnp.zeros(n.shape, n.dtype), new))
+  return update, encoded
+
+
 def _streamed_update(
   plan: FusedPlan,
   updates: Any,
@@ -417,10 +443,7 @@ def _streamed_update(
     traced = jax.jit(leaf_update)
     shapes = traced.eval_shape(operands)
     update, encoded = jax.lax.cond(
-      _after(previous),
-      traced,
-      lambda _, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-      operands,
+      _after(previous), traced, functools.partial(_unchanged, shapes), operands
     )
     new_updates.append(update)
     for k, leaf in zip(ks, encoded, strict=True):
@@ -467,10 +490,9 @@ def low_precision(
       (or an update that is not) expands the whole state to float32 at once,
       which is what the step's peak then holds.
     guard_nonfinite: 8-bit mode: an inf or NaN in the new state damages only
-      its own element (`quantize`); the check holds a float32 copy of each
-      leaf's new state at the step's peak (1.2 bytes per param more at
-      T5.1.1-base shapes). False: an inf or NaN damages its block, for an
-      optimizer that refuses such steps anyway
+      its own element (`quantize`), by selects inside the reduction that
+      computes the block scales, which cost no memory. False: an inf or NaN
+      damages its block, for an optimizer that refuses such steps anyway
       (``optax.apply_if_finite(low_precision(...))``).
 
   Returns:
