@@ -97,6 +97,7 @@ from t5x_optim._low_precision.quantize import (
   dynamic_map,
   leaf_block,
   quantize,
+  quantize_stats,
   rounding_bits,
   to_bfloat16,
 )
@@ -249,27 +250,45 @@ def _plan_storage(
   return tuple(storage), tuple(indices)
 
 
-def _decode(kind: str, stored: Any) -> jax.Array:
-  """One stored leaf in float32."""
+def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
+  """One stored leaf in float32; ``flat`` is `dequantize`'s."""
   if kind == _8BIT:
-    return dequantize(stored)
+    return dequantize(stored, flat=flat)
   if kind == _BF16:
     return stored.astype(jnp.float32)
   return stored
 
 
-def _encode(kind: str, x: Any, bits: jax.Array | None, block: Any, guard: bool = True) -> Any:
+def _encode(
+  kind: str,
+  x: Any,
+  bits: jax.Array | None,
+  block: Any,
+  guard: bool = True,
+  stats: Any = None,
+  flat: bool = False,
+) -> Any:
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
   to nearest); ``block`` maps the last dimension to an 8-bit block;
-  ``guard`` is `quantize`'s ``guard_nonfinite``.
+  ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
+  ``stats`` and ``flat``.
   """
   if kind == _8BIT:
-    return quantize(jnp.asarray(x, jnp.float32), block(x.shape[-1]), guard_nonfinite=guard)
+    x = jnp.asarray(x, jnp.float32)
+    return quantize(x, block(x.shape[-1]), guard_nonfinite=guard, stats=stats, flat=flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
+
+
+def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
+  """The 8-bit block statistics of a new state leaf (`quantize_stats`); None for other kinds."""
+  if kind != _8BIT:
+    return None
+  x = jnp.asarray(x, jnp.float32)
+  return quantize_stats(x, block(x.shape[-1]), guard_nonfinite=guard)
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
@@ -360,30 +379,23 @@ def _after(x: jax.Array) -> jax.Array:
   return (bits >> (width - 1) <= 1).all()
 
 
-def _unchanged(shapes: Any, operands: tuple) -> Any:
+def _unchanged(shapes: Any, operands: Any) -> Any:
   """The branch of `_streamed_update`'s conditional that never runs: its operands back.
 
-  The update is the param (the gradient, or zeros, where its shape or dtype
-  differs) and the new stored leaves the old ones: nothing to compute.
+  Each output is an operand of its shape and dtype (zeros where none is):
+  nothing to compute.
   """
-  p, g, leaves, _ = operands
+  arrays = jax.tree.leaves(operands)
 
-  def like(s: Any, *candidates: Any) -> Any:
-    same = (c for c in candidates if jnp.shape(c) == s.shape and jnp.result_type(c) == s.dtype)
+  def like(s: Any) -> Any:
+    same = (a for a in arrays if jnp.shape(a) == s.shape and jnp.result_type(a) == s.dtype)
     return next(same, None)
 
-  update_shape, encoded_shapes = shapes
-  update = like(update_shape, p, g)
-  if update is None:
-    update = jnp.zeros(update_shape.shape, update_shape.dtype)
-  encoded = []
-  for old, new in zip(leaves, encoded_shapes, strict=True):
-    olds, news = jax.tree.leaves(old), jax.tree.leaves(new)
-    same = jax.tree.structure(old) == jax.tree.structure(new) and all(
-      like(n, o) is not None for o, n in zip(olds, news, strict=True)
-    )
-    encoded.append(old if same else jax.tree.map(lambda n: jnp.zeros(n.shape, n.dtype), new))
-  return update, encoded
+  def pick(s: Any) -> Any:
+    found = like(s)
+    return jnp.zeros(s.shape, s.dtype) if found is None else found
+
+  return jax.tree.map(pick, shapes)
 
 
 def _streamed_update(
@@ -422,33 +434,43 @@ def _streamed_update(
   previous = g_leaves[0]
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
+    residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
 
-    def leaf_update(operands: tuple, ks: list[int] = ks, i: int = i) -> tuple[Any, list]:
-      p, g, leaves, residuals = operands
-      decoded = [_decode(state.storage[k], leaf) for k, leaf in zip(ks, leaves, strict=True)]
-      outs = run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
-      encoded = [
-        _encode(state.storage[k], x, _bits(state, count, k, jnp.shape(p)), block, guard)
-        for k, x in zip(ks, outs[1:], strict=True)
+    def new_state(
+      p: Any, g: Any, leaves: list, residuals: list, ks: list[int] = ks, i: int = i
+    ) -> list:
+      decoded = [
+        _decode(state.storage[k], leaf, flat=True) for k, leaf in zip(ks, leaves, strict=True)
       ]
-      return outs[0], encoded
+      return run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
 
-    operands = (
-      p,
-      g,
-      [new_stored[k] for k in ks],
-      [jnp.asarray(values[r]) for r in group_of[i].residuals],
-    )
+    def leaf_update(operands: tuple, ks: list[int] = ks, new_state: Callable = new_state) -> Any:
+      outs = new_state(*operands)
+      stats = [_stats(state.storage[k], x, block, guard) for k, x in zip(ks, outs[1:], strict=True)]
+      return outs[0], stats
+
+    old = [new_stored[k] for k in ks]
+    operands = (p, g, old, residuals)
     # Traced once: the shapes of the branch that never runs come from the cache.
     traced = jax.jit(leaf_update)
     shapes = traced.eval_shape(operands)
-    update, encoded = jax.lax.cond(
+    update, stats = jax.lax.cond(
       _after(previous), traced, functools.partial(_unchanged, shapes), operands
     )
     new_updates.append(update)
-    for k, leaf in zip(ks, encoded, strict=True):
-      new_stored[k] = leaf
     previous = optax.apply_updates(p, update)
+    # The encoders run after the branch (they read its statistics or wait for
+    # the new param), so each writes its new state over the old one, which
+    # only the branch reads: the step holds no second copy of the state.
+    after = _after(previous)
+    outs = new_state(p, g, old, residuals)
+    for k, x, leaf_stats in zip(ks, outs[1:], stats, strict=True):
+      kind = state.storage[k]
+      bits = _bits(state, count, k, jnp.shape(p))
+      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
+      if kind != _8BIT:
+        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+      new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
 
