@@ -370,7 +370,7 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
 def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:
   """The float32 values of an 8-bit leaf; ``flat`` as in `quantize` (the same values)."""
   block = leaf.codes.shape[-1] // leaf.scales.shape[-1]
-  codes = leaf.codes.astype(jnp.int32)
+  codes = jnp.asarray(leaf.codes).astype(jnp.int32)
   if flat:
     values = _decode(codes, _spread(leaf.scales < 0, block))
     return values * _spread(jnp.abs(leaf.scales), block)
