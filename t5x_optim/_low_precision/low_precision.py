@@ -411,15 +411,20 @@ def _streamed_update(
 ) -> tuple[Any, Any]:
   """``(updates, new stored inner state)``, computed one param leaf at a time.
 
-  Leaf ``i`` decodes its state, runs its program (`plan`) and encodes its
-  new state inside a conditional whose predicate reads leaf ``i - 1``'s new
-  param (`_after`): a conditional's branch runs as a whole, after its
-  predicate, so at most one leaf's float32 state is live, whatever order
-  the compiler's scheduler prefers (optimization barriers do not order
-  work on every backend: XLA:CPU removes them before scheduling). The new
-  param is the caller's ``optax.apply_updates`` of the leaf, which XLA's
-  common-subexpression elimination merges with the one here: each param is
-  updated, and its float32 update freed, before the next leaf starts.
+  Leaf ``i`` decodes its state, runs its program (`plan`) and computes its
+  update and its new state's 8-bit block statistics inside a conditional
+  whose predicate reads leaf ``i - 1``'s new param (`_after`): a
+  conditional's branch runs as a whole, after its predicate, so at most one
+  leaf's float32 work is live, whatever order the compiler's scheduler
+  prefers (optimization barriers do not order work on every backend:
+  XLA:CPU removes them before scheduling). The new param is the caller's
+  ``optax.apply_updates`` of the leaf, which XLA's common-subexpression
+  elimination merges with the one here: each param is updated, and its
+  float32 update freed, before the next leaf starts. The encoders run after
+  the branch (they read its statistics, or wait for the new param) and
+  compute the new state again from the old one in the leaf's shape (``flat``
+  codecs), elementwise: each writes its codes over the old ones, which only
+  the branch read before, so no second copy of the state is held.
   """
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(updates)
