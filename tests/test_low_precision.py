@@ -178,6 +178,13 @@ def test_quantize_matches_reference_bit_for_bit():
   assert (scales[3:5] > 0).all() and (scales[:3] < 0).all() and (scales[5] == 0).all()
   back = np.asarray(jax.jit(dequantize)(got))
   np.testing.assert_array_equal(back, ref_dequantize(codes, scales))
+  # The flat form (per-block values spread over the leaf's shape) is the same codec.
+  flat = jax.jit(functools.partial(quantize, flat=True), static_argnums=1)(jnp.asarray(x), 16)
+  np.testing.assert_array_equal(np.asarray(flat.codes), codes)
+  np.testing.assert_array_equal(np.asarray(flat.scales), scales)
+  np.testing.assert_array_equal(
+    np.asarray(jax.jit(dequantize, static_argnames="flat")(got, flat=True)), back
+  )
   # The top decade of a block keeps a relative error of a few percent.
   top = np.abs(x) >= 0.1 * np.abs(x).max(axis=1, keepdims=True)
   top &= x != 0
