@@ -33,13 +33,17 @@ def _pair(make, mode, **kwargs):
   )
 
 
-def _close(got, want, *, rtol: float, spread: float) -> None:
-  """Leaf by leaf: at most a ``spread`` share of elements differ by more than ``rtol``."""
-  for (path, x), y in zip(
-    jax.tree_util.tree_leaves_with_path(to_numpy(got)), jax.tree.leaves(to_numpy(want))
+def _close(got, want, *, rtol: float, spread: float, atol=None) -> None:
+  """Leaf by leaf: at most a ``spread`` share of elements differ by more than ``rtol``.
+
+  ``atol``: None, or a tree like ``want`` of absolute tolerances per element.
+  """
+  atols = [0.0] * len(jax.tree.leaves(want)) if atol is None else jax.tree.leaves(atol)
+  for (path, x), y, a in zip(
+    jax.tree_util.tree_leaves_with_path(to_numpy(got)), jax.tree.leaves(to_numpy(want)), atols
   ):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    off = ~np.isclose(x, y, rtol=rtol, atol=0, equal_nan=True)
+    off = ~np.isclose(x, y, rtol=rtol, atol=0, equal_nan=True) & ~(np.abs(x - y) <= a)
     assert off.sum() <= spread * off.size, (
       jax.tree_util.keystr(path),
       off.sum(),
@@ -53,8 +57,9 @@ def _assert_same_state_and_updates(streamed, whole, params, *, jit):
 
   The streamed update runs each leaf's operations apart from the rest of the
   step, where XLA rounds some of them differently (a float32 ulp, seen in a
-  product of a gradient and a scalar); a stored value next to a rounding
-  boundary (an 8-bit threshold) may then land on the other side of it.
+  product of a gradient and a scalar, and in a param-sized value that an
+  update subtracts); a stored value next to a rounding boundary (an 8-bit
+  threshold) may then land on the other side of it.
   """
   state = whole.init(params)
   assert jax.tree.structure(streamed.init(params)) == jax.tree.structure(state)
@@ -69,7 +74,11 @@ def _assert_same_state_and_updates(streamed, whole, params, *, jit):
     got_updates, got_state = step(streamed, grads, state, params)
     want_updates, want_state = step(whole, grads, state, params)
     assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
-    _close(got_updates, want_updates, rtol=1e-5, spread=0.0)
+    # An update is added to its param: one float32 ulp of the param is below
+    # what the step can tell apart (schedule-free's update, a difference of
+    # param-sized interpolations, shows it).
+    ulps = jax.tree.map(lambda p: np.spacing(np.abs(np.asarray(p, np.float32))), params)
+    _close(got_updates, want_updates, rtol=1e-5, spread=0.0, atol=ulps)
     _close(
       low_precision_to_float32(got_state),
       low_precision_to_float32(want_state),
@@ -127,29 +136,34 @@ def _step_memory(tx, shapes):
 def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   """Eight equal leaves: the streamed step's temporaries are those of about one leaf.
 
-  The whole-tree update keeps every leaf's float32 state (or a copy of the
-  stored one) live at once: 4 bytes per param or more.
+  The whole-tree update keeps many leaves' float32 state (or a copy of the
+  stored one) live at once: over 2 bytes per param (bfloat16: 4).
   """
   shapes, size = [(256, 512)] * 8, 256 * 512
   streamed = _step_memory(low_precision(optax.adamw(1e-3), mode), shapes)
   whole = _step_memory(low_precision(optax.adamw(1e-3), mode, stream=False), shapes)
   n = size * len(shapes)
-  assert whole.temp_size_in_bytes >= 4 * n
-  # Decoded mu and nu, the new ones and the update of one leaf, and the 8-bit
-  # encoder's pass for non-finite values: at most 6 float32 copies of one leaf.
-  assert streamed.temp_size_in_bytes <= 6 * 4 * size
+  assert whole.temp_size_in_bytes >= 2 * n
+  # Decoded mu and nu, the new ones and the update of one leaf: at most 3
+  # float32 copies of one leaf (the 8-bit guard against non-finite values
+  # holds none: its selects fuse into the scales' reduction).
+  assert streamed.temp_size_in_bytes <= 3 * 4 * size
   assert math.isclose(
     streamed.argument_size_in_bytes, whole.argument_size_in_bytes, rel_tol=0, abs_tol=0
   )
 
 
 @pytest.mark.slow
-def test_without_the_nonfinite_guard_the_8bit_step_holds_about_two_float32_copies_of_a_leaf():
-  """``guard_nonfinite=False`` drops the check's pass, and the copy of a leaf it holds."""
+def test_the_nonfinite_guard_costs_the_8bit_step_no_memory():
+  """With or without the guard, the step holds under two float32 copies of a leaf.
+
+  The guard's selects fuse into the reduction that computes the block
+  scales: no branch, no pass over the leaf held in memory.
+  """
   shapes, size = [(256, 512)] * 8, 256 * 512
   guarded = _step_memory(low_precision(optax.adamw(1e-3), "8bit"), shapes)
   plain = _step_memory(low_precision(optax.adamw(1e-3), "8bit", guard_nonfinite=False), shapes)
-  assert plain.temp_size_in_bytes <= 2.5 * 4 * size < guarded.temp_size_in_bytes
+  assert guarded.temp_size_in_bytes <= plain.temp_size_in_bytes <= 2 * 4 * size
 
 
 def test_without_the_nonfinite_guard_apply_if_finite_still_refuses_the_step():

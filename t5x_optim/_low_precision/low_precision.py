@@ -97,6 +97,7 @@ from t5x_optim._low_precision.quantize import (
   dynamic_map,
   leaf_block,
   quantize,
+  quantize_stats,
   rounding_bits,
   to_bfloat16,
 )
@@ -249,27 +250,45 @@ def _plan_storage(
   return tuple(storage), tuple(indices)
 
 
-def _decode(kind: str, stored: Any) -> jax.Array:
-  """One stored leaf in float32."""
+def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
+  """One stored leaf in float32; ``flat`` is `dequantize`'s."""
   if kind == _8BIT:
-    return dequantize(stored)
+    return dequantize(stored, flat=flat)
   if kind == _BF16:
     return stored.astype(jnp.float32)
   return stored
 
 
-def _encode(kind: str, x: Any, bits: jax.Array | None, block: Any, guard: bool = True) -> Any:
+def _encode(
+  kind: str,
+  x: Any,
+  bits: jax.Array | None,
+  block: Any,
+  guard: bool = True,
+  stats: Any = None,
+  flat: bool = False,
+) -> Any:
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
   to nearest); ``block`` maps the last dimension to an 8-bit block;
-  ``guard`` is `quantize`'s ``guard_nonfinite``.
+  ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
+  ``stats`` and ``flat``.
   """
   if kind == _8BIT:
-    return quantize(jnp.asarray(x, jnp.float32), block(x.shape[-1]), guard_nonfinite=guard)
+    x = jnp.asarray(x, jnp.float32)
+    return quantize(x, block(x.shape[-1]), guard_nonfinite=guard, stats=stats, flat=flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
+
+
+def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
+  """The 8-bit block statistics of a new state leaf (`quantize_stats`); None for other kinds."""
+  if kind != _8BIT:
+    return None
+  x = jnp.asarray(x, jnp.float32)
+  return quantize_stats(x, block(x.shape[-1]), guard_nonfinite=guard)
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
@@ -360,6 +379,25 @@ def _after(x: jax.Array) -> jax.Array:
   return (bits >> (width - 1) <= 1).all()
 
 
+def _unchanged(shapes: Any, operands: Any) -> Any:
+  """The branch of `_streamed_update`'s conditional that never runs: its operands back.
+
+  Each output is an operand of its shape and dtype (zeros where none is):
+  nothing to compute.
+  """
+  arrays = jax.tree.leaves(operands)
+
+  def like(s: Any) -> Any:
+    same = (a for a in arrays if jnp.shape(a) == s.shape and jnp.result_type(a) == s.dtype)
+    return next(same, None)
+
+  def pick(s: Any) -> Any:
+    found = like(s)
+    return jnp.zeros(s.shape, s.dtype) if found is None else found
+
+  return jax.tree.map(pick, shapes)
+
+
 def _streamed_update(
   plan: FusedPlan,
   updates: Any,
@@ -373,15 +411,20 @@ def _streamed_update(
 ) -> tuple[Any, Any]:
   """``(updates, new stored inner state)``, computed one param leaf at a time.
 
-  Leaf ``i`` decodes its state, runs its program (`plan`) and encodes its
-  new state inside a conditional whose predicate reads leaf ``i - 1``'s new
-  param (`_after`): a conditional's branch runs as a whole, after its
-  predicate, so at most one leaf's float32 state is live, whatever order
-  the compiler's scheduler prefers (optimization barriers do not order
-  work on every backend: XLA:CPU removes them before scheduling). The new
-  param is the caller's ``optax.apply_updates`` of the leaf, which XLA's
-  common-subexpression elimination merges with the one here: each param is
-  updated, and its float32 update freed, before the next leaf starts.
+  Leaf ``i`` decodes its state, runs its program (`plan`) and computes its
+  update and its new state's 8-bit block statistics inside a conditional
+  whose predicate reads leaf ``i - 1``'s new param (`_after`): a
+  conditional's branch runs as a whole, after its predicate, so at most one
+  leaf's float32 work is live, whatever order the compiler's scheduler
+  prefers (optimization barriers do not order work on every backend:
+  XLA:CPU removes them before scheduling). The new param is the caller's
+  ``optax.apply_updates`` of the leaf, which XLA's common-subexpression
+  elimination merges with the one here: each param is updated, and its
+  float32 update freed, before the next leaf starts. The encoders run after
+  the branch (they read its statistics, or wait for the new param) and
+  compute the new state again from the old one in the leaf's shape (``flat``
+  codecs), elementwise: each writes its codes over the old ones, which only
+  the branch read before, so no second copy of the state is held.
   """
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(updates)
@@ -396,36 +439,43 @@ def _streamed_update(
   previous = g_leaves[0]
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
+    residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
 
-    def leaf_update(operands: tuple, ks: list[int] = ks, i: int = i) -> tuple[Any, list]:
-      p, g, leaves, residuals = operands
-      decoded = [_decode(state.storage[k], leaf) for k, leaf in zip(ks, leaves, strict=True)]
-      outs = run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
-      encoded = [
-        _encode(state.storage[k], x, _bits(state, count, k, jnp.shape(p)), block, guard)
-        for k, x in zip(ks, outs[1:], strict=True)
+    def new_state(
+      p: Any, g: Any, leaves: list, residuals: list, ks: list[int] = ks, i: int = i
+    ) -> list:
+      decoded = [
+        _decode(state.storage[k], leaf, flat=True) for k, leaf in zip(ks, leaves, strict=True)
       ]
-      return outs[0], encoded
+      return run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
 
-    operands = (
-      p,
-      g,
-      [new_stored[k] for k in ks],
-      [jnp.asarray(values[r]) for r in group_of[i].residuals],
-    )
+    def leaf_update(operands: tuple, ks: list[int] = ks, new_state: Callable = new_state) -> Any:
+      outs = new_state(*operands)
+      stats = [_stats(state.storage[k], x, block, guard) for k, x in zip(ks, outs[1:], strict=True)]
+      return outs[0], stats
+
+    old = [new_stored[k] for k in ks]
+    operands = (p, g, old, residuals)
     # Traced once: the shapes of the branch that never runs come from the cache.
     traced = jax.jit(leaf_update)
     shapes = traced.eval_shape(operands)
-    update, encoded = jax.lax.cond(
-      _after(previous),
-      traced,
-      lambda _, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-      operands,
+    update, stats = jax.lax.cond(
+      _after(previous), traced, functools.partial(_unchanged, shapes), operands
     )
     new_updates.append(update)
-    for k, leaf in zip(ks, encoded, strict=True):
-      new_stored[k] = leaf
     previous = optax.apply_updates(p, update)
+    # The encoders run after the branch (they read its statistics or wait for
+    # the new param), so each writes its new state over the old one, which
+    # only the branch reads: the step holds no second copy of the state.
+    after = _after(previous)
+    outs = new_state(p, g, old, residuals)
+    for k, x, leaf_stats in zip(ks, outs[1:], stats, strict=True):
+      kind = state.storage[k]
+      bits = _bits(state, count, k, jnp.shape(p))
+      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
+      if kind != _8BIT:
+        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+      new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
 
@@ -467,10 +517,9 @@ def low_precision(
       (or an update that is not) expands the whole state to float32 at once,
       which is what the step's peak then holds.
     guard_nonfinite: 8-bit mode: an inf or NaN in the new state damages only
-      its own element (`quantize`); the check holds a float32 copy of each
-      leaf's new state at the step's peak (1.2 bytes per param more at
-      T5.1.1-base shapes). False: an inf or NaN damages its block, for an
-      optimizer that refuses such steps anyway
+      its own element (`quantize`), by selects inside the reduction that
+      computes the block scales, which cost no memory. False: an inf or NaN
+      damages its block, for an optimizer that refuses such steps anyway
       (``optax.apply_if_finite(low_precision(...))``).
 
   Returns:

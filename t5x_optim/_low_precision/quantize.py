@@ -35,6 +35,7 @@ __all__ = [
   "dynamic_map",
   "leaf_block",
   "quantize",
+  "quantize_stats",
   "rounding_bits",
   "to_bfloat16",
 ]
@@ -104,6 +105,18 @@ def dynamic_map(signed: bool) -> np.ndarray:
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _spread(per_block: jax.Array, block: int) -> jax.Array:
+  """A value per block repeated over its block's elements, in the leaf's shape.
+
+  The codecs reshape the per-block values, not the leaf: an elementwise
+  computation on the leaf (a new state from the old codes) can then write
+  its result over its operand.
+  """
+  shape = per_block.shape
+  repeated = jax.lax.broadcast_in_dim(per_block, (*shape, block), tuple(range(len(shape))))
+  return repeated.reshape(*shape[:-1], shape[-1] * block)
 
 
 @functools.cache
@@ -223,25 +236,59 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(mirror, middle - count, ops.where(signed, middle + count, count))
 
 
-def _block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each block's absolute maximum and whether it holds a negative value."""
-  return jnp.max(jnp.abs(blocks), axis=-1), jnp.min(blocks, axis=-1) < 0
+_SIGN = 0x80000000
+_MAGNITUDE = 0x7FFFFFFF
+_INF = 0x7F800000
 
 
-def _finite_block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`_block_stats` over finite values, for a leaf with an inf or NaN.
+def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
+  """The larger magnitude, negative if either is: an associative combination of float32s."""
+  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
+  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
 
-  The maximum is over the finite magnitudes; -inf counts as a negative
-  value (it saturates to the negative maximum), NaN does not. The selects
-  here cost a pass over the leaf that `_block_stats`' plain reductions do
-  not: `quantize` takes this only for a leaf with a non-finite value.
+
+def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
+  """Each block's stored scale: its absolute maximum, negated if it holds a negative value.
+
+  One reduction over the float32 bits, each element's magnitude with the
+  sign bit set where it is negative (-0.0 and NaN are not); the combination
+  (`_signed_absmax`) keeps the largest magnitude and any sign, so the
+  reduction's result is the stored scale itself, with no pass over the
+  blocks' statistics after it. ``finite``: non-finite elements count as
+  magnitude 0 (-inf still makes its block signed), with selects that fuse
+  into the reduction: no branch, no second pass over the leaf.
   """
-  magnitude = jnp.abs(blocks)
-  absmax = jnp.max(jnp.where(magnitude < jnp.inf, magnitude, 0.0), axis=-1)
-  return absmax, jnp.min(jnp.where(jnp.isnan(blocks), 0.0, blocks), axis=-1) < 0
+  bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
+  magnitude = bits & jnp.uint32(_MAGNITUDE)
+  if finite:
+    magnitude = jnp.where(magnitude < jnp.uint32(_INF), magnitude, jnp.uint32(0))
+  element = magnitude | jnp.where(blocks < 0, jnp.uint32(_SIGN), jnp.uint32(0))
+  element, magnitude = (jax.lax.bitcast_convert_type(x, jnp.float32) for x in (element, magnitude))
+  scales, reciprocal = jax.lax.reduce(
+    (element, 1.0 / magnitude),
+    (jnp.float32(0), jnp.float32(jnp.inf)),
+    lambda a, b: (_signed_absmax(a[0], b[0]), jax.lax.min(a[1], b[1])),
+    (blocks.ndim - 1,),
+  )
+  return scales, reciprocal
 
 
-def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> QuantizedLeaf:
+def quantize_stats(
+  x: jax.Array, block: int, *, guard_nonfinite: bool = True
+) -> tuple[jax.Array, jax.Array]:
+  """`quantize`'s ``stats``: each block's stored scale and the reciprocal of its magnitude."""
+  return _block_scales(_blocks(x, block), finite=guard_nonfinite)
+
+
+def quantize(
+  x: jax.Array,
+  block: int,
+  *,
+  guard_nonfinite: bool = True,
+  stats: tuple[jax.Array, jax.Array] | None = None,
+  flat: bool = False,
+) -> QuantizedLeaf:
   """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
 
   Each block is scaled by its largest finite magnitude and uses the signed
@@ -257,35 +304,39 @@ def quantize(x: jax.Array, block: int, *, guard_nonfinite: bool = True) -> Quant
   in its place. Each block depends on its own values only: quantizing some
   rows of ``x`` gives those rows of quantizing all of it.
 
-  ``guard_nonfinite=False`` skips the check for non-finite values (a pass
-  over ``x`` that holds it in memory): an inf or NaN then damages its whole
-  block, for callers that refuse such a step anyway.
+  ``guard_nonfinite=False`` lets non-finite values into the block scales:
+  an inf or NaN then damages its whole block, for callers that refuse such
+  a step anyway. The guard costs no memory and no branch: its selects fuse
+  into the one reduction that computes the scales (`_block_scales`).
+  ``stats``: `quantize_stats` of ``x``, computed before (e.g. in a branch
+  that orders the work); None: computed here. ``flat``: the per-block
+  values are spread over the leaf's shape instead of the leaf being
+  reshaped into blocks (the same values): an encoder of a new state
+  computed from old codes decoded ``flat`` (`dequantize`) can then write
+  its codes over the old ones; XLA fuses the blocks' form better where a
+  whole tree of leaves is compressed at once.
 
   Example:
     >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan]])
     >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
     [2.0, 6.5e-07, 2.0, 0.0]
   """
-  blocks = _blocks(x, block)
-  # Both agree where every value is finite; there the plain reductions save a pass.
-  # Only the statistics are chosen, so the encoder below is compiled once.
-  if guard_nonfinite:
-    absmax, signed = jax.lax.cond(
-      jnp.isfinite(jnp.max(jnp.abs(x))), _block_stats, _finite_block_stats, blocks
-    )
-  else:
-    absmax, signed = _block_stats(blocks)
+  if stats is None:
+    stats = _block_scales(_blocks(x, block), finite=guard_nonfinite)
+  scales, reciprocal = stats
+  reciprocal = jnp.where(reciprocal < jnp.inf, reciprocal, 1.0)
+  signed = jax.lax.bitcast_convert_type(scales, jnp.int32) < 0
+  values = x if flat else _blocks(x, block)
+  signed, reciprocal = (_spread(a, block) if flat else a[..., None] for a in (signed, reciprocal))
   # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
-  scaled = jnp.clip(blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None], -1.0, 1.0)
+  scaled = jnp.clip(values * reciprocal, -1.0, 1.0)
   # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
   tiny = np.finfo(np.float32).tiny
   scaled = jnp.where(
-    blocks > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(blocks), 0.0, scaled)
+    values > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(values), 0.0, scaled)
   )
-  codes = _codes(scaled, jnp.broadcast_to(signed[..., None], scaled.shape))
-  return QuantizedLeaf(
-    codes=codes.astype(jnp.uint8).reshape(x.shape), scales=jnp.where(signed, -absmax, absmax)
-  )
+  codes = _codes(scaled, signed).astype(jnp.uint8).reshape(x.shape)
+  return QuantizedLeaf(codes=codes, scales=scales)
 
 
 def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
@@ -316,9 +367,14 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(signed & lax.lt(codes, middle), -value, value)
 
 
-def dequantize(leaf: QuantizedLeaf) -> jax.Array:
-  codes = _blocks(leaf.codes.astype(jnp.int32), leaf.codes.shape[-1] // leaf.scales.shape[-1])
-  values = _decode(codes, (leaf.scales < 0)[..., None])
+def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:
+  """The float32 values of an 8-bit leaf; ``flat`` as in `quantize` (the same values)."""
+  block = leaf.codes.shape[-1] // leaf.scales.shape[-1]
+  codes = jnp.asarray(leaf.codes).astype(jnp.int32)
+  if flat:
+    values = _decode(codes, _spread(leaf.scales < 0, block))
+    return values * _spread(jnp.abs(leaf.scales), block)
+  values = _decode(_blocks(codes, block), (leaf.scales < 0)[..., None])
   return (values * jnp.abs(leaf.scales)[..., None]).reshape(leaf.codes.shape)
 
 
