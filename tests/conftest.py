@@ -30,6 +30,7 @@ SLOW_DOCTESTS = {
   "t5x_optim._low_precision.low_precision",
   "t5x_optim._low_precision.low_precision.float32_to_low_precision",
   "t5x_optim._low_precision.low_precision.leaf_storage",
+  "t5x_optim._low_precision.low_precision.low_precision_to_float32",
   "t5x_optim._low_precision.quantize.quantize",
   "t5x_optim._layouts.stacked",
   "t5x_optim.cli.demo.model",

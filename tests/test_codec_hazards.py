@@ -88,6 +88,7 @@ def test_a_non_finite_gradient_element_damages_only_its_own_param(mode):
     params = optax.apply_updates(params, updates)
 
 
+@pytest.mark.slow
 def test_apply_if_finite_refuses_the_whole_step_and_keeps_the_stored_state():
   """The other choice: ``optax.apply_if_finite`` around the 8-bit optimizer skips the step."""
   tx = optax.apply_if_finite(low_precision(optax.adam(1e-2), "8bit", min_size=0), 3)
@@ -140,6 +141,7 @@ def _adam_run(tx: optax.GradientTransformation, grads: jax.Array, steps: int) ->
   "ratio",
   [1e-4, *(pytest.param(r, marks=pytest.mark.slow) for r in (1e-2, 1e-3, 3e-4, 1e-5, 1e-8))],
 )
+@pytest.mark.slow
 def test_adam_moves_a_tiny_gradient_element_no_farther_than_float32(ratio, signs):
   """The zero-point problem: one block holds large and tiny constant gradients, 300 steps.
 
@@ -189,6 +191,7 @@ _NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimensio
     pytest.param((64, 768), "8bit", 1 + 4 / 96, marks=pytest.mark.slow),
   ],
 )
+@pytest.mark.slow
 def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):
   state = low_precision(optax.adam(1e-3), "8bit", min_size=0).init({"w": jnp.zeros(shape)})
   mu = state.inner_state[0].mu["w"]
@@ -221,6 +224,7 @@ def test_every_block_tiles_the_last_dimension_in_at_most_2_bytes_per_value(
     assert count == 1 or count % math.gcd(last_dim, shard_multiple) == 0, (last_dim, block)
 
 
+@pytest.mark.slow
 def test_a_kept_leaf_and_a_one_block_leaf_get_their_params_axes():
   params = {"odd": jnp.ones((16, 257)), "short": jnp.ones((16, 8))}
   axes = {"odd": P("embed", "mlp"), "short": P("embed", "mlp")}
@@ -233,6 +237,7 @@ def test_a_kept_leaf_and_a_one_block_leaf_get_their_params_axes():
   }
 
 
+@pytest.mark.slow
 def test_quantizing_rows_gives_the_rows_of_the_whole_leaf():
   """Row chunks of a leaf encode exactly as the whole leaf does, non-finite values included."""
   rng = np.random.default_rng(2)

@@ -91,6 +91,7 @@ QUICK_PAIRS = {("adam_b2", "float32", "bfloat16"), ("adam_b2", "bfloat16", "floa
     for case in itertools.product(sorted(TARGETS), STORAGES, STORAGES)
   ],
 )
+@pytest.mark.slow
 def test_every_storage_pair_converts_as_float32_does(target, source_storage, target_storage):
   make, hparams, fields = TARGETS[target]
   source = _trained(source_storage)

@@ -368,6 +368,7 @@ def test_table_matches_reference_bit_for_bit(case, mode):
     "sgd",
   ],
 )
+@pytest.mark.slow
 def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
   """Dequantize, update and quantize fused in one jitted step: still the reference's bits."""
   make = {
@@ -404,6 +405,7 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
   assert got == expected, case
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_is_unbiased_and_accumulates():
   """A nu that grows by 1e-4 per step from 1: to nearest it never moves, stochastically it does."""
   x = jnp.full((4096,), 1.0 + 2.0**-10, jnp.float32)  # a quarter of a bfloat16 step above 1
@@ -468,6 +470,7 @@ def test_a_mode_that_does_not_apply_is_refused_with_the_path(make, mode, states,
     low_precision(make(), mode, states=states).init({"w": jnp.ones((32, 64))})
 
 
+@pytest.mark.slow
 def test_states_selects_leaves():
   state = low_precision(optax.adam(1e-2), "8bit", states="/mu/", min_size=0).init(
     {"w": jnp.ones((4, 8))}

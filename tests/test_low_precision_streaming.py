@@ -109,6 +109,7 @@ def test_streamed_update_equals_the_whole_tree_update(case):
   ],
   ids=["adamw", "clip+lion", "nesterov"],
 )
+@pytest.mark.slow
 def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
   _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
 
@@ -166,6 +167,7 @@ def test_the_nonfinite_guard_costs_the_8bit_step_no_memory():
   assert guarded.temp_size_in_bytes <= plain.temp_size_in_bytes <= 2 * 4 * size
 
 
+@pytest.mark.slow
 def test_without_the_nonfinite_guard_apply_if_finite_still_refuses_the_step():
   tx = optax.apply_if_finite(
     low_precision(optax.adam(1e-2), "8bit", min_size=0, guard_nonfinite=False), 3
