@@ -88,7 +88,7 @@ def test_discovery_covers_t5x_names_and_contrib():
   assert len(DISCOVERED) >= 40
   for name in ALL_FACTORIES:
     wrapped = getattr(optimizers, name)
-    assert wrapped.__wrapped__ is ALL_FACTORIES[name]
+    assert wrapped.optax_factory is ALL_FACTORIES[name]
     assert name in optimizers.__all__
 
 
