@@ -492,6 +492,7 @@ def test_bad_arguments(kwargs, match):
     low_precision(optax.adam(1e-2), **kwargs)
 
 
+@pytest.mark.slow
 def test_state_dict_keys_and_validated_restore():
   params = {"dense": {"kernel": jnp.ones((4, 8))}}
   opt_def = OptaxWrapper(low_precision(optax.adamw(1e-2), "8bit", min_size=0))

@@ -192,6 +192,7 @@ def test_dimension_numbers_of_a_scanned_t5_tree():
   assert opt_def.dimension_numbers(params) == numbers
 
 
+@pytest.mark.slow
 def test_same_params_as_optax_with_hand_written_numbers():
   params, axes, numbers = _scanned_t5()
   opt_def = optimizers.muon(**MUON_ARGS)
@@ -220,6 +221,7 @@ def test_optax_default_differs_on_this_tree():
   assert isinstance(muon_mu["decoder"]["layers"]["mlp"]["wi_0"]["kernel"], optax.MaskedNode)
 
 
+@pytest.mark.slow
 def test_without_axes_it_is_optax_default():
   params, _, _ = _scanned_t5()
   opt_def = optimizers.muon(**MUON_ARGS)
@@ -316,6 +318,7 @@ class ScannedAxesModel(nn.Module):
     return jnp.einsum("bse,lem->bsm", h, wi)
 
 
+@pytest.mark.slow
 def test_train_state_gives_the_axes():
   variables = ScannedAxesModel().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
   opt_def = optimizers.muon(**MUON_ARGS)
@@ -352,6 +355,7 @@ def test_every_state_leaf_has_a_spec():
 
 
 @pytest.mark.parametrize(("state_dtype", "tolerance"), [("bfloat16", 2e-2), ("8bit", 5e-2)])
+@pytest.mark.slow
 def test_low_precision_momentum(state_dtype, tolerance):
   params = {"w": jax.random.normal(jax.random.key(1), (4, 64, 64)), "b": jnp.zeros(64)}
   axes = {"w": P("layers", "embed", "mlp"), "b": P("mlp")}
@@ -375,6 +379,7 @@ def _trained(opt_def, params, steps=3):
   return _wrapper_loop(opt_def, params, steps)
 
 
+@pytest.mark.slow
 def test_convert_adamw_to_muon_and_back():
   params, axes, _ = _scanned_t5()
   adamw = _trained(optimizers.adamw(1e-3, b1=0.9), params)
@@ -457,6 +462,7 @@ def test_cli_plan_and_train_with_muon_gin(tmp_path, capsys):
 
 
 @pytest.mark.usefixtures("clean_gin")
+@pytest.mark.slow
 def test_gin_wraps_the_transformation_in_low_precision(tmp_path):
   config = tmp_path / "muon_bf16.gin"
   config.write_text(

@@ -109,6 +109,7 @@ def _normalized(specs):
   [(2, 4, False, 1), (2, 4, True, 1), (4, 2, True, 2)],
   ids=["2x4", "2x4-zero", "4x2-zero-2d"],
 )
+@pytest.mark.slow
 def test_sharded_muon_matches_unsharded(data, model, zero, dims):
   partitioner = Partitioner(
     create_mesh(shape={"data": data, "model": model}),
