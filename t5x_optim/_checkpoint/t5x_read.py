@@ -512,15 +512,8 @@ def restore_t5x_checkpoint(
       path with both sides; an unreadable checkpoint; or what the target's
       `restore_state` rejects.
 
-  Example:
-    >>> import tempfile, jax.numpy as jnp
-    >>> from t5x_optim import optimizers, save_t5x_checkpoint
-    >>> opt = optimizers.sgd(0.5).create({'w': jnp.ones(2)})
-    >>> model_dir = tempfile.mkdtemp()
-    >>> _ = save_t5x_checkpoint(model_dir, opt.apply_gradient({'w': jnp.ones(2)}))
-    >>> restored = restore_t5x_checkpoint(model_dir, opt)
-    >>> int(restored.state.step), restored.target['w'].tolist()
-    (1, [0.5, 0.5])
+  The public `t5x_optim.restore_t5x_checkpoint` (`api.py`) calls this one
+  and has the example.
   """
   step_dir, fmt = locate(path, step)
   stored = read_legacy_metadata(step_dir) if fmt == "legacy" else read_orbax_metadata(step_dir)
