@@ -31,6 +31,7 @@ def _saved(tmp_path, opt_name):
   return tmp_path / "ckpt", tmp_path / "expected.npz"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name", MODES)
 def test_restores_onto_every_mesh_of_8_devices(tmp_path, opt_name):
   directory, expected = _saved(tmp_path, opt_name)
