@@ -163,16 +163,25 @@ class _Run:
     self.total, self.per_device, self.compressed, self.compressed_values = _state_bytes(abstract)
 
   def train(self, steps: int) -> None:
-    import jax  # noqa: PLC0415
+    self.state, self.step, times = timed_steps(self.setup, self.state, self.step, steps)
+    self.times += times
 
-    for _ in range(steps):
-      batch = self.setup.train_batch(self.step)
-      start = time.perf_counter()
-      self.state, metrics = self.setup.step_fn(self.state, batch)
-      jax.block_until_ready(metrics)
-      if self.step:
-        self.times.append(time.perf_counter() - start)
-      self.step += 1
+
+def timed_steps(setup, state, step: int, steps: int) -> tuple[object, int, list[float]]:
+  """Trains `steps` steps of the job `setup` from `step`; returns the state, the step and the
+  seconds of each step but the job's first (compiling) one."""
+  import jax  # noqa: PLC0415
+
+  times = []
+  for _ in range(steps):
+    batch = setup.train_batch(step)
+    start = time.perf_counter()
+    state, metrics = setup.step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    if step:
+      times.append(time.perf_counter() - start)
+    step += 1
+  return state, step, times
 
   def evaluate(self) -> float:
     from t5x_optim.cli.loop import train as _train  # noqa: PLC0415

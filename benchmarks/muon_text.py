@@ -78,18 +78,11 @@ class _Run:
     self.curve: list[tuple[int, float, float]] = []
 
   def train(self, steps: int) -> None:
-    import jax  # noqa: PLC0415
+    from low_precision import timed_steps  # noqa: PLC0415
 
-    for _ in range(steps):
-      batch = self.setup.train_batch(self.step)
-      start = time.perf_counter()
-      self.state, metrics = self.setup.step_fn(self.state, batch)
-      jax.block_until_ready(metrics)
-      elapsed = time.perf_counter() - start
-      if self.step:
-        self.times.append(elapsed)
-        self.seconds += elapsed
-      self.step += 1
+    self.state, self.step, times = timed_steps(self.setup, self.state, self.step, steps)
+    self.times += times
+    self.seconds += sum(times)
 
   def evaluate(self) -> float:
     from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
