@@ -62,8 +62,7 @@ a restarted job sees the batches an uninterrupted one does):
 * ``resume`` and ``resume_legacy``: the restarted process starts its main loop
   at step 4 (T5X's log), and its losses and final checkpoint equal, bit for
   bit, those of one process trained 0-8 uninterrupted with the Orbax
-  checkpointer (``= uninterrupted``; the legacy checkpointer keeps int32
-  counters where the Orbax one stores float32);
+  checkpointer (``= uninterrupted``);
 * ``eval``: T5X's ``eval.py`` runs on the resumed checkpoint.
 
 T5X cannot be installed from the package registry: its files are read at run
