@@ -90,15 +90,17 @@ from t5x_optim._layouts.fused.analysis import (
   plan_fused_update,
   split_extras,
 )
-from t5x_optim._layouts.fused.program import Lit, run_program
+from t5x_optim._layouts.fused.program import Lit, Program, run_program
 from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
   dynamic_map,
+  hashed_bits,
   leaf_block,
   quantize,
   quantize_stats,
   rounding_bits,
+  rounding_key,
   to_bfloat16,
 )
 
@@ -291,10 +293,14 @@ def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
   return quantize_stats(x, block(x.shape[-1]), guard_nonfinite=guard)
 
 
+def _rounded(state: LowPrecisionState, leaf: int) -> bool:
+  """Inner leaf ``leaf`` is stored in bfloat16 with stochastic rounding."""
+  return state.storage[leaf] == _BF16 and state.stochastic_rounding
+
+
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
-  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is stored in
-  bfloat16 with stochastic rounding."""
-  if state.storage[leaf] != _BF16 or not state.stochastic_rounding:
+  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is `_rounded`."""
+  if not _rounded(state, leaf):
     return None
   return rounding_bits(shape, state.seed, count, leaf)
 
@@ -398,6 +404,57 @@ def _unchanged(shapes: Any, operands: Any) -> Any:
   return jax.tree.map(pick, shapes)
 
 
+def _leaf_functions(
+  program: Program,
+  kinds: tuple[str, ...],
+  rounded: tuple[bool, ...],
+  seed: int,
+  block: Any,
+  guard: bool,
+) -> tuple[Callable, Callable]:
+  """``(branch, encoders)``: one leaf's streamed update, jitted, for `_streamed_update`.
+
+  ``branch(operands)`` decodes the leaf's state (``operands`` are its param,
+  gradient, stored state leaves, the group's scalar residuals, the step
+  count and the inner leaves' indices), runs ``program`` and returns the
+  update, each new state leaf's 8-bit block statistics (`_stats`) and
+  stochastic-rounding key (`rounding_key`, where ``rounded``);
+  ``encoders(operands, stats, keys, new_param)`` computes the new state
+  again and stores it as ``kinds`` say. Leaves with the same program, kinds
+  and shapes call the same two functions, which JAX traces and lowers once;
+  their compiled encoders are the same too, and XLA compiles one kernel for
+  all of them: nothing in them depends on the leaf but their operands (the
+  rounding keys, computed in the branch, are not constants there).
+  """
+
+  def new_state(p: Any, g: Any, leaves: list, residuals: list, *_: Any) -> list:
+    decoded = [_decode(kind, leaf, flat=True) for kind, leaf in zip(kinds, leaves, strict=True)]
+    return run_program(program, [p, g, *decoded], residuals, jnp.shape(p))
+
+  def branch(operands: tuple) -> tuple[Any, list, list]:
+    *_, count, leaf_ids = operands
+    outs = new_state(*operands)
+    stats = [_stats(kind, x, block, guard) for kind, x in zip(kinds, outs[1:], strict=True)]
+    keys = [
+      rounding_key(seed, count, k) if r else None for k, r in zip(leaf_ids, rounded, strict=True)
+    ]
+    return outs[0], stats, keys
+
+  def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
+    after = _after(new_param)
+    outs = new_state(*operands)
+    out = []
+    for kind, x, leaf_stats, key in zip(kinds, outs[1:], stats, keys, strict=True):
+      bits = None if key is None else hashed_bits(jnp.shape(x), key)
+      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
+      if kind != _8BIT:
+        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+      out.append(encoded)
+    return out
+
+  return jax.jit(branch), jax.jit(encoders)
+
+
 def _streamed_update(
   plan: FusedPlan,
   updates: Any,
@@ -424,7 +481,10 @@ def _streamed_update(
   the branch (they read its statistics, or wait for the new param) and
   compute the new state again from the old one in the leaf's shape (``flat``
   codecs), elementwise: each writes its codes over the old ones, which only
-  the branch read before, so no second copy of the state is held.
+  the branch read before, so no second copy of the state is held. Leaves
+  whose programs, storage and shapes agree call the same jitted branch and
+  encoders (`_leaf_functions`), which JAX traces and lowers once: the traced
+  program holds the codecs once per leaf shape, not once per leaf.
   """
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(updates)
@@ -435,46 +495,32 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
+  functions: dict[tuple, tuple[Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
     residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
-
-    def new_state(
-      p: Any, g: Any, leaves: list, residuals: list, ks: list[int] = ks, i: int = i
-    ) -> list:
-      decoded = [
-        _decode(state.storage[k], leaf, flat=True) for k, leaf in zip(ks, leaves, strict=True)
-      ]
-      return run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
-
-    def leaf_update(operands: tuple, ks: list[int] = ks, new_state: Callable = new_state) -> Any:
-      outs = new_state(*operands)
-      stats = [_stats(state.storage[k], x, block, guard) for k, x in zip(ks, outs[1:], strict=True)]
-      return outs[0], stats
-
+    kinds = tuple(state.storage[k] for k in ks)
+    rounded = tuple(_rounded(state, k) for k in ks)
+    key = (id(group_of[i]), kinds, rounded)
+    if key not in functions:
+      functions[key] = _leaf_functions(
+        group_of[i].program, kinds, rounded, state.seed, block, guard
+      )
+    branch, encoders = functions[key]
     old = [new_stored[k] for k in ks]
-    operands = (p, g, old, residuals)
-    # Traced once: the shapes of the branch that never runs come from the cache.
-    traced = jax.jit(leaf_update)
-    shapes = traced.eval_shape(operands)
-    update, stats = jax.lax.cond(
-      _after(previous), traced, functools.partial(_unchanged, shapes), operands
+    operands = (p, g, old, residuals, count, [jnp.uint32(k) for k in ks])
+    shapes = branch.eval_shape(operands)
+    update, stats, keys = jax.lax.cond(
+      _after(previous), branch, functools.partial(_unchanged, shapes), operands
     )
     new_updates.append(update)
     previous = optax.apply_updates(p, update)
     # The encoders run after the branch (they read its statistics or wait for
     # the new param), so each writes its new state over the old one, which
     # only the branch reads: the step holds no second copy of the state.
-    after = _after(previous)
-    outs = new_state(p, g, old, residuals)
-    for k, x, leaf_stats in zip(ks, outs[1:], stats, strict=True):
-      kind = state.storage[k]
-      bits = _bits(state, count, k, jnp.shape(p))
-      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
-      if kind != _8BIT:
-        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+    for k, encoded in zip(ks, encoders(operands, stats, keys, previous), strict=True):
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
