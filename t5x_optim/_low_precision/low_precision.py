@@ -67,6 +67,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -101,27 +102,42 @@ from t5x_optim._low_precision.quantize import (
   rounding_bits,
   to_bfloat16,
 )
+from t5x_optim._low_precision.quantize4 import (
+  Quantized4Leaf,
+  Rank1Quantized4Leaf,
+  dequantize4,
+  leaf_block4,
+  quantize4,
+  quantize4_stats,
+  unpacked_shape,
+  uses_rank1,
+)
 
 __all__ = [
   "LOW_PRECISION_MODES",
+  "QUANTIZED_LEAF_TYPES",
+  "QUANTIZED_MODES",
   "LowPrecisionState",
+  "Quantized4Leaf",
   "QuantizedLeaf",
+  "Rank1Quantized4Leaf",
   "dynamic_map",
   "float32_to_low_precision",
   "leaf_block",
+  "leaf_block4",
   "leaf_storage",
   "low_precision",
   "low_precision_to_float32",
+  "quantized_mode",
   "rounding_bits",
 ]
 
-LOW_PRECISION_MODES = ("bfloat16", "8bit")
-"""The modes of `low_precision`'s ``state_dtype``."""
-
 _BF16 = "bfloat16"
 _8BIT = "8bit"
+_4BIT = "4bit"
 _KEPT_SMALL = "float32: below min_size"
 _KEPT_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
+_KEPT_NO_BLOCK4 = "float32: no even 4-bit block of 4 or more values tiles the last dimension"
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
@@ -152,11 +168,91 @@ class LowPrecisionState:
 
 
 def _is_quantized(x: Any) -> bool:
-  return isinstance(x, QuantizedLeaf)
+  return isinstance(x, QUANTIZED_LEAF_TYPES)
+
+
+def quantized_mode(leaf: Any) -> str | None:
+  """The quantized mode (``"8bit"``, ``"4bit"``) whose stored leaf ``leaf`` is, or None."""
+  return next((mode for mode, c in _CODECS.items() if isinstance(leaf, c.leaf_types)), None)
 
 
 def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Codec:
+  """A quantized mode of `low_precision`: how its leaves are planned, encoded and decoded.
+
+  Attributes:
+    leaf_types: the stored leaf classes (NamedTuples of arrays; their fields
+      are the leaf's state-dict keys).
+    leaf_block: ``(last_dim, block_size, shard_multiple)`` to a leaf's
+      block, or None: the leaf stays float32 (``no_block`` says why).
+    block_size: the default largest block.
+    no_block: the storage of a leaf without a block.
+    stats: ``(x, block, guard)`` to the block statistics of a new state
+      leaf, computed inside the streamed update's branch.
+    encode: ``(x, block, guard, stats, flat)`` to the stored leaf.
+    decode: ``(stored, flat)`` to the float32 values.
+    shape: the float32 shape of a stored leaf.
+  """
+
+  leaf_types: tuple[type, ...]
+  leaf_block: Callable[..., int | None]
+  block_size: int
+  no_block: str
+  stats: Callable[[jax.Array, int, bool], Any]
+  encode: Callable[[jax.Array, int, bool, Any, bool], Any]
+  decode: Callable[[Any, bool], jax.Array]
+  shape: Callable[[Any], tuple[int, ...]]
+
+
+def _stats4(x: jax.Array, block: int, guard: bool) -> Any:
+  rank1 = uses_rank1(jnp.shape(x), block)
+  return quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard)
+
+
+def _encode4(x: jax.Array, block: int, guard: bool, stats: Any, flat: bool) -> Any:
+  del flat  # 4-bit codes are packed: the encoder reads the leaf's own shape either way.
+  rank1 = uses_rank1(jnp.shape(x), block)
+  return quantize4(x, block, rank1=rank1, guard_nonfinite=guard, stats=stats)
+
+
+_CODECS: dict[str, _Codec] = {
+  _8BIT: _Codec(
+    leaf_types=(QuantizedLeaf,),
+    leaf_block=leaf_block,
+    block_size=256,
+    no_block=_KEPT_NO_BLOCK,
+    stats=lambda x, block, guard: quantize_stats(x, block, guard_nonfinite=guard),
+    encode=lambda x, block, guard, stats, flat: quantize(
+      x, block, guard_nonfinite=guard, stats=stats, flat=flat
+    ),
+    decode=lambda stored, flat: dequantize(stored, flat=flat),
+    shape=lambda stored: tuple(jnp.shape(stored.codes)),
+  ),
+  _4BIT: _Codec(
+    leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
+    leaf_block=leaf_block4,
+    block_size=128,
+    no_block=_KEPT_NO_BLOCK4,
+    stats=_stats4,
+    encode=_encode4,
+    decode=lambda stored, flat: dequantize4(stored),
+    shape=unpacked_shape,
+  ),
+}
+"""The quantized modes, by ``state_dtype``: each stores a leaf as a NamedTuple of arrays."""
+
+LOW_PRECISION_MODES = (_BF16, *_CODECS)
+"""The modes of `low_precision`'s ``state_dtype``."""
+
+QUANTIZED_MODES = tuple(_CODECS)
+"""The modes that store a leaf as several arrays (`leaf_storage`: ``"<mode> <field>"``)."""
+
+QUANTIZED_LEAF_TYPES = tuple(t for codec in _CODECS.values() for t in codec.leaf_types)
+"""The classes of the quantized modes' stored leaves."""
 
 
 def _mirror_params(inner_state: Any, params: Any) -> list[int]:
@@ -238,8 +334,8 @@ def _plan_storage(
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_KEPT_SMALL)
-    elif mode == _8BIT and block(jnp.shape(leaf)[-1]) is None:
-      storage.append(_KEPT_NO_BLOCK)
+    elif mode in _CODECS and block(jnp.shape(leaf)[-1]) is None:
+      storage.append(_CODECS[mode].no_block)
     else:
       storage.append(mode)
   if pattern is not None and not matched:
@@ -252,8 +348,8 @@ def _plan_storage(
 
 def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
   """One stored leaf in float32; ``flat`` is `dequantize`'s."""
-  if kind == _8BIT:
-    return dequantize(stored, flat=flat)
+  if kind in _CODECS:
+    return _CODECS[kind].decode(stored, flat)
   if kind == _BF16:
     return stored.astype(jnp.float32)
   return stored
@@ -271,24 +367,24 @@ def _encode(
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
-  to nearest); ``block`` maps the last dimension to an 8-bit block;
+  to nearest); ``block`` maps the last dimension to the mode's block;
   ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
   ``stats`` and ``flat``.
   """
-  if kind == _8BIT:
+  if kind in _CODECS:
     x = jnp.asarray(x, jnp.float32)
-    return quantize(x, block(x.shape[-1]), guard_nonfinite=guard, stats=stats, flat=flat)
+    return _CODECS[kind].encode(x, block(x.shape[-1]), guard, stats, flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
 
 
 def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
-  """The 8-bit block statistics of a new state leaf (`quantize_stats`); None for other kinds."""
-  if kind != _8BIT:
+  """The block statistics of a new quantized state leaf (`quantize_stats`); None for other kinds."""
+  if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return quantize_stats(x, block(x.shape[-1]), guard_nonfinite=guard)
+  return _CODECS[kind].stats(x, block(x.shape[-1]), guard)
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
@@ -322,8 +418,10 @@ def _expanded_shapes(state: LowPrecisionState) -> Any:
   """The shapes and dtypes of `_expand`'s result, without tracing the decoders."""
 
   def shape(leaf: Any, kind: str) -> Any:
-    if kind in (_8BIT, _BF16):
-      return jax.ShapeDtypeStruct(jnp.shape(leaf.codes if kind == _8BIT else leaf), jnp.float32)
+    if kind in _CODECS:
+      return jax.ShapeDtypeStruct(_CODECS[kind].shape(leaf), jnp.float32)
+    if kind == _BF16:
+      return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.float32)
     return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
 
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
@@ -345,7 +443,7 @@ def _stream_plan(
   computed first), no global computation reads a param-shaped state leaf,
   and some leaf is compressed.
   """
-  if params is None or not any(kind in (_8BIT, _BF16) for kind in state.storage):
+  if params is None or not any(kind in LOW_PRECISION_MODES for kind in state.storage):
     return None
   try:
     plan = plan_fused_update(
@@ -473,7 +571,7 @@ def _streamed_update(
       kind = state.storage[k]
       bits = _bits(state, count, k, jnp.shape(p))
       encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
-      if kind != _8BIT:
+      if kind not in _CODECS:
         encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
@@ -484,7 +582,7 @@ def low_precision(
   state_dtype: str = _8BIT,
   *,
   stochastic_rounding: bool = True,
-  block_size: int = 256,
+  block_size: int | None = None,
   shard_multiple: int = 8,
   min_size: int = 4096,
   states: str | None = None,
@@ -492,19 +590,21 @@ def low_precision(
   stream: bool = True,
   guard_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-  """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
+  """Stores ``inner``'s param-shaped state in bfloat16, 8 or 4 bits between steps.
 
-  See the module docstring for the two modes. In gin:
+  See the module docstring for the modes. In gin:
   ``optimizers.low_precision.inner = @optax.adamw()`` and
   ``optimizers.low_precision.state_dtype = '8bit'``; ready configs are
-  ``optimizers/adamw_8bit.gin`` and ``optimizers/adamw_bf16_sr.gin``.
+  ``optimizers/adamw_8bit.gin``, ``optimizers/adamw_4bit.gin`` and
+  ``optimizers/adamw_bf16_sr.gin``.
 
   Args:
     inner: the optax transformation whose state is compressed.
-    state_dtype: ``"8bit"`` or ``"bfloat16"``.
+    state_dtype: ``"8bit"``, ``"4bit"`` or ``"bfloat16"``.
     stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
-    block_size: 8-bit mode: the largest block (see `leaf_block`).
-    shard_multiple: 8-bit mode: each leaf's block count is a multiple of
+    block_size: 8-bit and 4-bit modes: the largest block (see `leaf_block`
+      and `leaf_block4`); None: the mode's own, 256 (8-bit) or 128 (4-bit).
+    shard_multiple: 8-bit and 4-bit modes: each leaf's block count is a multiple of
       ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
       dimension wherever the codes do over up to that many devices.
     min_size: leaves with fewer elements stay as they are.
@@ -516,7 +616,7 @@ def low_precision(
       update is elementwise per leaf (`plan_fused_update` proves it); False
       (or an update that is not) expands the whole state to float32 at once,
       which is what the step's peak then holds.
-    guard_nonfinite: 8-bit mode: an inf or NaN in the new state damages only
+    guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
       damages its block, for an optimizer that refuses such steps anyway
@@ -541,12 +641,14 @@ def low_precision(
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
     )
+  codec = _CODECS.get(state_dtype, _CODECS[_8BIT])
+  block_size = codec.block_size if block_size is None else block_size
   if block_size < 1 or shard_multiple < 1:
     raise ValueError(
       f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
       f"and {shard_multiple}."
     )
-  block = functools.partial(leaf_block, block_size=block_size, shard_multiple=shard_multiple)
+  block = functools.partial(codec.leaf_block, block_size=block_size, shard_multiple=shard_multiple)
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
@@ -587,10 +689,12 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
 
   Keys are state-dict paths below ``param_states`` (as tuples of keys);
-  values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
-  leaf is kept as it is (``"float32: below min_size"``, ``"float32: no
-  8-bit block of 4 or more values tiles the last dimension"`` (see
-  `leaf_block`), ``"kept: not param-shaped"``, ...). Leaves outside a
+  values are ``"bfloat16"``, the mode and field of a quantized leaf's
+  arrays (``"8bit codes"``, ``"8bit scales"``, ``"4bit codes"``, ``"4bit
+  scales"``, ``"4bit rows"``, ``"4bit cols"``), or why a leaf is kept as it
+  is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
+  more values tiles the last dimension"`` (see `leaf_block` and
+  `leaf_block4`), ``"kept: not param-shaped"``, ...). Leaves outside a
   `LowPrecisionState` are absent.
 
   Example:
@@ -611,11 +715,11 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
     prefix = _state_dict.key_path_parts(path)
     out[(*prefix, "count")] = _KEPT_NOT_MIRROR
     flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
-    for (leaf_path, _), kind in zip(flat, node.storage, strict=True):
+    for (leaf_path, stored), kind in zip(flat, node.storage, strict=True):
       parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
-      if kind == _8BIT:
-        out[(*parts, "codes")] = "8bit codes"
-        out[(*parts, "scales")] = "8bit scales"
+      if kind in _CODECS:
+        for field in stored._fields:
+          out[(*parts, field)] = f"{kind} {field}"
       else:
         out[parts] = kind
   return out
@@ -690,11 +794,13 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
         f"float32_to_low_precision: the float32 inner state has structure "
         f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
       )
-    blocks = {
-      leaf.codes.shape[-1]: leaf.codes.shape[-1] // leaf.scales.shape[-1]
-      for leaf in jax.tree.leaves(node.inner_state, is_leaf=_is_quantized)
-      if _is_quantized(leaf)
-    }
+    blocks = {}
+    for leaf, kind in zip(
+      jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
+    ):
+      if kind in _CODECS:
+        last_dim = _CODECS[kind].shape(leaf)[-1]
+        blocks[last_dim] = last_dim // leaf.scales.shape[-1]
     out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
   return outer.unflatten(out)
 
@@ -708,13 +814,25 @@ def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[in
   return spec
 
 
+def _rank1_specs(spec: Any, rank: int) -> tuple[Any, Any]:
+  """The specs of a 4-bit leaf's rows and columns, from its codes' spec."""
+  if spec is None or spec is specs_lib.UNDERIVED:
+    return spec, spec
+  return (
+    specs_lib.canonical(PartitionSpec(*spec[: rank - 1]), rank - 1),
+    specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1),
+  )
+
+
 def _state_rule(
   state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
 ) -> LowPrecisionState:
   """Codes get their param's spec; scales too, on their block dimension.
 
-  Param-shaped leaves kept in float32 (or in bfloat16) get their param's spec
-  as well: once a sibling is 8-bit, their subtree no longer mirrors the params.
+  A 4-bit leaf's rows get the spec of its param's leading dimensions, its
+  columns that of the last one. Param-shaped leaves kept in float32 (or in
+  bfloat16) get their param's spec as well: once a sibling is quantized,
+  their subtree no longer mirrors the params.
   """
   param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
@@ -723,10 +841,12 @@ def _state_rule(
   for leaf, spec, kind, j in zip(
     leaves, spec_leaves, state.storage, state.param_index, strict=True
   ):
-    if kind == _8BIT and 0 <= j < len(param_specs):
+    if kind in _CODECS and 0 <= j < len(param_specs):
       shape = specs_lib.leaf_shape(leaf.codes)
       codes = specs_lib.canonical(param_specs[j], len(shape))
-      spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+      scales = _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales))
+      rank1 = () if len(leaf) == 2 else _rank1_specs(codes, len(shape))
+      spec = type(leaf)(codes, scales, *rank1)
     elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
       # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
