@@ -270,7 +270,9 @@ def quantize4(
   scale = jnp.where(signed, signed_scale, unsigned_scale)
   # +/-inf saturates to +/- the element's scale; NaN is stored as 0.
   scaled = jnp.clip(jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0), -1.0, 1.0)
-  scaled = jnp.where(jnp.isnan(x), 0.0, scaled)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its scale.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(x > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(x), 0.0, scaled))
   rounded = jnp.clip(jnp.floor(scaled * _LEVELS + 0.5), 1, _LEVELS).astype(jnp.int32)
   unsigned_code = jnp.where(scaled > 0, rounded, 0)
   codes = _pack(jnp.where(signed, _signed_codes(scaled), unsigned_code))
@@ -283,14 +285,16 @@ def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
   """The float32 values of a 4-bit leaf.
 
   A positive code of an unsigned block decodes to at least the smallest
-  normal float32 (XLA flushes subnormal products to 0).
+  normal float32 (XLA flushes subnormal products to 0), and a positive value
+  (a normal float32: XLA counts a subnormal one as 0) encodes as a positive
+  code, however small its ratio to its scale.
   """
   codes = _unpack(leaf.codes)
   block = codes.shape[-1] // leaf.scales.shape[-1]
   stats = tuple(jnp.asarray(s) for s in leaf[1:])
   signed, signed_scale, unsigned_scale = _element_scales(stats, block)
   signed_value = _signed_values(codes) * signed_scale
-  level = codes.astype(jnp.float32) / np.float32(_LEVELS)
+  level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
   tiny = np.finfo(np.float32).tiny
   unsigned_value = jnp.where(codes > 0, jnp.maximum(level * unsigned_scale, tiny), 0.0)
   return jnp.where(signed, signed_value, unsigned_value)
