@@ -2,7 +2,8 @@
 
 Between steps, the param-shaped ("mirror") state leaves of the wrapped
 transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
-one of two forms (the codecs are `t5x_optim._low_precision.quantize`); inside the
+one of three forms (the codecs are `t5x_optim._low_precision.quantize` and
+`t5x_optim._low_precision.quantize4`); inside the
 update they are expanded to float32, the wrapped update runs in float32, and
 its new state is compressed again, one param leaf at a time where the update
 is elementwise per leaf (`_streamed_update`), so the step holds one leaf's
@@ -39,8 +40,18 @@ float32 state rather than the whole tree's.
   without a negative value (adam's ``nu``) only 0 decodes as 0, so a small
   second moment beside a large one does not become 0 and turn adam's
   update into ``mu / eps``.
+* ``"4bit"``: two codes per byte, after Li et al. (2023): blocks of up to
+  ``block_size`` (128) along the last dimension, even (`leaf_block4`); a
+  block with a negative value uses a signed dynamic-exponent map, one
+  without a linear map where only 0 decodes as 0, scaled in a matrix by
+  ``min(row max, column max, block max)`` (rank-1 normalization). The codes
+  (last dimension halved), scales, rows and columns shard like the param.
+  About 0.54 bytes per value on a large matrix; a leaf whose last dimension
+  has no even block stays float32. The codec is
+  `t5x_optim._low_precision.quantize4`; a mode of the table `_CODECS`, as
+  8 bits is.
 
-Leaves smaller than ``min_size`` elements, 8-bit leaves without a block,
+Leaves smaller than ``min_size`` elements, 8-bit and 4-bit leaves without a block,
 leaves that are not param-shaped mirrors (adafactor's factored ``v_row``,
 L-BFGS history), non-floating leaves and scalars stay as they are;
 `leaf_storage` says why for each leaf, and
@@ -50,8 +61,9 @@ refuses, naming the path, a matching leaf the mode does not apply to.
 
 The state is `LowPrecisionState` (an int32 ``count`` and the compressed
 ``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
-``inner_state/0/mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16
-leaf one, ``inner_state/0/mu/dense/kernel``.
+``inner_state/0/mu/dense/kernel/codes`` and ``.../scales`` (a 4-bit leaf
+``.../rows`` and ``.../cols`` too, with rank-1 scales), and a bfloat16 leaf
+one, ``inner_state/0/mu/dense/kernel``.
 `low_precision_to_float32` and `float32_to_low_precision` convert states
 both ways, e.g. to restore into an optimizer without the wrapper and back.
 
@@ -150,9 +162,11 @@ class LowPrecisionState:
   Attributes:
     count: int32 steps taken (folded into the stochastic-rounding bits).
     inner_state: the wrapped transformation's state, each compressed leaf a
-      bfloat16 array or a `QuantizedLeaf`.
+      bfloat16 array, a `QuantizedLeaf` (8 bits) or a `Quantized4Leaf` or
+      `Rank1Quantized4Leaf` (4 bits).
     storage: static; for each leaf of the float32 inner state, how it is
-      stored: ``"bfloat16"``, ``"8bit"`` or why it is kept (`leaf_storage`).
+      stored: ``"bfloat16"``, ``"8bit"``, ``"4bit"`` or why it is kept
+      (`leaf_storage`).
     param_index: static; for each leaf of the float32 inner state, the index
       of the param it mirrors (in the params' leaf order) or -1.
     stochastic_rounding: static; bfloat16 leaves are rounded stochastically.

@@ -8,7 +8,8 @@ After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
   the block holds a negative value.
 * A block with a negative value (a first moment) uses the signed
   dynamic-exponent map (`signed_map4`: bitsandbytes' dynamic map with 3
-  decades in 4 bits, 0 and 1 included): scaled by the block's scale.
+  decades in 4 bits, 0 and 1 included, -1 not: a block's largest magnitude,
+  if negative, decodes as 0.8875 of it): scaled by the block's scale.
 * A block without (a second moment) uses the unsigned linear map: ``k / 15``
   for codes ``k = 1..15``, and code 0 for an exact 0 only, so no positive
   value decodes as 0 (the zero-point problem: a small second moment stored
@@ -261,7 +262,7 @@ def quantize4(
     >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan], [-1.0, 0.5, 0.0, 0.25]])
     >>> back = dequantize4(quantize4(x, 4, rank1=False))
     >>> [[round(float(v), 4) for v in row] for row in back]
-    [[2.0, 0.1333, 2.0, 0.0], [-1.0, 0.4375, 0.0, 0.2125]]
+    [[2.0, 0.1333, 2.0, 0.0], [-0.8875, 0.4375, 0.0, 0.2125]]
   """
   x = jnp.asarray(x, jnp.float32)
   if stats is None:
