@@ -17,9 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from t5x_optim import (
   OptaxWrapper,
+  OptimizerState,
   Quantized4Leaf,
   Rank1Quantized4Leaf,
   TrainState,
+  convert_state,
   float32_to_low_precision,
   low_precision,
   low_precision_to_float32,
@@ -504,3 +506,14 @@ def test_uses_rank1_only_where_it_costs_fewer_bytes_than_the_block_scales():
   assert uses_rank1((768, 3072), 128) and uses_rank1((4, 128, 256), 128)
   assert not uses_rank1((3072,), 128) and not uses_rank1((1, 4096), 128)
   assert not uses_rank1((4096, 4), 4)
+
+
+@pytest.mark.slow
+def test_a_4bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
+  """convert_state decodes 4-bit leaves only inside their LowPrecisionState."""
+  params, _, optimizer = _trained_optimizer()
+  inner = optimizer.state.param_states.inner_state  # 4-bit leaves without their wrapper
+  bare = OptaxWrapper(optax.adamw(1e-2)).create(params)
+  bare = bare.replace(state=OptimizerState(jnp.int32(1), inner))
+  with pytest.raises(ValueError, match=r"source state's leaf '0/mu/bias' is 4-bit"):
+    convert_state(bare, OptaxWrapper(optax.lion(1e-3)))
