@@ -65,25 +65,24 @@ def ref_stats(x: np.ndarray, block: int):
   blocks = magnitude.reshape(*x.shape[:-1], -1, block)
   absmax = blocks.max(-1)
   signed = negative.reshape(*x.shape[:-1], -1, block).any(-1)
-  rows = magnitude.max(-1) if x.ndim > 1 else None
   cols = magnitude.max(tuple(range(x.ndim - 1))) if x.ndim > 1 else None
-  return absmax, signed, rows, cols
+  return absmax, signed, cols
 
 
-def ref_element_scales(x_shape, block, absmax, signed, rows, cols, rank1):
+def ref_element_scales(x_shape, block, absmax, signed, cols, rank1):
   absmax_e = np.repeat(absmax, block, -1)
   signed_e = np.repeat(signed, block, -1)
   unsigned = absmax_e
   if rank1:
-    unsigned = np.minimum(absmax_e, np.minimum(rows[..., None], cols))
+    unsigned = np.minimum(absmax_e, cols)
   return signed_e, np.where(signed_e, absmax_e, unsigned)
 
 
 def ref_quantize4(x: np.ndarray, block: int, rank1: bool) -> np.ndarray:
   """The packed codes: the nearest signed map value (ties down), or round(15 s) (at least 1
   for a positive s) for unsigned blocks."""
-  absmax, signed, rows, cols = ref_stats(x, block)
-  signed_e, scale = ref_element_scales(x.shape, block, absmax, signed, rows, cols, rank1)
+  absmax, signed, cols = ref_stats(x, block)
+  signed_e, scale = ref_element_scales(x.shape, block, absmax, signed, cols, rank1)
   with np.errstate(invalid="ignore", divide="ignore"):
     s = np.clip(np.where(scale > 0, x / np.where(scale > 0, scale, 1), 0), -1, 1)
   s = np.where(np.isnan(x), 0, s).astype(np.float32)
@@ -99,8 +98,8 @@ def ref_quantize4(x: np.ndarray, block: int, rank1: bool) -> np.ndarray:
 
 def ref_dequantize4(x_codes: np.ndarray, x: np.ndarray, block: int, rank1: bool) -> np.ndarray:
   codes = np.stack([x_codes & 15, x_codes >> 4], -1).reshape(x.shape).astype(np.int64)
-  absmax, signed, rows, cols = ref_stats(x, block)
-  signed_e, scale = ref_element_scales(x.shape, block, absmax, signed, rows, cols, rank1)
+  absmax, signed, cols = ref_stats(x, block)
+  signed_e, scale = ref_element_scales(x.shape, block, absmax, signed, cols, rank1)
   unsigned = (codes.astype(np.float32) * np.float32(1 / 15)) * scale
   return np.where(signed_e, signed_map4()[codes] * scale, unsigned)
 
@@ -140,8 +139,8 @@ def test_round_trip_error_is_within_the_maps_half_steps(rank1):
   Unsigned: within half a step (1/30) of the element's scale, or one step below it."""
   x = _mixed((32, 128), seed=1)
   back = np.asarray(_dequantize(_quantize(jnp.asarray(x), 16, rank1=rank1)))
-  absmax, signed, rows, cols = ref_stats(x, 16)
-  signed_e, scale = ref_element_scales(x.shape, 16, absmax, signed, rows, cols, rank1)
+  absmax, signed, cols = ref_stats(x, 16)
+  signed_e, scale = ref_element_scales(x.shape, 16, absmax, signed, cols, rank1)
   error = np.abs(back - x)
   slack = 1e-6 * scale
   assert (error[signed_e] <= SIGNED_HALF_GAP * scale[signed_e] + slack[signed_e]).all()
@@ -244,11 +243,11 @@ _ODD = "float32: no even 4-bit block of 4 or more values tiles the last dimensio
     ((8, 24), _ODD, 4),  # one block of 24 has 12 bytes of codes: they do not split in 8
     ((1, 4096), "4bit", 0.5 + 4 / 128),  # rank-1 scales would cost a float32 per column
     ((4096, 4), _ODD, 4),  # one block of 4 has 2 bytes of codes: they do not split in 4
-    ((4096, 16), "4bit", 0.5 + 4 / 16),  # one block: rows would cost more than it saves
+    ((4096, 16), "4bit", 0.5 + 4 / 16 + 4 / 4096),  # one block per row, column maxima
     ((16,), "4bit", 0.5 + 4 / 16),  # one block
-    ((64, 256), "4bit", 0.5 + 4 / 32 + 4 * (64 + 256) / (64 * 256)),  # 8 blocks per row
-    ((2, 8, 256), "4bit", 0.5 + 4 / 32),  # 16 rows: rank-1 scales would cost more
-    ((2, 64, 256), "4bit", 0.5 + 4 / 32 + 4 * (128 + 256) / (128 * 256)),
+    ((64, 256), "4bit", 0.5 + 4 / 32 + 4 / 64),  # 8 blocks per row, column maxima
+    ((2, 8, 256), "4bit", 0.5 + 4 / 32),  # 16 rows: column maxima would cost more
+    ((2, 64, 256), "4bit", 0.5 + 4 / 32 + 4 / 128),
   ],
 )
 def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):
@@ -260,7 +259,7 @@ def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes
   if storage == "4bit":
     fields = mu._fields
     assert kinds == {f"4bit {f}" for f in fields}
-    assert isinstance(mu, Rank1Quantized4Leaf) == (len(fields) == 4)
+    assert isinstance(mu, Rank1Quantized4Leaf) == (len(fields) == 3)
     assert _bytes_per_value(mu) == pytest.approx(bytes_per_value)
     assert bytes_per_value < 4
     grads = {"w": jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)}
@@ -291,13 +290,13 @@ def test_every_block_is_even_and_its_codes_shard_with_the_param(block_size, shar
 
 def test_adamw_state_of_a_t5_base_kernel_takes_under_1_1_bytes_per_param():
   """768x3072 (a T5.1.1-base mlp kernel), the shipped settings: 0.5 B of codes per value,
-  block scales of 128 and rank-1 rows and columns."""
+  block scales of 128 and column maxima."""
   params = {"wi": jax.ShapeDtypeStruct((768, 3072), jnp.float32)}
   state = jax.eval_shape(low_precision(optax.adamw(1e-3), "4bit").init, params)
   moments = [state.inner_state[0].mu["wi"], state.inner_state[0].nu["wi"]]
   total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(moments))
   per_param = total / (768 * 3072)
-  assert per_param == pytest.approx(2 * (0.5 + 4 / 128 + 4 * (768 + 3072) / (768 * 3072)))
+  assert per_param == pytest.approx(2 * (0.5 + 4 / 128 + 4 / 768))
   assert per_param <= 1.1
   codes = sum(math.prod(m.codes.shape) for m in moments)
   assert codes == 768 * 3072
@@ -363,8 +362,8 @@ def _fresh():
 
 
 def _expected_specs(zero: bool) -> dict[str, P]:
-  """The 2x4 mesh's spec of every 4-bit leaf: codes and scales like their param, rows
-  like its leading dimensions, columns like its last."""
+  """The 2x4 mesh's spec of every 4-bit leaf: codes and scales like their param, column
+  maxima like its last dimension."""
   mlp, embed = (P(("model", "data")), P("data")) if zero else (P("model"), P())
   if zero:
     wi, bi, wo = P("data", "model"), P(("model", "data")), P("model", "data")
@@ -376,8 +375,7 @@ def _expected_specs(zero: bool) -> dict[str, P]:
     for name, spec in (("wi", wi), ("bi", bi), ("wo", wo)):
       specs[f"{where}['{name}'].codes"] = specs[f"{where}['{name}'].scales"] = spec
     # A vector of the mlp axis shards as bi does (ZeRO: over both mesh axes).
-    specs[f"{where}['wi'].rows"], specs[f"{where}['wi'].cols"] = embed, mlp
-    specs[f"{where}['wo'].rows"], specs[f"{where}['wo'].cols"] = mlp, embed
+    specs[f"{where}['wi'].cols"], specs[f"{where}['wo'].cols"] = mlp, embed
   return specs
 
 
@@ -405,23 +403,23 @@ def test_plan_shows_each_leafs_storage_and_bytes():
   state = abstract_train_state(partitioner, _opt_def(), st.AxesMLP().init, *st._init_args())
   plan = plan_lib.build_plan(state, logical=state.as_logical_axes())
   moments = [row for row in plan.rows if row.storage.startswith("4bit")]
-  # codes and scales of 3 params, rows and cols of the 2 kernels, for mu and nu
-  assert len(moments) == 2 * (3 * 2 + 2 * 2)
-  assert {row.storage for row in moments} == {"4bit codes", "4bit scales", "4bit rows", "4bit cols"}
+  # codes and scales of 3 params, column maxima of the 2 kernels, for mu and nu
+  assert len(moments) == 2 * (3 * 2 + 2)
+  assert {row.storage for row in moments} == {"4bit codes", "4bit scales", "4bit cols"}
   assert {row.param for row in moments} == {"wi", "bi", "wo"}
   assert {row.group for row in moments} == {"inner_state/0/mu", "inner_state/0/nu"}
   e, m = st.EMBED, st.MLP
-  per_moment = (e * m + m + m * e) * (0.5 + 4 / 4) + 2 * 4 * (e + m)
+  per_moment = (e * m + m + m * e) * (0.5 + 4 / 4) + 4 * (m + e)
   assert sum(row.total_bytes for row in moments) == 2 * per_moment
-  for row in moments:  # over the mesh axes of their dimensions: rows and cols over fewer
+  for row in moments:  # over the mesh axes of their dimensions: column maxima over fewer
     devices = math.prod(
       plan.mesh_shape[name]
       for axes in row.mesh_axes
       for name in (axes if isinstance(axes, tuple) else (axes,) if axes else ())
     )
     assert row.bytes_per_device * devices == row.total_bytes, row
-    assert devices == 8 or row.storage in ("4bit rows", "4bit cols"), row
-  assert "4bit rows" in plan_lib.format_table(plan)
+    assert devices == 8 or row.storage == "4bit cols", row
+  assert "4bit cols" in plan_lib.format_table(plan)
 
 
 @pytest.mark.slow
@@ -468,12 +466,12 @@ def test_state_dict_keys_and_validated_restore():
   params, opt_def, optimizer = _trained_optimizer()
   state_dict = optimizer.state_dict()["state"]["param_states"]
   mu = state_dict["inner_state"]["0"]["mu"]
-  assert sorted(mu["dense"]["kernel"]) == ["codes", "cols", "rows", "scales"]
+  assert sorted(mu["dense"]["kernel"]) == ["codes", "cols", "scales"]
   assert sorted(mu["bias"]) == ["codes", "scales"]
   assert mu["dense"]["kernel"]["codes"].shape == (64, 128)
   _same(opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state)
   bad = optimizer.state_dict()
-  del bad["state"]["param_states"]["inner_state"]["0"]["nu"]["dense"]["kernel"]["rows"]
+  del bad["state"]["param_states"]["inner_state"]["0"]["nu"]["dense"]["kernel"]["cols"]
   with pytest.raises(ValueError, match=r"inner_state/0/nu/dense/kernel"):
     opt_def.create(params).restore_state(bad)
 
@@ -483,7 +481,7 @@ def test_float32_round_trip_and_logical_axes():
   """Decoded to adamw's own state and encoded back: nu (unsigned, each row's, column's and
   block's largest value decodes exactly) bit for bit; mu within the signed map's error (a
   block whose largest magnitude is negative decodes it as -0.8875 of it: the map has no
-  -1). Rows and columns get their param's axes."""
+  -1). Column maxima get their param's last axis."""
   params, opt_def, optimizer = _trained_optimizer()
   expanded = low_precision_to_float32(optimizer.state.param_states)
   assert expanded[0].nu["dense"]["kernel"].dtype == jnp.float32
@@ -495,17 +493,15 @@ def test_float32_round_trip_and_logical_axes():
   axes = {"dense": {"kernel": P("embed", "mlp")}, "bias": P("mlp")}
   specs = opt_def.derive_logical_axes(optimizer, axes).state.param_states
   assert specs.inner_state[0].nu == {
-    "dense": {
-      "kernel": Rank1Quantized4Leaf(P("embed", "mlp"), P("embed", "mlp"), P("embed"), P("mlp"))
-    },
+    "dense": {"kernel": Rank1Quantized4Leaf(P("embed", "mlp"), P("embed", "mlp"), P("mlp"))},
     "bias": Quantized4Leaf(P("mlp"), P("mlp")),
   }
 
 
-def test_uses_rank1_only_where_it_costs_fewer_bytes_than_the_block_scales():
-  assert uses_rank1((768, 3072), 128) and uses_rank1((4, 128, 256), 128)
+def test_column_maxima_only_where_they_cost_no_more_than_the_block_scales():
+  assert uses_rank1((768, 3072), 128) and uses_rank1((4, 32, 256), 128)
   assert not uses_rank1((3072,), 128) and not uses_rank1((1, 4096), 128)
-  assert not uses_rank1((4096, 4), 4)
+  assert not uses_rank1((2, 8, 256), 32)
 
 
 @pytest.mark.slow

@@ -44,8 +44,9 @@ float32 state rather than the whole tree's.
   ``block_size`` (128) along the last dimension, even (`leaf_block4`); a
   block with a negative value uses a signed dynamic-exponent map, one
   without a linear map where only 0 decodes as 0, scaled in a matrix by
-  ``min(row max, column max, block max)`` (rank-1 normalization). The codes
-  (last dimension halved), scales, rows and columns shard like the param.
+  ``min(block max, column max)`` (rank-1 normalization, the row's maximum
+  narrowed to the block's). The codes (last dimension halved), scales and
+  column maxima shard like the param.
   About 0.54 bytes per value on a large matrix; a leaf whose last dimension
   has no even block stays float32. The codec is
   `t5x_optim._low_precision.quantize4`; a mode of the table `_CODECS`, as
@@ -62,7 +63,7 @@ refuses, naming the path, a matching leaf the mode does not apply to.
 The state is `LowPrecisionState` (an int32 ``count`` and the compressed
 ``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
 ``inner_state/0/mu/dense/kernel/codes`` and ``.../scales`` (a 4-bit leaf
-``.../rows`` and ``.../cols`` too, with rank-1 scales), and a bfloat16 leaf
+``.../cols`` too, with rank-1 scales), and a bfloat16 leaf
 one, ``inner_state/0/mu/dense/kernel``.
 `low_precision_to_float32` and `float32_to_low_precision` convert states
 both ways, e.g. to restore into an optimizer without the wrapper and back.
@@ -705,7 +706,7 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   Keys are state-dict paths below ``param_states`` (as tuples of keys);
   values are ``"bfloat16"``, the mode and field of a quantized leaf's
   arrays (``"8bit codes"``, ``"8bit scales"``, ``"4bit codes"``, ``"4bit
-  scales"``, ``"4bit rows"``, ``"4bit cols"``), or why a leaf is kept as it
+  scales"``, ``"4bit cols"``), or why a leaf is kept as it
   is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
   more values tiles the last dimension"`` (see `leaf_block` and
   `leaf_block4`), ``"kept: not param-shaped"``, ...). Leaves outside a
@@ -828,14 +829,11 @@ def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[in
   return spec
 
 
-def _rank1_specs(spec: Any, rank: int) -> tuple[Any, Any]:
-  """The specs of a 4-bit leaf's rows and columns, from its codes' spec."""
+def _cols_spec(spec: Any, rank: int) -> Any:
+  """The spec of a 4-bit leaf's column maxima: its codes' last dimension's."""
   if spec is None or spec is specs_lib.UNDERIVED:
-    return spec, spec
-  return (
-    specs_lib.canonical(PartitionSpec(*spec[: rank - 1]), rank - 1),
-    specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1),
-  )
+    return spec
+  return specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1)
 
 
 def _state_rule(
@@ -843,8 +841,7 @@ def _state_rule(
 ) -> LowPrecisionState:
   """Codes get their param's spec; scales too, on their block dimension.
 
-  A 4-bit leaf's rows get the spec of its param's leading dimensions, its
-  columns that of the last one. Param-shaped leaves kept in float32 (or in
+  A 4-bit leaf's column maxima get the spec of its param's last dimension. Param-shaped leaves kept in float32 (or in
   bfloat16) get their param's spec as well: once a sibling is quantized,
   their subtree no longer mirrors the params.
   """
@@ -859,8 +856,8 @@ def _state_rule(
       shape = specs_lib.leaf_shape(leaf.codes)
       codes = specs_lib.canonical(param_specs[j], len(shape))
       scales = _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales))
-      rank1 = () if len(leaf) == 2 else _rank1_specs(codes, len(shape))
-      spec = type(leaf)(codes, scales, *rank1)
+      cols = () if len(leaf) == 2 else (_cols_spec(codes, len(shape)),)
+      spec = type(leaf)(codes, scales, *cols)
     elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
       # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))

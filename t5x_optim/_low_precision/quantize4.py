@@ -14,19 +14,23 @@ After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
   for codes ``k = 1..15``, and code 0 for an exact 0 only, so no positive
   value decodes as 0 (the zero-point problem: a small second moment stored
   as 0 turns adam's update into ``mu / eps``). In a matrix (a leaf of 2 or
-  more dimensions, its leading ones flattened into rows) whose row and
-  column maxima take fewer bytes than its block scales
-  (`Rank1Quantized4Leaf`), the scale of element ``(i, j)`` is
-  ``min(row_max[i], col_max[j], block_max)`` (rank-1 normalization, never
-  coarser than the block's own); elsewhere (`Quantized4Leaf`) the block's.
+  more dimensions, its leading ones flattened into rows) with at least a
+  block's worth of rows, so that its column maxima take no more bytes than
+  its block scales (`Rank1Quantized4Leaf`), the scale of element ``(i, j)``
+  is ``min(block_max, col_max[j])``: rank-1 normalization's ``min(row_max[i],
+  col_max[j])`` with the row's maximum narrowed to its block's (a block lies
+  in one row, so its maximum is at most the row's, and a row maximum adds
+  nothing); elsewhere (`Quantized4Leaf`) the block's.
 * Codes are packed two per byte along the last dimension (element ``2t`` in
   the low nibble of byte ``t``, ``2t + 1`` in the high one), inside a
   block: the codes have the param's shape with the last dimension halved
   and shard like the param.
 
-Encoding and decoding are arithmetic and selects (no table lookup). A
-non-finite value damages only its own element: the statistics (block
-scales and signs, row and column maxima) count it as 0, so every other
+Encoding and decoding are arithmetic and selects (no table lookup, and no
+layout change that XLA would copy: a byte is spread over its two elements by
+a broadcast, each element shifting out its nibble, as the 8-bit codec spreads
+its block scales). A non-finite value damages only its own element: the
+statistics (block scales and signs, column maxima) count it as 0, so every other
 element encodes as with 0 in its place; ``+inf`` stores the element's
 scale, ``-inf`` minus it in a signed block and 0 in an unsigned one, NaN 0.
 """
@@ -78,14 +82,12 @@ class Rank1Quantized4Leaf(NamedTuple):
   Attributes:
     codes: as `Quantized4Leaf`'s.
     scales: as `Quantized4Leaf`'s.
-    rows: float32, ``shape[:-1]``: each row's largest finite magnitude.
     cols: float32, ``shape[-1:]``: each column's largest finite magnitude
       (over all leading dimensions).
   """
 
   codes: Any
   scales: Any
-  rows: Any
   cols: Any
 
 
@@ -144,13 +146,9 @@ def leaf_block4(last_dim: int, block_size: int = 128, shard_multiple: int = 8) -
 
 
 def uses_rank1(shape: tuple[int, ...], block: int) -> bool:
-  """Whether a leaf of ``shape`` stores rank-1 scales: a matrix whose row and column
-  maxima take no more bytes than its block scales."""
-  if len(shape) < 2:
-    return False
-  cols = shape[-1]
-  rows = math.prod(shape[:-1])
-  return (rows + cols) * block <= rows * cols
+  """Whether a leaf of ``shape`` stores column maxima: a matrix with at least ``block``
+  rows, whose column maxima take no more bytes than its block scales."""
+  return len(shape) >= 2 and math.prod(shape[:-1]) >= block
 
 
 def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...]:
@@ -164,33 +162,49 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def _spread(per_block: jax.Array, block: int) -> jax.Array:
-  """A value per block repeated over its block's elements, in the leaf's shape."""
-  return jnp.repeat(per_block, block, axis=-1)
+  """A value per block repeated over its block's elements, in the leaf's shape: a
+  broadcast, which fuses into the elementwise computation that reads it."""
+  shape = per_block.shape
+  repeated = jax.lax.broadcast_in_dim(per_block, (*shape, block), tuple(range(len(shape))))
+  return repeated.reshape(*shape[:-1], shape[-1] * block)
+
+
+_SIGN = 0x80000000
+_MAGNITUDE = 0x7FFFFFFF
+_INF = 0x7F800000
+
+
+def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
+  """The larger magnitude, negative if either is: an associative combination of float32s."""
+  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
+  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
 
 
 def quantize4_stats(
   x: jax.Array, block: int, *, rank1: bool, guard_nonfinite: bool = True
 ) -> tuple[jax.Array, ...]:
-  """The statistics of `quantize4`: ``(scales,)``, or ``(scales, rows, cols)`` with ``rank1``.
+  """The statistics of `quantize4`: ``(scales,)``, or ``(scales, cols)`` with ``rank1``.
 
   Non-finite values count as magnitude 0 and as not negative
-  (``guard_nonfinite``); without the guard they enter the maxima.
+  (``guard_nonfinite``); without the guard they enter the maxima. The block
+  scales are one reduction over the float32 bits (each element's magnitude,
+  its sign bit set where it is negative), combined by `_signed_absmax`.
   """
   x = jnp.asarray(x, jnp.float32)
-  magnitude = jnp.abs(x)
+  magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(_MAGNITUDE)
   negative = x < 0
   if guard_nonfinite:
-    finite = jnp.isfinite(x)
-    magnitude = jnp.where(finite, magnitude, 0.0)
+    finite = magnitude < jnp.uint32(_INF)
+    magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
     negative = negative & finite
-  absmax = _blocks(magnitude, block).max(axis=-1)
-  signed = _blocks(negative, block).any(axis=-1)
-  scales = jnp.where(signed, -absmax, absmax)
+  element = magnitude | jnp.where(negative, jnp.uint32(_SIGN), jnp.uint32(0))
+  element = jax.lax.bitcast_convert_type(element, jnp.float32)
+  scales = jax.lax.reduce(_blocks(element, block), jnp.float32(0), _signed_absmax, (x.ndim,))
   if not rank1:
     return (scales,)
-  rows = magnitude.max(axis=-1)
-  cols = magnitude.max(axis=tuple(range(x.ndim - 1)))
-  return scales, rows, cols
+  magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+  return scales, magnitude.max(axis=tuple(range(x.ndim - 1)))
 
 
 def _signed_codes(scaled: jax.Array) -> jax.Array:
@@ -221,8 +235,7 @@ def _element_scales(
   absmax = _spread(jnp.abs(scales), block)
   if len(stats) == 1:
     return signed, absmax, absmax
-  _, rows, cols = stats
-  return signed, absmax, jnp.minimum(absmax, jnp.minimum(rows[..., None], cols))
+  return signed, absmax, jnp.minimum(absmax, stats[1])
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -231,9 +244,10 @@ def _pack(codes: jax.Array) -> jax.Array:
 
 
 def _unpack(packed: jax.Array) -> jax.Array:
-  packed = jnp.asarray(packed)
-  pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
-  return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(jnp.int32)
+  """Each element's code: its byte spread over both its elements, shifted by 0 or 4."""
+  wide = _spread(jnp.asarray(packed), 2)
+  odd = jax.lax.broadcasted_iota(jnp.uint8, wide.shape, wide.ndim - 1) & jnp.uint8(1)
+  return ((wide >> (odd * jnp.uint8(4))) & jnp.uint8(15)).astype(jnp.int32)
 
 
 def quantize4(
@@ -249,10 +263,10 @@ def quantize4(
   Args:
     x: the values; the last dimension a multiple of the even ``block``.
     block: the block along the last dimension (`leaf_block4`).
-    rank1: store row and column maxima (`Rank1Quantized4Leaf`); for a leaf
-      of 2 or more dimensions (`uses_rank1` says when it pays).
+    rank1: store column maxima (`Rank1Quantized4Leaf`); for a leaf of 2
+      or more dimensions (`uses_rank1` says when it pays).
     guard_nonfinite: an inf or NaN damages only its own element; False: it
-      enters the statistics and damages its block, row and column.
+      enters the statistics and damages its block and column.
     stats: `quantize4_stats` of ``x``, computed before; None: computed here.
 
   Returns:

@@ -61,7 +61,7 @@ class LeafRow:
     dropped_axes: the param's logical axes this leaf does not keep (e.g. the
       factored dimension of adafactor's ``v_row``).
     storage: inside a `low_precision` state, how the leaf is stored
-      (``"8bit codes"``, ``"4bit rows"``, ``"bfloat16"``, ...) or why it is kept; else "".
+      (``"8bit codes"``, ``"4bit cols"``, ``"bfloat16"``, ...) or why it is kept; else "".
   """
 
   path: str
