@@ -84,7 +84,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -145,6 +145,7 @@ __all__ = [
   "rounding_bits",
 ]
 
+_FLOAT32 = "float32"
 _BF16 = "bfloat16"
 _8BIT = "8bit"
 _4BIT = "4bit"
@@ -172,6 +173,8 @@ class LowPrecisionState:
       of the param it mirrors (in the params' leaf order) or -1.
     stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
     seed: static; the seed of the stochastic-rounding bits.
+    rules: static; for each leaf of the float32 inner state, the pattern of
+      ``param_modes`` that set its mode, or "" (``state_dtype`` did).
   """
 
   count: Any
@@ -180,6 +183,7 @@ class LowPrecisionState:
   param_index: tuple[int, ...] = struct.field(pytree_node=False, default=())
   stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
   seed: int = struct.field(pytree_node=False, default=0)
+  rules: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
 def _is_quantized(x: Any) -> bool:
@@ -313,13 +317,16 @@ def _plan_storage(
   *,
   min_size: int,
   states: str | None,
-  block: Callable[[int], int | None] = leaf_block,
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+  block: Callable[[str, int], int | None],
+  param_modes: tuple[tuple[str, str], ...] = (),
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+  """(storage, param index, rule) of every inner leaf; refuses what ``states=`` selects wrongly.
 
-  In 8-bit mode a leaf whose last dimension has no block (``block``, that
-  is `leaf_block` with the mode's arguments, returns None) stays float32:
-  8 bits would cost it more than 2 bytes per value.
+  A leaf's mode is that of the first of ``param_modes`` whose pattern its
+  param's path matches, else ``mode``; ``"float32"`` keeps it, saying which
+  pattern. In a quantized mode a leaf whose last dimension has no block
+  (``block(mode, last_dim)``, the mode's `leaf_block` with its arguments,
+  returns None) stays float32: the mode would cost it more bytes.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -330,12 +337,17 @@ def _plan_storage(
   reference = params.fast if isinstance(params, optax.LookaheadParams) else params
   param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
   pattern = None if states is None else re.compile(states)
-  storage = []
+  param_paths = [
+    _state_dict.key_path_str(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(reference, is_leaf=_is_masked)[0]
+  ]
+  storage, rules = [], []
   matched = False
   for (path, leaf), j in zip(flat, indices, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
+    rule = None
     why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
     if why is not None and pattern is not None and selected:
       raise ValueError(
@@ -349,16 +361,22 @@ def _plan_storage(
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_KEPT_SMALL)
-    elif mode in _CODECS and block(jnp.shape(leaf)[-1]) is None:
-      storage.append(_CODECS[mode].no_block)
     else:
-      storage.append(mode)
+      rule = next((r for r in param_modes if re.search(r[0], param_paths[j])), None)
+      leaf_mode = mode if rule is None else rule[1]
+      if leaf_mode == _FLOAT32:
+        storage.append(f"float32: param_modes {rule[0]!r}")
+      elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)[-1]) is None:
+        storage.append(_CODECS[leaf_mode].no_block)
+      else:
+        storage.append(leaf_mode)
+    rules.append("" if rule is None else rule[0])
   if pattern is not None and not matched:
     raise ValueError(
       f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
       f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
     )
-  return tuple(storage), tuple(indices)
+  return tuple(storage), tuple(indices), tuple(rules)
 
 
 def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
@@ -382,13 +400,13 @@ def _encode(
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
-  to nearest); ``block`` maps the last dimension to the mode's block;
+  to nearest); ``block`` maps the mode and last dimension to a block;
   ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
   ``stats`` and ``flat``.
   """
   if kind in _CODECS:
     x = jnp.asarray(x, jnp.float32)
-    return _CODECS[kind].encode(x, block(x.shape[-1]), guard, stats, flat)
+    return _CODECS[kind].encode(x, block(kind, x.shape[-1]), guard, stats, flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
@@ -399,7 +417,7 @@ def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
   if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return _CODECS[kind].stats(x, block(x.shape[-1]), guard)
+  return _CODECS[kind].stats(x, block(kind, x.shape[-1]), guard)
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
@@ -604,6 +622,7 @@ def low_precision(
   seed: int = 0,
   stream: bool = True,
   guard_nonfinite: bool = True,
+  param_modes: Sequence[tuple[str, str]] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s param-shaped state in bfloat16, 8 or 4 bits between steps.
 
@@ -636,6 +655,14 @@ def low_precision(
       computes the block scales, which cost no memory. False: an inf or NaN
       damages its block, for an optimizer that refuses such steps anyway
       (``optax.apply_if_finite(low_precision(...))``).
+    param_modes: a per-param precision policy: ``(pattern, mode)`` pairs, a
+      regular expression on the param's path (e.g. ``encoder/layers_0/mlp/wi/kernel``)
+      and ``"float32"`` or a ``state_dtype``; the first pair whose pattern a
+      param's path matches sets the mode of its state leaves, and the others
+      take ``state_dtype`` (e.g. ``(("token_embedder|logits", "float32"),
+      ("mlp", "4bit"))`` with ``state_dtype="8bit"``). ``leaf_storage`` and
+      ``t5x-optim plan`` show each leaf's mode, and the pattern that kept a
+      leaf float32.
 
   Returns:
     The wrapped transformation; its state is a `LowPrecisionState`.
@@ -656,20 +683,37 @@ def low_precision(
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
     )
-  codec = _CODECS.get(state_dtype, _CODECS[_8BIT])
-  block_size = codec.block_size if block_size is None else block_size
-  if block_size < 1 or shard_multiple < 1:
+  param_modes = tuple((str(pattern), str(mode)) for pattern, mode in param_modes)
+  for pattern, mode in param_modes:
+    if mode not in (_FLOAT32, *LOW_PRECISION_MODES):
+      raise ValueError(
+        f"low_precision: param_modes maps {pattern!r} to {mode!r}, not one of "
+        f"{(_FLOAT32, *LOW_PRECISION_MODES)}."
+      )
+    re.compile(pattern)
+  if (block_size is not None and block_size < 1) or shard_multiple < 1:
     raise ValueError(
       f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
       f"and {shard_multiple}."
     )
-  block = functools.partial(codec.leaf_block, block_size=block_size, shard_multiple=shard_multiple)
+
+  def block(mode: str, last_dim: int) -> int | None:
+    codec = _CODECS[mode]
+    size = codec.block_size if block_size is None else block_size
+    return codec.leaf_block(last_dim, block_size=size, shard_multiple=shard_multiple)
+
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
     inner_state = inner.init(params)
-    storage, param_index = _plan_storage(
-      state_dtype, inner_state, params, min_size=min_size, states=states, block=block
+    storage, param_index, rules = _plan_storage(
+      state_dtype,
+      inner_state,
+      params,
+      min_size=min_size,
+      states=states,
+      block=block,
+      param_modes=param_modes,
     )
     state = LowPrecisionState(
       count=jnp.zeros([], jnp.int32),
@@ -678,6 +722,7 @@ def low_precision(
       param_index=param_index,
       stochastic_rounding=stochastic_rounding,
       seed=seed,
+      rules=rules,
     )
     return state.replace(inner_state=_compress(inner_state, state, state.count, block=block))
 
@@ -730,11 +775,15 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
     prefix = _state_dict.key_path_parts(path)
     out[(*prefix, "count")] = _KEPT_NOT_MIRROR
     flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
-    for (leaf_path, stored), kind in zip(flat, node.storage, strict=True):
+    for i, ((leaf_path, stored), kind) in enumerate(zip(flat, node.storage, strict=True)):
       parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
+      rule = node.rules[i] if i < len(node.rules) else ""
+      why = f" (param_modes {rule!r})" if rule and kind in LOW_PRECISION_MODES else ""
       if kind in _CODECS:
         for field in stored._fields:
-          out[(*parts, field)] = f"{kind} {field}"
+          out[(*parts, field)] = f"{kind} {field}{why}"
+      elif why:
+        out[parts] = f"{kind}{why}"
       else:
         out[parts] = kind
   return out
@@ -815,8 +864,12 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
     ):
       if kind in _CODECS:
         last_dim = _CODECS[kind].shape(leaf)[-1]
-        blocks[last_dim] = last_dim // leaf.scales.shape[-1]
-    out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
+        blocks[kind, last_dim] = last_dim // leaf.scales.shape[-1]
+
+    def block(kind: str, last_dim: int, blocks: dict = blocks) -> int | None:
+      return blocks.get((kind, last_dim))
+
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block=block)))
   return outer.unflatten(out)
 
 
