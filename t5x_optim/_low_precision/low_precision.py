@@ -668,8 +668,8 @@ def low_precision(
     The wrapped transformation; its state is a `LowPrecisionState`.
 
   Raises:
-    ValueError: for an unknown ``state_dtype`` or a non-positive
-      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+    ValueError: for an unknown ``state_dtype`` or mode in ``param_modes``,
+      or a non-positive ``block_size``; at ``init``, when ``states`` selects a leaf the mode
       does not apply to (naming its path) or no leaf.
 
   Example:
