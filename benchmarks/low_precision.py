@@ -7,6 +7,7 @@ synthetic task; the default mesh) with one optimizer gin file:
 * ``float32``: ``optimizers/adamw.gin``;
 * ``bf16+SR``: ``optimizers/adamw_bf16_sr.gin``;
 * ``8bit``: ``optimizers/adamw_8bit.gin``;
+* ``4bit`` (only when ``--runs`` names it): ``optimizers/adamw_4bit.gin``;
 * ``bf16 nearest`` (the negative control): ``adamw_bf16_sr.gin`` with
   ``optimizers.low_precision.stochastic_rounding = False``;
 * ``8bit whole-tree``: ``adamw_8bit.gin`` with ``optimizers.low_precision.stream =
@@ -46,12 +47,15 @@ RUNS = {
   "float32": ("optimizers/adamw.gin", []),
   "bf16+SR": ("optimizers/adamw_bf16_sr.gin", []),
   "8bit": ("optimizers/adamw_8bit.gin", []),
+  "4bit": ("optimizers/adamw_4bit.gin", []),
   "bf16 nearest": (
     "optimizers/adamw_bf16_sr.gin",
     ["optimizers.low_precision.stochastic_rounding = False"],
   ),
   "8bit whole-tree": ("optimizers/adamw_8bit.gin", ["optimizers.low_precision.stream = False"]),
 }
+DEFAULT_RUNS = [run for run in RUNS if run != "4bit"]
+"""The runs without ``--runs``: 4-bit is asked for by name."""
 T5_BASE = [
   "cli.TransformerConfig.embed_dim = 768",
   "cli.TransformerConfig.mlp_dim = 3072",
@@ -75,7 +79,7 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--eval_every", type=int, default=100)
-  parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+  parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
   parser.add_argument("--larger", action="store_true", help="a wider, deeper model: " + str(LARGER))
   parser.add_argument(
     "--num_devices", type=int, default=1, help="simulated CPU devices (ignored on an accelerator)"
@@ -107,7 +111,7 @@ def _data(args: argparse.Namespace) -> str:
 
 def _state_bytes(abstract) -> tuple[int, int, int, int]:
   """Of an abstract state: total bytes, bytes per device, and the bytes and values of its
-  compressed moments (8-bit codes and scales, bfloat16 leaves)."""
+  compressed moments (8-bit and 4-bit codes and scales, bfloat16 leaves)."""
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
@@ -121,10 +125,12 @@ def _state_bytes(abstract) -> tuple[int, int, int, int]:
     total += size
     per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
     stored = storage.get(key_path_parts(path), "")
-    if stored.startswith(("8bit", "bfloat16")):
+    if stored.startswith(("8bit", "4bit", "bfloat16")):
       compressed += size
     if stored in ("8bit codes", "bfloat16"):
       values += math.prod(leaf.shape)
+    if stored == "4bit codes":  # two values per byte
+      values += 2 * math.prod(leaf.shape)
   return total, per_device, compressed, values
 
 

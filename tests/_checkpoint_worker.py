@@ -92,6 +92,7 @@ OPTIMIZERS = {
   # Low-precision states with the default blocks: on a 16-wide shard of the 32-wide kernel
   # a block of 4 spans two devices.
   "adamw_8bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "8bit", min_size=0)),
+  "adamw_4bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "4bit", min_size=0)),
   "adamw_bfloat16": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "bfloat16", min_size=0)),
 }
 ANY_MESHES = {8: [(1, 1), (2, 4), (4, 2), (8, 1)], 16: [(4, 4), (2, 8), (16, 1), (1, 16)]}

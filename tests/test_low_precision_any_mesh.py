@@ -18,7 +18,7 @@ from _subprocesses import free_port
 
 from t5x_optim.checkpoints import Checkpointer
 
-MODES = ["adamw_8bit", "adamw_bfloat16"]
+MODES = ["adamw_8bit", "adamw_4bit", "adamw_bfloat16"]
 
 
 def _saved(tmp_path, opt_name):
