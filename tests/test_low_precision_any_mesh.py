@@ -3,7 +3,8 @@
 A state trained and saved on a 2x4 ZeRO mesh is restored onto 1, 2x4, 4x2
 and 8x1 devices here, onto 4x4, 2x8, 16x1 and 1x16 in a process of 16
 devices, and onto 2x4 and 4x2 across two processes of 4 devices: bit for bit,
-and one more step on each mesh equals the step on the mesh it was saved on.
+and one more step on each mesh gives the params of a step on the mesh it was saved on (to
+float32 rounding: XLA compiles each mesh's step apart).
 The blocks of the 8-bit codec are fixed by the param's shape and the
 optimizer's settings, never by the mesh, so no target mesh is refused.
 """

@@ -238,42 +238,35 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(mirror, middle - count, ops.where(signed, middle + count, count))
 
 
-_SIGN = 0x80000000
 _MAGNITUDE = 0x7FFFFFFF
 _INF = 0x7F800000
-
-
-def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
-  """The larger magnitude, negative if either is: an associative combination of float32s."""
-  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
-  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
-  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
 
 
 def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
   """Each block's stored scale: its absolute maximum, negated if it holds a negative value.
 
-  One reduction over the float32 bits, each element's magnitude with the
-  sign bit set where it is negative (-0.0 and NaN are not); the combination
-  (`_signed_absmax`) keeps the largest magnitude and any sign, so the
-  reduction's result is the stored scale itself, with no pass over the
-  blocks' statistics after it. ``finite``: non-finite elements count as
-  magnitude 0 (-inf still makes its block signed), with selects that fuse
+  One reduction over the float32 bits with a standard combination per
+  operand (the largest magnitude, whether any element is negative (-0.0 and
+  NaN are not), the smallest reciprocal of a magnitude), so that a mesh
+  splitting a block over devices all-reduces it (a custom combination cannot
+  be all-reduced); the stored scale is the largest magnitude with the sign
+  bit set where a value is negative. ``finite``: non-finite elements count
+  as magnitude 0 (-inf still makes its block signed), with selects that fuse
   into the reduction: no branch, no second pass over the leaf.
   """
   bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
   magnitude = bits & jnp.uint32(_MAGNITUDE)
   if finite:
     magnitude = jnp.where(magnitude < jnp.uint32(_INF), magnitude, jnp.uint32(0))
-  element = magnitude | jnp.where(blocks < 0, jnp.uint32(_SIGN), jnp.uint32(0))
-  element, magnitude = (jax.lax.bitcast_convert_type(x, jnp.float32) for x in (element, magnitude))
-  scales, reciprocal = jax.lax.reduce(
-    (element, 1.0 / magnitude),
-    (jnp.float32(0), jnp.float32(jnp.inf)),
-    lambda a, b: (_signed_absmax(a[0], b[0]), jax.lax.min(a[1], b[1])),
+  negative = (blocks < 0).astype(jnp.uint32)
+  reciprocal = 1.0 / jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+  largest, signed, reciprocal = jax.lax.reduce(
+    (magnitude, negative, reciprocal),
+    (jnp.uint32(0), jnp.uint32(0), jnp.float32(jnp.inf)),
+    lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1]), jax.lax.min(a[2], b[2])),
     (blocks.ndim - 1,),
   )
-  return scales, reciprocal
+  return jax.lax.bitcast_convert_type(largest | (signed << 31), jnp.float32), reciprocal
 
 
 def quantize_stats(

@@ -169,16 +169,8 @@ def _spread(per_block: jax.Array, block: int) -> jax.Array:
   return repeated.reshape(*shape[:-1], shape[-1] * block)
 
 
-_SIGN = 0x80000000
 _MAGNITUDE = 0x7FFFFFFF
 _INF = 0x7F800000
-
-
-def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
-  """The larger magnitude, negative if either is: an associative combination of float32s."""
-  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
-  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
-  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
 
 
 def quantize4_stats(
@@ -188,8 +180,9 @@ def quantize4_stats(
 
   Non-finite values count as magnitude 0 and as not negative
   (``guard_nonfinite``); without the guard they enter the maxima. The block
-  scales are one reduction over the float32 bits (each element's magnitude,
-  its sign bit set where it is negative), combined by `_signed_absmax`.
+  scales are one reduction over the float32 bits with a standard combination
+  per operand (the largest magnitude, whether any element is negative), so
+  that a mesh splitting a block over devices all-reduces it.
   """
   x = jnp.asarray(x, jnp.float32)
   magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(_MAGNITUDE)
@@ -198,9 +191,13 @@ def quantize4_stats(
     finite = magnitude < jnp.uint32(_INF)
     magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
     negative = negative & finite
-  element = magnitude | jnp.where(negative, jnp.uint32(_SIGN), jnp.uint32(0))
-  element = jax.lax.bitcast_convert_type(element, jnp.float32)
-  scales = jax.lax.reduce(_blocks(element, block), jnp.float32(0), _signed_absmax, (x.ndim,))
+  largest, signed = jax.lax.reduce(
+    (_blocks(magnitude, block), _blocks(negative.astype(jnp.uint32), block)),
+    (jnp.uint32(0), jnp.uint32(0)),
+    lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1])),
+    (x.ndim,),
+  )
+  scales = jax.lax.bitcast_convert_type(largest | (signed << 31), jnp.float32)
   if not rank1:
     return (scales,)
   magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
