@@ -246,7 +246,8 @@ def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
     ),
     (
       AxesMLP(mlp=6),
-      r"_optimizer/state/param_states/0/mu/bi: dimension 0 of shape \(6,\) is not "
+      # The param itself (its state would be replicated along the dimension).
+      r"_optimizer/target/bi: dimension 0 of shape \(6,\) is not "
       r"divisible by mesh axis 'model' of size 4",
     ),
   ],
