@@ -418,13 +418,7 @@ def rounding_bits(shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int
     >>> bits.dtype, bool((bits < 2**16).all())
     (dtype('uint32'), True)
   """
-  return _rounding_bits(tuple(shape), np.uint32(seed), count, np.uint32(leaf))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _rounding_bits(shape: tuple[int, ...], seed: Any, count: jax.Array, leaf: Any) -> jax.Array:
-  """`rounding_bits`, one program per shape (as `_quantize`)."""
-  key = _hash32(_hash32(_hash32(seed) ^ count.astype(jnp.uint32)) ^ leaf)
+  key = _hash32(_hash32(_hash32(jnp.uint32(seed)) ^ count.astype(jnp.uint32)) ^ jnp.uint32(leaf))
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for dim in reversed(range(len(shape))):
