@@ -7,8 +7,12 @@ synthetic task; the default mesh) with one optimizer gin file:
 * ``float32``: ``optimizers/adamw.gin``;
 * ``bf16+SR``: ``optimizers/adamw_bf16_sr.gin``;
 * ``8bit``: ``optimizers/adamw_8bit.gin``;
+* ``4bit`` (only when ``--runs`` names it): ``optimizers/adamw_4bit.gin``;
 * ``bf16 nearest`` (the negative control): ``adamw_bf16_sr.gin`` with
-  ``optimizers.low_precision.stochastic_rounding = False``.
+  ``optimizers.low_precision.stochastic_rounding = False``;
+* ``8bit whole-tree``: ``adamw_8bit.gin`` with ``optimizers.low_precision.stream =
+  False`` (every leaf decoded, updated and encoded at once: the same values, a
+  higher peak, and no per-leaf conditional).
 
 Every run trains ``--steps`` steps per seed (the seed sets the init and the
 stochastic-rounding bits; the data stream is the task's own) with the job's
@@ -43,11 +47,15 @@ RUNS = {
   "float32": ("optimizers/adamw.gin", []),
   "bf16+SR": ("optimizers/adamw_bf16_sr.gin", []),
   "8bit": ("optimizers/adamw_8bit.gin", []),
+  "4bit": ("optimizers/adamw_4bit.gin", []),
   "bf16 nearest": (
     "optimizers/adamw_bf16_sr.gin",
     ["optimizers.low_precision.stochastic_rounding = False"],
   ),
+  "8bit whole-tree": ("optimizers/adamw_8bit.gin", ["optimizers.low_precision.stream = False"]),
 }
+DEFAULT_RUNS = [run for run in RUNS if run != "4bit"]
+"""The runs without ``--runs``: 4-bit is asked for by name."""
 T5_BASE = [
   "cli.TransformerConfig.embed_dim = 768",
   "cli.TransformerConfig.mlp_dim = 3072",
@@ -71,7 +79,7 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--eval_every", type=int, default=100)
-  parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+  parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
   parser.add_argument("--larger", action="store_true", help="a wider, deeper model: " + str(LARGER))
   parser.add_argument(
     "--num_devices", type=int, default=1, help="simulated CPU devices (ignored on an accelerator)"
@@ -103,7 +111,7 @@ def _data(args: argparse.Namespace) -> str:
 
 def _state_bytes(abstract) -> tuple[int, int, int, int]:
   """Of an abstract state: total bytes, bytes per device, and the bytes and values of its
-  compressed moments (8-bit codes and scales, bfloat16 leaves)."""
+  compressed moments (8-bit and 4-bit codes and scales, bfloat16 leaves)."""
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
@@ -117,10 +125,12 @@ def _state_bytes(abstract) -> tuple[int, int, int, int]:
     total += size
     per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
     stored = storage.get(key_path_parts(path), "")
-    if stored.startswith(("8bit", "bfloat16")):
+    if stored.startswith(("8bit", "4bit", "bfloat16")):
       compressed += size
     if stored in ("8bit codes", "bfloat16"):
       values += math.prod(leaf.shape)
+    if stored == "4bit codes":  # two values per byte
+      values += 2 * math.prod(leaf.shape)
   return total, per_device, compressed, values
 
 
@@ -159,16 +169,25 @@ class _Run:
     self.total, self.per_device, self.compressed, self.compressed_values = _state_bytes(abstract)
 
   def train(self, steps: int) -> None:
-    import jax  # noqa: PLC0415
+    self.state, self.step, times = timed_steps(self.setup, self.state, self.step, steps)
+    self.times += times
 
-    for _ in range(steps):
-      batch = self.setup.train_batch(self.step)
-      start = time.perf_counter()
-      self.state, metrics = self.setup.step_fn(self.state, batch)
-      jax.block_until_ready(metrics)
-      if self.step:
-        self.times.append(time.perf_counter() - start)
-      self.step += 1
+
+def timed_steps(setup, state, step: int, steps: int) -> tuple[object, int, list[float]]:
+  """Trains `steps` steps of the job `setup` from `step`; returns the state, the step and the
+  seconds of each step but the job's first (compiling) one."""
+  import jax  # noqa: PLC0415
+
+  times = []
+  for _ in range(steps):
+    batch = setup.train_batch(step)
+    start = time.perf_counter()
+    state, metrics = setup.step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    if step:
+      times.append(time.perf_counter() - start)
+    step += 1
+  return state, step, times
 
   def evaluate(self) -> float:
     from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
@@ -260,7 +279,10 @@ def main() -> None:
       f"{run.total / run.params:>9.3f}{per_moment:>10.3f}{run.per_device:>10,}"
       f"{ms:>9.2f}{base_ms / ms:>14.3f}"
     )
-  _print_bytes(args.runs, [*model, *_task_bindings(args)], args.binding, "the same model")
+  if jax.device_count() >= 8:
+    _print_bytes(args.runs, [*model, *_task_bindings(args)], args.binding, "the same model")
+  else:
+    print(f"\n(the 2x4 mesh table needs 8 devices, {jax.device_count()} here: --bytes_only on CPU)")
   if args.png:
     import matplotlib  # noqa: PLC0415
 

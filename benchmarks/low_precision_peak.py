@@ -1,4 +1,4 @@
-"""The compiled step's peak memory with float32, bf16+SR and 8-bit optimizer states.
+"""The compiled step's peak memory with float32, bf16+SR, 8-bit and 4-bit optimizer states.
 
 What a user sizing a job pays is the step's peak, not the state's bytes at
 rest. For each mode this prints XLA's own memory analysis of the compiled
@@ -20,7 +20,8 @@ Modes: optax's ``adamw`` (float32 state), `t5x_optim.low_precision` of it in
 ``"bfloat16"`` (stochastic rounding) and ``"8bit"`` (also with
 ``guard_nonfinite=False``, for a step that refuses non-finite gradients
 anyway), and optax's own
-``adamw(mu_dtype=bfloat16)``, the peer a JAX user has today. The ideal saving
+``adamw(mu_dtype=bfloat16)``, the peer a JAX user has today; ``"4bit"``
+(``--modes ... 4-bit``) runs only when named. The ideal saving
 of a mode is float32's state bytes less its own; the last column is the share
 of it the peak keeps.
 
@@ -49,7 +50,10 @@ MODES: dict[str, Callable[[], optax.GradientTransformation]] = {
   "8-bit": lambda: low_precision(optax.adamw(1e-3), "8bit"),
   "8-bit, no inf guard": lambda: low_precision(optax.adamw(1e-3), "8bit", guard_nonfinite=False),
   "optax mu_dtype=bf16": lambda: optax.adamw(1e-3, mu_dtype=jnp.bfloat16),
+  "4-bit": lambda: low_precision(optax.adamw(1e-3), "4bit"),
 }
+DEFAULT_MODES = [mode for mode in MODES if mode != "4-bit"]
+"""The modes run without ``--modes``: 4-bit is asked for by name."""
 BASE_LM = TransformerConfig(
   vocab_size=VOCAB,
   embed_dim=768,
@@ -148,7 +152,7 @@ def _table(title: str, rows: dict[str, dict[str, float]]) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--parts", nargs="+", default=["a", "b"], choices=["a", "b"])
-  parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+  parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
   args = parser.parse_args()
   print(f"{jax.devices()[0].platform}; B/p = bytes per param")
   if "a" in args.parts:

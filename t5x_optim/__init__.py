@@ -45,7 +45,9 @@ from t5x_optim._layouts.fused import FusedUpdate, FusionReport, fusion_report
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._low_precision.low_precision import (
   LowPrecisionState,
+  Quantized4Leaf,
   QuantizedLeaf,
+  Rank1Quantized4Leaf,
   float32_to_low_precision,
   low_precision,
   low_precision_to_float32,
@@ -79,7 +81,9 @@ __all__ = [
   "OptimizerDef",
   "OptimizerState",
   "PathFilter",
+  "Quantized4Leaf",
   "QuantizedLeaf",
+  "Rank1Quantized4Leaf",
   "StackedLayout",
   "StackedParams",
   "StateConverter",

@@ -7,6 +7,7 @@ loop; run as a script in a fresh process for the scenarios that need one:
   python tests/_checkpoint_worker.py multiprocess IN_DIR OUT_DIR PORT PROCESS_ID
   python tests/_checkpoint_worker.py writer DIR MARKERS_DIR
   python tests/_checkpoint_worker.py peer_killed PORT PROCESS_ID KILL_FILE
+  python tests/_checkpoint_worker.py any_mesh OPT_NAME IN_DIR EXPECTED_NPZ PORT PROCESS_ID
 
 `run_workers` starts them (the parent sets ``XLA_FLAGS``, the device count,
 in the environment before this script imports jax). Training is elementwise (gradients are a fixed
@@ -32,7 +33,14 @@ import numpy as np
 import optax
 from _subprocesses import communicate_all
 
-from t5x_optim import MultiOptimizer, OptaxWrapper, PathFilter, TrainState, distributed
+from t5x_optim import (
+  MultiOptimizer,
+  OptaxWrapper,
+  PathFilter,
+  TrainState,
+  distributed,
+  low_precision,
+)
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.partitioning import (
   Partitioner,
@@ -81,7 +89,18 @@ OPTIMIZERS = {
     ]
   ),
   "sgd_momentum": lambda: OptaxWrapper(optax.sgd(1e-2, momentum=0.9)),
+  # Low-precision states with the default blocks: on a 16-wide shard of the 32-wide kernel
+  # a block of 4 spans two devices.
+  "adamw_8bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "8bit", min_size=0)),
+  "adamw_4bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "4bit", min_size=0)),
+  "adamw_bfloat16": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "bfloat16", min_size=0)),
 }
+ANY_MESHES = {8: [(1, 1), (2, 4), (4, 2), (8, 1)], 16: [(4, 4), (2, 8), (16, 1), (1, 16)]}
+"""The meshes (data, model) a checkpoint written on 2x4 restores onto, by device count.
+
+A mesh of fewer devices than there are takes the first ones. In two
+processes of 4 devices each, the 8-device meshes but the first are global.
+"""
 
 
 @functools.cache
@@ -214,6 +233,78 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
   jax.distributed.shutdown()
 
 
+def state_arrays(state: TrainState) -> dict[str, np.ndarray]:
+  """The state dict's leaves as host arrays, by path (a fully addressable state)."""
+  return {
+    jax.tree_util.keystr(path): np.asarray(leaf)
+    for path, leaf in jax.tree.leaves_with_path(state.state_dict())
+  }
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+  return np.frombuffer(np.ascontiguousarray(array).tobytes(), np.uint8)
+
+
+def save_expected(path: str, **states: TrainState) -> None:
+  """Writes each state's arrays as ``NAME/PATH`` (bytes) and ``NAME.dtype/PATH`` into `path`."""
+  arrays = {}
+  for name, state in states.items():
+    for where, array in state_arrays(state).items():
+      arrays[f"{name}/{where}"] = _bits(array).reshape(array.shape + (array.dtype.itemsize,))
+      arrays[f"{name}.dtype/{where}"] = np.array(str(array.dtype))
+  np.savez(path, **arrays)
+
+
+def load_expected(path: str, name: str) -> dict[str, tuple[str, np.ndarray]]:
+  """``{PATH: (dtype name, bytes)}`` of the state `save_expected` wrote as `name`."""
+  with np.load(path) as arrays:
+    return {
+      key.split("/", 1)[1]: (str(arrays[f"{name}.dtype/" + key.split("/", 1)[1]]), arrays[key])
+      for key in arrays.files
+      if key.startswith(f"{name}/")
+    }
+
+
+def assert_shards_equal(
+  state: TrainState, expected: dict[str, tuple[str, np.ndarray]], what: str
+) -> None:
+  """Each of this process's shards equals its slice of `expected`, bit for bit."""
+  leaves = jax.tree.leaves_with_path(state.state_dict())
+  assert sorted(jax.tree_util.keystr(path) for path, _ in leaves) == sorted(expected), what
+  for path, leaf in leaves:
+    where = jax.tree_util.keystr(path)
+    dtype, want = expected[where]
+    assert str(leaf.dtype) == dtype, (what, where, leaf.dtype, dtype)
+    for shard in leaf.addressable_shards:
+      np.testing.assert_array_equal(
+        _bits(np.asarray(shard.data)), _bits(want[shard.index]), err_msg=f"{what}: {where}"
+      )
+
+
+def any_mesh(opt_name: str, in_dir: str, expected_npz: str, port: int, process_id: int) -> None:
+  """Restores `in_dir`'s checkpoint onto every mesh of `ANY_MESHES` and checks it.
+
+  `expected_npz` holds the saved state (``saved``) and the state one step
+  later (``after``), as `save_expected` writes them; the restored state, and one step of it on the
+  new mesh, must equal them bit for bit. With a `port`, this is one of two
+  processes. Prints the meshes checked.
+  """
+  if port:
+    distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  saved, after = load_expected(expected_npz, "saved"), load_expected(expected_npz, "after")
+  count = jax.device_count()
+  meshes = ANY_MESHES[count][1:] if port else ANY_MESHES[count]
+  for data, model in meshes:
+    part = partitioner(data, model, devices=jax.devices()[: data * model])
+    with Checkpointer(in_dir) as ckpt:
+      restored = ckpt.restore(abstract_state(opt_name, part))
+    assert_shards_equal(restored, saved, f"restored on {data}x{model}")
+    assert_shards_equal(train(restored, 1), after, f"a step on {data}x{model}")
+    print(f"restored on {data}x{model}", flush=True)
+  if port:
+    jax.distributed.shutdown()
+
+
 def small_optimizer() -> Any:
   """An sgd optimizer of one small param, on one device."""
   return optimizer_def("sgd_momentum").create({"w": jnp.arange(8.0)})
@@ -266,6 +357,9 @@ def main(argv: Sequence[str]) -> None:
   elif mode == "multiprocess":
     in_dir, out_dir, port, process_id = args
     multiprocess(in_dir, out_dir, int(port), int(process_id))
+  elif mode == "any_mesh":
+    opt_name, in_dir, expected_npz, port, process_id = args
+    any_mesh(opt_name, in_dir, expected_npz, int(port), int(process_id))
   elif mode == "writer":
     writer(*args)
   elif mode == "peer_killed":

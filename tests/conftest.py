@@ -32,6 +32,7 @@ SLOW_DOCTESTS = {
   "t5x_optim._low_precision.low_precision.leaf_storage",
   "t5x_optim._low_precision.low_precision.low_precision_to_float32",
   "t5x_optim._low_precision.quantize.quantize",
+  "t5x_optim._low_precision.quantize4.quantize4",
   "t5x_optim._layouts.stacked",
   "t5x_optim.cli.demo.model",
   "t5x_optim.cli.demo.model.TransformerLM",

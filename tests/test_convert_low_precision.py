@@ -1,6 +1,6 @@
-"""Conversion of `low_precision` states: bfloat16 and 8-bit moments are decoded and encoded.
+"""Conversion of `low_precision` states: bfloat16, 8-bit and 4-bit moments are decoded and encoded.
 
-Every pair of storages (float32, bfloat16, 8-bit) converts as the float32 state does:
+Every pair of storages (float32, bfloat16, 8-bit, 4-bit) converts as the float32 state does:
 the source decoded with `low_precision_to_float32` and converted in float32 gives the
 float32 target exactly, and a compressed target is that float32 result encoded
 (`float32_to_low_precision`), within the codec's error of it. The sources are
@@ -22,7 +22,7 @@ import pytest
 import t5x_optim
 from t5x_optim import OptaxWrapper, low_precision_to_float32, partitioning
 
-STORAGES = ("float32", "bfloat16", "8bit")
+STORAGES = ("float32", "bfloat16", "8bit", "4bit")
 STEPS = 3
 RNG = np.random.default_rng(0)
 PARAMS = {
@@ -41,8 +41,9 @@ TARGETS = {
   "sgd_momentum": (lambda: optax.sgd(1e-3, momentum=0.9), {}, ("trace",)),
 }
 # The codec's error, as a fraction of a leaf's largest magnitude: 8 bits with a block's
-# absolute maximum for scale, bfloat16's 8-bit significand rounded stochastically.
-CODEC_ERROR = {"float32": 0.0, "bfloat16": 2.0**-7, "8bit": 2e-2}
+# absolute maximum for scale, bfloat16's 8-bit significand rounded stochastically, 4 bits:
+# half the widest gap of the signed map (0.6625 to 0.8875) or a linear step (1/15).
+CODEC_ERROR = {"float32": 0.0, "bfloat16": 2.0**-7, "8bit": 2e-2, "4bit": 0.1125 + 1e-6}
 
 
 def _stored(inner: optax.GradientTransformation, storage: str) -> optax.GradientTransformation:

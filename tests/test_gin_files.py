@@ -30,6 +30,7 @@ EXPECTED_OPTIMIZERS = {
   "lookahead",
   "example_lib_adam",
   "adamw_8bit",
+  "adamw_4bit",
   "adamw_bf16_sr",
   "muon",
 }

@@ -271,18 +271,21 @@ def _fusions_per_leaf(make_tx) -> float:
   return (counts[1] - counts[0]) / 2
 
 
-@pytest.mark.parametrize("mode, most", [("8bit", 9), ("bfloat16", 7)])
+@pytest.mark.parametrize("mode, most", [("8bit", 9), ("bfloat16", 9)])
 def test_each_leaf_compiles_few_fusions_in_the_streamed_step(mode, most):
-  """Each fusion is a kernel XLA compiles: their number per leaf sets the step's compile time.
+  """Each fusion is a kernel XLA compiles, unless an identical one was compiled before.
 
   float32 adamw compiles 3 per leaf. The streamed update runs each leaf in
   a conditional whose branch that never runs returns its operands (no
   fill); inside it, the update and an encoder per state leaf, and (8-bit)
   one reduction per state leaf whose results are the stored scale and the
   reciprocal the encoder multiplies by, the non-finite guard being selects
-  inside it. A branch for the guard and separate fusions for the scales
-  made 36 per 8-bit leaf; zeros filled in the never-run branch, 9 per
-  bfloat16 leaf.
+  inside it; bfloat16's branch also computes each state leaf's
+  stochastic-rounding key (a scalar fusion each), so that the encoders of
+  equal leaves are identical and compile once
+  (``test_low_precision_streaming.py``). A branch for the guard and
+  separate fusions for the scales made 36 per 8-bit leaf; zeros filled in
+  the never-run branch, 9 per bfloat16 leaf (with each leaf's own encoders).
   """
   assert _fusions_per_leaf(lambda: optax.adamw(1e-3)) == 3
   assert _fusions_per_leaf(lambda: low_precision(optax.adamw(1e-3), mode, min_size=0)) <= most

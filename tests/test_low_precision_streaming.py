@@ -10,6 +10,7 @@ memory analysis.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,11 @@ def _close(got, want, *, rtol: float, spread: float, atol=None) -> None:
 def _assert_same_state_and_updates(streamed, whole, params, *, jit):
   """From the same inputs at every step: the same updates and decoded state, to rounding.
 
-  The streamed update runs each leaf's operations apart from the rest of the
-  step, where XLA rounds some of them differently (a float32 ulp, seen in a
-  product of a gradient and a scalar, and in a param-sized value that an
-  update subtracts); a stored value next to a rounding boundary (an 8-bit
-  threshold) may then land on the other side of it.
+  The whole-tree update is not a function of each leaf alone: XLA rounds a
+  leaf's update differently with other leaves beside it (see
+  `test_whole_tree_rounding_depends_on_the_other_leaves`), by a float32 ulp;
+  a stored value next to a rounding boundary (an 8-bit threshold) may then
+  land on the other side of it.
   """
   state = whole.init(params)
   assert jax.tree.structure(streamed.init(params)) == jax.tree.structure(state)
@@ -114,6 +115,41 @@ def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
   _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
 
 
+def _adamw_updates(tx, params, grads, steps=2):
+  state = tx.init(params)
+  for _ in range(steps):
+    updates, state = jax.jit(tx.update)(grads, state, params)
+  return {k: np.asarray(v) for k, v in updates.items()}
+
+
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
+def test_whole_tree_rounding_depends_on_the_other_leaves(mode):
+  """Why streamed and whole-tree updates differ in the last bit: the whole tree's does.
+
+  Compiled with a second leaf beside it, optax's adamw rounds a leaf's
+  update differently from the same leaf alone: XLA's algebraic simplifier
+  rewrites the divisions by the bias corrections, scalars that the leaves
+  share, as ``m / (c * d)`` instead of ``(m / c) / d`` (or as ``m * (1 / c)``)
+  depending on their users. The streamed update computes each leaf's
+  update apart, bit for bit the whole-tree update of that leaf alone.
+  """
+  rng = np.random.default_rng(0)
+  params = {"a": rng.normal(size=(16, 32)), "b": rng.normal(size=(64,))}
+  params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  grads = {k: jnp.asarray(0.1 * rng.normal(size=v.shape), jnp.float32) for k, v in params.items()}
+  alone = {"b": params["b"]}, {"b": grads["b"]}
+  plain = _adamw_updates(optax.adamw(1e-2), params, grads, steps=1)["b"]
+  plain_alone = _adamw_updates(optax.adamw(1e-2), *alone, steps=1)["b"]
+  assert (plain != plain_alone).any()
+  options = dict(block_size=4, shard_multiple=1, min_size=0, stochastic_rounding=False)
+  streamed = low_precision(optax.adamw(1e-2), mode, stream=True, **options)
+  whole = low_precision(optax.adamw(1e-2), mode, stream=False, **options)
+  np.testing.assert_array_equal(
+    _adamw_updates(streamed, params, grads)["b"], _adamw_updates(whole, *alone)["b"]
+  )
+  assert (_adamw_updates(whole, params, grads)["b"] != _adamw_updates(whole, *alone)["b"]).any()
+
+
 def test_elementwise_optimizers_stream_and_others_do_not():
   params = {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))}
   state = low_precision(optax.adam(1e-3), min_size=0).init(params)
@@ -124,6 +160,57 @@ def test_elementwise_optimizers_stream_and_others_do_not():
   assert _stream_plan(optax.adafactor(1e-3), params, fstate, params, {}) is None
   # No params: optax's update may not read them, but the stream needs their shapes.
   assert _stream_plan(optax.adam(1e-3), params, state, None, {}) is None
+
+
+def _lowered_step(tx, n):
+  params = {f"l{i}": jax.ShapeDtypeStruct((64, 256), jnp.float32) for i in range(n)}
+  opt = jax.eval_shape(lambda p: OptaxWrapper(tx).create(p), params)
+  return jax.jit(lambda o, g: o.apply_gradient(g)).lower(opt, params).as_text()
+
+
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
+def test_leaves_of_one_shape_trace_and_lower_the_codec_once(mode):
+  """The streamed step's program grows by a call per leaf, not by a codec per leaf.
+
+  Leaves with the same program and shape call the same jitted branch and
+  encoders, which JAX traces and lowers once: eight leaves lower to a
+  program under twice two leaves' (a copy of the codec per leaf: 4
+  times), and trace several times faster.
+  """
+  tx = low_precision(optax.adamw(1e-3), mode)
+  assert len(_lowered_step(tx, 8)) < 2 * len(_lowered_step(tx, 2))
+
+
+def _fused_bodies(hlo: str, root: str) -> list[str]:
+  """The fused computations of compiled HLO text whose root is ``root``, names stripped."""
+  bodies = re.findall(r"\n(%fused_computation[^\n]*\{\n.*?\n\})", hlo, flags=re.S)
+  out = []
+  for body in bodies:
+    if re.search(rf"ROOT %\S+ = {re.escape(root)}", body):
+      lines = [re.sub(r", metadata=\{.*\}", "", line) for line in body.splitlines()[1:]]
+      out.append(re.sub(r"%[\w.\-]+", "%", "\n".join(lines)))
+  return out
+
+
+def test_equal_leaves_compile_one_stochastic_rounding_encoder():
+  """The encoders of equal bfloat16 leaves are one computation, which XLA compiles once.
+
+  Each leaf hashes its own rounding key; computed in the leaf's branch, the
+  key is an operand of the encoder, not a constant folded into it, so the
+  encoders of leaves of one shape are the same and XLA:CPU reuses one
+  compiled kernel for them (a leaf's index folded into each encoder made
+  bfloat16's step compile several times slower).
+  """
+  shape = (64, 256)
+  params = {f"l{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(4)}
+  opt = jax.eval_shape(
+    lambda p: OptaxWrapper(low_precision(optax.adamw(1e-3), "bfloat16")).create(p), params
+  )
+  step = jax.jit(lambda o, g: o.apply_gradient(g)).lower(opt, params).compile()
+  encoders = _fused_bodies(step.as_text(), f"bf16[{shape[0]},{shape[1]}]")
+  assert len(encoders) >= 8
+  # One for mu, one for nu (the two moments' programs differ).
+  assert len(set(encoders)) <= 2
 
 
 def _step_memory(tx, shapes):

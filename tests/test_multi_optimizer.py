@@ -676,3 +676,36 @@ def test_sharded_training_through_train_state_and_partitioner() -> None:
   assert sgd_state.param_states[0].trace["dense"]["bias"].spec == P("model")
   assert shardings.params["out"]["bias"].is_fully_replicated
   assert np.array_equal(sharded_state.params["out"]["bias"], state.params["out"]["bias"])
+
+
+def test_describe_params_names_each_params_sub_optimizer_and_muon_placement():
+  """`t5x-optim plan` lists a MultiOptimizer's params: Muon's placement inside its subset."""
+  import optax  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from t5x_optim import optimizers  # noqa: PLC0415
+
+  params = {
+    "body": {"kernel": jnp.ones((4, 6)), "scale": jnp.ones(4)},
+    "embed": {"embedding": jnp.ones((10, 4))},
+    "head": {"kernel": jnp.ones((4, 3))},
+  }
+  axes = {
+    "body": {"kernel": P("embed", "mlp"), "scale": P("embed")},
+    "embed": {"embedding": P("vocab", "embed")},
+    "head": {"kernel": P("embed", "classes")},
+  }
+  opt_def = optimizers.MultiOptimizer(
+    [
+      (optimizers.PathFilter("^(body|embed)/"), optimizers.muon(learning_rate=0.02)),
+      (optimizers.PathFilter("^head/"), optimizers.OptaxWrapper(optax.sgd(0.1))),
+    ]
+  )
+  opt_def.set_param_axes(axes)
+  assert opt_def.describe_params(params) == [
+    "body/kernel ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',) "
+    "[filter 0 PathFilter('^(body|embed)/')]",
+    "body/scale ('embed',): adam [filter 0 PathFilter('^(body|embed)/')]",
+    "embed/embedding ('vocab', 'embed'): adam [filter 0 PathFilter('^(body|embed)/')]",
+    "head/kernel: OptaxWrapper [filter 1 PathFilter('^head/')]",
+  ]

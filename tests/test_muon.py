@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 import re
+import subprocess
+import sys
 
 import flax
 import flax.linen as nn
@@ -15,6 +18,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from _t5x import t5x_at_hand
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
@@ -492,3 +496,16 @@ def test_gin_wraps_the_transformation_in_low_precision(tmp_path):
   optimizer = _wrapper_loop(opt_def, params, steps=2)
   muon_state = optimizer.state.param_states.inner_state.inner_states["muon"].inner_state[0]
   assert muon_state.mu["decoder"]["layers"]["mlp"]["wo"]["kernel"].dtype == jnp.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_t5x_partitioner_shards_muon_state_as_its_params():
+  """data/t5x_muon/check_with_t5x.py: T5X's own networks, train state and partitioner."""
+  script = pathlib.Path(__file__).parent / "data" / "t5x_muon" / "check_with_t5x.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+    proc.stdout[-3000:] + proc.stderr[-3000:]
+  )
+  assert "OK   t5: Muon on 36 kernels (rank 2), Adam on 16 params" in proc.stdout
+  assert "OK   scalable_t5: Muon on 18 kernels (rank 3/4), Adam on 11 params" in proc.stdout

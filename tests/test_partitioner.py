@@ -342,3 +342,28 @@ def test_abstract_train_state_passes_the_definitions_fallback_through():
   state = abstract_train_state(partitioner, _LegacyDef(), _boxed_variables)
   assert state.param_states["w"].shape == (8, 4)
   assert state.param_states["w"].sharding.spec == partitioner.get_mesh_axes(state).param_states["w"]
+
+
+def test_optimizer_state_leaf_is_replicated_along_a_dimension_its_mesh_axis_does_not_divide():
+  """A param's indivisible dimension is an error (above); a state leaf's is replicated."""
+  params = {"dense1": {"kernel": jnp.zeros((8, 16))}}
+  axes = {"dense1": {"kernel": P("embed", "mlp")}}
+  state = _abstract_state(params, axes)
+  state = state.replace(
+    param_states=(
+      state.param_states[0]._replace(mu={"dense1": {"kernel": jax.ShapeDtypeStruct((8, 2), "f4")}}),
+      *state.param_states[1:],
+    )
+  )
+  for zero, want in ((False, P(None, None)), (True, P("data", None))):
+    specs = _partitioner(2, 4, shard_optimizer_state_over_data=zero).get_mesh_axes(state)
+    assert specs.param_states[0].mu["dense1"]["kernel"] == want
+    assert specs.param_states[0].nu["dense1"]["kernel"] in (P(None, "model"), P("data", "model"))
+    assert specs.params["dense1"]["kernel"] == P(None, "model")
+    tree = optimizer_state_mesh_axes_tree(
+      state.as_logical_axes().param_states,
+      state.param_states,
+      standard_logical_axis_rules(shard_optimizer_state_over_data=zero),
+      mesh_shape={"data": 2, "model": 4},
+    )
+    assert tree[0].mu["dense1"]["kernel"] == want

@@ -104,6 +104,71 @@ def test_compare_explains_a_step_t5x_restored_in_bfloat16():
   assert lifecycle.compare(ours, t5x) == "loss differs (max |d| 0.5)"
 
 
+# Params named and laid out as T5X's T5 network names them, with their logical axes.
+T5_PARAMS = {
+  "token_embedder/embedding": ((24, 8), ("vocab", "embed")),
+  "encoder/layers_0/attention/query/kernel": ((8, 8), ("embed", "joined_kv")),
+  "encoder/layers_0/mlp/wi/kernel": ((8, 16), ("embed", "mlp")),
+  "encoder/layers_0/pre_mlp_layer_norm/scale": ((8,), ("embed",)),
+  "encoder/relpos_bias/rel_embedding": ((2, 32), ("heads", "relpos_buckets")),
+  "decoder/logits_dense/kernel": ((8, 24), ("embed", "vocab")),
+}
+
+
+def _muon_arrays():
+  """The state-dict arrays of Muon over `T5_PARAMS`, placed by their axes."""
+  params, axes = {}, {}
+  for path, (shape, names) in T5_PARAMS.items():
+    *parents, name = path.split("/")
+    p, a = params, axes
+    for key in parents:
+      p, a = p.setdefault(key, {}), a.setdefault(key, {})
+    p[name], a[name] = jnp.ones(shape), jax.sharding.PartitionSpec(*names)
+  opt = t5x_optim.optimizers.muon(learning_rate=0.02, param_axes=axes).create(params)
+  flat = jax.tree_util.tree_leaves_with_path(opt.state_dict())
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
+
+
+def test_muon_layout_checks_kernels_go_to_muon_and_the_rest_to_adam():
+  ok, text = lifecycle.muon_layout(_muon_arrays())
+  assert ok, text
+  assert text == "Muon on 2 kernels (rank 2), Adam on 4"
+  assert lifecycle.expected_branch("decoder/logits_dense/kernel") == "adam"
+
+
+def test_muon_layout_refuses_optax_default():
+  """Without the params' axes optax sends every 2-D param, embeddings included, to Muon."""
+  muon = t5x_optim.optimizers.OptaxWrapper(optax.contrib.muon(learning_rate=0.02))
+  params = {"token_embedder": {"embedding": jnp.ones((24, 8))}, "mlp": {"kernel": jnp.ones((8, 4))}}
+  flat = jax.tree_util.tree_leaves_with_path(muon.create(params).state_dict())
+  arrays = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
+  ok, text = lifecycle.muon_layout(arrays)
+  assert not ok
+  assert text.endswith("misplaced 1: token_embedder/embedding: muon")
+
+
+def test_muon_resume_checks_the_restart_step_and_the_uninterrupted_run():
+  arrays = _muon_arrays()
+  reference = lifecycle.Result(True, losses={"2": 3.0, "8": 2.0}, arrays=arrays)
+  resumed = lifecycle.Result(True, losses=dict(reference.losses), arrays=arrays, first_step=4)
+  lifecycle._check_resumed(resumed, reference)
+  assert resumed.checks == [(True, "restarted at step 4"), (True, "= uninterrupted")]
+  from_scratch = lifecycle.Result(True, losses={"2": 3.0, "8": 2.5}, arrays=arrays, first_step=0)
+  lifecycle._check_resumed(from_scratch, reference)
+  assert from_scratch.checks == [
+    (False, "restarted at step 0"),
+    (False, "loss differs (max |d| 0.5)"),
+  ]
+  cell = lifecycle.cell(from_scratch, None, "gin")
+  assert cell == "ok loss 2.500000; FAILED restarted at step 0; FAILED loss differs (max |d| 0.5)"
+
+
+def test_first_step_is_read_from_t5x_log():
+  log = "I1125 train.py:607] Starting main loop over steps 4-8\n"
+  assert lifecycle._first_step(log) == 4
+  assert lifecycle._first_step("no loop") is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_resumes_with_our_optimizers(tmp_path):
@@ -117,3 +182,31 @@ def test_a_t5x_job_resumes_with_our_optimizers(tmp_path):
   proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "SUMMARY: 0 cells" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
+  """Muon through T5X's train.py and eval.py (gin swap), unscanned and scanned layers."""
+  command = [
+    sys.executable,
+    str(RUNNER),
+    "--optimizers=muon,muon_scanned",
+    "--stages=pretrain,resume,resume_legacy,eval",
+    "--columns=gin",
+    f"--workdir={tmp_path}",
+  ]
+  proc = subprocess.run(command, capture_output=True, text=True, timeout=2400)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "SUMMARY: 0 cells of optimizers T5X cannot run fail or fail a check." in proc.stdout
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+  cells = {tuple(line.split(" | ")[:2]): line.split(" | ")[3] for line in rows[1:]}
+  layouts = {
+    "muon": "Muon on 36 kernels (rank 2), Adam on 16",
+    "muon_scanned": "Muon on 18 kernels (rank 3/4), Adam on 11",
+  }
+  for optimizer, layout in layouts.items():
+    assert layout in cells[("| pretrain", optimizer)]
+    for stage in ("resume", "resume_legacy"):
+      assert "restarted at step 4; = uninterrupted" in cells[(f"| {stage}", optimizer)]
+    assert cells[("| eval", optimizer)].startswith("ok exact_match")

@@ -44,6 +44,27 @@ the int32 it was. T5X runs
 here are deterministic (fixed seeds, no dropout, no shuffling), so equal means
 bit-exact.
 
+Muon (``muon`` on the byt5 network, ``muon_scanned`` on T5X's scalable T5.1.1
+network with scanned layers, both through ``optimizers.muon`` and
+``optimizers.KernelAxesRule``) is one T5X's own optimizers cannot build, so its
+``t5x`` column is ``-`` and each of its runs is checked on its own (these runs
+save the dataset iterator, ``SaveCheckpointConfig.save_dataset = True``, so that
+a restarted job sees the batches an uninterrupted one does):
+
+* ``pretrain``: the loss decreases, and the checkpoint's optimizer state is
+  Muon's in T5X's layout (``state/param_states/inner_states/{muon,adam}/
+  inner_state/0/...``) with Muon's momentum on exactly the kernels (every
+  ``kernel`` but the ``vocab``-sized logits, scanned ones included) and Adam's
+  on the embeddings, logits, relative-position biases and layer-norm scales.
+  Optax's default would send 2-D embeddings to Muon and the scanned 3-D and 4-D
+  kernels to Adam, so this layout shows that T5X called ``set_param_axes`` and
+  the params' logical axes chose the dimension numbers;
+* ``resume`` and ``resume_legacy``: the restarted process starts its main loop
+  at step 4 (T5X's log), and its losses and final checkpoint equal, bit for
+  bit, those of one process trained 0-8 uninterrupted with the Orbax
+  checkpointer (``= uninterrupted``);
+* ``eval``: T5X's ``eval.py`` runs on the resumed checkpoint.
+
 T5X cannot be installed from the package registry: its files are read at run
 time from a git directory of github.com/google-research/t5x (``--t5x-src`` or
 ``T5X_SRC``); nothing of T5X is kept. The Python running this script needs
@@ -62,7 +83,7 @@ every column is about 250 processes. ``--reuse`` re-tabulates an earlier work
 dir, running only what is missing there.
 
 Exit status 1 when a cell that succeeds in the ``t5x`` column fails, or
-differs from it, in another column.
+differs from it, in another column, or when a Muon cell fails or fails a check.
 """
 
 from __future__ import annotations
@@ -71,6 +92,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +104,24 @@ from typing import Any
 COLUMNS = ("t5x", "gin", "module")
 EXPLAINED = "explained"
 STEPS_A, STEPS_B = 4, 8
+
+# Muon on the kernels, Adam on the rest, placed by the params' logical axes.
+MUON = """
+OPTIMIZER = @optimizers.muon()
+optimizers.muon:
+  learning_rate = @optax.warmup_cosine_decay_schedule()
+  kernel_axes_rule = @optimizers.KernelAxesRule()
+optax.warmup_cosine_decay_schedule:
+  init_value = 0.0
+  peak_value = 0.02
+  warmup_steps = 2
+  decay_steps = 8
+optimizers.KernelAxesRule:
+  batch_axes = ['layers', 'expert', 'stack']
+  adam_axes = ['vocab', 'length', 'relpos_buckets']
+  axis_groups = [['heads', 'kv']]
+utils.SaveCheckpointConfig.save_dataset = True
+"""
 
 # The optimizer section of the gin file; `optimizers` is whatever the column imports.
 OPTIMIZERS: dict[str, str] = {
@@ -125,6 +165,8 @@ attn/lifecycle_tasks.traversal.pattern = 'attention'
 rest/lifecycle_tasks.traversal.pattern = '^((?!attention).)*$'
 rest/adafactor.Adafactor.multiply_by_parameter_scale = False
 """,
+  "muon": MUON,
+  "muon_scanned": MUON,
   "multi_optax": """
 OPTIMIZER = @optimizers.MultiOptimizer()
 optimizers.MultiOptimizer.traversals_and_optimizers = (
@@ -136,6 +178,10 @@ optimizers.adamw.learning_rate = 0.01
 optimizers.sgd.learning_rate = 0.0001
 """,
 }
+
+# Optimizers T5X's own optimizers cannot build: no t5x column, their own checks instead.
+OURS_ONLY = ("muon", "muon_scanned")
+MUON_STATE = "state/param_states/inner_states/{}/inner_state/0/mu/"
 
 STAGES = (
   "pretrain",
@@ -198,6 +244,7 @@ def inject_adamw(learning_rate):
 '''
 
 MODEL_GIN = """
+from t5x.examples.t5 import network
 include 't5x/examples/t5/byt5/base.gin'
 network.T5Config:
   emb_dim = 16
@@ -210,15 +257,36 @@ network.T5Config:
 DROPOUT_RATE = 0.0
 """
 
+# T5X's T5.1.1 network with scanned layers (a 'layers' axis at position 1 of every
+# layer's params), byte vocabulary.
+SCANNED_MODEL_GIN = """
+from t5x.examples.scalable_t5 import network
+include 't5x/examples/scalable_t5/t5_1_1/base.gin'
+VOCABULARY = @seqio.ByteVocabulary()
+network.T5Config:
+  vocab_size = 384
+  emb_dim = 16
+  num_heads = 4
+  num_encoder_layers = 2
+  num_decoder_layers = 2
+  head_dim = 4
+  mlp_dim = 32
+  dtype = 'float32'
+  scan_layers = True
+DROPOUT_RATE = 0.0
+"""
+
+MODELS = {"muon_scanned": SCANNED_MODEL_GIN}
+
 HEADER = """from __gin__ import dynamic_registration
 import __main__ as {script}
 import optax
+import seqio
 import lifecycle_tasks
 from t5x import adafactor
 from t5x import partitioning
 from t5x import trainer
 from t5x import utils
-from t5x.examples.t5 import network
 {optimizers_import}
 """
 
@@ -258,6 +326,8 @@ class Result:
   losses: dict[str, float] = dataclasses.field(default_factory=dict)
   arrays: dict[str, Any] = dataclasses.field(default_factory=dict)
   outputs: str = ""
+  first_step: int | None = None
+  checks: list[tuple[bool, str]] = dataclasses.field(default_factory=list)
 
 
 def _git(src: str, *args: str) -> bytes:
@@ -329,7 +399,7 @@ class Lifecycle:
       "from t5x_optim import optimizers" if column == "gin" else "from t5x import optimizers"
     )
     head = HEADER.format(script=script, optimizers_import=optimizers_import)
-    return head + MODEL_GIN + body + OPTIMIZERS[optimizer]
+    return head + MODELS.get(optimizer, MODEL_GIN) + body + OPTIMIZERS[optimizer]
 
   def run(
     self,
@@ -380,7 +450,7 @@ class Lifecycle:
       f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
       return Result(False, _error_line(proc.stderr), seconds)
-    return Result(True, seconds=seconds)
+    return Result(True, seconds=seconds, first_step=_first_step(proc.stderr))
 
 
 def _finished_run(model_dir: str, script: str, text: str) -> Result | None:
@@ -399,8 +469,16 @@ def _finished_run(model_dir: str, script: str, text: str) -> Result | None:
       with open(log) as f:
         output = f.read()
       failed = "Traceback (most recent call last)" in output
-      return Result(not failed, _error_line(output) if failed else "")
+      if failed:
+        return Result(False, _error_line(output))
+      return Result(True, first_step=_first_step(output))
   return None
+
+
+def _first_step(log: str) -> int | None:
+  """The step T5X's train.py started its main loop at, from its log."""
+  found = re.search(r"Starting main loop over steps (\d+)-", log)
+  return int(found.group(1)) if found else None
 
 
 def _error_line(log: str) -> str:
@@ -491,12 +569,15 @@ def _counter_drift(ours: Any, theirs: Any) -> bool:
   return bool(jnp.issubdtype(ours, jnp.integer) and jnp.issubdtype(theirs, jnp.floating))
 
 
-def compare(result: Result, reference: Result) -> str:
-  """'= t5x' when losses and every checkpoint array are equal bit for bit, else the difference."""
+def compare(result: Result, reference: Result, name: str = "t5x") -> str:
+  """'= <name>' when losses and every checkpoint array are equal bit for bit, else the difference.
+
+  `name` names the reference: the ``t5x`` column's run, or ``uninterrupted``.
+  """
   import numpy as np
 
   if result.outputs or reference.outputs:
-    return "= t5x" if result.outputs == reference.outputs else "outputs differ"
+    return f"= {name}" if result.outputs == reference.outputs else "outputs differ"
   if result.losses != reference.losses:
     worst = max(
       (abs(result.losses.get(k, np.nan) - v) for k, v in reference.losses.items()), default=np.nan
@@ -530,13 +611,84 @@ def compare(result: Result, reference: Result) -> str:
         worst, where = diff, path
   if where:
     return f"checkpoint differs (max |d| {worst:.3g} at {where})"
-  return "= t5x" + (f" ({drifted} int32 counters where T5X's are float32)" if drifted else "")
+  theirs = "T5X's" if name == "t5x" else f"the {name} run's"
+  return f"= {name}" + (
+    f" ({drifted} int32 counters where {theirs} are float32)" if drifted else ""
+  )
+
+
+def expected_branch(param: str) -> str:
+  """Where Muon's rule must send a param of T5X's T5 networks: kernels to Muon, the rest to Adam.
+
+  The logits' kernel has a 'vocab' axis; embeddings, relative-position biases
+  and layer-norm scales are not kernels.
+  """
+  name = param.rsplit("/", 1)[-1]
+  return "muon" if name == "kernel" and "logits_dense" not in param else "adam"
+
+
+def muon_layout(arrays: dict[str, Any]) -> tuple[bool, str]:
+  """Whether a checkpoint's Muon state has Muon's momentum on the kernels and Adam's elsewhere.
+
+  Reads T5X's state-dict paths: every param must have one momentum, of its
+  shape, under ``inner_states/muon`` or ``inner_states/adam`` as
+  `expected_branch` says.
+
+  Returns:
+    (ok, a summary naming the kernels' ranks and the first misplaced params).
+  """
+  params = {path[len("target/") :]: x for path, x in arrays.items() if path.startswith("target/")}
+  placed: dict[str, str] = {}
+  for branch in ("muon", "adam"):
+    prefix = MUON_STATE.format(branch)
+    for path, x in arrays.items():
+      if path.startswith(prefix):
+        param = path[len(prefix) :]
+        same = param not in placed and param in params and x.shape == params[param].shape
+        placed[param] = branch if same else f"{branch} (duplicate, unknown or misshapen)"
+  wrong = [
+    f"{param}: {placed.get(param, 'no momentum')}"
+    for param in sorted(set(params) | set(placed))
+    if placed.get(param) != expected_branch(param)
+  ]
+  kernels = [x for param, x in params.items() if placed.get(param) == "muon"]
+  ranks = "/".join(sorted({str(x.ndim) for x in kernels}))
+  text = f"Muon on {len(kernels)} kernels (rank {ranks}), Adam on {len(params) - len(kernels)}"
+  if wrong:
+    text += f"; misplaced {len(wrong)}: " + ", ".join(wrong[:3])
+  return bool(kernels) and not wrong, text
+
+
+def _check_pretrain(result: Result) -> None:
+  """Muon's pretrain checks: the loss decreases, and the state's layout (`muon_layout`)."""
+  steps = sorted(result.losses, key=int)
+  first, last = result.losses[steps[0]], result.losses[steps[-1]]
+  result.checks.append((len(steps) > 1 and last < first, f"loss {first:.4f} -> {last:.4f}"))
+  result.checks.append(muon_layout(result.arrays))
+
+
+def _check_resumed(result: Result, reference: Result) -> None:
+  """Muon's resume checks: restarted at the saved step, and equal to the uninterrupted run."""
+  started = result.first_step == STEPS_A
+  result.checks.append((started, f"restarted at step {result.first_step}"))
+  if not reference.ok:
+    result.checks.append((False, f"the uninterrupted run failed: {reference.error}"))
+    return
+  verdict = compare(result, reference, "uninterrupted")
+  result.checks.append((verdict.startswith("= uninterrupted"), verdict))
 
 
 def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: dict) -> Result:
-  """Runs one stage of one optimizer in one column; `dirs` holds earlier stages' model dirs."""
+  """Runs one stage of one optimizer in one column.
+
+  `dirs` holds earlier stages' model dirs, and for the optimizers T5X cannot
+  run (`OURS_ONLY`) their uninterrupted runs, which their resumes must equal.
+  """
   base = os.path.join(life.workdir, optimizer, column)
   train = TRAIN_GIN.format
+  ours_only = optimizer in OURS_ONLY
+  if ours_only and (column == "t5x" or stage in ("takeover", "handback")):
+    return Result(False, "not applicable")
 
   def fresh(name: str) -> str:
     path = os.path.join(base, name)
@@ -554,11 +706,19 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
     result = life.run(col, "train", optimizer, train(steps=steps), model_dir, **kwargs)
     return read_train(model_dir, result)
 
+  def uninterrupted() -> Result:
+    key = (optimizer, column, "uninterrupted")
+    if key not in dirs:
+      dirs[key] = train_in(fresh("uninterrupted"), column, STEPS_B)
+    return dirs[key]
+
   if stage == "pretrain":
     model_dir = fresh("pretrain")
     result = train_in(model_dir, column, STEPS_A)
     if result.ok:
       dirs[(optimizer, column, "pretrain")] = model_dir
+      if ours_only:
+        _check_pretrain(result)
     return result
   pretrained = dirs.get((optimizer, column, "pretrain"))
   if stage in ("resume", "finetune", "finetune_fresh") and pretrained is None:
@@ -568,13 +728,18 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
     result = train_in(model_dir, column, STEPS_B)
     if result.ok:
       dirs[(optimizer, column, "resume")] = model_dir
+      if ours_only:
+        _check_resumed(result, uninterrupted())
     return result
   if stage == "resume_legacy":
     model_dir = fresh("resume_legacy")
     first = train_in(model_dir, column, STEPS_A, bindings=["train_script.train.use_orbax=False"])
     if not first.ok:
       return first
-    return train_in(model_dir, column, STEPS_B, bindings=["train_script.train.use_orbax=False"])
+    result = train_in(model_dir, column, STEPS_B, bindings=["train_script.train.use_orbax=False"])
+    if result.ok and ours_only:
+      _check_resumed(result, uninterrupted())
+    return result
   if stage in ("takeover", "handback"):
     if column == "t5x":
       return Result(False, "not applicable")
@@ -656,6 +821,8 @@ def cell(result: Result, reference: Result | None, column: str) -> str:
     text = "ok " + _summary(result.outputs)
   if column != "t5x" and reference is not None and reference.ok:
     text += ", " + compare(result, reference)
+  for ok, message in result.checks:
+    text += ("; " if ok else "; FAILED ") + message
   return text
 
 
@@ -707,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"T5X {commit}, work dir {workdir}", flush=True)
   life = Lifecycle(args.t5x_src, workdir, columns, args.timeout, reuse=args.reuse)
   dirs: dict = {}
-  rows, regressions = [], 0
+  rows, regressions, ours_failed = [], 0, 0
   resumed_by_t5x: dict[str, Result] = {}
   for optimizer in optimizers:
     for stage in stages:
@@ -729,6 +896,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped = results[column].error == "not run"
         if column != "t5x" and reference is not None and reference.ok and not skipped:
           regressions += "= t5x" not in row[column] and EXPLAINED not in row[column]
+        if optimizer in OURS_ONLY and column != "t5x" and not skipped:
+          result = results[column]
+          ours_failed += (not result.ok and result.error != "not applicable") or not all(
+            ok for ok, _ in result.checks
+          )
       rows.append(row)
       print(
         f"{stage:15s} {optimizer:17s} " + " | ".join(f"{c}: {row[c]}" for c in columns), flush=True
@@ -739,7 +911,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   print()
   print(_table(rows, columns))
   print(f"\nSUMMARY: {regressions} cells work with T5X's optimizers but fail or differ with ours.")
-  return 1 if regressions else 0
+  if any(optimizer in OURS_ONLY for optimizer in optimizers):
+    print(f"SUMMARY: {ours_failed} cells of optimizers T5X cannot run fail or fail a check.")
+  return 1 if regressions or ours_failed else 0
 
 
 def _table(rows: list[dict], columns: Sequence[str]) -> str:

@@ -76,6 +76,7 @@ from t5x_optim._core.interface import (
   hyper_param_names_of,
   missing_def_methods,
 )
+from t5x_optim._keypaths import key_path_str
 
 __all__ = ["MultiOptimizer", "PathFilter"]
 
@@ -440,6 +441,27 @@ class MultiOptimizer(OptimizerDef):
     overridden = copy.copy(opt)
     overridden.fallback = self.fallback
     return overridden
+
+  def describe_params(self, params: Any) -> list[str]:
+    """One line per param: the filter and sub-optimizer that update it.
+
+    A sub-optimizer that places its params by their logical axes (``muon``
+    after `set_param_axes`) says where each of its params goes; the others
+    are named by their class.
+
+    Raises:
+      ValueError: as the split of `params` between the filters.
+    """
+    partition, leaves = self._partition(params)
+    lines = []
+    for i, (opt, subtree) in enumerate(zip(self.sub_optimizers, partition.split(leaves))):
+      where = describe_traversal(i, self.traversals[i])
+      if getattr(opt, "param_specs", None) is not None:
+        lines += [f"{line} [{where}]" for line in opt.describe_params(subtree)]
+      else:
+        paths = jax.tree_util.tree_flatten_with_path(subtree, is_leaf=is_none)[0]
+        lines += [f"{key_path_str(path)}: {type(opt).__name__} [{where}]" for path, _ in paths]
+    return sorted(lines)
 
   def _set_param_axes(self, param_logical_axes: Any) -> None:
     """Gives each sub-optimizer that defines `set_param_axes` its axes.

@@ -303,6 +303,36 @@ def add_optimizer_state_axis(
   return spec
 
 
+def drop_indivisible_axes(
+  spec: PartitionSpec | None, shape: Sequence[int], mesh_shape: Mapping[str, int]
+) -> PartitionSpec | None:
+  """Drops from each dimension of ``spec`` the mesh axes its size does not divide.
+
+  The last-named axes of a dimension go first, until the rest divide it; a
+  dimension that no axis divides is replicated. The partitioner applies this
+  to optimizer-state leaves only (a parameter's indivisible dimension is an
+  error): a leaf derived from a parameter, such as the block scales of an
+  8-bit moment with fewer blocks than a mesh axis has devices, is then
+  replicated along that dimension instead of refusing the mesh.
+
+  Example:
+    >>> drop_indivisible_axes(PartitionSpec(('model', 'data')), (8,), {'data': 2, 'model': 16})
+    P(None,)
+    >>> drop_indivisible_axes(PartitionSpec(('model', 'data')), (16,), {'data': 4, 'model': 8})
+    P('model',)
+  """
+  if spec is None:
+    return None
+  entries = []
+  for entry, size in zip(spec, shape):
+    names = [entry] if isinstance(entry, str) else list(entry or ())
+    while names and size % math.prod(mesh_shape[n] for n in names):
+      names.pop()
+    entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+  fitted = PartitionSpec(*entries, *spec[len(shape) :])
+  return spec if fitted == spec else fitted
+
+
 def is_spec_leaf(x: Any) -> bool:
   """True for the leaves of a logical or mesh axes tree (PartitionSpec or None)."""
   return x is None or isinstance(x, PartitionSpec)
@@ -367,9 +397,10 @@ def optimizer_state_mesh_axes_tree(
 ) -> Any:
   """Maps optimizer-state logical specs to mesh specs, with ZeRO if enabled.
 
-  Like :func:`logical_to_mesh_axes_tree`; then, when
-  ``rules.optimizer_state_axis`` is set, each leaf also gets that mesh axis
-  (see :func:`add_optimizer_state_axis`).
+  Like :func:`logical_to_mesh_axes_tree`, with the mesh axes a leaf's
+  dimension does not divide dropped (:func:`drop_indivisible_axes`); then,
+  when ``rules.optimizer_state_axis`` is set, each leaf also gets that mesh
+  axis (see :func:`add_optimizer_state_axis`).
 
   Args:
     logical_tree: a pytree with ``PartitionSpec`` or ``None`` leaves.
@@ -391,7 +422,12 @@ def optimizer_state_mesh_axes_tree(
     {'w': P('data', 'model')}
   """
   rules = as_logical_axis_rules(rules)
-  mesh_axes = logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown)
+  mesh_axes = jax.tree.map(
+    lambda spec, x: drop_indivisible_axes(spec, np.shape(x), mesh_shape),
+    logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown),
+    shapes,
+    is_leaf=is_spec_leaf,
+  )
   axis = rules.optimizer_state_axis
   if axis is None:
     return mesh_axes

@@ -34,11 +34,11 @@ field (learning-rate schedules, injected hyper-parameters) is set to its clock,
 so schedules go on where the old run was instead of warming up again; a node
 that gets none of its moments starts fresh with count 0.
 
-Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16 or 8-bit
-state) is decoded to float32 (`low_precision_to_float32`) before it is read,
+Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
+4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
 and a target's is written in float32 and encoded again
 (`float32_to_low_precision`), so moments convert between any two storages.
-An 8-bit leaf anywhere else cannot be decoded and is refused, with its path.
+An 8-bit or 4-bit leaf anywhere else cannot be decoded and is refused, with its path.
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ from t5x_optim._convert.registry import (
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._low_precision.low_precision import (
+  QUANTIZED_LEAF_TYPES,
   LowPrecisionState,
-  QuantizedLeaf,
   float32_to_low_precision,
   low_precision_to_float32,
+  quantized_mode,
 )
 
 __all__ = [
@@ -179,22 +180,23 @@ def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
 
 
 def _is_quantized(node: Any) -> bool:
-  return isinstance(node, QuantizedLeaf)
+  return isinstance(node, QUANTIZED_LEAF_TYPES)
 
 
 def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
-  """Raises, naming its path, if `node` holds an 8-bit leaf (one outside a `LowPrecisionState`).
+  """Raises, naming its path, if `node` holds a quantized leaf outside a `LowPrecisionState`.
 
-  Only a `LowPrecisionState` knows how its leaves are stored; an 8-bit leaf
-  elsewhere would be converted as its codes and scales.
+  Only a `LowPrecisionState` knows how its leaves are stored; an 8-bit or
+  4-bit leaf elsewhere would be converted as its codes and scales.
   """
   flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_quantized)[0]
   for leaf_path, leaf in flat:
     if _is_quantized(leaf):
       where = "/".join((*path, *_state_dict.key_path_parts(leaf_path))) or "<root>"
       raise ValueError(
-        f"The {side} state's leaf '{where}' is 8-bit (uint8 codes and scales) outside a "
-        "LowPrecisionState: convert_state decodes and encodes 8-bit leaves only inside "
+        f"The {side} state's leaf '{where}' is {quantized_mode(leaf)[0]}-bit (uint8 codes and "
+        "scales) outside a LowPrecisionState: convert_state decodes and encodes quantized "
+        "leaves only inside "
         "low_precision's state; convert it to float32 first."
       )
 
@@ -526,7 +528,7 @@ def convert_state(
   every node of the target's initial state with a converter is written from
   them. Nodes are found wherever they nest (``chain``,
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
-  ``MultiOptimizer``, ``low_precision``: its bfloat16 and 8-bit leaves are
+  ``MultiOptimizer``, ``low_precision``: its bfloat16, 8-bit and 4-bit leaves are
   decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
   AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
   (factored or not, and its momentum: the ``EmaState`` after its

@@ -2,7 +2,8 @@
 
 Between steps, the param-shaped ("mirror") state leaves of the wrapped
 transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
-one of two forms (the codecs are `t5x_optim._low_precision.quantize`); inside the
+one of three forms (the codecs are `t5x_optim._low_precision.quantize` and
+`t5x_optim._low_precision.quantize4`); inside the
 update they are expanded to float32, the wrapped update runs in float32, and
 its new state is compressed again, one param leaf at a time where the update
 is elementwise per leaf (`_streamed_update`), so the step holds one leaf's
@@ -39,8 +40,19 @@ float32 state rather than the whole tree's.
   without a negative value (adam's ``nu``) only 0 decodes as 0, so a small
   second moment beside a large one does not become 0 and turn adam's
   update into ``mu / eps``.
+* ``"4bit"``: two codes per byte, after Li et al. (2023): blocks of up to
+  ``block_size`` (128) along the last dimension, even (`leaf_block4`); a
+  block with a negative value uses a signed dynamic-exponent map, one
+  without a linear map where only 0 decodes as 0, scaled in a matrix by
+  ``min(block max, column max)`` (rank-1 normalization, the row's maximum
+  narrowed to the block's). The codes (last dimension halved), scales and
+  column maxima shard like the param.
+  About 0.54 bytes per value on a large matrix; a leaf whose last dimension
+  has no even block stays float32. The codec is
+  `t5x_optim._low_precision.quantize4`; a mode of the table `_CODECS`, as
+  8 bits is.
 
-Leaves smaller than ``min_size`` elements, 8-bit leaves without a block,
+Leaves smaller than ``min_size`` elements, 8-bit and 4-bit leaves without a block,
 leaves that are not param-shaped mirrors (adafactor's factored ``v_row``,
 L-BFGS history), non-floating leaves and scalars stay as they are;
 `leaf_storage` says why for each leaf, and
@@ -50,8 +62,9 @@ refuses, naming the path, a matching leaf the mode does not apply to.
 
 The state is `LowPrecisionState` (an int32 ``count`` and the compressed
 ``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
-``inner_state/0/mu/dense/kernel/codes`` and ``.../scales``, and a bfloat16
-leaf one, ``inner_state/0/mu/dense/kernel``.
+``inner_state/0/mu/dense/kernel/codes`` and ``.../scales`` (a 4-bit leaf
+``.../cols`` too, with rank-1 scales), and a bfloat16 leaf
+one, ``inner_state/0/mu/dense/kernel``.
 `low_precision_to_float32` and `float32_to_low_precision` convert states
 both ways, e.g. to restore into an optimizer without the wrapper and back.
 
@@ -67,10 +80,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -90,38 +104,56 @@ from t5x_optim._layouts.fused.analysis import (
   plan_fused_update,
   split_extras,
 )
-from t5x_optim._layouts.fused.program import Lit, run_program
+from t5x_optim._layouts.fused.program import Lit, Program, run_program
 from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
   dynamic_map,
+  hashed_bits,
   leaf_block,
   quantize,
   quantize_stats,
   rounding_bits,
+  rounding_key,
   to_bfloat16,
+)
+from t5x_optim._low_precision.quantize4 import (
+  Quantized4Leaf,
+  Rank1Quantized4Leaf,
+  dequantize4,
+  leaf_block4,
+  quantize4,
+  quantize4_stats,
+  unpacked_shape,
+  uses_rank1,
 )
 
 __all__ = [
   "LOW_PRECISION_MODES",
+  "QUANTIZED_LEAF_TYPES",
+  "QUANTIZED_MODES",
   "LowPrecisionState",
+  "Quantized4Leaf",
   "QuantizedLeaf",
+  "Rank1Quantized4Leaf",
   "dynamic_map",
   "float32_to_low_precision",
   "leaf_block",
+  "leaf_block4",
   "leaf_storage",
   "low_precision",
   "low_precision_to_float32",
+  "quantized_mode",
   "rounding_bits",
 ]
 
-LOW_PRECISION_MODES = ("bfloat16", "8bit")
-"""The modes of `low_precision`'s ``state_dtype``."""
-
+_FLOAT32 = "float32"
 _BF16 = "bfloat16"
 _8BIT = "8bit"
+_4BIT = "4bit"
 _KEPT_SMALL = "float32: below min_size"
 _KEPT_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
+_KEPT_NO_BLOCK4 = "float32: no even 4-bit block of 4 or more values tiles the last dimension"
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
@@ -134,13 +166,17 @@ class LowPrecisionState:
   Attributes:
     count: int32 steps taken (folded into the stochastic-rounding bits).
     inner_state: the wrapped transformation's state, each compressed leaf a
-      bfloat16 array or a `QuantizedLeaf`.
+      bfloat16 array, a `QuantizedLeaf` (8 bits) or a `Quantized4Leaf` or
+      `Rank1Quantized4Leaf` (4 bits).
     storage: static; for each leaf of the float32 inner state, how it is
-      stored: ``"bfloat16"``, ``"8bit"`` or why it is kept (`leaf_storage`).
+      stored: ``"bfloat16"``, ``"8bit"``, ``"4bit"`` or why it is kept
+      (`leaf_storage`).
     param_index: static; for each leaf of the float32 inner state, the index
       of the param it mirrors (in the params' leaf order) or -1.
     stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
     seed: static; the seed of the stochastic-rounding bits.
+    rules: static; for each leaf of the float32 inner state, the pattern of
+      ``param_modes`` that set its mode, or "" (``state_dtype`` did).
   """
 
   count: Any
@@ -149,14 +185,95 @@ class LowPrecisionState:
   param_index: tuple[int, ...] = struct.field(pytree_node=False, default=())
   stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
   seed: int = struct.field(pytree_node=False, default=0)
+  rules: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
 def _is_quantized(x: Any) -> bool:
-  return isinstance(x, QuantizedLeaf)
+  return isinstance(x, QUANTIZED_LEAF_TYPES)
+
+
+def quantized_mode(leaf: Any) -> str | None:
+  """The quantized mode (``"8bit"``, ``"4bit"``) whose stored leaf ``leaf`` is, or None."""
+  return next((mode for mode, c in _CODECS.items() if isinstance(leaf, c.leaf_types)), None)
 
 
 def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Codec:
+  """A quantized mode of `low_precision`: how its leaves are planned, encoded and decoded.
+
+  Attributes:
+    leaf_types: the stored leaf classes (NamedTuples of arrays; their fields
+      are the leaf's state-dict keys).
+    leaf_block: ``(last_dim, block_size, shard_multiple)`` to a leaf's
+      block, or None: the leaf stays float32 (``no_block`` says why).
+    block_size: the default largest block.
+    no_block: the storage of a leaf without a block.
+    stats: ``(x, block, guard)`` to the block statistics of a new state
+      leaf, computed inside the streamed update's branch.
+    encode: ``(x, block, guard, stats, flat)`` to the stored leaf.
+    decode: ``(stored, flat)`` to the float32 values.
+    shape: the float32 shape of a stored leaf.
+  """
+
+  leaf_types: tuple[type, ...]
+  leaf_block: Callable[..., int | None]
+  block_size: int
+  no_block: str
+  stats: Callable[[jax.Array, int, bool], Any]
+  encode: Callable[[jax.Array, int, bool, Any, bool], Any]
+  decode: Callable[[Any, bool], jax.Array]
+  shape: Callable[[Any], tuple[int, ...]]
+
+
+def _stats4(x: jax.Array, block: int, guard: bool) -> Any:
+  rank1 = uses_rank1(jnp.shape(x), block)
+  return quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard)
+
+
+def _encode4(x: jax.Array, block: int, guard: bool, stats: Any, flat: bool) -> Any:
+  del flat  # 4-bit codes are packed: the encoder reads the leaf's own shape either way.
+  rank1 = uses_rank1(jnp.shape(x), block)
+  return quantize4(x, block, rank1=rank1, guard_nonfinite=guard, stats=stats)
+
+
+_CODECS: dict[str, _Codec] = {
+  _8BIT: _Codec(
+    leaf_types=(QuantizedLeaf,),
+    leaf_block=leaf_block,
+    block_size=256,
+    no_block=_KEPT_NO_BLOCK,
+    stats=lambda x, block, guard: quantize_stats(x, block, guard_nonfinite=guard),
+    encode=lambda x, block, guard, stats, flat: quantize(
+      x, block, guard_nonfinite=guard, stats=stats, flat=flat
+    ),
+    decode=lambda stored, flat: dequantize(stored, flat=flat),
+    shape=lambda stored: tuple(jnp.shape(stored.codes)),
+  ),
+  _4BIT: _Codec(
+    leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
+    leaf_block=leaf_block4,
+    block_size=128,
+    no_block=_KEPT_NO_BLOCK4,
+    stats=_stats4,
+    encode=_encode4,
+    decode=lambda stored, flat: dequantize4(stored),
+    shape=unpacked_shape,
+  ),
+}
+"""The quantized modes, by ``state_dtype``: each stores a leaf as a NamedTuple of arrays."""
+
+LOW_PRECISION_MODES = (_BF16, *_CODECS)
+"""The modes of `low_precision`'s ``state_dtype``."""
+
+QUANTIZED_MODES = tuple(_CODECS)
+"""The modes that store a leaf as several arrays (`leaf_storage`: ``"<mode> <field>"``)."""
+
+QUANTIZED_LEAF_TYPES = tuple(t for codec in _CODECS.values() for t in codec.leaf_types)
+"""The classes of the quantized modes' stored leaves."""
 
 
 def _mirror_params(inner_state: Any, params: Any) -> list[int]:
@@ -202,13 +319,16 @@ def _plan_storage(
   *,
   min_size: int,
   states: str | None,
-  block: Callable[[int], int | None] = leaf_block,
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """(storage, param index) of every inner leaf; refuses what ``states=`` selects wrongly.
+  block: Callable[[str, int], int | None],
+  param_modes: tuple[tuple[str, str], ...] = (),
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+  """(storage, param index, rule) of every inner leaf; refuses what ``states=`` selects wrongly.
 
-  In 8-bit mode a leaf whose last dimension has no block (``block``, that
-  is `leaf_block` with the mode's arguments, returns None) stays float32:
-  8 bits would cost it more than 2 bytes per value.
+  A leaf's mode is that of the first of ``param_modes`` whose pattern its
+  param's path matches, else ``mode``; ``"float32"`` keeps it, saying which
+  pattern. In a quantized mode a leaf whose last dimension has no block
+  (``block(mode, last_dim)``, the mode's `leaf_block` with its arguments,
+  returns None) stays float32: the mode would cost it more bytes.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -219,12 +339,17 @@ def _plan_storage(
   reference = params.fast if isinstance(params, optax.LookaheadParams) else params
   param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
   pattern = None if states is None else re.compile(states)
-  storage = []
+  param_paths = [
+    _state_dict.key_path_str(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(reference, is_leaf=_is_masked)[0]
+  ]
+  storage, rules = [], []
   matched = False
   for (path, leaf), j in zip(flat, indices, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
+    rule = None
     why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
     if why is not None and pattern is not None and selected:
       raise ValueError(
@@ -238,22 +363,28 @@ def _plan_storage(
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_KEPT_SMALL)
-    elif mode == _8BIT and block(jnp.shape(leaf)[-1]) is None:
-      storage.append(_KEPT_NO_BLOCK)
     else:
-      storage.append(mode)
+      rule = next((r for r in param_modes if re.search(r[0], param_paths[j])), None)
+      leaf_mode = mode if rule is None else rule[1]
+      if leaf_mode == _FLOAT32:
+        storage.append(f"float32: param_modes {rule[0]!r}")
+      elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)[-1]) is None:
+        storage.append(_CODECS[leaf_mode].no_block)
+      else:
+        storage.append(leaf_mode)
+    rules.append("" if rule is None else rule[0])
   if pattern is not None and not matched:
     raise ValueError(
       f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
       f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
     )
-  return tuple(storage), tuple(indices)
+  return tuple(storage), tuple(indices), tuple(rules)
 
 
 def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
   """One stored leaf in float32; ``flat`` is `dequantize`'s."""
-  if kind == _8BIT:
-    return dequantize(stored, flat=flat)
+  if kind in _CODECS:
+    return _CODECS[kind].decode(stored, flat)
   if kind == _BF16:
     return stored.astype(jnp.float32)
   return stored
@@ -271,30 +402,34 @@ def _encode(
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
-  to nearest); ``block`` maps the last dimension to an 8-bit block;
+  to nearest); ``block`` maps the mode and last dimension to a block;
   ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
   ``stats`` and ``flat``.
   """
-  if kind == _8BIT:
+  if kind in _CODECS:
     x = jnp.asarray(x, jnp.float32)
-    return quantize(x, block(x.shape[-1]), guard_nonfinite=guard, stats=stats, flat=flat)
+    return _CODECS[kind].encode(x, block(kind, x.shape[-1]), guard, stats, flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
 
 
 def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
-  """The 8-bit block statistics of a new state leaf (`quantize_stats`); None for other kinds."""
-  if kind != _8BIT:
+  """The block statistics of a new quantized state leaf (`quantize_stats`); None for other kinds."""
+  if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return quantize_stats(x, block(x.shape[-1]), guard_nonfinite=guard)
+  return _CODECS[kind].stats(x, block(kind, x.shape[-1]), guard)
+
+
+def _rounded(state: LowPrecisionState, leaf: int) -> bool:
+  """Inner leaf ``leaf`` is stored in bfloat16 with stochastic rounding."""
+  return state.storage[leaf] == _BF16 and state.stochastic_rounding
 
 
 def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
-  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is stored in
-  bfloat16 with stochastic rounding."""
-  if state.storage[leaf] != _BF16 or not state.stochastic_rounding:
+  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is `_rounded`."""
+  if not _rounded(state, leaf):
     return None
   return rounding_bits(shape, state.seed, count, leaf)
 
@@ -322,8 +457,10 @@ def _expanded_shapes(state: LowPrecisionState) -> Any:
   """The shapes and dtypes of `_expand`'s result, without tracing the decoders."""
 
   def shape(leaf: Any, kind: str) -> Any:
-    if kind in (_8BIT, _BF16):
-      return jax.ShapeDtypeStruct(jnp.shape(leaf.codes if kind == _8BIT else leaf), jnp.float32)
+    if kind in _CODECS:
+      return jax.ShapeDtypeStruct(_CODECS[kind].shape(leaf), jnp.float32)
+    if kind == _BF16:
+      return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.float32)
     return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
 
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
@@ -345,7 +482,7 @@ def _stream_plan(
   computed first), no global computation reads a param-shaped state leaf,
   and some leaf is compressed.
   """
-  if params is None or not any(kind in (_8BIT, _BF16) for kind in state.storage):
+  if params is None or not any(kind in LOW_PRECISION_MODES for kind in state.storage):
     return None
   try:
     plan = plan_fused_update(
@@ -398,6 +535,57 @@ def _unchanged(shapes: Any, operands: Any) -> Any:
   return jax.tree.map(pick, shapes)
 
 
+def _leaf_functions(
+  program: Program,
+  kinds: tuple[str, ...],
+  rounded: tuple[bool, ...],
+  seed: int,
+  block: Any,
+  guard: bool,
+) -> tuple[Callable, Callable]:
+  """``(branch, encoders)``: one leaf's streamed update, jitted, for `_streamed_update`.
+
+  ``branch(operands)`` decodes the leaf's state (``operands`` are its param,
+  gradient, stored state leaves, the group's scalar residuals, the step
+  count and the inner leaves' indices), runs ``program`` and returns the
+  update, each new state leaf's block statistics (`_stats`, quantized modes) and
+  stochastic-rounding key (`rounding_key`, where ``rounded``);
+  ``encoders(operands, stats, keys, new_param)`` computes the new state
+  again and stores it as ``kinds`` say. Leaves with the same program, kinds
+  and shapes call the same two functions, which JAX traces and lowers once;
+  their compiled encoders are the same too, and XLA compiles one kernel for
+  all of them: nothing in them depends on the leaf but their operands (the
+  rounding keys, computed in the branch, are not constants there).
+  """
+
+  def new_state(p: Any, g: Any, leaves: list, residuals: list, *_: Any) -> list:
+    decoded = [_decode(kind, leaf, flat=True) for kind, leaf in zip(kinds, leaves, strict=True)]
+    return run_program(program, [p, g, *decoded], residuals, jnp.shape(p))
+
+  def branch(operands: tuple) -> tuple[Any, list, list]:
+    *_, count, leaf_ids = operands
+    outs = new_state(*operands)
+    stats = [_stats(kind, x, block, guard) for kind, x in zip(kinds, outs[1:], strict=True)]
+    keys = [
+      rounding_key(seed, count, k) if r else None for k, r in zip(leaf_ids, rounded, strict=True)
+    ]
+    return outs[0], stats, keys
+
+  def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
+    after = _after(new_param)
+    outs = new_state(*operands)
+    out = []
+    for kind, x, leaf_stats, key in zip(kinds, outs[1:], stats, keys, strict=True):
+      bits = None if key is None else hashed_bits(jnp.shape(x), key)
+      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
+      if kind not in _CODECS:
+        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+      out.append(encoded)
+    return out
+
+  return jax.jit(branch), jax.jit(encoders)
+
+
 def _streamed_update(
   plan: FusedPlan,
   updates: Any,
@@ -424,7 +612,10 @@ def _streamed_update(
   the branch (they read its statistics, or wait for the new param) and
   compute the new state again from the old one in the leaf's shape (``flat``
   codecs), elementwise: each writes its codes over the old ones, which only
-  the branch read before, so no second copy of the state is held.
+  the branch read before, so no second copy of the state is held. Leaves
+  whose programs, storage and shapes agree call the same jitted branch and
+  encoders (`_leaf_functions`), which JAX traces and lowers once: the traced
+  program holds the codecs once per leaf shape, not once per leaf.
   """
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(updates)
@@ -435,46 +626,32 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
+  functions: dict[tuple, tuple[Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
     residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
-
-    def new_state(
-      p: Any, g: Any, leaves: list, residuals: list, ks: list[int] = ks, i: int = i
-    ) -> list:
-      decoded = [
-        _decode(state.storage[k], leaf, flat=True) for k, leaf in zip(ks, leaves, strict=True)
-      ]
-      return run_program(group_of[i].program, [p, g, *decoded], residuals, jnp.shape(p))
-
-    def leaf_update(operands: tuple, ks: list[int] = ks, new_state: Callable = new_state) -> Any:
-      outs = new_state(*operands)
-      stats = [_stats(state.storage[k], x, block, guard) for k, x in zip(ks, outs[1:], strict=True)]
-      return outs[0], stats
-
+    kinds = tuple(state.storage[k] for k in ks)
+    rounded = tuple(_rounded(state, k) for k in ks)
+    key = (id(group_of[i]), kinds, rounded)
+    if key not in functions:
+      functions[key] = _leaf_functions(
+        group_of[i].program, kinds, rounded, state.seed, block, guard
+      )
+    branch, encoders = functions[key]
     old = [new_stored[k] for k in ks]
-    operands = (p, g, old, residuals)
-    # Traced once: the shapes of the branch that never runs come from the cache.
-    traced = jax.jit(leaf_update)
-    shapes = traced.eval_shape(operands)
-    update, stats = jax.lax.cond(
-      _after(previous), traced, functools.partial(_unchanged, shapes), operands
+    operands = (p, g, old, residuals, count, [jnp.uint32(k) for k in ks])
+    shapes = branch.eval_shape(operands)
+    update, stats, keys = jax.lax.cond(
+      _after(previous), branch, functools.partial(_unchanged, shapes), operands
     )
     new_updates.append(update)
     previous = optax.apply_updates(p, update)
     # The encoders run after the branch (they read its statistics or wait for
     # the new param), so each writes its new state over the old one, which
     # only the branch reads: the step holds no second copy of the state.
-    after = _after(previous)
-    outs = new_state(p, g, old, residuals)
-    for k, x, leaf_stats in zip(ks, outs[1:], stats, strict=True):
-      kind = state.storage[k]
-      bits = _bits(state, count, k, jnp.shape(p))
-      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
-      if kind != _8BIT:
-        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
+    for k, encoded in zip(ks, encoders(operands, stats, keys, previous), strict=True):
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
@@ -484,27 +661,30 @@ def low_precision(
   state_dtype: str = _8BIT,
   *,
   stochastic_rounding: bool = True,
-  block_size: int = 256,
+  block_size: int | None = None,
   shard_multiple: int = 8,
   min_size: int = 4096,
   states: str | None = None,
   seed: int = 0,
   stream: bool = True,
   guard_nonfinite: bool = True,
+  param_modes: Sequence[tuple[str, str]] = (),
 ) -> optax.GradientTransformationExtraArgs:
-  """Stores ``inner``'s param-shaped state in bfloat16 or 8 bits between steps.
+  """Stores ``inner``'s param-shaped state in bfloat16, 8 or 4 bits between steps.
 
-  See the module docstring for the two modes. In gin:
+  See the module docstring for the modes. In gin:
   ``optimizers.low_precision.inner = @optax.adamw()`` and
   ``optimizers.low_precision.state_dtype = '8bit'``; ready configs are
-  ``optimizers/adamw_8bit.gin`` and ``optimizers/adamw_bf16_sr.gin``.
+  ``optimizers/adamw_8bit.gin``, ``optimizers/adamw_4bit.gin`` and
+  ``optimizers/adamw_bf16_sr.gin``.
 
   Args:
     inner: the optax transformation whose state is compressed.
-    state_dtype: ``"8bit"`` or ``"bfloat16"``.
+    state_dtype: ``"8bit"``, ``"4bit"`` or ``"bfloat16"``.
     stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
-    block_size: 8-bit mode: the largest block (see `leaf_block`).
-    shard_multiple: 8-bit mode: each leaf's block count is a multiple of
+    block_size: 8-bit and 4-bit modes: the largest block (see `leaf_block`
+      and `leaf_block4`); None: the mode's own, 256 (8-bit) or 128 (4-bit).
+    shard_multiple: 8-bit and 4-bit modes: each leaf's block count is a multiple of
       ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
       dimension wherever the codes do over up to that many devices.
     min_size: leaves with fewer elements stay as they are.
@@ -516,18 +696,26 @@ def low_precision(
       update is elementwise per leaf (`plan_fused_update` proves it); False
       (or an update that is not) expands the whole state to float32 at once,
       which is what the step's peak then holds.
-    guard_nonfinite: 8-bit mode: an inf or NaN in the new state damages only
+    guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
       damages its block, for an optimizer that refuses such steps anyway
       (``optax.apply_if_finite(low_precision(...))``).
+    param_modes: a per-param precision policy: ``(pattern, mode)`` pairs, a
+      regular expression on the param's path (e.g. ``encoder/layers_0/mlp/wi/kernel``)
+      and ``"float32"`` or a ``state_dtype``; the first pair whose pattern a
+      param's path matches sets the mode of its state leaves, and the others
+      take ``state_dtype`` (e.g. ``(("token_embedder|logits", "float32"),
+      ("mlp", "4bit"))`` with ``state_dtype="8bit"``). ``leaf_storage`` and
+      ``t5x-optim plan`` show each leaf's mode, and the pattern that kept a
+      leaf float32.
 
   Returns:
     The wrapped transformation; its state is a `LowPrecisionState`.
 
   Raises:
-    ValueError: for an unknown ``state_dtype`` or a non-positive
-      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+    ValueError: for an unknown ``state_dtype`` or mode in ``param_modes``,
+      or a non-positive ``block_size``; at ``init``, when ``states`` selects a leaf the mode
       does not apply to (naming its path) or no leaf.
 
   Example:
@@ -541,18 +729,37 @@ def low_precision(
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
     )
-  if block_size < 1 or shard_multiple < 1:
+  param_modes = tuple((str(pattern), str(mode)) for pattern, mode in param_modes)
+  for pattern, mode in param_modes:
+    if mode not in (_FLOAT32, *LOW_PRECISION_MODES):
+      raise ValueError(
+        f"low_precision: param_modes maps {pattern!r} to {mode!r}, not one of "
+        f"{(_FLOAT32, *LOW_PRECISION_MODES)}."
+      )
+    re.compile(pattern)
+  if (block_size is not None and block_size < 1) or shard_multiple < 1:
     raise ValueError(
       f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
       f"and {shard_multiple}."
     )
-  block = functools.partial(leaf_block, block_size=block_size, shard_multiple=shard_multiple)
+
+  def block(mode: str, last_dim: int) -> int | None:
+    codec = _CODECS[mode]
+    size = codec.block_size if block_size is None else block_size
+    return codec.leaf_block(last_dim, block_size=size, shard_multiple=shard_multiple)
+
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
     inner_state = inner.init(params)
-    storage, param_index = _plan_storage(
-      state_dtype, inner_state, params, min_size=min_size, states=states, block=block
+    storage, param_index, rules = _plan_storage(
+      state_dtype,
+      inner_state,
+      params,
+      min_size=min_size,
+      states=states,
+      block=block,
+      param_modes=param_modes,
     )
     state = LowPrecisionState(
       count=jnp.zeros([], jnp.int32),
@@ -561,8 +768,18 @@ def low_precision(
       param_index=param_index,
       stochastic_rounding=stochastic_rounding,
       seed=seed,
+      rules=rules,
     )
-    return state.replace(inner_state=_compress(inner_state, state, state.count, block=block))
+    # The inner init is mostly constants (zeros): encoding them under jit lets XLA
+    # constant-fold the codec, which took 100 s for 32 leaves on CPU. Multiplying by a
+    # one that XLA cannot see through keeps the values and the fusion of the init into
+    # the encoders (no float32 copy of the state).
+    one, count = jax.lax.optimization_barrier((jnp.ones([], jnp.float32), state.count))
+    fresh = jax.tree.map(
+      lambda x: x * one.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      inner_state,
+    )
+    return state.replace(inner_state=_compress(fresh, state, count, block=block))
 
   def update(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
@@ -587,10 +804,12 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
 
   Keys are state-dict paths below ``param_states`` (as tuples of keys);
-  values are ``"bfloat16"``, ``"8bit codes"``, ``"8bit scales"``, or why a
-  leaf is kept as it is (``"float32: below min_size"``, ``"float32: no
-  8-bit block of 4 or more values tiles the last dimension"`` (see
-  `leaf_block`), ``"kept: not param-shaped"``, ...). Leaves outside a
+  values are ``"bfloat16"``, the mode and field of a quantized leaf's
+  arrays (``"8bit codes"``, ``"8bit scales"``, ``"4bit codes"``, ``"4bit
+  scales"``, ``"4bit cols"``), or why a leaf is kept as it
+  is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
+  more values tiles the last dimension"`` (see `leaf_block` and
+  `leaf_block4`), ``"kept: not param-shaped"``, ...). Leaves outside a
   `LowPrecisionState` are absent.
 
   Example:
@@ -611,11 +830,15 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
     prefix = _state_dict.key_path_parts(path)
     out[(*prefix, "count")] = _KEPT_NOT_MIRROR
     flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
-    for (leaf_path, _), kind in zip(flat, node.storage, strict=True):
+    for i, ((leaf_path, stored), kind) in enumerate(zip(flat, node.storage, strict=True)):
       parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
-      if kind == _8BIT:
-        out[(*parts, "codes")] = "8bit codes"
-        out[(*parts, "scales")] = "8bit scales"
+      rule = node.rules[i] if i < len(node.rules) else ""
+      why = f" (param_modes {rule!r})" if rule and kind in LOW_PRECISION_MODES else ""
+      if kind in _CODECS:
+        for field in stored._fields:
+          out[(*parts, field)] = f"{kind} {field}{why}"
+      elif why:
+        out[parts] = f"{kind}{why}"
       else:
         out[parts] = kind
   return out
@@ -690,12 +913,18 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
         f"float32_to_low_precision: the float32 inner state has structure "
         f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
       )
-    blocks = {
-      leaf.codes.shape[-1]: leaf.codes.shape[-1] // leaf.scales.shape[-1]
-      for leaf in jax.tree.leaves(node.inner_state, is_leaf=_is_quantized)
-      if _is_quantized(leaf)
-    }
-    out.append(node.replace(inner_state=_compress(value, node, node.count, block=blocks.get)))
+    blocks = {}
+    for leaf, kind in zip(
+      jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
+    ):
+      if kind in _CODECS:
+        last_dim = _CODECS[kind].shape(leaf)[-1]
+        blocks[kind, last_dim] = last_dim // leaf.scales.shape[-1]
+
+    def block(kind: str, last_dim: int, blocks: dict = blocks) -> int | None:
+      return blocks.get((kind, last_dim))
+
+    out.append(node.replace(inner_state=_compress(value, node, node.count, block=block)))
   return outer.unflatten(out)
 
 
@@ -708,13 +937,21 @@ def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[in
   return spec
 
 
+def _cols_spec(spec: Any, rank: int) -> Any:
+  """The spec of a 4-bit leaf's column maxima: its codes' last dimension's."""
+  if spec is None or spec is specs_lib.UNDERIVED:
+    return spec
+  return specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1)
+
+
 def _state_rule(
   state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
 ) -> LowPrecisionState:
   """Codes get their param's spec; scales too, on their block dimension.
 
-  Param-shaped leaves kept in float32 (or in bfloat16) get their param's spec
-  as well: once a sibling is 8-bit, their subtree no longer mirrors the params.
+  A 4-bit leaf's column maxima get the spec of its param's last dimension. Param-shaped leaves kept in float32 (or in
+  bfloat16) get their param's spec as well: once a sibling is quantized,
+  their subtree no longer mirrors the params.
   """
   param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
@@ -723,10 +960,12 @@ def _state_rule(
   for leaf, spec, kind, j in zip(
     leaves, spec_leaves, state.storage, state.param_index, strict=True
   ):
-    if kind == _8BIT and 0 <= j < len(param_specs):
+    if kind in _CODECS and 0 <= j < len(param_specs):
       shape = specs_lib.leaf_shape(leaf.codes)
       codes = specs_lib.canonical(param_specs[j], len(shape))
-      spec = QuantizedLeaf(codes, _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales)))
+      scales = _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales))
+      cols = () if len(leaf) == 2 else (_cols_spec(codes, len(shape)),)
+      spec = type(leaf)(codes, scales, *cols)
     elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
       # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))

@@ -33,10 +33,12 @@ __all__ = [
   "QuantizedLeaf",
   "dequantize",
   "dynamic_map",
+  "hashed_bits",
   "leaf_block",
   "quantize",
   "quantize_stats",
   "rounding_bits",
+  "rounding_key",
   "to_bfloat16",
 ]
 
@@ -406,25 +408,38 @@ def _hash32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def rounding_bits(shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int) -> jax.Array:
-  """16 random bits (uint32 below ``2**16``) per element, from the seed, step and leaf.
+def rounding_key(seed: int, count: jax.Array, leaf: int | jax.Array) -> jax.Array:
+  """The uint32 key of `rounding_bits`, hashed from the seed, the step count and the leaf."""
+  key = _hash32(jnp.uint32(seed)) ^ jnp.asarray(count).astype(jnp.uint32)
+  return _hash32(_hash32(key) ^ jnp.asarray(leaf, jnp.uint32))
 
-  Each element's bits hash its row-major index with a key hashed from
-  ``seed``, ``count`` and ``leaf``: cheaper than a counter-based PRNG, the
-  same sharded or not, and reproducible.
 
-  Example:
-    >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
-    >>> bits.dtype, bool((bits < 2**16).all())
-    (dtype('uint32'), True)
-  """
-  key = _hash32(_hash32(_hash32(jnp.uint32(seed)) ^ count.astype(jnp.uint32)) ^ jnp.uint32(leaf))
+def hashed_bits(shape: tuple[int, ...], key: jax.Array) -> jax.Array:
+  """`rounding_bits` from its key (`rounding_key`): each element's row-major index hashed with it."""
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for dim in reversed(range(len(shape))):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
     stride *= shape[dim]
   return _hash32(index * jnp.uint32(0x9E3779B9) + key) >> 16
+
+
+def rounding_bits(
+  shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int | jax.Array
+) -> jax.Array:
+  """16 random bits (uint32 below ``2**16``) per element, from the seed, step and leaf.
+
+  Each element's bits hash its row-major index with a key hashed from
+  ``seed``, ``count`` and ``leaf`` (`rounding_key`, then `hashed_bits`):
+  cheaper than a counter-based PRNG, the same sharded or not, and
+  reproducible.
+
+  Example:
+    >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
+    >>> bits.dtype, bool((bits < 2**16).all())
+    (dtype('uint32'), True)
+  """
+  return hashed_bits(shape, rounding_key(seed, count, leaf))
 
 
 @jax.jit

@@ -372,13 +372,16 @@ class Partitioner:
 
     Parameters follow the rules; optimizer-state leaves (below
     ``param_states``) also get the ZeRO axis when the rules set
-    ``optimizer_state_axis``. ``train_state`` may hold arrays or
+    ``optimizer_state_axis``, and are replicated along a dimension whose size
+    a mesh axis of theirs does not divide (`drop_indivisible_axes`: the
+    block scales of a low-precision moment restore onto any mesh its
+    parameter fits). ``train_state`` may hold arrays or
     ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape``); their shapes are
     checked against the mesh.
 
     Raises:
-      ValueError: a leaf that cannot be mapped or whose sharded dimension
-        does not divide; the message names its path.
+      ValueError: a leaf that cannot be mapped, or a parameter whose sharded
+        dimension does not divide; the message names its path.
     """
     logical = self.get_logical_axes(train_state)
     axis = self._rules.optimizer_state_axis
@@ -391,10 +394,12 @@ class Partitioner:
     def convert(path, spec, value):
       mesh_spec = self._leaf_mesh_axes(path, spec)
       shape = np.shape(value)
-      if axis is not None and is_optimizer_state_path(path):
-        mesh_spec = _axis_rules.add_optimizer_state_axis(
-          mesh_spec, shape, mesh_axis=axis, mesh_shape=mesh_shape
-        )
+      if is_optimizer_state_path(path):
+        mesh_spec = _axis_rules.drop_indivisible_axes(mesh_spec, shape, mesh_shape)
+        if axis is not None:
+          mesh_spec = _axis_rules.add_optimizer_state_axis(
+            mesh_spec, shape, mesh_axis=axis, mesh_shape=mesh_shape
+          )
       _check_leaf_divisible(_where(path), shape, mesh_spec or PartitionSpec(), mesh_shape)
       return mesh_spec
 

@@ -61,7 +61,7 @@ class LeafRow:
     dropped_axes: the param's logical axes this leaf does not keep (e.g. the
       factored dimension of adafactor's ``v_row``).
     storage: inside a `low_precision` state, how the leaf is stored
-      (``"8bit codes"``, ``"bfloat16"``, ...) or why it is kept; else "".
+      (``"8bit codes"``, ``"4bit cols"``, ``"bfloat16"``, ...) or why it is kept; else "".
   """
 
   path: str
@@ -206,8 +206,9 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     itemsize = np.dtype(leaf.dtype).itemsize
     logical_axes = None if spec is None else _spec_tuple(spec, len(shape))
     stored = storage.get(path, "")
-    param = _match_param(path[:-1] if stored.startswith("8bit") else path, params)
-    group = path[: len(path) - len(param) - stored.startswith("8bit")] if param else path[:-1]
+    part = stored.startswith(tuple(f"{mode} " for mode in _low_precision.QUANTIZED_MODES))
+    param = _match_param(path[:-1] if part else path, params)
+    group = path[: len(path) - len(param) - part] if param else path[:-1]
     param_logical = _spec_tuple(param_axes.get(param), len(params[param].shape)) if param else ()
     factored = param and logical_axes is not None and len(shape) < len(param_logical)
     dropped = _dropped(param_logical, logical_axes) if factored else ()

@@ -336,9 +336,11 @@ def _devices(requested: int | None) -> tuple[int, str]:
 
 
 def _param_routes(abstract_state) -> list[str]:
-  """Where each param goes, for optimizers that decide it from the axes (muon: muon or adam)."""
+  """Where each param goes, for optimizers that decide it from the axes (muon: muon or adam),
+  alone or inside a MultiOptimizer."""
   optimizer_def = abstract_state.optimizer.optimizer_def
-  if getattr(optimizer_def, "param_specs", None) is None:
+  placing = getattr(optimizer_def, "sub_optimizers", [optimizer_def])
+  if all(getattr(opt, "param_specs", None) is None for opt in placing):
     return []
   return optimizer_def.describe_params(abstract_state.params)
 

@@ -1,0 +1,315 @@
+"""The 4-bit codec of `low_precision`: two values per byte, block-wise and rank-1 scales.
+
+After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
+
+* Blocks of up to 128 consecutive elements along the last dimension
+  (`leaf_block4`: even, tiling it so that the blocks shard with the param);
+  each block's scale is its largest finite magnitude, stored negated when
+  the block holds a negative value.
+* A block with a negative value (a first moment) uses the signed
+  dynamic-exponent map (`signed_map4`: bitsandbytes' dynamic map with 3
+  decades in 4 bits, 0 and 1 included, -1 not: a block's largest magnitude,
+  if negative, decodes as 0.8875 of it): scaled by the block's scale.
+* A block without (a second moment) uses the unsigned linear map: ``k / 15``
+  for codes ``k = 1..15``, and code 0 for an exact 0 only, so no positive
+  value decodes as 0 (the zero-point problem: a small second moment stored
+  as 0 turns adam's update into ``mu / eps``). In a matrix (a leaf of 2 or
+  more dimensions, its leading ones flattened into rows) with at least a
+  block's worth of rows, so that its column maxima take no more bytes than
+  its block scales (`Rank1Quantized4Leaf`), the scale of element ``(i, j)``
+  is ``min(block_max, col_max[j])``: rank-1 normalization's ``min(row_max[i],
+  col_max[j])`` with the row's maximum narrowed to its block's (a block lies
+  in one row, so its maximum is at most the row's, and a row maximum adds
+  nothing); elsewhere (`Quantized4Leaf`) the block's.
+* Codes are packed two per byte along the last dimension (element ``2t`` in
+  the low nibble of byte ``t``, ``2t + 1`` in the high one), inside a
+  block: the codes have the param's shape with the last dimension halved
+  and shard like the param.
+
+Encoding and decoding are arithmetic and selects (no table lookup, and no
+layout change that XLA would copy: a byte is spread over its two elements by
+a broadcast, each element shifting out its nibble, as the 8-bit codec spreads
+its block scales). A non-finite value damages only its own element: the
+statistics (block scales and signs, column maxima) count it as 0, so every other
+element encodes as with 0 in its place; ``+inf`` stores the element's
+scale, ``-inf`` minus it in a signed block and 0 in an unsigned one, NaN 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5x_optim._low_precision.quantize import MIN_BLOCK
+
+__all__ = [
+  "Quantized4Leaf",
+  "Rank1Quantized4Leaf",
+  "dequantize4",
+  "leaf_block4",
+  "quantize4",
+  "quantize4_stats",
+  "signed_map4",
+  "unpacked_shape",
+]
+
+_LEVELS = 15
+"""The unsigned map's largest code: values ``k / 15``."""
+
+
+class Quantized4Leaf(NamedTuple):
+  """One 4-bit state leaf with block-wise scales.
+
+  Attributes:
+    codes: ``uint8``, ``(*shape[:-1], shape[-1] // 2)``: two 4-bit codes per
+      byte, consecutive elements of the last dimension.
+    scales: float32, ``(*shape[:-1], shape[-1] // block)``: each block's
+      largest finite magnitude, negated when the block uses the signed map.
+  """
+
+  codes: Any
+  scales: Any
+
+
+class Rank1Quantized4Leaf(NamedTuple):
+  """One 4-bit state leaf of a matrix, with rank-1 scales for its unsigned blocks.
+
+  Attributes:
+    codes: as `Quantized4Leaf`'s.
+    scales: as `Quantized4Leaf`'s.
+    cols: float32, ``shape[-1:]``: each column's largest finite magnitude
+      (over all leading dimensions).
+  """
+
+  codes: Any
+  scales: Any
+  cols: Any
+
+
+@functools.cache
+def signed_map4() -> np.ndarray:
+  """The 16 sorted float32 values of the signed 4-bit dynamic-exponent map.
+
+  ``bitsandbytes.functional.create_dynamic_map(True, 3, 4)``: decade ``i``
+  (``i = 0, 1, 2``) holds the midpoints of ``2**i`` equal steps of ``[0.1,
+  1]`` times ``10**(i - 2)``, with both signs; then 0 and 1.
+
+  Example:
+    >>> m = signed_map4()
+    >>> len(m), float(m[0]), float(m[-1]), int((m == 0).sum())
+    (16, -0.887499988079071, 1.0, 1)
+  """
+  values = [0.0, 1.0]
+  for i in range(3):
+    edges = np.linspace(0.1, 1.0, 2**i + 1)
+    means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 2)
+    values += [*means, *(-means)]
+  out = np.sort(np.asarray(values, np.float32))
+  out.setflags(write=False)
+  return out
+
+
+def leaf_block4(last_dim: int, block_size: int = 128, shard_multiple: int = 8) -> int | None:
+  """The block of a 4-bit leaf whose last dimension is ``last_dim``, or None: keep it float32.
+
+  `leaf_block`'s rule with even blocks (a byte's two codes share a block):
+  the largest even divisor of ``last_dim // gcd(last_dim, shard_multiple)``
+  not above ``block_size``, so the block count is a multiple of the last
+  dimension's shard count and each shard of the codes holds whole blocks;
+  below `MIN_BLOCK`, the whole last dimension if it has `MIN_BLOCK` to
+  ``block_size`` values and its halved length (the codes') still shards
+  wherever it does; else None (an odd last dimension: 1, 7, 257; one above
+  ``block_size`` without such a block; 24 over 8 shards, whose codes, 12,
+  do not split in 8). A 4-bit leaf then takes at most 1.5 bytes per value
+  for codes and block scales.
+
+  Example:
+    >>> leaf_block4(4096), leaf_block4(3072), leaf_block4(768), leaf_block4(16)
+    (128, 128, 96, 16)
+    >>> leaf_block4(24), leaf_block4(24, shard_multiple=1)
+    (None, 24)
+    >>> leaf_block4(7), leaf_block4(257), leaf_block4(1)
+    (None, None, None)
+  """
+  rest = last_dim // math.gcd(last_dim, shard_multiple)
+  even = [b for b in range(2, min(block_size, rest) + 1, 2) if rest % b == 0]
+  if even and even[-1] >= MIN_BLOCK:
+    return even[-1]
+  if rest % 2 == 0 and MIN_BLOCK <= last_dim <= block_size:
+    return last_dim
+  return None
+
+
+def uses_rank1(shape: tuple[int, ...], block: int) -> bool:
+  """Whether a leaf of ``shape`` stores column maxima: a matrix with at least ``block``
+  rows, whose column maxima take no more bytes than its block scales."""
+  return len(shape) >= 2 and math.prod(shape[:-1]) >= block
+
+
+def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...]:
+  """The shape of the values a 4-bit leaf stores."""
+  shape = tuple(jnp.shape(leaf.codes))
+  return (*shape[:-1], 2 * shape[-1])
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _spread(per_block: jax.Array, block: int) -> jax.Array:
+  """A value per block repeated over its block's elements, in the leaf's shape: a
+  broadcast, which fuses into the elementwise computation that reads it."""
+  shape = per_block.shape
+  repeated = jax.lax.broadcast_in_dim(per_block, (*shape, block), tuple(range(len(shape))))
+  return repeated.reshape(*shape[:-1], shape[-1] * block)
+
+
+_SIGN = 0x80000000
+_MAGNITUDE = 0x7FFFFFFF
+_INF = 0x7F800000
+
+
+def _signed_absmax(a: jax.Array, b: jax.Array) -> jax.Array:
+  """The larger magnitude, negative if either is: an associative combination of float32s."""
+  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+  magnitude = jax.lax.max(a & jnp.uint32(_MAGNITUDE), b & jnp.uint32(_MAGNITUDE))
+  return jax.lax.bitcast_convert_type(magnitude | ((a | b) & jnp.uint32(_SIGN)), jnp.float32)
+
+
+def quantize4_stats(
+  x: jax.Array, block: int, *, rank1: bool, guard_nonfinite: bool = True
+) -> tuple[jax.Array, ...]:
+  """The statistics of `quantize4`: ``(scales,)``, or ``(scales, cols)`` with ``rank1``.
+
+  Non-finite values count as magnitude 0 and as not negative
+  (``guard_nonfinite``); without the guard they enter the maxima. The block
+  scales are one reduction over the float32 bits (each element's magnitude,
+  its sign bit set where it is negative), combined by `_signed_absmax`.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(_MAGNITUDE)
+  negative = x < 0
+  if guard_nonfinite:
+    finite = magnitude < jnp.uint32(_INF)
+    magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
+    negative = negative & finite
+  element = magnitude | jnp.where(negative, jnp.uint32(_SIGN), jnp.uint32(0))
+  element = jax.lax.bitcast_convert_type(element, jnp.float32)
+  scales = jax.lax.reduce(_blocks(element, block), jnp.float32(0), _signed_absmax, (x.ndim,))
+  if not rank1:
+    return (scales,)
+  magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+  return scales, magnitude.max(axis=tuple(range(x.ndim - 1)))
+
+
+def _signed_codes(scaled: jax.Array) -> jax.Array:
+  """The index of the nearest `signed_map4` value: the number of midpoints below ``scaled``."""
+  values = signed_map4()
+  mids = (values[:-1] + values[1:]) / np.float32(2)
+  code = jnp.zeros(scaled.shape, jnp.int32)
+  for mid in mids:
+    code = code + (scaled > mid).astype(jnp.int32)
+  return code
+
+
+def _signed_values(code: jax.Array) -> jax.Array:
+  """`signed_map4` at each code, by selects."""
+  values = signed_map4()
+  out = jnp.full(code.shape, values[0], jnp.float32)
+  for k in range(1, len(values)):
+    out = jnp.where(code >= k, values[k], out)
+  return out
+
+
+def _element_scales(
+  stats: tuple[jax.Array, ...], block: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each element's (signed flag, signed-map scale, unsigned-map scale)."""
+  scales = stats[0]
+  signed = _spread(scales < 0, block)
+  absmax = _spread(jnp.abs(scales), block)
+  if len(stats) == 1:
+    return signed, absmax, absmax
+  return signed, absmax, jnp.minimum(absmax, stats[1])
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+  pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+  return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack(packed: jax.Array) -> jax.Array:
+  """Each element's code: its byte spread over both its elements, shifted by 0 or 4."""
+  wide = _spread(jnp.asarray(packed), 2)
+  odd = jax.lax.broadcasted_iota(jnp.uint8, wide.shape, wide.ndim - 1) & jnp.uint8(1)
+  return ((wide >> (odd * jnp.uint8(4))) & jnp.uint8(15)).astype(jnp.int32)
+
+
+def quantize4(
+  x: jax.Array,
+  block: int,
+  *,
+  rank1: bool,
+  guard_nonfinite: bool = True,
+  stats: tuple[jax.Array, ...] | None = None,
+) -> Quantized4Leaf | Rank1Quantized4Leaf:
+  """4-bit quantization of a float32 array (see the module docstring).
+
+  Args:
+    x: the values; the last dimension a multiple of the even ``block``.
+    block: the block along the last dimension (`leaf_block4`).
+    rank1: store column maxima (`Rank1Quantized4Leaf`); for a leaf of 2
+      or more dimensions (`uses_rank1` says when it pays).
+    guard_nonfinite: an inf or NaN damages only its own element; False: it
+      enters the statistics and damages its block and column.
+    stats: `quantize4_stats` of ``x``, computed before; None: computed here.
+
+  Returns:
+    The stored leaf.
+
+  Example:
+    >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan], [-1.0, 0.5, 0.0, 0.25]])
+    >>> back = dequantize4(quantize4(x, 4, rank1=False))
+    >>> [[round(float(v), 4) for v in row] for row in back]
+    [[2.0, 0.1333, 2.0, 0.0], [-0.8875, 0.4375, 0.0, 0.2125]]
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if stats is None:
+    stats = quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard_nonfinite)
+  signed, signed_scale, unsigned_scale = _element_scales(stats, block)
+  scale = jnp.where(signed, signed_scale, unsigned_scale)
+  # +/-inf saturates to +/- the element's scale; NaN is stored as 0.
+  scaled = jnp.clip(jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0), -1.0, 1.0)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its scale.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(x > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(x), 0.0, scaled))
+  rounded = jnp.clip(jnp.floor(scaled * _LEVELS + 0.5), 1, _LEVELS).astype(jnp.int32)
+  unsigned_code = jnp.where(scaled > 0, rounded, 0)
+  codes = _pack(jnp.where(signed, _signed_codes(scaled), unsigned_code))
+  if rank1:
+    return Rank1Quantized4Leaf(codes, *stats)
+  return Quantized4Leaf(codes, stats[0])
+
+
+def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
+  """The float32 values of a 4-bit leaf.
+
+  A positive code of an unsigned block decodes to at least the smallest
+  normal float32 (XLA flushes subnormal products to 0), and a positive value
+  (a normal float32: XLA counts a subnormal one as 0) encodes as a positive
+  code, however small its ratio to its scale.
+  """
+  codes = _unpack(leaf.codes)
+  block = codes.shape[-1] // leaf.scales.shape[-1]
+  stats = tuple(jnp.asarray(s) for s in leaf[1:])
+  signed, signed_scale, unsigned_scale = _element_scales(stats, block)
+  signed_value = _signed_values(codes) * signed_scale
+  level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
+  tiny = np.finfo(np.float32).tiny
+  unsigned_value = jnp.where(codes > 0, jnp.maximum(level * unsigned_scale, tiny), 0.0)
+  return jnp.where(signed, signed_value, unsigned_value)

@@ -1,0 +1,214 @@
+"""Muon's state specs under T5X's own train state and partitioner, on T5X's own T5 networks.
+
+Run by ``tests/test_muon.py`` in a fresh process where T5X is at hand (T5X_SRC and
+T5X's dependencies, as for ``tests/data/t5x_checkpoints/make_with_t5x.py``); CI has
+neither and skips it. T5X's modules (its T5 and scalable T5.1.1 example networks
+included) are read from T5X_SRC; ``t5x.optimizers`` stays T5X's own, and the optimizer
+is ``t5x_optim.optimizers.muon``, as a T5X gin file that imports ``t5x_optim.optimizers``
+gives it.
+
+For each network (T5X's ``examples/t5`` one, unscanned, and ``examples/scalable_t5``
+with scanned layers, whose params carry a ``layers`` axis at position 1), tiny and
+emitting ``params_axes``, T5X's ``utils.TrainStateInitializer`` builds the train state
+with T5X's ``PjitPartitioner`` on 8 simulated CPU devices (data=2 x model=4, 2-D
+parameter rules). Checks:
+
+- T5X's train state called ``set_param_axes``: Muon's momentum covers exactly the
+  kernels (every ``kernel`` but the ``vocab``-sized logits; the scanned ones 3-D or 4-D),
+  Adam's moments every other param (embeddings, logits, relative-position biases,
+  layer-norm scales), each of its param's shape;
+- T5X's mesh axes for every momentum and moment are its param's, and every counter and
+  Newton-Schulz coefficient is replicated;
+- the state T5X initialises from scratch is placed so (each leaf's sharding);
+- `t5x_optim.partitioning.build_plan` (what ``t5x-optim plan`` prints) on T5X's abstract
+  train state gives every state leaf its param's mesh axes.
+
+Prints one line per network and ``OK`` last on success; exits with status 1 otherwise.
+
+Usage: T5X_SRC=/path/to/t5x/.git python tests/data/t5x_muon/check_with_t5x.py
+"""
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "t5x_checkpoints"))
+
+import make_with_t5x  # noqa: E402  (sets XLA_FLAGS before jax is imported)
+
+EXAMPLES = ("t5", "scalable_t5")
+STATE = "state/param_states/inner_states/{}/inner_state/0/{}/"
+LENGTH, BATCH = 16, 8
+
+
+def _load_examples() -> None:
+  """T5X's example networks (``t5x/examples/{t5,scalable_t5}``) beside the unpacked T5X."""
+  src, root = os.environ["T5X_SRC"], sys.path[0]
+  names = ["t5x/examples/__init__.py"]
+  for example in EXAMPLES:
+    names += [f"t5x/examples/{example}/{name}.py" for name in ("__init__", "layers", "network")]
+  for name in names:
+    source = subprocess.run(
+      ["git", "-C", src, "show", f"HEAD:{name}"], check=True, capture_output=True
+    ).stdout
+    os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+    with open(os.path.join(root, name), "wb") as f:
+      f.write(source)
+
+
+def _model(example: str, optimizer_def):
+  import importlib
+
+  import seqio
+  from t5x import models
+
+  network = importlib.import_module(f"t5x.examples.{example}.network")
+  config = dict(
+    vocab_size=384,
+    dtype="float32",
+    emb_dim=16,
+    num_heads=4,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    head_dim=4,
+    mlp_dim=32,
+    mlp_activations=("gelu", "linear"),
+    dropout_rate=0.0,
+    logits_via_embedding=False,
+  )
+  if example == "scalable_t5":
+    config["scan_layers"] = True
+  vocabulary = seqio.ByteVocabulary()
+  return models.EncoderDecoderModel(
+    module=network.Transformer(network.T5Config(**config)),
+    input_vocabulary=vocabulary,
+    output_vocabulary=vocabulary,
+    optimizer_def=optimizer_def,
+  )
+
+
+def _expected_branch(param: str) -> str:
+  name = param.rsplit("/", 1)[-1]
+  return "muon" if name == "kernel" and "logits_dense" not in param else "adam"
+
+
+def check(example: str, partitioner) -> list[str]:
+  """Every problem found on one network (empty: none); prints its summary line."""
+  import jax
+  import numpy as np
+  from flax import traverse_util
+  from jax.sharding import NamedSharding, PartitionSpec
+  from t5x import utils
+
+  from t5x_optim import optimizers, partitioning
+
+  optimizer_def = optimizers.muon(learning_rate=0.02)
+  model = _model(example, optimizer_def)
+  shapes = {
+    name: (BATCH, LENGTH)
+    for name in ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
+  }
+  types = {name: np.int32 for name in shapes}
+  initializer = utils.TrainStateInitializer(
+    optimizer_def, model.get_initial_variables, shapes, partitioner, types
+  )
+  problems = []
+  if optimizer_def.param_specs is None:
+    return ["T5X's train state did not call set_param_axes"]
+
+  def flat(tree):
+    return traverse_util.flatten_dict(tree.state_dict(), sep="/", keep_empty_nodes=True)
+
+  axes, abstract = flat(initializer.train_state_axes), flat(initializer.global_train_state_shape)
+  params = {k[len("target/") :]: v for k, v in abstract.items() if k.startswith("target/")}
+  param_axes = {k[len("target/") :]: v for k, v in axes.items() if k.startswith("target/")}
+  moments = {}
+  for branch, names in (("muon", ("mu",)), ("adam", ("mu", "nu"))):
+    for name in names:
+      prefix = STATE.format(branch, name)
+      for key in abstract:
+        if key.startswith(prefix):
+          moments[key] = (branch, key[len(prefix) :])
+  for param in params:
+    want = _expected_branch(param)
+    for name in ("mu",) if want == "muon" else ("mu", "nu"):
+      key = STATE.format(want, name) + param
+      if key not in moments:
+        problems.append(f"{param}: no {want} {name}")
+  kernel_ranks = set()
+  for key, (branch, param) in moments.items():
+    if _expected_branch(param) != branch or param not in params:
+      problems.append(f"{key}: a {branch} moment of a param that must not have one")
+      continue
+    if abstract[key].shape != params[param].shape:
+      problems.append(f"{key}: shape {abstract[key].shape}, param {params[param].shape}")
+    if axes[key] != param_axes[param]:
+      problems.append(f"{key}: mesh axes {axes[key]}, param {param_axes[param]}")
+    if branch == "muon":
+      kernel_ranks.add(len(params[param].shape))
+  others = [k for k in abstract if k.startswith("state/") and k not in moments]
+  for key in others:
+    if axes[key] not in (None, PartitionSpec()):
+      problems.append(f"{key}: mesh axes {axes[key]}, expected replicated")
+
+  state = initializer.from_scratch(jax.random.PRNGKey(0))
+  for key, leaf in flat(state).items():
+    spec = axes[key] or PartitionSpec()
+    if leaf.sharding != NamedSharding(partitioner.mesh, spec):
+      problems.append(f"{key}: placed {leaf.sharding.spec}, mesh axes {spec}")
+
+  def with_sharding(spec, shape):
+    if not hasattr(shape, "shape"):  # An empty collection (flax_mutables), None in the axes.
+      return shape
+    sharding = NamedSharding(partitioner.mesh, spec or PartitionSpec())
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+  abstract_state = jax.tree.map(
+    with_sharding,
+    initializer.train_state_axes,
+    initializer.global_train_state_shape,
+    is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+  )
+  plan = partitioning.build_plan(
+    abstract_state, logical=initializer.global_train_state_shape.as_logical_axes()
+  )
+  for row in plan.rows:
+    if row.param is None:
+      continue
+    want = tuple(param_axes[row.param] or ())
+    want += (None,) * (len(row.shape) - len(want))
+    if row.mesh_axes != want:
+      problems.append(f"plan {row.path}: mesh axes {row.mesh_axes}, param {want}")
+  muon = sum(1 for branch, _ in moments.values() if branch == "muon")
+  sharded = sum(1 for key in moments if any(axes[key] or ()))
+  print(
+    f"{'OK  ' if not problems else 'FAIL'} {example}: Muon on {muon} kernels "
+    f"(rank {'/'.join(map(str, sorted(kernel_ranks)))}), Adam on {len(params) - muon} params; "
+    f"{len(moments)} moments with their params' mesh axes ({sharded} sharded), "
+    f"{len(others)} other leaves replicated; {len(plan.rows)} plan rows; "
+    f"mesh {dict(partitioner.mesh.shape)}"
+  )
+  return problems
+
+
+def main() -> int:
+  make_with_t5x.load_t5x()
+  _load_examples()
+  import jax
+
+  assert jax.device_count() == 8, jax.devices()
+  partitioner = make_with_t5x.t5x_partitioner()
+  problems = []
+  for example in EXAMPLES:
+    problems += [f"{example}: {problem}" for problem in check(example, partitioner)]
+  for problem in problems:
+    print(problem)
+  if problems:
+    return 1
+  print("OK")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
