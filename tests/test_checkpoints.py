@@ -58,13 +58,21 @@ def test_round_trip_of_an_optimizer(tmp_path, part_2x4):
   )
 
 
-@pytest.mark.parametrize("data, model, num_devices", [(4, 2, 8), (1, 8, 8), (2, 2, 4), (1, 4, 4)])
-def test_restore_onto_another_mesh(tmp_path, part_2x4, data, model, num_devices):
+@pytest.fixture(scope="module")
+def saved_adafactor(tmp_path_factory, part_2x4):
+  """Adafactor's train state after 2 steps on the 2x4 mesh, saved once, and where."""
   state = w.train(w.fresh_state("adafactor", part_2x4), 2)
-  _save(tmp_path, 2, state)
+  directory = tmp_path_factory.mktemp("adafactor")
+  _save(directory, 2, state)
+  return directory, state
+
+
+@pytest.mark.parametrize("data, model, num_devices", [(4, 2, 8), (1, 8, 8), (2, 2, 4), (1, 4, 4)])
+def test_restore_onto_another_mesh(saved_adafactor, data, model, num_devices):
+  directory, state = saved_adafactor
   part = w.partitioner(data, model, devices=jax.devices()[:num_devices])
   target = w.abstract_state("adafactor", part)
-  restored = _restore(tmp_path, target)
+  restored = _restore(directory, target)
   for got, saved, want in zip(*(jax.tree.leaves(t) for t in (restored, state, target))):
     assert got.sharding == want.sharding and got.dtype == want.dtype == saved.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))

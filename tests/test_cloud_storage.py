@@ -125,6 +125,7 @@ def test_files_under_and_seeking_reads(where):
     assert stream.read() == b"e/c.txt"
 
 
+@pytest.mark.slow
 def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
   with Checkpointer(where) as first, Checkpointer(where) as second:
     first.save(1, _opt())
@@ -202,7 +203,8 @@ def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
     assert ckpt.all_steps() == [1, 2]
 
 
-@pytest.mark.parametrize("fmt", ["legacy", "orbax"])
+# The quick loop reads the orbax format; the legacy one (many small objects) takes seconds.
+@pytest.mark.parametrize("fmt", [pytest.param("legacy", marks=pytest.mark.slow), "orbax"])
 def test_t5x_checkpoints_read_from_gs(fmt, where):
   _upload(DATA / fmt, where)
   expected = dict(np.load(DATA / "expected.npz"))
@@ -212,6 +214,7 @@ def test_t5x_checkpoints_read_from_gs(fmt, where):
   )
 
 
+@pytest.mark.slow
 def test_t5x_legacy_write_then_read(where):
   expected = dict(np.load(DATA / "expected.npz"))
   target = _target(_partitioner(2, 4))

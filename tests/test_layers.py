@@ -29,6 +29,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -263,7 +264,10 @@ def test_stacked_params_need_only_the_elementwise_analysis():
 
 
 def _modules_entered(fn, *args) -> set[str]:
-  """The t5x_optim modules whose code runs while `fn(*args)` runs (a profile hook)."""
+  """The t5x_optim modules whose code runs while `fn(*args)` is traced (a profile hook).
+
+  Tracing runs all of the library's Python code of the call, without compiling it.
+  """
   entered = set()
   root = str(PACKAGE_DIR)
 
@@ -273,7 +277,7 @@ def _modules_entered(fn, *args) -> set[str]:
 
   sys.setprofile(hook)
   try:
-    fn(*args)
+    jax.eval_shape(fn, *args)
   finally:
     sys.setprofile(None)
   return entered

@@ -584,7 +584,8 @@ def test_t5x_checkpoint_round_trip(tmp_path, mode):
   params = make_params()
   opt_def = OptaxWrapper(low_precision(optax.adamw(1e-2), mode, min_size=0))
   grads, _ = grads_and_extras(optax.adamw(1e-2), params)
-  optimizer = opt_def.create(params).apply_gradient(grads)
+  # One compiled step (eagerly, each leaf's streamed update compiles on its own).
+  optimizer = jax.jit(lambda o, g: o.apply_gradient(g))(opt_def.create(params), grads)
   save_t5x_checkpoint(tmp_path, optimizer)
   restored = restore_t5x_checkpoint(tmp_path, opt_def.create(params))
   _same(restored.state, optimizer.state)

@@ -110,8 +110,8 @@ def test_bad_override_value():
 
 def _scanned_t5():
   """A scanned T5-style tree: its params, logical axes and the MaxText-style numbers."""
-  keys = iter(jax.random.split(jax.random.key(0), 16))
-  normal = lambda *shape: jax.random.normal(next(keys), shape)  # noqa: E731
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
   params = {
     "token_embedder": {"embedding": normal(VOCAB, EMBED)},
     "decoder": {
@@ -170,8 +170,8 @@ MUON_ARGS = {"learning_rate": 0.02, "weight_decay": 1e-2, "adam_weight_decay": 1
 
 
 def _grads(params, step):
-  key = jax.random.key(100 + step)
-  return jax.tree.map(lambda x: jax.random.normal(key, x.shape) * 0.1, params)
+  rng = np.random.default_rng(100 + step)
+  return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype), params)
 
 
 def _optax_loop(tx, params, steps=STEPS):
@@ -247,7 +247,17 @@ def test_param_axes_argument_and_boxed_forms():
   opt_def.set_param_axes(flax.core.freeze(axes))
   frozen = flax.core.freeze(params)
   assert flax.core.unfreeze(opt_def.dimension_numbers(frozen)) == numbers
-  optimizer = _wrapper_loop(opt_def, frozen, steps=1)
+  muon_mu = opt_def.create(frozen).state.param_states.inner_states["muon"].inner_state[0].mu
+  assert muon_mu["decoder"]["layers"]["mlp"]["wo"]["kernel"].shape == (LAYERS, MLP, EMBED)
+
+
+@pytest.mark.slow
+def test_frozen_dict_params_train():
+  """Older T5X keeps FrozenDict params: a step runs Muon on them (seconds: Muon's first step)."""
+  params, axes, _ = _scanned_t5()
+  opt_def = optimizers.muon(**MUON_ARGS)
+  opt_def.set_param_axes(flax.core.freeze(axes))
+  optimizer = _wrapper_loop(opt_def, flax.core.freeze(params), steps=1)
   assert optimizer.target["decoder"]["layers"]["mlp"]["wo"]["kernel"].shape == (LAYERS, MLP, EMBED)
 
 

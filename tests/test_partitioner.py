@@ -40,17 +40,21 @@ def _partitioner(data, model, **rule_flags):
   return Partitioner(mesh, standard_logical_axis_rules(**rule_flags))
 
 
+def _normal(rng, shape, scale=1.0):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+
 def _params():
-  k1, k2 = jax.random.split(jax.random.key(0))
+  rng = np.random.default_rng(0)
   return {
-    "dense1": {"kernel": jax.random.normal(k1, (EMBED, MLP)) / 4, "bias": jnp.zeros(MLP)},
-    "dense2": {"kernel": jax.random.normal(k2, (MLP, EMBED)) / 4, "bias": jnp.zeros(EMBED)},
+    "dense1": {"kernel": _normal(rng, (EMBED, MLP), 0.25), "bias": jnp.zeros(MLP)},
+    "dense2": {"kernel": _normal(rng, (MLP, EMBED), 0.25), "bias": jnp.zeros(EMBED)},
   }
 
 
 def _batch(step):
-  kx, ky = jax.random.split(jax.random.key(step + 1))
-  return {"x": jax.random.normal(kx, (BATCH, EMBED)), "y": jax.random.normal(ky, (BATCH, EMBED))}
+  rng = np.random.default_rng(step + 1)
+  return {"x": _normal(rng, (BATCH, EMBED)), "y": _normal(rng, (BATCH, EMBED))}
 
 
 def _loss(params, batch):

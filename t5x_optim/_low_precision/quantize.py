@@ -316,6 +316,19 @@ def quantize(
     >>> [round(float(v), 8) for v in dequantize(quantize(x, 4))[0]]
     [2.0, 6.5e-07, 2.0, 0.0]
   """
+  return _quantize(x, block, guard_nonfinite, stats, flat)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+def _quantize(
+  x: jax.Array,
+  block: int,
+  guard_nonfinite: bool,
+  stats: tuple[jax.Array, jax.Array] | None,
+  flat: bool,
+) -> QuantizedLeaf:
+  """`quantize`, one program per shape: called eagerly (``init``, a conversion of a
+  checkpoint), its tens of operations would each compile on their own."""
   if stats is None:
     stats = _block_scales(_blocks(x, block), finite=guard_nonfinite)
   scales, reciprocal = stats
@@ -364,6 +377,12 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
 
 def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:
   """The float32 values of an 8-bit leaf; ``flat`` as in `quantize` (the same values)."""
+  return _dequantize(leaf, flat)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(leaf: QuantizedLeaf, flat: bool) -> jax.Array:
+  """`dequantize`, one program per shape (as `_quantize`)."""
   block = leaf.codes.shape[-1] // leaf.scales.shape[-1]
   codes = jnp.asarray(leaf.codes).astype(jnp.int32)
   if flat:
@@ -416,8 +435,12 @@ def rounding_bits(
   return hashed_bits(shape, rounding_key(seed, count, leaf))
 
 
+@jax.jit
 def to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
-  """``x`` in bfloat16: to nearest (``bits`` None) or stochastically, adding 16 random ``bits``."""
+  """``x`` in bfloat16: to nearest (``bits`` None) or stochastically, adding 16 random ``bits``.
+
+  Compiled (as `quantize`): called eagerly, its operations would each compile on their own.
+  """
   if bits is None:
     return x.astype(jnp.bfloat16)
   raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
