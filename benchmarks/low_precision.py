@@ -12,7 +12,9 @@ synthetic task; the default mesh) with one optimizer gin file:
   ``optimizers.low_precision.stochastic_rounding = False``;
 * ``8bit whole-tree``: ``adamw_8bit.gin`` with ``optimizers.low_precision.stream =
   False`` (every leaf decoded, updated and encoded at once: the same values, a
-  higher peak, and no per-leaf conditional).
+  higher peak, and no per-leaf conditional);
+* ``4bit+f32emb``: ``adamw_4bit.gin`` with the token embedding and the logits kept in
+  float32 (``optimizers.low_precision.param_modes``).
 
 Every run trains ``--steps`` steps per seed (the seed sets the init and the
 stochastic-rounding bits; the data stream is the task's own) with the job's
@@ -53,8 +55,12 @@ RUNS = {
     ["optimizers.low_precision.stochastic_rounding = False"],
   ),
   "8bit whole-tree": ("optimizers/adamw_8bit.gin", ["optimizers.low_precision.stream = False"]),
+  "4bit+f32emb": (
+    "optimizers/adamw_4bit.gin",
+    ["optimizers.low_precision.param_modes = [('token_embedding|logits', 'float32')]"],
+  ),
 }
-DEFAULT_RUNS = [run for run in RUNS if run != "4bit"]
+DEFAULT_RUNS = [run for run in RUNS if not run.startswith("4bit")]
 """The runs without ``--runs``: 4-bit is asked for by name."""
 T5_BASE = [
   "cli.TransformerConfig.embed_dim = 768",
@@ -134,6 +140,23 @@ def _state_bytes(abstract) -> tuple[int, int, int, int]:
   return total, per_device, compressed, values
 
 
+def timed_steps(setup, state, step: int, steps: int) -> tuple[object, int, list[float]]:
+  """Trains `steps` steps of the job `setup` from `step`; returns the state, the step and the
+  seconds of each step but the job's first (compiling) one."""
+  import jax  # noqa: PLC0415
+
+  times = []
+  for _ in range(steps):
+    batch = setup.train_batch(step)
+    start = time.perf_counter()
+    state, metrics = setup.step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    if step:
+      times.append(time.perf_counter() - start)
+    step += 1
+  return state, step, times
+
+
 class _Run:
   """One optimizer's training run for one seed."""
 
@@ -171,23 +194,6 @@ class _Run:
   def train(self, steps: int) -> None:
     self.state, self.step, times = timed_steps(self.setup, self.state, self.step, steps)
     self.times += times
-
-
-def timed_steps(setup, state, step: int, steps: int) -> tuple[object, int, list[float]]:
-  """Trains `steps` steps of the job `setup` from `step`; returns the state, the step and the
-  seconds of each step but the job's first (compiling) one."""
-  import jax  # noqa: PLC0415
-
-  times = []
-  for _ in range(steps):
-    batch = setup.train_batch(step)
-    start = time.perf_counter()
-    state, metrics = setup.step_fn(state, batch)
-    jax.block_until_ready(metrics)
-    if step:
-      times.append(time.perf_counter() - start)
-    step += 1
-  return state, step, times
 
   def evaluate(self) -> float:
     from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
