@@ -1,15 +1,7 @@
-"""Test configuration: 8 simulated CPU devices, set before jax is imported."""
+"""Test configuration (the simulated devices are set in the repository's conftest.py)."""
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-import gin  # noqa: E402  (after the XLA flags above; gin does not import jax)
-import pytest  # noqa: E402
+import gin
+import pytest
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+from _optional import import_kfac_jax
 from optimizer_table import T5X_OPTIMIZER_NAMES
 
 import t5x_optim
@@ -54,7 +55,7 @@ def test_root_reexports_interface():
 
 @pytest.mark.slow
 def test_kfac_names_load_lazily():
-  pytest.importorskip("kfac_jax")
+  import_kfac_jax()
   script = (
     "import sys, t5x_optim\n"
     "assert 't5x_optim._adapters.kfac' not in sys.modules and 'kfac_jax' not in sys.modules\n"

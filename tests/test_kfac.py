@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _optional import import_kfac_jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-kfac_jax = pytest.importorskip("kfac_jax")
+kfac_jax = import_kfac_jax()
 
 # kfac-jax 0.0.8 still uses jax.core names that jax 0.10 deprecates.
 # Most tests run kfac-jax steps through a shared fixture: seconds each.

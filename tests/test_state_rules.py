@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _optional import import_kfac_jax
 from flax.linen import partitioning as flax_partitioning
 from jax.example_libraries import optimizers as jax_example_optimizers
 from jax.sharding import Mesh, NamedSharding
@@ -571,7 +572,7 @@ def _triple_with_odd_state(step_size: float):
 
 def _kfac_case(fallback):
   """A K-FAC dense layer with bias: its (in + 1, in + 1) factor matches no dimension."""
-  kfac_jax = pytest.importorskip("kfac_jax")
+  kfac_jax = import_kfac_jax()
   from t5x_optim import KfacOptimizerDef
 
   def loss(params, batch):

@@ -39,10 +39,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import kfac_jax
 from flax import struct
 from jax import extend as jex
-from kfac_jax._src import tag_graph_matcher
 
 from t5x_optim._adapters.kfac_state import (
   derive_kfac_logical_axes,
@@ -52,6 +50,11 @@ from t5x_optim._adapters.kfac_state import (
 from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+
+# isort: split
+# After kfac_state, which turns kfac-jax's failure to import with this jax into an ImportError.
+import kfac_jax
+from kfac_jax._src import tag_graph_matcher
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
 

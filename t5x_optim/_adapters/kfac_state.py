@@ -15,8 +15,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import kfac_jax
 from jax.sharding import PartitionSpec
+
+try:
+  import kfac_jax
+except AttributeError as error:  # kfac-jax 0.0.8 reads jax.core names that jax 0.11 removed.
+  raise ImportError(
+    f"kfac-jax does not import with jax {jax.__version__} ({error}); K-FAC needs a kfac-jax "
+    "release that supports this jax, or jax < 0.11."
+  ) from error
 
 from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs
 from t5x_optim._axes.registry import StateRuleContext, register_state_rule
