@@ -105,11 +105,12 @@ def dynamic_map(signed: bool) -> np.ndarray:
   return out
 
 
-def _blocks(x: jax.Array, block: int) -> jax.Array:
+def blocks_of(x: jax.Array, block: int) -> jax.Array:
+  """``x`` with its last dimension split into blocks of ``block`` values."""
   return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _spread(per_block: jax.Array, block: int) -> jax.Array:
+def spread_blocks(per_block: jax.Array, block: int) -> jax.Array:
   """A value per block repeated over its block's elements, in the leaf's shape.
 
   The codecs reshape the per-block values, not the leaf: an elementwise
@@ -238,8 +239,8 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(mirror, middle - count, ops.where(signed, middle + count, count))
 
 
-_MAGNITUDE = 0x7FFFFFFF
-_INF = 0x7F800000
+MAGNITUDE_BITS = 0x7FFFFFFF
+INF_BITS = 0x7F800000
 
 
 def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
@@ -255,9 +256,9 @@ def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
   into the reduction: no branch, no second pass over the leaf.
   """
   bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
-  magnitude = bits & jnp.uint32(_MAGNITUDE)
+  magnitude = bits & jnp.uint32(MAGNITUDE_BITS)
   if finite:
-    magnitude = jnp.where(magnitude < jnp.uint32(_INF), magnitude, jnp.uint32(0))
+    magnitude = jnp.where(magnitude < jnp.uint32(INF_BITS), magnitude, jnp.uint32(0))
   negative = (blocks < 0).astype(jnp.uint32)
   reciprocal = 1.0 / jax.lax.bitcast_convert_type(magnitude, jnp.float32)
   largest, signed, reciprocal = jax.lax.reduce(
@@ -273,7 +274,7 @@ def quantize_stats(
   x: jax.Array, block: int, *, guard_nonfinite: bool = True
 ) -> tuple[jax.Array, jax.Array]:
   """`quantize`'s ``stats``: each block's stored scale and the reciprocal of its magnitude."""
-  return _block_scales(_blocks(x, block), finite=guard_nonfinite)
+  return _block_scales(blocks_of(x, block), finite=guard_nonfinite)
 
 
 def quantize(
@@ -330,12 +331,14 @@ def _quantize(
   """`quantize`, one program per shape: called eagerly (``init``, a conversion of a
   checkpoint), its tens of operations would each compile on their own."""
   if stats is None:
-    stats = _block_scales(_blocks(x, block), finite=guard_nonfinite)
+    stats = _block_scales(blocks_of(x, block), finite=guard_nonfinite)
   scales, reciprocal = stats
   reciprocal = jnp.where(reciprocal < jnp.inf, reciprocal, 1.0)
   signed = jax.lax.bitcast_convert_type(scales, jnp.int32) < 0
-  values = x if flat else _blocks(x, block)
-  signed, reciprocal = (_spread(a, block) if flat else a[..., None] for a in (signed, reciprocal))
+  values = x if flat else blocks_of(x, block)
+  signed, reciprocal = (
+    spread_blocks(a, block) if flat else a[..., None] for a in (signed, reciprocal)
+  )
   # +/-inf saturates to +/-1 times the scale; NaN is stored as 0.
   scaled = jnp.clip(values * reciprocal, -1.0, 1.0)
   # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its maximum.
@@ -386,9 +389,9 @@ def _dequantize(leaf: QuantizedLeaf, flat: bool) -> jax.Array:
   block = leaf.codes.shape[-1] // leaf.scales.shape[-1]
   codes = jnp.asarray(leaf.codes).astype(jnp.int32)
   if flat:
-    values = _decode(codes, _spread(leaf.scales < 0, block))
-    return values * _spread(jnp.abs(leaf.scales), block)
-  values = _decode(_blocks(codes, block), (leaf.scales < 0)[..., None])
+    values = _decode(codes, spread_blocks(leaf.scales < 0, block))
+    return values * spread_blocks(jnp.abs(leaf.scales), block)
+  values = _decode(blocks_of(codes, block), (leaf.scales < 0)[..., None])
   return (values * jnp.abs(leaf.scales)[..., None]).reshape(leaf.codes.shape)
 
 

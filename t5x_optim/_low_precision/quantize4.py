@@ -45,7 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_optim._low_precision.quantize import MIN_BLOCK
+from t5x_optim._low_precision.quantize import (
+  INF_BITS,
+  MAGNITUDE_BITS,
+  MIN_BLOCK,
+  blocks_of,
+  spread_blocks,
+)
 
 __all__ = [
   "Quantized4Leaf",
@@ -157,22 +163,6 @@ def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...
   return (*shape[:-1], 2 * shape[-1])
 
 
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def _spread(per_block: jax.Array, block: int) -> jax.Array:
-  """A value per block repeated over its block's elements, in the leaf's shape: a
-  broadcast, which fuses into the elementwise computation that reads it."""
-  shape = per_block.shape
-  repeated = jax.lax.broadcast_in_dim(per_block, (*shape, block), tuple(range(len(shape))))
-  return repeated.reshape(*shape[:-1], shape[-1] * block)
-
-
-_MAGNITUDE = 0x7FFFFFFF
-_INF = 0x7F800000
-
-
 def quantize4_stats(
   x: jax.Array, block: int, *, rank1: bool, guard_nonfinite: bool = True
 ) -> tuple[jax.Array, ...]:
@@ -185,14 +175,14 @@ def quantize4_stats(
   that a mesh splitting a block over devices all-reduces it.
   """
   x = jnp.asarray(x, jnp.float32)
-  magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(_MAGNITUDE)
+  magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(MAGNITUDE_BITS)
   negative = x < 0
   if guard_nonfinite:
-    finite = magnitude < jnp.uint32(_INF)
+    finite = magnitude < jnp.uint32(INF_BITS)
     magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
     negative = negative & finite
   largest, signed = jax.lax.reduce(
-    (_blocks(magnitude, block), _blocks(negative.astype(jnp.uint32), block)),
+    (blocks_of(magnitude, block), blocks_of(negative.astype(jnp.uint32), block)),
     (jnp.uint32(0), jnp.uint32(0)),
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1])),
     (x.ndim,),
@@ -228,8 +218,8 @@ def _element_scales(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each element's (signed flag, signed-map scale, unsigned-map scale)."""
   scales = stats[0]
-  signed = _spread(scales < 0, block)
-  absmax = _spread(jnp.abs(scales), block)
+  signed = spread_blocks(scales < 0, block)
+  absmax = spread_blocks(jnp.abs(scales), block)
   if len(stats) == 1:
     return signed, absmax, absmax
   return signed, absmax, jnp.minimum(absmax, stats[1])
@@ -242,7 +232,7 @@ def _pack(codes: jax.Array) -> jax.Array:
 
 def _unpack(packed: jax.Array) -> jax.Array:
   """Each element's code: its byte spread over both its elements, shifted by 0 or 4."""
-  wide = _spread(jnp.asarray(packed), 2)
+  wide = spread_blocks(jnp.asarray(packed), 2)
   odd = jax.lax.broadcasted_iota(jnp.uint8, wide.shape, wide.ndim - 1) & jnp.uint8(1)
   return ((wide >> (odd * jnp.uint8(4))) & jnp.uint8(15)).astype(jnp.int32)
 
