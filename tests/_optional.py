@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
 import pytest
 
 
+@functools.cache
 def kfac_jax_error() -> str | None:
   """Why kfac-jax cannot be used here, or None when it imports.
 
