@@ -11,7 +11,8 @@ model of ``low_precision.py``) with one optimizer gin file:
 Both share the same schedule (warmup over 10% of the steps, cosine decay), so
 the learning rate is the schedule's peak (``peak_value``). First a sweep: one
 seed (the first of ``--seeds``) per peak in ``--lrs``; each optimizer's best
-final eval loss picks its learning rate. Then every seed at that rate. A
+final eval loss picks its learning rate, and its best run is the first seed's.
+Then every other seed at that rate. A
 seed's runs are interleaved in rounds of ``--eval_every`` steps, so machine
 load falls on both alike; each step is timed (``block_until_ready``), and the
 eval loss is recorded against the step and against the training seconds so
@@ -118,6 +119,7 @@ def main() -> None:
 
   started = time.perf_counter()
   best: dict[str, float] = {}
+  runs_of_first_seed: list[_Run] = []
   print(f"sweep: seed {args.seeds[0]}, {args.steps} steps, peak learning rates {args.lrs}")
   for name in RUNS:
     sweep = [_Run(name, lr, args.seeds[0], args) for lr in args.lrs]
@@ -125,11 +127,16 @@ def main() -> None:
     for run in sweep:
       print(f"  {name:<6} peak {run.lr:<8g} eval loss {run.final:.4f}", flush=True)
     finite = [run for run in sweep if math.isfinite(run.final)]
-    best[name] = min(finite, key=lambda run: run.final).lr
+    best_run = min(finite, key=lambda run: run.final)
+    best[name] = best_run.lr
+    runs_of_first_seed.append(best_run)
   runs: dict[str, list[_Run]] = {name: [] for name in RUNS}
   for seed in args.seeds:
-    seed_runs = [_Run(name, best[name], seed, args) for name in RUNS]
-    _train_together(seed_runs, args)
+    if seed == args.seeds[0]:
+      seed_runs = runs_of_first_seed
+    else:
+      seed_runs = [_Run(name, best[name], seed, args) for name in RUNS]
+      _train_together(seed_runs, args)
     for run in seed_runs:
       runs[run.name].append(run)
       print(f"seed {seed} {run.name:<6} eval loss {run.final:.4f}", flush=True)

@@ -265,6 +265,19 @@ def quantize4(
     >>> [[round(float(v), 4) for v in row] for row in back]
     [[2.0, 0.1333, 2.0, 0.0], [-0.8875, 0.4375, 0.0, 0.2125]]
   """
+  return _quantize4(x, block, rank1, guard_nonfinite, stats)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize4(
+  x: jax.Array,
+  block: int,
+  rank1: bool,
+  guard_nonfinite: bool,
+  stats: tuple[jax.Array, ...] | None,
+) -> Quantized4Leaf | Rank1Quantized4Leaf:
+  """`quantize4`, one program per shape: called eagerly (``init``, a conversion of a
+  checkpoint), its tens of operations would each compile on their own."""
   x = jnp.asarray(x, jnp.float32)
   if stats is None:
     stats = quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard_nonfinite)
@@ -291,6 +304,12 @@ def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
   (a normal float32: XLA counts a subnormal one as 0) encodes as a positive
   code, however small its ratio to its scale.
   """
+  return _dequantize4(leaf)
+
+
+@jax.jit
+def _dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
+  """`dequantize4`, one program per shape (as `_quantize4`)."""
   codes = _unpack(leaf.codes)
   block = codes.shape[-1] // leaf.scales.shape[-1]
   stats = tuple(jnp.asarray(s) for s in leaf[1:])
