@@ -65,7 +65,7 @@ def test_a_block_of_zeros_and_one_non_finite_value_decodes_to_zeros(bad):
 # 2. A nonzero second moment never decodes to zero.
 
 
-@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
+@pytest.mark.parametrize("mode", ["8bit", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_a_non_finite_gradient_element_damages_only_its_own_param(mode):
   """Through adam's streamed step: one inf gradient element; every other param stays finite.
 

@@ -137,11 +137,20 @@ def test_wrapper_keeps_the_signature_for_gin() -> None:
   assert EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"].__name__ == "example_lib_adam"
 
 
-# Under jit (slow): each case compiles its step; the quick loop runs them eagerly.
+QUICK = {"sgd", "rmsprop_momentum", "adam", "sm3", "adam_exponential_decay"}
+"""The cases the quick loop runs eagerly: a state of each shape and a schedule."""
+
+
+# Under jit (slow): each case compiles its step; the quick loop runs some eagerly.
 @pytest.mark.parametrize(
-  "jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"]
+  "case, jit",
+  [
+    pytest.param(case, jit, marks=[] if case.name in QUICK and not jit else pytest.mark.slow)
+    for case in CASES
+    for jit in (False, True)
+  ],
+  ids=[f"{name}-{kind}" for name in IDS for kind in ("eager", "jit")],
 )
-@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_matches_native_loop_bit_for_bit(case: Case, jit: bool) -> None:
   expected_params, native_state = native_run(case, jit=jit)
   opt = adapter_run(case.opt_def().create(make_params()), jit=jit)

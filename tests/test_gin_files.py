@@ -97,8 +97,9 @@ def test_optimizer_file_builds_a_working_optimizer(path):
   params = optax.LookaheadParams.init_synced(PARAMS) if path.stem == "lookahead" else PARAMS
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   optimizer = opt_def.create(params)
+  step = jax.jit(lambda optimizer, grads: optimizer.apply_gradient(grads))
   for _ in range(ACCUMULATED_STEPS):
-    optimizer = optimizer.apply_gradient(grads)
+    optimizer = step(optimizer, grads)
   assert int(optimizer.state.step) == ACCUMULATED_STEPS
   trained = optimizer.target
   if isinstance(trained, optax.LookaheadParams):

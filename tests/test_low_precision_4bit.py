@@ -262,13 +262,29 @@ def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes
     assert isinstance(mu, Rank1Quantized4Leaf) == (len(fields) == 3)
     assert _bytes_per_value(mu) == pytest.approx(bytes_per_value)
     assert bytes_per_value < 4
-    grads = {"w": jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)}
-    updates, state = jax.jit(tx.update)(grads, state, params)
-    want, _ = optax.adam(1e-3).update(grads, optax.adam(1e-3).init(params), params)
-    np.testing.assert_allclose(updates["w"], want["w"], rtol=0.2, atol=1e-7)
   else:
     assert kinds == {storage}
     assert mu.dtype == jnp.float32 and mu.shape == shape
+
+
+# One compiled 4-bit step per shape: about a second each, all but one slow.
+@pytest.mark.parametrize(
+  "shape",
+  [
+    (64, 256),
+    *(
+      pytest.param(shape, marks=pytest.mark.slow)
+      for shape in [(1, 4096), (4096, 16), (16,), (2, 8, 256), (2, 64, 256)]
+    ),
+  ],
+)
+def test_each_4bit_layout_updates_like_float32_adam(shape):
+  params = {"w": jnp.zeros(shape)}
+  tx = low_precision(optax.adam(1e-3), "4bit", min_size=0)
+  grads = {"w": jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)}
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = optax.adam(1e-3).update(grads, optax.adam(1e-3).init(params), params)
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=0.2, atol=1e-7)
 
 
 @pytest.mark.parametrize("block_size, shard_multiple", [(128, 8), (128, 1), (4, 4), (64, 8)])

@@ -136,7 +136,8 @@ def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
     "optimizers.low_precision.param_modes = [('embed', 'float32'), ('attn', '8bit')]"
   )
   opt_def = test_gin_files._build("OPTIMIZER")
-  optimizer = opt_def.create(_params()).apply_gradient(_params(seed=1))
+  step = jax.jit(lambda optimizer, grads: optimizer.apply_gradient(grads))
+  optimizer = step(opt_def.create(_params()), _params(seed=1))
   storage = leaf_storage(optimizer.state.param_states)
   nu = {"/".join(k[k.index("nu") + 1 :]): v for k, v in storage.items() if "nu" in k}
   assert nu["embed"] == "float32: param_modes 'embed'"

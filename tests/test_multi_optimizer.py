@@ -199,7 +199,7 @@ def injected(factory: Callable[..., Any], learning_rate: float) -> OptaxWrapper:
   [
     ({"learning_rate": 0.05}, 0.05, 0.05),
     ({"hyper_params": (OptaxHyperParams(0.05), OptaxHyperParams(0.2))}, 0.05, 0.2),
-    ({"learning_rate": None}, 1.0, 1.0),
+    pytest.param({"learning_rate": None}, 1.0, 1.0, marks=pytest.mark.slow),
   ],
   ids=["learning_rate", "hyper_params", "none"],
 )
