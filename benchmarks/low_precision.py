@@ -13,8 +13,9 @@ synthetic task; the default mesh) with one optimizer gin file:
 * ``8bit whole-tree``: ``adamw_8bit.gin`` with ``optimizers.low_precision.stream =
   False`` (every leaf decoded, updated and encoded at once: the same values, a
   higher peak, and no per-leaf conditional);
-* ``4bit+f32emb``: ``adamw_4bit.gin`` with the token embedding and the logits kept in
-  float32 (``optimizers.low_precision.param_modes``).
+* ``4bit+f32emb``: ``adamw_4bit.gin`` with the params of a ``vocab`` logical axis (the
+  token embedding and the logits) kept in float32
+  (``optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]``).
 
 Every run trains ``--steps`` steps per seed (the seed sets the init and the
 stochastic-rounding bits; the data stream is the task's own) with the job's
@@ -57,7 +58,7 @@ RUNS = {
   "8bit whole-tree": ("optimizers/adamw_8bit.gin", ["optimizers.low_precision.stream = False"]),
   "4bit+f32emb": (
     "optimizers/adamw_4bit.gin",
-    ["optimizers.low_precision.param_modes = [('token_embedding|logits', 'float32')]"],
+    ["optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]"],
   ),
 }
 DEFAULT_RUNS = [run for run in RUNS if not run.startswith("4bit")]

@@ -1,7 +1,13 @@
-"""`low_precision(..., param_modes=...)`: each param's state in its own mode, chosen by path."""
+"""`low_precision(..., param_modes=...)`: each param's state in its own mode, chosen by path or
+by logical axis."""
 
 from __future__ import annotations
 
+import functools
+import re
+
+import flax
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -10,10 +16,21 @@ import optax
 import pytest
 import test_gin_files
 import test_sharded_training as st
+from jax.sharding import PartitionSpec as P
 
-from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
+from t5x_optim import (
+  OptaxWrapper,
+  TrainState,
+  low_precision,
+  low_precision_to_float32,
+  optimizers,
+  partitioning,
+  restore_t5x_checkpoint,
+  save_t5x_checkpoint,
+)
 from t5x_optim._low_precision.low_precision import leaf_storage
 from t5x_optim._training import plan as plan_lib
+from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import abstract_train_state
 
 RULES = (("embed", "float32"), ("mlp", "4bit"), ("bias$", "bfloat16"))
@@ -21,11 +38,11 @@ SHAPES = {"embed": (64, 256), "mlp": {"wi": (64, 256)}, "attn": (64, 256), "bias
 MODES = {"embed": "float32", "mlp": "4bit", "attn": "8bit", "bias": "bfloat16"}
 
 
-def _params(seed=0):
+def _params(seed=0, shapes=SHAPES):
   rng = np.random.default_rng(seed)
   return jax.tree.map(
     lambda s: jnp.asarray(rng.normal(size=s), jnp.float32),
-    SHAPES,
+    shapes,
     is_leaf=lambda x: isinstance(x, tuple),
   )
 
@@ -97,6 +114,8 @@ def test_a_mixed_step_is_each_modes_own_step():
   [
     ((("embed", "int8"),), "param_modes maps 'embed' to 'int8'"),
     ((("(", "4bit"),), "missing \\)"),
+    ((("axis:(", "4bit"),), "missing \\)"),
+    ((("axis:", "4bit"),), "'axis:' names no logical axis"),
   ],
 )
 def test_bad_param_modes_are_refused(param_modes, match):
@@ -143,3 +162,229 @@ def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
   assert nu["embed"] == "float32: param_modes 'embed'"
   assert nu["attn/codes"] == "8bit codes (param_modes 'attn')"
   assert nu["mlp/wi/codes"] == "4bit codes"
+
+
+# Rules by logical axis: ``axis:<regex>`` selects the params with an axis of that name.
+
+AXES = {
+  "token_embedding": P("vocab", "embed"),
+  "logits": P("embed", "vocab"),
+  "mlp": {"wi": P("embed", "mlp"), "wo": P("mlp", "embed")},
+  "scale": P("embed"),
+}
+AXIS_SHAPES = {
+  "token_embedding": (48, 32),
+  "logits": (32, 48),
+  "mlp": {"wi": (32, 64), "wo": (64, 32)},
+  "scale": (32,),
+}
+VOCAB = (("axis:vocab", "float32"),)
+VOCAB_FLOAT32 = {
+  "token_embedding": {"float32: param_modes 'axis:vocab'"},
+  "logits": {"float32: param_modes 'axis:vocab'"},
+  "wi": {"4bit"},
+  "wo": {"4bit"},
+}
+"""`_modes` of an adam state in 4 bits with the `VOCAB` rule."""
+
+
+def _boxed(params):
+  """The params boxed with their `AXES`, as `nn.with_logical_partitioning` leaves them."""
+  return jax.tree.map(
+    lambda spec, x: nn.LogicallyPartitioned(x, tuple(spec)),
+    AXES,
+    params,
+    is_leaf=lambda x: isinstance(x, P),
+  )
+
+
+def _modes(param_states, names=("token_embedding", "logits", "wi", "wo")) -> dict[str, set[str]]:
+  """Each param's storage over all its state leaves, a quantized leaf's field left out."""
+  out: dict[str, set[str]] = {}
+  for key, storage in leaf_storage(param_states).items():
+    name = next((n for n in names if n in key), None)
+    if name is not None:
+      out.setdefault(name, set()).add(re.sub(r" (codes|scales|cols)\b", "", storage))
+  return out
+
+
+def _vocab_tx(**kwargs):
+  """adamw in 4 bits, the `VOCAB` rule keeping the params with a vocab axis in float32."""
+  return low_precision(optax.adamw(1e-2), "4bit", min_size=0, param_modes=VOCAB, **kwargs)
+
+
+def test_an_axis_rule_keeps_every_vocab_param_in_float32_and_says_why():
+  """A ('vocab', 'embed') embedding and an ('embed', 'vocab') logits kernel, given by
+  param_axes=; the ('embed', 'mlp') kernels take state_dtype."""
+  state = _vocab_tx(param_axes=AXES).init(_params(shapes=AXIS_SHAPES))
+  assert _modes(state) == VOCAB_FLOAT32
+  assert state.inner_state[0].mu["logits"].dtype == jnp.float32
+  assert state.inner_state[0].nu["token_embedding"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  "rules, logits",
+  [
+    ((("logits", "8bit"), ("axis:vocab", "float32")), "8bit (param_modes 'logits')"),
+    ((("axis:vocab", "float32"), ("logits", "8bit")), "float32: param_modes 'axis:vocab'"),
+  ],
+)
+def test_path_and_axis_rules_take_the_first_match_in_order(rules, logits):
+  rules = (*rules, ("axis:heads|mlp", "bfloat16"))
+  state = low_precision(
+    optax.adam(1e-3), "4bit", min_size=0, param_modes=rules, param_axes=AXES
+  ).init(_params(shapes=AXIS_SHAPES))
+  assert _modes(state, names=("token_embedding", "logits", "wi", "scale")) == {
+    "token_embedding": {"float32: param_modes 'axis:vocab'"},
+    "logits": {logits},
+    "wi": {"bfloat16 (param_modes 'axis:heads|mlp')"},
+    "scale": {"4bit"},
+  }
+
+
+def _muon_with_vocab_rule():
+  wrap = functools.partial(low_precision, state_dtype="4bit", min_size=0, param_modes=VOCAB)
+  return optimizers.muon(learning_rate=0.02, wrap_transformation=wrap)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: OptaxWrapper(_vocab_tx()),
+    lambda: optimizers.chain([optax.clip_by_global_norm(1.0), _vocab_tx()]),
+    lambda: optimizers.MultiOptimizer([(".*", optimizers.chain([_vocab_tx()]))]),
+    _muon_with_vocab_rule,
+  ],
+  ids=["OptaxWrapper", "chain", "MultiOptimizer", "muon"],
+)
+def test_set_param_axes_gives_the_axes_to_the_rule(make):
+  """T5X's hook on the optimizer definition (here with a FrozenDict, as T5X passes it)."""
+  opt_def = make()
+  opt_def.set_param_axes(flax.core.freeze(AXES))
+  modes = _modes(opt_def.create(_params(shapes=AXIS_SHAPES)).state.param_states)
+  assert modes == VOCAB_FLOAT32
+
+
+def test_a_flax_models_axes_reach_the_rule_through_the_train_state():
+  """`TrainState.create` and `partitioning.init_sharded` of a model whose params are boxed."""
+  variables = {"params": _boxed(_params(shapes=AXIS_SHAPES))}
+  state = TrainState.create(optimizers.chain([_vocab_tx()]), variables)
+  assert _modes(state.param_states) == VOCAB_FLOAT32
+  partitioner = partitioning.Partitioner(partitioning.create_mesh(devices=jax.devices()[:1]))
+  state = partitioning.init_sharded(partitioner, optimizers.chain([_vocab_tx()]), lambda: variables)
+  assert _modes(state.param_states) == VOCAB_FLOAT32
+
+
+def test_gin_binds_an_axis_rule_onto_the_shipped_4bit_file(clean_gin):
+  test_gin_files._parse_alone(test_gin_files.GIN_DIR / "optimizers" / "adamw_4bit.gin")
+  gin.parse_config(
+    "optimizers.low_precision.min_size = 0\n"
+    "optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]"
+  )
+  opt_def = test_gin_files._build("OPTIMIZER")
+  state = TrainState.create(opt_def, {"params": _boxed(_params(shapes=AXIS_SHAPES))})
+  assert _modes(state.param_states) == VOCAB_FLOAT32
+
+
+MIXED = (("scale", "float32"), ("axis:vocab", "float32"), ("axis:mlp|heads", "8bit"))
+
+
+@pytest.mark.parametrize(
+  "create",
+  [
+    lambda tx, params: tx.init(params),
+    lambda tx, params: OptaxWrapper(tx).create(params),
+    lambda tx, params: optimizers.chain([tx]).create(params),
+    # optax's own chain returns a plain transformation: the rule cannot get the axes.
+    lambda tx, params: OptaxWrapper(optax.chain(tx)).create(params),
+  ],
+  ids=["init", "OptaxWrapper", "chain", "optax.chain"],
+)
+def test_axis_rules_without_axes_are_one_error_naming_them(create):
+  tx = low_precision(optax.adam(1e-3), "4bit", param_modes=MIXED)
+  with pytest.raises(ValueError, match=r"'axis:vocab', 'axis:mlp\|heads'.*logical axes"):
+    create(tx, _params(shapes=AXIS_SHAPES))
+
+
+def test_a_train_state_without_axes_is_refused():
+  with pytest.raises(ValueError, match="the model emits none"):
+    TrainState.create(optimizers.chain([_vocab_tx()]), {"params": _params(shapes=AXIS_SHAPES)})
+
+
+@pytest.mark.parametrize(
+  "axes, match",
+  [
+    ({"token_embedding": P("vocab", "embed")}, r"'logits', 'mlp/wi', 'mlp/wo', 'scale' have no"),
+    ({**AXES, "logits": P("vocab")}, r"'logits' has the logical axes \('vocab',\)"),
+  ],
+)
+def test_axes_that_do_not_fit_the_params_name_the_param(axes, match):
+  with pytest.raises(ValueError, match=match):
+    _vocab_tx(param_axes=axes).init(_params(shapes=AXIS_SHAPES))
+
+
+@functools.cache
+def _trained_vocab_optimizer():
+  opt_def = OptaxWrapper(_vocab_tx())
+  opt_def.set_param_axes(AXES)
+  params = _params(shapes=AXIS_SHAPES)
+  return params, opt_def, opt_def.create(params).apply_gradient(_params(1, AXIS_SHAPES))
+
+
+def _same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_state_dict_of_an_axis_policy_restores_bit_for_bit():
+  params, opt_def, optimizer = _trained_vocab_optimizer()
+  nu = optimizer.state_dict()["state"]["param_states"]["inner_state"]["0"]["nu"]
+  assert nu["logits"].dtype == np.float32 and nu["token_embedding"].shape == (48, 32)
+  assert sorted(nu["mlp"]["wi"]) == ["codes", "cols", "scales"]
+  _same(opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state)
+
+
+@pytest.mark.slow
+def test_checkpoints_of_an_axis_policy_round_trip_bit_for_bit(tmp_path):
+  """T5X's checkpoint of the optimizer, and ours of a train state built from a boxed model."""
+  params, opt_def, optimizer = _trained_vocab_optimizer()
+  save_t5x_checkpoint(tmp_path / "t5x", optimizer)
+  restored = restore_t5x_checkpoint(tmp_path / "t5x", opt_def.create(params))
+  _same(restored.state, optimizer.state)
+  variables = {"params": _boxed(params)}
+  state = TrainState.create(optimizers.chain([_vocab_tx()]), variables)
+  state = state.apply_gradient(_params(1, AXIS_SHAPES))
+  with Checkpointer(tmp_path / "ours") as ckpt:
+    ckpt.save(1, state)
+  with Checkpointer(tmp_path / "ours") as ckpt:
+    restored = ckpt.restore(TrainState.create(optimizers.chain([_vocab_tx()]), variables))
+  assert _modes(restored.param_states) == VOCAB_FLOAT32
+  _same((restored.params, restored.param_states), (state.params, state.param_states))
+
+
+def test_plan_names_the_axis_rule_that_chose_each_params_mode():
+  """T5X-style params_axes (param_with_axes), through abstract_train_state on a 2x4 mesh."""
+  tx = low_precision(
+    optax.adamw(1e-2),
+    "4bit",
+    block_size=4,
+    shard_multiple=4,
+    min_size=0,
+    param_modes=(("wo", "bfloat16"), ("axis:embed", "float32")),
+  )
+  partitioner = st._partitioner(2, 4, zero=True)
+  state = abstract_train_state(partitioner, OptaxWrapper(tx), st.AxesMLP().init, *st._init_args())
+  plan = plan_lib.build_plan(state, logical=state.as_logical_axes())
+  by_param = {}
+  for row in plan.rows:
+    if row.param and row.group == "inner_state/0/nu":
+      by_param.setdefault(row.param, set()).add(row.storage)
+  assert by_param == {
+    "wi": {"float32: param_modes 'axis:embed'"},
+    "bi": {"4bit codes", "4bit scales"},
+    "wo": {"bfloat16 (param_modes 'wo')"},
+  }
+  assert "float32: param_modes 'axis:embed'" in plan_lib.format_table(plan)

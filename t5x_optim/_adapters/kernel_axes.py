@@ -28,7 +28,7 @@ import jax
 import optax
 import optax.contrib
 
-from t5x_optim._adapters.optax_wrapper import FusedOption, OptaxWrapper
+from t5x_optim._adapters.optax_wrapper import FusedOption, OptaxWrapper, takes_param_axes
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.kernel_axes import (
   KernelAxes,
@@ -102,7 +102,8 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     param_axes: the params' logical axes (a tree of `PartitionSpec`s, name
       tuples or None, boxed params, or a T5X ``params_axes`` collection).
     wrap_transformation: applied to the built transformation, e.g.
-      ``functools.partial(low_precision, state_dtype="8bit")``.
+      ``functools.partial(low_precision, state_dtype="8bit")``; an
+      `AxesAwareTransformation` it returns is built for the params' axes too.
     fused: `OptaxWrapper`'s.
     fallback: `OptaxWrapper`'s.
 
@@ -147,6 +148,7 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     self.factory_kwargs = dict(kwargs)
     self.rule = KernelAxesRule() if rule is None else rule
     self.wrap_transformation = wrap_transformation
+    self.param_axes: Any = None
     self.param_specs: dict[str, Any] | None = None
     super().__init__(self._build(with_axes=False), fused=fused, fallback=fallback)
     if param_axes is not None:
@@ -157,7 +159,12 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     if with_axes:
       kwargs[self.target.argument] = self.dimension_numbers
     tx = self.factory(**kwargs)
-    return tx if self.wrap_transformation is None else self.wrap_transformation(tx)
+    if self.wrap_transformation is None:
+      return tx
+    tx = self.wrap_transformation(tx)
+    if with_axes and takes_param_axes(tx):
+      tx = tx.with_param_axes(self.param_axes)
+    return tx
 
   def set_param_axes(self, param_logical_axes: Any) -> None:
     """Takes the params' logical axes (T5X's hook) and rebuilds the transformation.
@@ -168,8 +175,10 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     Raises:
       UnplaceableParamsError: naming each such param and its axes.
     """
-    specs = specs_by_path(_state_rules.logical_axes_from(param_logical_axes))
+    axes = _state_rules.logical_axes_from(param_logical_axes)
+    specs = specs_by_path(axes)
     self.rule.place_all({path: tuple(spec) for path, spec in specs.items() if spec is not None})
+    self.param_axes = axes
     self.param_specs = specs
     self.optax_optimizer = self._build(with_axes=True)
 

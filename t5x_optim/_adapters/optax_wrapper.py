@@ -20,10 +20,13 @@ from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
+  "AxesAwareTransformation",
   "OptaxHyperParams",
   "OptaxWrapper",
+  "axes_aware_chain",
   "chain",
   "inject_hyperparams",
+  "takes_param_axes",
 ]
 
 _LEARNING_RATE = "learning_rate"
@@ -64,6 +67,53 @@ def check_learning_rate(learning_rate: Any) -> None:
       f"learning_rate= must be a real scalar (a Python number or a 0-d real array); "
       f"got {problem}: {learning_rate!r}."
     )
+
+
+class AxesAwareTransformation(optax.GradientTransformationExtraArgs):
+  """An optax transformation that needs the params' logical axes, and is built again with them.
+
+  ``init`` and ``update`` are those of the transformation as built so far
+  (with no axes, or those given when it was made); `with_param_axes`
+  builds it again for given axes. `OptaxWrapper` and `chain` (for each of
+  their transformations that is one) take the axes in ``set_param_axes``,
+  T5X's hook, which T5X's train state, `TrainState.create` and
+  `partitioning.init_sharded` call; `MultiOptimizer` forwards it. Make one
+  with `of`. `low_precision` returns one when a rule of its ``param_modes``
+  selects params by logical axis.
+
+  Example:
+    >>> import optax
+    >>> built = []
+    >>> def build(param_axes):
+    ...   built.append(param_axes)
+    ...   return optax.sgd(0.1)
+    >>> tx = AxesAwareTransformation.of(optax.sgd(0.1), build)
+    >>> opt_def = OptaxWrapper(tx)
+    >>> opt_def.set_param_axes({'w': ('embed',)})
+    >>> built
+    [{'w': ('embed',)}]
+  """
+
+  @classmethod
+  def of(
+    cls,
+    tx: optax.GradientTransformation,
+    build: Callable[[Any], optax.GradientTransformation],
+  ) -> AxesAwareTransformation:
+    """``tx``, which ``build(param_axes)`` builds again for the params' logical axes."""
+    tx = optax.with_extra_args_support(tx)
+    out = cls(tx.init, tx.update)
+    out._build = build
+    return out
+
+  def with_param_axes(self, param_axes: Any) -> optax.GradientTransformation:
+    """The transformation built for ``param_axes`` (any form `logical_axes_from` accepts)."""
+    return self._build(param_axes)
+
+
+def takes_param_axes(tx: Any) -> bool:
+  """Whether ``tx`` is an `AxesAwareTransformation`."""
+  return isinstance(tx, AxesAwareTransformation) and hasattr(tx, "_build")
 
 
 @struct.dataclass
@@ -147,6 +197,12 @@ class OptaxWrapper(OptimizerDef):
   The plain update is `apply_gradient`'s own: ``tx.update`` and
   ``optax.apply_updates``; a layout runs only when one was asked for.
 
+  An `AxesAwareTransformation` (e.g. `low_precision` with a rule by logical
+  axis) gives the definition T5X's ``set_param_axes``, which builds the
+  transformation again for the params' logical axes; other
+  transformations leave the definition without it, so T5X asks no axes of
+  them.
+
   Example:
     >>> import jax.numpy as jnp, optax
     >>> opt = OptaxWrapper(optax.adamw(1e-3)).create({'w': jnp.ones(3)})
@@ -172,6 +228,13 @@ class OptaxWrapper(OptimizerDef):
     self.optax_optimizer = optax_optimizer
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
+    if takes_param_axes(optax_optimizer) and not hasattr(self, "set_param_axes"):
+      self._axes_aware = optax_optimizer
+      self.set_param_axes = self._set_param_axes
+
+  def _set_param_axes(self, param_logical_axes: Any) -> None:
+    """Takes the params' logical axes (T5X's hook) and builds the transformation for them."""
+    self.optax_optimizer = self._axes_aware.with_param_axes(param_logical_axes)
 
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
@@ -245,12 +308,39 @@ def chain(
   """`optax.chain` over a list (gin cannot bind `*args`), as an `OptaxWrapper`.
 
   `fused` is `OptaxWrapper`'s (in gin: ``optimizers.chain.fused = 'auto'``).
+  When a transformation of the list is an `AxesAwareTransformation`, the
+  definition has ``set_param_axes``, which builds each such transformation
+  again for the params' logical axes (`axes_aware_chain`).
 
   Example:
     >>> import optax
     >>> opt_def = chain([optax.clip_by_global_norm(1.0), optax.adam(1e-3)])
   """
-  return OptaxWrapper(optax.chain(*transformations), fused=fused)
+  return OptaxWrapper(axes_aware_chain(transformations), fused=fused)
+
+
+def axes_aware_chain(
+  transformations: Sequence[optax.GradientTransformation],
+) -> optax.GradientTransformationExtraArgs:
+  """`optax.chain` of ``transformations``; an `AxesAwareTransformation` when one of them is.
+
+  Example:
+    >>> import optax
+    >>> tx = AxesAwareTransformation.of(optax.sgd(0.1), lambda axes: optax.sgd(0.1))
+    >>> takes_param_axes(axes_aware_chain([optax.clip(1.0), tx]))
+    True
+  """
+  transformations = tuple(transformations)
+  chained = optax.chain(*transformations)
+  if not any(map(takes_param_axes, transformations)):
+    return chained
+
+  def build(param_axes: Any) -> optax.GradientTransformation:
+    return optax.chain(
+      *(tx.with_param_axes(param_axes) if takes_param_axes(tx) else tx for tx in transformations)
+    )
+
+  return AxesAwareTransformation.of(chained, build)
 
 
 def inject_hyperparams(

@@ -59,6 +59,11 @@ L-BFGS history), non-floating leaves and scalars stay as they are;
 ``t5x-optim plan`` shows it. ``states=`` (a regular expression on the state
 path, e.g. ``'0/(mu|nu)/'``) restricts compression to matching leaves, and
 refuses, naming the path, a matching leaf the mode does not apply to.
+``param_modes=`` sets a mode per param, by a regular expression on its path
+or, as ``axis:<regex>``, by its logical axes (``axis:vocab``: embeddings and
+untied logits); those come from ``param_axes=`` or from T5X's
+``set_param_axes`` on the optimizer definition built on the transformation
+(`AxesAwareTransformation`).
 
 The state is `LowPrecisionState` (an int32 ``count`` and the compressed
 ``inner_state``); in a T5X state dict an 8-bit leaf is two keys,
@@ -84,7 +89,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -93,8 +98,11 @@ import optax
 from flax import struct
 from jax.sharding import PartitionSpec
 
+from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.engine import logical_axes_from
+from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._layouts.fused.analysis import (
@@ -157,6 +165,8 @@ _KEPT_NO_BLOCK4 = "float32: no even 4-bit block of 4 or more values tiles the la
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
+_BY_AXIS = "axis:"
+"""The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 
 
 @struct.dataclass
@@ -176,7 +186,8 @@ class LowPrecisionState:
     stochastic_rounding: static; bfloat16 leaves are rounded stochastically.
     seed: static; the seed of the stochastic-rounding bits.
     rules: static; for each leaf of the float32 inner state, the pattern of
-      ``param_modes`` that set its mode, or "" (``state_dtype`` did).
+      ``param_modes`` that set its mode (a path regex or ``axis:<regex>``), or
+      "" (``state_dtype`` did).
   """
 
   count: Any
@@ -312,6 +323,100 @@ def _not_applicable(leaf: Any, param: Any | None) -> str | None:
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _ParamRule:
+  """A ``(pattern, mode)`` pair of ``param_modes``.
+
+  A pattern ``axis:<regex>`` selects a param with a logical axis whose
+  whole name the regular expression matches; any other pattern is a
+  regular expression searched in the param's path.
+  """
+
+  pattern: str
+  mode: str
+
+  @property
+  def by_axis(self) -> bool:
+    """Whether the rule selects params by logical axis."""
+    return self.pattern.startswith(_BY_AXIS)
+
+  def matches(self, path: str, names: Sequence[str | None]) -> bool:
+    """Whether the param at ``path`` with logical axes ``names`` is selected."""
+    if self.by_axis:
+      axis = self.pattern[len(_BY_AXIS) :]
+      return any(name is not None and re.fullmatch(axis, name) for name in names)
+    return re.search(self.pattern, path) is not None
+
+
+def _param_rules(param_modes: Sequence[tuple[str, str]]) -> tuple[_ParamRule, ...]:
+  """``param_modes`` as rules, each mode and regular expression checked.
+
+  Raises:
+    ValueError: naming the pattern, for an unknown mode or an ``axis:``
+      pattern without an axis; `re.error` for a bad regular expression.
+  """
+  rules = tuple(_ParamRule(str(pattern), str(mode)) for pattern, mode in param_modes)
+  for rule in rules:
+    if rule.mode not in (_FLOAT32, *LOW_PRECISION_MODES):
+      raise ValueError(
+        f"low_precision: param_modes maps {rule.pattern!r} to {rule.mode!r}, not one of "
+        f"{(_FLOAT32, *LOW_PRECISION_MODES)}."
+      )
+    if rule.pattern == _BY_AXIS:
+      raise ValueError(
+        f"low_precision: the param_modes pattern {rule.pattern!r} names no logical axis "
+        f"(e.g. '{_BY_AXIS}vocab')."
+      )
+    re.compile(rule.pattern[len(_BY_AXIS) :] if rule.by_axis else rule.pattern)
+  return rules
+
+
+def _param_axis_names(
+  rules: Sequence[_ParamRule], specs: dict[str, Any] | None, params: Any
+) -> dict[str, tuple[str | None, ...]]:
+  """Each param's logical axis names by path, where a rule selects params by axis.
+
+  ``specs`` are the params' specs by path (`specs_by_path`), or None: not
+  given. Without a rule by axis there is nothing to look up: ``{}``.
+
+  Raises:
+    ValueError: naming the rules by axis when ``specs`` is None; naming
+      the params ``specs`` lacks; or, from `axis_names`, naming a param
+      whose spec's rank is not its shape's.
+  """
+  by_axis = [rule.pattern for rule in rules if rule.by_axis]
+  if not by_axis:
+    return {}
+  named = ", ".join(map(repr, by_axis))
+  if specs is None:
+    rules_select = "rule " + named + " selects" if len(by_axis) == 1 else f"rules {named} select"
+    raise ValueError(
+      f"low_precision: the param_modes {rules_select} params by logical axis, but the "
+      "params' logical axes are not given: pass param_axes= to low_precision, or give the "
+      "transformation itself to optimizers.chain or OptaxWrapper (optax.chain does not pass "
+      "the axes on), whose set_param_axes takes them (T5X's train state, TrainState.create "
+      "and partitioning.init_sharded call it)."
+    )
+  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  leaves = [
+    (_state_dict.key_path_str(path), leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(reference, is_leaf=_is_masked)[0]
+    if not _is_masked(leaf)
+  ]
+  missing = [path for path, _ in leaves if path not in specs]
+  if missing:
+    which = (
+      f"param {missing[0]!r} has"
+      if len(missing) == 1
+      else f"params {', '.join(map(repr, missing))} have"
+    )
+    raise ValueError(
+      f"low_precision: the {which} no logical axes (param_modes {named} select by axis); "
+      f"the axes cover {sorted(specs)}."
+    )
+  return {path: axis_names(path, specs[path], jnp.shape(leaf)) for path, leaf in leaves}
+
+
 def _plan_storage(
   mode: str,
   inner_state: Any,
@@ -320,15 +425,17 @@ def _plan_storage(
   min_size: int,
   states: str | None,
   block: Callable[[str, int], int | None],
-  param_modes: tuple[tuple[str, str], ...] = (),
+  param_modes: Sequence[_ParamRule] = (),
+  axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
   """(storage, param index, rule) of every inner leaf; refuses what ``states=`` selects wrongly.
 
-  A leaf's mode is that of the first of ``param_modes`` whose pattern its
-  param's path matches, else ``mode``; ``"float32"`` keeps it, saying which
-  pattern. In a quantized mode a leaf whose last dimension has no block
-  (``block(mode, last_dim)``, the mode's `leaf_block` with its arguments,
-  returns None) stays float32: the mode would cost it more bytes.
+  A leaf's mode is that of the first of ``param_modes`` that selects its
+  param (by its path, or by its logical axis names: ``axes``, by param
+  path), else ``mode``; ``"float32"`` keeps it, saying which pattern. In a
+  quantized mode a leaf whose last dimension has no block (``block(mode,
+  last_dim)``, the mode's `leaf_block` with its arguments, returns None)
+  stays float32: the mode would cost it more bytes.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -364,15 +471,17 @@ def _plan_storage(
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_KEPT_SMALL)
     else:
-      rule = next((r for r in param_modes if re.search(r[0], param_paths[j])), None)
-      leaf_mode = mode if rule is None else rule[1]
+      where_param = param_paths[j]
+      names = axes.get(where_param, ()) if axes else ()
+      rule = next((r for r in param_modes if r.matches(where_param, names)), None)
+      leaf_mode = mode if rule is None else rule.mode
       if leaf_mode == _FLOAT32:
-        storage.append(f"float32: param_modes {rule[0]!r}")
+        storage.append(f"float32: param_modes {rule.pattern!r}")
       elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)[-1]) is None:
         storage.append(_CODECS[leaf_mode].no_block)
       else:
         storage.append(leaf_mode)
-    rules.append("" if rule is None else rule[0])
+    rules.append("" if rule is None else rule.pattern)
   if pattern is not None and not matched:
     raise ValueError(
       f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
@@ -669,6 +778,7 @@ def low_precision(
   stream: bool = True,
   guard_nonfinite: bool = True,
   param_modes: Sequence[tuple[str, str]] = (),
+  param_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s param-shaped state in bfloat16, 8 or 4 bits between steps.
 
@@ -702,21 +812,37 @@ def low_precision(
       damages its block, for an optimizer that refuses such steps anyway
       (``optax.apply_if_finite(low_precision(...))``).
     param_modes: a per-param precision policy: ``(pattern, mode)`` pairs, a
-      regular expression on the param's path (e.g. ``encoder/layers_0/mlp/wi/kernel``)
-      and ``"float32"`` or a ``state_dtype``; the first pair whose pattern a
-      param's path matches sets the mode of its state leaves, and the others
-      take ``state_dtype`` (e.g. ``(("token_embedder|logits", "float32"),
-      ("mlp", "4bit"))`` with ``state_dtype="8bit"``). ``leaf_storage`` and
-      ``t5x-optim plan`` show each leaf's mode, and the pattern that kept a
-      leaf float32.
+      pattern and ``"float32"`` or a ``state_dtype``. A pattern is a regular
+      expression searched in the param's path (e.g.
+      ``encoder/layers_0/mlp/wi/kernel``), or ``axis:<regex>``, which
+      selects the params with a logical axis whose whole name the regular
+      expression matches (``axis:vocab``: the token embedding, ``('vocab',
+      'embed')``, and untied logits, ``('embed', 'vocab')``). The first pair
+      that selects a param sets the mode of its state leaves, and the others
+      take ``state_dtype`` (e.g. ``(("axis:vocab", "float32"), ("mlp",
+      "4bit"))`` with ``state_dtype="8bit"``). ``leaf_storage`` and
+      ``t5x-optim plan`` show each leaf's mode and the pattern that chose it.
+    param_axes: the params' logical axes, which ``axis:`` patterns read: a
+      tree of `PartitionSpec`s or name tuples (None: no axes), params boxed
+      by ``nn.with_logical_partitioning``, or a T5X ``params_axes``
+      collection. An optimizer definition built on the transformation
+      (`OptaxWrapper`, ``optimizers.chain``, ``optimizers.muon``'s
+      ``wrap_transformation``) gives them in T5X's ``set_param_axes``
+      instead, which T5X's train state, `TrainState.create` and
+      `partitioning.init_sharded` call. Unused without ``axis:`` patterns.
 
   Returns:
-    The wrapped transformation; its state is a `LowPrecisionState`.
+    The wrapped transformation; its state is a `LowPrecisionState`. With an
+    ``axis:`` pattern it is an `AxesAwareTransformation`, which
+    ``with_param_axes`` builds again for given axes.
 
   Raises:
     ValueError: for an unknown ``state_dtype`` or mode in ``param_modes``,
-      or a non-positive ``block_size``; at ``init``, when ``states`` selects a leaf the mode
-      does not apply to (naming its path) or no leaf.
+      an ``axis:`` pattern without an axis, or a non-positive
+      ``block_size``; at ``init``, when ``states`` selects a leaf the mode
+      does not apply to (naming its path) or no leaf, when an ``axis:``
+      pattern finds no axes given (naming each such pattern), or when the
+      axes lack a param or disagree with its rank (naming it).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -724,19 +850,23 @@ def low_precision(
     >>> state = tx.init({'w': jnp.zeros((4, 4))})
     >>> state.inner_state[0].nu['w'].dtype, state.storage
     (dtype(bfloat16), ('kept: not param-shaped', 'bfloat16', 'bfloat16'))
+
+    The token embedding's state kept in float32 by its logical axis:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> params = {'embedding': jnp.zeros((64, 8)), 'wi': jnp.zeros((8, 64))}
+    >>> tx = low_precision(optax.adam(1e-3), "4bit", min_size=0,
+    ...     param_modes=[('axis:vocab', 'float32')],
+    ...     param_axes={'embedding': P('vocab', 'embed'), 'wi': P('embed', 'mlp')})
+    >>> tx.init(params).storage
+    ('kept: not param-shaped', "float32: param_modes 'axis:vocab'", '4bit', "float32: param_modes 'axis:vocab'", '4bit')
   """
   if state_dtype not in LOW_PRECISION_MODES:
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
     )
-  param_modes = tuple((str(pattern), str(mode)) for pattern, mode in param_modes)
-  for pattern, mode in param_modes:
-    if mode not in (_FLOAT32, *LOW_PRECISION_MODES):
-      raise ValueError(
-        f"low_precision: param_modes maps {pattern!r} to {mode!r}, not one of "
-        f"{(_FLOAT32, *LOW_PRECISION_MODES)}."
-      )
-    re.compile(pattern)
+  rules = _param_rules(param_modes)
+  specs = None if param_axes is None else specs_by_path(logical_axes_from(param_axes))
   if (block_size is not None and block_size < 1) or shard_multiple < 1:
     raise ValueError(
       f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
@@ -748,18 +878,21 @@ def low_precision(
     size = codec.block_size if block_size is None else block_size
     return codec.leaf_block(last_dim, block_size=size, shard_multiple=shard_multiple)
 
+  given = inner
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
+    axes = _param_axis_names(rules, specs, params)
     inner_state = inner.init(params)
-    storage, param_index, rules = _plan_storage(
+    storage, param_index, chosen_by = _plan_storage(
       state_dtype,
       inner_state,
       params,
       min_size=min_size,
       states=states,
       block=block,
-      param_modes=param_modes,
+      param_modes=rules,
+      axes=axes,
     )
     state = LowPrecisionState(
       count=jnp.zeros([], jnp.int32),
@@ -768,7 +901,7 @@ def low_precision(
       param_index=param_index,
       stochastic_rounding=stochastic_rounding,
       seed=seed,
-      rules=rules,
+      rules=chosen_by,
     )
     # The inner init is mostly constants (zeros): encoding them under jit lets XLA
     # constant-fold the codec, which took 100 s for 32 leaves on CPU. Multiplying by a
@@ -797,7 +930,24 @@ def low_precision(
       inner_state=_compress(inner_state, state, count, block=block, guard=guard_nonfinite),
     )
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  tx = optax.GradientTransformationExtraArgs(init, update)
+  if not any(rule.by_axis for rule in rules):
+    return tx
+  settings = {
+    "state_dtype": state_dtype,
+    "stochastic_rounding": stochastic_rounding,
+    "block_size": block_size,
+    "shard_multiple": shard_multiple,
+    "min_size": min_size,
+    "states": states,
+    "seed": seed,
+    "stream": stream,
+    "guard_nonfinite": guard_nonfinite,
+    "param_modes": param_modes,
+  }
+  return AxesAwareTransformation.of(
+    tx, lambda axes: low_precision(given, **settings, param_axes=axes)
+  )
 
 
 def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
