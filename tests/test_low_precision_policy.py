@@ -388,3 +388,24 @@ def test_plan_names_the_axis_rule_that_chose_each_params_mode():
     "wo": {"bfloat16 (param_modes 'wo')"},
   }
   assert "float32: param_modes 'axis:embed'" in plan_lib.format_table(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_the_train_banner_names_each_choice_and_its_rule(tmp_path, capsys):
+  """`t5x-optim train` with adamw_4bit.gin and an axis rule: one line says which params
+  each choice holds (the vocab params named), before the first step."""
+  from t5x_optim.cli import main  # noqa: PLC0415
+
+  rule = "optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]"
+  args = ["--gin_file", "examples/tiny.gin", "--gin_file", "optimizers/adamw_4bit.gin"]
+  for binding in (rule, "optimizers.low_precision.min_size = 0", "TOTAL_STEPS = 1"):
+    args += ["--gin_bindings", binding]
+  assert main(["train", *args, "--model_dir", str(tmp_path / "run")]) == 0
+  out = capsys.readouterr().out
+  line = next(line for line in out.splitlines() if line.startswith("state precision:"))
+  assert line == (
+    "state precision: 4bit for 10 params; "
+    "float32: param_modes 'axis:vocab' for 2 params: logits, token_embedding"
+  )
+  assert out.index("state precision:") < out.index("step 1/1")

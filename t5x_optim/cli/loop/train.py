@@ -497,7 +497,40 @@ def describe_setup(
     f"optimizer state: {format_bytes(per_device)} per device "
     f"({format_bytes(total)} in all, ideal {format_bytes(total / mesh.size)} per device)",
     f"learning rate:   {_rate_source(setup, learning_rate)}",
+    *_state_precision(setup),
   ]
+
+
+def _state_precision(setup: Setup) -> list[str]:
+  """The params whose optimizer state each low-precision choice holds, and why.
+
+  Empty without a `low_precision` state; ``t5x-optim plan`` lists it leaf by leaf.
+  """
+  from t5x_optim.partitioning import build_plan  # noqa: PLC0415 - a plan only for this line
+
+  abstract = setup.abstract_state
+  plan = build_plan(abstract, logical=abstract.as_logical_axes())
+  choices: dict[str, set[str]] = {}
+  for row in plan.rows:
+    if row.storage and row.param is not None:
+      choices.setdefault(_choice(row.storage), set()).add(row.param)
+  if not choices:
+    return []
+  parts = []
+  for choice, params in sorted(choices.items(), key=lambda item: (-len(item[1]), item[0])):
+    named = f": {', '.join(sorted(params))}" if len(params) <= 3 else ""
+    parts.append(f"{choice} for {len(params)} param{'s' * (len(params) != 1)}{named}")
+  return [f"state precision: {'; '.join(parts)}"]
+
+
+def _choice(storage: str) -> str:
+  """A state leaf's mode and why, without the field of a quantized leaf.
+
+  Example:
+    >>> _choice("4bit codes (param_modes 'axis:mlp')"), _choice("float32: below min_size")
+    ("4bit (param_modes 'axis:mlp')", 'float32: below min_size')
+  """
+  return re.sub(r"^(\w+) (codes|scales|cols)\b", r"\1", storage)
 
 
 def _rate_source(setup: Setup, where: str | None) -> str:
