@@ -123,14 +123,37 @@ def test_bad_param_modes_are_refused(param_modes, match):
     low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes)
 
 
-def test_plan_shows_each_params_mode_and_why():
+@pytest.mark.parametrize(
+  "param_modes, expected",
+  [
+    (
+      (("wo", "float32"), ("bi", "8bit")),
+      {
+        "wi": {"4bit codes", "4bit scales", "4bit cols"},
+        "bi": {"8bit codes (param_modes 'bi')", "8bit scales (param_modes 'bi')"},
+        "wo": {"float32: param_modes 'wo'"},
+      },
+    ),
+    (
+      (("wo", "bfloat16"), ("axis:embed", "float32")),
+      {
+        "wi": {"float32: param_modes 'axis:embed'"},
+        "bi": {"4bit codes", "4bit scales"},
+        "wo": {"bfloat16 (param_modes 'wo')"},
+      },
+    ),
+  ],
+  ids=["by_path", "by_axis"],
+)
+def test_plan_shows_each_params_mode_and_the_rule_that_chose_it(param_modes, expected):
+  """T5X-style params_axes (param_with_axes), through abstract_train_state on a 2x4 mesh."""
   tx = low_precision(
     optax.adamw(1e-2),
     "4bit",
     block_size=4,
     shard_multiple=4,
     min_size=0,
-    param_modes=(("wo", "float32"), ("bi", "8bit")),
+    param_modes=param_modes,
   )
   partitioner = st._partitioner(2, 4, zero=True)
   state = abstract_train_state(partitioner, OptaxWrapper(tx), st.AxesMLP().init, *st._init_args())
@@ -139,12 +162,10 @@ def test_plan_shows_each_params_mode_and_why():
   for row in plan.rows:
     if row.param and row.group == "inner_state/0/nu":
       by_param.setdefault(row.param, set()).add(row.storage)
-  assert by_param == {
-    "wi": {"4bit codes", "4bit scales", "4bit cols"},
-    "bi": {"8bit codes (param_modes 'bi')", "8bit scales (param_modes 'bi')"},
-    "wo": {"float32: param_modes 'wo'"},
-  }
-  assert "float32: param_modes 'wo'" in plan_lib.format_table(plan)
+  assert by_param == expected
+  for storages in expected.values():
+    for storage in storages:
+      assert storage in plan_lib.format_table(plan)
 
 
 def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
@@ -365,47 +386,23 @@ def test_checkpoints_of_an_axis_policy_round_trip_bit_for_bit(tmp_path):
   _same((restored.params, restored.param_states), (state.params, state.param_states))
 
 
-def test_plan_names_the_axis_rule_that_chose_each_params_mode():
-  """T5X-style params_axes (param_with_axes), through abstract_train_state on a 2x4 mesh."""
-  tx = low_precision(
-    optax.adamw(1e-2),
-    "4bit",
-    block_size=4,
-    shard_multiple=4,
-    min_size=0,
-    param_modes=(("wo", "bfloat16"), ("axis:embed", "float32")),
-  )
-  partitioner = st._partitioner(2, 4, zero=True)
-  state = abstract_train_state(partitioner, OptaxWrapper(tx), st.AxesMLP().init, *st._init_args())
-  plan = plan_lib.build_plan(state, logical=state.as_logical_axes())
-  by_param = {}
-  for row in plan.rows:
-    if row.param and row.group == "inner_state/0/nu":
-      by_param.setdefault(row.param, set()).add(row.storage)
-  assert by_param == {
-    "wi": {"float32: param_modes 'axis:embed'"},
-    "bi": {"4bit codes", "4bit scales"},
-    "wo": {"bfloat16 (param_modes 'wo')"},
-  }
-  assert "float32: param_modes 'axis:embed'" in plan_lib.format_table(plan)
-
-
-@pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
-def test_the_train_banner_names_each_choice_and_its_rule(tmp_path, capsys):
-  """`t5x-optim train` with adamw_4bit.gin and an axis rule: one line says which params
-  each choice holds (the vocab params named), before the first step."""
-  from t5x_optim.cli import main  # noqa: PLC0415
+def test_the_train_banner_names_each_choice_and_its_rule():
+  """`t5x-optim train`'s description of its job, with adamw_4bit.gin and an axis rule: one
+  line says which params each choice holds (the vocab params named)."""
+  from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
+  from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
-  rule = "optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]"
-  args = ["--gin_file", "examples/tiny.gin", "--gin_file", "optimizers/adamw_4bit.gin"]
-  for binding in (rule, "optimizers.low_precision.min_size = 0", "TOTAL_STEPS = 1"):
-    args += ["--gin_bindings", binding]
-  assert main(["train", *args, "--model_dir", str(tmp_path / "run")]) == 0
-  out = capsys.readouterr().out
-  line = next(line for line in out.splitlines() if line.startswith("state precision:"))
-  assert line == (
+  _config.parse_config(
+    gin_files=["examples/tiny.gin", "optimizers/adamw_4bit.gin"],
+    gin_bindings=[
+      "optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]",
+      "optimizers.low_precision.min_size = 0",
+    ],
+    macros=_config.device_macros(8),
+  )
+  about = _train.describe_setup(_train.prepare(_config.build_job()), devices="", optimizer="")
+  assert about[-1] == (
     "state precision: 4bit for 10 params; "
     "float32: param_modes 'axis:vocab' for 2 params: logits, token_embedding"
   )
-  assert out.index("state precision:") < out.index("step 1/1")
