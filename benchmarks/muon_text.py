@@ -10,21 +10,25 @@ model of ``low_precision.py``) with one optimizer gin file:
 
 Both share the same schedule (warmup over 10% of the steps, cosine decay), so
 the learning rate is the schedule's peak (``peak_value``). First a sweep: one
-seed (the first of ``--seeds``) per peak in ``--lrs``; each optimizer's best
-final eval loss picks its learning rate, and its best run is the first seed's.
-Then every other seed at that rate. A
-seed's runs are interleaved in rounds of ``--eval_every`` steps, so machine
-load falls on both alike; each step is timed (``block_until_ready``), and the
-eval loss is recorded against the step and against the training seconds so
-far (evaluation not counted).
+seed (the first of ``--seeds``) per peak in ``--lrs`` for every optimizer
+without a ``--peak NAME=LR``; each optimizer's best final eval loss picks its
+learning rate, and its best run is the first seed's. Then every other seed at
+that rate. The runs trained together (the whole sweep; then each seed's) are
+interleaved in rounds of ``--eval_every`` steps, so machine load falls on all
+of them alike; each step is timed (``block_until_ready``), and the eval loss
+is recorded at each round's end.
 
 The table gives per optimizer: the tuned peak, the final eval loss at equal
-steps (mean and spread over seeds), the eval loss at equal wall time (the
-shorter of the two mean training times; each curve interpolated linearly in
-seconds), and the median step time. ``--png`` writes both curves.
+steps (mean and spread over seeds), the median step time, and the eval loss
+at equal wall time. A run's training time at step ``s`` is ``s`` times its
+median step time, which a passing load on a shared machine does not move (a
+sum of the measured step times does); the equal time is the shorter of the
+optimizers' mean training times, where each curve is interpolated linearly.
+``--png`` writes the curves against steps and against that time.
 
 Run: ``python benchmarks/muon_text.py [--larger] [--steps 2000] [--seeds 0 1 2]
-[--lrs 3e-3 1e-2 3e-2] [--eval_every 100] [--png PATH] [--data PATH]``.
+[--lrs 3e-3 1e-2 3e-2] [--peak adamw=0.01 ...] [--eval_every 100] [--png PATH]
+[--data PATH]``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
+  parser.add_argument(
+    "--peak",
+    nargs="+",
+    default=[],
+    metavar="NAME=LR",
+    help="an optimizer's peak learning rate, instead of sweeping --lrs for it",
+  )
   parser.add_argument("--eval_every", type=int, default=100)
   parser.add_argument("--larger", action="store_true", help="low_precision.py's larger model")
   parser.add_argument("--png", default=None, help="write the eval-loss curves here")
@@ -74,31 +85,40 @@ class _Run:
     self.setup = _train.prepare(_config.build_job())
     self.state = self.setup.create(*self.setup.init_args)
     self.step = 0
-    self.seconds = 0.0
     self.times: list[float] = []
-    self.curve: list[tuple[int, float, float]] = []
+    self.curve: list[tuple[int, float]] = []
 
   def train(self, steps: int) -> None:
     from low_precision import timed_steps  # noqa: PLC0415
 
     self.state, self.step, times = timed_steps(self.setup, self.state, self.step, steps)
     self.times += times
-    self.seconds += sum(times)
 
   def evaluate(self) -> float:
     from t5x_optim.cli.loop import train as _train  # noqa: PLC0415
 
     loss = _train._evaluate(self.setup, self.state)["loss"]
-    self.curve.append((self.step, self.seconds, loss))
+    self.curve.append((self.step, loss))
     return loss
 
   @property
+  def step_seconds(self) -> float:
+    """The median step time (the first, compiling step is not timed)."""
+    return statistics.median(self.times)
+
+  @property
+  def seconds(self) -> float:
+    """The training time of all steps at the median step time."""
+    return self.step * self.step_seconds
+
+  @property
   def final(self) -> float:
-    return self.curve[-1][2]
+    return self.curve[-1][1]
 
   def loss_at(self, seconds: float) -> float:
     """The eval loss at `seconds` of training, interpolated linearly between evals."""
-    for (_, s0, l0), (_, s1, l1) in zip(self.curve, self.curve[1:], strict=False):
+    at = [(step * self.step_seconds, loss) for step, loss in self.curve]
+    for (s0, l0), (s1, l1) in zip(at, at[1:], strict=False):
       if s0 <= seconds <= s1:
         return l0 + (l1 - l0) * (seconds - s0) / (s1 - s0) if s1 > s0 else l1
     return self.final
@@ -118,15 +138,24 @@ def main() -> None:
   import jax  # noqa: PLC0415
 
   started = time.perf_counter()
+  given = {name: float(lr) for name, lr in (peak.split("=") for peak in args.peak)}
+  unknown = set(given) - set(RUNS)
+  if unknown:
+    raise SystemExit(f"--peak: no optimizer {sorted(unknown)}; they are {sorted(RUNS)}")
+  print(f"sweep: seed {args.seeds[0]}, {args.steps} steps, peak learning rates {args.lrs}")
+  sweep = [
+    _Run(name, lr, args.seeds[0], args)
+    for name in RUNS
+    for lr in ([given[name]] if name in given else args.lrs)
+  ]
+  _train_together(sweep, args)
   best: dict[str, float] = {}
   runs_of_first_seed: list[_Run] = []
-  print(f"sweep: seed {args.seeds[0]}, {args.steps} steps, peak learning rates {args.lrs}")
   for name in RUNS:
-    sweep = [_Run(name, lr, args.seeds[0], args) for lr in args.lrs]
-    _train_together(sweep, args)
-    for run in sweep:
+    tried = [run for run in sweep if run.name == name]
+    for run in tried:
       print(f"  {name:<6} peak {run.lr:<8g} eval loss {run.final:.4f}", flush=True)
-    finite = [run for run in sweep if math.isfinite(run.final)]
+    finite = [run for run in tried if math.isfinite(run.final)]
     best_run = min(finite, key=lambda run: run.final)
     best[name] = best_run.lr
     runs_of_first_seed.append(best_run)
@@ -155,7 +184,7 @@ def main() -> None:
   for name, seeds in runs.items():
     finals = [r.final for r in seeds]
     at_time = statistics.mean(r.loss_at(budget) for r in seeds)
-    ms = statistics.median(t for r in seeds for t in r.times) * 1e3
+    ms = statistics.mean(r.step_seconds for r in seeds) * 1e3
     steps_at_time = statistics.mean(args.steps * min(1.0, budget / r.seconds) for r in seeds)
     print(
       f"{name:<7}{best[name]:>9g}{statistics.mean(finals):>14.4f}{max(finals) - min(finals):>9.4f}"
@@ -177,13 +206,13 @@ def _plot(runs: dict[str, list[_Run]], best: dict[str, float], args, model: str)
   for name, seeds in runs.items():
     n = len(seeds[0].curve)
     steps = [seeds[0].curve[i][0] for i in range(n)]
-    seconds = [statistics.mean(r.curve[i][1] for r in seeds) for i in range(n)]
-    mean = [statistics.mean(r.curve[i][2] for r in seeds) for i in range(n)]
+    seconds = [statistics.mean(step * r.step_seconds for r in seeds) for step in steps]
+    mean = [statistics.mean(r.curve[i][1] for r in seeds) for i in range(n)]
     label = f"{name}, peak {best[name]:g} (mean of {len(seeds)} seeds)"
     axes[0].plot(steps[1:], mean[1:], label=label)
     axes[1].plot(seconds[1:], mean[1:], label=label)
   axes[0].set_xlabel("step")
-  axes[1].set_xlabel("training seconds (evaluation not counted)")
+  axes[1].set_xlabel("training seconds (steps x median step time)")
   axes[0].set_ylabel("eval loss")
   axes[0].set_yscale("log")
   for ax in axes:
