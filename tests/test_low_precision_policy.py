@@ -168,14 +168,18 @@ def test_plan_shows_each_params_mode_and_the_rule_that_chose_it(param_modes, exp
       assert storage in plan_lib.format_table(plan)
 
 
-def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
-  """adamw_4bit.gin with a param_modes binding: the rule reaches each param's state."""
+def _shipped_4bit_with(param_modes: str):
+  """The optimizer of adamw_4bit.gin, every leaf eligible, with a param_modes binding."""
   test_gin_files._parse_alone(test_gin_files.GIN_DIR / "optimizers" / "adamw_4bit.gin")
   gin.parse_config(
-    "optimizers.low_precision.min_size = 0\n"
-    "optimizers.low_precision.param_modes = [('embed', 'float32'), ('attn', '8bit')]"
+    f"optimizers.low_precision.min_size = 0\noptimizers.low_precision.param_modes = {param_modes}"
   )
-  opt_def = test_gin_files._build("OPTIMIZER")
+  return test_gin_files._build("OPTIMIZER")
+
+
+def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
+  """adamw_4bit.gin with a param_modes binding: the rule reaches each param's state."""
+  opt_def = _shipped_4bit_with("[('embed', 'float32'), ('attn', '8bit')]")
   step = jax.jit(lambda optimizer, grads: optimizer.apply_gradient(grads))
   optimizer = step(opt_def.create(_params()), _params(seed=1))
   storage = leaf_storage(optimizer.state.param_states)
@@ -297,12 +301,7 @@ def test_a_flax_models_axes_reach_the_rule_through_the_train_state():
 
 
 def test_gin_binds_an_axis_rule_onto_the_shipped_4bit_file(clean_gin):
-  test_gin_files._parse_alone(test_gin_files.GIN_DIR / "optimizers" / "adamw_4bit.gin")
-  gin.parse_config(
-    "optimizers.low_precision.min_size = 0\n"
-    "optimizers.low_precision.param_modes = [('axis:vocab', 'float32')]"
-  )
-  opt_def = test_gin_files._build("OPTIMIZER")
+  opt_def = _shipped_4bit_with("[('axis:vocab', 'float32')]")
   state = TrainState.create(opt_def, {"params": _boxed(_params(shapes=AXIS_SHAPES))})
   assert _modes(state.param_states) == VOCAB_FLOAT32
 
