@@ -50,7 +50,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from t5x_optim import TrainState, storage
+from t5x_optim import LowPrecisionState, TrainState, storage
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop.config import TrainJob
@@ -509,6 +509,12 @@ def _state_precision(setup: Setup) -> list[str]:
   from t5x_optim.partitioning import build_plan  # noqa: PLC0415 - a plan only for this line
 
   abstract = setup.abstract_state
+
+  def is_low(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  if not any(map(is_low, jax.tree.leaves(abstract.param_states, is_leaf=is_low))):
+    return []
   plan = build_plan(abstract, logical=abstract.as_logical_axes())
   choices: dict[str, set[str]] = {}
   for row in plan.rows:
