@@ -293,6 +293,16 @@ def to_numpy(tree: Any) -> Any:
   return jax.tree.map(convert, tree)
 
 
+def assert_same_bits(a: Any, b: Any) -> None:
+  """Same structure, and every leaf equal bit for bit with the same dtype; a failure names
+  the leaf's path."""
+  a, b = to_numpy(a), to_numpy(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
 def tree_equal(a: Any, b: Any) -> bool:
   """Same structure, and every leaf equal bit for bit with the same dtype."""
   if jax.tree.structure(a) != jax.tree.structure(b):

@@ -11,7 +11,14 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
+from optimizer_table import (
+  TABLE,
+  assert_same_bits,
+  grads_and_extras,
+  initial_params,
+  make_params,
+  to_numpy,
+)
 
 from t5x_optim import (
   LowPrecisionState,
@@ -147,14 +154,6 @@ def ref_expand(compressed, storage):
       leaf = np.asarray(leaf, np.float32)
     out.append(jnp.asarray(leaf))
   return treedef.unflatten(out)
-
-
-def _same(a, b) -> None:
-  a, b = to_numpy(a), to_numpy(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    assert x.dtype == y.dtype, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
 def test_quantize_matches_reference_bit_for_bit():
@@ -357,8 +356,8 @@ def test_table_matches_reference_bit_for_bit(case, mode):
   params = initial_params(case)
   got_params, got_state = _wrapped_run(_low(case.make(), mode), params, jit=False)
   want_params, want_inner = _reference_run(case.make, mode, params, jit=False)
-  _same(got_params, want_params)
-  _same(got_state.inner_state, want_inner)
+  assert_same_bits(got_params, want_params)
+  assert_same_bits(got_state.inner_state, want_inner)
   assert int(got_state.count) == STEPS
   _check_compressed_where_param_shaped(case, got_state, params, mode)
 
@@ -389,8 +388,8 @@ def test_jitted_update_matches_reference_bit_for_bit(name, mode, stochastic):
   want_params, want_inner = _reference_run(
     make, mode, params, jit=True, stochastic=stochastic, seed=3
   )
-  _same(got_params, want_params)
-  _same(got_state.inner_state, want_inner)
+  assert_same_bits(got_params, want_params)
+  assert_same_bits(got_state.inner_state, want_inner)
 
 
 def _check_compressed_where_param_shaped(case, state, params, mode):
@@ -516,7 +515,7 @@ def test_state_dict_keys_and_validated_restore():
     "inner_state/0/nu/dense/kernel/scales",
   ]
   restored = opt_def.create(params).restore_state(optimizer.state_dict())
-  _same(restored.state, optimizer.state)
+  assert_same_bits(restored.state, optimizer.state)
   float32 = OptaxWrapper(optax.adamw(1e-2)).create(params).state_dict()
   float32["state"]["param_states"] = {"count": 0, "inner_state": float32["state"]["param_states"]}
   with pytest.raises(ValueError, match=r"inner_state/0/mu/dense/kernel"):
@@ -542,7 +541,7 @@ def test_restore_into_a_float32_optimizer_and_back(mode):
     optimizer_def=full, state=optimizer.state.replace(param_states=expanded)
   )
   restored = full.create(params).restore_state(as_float32.state_dict())
-  _same(restored.state.param_states, expanded)
+  assert_same_bits(restored.state.param_states, expanded)
   restored = restored.apply_gradient(grads)
   back = float32_to_low_precision(restored.state.param_states, optimizer.state.param_states)
   assert isinstance(back, LowPrecisionState) and int(back.count) == 1
@@ -590,5 +589,5 @@ def test_t5x_checkpoint_round_trip(tmp_path, mode):
   optimizer = jax.jit(lambda o, g: o.apply_gradient(g))(opt_def.create(params), grads)
   save_t5x_checkpoint(tmp_path, optimizer)
   restored = restore_t5x_checkpoint(tmp_path, opt_def.create(params))
-  _same(restored.state, optimizer.state)
-  _same(restored.target, optimizer.target)
+  assert_same_bits(restored.state, optimizer.state)
+  assert_same_bits(restored.target, optimizer.target)

@@ -14,6 +14,7 @@ import pytest
 import test_low_precision_sharded as lps
 import test_sharded_training as st
 from jax.sharding import PartitionSpec as P
+from optimizer_table import assert_same_bits
 
 from t5x_optim import (
   OptaxWrapper,
@@ -34,6 +35,7 @@ from t5x_optim._low_precision.quantize4 import (
   leaf_block4,
   quantize4,
   signed_map4,
+  unpacked_shape,
   uses_rank1,
 )
 from t5x_optim._training import plan as plan_lib
@@ -220,13 +222,10 @@ def test_a_non_finite_gradient_element_damages_only_its_own_param():
 
 def _bytes_per_value(leaf) -> float:
   leaves = jax.tree.leaves(leaf)
-  return sum(x.nbytes for x in leaves) / math.prod(unpacked_or_shape(leaf))
-
-
-def unpacked_or_shape(leaf):
-  if isinstance(leaf, (Quantized4Leaf, Rank1Quantized4Leaf)):
-    return (*leaf.codes.shape[:-1], 2 * leaf.codes.shape[-1])
-  return leaf.shape
+  quantized = isinstance(leaf, (Quantized4Leaf, Rank1Quantized4Leaf))
+  return sum(x.nbytes for x in leaves) / math.prod(
+    unpacked_shape(leaf) if quantized else leaf.shape
+  )
 
 
 _ODD = "float32: no even 4-bit block of 4 or more values tiles the last dimension"
@@ -460,21 +459,13 @@ def _trained_optimizer():
   return params, opt_def, opt_def.create(params).apply_gradient(grads)
 
 
-def _same(a, b):
-  flat_a, flat_b = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert len(flat_a) == len(flat_b) and jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(flat_a, flat_b, strict=True):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.slow
 def test_t5x_checkpoint_round_trip_bit_for_bit(tmp_path):
   params, opt_def, optimizer = _trained_optimizer()
   save_t5x_checkpoint(tmp_path, optimizer)
   restored = restore_t5x_checkpoint(tmp_path, opt_def.create(params))
-  _same(restored.state, optimizer.state)
-  _same(restored.target, optimizer.target)
+  assert_same_bits(restored.state, optimizer.state)
+  assert_same_bits(restored.target, optimizer.target)
 
 
 @pytest.mark.slow
@@ -485,7 +476,9 @@ def test_state_dict_keys_and_validated_restore():
   assert sorted(mu["dense"]["kernel"]) == ["codes", "cols", "scales"]
   assert sorted(mu["bias"]) == ["codes", "scales"]
   assert mu["dense"]["kernel"]["codes"].shape == (64, 128)
-  _same(opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state)
+  assert_same_bits(
+    opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state
+  )
   bad = optimizer.state_dict()
   del bad["state"]["param_states"]["inner_state"]["0"]["nu"]["dense"]["kernel"]["cols"]
   with pytest.raises(ValueError, match=r"inner_state/0/nu/dense/kernel"):
@@ -502,7 +495,7 @@ def test_float32_round_trip_and_logical_axes():
   expanded = low_precision_to_float32(optimizer.state.param_states)
   assert expanded[0].nu["dense"]["kernel"].dtype == jnp.float32
   back = float32_to_low_precision(expanded, optimizer.state.param_states)
-  _same(back.inner_state[0].nu, optimizer.state.param_states.inner_state[0].nu)
+  assert_same_bits(back.inner_state[0].nu, optimizer.state.param_states.inner_state[0].nu)
   again = low_precision_to_float32(back)
   for a, b in zip(jax.tree.leaves(again[0].mu), jax.tree.leaves(expanded[0].mu), strict=True):
     assert np.max(np.abs(a - b)) <= SIGNED_HALF_GAP * np.max(np.abs(b))

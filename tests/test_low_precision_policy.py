@@ -17,6 +17,7 @@ import pytest
 import test_gin_files
 import test_sharded_training as st
 from jax.sharding import PartitionSpec as P
+from optimizer_table import assert_same_bits
 
 from t5x_optim import (
   OptaxWrapper,
@@ -351,20 +352,15 @@ def _trained_vocab_optimizer():
   return params, opt_def, opt_def.create(params).apply_gradient(_params(1, AXIS_SHAPES))
 
 
-def _same(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.slow
 def test_state_dict_of_an_axis_policy_restores_bit_for_bit():
   params, opt_def, optimizer = _trained_vocab_optimizer()
   nu = optimizer.state_dict()["state"]["param_states"]["inner_state"]["0"]["nu"]
   assert nu["logits"].dtype == np.float32 and nu["token_embedding"].shape == (48, 32)
   assert sorted(nu["mlp"]["wi"]) == ["codes", "cols", "scales"]
-  _same(opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state)
+  assert_same_bits(
+    opt_def.create(params).restore_state(optimizer.state_dict()).state, optimizer.state
+  )
 
 
 @pytest.mark.slow
@@ -373,7 +369,7 @@ def test_checkpoints_of_an_axis_policy_round_trip_bit_for_bit(tmp_path):
   params, opt_def, optimizer = _trained_vocab_optimizer()
   save_t5x_checkpoint(tmp_path / "t5x", optimizer)
   restored = restore_t5x_checkpoint(tmp_path / "t5x", opt_def.create(params))
-  _same(restored.state, optimizer.state)
+  assert_same_bits(restored.state, optimizer.state)
   variables = {"params": _boxed(params)}
   state = TrainState.create(optimizers.chain([_vocab_tx()]), variables)
   state = state.apply_gradient(_params(1, AXIS_SHAPES))
@@ -382,7 +378,7 @@ def test_checkpoints_of_an_axis_policy_round_trip_bit_for_bit(tmp_path):
   with Checkpointer(tmp_path / "ours") as ckpt:
     restored = ckpt.restore(TrainState.create(optimizers.chain([_vocab_tx()]), variables))
   assert _modes(restored.param_states) == VOCAB_FLOAT32
-  _same((restored.params, restored.param_states), (state.params, state.param_states))
+  assert_same_bits((restored.params, restored.param_states), (state.params, state.param_states))
 
 
 @pytest.mark.usefixtures("clean_gin")
