@@ -239,6 +239,23 @@ def _vocab_tx(**kwargs):
   return low_precision(optax.adamw(1e-2), "4bit", min_size=0, param_modes=VOCAB, **kwargs)
 
 
+def test_the_axes_rebuild_keeps_every_other_setting():
+  """set_param_axes's rebuild (`with_param_axes`) equals the transformation given the same
+  axes up front, settings that are not defaults included: block, shard multiple, seed."""
+  settings = dict(block_size=8, shard_multiple=2, seed=3, stochastic_rounding=False)
+  params = _params(shapes=AXIS_SHAPES)
+  rebuilt = _vocab_tx(**settings).with_param_axes(AXES).init(params)
+  given = _vocab_tx(**settings, param_axes=AXES).init(params)
+  assert (rebuilt.storage, rebuilt.seed, rebuilt.stochastic_rounding) == (
+    given.storage,
+    given.seed,
+    given.stochastic_rounding,
+  )
+  assert rebuilt.seed == 3 and not rebuilt.stochastic_rounding
+  assert rebuilt.inner_state[0].mu["mlp"]["wi"].scales.shape == (32, 8)
+  assert_same_bits(rebuilt, given)
+
+
 def test_an_axis_rule_keeps_every_vocab_param_in_float32_and_says_why():
   """A ('vocab', 'embed') embedding and an ('embed', 'vocab') logits kernel, given by
   param_axes=; the ('embed', 'mlp') kernels take state_dtype."""

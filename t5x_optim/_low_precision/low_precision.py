@@ -340,12 +340,16 @@ class _ParamRule:
     """Whether the rule selects params by logical axis."""
     return self.pattern.startswith(_BY_AXIS)
 
+  @property
+  def regex(self) -> str:
+    """The regular expression: on an axis name (``axis:`` rules), else on the path."""
+    return self.pattern.removeprefix(_BY_AXIS) if self.by_axis else self.pattern
+
   def matches(self, path: str, names: Sequence[str | None]) -> bool:
     """Whether the param at ``path`` with logical axes ``names`` is selected."""
     if self.by_axis:
-      axis = self.pattern[len(_BY_AXIS) :]
-      return any(name is not None and re.fullmatch(axis, name) for name in names)
-    return re.search(self.pattern, path) is not None
+      return any(name is not None and re.fullmatch(self.regex, name) for name in names)
+    return re.search(self.regex, path) is not None
 
 
 def _param_rules(param_modes: Sequence[tuple[str, str]]) -> tuple[_ParamRule, ...]:
@@ -367,7 +371,7 @@ def _param_rules(param_modes: Sequence[tuple[str, str]]) -> tuple[_ParamRule, ..
         f"low_precision: the param_modes pattern {rule.pattern!r} names no logical axis "
         f"(e.g. '{_BY_AXIS}vocab')."
       )
-    re.compile(rule.pattern[len(_BY_AXIS) :] if rule.by_axis else rule.pattern)
+    re.compile(rule.regex)
   return rules
 
 
@@ -861,6 +865,8 @@ def low_precision(
     >>> tx.init(params).storage
     ('kept: not param-shaped', "float32: param_modes 'axis:vocab'", '4bit', "float32: param_modes 'axis:vocab'", '4bit')
   """
+  # Every argument as given, before any other local exists: an axis rule rebuilds with them.
+  arguments = dict(locals())
   if state_dtype not in LOW_PRECISION_MODES:
     raise ValueError(
       f"low_precision: state_dtype must be one of {LOW_PRECISION_MODES}, got {state_dtype!r}."
@@ -878,7 +884,6 @@ def low_precision(
     size = codec.block_size if block_size is None else block_size
     return codec.leaf_block(last_dim, block_size=size, shard_multiple=shard_multiple)
 
-  given = inner
   inner = optax.with_extra_args_support(inner)
 
   def init(params: Any) -> LowPrecisionState:
@@ -933,20 +938,8 @@ def low_precision(
   tx = optax.GradientTransformationExtraArgs(init, update)
   if not any(rule.by_axis for rule in rules):
     return tx
-  settings = {
-    "state_dtype": state_dtype,
-    "stochastic_rounding": stochastic_rounding,
-    "block_size": block_size,
-    "shard_multiple": shard_multiple,
-    "min_size": min_size,
-    "states": states,
-    "seed": seed,
-    "stream": stream,
-    "guard_nonfinite": guard_nonfinite,
-    "param_modes": param_modes,
-  }
   return AxesAwareTransformation.of(
-    tx, lambda axes: low_precision(given, **settings, param_axes=axes)
+    tx, lambda axes: low_precision(**{**arguments, "param_axes": axes})
   )
 
 
