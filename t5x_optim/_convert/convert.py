@@ -196,8 +196,7 @@ def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
       raise ValueError(
         f"The {side} state's leaf '{where}' is {quantized_mode(leaf)[0]}-bit (uint8 codes and "
         "scales) outside a LowPrecisionState: convert_state decodes and encodes quantized "
-        "leaves only inside "
-        "low_precision's state; convert it to float32 first."
+        "leaves only inside low_precision's state; convert it to float32 first."
       )
 
 

@@ -1092,9 +1092,10 @@ def _state_rule(
 ) -> LowPrecisionState:
   """Codes get their param's spec; scales too, on their block dimension.
 
-  A 4-bit leaf's column maxima get the spec of its param's last dimension. Param-shaped leaves kept in float32 (or in
-  bfloat16) get their param's spec as well: once a sibling is quantized,
-  their subtree no longer mirrors the params.
+  A 4-bit leaf's column maxima get the spec of its param's last dimension.
+  Param-shaped leaves kept in float32 (or in bfloat16) get their param's
+  spec as well: once a sibling is quantized, their subtree no longer
+  mirrors the params.
   """
   param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
