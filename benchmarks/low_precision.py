@@ -31,16 +31,20 @@ param and per device (against the ideal, every byte once over the mesh) on a
 2x4 mesh with ZeRO, from the abstract state as ``t5x-optim plan`` computes
 them; ``--bytes_only`` prints that table alone, also for a T5-base-sized
 model (about 110M params). ``--png`` writes the eval-loss
-curves (matplotlib, imported only then).
+curves (matplotlib, imported only then). ``--json PATH`` writes each run's
+results; ``--merge PATH...`` prints the table and plot of several such files
+without training (e.g. one process per seed, on one accelerator).
 
 Run: ``python benchmarks/low_precision.py [--steps 2000] [--seeds 0 1 2]
 [--eval_every 100] [--num_devices 1] [--larger] [--png PATH] [--bytes_only]
-[--data PATH | --synthetic]``.
+[--data PATH | --synthetic] [--json PATH]``; ``python benchmarks/low_precision.py
+--merge A.json B.json [--png PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -92,6 +96,13 @@ def _parse() -> argparse.Namespace:
     "--num_devices", type=int, default=1, help="simulated CPU devices (ignored on an accelerator)"
   )
   parser.add_argument("--png", default=None, help="write the eval-loss curves here")
+  parser.add_argument("--json", default=None, help="write each run's results here")
+  parser.add_argument(
+    "--merge",
+    nargs="+",
+    default=None,
+    help="no training: the table and plot of the runs in these --json files (e.g. one per seed)",
+  )
   parser.add_argument("--data", default="hamlet.txt", help="text file or directory")
   parser.add_argument("--synthetic", action="store_true", help="the synthetic task instead")
   parser.add_argument(
@@ -185,6 +196,7 @@ class _Run:
     )
     self.setup = _train.prepare(_config.build_job())
     self.state = self.setup.create(*self.setup.init_args)
+    self.seed = seed
     self.step = 0
     self.times: list[float] = []
     self.curve: list[tuple[int, float]] = []
@@ -235,18 +247,14 @@ def _print_bytes(names: list[str], model: list[str], extra: list[str], title: st
     )
 
 
-def main() -> None:
-  args = _parse()
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(args.num_devices, 8)}"
-  import jax  # noqa: PLC0415
+def _record(run: _Run) -> dict:
+  """What the table and the plot read of a finished run."""
+  keys = ("seed", "curve", "times", "params", "total", "per_device", "compressed")
+  return {k: getattr(run, k) for k in keys} | {"values": run.compressed_values}
 
-  model = LARGER if args.larger else []
-  if args.bytes_only:
-    _print_bytes(args.runs, model, args.binding, "larger" if args.larger else "default model")
-    _print_bytes(args.runs, T5_BASE, args.binding, "T5-base-sized model")
-    return
-  runs: dict[str, list[_Run]] = {name: [] for name in args.runs}
-  started = time.perf_counter()
+
+def _train_all(args: argparse.Namespace) -> dict[str, list[dict]]:
+  runs: dict[str, list[dict]] = {name: [] for name in args.runs}
   for seed in args.seeds:
     seed_runs = {name: _Run(name, seed, args) for name in args.runs}
     for run in seed_runs.values():
@@ -256,60 +264,108 @@ def main() -> None:
         run.train(min(args.eval_every, args.steps - run.step))
         run.evaluate()
     for name, run in seed_runs.items():
-      runs[name].append(run)
+      runs[name].append(_record(run))
       print(f"seed {seed} {name:<13} eval loss {run.curve[-1][1]:.4f}", flush=True)
+  return runs
 
-  base = runs["float32"] if "float32" in runs else None
-  first = next(iter(runs.values()))[0]
-  platform = jax.devices()[0].platform
-  print(
-    f"\n{'larger' if args.larger else 'default'} model ({first.params:,} params), {_data(args)}, "
-    f"{args.steps} steps, seeds {args.seeds}, {args.num_devices} {platform} device(s); "
-    f"{time.perf_counter() - started:.0f} s in all"
-  )
+
+def _merged(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
+  """The runs of several --json files, each name's seeds together, and the first file's
+  description."""
+  runs: dict[str, list[dict]] = {}
+  about = None
+  for path in paths:
+    with open(path) as f:
+      saved = json.load(f)
+    about = about or saved["about"]
+    for name, records in saved["runs"].items():
+      runs.setdefault(name, []).extend(records)
+  ordered = [name for name in RUNS if name in runs]
+  return {name: sorted(runs[name], key=lambda x: x["seed"]) for name in ordered}, about
+
+
+def _print_table(runs: dict[str, list[dict]]) -> None:
   header = (
     f"{'run':<14}{'eval loss':>10}{'spread':>9}{'vs f32':>8}{'B/param':>9}{'B/moment':>10}"
     f"{'B/device':>10}{'ms/step':>9}{'speed vs f32':>14}"
   )
   print(header)
-  base_loss = statistics.mean(r.curve[-1][1] for r in base) if base else math.nan
-  base_ms = statistics.median(t for r in base for t in r.times) * 1e3 if base else math.nan
+  base = runs.get("float32")
+  base_loss = statistics.mean(r["curve"][-1][1] for r in base) if base else math.nan
+  base_ms = statistics.median(t for r in base for t in r["times"]) * 1e3 if base else math.nan
   for name, seeds in runs.items():
-    losses = [r.curve[-1][1] for r in seeds]
+    losses = [r["curve"][-1][1] for r in seeds]
     loss = statistics.mean(losses)
-    spread = max(losses) - min(losses)
     run = seeds[0]
-    per_moment = run.compressed / run.compressed_values if run.compressed_values else 4.0
-    ms = statistics.median(t for r in seeds for t in r.times) * 1e3
+    per_moment = run["compressed"] / run["values"] if run["values"] else 4.0
+    ms = statistics.median(t for r in seeds for t in r["times"]) * 1e3
     print(
-      f"{name:<14}{loss:>10.4f}{spread:>9.4f}{loss / base_loss:>8.4f}"
-      f"{run.total / run.params:>9.3f}{per_moment:>10.3f}{run.per_device:>10,}"
+      f"{name:<14}{loss:>10.4f}{max(losses) - min(losses):>9.4f}{loss / base_loss:>8.4f}"
+      f"{run['total'] / run['params']:>9.3f}{per_moment:>10.3f}{run['per_device']:>10,}"
       f"{ms:>9.2f}{base_ms / ms:>14.3f}"
     )
+
+
+def _plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, seeds in runs.items():
+    steps = [s for s, _ in seeds[0]["curve"]]
+    mean = [statistics.mean(r["curve"][i][1] for r in seeds) for i in range(len(steps))]
+    ax.plot(steps[1:], mean[1:], label=f"{name} (mean of {len(seeds)} seeds)")
+  ax.set_xlabel("step")
+  ax.set_ylabel("eval loss")
+  ax.set_yscale("log")
+  ax.set_title(f"adamw state: float32 vs bfloat16 vs 8-bit vs 4-bit\n{title}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  print(f"curves: {path}")
+
+
+def main() -> None:
+  args = _parse()
+  if args.merge:
+    runs, about = _merged(args.merge)
+    print(about["line"])
+    _print_table(runs)
+    if args.png:
+      _plot(runs, args.png, about["title"])
+    return
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(args.num_devices, 8)}"
+  import jax  # noqa: PLC0415
+
+  model = LARGER if args.larger else []
+  if args.bytes_only:
+    _print_bytes(args.runs, model, args.binding, "larger" if args.larger else "default model")
+    _print_bytes(args.runs, T5_BASE, args.binding, "T5-base-sized model")
+    return
+  started = time.perf_counter()
+  runs = _train_all(args)
+  first = next(iter(runs.values()))[0]
+  platform = jax.devices()[0].platform
+  about = {
+    "line": (
+      f"{'larger' if args.larger else 'default'} model ({first['params']:,} params), "
+      f"{_data(args)}, {args.steps} steps, {args.num_devices} {platform} device(s)"
+    ),
+    "title": f"{'larger model' if args.larger else 'default model'}, {_data(args)}",
+  }
+  print(f"\n{about['line']}, seeds {args.seeds}; {time.perf_counter() - started:.0f} s in all")
+  _print_table(runs)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"about": about, "runs": runs}, f)
   if jax.device_count() >= 8:
     _print_bytes(args.runs, [*model, *_task_bindings(args)], args.binding, "the same model")
   else:
     print(f"\n(the 2x4 mesh table needs 8 devices, {jax.device_count()} here: --bytes_only on CPU)")
   if args.png:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, seeds in runs.items():
-      steps = [s for s, _ in seeds[0].curve]
-      mean = [statistics.mean(r.curve[i][1] for r in seeds) for i in range(len(steps))]
-      ax.plot(steps[1:], mean[1:], label=f"{name} (mean of {len(seeds)} seeds)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("eval loss")
-    ax.set_yscale("log")
-    model_name = "larger model" if args.larger else "default model"
-    ax.set_title(f"adamw state: float32 vs bfloat16 vs 8-bit\n{model_name}, {_data(args)}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.png, dpi=100)
-    print(f"curves: {args.png}")
+    _plot(runs, args.png, about["title"])
 
 
 if __name__ == "__main__":

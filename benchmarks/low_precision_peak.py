@@ -5,7 +5,9 @@ rest. For each mode this prints XLA's own memory analysis of the compiled
 step (``jax.jit(step, donate_argnums=0).lower(...).compile()
 .memory_analysis()``; abstract shapes, nothing is allocated), in bytes per
 param: the optimizer state at rest, the step's temporaries, and its peak
-(arguments + outputs + temporaries - aliased), with the compile time, for
+(arguments + outputs + temporaries - aliased), with the compile time
+(``lower`` and ``compile``, after a first compile that absorbs the backend's
+start-up), for
 
 * (a) the optimizer step jitted alone (``Optimizer.apply_gradient`` with
   the optimizer donated and the gradients an argument: gradient
@@ -155,6 +157,8 @@ def main() -> None:
   parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
   args = parser.parse_args()
   print(f"{jax.devices()[0].platform}; B/p = bytes per param")
+  # The backend's start-up (on a GPU, tens of seconds) falls on the first compile: not a mode's.
+  jax.jit(lambda x: x + 1).lower(jnp.zeros(8)).compile()
   if "a" in args.parts:
     rows = {m: optimizer_step(MODES[m]) for m in args.modes}
     n = next(iter(rows.values()))["n"]

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optimizer_table import assert_same_bits
 
 import t5x_optim
-from t5x_optim import OptaxWrapper, low_precision_to_float32, partitioning
+from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32, partitioning
 
 STORAGES = ("float32", "bfloat16", "8bit", "4bit")
 STEPS = 3
@@ -139,6 +140,26 @@ def test_eight_bit_adam_into_eight_bit_adam_with_another_b2_moves_the_params_as_
 
 
 @pytest.mark.slow
+def test_four_bit_blocks_of_one_row_convert_into_blocks_of_several():
+  """A 4-bit state whose blocks lie in one row (``block_size=32``) converts into the default
+  blocks of 4 rows x 32 columns: decoded on read, encoded on write, as float32 does."""
+  params = {"w": jnp.asarray(RNG.normal(size=(64, 256)), jnp.float32)}
+  rows = low_precision(optax.adam(1e-3), "4bit", min_size=0, block_size=32)
+  state = rows.update(params, rows.init(params), params)[1]
+  assert state.inner_state[0].mu["w"].scales.shape == (64, 8)
+  source = OptaxWrapper(rows).create(params)
+  source = source.replace(state=t5x_optim.OptimizerState(jnp.int32(1), state))
+  target = OptaxWrapper(low_precision(optax.adam(1e-3), "4bit", min_size=0))
+  new, report = t5x_optim.convert_state(source, target)
+  got = new.state.param_states
+  assert got.inner_state[0].mu["w"].scales.shape == (16, 8)
+  reference, _ = t5x_optim.convert_state(_as_float32(source), OptaxWrapper(optax.adam(1e-3)))
+  float32 = reference.state.param_states
+  assert_same_bits(got, t5x_optim.float32_to_low_precision(float32, got))
+  _assert_leaves(low_precision_to_float32(got), float32, CODEC_ERROR["4bit"], "")
+  assert all(": 1 params, from " in line for line in report.converted), report
+
+
 def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
   source = _trained("8bit")
   inner = source.state.param_states.inner_state  # 8-bit leaves without their wrapper

@@ -35,7 +35,7 @@ from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import abstract_train_state
 
 RULES = (("embed", "float32"), ("mlp", "4bit"), ("bias$", "bfloat16"))
-SHAPES = {"embed": (64, 256), "mlp": {"wi": (64, 256)}, "attn": (64, 256), "bias": (256,)}
+SHAPES = {"embed": (64, 256), "mlp": {"wi": (128, 256)}, "attn": (64, 256), "bias": (256,)}
 MODES = {"embed": "float32", "mlp": "4bit", "attn": "8bit", "bias": "bfloat16"}
 
 

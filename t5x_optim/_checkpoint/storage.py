@@ -120,8 +120,15 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
     StorageError: an unsupported scheme, or its package is not installed.
 
   Example:
-    >>> str(as_path('gs://bkt/run') / 'checkpoints')
-    'gs://bkt/run/checkpoints'
+    >>> as_path('/tmp/run') / 'checkpoints'
+    PosixPath('/tmp/run/checkpoints')
+    >>> as_path('ftp://host/run')
+    Traceback (most recent call last):
+    ...
+    t5x_optim._checkpoint.storage.StorageError: ftp://host/run: the scheme ftp:// is not supported (local paths, gs://, s3://).
+
+    With gcsfs installed, ``str(as_path('gs://bkt/run') / 'checkpoints')``
+    is ``'gs://bkt/run/checkpoints'``.
   """
   text = os.fspath(path)
   scheme = scheme_of(text)

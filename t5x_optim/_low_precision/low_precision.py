@@ -41,7 +41,9 @@ float32 state rather than the whole tree's.
   second moment beside a large one does not become 0 and turn adam's
   update into ``mu / eps``.
 * ``"4bit"``: two codes per byte, after Li et al. (2023): blocks of up to
-  ``block_size`` (128) along the last dimension, even (`leaf_block4`); a
+  ``block_size`` (128) values, an even run of the last dimension
+  (`leaf_block4`) and, where that run is short, rows of the dimension
+  before it (`leaf_block4_shape`); a
   block with a negative value uses a signed dynamic-exponent map, one
   without a linear map where only 0 decodes as 0, scaled in a matrix by
   ``min(block max, column max)`` (rank-1 normalization, the row's maximum
@@ -130,8 +132,10 @@ from t5x_optim._low_precision.quantize4 import (
   Rank1Quantized4Leaf,
   dequantize4,
   leaf_block4,
+  leaf_block4_shape,
   quantize4,
   quantize4_stats,
+  stored_block,
   unpacked_shape,
   uses_rank1,
 )
@@ -219,8 +223,9 @@ class _Codec:
   Attributes:
     leaf_types: the stored leaf classes (NamedTuples of arrays; their fields
       are the leaf's state-dict keys).
-    leaf_block: ``(last_dim, block_size, shard_multiple)`` to a leaf's
+    leaf_block: ``(shape, block_size, shard_multiple)`` to a leaf's
       block, or None: the leaf stays float32 (``no_block`` says why).
+    stored_block: a stored leaf's block, from its arrays' shapes.
     block_size: the default largest block.
     no_block: the storage of a leaf without a block.
     stats: ``(x, block, guard)`` to the block statistics of a new state
@@ -231,7 +236,8 @@ class _Codec:
   """
 
   leaf_types: tuple[type, ...]
-  leaf_block: Callable[..., int | None]
+  leaf_block: Callable[..., Any]
+  stored_block: Callable[[Any], Any]
   block_size: int
   no_block: str
   stats: Callable[[jax.Array, int, bool], Any]
@@ -254,7 +260,8 @@ def _encode4(x: jax.Array, block: int, guard: bool, stats: Any, flat: bool) -> A
 _CODECS: dict[str, _Codec] = {
   _8BIT: _Codec(
     leaf_types=(QuantizedLeaf,),
-    leaf_block=leaf_block,
+    leaf_block=lambda shape, **kwargs: leaf_block(shape[-1], **kwargs),
+    stored_block=lambda stored: jnp.shape(stored.codes)[-1] // jnp.shape(stored.scales)[-1],
     block_size=256,
     no_block=_KEPT_NO_BLOCK,
     stats=lambda x, block, guard: quantize_stats(x, block, guard_nonfinite=guard),
@@ -266,7 +273,8 @@ _CODECS: dict[str, _Codec] = {
   ),
   _4BIT: _Codec(
     leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
-    leaf_block=leaf_block4,
+    leaf_block=leaf_block4_shape,
+    stored_block=stored_block,
     block_size=128,
     no_block=_KEPT_NO_BLOCK4,
     stats=_stats4,
@@ -428,7 +436,7 @@ def _plan_storage(
   *,
   min_size: int,
   states: str | None,
-  block: Callable[[str, int], int | None],
+  block: Callable[[str, tuple[int, ...]], Any],
   param_modes: Sequence[_ParamRule] = (),
   axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
@@ -437,9 +445,9 @@ def _plan_storage(
   A leaf's mode is that of the first of ``param_modes`` that selects its
   param (by its path, or by its logical axis names: ``axes``, by param
   path), else ``mode``; ``"float32"`` keeps it, saying which pattern. In a
-  quantized mode a leaf whose last dimension has no block (``block(mode,
-  last_dim)``, the mode's `leaf_block` with its arguments, returns None)
-  stays float32: the mode would cost it more bytes.
+  quantized mode a leaf without a block (``block(mode, shape)``, the mode's
+  `leaf_block` with its arguments, returns None) stays float32: the mode
+  would cost it more bytes.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -481,7 +489,7 @@ def _plan_storage(
       leaf_mode = mode if rule is None else rule.mode
       if leaf_mode == _FLOAT32:
         storage.append(f"float32: param_modes {rule.pattern!r}")
-      elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)[-1]) is None:
+      elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)) is None:
         storage.append(_CODECS[leaf_mode].no_block)
       else:
         storage.append(leaf_mode)
@@ -515,13 +523,13 @@ def _encode(
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
-  to nearest); ``block`` maps the mode and last dimension to a block;
+  to nearest); ``block`` maps the mode and the leaf's shape to a block;
   ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
   ``stats`` and ``flat``.
   """
   if kind in _CODECS:
     x = jnp.asarray(x, jnp.float32)
-    return _CODECS[kind].encode(x, block(kind, x.shape[-1]), guard, stats, flat)
+    return _CODECS[kind].encode(x, block(kind, x.shape), guard, stats, flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
@@ -532,7 +540,7 @@ def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
   if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return _CODECS[kind].stats(x, block(kind, x.shape[-1]), guard)
+  return _CODECS[kind].stats(x, block(kind, x.shape), guard)
 
 
 def _rounded(state: LowPrecisionState, leaf: int) -> bool:
@@ -879,10 +887,10 @@ def low_precision(
       f"and {shard_multiple}."
     )
 
-  def block(mode: str, last_dim: int) -> int | None:
+  def block(mode: str, shape: tuple[int, ...]) -> Any:
     codec = _CODECS[mode]
     size = codec.block_size if block_size is None else block_size
-    return codec.leaf_block(last_dim, block_size=size, shard_multiple=shard_multiple)
+    return codec.leaf_block(tuple(shape), block_size=size, shard_multiple=shard_multiple)
 
   inner = optax.with_extra_args_support(inner)
 
@@ -1061,22 +1069,23 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
       jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
     ):
       if kind in _CODECS:
-        last_dim = _CODECS[kind].shape(leaf)[-1]
-        blocks[kind, last_dim] = last_dim // leaf.scales.shape[-1]
+        blocks[kind, _CODECS[kind].shape(leaf)] = _CODECS[kind].stored_block(leaf)
 
-    def block(kind: str, last_dim: int, blocks: dict = blocks) -> int | None:
-      return blocks.get((kind, last_dim))
+    def block(kind: str, shape: tuple[int, ...], blocks: dict = blocks) -> Any:
+      return blocks.get((kind, tuple(shape)))
 
     out.append(node.replace(inner_state=_compress(value, node, node.count, block=block)))
   return outer.unflatten(out)
 
 
 def _scales_spec(spec: Any, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> Any:
-  """The codes' spec for the scales; the last axis is dropped when there is one block."""
+  """The codes' spec for the scales; an axis is dropped where one block spans it."""
   if spec is None or spec is specs_lib.UNDERIVED:
     return spec
-  if scales_shape[-1] == 1 and codes_shape[-1] != 1:
-    return specs_lib.canonical(PartitionSpec(*spec[:-1], None), len(scales_shape))
+  one_block = [s == 1 and c != 1 for s, c in zip(scales_shape, codes_shape, strict=True)]
+  if len(spec) == len(one_block) and any(one_block):
+    axes = [None if single else axis for axis, single in zip(spec, one_block, strict=True)]
+    return specs_lib.canonical(PartitionSpec(*axes), len(scales_shape))
   return spec
 
 

@@ -2,10 +2,13 @@
 
 After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
 
-* Blocks of up to 128 consecutive elements along the last dimension
-  (`leaf_block4`: even, tiling it so that the blocks shard with the param);
-  each block's scale is its largest finite magnitude, stored negated when
-  the block holds a negative value.
+* Blocks of up to 128 elements: consecutive along the last dimension
+  (`leaf_block4`: even, tiling it so that the blocks shard with the param),
+  and where that run is short (a last dimension whose shards force small
+  blocks, such as a vocabulary of 32128 over 8 devices: 16), over several
+  rows of the dimension before it (`leaf_block4_shape`: ``(rows, cols)``,
+  tiling that dimension's shards too); each block's scale is its largest
+  finite magnitude, stored negated when the block holds a negative value.
 * A block with a negative value (a first moment) uses the signed
   dynamic-exponent map (`signed_map4`: bitsandbytes' dynamic map with 3
   decades in 4 bits, 0 and 1 included, -1 not: a block's largest magnitude,
@@ -18,9 +21,9 @@ After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
   block's worth of rows, so that its column maxima take no more bytes than
   its block scales (`Rank1Quantized4Leaf`), the scale of element ``(i, j)``
   is ``min(block_max, col_max[j])``: rank-1 normalization's ``min(row_max[i],
-  col_max[j])`` with the row's maximum narrowed to its block's (a block lies
-  in one row, so its maximum is at most the row's, and a row maximum adds
-  nothing); elsewhere (`Quantized4Leaf`) the block's.
+  col_max[j])`` with the row's maximum narrowed to its block's (a block's
+  maximum is at most its elements' columns' and rows', so a row maximum
+  adds nothing); elsewhere (`Quantized4Leaf`) the block's.
 * Codes are packed two per byte along the last dimension (element ``2t`` in
   the low nibble of byte ``t``, ``2t + 1`` in the high one), inside a
   block: the codes have the param's shape with the last dimension halved
@@ -58,6 +61,7 @@ __all__ = [
   "Rank1Quantized4Leaf",
   "dequantize4",
   "leaf_block4",
+  "leaf_block4_shape",
   "quantize4",
   "quantize4_stats",
   "signed_map4",
@@ -74,8 +78,10 @@ class Quantized4Leaf(NamedTuple):
   Attributes:
     codes: ``uint8``, ``(*shape[:-1], shape[-1] // 2)``: two 4-bit codes per
       byte, consecutive elements of the last dimension.
-    scales: float32, ``(*shape[:-1], shape[-1] // block)``: each block's
-      largest finite magnitude, negated when the block uses the signed map.
+    scales: float32, ``(*shape[:-2], shape[-2] // rows, shape[-1] // cols)``
+      for blocks of ``(rows, cols)`` (one row: ``(*shape[:-1], shape[-1] //
+      cols)``): each block's largest finite magnitude, negated when the
+      block uses the signed map.
   """
 
   codes: Any
@@ -151,10 +157,73 @@ def leaf_block4(last_dim: int, block_size: int = 128, shard_multiple: int = 8) -
   return None
 
 
-def uses_rank1(shape: tuple[int, ...], block: int) -> bool:
-  """Whether a leaf of ``shape`` stores column maxima: a matrix with at least ``block``
-  rows, whose column maxima take no more bytes than its block scales."""
-  return len(shape) >= 2 and math.prod(shape[:-1]) >= block
+def leaf_block4_shape(
+  shape: tuple[int, ...], block_size: int = 128, shard_multiple: int = 8
+) -> tuple[int, int] | None:
+  """The ``(rows, cols)`` block of a 4-bit leaf of ``shape``, or None: keep it float32.
+
+  ``cols`` is `leaf_block4` of the last dimension. When it is shorter than
+  ``block_size``, a block also spans ``rows`` rows of the dimension before
+  it: the most with ``rows * cols <= block_size`` that divide that
+  dimension's length over ``gcd(length, shard_multiple)``, so each of its
+  shards holds whole blocks as well. A vocabulary of 32128 columns over 8
+  devices has blocks of 16 columns: over 768 rows they take 8, 128 values
+  in all, and their scales cost 1/32 byte per value instead of 1/4.
+
+  Example:
+    >>> leaf_block4_shape((768, 32128)), leaf_block4_shape((768, 3072))
+    ((8, 16), (1, 128))
+    >>> leaf_block4_shape((12, 64)), leaf_block4_shape((3, 16)), leaf_block4_shape((7,))
+    ((3, 8), (3, 16), None)
+  """
+  cols = leaf_block4(shape[-1], block_size, shard_multiple)
+  if cols is None:
+    return None
+  if len(shape) < 2:
+    return 1, cols
+  rest = shape[-2] // math.gcd(shape[-2], shard_multiple)
+  return max(r for r in range(1, block_size // cols + 1) if rest % r == 0), cols
+
+
+def block_shape(block: int | tuple[int, int]) -> tuple[int, int]:
+  """``(rows, cols)`` of a block given as either; an int is a block of one row."""
+  return (1, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
+
+
+def uses_rank1(shape: tuple[int, ...], block: int | tuple[int, int]) -> bool:
+  """Whether a leaf of ``shape`` stores column maxima: a matrix with at least a block's
+  values in rows, whose column maxima take no more bytes than its block scales."""
+  rows, cols = block_shape(block)
+  return len(shape) >= 2 and math.prod(shape[:-1]) >= rows * cols
+
+
+def _blocks(x: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, tuple[int, ...]]:
+  """``x`` split into blocks, and the axes that run within a block."""
+  rows, cols = block
+  if rows == 1:
+    return blocks_of(x, cols), (x.ndim,)
+  shape = (*x.shape[:-2], x.shape[-2] // rows, rows, x.shape[-1] // cols, cols)
+  return x.reshape(shape), (x.ndim - 1, x.ndim + 1)
+
+
+def _spread(per_block: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """A value per block repeated over its block's elements, in the leaf's shape."""
+  rows, cols = block
+  wide = spread_blocks(per_block, cols)
+  if rows == 1:
+    return wide
+  shape = wide.shape
+  repeated = jax.lax.broadcast_in_dim(
+    wide, (*shape[:-1], rows, shape[-1]), (*range(len(shape) - 1), len(shape))
+  )
+  return repeated.reshape(*shape[:-2], shape[-2] * rows, shape[-1])
+
+
+def stored_block(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, int]:
+  """The ``(rows, cols)`` block of a stored 4-bit leaf, from its shapes."""
+  shape, scales = unpacked_shape(leaf), tuple(jnp.shape(leaf.scales))
+  rows = shape[-2] // scales[-2] if len(shape) >= 2 else 1
+  return rows, shape[-1] // scales[-1]
 
 
 def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...]:
@@ -164,7 +233,7 @@ def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...
 
 
 def quantize4_stats(
-  x: jax.Array, block: int, *, rank1: bool, guard_nonfinite: bool = True
+  x: jax.Array, block: int | tuple[int, int], *, rank1: bool, guard_nonfinite: bool = True
 ) -> tuple[jax.Array, ...]:
   """The statistics of `quantize4`: ``(scales,)``, or ``(scales, cols)`` with ``rank1``.
 
@@ -181,11 +250,13 @@ def quantize4_stats(
     finite = magnitude < jnp.uint32(INF_BITS)
     magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
     negative = negative & finite
+  block = block_shape(block)
+  by_block, within = _blocks(magnitude, block)
   largest, signed = jax.lax.reduce(
-    (blocks_of(magnitude, block), blocks_of(negative.astype(jnp.uint32), block)),
+    (by_block, _blocks(negative.astype(jnp.uint32), block)[0]),
     (jnp.uint32(0), jnp.uint32(0)),
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1])),
-    (x.ndim,),
+    within,
   )
   scales = jax.lax.bitcast_convert_type(largest | (signed << 31), jnp.float32)
   if not rank1:
@@ -214,12 +285,12 @@ def _signed_values(code: jax.Array) -> jax.Array:
 
 
 def _element_scales(
-  stats: tuple[jax.Array, ...], block: int
+  stats: tuple[jax.Array, ...], block: tuple[int, int]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each element's (signed flag, signed-map scale, unsigned-map scale)."""
   scales = stats[0]
-  signed = spread_blocks(scales < 0, block)
-  absmax = spread_blocks(jnp.abs(scales), block)
+  signed = _spread(scales < 0, block)
+  absmax = _spread(jnp.abs(scales), block)
   if len(stats) == 1:
     return signed, absmax, absmax
   return signed, absmax, jnp.minimum(absmax, stats[1])
@@ -239,7 +310,7 @@ def _unpack(packed: jax.Array) -> jax.Array:
 
 def quantize4(
   x: jax.Array,
-  block: int,
+  block: int | tuple[int, int],
   *,
   rank1: bool,
   guard_nonfinite: bool = True,
@@ -248,8 +319,10 @@ def quantize4(
   """4-bit quantization of a float32 array (see the module docstring).
 
   Args:
-    x: the values; the last dimension a multiple of the even ``block``.
-    block: the block along the last dimension (`leaf_block4`).
+    x: the values; the last dimension a multiple of the block's even ``cols``
+      and, for a block of several rows, the one before a multiple of ``rows``.
+    block: ``cols``, a block along the last dimension (`leaf_block4`), or
+      ``(rows, cols)`` (`leaf_block4_shape`).
     rank1: store column maxima (`Rank1Quantized4Leaf`); for a leaf of 2
       or more dimensions (`uses_rank1` says when it pays).
     guard_nonfinite: an inf or NaN damages only its own element; False: it
@@ -265,13 +338,13 @@ def quantize4(
     >>> [[round(float(v), 4) for v in row] for row in back]
     [[2.0, 0.1333, 2.0, 0.0], [-0.8875, 0.4375, 0.0, 0.2125]]
   """
-  return _quantize4(x, block, rank1, guard_nonfinite, stats)
+  return _quantize4(x, block_shape(block), rank1, guard_nonfinite, stats)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _quantize4(
   x: jax.Array,
-  block: int,
+  block: tuple[int, int],
   rank1: bool,
   guard_nonfinite: bool,
   stats: tuple[jax.Array, ...] | None,
@@ -311,9 +384,8 @@ def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
 def _dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
   """`dequantize4`, one program per shape (as `_quantize4`)."""
   codes = _unpack(leaf.codes)
-  block = codes.shape[-1] // leaf.scales.shape[-1]
   stats = tuple(jnp.asarray(s) for s in leaf[1:])
-  signed, signed_scale, unsigned_scale = _element_scales(stats, block)
+  signed, signed_scale, unsigned_scale = _element_scales(stats, stored_block(leaf))
   signed_value = _signed_values(codes) * signed_scale
   level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
   tiny = np.finfo(np.float32).tiny
