@@ -160,6 +160,7 @@ def test_four_bit_blocks_of_one_row_convert_into_blocks_of_several():
   assert all(": 1 params, from " in line for line in report.converted), report
 
 
+@pytest.mark.slow
 def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
   source = _trained("8bit")
   inner = source.state.param_states.inner_state  # 8-bit leaves without their wrapper

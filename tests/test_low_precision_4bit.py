@@ -185,7 +185,9 @@ def test_no_positive_value_decodes_to_zero(rank1):
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("negatives", [True, False], ids=["signed", "unsigned"])
 @pytest.mark.parametrize("rank1", [False, True], ids=["block-wise", "rank-1"])
-@pytest.mark.parametrize("block", [16, (4, 16)], ids=["1x16", "4x16"])
+@pytest.mark.parametrize(
+  "block", [16, pytest.param((4, 16), marks=pytest.mark.slow)], ids=["1x16", "4x16"]
+)
 def test_a_non_finite_value_damages_only_its_own_element(bad, negatives, rank1, block):
   """Every other element encodes as with 0 in its place; every value decodes finite."""
   rng = np.random.default_rng(0)

@@ -808,7 +808,8 @@ def low_precision(
       and `leaf_block4`); None: the mode's own, 256 (8-bit) or 128 (4-bit).
     shard_multiple: 8-bit and 4-bit modes: each leaf's block count is a multiple of
       ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
-      dimension wherever the codes do over up to that many devices.
+      dimension wherever the codes do over up to that many devices; a 4-bit
+      block of several rows tiles the dimension before it likewise.
     min_size: leaves with fewer elements stay as they are.
     states: a regular expression; only inner leaves whose state path (e.g.
       ``0/mu/dense/kernel``) it matches are compressed, and each must be a
