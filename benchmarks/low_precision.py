@@ -270,14 +270,19 @@ def _train_all(args: argparse.Namespace) -> dict[str, list[dict]]:
 
 
 def _merged(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
-  """The runs of several --json files, each name's seeds together, and the first file's
-  description."""
+  """The runs of several --json files, each name's seeds together, and their description;
+  files that describe another model, task, step count or platform are refused."""
   runs: dict[str, list[dict]] = {}
   about = None
   for path in paths:
     with open(path) as f:
       saved = json.load(f)
     about = about or saved["about"]
+    if saved["about"] != about:
+      raise SystemExit(
+        f"--merge: {path} has runs of '{saved['about']['line']}', the first file of "
+        f"'{about['line']}'."
+      )
     for name, records in saved["runs"].items():
       runs.setdefault(name, []).extend(records)
   ordered = [name for name in RUNS if name in runs]

@@ -125,6 +125,7 @@ from t5x_optim._low_precision.quantize import (
   quantize_stats,
   rounding_bits,
   rounding_key,
+  stored_block,
   to_bfloat16,
 )
 from t5x_optim._low_precision.quantize4 import (
@@ -135,7 +136,7 @@ from t5x_optim._low_precision.quantize4 import (
   leaf_block4_shape,
   quantize4,
   quantize4_stats,
-  stored_block,
+  stored_block4,
   unpacked_shape,
   uses_rank1,
 )
@@ -261,7 +262,7 @@ _CODECS: dict[str, _Codec] = {
   _8BIT: _Codec(
     leaf_types=(QuantizedLeaf,),
     leaf_block=lambda shape, **kwargs: leaf_block(shape[-1], **kwargs),
-    stored_block=lambda stored: jnp.shape(stored.codes)[-1] // jnp.shape(stored.scales)[-1],
+    stored_block=stored_block,
     block_size=256,
     no_block=_KEPT_NO_BLOCK,
     stats=lambda x, block, guard: quantize_stats(x, block, guard_nonfinite=guard),
@@ -274,7 +275,7 @@ _CODECS: dict[str, _Codec] = {
   _4BIT: _Codec(
     leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
     leaf_block=leaf_block4_shape,
-    stored_block=stored_block,
+    stored_block=stored_block4,
     block_size=128,
     no_block=_KEPT_NO_BLOCK4,
     stats=_stats4,

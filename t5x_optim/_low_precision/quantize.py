@@ -39,6 +39,7 @@ __all__ = [
   "quantize_stats",
   "rounding_bits",
   "rounding_key",
+  "stored_block",
   "to_bfloat16",
 ]
 
@@ -378,6 +379,11 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
   return ops.where(signed & lax.lt(codes, middle), -value, value)
 
 
+def stored_block(leaf: QuantizedLeaf) -> int:
+  """The block of a stored 8-bit leaf, from its arrays' shapes."""
+  return jnp.shape(leaf.codes)[-1] // jnp.shape(leaf.scales)[-1]
+
+
 def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:
   """The float32 values of an 8-bit leaf; ``flat`` as in `quantize` (the same values)."""
   return _dequantize(leaf, flat)
@@ -386,7 +392,7 @@ def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize(leaf: QuantizedLeaf, flat: bool) -> jax.Array:
   """`dequantize`, one program per shape (as `_quantize`)."""
-  block = leaf.codes.shape[-1] // leaf.scales.shape[-1]
+  block = stored_block(leaf)
   codes = jnp.asarray(leaf.codes).astype(jnp.int32)
   if flat:
     values = _decode(codes, spread_blocks(leaf.scales < 0, block))

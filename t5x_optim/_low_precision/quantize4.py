@@ -65,6 +65,7 @@ __all__ = [
   "quantize4",
   "quantize4_stats",
   "signed_map4",
+  "stored_block4",
   "unpacked_shape",
 ]
 
@@ -219,7 +220,7 @@ def _spread(per_block: jax.Array, block: tuple[int, int]) -> jax.Array:
   return repeated.reshape(*shape[:-2], shape[-2] * rows, shape[-1])
 
 
-def stored_block(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, int]:
+def stored_block4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, int]:
   """The ``(rows, cols)`` block of a stored 4-bit leaf, from its shapes."""
   shape, scales = unpacked_shape(leaf), tuple(jnp.shape(leaf.scales))
   rows = shape[-2] // scales[-2] if len(shape) >= 2 else 1
@@ -385,7 +386,7 @@ def _dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
   """`dequantize4`, one program per shape (as `_quantize4`)."""
   codes = _unpack(leaf.codes)
   stats = tuple(jnp.asarray(s) for s in leaf[1:])
-  signed, signed_scale, unsigned_scale = _element_scales(stats, stored_block(leaf))
+  signed, signed_scale, unsigned_scale = _element_scales(stats, stored_block4(leaf))
   signed_value = _signed_values(codes) * signed_scale
   level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
   tiny = np.finfo(np.float32).tiny
