@@ -32,8 +32,11 @@ from t5x_optim import (
 from t5x_optim._low_precision.low_precision import leaf_storage
 from t5x_optim._low_precision.quantize4 import (
   dequantize4,
+  dequantize4_lane,
   leaf_block4,
   quantize4,
+  quantize4_lanes,
+  quantize4_stats,
   signed_map4,
   unpacked_shape,
   uses_rank1,
@@ -565,3 +568,25 @@ def test_a_4bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
   bare = bare.replace(state=OptimizerState(jnp.int32(1), inner))
   with pytest.raises(ValueError, match=r"source state's leaf '0/mu/bias' is 4-bit"):
     convert_state(bare, OptaxWrapper(optax.lion(1e-3)))
+
+
+@pytest.mark.parametrize("shape, block", [((16, 64), (1, 16)), ((12, 16), (4, 8)), ((48,), (1, 8))])
+def test_the_lanes_codec_is_the_interleaved_one(shape, block):
+  """`quantize4_lanes` of the even and odd columns stores what `quantize4` does, and
+  `dequantize4_lane` reads back those columns of `dequantize4`, bit for bit."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=shape) * np.exp(rng.normal(size=shape) * 3), jnp.float32)
+  x = x.at[(0,) * len(shape)].set(jnp.inf)
+  for values in (x, jnp.abs(x)):
+    rank1 = len(shape) >= 2
+    whole = quantize4(values, block, rank1=rank1)
+    stats = quantize4_stats(values, block, rank1=rank1)
+    lanes = quantize4_lanes((values[..., 0::2], values[..., 1::2]), block, stats)
+    assert type(lanes) is type(whole)
+    for got, want in zip(lanes, whole, strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    decoded = np.asarray(dequantize4(whole))
+    for lane in (0, 1):
+      np.testing.assert_array_equal(
+        np.asarray(dequantize4_lane(whole, lane)), decoded[..., lane::2]
+      )

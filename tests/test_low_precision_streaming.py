@@ -20,7 +20,7 @@ import pytest
 from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
 
 from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
-from t5x_optim._low_precision.low_precision import _stream_plan
+from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
 
 MODES = ["8bit", "bfloat16"]
 STEPS = 3
@@ -241,6 +241,58 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   assert math.isclose(
     streamed.argument_size_in_bytes, whole.argument_size_in_bytes, rel_tol=0, abs_tol=0
   )
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_a_large_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf(mode):
+  """A vocabulary-sized leaf: the step's temporaries stay under 0.3 bytes per value.
+
+  The update is computed beside the caller's ``apply_updates`` (no float32
+  update is held), the block statistics a chunk of rows at a time, and
+  the encoders write their codes over the old ones (4-bit: a byte from its
+  two values). Whole, the leaf's new moments took 2 float32 copies (4-bit,
+  8.2 bytes per value) or 1 (8-bit, 4.3).
+  """
+  memory = _step_memory(low_precision(optax.adamw(1e-3), mode), [(32128, 768)])
+  assert memory.temp_size_in_bytes <= 0.3 * 32128 * 768
+
+
+def _chunked_pair(make, mode):
+  options = dict(block_size=8, shard_multiple=2, min_size=0)
+  return (
+    low_precision(make(), mode, stream_chunk=64, **options),
+    low_precision(make(), mode, **options),
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.adamw(1e-2),
+    lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.lion(1e-3)),
+    lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  ],
+  ids=["adamw", "clip+lion", "nesterov"],
+)
+def test_statistics_in_chunks_of_rows_change_no_value(make, mode):
+  """``stream_chunk=64`` walks every matrix in chunks of rows: the same updates and states, bit
+  for bit, as the statistics of whole leaves."""
+  params = jax.tree.map(lambda x: jnp.tile(x, (4, 4)) if x.ndim == 2 else x, make_params())
+  # 4 columns: 4-bit blocks of 2 rows, which a chunk never cuts.
+  params["narrow"] = jnp.cos(jnp.arange(96 * 4, dtype=jnp.float32)).reshape(96, 4)
+  assert all(_row_split(x.shape, 2, 64, 2) for x in jax.tree.leaves(params) if x.ndim == 2)
+  chunked, whole = _chunked_pair(make, mode)
+  state_c = state_w = whole.init(params)
+  grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+  for _ in range(STEPS):
+    got, state_c = jax.jit(chunked.update)(grads, state_c, params)
+    want, state_w = jax.jit(whole.update)(grads, state_w, params)
+    for x, y in zip(jax.tree.leaves((got, state_c)), jax.tree.leaves((want, state_w)), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    params = optax.apply_updates(params, want)
+    grads = jax.tree.map(lambda g: -0.5 * g + 0.01, grads)
 
 
 @pytest.mark.slow

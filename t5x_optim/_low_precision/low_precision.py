@@ -6,8 +6,8 @@ one of three forms (the codecs are `t5x_optim._low_precision.quantize` and
 `t5x_optim._low_precision.quantize4`); inside the
 update they are expanded to float32, the wrapped update runs in float32, and
 its new state is compressed again, one param leaf at a time where the update
-is elementwise per leaf (`_streamed_update`), so the step holds one leaf's
-float32 state rather than the whole tree's.
+is elementwise per leaf (`_streamed_update`), so the step holds at most a
+chunk of one leaf's float32 state rather than the whole tree's.
 
 * ``"bfloat16"``: each float32 value is rounded to bfloat16. With
   ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
@@ -132,9 +132,11 @@ from t5x_optim._low_precision.quantize4 import (
   Quantized4Leaf,
   Rank1Quantized4Leaf,
   dequantize4,
+  dequantize4_lane,
   leaf_block4,
   leaf_block4_shape,
   quantize4,
+  quantize4_lanes,
   quantize4_stats,
   stored_block4,
   unpacked_shape,
@@ -229,11 +231,20 @@ class _Codec:
     stored_block: a stored leaf's block, from its arrays' shapes.
     block_size: the default largest block.
     no_block: the storage of a leaf without a block.
-    stats: ``(x, block, guard)`` to the block statistics of a new state
-      leaf, computed inside the streamed update's branch.
+    stats: ``(x, block, guard, shape)`` to the block statistics of a new
+      state leaf of ``shape``, or of ``x``, some of its rows (whole blocks),
+      computed inside the streamed update's branch.
     encode: ``(x, block, guard, stats, flat)`` to the stored leaf.
     decode: ``(stored, flat)`` to the float32 values.
     shape: the float32 shape of a stored leaf.
+    lanes: how many consecutive values of the last dimension a stored
+      element (a byte of codes) holds: the streamed encoders compute the
+      new values of each lane (columns ``q::lanes``) apart, so that they
+      read the old codes at the index where they write the new ones and XLA
+      writes them in place.
+    decode_lane: ``(stored, q)`` to the float32 values of lane ``q``.
+    encode_lanes: ``(xs, block, guard, stats)`` to the stored leaf of the
+      values whose lanes are ``xs``.
   """
 
   leaf_types: tuple[type, ...]
@@ -241,14 +252,17 @@ class _Codec:
   stored_block: Callable[[Any], Any]
   block_size: int
   no_block: str
-  stats: Callable[[jax.Array, int, bool], Any]
+  stats: Callable[[jax.Array, Any, bool, tuple[int, ...]], Any]
   encode: Callable[[jax.Array, int, bool, Any, bool], Any]
   decode: Callable[[Any, bool], jax.Array]
   shape: Callable[[Any], tuple[int, ...]]
+  lanes: int
+  decode_lane: Callable[[Any, int], jax.Array]
+  encode_lanes: Callable[[Sequence[jax.Array], Any, bool, Any], Any]
 
 
-def _stats4(x: jax.Array, block: int, guard: bool) -> Any:
-  rank1 = uses_rank1(jnp.shape(x), block)
+def _stats4(x: jax.Array, block: Any, guard: bool, shape: tuple[int, ...]) -> Any:
+  rank1 = uses_rank1(shape, block)
   return quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard)
 
 
@@ -265,12 +279,17 @@ _CODECS: dict[str, _Codec] = {
     stored_block=stored_block,
     block_size=256,
     no_block=_KEPT_NO_BLOCK,
-    stats=lambda x, block, guard: quantize_stats(x, block, guard_nonfinite=guard),
+    stats=lambda x, block, guard, shape: quantize_stats(x, block, guard_nonfinite=guard),
     encode=lambda x, block, guard, stats, flat: quantize(
       x, block, guard_nonfinite=guard, stats=stats, flat=flat
     ),
     decode=lambda stored, flat: dequantize(stored, flat=flat),
     shape=lambda stored: tuple(jnp.shape(stored.codes)),
+    lanes=1,
+    decode_lane=lambda stored, lane: dequantize(stored, flat=True),
+    encode_lanes=lambda xs, block, guard, stats: quantize(
+      xs[0], block, guard_nonfinite=guard, stats=stats, flat=True
+    ),
   ),
   _4BIT: _Codec(
     leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
@@ -282,6 +301,9 @@ _CODECS: dict[str, _Codec] = {
     encode=_encode4,
     decode=lambda stored, flat: dequantize4(stored),
     shape=unpacked_shape,
+    lanes=2,
+    decode_lane=dequantize4_lane,
+    encode_lanes=lambda xs, block, guard, stats: quantize4_lanes(tuple(xs), block, stats),
   ),
 }
 """The quantized modes, by ``state_dtype``: each stores a leaf as a NamedTuple of arrays."""
@@ -536,12 +558,20 @@ def _encode(
   return x
 
 
-def _stats(kind: str, x: Any, block: Any, guard: bool) -> Any:
+def _decode_lane(kind: str, stored: Any, lane: int, lanes: int) -> jax.Array:
+  """Columns ``lane::lanes`` of one stored leaf in float32 (`_Codec.decode_lane`)."""
+  if kind in _CODECS and _CODECS[kind].lanes == lanes:
+    return _CODECS[kind].decode_lane(stored, lane)
+  values = _decode(kind, stored, flat=True)
+  return values if lanes == 1 else values[..., lane::lanes]
+
+
+def _stats(kind: str, x: Any, block: Any, guard: bool, shape: tuple[int, ...]) -> Any:
   """The block statistics of a new quantized state leaf (`quantize_stats`); None for other kinds."""
   if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return _CODECS[kind].stats(x, block(kind, x.shape), guard)
+  return _CODECS[kind].stats(x, block(kind, shape), guard, shape)
 
 
 def _rounded(state: LowPrecisionState, leaf: int) -> bool:
@@ -657,6 +687,126 @@ def _unchanged(shapes: Any, operands: Any) -> Any:
   return jax.tree.map(pick, shapes)
 
 
+def _row_split(
+  shape: tuple[int, ...], unit: int, limit: int, shard_multiple: int
+) -> tuple[int, int, int] | None:
+  """How the streamed statistics of a leaf of ``shape`` walk its first dimension, or None.
+
+  ``(stripes, chunks, rows)``: the first dimension is ``stripes x chunks x
+  rows`` long, and chunk ``b`` holds rows ``b * rows`` to ``(b + 1) * rows
+  - 1`` of every stripe. ``stripes`` is as many as divide the dimension's
+  shards (``shard_multiple`` of them), so that each device walks its own
+  rows; ``rows`` is a multiple of ``unit`` (the rows of a block) and as
+  large as keeps a chunk within ``limit`` values. None: the leaf has one
+  dimension, fits in ``limit`` values, or cannot split.
+
+  Example:
+    >>> _row_split((32128, 768), 1, 1 << 20, 8), _row_split((768, 32128), 8, 1 << 20, 8)
+    ((8, 32, 125), None)
+  """
+  if len(shape) < 2 or math.prod(shape) <= limit or shape[0] % unit:
+    return None
+  stripes = math.gcd(shape[0] // unit, shard_multiple)
+  units = shape[0] // unit // stripes
+  row = math.prod(shape[1:]) * stripes * unit
+  fits = [k for k in range(1, units + 1) if units % k == 0 and k * row <= limit] or [1]
+  if fits[-1] == units:
+    return None
+  return stripes, units // fits[-1], fits[-1] * unit
+
+
+def _chunk(x: jax.Array, split: tuple[int, int, int], rows: int, b: jax.Array) -> jax.Array:
+  """Chunk ``b`` of `_row_split` of an array whose first dimension holds ``rows`` leaf rows
+  per row (a block's scales) or, with fewer dimensions than the leaf, all of them."""
+  stripes, chunks, chunk_rows = split
+  if jnp.ndim(x) < 2 or jnp.shape(x)[0] * rows != stripes * chunks * chunk_rows:
+    return x
+  tail = jnp.shape(x)[1:]
+  x = jnp.reshape(x, (stripes, chunks, chunk_rows // rows, *tail))
+  return jax.lax.dynamic_index_in_dim(x, b, axis=1, keepdims=False).reshape(-1, *tail)
+
+
+def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, split: Any) -> Any:
+  """``fn(p, g, leaves, *rest)`` (block statistics), computed one chunk of rows at a time.
+
+  A statistic with as many dimensions as the leaf holds one row per row or
+  block of rows, gathered from the chunks; one with fewer (4-bit column
+  maxima) spans every row, and the chunks' are combined by their maximum.
+  """
+  if split is None:
+    return fn(p, g, leaves, *rest)
+  stripes, chunks, chunk_rows = split
+  leaf_rows = jnp.shape(g)[0]
+
+  def of(b: jax.Array) -> tuple:
+    def cut(x: Any) -> Any:
+      if x is None or jnp.ndim(x) < jnp.ndim(g):
+        return x
+      return _chunk(x, split, leaf_rows // jnp.shape(x)[0], b)
+
+    return cut(p), cut(g), jax.tree.map(cut, leaves)
+
+  shapes, tree = jax.tree.flatten(jax.eval_shape(lambda b: fn(*of(b), *rest), jnp.int32(0)))
+  spans = [len(s.shape) < jnp.ndim(g) for s in shapes]
+
+  def body(maxima: list, b: jax.Array) -> tuple[list, list]:
+    stats = jax.tree.leaves(fn(*of(b), *rest))
+    maxima = [jnp.maximum(m, x) for m, x in zip(maxima, (x for x, w in zip(stats, spans) if w))]
+    return maxima, [x for x, w in zip(stats, spans, strict=True) if not w]
+
+  lowest = [jnp.full(s.shape, -jnp.inf, s.dtype) for s, w in zip(shapes, spans) if w]
+  maxima, rows = jax.lax.scan(body, lowest, jnp.arange(chunks, dtype=jnp.int32))
+  maxima, rows = iter(maxima), iter(rows)
+  out = []
+  for s, w in zip(shapes, spans, strict=True):
+    if w:
+      out.append(next(maxima))
+      continue
+    per = next(rows).reshape(chunks, stripes, -1, *s.shape[1:])
+    out.append(jnp.swapaxes(per, 0, 1).reshape(-1, *s.shape[1:]))
+  return tree.unflatten(out)
+
+
+def _gated(operands: tuple, ready: jax.Array) -> tuple:
+  """``operands`` with the gradient read through a select on ``ready``: a computation that
+  reads them runs after ``ready`` is computed (``ready`` is always True: the values are the
+  same)."""
+  p, g, *rest = operands
+  return (p, jnp.where(ready, g, jnp.zeros_like(g)), *rest)
+
+
+def _opaque(residuals: list) -> list:
+  """The scalar residuals behind an optimization barrier.
+
+  XLA's algebraic simplifier rounds a program differently by what it knows
+  of the scalars (``m / c / d`` or ``m / (c * d)``; a scalar's other users
+  in the step): seen as opaque values, they round the same in the update,
+  the statistics (whole or in chunks, inside a loop) and the encoders, and
+  as in the whole-tree update of the leaf alone.
+  """
+  return list(jax.lax.optimization_barrier(tuple(residuals))) if residuals else residuals
+
+
+def _state_reads_param(program: Program) -> bool:
+  """Whether ``program``'s new state (its outputs after the update) reads the param (input 0)."""
+  refs = {"in", "val"}
+  needed = {operand for operand in program.outs[1:] if operand[0] in refs}
+  for _, _, ins, outs in reversed(program.ops):
+    if any(("val", out) in needed for out in outs):
+      needed.update(operand for operand in ins if operand[0] in refs)
+  return ("in", 0) in needed
+
+
+def _block_rows(g: Any, stored: list) -> int:
+  """The rows of a block of ``stored`` leaves (the least common multiple), as `_chunk` needs."""
+  rows = [
+    jnp.shape(g)[0] // jnp.shape(x)[0]
+    for x in jax.tree.leaves(stored)
+    if jnp.ndim(x) == jnp.ndim(g) >= 2
+  ]
+  return math.lcm(1, *rows)
+
+
 def _leaf_functions(
   program: Program,
   kinds: tuple[str, ...],
@@ -664,48 +814,73 @@ def _leaf_functions(
   seed: int,
   block: Any,
   guard: bool,
-) -> tuple[Callable, Callable]:
-  """``(branch, encoders)``: one leaf's streamed update, jitted, for `_streamed_update`.
+  split: tuple[int, int, int] | None,
+) -> tuple[Callable, Callable, Callable]:
+  """``(step, branch, encoders)``: one leaf's streamed update, jitted, for `_streamed_update`.
 
-  ``branch(operands)`` decodes the leaf's state (``operands`` are its param,
-  gradient, stored state leaves, the group's scalar residuals, the step
-  count and the inner leaves' indices), runs ``program`` and returns the
-  update, each new state leaf's block statistics (`_stats`, quantized modes) and
-  stochastic-rounding key (`rounding_key`, where ``rounded``);
-  ``encoders(operands, stats, keys, new_param)`` computes the new state
-  again and stores it as ``kinds`` say. Leaves with the same program, kinds
-  and shapes call the same two functions, which JAX traces and lowers once;
-  their compiled encoders are the same too, and XLA compiles one kernel for
-  all of them: nothing in them depends on the leaf but their operands (the
-  rounding keys, computed in the branch, are not constants there).
+  Each takes ``operands``: the leaf's param (None where its new state does
+  not read it), gradient, stored state leaves, the group's scalar
+  residuals, the step count and the inner leaves' indices.
+  ``step(param, operands)`` decodes the leaf's state and runs ``program``
+  to the update; ``branch(operands)`` computes each new state leaf's block
+  statistics (`_stats`, quantized modes; a chunk of rows at a time where
+  ``split`` says, `_chunked_stats`) and stochastic-rounding key
+  (`rounding_key`, where ``rounded``); ``encoders(operands, stats, keys,
+  new_param)`` computes the new state again from operands that wait for the
+  new param and stores it as ``kinds`` say. Leaves with the same program,
+  kinds and shapes call the same three functions, which JAX traces and
+  lowers once; their compiled encoders are the same too, and XLA compiles
+  one kernel for all of them: nothing in them depends on the leaf but their
+  operands (the rounding keys, computed in the branch, are not constants
+  there).
   """
 
-  def new_state(p: Any, g: Any, leaves: list, residuals: list, *_: Any) -> list:
+  def new_values(p: Any, g: Any, leaves: list, residuals: list, *_: Any) -> list:
     decoded = [_decode(kind, leaf, flat=True) for kind, leaf in zip(kinds, leaves, strict=True)]
-    return run_program(program, [p, g, *decoded], residuals, jnp.shape(p))
+    # Without the param, only the update reads it: a placeholder that XLA drops with it.
+    p = jnp.zeros_like(g) if p is None else p
+    return run_program(program, [p, g, *decoded], _opaque(residuals), jnp.shape(g))
 
-  def branch(operands: tuple) -> tuple[Any, list, list]:
-    *_, count, leaf_ids = operands
-    outs = new_state(*operands)
-    stats = [_stats(kind, x, block, guard) for kind, x in zip(kinds, outs[1:], strict=True)]
+  def step(param: Any, operands: tuple) -> Any:
+    return new_values(param, *operands[1:])[0]
+
+  def stats_of(p: Any, g: Any, leaves: list, residuals: list, shape: tuple[int, ...]) -> list:
+    outs = new_values(p, g, leaves, residuals)
+    return [_stats(kind, x, block, guard, shape) for kind, x in zip(kinds, outs[1:], strict=True)]
+
+  def branch(operands: tuple) -> tuple[list, list]:
+    p, g, leaves, residuals, count, leaf_ids = operands
+    stats = _chunked_stats(stats_of, p, g, leaves, (residuals, jnp.shape(g)), split)
     keys = [
       rounding_key(seed, count, k) if r else None for k, r in zip(leaf_ids, rounded, strict=True)
     ]
-    return outs[0], stats, keys
+    return stats, keys
+
+  def lane_values(operands: tuple, lane: int, lanes: int) -> list:
+    p, g, leaves, residuals, *_ = operands
+    if lanes == 1:
+      return new_values(p, g, leaves, residuals)
+    p = jnp.zeros_like(g) if p is None else p
+    decoded = [_decode_lane(kind, leaf, lane, lanes) for kind, leaf in zip(kinds, leaves)]
+    ins = [p[..., lane::lanes], g[..., lane::lanes], *decoded]
+    return run_program(program, ins, _opaque(residuals), jnp.shape(ins[1]))
 
   def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
     after = _after(new_param)
-    outs = new_state(*operands)
+    operands = jax.tree.map(lambda a: jnp.where(after, a, jnp.zeros_like(a)), operands)
+    shape = jnp.shape(operands[1])
     out = []
-    for kind, x, leaf_stats, key in zip(kinds, outs[1:], stats, keys, strict=True):
-      bits = None if key is None else hashed_bits(jnp.shape(x), key)
-      encoded = _encode(kind, x, bits, block, guard, leaf_stats, flat=True)
-      if kind not in _CODECS:
-        encoded = jnp.where(after, encoded, jnp.zeros_like(encoded))
-      out.append(encoded)
+    for k, (kind, leaf_stats, key) in enumerate(zip(kinds, stats, keys, strict=True)):
+      lanes = _CODECS[kind].lanes if kind in _CODECS else 1
+      xs = [lane_values(operands, lane, lanes)[1 + k] for lane in range(lanes)]
+      if kind in _CODECS:
+        out.append(_CODECS[kind].encode_lanes(xs, block(kind, shape), guard, leaf_stats))
+        continue
+      bits = None if key is None else hashed_bits(shape, key)
+      out.append(_encode(kind, xs[0], bits, block, guard))
     return out
 
-  return jax.jit(branch), jax.jit(encoders)
+  return jax.jit(step), jax.jit(branch), jax.jit(encoders)
 
 
 def _streamed_update(
@@ -718,26 +893,39 @@ def _streamed_update(
   *,
   block: Any,
   guard: bool,
+  chunk: int,
+  shard_multiple: int,
 ) -> tuple[Any, Any]:
   """``(updates, new stored inner state)``, computed one param leaf at a time.
 
-  Leaf ``i`` decodes its state, runs its program (`plan`) and computes its
-  update and its new state's 8-bit block statistics inside a conditional
-  whose predicate reads leaf ``i - 1``'s new param (`_after`): a
-  conditional's branch runs as a whole, after its predicate, so at most one
-  leaf's float32 work is live, whatever order the compiler's scheduler
-  prefers (optimization barriers do not order work on every backend:
-  XLA:CPU removes them before scheduling). The new param is the caller's
-  ``optax.apply_updates`` of the leaf, which XLA's common-subexpression
-  elimination merges with the one here: each param is updated, and its
-  float32 update freed, before the next leaf starts. The encoders run after
-  the branch (they read its statistics, or wait for the new param) and
-  compute the new state again from the old one in the leaf's shape (``flat``
-  codecs), elementwise: each writes its codes over the old ones, which only
-  the branch read before, so no second copy of the state is held. Leaves
-  whose programs, storage and shapes agree call the same jitted branch and
-  encoders (`_leaf_functions`), which JAX traces and lowers once: the traced
-  program holds the codecs once per leaf shape, not once per leaf.
+  For each leaf, three parts (`_leaf_functions`), none holding a float32
+  copy of the leaf:
+
+  * its update, computed from the decoded state beside the caller's
+    ``optax.apply_updates`` of the leaf, which XLA's common-subexpression
+    elimination merges with the one here into one elementwise pass that
+    writes the new param over the old one: no float32 update is held. It
+    reads the gradient through a select on the previous leaf's new param
+    (`_gated`), so that in a whole train step it runs in leaf order, after
+    the backward pass has read the param, not as soon as its gradient
+    exists (then XLA keeps a copy of the param);
+  * its new state's block statistics, in a conditional whose predicate
+    reads the previous leaf's new param (`_after`): a conditional's branch
+    runs as a whole, after its predicate, so the leaves' statistics run one
+    after the other whatever order the compiler's scheduler prefers
+    (optimization barriers do not order work on every backend: XLA:CPU
+    removes them before scheduling); a leaf larger than ``chunk`` values
+    computes them a chunk of rows at a time (`_row_split`,
+    `_chunked_stats`), in stripes that follow the first dimension's
+    shards;
+  * its encoders, which read the branch's statistics and operands that
+    wait for the new param, compute the new state again, elementwise, and
+    write each stored leaf over the old one: they read the old codes at the
+    index where they write (`_Codec.lanes`), which nothing reads after them.
+
+  Leaves whose programs, storage and shapes agree call the same jitted
+  functions, which JAX traces and lowers once: the traced program holds the
+  codecs once per leaf shape, not once per leaf.
   """
   p_leaves, params_def = jax.tree.flatten(params)
   g_leaves = jax.tree.leaves(updates)
@@ -748,31 +936,37 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
-  functions: dict[tuple, tuple[Callable, Callable]] = {}
+  functions: dict[tuple, tuple[Callable, Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
+    program = group_of[i].program
     residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
     kinds = tuple(state.storage[k] for k in ks)
     rounded = tuple(_rounded(state, k) for k in ks)
-    key = (id(group_of[i]), kinds, rounded)
-    if key not in functions:
-      functions[key] = _leaf_functions(
-        group_of[i].program, kinds, rounded, state.seed, block, guard
-      )
-    branch, encoders = functions[key]
     old = [new_stored[k] for k in ks]
-    operands = (p, g, old, residuals, count, [jnp.uint32(k) for k in ks])
-    shapes = branch.eval_shape(operands)
-    update, stats, keys = jax.lax.cond(
-      _after(previous), branch, functools.partial(_unchanged, shapes), operands
-    )
+    split = _row_split(jnp.shape(g), _block_rows(g, old), chunk, shard_multiple)
+    key = (id(group_of[i]), kinds, rounded, split)
+    if key not in functions:
+      functions[key] = _leaf_functions(program, kinds, rounded, state.seed, block, guard, split)
+    step, branch, encoders = functions[key]
+    # The param goes to the branch and the encoders only if the new state reads it: the
+    # update writes the new param over it first.
+    state_param = p if _state_reads_param(program) else None
+    operands = (state_param, g, old, residuals, count, [jnp.uint32(k) for k in ks])
+    # The update waits for the previous leaf's new param, as the statistics do: left free,
+    # XLA may schedule it while the backward pass still reads the param, and copy the param.
+    update = step(p, _gated(operands, _after(previous)))
     new_updates.append(update)
+    stats, keys = jax.lax.cond(
+      _after(previous),
+      branch,
+      functools.partial(_unchanged, branch.eval_shape(operands)),
+      operands,
+    )
+    # The caller's ``optax.apply_updates`` of the leaf, merged with this one by XLA.
     previous = optax.apply_updates(p, update)
-    # The encoders run after the branch (they read its statistics or wait for
-    # the new param), so each writes its new state over the old one, which
-    # only the branch reads: the step holds no second copy of the state.
     for k, encoded in zip(ks, encoders(operands, stats, keys, previous), strict=True):
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
@@ -789,6 +983,7 @@ def low_precision(
   states: str | None = None,
   seed: int = 0,
   stream: bool = True,
+  stream_chunk: int = 1 << 20,
   guard_nonfinite: bool = True,
   param_modes: Sequence[tuple[str, str]] = (),
   param_axes: Any = None,
@@ -820,6 +1015,11 @@ def low_precision(
       update is elementwise per leaf (`plan_fused_update` proves it); False
       (or an update that is not) expands the whole state to float32 at once,
       which is what the step's peak then holds.
+    stream_chunk: the most values of a leaf whose new state the streamed
+      update holds in float32 at once, to compute its block statistics: a
+      larger leaf of 2 or more dimensions is walked in chunks of rows of
+      its first dimension (an embedding of 32128 x 768 in 32 of 8 x 125
+      rows with the default 2**20). The values are the same either way.
     guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
@@ -936,7 +1136,16 @@ def low_precision(
     plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
     if plan is not None:
       new_updates, inner_state = _streamed_update(
-        plan, updates, state, params, extra_args, count, block=block, guard=guard_nonfinite
+        plan,
+        updates,
+        state,
+        params,
+        extra_args,
+        count,
+        block=block,
+        guard=guard_nonfinite,
+        chunk=stream_chunk,
+        shard_multiple=shard_multiple,
       )
       return new_updates, state.replace(count=count, inner_state=inner_state)
     new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)

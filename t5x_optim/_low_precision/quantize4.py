@@ -60,9 +60,11 @@ __all__ = [
   "Quantized4Leaf",
   "Rank1Quantized4Leaf",
   "dequantize4",
+  "dequantize4_lane",
   "leaf_block4",
   "leaf_block4_shape",
   "quantize4",
+  "quantize4_lanes",
   "quantize4_stats",
   "signed_map4",
   "stored_block4",
@@ -286,15 +288,45 @@ def _signed_values(code: jax.Array) -> jax.Array:
 
 
 def _element_scales(
-  stats: tuple[jax.Array, ...], block: tuple[int, int]
+  stats: tuple[jax.Array, ...], block: tuple[int, int], lane: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Each element's (signed flag, signed-map scale, unsigned-map scale)."""
+  """Each element's (signed flag, signed-map scale, unsigned-map scale).
+
+  ``lane``: 0 or 1, for the elements of the even or odd columns only.
+  """
+  rows, cols = block
+  if lane is not None:
+    block = (rows, cols // 2)
   scales = stats[0]
   signed = _spread(scales < 0, block)
   absmax = _spread(jnp.abs(scales), block)
   if len(stats) == 1:
     return signed, absmax, absmax
-  return signed, absmax, jnp.minimum(absmax, stats[1])
+  return signed, absmax, jnp.minimum(absmax, stats[1] if lane is None else stats[1][lane::2])
+
+
+def _codes(x: jax.Array, scales: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+  """Each element's 4-bit code (int32), given its `_element_scales`."""
+  signed, signed_scale, unsigned_scale = scales
+  scale = jnp.where(signed, signed_scale, unsigned_scale)
+  # +/-inf saturates to +/- the element's scale; NaN is stored as 0.
+  scaled = jnp.clip(jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0), -1.0, 1.0)
+  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its scale.
+  tiny = np.finfo(np.float32).tiny
+  scaled = jnp.where(x > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(x), 0.0, scaled))
+  rounded = jnp.clip(jnp.floor(scaled * _LEVELS + 0.5), 1, _LEVELS).astype(jnp.int32)
+  unsigned_code = jnp.where(scaled > 0, rounded, 0)
+  return jnp.where(signed, _signed_codes(scaled), unsigned_code)
+
+
+def _values(codes: jax.Array, scales: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+  """Each element's float32 value from its code (int32) and `_element_scales`."""
+  signed, signed_scale, unsigned_scale = scales
+  signed_value = _signed_values(codes) * signed_scale
+  level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
+  tiny = np.finfo(np.float32).tiny
+  unsigned_value = jnp.where(codes > 0, jnp.maximum(level * unsigned_scale, tiny), 0.0)
+  return jnp.where(signed, signed_value, unsigned_value)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -355,19 +387,40 @@ def _quantize4(
   x = jnp.asarray(x, jnp.float32)
   if stats is None:
     stats = quantize4_stats(x, block, rank1=rank1, guard_nonfinite=guard_nonfinite)
-  signed, signed_scale, unsigned_scale = _element_scales(stats, block)
-  scale = jnp.where(signed, signed_scale, unsigned_scale)
-  # +/-inf saturates to +/- the element's scale; NaN is stored as 0.
-  scaled = jnp.clip(jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0), -1.0, 1.0)
-  # XLA flushes subnormal floats to 0: a positive value keeps a normal ratio to its scale.
-  tiny = np.finfo(np.float32).tiny
-  scaled = jnp.where(x > 0, jnp.maximum(scaled, tiny), jnp.where(jnp.isnan(x), 0.0, scaled))
-  rounded = jnp.clip(jnp.floor(scaled * _LEVELS + 0.5), 1, _LEVELS).astype(jnp.int32)
-  unsigned_code = jnp.where(scaled > 0, rounded, 0)
-  codes = _pack(jnp.where(signed, _signed_codes(scaled), unsigned_code))
+  codes = _pack(_codes(x, _element_scales(stats, block)))
   if rank1:
     return Rank1Quantized4Leaf(codes, *stats)
   return Quantized4Leaf(codes, stats[0])
+
+
+def quantize4_lanes(
+  lanes: tuple[jax.Array, jax.Array],
+  block: int | tuple[int, int],
+  stats: tuple[jax.Array, ...],
+) -> Quantized4Leaf | Rank1Quantized4Leaf:
+  """`quantize4` of the values whose even and odd columns are ``lanes``.
+
+  The codes are computed byte by byte, each from the two values it holds:
+  an encoder that also reads the old codes (to compute the new values) reads
+  them at the same index it writes, so XLA writes the new codes over the old
+  ones. ``stats`` are `quantize4_stats` of the interleaved values.
+  """
+  block = block_shape(block)
+  low, high = (_codes(x, _element_scales(stats, block, lane)) for lane, x in enumerate(lanes))
+  codes = low.astype(jnp.uint8) | (high.astype(jnp.uint8) << 4)
+  if len(stats) == 2:
+    return Rank1Quantized4Leaf(codes, *stats)
+  return Quantized4Leaf(codes, stats[0])
+
+
+def dequantize4_lane(leaf: Quantized4Leaf | Rank1Quantized4Leaf, lane: int) -> jax.Array:
+  """The float32 values of a 4-bit leaf's even (``lane`` 0) or odd (1) columns.
+
+  Each byte's low or high code, at the byte's own index (`quantize4_lanes`).
+  """
+  codes = (jnp.asarray(leaf.codes) >> jnp.uint8(4 * lane)) & jnp.uint8(15)
+  stats = tuple(jnp.asarray(s) for s in leaf[1:])
+  return _values(codes.astype(jnp.int32), _element_scales(stats, stored_block4(leaf), lane))
 
 
 def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
@@ -384,11 +437,5 @@ def dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
 @jax.jit
 def _dequantize4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> jax.Array:
   """`dequantize4`, one program per shape (as `_quantize4`)."""
-  codes = _unpack(leaf.codes)
   stats = tuple(jnp.asarray(s) for s in leaf[1:])
-  signed, signed_scale, unsigned_scale = _element_scales(stats, stored_block4(leaf))
-  signed_value = _signed_values(codes) * signed_scale
-  level = codes.astype(jnp.float32) * np.float32(1 / _LEVELS)
-  tiny = np.finfo(np.float32).tiny
-  unsigned_value = jnp.where(codes > 0, jnp.maximum(level * unsigned_scale, tiny), 0.0)
-  return jnp.where(signed, signed_value, unsigned_value)
+  return _values(_unpack(leaf.codes), _element_scales(stats, stored_block4(leaf)))
