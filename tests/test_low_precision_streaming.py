@@ -24,6 +24,13 @@ from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
 
 MODES = ["8bit", "bfloat16"]
 STEPS = 3
+ELEMENTWISE = [
+  lambda: optax.adamw(1e-2),
+  lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.lion(1e-3)),
+  lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+]
+"""Updates that stream: elementwise per leaf, one with a global norm computed first."""
+ELEMENTWISE_IDS = ["adamw", "clip+lion", "nesterov"]
 
 
 def _pair(make, mode, **kwargs):
@@ -103,15 +110,7 @@ def test_streamed_update_equals_the_whole_tree_update(case):
 
 
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
-@pytest.mark.parametrize(
-  "make",
-  [
-    lambda: optax.adamw(1e-2),
-    lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.lion(1e-3)),
-    lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-  ],
-  ids=["adamw", "clip+lion", "nesterov"],
-)
+@pytest.mark.parametrize("make", ELEMENTWISE, ids=ELEMENTWISE_IDS)
 @pytest.mark.slow
 def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
   _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
@@ -267,15 +266,7 @@ def _chunked_pair(make, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
-@pytest.mark.parametrize(
-  "make",
-  [
-    lambda: optax.adamw(1e-2),
-    lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.lion(1e-3)),
-    lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-  ],
-  ids=["adamw", "clip+lion", "nesterov"],
-)
+@pytest.mark.parametrize("make", ELEMENTWISE, ids=ELEMENTWISE_IDS)
 def test_statistics_in_chunks_of_rows_change_no_value(make, mode):
   """``stream_chunk=64`` walks every matrix in chunks of rows: the same updates and states, bit
   for bit, as the statistics of whole leaves."""

@@ -697,12 +697,15 @@ def _row_split(
   - 1`` of every stripe. ``stripes`` is as many as divide the dimension's
   shards (``shard_multiple`` of them), so that each device walks its own
   rows; ``rows`` is a multiple of ``unit`` (the rows of a block) and as
-  large as keeps a chunk within ``limit`` values. None: the leaf has one
-  dimension, fits in ``limit`` values, or cannot split.
+  large as keeps a chunk within ``limit`` values (one block of rows per
+  stripe where none is that small). None: the leaf has one dimension, fits
+  in ``limit`` values, or cannot split.
 
   Example:
     >>> _row_split((32128, 768), 1, 1 << 20, 8), _row_split((768, 32128), 8, 1 << 20, 8)
-    ((8, 32, 125), None)
+    ((8, 251, 16), (8, 12, 8))
+    >>> _row_split((768, 768), 1, 1 << 20, 8) is None  # it fits
+    True
   """
   if len(shape) < 2 or math.prod(shape) <= limit or shape[0] % unit:
     return None
@@ -1018,8 +1021,8 @@ def low_precision(
     stream_chunk: the most values of a leaf whose new state the streamed
       update holds in float32 at once, to compute its block statistics: a
       larger leaf of 2 or more dimensions is walked in chunks of rows of
-      its first dimension (an embedding of 32128 x 768 in 32 of 8 x 125
-      rows with the default 2**20). The values are the same either way.
+      its first dimension (an embedding of 32128 x 768 in 251 chunks of 8
+      x 16 rows with the default 2**20). The values are the same either way.
     guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
