@@ -77,7 +77,7 @@ def main() -> None:
   print(
     f"{'shape':>10}{'x*1.5':>9}{'quantize':>10}{'dequant':>9}"
     + "".join(f"{name:>12}" for name in runs)
-    + "".join(f"{name + ' vs f32':>17}" for name in list(runs)[1:])
+    + "".join(f"{name + ' vs f32':>19}" for name in list(runs)[1:])
   )
   for text in args.shapes:
     shape = tuple(int(n) for n in text.split("x"))
@@ -92,7 +92,7 @@ def main() -> None:
     print(
       f"{text:>10}{scale * 1e3:>9.2f}{quant * 1e3:>10.2f}{dequant * 1e3:>9.2f}"
       + "".join(f"{t * 1e3:>12.2f}" for t in updates.values())
-      + "".join(f"{base / updates[name]:>17.3f}" for name in list(runs)[1:])
+      + "".join(f"{base / updates[name]:>19.3f}" for name in list(runs)[1:])
     )
 
 

@@ -829,8 +829,8 @@ def _leaf_functions(
   statistics (`_stats`, quantized modes; a chunk of rows at a time where
   ``split`` says, `_chunked_stats`) and stochastic-rounding key
   (`rounding_key`, where ``rounded``); ``encoders(operands, stats, keys,
-  new_param)`` computes the new state again from operands that wait for the
-  new param and stores it as ``kinds`` say. Leaves with the same program,
+  new_param)`` computes the new state again, from the gradient read through
+  a select on the new param (so after it), and stores it as ``kinds`` say. Leaves with the same program,
   kinds and shapes call the same three functions, which JAX traces and
   lowers once; their compiled encoders are the same too, and XLA compiles
   one kernel for all of them: nothing in them depends on the leaf but their
@@ -924,8 +924,8 @@ def _streamed_update(
     computes them a chunk of rows at a time (`_row_split`,
     `_chunked_stats`), in stripes that follow the first dimension's
     shards;
-  * its encoders, which read the branch's statistics and operands that
-    wait for the new param, compute the new state again, elementwise, and
+  * its encoders, which read the branch's statistics and the gradient
+    through a select on the new param, compute the new state again, elementwise, and
     write each stored leaf over the old one: they read the old codes at the
     index where they write (`_Codec.lanes`), which nothing reads after them.
 
