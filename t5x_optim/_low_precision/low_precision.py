@@ -770,14 +770,6 @@ def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, spli
   return tree.unflatten(out)
 
 
-def _gated(operands: tuple, ready: jax.Array) -> tuple:
-  """``operands`` with the gradient read through a select on ``ready``: a computation that
-  reads them runs after ``ready`` is computed (``ready`` is always True: the values are the
-  same)."""
-  p, g, *rest = operands
-  return (p, jnp.where(ready, g, jnp.zeros_like(g)), *rest)
-
-
 def _opaque(residuals: list) -> list:
   """The scalar residuals behind an optimization barrier.
 
@@ -824,8 +816,8 @@ def _leaf_functions(
   Each takes ``operands``: the leaf's param (None where its new state does
   not read it), gradient, stored state leaves, the group's scalar
   residuals, the step count and the inner leaves' indices.
-  ``step(param, operands)`` decodes the leaf's state and runs ``program``
-  to the update; ``branch(operands)`` computes each new state leaf's block
+  ``step(param, operands, ready)`` decodes the leaf's state and runs
+  ``program`` to the update, reading the gradient after ``ready``; ``branch(operands)`` computes each new state leaf's block
   statistics (`_stats`, quantized modes; a chunk of rows at a time where
   ``split`` says, `_chunked_stats`) and stochastic-rounding key
   (`rounding_key`, where ``rounded``); ``encoders(operands, stats, keys,
@@ -838,14 +830,34 @@ def _leaf_functions(
   there).
   """
 
-  def new_values(p: Any, g: Any, leaves: list, residuals: list, *_: Any) -> list:
-    decoded = [_decode(kind, leaf, flat=True) for kind, leaf in zip(kinds, leaves, strict=True)]
+  def new_values(
+    p: Any,
+    g: Any,
+    leaves: list,
+    residuals: list,
+    *_: Any,
+    lane: int = 0,
+    lanes: int = 1,
+    ready: jax.Array | None = None,
+  ) -> list:
+    """The program's outputs on columns ``lane::lanes``; the gradient read after ``ready``."""
+    decoded = [
+      _decode_lane(kind, leaf, lane, lanes) for kind, leaf in zip(kinds, leaves, strict=True)
+    ]
     # Without the param, only the update reads it: a placeholder that XLA drops with it.
     p = jnp.zeros_like(g) if p is None else p
+    if lanes > 1:
+      p, g = p[..., lane::lanes], g[..., lane::lanes]
+    if ready is not None:
+      # A select that orders the reader after ``ready`` (always True: the same values), and
+      # keeps XLA from merging this computation with another of the same values. It comes
+      # after the cut into lanes: a select over the whole leaf before a strided slice keeps
+      # XLA:CPU from vectorizing the encoder (10 times slower).
+      g = jnp.where(ready, g, jnp.zeros_like(g))
     return run_program(program, [p, g, *decoded], _opaque(residuals), jnp.shape(g))
 
-  def step(param: Any, operands: tuple) -> Any:
-    return new_values(param, *operands[1:])[0]
+  def step(param: Any, operands: tuple, ready: jax.Array) -> Any:
+    return new_values(param, *operands[1:], ready=ready)[0]
 
   def stats_of(p: Any, g: Any, leaves: list, residuals: list, shape: tuple[int, ...]) -> list:
     outs = new_values(p, g, leaves, residuals)
@@ -859,26 +871,18 @@ def _leaf_functions(
     ]
     return stats, keys
 
-  def lane_values(operands: tuple, lane: int, lanes: int, ready: jax.Array) -> list:
-    p, g, leaves, residuals, *_ = operands
-    p = jnp.zeros_like(g) if p is None else p
-    if lanes == 1:
-      decoded = [_decode(kind, leaf, flat=True) for kind, leaf in zip(kinds, leaves, strict=True)]
-    else:
-      decoded = [_decode_lane(kind, leaf, lane, lanes) for kind, leaf in zip(kinds, leaves)]
-      p, g = p[..., lane::lanes], g[..., lane::lanes]
-    # The gradient waits for ``ready``, cut into lanes first: a select over the whole leaf
-    # before a strided slice keeps XLA:CPU from vectorizing the encoder (10 times slower).
-    g = jnp.where(ready, g, jnp.zeros_like(g))
-    return run_program(program, [p, g, *decoded], _opaque(residuals), jnp.shape(g))
-
   def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
     after = _after(new_param)
     shape = jnp.shape(operands[1])
+    by_lanes: dict[int, list] = {}
     out = []
     for k, (kind, leaf_stats, key) in enumerate(zip(kinds, stats, keys, strict=True)):
       lanes = _CODECS[kind].lanes if kind in _CODECS else 1
-      xs = [lane_values(operands, lane, lanes, after)[1 + k] for lane in range(lanes)]
+      if lanes not in by_lanes:
+        by_lanes[lanes] = [
+          new_values(*operands, lane=lane, lanes=lanes, ready=after) for lane in range(lanes)
+        ]
+      xs = [outs[1 + k] for outs in by_lanes[lanes]]
       if kind in _CODECS:
         out.append(_CODECS[kind].encode_lanes(xs, block(kind, shape), guard, leaf_stats))
         continue
@@ -911,8 +915,8 @@ def _streamed_update(
     ``optax.apply_updates`` of the leaf, which XLA's common-subexpression
     elimination merges with the one here into one elementwise pass that
     writes the new param over the old one: no float32 update is held. It
-    reads the gradient through a select on the previous leaf's new param
-    (`_gated`), so that in a whole train step it runs in leaf order, after
+    reads the gradient through a select on the previous leaf's new param,
+    so that in a whole train step it runs in leaf order, after
     the backward pass has read the param, not as soon as its gradient
     exists (then XLA keeps a copy of the param);
   * its new state's block statistics, in a conditional whose predicate
@@ -961,12 +965,13 @@ def _streamed_update(
     # update writes the new param over it first.
     state_param = p if _state_reads_param(program) else None
     operands = (state_param, g, old, residuals, count, [jnp.uint32(k) for k in ks])
+    ready = _after(previous)
     # The update waits for the previous leaf's new param, as the statistics do: left free,
     # XLA may schedule it while the backward pass still reads the param, and copy the param.
-    update = step(p, _gated(operands, _after(previous)))
+    update = step(p, operands, ready)
     new_updates.append(update)
     stats, keys = jax.lax.cond(
-      _after(previous),
+      ready,
       branch,
       functools.partial(_unchanged, branch.eval_shape(operands)),
       operands,
