@@ -491,6 +491,7 @@ def test_states_selects_leaves():
     ({"state_dtype": "int4"}, "state_dtype must be one of"),
     ({"block_size": 0}, "block_size and shard_multiple must be positive"),
     ({"shard_multiple": 0}, "block_size and shard_multiple must be positive"),
+    ({"stream_chunk": 0}, "stream_chunk must be positive, got 0"),
   ],
 )
 def test_bad_arguments(kwargs, match):

@@ -1099,6 +1099,8 @@ def low_precision(
       f"low_precision: block_size and shard_multiple must be positive, got {block_size} "
       f"and {shard_multiple}."
     )
+  if stream_chunk < 1:
+    raise ValueError(f"low_precision: stream_chunk must be positive, got {stream_chunk}.")
 
   def block(mode: str, shape: tuple[int, ...]) -> Any:
     codec = _CODECS[mode]
