@@ -214,11 +214,24 @@ def test_equal_leaves_compile_one_stochastic_rounding_encoder():
   assert len(set(encoders)) <= 2
 
 
-def _step_memory(tx, shapes):
-  params = {f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+def _step_memory(tx, shapes, platform="cpu"):
+  """XLA's memory analysis of the donated optimizer step, compiled for ``platform``."""
+  try:
+    device = jax.devices(platform)[0]
+  except RuntimeError as e:
+    pytest.skip(f"no {platform} backend in this process (JAX_PLATFORMS=cpu,cuda adds one): {e}")
+  on_device = jax.sharding.SingleDeviceSharding(device)
+  params = {
+    f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32, sharding=on_device) for i, s in enumerate(shapes)
+  }
   opt = jax.eval_shape(lambda p: OptaxWrapper(tx).create(p), params)
+  opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), opt)
   step = jax.jit(lambda o, g: o.apply_gradient(g), donate_argnums=0)
   return step.lower(opt, params).compile().memory_analysis()
+
+
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.slow)]
+"""Where the peak tests compile: the test process's CPU, and its GPU where it has one."""
 
 
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
@@ -226,7 +239,9 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   """Eight equal leaves: the streamed step's temporaries are those of about one leaf.
 
   The whole-tree update keeps many leaves' float32 state (or a copy of the
-  stored one) live at once: over 2 bytes per param (bfloat16: 4).
+  stored one) live at once: over 2 bytes per param (bfloat16: 4). On XLA:CPU
+  only: XLA:GPU's schedule of the whole-tree update of these leaves holds 1.1
+  bytes per param (bfloat16: none).
   """
   shapes, size = [(256, 512)] * 8, 256 * 512
   streamed = _step_memory(low_precision(optax.adamw(1e-3), mode), shapes)
@@ -242,18 +257,21 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   )
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])
-def test_a_large_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf(mode):
-  """A vocabulary-sized leaf: the step's temporaries stay under 0.3 bytes per value.
+def test_a_large_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf(mode, platform):
+  """A vocabulary-sized leaf: the step's temporaries stay under 0.3 bytes per value (GPU: 0.4).
 
   The update is computed beside the caller's ``apply_updates`` (no float32
   update is held), the block statistics a chunk of rows at a time, and
   the encoders write their codes over the old ones (4-bit: a byte from its
   two values). Whole, the leaf's new moments took 2 float32 copies (4-bit,
-  8.2 bytes per value) or 1 (8-bit, 4.3).
+  8.2 bytes per value) or 1 (8-bit, 4.3). On XLA:GPU, encoders that decoded
+  the stored state as the update does shared that decode with it, held whole
+  (8-bit: 8.2 bytes per value; reading it through the select, 0.33).
   """
-  memory = _step_memory(low_precision(optax.adamw(1e-3), mode), [(32128, 768)])
-  assert memory.temp_size_in_bytes <= 0.3 * 32128 * 768
+  memory = _step_memory(low_precision(optax.adamw(1e-3), mode), [(32128, 768)], platform)
+  assert memory.temp_size_in_bytes <= {"cpu": 0.3, "gpu": 0.4}[platform] * 32128 * 768
 
 
 def _chunked_pair(make, mode):
