@@ -187,7 +187,8 @@ def test_bare_triple_names_state_positions() -> None:
   assert jax.tree.map(jnp.shape, opt.state.param_states["scale"]) == {"1": (1,), "2": {"0": (1,)}}
 
 
-@pytest.mark.parametrize("maker", [pytest.param("adam", marks=pytest.mark.slow), "sm3"])
+@pytest.mark.slow
+@pytest.mark.parametrize("maker", ["adam", "sm3"])
 def test_state_dict_round_trip(maker: str) -> None:
   opt_def = EXAMPLE_LIB_OPTIMIZERS[f"example_lib_{maker}"](0.05)
   trained = adapter_run(opt_def.create(make_params()), jit=False, steps=2)

@@ -219,6 +219,7 @@ def test_without_the_guard_a_non_finite_value_damages_its_block():
   assert np.isinf(np.asarray(leaf.scales)[1, 1])
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_element_damages_only_its_own_param():
   """Through adam's streamed 4-bit step: one inf gradient element, then a clean step."""
   tx = low_precision(optax.adam(1e-2), "4bit", min_size=0)

@@ -178,6 +178,7 @@ def _shipped_4bit_with(param_modes: str):
   return test_gin_files._build("OPTIMIZER")
 
 
+@pytest.mark.slow
 def test_gin_binds_a_policy_onto_the_shipped_4bit_file(clean_gin):
   """adamw_4bit.gin with a param_modes binding: the rule reaches each param's state."""
   opt_def = _shipped_4bit_with("[('embed', 'float32'), ('attn', '8bit')]")
@@ -398,6 +399,7 @@ def test_checkpoints_of_an_axis_policy_round_trip_bit_for_bit(tmp_path):
   assert_same_bits((restored.params, restored.param_states), (state.params, state.param_states))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
 def test_the_train_banner_names_each_choice_and_its_rule():
   """`t5x-optim train`'s description of its job, with adamw_4bit.gin and an axis rule: one

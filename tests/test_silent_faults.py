@@ -438,7 +438,9 @@ def test_checksums_see_the_high_words_of_host_integers():
   assert checksum(np.int64(3)) == checksum(np.int32(3))
 
 
-@pytest.mark.parametrize("abstract", [False, True], ids=["real", "abstract"])
+@pytest.mark.parametrize(
+  "abstract", [pytest.param(False, marks=pytest.mark.slow), True], ids=["real", "abstract"]
+)
 def test_params_only_restores_into_a_stacked_target(tmp_path, abstract):
   """The definition lays the restored params out (stacks them) before the fresh state is made."""
   opt = _stacked_sharded()
