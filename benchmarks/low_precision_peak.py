@@ -18,7 +18,10 @@ same cache), for
 * (b) a whole train step (forward, backward and update in one jit) of a
   decoder-only transformer LM at T5.1.1-base widths (embed 768, 12 heads of
   64, MLP 2048, 12 layers, vocabulary 32128: 115.5M params), at a per-device
-  batch of 2 x 128 tokens, small enough that the update is the peak.
+  batch of 2 x 128 tokens, small enough that the update is the peak;
+* (c) the same step with the 12 layers scanned (``flax.linen.scan``: each
+  layer param stacked over a leading ``layers`` axis, 17 leaves instead of
+  100), as T5X's scanned models keep them.
 
 Modes: optax's ``adamw`` (float32 state), `t5x_optim.low_precision` of it in
 ``"bfloat16"`` (stochastic rounding) and ``"8bit"`` (also with
@@ -29,7 +32,7 @@ anyway), and optax's own
 of a mode is float32's state bytes less its own; the last column is the share
 of it the peak keeps.
 
-Run: ``python benchmarks/low_precision_peak.py [--parts a b] [--modes ...]``.
+Run: ``python benchmarks/low_precision_peak.py [--parts a b c] [--modes ...]``.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from update_bandwidth import VOCAB, t5_shapes
 
 from t5x_optim import OptaxWrapper, low_precision
+from t5x_optim.cli.demo import model as demo
 from t5x_optim.cli.demo.model import TransformerConfig, TransformerLM, cross_entropy_loss
 
 MODES: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -70,6 +75,43 @@ BASE_LM = TransformerConfig(
 BATCH = (2, 128)
 
 
+class _ScannedBlock(nn.Module):
+  """One layer of `TransformerLM` as a `flax.linen.scan` body."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+    return demo._Block(self.config, name="block")(x), None
+
+
+class ScannedLM(nn.Module):
+  """`TransformerLM` with its layers scanned: each layer param stacked over ``layers``."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    embedding = demo._param(
+      self, "token_embedding", (c.vocab_size, c.embed_dim), ("vocab", "embed")
+    )
+    positions = demo._param(
+      self, "position_embedding", (c.max_length, c.embed_dim), ("length", "embed")
+    )
+    x = embedding[tokens] + positions[: tokens.shape[-1]]
+    layers = nn.scan(
+      _ScannedBlock,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=c.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    x, _ = layers(c, name="layers")(x, None)
+    x = demo._LayerNorm(name="final_norm")(x)
+    return x @ demo._param(self, "logits", (c.embed_dim, c.vocab_size), ("embed", "vocab"))
+
+
 def _abstract_params_t5() -> Any:
   shapes = t5_shapes(768, 2048, 12, VOCAB)
   return jax.tree.map(
@@ -77,8 +119,7 @@ def _abstract_params_t5() -> Any:
   )
 
 
-def _abstract_params_lm() -> Any:
-  model = TransformerLM(BASE_LM)
+def _abstract_params_lm(model: nn.Module) -> Any:
   tokens = jnp.zeros(BATCH, jnp.int32)
   variables = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
   return jax.tree.map(
@@ -88,8 +129,6 @@ def _abstract_params_lm() -> Any:
 
 def nn_unbox(tree: Any) -> Any:
   """The params without flax's logical-partitioning boxes."""
-  import flax.linen as nn
-
   return nn.meta.unbox(tree)
 
 
@@ -115,9 +154,11 @@ def optimizer_step(make_tx: Callable[[], optax.GradientTransformation]) -> dict[
   return out | {"state": _nbytes(opt.state.param_states), "n": _nbytes(params) / 4}
 
 
-def train_step(make_tx: Callable[[], optax.GradientTransformation]) -> dict[str, float]:
-  model = TransformerLM(BASE_LM)
-  params = _abstract_params_lm()
+def train_step(
+  make_tx: Callable[[], optax.GradientTransformation], *, scanned: bool = False
+) -> dict[str, float]:
+  model = (ScannedLM if scanned else TransformerLM)(BASE_LM)
+  params = _abstract_params_lm(model)
   opt = jax.eval_shape(lambda p: OptaxWrapper(make_tx()).create(p), params)
   batch = {
     "inputs": jax.ShapeDtypeStruct(BATCH, jnp.int32),
@@ -155,7 +196,7 @@ def _table(title: str, rows: dict[str, dict[str, float]]) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--parts", nargs="+", default=["a", "b"], choices=["a", "b"])
+  parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
   parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
   args = parser.parse_args()
   print(f"{jax.devices()[0].platform}; B/p = bytes per param")
@@ -175,6 +216,10 @@ def main() -> None:
       f"batch {BATCH[0]} x {BATCH[1]}",
       rows,
     )
+  if "c" in args.parts:
+    train_step(MODES["float32"], scanned=True)
+    rows = {m: train_step(MODES[m], scanned=True) for m in args.modes}
+    _table(f"(c) the same step, layers scanned ({BASE_LM.num_layers} layers stacked)", rows)
 
 
 if __name__ == "__main__":
