@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -142,11 +143,39 @@ def _gpu_platform() -> str:
   return "rocm" if "rocm" in version else "cuda"
 
 
+LOWERING_TARGET = jax.sharding.AbstractDevice(
+  device_kind="NVIDIA H100", num_cores=None, platform="gpu"
+)
+"""The GPU that `check_lowering` lowers for in a process without one (compute capability 9.0)."""
+
+
+def _lowering_target(platform: str) -> contextlib.AbstractContextManager:
+  """A context that names `LOWERING_TARGET` as the device to lower for, where there is no GPU.
+
+  Without a GPU, jax 0.10's Triton lowering assumed compute capability 9.0;
+  jax 0.11's asks for the GPU in the abstract mesh's ``abstract_device``
+  (otherwise: "No supported GPU devices found"). The mesh's axes stay as
+  they are. With a GPU (or for ROCm), nothing changes.
+
+  Example:
+    >>> with _lowering_target("cuda"):
+    ...   jax.sharding.get_abstract_mesh().abstract_device.device_kind
+    'NVIDIA H100'
+  """
+  try:
+    jax.local_devices(backend="gpu")
+  except RuntimeError:
+    if platform == "cuda":
+      mesh = jax.sharding.get_abstract_mesh().update(abstract_device=LOWERING_TARGET)
+      return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
+
+
 def check_lowering(programs: Sequence[tuple[Program, tuple, tuple]], platform: str | None) -> None:
   """Lowers each program's Pallas kernel for the GPU.
 
   Lowering needs no GPU (`jax.export` lowers for any platform), so the same
-  check runs on CPU in the tests.
+  check runs on CPU in the tests; there it lowers for `LOWERING_TARGET`.
 
   Args:
     programs: per program, the program, its buffers' dtypes (param,
@@ -165,10 +194,11 @@ def check_lowering(programs: Sequence[tuple[Program, tuple, tuple]], platform: s
       return _pallas_group(program, buffers, scalars, interpret=False)
 
     try:
-      jax.export.export(
-        jax.jit(kernel),
-        platforms=(platform,),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
-      )(buffers, scalars)
+      with _lowering_target(platform):
+        jax.export.export(
+          jax.jit(kernel),
+          platforms=(platform,),
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
+        )(buffers, scalars)
     except NotImplementedError as error:
       raise NotFusible(f"its Pallas kernel does not lower for {platform}: {error}") from None
