@@ -157,7 +157,7 @@ def _lowering_target(platform: str) -> contextlib.AbstractContextManager:
   (otherwise: "No supported GPU devices found"). The mesh's axes stay as
   they are. With a GPU (or for ROCm), nothing changes.
 
-  Example:
+  Example (in a process without a GPU, as the tests run):
     >>> with _lowering_target("cuda"):
     ...   jax.sharding.get_abstract_mesh().abstract_device.device_kind
     'NVIDIA H100'
