@@ -185,6 +185,12 @@ class _Ops:
     return out
 
 
+def _first_factor(size: jax.Array, ops: _Ops) -> jax.Array:
+  """`_decade_factors`' ``a`` of a decade of ``size`` values, ``size / 9``: a power of two
+  times the float32 ``1 / 9``, exactly the table's value, in one multiplication."""
+  return ops.float32(size) * ops.full(np.float32(1) / np.float32(9), jnp.float32)
+
+
 def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   """The index of the nearest map value: the number of thresholds below ``scaled``.
 
@@ -192,10 +198,10 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   one element at a time inside a fused loop (10x slower here), and a lookup
   does not trace under explicit sharding. Both maps share one computation,
   their constants chosen per element (a map's decade ``i`` holds
-  ``2**(i + u)`` values, ``u`` 1 for the unsigned map, so its factors are
-  the signed map's times ``2**u`` and ``2**-u``, exactly), which keeps
-  each leaf's compiled encoder small (a computation per map, selected
-  after, made the whole train step compile several times slower).
+  ``2**(i + u)`` values, ``u`` 1 for the unsigned map, and its factors
+  follow from that count, exactly), which keeps each leaf's compiled
+  encoder small (a computation per map, selected after, made the whole
+  train step compile several times slower).
   The decade comes from comparisons with its 6 inner boundaries, the
   position inside it from one division, corrected exactly by comparing with
   the two thresholds next to it. A negative value of the signed map mirrors:
@@ -203,7 +209,7 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
   next float up).
   """
   lax, ops = jax.lax, _Ops(scaled)
-  a_signed, b_signed, _ = _decade_constants(True)
+  b_signed = _decade_factors(True)[1]
   bounds = {s: _decade_constants(s)[2] for s in (True, False)}
   signed = jnp.broadcast_to(signed, scaled.shape)
   mirror = signed & lax.lt(scaled, ops.full(0, jnp.float32))
@@ -220,7 +226,7 @@ def _codes(scaled: jax.Array, signed: jax.Array) -> jax.Array:
 
   above = [below(boundary(i)) for i in range(1, 7)]
   size = lax.shift_left(ops.chain(above, [2**i for i in range(7)], jnp.int32), unsigned)
-  a_d = ops.chain(above, a_signed, jnp.float32) * ops.where(signed, 1.0, 2.0, jnp.float32)
+  a_d = _first_factor(size, ops)
   b_d = ops.chain(above, b_signed, jnp.float32) * ops.where(signed, 1.0, 0.5, jnp.float32)
   last = size - ops.full(1, jnp.int32)
   guess = lax.clamp(ops.full(0, jnp.float32), lax.floor(magnitude / b_d - a_d), ops.float32(last))
@@ -359,7 +365,7 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
   map), found by counting leading zeros.
   """
   lax, ops = jax.lax, _Ops(codes)
-  a_signed, b_signed = _decade_factors(True)
+  b_signed = _decade_factors(True)[1]
   signed = jnp.broadcast_to(signed, codes.shape)
   unsigned = ops.int32(~signed)
   middle = ops.full(127, jnp.int32)
@@ -368,8 +374,9 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
   exponent = ops.full(31, jnp.int32) - lax.clz(lax.max(shifted, ops.full(1, jnp.int32)))
   decade = exponent - unsigned
   above = [lax.ge(decade, ops.full(i, jnp.int32)) for i in range(1, 7)]
-  k = ops.float32(shifted - lax.shift_left(ops.full(1, jnp.int32), exponent))
-  a_d = ops.chain(above, a_signed, jnp.float32) * ops.where(signed, 1.0, 2.0, jnp.float32)
+  size = lax.shift_left(ops.full(1, jnp.int32), exponent)
+  k = ops.float32(shifted - size)
+  a_d = _first_factor(size, ops)
   b_d = ops.chain(above, b_signed, jnp.float32) * ops.where(signed, 1.0, 0.5, jnp.float32)
   value = (a_d + (k + ops.full(0.5, jnp.float32))) * b_d
   top = lax.gt(position, middle + unsigned * middle)
