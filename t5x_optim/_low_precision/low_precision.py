@@ -873,12 +873,12 @@ def _leaf_functions(
 
   def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
     after = _after(new_param)
-    shape = jnp.shape(operands[1])
     # Codes read through the select too: decoded as the update decodes them, XLA:GPU computes
     # the float32 state once for both and holds it whole between them. Only the codes: the
     # scales through a select keep XLA:CPU from vectorizing the 4-bit encoder (3 times slower),
     # and a bfloat16 leaf's decode, a convert, XLA:GPU recomputes.
     p, g, leaves, *rest = operands
+    shape = jnp.shape(g)
     gated = [
       leaf._replace(codes=jnp.where(after, leaf.codes, jnp.zeros_like(leaf.codes)))
       if kind in _CODECS

@@ -186,19 +186,19 @@ def check_lowering(programs: Sequence[tuple[Program, tuple, tuple]], platform: s
     NotFusible: for the first program whose kernel does not lower.
   """
   platform = platform or _gpu_platform()
-  for program, buffer_dtypes, scalar_dtypes in programs:
-    buffers = [jax.ShapeDtypeStruct((_BLOCK,), dtype) for dtype in buffer_dtypes]
-    scalars = [jax.ShapeDtypeStruct((), dtype) for dtype in scalar_dtypes]
+  with _lowering_target(platform):
+    for program, buffer_dtypes, scalar_dtypes in programs:
+      buffers = [jax.ShapeDtypeStruct((_BLOCK,), dtype) for dtype in buffer_dtypes]
+      scalars = [jax.ShapeDtypeStruct((), dtype) for dtype in scalar_dtypes]
 
-    def kernel(buffers, scalars, program=program):
-      return _pallas_group(program, buffers, scalars, interpret=False)
+      def kernel(buffers, scalars, program=program):
+        return _pallas_group(program, buffers, scalars, interpret=False)
 
-    try:
-      with _lowering_target(platform):
+      try:
         jax.export.export(
           jax.jit(kernel),
           platforms=(platform,),
           disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
         )(buffers, scalars)
-    except NotImplementedError as error:
-      raise NotFusible(f"its Pallas kernel does not lower for {platform}: {error}") from None
+      except NotImplementedError as error:
+        raise NotFusible(f"its Pallas kernel does not lower for {platform}: {error}") from None
