@@ -20,7 +20,7 @@ same cache), for
   64, MLP 2048, 12 layers, vocabulary 32128: 115.5M params), at a per-device
   batch of 2 x 128 tokens, small enough that the update is the peak;
 * (c) the same step with the 12 layers scanned (``flax.linen.scan``: each
-  layer param stacked over a leading ``layers`` axis, 17 leaves instead of
+  layer param stacked over a leading ``layers`` axis, 12 leaves instead of
   100), as T5X's scanned models keep them.
 
 Modes: optax's ``adamw`` (float32 state), `t5x_optim.low_precision` of it in
