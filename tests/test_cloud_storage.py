@@ -44,6 +44,8 @@ pytest.importorskip("gcp_storage_emulator")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--gin_file", "examples/tiny.gin"]
+CONSTANT_RATE = ["--gin_bindings", "LEARNING_RATE = 5e-3"]
+"""No schedule over TOTAL_STEPS: a start that trains further runs the same train step."""
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +379,29 @@ def test_reads_retry_transient_errors(where, capsys):
   flags = ["--data", f"{root}/text", "--gin_bindings", "TOTAL_STEPS = 2"]
   assert main(["train", *TINY, *flags, "--model_dir", f"{where}/run"]) == 0, capsys.readouterr().err
   print(f"restore and a 2-step run through 503s: {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_a_restart_loads_its_compiled_steps_from_gs(where, capsys):
+  """The compilation cache beside the checkpoints on GCS: written by the first start, loaded
+  by the next, an entry cut short deleted."""
+  import jax  # noqa: PLC0415
+
+  previous = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  try:
+    for steps in (1, 2):
+      flags = ["--model_dir", where, *CONSTANT_RATE, "--gin_bindings", f"TOTAL_STEPS = {steps}"]
+      assert main(["train", *TINY, *flags]) == 0, capsys.readouterr().err
+    loaded = capsys.readouterr().out.splitlines()[-1]
+    assert loaded.startswith("compilation cache: ")
+    assert f" loaded from {where}/compilation_cache " in loaded
+    entries = sorted(epath.Path(f"{where}/compilation_cache").glob("jit__train_step-*-cache"))
+    assert len(entries) == 1
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    flags = ["--model_dir", where, *CONSTANT_RATE, "--gin_bindings", "TOTAL_STEPS = 3"]
+    assert main(["train", *TINY, *flags]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.splitlines()[-1].endswith("; 1 damaged entries deleted")
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)

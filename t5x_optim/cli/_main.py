@@ -13,6 +13,7 @@ and exits with status 1. Both print one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -79,7 +80,8 @@ MODEL_DIR from it); a finished run says so and exits 0. Ctrl-C saves a checkpoin
 and exits 130; SIGTERM (a preemption) saves one and exits 143 within
 --preemption_grace_seconds. A non-finite loss or gradient norm is never saved: the
 run stops with status 3 (or skips the step: --on_nonfinite skip). Any other failure
-in the loop saves the last finite state and exits 1.
+in the loop saves the last finite state and exits 1. The compiled steps are kept in
+MODEL_DIR/compilation_cache (--compilation_cache): a restart loads them instead of compiling.
 {_TRUST}
 """
 
@@ -234,6 +236,15 @@ def _parser() -> argparse.ArgumentParser:
     help="after SIGTERM, save the current step and exit 143 within S seconds (past them, "
     "exit without that checkpoint); binds cli.TrainJob.preemption_grace_seconds "
     f"(default {DEFAULT_GRACE_SECONDS:g}; GKE's SIGKILL comes after 30)",
+  )
+  train.add_argument(
+    "--compilation_cache",
+    type=_path_arg,
+    default=None,
+    metavar="DIR",
+    help="keep the compiled steps in DIR, so that a restart loads them instead of compiling "
+    "(default: MODEL_DIR/compilation_cache, or jax's own JAX_COMPILATION_CACHE_DIR where "
+    "set); 'none': no cache of the run's own",
   )
   _processes.add_flags(train)
   plan = commands.add_parser(
@@ -390,6 +401,18 @@ def _same_job_flags(args: argparse.Namespace) -> dict[str, str]:
   }
 
 
+def _cache_directory(args: argparse.Namespace, model_dir: Path) -> tuple[Path | None, str]:
+  """The run's compilation-cache directory (None: none of its own), and how the banner says it."""
+  import jax  # noqa: PLC0415 - after the XLA flags are set
+
+  if args.compilation_cache is None and jax.config.jax_compilation_cache_dir is not None:
+    return None, f"{jax.config.jax_compilation_cache_dir} (jax's JAX_COMPILATION_CACHE_DIR)"
+  if str(args.compilation_cache) == "none":
+    return None, "none"
+  directory = args.compilation_cache or model_dir / "compilation_cache"
+  return directory, str(directory)
+
+
 def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   if args.command == "train":
     try:
@@ -398,6 +421,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       return _fail(args, error)
   import gin  # noqa: PLC0415
 
+  from t5x_optim.cli.loop import compilation_cache as _compilation_cache  # noqa: PLC0415
   from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
   from t5x_optim.cli.loop import job as _job  # noqa: PLC0415
   from t5x_optim.cli.loop import train as _train  # noqa: PLC0415 - after the XLA flags are set
@@ -462,6 +486,8 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   about = _train.describe_setup(
     setup, devices=devices, optimizer=_config.describe_optimizer(), learning_rate=rate_from
   )
+  cache, cache_text = _cache_directory(args, model_dir)
+  about = [*about, f"compile cache:   {cache_text}"]
   interrupt.set_grace(setup.job.preemption_grace_seconds)
   config_text = gin.operative_config_str()
   record = _job.job_record(
@@ -470,34 +496,45 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     abstract_state=setup.abstract_state,
     config_text=config_text,
   )
-  try:
-    summary = _train.train(
-      setup,
-      model_dir=model_dir,
-      interrupt=interrupt,
-      about=about,
-      config_text=config_text,
-      stream=None if primary else io.StringIO(),
-      initial_state=initial_state,
-      write_events=primary,
-      job=record,
-      init_from=None if args.init_from is None else str(args.init_from),
-    )
-  except _train.UsageError as error:
-    return _fail(args, error)
-  except _train.Interrupted:
-    return _interrupted(args.command, interrupt)
-  except _train.Diverged as error:
-    print(
-      f"t5x-optim train: error: {error.message(str(model_dir / 'checkpoints'))}", file=sys.stderr
-    )
-    return EXIT_DIVERGED
-  except _train.LoopFailed as failure:
-    return _loop_failed(args, failure, model_dir, primary)
-  finally:
-    interrupt.cancel()
+  use = None
+  with contextlib.ExitStack() as stack:
+    try:
+      if cache is not None:
+        use = stack.enter_context(_compilation_cache.compilation_cache(cache, primary=primary))
+    except OSError as error:
+      interrupt.cancel()
+      return _error(args.command, f"--compilation_cache {cache} is not usable: {error}")
+    try:
+      summary = _train.train(
+        setup,
+        model_dir=model_dir,
+        interrupt=interrupt,
+        about=about,
+        config_text=config_text,
+        stream=None if primary else io.StringIO(),
+        initial_state=initial_state,
+        write_events=primary,
+        job=record,
+        init_from=None if args.init_from is None else str(args.init_from),
+      )
+    except _train.UsageError as error:
+      return _fail(args, error)
+    except _train.Interrupted:
+      return _interrupted(args.command, interrupt)
+    except _train.Diverged as error:
+      print(
+        f"t5x-optim train: error: {error.message(str(model_dir / 'checkpoints'))}",
+        file=sys.stderr,
+      )
+      return EXIT_DIVERGED
+    except _train.LoopFailed as failure:
+      return _loop_failed(args, failure, model_dir, primary)
+    finally:
+      interrupt.cancel()
   if primary and not summary.finished_before:
     print(summary.format())
+    if use is not None and (use.loaded or use.removed):
+      print(use.format())
   if summary.preempted:
     return EXIT_PREEMPTED
   return EXIT_INTERRUPTED if summary.interrupted else 0

@@ -1,0 +1,172 @@
+"""`t5x-optim train`'s compilation cache: a restart loads its compiled steps, and trains the same."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from t5x_optim import Checkpointer
+from t5x_optim.cli import main
+from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.compilation_cache import compilation_cache, remove_damaged
+
+pytestmark = pytest.mark.usefixtures("clean_gin")
+
+EIGHT_BIT = ["--gin_file", "examples/tiny.gin", "--gin_file", "optimizers/adamw_8bit.gin"]
+LOADED = "compilation cache: "
+CONSTANT_RATE = ["--gin_bindings", "LEARNING_RATE = 5e-3"]
+"""No schedule over TOTAL_STEPS: a start that trains further runs the same program, as the
+restart of a preempted job does."""
+
+
+@pytest.fixture
+def cache_everything():
+  """jax caches every program (the tiny job's compile in well under jax's default 1 s)."""
+  previous = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  yield
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+
+
+def _train_to(model_dir: Path, steps: int, *flags: str) -> int:
+  return main(
+    ["train", *EIGHT_BIT, *CONSTANT_RATE, "--model_dir", str(model_dir)]
+    + ["--gin_bindings", f"TOTAL_STEPS = {steps}"]
+    + list(flags)
+  )
+
+
+def _loaded_line(out: str) -> str | None:
+  return next((line for line in out.splitlines() if line.startswith(LOADED)), None)
+
+
+def _entries(model_dir: Path) -> list[Path]:
+  return sorted((model_dir / "compilation_cache").glob("*-cache"))
+
+
+def _final_state(model_dir: Path):
+  _config.parse_config(
+    gin_files=EIGHT_BIT[1::2], gin_bindings=CONSTANT_RATE[1::2], macros=_config.device_macros(8)
+  )
+  setup = _train.prepare(_config.build_job())
+  with Checkpointer(model_dir / "checkpoints") as checkpointer:
+    return checkpointer.restore(setup.abstract_state)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache_everything")
+def test_a_restart_loads_its_compiled_steps_and_trains_bit_for_bit_the_same(tmp_path, capsys):
+  cached, uncached = tmp_path / "cached", tmp_path / "uncached"
+  assert _train_to(cached, 2) == 0
+  first = capsys.readouterr().out
+  assert f"compile cache:   {cached / 'compilation_cache'}" in first
+  assert _loaded_line(first) is None
+  assert any(p.name.startswith("jit__train_step-") for p in _entries(cached))
+  assert _train_to(cached, 4) == 0
+  loaded = _loaded_line(capsys.readouterr().out)
+  assert loaded is not None and f" loaded from {cached / 'compilation_cache'} " in loaded
+  # The train step at least (this process holds the rest of what the first run compiled in
+  # memory), loaded: no second entry of it.
+  assert int(loaded.split()[2]) >= 1
+  assert len([p for p in _entries(cached) if p.name.startswith("jit__train_step-")]) == 1
+  assert _train_to(uncached, 2, "--compilation_cache", "none") == 0
+  assert _train_to(uncached, 4, "--compilation_cache", "none") == 0
+  out = capsys.readouterr().out
+  assert "compile cache:   none" in out and _loaded_line(out) is None
+  assert not (uncached / "compilation_cache").exists()
+  a, b = _final_state(cached), _final_state(uncached)
+  assert int(a.step) == int(b.step) == 4
+  a, b = jax.tree.leaves(a.state_dict()), jax.tree.leaves(b.state_dict())
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache_everything")
+def test_an_entry_cut_short_is_deleted_and_written_again(tmp_path, capsys):
+  """An entry jax was writing when the process was killed: without deleting it, every later
+  start fails to read it and compiles again, and jax never writes it again."""
+  assert _train_to(tmp_path, 2) == 0
+  capsys.readouterr()
+  entries = _entries(tmp_path)
+  for entry in entries:
+    entry.write_bytes(entry.read_bytes()[: len(entry.read_bytes()) // 2])
+  assert _train_to(tmp_path, 3) == 0
+  loaded = _loaded_line(capsys.readouterr().out)
+  assert loaded.endswith(f"; {len(entries)} damaged entries deleted")
+  assert loaded.startswith(f"{LOADED}0 compiled programs loaded")
+  rewritten = _entries(tmp_path)
+  assert [p for p in rewritten if p.name.startswith("jit__train_step-")] == [
+    p for p in entries if p.name.startswith("jit__train_step-")
+  ]
+  for entry in rewritten:
+    zlib.decompress(entry.read_bytes())
+  assert _train_to(tmp_path, 4) == 0
+  loaded = _loaded_line(capsys.readouterr().out)
+  assert int(loaded.split()[2]) >= 1 and "damaged" not in loaded
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache_everything")
+def test_the_cache_is_the_runs_alone(tmp_path):
+  """After the run, jax's settings are as before: a later compile in the process writes no entry."""
+  assert jax.config.jax_compilation_cache_dir is None
+  assert _train_to(tmp_path, 1) == 0
+  assert jax.config.jax_compilation_cache_dir is None
+  before = _entries(tmp_path)
+  jax.jit(lambda x: x * 3 + 1).lower(np.zeros(7)).compile()
+  assert _entries(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_jaxs_own_cache_directory_is_kept(tmp_path, capsys):
+  own = tmp_path / "own"
+  jax.config.update("jax_compilation_cache_dir", str(own))
+  try:
+    assert _train_to(tmp_path / "run", 1) == 0
+    assert jax.config.jax_compilation_cache_dir == str(own)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
+  assert f"compile cache:   {own} (jax's JAX_COMPILATION_CACHE_DIR)" in capsys.readouterr().out
+  assert not (tmp_path / "run" / "compilation_cache").exists()
+
+
+def test_an_unusable_cache_directory_is_one_line_and_nothing_trained(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  status = _train_to(tmp_path / "run", 1, "--compilation_cache", str(blocker / "cache"))
+  assert status == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1
+  assert err[0].startswith(f"t5x-optim train: error: --compilation_cache {blocker / 'cache'} ")
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
+  intact = zlib.compress(b"executable" * 100)
+  (tmp_path / "jit_a-1-cache").write_bytes(intact)
+  (tmp_path / "jit_b-2-cache").write_bytes(intact[:-3])
+  (tmp_path / "jit_c-3-cache").write_bytes(b"")
+  (tmp_path / "jit_d-4-cache").write_bytes(b"\x00unknown format")
+  (tmp_path / "jit_e-5-atime").write_bytes(b"\x00" * 8)
+  assert remove_damaged(tmp_path) == 2
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "jit_a-1-cache",
+    "jit_d-4-cache",
+    "jit_e-5-atime",
+  ]
+  assert remove_damaged(tmp_path / "absent") == 0
+
+
+def test_the_context_restores_jaxs_settings_when_its_body_fails(tmp_path):
+  with pytest.raises(RuntimeError), compilation_cache(tmp_path):
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    raise RuntimeError
+  assert jax.config.jax_compilation_cache_dir is None
+  assert jax.config.jax_enable_compilation_cache
