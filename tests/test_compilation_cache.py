@@ -137,6 +137,20 @@ def test_jaxs_own_cache_directory_is_kept(tmp_path, capsys):
   assert not (tmp_path / "run" / "compilation_cache").exists()
 
 
+@pytest.mark.slow
+def test_jaxs_own_switch_turns_the_cache_off(tmp_path, capsys):
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    assert _train_to(tmp_path, 1) == 0
+    assert not jax.config.jax_enable_compilation_cache
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+  assert (
+    "compile cache:   none (jax's JAX_ENABLE_COMPILATION_CACHE is off)" in capsys.readouterr().out
+  )
+  assert not (tmp_path / "compilation_cache").exists()
+
+
 def test_an_unusable_cache_directory_is_one_line_and_nothing_trained(tmp_path, capsys):
   blocker = tmp_path / "a_file"
   blocker.write_text("")

@@ -405,6 +405,8 @@ def _cache_directory(args: argparse.Namespace, model_dir: Path) -> tuple[Path | 
   """The run's compilation-cache directory (None: none of its own), and how the banner says it."""
   import jax  # noqa: PLC0415 - after the XLA flags are set
 
+  if args.compilation_cache is None and not jax.config.jax_enable_compilation_cache:
+    return None, "none (jax's JAX_ENABLE_COMPILATION_CACHE is off)"
   if args.compilation_cache is None and jax.config.jax_compilation_cache_dir is not None:
     return None, f"{jax.config.jax_compilation_cache_dir} (jax's JAX_COMPILATION_CACHE_DIR)"
   if str(args.compilation_cache) == "none":
