@@ -96,6 +96,19 @@ def test_two_processes_train_like_one_and_only_process_0_writes(tmp_path):
   assert _checkpoint_steps(tmp_path / "two") == [20]
 
 
+def test_two_processes_restart_from_process_0s_compilation_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  args = [*TINY_TEXT, "--gin_bindings", "LEARNING_RATE = 5e-3", "--model_dir", str(tmp_path)]
+  _train([*args, "--gin_bindings", "TOTAL_STEPS = 2"], processes=2, cwd=tmp_path)
+  written = sorted((tmp_path / "compilation_cache").glob("jit__train_step-*"))
+  assert len(written) == 1
+  again = _train([*args, "--gin_bindings", "TOTAL_STEPS = 4"], processes=2, cwd=tmp_path)
+  loaded = again[0][1].splitlines()[-1]
+  assert loaded.startswith("compilation cache: ") and " loaded from " in loaded, again[0][1]
+  assert sorted((tmp_path / "compilation_cache").glob("jit__train_step-*")) == written
+  assert _checkpoint_steps(tmp_path) == [2, 4]
+
+
 def _wait_for_checkpoint(model_dir: Path, procs: list[subprocess.Popen]) -> None:
   deadline = time.monotonic() + TIMEOUT
   while time.monotonic() < deadline:
