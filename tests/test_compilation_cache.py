@@ -162,6 +162,31 @@ def test_an_unusable_cache_directory_is_one_line_and_nothing_trained(tmp_path, c
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_a_default_cache_that_cannot_be_made_is_a_warning_and_the_run_goes_on(tmp_path, capsys):
+  (tmp_path / "compilation_cache").write_text("a file where the cache would go")
+  assert _train_to(tmp_path, 1) == 0
+  err = capsys.readouterr().err
+  assert (
+    f"t5x-optim train: warning: no compilation cache ({tmp_path / 'compilation_cache'}: " in err
+  )
+  assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_an_entry_that_cannot_be_deleted_is_logged_and_jax_compiles_anew(
+  tmp_path, monkeypatch, caplog
+):
+  from t5x_optim.cli.loop import compilation_cache as module  # noqa: PLC0415
+
+  def refuse(directory):
+    raise PermissionError(13, "Permission denied", str(directory / "jit_a-1-cache"))
+
+  monkeypatch.setattr(module, "remove_damaged", refuse)
+  with caplog.at_level("WARNING"), compilation_cache(tmp_path) as use:
+    assert use.removed == 0
+  assert "could not delete a damaged compilation-cache entry" in caplog.text
+
+
 def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
   intact = zlib.compress(b"executable" * 100)
   (tmp_path / "jit_a-1-cache").write_bytes(intact)

@@ -401,6 +401,17 @@ def _same_job_flags(args: argparse.Namespace) -> dict[str, str]:
   }
 
 
+def _check_cache_flag(directory: Path | str | None) -> None:
+  """Creates ``--compilation_cache``'s directory, before the processes of a job compare their
+  flags: one that cannot be created stops every process, in one line."""
+  if directory is None or str(directory) == "none":
+    return
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except (OSError, AttributeError) as error:
+    raise ValueError(f"--compilation_cache {directory} is not usable: {error}") from error
+
+
 def _cache_directory(args: argparse.Namespace, model_dir: Path) -> tuple[Path | None, str]:
   """The run's compilation-cache directory (None: none of its own), and how the banner says it."""
   import jax  # noqa: PLC0415 - after the XLA flags are set
@@ -432,6 +443,8 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   failure = None
   try:
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
+    if train:
+      _check_cache_flag(args.compilation_cache)
     count, devices = _devices(args.num_devices)
     source = None
     if train and args.init_from:
@@ -504,8 +517,11 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       if cache is not None:
         use = stack.enter_context(_compilation_cache.compilation_cache(cache, primary=primary))
     except OSError as error:
-      interrupt.cancel()
-      return _error(args.command, f"--compilation_cache {cache} is not usable: {error}")
+      # Only an optimization: the run goes on, as every other process of the job does.
+      print(
+        f"t5x-optim train: warning: no compilation cache ({cache}: {error}); compiling as usual",
+        file=sys.stderr,
+      )
     try:
       summary = _train.train(
         setup,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 __all__ = ["CacheUse", "compilation_cache", "remove_damaged"]
 
+_log = logging.getLogger(__name__)
 _HITS = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 _ENTRY_SUFFIX = "-cache"
@@ -141,7 +143,8 @@ def compilation_cache(directory: Any, *, primary: bool = True) -> Iterator[Cache
   Args:
     directory: a `pathlib.Path` or `etils.epath.Path`; created if absent.
     primary: whether this process deletes damaged entries (`remove_damaged`):
-      one process of a job does, as only process 0 writes.
+      one process of a job does, as only process 0 writes. One it cannot
+      delete is logged: jax then compiles that program.
 
   Raises:
     OSError: the directory cannot be created.
@@ -155,7 +158,13 @@ def compilation_cache(directory: Any, *, primary: bool = True) -> Iterator[Cache
     0
   """
   directory.mkdir(parents=True, exist_ok=True)
-  use = CacheUse(str(directory), removed=remove_damaged(directory) if primary else 0)
+  use = CacheUse(str(directory))
+  if primary:
+    try:
+      use.removed = remove_damaged(directory)
+    except OSError as error:
+      # jax then fails to read the entry and compiles the program, warning of it.
+      _log.warning("could not delete a damaged compilation-cache entry in %s: %s", directory, error)
 
   def on_event(event: str, **_: Any) -> None:
     if event == _HITS:
