@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import zlib
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from t5x_optim import Checkpointer
 from t5x_optim.cli import main
+from t5x_optim.cli._main import _cache_directory
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.compilation_cache import compilation_cache, remove_damaged
@@ -79,6 +81,11 @@ def test_a_restart_loads_its_compiled_steps_and_trains_bit_for_bit_the_same(tmp_
   out = capsys.readouterr().out
   assert "compile cache:   none" in out and _loaded_line(out) is None
   assert not (uncached / "compilation_cache").exists()
+  # jax's settings are back: a later compile in this process writes no entry.
+  assert jax.config.jax_compilation_cache_dir is None
+  before = _entries(cached)
+  jax.jit(lambda x: x * 3 + 1).lower(np.zeros(7)).compile()
+  assert _entries(cached) == before
   a, b = _final_state(cached), _final_state(uncached)
   assert int(a.step) == int(b.step) == 4
   a, b = jax.tree.leaves(a.state_dict()), jax.tree.leaves(b.state_dict())
@@ -112,43 +119,32 @@ def test_an_entry_cut_short_is_deleted_and_written_again(tmp_path, capsys):
   assert int(loaded.split()[2]) >= 1 and "damaged" not in loaded
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("cache_everything")
-def test_the_cache_is_the_runs_alone(tmp_path):
-  """After the run, jax's settings are as before: a later compile in the process writes no entry."""
-  assert jax.config.jax_compilation_cache_dir is None
-  assert _train_to(tmp_path, 1) == 0
-  assert jax.config.jax_compilation_cache_dir is None
-  before = _entries(tmp_path)
-  jax.jit(lambda x: x * 3 + 1).lower(np.zeros(7)).compile()
-  assert _entries(tmp_path) == before
-
-
-@pytest.mark.slow
-def test_jaxs_own_cache_directory_is_kept(tmp_path, capsys):
-  own = tmp_path / "own"
-  jax.config.update("jax_compilation_cache_dir", str(own))
+@pytest.mark.parametrize(
+  ("flag", "jax_dir", "jax_on", "expected"),
+  [
+    (None, None, True, ("{run}/compilation_cache", "{run}/compilation_cache")),
+    ("{tmp}/shared", None, True, ("{tmp}/shared", "{tmp}/shared")),
+    ("none", None, True, (None, "none")),
+    (None, "{tmp}/own", True, (None, "{tmp}/own (jax's JAX_COMPILATION_CACHE_DIR)")),
+    ("{tmp}/shared", "{tmp}/own", True, ("{tmp}/shared", "{tmp}/shared")),
+    (None, None, False, (None, "none (jax's JAX_ENABLE_COMPILATION_CACHE is off)")),
+  ],
+)
+def test_which_cache_a_run_keeps(flag, jax_dir, jax_on, expected, tmp_path):
+  """The flag, else jax's own settings, else the model directory's; and the banner's words."""
+  fill = {"tmp": tmp_path, "run": tmp_path / "run"}
+  previous = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+  jax.config.update("jax_compilation_cache_dir", jax_dir and jax_dir.format(**fill))
+  jax.config.update("jax_enable_compilation_cache", jax_on)
   try:
-    assert _train_to(tmp_path / "run", 1) == 0
-    assert jax.config.jax_compilation_cache_dir == str(own)
+    flag = None if flag is None else Path(flag.format(**fill))
+    directory, text = _cache_directory(argparse.Namespace(compilation_cache=flag), fill["run"])
   finally:
-    jax.config.update("jax_compilation_cache_dir", None)
-  assert f"compile cache:   {own} (jax's JAX_COMPILATION_CACHE_DIR)" in capsys.readouterr().out
-  assert not (tmp_path / "run" / "compilation_cache").exists()
-
-
-@pytest.mark.slow
-def test_jaxs_own_switch_turns_the_cache_off(tmp_path, capsys):
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
-    assert _train_to(tmp_path, 1) == 0
-    assert not jax.config.jax_enable_compilation_cache
-  finally:
-    jax.config.update("jax_enable_compilation_cache", True)
-  assert (
-    "compile cache:   none (jax's JAX_ENABLE_COMPILATION_CACHE is off)" in capsys.readouterr().out
-  )
-  assert not (tmp_path / "compilation_cache").exists()
+    jax.config.update("jax_compilation_cache_dir", previous[0])
+    jax.config.update("jax_enable_compilation_cache", previous[1])
+  want_dir, want_text = expected
+  assert (None if directory is None else str(directory)) == (want_dir and want_dir.format(**fill))
+  assert text == want_text.format(**fill)
 
 
 def test_an_unusable_cache_directory_is_one_line_and_nothing_trained(tmp_path, capsys):
