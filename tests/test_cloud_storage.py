@@ -385,7 +385,7 @@ def test_reads_retry_transient_errors(where, capsys):
 @pytest.mark.usefixtures("clean_gin")
 def test_a_restart_loads_its_compiled_steps_from_gs(where, capsys):
   """The compilation cache beside the checkpoints on GCS: written by the first start, loaded
-  by the next, an entry cut short deleted."""
+  by the next."""
   import jax  # noqa: PLC0415
 
   previous = jax.config.jax_persistent_cache_min_compile_time_secs
@@ -394,14 +394,10 @@ def test_a_restart_loads_its_compiled_steps_from_gs(where, capsys):
     for steps in (1, 2):
       flags = ["--model_dir", where, *CONSTANT_RATE, "--gin_bindings", f"TOTAL_STEPS = {steps}"]
       assert main(["train", *TINY, *flags]) == 0, capsys.readouterr().err
-    loaded = capsys.readouterr().out.splitlines()[-1]
-    assert loaded.startswith("compilation cache: ")
-    assert f" loaded from {where}/compilation_cache " in loaded
-    entries = sorted(epath.Path(f"{where}/compilation_cache").glob("jit__train_step-*-cache"))
-    assert len(entries) == 1
-    entries[0].write_bytes(entries[0].read_bytes()[:100])
-    flags = ["--model_dir", where, *CONSTANT_RATE, "--gin_bindings", "TOTAL_STEPS = 3"]
-    assert main(["train", *TINY, *flags]) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out.splitlines()[-1].endswith("; 1 damaged entries deleted")
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+  loaded = capsys.readouterr().out.splitlines()[-1]
+  assert loaded.startswith("compilation cache: ")
+  assert f" loaded from {where}/compilation_cache " in loaded
+  entries = list(epath.Path(f"{where}/compilation_cache").glob("jit__train_step-*-cache"))
+  assert len(entries) == 1
