@@ -8,7 +8,8 @@ compile in a directory (by default the run's ``MODEL_DIR/compilation_cache``,
 on any storage the model directory is on), keyed by the program, the devices,
 the compile options, XLA's flags and the jax and backend versions: a start
 with the same config and devices loads them instead of compiling, and a
-change that reaches a program compiles it anew. Only process 0 writes entries; every process reads them.
+change that reaches a program compiles it anew. Only process 0 writes
+entries; every process reads them.
 
 jax writes an entry in place and never replaces one: an entry cut short (the
 process killed while writing it) would fail to load at every later start.
