@@ -12,16 +12,27 @@ start-up. The time is ``jax.jit(step).lower(...)`` and ``.compile()``: lowering
 runs in both processes; the second loads XLA's compiled program instead of
 compiling it.
 
-Run: ``python benchmarks/compilation_cache.py [--parts b c] [--modes ...]``.
+Part (d) times what a start spends checking the cache for entries cut short
+(`remove_damaged`) in a directory of ``--entries`` entries of about
+``--entry_mb`` MB (zlib, as jax writes them): the first start reads and
+decompresses every entry, as every start did before the record of intact
+entries; a later start reads only the record and each entry's size. On local
+disk and on ``gs://`` (the tests' GCS emulator, a Python server: its numbers
+show the request pattern, not GCS's speed).
+
+Run: ``python benchmarks/compilation_cache.py [--parts b c d] [--modes ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
+import zlib
 from pathlib import Path
 
 MODES = ["float32", "bf16+SR", "8-bit", "4-bit"]
@@ -47,9 +58,40 @@ def _run(mode: str, part: str, cache: str) -> dict[str, float]:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _check_on_start(entries: int, entry_mb: int) -> None:
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+  from _gcs_emulator import Emulator  # noqa: PLC0415 - before gcsfs loads: it configures it
+  from etils import epath  # noqa: PLC0415
+
+  from t5x_optim.cli.loop.compilation_cache import remove_damaged  # noqa: PLC0415
+
+  size = entry_mb << 20
+  # Random bytes, then as many zeros: about entry_mb MB compressed, twice that decompressed.
+  entry = zlib.compress(os.urandom(size) + bytes(size), 1)
+  print(
+    f"\n(d) a start's check for entries cut short: {entries} entries of {len(entry) / 1e6:.0f} MB"
+  )
+  print(f"{'':<36}{'local disk':>12}{'gs:// (emulator)':>18}")
+  seconds: dict[str, list[float]] = {}
+  with Emulator() as emulator, tempfile.TemporaryDirectory() as local:
+    emulator.create_bucket("bench")
+    for where in (epath.Path(local), epath.Path("gs://bench/compilation_cache")):
+      where.mkdir(parents=True, exist_ok=True)
+      for i in range(entries):
+        (where / f"jit_step-{i}-cache").write_bytes(entry)
+      for start in ("first start (reads every entry)", "next start (the record and sizes)"):
+        begin = time.perf_counter()
+        assert remove_damaged(where) == 0
+        seconds.setdefault(start, []).append(time.perf_counter() - begin)
+  for start, (on_disk, on_gcs) in seconds.items():
+    print(f"{start:<36}{on_disk:>10.3f} s{on_gcs:>16.3f} s")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--parts", nargs="+", default=["b", "c"], choices=["b", "c"])
+  parser.add_argument("--parts", nargs="+", default=["b", "c", "d"], choices=["b", "c", "d"])
+  parser.add_argument("--entries", type=int, default=10)
+  parser.add_argument("--entry_mb", type=int, default=50)
   parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
   parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
   parser.add_argument("--part", choices=["b", "c"], help=argparse.SUPPRESS)
@@ -59,6 +101,9 @@ def main() -> None:
     _child(args.child, args.part, args.cache)
     return
   for part in args.parts:
+    if part == "d":
+      _check_on_start(args.entries, args.entry_mb)
+      continue
     scanned = ", layers scanned" if part == "c" else ""
     print(f"\n({part}) whole train step{scanned}: lower + compile (or load), s, in a fresh process")
     print(f"{'mode':<10}{'first start':>13}{'restart':>10}")

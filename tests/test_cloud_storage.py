@@ -401,3 +401,6 @@ def test_a_restart_loads_its_compiled_steps_from_gs(where, capsys):
   assert f" loaded from {where}/compilation_cache " in loaded
   entries = list(epath.Path(f"{where}/compilation_cache").glob("jit__train_step-*-cache"))
   assert len(entries) == 1
+  # The second start found it intact, sized through GCS: the next start does not read it.
+  intact = json.loads(epath.Path(f"{where}/compilation_cache/intact-entries.json").read_text())
+  assert intact[entries[0].name] == len(entries[0].read_bytes())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import zlib
 from pathlib import Path
 
@@ -191,11 +192,67 @@ def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
   (tmp_path / "jit_e-5-atime").write_bytes(b"\x00" * 8)
   assert remove_damaged(tmp_path) == 2
   assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "intact-entries.json",
     "jit_a-1-cache",
     "jit_d-4-cache",
     "jit_e-5-atime",
   ]
   assert remove_damaged(tmp_path / "absent") == 0
+
+
+def _reads(monkeypatch) -> list[str]:
+  """The names of the entries `remove_damaged` reads from now on."""
+  from t5x_optim.cli.loop import compilation_cache as module  # noqa: PLC0415
+
+  read, damaged = [], module._damaged
+
+  def counting(data):
+    read.append(data)
+    return damaged(data)
+
+  monkeypatch.setattr(module, "_damaged", counting)
+  return read
+
+
+def test_an_entry_found_intact_is_not_read_at_the_next_start(tmp_path, monkeypatch):
+  """Each start reads only the entries written since the last: jax never rewrites an entry."""
+  (tmp_path / "jit_a-1-cache").write_bytes(zlib.compress(b"a" * 100))
+  (tmp_path / "jit_b-2-cache").write_bytes(zlib.compress(b"b" * 100))
+  read = _reads(monkeypatch)
+  assert remove_damaged(tmp_path) == 0
+  assert len(read) == 2
+  (tmp_path / "jit_c-3-cache").write_bytes(zlib.compress(b"c" * 100))
+  assert remove_damaged(tmp_path) == 0
+  assert read[2:] == [zlib.compress(b"c" * 100)]
+  assert remove_damaged(tmp_path) == 0
+  assert len(read) == 3
+
+
+def test_an_entry_whose_size_changed_is_checked_again(tmp_path):
+  """Deleted and written again (cut short this time): its size differs from the one checked."""
+  entry = tmp_path / "jit_a-1-cache"
+  entry.write_bytes(zlib.compress(b"a" * 100))
+  assert remove_damaged(tmp_path) == 0
+  entry.write_bytes(zlib.compress(b"a" * 100)[:-3])
+  assert remove_damaged(tmp_path) == 1
+  assert not entry.exists()
+  assert json.loads((tmp_path / "intact-entries.json").read_text()) == {}
+
+
+@pytest.mark.parametrize("record", ["{not json", '["a list"]', '{"jit_a-1-cache": "big"}'])
+def test_an_unreadable_record_of_checked_entries_checks_every_entry(tmp_path, record):
+  (tmp_path / "jit_a-1-cache").write_bytes(zlib.compress(b"a" * 100)[:-3])
+  (tmp_path / "intact-entries.json").write_text(record)
+  assert remove_damaged(tmp_path) == 1
+  assert json.loads((tmp_path / "intact-entries.json").read_text()) == {}
+
+
+def test_a_record_that_cannot_be_written_is_logged_and_entries_still_checked(tmp_path, caplog):
+  (tmp_path / "jit_a-1-cache").write_bytes(b"")
+  (tmp_path / "intact-entries.json").mkdir()
+  with caplog.at_level("WARNING"):
+    assert remove_damaged(tmp_path) == 1
+  assert "could not record the intact compilation-cache entries" in caplog.text
 
 
 def test_the_context_restores_jaxs_settings_when_its_body_fails(tmp_path):

@@ -14,13 +14,16 @@ entries; every process reads them.
 jax writes an entry in place and never replaces one: an entry cut short (the
 process killed while writing it) would fail to load at every later start.
 `remove_damaged` deletes such entries first, so that the next compile of the
-program writes it again.
+program writes it again. It reads only the entries written since the last
+start: the names and sizes of those it found intact are kept beside them
+(``intact-entries.json``), and an entry keeps its size until it is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import zlib
 from collections.abc import Iterator
@@ -35,6 +38,7 @@ _log = logging.getLogger(__name__)
 _HITS = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 _ENTRY_SUFFIX = "-cache"
+_INTACT = "intact-entries.json"
 _ZLIB_FIRST_BYTE = 0x78
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -53,6 +57,8 @@ class CacheUse:
   Example:
     >>> CacheUse("/tmp/run/compilation_cache", loaded=2, saved_seconds=12.34).format()
     'compilation cache: 2 compiled programs loaded from /tmp/run/compilation_cache (about 12 s of compiling saved)'
+    >>> CacheUse("/tmp/run/compilation_cache", loaded=1, removed=1).format()
+    'compilation cache: 1 compiled program loaded from /tmp/run/compilation_cache (about 0 s of compiling saved); 1 damaged entry deleted'
   """
 
   directory: str
@@ -68,7 +74,8 @@ class CacheUse:
       f"(about {self.saved_seconds:.0f} s of compiling saved)"
     )
     if self.removed:
-      text += f"; {self.removed} damaged entries deleted"
+      entries = "entry" if self.removed == 1 else "entries"
+      text += f"; {self.removed} damaged {entries} deleted"
     return text
 
 
@@ -106,8 +113,35 @@ def _damaged(data: bytes) -> bool:
   return False
 
 
+def _size(entry: Any) -> int:
+  """A file's size in bytes, from `pathlib.Path.stat` or `etils.epath.Path.stat`."""
+  stat = entry.stat()
+  return stat.st_size if hasattr(stat, "st_size") else stat.length
+
+
+def _found_intact(directory: Any) -> dict[str, int] | None:
+  """The entries an earlier `remove_damaged` found intact, by name, with their sizes then.
+
+  None where there is no such record or it cannot be read: every entry is then read.
+  """
+  try:
+    record = json.loads((directory / _INTACT).read_text())
+  except (OSError, ValueError):
+    return None
+  if not isinstance(record, dict) or not all(isinstance(n, int) for n in record.values()):
+    return None
+  return record
+
+
 def remove_damaged(directory: Any) -> int:
   """Deletes the cache entries in ``directory`` that cannot be read back; returns how many.
+
+  An entry found intact before, with the same size, is not read again (jax
+  never rewrites an entry; one cut short is shorter): the names and sizes of
+  the intact entries are kept in ``directory / "intact-entries.json"``. A
+  record that cannot be read counts as empty (every entry is read, and the
+  record written anew); one that cannot be written is logged, and the next
+  start reads again the entries it lacks.
 
   Args:
     directory: a `pathlib.Path` or `etils.epath.Path`; absent: nothing to do.
@@ -119,17 +153,34 @@ def remove_damaged(directory: Any) -> int:
     >>> _ = (d / "jit_step-1-cache").write_bytes(zlib.compress(b"x" * 1000))
     >>> _ = (d / "jit_step-2-cache").write_bytes(zlib.compress(b"x" * 1000)[:5])
     >>> remove_damaged(d), sorted(p.name for p in d.iterdir())
-    (1, ['jit_step-1-cache'])
+    (1, ['intact-entries.json', 'jit_step-1-cache'])
   """
   if not directory.exists():
     return 0
+  before = _found_intact(directory)
+  known = before or {}
+  intact = {}
   removed = 0
   for entry in directory.iterdir():
     if not entry.name.endswith(_ENTRY_SUFFIX):
       continue
-    if _damaged(entry.read_bytes()):
+    size = _size(entry)
+    if known.get(entry.name) == size:
+      intact[entry.name] = size
+      continue
+    data = entry.read_bytes()
+    if _damaged(data):
       entry.unlink()
       removed += 1
+    else:
+      intact[entry.name] = len(data)
+  if intact != before:
+    try:
+      (directory / _INTACT).write_text(json.dumps(intact, indent=0, sort_keys=True))
+    except OSError as error:
+      _log.warning(
+        "could not record the intact compilation-cache entries in %s: %s", directory, error
+      )
   return removed
 
 
