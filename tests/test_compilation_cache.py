@@ -200,8 +200,8 @@ def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
   assert remove_damaged(tmp_path / "absent") == 0
 
 
-def _reads(monkeypatch) -> list[str]:
-  """The names of the entries `remove_damaged` reads from now on."""
+def _reads(monkeypatch) -> list[bytes]:
+  """The contents of each entry `remove_damaged` reads from now on, in order."""
   from t5x_optim.cli.loop import compilation_cache as module  # noqa: PLC0415
 
   read, damaged = [], module._damaged
