@@ -15,7 +15,7 @@ compiling it.
 Part (d) times what a start spends checking the cache for entries cut short
 (`remove_damaged`) in a directory of ``--entries`` entries of about
 ``--entry_mb`` MB (zlib, as jax writes them): the first start reads and
-decompresses every entry, as every start did before the record of intact
+decompresses every entry, as every start would without the record of intact
 entries; a later start reads only the record and each entry's size. On local
 disk and on ``gs://`` (the tests' GCS emulator, a Python server: its numbers
 show the request pattern, not GCS's speed).
