@@ -32,6 +32,8 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
+from t5x_optim import storage
+
 __all__ = ["CacheUse", "compilation_cache", "remove_damaged"]
 
 _log = logging.getLogger(__name__)
@@ -113,12 +115,6 @@ def _damaged(data: bytes) -> bool:
   return False
 
 
-def _size(entry: Any) -> int:
-  """A file's size in bytes, from `pathlib.Path.stat` or `etils.epath.Path.stat`."""
-  stat = entry.stat()
-  return stat.st_size if hasattr(stat, "st_size") else stat.length
-
-
 def _found_intact(directory: Any) -> dict[str, int] | None:
   """The entries an earlier `remove_damaged` found intact, by name, with their sizes then.
 
@@ -164,7 +160,7 @@ def remove_damaged(directory: Any) -> int:
   for entry in directory.iterdir():
     if not entry.name.endswith(_ENTRY_SUFFIX):
       continue
-    size = _size(entry)
+    size = storage.file_size(entry)
     if known.get(entry.name) == size:
       intact[entry.name] = size
       continue
