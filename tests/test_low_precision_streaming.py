@@ -116,6 +116,32 @@ def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
   _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
 
 
+@pytest.mark.parametrize("min_size", [0, 1])
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_empty_and_one_element_leaves_stream_beside_compressed_ones(mode, min_size):
+  """An empty param (a first or a last dimension of 0) and a one-element one beside a
+  compressed leaf: the streamed update is the whole-tree one (``min_size=0`` compresses
+  them too)."""
+  params = {
+    "rows0": jnp.zeros((0, 8)),
+    "cols0": jnp.zeros((8, 0)),
+    "one": jnp.ones((1, 1)),
+    "w": jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16),
+  }
+  grads = jax.tree.map(lambda p: jnp.cos(3.0 * p + 1.0), params)
+  options = dict(block_size=4, shard_multiple=1, min_size=min_size)
+  streamed, whole = (
+    low_precision(optax.adamw(1e-2), mode, stream=stream, **options) for stream in (True, False)
+  )
+  got, want = streamed.init(params), whole.init(params)
+  for _ in range(STEPS):
+    got_updates, got = jax.jit(streamed.update)(grads, got, params)
+    want_updates, want = jax.jit(whole.update)(grads, want, params)
+    _close(got_updates, want_updates, rtol=1e-5, spread=0.0)
+    _close(low_precision_to_float32(got), low_precision_to_float32(want), rtol=1e-5, spread=0.0)
+  assert got_updates["w"].shape == (8, 16) and got_updates["rows0"].shape == (0, 8)
+
+
 def _adamw_updates(tx, params, grads, steps=2):
   state = tx.init(params)
   for _ in range(steps):

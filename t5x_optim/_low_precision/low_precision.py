@@ -793,11 +793,12 @@ def _state_reads_param(program: Program) -> bool:
 
 
 def _block_rows(g: Any, stored: list) -> int:
-  """The rows of a block of ``stored`` leaves (the least common multiple), as `_chunk` needs."""
+  """The rows of a block of ``stored`` leaves (the least common multiple), as `_chunk` needs;
+  1 for a leaf without rows (a first dimension of 0), which has nothing to walk."""
   rows = [
     jnp.shape(g)[0] // jnp.shape(x)[0]
     for x in jax.tree.leaves(stored)
-    if jnp.ndim(x) == jnp.ndim(g) >= 2
+    if jnp.ndim(x) == jnp.ndim(g) >= 2 and jnp.shape(x)[0]
   ]
   return math.lcm(1, *rows)
 
