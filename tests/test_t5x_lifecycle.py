@@ -9,7 +9,9 @@ hand; CI has neither and skips it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
 import pathlib
 import subprocess
 import sys
@@ -163,6 +165,70 @@ def test_muon_resume_checks_the_restart_step_and_the_uninterrupted_run():
   assert cell == "ok loss 2.500000; FAILED restarted at step 0; FAILED loss differs (max |d| 0.5)"
 
 
+@functools.cache
+def _low_precision_arrays(mode, *, steps=2, grad=1.0):
+  """The state-dict arrays of `tools/t5x_lifecycle.py`'s low-precision adamw over `T5_PARAMS`."""
+  params = {}
+  for path, (shape, _) in T5_PARAMS.items():
+    *parents, name = path.split("/")
+    node = params
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[name] = jnp.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)
+  tx = t5x_optim.low_precision(optax.adamw(0.01), mode, min_size=64)
+  opt = t5x_optim.OptaxWrapper(tx).create(params)
+  apply = jax.jit(lambda opt, grads: opt.apply_gradient(grads))
+  for step in range(steps):
+    opt = apply(opt, jax.tree.map(lambda p: grad * jnp.cos(p + step), params))
+  flat = jax.tree_util.tree_leaves_with_path(opt.state_dict())
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("mode", "summary"),
+  [
+    ("8bit", "5 params 8bit, 1 params float32"),
+    ("4bit", "2 params 4bit, 4 params float32"),
+    ("bfloat16", "5 params bfloat16, 1 params float32"),
+  ],
+)
+def test_low_precision_layout_reads_each_mode_from_the_checkpoint(mode, summary):
+  """Params of 64 values or more are compressed where the mode has a block for them."""
+  assert lifecycle.low_precision_layout(_low_precision_arrays(mode), mode) == (True, summary)
+
+
+@pytest.mark.slow
+def test_low_precision_layout_refuses_a_state_of_another_mode_or_kept_float32():
+  arrays = dict(_low_precision_arrays("8bit"))
+  ok, text = lifecycle.low_precision_layout(arrays, "4bit")
+  assert not ok and text.startswith("5 params 8bit, 1 params float32; wrong ")
+  kept = lifecycle.LOW_PRECISION_STATE.format("nu") + "token_embedder/embedding"
+  del arrays[kept + "/codes"], arrays[kept + "/scales"]
+  arrays[kept] = np.zeros((24, 8), np.float32)
+  ok, text = lifecycle.low_precision_layout(arrays, "8bit")
+  assert not ok
+  assert text.startswith("4 params 8bit, 1 params 8bit/float32, 1 params float32; wrong 3: ")
+  assert f"{kept}: float32[24, 8] (planned missing)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_finetuning_checks_that_t5x_restored_or_dropped_the_compressed_state(mode):
+  """A fine-tuned run's moments are near the resumed run's; a state started afresh is not."""
+  resumed = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=4))
+  restored = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=4, grad=1.01))
+  afresh = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=1))
+  optimizer = {"8bit": "adamw_8bit", "4bit": "adamw_4bit", "bfloat16": "adamw_bf16"}[mode]
+  lifecycle._check_finetuned(restored, resumed, optimizer, "finetune")
+  lifecycle._check_finetuned(afresh, resumed, optimizer, "finetune")
+  assert restored.checks[0][0], restored.checks
+  assert not afresh.checks[0][0], afresh.checks
+  dropped = lifecycle.Result(True, arrays=afresh.arrays)
+  lifecycle._check_finetuned(dropped, resumed, optimizer, "finetune_fresh")
+  assert dropped.checks[0][0] and dropped.checks[0][1].startswith("state afresh: moments ")
+
+
 def test_first_step_is_read_from_t5x_log():
   log = "I1125 train.py:607] Starting main loop over steps 4-8\n"
   assert lifecycle._first_step(log) == 4
@@ -210,3 +276,29 @@ def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
     for stage in ("resume", "resume_legacy"):
       assert "restarted at step 4; = uninterrupted" in cells[(f"| {stage}", optimizer)]
     assert cells[("| eval", optimizer)].startswith("ok exact_match")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_a_t5x_job_trains_resumes_and_finetunes_with_low_precision_states(tmp_path):
+  """8-bit, 4-bit and bfloat16 adam moments through T5X's train.py (gin swap)."""
+  command = [
+    sys.executable,
+    str(RUNNER),
+    "--optimizers=adamw_8bit,adamw_4bit,adamw_bf16",
+    "--stages=pretrain,resume,finetune,finetune_fresh,partitions",
+    "--columns=gin",
+    f"--workdir={tmp_path}",
+  ]
+  proc = subprocess.run(command, capture_output=True, text=True, timeout=2400)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "SUMMARY: 0 cells of optimizers T5X cannot run fail or fail a check." in proc.stdout
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+  cells = {tuple(line.split(" | ")[:2]): line.split(" | ")[3] for line in rows[1:]}
+  for optimizer, mode in lifecycle.LOW_PRECISION_MODES.items():
+    assert f"40 params {mode}, 12 params float32" in cells[("| pretrain", optimizer)]
+    assert "restarted at step 4; = uninterrupted" in cells[("| resume", optimizer)]
+    assert "; state restored: moments " in cells[("| finetune", optimizer)]
+    assert "; state afresh: moments " in cells[("| finetune_fresh", optimizer)]
+    assert cells[("| partitions", optimizer)].startswith("ok loss")
+    assert f"params {mode}" in cells[("| partitions", optimizer)]

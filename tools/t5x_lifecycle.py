@@ -65,6 +65,18 @@ a restarted job sees the batches an uninterrupted one does):
   checkpointer (``= uninterrupted``);
 * ``eval``: T5X's ``eval.py`` runs on the resumed checkpoint.
 
+``adamw_8bit``, ``adamw_4bit`` and ``adamw_bf16`` (``optimizers.low_precision`` of
+optax's adamw, every param of 64 values or more compressed) are checked the
+same way, their ``pretrain`` by the state's layout instead of Muon's: both
+moments of every param in the mode (8-bit: uint8 codes of the param's shape and
+float32 block scales; 4-bit: uint8 codes of two values per byte; bfloat16) or
+kept float32, every state array as t5x_optim plans it for these params, some
+in the mode (`low_precision_layout`). Fine-tuning (T5X restores the
+params in bfloat16, and saves them so) must restore the compressed state (``finetune``: the
+decoded moments end within 5% of the resumed run's) or drop it
+(``finetune_fresh``: 20% or more apart); 2 partitions must keep the
+planned layout; ``infer`` and microbatches must run.
+
 T5X cannot be installed from the package registry: its files are read at run
 time from a git directory of github.com/google-research/t5x (``--t5x-src`` or
 ``T5X_SRC``); nothing of T5X is kept. The Python running this script needs
@@ -123,6 +135,21 @@ optimizers.KernelAxesRule:
 utils.SaveCheckpointConfig.save_dataset = True
 """
 
+# adamw with its moments stored compressed between steps; every param of 64 values or
+# more (the byt5 network's embedding, logits and kernels) is compressed. As for Muon, the
+# dataset iterator is saved: a restarted job sees the batches an uninterrupted one does.
+LOW_PRECISION = """
+OPTIMIZER = @optimizers.OptaxWrapper()
+optimizers.OptaxWrapper.optax_optimizer = @optimizers.low_precision()
+optimizers.low_precision:
+  inner = @optax.adamw()
+  state_dtype = '{mode}'
+  min_size = 64
+optax.adamw.learning_rate = 0.01
+utils.SaveCheckpointConfig.save_dataset = True
+"""
+LOW_PRECISION_STATE = "state/param_states/inner_state/0/{}/"
+
 # The optimizer section of the gin file; `optimizers` is whatever the column imports.
 OPTIMIZERS: dict[str, str] = {
   "adamw": """
@@ -167,6 +194,9 @@ rest/adafactor.Adafactor.multiply_by_parameter_scale = False
 """,
   "muon": MUON,
   "muon_scanned": MUON,
+  "adamw_8bit": LOW_PRECISION.format(mode="8bit"),
+  "adamw_4bit": LOW_PRECISION.format(mode="4bit"),
+  "adamw_bf16": LOW_PRECISION.format(mode="bfloat16"),
   "multi_optax": """
 OPTIMIZER = @optimizers.MultiOptimizer()
 optimizers.MultiOptimizer.traversals_and_optimizers = (
@@ -180,7 +210,7 @@ optimizers.sgd.learning_rate = 0.0001
 }
 
 # Optimizers T5X's own optimizers cannot build: no t5x column, their own checks instead.
-OURS_ONLY = ("muon", "muon_scanned")
+OURS_ONLY = ("muon", "muon_scanned", "adamw_8bit", "adamw_4bit", "adamw_bf16")
 MUON_STATE = "state/param_states/inner_states/{}/inner_state/0/mu/"
 
 STAGES = (
@@ -659,12 +689,159 @@ def muon_layout(arrays: dict[str, Any]) -> tuple[bool, str]:
   return bool(kernels) and not wrong, text
 
 
-def _check_pretrain(result: Result) -> None:
-  """Muon's pretrain checks: the loss decreases, and the state's layout (`muon_layout`)."""
+def _stored_as(arrays: dict[str, Any], path: str, shape: tuple[int, ...]) -> str:
+  """How a checkpoint holds one moment of a param of ``shape`` at ``path``: its mode, or why not.
+
+  ``float32`` or ``bfloat16`` (an array of the param's shape), ``8bit``
+  (uint8 codes of the param's shape and float32 block scales) or ``4bit``
+  (uint8 codes with two values per byte along the last dimension).
+  """
+  whole = arrays.get(path)
+  if whole is not None:
+    kind = str(whole.dtype)
+    ok = kind in ("float32", "bfloat16") and whole.shape == shape
+    return kind if ok else f"{whole.dtype}{list(whole.shape)}"
+  codes = arrays.get(path + "/codes")
+  if codes is None:
+    return "missing"
+  if str(codes.dtype) != "uint8":
+    return f"codes {codes.dtype}"
+  if codes.shape == shape and str(getattr(arrays.get(path + "/scales"), "dtype", "")) == "float32":
+    return "8bit"
+  if codes.shape == (*shape[:-1], shape[-1] // 2):
+    return "4bit"
+  return f"codes {list(codes.shape)}"
+
+
+def _nested(arrays: dict[str, Any]) -> dict[str, Any]:
+  """'/'-joined paths to arrays as the nested state dict they come from."""
+  tree: dict[str, Any] = {}
+  for path, x in arrays.items():
+    *parents, name = path.split("/")
+    node = tree
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[name] = x
+  return tree
+
+
+def _low_precision_optimizer(arrays: dict[str, Any], mode: str) -> Any:
+  """`LOW_PRECISION`'s optimizer (t5x_optim's) created for a checkpoint's params."""
+  import optax
+
+  import t5x_optim
+
+  tx = t5x_optim.low_precision(optax.adamw(0.01), mode, min_size=64)
+  return t5x_optim.OptaxWrapper(tx).create(_nested(arrays)["target"])
+
+
+def low_precision_layout(arrays: dict[str, Any], mode: str) -> tuple[bool, str]:
+  """Whether a checkpoint holds adam's moments as `low_precision(..., mode)` plans them.
+
+  Every array of the checkpoint's optimizer state has the path, dtype and
+  shape of the state dict of `LOW_PRECISION`'s optimizer created for the
+  checkpoint's params (each moment in ``mode`` or kept float32, `_stored_as`),
+  and some param's moments are in ``mode``.
+
+  Returns:
+    (ok, a summary: how many params each way, and the first wrong arrays).
+  """
+  import jax
+  import numpy as np
+
+  planned = {
+    "state/" + jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(x)
+    for path, x in jax.tree_util.tree_leaves_with_path(
+      _low_precision_optimizer(arrays, mode).state_dict()["state"]
+    )
+  }
+  state = {path: x for path, x in arrays.items() if path.startswith("state/")}
+  wrong = [
+    f"{path}: {_describe(state.get(path))} (planned {_describe(planned.get(path))})"
+    for path in sorted(set(state) | set(planned))
+    if _describe(state.get(path)) != _describe(planned.get(path))
+  ]
+  params = {path[len("target/") :]: x for path, x in arrays.items() if path.startswith("target/")}
+  counts: dict[str, int] = {}
+  for param, x in sorted(params.items()):
+    kinds = {
+      _stored_as(arrays, LOW_PRECISION_STATE.format(moment) + param, x.shape)
+      for moment in ("mu", "nu")
+    }
+    kind = "/".join(sorted(kinds))
+    counts[kind] = counts.get(kind, 0) + 1
+  text = ", ".join(f"{n} params {kind}" for kind, n in sorted(counts.items()))
+  if wrong:
+    text += f"; wrong {len(wrong)}: " + ", ".join(wrong[:3])
+  return counts.get(mode, 0) > 0 and not wrong, text
+
+
+def _describe(x: Any) -> str:
+  """An array's dtype and shape, as in ``uint8[24, 8]``; ``missing`` for None."""
+  return "missing" if x is None else f"{x.dtype}{list(x.shape)}"
+
+
+LOW_PRECISION_MODES = {"adamw_8bit": "8bit", "adamw_4bit": "4bit", "adamw_bf16": "bfloat16"}
+
+
+def adam_moments(arrays: dict[str, Any], mode: str) -> dict[str, Any]:
+  """Adam's moments in a checkpoint of `LOW_PRECISION`, decoded to float32, by path.
+
+  The checkpoint's state dict is restored into t5x_optim's optimizer (which
+  validates every key, shape and dtype) and decoded by
+  `t5x_optim.low_precision_to_float32`.
+  """
+  import jax
+  import numpy as np
+
+  import t5x_optim
+
+  optimizer = _low_precision_optimizer(arrays, mode).restore_state(_nested(arrays))
+  adam = t5x_optim.low_precision_to_float32(optimizer.state.param_states)[0]
+  return {
+    f"{moment}/" + jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(x)
+    for moment in ("mu", "nu")
+    for path, x in jax.tree_util.tree_leaves_with_path(getattr(adam, moment))
+  }
+
+
+def moments_apart(result: Result, reference: Result, mode: str) -> float:
+  """The larger of mu's and nu's relative L1 distance between two runs' decoded moments."""
+  import numpy as np
+
+  got, want = adam_moments(result.arrays, mode), adam_moments(reference.arrays, mode)
+  apart = []
+  for moment in ("mu/", "nu/"):
+    keys = [k for k in want if k.startswith(moment)]
+    diff = sum(float(np.abs(got[k] - want[k]).sum()) for k in keys)
+    apart.append(diff / sum(float(np.abs(want[k]).sum()) for k in keys))
+  return max(apart)
+
+
+def _check_finetuned(result: Result, resumed: Result | None, optimizer: str, stage: str) -> None:
+  """A low-precision fine-tuning's check: T5X restored the compressed state (``finetune``: its
+  moments end within 5% of the resumed run's, which trained the same steps from the same
+  checkpoint in float32 params) or dropped it (``finetune_fresh``: 20% or more apart)."""
+  if resumed is None or not resumed.ok:
+    result.checks.append((False, "no resumed run to compare the optimizer state with"))
+    return
+  apart = moments_apart(result, resumed, LOW_PRECISION_MODES[optimizer])
+  if stage == "finetune":
+    result.checks.append((apart < 0.05, f"state restored: moments {apart:.1%} from resume's"))
+  else:
+    result.checks.append((apart >= 0.2, f"state afresh: moments {apart:.1%} from resume's"))
+
+
+def _check_pretrain(result: Result, optimizer: str) -> None:
+  """The pretrain checks of an optimizer T5X cannot run: the loss decreases, and the
+  state's layout (`muon_layout`, `low_precision_layout`)."""
   steps = sorted(result.losses, key=int)
   first, last = result.losses[steps[0]], result.losses[steps[-1]]
   result.checks.append((len(steps) > 1 and last < first, f"loss {first:.4f} -> {last:.4f}"))
-  result.checks.append(muon_layout(result.arrays))
+  if optimizer.startswith("muon"):
+    result.checks.append(muon_layout(result.arrays))
+  else:
+    result.checks.append(low_precision_layout(result.arrays, LOW_PRECISION_MODES[optimizer]))
 
 
 def _check_resumed(result: Result, reference: Result) -> None:
@@ -718,7 +895,7 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
     if result.ok:
       dirs[(optimizer, column, "pretrain")] = model_dir
       if ours_only:
-        _check_pretrain(result)
+        _check_pretrain(result, optimizer)
     return result
   pretrained = dirs.get((optimizer, column, "pretrain"))
   if stage in ("resume", "finetune", "finetune_fresh") and pretrained is None:
@@ -728,6 +905,7 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
     result = train_in(model_dir, column, STEPS_B)
     if result.ok:
       dirs[(optimizer, column, "resume")] = model_dir
+      dirs[(optimizer, column, "resumed")] = result
       if ours_only:
         _check_resumed(result, uninterrupted())
     return result
@@ -763,7 +941,10 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
         "utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None),)",
         "utils.RestoreCheckpointConfig.fallback_to_scratch=True",
       ]
-    return train_in(model_dir, column, STEPS_B, bindings=bindings)
+    result = train_in(model_dir, column, STEPS_B, bindings=bindings)
+    if result.ok and optimizer in LOW_PRECISION_MODES:
+      _check_finetuned(result, dirs.get((optimizer, column, "resumed")), optimizer, stage)
+    return result
   if stage in ("eval", "infer"):
     resumed = dirs.get((optimizer, column, "resume"))
     if resumed is None:
@@ -783,7 +964,7 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
   if stage == "microbatches":
     return train_in(fresh(stage), column, STEPS_A, bindings=["trainer.Trainer.num_microbatches=2"])
   if stage == "partitions":
-    return train_in(
+    result = train_in(
       fresh(stage),
       column,
       STEPS_A,
@@ -791,6 +972,9 @@ def run_stage(life: Lifecycle, stage: str, optimizer: str, column: str, dirs: di
       bindings=["partitioning.PjitPartitioner.num_partitions=2", "network.T5Config.num_heads=8"],
       devices=8,
     )
+    if result.ok and optimizer in LOW_PRECISION_MODES:
+      result.checks.append(low_precision_layout(result.arrays, LOW_PRECISION_MODES[optimizer]))
+    return result
   raise ValueError(f"unknown stage {stage!r}")
 
 
