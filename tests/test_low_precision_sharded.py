@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import functools
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
 import test_sharded_training as st
+from _t5x import t5x_at_hand
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, TrainState, low_precision
@@ -158,3 +162,20 @@ def test_checkpoint_round_trip(tmp_path, mode):
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
     assert got.dtype == want.dtype and got.sharding == want.sharding
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_t5x_partitioner_shards_low_precision_states_as_their_params():
+  """data/t5x_low_precision/check_with_t5x.py: T5X's own networks, train state and partitioner."""
+  script = pathlib.Path(__file__).parent / "data" / "t5x_low_precision" / "check_with_t5x.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+    proc.stdout[-3000:] + proc.stderr[-3000:]
+  )
+  for line in (
+    "OK   8bit t5: 40 params 8bit, 12 params float32",
+    "OK   4bit scalable_t5: 13 params 4bit, 16 params float32",
+    "OK   bfloat16 scalable_t5: 22 params bfloat16, 7 params float32",
+  ):
+    assert line in proc.stdout

@@ -82,6 +82,57 @@ def _stand_in_missing_modules() -> None:
     sys.modules.update({"airio": pkg, "airio.core": core})
 
 
+EXAMPLES = ("t5", "scalable_t5")
+
+
+def load_examples() -> None:
+  """T5X's example networks (``t5x/examples/{t5,scalable_t5}``) beside the unpacked T5X."""
+  src, root = os.environ["T5X_SRC"], sys.path[0]
+  names = ["t5x/examples/__init__.py"]
+  for example in EXAMPLES:
+    names += [f"t5x/examples/{example}/{name}.py" for name in ("__init__", "layers", "network")]
+  for name in names:
+    source = subprocess.run(
+      ["git", "-C", src, "show", f"HEAD:{name}"], check=True, capture_output=True
+    ).stdout
+    os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+    with open(os.path.join(root, name), "wb") as f:
+      f.write(source)
+
+
+def t5_model(example: str, optimizer_def):
+  """T5X's example network ``example`` (``t5`` or ``scalable_t5``, layers scanned), tiny
+  (2 + 2 layers, 4 heads of 4, MLP 32, byte vocabulary), as an `EncoderDecoderModel`."""
+  import importlib
+
+  import seqio
+  from t5x import models
+
+  network = importlib.import_module(f"t5x.examples.{example}.network")
+  config = dict(
+    vocab_size=384,
+    dtype="float32",
+    emb_dim=16,
+    num_heads=4,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    head_dim=4,
+    mlp_dim=32,
+    mlp_activations=("gelu", "linear"),
+    dropout_rate=0.0,
+    logits_via_embedding=False,
+  )
+  if example == "scalable_t5":
+    config["scan_layers"] = True
+  vocabulary = seqio.ByteVocabulary()
+  return models.EncoderDecoderModel(
+    module=network.Transformer(network.T5Config(**config)),
+    input_vocabulary=vocabulary,
+    output_vocabulary=vocabulary,
+    optimizer_def=optimizer_def,
+  )
+
+
 def tiny_variables():
   """Three params with T5X logical axes (`params_axes`), as a T5X model's init returns."""
   import flax

@@ -37,55 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "t5x_checkpoints"))
 
 import make_with_t5x  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
-EXAMPLES = ("t5", "scalable_t5")
+EXAMPLES = make_with_t5x.EXAMPLES
 STATE = "state/param_states/inner_states/{}/inner_state/0/{}/"
 LENGTH, BATCH = 16, 8
-
-
-def _load_examples() -> None:
-  """T5X's example networks (``t5x/examples/{t5,scalable_t5}``) beside the unpacked T5X."""
-  src, root = os.environ["T5X_SRC"], sys.path[0]
-  names = ["t5x/examples/__init__.py"]
-  for example in EXAMPLES:
-    names += [f"t5x/examples/{example}/{name}.py" for name in ("__init__", "layers", "network")]
-  for name in names:
-    source = subprocess.run(
-      ["git", "-C", src, "show", f"HEAD:{name}"], check=True, capture_output=True
-    ).stdout
-    os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
-    with open(os.path.join(root, name), "wb") as f:
-      f.write(source)
-
-
-def _model(example: str, optimizer_def):
-  import importlib
-
-  import seqio
-  from t5x import models
-
-  network = importlib.import_module(f"t5x.examples.{example}.network")
-  config = dict(
-    vocab_size=384,
-    dtype="float32",
-    emb_dim=16,
-    num_heads=4,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    head_dim=4,
-    mlp_dim=32,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=0.0,
-    logits_via_embedding=False,
-  )
-  if example == "scalable_t5":
-    config["scan_layers"] = True
-  vocabulary = seqio.ByteVocabulary()
-  return models.EncoderDecoderModel(
-    module=network.Transformer(network.T5Config(**config)),
-    input_vocabulary=vocabulary,
-    output_vocabulary=vocabulary,
-    optimizer_def=optimizer_def,
-  )
 
 
 def _expected_branch(param: str) -> str:
@@ -104,7 +58,7 @@ def check(example: str, partitioner) -> list[str]:
   from t5x_optim import optimizers, partitioning
 
   optimizer_def = optimizers.muon(learning_rate=0.02)
-  model = _model(example, optimizer_def)
+  model = make_with_t5x.t5_model(example, optimizer_def)
   shapes = {
     name: (BATCH, LENGTH)
     for name in ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
@@ -194,7 +148,7 @@ def check(example: str, partitioner) -> list[str]:
 
 def main() -> int:
   make_with_t5x.load_t5x()
-  _load_examples()
+  make_with_t5x.load_examples()
   import jax
 
   assert jax.device_count() == 8, jax.devices()
