@@ -251,7 +251,7 @@ def _bytes_per_value(leaf) -> float:
   )
 
 
-_ODD = "float32: no even 4-bit block of 4 or more values tiles the last dimension"
+_ODD = "float32: no even 4-bit block of 4 or more values tiles the last dimension and its shards"
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,9 @@ _8BIT = "8bit"
 _4BIT = "4bit"
 _KEPT_SMALL = "float32: below min_size"
 _KEPT_NO_BLOCK = "float32: no 8-bit block of 4 or more values tiles the last dimension"
-_KEPT_NO_BLOCK4 = "float32: no even 4-bit block of 4 or more values tiles the last dimension"
+_KEPT_NO_BLOCK4 = (
+  "float32: no even 4-bit block of 4 or more values tiles the last dimension and its shards"
+)
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
