@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
 import test_sharded_training as st
-from _t5x import t5x_at_hand
+from _t5x import run_t5x_check, t5x_at_hand
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, TrainState, low_precision
@@ -169,13 +167,10 @@ def test_checkpoint_round_trip(tmp_path, mode):
 def test_t5x_partitioner_shards_low_precision_states_as_their_params():
   """data/t5x_low_precision/check_with_t5x.py: T5X's own networks, train state and partitioner."""
   script = pathlib.Path(__file__).parent / "data" / "t5x_low_precision" / "check_with_t5x.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
-    proc.stdout[-3000:] + proc.stderr[-3000:]
-  )
+  output = run_t5x_check(script)
   for line in (
     "OK   8bit t5: 40 params 8bit, 12 params float32",
     "OK   4bit scalable_t5: 13 params 4bit, 16 params float32",
     "OK   bfloat16 scalable_t5: 22 params bfloat16, 7 params float32",
   ):
-    assert line in proc.stdout
+    assert line in output

@@ -6,8 +6,6 @@ import functools
 import json
 import pathlib
 import re
-import subprocess
-import sys
 
 import flax
 import flax.linen as nn
@@ -18,7 +16,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from _t5x import t5x_at_hand
+from _t5x import run_t5x_check, t5x_at_hand
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
@@ -502,10 +500,6 @@ def test_gin_wraps_the_transformation_in_low_precision(tmp_path):
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_t5x_partitioner_shards_muon_state_as_its_params():
   """data/t5x_muon/check_with_t5x.py: T5X's own networks, train state and partitioner."""
-  script = pathlib.Path(__file__).parent / "data" / "t5x_muon" / "check_with_t5x.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
-    proc.stdout[-3000:] + proc.stderr[-3000:]
-  )
-  assert "OK   t5: Muon on 36 kernels (rank 2), Adam on 16 params" in proc.stdout
-  assert "OK   scalable_t5: Muon on 18 kernels (rank 3/4), Adam on 11 params" in proc.stdout
+  output = run_t5x_check(pathlib.Path(__file__).parent / "data" / "t5x_muon" / "check_with_t5x.py")
+  assert "OK   t5: Muon on 36 kernels (rank 2), Adam on 16 params" in output
+  assert "OK   scalable_t5: Muon on 18 kernels (rank 3/4), Adam on 11 params" in output

@@ -250,55 +250,53 @@ def test_a_t5x_job_resumes_with_our_optimizers(tmp_path):
   assert "SUMMARY: 0 cells" in proc.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
-def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
-  """Muon through T5X's train.py and eval.py (gin swap), unscanned and scanned layers."""
+def _ours_only_cells(tmp_path, optimizers: str, stages: str) -> dict[tuple[str, str], str]:
+  """The runner's gin-column cells of optimizers T5X cannot run, by (stage, optimizer),
+  once every cell has passed its checks."""
   command = [
     sys.executable,
     str(RUNNER),
-    "--optimizers=muon,muon_scanned",
-    "--stages=pretrain,resume,resume_legacy,eval",
+    f"--optimizers={optimizers}",
+    f"--stages={stages}",
     "--columns=gin",
     f"--workdir={tmp_path}",
   ]
   proc = subprocess.run(command, capture_output=True, text=True, timeout=2400)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "SUMMARY: 0 cells of optimizers T5X cannot run fail or fail a check." in proc.stdout
-  rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-  cells = {tuple(line.split(" | ")[:2]): line.split(" | ")[3] for line in rows[1:]}
+  rows = [line[2:].split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+  return {(row[0], row[1]): row[3] for row in rows[1:]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
+  """Muon through T5X's train.py and eval.py (gin swap), unscanned and scanned layers."""
+  cells = _ours_only_cells(tmp_path, "muon,muon_scanned", "pretrain,resume,resume_legacy,eval")
   layouts = {
     "muon": "Muon on 36 kernels (rank 2), Adam on 16",
     "muon_scanned": "Muon on 18 kernels (rank 3/4), Adam on 11",
   }
   for optimizer, layout in layouts.items():
-    assert layout in cells[("| pretrain", optimizer)]
+    assert layout in cells[("pretrain", optimizer)]
     for stage in ("resume", "resume_legacy"):
-      assert "restarted at step 4; = uninterrupted" in cells[(f"| {stage}", optimizer)]
-    assert cells[("| eval", optimizer)].startswith("ok exact_match")
+      assert "restarted at step 4; = uninterrupted" in cells[(stage, optimizer)]
+    assert cells[("eval", optimizer)].startswith("ok exact_match")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_trains_resumes_and_finetunes_with_low_precision_states(tmp_path):
   """8-bit, 4-bit and bfloat16 adam moments through T5X's train.py (gin swap)."""
-  command = [
-    sys.executable,
-    str(RUNNER),
-    "--optimizers=adamw_8bit,adamw_4bit,adamw_bf16",
-    "--stages=pretrain,resume,finetune,finetune_fresh,partitions",
-    "--columns=gin",
-    f"--workdir={tmp_path}",
-  ]
-  proc = subprocess.run(command, capture_output=True, text=True, timeout=2400)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "SUMMARY: 0 cells of optimizers T5X cannot run fail or fail a check." in proc.stdout
-  rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-  cells = {tuple(line.split(" | ")[:2]): line.split(" | ")[3] for line in rows[1:]}
+  cells = _ours_only_cells(
+    tmp_path,
+    ",".join(lifecycle.LOW_PRECISION_MODES),
+    "pretrain,resume,finetune,finetune_fresh,partitions",
+  )
   for optimizer, mode in lifecycle.LOW_PRECISION_MODES.items():
-    assert f"40 params {mode}, 12 params float32" in cells[("| pretrain", optimizer)]
-    assert "restarted at step 4; = uninterrupted" in cells[("| resume", optimizer)]
-    assert "; state restored: moments " in cells[("| finetune", optimizer)]
-    assert "; state afresh: moments " in cells[("| finetune_fresh", optimizer)]
-    assert cells[("| partitions", optimizer)].startswith("ok loss")
-    assert f"params {mode}" in cells[("| partitions", optimizer)]
+    assert f"40 params {mode}, 12 params float32" in cells[("pretrain", optimizer)]
+    assert "restarted at step 4; = uninterrupted" in cells[("resume", optimizer)]
+    assert "; state restored: moments " in cells[("finetune", optimizer)]
+    assert "; state afresh: moments " in cells[("finetune_fresh", optimizer)]
+    assert cells[("partitions", optimizer)].startswith("ok loss")
+    assert f"params {mode}" in cells[("partitions", optimizer)]

@@ -133,6 +133,111 @@ def t5_model(example: str, optimizer_def):
   )
 
 
+LENGTH, BATCH = 16, 8
+
+
+def t5_train_state(example: str, optimizer_def, partitioner):
+  """T5X's `TrainStateInitializer` for `t5_model` with `optimizer_def`, and its state dict's
+  mesh axes and abstract arrays by '/'-joined path."""
+  import numpy as np
+  from t5x import utils
+
+  model = t5_model(example, optimizer_def)
+  shapes = {
+    name: (BATCH, LENGTH)
+    for name in ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
+  }
+  types = {name: np.int32 for name in shapes}
+  initializer = utils.TrainStateInitializer(
+    optimizer_def, model.get_initial_variables, shapes, partitioner, types
+  )
+  return (
+    initializer,
+    flat_state_dict(initializer.train_state_axes),
+    flat_state_dict(initializer.global_train_state_shape),
+  )
+
+
+def flat_state_dict(tree) -> dict:
+  """A train state's state dict by '/'-joined path."""
+  from flax import traverse_util
+
+  return traverse_util.flatten_dict(tree.state_dict(), sep="/", keep_empty_nodes=True)
+
+
+def not_replicated(abstract: dict, axes: dict, moments) -> tuple[list, list]:
+  """``(others, problems)``: the optimizer-state leaves besides ``moments`` (counters), and
+  those of them T5X does not replicate."""
+  from jax.sharding import PartitionSpec
+
+  others = [k for k in abstract if k.startswith("state/") and k not in moments]
+  problems = [
+    f"{key}: mesh axes {axes[key]}, expected replicated"
+    for key in others
+    if axes[key] not in (None, PartitionSpec())
+  ]
+  return others, problems
+
+def misplaced(initializer, partitioner, axes: dict) -> list:
+  """Where the state T5X initialises from scratch is not placed as its mesh axes say."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  problems = []
+  state = initializer.from_scratch(jax.random.PRNGKey(0))
+  for key, leaf in flat_state_dict(state).items():
+    spec = axes[key] or PartitionSpec()
+    if leaf.sharding != NamedSharding(partitioner.mesh, spec):
+      problems.append(f"{key}: placed {leaf.sharding.spec}, mesh axes {spec}")
+  return problems
+
+
+def t5x_optim_plan(initializer, partitioner):
+  """`t5x_optim.partitioning.build_plan` (what ``t5x-optim plan`` prints) of T5X's abstract
+  train state, each array with the sharding of T5X's mesh axes."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from t5x_optim import partitioning
+
+  def with_sharding(spec, shape):
+    if not hasattr(shape, "shape"):  # An empty collection (flax_mutables), None in the axes.
+      return shape
+    sharding = NamedSharding(partitioner.mesh, spec or PartitionSpec())
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+  abstract_state = jax.tree.map(
+    with_sharding,
+    initializer.train_state_axes,
+    initializer.global_train_state_shape,
+    is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+  )
+  return partitioning.build_plan(
+    abstract_state, logical=initializer.global_train_state_shape.as_logical_axes()
+  )
+
+
+def run_checks(checks) -> int:
+  """Runs each ``(label, check)`` with T5X and its example networks loaded, where
+  ``check(partitioner)`` (`t5x_partitioner`, 8 simulated devices) returns the problems it
+  found; prints them, or ``OK`` when there is none. Returns the exit status."""
+  load_t5x()
+  load_examples()
+  import jax
+
+  assert jax.device_count() == 8, jax.devices()
+  partitioner = t5x_partitioner()
+  problems = []
+  for label, check in checks:
+    problems += [f"{label}: {problem}" for problem in check(partitioner)]
+  for problem in problems:
+    print(problem)
+  if problems:
+    return 1
+  print("OK")
+  return 0
+
+
 def tiny_variables():
   """Three params with T5X logical axes (`params_axes`), as a T5X model's init returns."""
   import flax

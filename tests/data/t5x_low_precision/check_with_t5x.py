@@ -28,6 +28,7 @@ otherwise.
 Usage: T5X_SRC=/path/to/t5x/.git python tests/data/t5x_low_precision/check_with_t5x.py
 """
 
+import functools
 import os
 import sys
 
@@ -38,7 +39,6 @@ import make_with_t5x  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
 MODES = ("8bit", "4bit", "bfloat16")
 STATE = "state/param_states/inner_state/0/{}/"
-LENGTH, BATCH = 16, 8
 
 
 def _axes_fit(field_axes, field_rank: int, param_axes, param_rank: int) -> bool:
@@ -55,32 +55,14 @@ def _axes_fit(field_axes, field_rank: int, param_axes, param_rank: int) -> bool:
 
 def check(example: str, partitioner, mode: str) -> list[str]:
   """Every problem found for one mode on one network (empty: none); prints a summary line."""
-  import jax
-  import numpy as np
   import optax
-  from flax import traverse_util
-  from jax.sharding import NamedSharding, PartitionSpec
-  from t5x import utils
 
-  from t5x_optim import optimizers, partitioning
+  from t5x_optim import optimizers
 
   optimizer_def = optimizers.OptaxWrapper(
     optimizers.low_precision(optax.adamw(0.01), mode, min_size=64)
   )
-  model = make_with_t5x.t5_model(example, optimizer_def)
-  shapes = {
-    name: (BATCH, LENGTH)
-    for name in ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
-  }
-  types = {name: np.int32 for name in shapes}
-  initializer = utils.TrainStateInitializer(
-    optimizer_def, model.get_initial_variables, shapes, partitioner, types
-  )
-
-  def flat(tree):
-    return traverse_util.flatten_dict(tree.state_dict(), sep="/", keep_empty_nodes=True)
-
-  axes, abstract = flat(initializer.train_state_axes), flat(initializer.global_train_state_shape)
+  initializer, axes, abstract = make_with_t5x.t5_train_state(example, optimizer_def, partitioner)
   params = {k[len("target/") :]: v for k, v in abstract.items() if k.startswith("target/")}
   param_axes = {k[len("target/") :]: v for k, v in axes.items() if k.startswith("target/")}
   problems, moments, counts = [], set(), {}
@@ -110,32 +92,10 @@ def check(example: str, partitioner, mode: str) -> list[str]:
       counts[kind] = counts.get(kind, 0) + (name == "mu")
   if not counts.get(mode):
     problems.append(f"no param's moments in {mode}: {counts}")
-  others = [k for k in abstract if k.startswith("state/") and k not in moments]
-  for key in others:
-    if axes[key] not in (None, PartitionSpec()):
-      problems.append(f"{key}: mesh axes {axes[key]}, expected replicated")
-
-  state = initializer.from_scratch(jax.random.PRNGKey(0))
-  for key, leaf in flat(state).items():
-    spec = axes[key] or PartitionSpec()
-    if leaf.sharding != NamedSharding(partitioner.mesh, spec):
-      problems.append(f"{key}: placed {leaf.sharding.spec}, mesh axes {spec}")
-
-  def with_sharding(spec, shape):
-    if not hasattr(shape, "shape"):  # An empty collection (flax_mutables), None in the axes.
-      return shape
-    sharding = NamedSharding(partitioner.mesh, spec or PartitionSpec())
-    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
-
-  abstract_state = jax.tree.map(
-    with_sharding,
-    initializer.train_state_axes,
-    initializer.global_train_state_shape,
-    is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
-  )
-  plan = partitioning.build_plan(
-    abstract_state, logical=initializer.global_train_state_shape.as_logical_axes()
-  )
+  others, unreplicated = make_with_t5x.not_replicated(abstract, axes, moments)
+  problems += unreplicated
+  problems += make_with_t5x.misplaced(initializer, partitioner, axes)
+  plan = make_with_t5x.t5x_optim_plan(initializer, partitioner)
   planned = 0
   for row in plan.rows:
     key = "state/param_states/" + row.path
@@ -159,22 +119,11 @@ def check(example: str, partitioner, mode: str) -> list[str]:
 
 
 def main() -> int:
-  make_with_t5x.load_t5x()
-  make_with_t5x.load_examples()
-  import jax
-
-  assert jax.device_count() == 8, jax.devices()
-  partitioner = make_with_t5x.t5x_partitioner()
-  problems = []
-  for mode in MODES:
-    for example in make_with_t5x.EXAMPLES:
-      problems += [f"{mode} {example}: {p}" for p in check(example, partitioner, mode)]
-  for problem in problems:
-    print(problem)
-  if problems:
-    return 1
-  print("OK")
-  return 0
+  return make_with_t5x.run_checks(
+    (f"{mode} {example}", functools.partial(check, example, mode=mode))
+    for mode in MODES
+    for example in make_with_t5x.EXAMPLES
+  )
 
 
 if __name__ == "__main__":

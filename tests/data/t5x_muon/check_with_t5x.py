@@ -28,8 +28,8 @@ Prints one line per network and ``OK`` last on success; exits with status 1 othe
 Usage: T5X_SRC=/path/to/t5x/.git python tests/data/t5x_muon/check_with_t5x.py
 """
 
+import functools
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +39,6 @@ import make_with_t5x  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
 EXAMPLES = make_with_t5x.EXAMPLES
 STATE = "state/param_states/inner_states/{}/inner_state/0/{}/"
-LENGTH, BATCH = 16, 8
 
 
 def _expected_branch(param: str) -> str:
@@ -49,32 +48,15 @@ def _expected_branch(param: str) -> str:
 
 def check(example: str, partitioner) -> list[str]:
   """Every problem found on one network (empty: none); prints its summary line."""
-  import jax
-  import numpy as np
-  from flax import traverse_util
-  from jax.sharding import NamedSharding, PartitionSpec
-  from t5x import utils
 
-  from t5x_optim import optimizers, partitioning
+  from t5x_optim import optimizers
 
   optimizer_def = optimizers.muon(learning_rate=0.02)
-  model = make_with_t5x.t5_model(example, optimizer_def)
-  shapes = {
-    name: (BATCH, LENGTH)
-    for name in ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
-  }
-  types = {name: np.int32 for name in shapes}
-  initializer = utils.TrainStateInitializer(
-    optimizer_def, model.get_initial_variables, shapes, partitioner, types
-  )
+  initializer, axes, abstract = make_with_t5x.t5_train_state(example, optimizer_def, partitioner)
   problems = []
   if optimizer_def.param_specs is None:
     return ["T5X's train state did not call set_param_axes"]
 
-  def flat(tree):
-    return traverse_util.flatten_dict(tree.state_dict(), sep="/", keep_empty_nodes=True)
-
-  axes, abstract = flat(initializer.train_state_axes), flat(initializer.global_train_state_shape)
   params = {k[len("target/") :]: v for k, v in abstract.items() if k.startswith("target/")}
   param_axes = {k[len("target/") :]: v for k, v in axes.items() if k.startswith("target/")}
   moments = {}
@@ -101,32 +83,10 @@ def check(example: str, partitioner) -> list[str]:
       problems.append(f"{key}: mesh axes {axes[key]}, param {param_axes[param]}")
     if branch == "muon":
       kernel_ranks.add(len(params[param].shape))
-  others = [k for k in abstract if k.startswith("state/") and k not in moments]
-  for key in others:
-    if axes[key] not in (None, PartitionSpec()):
-      problems.append(f"{key}: mesh axes {axes[key]}, expected replicated")
-
-  state = initializer.from_scratch(jax.random.PRNGKey(0))
-  for key, leaf in flat(state).items():
-    spec = axes[key] or PartitionSpec()
-    if leaf.sharding != NamedSharding(partitioner.mesh, spec):
-      problems.append(f"{key}: placed {leaf.sharding.spec}, mesh axes {spec}")
-
-  def with_sharding(spec, shape):
-    if not hasattr(shape, "shape"):  # An empty collection (flax_mutables), None in the axes.
-      return shape
-    sharding = NamedSharding(partitioner.mesh, spec or PartitionSpec())
-    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
-
-  abstract_state = jax.tree.map(
-    with_sharding,
-    initializer.train_state_axes,
-    initializer.global_train_state_shape,
-    is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
-  )
-  plan = partitioning.build_plan(
-    abstract_state, logical=initializer.global_train_state_shape.as_logical_axes()
-  )
+  others, unreplicated = make_with_t5x.not_replicated(abstract, axes, moments)
+  problems += unreplicated
+  problems += make_with_t5x.misplaced(initializer, partitioner, axes)
+  plan = make_with_t5x.t5x_optim_plan(initializer, partitioner)
   for row in plan.rows:
     if row.param is None:
       continue
@@ -147,21 +107,9 @@ def check(example: str, partitioner) -> list[str]:
 
 
 def main() -> int:
-  make_with_t5x.load_t5x()
-  make_with_t5x.load_examples()
-  import jax
-
-  assert jax.device_count() == 8, jax.devices()
-  partitioner = make_with_t5x.t5x_partitioner()
-  problems = []
-  for example in EXAMPLES:
-    problems += [f"{example}: {problem}" for problem in check(example, partitioner)]
-  for problem in problems:
-    print(problem)
-  if problems:
-    return 1
-  print("OK")
-  return 0
+  return make_with_t5x.run_checks(
+    (example, functools.partial(check, example)) for example in EXAMPLES
+  )
 
 
 if __name__ == "__main__":
