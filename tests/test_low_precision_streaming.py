@@ -117,7 +117,14 @@ def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
 
 
 @pytest.mark.parametrize("min_size", [0, 1])
-@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize(
+  "mode",
+  [
+    pytest.param("8bit", marks=pytest.mark.slow),
+    pytest.param("4bit", marks=pytest.mark.slow),
+    "bfloat16",
+  ],
+)
 def test_empty_and_one_element_leaves_stream_beside_compressed_ones(mode, min_size):
   """An empty param (a first or a last dimension of 0) and a one-element one beside a
   compressed leaf: the streamed update is the whole-tree one (``min_size=0`` compresses
