@@ -168,13 +168,12 @@ def test_muon_resume_checks_the_restart_step_and_the_uninterrupted_run():
 @functools.cache
 def _low_precision_arrays(mode, *, steps=2, grad=1.0):
   """The state-dict arrays of `tools/t5x_lifecycle.py`'s low-precision adamw over `T5_PARAMS`."""
-  params = {}
-  for path, (shape, _) in T5_PARAMS.items():
-    *parents, name = path.split("/")
-    node = params
-    for key in parents:
-      node = node.setdefault(key, {})
-    node[name] = jnp.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)
+  params = lifecycle._nested(
+    {
+      path: jnp.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)
+      for path, (shape, _) in T5_PARAMS.items()
+    }
+  )
   tx = t5x_optim.low_precision(optax.adamw(0.01), mode, min_size=64)
   opt = t5x_optim.OptaxWrapper(tx).create(params)
   apply = jax.jit(lambda opt, grads: opt.apply_gradient(grads))
@@ -219,7 +218,7 @@ def test_finetuning_checks_that_t5x_restored_or_dropped_the_compressed_state(mod
   resumed = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=4))
   restored = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=4, grad=1.01))
   afresh = lifecycle.Result(True, arrays=_low_precision_arrays(mode, steps=1))
-  optimizer = {"8bit": "adamw_8bit", "4bit": "adamw_4bit", "bfloat16": "adamw_bf16"}[mode]
+  (optimizer,) = [name for name, m in lifecycle.LOW_PRECISION_MODES.items() if m == mode]
   lifecycle._check_finetuned(restored, resumed, optimizer, "finetune")
   lifecycle._check_finetuned(afresh, resumed, optimizer, "finetune")
   assert restored.checks[0][0], restored.checks

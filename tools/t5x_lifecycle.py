@@ -149,6 +149,7 @@ optax.adamw.learning_rate = 0.01
 utils.SaveCheckpointConfig.save_dataset = True
 """
 LOW_PRECISION_STATE = "state/param_states/inner_state/0/{}/"
+LOW_PRECISION_MODES = {"adamw_8bit": "8bit", "adamw_4bit": "4bit", "adamw_bf16": "bfloat16"}
 
 # The optimizer section of the gin file; `optimizers` is whatever the column imports.
 OPTIMIZERS: dict[str, str] = {
@@ -194,9 +195,7 @@ rest/adafactor.Adafactor.multiply_by_parameter_scale = False
 """,
   "muon": MUON,
   "muon_scanned": MUON,
-  "adamw_8bit": LOW_PRECISION.format(mode="8bit"),
-  "adamw_4bit": LOW_PRECISION.format(mode="4bit"),
-  "adamw_bf16": LOW_PRECISION.format(mode="bfloat16"),
+  **{name: LOW_PRECISION.format(mode=mode) for name, mode in LOW_PRECISION_MODES.items()},
   "multi_optax": """
 OPTIMIZER = @optimizers.MultiOptimizer()
 optimizers.MultiOptimizer.traversals_and_optimizers = (
@@ -210,7 +209,7 @@ optimizers.sgd.learning_rate = 0.0001
 }
 
 # Optimizers T5X's own optimizers cannot build: no t5x column, their own checks instead.
-OURS_ONLY = ("muon", "muon_scanned", "adamw_8bit", "adamw_4bit", "adamw_bf16")
+OURS_ONLY = ("muon", "muon_scanned", *LOW_PRECISION_MODES)
 MUON_STATE = "state/param_states/inner_states/{}/inner_state/0/mu/"
 
 STAGES = (
@@ -747,10 +746,9 @@ def low_precision_layout(arrays: dict[str, Any], mode: str) -> tuple[bool, str]:
     (ok, a summary: how many params each way, and the first wrong arrays).
   """
   import jax
-  import numpy as np
 
   planned = {
-    "state/" + jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(x)
+    "state/" + jax.tree_util.keystr(path, simple=True, separator="/"): x
     for path, x in jax.tree_util.tree_leaves_with_path(
       _low_precision_optimizer(arrays, mode).state_dict()["state"]
     )
@@ -779,9 +777,6 @@ def low_precision_layout(arrays: dict[str, Any], mode: str) -> tuple[bool, str]:
 def _describe(x: Any) -> str:
   """An array's dtype and shape, as in ``uint8[24, 8]``; ``missing`` for None."""
   return "missing" if x is None else f"{x.dtype}{list(x.shape)}"
-
-
-LOW_PRECISION_MODES = {"adamw_8bit": "8bit", "adamw_4bit": "4bit", "adamw_bf16": "bfloat16"}
 
 
 def adam_moments(arrays: dict[str, Any], mode: str) -> dict[str, Any]:

@@ -5,6 +5,8 @@ directory of github.com/google-research/t5x named by the T5X_SRC environment var
 (the package is unpacked into a temporary directory; nothing of T5X is kept here).
 It needs an environment with T5X's dependencies (tensorflow, clu, seqio, ...).
 The test suite never runs this script; tests/test_t5x_checkpoints.py reads its output.
+Its helpers (loading T5X and its example T5 networks, T5X's partitioner and train
+states, the checks' run loop) serve the sibling ``check_with_t5x.py`` scripts too.
 
 A T5X `FlaxOptimTrainState` with `OptaxWrapper(optax.adamw(...))` over three tiny params
 (with T5X `params_axes`), partitioned by T5X's `PjitPartitioner` on 8 simulated CPU devices
@@ -177,6 +179,7 @@ def not_replicated(abstract: dict, axes: dict, moments) -> tuple[list, list]:
     if axes[key] not in (None, PartitionSpec())
   ]
   return others, problems
+
 
 def misplaced(initializer, partitioner, axes: dict) -> list:
   """Where the state T5X initialises from scratch is not placed as its mesh axes say."""
