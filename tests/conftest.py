@@ -16,6 +16,7 @@ def clean_gin():
 # train the CLI's model): left out of the quick loop (`-m "not slow"`), as a slow
 # test is. The modules they document keep fast tests, and CI runs these too.
 SLOW_DOCTESTS = {
+  "t5x_optim._checkpoint.converting.restore_converted",
   "t5x_optim._convert.convert.convert_state",
   "t5x_optim._layouts.fused.kernel",
   "t5x_optim._adapters.kfac.KfacOptimizerDef",

@@ -219,6 +219,7 @@ def test_checksum_of_nans_ignores_the_payload():
   assert _checksum(nans[:1]) == _checksum(nans[1:])
 
 
+@pytest.mark.slow
 def test_one_writer_per_directory(tmp_path, states):
   with Checkpointer(tmp_path) as first, Checkpointer(tmp_path) as second:
     first.save(1, states[1])

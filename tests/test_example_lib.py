@@ -137,7 +137,7 @@ def test_wrapper_keeps_the_signature_for_gin() -> None:
   assert EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"].__name__ == "example_lib_adam"
 
 
-QUICK = {"sgd", "rmsprop_momentum", "adam", "sm3", "adam_exponential_decay"}
+QUICK = {"sgd", "rmsprop_momentum", "adam", "adam_exponential_decay"}
 """The cases the quick loop runs eagerly: a state of each shape and a schedule."""
 
 

@@ -270,9 +270,8 @@ def _fusions_per_leaf(make_tx) -> float:
   return (counts[1] - counts[0]) / 2
 
 
-@pytest.mark.parametrize(
-  "mode, most", [("8bit", 11), pytest.param("bfloat16", 9, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, most", [("8bit", 11), ("bfloat16", 9)])
 def test_each_leaf_compiles_few_fusions_in_the_streamed_step(mode, most):
   """Each fusion is a kernel XLA compiles, unless an identical one was compiled before.
 

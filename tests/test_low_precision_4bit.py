@@ -246,7 +246,7 @@ def test_a_non_finite_gradient_element_damages_only_its_own_param():
 def _bytes_per_value(leaf) -> float:
   leaves = jax.tree.leaves(leaf)
   quantized = isinstance(leaf, (Quantized4Leaf, Rank1Quantized4Leaf))
-  return sum(x.nbytes for x in leaves) / math.prod(
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) / math.prod(
     unpacked_shape(leaf) if quantized else leaf.shape
   )
 
@@ -278,9 +278,10 @@ _ODD = "float32: no even 4-bit block of 4 or more values tiles the last dimensio
   ],
 )
 def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes_per_value):
-  params = {"w": jnp.zeros(shape)}
+  """The layout follows from the shapes: planned abstractly, as `t5x-optim plan` does."""
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   tx = low_precision(optax.adam(1e-3), "4bit", min_size=0)
-  state = tx.init(params)
+  state = jax.eval_shape(tx.init, params)
   mu = state.inner_state[0].mu["w"]
   kinds = set(leaf_storage(state).values()) - {"kept: not param-shaped"}
   if storage == "4bit":

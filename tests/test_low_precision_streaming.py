@@ -116,7 +116,7 @@ def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
   _assert_same_state_and_updates(*_pair(make, mode), make_params(), jit=True)
 
 
-@pytest.mark.parametrize("min_size", [0, 1])
+@pytest.mark.parametrize("min_size", [pytest.param(0, marks=pytest.mark.slow), 1])
 @pytest.mark.parametrize(
   "mode",
   [
@@ -156,7 +156,8 @@ def _adamw_updates(tx, params, grads, steps=2):
   return {k: np.asarray(v) for k, v in updates.items()}
 
 
-@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
 def test_whole_tree_rounding_depends_on_the_other_leaves(mode):
   """Why streamed and whole-tree updates differ in the last bit: the whole tree's does.
 
@@ -291,7 +292,7 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+@pytest.mark.parametrize("mode", ["8bit", pytest.param("4bit", marks=pytest.mark.slow)])
 def test_a_large_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf(mode, platform):
   """A vocabulary-sized leaf: the step's temporaries stay under 0.3 bytes per value (GPU: 0.4).
 
