@@ -439,6 +439,35 @@ def test_stochastic_rounding_is_unbiased_and_accumulates():
   assert abs(accumulate(True) - exact) < 2e-3
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
+@pytest.mark.parametrize(
+  "mode",
+  [
+    pytest.param("8bit", marks=pytest.mark.slow),
+    pytest.param("4bit", marks=pytest.mark.slow),
+    "bfloat16",
+  ],
+)
+def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):
+  """The state computes in float32, but the updates keep the dtypes adamw gives bfloat16
+  params: a wrapper that selects between them and zeros like the gradients
+  (``optax.apply_if_finite``) traces."""
+  w = jnp.linspace(-1.0, 1.0, 64 * 256).reshape(64, 256)
+  params = {"w": w.astype(jnp.bfloat16), "b": jnp.zeros((256,))}
+  grads = jax.tree.map(lambda p: jnp.cos(3.0 * p + 1.0).astype(p.dtype), params)
+  inner = low_precision(optax.adamw(1e-2), mode, min_size=0, stream=stream)
+  assert set(leaf_storage(inner.init(params)).values()) - {"kept: not param-shaped"} <= {
+    "bfloat16",
+    f"{mode} codes",
+    f"{mode} scales",
+    f"{mode} cols",
+  }
+  tx = optax.apply_if_finite(inner, max_consecutive_errors=3)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = optax.adamw(1e-2).update(grads, optax.adamw(1e-2).init(params), params)
+  assert jax.tree.map(jnp.result_type, updates) == jax.tree.map(jnp.result_type, want)
+
+
 def test_storage_small_and_factored_leaves_stay_float32():
   params = {"big": jnp.ones((32, 64)), "small": jnp.ones((8,))}
   state = low_precision(optax.adafactor(1e-2, min_dim_size_to_factor=16), "8bit", min_size=64).init(

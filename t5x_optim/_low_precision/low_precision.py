@@ -3,11 +3,12 @@
 Between steps, the param-shaped ("mirror") state leaves of the wrapped
 transformation (adam's ``mu`` and ``nu``, sgd's ``trace``, ...) are stored in
 one of three forms (the codecs are `t5x_optim._low_precision.quantize` and
-`t5x_optim._low_precision.quantize4`); inside the
-update they are expanded to float32, the wrapped update runs in float32, and
-its new state is compressed again, one param leaf at a time where the update
-is elementwise per leaf (`_streamed_update`), so the step holds at most a
-chunk of one leaf's float32 state rather than the whole tree's.
+`t5x_optim._low_precision.quantize4`); inside the update they are expanded
+to float32, the wrapped update runs in float32 (its updates cast to the
+dtypes it gives with its own state: bfloat16 for bfloat16 params' adam),
+and its new state is compressed again, one param leaf at a time where the
+update is elementwise per leaf (`_streamed_update`), so the step holds at
+most a chunk of one leaf's float32 state rather than the whole tree's.
 
 * ``"bfloat16"``: each float32 value is rounded to bfloat16. With
   ``stochastic_rounding=True`` (the default) the 16 dropped mantissa bits are
@@ -621,6 +622,31 @@ def _expanded_shapes(state: LowPrecisionState) -> Any:
   return treedef.unflatten([shape(x, k) for x, k in zip(leaves, state.storage, strict=True)])
 
 
+def _inner_update_dtypes(
+  inner: optax.GradientTransformationExtraArgs,
+  updates: Any,
+  state: LowPrecisionState,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> list[Any] | None:
+  """The dtypes of ``inner``'s updates computed with its own state, leaf by leaf.
+
+  None where the state it would hold is float32 wherever it is stored
+  compressed: the update computed from the float32 decoded state then has
+  them already. Otherwise (bfloat16 params, whose adam state is bfloat16)
+  the update computes in float32 and its leaves are cast to these, so that
+  ``low_precision(inner)`` gives the updates ``inner`` gives.
+  """
+  own = jax.eval_shape(inner.init, updates if params is None else params)
+  compressed = (kind == _BF16 or kind in _CODECS for kind in state.storage)
+  if all(x.dtype == jnp.float32 or not c for x, c in zip(jax.tree.leaves(own), compressed)):
+    return None
+  inner_updates, _ = jax.eval_shape(
+    functools.partial(inner.update, **extra_args), updates, own, params
+  )
+  return [x.dtype for x in jax.tree.leaves(inner_updates)]
+
+
 def _stream_plan(
   inner: optax.GradientTransformation,
   updates: Any,
@@ -920,6 +946,7 @@ def _streamed_update(
   guard: bool,
   chunk: int,
   shard_multiple: int,
+  dtypes: list[Any] | None,
 ) -> tuple[Any, Any]:
   """``(updates, new stored inner state)``, computed one param leaf at a time.
 
@@ -984,6 +1011,8 @@ def _streamed_update(
     # The update waits for the previous leaf's new param, as the statistics do: left free,
     # XLA may schedule it while the backward pass still reads the param, and copy the param.
     update = step(p, operands, ready)
+    if dtypes is not None:
+      update = update.astype(dtypes[i])
     new_updates.append(update)
     stats, keys = jax.lax.cond(
       ready,
@@ -1161,6 +1190,7 @@ def low_precision(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
   ) -> tuple[Any, LowPrecisionState]:
     count = optax.safe_int32_increment(state.count)
+    dtypes = _inner_update_dtypes(inner, updates, state, params, extra_args)
     plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
     if plan is not None:
       new_updates, inner_state = _streamed_update(
@@ -1174,9 +1204,13 @@ def low_precision(
         guard=guard_nonfinite,
         chunk=stream_chunk,
         shard_multiple=shard_multiple,
+        dtypes=dtypes,
       )
       return new_updates, state.replace(count=count, inner_state=inner_state)
     new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
+    if dtypes is not None:
+      leaves, treedef = jax.tree.flatten(new_updates)
+      new_updates = treedef.unflatten([u.astype(d) for u, d in zip(leaves, dtypes, strict=True)])
     return new_updates, state.replace(
       count=count,
       inner_state=_compress(inner_state, state, count, block=block, guard=guard_nonfinite),
