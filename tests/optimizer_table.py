@@ -21,11 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import optax.contrib
+import pytest
 
 from t5x_optim import optax_optimizer_factories
 
 LEARNING_RATE = 1e-2
 SHAPES = {"dense": {"kernel": (8, 16), "bias": (16,)}, "out": {"kernel": (16, 4)}}
+LOW_PRECISION_MODES = [
+  pytest.param("8bit", marks=pytest.mark.slow),
+  pytest.param("4bit", marks=pytest.mark.slow),
+  "bfloat16",
+]
+"""`low_precision`'s modes: bfloat16 in the quick loop, the codecs (seconds to compile) with the
+slow tests."""
 
 
 @dataclasses.dataclass(frozen=True)

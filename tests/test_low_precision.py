@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 from optimizer_table import (
+  LOW_PRECISION_MODES,
   TABLE,
   assert_same_bits,
   grads_and_extras,
@@ -440,14 +441,7 @@ def test_stochastic_rounding_is_unbiased_and_accumulates():
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
-@pytest.mark.parametrize(
-  "mode",
-  [
-    pytest.param("8bit", marks=pytest.mark.slow),
-    pytest.param("4bit", marks=pytest.mark.slow),
-    "bfloat16",
-  ],
-)
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):
   """The state computes in float32, but the updates keep the dtypes adamw gives bfloat16
   params: a wrapper that selects between them and zeros like the gradients

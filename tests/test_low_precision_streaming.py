@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from optimizer_table import TABLE, grads_and_extras, initial_params, make_params, to_numpy
+from optimizer_table import (
+  LOW_PRECISION_MODES,
+  TABLE,
+  grads_and_extras,
+  initial_params,
+  make_params,
+  to_numpy,
+)
 
 from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
 from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
@@ -117,14 +124,7 @@ def test_streamed_update_equals_the_whole_tree_update_quick(make, mode):
 
 
 @pytest.mark.parametrize("min_size", [pytest.param(0, marks=pytest.mark.slow), 1])
-@pytest.mark.parametrize(
-  "mode",
-  [
-    pytest.param("8bit", marks=pytest.mark.slow),
-    pytest.param("4bit", marks=pytest.mark.slow),
-    "bfloat16",
-  ],
-)
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_empty_and_one_element_leaves_stream_beside_compressed_ones(mode, min_size):
   """An empty param (a first or a last dimension of 0) and a one-element one beside a
   compressed leaf: the streamed update is the whole-tree one (``min_size=0`` compresses
