@@ -638,8 +638,10 @@ def _inner_update_dtypes(
   ``low_precision(inner)`` gives the updates ``inner`` gives.
   """
   own = jax.eval_shape(inner.init, updates if params is None else params)
-  compressed = (kind == _BF16 or kind in _CODECS for kind in state.storage)
-  if all(x.dtype == jnp.float32 or not c for x, c in zip(jax.tree.leaves(own), compressed)):
+  if all(
+    x.dtype == jnp.float32 or kind not in LOW_PRECISION_MODES
+    for x, kind in zip(jax.tree.leaves(own), state.storage, strict=True)
+  ):
     return None
   inner_updates, _ = jax.eval_shape(
     functools.partial(inner.update, **extra_args), updates, own, params
