@@ -39,6 +39,9 @@ ENV = {
   # gcsfs asks GCS's control plane for the bucket type; the emulator has none.
   # Read when gcsfs is imported: import this module first.
   "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+  # Where TensorFlow is installed (T5X's environment), epath sends gs:// through its gfile,
+  # which has no emulator endpoint: gcsfs then too. Read at epath's first gs:// path.
+  "EPATH_USE_TF": "false",
 }
 os.environ.update(ENV)
 
