@@ -28,7 +28,8 @@ Modes: optax's ``adamw`` (float32 state), `t5x_optim.low_precision` of it in
 ``guard_nonfinite=False``, for a step that refuses non-finite gradients
 anyway), and optax's own
 ``adamw(mu_dtype=bfloat16)``, the peer a JAX user has today; ``"4bit"``
-(``--modes ... 4-bit``) runs only when named. The ideal saving
+(``--modes ... 4-bit``) and ``"bfloat16"`` rounded to nearest (``stochastic_rounding=False``,
+``--modes ... "bf16 nearest"``) run only when named. The ideal saving
 of a mode is float32's state bytes less its own; the last column is the share
 of it the peak keeps.
 
@@ -60,9 +61,11 @@ MODES: dict[str, Callable[[], optax.GradientTransformation]] = {
   "8-bit, no inf guard": lambda: low_precision(optax.adamw(1e-3), "8bit", guard_nonfinite=False),
   "optax mu_dtype=bf16": lambda: optax.adamw(1e-3, mu_dtype=jnp.bfloat16),
   "4-bit": lambda: low_precision(optax.adamw(1e-3), "4bit"),
+  "bf16 nearest": lambda: low_precision(optax.adamw(1e-3), "bfloat16", stochastic_rounding=False),
 }
-DEFAULT_MODES = [mode for mode in MODES if mode != "4-bit"]
-"""The modes run without ``--modes``: 4-bit is asked for by name."""
+NAMED_MODES = ("4-bit", "bf16 nearest")
+DEFAULT_MODES = [mode for mode in MODES if mode not in NAMED_MODES]
+"""The modes run without ``--modes``: 4-bit and bfloat16 rounded to nearest are asked for by name."""
 BASE_LM = TransformerConfig(
   vocab_size=VOCAB,
   embed_dim=768,
