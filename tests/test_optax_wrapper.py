@@ -80,11 +80,12 @@ def _distinct(tree: Any) -> Any:
   """`tree` with every numeric array leaf changed to values no other leaf holds
   (a swapped, dropped or zeroed leaf shows in a round trip, as it may not in a fresh state)."""
   leaves, treedef = jax.tree.flatten(tree)
-  changed = []
-  for i, leaf in enumerate(leaves):
+  changed, offset = [], 0
+  for leaf in leaves:
     if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.number):
-      ramp = np.arange(1, np.size(leaf) + 1).reshape(np.shape(leaf)) + 1000 * (i + 1)
+      ramp = offset + np.arange(1, np.size(leaf) + 1).reshape(np.shape(leaf))
       leaf = jnp.asarray((np.asarray(leaf) + ramp).astype(leaf.dtype))
+      offset += np.size(leaf) + 1
     changed.append(leaf)
   return jax.tree.unflatten(treedef, changed)
 
