@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import flax
@@ -43,9 +42,8 @@ def wrapper_step(opt: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
   return opt.apply_gradient(grads, **extras)
 
 
-@functools.cache
 def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
-  """Runs the plain loop and the wrapper side by side (cached per case)."""
+  """Runs the plain loop and the wrapper side by side."""
   tx = case.make()
   params = initial_params(case)
   state = tx.init(params)
