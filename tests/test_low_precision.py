@@ -440,6 +440,29 @@ def test_stochastic_rounding_is_unbiased_and_accumulates():
   assert abs(accumulate(True) - exact) < 2e-3
 
 
+def test_an_eager_create_compiles_the_rounding_bits_once_per_shape(caplog):
+  """Outside jit, a stochastically rounded state's init hashes its bits in one program per shape.
+
+  Hashed op by op, each operation compiled on its own for every new shape: an
+  eager ``create`` took seconds for a few leaves.
+  """
+  # Shapes no other test uses, so that nothing compiled before this test hides a compile.
+  params = {f"w{i}": jnp.ones((7, 13)) for i in range(3)} | {"b": jnp.ones((11,))}
+  opt_def = OptaxWrapper(low_precision(optax.adam(1e-2), "bfloat16", min_size=0))
+  with caplog.at_level("WARNING", logger="jax"), jax.log_compiles():
+    state = opt_def.create(params).state
+  prefix = "Finished XLA compilation of "
+  compiled = [
+    r.getMessage().removeprefix(prefix).split(" ")[0]
+    for r in caplog.records
+    if r.getMessage().startswith(prefix)
+  ]
+  assert all(kind == "bfloat16" for kind in state.param_states.storage[1:])
+  assert compiled.count("jit(rounding_bits)") == 2, compiled
+  hashing = {"jit(bitwise_xor)", "jit(right_shift)", "jit(iota)"}
+  assert not hashing & set(compiled), compiled
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):

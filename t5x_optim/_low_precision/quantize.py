@@ -433,6 +433,7 @@ def hashed_bits(shape: tuple[int, ...], key: jax.Array) -> jax.Array:
   return _hash32(index * jnp.uint32(0x9E3779B9) + key) >> 16
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def rounding_bits(
   shape: tuple[int, ...], seed: int, count: jax.Array, leaf: int | jax.Array
 ) -> jax.Array:
@@ -441,7 +442,8 @@ def rounding_bits(
   Each element's bits hash its row-major index with a key hashed from
   ``seed``, ``count`` and ``leaf`` (`rounding_key`, then `hashed_bits`):
   cheaper than a counter-based PRNG, the same sharded or not, and
-  reproducible.
+  reproducible. One program per shape and seed: called outside `jax.jit`
+  (an eager ``create``), it compiles once rather than op by op.
 
   Example:
     >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
