@@ -444,7 +444,7 @@ def test_an_eager_create_compiles_the_rounding_bits_once_per_shape(caplog):
   """Outside jit, a stochastically rounded state's init hashes its bits in one program per shape.
 
   Hashed op by op, each operation compiled on its own for every new shape: an
-  eager ``create`` took seconds for a few leaves.
+  eager ``create`` of three leaves took 0.8 s on the CPU, almost all of it compiling.
   """
   # Shapes no other test uses, so that nothing compiled before this test hides a compile.
   params = {f"w{i}": jnp.ones((7, 13)) for i in range(3)} | {"b": jnp.ones((11,))}
