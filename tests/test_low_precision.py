@@ -458,7 +458,7 @@ def test_an_eager_create_compiles_the_rounding_bits_once_per_shape(caplog):
     if r.getMessage().startswith(prefix)
   ]
   assert all(kind == "bfloat16" for kind in state.param_states.storage[1:])
-  assert compiled.count("jit(rounding_bits)") == 2, compiled
+  assert compiled.count("jit(leaf_rounding_bits)") == 2, compiled
   hashing = {"jit(bitwise_xor)", "jit(right_shift)", "jit(iota)"}
   assert not hashing & set(compiled), compiled
 

@@ -227,25 +227,36 @@ def _fused_bodies(hlo: str, root: str) -> list[str]:
   return out
 
 
-def test_equal_leaves_compile_one_stochastic_rounding_encoder():
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole-tree"])
+def test_equal_leaves_compile_one_stochastic_rounding_encoder(stream):
   """The encoders of equal bfloat16 leaves are one computation, which XLA compiles once.
 
-  Each leaf hashes its own rounding key; computed in the leaf's branch, the
-  key is an operand of the encoder, not a constant folded into it, so the
+  Each leaf hashes its own rounding key from the step's key and its index,
+  both operands of its encoders, not constants folded into them, so the
   encoders of leaves of one shape are the same and XLA:CPU reuses one
   compiled kernel for them (a leaf's index folded into each encoder made
-  bfloat16's step compile several times slower).
+  bfloat16's step compile several times slower). Nor does any other
+  computation depend on the leaf: the step holds as many distinct
+  computations for 8 equal leaves as for 4 (a key hashed per leaf before
+  the encoders was a small kernel apiece, about 10 ms of compile each). The
+  same holds for the whole-tree update.
   """
   shape = (64, 256)
-  params = {f"l{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(4)}
-  opt = jax.eval_shape(
-    lambda p: OptaxWrapper(low_precision(optax.adamw(1e-3), "bfloat16")).create(p), params
-  )
-  step = jax.jit(lambda o, g: o.apply_gradient(g)).lower(opt, params).compile()
-  encoders = _fused_bodies(step.as_text(), f"bf16[{shape[0]},{shape[1]}]")
+
+  def compiled(n: int) -> str:
+    params = {f"l{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(n)}
+    opt = jax.eval_shape(
+      lambda p: OptaxWrapper(low_precision(optax.adamw(1e-3), "bfloat16", stream=stream)).create(p),
+      params,
+    )
+    return jax.jit(lambda o, g: o.apply_gradient(g)).lower(opt, params).compile().as_text()
+
+  four, eight = compiled(4), compiled(8)
+  encoders = _fused_bodies(four, f"bf16[{shape[0]},{shape[1]}]")
   assert len(encoders) >= 8
   # One for mu, one for nu (the two moments' programs differ).
   assert len(set(encoders)) <= 2
+  assert len(set(_fused_bodies(eight, ""))) == len(set(_fused_bodies(four, "")))
 
 
 def _step_memory(tx, shapes, platform="cpu"):

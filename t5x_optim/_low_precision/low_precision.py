@@ -120,12 +120,12 @@ from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
   dynamic_map,
-  hashed_bits,
   leaf_block,
+  leaf_rounding_bits,
   quantize,
   quantize_stats,
   rounding_bits,
-  rounding_key,
+  step_key,
   stored_block,
   to_bfloat16,
 )
@@ -582,21 +582,23 @@ def _rounded(state: LowPrecisionState, leaf: int) -> bool:
   return state.storage[leaf] == _BF16 and state.stochastic_rounding
 
 
-def _bits(state: LowPrecisionState, count: jax.Array, leaf: int, shape: tuple) -> Any:
-  """The stochastic-rounding bits of inner leaf ``leaf``; None unless it is `_rounded`."""
-  if not _rounded(state, leaf):
-    return None
-  return rounding_bits(shape, state.seed, count, leaf)
-
-
 def _compress(
   inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any, guard: bool = True
 ) -> Any:
-  """``inner_state`` (float32) stored as ``state``'s static fields say."""
+  """``inner_state`` (float32) stored as ``state``'s static fields say.
+
+  A `_rounded` leaf's stochastic-rounding bits (`leaf_rounding_bits`) read
+  the step's key and the leaf's index from `_rounding_operands`, not as
+  constants, as the streamed encoders do.
+  """
   leaves, treedef = jax.tree.flatten(inner_state)
+  rounded = [_rounded(state, k) for k in range(len(leaves))]
+  if any(rounded):
+    shared_key, leaf_ids = _rounding_operands(state.seed, count, len(leaves))
   out = []
-  for i, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
-    out.append(_encode(kind, leaf, _bits(state, count, i, jnp.shape(leaf)), block, guard))
+  for k, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
+    bits = leaf_rounding_bits(jnp.shape(leaf), shared_key, leaf_ids[k]) if rounded[k] else None
+    out.append(_encode(kind, leaf, bits, block, guard))
   return treedef.unflatten(out)
 
 
@@ -696,6 +698,31 @@ def _after(x: jax.Array) -> jax.Array:
   width = jnp.dtype(x.dtype).itemsize * 8
   bits = jax.lax.bitcast_convert_type(x.reshape(-1)[:1], jnp.dtype(f"uint{width}"))
   return (bits >> (width - 1) <= 1).all()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _rounding_operands(seed: int, count: jax.Array, n: int) -> tuple[jax.Array, list]:
+  """``(step_key(seed, count), [0, ..., n - 1])``: what the encoders hash a leaf's rounding key from.
+
+  The inner leaves' indices come out of a conditional (`_after` of
+  ``count``: always true) that XLA cannot fold, beside the step's key: a
+  leaf's encoders then read its index and the key as operands, not as
+  constants inside them, and the encoders of same-shaped leaves compile to
+  one kernel. A key hashed in each leaf's encoders from a constant index
+  made them a kernel apiece, and one hashed before them a small kernel
+  apiece: XLA:CPU takes about 10 ms to compile a kernel, however small.
+  Jitted: called eagerly (an eager ``create``), it runs as one program.
+  """
+  ids = tuple(jnp.uint32(k) for k in range(n))
+
+  def shared() -> tuple:
+    return step_key(seed, count), ids
+
+  def never() -> tuple:
+    return jnp.uint32(0), tuple(jnp.uint32(0) for _ in ids)
+
+  key, ids = jax.lax.cond(_after(count), shared, never)
+  return key, list(ids)
 
 
 def _unchanged(shapes: Any, operands: Any) -> Any:
@@ -837,7 +864,6 @@ def _leaf_functions(
   program: Program,
   kinds: tuple[str, ...],
   rounded: tuple[bool, ...],
-  seed: int,
   block: Any,
   guard: bool,
   split: tuple[int, int, int] | None,
@@ -846,19 +872,21 @@ def _leaf_functions(
 
   Each takes ``operands``: the leaf's param (None where its new state does
   not read it), gradient, stored state leaves, the group's scalar
-  residuals, the step count and the inner leaves' indices.
+  residuals, the step's rounding key and the inner leaves' indices
+  (`_rounding_operands`).
   ``step(param, operands, ready)`` decodes the leaf's state and runs
-  ``program`` to the update, reading the gradient after ``ready``; ``branch(operands)`` computes each new state leaf's block
-  statistics (`_stats`, quantized modes; a chunk of rows at a time where
-  ``split`` says, `_chunked_stats`) and stochastic-rounding key
-  (`rounding_key`, where ``rounded``); ``encoders(operands, stats, keys,
-  new_param)`` computes the new state again, from the gradient read through
-  a select on the new param (so after it), and stores it as ``kinds`` say. Leaves with the same program,
-  kinds and shapes call the same three functions, which JAX traces and
-  lowers once; their compiled encoders are the same too, and XLA compiles
-  one kernel for all of them: nothing in them depends on the leaf but their
-  operands (the rounding keys, computed in the branch, are not constants
-  there).
+  ``program`` to the update, reading the gradient after ``ready``;
+  ``branch(operands)`` computes each new state leaf's block statistics
+  (`_stats`, quantized modes; a chunk of rows at a time where ``split``
+  says, `_chunked_stats`); ``encoders(operands, stats, new_param)``
+  computes the new state again, from the gradient read through a select on
+  the new param (so after it), and stores it as ``kinds`` say, hashing a
+  leaf's stochastic-rounding bits (`leaf_rounding_bits`) from the step's
+  key and its index where ``rounded``. Leaves with the same program, kinds and
+  shapes call the same three functions, which JAX traces and lowers once;
+  their compiled encoders are the same too, and XLA compiles one kernel for
+  all of them: nothing in them depends on the leaf but their operands (the
+  indices are not constants there).
   """
 
   def new_values(
@@ -894,21 +922,18 @@ def _leaf_functions(
     outs = new_values(p, g, leaves, residuals)
     return [_stats(kind, x, block, guard, shape) for kind, x in zip(kinds, outs[1:], strict=True)]
 
-  def branch(operands: tuple) -> tuple[list, list]:
-    p, g, leaves, residuals, count, leaf_ids = operands
-    stats = _chunked_stats(stats_of, p, g, leaves, (residuals, jnp.shape(g)), split)
-    keys = [
-      rounding_key(seed, count, k) if r else None for k, r in zip(leaf_ids, rounded, strict=True)
-    ]
-    return stats, keys
+  def branch(operands: tuple) -> list:
+    p, g, leaves, residuals, *_ = operands
+    return _chunked_stats(stats_of, p, g, leaves, (residuals, jnp.shape(g)), split)
 
-  def encoders(operands: tuple, stats: list, keys: list, new_param: Any) -> list:
+  def encoders(operands: tuple, stats: list, new_param: Any) -> list:
     after = _after(new_param)
     # Codes read through the select too: decoded as the update decodes them, XLA:GPU computes
     # the float32 state once for both and holds it whole between them. Only the codes: the
     # scales through a select keep XLA:CPU from vectorizing the 4-bit encoder (3 times slower),
     # and a bfloat16 leaf's decode, a convert, XLA:GPU recomputes.
     p, g, leaves, *rest = operands
+    shared_key, leaf_ids = rest[-2:]
     shape = jnp.shape(g)
     gated = [
       leaf._replace(codes=jnp.where(after, leaf.codes, jnp.zeros_like(leaf.codes)))
@@ -919,7 +944,7 @@ def _leaf_functions(
     operands = (p, g, gated, *rest)
     by_lanes: dict[int, list] = {}
     out = []
-    for k, (kind, leaf_stats, key) in enumerate(zip(kinds, stats, keys, strict=True)):
+    for k, (kind, leaf_stats, leaf_id) in enumerate(zip(kinds, stats, leaf_ids, strict=True)):
       lanes = _CODECS[kind].lanes if kind in _CODECS else 1
       if lanes not in by_lanes:
         by_lanes[lanes] = [
@@ -929,7 +954,7 @@ def _leaf_functions(
       if kind in _CODECS:
         out.append(_CODECS[kind].encode_lanes(xs, block(kind, shape), guard, leaf_stats))
         continue
-      bits = None if key is None else hashed_bits(shape, key)
+      bits = leaf_rounding_bits(shape, shared_key, leaf_id) if rounded[k] else None
       out.append(_encode(kind, xs[0], bits, block, guard))
     return out
 
@@ -990,6 +1015,7 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
+  shared_key, leaf_ids = _rounding_operands(state.seed, count, len(stored))
   functions: dict[tuple, tuple[Callable, Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
@@ -1003,12 +1029,12 @@ def _streamed_update(
     split = _row_split(jnp.shape(g), _block_rows(g, old), chunk, shard_multiple)
     key = (id(group_of[i]), kinds, rounded, split)
     if key not in functions:
-      functions[key] = _leaf_functions(program, kinds, rounded, state.seed, block, guard, split)
+      functions[key] = _leaf_functions(program, kinds, rounded, block, guard, split)
     step, branch, encoders = functions[key]
     # The param goes to the branch and the encoders only if the new state reads it: the
     # update writes the new param over it first.
     state_param = p if _state_reads_param(program) else None
-    operands = (state_param, g, old, residuals, count, [jnp.uint32(k) for k in ks])
+    operands = (state_param, g, old, residuals, shared_key, [leaf_ids[k] for k in ks])
     ready = _after(previous)
     # The update waits for the previous leaf's new param, as the statistics do: left free,
     # XLA may schedule it while the backward pass still reads the param, and copy the param.
@@ -1016,15 +1042,17 @@ def _streamed_update(
     if dtypes is not None:
       update = update.astype(dtypes[i])
     new_updates.append(update)
-    stats, keys = jax.lax.cond(
-      ready,
-      branch,
-      functools.partial(_unchanged, branch.eval_shape(operands)),
-      operands,
-    )
+    stats = [None] * len(ks)
+    if any(kind in _CODECS for kind in kinds):
+      stats = jax.lax.cond(
+        ready,
+        branch,
+        functools.partial(_unchanged, branch.eval_shape(operands)),
+        operands,
+      )
     # The caller's ``optax.apply_updates`` of the leaf, merged with this one by XLA.
     previous = optax.apply_updates(p, update)
-    for k, encoded in zip(ks, encoders(operands, stats, keys, previous), strict=True):
+    for k, encoded in zip(ks, encoders(operands, stats, previous), strict=True):
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 

@@ -35,10 +35,13 @@ __all__ = [
   "dynamic_map",
   "hashed_bits",
   "leaf_block",
+  "leaf_key",
+  "leaf_rounding_bits",
   "quantize",
   "quantize_stats",
   "rounding_bits",
   "rounding_key",
+  "step_key",
   "stored_block",
   "to_bfloat16",
 ]
@@ -417,10 +420,24 @@ def _hash32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
+def step_key(seed: int, count: jax.Array) -> jax.Array:
+  """The part of `rounding_key` that every leaf of a step shares: the seed and the count hashed."""
+  return _hash32(_hash32(jnp.uint32(seed)) ^ jnp.asarray(count).astype(jnp.uint32))
+
+
+def leaf_key(step: jax.Array, leaf: int | jax.Array) -> jax.Array:
+  """`rounding_key` of leaf ``leaf`` from its step's `step_key`."""
+  return _hash32(step ^ jnp.asarray(leaf, jnp.uint32))
+
+
 def rounding_key(seed: int, count: jax.Array, leaf: int | jax.Array) -> jax.Array:
-  """The uint32 key of `rounding_bits`, hashed from the seed, the step count and the leaf."""
-  key = _hash32(jnp.uint32(seed)) ^ jnp.asarray(count).astype(jnp.uint32)
-  return _hash32(_hash32(key) ^ jnp.asarray(leaf, jnp.uint32))
+  """The uint32 key of `rounding_bits`, hashed from the seed, the step count and the leaf.
+
+  Example:
+    >>> int(rounding_key(0, jnp.int32(3), 1)) == int(leaf_key(step_key(0, jnp.int32(3)), 1))
+    True
+  """
+  return leaf_key(step_key(seed, count), leaf)
 
 
 def hashed_bits(shape: tuple[int, ...], key: jax.Array) -> jax.Array:
@@ -442,15 +459,30 @@ def rounding_bits(
   Each element's bits hash its row-major index with a key hashed from
   ``seed``, ``count`` and ``leaf`` (`rounding_key`, then `hashed_bits`):
   cheaper than a counter-based PRNG, the same sharded or not, and
-  reproducible. One program per shape and seed: called outside `jax.jit`
-  (an eager ``create``), it compiles once rather than op by op.
+  reproducible. `leaf_rounding_bits` gives the same bits from the step's
+  key (`step_key`), which a step computes once for all its leaves.
 
   Example:
     >>> bits = rounding_bits((2, 3), 0, jnp.int32(1), 0)
     >>> bits.dtype, bool((bits < 2**16).all())
     (dtype('uint32'), True)
   """
-  return hashed_bits(shape, rounding_key(seed, count, leaf))
+  return leaf_rounding_bits(shape, step_key(seed, count), leaf)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def leaf_rounding_bits(shape: tuple[int, ...], step: jax.Array, leaf: int | jax.Array) -> jax.Array:
+  """`rounding_bits` of leaf ``leaf`` from its step's `step_key`.
+
+  One program per shape: called outside `jax.jit` (an eager ``create``),
+  it compiles once rather than op by op.
+
+  Example:
+    >>> step = step_key(0, jnp.int32(1))
+    >>> bool((leaf_rounding_bits((2, 3), step, 0) == rounding_bits((2, 3), 0, jnp.int32(1), 0)).all())
+    True
+  """
+  return hashed_bits(shape, leaf_key(step, leaf))
 
 
 @jax.jit
