@@ -1015,7 +1015,9 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
-  shared_key, leaf_ids = _rounding_operands(state.seed, count, len(stored))
+  shared_key, leaf_ids = None, [None] * len(stored)
+  if any(_rounded(state, k) for k in range(len(stored))):
+    shared_key, leaf_ids = _rounding_operands(state.seed, count, len(stored))
   functions: dict[tuple, tuple[Callable, Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
