@@ -592,12 +592,11 @@ def _compress(
   constants, as the streamed encoders do.
   """
   leaves, treedef = jax.tree.flatten(inner_state)
-  rounded = [_rounded(state, k) for k in range(len(leaves))]
-  if any(rounded):
-    shared_key, leaf_ids = _rounding_operands(state.seed, count, len(leaves))
+  shared_key, leaf_ids = _rounding_operands(state, count)
   out = []
   for k, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
-    bits = leaf_rounding_bits(jnp.shape(leaf), shared_key, leaf_ids[k]) if rounded[k] else None
+    rounded = _rounded(state, k)
+    bits = leaf_rounding_bits(jnp.shape(leaf), shared_key, leaf_ids[k]) if rounded else None
     out.append(_encode(kind, leaf, bits, block, guard))
   return treedef.unflatten(out)
 
@@ -700,9 +699,9 @@ def _after(x: jax.Array) -> jax.Array:
   return (bits >> (width - 1) <= 1).all()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _rounding_operands(seed: int, count: jax.Array, n: int) -> tuple[jax.Array, list]:
-  """``(step_key(seed, count), [0, ..., n - 1])``: what the encoders hash a leaf's rounding key from.
+def _rounding_operands(state: LowPrecisionState, count: jax.Array) -> tuple[Any, list]:
+  """``(step_key(seed, count), [0, ..., n - 1])`` for ``state``'s ``n`` inner leaves: what a
+  leaf's stochastic-rounding bits hash its key from; None for all without a `_rounded` leaf.
 
   The inner leaves' indices come out of a conditional (`_after` of
   ``count``: always true) that XLA cannot fold, beside the step's key: a
@@ -711,8 +710,17 @@ def _rounding_operands(seed: int, count: jax.Array, n: int) -> tuple[jax.Array, 
   one kernel. A key hashed in each leaf's encoders from a constant index
   made them a kernel apiece, and one hashed before them a small kernel
   apiece: XLA:CPU takes about 10 ms to compile a kernel, however small.
-  Jitted: called eagerly (an eager ``create``), it runs as one program.
   """
+  n = len(state.storage)
+  if not any(_rounded(state, k) for k in range(n)):
+    return None, [None] * n
+  return _unfoldable_operands(state.seed, count, n)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _unfoldable_operands(seed: int, count: jax.Array, n: int) -> tuple[jax.Array, list]:
+  """`_rounding_operands`' conditional; jitted: called eagerly (an eager ``create``), it runs
+  as one program."""
   ids = tuple(jnp.uint32(k) for k in range(n))
 
   def shared() -> tuple:
@@ -1015,9 +1023,7 @@ def _streamed_update(
   globals_ = iter(a.value if isinstance(a, Lit) else values[a] for a in plan.global_outs)
   new_stored = [leaf if j is not None else next(globals_) for leaf, j in zip(stored, plan.slots)]
   group_of = {i: group for group in plan.groups for i in group.leaves}
-  shared_key, leaf_ids = None, [None] * len(stored)
-  if any(_rounded(state, k) for k in range(len(stored))):
-    shared_key, leaf_ids = _rounding_operands(state.seed, count, len(stored))
+  shared_key, leaf_ids = _rounding_operands(state, count)
   functions: dict[tuple, tuple[Callable, Callable, Callable]] = {}
   new_updates = []
   previous = g_leaves[0]
