@@ -40,7 +40,6 @@ __all__ = [
   "quantize",
   "quantize_stats",
   "rounding_bits",
-  "rounding_key",
   "step_key",
   "stored_block",
   "to_bfloat16",
@@ -421,27 +420,17 @@ def _hash32(x: jax.Array) -> jax.Array:
 
 
 def step_key(seed: int, count: jax.Array) -> jax.Array:
-  """The part of `rounding_key` that every leaf of a step shares: the seed and the count hashed."""
+  """The uint32 key that every leaf of a step shares (`leaf_key`): the seed and the count hashed."""
   return _hash32(_hash32(jnp.uint32(seed)) ^ jnp.asarray(count).astype(jnp.uint32))
 
 
 def leaf_key(step: jax.Array, leaf: int | jax.Array) -> jax.Array:
-  """`rounding_key` of leaf ``leaf`` from its step's `step_key`."""
+  """The uint32 key of leaf ``leaf``'s `rounding_bits`: its step's `step_key` hashed with its index."""
   return _hash32(step ^ jnp.asarray(leaf, jnp.uint32))
 
 
-def rounding_key(seed: int, count: jax.Array, leaf: int | jax.Array) -> jax.Array:
-  """The uint32 key of `rounding_bits`, hashed from the seed, the step count and the leaf.
-
-  Example:
-    >>> int(rounding_key(0, jnp.int32(3), 1)) == int(leaf_key(step_key(0, jnp.int32(3)), 1))
-    True
-  """
-  return leaf_key(step_key(seed, count), leaf)
-
-
 def hashed_bits(shape: tuple[int, ...], key: jax.Array) -> jax.Array:
-  """`rounding_bits` from its key (`rounding_key`): each element's row-major index hashed with it."""
+  """`rounding_bits` from its key (`leaf_key`): each element's row-major index hashed with it."""
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for dim in reversed(range(len(shape))):
@@ -457,7 +446,7 @@ def rounding_bits(
   """16 random bits (uint32 below ``2**16``) per element, from the seed, step and leaf.
 
   Each element's bits hash its row-major index with a key hashed from
-  ``seed``, ``count`` and ``leaf`` (`rounding_key`, then `hashed_bits`):
+  ``seed``, ``count`` and ``leaf`` (`step_key`, `leaf_key`, then `hashed_bits`):
   cheaper than a counter-based PRNG, the same sharded or not, and
   reproducible. `leaf_rounding_bits` gives the same bits from the step's
   key (`step_key`), which a step computes once for all its leaves.
