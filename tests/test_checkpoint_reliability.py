@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ocdbt import array_chunks
 from _subprocesses import free_port
 
 from t5x_optim import CheckpointError, distributed
@@ -43,30 +44,18 @@ def target(part_2x4):
   return w.abstract_state("adamw", part_2x4, **SIZES)
 
 
-def _largest_chunk_file(step_dir):
-  """The biggest file of array data that the processes wrote for a step."""
-  files = [
-    os.path.join(root, name)
-    for root, _, names in os.walk(step_dir / "default")
-    if "ocdbt.process_" in root
-    for name in names
-    if os.path.basename(root) == "d"
-  ]
-  return max(files, key=os.path.getsize)
-
-
 def _flip_bytes(step_dir):
-  path = _largest_chunk_file(step_dir)
-  with open(path, "r+b") as f:
-    f.seek(os.path.getsize(path) // 2)
+  chunk = array_chunks(step_dir)[0]
+  with open(chunk.path, "r+b") as f:
+    f.seek(chunk.offset + chunk.length // 2)
     data = f.read(8)
     f.seek(-len(data), os.SEEK_CUR)
     f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _truncate(step_dir):
-  path = _largest_chunk_file(step_dir)
-  os.truncate(path, os.path.getsize(path) // 2)
+  chunk = array_chunks(step_dir)[0]
+  os.truncate(chunk.path, chunk.offset + chunk.length // 2)
 
 
 def _delete_index(step_dir):
@@ -95,7 +84,7 @@ CORRUPTIONS = {
   ),
   "array data truncated": (_truncate, r"could not be read at '(target|state)/"),
   "array data deleted": (
-    lambda d: os.remove(_largest_chunk_file(d)),
+    lambda d: os.remove(array_chunks(d)[0].path),
     r"could not be read at '(target|state)/",
   ),
   "tree index deleted": (_delete_index, r"has unreadable metadata at 'flax_mutables/"),

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ocdbt import array_chunks
 from test_cli import _checkpoint_steps, _env, _scalars
 
 import t5x_optim
@@ -137,14 +138,13 @@ def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
 
 
 def _flip_one_byte(step_dir: Path) -> None:
-  """Flips one byte in the middle of each array-data file of a step (wherever orbax reads)."""
-  for root, _, names in os.walk(step_dir / "default"):
-    if os.path.basename(root) == "d":
-      for name in names:
-        path = Path(root) / name
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+  """Flips one byte in the middle of a step's largest array chunk."""
+  chunk = array_chunks(step_dir)[0]
+  with open(chunk.path, "r+b") as f:
+    f.seek(chunk.offset + chunk.length // 2)
+    (byte,) = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 0xFF]))
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):
