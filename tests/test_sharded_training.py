@@ -12,9 +12,12 @@ import numpy as np
 import optax
 import pytest
 from flax.linen import partitioning as flax_partitioning
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import OptaxWrapper, TrainState
+from t5x_optim._axes.auto import auto_axes_like
+from t5x_optim.optimizers import example_lib_sm3
 from t5x_optim.partitioning import (
   Partitioner,
   abstract_train_state,
@@ -130,9 +133,9 @@ def _unsharded(model_name, opt_name):
   return _run(state, jax.jit(functools.partial(_train_step, MODELS[model_name])))
 
 
-def _partitioner(data, model, *, zero):
+def _partitioner(data, model, *, zero, axis_types=AxisType.Auto):
   return Partitioner(
-    create_mesh(shape={"data": data, "model": model}),
+    create_mesh(shape={"data": data, "model": model}, axis_types=axis_types),
     standard_logical_axis_rules(shard_optimizer_state_over_data=zero),
   )
 
@@ -203,6 +206,82 @@ def test_sharded_training_matches_unsharded(model_name, opt_name, data, model):
     state_bytes[zero] = _state_bytes_per_device(state)
   if data > 1:
     assert state_bytes[False] == data * state_bytes[True]
+
+
+def _grads(params):
+  return jax.tree.map(lambda x: jnp.sin(3.0 * x + 1.0), params)
+
+
+def optimizer_steps(opt_def, axis_types, *, zero, steps=2, extra_args=lambda grads: {}):
+  """``steps`` jitted ``apply_gradient`` calls on a 2x4 mesh of ``axis_types`` (the update alone:
+  under Explicit axes the model's matmuls over a sharded ``mlp`` are type errors), with the
+  update's extra arguments computed in the step from the grads."""
+  partitioner = _partitioner(2, 4, zero=zero, axis_types=axis_types)
+  state = TrainState.create(opt_def, _variables("axes"))
+  shardings = partitioner.get_shardings(state)
+  state, grads = jax.device_put((state, _grads(state.params)), (shardings, shardings.params))
+  step = jax.jit(
+    lambda s, g: s.apply_gradient(g, **extra_args(g)),
+    in_shardings=(shardings, shardings.params),
+    out_shardings=shardings,
+  )
+  for _ in range(steps):
+    state = step(state, grads)
+  return state
+
+
+def assert_explicit_as_auto(explicit, auto):
+  """The same shardings and state; params to float32 rounding (XLA fuses the two apart)."""
+  specs = [_normalized(x.sharding.spec) for x in jax.tree.leaves(explicit)]
+  assert specs == [_normalized(x.sharding.spec) for x in jax.tree.leaves(auto)]
+  for x, y in zip(jax.tree.leaves(explicit.param_states), jax.tree.leaves(auto.param_states)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for x, y in zip(jax.tree.leaves(explicit.params), jax.tree.leaves(auto.params), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def _value(grads):
+  """An extra update argument computed in the step: a loss-like scalar."""
+  return {"value": jnp.sum(grads["wi"] ** 2)}
+
+
+EXPLICIT_CASES = {
+  **{name: (lambda name=name: _opt_def(name), lambda grads: {}) for name in [*OPTIMIZERS, *FUSED]},
+  "reduce_on_plateau": (
+    lambda: OptaxWrapper(optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())),
+    _value,
+  ),
+  "example_lib_sm3": (lambda: example_lib_sm3(1e-2), lambda grads: {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
+@pytest.mark.parametrize("case", EXPLICIT_CASES)
+def test_explicit_mesh_axes_update_as_auto(case, zero):
+  """On a mesh with Explicit axes (`jax.make_mesh`'s default) the update runs as on Auto axes.
+
+  With ZeRO a moment is sharded over ``data`` and its gradient is not: under
+  Explicit axes their sum is a type error unless the update runs with the axes Auto.
+  An extra argument computed in the step (``value``) and a shape kept in a
+  state (sm3's) pass through.
+  """
+  make, extra_args = EXPLICIT_CASES[case]
+  explicit = optimizer_steps(make(), AxisType.Explicit, zero=zero, extra_args=extra_args)
+  assert jax.typeof(explicit.params["wi"]).sharding.mesh.axis_types == (AxisType.Explicit,) * 2
+  auto = optimizer_steps(make(), AxisType.Auto, zero=zero, extra_args=extra_args)
+  assert_explicit_as_auto(explicit, auto)
+
+
+def test_an_update_that_returns_other_leaves_than_it_replaces_is_refused():
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P("x")))
+  twice = auto_axes_like(lambda x: (x, x), x)
+  with pytest.raises(
+    ValueError, match=r"'<lambda>' returned PyTreeDef\(\(\*, \*\)\) where the leaves"
+  ):
+    jax.jit(twice)(x)
+  np.testing.assert_array_equal(jax.jit(auto_axes_like(lambda x: 2 * x, x))(x), 2 * np.ones(8))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from jax.example_libraries import optimizers as example_lib
 
 from t5x_optim._adapters.example_lib_layout import Layout, PartsNode, leaf_name, trace_layout
 from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.auto import auto_axes_like
 from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logical_axes_from
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._core.interface import (
@@ -216,8 +217,10 @@ class ExampleLibOptimizerDef(OptimizerDef):
     grads = tree_like(grads, params)
     layout = self._layout(params)
     packed = layout.pack(params, state.param_states)
+    # Under Explicit mesh axes the update runs with them Auto (`auto_axes_like`).
+    update = auto_axes_like(triple.update_fn, packed)
     try:
-      new_packed = triple.update_fn(state.step, grads, packed)
+      new_packed = update(state.step, grads, packed)
     except TypeError as error:
       mismatch = structure_mismatch(grads, params, name="grads")
       if mismatch is None:

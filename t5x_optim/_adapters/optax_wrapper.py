@@ -14,6 +14,7 @@ import optax
 from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
+from t5x_optim._axes.auto import auto_axes_like
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._layouts.fused import FusedUpdate
 from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
@@ -269,10 +270,16 @@ class OptaxWrapper(OptimizerDef):
       check_learning_rate(hyper_params.learning_rate)
       param_states = override_learning_rate(param_states, hyper_params.learning_rate)
     if self.fused is FusedUpdate.OFF:
-      updates, new_param_states = self.optax_optimizer.update(
-        grads, param_states, params, **extra_args
-      )
-      new_params = optax.apply_updates(params, updates)
+
+      def update(params: Any, grads: Any, param_states: Any, extra_args: dict) -> tuple[Any, Any]:
+        updates, new_param_states = self.optax_optimizer.update(
+          grads, param_states, params, **extra_args
+        )
+        return optax.apply_updates(params, updates), new_param_states
+
+      # Under Explicit mesh axes the update runs with them Auto (`auto_axes_like`).
+      update = auto_axes_like(update, (params, param_states))
+      new_params, new_param_states = update(params, grads, param_states, extra_args)
     else:
       new_params, new_param_states = self.fused.update(
         self.optax_optimizer, params, grads, param_states, extra_args

@@ -99,11 +99,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
+from t5x_optim._axes.auto import explicit_mesh
 from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
 from t5x_optim._axes.rules import is_spec_leaf
@@ -695,8 +696,23 @@ def _after(x: jax.Array) -> jax.Array:
   knows, so the predicate cannot be folded away or hoisted above ``x``.
   """
   width = jnp.dtype(x.dtype).itemsize * 8
-  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[:1], jnp.dtype(f"uint{width}"))
+  bits = jax.lax.bitcast_convert_type(_first_element(x), jnp.dtype(f"uint{width}"))
   return (bits >> (width - 1) <= 1).all()
+
+
+def _first_element(x: jax.Array) -> jax.Array:
+  """``x``'s first element, shape ``(1,)``, replicated.
+
+  Under Explicit mesh axes a slice of a sharded dimension is a type error, so
+  the slice runs with the axes Auto, as on any other mesh.
+  """
+  mesh = explicit_mesh(x)
+  if mesh is None:
+    return x.reshape(-1)[:1]
+  first = jax.sharding.auto_axes(
+    lambda y: y.reshape(-1)[:1], out_sharding=NamedSharding(mesh, PartitionSpec())
+  )
+  return first(x)
 
 
 def _rounding_operands(state: LowPrecisionState, count: jax.Array) -> tuple[Any, list]:

@@ -1,0 +1,89 @@
+"""An update run with a mesh's Explicit axes made Auto.
+
+Under Explicit mesh axes every operation checks its operands' shardings:
+adding a gradient sharded as its param to a moment sharded over ``data`` as
+well (ZeRO), or slicing one element out of a sharded dimension, is a type
+error, where on an Auto mesh XLA's partitioner moves the data. An optimizer
+update takes its leaves as they are sharded, so it runs with the axes Auto
+and gives its results back sharded as the leaves they replace: the program
+is the one an Auto mesh compiles.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> double = auto_axes_like(lambda x: 2 * x, jnp.ones(2))
+  >>> double(jnp.ones(2))  # no Explicit axes: the function itself
+  Array([2., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+__all__ = ["auto_axes_like", "explicit_mesh"]
+
+
+def explicit_mesh(tree: Any) -> Any:
+  """The mesh in the sharding types of ``tree``'s arrays if it has an Explicit axis, or None."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      mesh = jax.typeof(x).sharding.mesh
+      if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+        return mesh
+  return None
+
+
+def _spec(x: Any) -> PartitionSpec:
+  """``x``'s spec in its sharding type; a host array's is replicated."""
+  return jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else PartitionSpec()
+
+
+def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
+  """``fn`` run with Explicit mesh axes Auto, its result's leaves sharded as ``like``'s.
+
+  The result has as many leaves as ``like``, in the same order (the leaves
+  they replace); where ``like`` holds a value that is not an array (a shape
+  kept in a state), so does the result, and it comes back as it is. The
+  arrays among ``fn``'s arguments go in with the axes Auto (an array closed
+  over would keep its Explicit type, which operations with the axes Auto
+  refuse). Without an Explicit axis in ``like``'s shardings, ``fn`` itself.
+  """
+  mesh = explicit_mesh(like)
+  if mesh is None:
+    return fn
+  like_leaves = jax.tree.leaves(like)
+  arrays_at = [i for i, x in enumerate(like_leaves) if isinstance(x, jax.Array | np.ndarray)]
+  array_set = set(arrays_at)
+  shardings = [NamedSharding(mesh, _spec(like_leaves[i])) for i in arrays_at]
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    result: list = []
+
+    def run(*arrays: jax.Array) -> list:
+      full = list(leaves)
+      for i, x in zip(where, arrays, strict=True):
+        full[i] = x
+      args, kwargs = jax.tree.unflatten(treedef, full)
+      out, definition = jax.tree.flatten(fn(*args, **kwargs))
+      static = [i for i in range(len(out)) if i not in array_set]
+      if len(out) != len(like_leaves) or any(isinstance(out[i], jax.Array) for i in static):
+        raise ValueError(
+          f"{getattr(fn, '__name__', fn)!r} returned {definition} where the leaves it "
+          f"replaces are {jax.tree.structure(like)}, arrays at {arrays_at}."
+        )
+      result.extend([definition, out])
+      return [out[i] for i in arrays_at]
+
+    arrays = jax.sharding.auto_axes(run, out_sharding=shardings)(*(leaves[i] for i in where))
+    definition, out = result
+    for i, x in zip(arrays_at, arrays, strict=True):
+      out[i] = x
+    return jax.tree.unflatten(definition, out)
+
+  return call
