@@ -153,6 +153,27 @@ def test_explicit_mesh_axes_update_as_auto(mode, zero, stream):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [None, "8bit"])
+def test_checkpoint_round_trip_on_explicit_mesh_axes(tmp_path, mode):
+  opt_def = OptaxWrapper(optax.adamw(1e-2) if mode is None else _low_precision(mode, True))
+  state = st.optimizer_steps(opt_def, AxisType.Explicit, zero=True)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, state)
+  fresh = TrainState.create(opt_def, st._variables("axes"))
+  partitioner = st._partitioner(2, 4, zero=True, axis_types=AxisType.Explicit)
+  with Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(jax.device_put(fresh, partitioner.get_shardings(fresh)))
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  grads = jax.tree.map(jnp.ones_like, restored.params)
+  stepped = jax.jit(lambda s, g: s.apply_gradient(g))(restored, grads)
+  assert [x.sharding for x in jax.tree.leaves(stepped)] == [
+    x.sharding for x in jax.tree.leaves(state)
+  ]
+
+
+@pytest.mark.slow
 @STREAM
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
 def test_the_transformation_alone_on_explicit_mesh_axes(mode, stream):
