@@ -255,20 +255,28 @@ EXPLICIT_CASES = {
 }
 
 
+EXPLICIT_AXES = pytest.mark.parametrize(
+  "axis_types",
+  [(AxisType.Explicit,) * 2, (AxisType.Explicit, AxisType.Auto)],
+  ids=["explicit", "explicit_data_auto_model"],
+)
+
+
 @pytest.mark.slow
+@EXPLICIT_AXES
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
 @pytest.mark.parametrize("case", EXPLICIT_CASES)
-def test_explicit_mesh_axes_update_as_auto(case, zero):
+def test_explicit_mesh_axes_update_as_auto(case, zero, axis_types):
   """On a mesh with Explicit axes (`jax.make_mesh`'s default) the update runs as on Auto axes.
 
   With ZeRO a moment is sharded over ``data`` and its gradient is not: under
   Explicit axes their sum is a type error unless the update runs with the axes Auto.
   An extra argument computed in the step (``value``) and a shape kept in a
-  state (sm3's) pass through.
+  state (sm3's) pass through. A mesh may mix Explicit and Auto axes.
   """
   make, extra_args = EXPLICIT_CASES[case]
-  explicit = optimizer_steps(make(), AxisType.Explicit, zero=zero, extra_args=extra_args)
-  assert jax.typeof(explicit.params["wi"]).sharding.mesh.axis_types == (AxisType.Explicit,) * 2
+  explicit = optimizer_steps(make(), axis_types, zero=zero, extra_args=extra_args)
+  assert jax.typeof(explicit.params["wi"]).sharding.mesh.axis_types == axis_types
   auto = optimizer_steps(make(), AxisType.Auto, zero=zero, extra_args=extra_args)
   assert_explicit_as_auto(explicit, auto)
 

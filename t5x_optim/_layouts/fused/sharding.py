@@ -11,7 +11,8 @@ layout and XLA reshards around it, as it does for the plain path. Under
 
 Example:
   >>> import jax.numpy as jnp, optax
-  >>> from t5x_optim._layouts.fused.analysis import plan_fused_update
+  >>> from t5x_optim._axes.auto import auto_axes_like, explicit_mesh
+from t5x_optim._layouts.fused.analysis import plan_fused_update
   >>> params, grads = {'w': jnp.ones(3)}, {'w': jnp.ones(3)}
   >>> tx = optax.sgd(0.5)
   >>> plan = plan_fused_update(tx, params, grads, tx.init(params), kernel="interpret")
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +34,7 @@ import optax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from t5x_optim._axes.auto import auto_axes_like, explicit_mesh
 from t5x_optim._layouts.fused.analysis import FusedPlan, eval_outside, split_extras
 from t5x_optim._layouts.fused.kernel import local_update
 from t5x_optim._layouts.fused.program import Lit
@@ -42,15 +45,6 @@ __all__ = ["fused_apply"]
 def _most_sharded(shardings: Sequence[Any], shape: tuple) -> Any:
   """The sharding with the smallest shard of `shape` (the first on ties)."""
   return min(shardings, key=lambda s: math.prod(s.shard_shape(shape)))
-
-
-def _explicit_mesh(arrays: Sequence[Any]) -> Any:
-  """The mesh of the arrays' sharding types when all its axes are Explicit."""
-  for x in arrays:
-    mesh = jax.typeof(x).sharding.mesh
-    if not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types):
-      return mesh
-  return None
 
 
 def _shard_mapped(plan: FusedPlan, leaf_args: list, residuals: list, mesh: Any) -> list:
@@ -92,11 +86,23 @@ def _multi_tensor(plan: FusedPlan, leaf_args: list, residuals: list) -> list:
 
   Under Explicit mesh axes the shardings are in the types and `jax.shard_map`
   runs it; otherwise it is a `custom_partitioning` op, to which XLA's
-  partitioner gives the shardings.
+  partitioner gives the shardings. On a mesh with some axes Explicit and some
+  Auto the op runs with them all Auto (`auto_axes_like`).
   """
-  mesh = _explicit_mesh(leaf_args)
-  if mesh is not None:
+  mesh = explicit_mesh(leaf_args)
+  if mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types):
     return _shard_mapped(plan, leaf_args, residuals, mesh)
+  width = 2 + plan.components
+  replaced = [
+    leaf_args[i * width + (0 if j == 0 else j + 1)]
+    for i in range(len(leaf_args) // width)
+    for j in range(width - 1)
+  ]
+  return auto_axes_like(functools.partial(_partitioned, plan), replaced)(leaf_args, residuals)
+
+
+def _partitioned(plan: FusedPlan, leaf_args: list, residuals: list) -> list:
+  """`local_update` as a `custom_partitioning` op (`_multi_tensor`)."""
   width = 2 + plan.components
   n_leaf_args = len(leaf_args)
 
