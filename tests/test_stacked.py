@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optimizer_table import TABLE, Case, tree_equal
 from test_fused import leaf_scale_ulps
@@ -294,6 +294,34 @@ def _shardings(opt, mesh, zero: bool):
     specs,
     is_leaf=lambda x: x is None or isinstance(x, P),
   )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [False, True])
+def test_stacked_steps_on_explicit_mesh_axes_as_on_auto(zero):
+  """Under Explicit axes (grads computed elementwise: the model's matmuls are the user's)."""
+
+  def run(axis_types):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    opt = OptaxWrapper(tx).create(stack_params(make_params(), logical_axes=AXES))
+    shardings = _shardings(
+      opt, create_mesh(shape={"data": 2, "model": 4}, axis_types=axis_types), zero
+    )
+    step = jax.jit(
+      lambda o: o.apply_gradient(jax.tree.map(lambda x: jnp.sin(3.0 * x + 1.0), o.target)),
+      in_shardings=(shardings,),
+      out_shardings=shardings,
+    )
+    opt = jax.device_put(jax.tree.map(jnp.copy, opt), shardings)
+    for _ in range(STEPS):
+      opt = step(opt)
+    return opt
+
+  explicit, auto = run(AxisType.Explicit), run(AxisType.Auto)
+  assert jax.typeof(explicit.target.buffers[0]).sharding.mesh.axis_types[0] == AxisType.Explicit
+  specs = [x.sharding.spec for x in jax.tree.leaves(explicit)]
+  assert specs == [x.sharding.spec for x in jax.tree.leaves(auto)]
+  assert leaf_scale_ulps(explicit, auto) <= GLOBAL_NORM_ULPS
 
 
 @pytest.mark.slow
