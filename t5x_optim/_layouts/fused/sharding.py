@@ -11,8 +11,7 @@ layout and XLA reshards around it, as it does for the plain path. Under
 
 Example:
   >>> import jax.numpy as jnp, optax
-  >>> from t5x_optim._axes.auto import auto_axes_like, explicit_mesh
-from t5x_optim._layouts.fused.analysis import plan_fused_update
+  >>> from t5x_optim._layouts.fused.analysis import plan_fused_update
   >>> params, grads = {'w': jnp.ones(3)}, {'w': jnp.ones(3)}
   >>> tx = optax.sgd(0.5)
   >>> plan = plan_fused_update(tx, params, grads, tx.init(params), kernel="interpret")
