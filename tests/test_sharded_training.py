@@ -255,17 +255,20 @@ EXPLICIT_CASES = {
 }
 
 
-EXPLICIT_AXES = pytest.mark.parametrize(
-  "axis_types",
-  [(AxisType.Explicit,) * 2, (AxisType.Explicit, AxisType.Auto)],
-  ids=["explicit", "explicit_data_auto_model"],
-)
-
-
 @pytest.mark.slow
-@EXPLICIT_AXES
-@pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
-@pytest.mark.parametrize("case", EXPLICIT_CASES)
+@pytest.mark.parametrize(
+  "case, zero, axis_types",
+  [
+    *[(case, zero, (AxisType.Explicit,) * 2) for case in EXPLICIT_CASES for zero in (False, True)],
+    *[(case, True, (AxisType.Explicit, AxisType.Auto)) for case in ("adamw", "fused_clip_adamw")],
+  ],
+  ids=lambda value: {
+    (AxisType.Explicit,) * 2: "explicit",
+    (AxisType.Explicit, AxisType.Auto): "explicit_data_auto_model",
+    False: "replicated_state",
+    True: "zero",
+  }.get(value),
+)
 def test_explicit_mesh_axes_update_as_auto(case, zero, axis_types):
   """On a mesh with Explicit axes (`jax.make_mesh`'s default) the update runs as on Auto axes.
 
