@@ -24,7 +24,7 @@ from jax.example_libraries import optimizers as example_lib
 
 from t5x_optim._adapters.example_lib_layout import Layout, PartsNode, leaf_name, trace_layout
 from t5x_optim._axes import specs as specs_lib
-from t5x_optim._axes.auto import auto_axes_like
+from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
 from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logical_axes_from
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._core.interface import (
@@ -216,8 +216,10 @@ class ExampleLibOptimizerDef(OptimizerDef):
       triple = example_lib.Optimizer(*self.with_step_size(hyper_params.learning_rate))
     grads = tree_like(grads, params)
     layout = self._layout(params)
-    packed = layout.pack(params, state.param_states)
-    # Under Explicit mesh axes the update runs with them Auto (`auto_axes_like`).
+    # Under Explicit mesh axes the update runs with them Auto, each param read in the layout
+    # of its most sharded state (`auto_axes_like`, `in_update_layouts`).
+    read, put_back = in_update_layouts(params, state.param_states)
+    packed = layout.pack(read, state.param_states)
     update = auto_axes_like(triple.update_fn, packed)
     try:
       new_packed = update(state.step, grads, packed)
@@ -227,7 +229,9 @@ class ExampleLibOptimizerDef(OptimizerDef):
         raise
       raise ValueError(f"The grads do not fit the params: {mismatch}.") from error
     new_params = jax.tree.map(
-      lambda new, old: new.astype(jnp.result_type(old)), triple.params_fn(new_packed), params
+      lambda new, old: new.astype(jnp.result_type(old)),
+      put_back(triple.params_fn(new_packed)),
+      params,
     )
     return new_params, OptimizerState(
       step=state.step + 1, param_states=layout.unpack(new_packed, like=packed)

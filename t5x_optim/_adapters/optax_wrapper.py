@@ -14,7 +14,7 @@ import optax
 from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
-from t5x_optim._axes.auto import auto_axes_like
+from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._layouts.fused import FusedUpdate
 from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
@@ -277,9 +277,12 @@ class OptaxWrapper(OptimizerDef):
         )
         return optax.apply_updates(params, updates), new_param_states
 
-      # Under Explicit mesh axes the update runs with them Auto (`auto_axes_like`).
+      # Under Explicit mesh axes the update runs with them Auto, each param read in the layout
+      # of its most sharded state (`auto_axes_like`, `in_update_layouts`).
+      params, put_back = in_update_layouts(params, param_states)
       update = auto_axes_like(update, (params, param_states))
       new_params, new_param_states = update(params, grads, param_states, extra_args)
+      new_params = put_back(new_params)
     else:
       new_params, new_param_states = self.fused.update(
         self.optax_optimizer, params, grads, param_states, extra_args

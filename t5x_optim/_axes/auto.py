@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["auto_axes_like", "explicit_mesh"]
+__all__ = ["auto_axes_like", "explicit_mesh", "in_update_layouts", "update_layouts"]
 
 
 def explicit_mesh(tree: Any) -> Any:
@@ -40,6 +41,57 @@ def explicit_mesh(tree: Any) -> Any:
 def _spec(x: Any) -> PartitionSpec:
   """``x``'s spec in its sharding type; a host array's is replicated."""
   return jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else PartitionSpec()
+
+
+def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
+  """Per param leaf, the spec of the most sharded of the param and its state's mirrors.
+
+  A mirror is a subtree of ``state`` with the params' structure at its top
+  (optax's moments; a compressed moment holds a subtree per param); its
+  arrays of a param's shape at that param's position mirror it. With ZeRO a
+  moment is sharded over ``data`` as well as its param. The param read in
+  that layout, the update and the new param are computed there and only the
+  new param is gathered, as XLA does on an Auto mesh; with the param held in
+  its own layout, XLA gathers every leaf's update first, and the step's peak
+  holds them all. None without an Explicit axis.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> update_layouts({'w': jnp.ones(2)}, {'mu': {'w': jnp.ones(2)}}) is None
+    True
+  """
+  mesh = explicit_mesh((params, state))
+  if mesh is None:
+    return None
+  param_leaves, param_def = jax.tree.flatten(params)
+  best = [NamedSharding(mesh, _spec(p)) for p in param_leaves]
+
+  one_array = param_def.num_nodes == 1  # every state array of its shape mirrors it
+
+  def is_mirror(node: Any) -> bool:
+    try:
+      param_def.flatten_up_to(node)
+    except (TypeError, ValueError):
+      return False
+    return not one_array
+
+  def shard_size(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
+    return math.prod(sharding.shard_shape(shape))
+
+  for node in jax.tree.leaves(state, is_leaf=is_mirror):
+    if is_mirror(node):
+      subtrees = param_def.flatten_up_to(node)
+    elif one_array:
+      subtrees = [node]
+    else:
+      continue
+    for j, (param, subtree) in enumerate(zip(param_leaves, subtrees, strict=True)):
+      for x in jax.tree.leaves(subtree):
+        if isinstance(x, jax.Array) and x.shape == param.shape and x.ndim:
+          sharding = NamedSharding(mesh, _spec(x))
+          if shard_size(sharding, x.shape) < shard_size(best[j], x.shape):
+            best[j] = sharding
+  return [sharding.spec for sharding in best]
 
 
 def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
@@ -87,3 +139,27 @@ def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
     return jax.tree.unflatten(definition, out)
 
   return call
+
+
+def in_update_layouts(params: Any, state: Any) -> tuple[Any, Callable[[Any], Any]]:
+  """``params`` resharded to their `update_layouts`, and a function that puts new params back.
+
+  Under Explicit axes an update that reads the params so computes in each
+  moment's layout; the function gathers the new params into the shardings of
+  ``params``. Without an Explicit axis, ``params`` and the identity.
+  """
+  layouts = update_layouts(params, state)
+  if layouts is None:
+    return params, lambda new_params: new_params
+  mesh = explicit_mesh((params, state))
+  leaves, definition = jax.tree.flatten(params)
+  shardings = [NamedSharding(mesh, _spec(x)) for x in leaves]
+  layouts = [NamedSharding(mesh, spec) for spec in layouts]
+
+  def put(xs: list, specs: list) -> list:
+    return [jax.sharding.reshard(x, spec) for x, spec in zip(xs, specs, strict=True)]
+
+  def put_back(new_params: Any) -> Any:
+    return jax.tree.unflatten(definition, put(jax.tree.leaves(new_params), shardings))
+
+  return jax.tree.unflatten(definition, put(leaves, layouts)), put_back
