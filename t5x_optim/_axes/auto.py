@@ -6,7 +6,9 @@ well (ZeRO), or slicing one element out of a sharded dimension, is a type
 error, where on an Auto mesh XLA's partitioner moves the data. An optimizer
 update takes its leaves as they are sharded, so it runs with the axes Auto
 and gives its results back sharded as the leaves they replace: the program
-is the one an Auto mesh compiles.
+is the one an Auto mesh compiles. The params go in resharded to the layout
+of their most sharded state (`in_update_layouts`), where XLA computes the
+update on an Auto mesh too.
 
 Example:
   >>> import jax.numpy as jnp
@@ -69,11 +71,13 @@ def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
   one_array = param_def.num_nodes == 1  # every state array of its shape mirrors it
 
   def is_mirror(node: Any) -> bool:
+    if one_array:
+      return False
     try:
       param_def.flatten_up_to(node)
     except (TypeError, ValueError):
       return False
-    return not one_array
+    return True
 
   def shard_size(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
     return math.prod(sharding.shard_shape(shape))
