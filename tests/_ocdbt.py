@@ -7,6 +7,7 @@ damage array data aim at a chunk listed here instead.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,3 +40,13 @@ def array_chunks(step_dir: Path) -> list[Chunk]:
         path = root / base / relative
         chunks.append(Chunk(entry["key"].decode(), path, int(offset), int(length)))
   return sorted(chunks, key=lambda chunk: (-chunk.length, chunk.key))
+
+
+def flip_bytes(step_dir: Path, count: int) -> None:
+  """Inverts ``count`` bytes in the middle of a step's largest array chunk."""
+  chunk = array_chunks(step_dir)[0]
+  with open(chunk.path, "r+b") as f:
+    f.seek(chunk.offset + chunk.length // 2)
+    data = f.read(count)
+    f.seek(-len(data), os.SEEK_CUR)
+    f.write(bytes(b ^ 0xFF for b in data))

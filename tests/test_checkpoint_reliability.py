@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _ocdbt import array_chunks
+from _ocdbt import array_chunks, flip_bytes
 from _subprocesses import free_port
 
 from t5x_optim import CheckpointError, distributed
@@ -44,15 +44,6 @@ def target(part_2x4):
   return w.abstract_state("adamw", part_2x4, **SIZES)
 
 
-def _flip_bytes(step_dir):
-  chunk = array_chunks(step_dir)[0]
-  with open(chunk.path, "r+b") as f:
-    f.seek(chunk.offset + chunk.length // 2)
-    data = f.read(8)
-    f.seek(-len(data), os.SEEK_CUR)
-    f.write(bytes(b ^ 0xFF for b in data))
-
-
 def _truncate(step_dir):
   chunk = array_chunks(step_dir)[0]
   os.truncate(chunk.path, chunk.offset + chunk.length // 2)
@@ -79,7 +70,7 @@ def _bump_kernel(text):
 
 CORRUPTIONS = {
   "8 bytes flipped in array data": (
-    _flip_bytes,
+    lambda d: flip_bytes(d, 8),
     r"(is corrupt: the checksum differs|could not be read) at '(target|state)/",
   ),
   "array data truncated": (_truncate, r"could not be read at '(target|state)/"),
@@ -139,7 +130,7 @@ def test_fallback_limits(tmp_path, part_2x4, states, target):
     for step, state in states.items():
       ckpt.save(step, state)
   for step in states:
-    _flip_bytes(tmp_path / str(step))
+    flip_bytes(tmp_path / str(step), 8)
   with Checkpointer(tmp_path) as ckpt:
     with pytest.raises(
       CheckpointError, match="No intact checkpoint up to step 2 in .*step 2.*; Checkpoint step 1"

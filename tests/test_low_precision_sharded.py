@@ -23,11 +23,16 @@ from t5x_optim.partitioning import abstract_train_state
 MODES = ["8bit", "bfloat16"]
 
 
+def _low_precision(mode, stream=True):
+  # Blocks of 4, 4 or more per last dimension: the scales shard over 4 and 8 devices too.
+  return low_precision(
+    optax.adamw(1e-2), mode, block_size=4, shard_multiple=4, min_size=0, stream=stream
+  )
+
+
 @functools.cache
 def _opt_def(mode):
-  # Blocks of 4, 4 or more per last dimension: the scales shard over 4 and 8 devices too.
-  tx = low_precision(optax.adamw(1e-2), mode, block_size=4, shard_multiple=4, min_size=0)
-  return OptaxWrapper(tx)
+  return OptaxWrapper(_low_precision(mode))
 
 
 def _fresh(mode):
@@ -132,12 +137,6 @@ def test_statistics_in_chunks_of_rows_shard_like_whole_leaves(mode):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-6)
 
 
-def _low_precision(mode, stream):
-  return low_precision(
-    optax.adamw(1e-2), mode, block_size=4, shard_multiple=4, min_size=0, stream=stream
-  )
-
-
 STREAM = pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
 
 
@@ -157,7 +156,7 @@ def test_explicit_mesh_axes_zero_update_as_auto(mode, stream):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "8bit"])
 def test_checkpoint_round_trip_on_explicit_mesh_axes(tmp_path, mode):
-  opt_def = OptaxWrapper(optax.adamw(1e-2) if mode is None else _low_precision(mode, True))
+  opt_def = OptaxWrapper(optax.adamw(1e-2) if mode is None else _low_precision(mode))
   state = st.optimizer_steps(opt_def, AxisType.Explicit, zero=True)
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(2, state)

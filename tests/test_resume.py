@@ -6,7 +6,6 @@ subprocess where the device count must differ) on a run of examples/tiny.gin.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ocdbt import array_chunks
+from _ocdbt import flip_bytes
 from test_cli import _checkpoint_steps, _env, _scalars
 
 import t5x_optim
@@ -137,19 +136,9 @@ def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
   )
 
 
-def _flip_one_byte(step_dir: Path) -> None:
-  """Flips one byte in the middle of a step's largest array chunk."""
-  chunk = array_chunks(step_dir)[0]
-  with open(chunk.path, "r+b") as f:
-    f.seek(chunk.offset + chunk.length // 2)
-    (byte,) = f.read(1)
-    f.seek(-1, os.SEEK_CUR)
-    f.write(bytes([byte ^ 0xFF]))
-
-
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
-  _flip_one_byte(model_dir / "checkpoints" / "4")
+  flip_bytes(model_dir / "checkpoints" / "4", 1)
   flags = [*_steps(8), *EVERY_2, "--gin_bindings", "cli.TrainJob.keep_checkpoints = 1"]
   code, out, err = _train_run(model_dir, *flags, capsys=capsys)
   assert code == 0, err
@@ -188,7 +177,7 @@ def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsy
 def test_no_intact_checkpoint_is_one_line_and_changes_nothing(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   for step in (2, 4):
-    _flip_one_byte(model_dir / "checkpoints" / str(step))
+    flip_bytes(model_dir / "checkpoints" / str(step), 1)
   code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
   err = _one_line_error(code, err)
   assert f"--model_dir {model_dir} holds no intact checkpoint (step 4: " in err, err
