@@ -383,6 +383,32 @@ def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
     assert leaf.shape not in shapes
 
 
+@pytest.mark.parametrize("model_name, zero", [("axes", True), ("boxed", False)])
+def test_init_sharded_on_explicit_mesh_axes_as_on_auto(model_name, zero):
+  """Flax's logical constraints assert under Explicit axes (the new param is replicated, its
+  target is not); the initialisation runs with the axes Auto, and each leaf comes back with
+  Auto's values and specs, typed Explicit."""
+  states = {}
+  for axis_types in (AxisType.Auto, AxisType.Explicit):
+    partitioner = _partitioner(2, 4, zero=zero, axis_types=axis_types)
+    init = MODELS[model_name].init
+    abstract = abstract_train_state(partitioner, _opt_def("adamw"), init, *_init_args())
+    state = init_sharded(partitioner, _opt_def("adamw"), init, *_init_args())
+    assert [jax.typeof(x).sharding.mesh.axis_types for x in jax.tree.leaves(state)] == [
+      (axis_types,) * 2
+    ] * len(jax.tree.leaves(state))
+    assert [x.sharding for x in jax.tree.leaves(state)] == [
+      x.sharding for x in jax.tree.leaves(abstract)
+    ]
+    states[axis_types] = state
+  auto, explicit = states[AxisType.Auto], states[AxisType.Explicit]
+  specs = [_normalized(x.sharding.spec) for x in jax.tree.leaves(auto)]
+  assert [_normalized(x.sharding.spec) for x in jax.tree.leaves(explicit)] == specs
+  assert any(spec != P() for spec in specs)
+  for x, y in zip(jax.tree.leaves(explicit), jax.tree.leaves(auto), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.parametrize(
   "module, match",
   [

@@ -5,6 +5,13 @@ allocated), its shardings are derived from its logical axes by the
 `Partitioner`, and the initialisation is then jitted with those shardings as
 `out_shardings`: every device only ever holds its own shard of each leaf, so
 a model that only fits sharded can be initialised.
+
+On a mesh with Explicit axes the model's initialisation runs with them Auto
+(`jax.sharding.auto_axes`): Flax's logical constraints
+(`param_with_axes`, `with_logical_constraint`) call
+`with_sharding_constraint`, which under Explicit axes asserts that a new
+param already has its target sharding instead of placing it there. The
+results come back typed with their target shardings, as on any mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax.sharding import AxisType, Mesh
 
 from t5x_optim._core.interface import OptimizerDef
 from t5x_optim._training.partitioner import Partitioner
@@ -31,10 +39,17 @@ def _create_fn(
   return create
 
 
+def _all_auto(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis Auto (the mesh itself if none is Explicit)."""
+  if AxisType.Explicit not in mesh.axis_types:
+    return mesh
+  return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def _eval_shape(partitioner: Partitioner, fn: Callable[..., Any], *args: Any) -> Any:
-  """`jax.eval_shape` under the partitioner's mesh and rules, as in its jit."""
+  """`jax.eval_shape` under the partitioner's rules and mesh (its axes Auto), as in its jit."""
   rules = tuple(partitioner.logical_axis_rules)
-  with jax.set_mesh(partitioner.mesh), nn.logical_axis_rules(rules):
+  with jax.set_mesh(_all_auto(partitioner.mesh)), nn.logical_axis_rules(rules):
     return jax.eval_shape(fn, *args)
 
 
@@ -95,6 +110,8 @@ def init_sharded(
   abstractly to derive the shardings (`Partitioner.get_shardings`: params by
   the rules, optimizer state also over the data axis with ZeRO rules), then
   run under `jax.jit` with those `out_shardings`, its arguments replicated.
+  On a mesh with Explicit axes it runs with them Auto and its results come
+  back typed with their target shardings.
 
   Args:
     partitioner: gives the mesh, the rules and the shardings.
@@ -121,4 +138,7 @@ def init_sharded(
   """
   create = _create_fn(optimizer_def, init_fn, kwargs)
   shardings = partitioner.get_shardings(_eval_shape(partitioner, create, *args))
+  if AxisType.Explicit in partitioner.mesh.axis_types:
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    create = jax.sharding.auto_axes(create, out_sharding=specs)
   return partitioner.partition(create, None, shardings)(*args)
