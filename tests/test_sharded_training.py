@@ -292,6 +292,24 @@ def test_explicit_mesh_axes_update_as_auto(case, zero, axis_types):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
+def test_eager_apply_gradient_of_a_created_state_on_explicit_mesh_axes(zero):
+  """``create`` of params placed on Explicit axes, then an unjitted ``apply_gradient``: optax's
+  init makes the step count on one device, and only a jitted update in the mesh's context
+  takes it (it failed: "Please enter your `jit` into a mesh context")."""
+  optimizers = {}
+  for axis_types in (AxisType.Explicit, AxisType.Auto):
+    partitioner = _partitioner(2, 4, zero=zero, axis_types=axis_types)
+    fresh = TrainState.create(_opt_def("adamw"), _variables("axes"))
+    params = jax.device_put(fresh.params, partitioner.get_shardings(fresh).params)
+    optimizers[axis_types] = _opt_def("adamw").create(params).apply_gradient(_grads(params))
+  explicit, auto = optimizers[AxisType.Explicit], optimizers[AxisType.Auto]
+  assert jax.typeof(explicit.target["wi"]).sharding.spec == P(None, "model")
+  for x, y in zip(jax.tree.leaves(explicit), jax.tree.leaves(auto), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["float32", "8bit", "bfloat16", "example_lib"])
 def test_explicit_mesh_axes_zero_step_peaks_as_on_auto(mode):
   """The compiled step's peak: under Explicit axes each param is read in its ZeRO moment's

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["auto_axes_like", "explicit_mesh", "in_update_layouts", "update_layouts"]
+__all__ = [
+  "auto_axes_call",
+  "auto_axes_like",
+  "explicit_mesh",
+  "in_update_layouts",
+  "update_layouts",
+]
 
 
 def explicit_mesh(tree: Any) -> Any:
@@ -98,6 +105,24 @@ def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
   return [sharding.spec for sharding in best]
 
 
+def auto_axes_call(fn: Callable[..., Any], out_shardings: Any, *arrays: Any) -> Any:
+  """``fn(*arrays)`` with the mesh's Explicit axes Auto, its results in ``out_shardings``.
+
+  Called eagerly, it is jitted in the mesh's context: an array made on one
+  device (an optimizer's fresh step count) goes onto the mesh only through a
+  jitted function, and a value made inside from host constants only there.
+  """
+  call = jax.sharding.auto_axes(fn, out_sharding=out_shardings)
+  leaves = jax.tree.leaves(arrays)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return call(*arrays)
+  meshes = {
+    x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)
+  }
+  with jax.set_mesh(*meshes) if len(meshes) == 1 else contextlib.nullcontext():
+    return jax.jit(call)(*arrays)
+
+
 def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
   """``fn`` run with Explicit mesh axes Auto, its result's leaves sharded as ``like``'s.
 
@@ -136,7 +161,7 @@ def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
       result.extend([definition, out])
       return [out[i] for i in arrays_at]
 
-    arrays = jax.sharding.auto_axes(run, out_sharding=shardings)(*(leaves[i] for i in where))
+    arrays = auto_axes_call(run, shardings, *(leaves[i] for i in where))
     definition, out = result
     for i, x in zip(arrays_at, arrays, strict=True):
       out[i] = x

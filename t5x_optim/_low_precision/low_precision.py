@@ -104,10 +104,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
-from t5x_optim._axes.auto import explicit_mesh
+from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
 from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
-from t5x_optim._axes.rules import is_spec_leaf
+from t5x_optim._axes.rules import drop_indivisible_axes, is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._layouts.fused.analysis import (
   FusedPlan,
@@ -602,6 +602,45 @@ def _compress(
   return treedef.unflatten(out)
 
 
+def _in_stored_layouts(encode: Callable[[Any, jax.Array], Any], fresh: Any, count: Any) -> Any:
+  """``encode(fresh, count)``, the stored leaves of a float32 state ``fresh``.
+
+  On a mesh with Explicit axes it runs with them Auto: a block that spans a
+  sharded dimension's shards reads values of several devices, which Explicit
+  axes refuse. Each stored leaf is then laid out as `_state_rule` lays it out
+  from its float32 leaf's spec: codes as the values, scales on their block
+  dimension, a 4-bit leaf's column maxima as its last dimension, and a mesh
+  axis that does not divide a dimension dropped from it.
+  """
+  leaves = jax.tree.leaves(fresh)
+  mesh = explicit_mesh(leaves)
+  if mesh is None:
+    return encode(fresh, count)
+  abstract = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+  stored = jax.eval_shape(
+    lambda *xs: encode(jax.tree.unflatten(jax.tree.structure(fresh), xs), jnp.int32(0)),
+    *abstract,
+  )
+  stored_leaves, stored_def = jax.tree.flatten(stored, is_leaf=_is_quantized)
+
+  def fitted(spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
+    spec = drop_indivisible_axes(specs_lib.canonical(spec, len(shape)), shape, mesh.shape)
+    return PartitionSpec() if spec is None else spec
+
+  out = []
+  for value, leaf in zip(leaves, stored_leaves, strict=True):
+    spec = jax.typeof(value).sharding.spec if isinstance(value, jax.Array) else PartitionSpec()
+    if not _is_quantized(leaf):
+      out.append(fitted(spec, leaf.shape))
+      continue
+    codes = fitted(spec, leaf.codes.shape)
+    scales = _scales_spec(codes, leaf.codes.shape, leaf.scales.shape)
+    cols = [_cols_spec(codes, leaf.codes.ndim)] if len(leaf) == 3 else []
+    out.append(type(leaf)(codes, *(fitted(x, y.shape) for x, y in zip([scales, *cols], leaf[1:]))))
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), stored_def.unflatten(out))
+  return auto_axes_call(encode, shardings, fresh, count)
+
+
 def _expand(state: LowPrecisionState) -> Any:
   """The inner state, each compressed leaf back in float32."""
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
@@ -696,23 +735,8 @@ def _after(x: jax.Array) -> jax.Array:
   knows, so the predicate cannot be folded away or hoisted above ``x``.
   """
   width = jnp.dtype(x.dtype).itemsize * 8
-  bits = jax.lax.bitcast_convert_type(_first_element(x), jnp.dtype(f"uint{width}"))
+  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[:1], jnp.dtype(f"uint{width}"))
   return (bits >> (width - 1) <= 1).all()
-
-
-def _first_element(x: jax.Array) -> jax.Array:
-  """``x``'s first element, shape ``(1,)``, replicated.
-
-  Under Explicit mesh axes a slice of a sharded dimension is a type error, so
-  the slice runs with the axes Auto, as on any other mesh.
-  """
-  mesh = explicit_mesh(x)
-  if mesh is None:
-    return x.reshape(-1)[:1]
-  first = jax.sharding.auto_axes(
-    lambda y: y.reshape(-1)[:1], out_sharding=NamedSharding(mesh, PartitionSpec())
-  )
-  return first(x)
 
 
 def _rounding_operands(state: LowPrecisionState, count: jax.Array) -> tuple[Any, list]:
@@ -1238,9 +1262,21 @@ def low_precision(
       lambda x: x * one.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
       inner_state,
     )
-    return state.replace(inner_state=_compress(fresh, state, count, block=block))
+
+    def encode(fresh: Any, count: jax.Array) -> Any:
+      return _compress(fresh, state, count, block=block)
+
+    return state.replace(inner_state=_in_stored_layouts(encode, fresh, count))
 
   def update(
+    updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+  ) -> tuple[Any, LowPrecisionState]:
+    # With Explicit mesh axes Auto: a quantized leaf's codes and scales are laid out apart, as
+    # a ZeRO moment and its gradient are, and Explicit axes refuse an operation on both. The
+    # new updates and state come back in the layouts of the ones they replace.
+    return auto_axes_like(update_leaves, (updates, state))(updates, state, params, **extra_args)
+
+  def update_leaves(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
   ) -> tuple[Any, LowPrecisionState]:
     count = optax.safe_int32_increment(state.count)
@@ -1340,7 +1376,18 @@ def low_precision_to_float32(param_states: Any) -> Any:
   def is_node(x: Any) -> bool:
     return isinstance(x, LowPrecisionState)
 
-  return jax.tree.map(lambda x: _expand(x) if is_node(x) else x, param_states, is_leaf=is_node)
+  return jax.tree.map(lambda x: _expanded(x) if is_node(x) else x, param_states, is_leaf=is_node)
+
+
+def _expanded(state: LowPrecisionState) -> Any:
+  """`_expand`, with Explicit mesh axes Auto: each float32 leaf in its stored codes' layout.
+
+  A quantized leaf's scales are laid out apart from its codes (`_state_rule`),
+  and its decoder combines the two, which Explicit axes refuse.
+  """
+  leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+  like = treedef.unflatten([leaf.codes if _is_quantized(leaf) else leaf for leaf in leaves])
+  return auto_axes_like(_expand, like)(state)
 
 
 def float32_to_low_precision(param_states: Any, like: Any) -> Any:
@@ -1385,7 +1432,7 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
     if not is_node(node):
       out.append(value)
       continue
-    expected = jax.tree.structure(_expand(node))
+    expected = jax.tree.structure(_expanded_shapes(node))
     if jax.tree.structure(value) != expected:
       raise ValueError(
         f"float32_to_low_precision: the float32 inner state has structure "
@@ -1401,7 +1448,11 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
     def block(kind: str, shape: tuple[int, ...], blocks: dict = blocks) -> Any:
       return blocks.get((kind, tuple(shape)))
 
-    out.append(node.replace(inner_state=_compress(value, node, node.count, block=block)))
+    def compress(value: Any, node: LowPrecisionState, block: Callable = block) -> Any:
+      return _compress(value, node, node.count, block=block)
+
+    # With Explicit mesh axes Auto: each stored leaf in the layout of the one it replaces.
+    out.append(node.replace(inner_state=auto_axes_like(compress, node.inner_state)(value, node)))
   return outer.unflatten(out)
 
 
