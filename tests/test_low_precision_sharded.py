@@ -274,8 +274,8 @@ def test_init_on_explicit_mesh_axes_lays_the_state_out_as_the_rules(mode, shard_
 def test_eager_calls_on_explicit_mesh_axes(mode):
   """Unjitted, on params placed on Explicit axes: ``init``, ``update`` and the converters,
   the last from host values. Optax's init makes its step count on one device, which goes
-  onto the mesh only through a jitted function (the update, then the encoder of host
-  values, failed: "Please enter your `jit` into a mesh context")."""
+  onto the mesh with the axes Auto only in the mesh's context (the update, then the encoder
+  of host values, failed: "Please enter your `jit` into a mesh context")."""
   tx = low_precision(optax.adamw(1e-2), mode, min_size=0, shard_multiple=1)
   fresh = TrainState.create(OptaxWrapper(tx), st._variables("axes"))
   out = {}

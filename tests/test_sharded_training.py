@@ -295,8 +295,8 @@ def test_explicit_mesh_axes_update_as_auto(case, zero, axis_types):
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated_state", "zero"])
 def test_eager_apply_gradient_of_a_created_state_on_explicit_mesh_axes(zero):
   """``create`` of params placed on Explicit axes, then an unjitted ``apply_gradient``: optax's
-  init makes the step count on one device, and only a jitted update in the mesh's context
-  takes it (it failed: "Please enter your `jit` into a mesh context")."""
+  init makes the step count on one device, which goes onto the mesh with the axes Auto only
+  in the mesh's context (it failed: "Please enter your `jit` into a mesh context")."""
   optimizers = {}
   for axis_types in (AxisType.Explicit, AxisType.Auto):
     partitioner = _partitioner(2, 4, zero=zero, axis_types=axis_types)
@@ -401,6 +401,7 @@ def test_init_sharded_holds_no_full_replica_of_a_sharded_leaf(zero):
     assert leaf.shape not in shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name, zero", [("axes", True), ("boxed", False)])
 def test_init_sharded_on_explicit_mesh_axes_as_on_auto(model_name, zero):
   """Flax's logical constraints assert under Explicit axes (the new param is replicated, its

@@ -108,9 +108,10 @@ def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
 def auto_axes_call(fn: Callable[..., Any], out_shardings: Any, *arrays: Any) -> Any:
   """``fn(*arrays)`` with the mesh's Explicit axes Auto, its results in ``out_shardings``.
 
-  Called eagerly, it is jitted in the mesh's context: an array made on one
-  device (an optimizer's fresh step count) goes onto the mesh only through a
-  jitted function, and a value made inside from host constants only there.
+  Called eagerly, it runs in the context of the arrays' mesh: without it, an
+  array made on one device (an optimizer's fresh step count) or from host
+  constants does not go onto the mesh ("Please enter your `jit` into a mesh
+  context").
   """
   call = jax.sharding.auto_axes(fn, out_sharding=out_shardings)
   leaves = jax.tree.leaves(arrays)
@@ -120,7 +121,7 @@ def auto_axes_call(fn: Callable[..., Any], out_shardings: Any, *arrays: Any) -> 
     x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)
   }
   with jax.set_mesh(*meshes) if len(meshes) == 1 else contextlib.nullcontext():
-    return jax.jit(call)(*arrays)
+    return call(*arrays)
 
 
 def auto_axes_like(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
