@@ -7,11 +7,11 @@ allocated), its shardings are derived from its logical axes by the
 a model that only fits sharded can be initialised.
 
 On a mesh with Explicit axes the model's initialisation runs with them Auto
-(`jax.sharding.auto_axes`): Flax's logical constraints
-(`param_with_axes`, `with_logical_constraint`) call
-`with_sharding_constraint`, which under Explicit axes asserts that a new
-param already has its target sharding instead of placing it there. The
-results come back typed with their target shardings, as on any mesh.
+(`jax.sharding.auto_axes`): Flax's logical constraints (`param_with_axes`,
+`with_logical_partitioning` boxes) call `with_sharding_constraint`, which
+under Explicit axes asserts that a new param already has its target sharding
+instead of placing it there. The results come back typed with their target
+shardings, as on any mesh.
 """
 
 from __future__ import annotations
