@@ -608,9 +608,8 @@ def _in_stored_layouts(encode: Callable[[Any, jax.Array], Any], fresh: Any, coun
   On a mesh with Explicit axes it runs with them Auto: a block that spans a
   sharded dimension's shards reads values of several devices, which Explicit
   axes refuse. Each stored leaf is then laid out as `_state_rule` lays it out
-  from its float32 leaf's spec: codes as the values, scales on their block
-  dimension, a 4-bit leaf's column maxima as its last dimension, and a mesh
-  axis that does not divide a dimension dropped from it.
+  from its float32 leaf's spec (`_quantized_spec`), a mesh axis that does not
+  divide a dimension dropped from it.
   """
   leaves = jax.tree.leaves(fresh)
   mesh = explicit_mesh(leaves)
@@ -633,10 +632,8 @@ def _in_stored_layouts(encode: Callable[[Any, jax.Array], Any], fresh: Any, coun
     if not _is_quantized(leaf):
       out.append(fitted(spec, leaf.shape))
       continue
-    codes = fitted(spec, leaf.codes.shape)
-    scales = _scales_spec(codes, leaf.codes.shape, leaf.scales.shape)
-    cols = [_cols_spec(codes, leaf.codes.ndim)] if len(leaf) == 3 else []
-    out.append(type(leaf)(codes, *(fitted(x, y.shape) for x, y in zip([scales, *cols], leaf[1:]))))
+    specs = _quantized_spec(leaf, fitted(spec, leaf.codes.shape))
+    out.append(type(leaf)(*(fitted(x, y.shape) for x, y in zip(specs, leaf, strict=True))))
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), stored_def.unflatten(out))
   return auto_axes_call(encode, shardings, fresh, count)
 
@@ -1474,6 +1471,15 @@ def _cols_spec(spec: Any, rank: int) -> Any:
   return specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1)
 
 
+def _quantized_spec(leaf: Any, codes: Any) -> Any:
+  """A quantized leaf's spec from its codes' (`leaf`'s type): the scales on their block
+  dimension, a 4-bit leaf's column maxima on its last dimension."""
+  shape = specs_lib.leaf_shape(leaf.codes)
+  scales = _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales))
+  cols = () if len(leaf) == 2 else (_cols_spec(codes, len(shape)),)
+  return type(leaf)(codes, scales, *cols)
+
+
 def _state_rule(
   state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
 ) -> LowPrecisionState:
@@ -1492,11 +1498,8 @@ def _state_rule(
     leaves, spec_leaves, state.storage, state.param_index, strict=True
   ):
     if kind in _CODECS and 0 <= j < len(param_specs):
-      shape = specs_lib.leaf_shape(leaf.codes)
-      codes = specs_lib.canonical(param_specs[j], len(shape))
-      scales = _scales_spec(codes, shape, specs_lib.leaf_shape(leaf.scales))
-      cols = () if len(leaf) == 2 else (_cols_spec(codes, len(shape)),)
-      spec = type(leaf)(codes, scales, *cols)
+      codes = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf.codes)))
+      spec = _quantized_spec(leaf, codes)
     elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
       # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
