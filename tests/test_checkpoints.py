@@ -208,6 +208,26 @@ def test_steps_keep_and_order(tmp_path, part_2x4):
     _restore(tmp_path / "empty", state)
 
 
+def test_a_relative_directory_is_the_one_below_the_working_directory_when_opened(
+  tmp_path, monkeypatch
+):
+  opt = optimizers.adam(0.1).create({"w": jnp.arange(3.0)})
+  monkeypatch.chdir(tmp_path)
+  with Checkpointer("run/checkpoints") as ckpt:
+    ckpt.save(1, opt)
+    ckpt.wait_until_finished()
+    monkeypatch.chdir(tmp_path.parent)  # where the process is afterwards does not matter
+    ckpt.save(2, opt)
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.restore(opt).target["w"].tolist() == [0.0, 1.0, 2.0]
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints" / "2")) == sorted(
+    os.listdir(tmp_path / "run" / "checkpoints" / "1")
+  )
+  monkeypatch.chdir(tmp_path / "run")
+  assert _restore("checkpoints", opt, step=2).target["w"].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_each_step_records_the_job_and_only_committed_steps_count(tmp_path):
   opt = optimizers.adam(0.1).create({"w": jnp.ones(2)})
   job = {"model": {"layers": 2}, "optimizer": "optax.adam"}

@@ -65,18 +65,23 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
 
 
 @pytest.mark.slow
-def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys):
-  """adamw_8bit (every leaf 8-bit) -> adamw: mu and nu of every param, not of codes and scales."""
+def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
+  """adamw_8bit (every leaf 8-bit) -> adamw: mu and nu of every param, not of codes and scales.
+
+  Both directories are named relative to the working directory, as on a shell.
+  """
+  monkeypatch.chdir(tmp_path)
   old_dir, new_dir = tmp_path / "old", tmp_path / "new"
   eight_bit = [*TINY, "--gin_file", "optimizers/adamw_8bit.gin"]
   eight_bit += ["--gin_bindings", "optimizers.low_precision.min_size = 0"]
   total = ["--gin_bindings", "TOTAL_STEPS = 3"]
-  assert main(["train", *eight_bit, *total, "--model_dir", str(old_dir)]) == 0
+  assert main(["train", *eight_bit, *total, "--model_dir", "old"]) == 0
   capsys.readouterr()
   adamw = [*TINY, "--gin_file", "optimizers/adamw.gin"]
-  flags = ["--init_from", str(old_dir), "--model_dir", str(new_dir)]
+  flags = ["--init_from", "old", "--model_dir", "new"]
   assert main(["train", *adamw, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 0
   out = capsys.readouterr().out
+  assert f"init_from:       {old_dir} at step 3" in out, out
   _, new = _params(new_dir, adamw)
   count = len(jax.tree.leaves(new.params))
   for field in ("mu", "nu"):

@@ -138,11 +138,15 @@ def test_restores_bit_for_bit_into_the_sharded_target(fmt, restored, target, exp
   ],
   ids=["model_dir", "legacy_step_dir", "msgpack_file", "orbax_step_dir"],
 )
-def test_path_forms(where, expected):
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_path_forms(where, relative, expected, monkeypatch):
   optimizer = _optimizer_def().create(
     jax.tree.map(jnp.zeros, SHAPES, is_leaf=lambda x: isinstance(x, tuple))
   )
-  restored = t5x_optim.restore_t5x_checkpoint(where(DATA), optimizer)
+  if relative:
+    monkeypatch.chdir(DATA.parent)
+  path = where(pathlib.Path(DATA.name) if relative else DATA)
+  restored = t5x_optim.restore_t5x_checkpoint(str(path), optimizer)
   _assert_bit_for_bit(restored, expected)
 
 

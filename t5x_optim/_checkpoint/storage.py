@@ -1,8 +1,10 @@
 """The one path layer: files through etils `epath`, arrays through a tensorstore kvstore.
 
 A path is local (``/data/run``, ``run``, ``~/run``) or has a scheme
-(``gs://bucket/run``, ``s3://bucket/run``). Local paths stay `pathlib.Path`s,
-exactly as before; a path with a scheme becomes an `epath.Path`, read and
+(``gs://bucket/run``, ``s3://bucket/run``). A local path becomes an absolute
+`pathlib.Path` (``~`` expanded), fixed where it is first read: orbax refuses a
+relative directory, and one that followed the working directory would name
+another place after a ``chdir``. A path with a scheme becomes an `epath.Path`, read and
 written by the fsspec package of its scheme (``gcsfs`` for ``gs://``, or
 TensorFlow's gfile where TensorFlow is installed; ``s3fs`` for ``s3://``),
 and its arrays are opened with the tensorstore
@@ -111,10 +113,12 @@ def _check_backend(text: str, scheme: str) -> None:
 
 
 def as_path(path: str | os.PathLike[str]) -> AnyPath:
-  """`path` as a path object: a `pathlib.Path` when local, an `epath.Path` with a scheme.
+  """`path` as a path object: an absolute `pathlib.Path` when local, an `epath.Path` with a scheme.
 
-  `pathlib.Path('gs://b/x')` would collapse the ``//`` into a local
-  ``gs:/b/x``; this keeps the scheme. The package of the scheme is checked.
+  A local path is made absolute (``~`` expanded) against the working
+  directory of this call. `pathlib.Path('gs://b/x')` would collapse the
+  ``//`` into a local ``gs:/b/x``; this keeps the scheme. The package of
+  the scheme is checked.
 
   Raises:
     StorageError: an unsupported scheme, or its package is not installed.
@@ -122,6 +126,8 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   Example:
     >>> as_path('/tmp/run') / 'checkpoints'
     PosixPath('/tmp/run/checkpoints')
+    >>> import os; as_path('run') == as_path(os.path.join(os.getcwd(), 'run'))
+    True
     >>> as_path('ftp://host/run')
     Traceback (most recent call last):
     ...
@@ -133,7 +139,7 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   text = os.fspath(path)
   scheme = scheme_of(text)
   if scheme is None:
-    return pathlib.Path(text)
+    return pathlib.Path(text).expanduser().absolute()
   _check_backend(text, scheme)
   return epath.Path(text)
 

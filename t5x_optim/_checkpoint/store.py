@@ -184,8 +184,9 @@ class Checkpointer:
   step that a writer is still completing.
 
   Args:
-    directory: the checkpoint directory (created if missing): local or with a
-      scheme (``gs://bucket/dir``; see docs/cloud-storage.md).
+    directory: the checkpoint directory (created if missing): local (a
+      relative one is below the working directory when the checkpointer
+      is made) or with a scheme (``gs://bucket/dir``; see docs/cloud-storage.md).
     keep: keep only the newest `keep` steps (None keeps all).
     async_save: write in the background (`False` blocks in `save`).
     job: a JSON object describing the job that writes the checkpoints (its
@@ -218,8 +219,8 @@ class Checkpointer:
       except (TypeError, ValueError) as e:
         raise ValueError(f"job is not JSON: {e}.") from e
     self._job = None if job is None else dict(job)
-    self._directory = os.fspath(directory)
-    storage.check_reachable(self._directory)
+    # A local directory is absolute from here on: orbax refuses a relative one.
+    self._directory = os.fspath(storage.check_reachable(directory))
     # How the manager names step directories by default (passing it as
     # `step_name_format` would make every restore list the directory).
     self._step_names = ocp.step.standard_name_format()
