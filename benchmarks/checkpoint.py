@@ -146,7 +146,7 @@ class _Orbax:
 
 
 def _shardings(tree: Any) -> list[tuple[Any, Any]]:
-  return [(path, leaf.sharding) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+  return [(path, leaf.sharding) for path, leaf in jax.tree.leaves_with_path(tree)]
 
 
 def _rate_row(name: str, megabytes: float, saves: list[float], restores: list[float]) -> str:

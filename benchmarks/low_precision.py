@@ -138,7 +138,7 @@ def _state_bytes(abstract) -> tuple[int, int, int, int]:
 
   storage = leaf_storage(abstract.param_states)
   total = per_device = compressed = values = 0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.param_states):
+  for path, leaf in jax.tree.leaves_with_path(abstract.param_states):
     size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
     total += size
     per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize

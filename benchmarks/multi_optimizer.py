@@ -83,7 +83,7 @@ def optax_labels(patterns: list[str]) -> Callable[[Any], Any]:
     text = path_str(path)
     return next((str(i) for i, p in enumerate(patterns) if re.search(p, text)), "frozen")
 
-  return lambda params: jax.tree_util.tree_map_with_path(label, params)
+  return lambda params: jax.tree.map_with_path(label, params)
 
 
 def optax_step(tx: optax.GradientTransformation) -> Callable[..., Any]:

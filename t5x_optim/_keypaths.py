@@ -24,7 +24,7 @@ def key_path_str(path: Sequence[Any]) -> str:
   ``<root>``.
 
   Example:
-    >>> key_path_str(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    >>> key_path_str(jax.tree.flatten_with_path({"a": [1]})[0][0][0])
     'a/0'
     >>> key_path_str(("state", "step")), key_path_str(())
     ('state/step', '<root>')

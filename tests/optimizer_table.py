@@ -169,7 +169,7 @@ DISCOVERED = [
 
 
 def _labels(params: Any) -> Any:
-  return jax.tree_util.tree_map_with_path(
+  return jax.tree.map_with_path(
     lambda path, _: "kernel" if "kernel" in jax.tree_util.keystr(path) else "bias", params
   )
 
@@ -306,7 +306,7 @@ def assert_same_bits(a: Any, b: Any) -> None:
   the leaf's path."""
   a, b = to_numpy(a), to_numpy(b)
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+  for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
     assert x.dtype == y.dtype, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 

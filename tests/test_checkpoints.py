@@ -265,8 +265,8 @@ def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monke
     ckpt = Checkpointer(tmp_path)
     restored = ckpt.restore(target, step=1)
     assert reloads == []
-    got = jax.tree_util.tree_leaves_with_path(restored.state_dict())
-    want = dict(jax.tree_util.tree_leaves_with_path(read[-1]["default"]))
+    got = jax.tree.leaves_with_path(restored.state_dict())
+    want = dict(jax.tree.leaves_with_path(read[-1]["default"]))
     assert got and all(leaf is want[path] for path, leaf in got)
     other.save(2, w.train(state, 1))
     other.wait_until_finished()

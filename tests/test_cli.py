@@ -396,7 +396,7 @@ def test_plan_shows_factored_leaves_with_dropped_dims():
 def _state_bytes(state) -> tuple[int, int, dict[str, tuple[list[int], str, int]]]:
   per_device = total = 0
   leaves = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state.param_states):
+  for path, leaf in jax.tree.leaves_with_path(state.param_states):
     shard = leaf.addressable_shards[0].data.nbytes
     per_device += shard
     total += leaf.nbytes

@@ -183,7 +183,7 @@ def _optimizer(kind: Kind, mu=M, nu=V, t=T) -> t5x_optim.Optimizer:
 
 
 def _assert_close(got, want, what=""):
-  flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+  flat_got = jax.tree.flatten_with_path(got)[0]
   flat_want = jax.tree.leaves(want)
   assert len(flat_got) == len(flat_want), what
   for (path, a), b in zip(flat_got, flat_want, strict=True):
@@ -636,7 +636,7 @@ def t5x_expected():
 
 def _assert_target_shardings(state, target):
   for (path, leaf), ref in zip(
-    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+    jax.tree.flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
   ):
     assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
 
@@ -708,7 +708,7 @@ class _T5XAdafactorLayout(t5x_optim.OptimizerDef):
         *(jnp.zeros_like(self._expected[(*keys, name)]) for name in ("v_row", "v_col", "v", "m"))
       )
 
-    return t5x_optim.OptimizerState(jnp.int32(0), jax.tree_util.tree_map_with_path(zeros, params))
+    return t5x_optim.OptimizerState(jnp.int32(0), jax.tree.map_with_path(zeros, params))
 
   def apply_gradient(self, hyper_params, params, state, grads):
     raise NotImplementedError("only its initial state is used")

@@ -74,7 +74,7 @@ def _as_float32(source: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
 
 
 def _assert_leaves(got, want, atol, what):
-  flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+  flat_got = jax.tree.flatten_with_path(got)[0]
   flat_want = jax.tree.leaves(want)
   assert len(flat_got) == len(flat_want), what
   for (path, a), b in zip(flat_got, flat_want, strict=True):
@@ -211,7 +211,7 @@ def _partitioner(axis_types=AxisType.Auto, *, zero=False):
 def _assert_placed(state, want, target, what):
   """`state`'s leaves are `want`'s values in `target`'s shardings."""
   for (path, leaf), value, like in zip(
-    jax.tree_util.tree_flatten_with_path(state)[0],
+    jax.tree.flatten_with_path(state)[0],
     jax.tree.leaves(want),
     jax.tree.leaves(target),
     strict=True,

@@ -255,7 +255,7 @@ def _shardings(opt, mesh, zero):
     key = jax.tree_util.keystr(path[-1:], simple=True)
     return state_specs[key] if np.ndim(x) else NamedSharding(mesh, P())
 
-  param_states = jax.tree_util.tree_map_with_path(state_leaf, opt.state.param_states)
+  param_states = jax.tree.map_with_path(state_leaf, opt.state.param_states)
   return opt.replace(
     target=named(PARAM_SPECS),
     state=opt.state.replace(step=NamedSharding(mesh, P()), param_states=param_states),

@@ -196,9 +196,7 @@ def _expected_block_specs(kfac):
     # dense2 (bias): (in + 1, in + 1) matches nothing, (out, out) -> vocab.
     ("dense2", "kernel"): [None, P("vocab", None)],
   }
-  paths = [
-    tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(_params())[0]
-  ]
+  paths = [tuple(k.key for k in path) for path, _ in jax.tree.flatten_with_path(_params())[0]]
   return [by_first_param[paths[indices[0]]] for indices in kfac._estimator.jaxpr.layer_indices]  # pylint: disable=protected-access
 
 

@@ -396,12 +396,10 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
   """Every floating leaf whose path ends with a param's path and whose shape is that param's
   is compressed; nothing else is."""
   fast = params.fast if isinstance(params, optax.LookaheadParams) else params
-  param_shapes = {
-    jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(fast)
-  }
+  param_shapes = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree.leaves_with_path(fast)}
   inner = low_precision_to_float32(state)
   expected = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(inner):
+  for path, leaf in jax.tree.leaves_with_path(inner):
     name = jax.tree_util.keystr(path)
     shape = next((s for p, s in param_shapes.items() if name.endswith(p)), None)
     expected.append(

@@ -82,7 +82,7 @@ def _expected_specs(mode, zero):
 def _spec_paths(tree):
   return {
     jax.tree_util.keystr(path): spec
-    for path, spec in jax.tree_util.tree_leaves_with_path(
+    for path, spec in jax.tree.leaves_with_path(
       st._actual_specs(tree), is_leaf=lambda x: isinstance(x, P)
     )
   }

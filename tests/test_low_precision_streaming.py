@@ -55,7 +55,7 @@ def _close(got, want, *, rtol: float, spread: float, atol=None) -> None:
   """
   atols = [0.0] * len(jax.tree.leaves(want)) if atol is None else jax.tree.leaves(atol)
   for (path, x), y, a in zip(
-    jax.tree_util.tree_leaves_with_path(to_numpy(got)), jax.tree.leaves(to_numpy(want)), atols
+    jax.tree.leaves_with_path(to_numpy(got)), jax.tree.leaves(to_numpy(want)), atols
   ):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     off = ~np.isclose(x, y, rtol=rtol, atol=0, equal_nan=True) & ~(np.abs(x - y) <= a)

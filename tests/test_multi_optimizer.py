@@ -69,7 +69,7 @@ def labeler(rules: dict[str, str]) -> Callable[[Any], Any]:
   def label(path: str) -> str:
     return next((name for regex, name in rules.items() if re.search(regex, path)), "frozen")
 
-  return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: label(path_of(p)), params)
+  return lambda params: jax.tree.map_with_path(lambda p, _: label(path_of(p)), params)
 
 
 def run_optax(tx: optax.GradientTransformation, params: Any, **extras: Any) -> Any:

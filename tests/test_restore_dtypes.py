@@ -35,7 +35,7 @@ CASES = {
 
 def _with_leaf(optimizer, path, value):
   """`optimizer` with the leaf at `path` (a state-dict path) replaced by `value`."""
-  return jax.tree_util.tree_map_with_path(
+  return jax.tree.map_with_path(
     lambda p, x: value if jax.tree_util.keystr(p, simple=True, separator="/") == path else x,
     optimizer,
   )
@@ -50,7 +50,7 @@ def _pair(path, saved_value, dtype):
 def _leaf(optimizer, path):
   [leaf] = [
     x
-    for p, x in jax.tree_util.tree_leaves_with_path(optimizer)
+    for p, x in jax.tree.leaves_with_path(optimizer)
     if jax.tree_util.keystr(p, simple=True, separator="/") == path
   ]
   return leaf

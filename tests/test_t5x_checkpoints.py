@@ -95,7 +95,7 @@ def _assert_bit_for_bit(state, expected):
 
 def _assert_shardings(state, target):
   for (path, leaf), ref in zip(
-    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+    jax.tree.flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
   ):
     assert isinstance(leaf, jax.Array), path
     assert leaf.sharding.is_equivalent_to(ref.sharding, leaf.ndim), (path, leaf.sharding)
@@ -293,7 +293,7 @@ def test_a_dtype_of_another_kind_is_refused_before_reading(tmp_path):
 def test_a_float32_step_restores_as_the_optimizers_int32(tmp_path):
   # T5X's Orbax checkpointer saves every array in its save_dtype, step counters included.
   optimizer = t5x_optim.OptaxWrapper(optax.adam(1.0)).create({"w": jnp.ones((3, 4))})
-  as_floats = jax.tree_util.tree_map_with_path(
+  as_floats = jax.tree.map_with_path(
     lambda path, x: x.astype(jnp.float32) + 7 if "count" in str(path) or "step" in str(path) else x,
     optimizer,
   )

@@ -65,7 +65,7 @@ def test_read_checkpoint_gives_every_array_of_the_latest_step(tmp_path):
   arrays = lifecycle.read_checkpoint(model_dir)
   expected = {
     jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x)
-    for p, x in jax.tree_util.tree_leaves_with_path(opt.state_dict())
+    for p, x in jax.tree.leaves_with_path(opt.state_dict())
   }
   assert sorted(arrays) == sorted(expected)
   for path, value in expected.items():
@@ -127,7 +127,7 @@ def _muon_arrays():
       p, a = p.setdefault(key, {}), a.setdefault(key, {})
     p[name], a[name] = jnp.ones(shape), jax.sharding.PartitionSpec(*names)
   opt = t5x_optim.optimizers.muon(learning_rate=0.02, param_axes=axes).create(params)
-  flat = jax.tree_util.tree_leaves_with_path(opt.state_dict())
+  flat = jax.tree.leaves_with_path(opt.state_dict())
   return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
 
 
@@ -142,7 +142,7 @@ def test_muon_layout_refuses_optax_default():
   """Without the params' axes optax sends every 2-D param, embeddings included, to Muon."""
   muon = t5x_optim.optimizers.OptaxWrapper(optax.contrib.muon(learning_rate=0.02))
   params = {"token_embedder": {"embedding": jnp.ones((24, 8))}, "mlp": {"kernel": jnp.ones((8, 4))}}
-  flat = jax.tree_util.tree_leaves_with_path(muon.create(params).state_dict())
+  flat = jax.tree.leaves_with_path(muon.create(params).state_dict())
   arrays = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
   ok, text = lifecycle.muon_layout(arrays)
   assert not ok
@@ -179,7 +179,7 @@ def _low_precision_arrays(mode, *, steps=2, grad=1.0):
   apply = jax.jit(lambda opt, grads: opt.apply_gradient(grads))
   for step in range(steps):
     opt = apply(opt, jax.tree.map(lambda p: grad * jnp.cos(p + step), params))
-  flat = jax.tree_util.tree_leaves_with_path(opt.state_dict())
+  flat = jax.tree.leaves_with_path(opt.state_dict())
   return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
 
 

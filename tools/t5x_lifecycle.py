@@ -580,7 +580,7 @@ def read_checkpoint(model_dir: str) -> dict[str, Any]:
 
     # T5X's legacy msgpack nests the train state under 'optimizer', beside a version.
     tree = _map_specs(tree["optimizer"], load)
-  flat = jax.tree_util.tree_leaves_with_path(tree)
+  flat = jax.tree.leaves_with_path(tree)
   return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
 
 
@@ -749,7 +749,7 @@ def low_precision_layout(arrays: dict[str, Any], mode: str) -> tuple[bool, str]:
 
   planned = {
     "state/" + jax.tree_util.keystr(path, simple=True, separator="/"): x
-    for path, x in jax.tree_util.tree_leaves_with_path(
+    for path, x in jax.tree.leaves_with_path(
       _low_precision_optimizer(arrays, mode).state_dict()["state"]
     )
   }
@@ -796,7 +796,7 @@ def adam_moments(arrays: dict[str, Any], mode: str) -> dict[str, Any]:
   return {
     f"{moment}/" + jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(x)
     for moment in ("mu", "nu")
-    for path, x in jax.tree_util.tree_leaves_with_path(getattr(adam, moment))
+    for path, x in jax.tree.leaves_with_path(getattr(adam, moment))
   }
 
 

@@ -244,9 +244,9 @@ def _leaf_layout(
     )
   key_paths = [
     p
-    for p, _ in jax.tree_util.tree_flatten_with_path(
-      jax.tree.unflatten(treedef, range(treedef.num_leaves))
-    )[0]
+    for p, _ in jax.tree.flatten_with_path(jax.tree.unflatten(treedef, range(treedef.num_leaves)))[
+      0
+    ]
   ]
   slots = []
   array_index = 0
@@ -265,7 +265,7 @@ def _leaf_layout(
 def trace_layout(
   triple: example_lib.Optimizer, params: Any, slot_names: Sequence[str] | None
 ) -> Layout:
-  path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
+  path_leaves, params_def = jax.tree.flatten_with_path(params)
   paths = tuple(key_path_str(p) for p, _ in path_leaves)
   leaves = [leaf for _, leaf in path_leaves]
   shapes, statics, treedefs = _abstract_init(triple, params)

@@ -189,7 +189,7 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
         "param_axes=)."
       )
     names = {}
-    for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, param in jax.tree.flatten_with_path(params)[0]:
       where = key_path_str(path)
       if where not in self.param_specs:
         raise ValueError(
@@ -218,7 +218,7 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
         return None
       return self.target.make(kernel)
 
-    return jax.tree_util.tree_map_with_path(numbers, params)
+    return jax.tree.map_with_path(numbers, params)
 
   def describe_params(self, params: Any) -> list[str]:
     """One line per param: where it goes (``muon`` or ``adam`` for muon) and by which axes.

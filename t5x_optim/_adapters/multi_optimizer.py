@@ -184,7 +184,7 @@ class MultiOptimizer(OptimizerDef):
 
     None leaves (replicated axes, absent values) count as leaves.
     """
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
+    path_leaves, treedef = jax.tree.flatten_with_path(tree, is_leaf=is_none)
     keys = [_state_dict.key_path_parts(path) for path, _ in path_leaves]
     paths = ["/".join(key) for key in keys]
     masks = [
@@ -459,7 +459,7 @@ class MultiOptimizer(OptimizerDef):
       if getattr(opt, "param_specs", None) is not None:
         lines += [f"{line} [{where}]" for line in opt.describe_params(subtree)]
       else:
-        paths = jax.tree_util.tree_flatten_with_path(subtree, is_leaf=is_none)[0]
+        paths = jax.tree.flatten_with_path(subtree, is_leaf=is_none)[0]
         lines += [f"{key_path_str(path)}: {type(opt).__name__} [{where}]" for path, _ in paths]
     return sorted(lines)
 

@@ -165,7 +165,7 @@ def logical_axes_from(params_axes: Any) -> Any:
     return params_axes
   if _is_axes_collection(params_axes):
     return specs_lib.thaw(flax_partitioning.get_axis_names(params_axes))
-  return jax.tree_util.tree_map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
+  return jax.tree.map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
 class _ParamIndex:
@@ -435,7 +435,7 @@ def _lazy_paths(state: Any, leaf_name: Callable[[jax.tree_util.KeyPath], str]):
 
   def paths() -> list[str]:
     if not cache:
-      flat, _ = jax.tree_util.tree_flatten_with_path(state)
+      flat, _ = jax.tree.flatten_with_path(state)
       cache.append([leaf_name(p) for p, _ in flat])
     return cache[0]
 

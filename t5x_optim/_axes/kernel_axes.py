@@ -261,7 +261,7 @@ def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
     {'dense/bias': None, 'dense/kernel': P('embed', 'mlp')}
   """
   is_leaf = lambda x: x is None or isinstance(x, PartitionSpec | tuple)  # noqa: E731
-  flat = jax.tree_util.tree_flatten_with_path(param_axes, is_leaf=is_leaf)[0]
+  flat = jax.tree.flatten_with_path(param_axes, is_leaf=is_leaf)[0]
   return {key_path_str(path): None if spec is None else PartitionSpec(*spec) for path, spec in flat}
 
 

@@ -327,7 +327,7 @@ def state_classes(param_states: Any) -> dict[str, str]:
   found: dict[str, str] = {}
 
   def walk(node: Any, prefix: tuple[str, ...]) -> None:
-    children, _ = jax.tree_util.tree_flatten_with_path(
+    children, _ = jax.tree.flatten_with_path(
       node, is_leaf=lambda x: x is not node and _is_state_class(x)
     )
     for path, child in children:

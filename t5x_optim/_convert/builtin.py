@@ -242,7 +242,7 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
     param = _state_dict.key_path_str(path)
     return _second_moment(jnp.shape(ctx.params[param]), v_row, cols[param], full[param])
 
-  return {NU: jax.tree_util.tree_map_with_path(nu, state.v_row), "count": state.count}
+  return {NU: jax.tree.map_with_path(nu, state.v_row), "count": state.count}
 
 
 def _write_factored(template: optax.FactoredState, moments: Moments, ctx: ConversionContext):
@@ -384,7 +384,7 @@ def _read_adafactor_momentum(state: optax.EmaState, ctx: ConversionContext) -> d
     param = _state_dict.key_path_str(path)
     return _gradient_average(ema, nu[param], _update_scale(ctx, param), momentum, state.count)
 
-  return {MU: jax.tree_util.tree_map_with_path(mu, state.ema), "count": state.count}
+  return {MU: jax.tree.map_with_path(mu, state.ema), "count": state.count}
 
 
 def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: ConversionContext):

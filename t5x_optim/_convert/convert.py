@@ -189,7 +189,7 @@ def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
   Only a `LowPrecisionState` knows how its leaves are stored; an 8-bit or
   4-bit leaf elsewhere would be converted as its codes and scales.
   """
-  flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_quantized)[0]
+  flat = jax.tree.flatten_with_path(node, is_leaf=_is_quantized)[0]
   for leaf_path, leaf in flat:
     if _is_quantized(leaf):
       where = "/".join((*path, *_state_dict.key_path_parts(leaf_path))) or "<root>"

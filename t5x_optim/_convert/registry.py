@@ -148,7 +148,7 @@ class Moments:
 
     if param is not None:
       return one(param, tree)
-    return jax.tree_util.tree_map_with_path(
+    return jax.tree.map_with_path(
       lambda path, leaf: one(_state_dict.key_path_str(path), leaf), tree
     )
 
@@ -157,7 +157,7 @@ class Moments:
     if param is not None:
       self._record(field, param, False)
       return tree
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, _ in jax.tree.flatten_with_path(tree)[0]:
       self._record(field, _state_dict.key_path_str(path), False)
     return tree
 
@@ -175,7 +175,7 @@ class Moments:
     any of the `quantities` the node is written from (and all its `needs`,
     as `fill` takes them).
     """
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, _ in jax.tree.flatten_with_path(tree)[0]:
       stats = self._stats.get(_state_dict.key_path_str(path), {})
       if any(q in stats for q in quantities) and all(q in stats for q in needs):
         return jnp.asarray(stats["count"], jnp.result_type(template_count))
@@ -320,6 +320,5 @@ def state_field(node: Any, name: str, default: Any) -> Any:
 def by_param(tree: Any) -> dict[str, Any]:
   """A tree over the params, flat: '/'-joined param path to leaf."""
   return {
-    _state_dict.key_path_str(path): leaf
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    _state_dict.key_path_str(path): leaf for path, leaf in jax.tree.flatten_with_path(tree)[0]
   }

@@ -269,10 +269,7 @@ def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
 
 
 def _leaf_paths(tree: Any) -> set[str]:
-  return {
-    key_path_str(path)
-    for path, _ in jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(tree))[0]
-  }
+  return {key_path_str(path) for path, _ in jax.tree.flatten_with_path(flax.core.unfreeze(tree))[0]}
 
 
 def tree_like(value: Any, reference: Any) -> Any:
@@ -325,7 +322,7 @@ def check_grads(grads: Any, params: Any) -> None:
   mismatch = structure_mismatch(grads, params, name="grads")
   if mismatch is not None:
     raise ValueError(f"The grads do not fit the params: {mismatch}.")
-  flat_params = jax.tree_util.tree_flatten_with_path(flax.core.unfreeze(params))[0]
+  flat_params = jax.tree.flatten_with_path(flax.core.unfreeze(params))[0]
   bad = []
   for (path, param), grad in zip(flat_params, jax.tree.leaves(flax.core.unfreeze(grads))):
     grad_shape, param_shape = jax.numpy.shape(grad), jax.numpy.shape(param)

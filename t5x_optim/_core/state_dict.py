@@ -88,7 +88,7 @@ def key_path_parts(path: Sequence[Any]) -> tuple[str, ...]:
   The keys are written as `key_path_str` writes them.
 
   Example:
-    >>> key_path_parts(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    >>> key_path_parts(jax.tree.flatten_with_path({"a": [1]})[0][0][0])
     ('a', '0')
   """
   return tuple(jax.tree_util.keystr((key,), simple=True) for key in path)

@@ -321,7 +321,7 @@ def stack_params(
     >>> len(s.buffers), s.layout.groups
     (2, ((0,), (1,)))
   """
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  path_leaves, treedef = jax.tree.flatten_with_path(params)
   paths = tuple(key_path_str(path) for path, _ in path_leaves)
   leaves = [leaf for _, leaf in path_leaves]
   shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)

@@ -439,7 +439,7 @@ def _param_axis_names(
   reference = params.fast if isinstance(params, optax.LookaheadParams) else params
   leaves = [
     (_state_dict.key_path_str(path), leaf)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(reference, is_leaf=_is_masked)[0]
+    for path, leaf in jax.tree.flatten_with_path(reference, is_leaf=_is_masked)[0]
     if not _is_masked(leaf)
   ]
   missing = [path for path, _ in leaves if path not in specs]
@@ -480,14 +480,14 @@ def _plan_storage(
     ValueError: naming the path, when ``states`` selects a leaf that is not a
       floating param-shaped mirror, or selects no leaf at all.
   """
-  flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+  flat = jax.tree.flatten_with_path(inner_state)[0]
   indices = _mirror_params(inner_state, params)
   reference = params.fast if isinstance(params, optax.LookaheadParams) else params
   param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
   pattern = None if states is None else re.compile(states)
   param_paths = [
     _state_dict.key_path_str(path)
-    for path, _ in jax.tree_util.tree_flatten_with_path(reference, is_leaf=_is_masked)[0]
+    for path, _ in jax.tree.flatten_with_path(reference, is_leaf=_is_masked)[0]
   ]
   storage, rules = [], []
   matched = False
@@ -1335,12 +1335,12 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
     return isinstance(x, LowPrecisionState)
 
   out: dict[tuple[str, ...], str] = {}
-  for path, node in jax.tree_util.tree_flatten_with_path(param_states, is_leaf=is_node)[0]:
+  for path, node in jax.tree.flatten_with_path(param_states, is_leaf=is_node)[0]:
     if not is_node(node):
       continue
     prefix = _state_dict.key_path_parts(path)
     out[(*prefix, "count")] = _KEPT_NOT_MIRROR
-    flat = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
+    flat = jax.tree.flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
     for i, ((leaf_path, stored), kind) in enumerate(zip(flat, node.storage, strict=True)):
       parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
       rule = node.rules[i] if i < len(node.rules) else ""

@@ -184,16 +184,15 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     ValueError: when a leaf has no `NamedSharding`.
   """
   params = {
-    _state_dict.key_path_parts(p): leaf
-    for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+    _state_dict.key_path_parts(p): leaf for p, leaf in jax.tree.leaves_with_path(state.params)
   }
   param_axes = {
     _state_dict.key_path_parts(p): spec
-    for p, spec in jax.tree_util.tree_leaves_with_path(logical.params, is_leaf=is_spec_leaf)
+    for p, spec in jax.tree.leaves_with_path(logical.params, is_leaf=is_spec_leaf)
   }
   specs = jax.tree.leaves(logical.param_states, is_leaf=is_spec_leaf)
   storage = _low_precision.leaf_storage(state.param_states)
-  leaves = jax.tree_util.tree_leaves_with_path(state.param_states)
+  leaves = jax.tree.leaves_with_path(state.param_states)
   rows = []
   mesh_shape: dict[str, int] = {}
   for (key_path, leaf), spec in zip(leaves, specs, strict=True):

@@ -154,7 +154,7 @@ def _per_param_slots(state: Any, params_def: Any, shapes: Sequence[tuple]) -> li
     if treedef == params_def and [np.shape(leaf) for leaf in leaves] == list(shapes):
       slots.extend(range(len(leaves)))
       return
-    children = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)[0]
+    children = jax.tree.flatten(node, is_leaf=lambda child: child is not node)[0]
     if not children or (len(children) == 1 and children[0] is node):
       slots.extend([None] * len(leaves))
       return
@@ -562,7 +562,7 @@ def plan_fused_update(
       program does not lower for the GPU (a primitive Pallas's Triton
       lowering lacks, such as ``erf``).
   """
-  path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
+  path_leaves, params_def = jax.tree.flatten_with_path(params)
   if not path_leaves:
     raise NotFusible("the params tree has no leaves")
   if jax.tree.structure(grads) != params_def:

@@ -39,7 +39,7 @@ __all__ = ["metric_tags", "metric_vector", "weight_metrics"]
 
 def _leaves(tree: Any, shardings: Any) -> list[tuple[tuple[str, ...], jax.Array, Any]]:
   """(path parts, leaf, its sharding or None) for every non-scalar array leaf."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  leaves = jax.tree.flatten_with_path(tree)[0]
   specs = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
   if len(specs) != len(leaves):
     raise ValueError(f"{len(specs)} shardings for {len(leaves)} leaves.")

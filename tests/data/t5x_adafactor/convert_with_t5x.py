@@ -61,7 +61,7 @@ def main() -> None:
   assert int(new.state.step) == STEPS
 
   adam = old.state.param_states[0]
-  for path, p in jax.tree_util.tree_flatten_with_path(old.target)[0]:
+  for path, p in jax.tree.flatten_with_path(old.target)[0]:
     keys = [k.key for k in path]
     state, mu, nu = new.state.param_states, adam.mu, adam.nu
     for key in keys:
@@ -93,7 +93,7 @@ def main() -> None:
     new, optimizers.adamw(1e-3), source_hparams=hparams, missing="init"
   )
   for field in ("nu", "mu"):
-    for path, want in jax.tree_util.tree_flatten_with_path(getattr(adam, field))[0]:
+    for path, want in jax.tree.flatten_with_path(getattr(adam, field))[0]:
       got = getattr(back.state.param_states[0], field)
       for key in path:
         got = got[key.key]
