@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -221,6 +222,25 @@ def test_no_private_room_holds_a_quarter_of_the_package():
   for room in PACKAGE_DIR.iterdir():
     if room.is_dir() and room.name.startswith("_") and room.name != "__pycache__":
       assert lines(room.rglob("*.py")) <= total / 4, room.name
+
+
+def test_the_code_layout_table_names_every_module_of_its_room():
+  """docs/development.md's table of rooms: each room's row names each of its modules."""
+  table = (PACKAGE_DIR.parent / "docs" / "development.md").read_text()
+  rows = {
+    match.group(1): match.group(2)
+    for match in re.finditer(r"^\| \d+ [\w ]+ \| `t5x_optim/(\w+)/` \|(.*)\|$", table, re.M)
+  }
+  rooms = [p for p in PACKAGE_DIR.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+  rooms = [room for room in rooms if room.name.startswith("_") or room.name == "cli"]
+  assert sorted(rows) == sorted(room.name for room in rooms)
+  for room in rooms:
+    unnamed = [
+      str(path.relative_to(room))
+      for path in room.rglob("*.py")
+      if path.name != "__init__.py" and f"{path.name}`" not in rows[room.name]
+    ]
+    assert unnamed == [], room.name
 
 
 def test_no_module_imports_a_private_name_of_another():
