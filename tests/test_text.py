@@ -51,6 +51,19 @@ def test_shipped_text_is_found_by_name_and_is_plain_ascii():
   assert data.isascii() and 100_000 < len(data) < 500_000 and b"Elsinore" in data
 
 
+def test_a_relative_data_path_is_the_working_directorys_else_a_shipped_text(
+  tmp_path, monkeypatch, capsys
+):
+  monkeypatch.chdir(tmp_path)
+  assert main(["plan", *TINY, "--data", "hamlet.txt"]) == 0  # none here: the shipped one
+  (tmp_path / "text").mkdir()
+  (tmp_path / "text" / "hamlet.txt").write_text("to be")  # here now, and too short
+  capsys.readouterr()
+  assert main(["plan", *TINY, "--data", "text/hamlet.txt"]) == 2
+  local = (tmp_path / "text" / "hamlet.txt").resolve()
+  assert f"{local}: 5 bytes are too few" in capsys.readouterr().err
+
+
 def _bad(tmp_path: Path, kind: str) -> Path:
   path = tmp_path / f"{kind}.txt"
   if kind == "missing":
