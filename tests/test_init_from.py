@@ -153,6 +153,12 @@ def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path
   assert f"init_from:       {t5x_dir} at step 2" in out, out
   assert "hparams: old learning_rate=0.01, new learning_rate=a schedule" in out, out
   assert re.search(r"FactoredState\)\.v_row: \d+ params, from 0 \(ScaleByAdamState\)", out), out
+  # One step of it, named by its directory: T5X's config is in the model directory above.
+  flags = ["--init_from", str(t5x_dir / "checkpoint_2"), "--model_dir", str(tmp_path / "step")]
+  assert main(["train", *adafactor, *flags]) == 0
+  out = capsys.readouterr().out
+  assert f"init_from:       {t5x_dir} at step 2" in out, out
+  assert "hparams: old learning_rate=0.01, new learning_rate=a schedule" in out, out
 
 
 @pytest.mark.slow
@@ -162,7 +168,8 @@ def test_init_from_a_directory_without_checkpoints_is_one_line(tmp_path, capsys)
   )
   assert capsys.readouterr().err == (
     f"t5x-optim train: error: --init_from {tmp_path} holds no checkpoint: neither a "
-    "t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories.\n"
+    "t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories, nor one step of "
+    "either.\n"
   )
   assert not (tmp_path / "new" / "checkpoints").exists() or not any(
     (tmp_path / "new" / "checkpoints").iterdir()

@@ -136,6 +136,58 @@ def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
   )
 
 
+def _tree(directory: Path) -> dict[str, bytes]:
+  return {
+    str(path.relative_to(directory)): path.read_bytes() if path.is_file() else b""
+    for path in sorted(directory.rglob("*"))
+  }
+
+
+def test_init_from_skips_an_incomplete_or_corrupt_newest_checkpoint_and_changes_no_file(
+  four_steps, tmp_path, capsys
+):
+  source = _copy(four_steps, tmp_path)
+  flip_bytes(source / "checkpoints" / "4", 1)
+  (source / "checkpoints" / "6").mkdir()  # an interrupted copy
+  before = _tree(source)
+  flags = [*_steps(3), *ADAM, "--init_from", str(source)]
+  code, out, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  assert code == 0, err
+  skipped = [line for line in out.splitlines() if "skipped" in line]
+  assert skipped[0] == (
+    f"init_from:       skipped checkpoint step 6 of {source}: incomplete: its save or copy "
+    "never completed"
+  ), out
+  assert re.fullmatch(
+    rf"init_from:       skipped checkpoint step 4 of {source}: "
+    r"Checkpoint step 4 in \S+ (is corrupt|could not be read|has unreadable).*",
+    skipped[1],
+  ), out
+  assert f"init_from:       {source} at step 2\n" in out, out
+  assert re.search(r"^steps 2 -> 3,", out, re.M), out
+  assert _tree(source) == before
+
+
+def test_init_from_a_step_directory_restores_that_step_or_refuses(four_steps, tmp_path, capsys):
+  flags = [*_steps(3), *ADAM, "--init_from", str(four_steps / "checkpoints" / "2")]
+  code, out, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  assert code == 0, err
+  assert f"init_from:       {four_steps} at step 2\n" in out, out
+  assert re.search(r"^steps 2 -> 3,", out, re.M), out
+  # A corrupt step that is named is refused, not replaced by another.
+  source = _copy(four_steps, tmp_path)
+  flip_bytes(source / "checkpoints" / "4", 1)
+  flags = [*_steps(5), *ADAM, "--init_from", str(source / "checkpoints" / "4")]
+  code, out, err = _train_run(tmp_path / "new_4", *flags, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert re.match(
+    rf"t5x-optim train: error: --init_from {source}: Checkpoint step 4 in \S+ "
+    r"(is corrupt|could not be read|has unreadable)",
+    err,
+  ), err
+  assert not any((tmp_path / "new_4" / "checkpoints").iterdir())
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   flip_bytes(model_dir / "checkpoints" / "4", 1)

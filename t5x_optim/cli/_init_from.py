@@ -4,7 +4,11 @@ DIR is a t5x-optim model directory (its checkpoints in ``DIR/checkpoints`` and i
 operative gin config in ``DIR/config.gin``) or a T5X model directory (T5X's
 ``checkpoint_<step>`` directories, legacy or Orbax format, and the operative
 ``config.gin`` T5X's train.py writes, whose optimizer bindings name the old
-optimizer). The params, step and
+optimizer), whose newest checkpoint is restored; or one step of either
+(``DIR/checkpoints/<step>``, ``DIR/checkpoint_<step>``), which is restored or
+refused. Of a t5x-optim directory, the newest intact step is restored: newer
+steps that are incomplete or corrupt are skipped, each named with why, and
+left where they are. The params, step and
 mutables are restored exactly and the old optimizer's state is converted into the
 gin file's optimizer (`t5x_optim.convert_state`), so the new optimizer keeps what the
 old one learned.
@@ -24,14 +28,21 @@ from typing import Any, NamedTuple, TextIO
 
 import gin
 
-from t5x_optim import TrainState, restore_converted, storage
+from t5x_optim import Checkpointer, TrainState, restore_converted, storage
+from t5x_optim.checkpoints import CheckpointError
 from t5x_optim.cli._t5x_config import (
   binding_statements,
   optimizer_config,
   optimizer_statements,
 )
 from t5x_optim.cli.loop import config as _config
-from t5x_optim.cli.loop.train import CHECKPOINTS, CONFIG_FILE, UsageError
+from t5x_optim.cli.loop.train import (
+  CHECKPOINTS,
+  CONFIG_FILE,
+  INCOMPLETE,
+  UsageError,
+  skip_reason,
+)
 
 __all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
 
@@ -46,14 +57,16 @@ class Source(NamedTuple):
   """An ``--init_from`` directory, the optimizer that wrote it, and its hyper-parameters.
 
   Attributes:
-    directory: the directory, checked reachable (`storage.check_reachable`).
+    directory: the model directory, checked reachable (`storage.check_reachable`).
     optimizer: the optimizer definition, or None (see `source_optimizer`).
     hparams: its `bound_hparams`.
+    step: the step that ``--init_from`` named (a step directory), or None.
   """
 
   directory: Path
   optimizer: Any
   hparams: Mapping[str, Any]
+  step: int | None = None
 
 
 def bound_hparams() -> dict[str, Any]:
@@ -125,6 +138,25 @@ def _describe(hparams: Mapping[str, Any] | None) -> str:
   return ", ".join(shown) or "optax's defaults"
 
 
+def _located(path: Path) -> tuple[Path, int | None]:
+  """The model directory and step that an ``--init_from`` path names (None: its newest).
+
+  Example:
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / 'checkpoints' / '20').mkdir(parents=True); (run / 'checkpoint_8').mkdir()
+    >>> [_located(p) == (run, s) for p, s in
+    ...  [(run / 'checkpoints' / '20', 20), (run / 'checkpoint_8', 8), (run, None)]]
+    [True, True, True]
+  """
+  name = path.name
+  if path.parent.name == CHECKPOINTS and name.isdigit() and path.is_dir():
+    return path.parent.parent, int(name)
+  if re.fullmatch(r"checkpoint_\d+", name) and path.is_dir():
+    return path.parent, int(name.removeprefix("checkpoint_"))
+  return path, None
+
+
 def _is_ours(init_from: Path) -> bool:
   return (init_from / CHECKPOINTS).is_dir() and (init_from / CONFIG_FILE).is_file()
 
@@ -177,13 +209,13 @@ def source_optimizer(
     >>> source_optimizer(Path('/nonexistent'), [], [], {})
     Traceback (most recent call last):
     ...
-    t5x_optim.cli.loop.train.UsageError: --init_from /nonexistent holds no checkpoint: neither a t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories.
+    t5x_optim.cli.loop.train.UsageError: --init_from /nonexistent holds no checkpoint: neither a t5x-optim run's checkpoints/ nor T5X's checkpoint_<step> directories, nor one step of either.
   """
-  init_from = _as_path(init_from)
+  init_from, step = _located(_as_path(init_from))
   if not _holds_checkpoints(init_from):
     raise UsageError(
       f"--init_from {init_from} holds no checkpoint: neither a t5x-optim run's "
-      f"{CHECKPOINTS}/ nor T5X's checkpoint_<step> directories."
+      f"{CHECKPOINTS}/ nor T5X's checkpoint_<step> directories, nor one step of either."
     )
   bindings: list[str] = []
   where = f"--init_from {init_from}: {_flag_names(gin_files)}"
@@ -195,16 +227,16 @@ def source_optimizer(
       raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
     if found.gin is None:
       hparams = {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
-      return Source(init_from, None, hparams)
+      return Source(init_from, None, hparams, step)
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
     bindings = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
   if not gin_files and not bindings:
-    return Source(init_from, None, {})
+    return Source(init_from, None, {}, step)
   try:
     _config.parse_config(
       gin_files=gin_files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return Source(init_from, _build_optimizer(where), bound_hparams())
+    return Source(init_from, _build_optimizer(where), bound_hparams(), step)
   except UsageError:
     raise
   except Exception as error:  # noqa: BLE001 - gin raises what the configurables raise
@@ -224,11 +256,14 @@ def initial_state_fn(
   *,
   target_hparams: Mapping[str, Any] | None = None,
 ) -> Callable[[], TrainState]:
-  """A function restoring `source`'s latest checkpoint into `abstract_state`'s optimizer.
+  """A function restoring `source`'s checkpoint into `abstract_state`'s optimizer.
 
-  `target_hparams` are the new optimizer's (`bound_hparams` of the job's
-  config). What was converted, with which hyper-parameters, and what started
-  fresh is written to `stream`. A moment
+  The checkpoint is the step `source` names, else the newest: of a
+  t5x-optim directory the newest intact one, each newer step skipped
+  (incomplete or corrupt) named on `stream` with why; nothing in the
+  directory is changed. `target_hparams` are the new optimizer's
+  (`bound_hparams` of the job's config). What was converted, with which
+  hyper-parameters, and what started fresh is written to `stream`. A moment
   the old optimizer did not keep (Adam's ``mu`` after an Adafactor without
   momentum) starts from zero. A checkpoint that cannot be restored raises
   `UsageError` (one line on the command line).
@@ -237,17 +272,45 @@ def initial_state_fn(
   init_from = source.directory
 
   def restore() -> TrainState:
+    if source.step is not None or not _is_ours(init_from):
+      return restore_step(source.step)
+    with Checkpointer(init_from / CHECKPOINTS) as reader:
+      steps = reader.all_steps()
+      committed = {step for step in steps if reader.is_committed(step)}
+    skipped = []
+    for step in reversed(steps):
+      if step not in committed:
+        skipped.append((step, INCOMPLETE))
+        continue
+      try:
+        return restore_step(step, skipped=skipped)
+      except CheckpointError as error:
+        skipped.append((step, skip_reason(error)))
+    tried = "; ".join(f"step {step}: {why}" for step, why in skipped) or "no steps"
+    raise UsageError(f"--init_from {init_from} holds no intact checkpoint ({tried}).")
+
+  def restore_step(
+    step: int | None, *, skipped: Sequence[tuple[int, str]] | None = None
+  ) -> TrainState:
+    """Restores `step` (None: the newest), after naming the `skipped` steps.
+
+    With `skipped` (not None), a step whose data are corrupt raises its
+    `CheckpointError`, for the caller to skip it.
+    """
     directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from
     try:
       state, report = restore_converted(
         directory,
         abstract_state,
         source=source.optimizer,
+        step=step,
         missing="init",
         source_hparams=source.hparams,
         target_hparams=target_hparams,
       )
     except (ValueError, FileNotFoundError) as error:
+      if skipped is not None and isinstance(error, CheckpointError):
+        raise
       text = " ".join(str(error).split())
       if source.optimizer is None:  # No config told which optimizer wrote it.
         text = _PYTHON_ADVICE.sub(
@@ -256,6 +319,8 @@ def initial_state_fn(
           text,
         )
       raise UsageError(f"--init_from {init_from}: {text}") from error
+    for number, why in skipped or ():
+      stream.write(f"init_from:       skipped checkpoint step {number} of {init_from}: {why}\n")
     stream.write(f"init_from:       {init_from} at step {int(state.step)}\n")
     stream.write(f"  hparams: old {_describe(source.hparams)}, new {_describe(target_hparams)}\n")
     stream.write("".join(f"  {line}\n" for line in str(report).splitlines()))

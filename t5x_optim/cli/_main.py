@@ -212,8 +212,9 @@ def _parser() -> argparse.ArgumentParser:
     type=_path_arg,
     default=None,
     metavar="DIR",
-    help="start a new run from DIR's latest checkpoint (a t5x-optim or T5X model "
-    "directory, any optimizer): params exact, optimizer state converted; ignored, and "
+    help="start a new run from DIR's newest intact checkpoint (a t5x-optim or T5X model "
+    "directory, any optimizer), or from one step of it (DIR/checkpoints/<step>, "
+    "DIR/checkpoint_<step>): params exact, optimizer state converted; ignored, and "
     "said so, when --model_dir already holds checkpoints",
   )
   train.add_argument(

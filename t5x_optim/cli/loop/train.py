@@ -67,6 +67,7 @@ __all__ = [
   "CONFIG_FILE",
   "Diverged",
   "Interrupted",
+  "INCOMPLETE",
   "LoopFailed",
   "Setup",
   "TrainSummary",
@@ -77,6 +78,7 @@ __all__ = [
   "prepare",
   "step_memory",
   "prepare_model_dir",
+  "skip_reason",
   "train",
 ]
 
@@ -88,6 +90,8 @@ RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
 _SHOWN_CHANGES = 6
 _REASON_CHARS = 300
+INCOMPLETE = "incomplete: its save or copy never completed"
+"""Why a checkpoint step that was never committed is skipped."""
 _PATH_PROBLEM = re.compile(
   r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'"
 )
@@ -577,7 +581,8 @@ def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
   )
 
 
-def _reason(error: Exception) -> str:
+def skip_reason(error: Exception) -> str:
+  """Why a checkpoint step is skipped: ``error``'s message on one line, at most 300 characters."""
   text = " ".join(str(error).split())
   return text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS] + "..."
 
@@ -605,12 +610,12 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
   resume = _Resume()
   for step in reversed(reader.all_steps()):
     if not reader.is_committed(step):
-      resume.skipped.append((step, "incomplete: its save or copy never completed"))
+      resume.skipped.append((step, INCOMPLETE))
       continue
     try:
       recorded = reader.recorded_job(step)
     except CheckpointError as error:
-      resume.skipped.append((step, _reason(error)))
+      resume.skipped.append((step, skip_reason(error)))
       continue
     if recorded is not None and job is not None:
       problem = identity_problem(recorded, job)
@@ -622,7 +627,7 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
     try:
       resume.state = reader.restore(setup.abstract_state, step)
     except CheckpointError as error:
-      resume.skipped.append((step, _reason(error)))
+      resume.skipped.append((step, skip_reason(error)))
       continue
     except (ValueError, FileNotFoundError) as error:
       raise UsageError(_mismatch_message(error, step, model_dir)) from error
