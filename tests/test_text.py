@@ -56,11 +56,10 @@ def test_a_relative_data_path_is_the_working_directorys_else_a_shipped_text(
 ):
   monkeypatch.chdir(tmp_path)
   assert main(["plan", *TINY, "--data", "hamlet.txt"]) == 0  # none here: the shipped one
-  (tmp_path / "text").mkdir()
-  (tmp_path / "text" / "hamlet.txt").write_text("to be")  # here now, and too short
+  (tmp_path / "hamlet.txt").write_text("to be")  # here now, and too short
   capsys.readouterr()
-  assert main(["plan", *TINY, "--data", "text/hamlet.txt"]) == 2
-  local = (tmp_path / "text" / "hamlet.txt").resolve()
+  assert main(["plan", *TINY, "--data", "hamlet.txt"]) == 2
+  local = (tmp_path / "hamlet.txt").resolve()
   assert f"{local}: 5 bytes are too few" in capsys.readouterr().err
 
 
