@@ -188,6 +188,21 @@ def test_init_from_a_step_directory_restores_that_step_or_refuses(four_steps, tm
   assert not any((tmp_path / "new_4" / "checkpoints").iterdir())
 
 
+def test_init_from_reads_the_hparams_of_the_start_that_wrote_the_step(tmp_path, capsys):
+  """A run resumed with another b2: each step converts with the b2 that wrote it."""
+  source = tmp_path / "run"
+  for total, b2 in ((2, 0.98), (4, 0.9)):
+    flags = [*_steps(total), *EVERY_2, *ADAM, "--gin_bindings", f"optax.adam.b2 = {b2}"]
+    assert _train_run(source, *flags, capsys=capsys)[0] == 0
+  lion = [*_steps(5), "--gin_file", "optimizers/lion.gin"]
+  for init_from, step, b2 in ((source / "checkpoints" / "2", 2, 0.98), (source, 4, 0.9)):
+    flags = [*lion, "--init_from", str(init_from)]
+    code, out, err = _train_run(tmp_path / f"from_{step}", *flags, capsys=capsys)
+    assert code == 0, err
+    assert f"init_from:       {source} at step {step}\n" in out, out
+    assert f"  hparams: old b1=0.9, b2={b2}, learning_rate=a schedule, new " in out, out
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   flip_bytes(model_dir / "checkpoints" / "4", 1)

@@ -61,12 +61,20 @@ class Source(NamedTuple):
     optimizer: the optimizer definition, or None (see `source_optimizer`).
     hparams: its `bound_hparams`.
     step: the step that ``--init_from`` named (a step directory), or None.
+    step_hparams: of a t5x-optim run resumed with other numbers, each step's
+      `bound_hparams` from the config of the start that wrote it, where they
+      differ from `hparams`.
   """
 
   directory: Path
   optimizer: Any
   hparams: Mapping[str, Any]
   step: int | None = None
+  step_hparams: Mapping[int, Mapping[str, Any]] = {}
+
+  def hparams_of(self, step: int | None) -> Mapping[str, Any]:
+    """The hyper-parameters that wrote checkpoint `step` (None: the newest)."""
+    return self.hparams if step is None else self.step_hparams.get(step, self.hparams)
 
 
 def bound_hparams() -> dict[str, Any]:
@@ -198,7 +206,10 @@ def source_optimizer(
   is evaluated: the source run's mesh, model and data are never built, so
   neither its device count nor its data need to exist here. The optimizer is
   None for T5X's legacy Adafactor, recognised by its state's layout, and for
-  a directory without a config. Parsing leaves gin's config cleared.
+  a directory without a config. Of a t5x-optim run resumed with other numbers
+  (``optax.adam.b2``, say), each step's hyper-parameters are read from the
+  config of the start that wrote it (`Source.step_hparams`). Parsing leaves
+  gin's config cleared.
 
   Raises:
     UsageError: the config builds its optimizer from modules t5x_optim
@@ -217,26 +228,67 @@ def source_optimizer(
       f"--init_from {init_from} holds no checkpoint: neither a t5x-optim run's "
       f"{CHECKPOINTS}/ nor T5X's checkpoint_<step> directories, nor one step of either."
     )
-  bindings: list[str] = []
   where = f"--init_from {init_from}: {_flag_names(gin_files)}"
-  if not gin_files and (init_from / CONFIG_FILE).is_file():
-    config = init_from / CONFIG_FILE
+  config = init_from / CONFIG_FILE
+  optimizer, hparams = _parsed(config, gin_files, search_paths, macros, where)
+  step_hparams = {}
+  if not gin_files and _is_ours(init_from):
+    by_text = {config.read_text(): hparams}
+    for number, path in _step_configs(init_from).items():
+      text = path.read_text()
+      if text not in by_text:
+        by_text[text] = _parsed(path, [], search_paths, macros, where)[1]
+      if by_text[text] != hparams:
+        step_hparams[number] = by_text[text]
+  return Source(init_from, optimizer, hparams, step, step_hparams)
+
+
+def _step_configs(init_from: Path) -> dict[int, Path]:
+  """Each committed step's operative config: that of the start that wrote it (its job's
+  ``config_file``), where the step records one that is still there."""
+  found = {}
+  with Checkpointer(init_from / CHECKPOINTS) as reader:
+    for step in reader.all_steps():
+      try:
+        job = reader.recorded_job(step) if reader.is_committed(step) else None
+      except CheckpointError:
+        continue
+      name = (job or {}).get("config_file")
+      if isinstance(name, str) and (init_from / name).is_file():
+        found[step] = init_from / name
+  return found
+
+
+def _parsed(
+  config: Path,
+  gin_files: Sequence[str],
+  search_paths: Sequence[str],
+  macros: dict[str, Any],
+  where: str,
+) -> tuple[Any, dict[str, Any]]:
+  """``(optimizer, hparams)`` built from `gin_files`, else from `config`'s optimizer bindings.
+
+  The optimizer is None, and the hparams are those T5X's config gives, for
+  T5X's legacy Adafactor; both are empty for a directory without a config.
+  Gin's config is left cleared.
+  """
+  bindings: list[str] = []
+  if not gin_files and config.is_file():
     try:
       found = optimizer_config(config.read_text(), str(config))
     except ValueError as error:
       raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
     if found.gin is None:
-      hparams = {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
-      return Source(init_from, None, hparams, step)
+      return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
     bindings = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
   if not gin_files and not bindings:
-    return Source(init_from, None, {}, step)
+    return None, {}
   try:
     _config.parse_config(
       gin_files=gin_files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return Source(init_from, _build_optimizer(where), bound_hparams(), step)
+    return _build_optimizer(where), bound_hparams()
   except UsageError:
     raise
   except Exception as error:  # noqa: BLE001 - gin raises what the configurables raise
@@ -305,7 +357,7 @@ def initial_state_fn(
         source=source.optimizer,
         step=step,
         missing="init",
-        source_hparams=source.hparams,
+        source_hparams=source.hparams_of(step),
         target_hparams=target_hparams,
       )
     except (ValueError, FileNotFoundError) as error:
@@ -322,7 +374,8 @@ def initial_state_fn(
     for number, why in skipped or ():
       stream.write(f"init_from:       skipped checkpoint step {number} of {init_from}: {why}\n")
     stream.write(f"init_from:       {init_from} at step {int(state.step)}\n")
-    stream.write(f"  hparams: old {_describe(source.hparams)}, new {_describe(target_hparams)}\n")
+    old = _describe(source.hparams_of(step))
+    stream.write(f"  hparams: old {old}, new {_describe(target_hparams)}\n")
     stream.write("".join(f"  {line}\n" for line in str(report).splitlines()))
     return state
 
