@@ -234,7 +234,7 @@ def source_optimizer(
   step_hparams = {}
   if not gin_files and _is_ours(init_from):
     by_text = {config.read_text(): hparams}
-    for number, path in _step_configs(init_from).items():
+    for number, path in _step_configs(init_from, step).items():
       text = path.read_text()
       if text not in by_text:
         by_text[text] = _parsed(path, [], search_paths, macros, where)[1]
@@ -243,12 +243,12 @@ def source_optimizer(
   return Source(init_from, optimizer, hparams, step, step_hparams)
 
 
-def _step_configs(init_from: Path) -> dict[int, Path]:
-  """Each committed step's operative config: that of the start that wrote it (its job's
-  ``config_file``), where the step records one that is still there."""
+def _step_configs(init_from: Path, only: int | None) -> dict[int, Path]:
+  """Each committed step's operative config (step `only`'s alone, if given): that of the
+  start that wrote it (its job's ``config_file``), where the step records one still there."""
   found = {}
   with Checkpointer(init_from / CHECKPOINTS) as reader:
-    for step in reader.all_steps():
+    for step in reader.all_steps() if only is None else [only]:
       try:
         job = reader.recorded_job(step) if reader.is_committed(step) else None
       except CheckpointError:
