@@ -188,6 +188,19 @@ def test_init_from_a_step_directory_restores_that_step_or_refuses(four_steps, tm
   assert not any((tmp_path / "new_4" / "checkpoints").iterdir())
 
 
+def test_init_from_a_run_without_its_config_gin_reads_its_checkpoints(four_steps, tmp_path, capsys):
+  source = _copy(four_steps, tmp_path)
+  (source / "config.gin").unlink()
+  flags = [*_steps(5), *ADAM, "--init_from", str(source)]
+  code, _, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "pass --init_from_gin with a gin file of that optimizer" in err, err
+  flags += ["--init_from_gin", "optimizers/adamw.gin"]
+  code, out, err = _train_run(tmp_path / "new_2", *flags, capsys=capsys)
+  assert code == 0, err
+  assert f"init_from:       {source} at step 4\n" in out, out
+
+
 def test_init_from_reads_the_hparams_of_the_start_that_wrote_the_step(tmp_path, capsys):
   """A run resumed with another b2: each step converts with the b2 that wrote it."""
   source = tmp_path / "run"

@@ -166,11 +166,12 @@ def _located(path: Path) -> tuple[Path, int | None]:
 
 
 def _is_ours(init_from: Path) -> bool:
-  return (init_from / CHECKPOINTS).is_dir() and (init_from / CONFIG_FILE).is_file()
+  """Whether `init_from` is a t5x-optim run's directory (its ``config.gin`` may be gone)."""
+  return (init_from / CHECKPOINTS).is_dir()
 
 
 def _holds_checkpoints(init_from: Path) -> bool:
-  if (init_from / CHECKPOINTS).is_dir():
+  if _is_ours(init_from):
     return True
   return init_from.is_dir() and any(
     path.name.startswith("checkpoint_") for path in init_from.iterdir()
@@ -232,7 +233,7 @@ def source_optimizer(
   config = init_from / CONFIG_FILE
   optimizer, hparams = _parsed(config, gin_files, search_paths, macros, where)
   step_hparams = {}
-  if not gin_files and _is_ours(init_from):
+  if not gin_files and config.is_file() and _is_ours(init_from):
     by_text = {config.read_text(): hparams}
     for number, path in _step_configs(init_from, step).items():
       text = path.read_text()
