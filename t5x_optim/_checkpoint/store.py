@@ -253,7 +253,7 @@ class Checkpointer:
 
   @property
   def directory(self) -> str:
-    """The checkpoint directory."""
+    """The checkpoint directory: absolute when local, with its scheme otherwise."""
     return self._directory
 
   def __enter__(self) -> Self:
