@@ -228,6 +228,14 @@ def test_a_relative_directory_is_the_one_below_the_working_directory_when_opened
   assert _restore("checkpoints", opt, step=2).target["w"].tolist() == [0.0, 1.0, 2.0]
 
 
+def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
+  path = tmp_path / "notes.txt"
+  path.write_text("mine")
+  with pytest.raises(NotADirectoryError, match=f"{path} is a file, not a checkpoint directory"):
+    Checkpointer(path)
+  assert path.read_text() == "mine"
+
+
 def test_each_step_records_the_job_and_only_committed_steps_count(tmp_path):
   opt = optimizers.adam(0.1).create({"w": jnp.ones(2)})
   job = {"model": {"layers": 2}, "optimizer": "optax.adam"}

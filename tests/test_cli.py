@@ -357,14 +357,23 @@ def test_bad_devices_are_one_line(name, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.parametrize("where", ["file", "below_a_file"])
+@pytest.mark.parametrize(
+  "where", ["file", "below_a_file", "checkpoints", "train", "eval", "skipped_checkpoints"]
+)
 def test_unusable_model_dir_is_one_line(where, tmp_path, capsys):
+  """The model directory, or a directory a run keeps in it, is a file: refused before a step."""
   blocker = tmp_path / "blocker"
+  if where in ("file", "below_a_file"):
+    model_dir = blocker if where == "file" else blocker / "run"
+  else:
+    model_dir, blocker = tmp_path / "run", tmp_path / "run" / where
+    model_dir.mkdir()
   blocker.write_text("")
-  model_dir = blocker if where == "file" else blocker / "run"
   assert main(["train", *TINY, "--model_dir", str(model_dir)]) == 2
-  err = capsys.readouterr().err
-  assert len(err.splitlines()) == 1 and err.startswith("t5x-optim train: error: --model_dir ")
+  out, err = capsys.readouterr()
+  assert len(err.splitlines()) == 1 and err.startswith("t5x-optim train: error: --model_dir "), err
+  assert "is a file, not a directory" in err or where == "below_a_file", err
+  assert "step" not in out
 
 
 def test_help_says_gin_files_are_code(capsys):

@@ -193,6 +193,12 @@ class Checkpointer:
       model, optimizer, config), recorded with every step this checkpointer
       saves, in the same atomic commit; `recorded_job` reads it back.
 
+  Raises:
+    ValueError: ``keep`` below 1, or a ``job`` that is not JSON.
+    NotADirectoryError: a local ``directory`` that is a file.
+    StorageError: an unsupported scheme, or an object store whose bucket or
+      credentials are missing.
+
   Example:
     >>> import tempfile, jax.numpy as jnp
     >>> from t5x_optim import optimizers
@@ -220,7 +226,10 @@ class Checkpointer:
         raise ValueError(f"job is not JSON: {e}.") from e
     self._job = None if job is None else dict(job)
     # A local directory is absolute from here on: orbax refuses a relative one.
-    self._directory = os.fspath(storage.check_reachable(directory))
+    path = storage.check_reachable(directory)
+    if not storage.is_object_store(path) and path.exists() and not path.is_dir():
+      raise NotADirectoryError(f"{path} is a file, not a checkpoint directory.")
+    self._directory = os.fspath(path)
     # How the manager names step directories by default (passing it as
     # `step_name_format` would make every restore list the directory).
     self._step_names = ocp.step.standard_name_format()

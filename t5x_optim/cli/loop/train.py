@@ -182,8 +182,10 @@ def prepare_model_dir(path: Path) -> Path:
   its bucket and credentials are checked first.
 
   Raises:
-    UsageError: `path` is a file, cannot be created or is not writable; its
-      bucket, credentials or scheme's package are missing (one line).
+    UsageError: `path`, or a directory a run keeps in it (``checkpoints``,
+      ``train``, ``eval``, ``skipped_checkpoints``), is a file; `path` cannot
+      be created or is not writable; its bucket, credentials or scheme's
+      package are missing (one line).
 
   Example:
     >>> import tempfile
@@ -194,10 +196,11 @@ def prepare_model_dir(path: Path) -> Path:
     path = storage.check_reachable(path)
   except storage.StorageError as error:
     raise UsageError(f"--model_dir {error}") from error
-  if not storage.is_object_store(path):
-    path = Path(path).expanduser().absolute()
   if path.exists() and not path.is_dir():
     raise UsageError(f"--model_dir {path} is a file, not a directory.")
+  for name in (CHECKPOINTS, TRAIN, EVAL, SKIPPED):
+    if (path / name).exists() and not (path / name).is_dir():
+      raise UsageError(f"--model_dir {path}: {path / name} is a file, not a directory.")
   try:
     path.mkdir(parents=True, exist_ok=True)
     probe = path / f".t5x_optim_write_probe.{os.getpid()}"
