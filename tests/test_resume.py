@@ -214,6 +214,19 @@ def test_init_from_reads_the_hparams_of_the_start_that_wrote_the_step(tmp_path, 
     assert code == 0, err
     assert f"init_from:       {source} at step {step}\n" in out, out
     assert f"  hparams: old b1=0.9, b2={b2}, learning_rate=a schedule, new " in out, out
+  # The first start's config no longer builds: only a restore of its step needs it.
+  first = source / "config_0.gin"
+  first.write_text(first.read_text().replace("@optax.adam()", "@optax.no_such_optimizer()"))
+  code, out, err = _train_run(
+    tmp_path / "broken_2", *lion, "--init_from", str(source / "checkpoints" / "2"), capsys=capsys
+  )
+  err = _one_line_error(code, err)
+  assert err.startswith(f"t5x-optim train: error: --init_from {first} does not build"), err
+  code, out, err = _train_run(
+    tmp_path / "broken_4", *lion, "--init_from", str(source), capsys=capsys
+  )
+  assert code == 0, err
+  assert f"init_from:       {source} at step 4\n" in out, out
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):

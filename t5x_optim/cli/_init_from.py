@@ -63,18 +63,26 @@ class Source(NamedTuple):
     step: the step that ``--init_from`` named (a step directory), or None.
     step_hparams: of a t5x-optim run resumed with other numbers, each step's
       `bound_hparams` from the config of the start that wrote it, where they
-      differ from `hparams`.
+      differ from `hparams`; or the `UsageError` of a config that does not
+      build, raised only if that step is restored.
   """
 
   directory: Path
   optimizer: Any
   hparams: Mapping[str, Any]
   step: int | None = None
-  step_hparams: Mapping[int, Mapping[str, Any]] = {}
+  step_hparams: Mapping[int, Mapping[str, Any] | UsageError] = {}
 
   def hparams_of(self, step: int | None) -> Mapping[str, Any]:
-    """The hyper-parameters that wrote checkpoint `step` (None: the newest)."""
-    return self.hparams if step is None else self.step_hparams.get(step, self.hparams)
+    """The hyper-parameters that wrote checkpoint `step` (None: the newest).
+
+    Raises:
+      UsageError: the config of the start that wrote `step` does not build.
+    """
+    found = self.hparams if step is None else self.step_hparams.get(step, self.hparams)
+    if isinstance(found, UsageError):
+      raise found
+    return found
 
 
 def bound_hparams() -> dict[str, Any]:
@@ -238,7 +246,10 @@ def source_optimizer(
     for number, path in _step_configs(init_from, step).items():
       text = path.read_text()
       if text not in by_text:
-        by_text[text] = _parsed(path, [], search_paths, macros, where)[1]
+        try:
+          by_text[text] = _parsed(path, [], search_paths, macros, f"--init_from {path}")[1]
+        except UsageError as error:  # Refused only if its step is the one restored.
+          by_text[text] = error
       if by_text[text] != hparams:
         step_hparams[number] = by_text[text]
   return Source(init_from, optimizer, hparams, step, step_hparams)
@@ -351,6 +362,7 @@ def initial_state_fn(
     `CheckpointError`, for the caller to skip it.
     """
     directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from
+    old_hparams = source.hparams_of(step)
     try:
       state, report = restore_converted(
         directory,
@@ -358,7 +370,7 @@ def initial_state_fn(
         source=source.optimizer,
         step=step,
         missing="init",
-        source_hparams=source.hparams_of(step),
+        source_hparams=old_hparams,
         target_hparams=target_hparams,
       )
     except (ValueError, FileNotFoundError) as error:
@@ -375,7 +387,7 @@ def initial_state_fn(
     for number, why in skipped or ():
       stream.write(f"init_from:       skipped checkpoint step {number} of {init_from}: {why}\n")
     stream.write(f"init_from:       {init_from} at step {int(state.step)}\n")
-    old = _describe(source.hparams_of(step))
+    old = _describe(old_hparams)
     stream.write(f"  hparams: old {old}, new {_describe(target_hparams)}\n")
     stream.write("".join(f"  {line}\n" for line in str(report).splitlines()))
     return state

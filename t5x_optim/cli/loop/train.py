@@ -66,8 +66,8 @@ from t5x_optim.partitioning import format_bytes
 __all__ = [
   "CONFIG_FILE",
   "Diverged",
-  "Interrupted",
   "INCOMPLETE",
+  "Interrupted",
   "LoopFailed",
   "Setup",
   "TrainSummary",
