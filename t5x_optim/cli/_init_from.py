@@ -334,11 +334,13 @@ def initial_state_fn(
   """
 
   init_from = source.directory
+  ours = _is_ours(init_from)
+  directory = init_from / CHECKPOINTS if ours else init_from
 
   def restore() -> TrainState:
-    if source.step is not None or not _is_ours(init_from):
+    if source.step is not None or not ours:
       return restore_step(source.step)
-    with Checkpointer(init_from / CHECKPOINTS) as reader:
+    with Checkpointer(directory) as reader:
       steps = reader.all_steps()
       committed = {step for step in steps if reader.is_committed(step)}
     skipped = []
@@ -361,7 +363,6 @@ def initial_state_fn(
     With `skipped` (not None), a step whose data are corrupt raises its
     `CheckpointError`, for the caller to skip it.
     """
-    directory = init_from / CHECKPOINTS if _is_ours(init_from) else init_from
     old_hparams = source.hparams_of(step)
     try:
       state, report = restore_converted(
