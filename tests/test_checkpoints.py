@@ -19,6 +19,8 @@ from _subprocesses import free_port
 from t5x_optim import optimizers
 from t5x_optim._checkpoint import headers as checkpoint_headers
 from t5x_optim._checkpoint import store as checkpoints_impl
+from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
+from t5x_optim._checkpoint.leaves import flatten, saveable
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 
@@ -234,6 +236,40 @@ def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
   with pytest.raises(NotADirectoryError, match=f"{path} is a file, not a checkpoint directory"):
     Checkpointer(path)
   assert path.read_text() == "mine"
+
+
+def test_a_save_of_small_replicated_arrays_compiles_nothing_but_the_checksums(tmp_path):
+  # orbax would copy each replicated array off the devices in one slice per replica,
+  # compiling a slicing program per shape at the first save: 1.9 s of a 1-step run.
+  mesh = jax.make_mesh((8,), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = {f"w{n}": jnp.arange(n * 8.0) for n in (1, 3, 7, 13)} | {"b": jnp.zeros((5, 16))}
+  opt = optimizers.adam(0.1).create(jax.device_put(params, replicated))
+  arrays = {path: saveable(leaf) for path, leaf in flatten(opt.state_dict()).items()}
+  fetch(dispatch_checksums(arrays))
+  compiles = []
+
+  def record(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(kwargs)
+
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    with Checkpointer(tmp_path) as ckpt:
+      ckpt.save(1, opt)
+      ckpt.wait_until_finished()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(record)
+  assert compiles == []
+  restored = _restore(tmp_path, opt)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), restored, opt))
+  # The step holds what orbax's own writer records, and orbax's own reader reads it.
+  assert (tmp_path / "1" / "default" / "array_metadatas" / "process_0").is_file()
+  with ocp.PyTreeCheckpointer() as reader:
+    stored = reader.restore(tmp_path / "1" / "default")
+  assert flatten(stored).keys() == arrays.keys()
+  for path, array in flatten(stored).items():
+    np.testing.assert_array_equal(array, arrays[path], err_msg=str(path))
 
 
 def test_each_step_records_the_job_and_only_committed_steps_count(tmp_path):

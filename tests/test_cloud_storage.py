@@ -8,6 +8,7 @@ ones.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -367,9 +369,27 @@ def test_train_on_text_data_from_gs(where, capsys):
   assert "--data gs://" in capsys.readouterr().err
 
 
+@pytest.fixture
+def gcsfs_waits(monkeypatch) -> list[float]:
+  """The waits gcsfs asks for before retrying a request, recorded, not waited for.
+
+  gcsfs waits 1-2 s before its first retry; each flaky object would cost that.
+  """
+  import gcsfs.retry  # noqa: PLC0415 - after the emulator's settings (module top)
+
+  waits = []
+
+  async def record(seconds: float) -> None:
+    waits.append(seconds)
+    await asyncio.sleep(0)
+
+  monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=record))
+  return waits
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
-def test_reads_retry_transient_errors(where, capsys):
+def test_reads_retry_transient_errors(where, capsys, gcsfs_waits):
   # Every object under `flaky` answers its first download with 503 (tests/_gcs_emulator.py).
   root = epath.Path(where) / "flaky"
   (root / "probe").write_bytes(b"x")
@@ -387,6 +407,7 @@ def test_reads_retry_transient_errors(where, capsys):
     assert _equal(ckpt.restore(_opt()), _opt(2.0))
   flags = ["--data", f"{root}/text", "--gin_bindings", "TOTAL_STEPS = 2"]
   assert main(["train", *TINY, *flags, "--model_dir", f"{where}/run"]) == 0, capsys.readouterr().err
+  assert gcsfs_waits  # gcsfs met the 503s and retried
   print(f"restore and a 2-step run through 503s: {time.monotonic() - start:.1f} s")
 
 

@@ -63,6 +63,9 @@ _STATE_CLASSES = "state_classes"
 _JOB = "job"
 # The file orbax's JsonCheckpointHandler writes an item to.
 _JSON_FILE = "metadata"
+# A replicated array whose slice per replica would be smaller is written whole
+# by one replica (`_arrays_handler`).
+_MIN_REPLICA_SLICE_BYTES = 1 << 20
 # What orbax writes into a step's directory when its save completes (locally, and on
 # object stores, where nothing is renamed).
 _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
@@ -165,6 +168,30 @@ class _Open:
       self.sigterm.uninstall()
 
 
+def _arrays_handler() -> ocp.PyTreeCheckpointHandler:
+  """orbax's PyTree handler, slicing only large replicated arrays.
+
+  orbax writes a replicated array replica-parallel: one slice per replica,
+  each copied off its own device. A small slice gains nothing from that and
+  costs a device program per slice shape, compiled at the first save (1.9 s
+  of a 1-step run of `examples/tiny.gin` on 8 CPU devices), and a dispatch per
+  slice at every save. Below `_MIN_REPLICA_SLICE_BYTES` a replica, the array is
+  written by one replica, as it is on GPUs, where orbax never slices.
+  """
+  default = ocp.type_handlers.get_type_handler(jax.Array)
+  arrays = ocp.type_handlers.ArrayHandler(
+    min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES,
+    # orbax's own array handler records each array's metadata in this store.
+    array_metadata_store=getattr(default, "_array_metadata_store", None),
+  )
+  handlers = [
+    (ty, arrays if ty is jax.Array else ocp.type_handlers.get_type_handler(ty))
+    for ty in ocp.type_handlers.supported_types()
+  ]
+  registry = ocp.type_handlers.create_type_handler_registry(*handlers)
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class Checkpointer:
   """Saves and restores train states or optimizers as sharded orbax checkpoints.
 
@@ -249,7 +276,7 @@ class Checkpointer:
       create=True,
     )
     handlers = {
-      _ARRAYS: ocp.PyTreeCheckpointHandler(),
+      _ARRAYS: _arrays_handler(),
       _CHECKSUMS: ChecksumsHandler(),
       _STATE_CLASSES: ocp.JsonCheckpointHandler(),
       _JOB: ocp.JsonCheckpointHandler(),
