@@ -238,6 +238,7 @@ def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
   assert path.read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_save_of_small_replicated_arrays_compiles_nothing_but_the_checksums(tmp_path):
   # orbax would copy each replicated array off the devices in one slice per replica,
   # compiling a slicing program per shape at the first save: 1.9 s of a 1-step run.

@@ -96,6 +96,7 @@ def _equal(a, b) -> bool:
   return all(np.array_equal(a.target[k], b.target[k]) for k in ("w", "b"))
 
 
+@pytest.mark.slow
 def test_checkpointer_saves_restores_and_falls_back(where):
   with Checkpointer(where, async_save=False) as ckpt:
     ckpt.save(1, _opt(1.0))

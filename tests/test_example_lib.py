@@ -203,6 +203,7 @@ def test_state_dict_round_trip(maker: str) -> None:
   )
 
 
+@pytest.mark.slow
 def test_checkpointer_round_trip(tmp_path: Any) -> None:
   opt_def = EXAMPLE_LIB_OPTIMIZERS["example_lib_sm3"](0.05)
   trained = adapter_run(opt_def.create(make_params()), jit=False, steps=2)

@@ -370,6 +370,7 @@ def test_multi_optimizer_with_fused_sub_optimizers():
   ],
   ids=["scalar_and_empty_leaves", "empty_only"],
 )
+@pytest.mark.slow
 def test_scalar_and_empty_leaves(params):
   tx = optax.adam(1e-2)
   assert fusion_report(tx, params).fusible

@@ -630,7 +630,8 @@ def test_logical_axes_are_derived(mode):
   assert mu == {"b": one_block, "s": P("mlp"), "w": w}
 
 
-@pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
 def test_t5x_checkpoint_round_trip(tmp_path, mode):
   """T5X's legacy checkpoint format: codes, scales and bfloat16 leaves come back exactly."""
   params = make_params()

@@ -306,6 +306,7 @@ def test_a_leaf_is_never_stored_in_more_bytes_than_float32(shape, storage, bytes
     ),
   ],
 )
+@pytest.mark.slow
 def test_each_4bit_layout_updates_like_float32_adam(shape):
   params = {"w": jnp.zeros(shape)}
   tx = low_precision(optax.adam(1e-3), "4bit", min_size=0)

@@ -51,6 +51,7 @@ def test_shipped_text_is_found_by_name_and_is_plain_ascii():
   assert data.isascii() and 100_000 < len(data) < 500_000 and b"Elsinore" in data
 
 
+@pytest.mark.slow
 def test_a_relative_data_path_is_the_working_directorys_else_a_shipped_text(
   tmp_path, monkeypatch, capsys
 ):
