@@ -1,6 +1,7 @@
 """Test configuration (the simulated devices are set in the repository's conftest.py)."""
 
 import gin
+import jax
 import pytest
 
 
@@ -47,3 +48,35 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def _compilation_cache_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("compilation_cache")
+
+
+@pytest.fixture(scope="module")
+def shared_compilation_cache(_compilation_cache_dir):
+  """jax's persistent compilation cache for a module's tests: one directory per test process.
+
+  The table tests compile the same programs over and over, since each test builds its
+  own functions; jax loads them from the cache instead: the same executables, without the
+  compiling. A module that runs `t5x-optim` in this process must not use it (the command
+  would take it for the user's cache).
+  """
+  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+
+  settings = {
+    "jax_compilation_cache_dir": str(_compilation_cache_dir),
+    "jax_enable_compilation_cache": True,
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
+  previous = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in previous.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()

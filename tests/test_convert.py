@@ -29,6 +29,8 @@ from flax import traverse_util
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 T = 5
 RNG = np.random.default_rng(0)
 PARAMS = {

@@ -24,6 +24,8 @@ from optimizer_table import assert_same_bits
 import t5x_optim
 from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32, partitioning
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STORAGES = ("float32", "bfloat16", "8bit", "4bit")
 STEPS = 3
 RNG = np.random.default_rng(0)

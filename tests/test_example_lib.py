@@ -32,6 +32,8 @@ from t5x_optim.partitioning import (
   standard_logical_axis_rules,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STEPS = 5
 MAKERS = (
   "adagrad",

@@ -26,6 +26,8 @@ from optimizer_table import TABLE, Case, grads_and_extras, initial_params, make_
 from t5x_optim import FusedUpdate, MultiOptimizer, OptaxWrapper, PathFilter, fusion_report
 from t5x_optim._layouts import fused as fused_module
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STEPS = 3
 # The documented bound: one fused step and one plain step from the same
 # params, state and gradients agree, element by element, within this many

@@ -41,6 +41,8 @@ from t5x_optim._low_precision.quantize import (
   to_bfloat16,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STEPS = 3
 MODES = ["8bit", "bfloat16"]
 

@@ -45,6 +45,8 @@ from t5x_optim._training import plan as plan_lib
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import abstract_train_state
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 _quantize = jax.jit(quantize4, static_argnums=1, static_argnames="rank1")
 _dequantize = jax.jit(dequantize4)
 SIGNED_HALF_GAP = 0.1125

@@ -26,6 +26,8 @@ from t5x_optim._training import plan as plan_lib
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import abstract_train_state
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 MODES = ["8bit", "bfloat16"]
 
 

@@ -29,6 +29,8 @@ from optimizer_table import (
 from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
 from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 MODES = ["8bit", "bfloat16"]
 STEPS = 3
 ELEMENTWISE = [

@@ -30,6 +30,8 @@ from t5x_optim import (
 )
 from t5x_optim.partitioning import Partitioner, create_mesh
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STEPS = 3
 KERNELS = PathFilter(r"kernel$")
 BIASES = PathFilter(r"bias$")
@@ -577,6 +579,7 @@ def test_set_param_axes_forwarded_only_where_defined() -> None:
 GIN_CONFIG = """
 from __gin__ import dynamic_registration
 from t5x_optim import optimizers
+
 OPTIMIZER = @optimizers.MultiOptimizer()
 optimizers.MultiOptimizer:
   traversals_and_optimizers = [

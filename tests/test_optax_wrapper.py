@@ -28,6 +28,8 @@ from optimizer_table import (
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 STEPS = 5
 
 

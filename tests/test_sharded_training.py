@@ -28,6 +28,8 @@ from t5x_optim.partitioning import (
   standard_logical_axis_rules,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 EMBED, MLP, BATCH, STEPS = 16, 32, 8, 3
 BATCH_AXES = {"x": P("batch", "embed"), "y": P("batch", "embed")}
 

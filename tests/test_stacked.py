@@ -30,6 +30,8 @@ from t5x_optim.partitioning import (
   standard_logical_axis_rules,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 EMBED, MLP, LAYERS, STEPS = 8, 16, 2, 3
 # Every case the analysis proves elementwise matches the optax loop within
 # the fused path's bound (ulps of each leaf's largest value); measured: exact.

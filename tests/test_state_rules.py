@@ -31,6 +31,8 @@ from t5x_optim.partitioning import (
   register_state_rule,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 derive = OptaxStatePartitionRules.derive_optax_logical_axes
 RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("kv", None))
 AXES = {
