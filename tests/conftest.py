@@ -61,22 +61,16 @@ def shared_compilation_cache(_compilation_cache_dir):
 
   The table tests compile the same programs over and over, since each test builds its
   own functions; jax loads them from the cache instead: the same executables, without the
-  compiling. A module that runs `t5x-optim` in this process must not use it (the command
-  would take it for the user's cache).
+  compiling. The cache is `t5x-optim train`'s own, every program kept. A module that runs
+  `t5x-optim` in this process must not use it (the command would take it for the user's
+  cache).
   """
-  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+  from t5x_optim.cli.loop.compilation_cache import compilation_cache  # noqa: PLC0415
 
-  settings = {
-    "jax_compilation_cache_dir": str(_compilation_cache_dir),
-    "jax_enable_compilation_cache": True,
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-  }
-  previous = {name: getattr(jax.config, name) for name in settings}
-  for name, value in settings.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in previous.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+  previous = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  try:
+    with compilation_cache(_compilation_cache_dir, primary=False):
+      yield
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
