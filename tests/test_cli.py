@@ -22,6 +22,7 @@ from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
 from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.job import config_changes
 from t5x_optim.partitioning import init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
@@ -303,6 +304,25 @@ def test_every_example_file_trains(name, tmp_path, capsys):
   out = capsys.readouterr().out
   assert _steps(out) == (0, 1) and re.search(r"^eval step 1  loss [\d.]+$", out, re.M)
   assert _checkpoint_steps(tmp_path) == [1]
+
+
+def test_config_changes_name_a_binding_changed_in_one_scope():
+  """gin's operative config writes a value under its unscoped name and under each
+  scope that calls it: a change in one scope is a change."""
+  old = "optax.adamw.b1 = 0.9\nOPTIMIZER/optax.adamw.b1 = 0.9\nOPTIMIZER/optax.adamw.b2 = 0.99\n"
+  new = "optax.adamw.b1 = 0.9\nOPTIMIZER/optax.adamw.b1 = 0.5\nOPTIMIZER/optax.adamw.b2 = 0.99\n"
+  assert config_changes(old, new) == ["OPTIMIZER/optax.adamw.b1 0.9 -> 0.5"]
+
+
+def test_config_changes_show_a_change_of_every_scope_once():
+  old = "optax.adamw.b1 = 0.9\nOPTIMIZER/optax.adamw.b1 = 0.9\n"
+  new = "optax.adamw.b1 = 0.5\nOPTIMIZER/optax.adamw.b1 = 0.5\n"
+  assert config_changes(old, new) == ["optax.adamw.b1 0.9 -> 0.5"]
+  other = "optax.adamw.b1 = 0.5\nOPTIMIZER/optax.adamw.b1 = 0.7\n"
+  assert config_changes(old, other) == [
+    "OPTIMIZER/optax.adamw.b1 0.9 -> 0.7",
+    "optax.adamw.b1 0.9 -> 0.5",
+  ]
 
 
 class _Terminal(io.StringIO):

@@ -106,13 +106,14 @@ def test_resume_with_same_shapes_of_another_model_is_refused(four_steps, tmp_pat
 def test_resume_may_change_steps_and_cadences_and_keeps_every_config(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   flags = [*_steps(6), *EVERY_2, "--gin_bindings", "cli.TrainJob.eval_every = 3"]
+  flags += ["--gin_bindings", "OPTIMIZER/optax.adamw.b1 = 0.8"]
   code, out, err = _train_run(model_dir, *flags, capsys=capsys)
   assert code == 0, err
   lines = out.splitlines()
   assert lines[0] == f"model_dir:       {model_dir} (resuming from the checkpoint at step 4)"
   assert lines[1] == (
-    "config:          changed since step 4 (config_0.gin): TOTAL_STEPS 4 -> 6, "
-    "cli.TrainJob.eval_every 20 -> 3"
+    "config:          changed since step 4 (config_0.gin): OPTIMIZER/optax.adamw.b1 0.9 -> 0.8, "
+    "TOTAL_STEPS 4 -> 6, cli.TrainJob.eval_every 20 -> 3"
   ), out
   assert "TOTAL_STEPS = 4" in (model_dir / "config_0.gin").read_text()
   assert "TOTAL_STEPS = 6" in (model_dir / "config_4.gin").read_text()

@@ -168,28 +168,40 @@ class _AsText(config_parser.ParserDelegate):
 
 def _bindings(text: str) -> dict[str, str]:
   """``{binding: value}`` of a gin config, parsed without importing anything; a scoped
-  binding counts once, under its unscoped name."""
+  binding keeps its scope (``OPTIMIZER/optax.adamw.b1``)."""
   out: dict[str, str] = {}
   for statement in config_parser.ConfigParser(text, _AsText()):
     if isinstance(statement, config_parser.BindingStatement):
-      name = statement.selector
+      name = "/".join(filter(None, [statement.scope, statement.selector]))
       key = f"{name}.{statement.arg_name}" if statement.arg_name else name
-      out.setdefault(key, repr(statement.value))
+      out[key] = repr(statement.value)
   return out
 
 
 def config_changes(old_text: str, new_text: str) -> list[str]:
   """The bindings that differ between two gin configs, as ``name old -> new``.
 
+  gin's operative config writes a value under its unscoped name and again under
+  each scope that calls the configurable; a scoped change equal to its unscoped
+  one is shown once, unscoped.
+
   Example:
     >>> config_changes('TOTAL_STEPS = 40\\nA = 1', 'TOTAL_STEPS = 60\\nA = 1')
     ['TOTAL_STEPS 40 -> 60']
   """
   old, new = _bindings(old_text), _bindings(new_text)
+
+  def change(key: str) -> tuple[str | None, str | None]:
+    return old.get(key), new.get(key)
+
+  def unscoped(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
   return [
     f"{key} {old.get(key, '(unbound)')} -> {new.get(key, '(unbound)')}"
     for key in sorted(set(old) | set(new))
     if old.get(key) != new.get(key)
+    and (unscoped(key) == key or change(unscoped(key)) != change(key))
   ]
 
 
