@@ -167,6 +167,29 @@ def test_second_run_reports_the_finished_run(tiny_run, capsys):
 
 
 @pytest.mark.slow
+def test_an_optimizer_bound_in_its_scope_is_the_one_shown_logged_and_recorded(tmp_path, capsys):
+  flags = [
+    "--gin_bindings",
+    "TOTAL_STEPS = 2",
+    "--gin_bindings",
+    "cli.TrainJob.log_every = 1",
+    "--gin_bindings",
+    "OPTIMIZER/optimizers.chain.transformations = [@optax.lion()]",
+    "--gin_bindings",
+    "OPTIMIZER/optax.lion.learning_rate = 0.003",
+  ]
+  assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0
+  out = capsys.readouterr().out
+  lines = out.splitlines()
+  lion = "optimizers.chain(transformations=[optax.lion])"
+  assert f"optimizer:       {lion}" in lines, out
+  assert "learning rate:   OPTIMIZER/optax.lion.learning_rate = 0.003 (a constant)" in lines, out
+  assert re.search(r"^step 2/2 .* lr 0\.003 ", out, re.M), out
+  with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+    assert checkpointer.recorded_job(2)["optimizer"] == lion
+
+
+@pytest.mark.slow
 def test_one_device_run_in_a_fresh_dir_under_the_current_one(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert main(["train", *TINY, "--num_devices", "1", "--gin_bindings", "TOTAL_STEPS = 1"]) == 0

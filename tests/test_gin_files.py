@@ -190,3 +190,60 @@ def test_shipped_files_resolve_from_any_directory(name, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   resolved = _config.resolve_gin_file(name, _config.default_search_paths())
   assert resolved == GIN_DIR / "optimizers" / "adamw.gin"
+
+
+def _optimizer_report(bindings: list[str]) -> tuple[str, str, tuple | None, OptimizerDef]:
+  _config.parse_config(gin_bindings=bindings)
+  found = _config.optimizer_learning_rate()
+  return _config.describe_optimizer(), _config.optimizer_identity(), found, _build("OPTIMIZER")
+
+
+def test_the_optimizer_is_read_in_the_scope_gin_builds_it_in():
+  """``OPTIMIZER = @optimizers.chain()`` is called in the scope OPTIMIZER: a binding
+  scoped there is the optimizer the run trains with, and the one it reports."""
+  bindings = [
+    "OPTIMIZER/optimizers.chain.transformations = [@optax.lion()]",
+    "OPTIMIZER/optax.lion.learning_rate = 0.003",
+  ]
+  described, identity, (rate, where), built = _optimizer_report(bindings)
+  assert described == "optimizers.chain(transformations=[optax.lion])"
+  assert identity == "optimizers.chain(transformations=[optax.lion])"
+  assert (rate, where) == (0.003, "OPTIMIZER/optax.lion.learning_rate = 0.003")
+  state = built.create(PARAMS).state.param_states
+  assert isinstance(state[0][0], optax.ScaleByLionState)
+
+
+def test_a_learning_rate_bound_in_the_optimizers_scope_is_the_one_logged():
+  bindings = ["OPTIMIZER/optax.adamw.learning_rate = 0.003"]
+  _, _, (rate, where), _ = _optimizer_report(bindings)
+  assert (rate, where) == (0.003, "OPTIMIZER/optax.adamw.learning_rate = 0.003")
+
+
+def test_a_reference_with_a_scope_of_its_own_is_read_in_that_scope():
+  """gin calls ``@fast/optax.adamw()`` in the scope ``fast`` alone, whatever scope
+  its caller is in: bindings scoped OPTIMIZER do not reach it."""
+  bindings = [
+    "optimizers.chain.transformations = [@fast/optax.adamw()]",
+    "fast/optax.adamw.learning_rate = @optax.linear_schedule()",
+    "fast/optax.linear_schedule.init_value = 0.5",
+    "optax.linear_schedule.end_value = 0.1",
+    "optax.linear_schedule.transition_steps = 10",
+    "OPTIMIZER/optax.adamw.learning_rate = 0.003",
+  ]
+  described, _, (rate, where), _ = _optimizer_report(bindings)
+  assert (
+    described
+    == "optimizers.chain(transformations=[optax.adamw(learning_rate=optax.linear_schedule)])"
+  )
+  assert where == "fast/optax.adamw.learning_rate = @optax.linear_schedule()"
+  assert (float(rate(0)), float(rate(10))) == (0.5, pytest.approx(0.1))
+
+
+def test_the_default_optimizer_reports_its_unscoped_bindings():
+  described, identity, (_, where), _ = _optimizer_report([])
+  assert described == (
+    "optimizers.chain(transformations=[optax.clip_by_global_norm, "
+    "optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])"
+  )
+  assert identity == "optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])"
+  assert where == "optax.adamw.learning_rate = %LEARNING_RATE = @optax.cosine_onecycle_schedule()"

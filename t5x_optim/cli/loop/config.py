@@ -528,29 +528,58 @@ def learning_rate_source() -> str:
   return "cli.TrainJob.learning_rate, not read from the optimizer" if rate is None else rate[1]
 
 
-def _reference_text(value: Any, depth: int, skip: frozenset[str] = frozenset()) -> str | None:
+_OPTIMIZER_SCOPE = ("OPTIMIZER",)
+"""gin evaluates a macro's value in the macro's scope: ``%OPTIMIZER``'s in ``OPTIMIZER``."""
+
+
+def _called_in(reference: Any, scope: Sequence[str]) -> list[str]:
+  """The scope gin calls `reference` in from a caller in `scope`: its own scope
+  (``@fast/optax.adamw()``, a macro's name) replaces the caller's."""
+  return list(reference.scopes) or list(scope)
+
+
+def _bound(reference: Any, scope: Sequence[str]) -> dict[str, Any]:
+  """The bindings gin gives `reference` in `scope`: a scoped binding over an unscoped one."""
+  key = "/".join([*scope, reference.selector])
+  return gin.get_bindings(key, resolve_references=False)
+
+
+def _binding_name(reference: Any, scope: Sequence[str], arg: str) -> str:
+  """The binding that gives `reference`'s `arg` its value in `scope`, e.g. ``optax.adamw.b1``."""
+  for end in range(len(scope), -1, -1):
+    selector = "/".join([*scope[:end], reference.selector])
+    if arg in gin.get_bindings(selector, resolve_references=False, inherit_scopes=False):
+      return f"{selector}.{arg}"
+  return f"{reference.selector}.{arg}"
+
+
+def _reference_text(
+  value: Any, depth: int, skip: frozenset[str] = frozenset(), scope: Sequence[str] = ()
+) -> str | None:
   """`value` as ``name(arg=...)`` when it is a gin reference (or a list of them).
 
-  Arguments named in `skip` are left out.
+  Its arguments are those gin binds when it calls `value` from `scope`;
+  those named in `skip` are left out.
   """
   if isinstance(value, (list, tuple)):
-    parts = [_reference_text(v, depth, skip) for v in value]
+    parts = [_reference_text(v, depth, skip, scope) for v in value]
     return f"[{', '.join(parts)}]" if all(parts) else None
   if not isinstance(value, gin.config.ConfigurableReference):
     return None
-  name = value.selector
+  scope = _called_in(value, scope)
+  bound = _bound(value, scope)
   if value.configurable.wrapped is gin.config.macro:
-    return _reference_text(gin.query_parameter(f"%{value.scopes[-1]}"), depth, skip)
+    return _reference_text(bound.get("value"), depth, skip, scope)
   if depth == 0:
-    return name
+    return value.selector
   inner = []
-  for key in gin.get_bindings(value.selector):
+  for key, argument in bound.items():
     if key in skip:
       continue
-    text = _reference_text(gin.query_parameter(f"{value.selector}.{key}"), depth - 1, skip)
+    text = _reference_text(argument, depth - 1, skip, scope)
     if text is not None:
       inner.append(f"{key}={text}")
-  return f"{name}({', '.join(inner)})" if inner else name
+  return f"{value.selector}({', '.join(inner)})" if inner else value.selector
 
 
 def describe_optimizer() -> str:
@@ -561,7 +590,8 @@ def describe_optimizer() -> str:
     >>> describe_optimizer()
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])'
   """
-  return _reference_text(gin.query_parameter("%OPTIMIZER"), depth=3) or "(not a gin reference)"
+  text = _reference_text(gin.query_parameter("%OPTIMIZER"), depth=3, scope=_OPTIMIZER_SCOPE)
+  return text or "(not a gin reference)"
 
 
 _IDENTITY_DEPTH = 16
@@ -581,7 +611,7 @@ def optimizer_identity() -> str:
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
   value = gin.query_parameter("%OPTIMIZER")
-  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES)
+  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE)
   return text or f"(not a gin reference: {value!r})"
 
 
@@ -599,35 +629,36 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
   """
   found: dict[str, tuple[Any, str]] = {}
 
-  def visit(value: Any, depth: int) -> None:
+  def visit(value: Any, depth: int, scope: Sequence[str]) -> None:
     if depth == 0:
       return
     if isinstance(value, (list, tuple)):
       for item in value:
-        visit(item, depth)
+        visit(item, depth, scope)
       return
     if not isinstance(value, gin.config.ConfigurableReference):
       return
+    scope = _called_in(value, scope)
+    bound = _bound(value, scope)
     if value.configurable.wrapped is gin.config.macro:
-      visit(gin.query_parameter(f"%{value.scopes[-1]}"), depth - 1)
+      visit(bound.get("value"), depth - 1, scope)
       return
-    bindings = gin.get_bindings(value.selector)
-    for key in bindings:
-      bound = gin.query_parameter(f"{value.selector}.{key}")
+    for key, argument in bound.items():
       if key in _RATES:
-        rate = _evaluated(bound)
+        with gin.config_scope(scope):
+          rate = _evaluated(argument)
         if rate is None or isinstance(rate, bool):
           continue
-        name = _reference_text(bound, depth=0)
+        name = _reference_text(argument, depth=0, scope=scope)
         shown = f"@{name}()" if name else repr(rate)
-        if isinstance(bound, gin.config.ConfigurableReference):
-          if bound.configurable.wrapped is gin.config.macro:
-            shown = f"%{bound.scopes[-1]} = {shown}"
-        found[name or repr(rate)] = (rate, f"{value.selector}.{key} = {shown}")
+        if isinstance(argument, gin.config.ConfigurableReference):
+          if argument.configurable.wrapped is gin.config.macro:
+            shown = f"%{argument.scopes[-1]} = {shown}"
+        found[name or repr(rate)] = (rate, f"{_binding_name(value, scope, key)} = {shown}")
       else:
-        visit(bound, depth - 1)
+        visit(argument, depth - 1, scope)
 
-  visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH)
+  visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH, _OPTIMIZER_SCOPE)
   if len(found) != 1:
     return None
   rate, where = next(iter(found.values()))
