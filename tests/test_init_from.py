@@ -110,6 +110,24 @@ def test_bound_hparams_evaluate_macros_and_schedules():
   np.testing.assert_allclose([hparams["learning_rate"](s) for s in (0, 10)], [1e-2, 1e-3])
 
 
+def test_bound_hparams_are_those_gin_builds_the_optimizer_with():
+  """``%OPTIMIZER`` is built in the scope OPTIMIZER, a scoped reference in its own: their
+  bindings win over the unscoped ones, which an operative config also holds."""
+  _config.parse_config(
+    gin_bindings=["optax.adamw.b2 = 0.999", "OPTIMIZER/optax.adamw.b2 = 0.95"]
+    + ["other/optax.adamw.b1 = 0.5"],
+    macros=_config.device_macros(8),
+  )
+  assert _init_from.bound_hparams()["b2"] == 0.95
+  assert "b1" not in _init_from.bound_hparams()
+  _config.parse_config(
+    gin_bindings=["optimizers.chain.transformations = [@fast/optax.adamw()]"]
+    + ["optax.adamw.b1 = 0.7", "fast/optax.adamw.b1 = 0.5", "OPTIMIZER/optax.adamw.b1 = 0.6"],
+    macros=_config.device_macros(8),
+  )
+  assert _init_from.bound_hparams()["b1"] == 0.5
+
+
 T5X_CONFIG = pathlib.Path(__file__).parent / "data" / "t5x_config" / "config.gin"
 
 

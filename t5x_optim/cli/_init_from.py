@@ -33,7 +33,6 @@ from t5x_optim.checkpoints import CheckpointError
 from t5x_optim.cli._t5x_config import (
   binding_statements,
   optimizer_config,
-  optimizer_statements,
 )
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop.train import (
@@ -86,10 +85,12 @@ class Source(NamedTuple):
 
 
 def bound_hparams() -> dict[str, Any]:
-  """The `CONVERSION_HPARAMS` that gin's current config binds to one value each.
+  """The `CONVERSION_HPARAMS` that gin's current config gives its optimizer, one value each.
 
-  Only the configurables its ``OPTIMIZER`` reaches count (all, in a config
-  without one).
+  They are read as gin builds ``%OPTIMIZER`` (`config.optimizer_arguments`):
+  only the configurables it reaches count, each in the scope gin calls it
+  in, so ``OPTIMIZER/optax.adamw.b2`` wins over ``optax.adamw.b2``. In a
+  config without ``OPTIMIZER``, every binding counts.
 
   A binding to a macro (``%LEARNING_RATE``) or to a configurable's call
   (``@optax.linear_schedule()``) is evaluated as gin would evaluate it. A
@@ -107,19 +108,28 @@ def bound_hparams() -> dict[str, Any]:
     {'b2': 0.98}
     >>> gin.clear_config()
   """
-  config = gin.config_str()
-  reached = optimizer_statements(config)
-  bindings = reached.kept if reached is not None else binding_statements(config)
+  if _config.binds_optimizer():
+    arguments = list(_config.optimizer_arguments())
+  else:
+    arguments = [
+      _config.OptimizerArgument(
+        f"{_selector(binding)}.{binding.arg_name}",
+        binding.arg_name,
+        gin.query_parameter(f"{_selector(binding)}.{binding.arg_name}"),
+        tuple(binding.scope.split("/")) if binding.scope else (),
+      )
+      for binding in binding_statements(gin.config_str())
+      if binding.arg_name in CONVERSION_HPARAMS
+    ]
   values: dict[str, dict[Any, Any]] = {}
-  for binding in bindings:
-    name = binding.arg_name
-    if name not in CONVERSION_HPARAMS:
+  for argument in arguments:
+    if argument.name not in CONVERSION_HPARAMS:
       continue
-    value = _bound_value(f"{_selector(binding)}.{name}")
+    value = _conversion_value(argument)
     if isinstance(value, bool | int | float):
-      values.setdefault(name, {})[value] = value
-    elif callable(value) and name == "learning_rate":  # one schedule per reference bound
-      values.setdefault(name, {})[binding.value] = value
+      values.setdefault(argument.name, {})[value] = value
+    elif callable(value) and argument.name == "learning_rate":  # one schedule per reference
+      values.setdefault(argument.name, {})[(argument.scope, repr(argument.value))] = value
   return {
     name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
   }
@@ -129,16 +139,15 @@ def _selector(binding: Any) -> str:
   return f"{binding.scope}/{binding.selector}" if binding.scope else binding.selector
 
 
-def _bound_value(binding_key: str) -> Any:
-  """The value gin binds to `binding_key`, with a macro or ``@configurable()`` evaluated."""
-  value = gin.query_parameter(binding_key)
-  if not isinstance(value, gin.config.ConfigurableReference):
-    return value
-  if not value.evaluate:
+def _conversion_value(argument: _config.OptimizerArgument) -> Any:
+  """`argument`'s value, with a macro or ``@configurable()`` evaluated; None for a
+  reference that is not called, or that cannot be called alone."""
+  value = argument.value
+  if isinstance(value, gin.config.ConfigurableReference) and not value.evaluate:
     return None
   try:
-    return value.scoped_configurable_fn()
-  except (TypeError, ValueError):  # a configurable that cannot be called alone
+    return _config.evaluated_argument(argument)
+  except (TypeError, ValueError):
     return None
 
 

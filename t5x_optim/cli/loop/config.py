@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gin
 import jax
@@ -39,7 +39,9 @@ __all__ = [
   "DEFAULT_CONFIG",
   "GIN_DIR",
   "NONFINITE_ACTIONS",
+  "OptimizerArgument",
   "TrainJob",
+  "binds_optimizer",
   "build_job",
   "check_mesh_pin",
   "data_bindings",
@@ -47,7 +49,9 @@ __all__ = [
   "default_search_paths",
   "describe_optimizer",
   "device_macros",
+  "evaluated_argument",
   "mesh_devices",
+  "optimizer_arguments",
   "optimizer_identity",
   "optimizer_learning_rate",
   "parse_config",
@@ -528,6 +532,22 @@ def learning_rate_source() -> str:
   return "cli.TrainJob.learning_rate, not read from the optimizer" if rate is None else rate[1]
 
 
+class OptimizerArgument(NamedTuple):
+  """One argument gin binds in a configurable that ``%OPTIMIZER`` reaches.
+
+  Attributes:
+    binding: the binding that gives it, e.g. ``OPTIMIZER/optax.adamw.b1``.
+    name: the argument's name, e.g. ``b1``.
+    value: the bound value, a macro or reference unevaluated.
+    scope: the scope gin evaluates `value` in.
+  """
+
+  binding: str
+  name: str
+  value: Any
+  scope: tuple[str, ...]
+
+
 _OPTIMIZER_SCOPE = ("OPTIMIZER",)
 """gin evaluates a macro's value in the macro's scope: ``%OPTIMIZER``'s in ``OPTIMIZER``."""
 
@@ -615,6 +635,58 @@ def optimizer_identity() -> str:
   return text or f"(not a gin reference: {value!r})"
 
 
+def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[OptimizerArgument]:
+  """Each argument gin binds in the configurables ``%OPTIMIZER`` reaches, as gin builds it.
+
+  A configurable is read in the scope gin calls it in: ``OPTIMIZER`` for
+  ``%OPTIMIZER``'s value and what it reaches, a reference's own scope
+  (``@fast/optax.adamw()``) for it, where a scoped binding wins over an
+  unscoped one. Arguments named in `stop` are yielded but not looked into.
+
+  Example:
+    >>> parse_config(gin_bindings=['OPTIMIZER/optax.adamw.b1 = 0.8'])
+    >>> [a.binding for a in optimizer_arguments() if a.name == 'b1']
+    ['OPTIMIZER/optax.adamw.b1']
+  """
+
+  def visit(value: Any, depth: int, scope: Sequence[str]) -> Iterator[OptimizerArgument]:
+    if depth == 0:
+      return
+    if isinstance(value, (list, tuple)):
+      for item in value:
+        yield from visit(item, depth, scope)
+      return
+    if not isinstance(value, gin.config.ConfigurableReference):
+      return
+    scope = _called_in(value, scope)
+    bound = _bound(value, scope)
+    if value.configurable.wrapped is gin.config.macro:
+      yield from visit(bound.get("value"), depth - 1, scope)
+      return
+    for key, argument in bound.items():
+      yield OptimizerArgument(_binding_name(value, scope, key), key, argument, tuple(scope))
+      if key not in stop:
+        yield from visit(argument, depth - 1, scope)
+
+  yield from visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH, _OPTIMIZER_SCOPE)
+
+
+def binds_optimizer() -> bool:
+  """Whether the parsed config binds the macro ``OPTIMIZER``."""
+  try:
+    gin.query_parameter("%OPTIMIZER")
+  except ValueError:
+    return False
+  return True
+
+
+def evaluated_argument(argument: OptimizerArgument) -> Any:
+  """`argument`'s value as gin would pass it: a macro or ``@configurable()`` evaluated
+  in the argument's scope."""
+  with gin.config_scope(list(argument.scope)):
+    return _evaluated(argument.value)
+
+
 def optimizer_learning_rate() -> tuple[Any, str] | None:
   """The learning rate the parsed config binds in the configurables ``%OPTIMIZER`` reaches.
 
@@ -628,37 +700,19 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
     (1e-05, 'optax.adamw.learning_rate = 1e-05')
   """
   found: dict[str, tuple[Any, str]] = {}
-
-  def visit(value: Any, depth: int, scope: Sequence[str]) -> None:
-    if depth == 0:
-      return
-    if isinstance(value, (list, tuple)):
-      for item in value:
-        visit(item, depth, scope)
-      return
-    if not isinstance(value, gin.config.ConfigurableReference):
-      return
-    scope = _called_in(value, scope)
-    bound = _bound(value, scope)
-    if value.configurable.wrapped is gin.config.macro:
-      visit(bound.get("value"), depth - 1, scope)
-      return
-    for key, argument in bound.items():
-      if key in _RATES:
-        with gin.config_scope(scope):
-          rate = _evaluated(argument)
-        if rate is None or isinstance(rate, bool):
-          continue
-        name = _reference_text(argument, depth=0, scope=scope)
-        shown = f"@{name}()" if name else repr(rate)
-        if isinstance(argument, gin.config.ConfigurableReference):
-          if argument.configurable.wrapped is gin.config.macro:
-            shown = f"%{argument.scopes[-1]} = {shown}"
-        found[name or repr(rate)] = (rate, f"{_binding_name(value, scope, key)} = {shown}")
-      else:
-        visit(argument, depth - 1, scope)
-
-  visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH, _OPTIMIZER_SCOPE)
+  for argument in optimizer_arguments(stop=_RATES):
+    if argument.name not in _RATES:
+      continue
+    rate = evaluated_argument(argument)
+    if rate is None or isinstance(rate, bool):
+      continue
+    bound = argument.value
+    name = _reference_text(bound, depth=0, scope=argument.scope)
+    shown = f"@{name}()" if name else repr(rate)
+    if isinstance(bound, gin.config.ConfigurableReference):
+      if bound.configurable.wrapped is gin.config.macro:
+        shown = f"%{bound.scopes[-1]} = {shown}"
+    found[name or repr(rate)] = (rate, f"{argument.binding} = {shown}")
   if len(found) != 1:
     return None
   rate, where = next(iter(found.values()))
