@@ -348,6 +348,19 @@ def test_config_changes_show_a_change_of_every_scope_once():
   ]
 
 
+def test_config_changes_leave_out_an_unscoped_call_of_a_configurable_called_in_a_scope():
+  """An earlier version also called the optimizer unscoped, to describe it: its operative
+  config lists ``optax.adamw`` beside ``OPTIMIZER/optax.adamw``; the run used only the latter."""
+  scoped = "OPTIMIZER/optax.adamw.b1 = 0.8\nOPTIMIZER/optax.adamw.b2 = 0.99\n"
+  old = "optax.adamw.b1 = 0.9\noptax.adamw.b2 = 0.99\nTOTAL_STEPS = 4\n" + scoped
+  assert config_changes(old, scoped + "TOTAL_STEPS = 6\n") == ["TOTAL_STEPS 4 -> 6"]
+  assert config_changes(scoped, old) == ["TOTAL_STEPS (unbound) -> 4"]
+  assert config_changes(old, "optax.adamw.b1 = 0.9\noptax.adamw.b2 = 0.99\nTOTAL_STEPS = 4\n") == [
+    "OPTIMIZER/optax.adamw.b1 0.8 -> (unbound)",
+    "OPTIMIZER/optax.adamw.b2 0.99 -> (unbound)",
+  ]
+
+
 class _Terminal(io.StringIO):
   def isatty(self) -> bool:
     return True

@@ -166,24 +166,34 @@ class _AsText(config_parser.ParserDelegate):
     return _Gin(f"%{macro_name}")
 
 
-def _bindings(text: str) -> dict[str, str]:
-  """``{binding: value}`` of a gin config, parsed without importing anything; a scoped
-  binding keeps its scope (``OPTIMIZER/optax.adamw.b1``)."""
-  out: dict[str, str] = {}
+_Binding = tuple[str, str, str]
+"""A binding's scope, selector and argument name (``''`` for a macro)."""
+
+
+def _bindings(text: str) -> dict[_Binding, str]:
+  """``{(scope, selector, arg): value}`` of a gin config, parsed without importing anything."""
+  out: dict[_Binding, str] = {}
   for statement in config_parser.ConfigParser(text, _AsText()):
     if isinstance(statement, config_parser.BindingStatement):
-      name = "/".join(filter(None, [statement.scope, statement.selector]))
-      key = f"{name}.{statement.arg_name}" if statement.arg_name else name
+      key = (statement.scope or "", statement.selector, statement.arg_name or "")
       out[key] = repr(statement.value)
   return out
 
 
-def config_changes(old_text: str, new_text: str) -> list[str]:
-  """The bindings that differ between two gin configs, as ``name old -> new``.
+def _name(binding: _Binding) -> str:
+  scope, selector, arg = binding
+  name = f"{scope}/{selector}" if scope else selector
+  return f"{name}.{arg}" if arg else name
 
-  gin's operative config writes a value under its unscoped name and again under
-  each scope that calls the configurable; a scoped change equal to its unscoped
-  one is shown once, unscoped.
+
+def config_changes(old_text: str, new_text: str) -> list[str]:
+  """The bindings that differ between two gin operative configs, as ``name old -> new``.
+
+  An operative config lists each configurable once per scope it was called
+  in. A scoped change equal to the unscoped one is shown once, unscoped; the
+  unscoped call of a configurable that one side alone made, where both sides
+  call it in a scope (an earlier version described the optimizer by calling
+  it unscoped), is left out.
 
   Example:
     >>> config_changes('TOTAL_STEPS = 40\\nA = 1', 'TOTAL_STEPS = 60\\nA = 1')
@@ -191,17 +201,25 @@ def config_changes(old_text: str, new_text: str) -> list[str]:
   """
   old, new = _bindings(old_text), _bindings(new_text)
 
-  def change(key: str) -> tuple[str | None, str | None]:
-    return old.get(key), new.get(key)
+  def calls(side: dict[_Binding, str]) -> set[tuple[str, str]]:
+    return {(scope, selector) for scope, selector, arg in side if arg}
 
-  def unscoped(key: str) -> str:
-    return key.rsplit("/", 1)[-1]
+  scoped_on_both = {sel for scope, sel in calls(old) & calls(new) if scope}
+  one_side_only = calls(old) ^ calls(new)
+
+  def shown(binding: _Binding) -> bool:
+    scope, selector, arg = binding
+    change = old.get(binding), new.get(binding)
+    if change[0] == change[1]:
+      return False
+    if scope:
+      return change != (old.get(("", selector, arg)), new.get(("", selector, arg)))
+    return not (arg and ("", selector) in one_side_only and selector in scoped_on_both)
 
   return [
-    f"{key} {old.get(key, '(unbound)')} -> {new.get(key, '(unbound)')}"
-    for key in sorted(set(old) | set(new))
-    if old.get(key) != new.get(key)
-    and (unscoped(key) == key or change(unscoped(key)) != change(key))
+    f"{_name(b)} {old.get(b, '(unbound)')} -> {new.get(b, '(unbound)')}"
+    for b in sorted(set(old) | set(new), key=_name)
+    if shown(b)
   ]
 
 
