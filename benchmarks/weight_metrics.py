@@ -1,6 +1,7 @@
 """Cost of the per-parameter metrics (``metrics_every``) in `t5x-optim train`'s step.
 
-Run: ``python benchmarks/weight_metrics.py [--pairs N] [--data PATH]``.
+Run: ``python benchmarks/weight_metrics.py [--pairs N] [--data PATH] [--gin_file F ...]``
+(``--gin_file optimizers/adamw_8bit.gin``: the state in 8 bits, whose metrics decode it).
 
 Builds the default job (the default model, optimizer and mesh on 8 simulated
 CPU devices, on the text task), then times the jitted train step without the
@@ -35,9 +36,12 @@ def main() -> None:
   parser.add_argument("--pairs", type=int, default=200)
   parser.add_argument("--data", default="hamlet.txt")
   parser.add_argument("--every", type=int, default=50)
+  parser.add_argument("--gin_file", action="append", default=[])
   args = parser.parse_args()
   _config.parse_config(
-    gin_bindings=_config.data_bindings(args.data), macros=_config.device_macros(8)
+    gin_files=args.gin_file,
+    gin_bindings=_config.data_bindings(args.data),
+    macros=_config.device_macros(8),
   )
   setup = _train.prepare(_config.build_job())
   state = setup.create(*setup.init_args)
@@ -54,6 +58,7 @@ def main() -> None:
   cost = with_metrics / base - 1
   tags = len(setup.weight_tags)
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}, {tags} metric tags")
+  print(f"optimizer: {_config.describe_optimizer()}")
   print(f"step without metrics: {base * 1e3:.2f} ms (median of {args.pairs})")
   print(f"step with metrics:    {with_metrics * 1e3:.2f} ms ({cost:+.1%})")
   print(f"at metrics_every={args.every}: {cost / args.every:+.2%} on average")

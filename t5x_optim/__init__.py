@@ -50,6 +50,7 @@ from t5x_optim._low_precision.low_precision import (
   Rank1Quantized4Leaf,
   float32_to_low_precision,
   low_precision,
+  low_precision_sum_squares,
   low_precision_to_float32,
 )
 from t5x_optim._training.train_state import TrainState
@@ -100,6 +101,7 @@ __all__ = [
   "inject_hyperparams",
   "latest_t5x_step",
   "low_precision",
+  "low_precision_sum_squares",
   "low_precision_to_float32",
   "optax_optimizer_factories",
   "optimizers",

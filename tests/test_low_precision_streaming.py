@@ -26,7 +26,12 @@ from optimizer_table import (
   to_numpy,
 )
 
-from t5x_optim import OptaxWrapper, low_precision, low_precision_to_float32
+from t5x_optim import (
+  OptaxWrapper,
+  low_precision,
+  low_precision_sum_squares,
+  low_precision_to_float32,
+)
 from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
@@ -422,3 +427,57 @@ def test_without_the_nonfinite_guard_apply_if_finite_still_refuses_the_step():
   assert not np.asarray(updates["w"]).any()
   for x, y in zip(jax.tree.leaves(after.inner_state), jax.tree.leaves(state.inner_state)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+SUM_SQUARES_SHAPES = {
+  "rows": (96, 40),
+  "prime": (13, 257),
+  "vector": (300,),
+  "one": (1,),
+  "empty": (0, 8),
+  "cube": (12, 8, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_sum_squares_equal_those_of_the_float32_values(mode):
+  """A chunk of 512 values: the (96, 40) and (12, 8, 16) leaves are walked a chunk of rows at
+  a time; the others are decoded whole. The third step's gradient holds a NaN."""
+  tx = low_precision(optax.adam(1e-2), mode, block_size=8, min_size=0)
+  params = {name: jnp.zeros(shape) for name, shape in SUM_SQUARES_SHAPES.items()}
+  state = tx.init(params)
+  keys = iter(jax.random.split(jax.random.key(0), 3 * len(params)))
+  update = jax.jit(lambda grads, state: tx.update(grads, state, params)[1])
+
+  @jax.jit
+  def sums(state):
+    want = jax.tree.map(lambda x: jnp.sum(jnp.square(x)), low_precision_to_float32(state))
+    return low_precision_sum_squares(state, chunk=512), want
+
+  for step in range(3):
+    grads = {k: jax.random.normal(next(keys), p.shape) for k, p in params.items()}
+    if step == 2:
+      grads["rows"] = grads["rows"].at[50, 3].set(jnp.nan)
+    state = update(grads, state)
+    got, want = sums(state)
+    got = jax.tree.leaves_with_path(got)
+    for (path, x), y in zip(got, jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(x, y, rtol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_sum_squares_hold_a_chunk_not_a_float32_copy_of_the_state(mode):
+  """Jitted alone on a (4096, 1024) leaf, in chunks of 2**18 values (1 MiB in float32):
+  a reduction of the decoded state holds its 32 MiB moments in float32."""
+  tx = low_precision(optax.adam(1e-3), mode)
+  params = {"w": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  state = jax.eval_shape(tx.init, params)
+
+  def temporaries(fn) -> int:
+    return jax.jit(fn).lower(state).compile().memory_analysis().temp_size_in_bytes
+
+  def whole(s):
+    return jax.tree.map(lambda x: jnp.sum(jnp.square(x)), low_precision_to_float32(s))
+
+  assert temporaries(whole) >= 2 * 4 * 4096 * 1024
+  assert temporaries(lambda s: low_precision_sum_squares(s, chunk=1 << 18)) <= 2 * 4 << 18

@@ -6,17 +6,20 @@ import collections
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from t5x_optim import optimizers, partitioning
+from t5x_optim import low_precision, low_precision_to_float32, optimizers, partitioning
 from t5x_optim.cli import main
 from t5x_optim.cli.demo.model import TransformerConfig
 from t5x_optim.cli.demo.text import TextTask
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.train import _abstract_batch
+from t5x_optim.cli.loop.weight_metrics import metric_vector
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
@@ -25,11 +28,10 @@ TINY_MODEL = TransformerConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def setup() -> _train.Setup:
+def _prepare(optimizer) -> _train.Setup:
   mesh = partitioning.create_mesh(num_partitions=2)
   job = TrainJob(
-    optimizers.adamw(1e-2),
+    optimizer,
     partitioning.Partitioner(mesh),
     model=TINY_MODEL,
     task=TextTask(path="hamlet.txt", length=8, batch_size=8),
@@ -37,6 +39,15 @@ def setup() -> _train.Setup:
     metrics_every=1,
   )
   return _train.prepare(job)
+
+
+@pytest.fixture(scope="module")
+def setup() -> _train.Setup:
+  return _prepare(optimizers.adamw(1e-2))
+
+
+def _chain(adamw) -> optimizers.OptimizerDef:
+  return optimizers.chain([optax.clip_by_global_norm(1.0), adamw])
 
 
 def _rms(x) -> float:
@@ -106,3 +117,40 @@ def test_metrics_are_written_under_train_every_n_steps(tmp_path, capsys):
   steps = [event.step for event in accumulator.Scalars("weight_update_rms/logits")]
   assert steps == [15, 30]
   assert all(event.value > 0 for event in accumulator.Scalars("weight_rms/logits"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_metrics_of_a_low_precision_state_are_those_of_the_values_it_stores(mode):
+  """Under the float32 state's tags, the RMS of the moments, not of codes and scales."""
+  stored = _prepare(_chain(low_precision(optax.adamw(1e-2), mode, min_size=0)))
+  state = stored.create(*stored.init_args)
+  new_state, metrics = stored.weights_step_fn(state, stored.train_batch(0))
+  values = dict(zip(stored.weight_tags, jax.device_get(metrics["weights"]).tolist(), strict=True))
+  plain = _prepare(_chain(optax.adamw(1e-2)))
+  assert stored.weight_tags == plain.weight_tags
+  moments = low_precision_to_float32(new_state.param_states)[1][0]
+  for name in ("mu", "nu"):
+    for path, leaf in jax.tree.flatten_with_path(getattr(moments, name))[0]:
+      tag = f"optimizer_state_rms/{name}/" + jax.tree_util.keystr(path, simple=True, separator="/")
+      np.testing.assert_allclose(values[tag], _rms(leaf), rtol=1e-5, err_msg=tag)
+
+
+def test_metrics_of_an_8bit_state_hold_no_float32_copy_of_it():
+  """Jitted alone on a (4096, 1024) param: one chunk of 2**20 values in float32 (4 MiB),
+  not Adam's moments whole (32 MiB)."""
+  tx = low_precision(optax.adam(1e-3), "8bit")
+  params = {"w": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  states = (jax.eval_shape(tx.init, params),)
+  compiled = jax.jit(metric_vector).lower(params, params, params, states).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes <= 5 << 20
+
+
+@pytest.mark.slow
+def test_metrics_of_an_8bit_state_gather_nothing():
+  stored = _prepare(_chain(low_precision(optax.adamw(1e-2), "8bit", min_size=0)))
+  plain = _collectives(stored.step_fn, stored)
+  with_metrics = _collectives(stored.weights_step_fn, stored)
+  assert {k: v for k, v in with_metrics.items() if k != "all-reduce"} == {
+    k: v for k, v in plain.items() if k != "all-reduce"
+  }

@@ -159,6 +159,7 @@ __all__ = [
   "leaf_block4",
   "leaf_storage",
   "low_precision",
+  "low_precision_sum_squares",
   "low_precision_to_float32",
   "quantized_mode",
   "rounding_bits",
@@ -177,6 +178,8 @@ _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
 _BY_AXIS = "axis:"
+_SHARD_MULTIPLE = 8
+"""`low_precision`'s default ``shard_multiple``; `low_precision_sum_squares` walks as many stripes."""
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 
 
@@ -1108,7 +1111,7 @@ def low_precision(
   *,
   stochastic_rounding: bool = True,
   block_size: int | None = None,
-  shard_multiple: int = 8,
+  shard_multiple: int = _SHARD_MULTIPLE,
   min_size: int = 4096,
   states: str | None = None,
   seed: int = 0,
@@ -1374,6 +1377,82 @@ def low_precision_to_float32(param_states: Any) -> Any:
     return isinstance(x, LowPrecisionState)
 
   return jax.tree.map(lambda x: _expanded(x) if is_node(x) else x, param_states, is_leaf=is_node)
+
+
+def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any:
+  """The sum of squares of each leaf of `low_precision_to_float32`'s result, in float32.
+
+  Each compressed leaf is decoded at most ``chunk`` values at a time (rows of
+  whole blocks, in stripes along its first dimension's shards, as the
+  streamed update walks it), and one leaf after another: each leaf's sum is
+  computed in a conditional whose predicate reads the previous one's, so the
+  temporaries stay within one chunk in float32 whatever order the compiler's
+  scheduler prefers. ``jnp.sum(jnp.square(...))`` of the decoded state holds
+  it in float32 instead (XLA:CPU decodes a leaf whole before reducing it).
+  Leaves outside a `LowPrecisionState`, and those it keeps, are summed as
+  they are.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = low_precision(optax.sgd(0.1, momentum=0.9), min_size=0)
+    >>> params = {'w': jnp.ones((2, 8))}
+    >>> state = tx.update(params, tx.init(params), params)[1]
+    >>> float(low_precision_sum_squares(state)[0].trace['w'])
+    16.0
+  """
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  def plain(x: Any) -> jax.Array:
+    return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
+
+  def sums(node: Any) -> Any:
+    if not is_node(node):
+      return jax.tree.map(plain, node)
+    leaves, treedef = jax.tree.flatten(node.inner_state, is_leaf=_is_quantized)
+    previous, out = jnp.asarray(node.count), []
+    for leaf, kind in zip(leaves, node.storage, strict=True):
+      if kind not in _CODECS:
+        out.append(plain(leaf))
+        continue
+      total = jax.lax.cond(
+        _after(previous),
+        functools.partial(_streamed_sum_squares, kind, chunk),
+        lambda _: jnp.zeros([], jnp.float32),
+        leaf,
+      )
+      out.append(total)
+      previous = total
+    return treedef.unflatten(out)
+
+  return jax.tree.map(sums, param_states, is_leaf=is_node)
+
+
+def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
+  """The sum of squares of a compressed leaf's values, decoded a chunk of rows at a time."""
+  shape = _CODECS[kind].shape(stored)
+  fields = jax.tree.leaves(stored)
+  rows = [
+    shape[0] // jnp.shape(x)[0]
+    for x in fields
+    if jnp.ndim(x) == len(shape) >= 2 and jnp.shape(x)[0]
+  ]
+  split = _row_split(shape, math.lcm(1, *rows), chunk, _SHARD_MULTIPLE)
+  if split is None:
+    return jnp.sum(jnp.square(_decode(kind, stored)))
+
+  def cut(x: jax.Array, b: jax.Array) -> jax.Array:
+    if jnp.ndim(x) < len(shape):
+      return x
+    return _chunk(x, split, shape[0] // jnp.shape(x)[0], b)
+
+  def body(total: jax.Array, b: jax.Array) -> tuple[jax.Array, None]:
+    part = jax.tree.map(functools.partial(cut, b=b), stored)
+    return total + jnp.sum(jnp.square(_decode(kind, part))), None
+
+  chunks = jnp.arange(split[1], dtype=jnp.int32)
+  return jax.lax.scan(body, jnp.zeros([], jnp.float32), chunks)[0]
 
 
 def _expanded(state: LowPrecisionState) -> Any:

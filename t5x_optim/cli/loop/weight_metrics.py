@@ -8,12 +8,19 @@ leaf, named by its path:
 - ``weight_update_rms/<param>``: RMS of the step's change of the parameter,
 - ``optimizer_state_rms/<state leaf>``: RMS of each optimizer-state leaf
   (Adam's ``mu`` and ``nu``, Adafactor's ``v_row`` and ``v_col``, ...),
-  scalars such as step counts left out.
+  scalars such as step counts left out. A `low_precision` state counts as the
+  float32 values it stores (`low_precision_to_float32`), under the tags of
+  the wrapped optimizer's own state: the RMS of Adam's ``mu``, not of its
+  8-bit codes and block scales, so a float32 and an 8-bit run chart alike.
 
 Called inside the jitted train step with the shardings, every device sums
 the squares of its own shards and one all-reduce of a vector (one entry per
 tag) combines them, so no array is gathered to one device and the metrics
-cost one collective, not one per tag.
+cost one collective, not one per tag. A low-precision state's leaves are
+decoded a chunk of rows at a time, one leaf after another
+(`low_precision_sum_squares`), so no float32 copy of them is held; their
+sums take the compiler's own collectives (codes and scales are laid out
+apart).
 
 Example:
   >>> import jax.numpy as jnp
@@ -27,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -34,7 +42,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5x_optim import LowPrecisionState, low_precision_sum_squares, low_precision_to_float32
+
 __all__ = ["metric_tags", "metric_vector", "weight_metrics"]
+
+
+def _kept(leaf: Any) -> bool:
+  """Whether `leaf` has a metric: a non-scalar, non-empty array."""
+  return hasattr(leaf, "shape") and len(leaf.shape) > 0 and math.prod(leaf.shape) > 0
 
 
 def _leaves(tree: Any, shardings: Any) -> list[tuple[tuple[str, ...], jax.Array, Any]]:
@@ -46,8 +61,15 @@ def _leaves(tree: Any, shardings: Any) -> list[tuple[tuple[str, ...], jax.Array,
   return [
     (tuple(jax.tree_util.keystr((key,), simple=True) for key in path), leaf, spec)
     for (path, leaf), spec in zip(leaves, specs, strict=True)
-    if hasattr(leaf, "shape") and leaf.ndim > 0 and leaf.size > 0
+    if _kept(leaf)
   ]
+
+
+def _holds_low_precision(param_states: Any) -> bool:
+  def is_node(x: Any) -> bool:
+    return isinstance(x, LowPrecisionState)
+
+  return any(is_node(x) for x in jax.tree.leaves(param_states, is_leaf=is_node))
 
 
 def _names(paths: list[tuple[str, ...]]) -> list[str]:
@@ -121,6 +143,8 @@ def metric_tags(params: Any, param_states: Any) -> list[str]:
     ['weight_rms/w', 'weight_gradient_rms/w', 'weight_update_rms/w', 'optimizer_state_rms/mu/w']
   """
   entries = _leaves(params, None)
+  if _holds_low_precision(param_states):
+    param_states = jax.eval_shape(low_precision_to_float32, param_states)
   return _tags([entries, entries, entries, _leaves(param_states, None)])
 
 
@@ -160,18 +184,41 @@ def metric_vector(
     *[((leaf,), sharding) for _, leaf, sharding in news],
     *[((leaf,), sharding) for _, leaf, sharding in _leaves(grads, param_shardings)],
     *[((leaf, old), sharding) for (_, leaf, sharding), old in zip(news, olds, strict=True)],
-    *[((leaf,), sharding) for _, leaf, sharding in _leaves(param_states, state_shardings)],
   ]
-  if not entries:
+  sizes = [term[0].size for term, _ in entries]
+  if _holds_low_precision(param_states):
+    state_totals, state_sizes = _low_precision_totals(param_states)
+    sizes += state_sizes
+  else:
+    state = _leaves(param_states, state_shardings)
+    entries += [((leaf,), sharding) for _, leaf, sharding in state]
+    sizes += [leaf.size for _, leaf, _ in state]
+    state_totals = []
+  if not sizes:
     return jnp.zeros([0], jnp.float32)
+  totals = [*_totals(entries), *state_totals]
+  return jnp.sqrt(jnp.stack(totals) / jnp.asarray(sizes, jnp.float32))
+
+
+def _low_precision_totals(param_states: Any) -> tuple[list[jax.Array], list[int]]:
+  """The sums of squares of a low-precision state's float32 values, a chunk at a time
+  (`low_precision_sum_squares`), and their sizes, for its leaves that have a metric."""
+  shapes = jax.tree.leaves(jax.eval_shape(low_precision_to_float32, param_states))
+  sums = jax.tree.leaves(low_precision_sum_squares(param_states))
+  kept = [(total, shape) for total, shape in zip(sums, shapes, strict=True) if _kept(shape)]
+  return [total for total, _ in kept], [math.prod(shape.shape) for _, shape in kept]
+
+
+def _totals(entries: list[tuple[tuple[jax.Array, ...], Any]]) -> list[jax.Array]:
+  """Each entry's sum of squares: with one all-reduce when every entry has a
+  `NamedSharding` on one mesh (`_sharded_sum_squares`), else a reduction each."""
+  if not entries:
+    return []
   terms = [term for term, _ in entries]
   shardings = [sharding for _, sharding in entries]
-  sizes = jnp.asarray([term[0].size for term in terms], jnp.float32)
   if all(isinstance(s, NamedSharding) for s in shardings) and len({s.mesh for s in shardings}) == 1:
-    totals = _sharded_sum_squares(terms, shardings)
-  else:
-    totals = jnp.stack([_sum_squares_of(term) for term in terms])
-  return jnp.sqrt(totals / sizes)
+    return list(_sharded_sum_squares(terms, shardings))
+  return [_sum_squares_of(term) for term in terms]
 
 
 def weight_metrics(
