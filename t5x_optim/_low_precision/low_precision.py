@@ -1410,23 +1410,35 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
   def sums(node: Any) -> Any:
     if not is_node(node):
       return jax.tree.map(plain, node)
-    leaves, treedef = jax.tree.flatten(node.inner_state, is_leaf=_is_quantized)
-    previous, out = jnp.asarray(node.count), []
-    for leaf, kind in zip(leaves, node.storage, strict=True):
-      if kind not in _CODECS:
-        out.append(plain(leaf))
-        continue
-      total = jax.lax.cond(
-        _after(previous),
-        functools.partial(_streamed_sum_squares, kind, chunk),
-        lambda _: jnp.zeros([], jnp.float32),
-        leaf,
-      )
-      out.append(total)
-      previous = total
-    return treedef.unflatten(out)
+    treedef = jax.tree.structure(node.inner_state, is_leaf=_is_quantized)
+    mesh = explicit_mesh(node)
+    if mesh is None:
+      return treedef.unflatten(_leaf_sum_squares(node, chunk))
+    # Explicit axes refuse a decoder that reads codes and scales laid out apart.
+    replicated = [NamedSharding(mesh, PartitionSpec())] * treedef.num_leaves
+    call = functools.partial(_leaf_sum_squares, chunk=chunk)
+    return treedef.unflatten(auto_axes_call(call, replicated, node))
 
   return jax.tree.map(sums, param_states, is_leaf=is_node)
+
+
+def _leaf_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
+  """`low_precision_sum_squares` of one state: a float32 scalar per inner leaf."""
+  leaves = jax.tree.leaves(state.inner_state, is_leaf=_is_quantized)
+  previous, out = jnp.asarray(state.count), []
+  for leaf, kind in zip(leaves, state.storage, strict=True):
+    if kind not in _CODECS:
+      out.append(jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32))))
+      continue
+    total = jax.lax.cond(
+      _after(previous),
+      functools.partial(_streamed_sum_squares, kind, chunk),
+      lambda _: jnp.zeros([], jnp.float32),
+      leaf,
+    )
+    out.append(total)
+    previous = total
+  return out
 
 
 def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
