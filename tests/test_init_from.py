@@ -126,6 +126,11 @@ def test_bound_hparams_are_those_gin_builds_the_optimizer_with():
     macros=_config.device_macros(8),
   )
   assert _init_from.bound_hparams()["b1"] == 0.5
+  _config.parse_config(  # One macro, called from two scopes: one schedule.
+    gin_bindings=["optimizers.chain.transformations = [@a/optax.adamw(), @b/optax.adamw()]"],
+    macros=_config.device_macros(8),
+  )
+  assert callable(_init_from.bound_hparams()["learning_rate"])
 
 
 T5X_CONFIG = pathlib.Path(__file__).parent / "data" / "t5x_config" / "config.gin"

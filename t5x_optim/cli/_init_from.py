@@ -129,7 +129,7 @@ def bound_hparams() -> dict[str, Any]:
     if isinstance(value, bool | int | float):
       values.setdefault(argument.name, {})[value] = value
     elif callable(value) and argument.name == "learning_rate":  # one schedule per reference
-      values.setdefault(argument.name, {})[(argument.scope, repr(argument.value))] = value
+      values.setdefault(argument.name, {})[_evaluated_as(argument)] = value
   return {
     name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
   }
@@ -137,6 +137,13 @@ def bound_hparams() -> dict[str, Any]:
 
 def _selector(binding: Any) -> str:
   return f"{binding.scope}/{binding.selector}" if binding.scope else binding.selector
+
+
+def _evaluated_as(argument: _config.OptimizerArgument) -> tuple[tuple[str, ...], str]:
+  """The scope `argument`'s reference is called in (its own, as a macro's, or its
+  configurable's) and the reference: one schedule per pair."""
+  own = tuple(getattr(argument.value, "scopes", ()))
+  return own or argument.scope, repr(argument.value)
 
 
 def _conversion_value(argument: _config.OptimizerArgument) -> Any:

@@ -187,13 +187,14 @@ def _name(binding: _Binding) -> str:
 
 
 def config_changes(old_text: str, new_text: str) -> list[str]:
-  """The bindings that differ between two gin operative configs, as ``name old -> new``.
+  """The bindings that differ between two gin configs, as ``name old -> new``.
 
   An operative config lists each configurable once per scope it was called
   in. A scoped change equal to the unscoped one is shown once, unscoped; the
-  unscoped call of a configurable that one side alone made, where both sides
-  call it in a scope (an earlier version described the optimizer by calling
-  it unscoped), is left out.
+  arguments of an unscoped call that one side alone made, of a configurable
+  both sides call in a scope, are left out (the runs used the scoped call;
+  operative configs of t5x-optim before 2026-11-29 also list the optimizer
+  unscoped, from its description).
 
   Example:
     >>> config_changes('TOTAL_STEPS = 40\\nA = 1', 'TOTAL_STEPS = 60\\nA = 1')
