@@ -1413,16 +1413,16 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
     treedef = jax.tree.structure(node.inner_state, is_leaf=_is_quantized)
     mesh = explicit_mesh(node)
     if mesh is None:
-      return treedef.unflatten(_leaf_sum_squares(node, chunk))
+      return treedef.unflatten(_state_sum_squares(node, chunk))
     # Explicit axes refuse a decoder that reads codes and scales laid out apart.
     replicated = [NamedSharding(mesh, PartitionSpec())] * treedef.num_leaves
-    call = functools.partial(_leaf_sum_squares, chunk=chunk)
+    call = functools.partial(_state_sum_squares, chunk=chunk)
     return treedef.unflatten(auto_axes_call(call, replicated, node))
 
   return jax.tree.map(sums, param_states, is_leaf=is_node)
 
 
-def _leaf_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
+def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
   """`low_precision_sum_squares` of one state: a float32 scalar per inner leaf."""
   leaves = jax.tree.leaves(state.inner_state, is_leaf=_is_quantized)
   previous, out = jnp.asarray(state.count), []
@@ -1444,13 +1444,8 @@ def _leaf_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
 def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
   """The sum of squares of a compressed leaf's values, decoded a chunk of rows at a time."""
   shape = _CODECS[kind].shape(stored)
-  fields = jax.tree.leaves(stored)
-  rows = [
-    shape[0] // jnp.shape(x)[0]
-    for x in fields
-    if jnp.ndim(x) == len(shape) >= 2 and jnp.shape(x)[0]
-  ]
-  split = _row_split(shape, math.lcm(1, *rows), chunk, _SHARD_MULTIPLE)
+  rows = _block_rows(jax.ShapeDtypeStruct(shape, jnp.float32), [stored])
+  split = _row_split(shape, rows, chunk, _SHARD_MULTIPLE)
   if split is None:
     return jnp.sum(jnp.square(_decode(kind, stored)))
 
