@@ -178,9 +178,9 @@ _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
 _BY_AXIS = "axis:"
+"""The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 _SHARD_MULTIPLE = 8
 """`low_precision`'s default ``shard_multiple``; `low_precision_sum_squares` walks as many stripes."""
-"""The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 
 
 @struct.dataclass
@@ -834,6 +834,14 @@ def _chunk(x: jax.Array, split: tuple[int, int, int], rows: int, b: jax.Array) -
   return jax.lax.dynamic_index_in_dim(x, b, axis=1, keepdims=False).reshape(-1, *tail)
 
 
+def _chunk_field(x: Any, split: tuple[int, int, int], shape: tuple[int, ...], b: jax.Array) -> Any:
+  """Chunk ``b`` of `_row_split` of an array of a leaf of ``shape`` (the leaf itself or
+  a stored field of it); one with fewer dimensions than the leaf (or None) whole."""
+  if x is None or jnp.ndim(x) < len(shape):
+    return x
+  return _chunk(x, split, shape[0] // jnp.shape(x)[0], b)
+
+
 def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, split: Any) -> Any:
   """``fn(p, g, leaves, *rest)`` (block statistics), computed one chunk of rows at a time.
 
@@ -844,14 +852,9 @@ def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, spli
   if split is None:
     return fn(p, g, leaves, *rest)
   stripes, chunks, chunk_rows = split
-  leaf_rows = jnp.shape(g)[0]
 
   def of(b: jax.Array) -> tuple:
-    def cut(x: Any) -> Any:
-      if x is None or jnp.ndim(x) < jnp.ndim(g):
-        return x
-      return _chunk(x, split, leaf_rows // jnp.shape(x)[0], b)
-
+    cut = functools.partial(_chunk_field, split=split, shape=jnp.shape(g), b=b)
     return cut(p), cut(g), jax.tree.map(cut, leaves)
 
   shapes, tree = jax.tree.flatten(jax.eval_shape(lambda b: fn(*of(b), *rest), jnp.int32(0)))
@@ -1404,12 +1407,9 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
   def is_node(x: Any) -> bool:
     return isinstance(x, LowPrecisionState)
 
-  def plain(x: Any) -> jax.Array:
-    return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
-
   def sums(node: Any) -> Any:
     if not is_node(node):
-      return jax.tree.map(plain, node)
+      return jax.tree.map(_sum_squares, node)
     treedef = jax.tree.structure(node.inner_state, is_leaf=_is_quantized)
     mesh = explicit_mesh(node)
     if mesh is None:
@@ -1428,7 +1428,7 @@ def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
   previous, out = jnp.asarray(state.count), []
   for leaf, kind in zip(leaves, state.storage, strict=True):
     if kind not in _CODECS:
-      out.append(jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32))))
+      out.append(_sum_squares(leaf))
       continue
     total = jax.lax.cond(
       _after(previous),
@@ -1441,22 +1441,21 @@ def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
   return out
 
 
+def _sum_squares(x: Any) -> jax.Array:
+  return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
+
+
 def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
   """The sum of squares of a compressed leaf's values, decoded a chunk of rows at a time."""
   shape = _CODECS[kind].shape(stored)
   rows = _block_rows(jax.ShapeDtypeStruct(shape, jnp.float32), [stored])
   split = _row_split(shape, rows, chunk, _SHARD_MULTIPLE)
   if split is None:
-    return jnp.sum(jnp.square(_decode(kind, stored)))
-
-  def cut(x: jax.Array, b: jax.Array) -> jax.Array:
-    if jnp.ndim(x) < len(shape):
-      return x
-    return _chunk(x, split, shape[0] // jnp.shape(x)[0], b)
+    return _sum_squares(_decode(kind, stored))
 
   def body(total: jax.Array, b: jax.Array) -> tuple[jax.Array, None]:
-    part = jax.tree.map(functools.partial(cut, b=b), stored)
-    return total + jnp.sum(jnp.square(_decode(kind, part))), None
+    cut = functools.partial(_chunk_field, split=split, shape=shape, b=b)
+    return total + _sum_squares(_decode(kind, jax.tree.map(cut, stored))), None
 
   chunks = jnp.arange(split[1], dtype=jnp.int32)
   return jax.lax.scan(body, jnp.zeros([], jnp.float32), chunks)[0]
