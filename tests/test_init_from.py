@@ -92,6 +92,39 @@ def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
   assert "initialised (0):" in out, out
 
 
+@pytest.mark.slow
+def test_init_from_lookahead_into_muon_and_back(tmp_path, capsys):
+  """Lookahead checkpoints two copies of the params, and Muon's state follows the params'
+  logical axes (the embeddings run Adam): both were refused as not fitting the optimizer
+  built from the source's config. The new run takes the slow copy and says so."""
+  lookahead = [*TINY, "--gin_file", "optimizers/lookahead.gin"]
+  muon = [*TINY, "--gin_file", "optimizers/muon.gin"]
+  dirs = [str(tmp_path / name) for name in ("lookahead", "muon", "back")]
+  assert (
+    main(["train", *lookahead, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", dirs[0]]) == 0
+  )
+  capsys.readouterr()
+  flags = ["--gin_bindings", "TOTAL_STEPS = 3", "--init_from", dirs[0], "--model_dir", dirs[1]]
+  assert main(["train", *muon, *flags]) == 0
+  out = capsys.readouterr().out
+  assert f"init_from:       {dirs[0]} at step 2" in out, out
+  assert re.search(
+    r"inner_states/muon/inner_state/0 \(MuonState\)\.mu: \d+ params, from fast_state/0", out
+  ), out
+  assert (
+    "  dropped (1):\n    target/fast (optax.LookaheadParams.fast): the new optimizer trains one "
+    "copy of the params, the slow one (lookahead's params for evaluation)\n"
+  ) in out, out
+  flags = ["--gin_bindings", "TOTAL_STEPS = 4", "--init_from", dirs[1], "--model_dir", dirs[2]]
+  assert main(["train", *lookahead, *flags]) == 0
+  out = capsys.readouterr().out
+  assert f"init_from:       {dirs[1]} at step 3" in out, out
+  assert re.search(
+    r"fast_state/0 \(ScaleByAdamState\)\.nu: \d+ params, from inner_states/adam/", out
+  ), out
+  assert "fast_state/0 (ScaleByAdamState).mu (carried only with nu):" in out, out
+
+
 def test_bound_hparams_evaluate_macros_and_schedules():
   """adafactor.gin binds learning_rate = %LEARNING_RATE = @optax.linear_schedule().
 

@@ -264,6 +264,18 @@ def test_lookahead_with_lookahead_params(mesh):
   )
 
 
+def test_lookahead_specs_are_derived_without_optaxs_warning(caplog):
+  """The derivation's probe is a dict of params: given to lookahead's init, optax warned
+  (`params` has no attribute `fast`) at every start of a lookahead run."""
+  params = optax.LookaheadParams.init_synced({"a": jnp.ones((4, 8)), "b": jnp.ones((4, 8))})
+  axes = optax.LookaheadParams.init_synced({"a": P("embed", "mlp"), "b": P("embed", "mlp")})
+  opt_def = OptaxWrapper(optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5))
+  with caplog.at_level("WARNING"):
+    specs = opt_def.derive_logical_axes(opt_def.create(params), axes).state.param_states
+  assert not caplog.records, [r.getMessage() for r in caplog.records]
+  assert specs.fast_state[0].mu == axes.fast
+
+
 # ---------------------------------------------------------------------------
 # Exact spec trees.
 

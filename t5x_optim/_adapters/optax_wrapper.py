@@ -28,6 +28,7 @@ __all__ = [
   "chain",
   "inject_hyperparams",
   "takes_param_axes",
+  "trains_lookahead_params",
 ]
 
 _LEARNING_RATE = "learning_rate"
@@ -115,6 +116,17 @@ class AxesAwareTransformation(optax.GradientTransformationExtraArgs):
 def takes_param_axes(tx: Any) -> bool:
   """Whether ``tx`` is an `AxesAwareTransformation`."""
   return isinstance(tx, AxesAwareTransformation) and hasattr(tx, "_build")
+
+
+def trains_lookahead_params(optimizer_def: Any) -> bool:
+  """Whether ``optimizer_def`` wraps ``optax.lookahead``, which trains `optax.LookaheadParams`.
+
+  Example:
+    >>> trains_lookahead_params(OptaxWrapper(optax.lookahead(optax.sgd(0.1), 2, 0.5)))
+    True
+  """
+  init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
+  return getattr(init, "__qualname__", "").startswith("lookahead.")
 
 
 @struct.dataclass

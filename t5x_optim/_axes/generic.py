@@ -13,12 +13,14 @@ Tracing ``init`` costs about 0.2 ms per param leaf. To keep large trees cheap,
 param tree and accepted only if it reproduces the real state's structure and
 every leaf's shape; otherwise (a transformation that looks at tree paths, a
 mask or label tree, a wrapper expecting a particular params container) the
-full tree is traced.
+full tree is traced. The probe is a dict, so params in another container
+(``optax.LookaheadParams``, whose ``init`` warns on anything else) are traced
+whole from the start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -147,7 +149,7 @@ def derive_generic(
   leaf_classes = [_leaf_class(p, s) for p, s in zip(param_leaves, param_specs)]
   index: dict[tuple[Any, ...], int] = {}
   class_of = [index.setdefault(c, len(index)) for c in leaf_classes]
-  if len(index) < len(class_of):
+  if len(index) < len(class_of) and isinstance(params_def.unflatten(class_of), Mapping):
     found = _probe_specs(
       transformation, list(index), class_of, params_def, mesh, state_def, state_shapes
     )

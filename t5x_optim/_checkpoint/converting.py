@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import optax
 from flax import traverse_util
 
+from t5x_optim._adapters.optax_wrapper import trains_lookahead_params
 from t5x_optim._checkpoint import store as _checkpoints
 from t5x_optim._checkpoint import t5x_read as _t5x
 from t5x_optim._convert import convert as _convert
@@ -58,6 +60,29 @@ def _optimizer(state: State) -> Optimizer:
 
 def _with_optimizer(state: State, optimizer: Optimizer) -> State:
   return state.replace(_optimizer=optimizer) if isinstance(state, TrainState) else optimizer
+
+
+def _source_state(source_def: OptimizerDef, target: State) -> State:
+  """An abstract state of `source_def` over `target`'s params, as its checkpoint holds them.
+
+  Lookahead trains two copies of the params (`optax.LookaheadParams`), every
+  other optimizer one. A definition that places its params by their logical
+  axes (``set_param_axes``: Muon's) gets the target's axes, as
+  `TrainState.create` gives them.
+  """
+  params = _optimizer(target).target
+  axes = target.param_axis_leaves if isinstance(target, TrainState) else None
+  two = isinstance(params, optax.LookaheadParams)
+  if two and not trains_lookahead_params(source_def):
+    params, axes = params.fast, None if axes is None else axes[: len(axes) // 2]
+  elif not two and trains_lookahead_params(source_def):
+    params, axes = optax.LookaheadParams.init_synced(params), None if axes is None else axes * 2
+  if axes is not None and hasattr(source_def, "set_param_axes"):
+    source_def.set_param_axes(jax.tree.structure(params).unflatten(axes))
+  old = jax.eval_shape(source_def.create, params)
+  if isinstance(target, TrainState):
+    return target.replace(_optimizer=old, param_axis_leaves=axes)
+  return old
 
 
 def restore_converted(
@@ -133,8 +158,7 @@ def restore_converted(
       )
     return restored, report
   if isinstance(source, OptimizerDef) or not isinstance(source, TrainState | Optimizer):
-    old = jax.eval_shape(source.create, _optimizer(target).target)
-    source = _with_optimizer(target, old)
+    source = _source_state(source, target)
   if t5x:
     old_state = _t5x.restore_t5x_checkpoint(path, source, step=step)
   else:

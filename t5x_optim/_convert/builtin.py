@@ -130,12 +130,20 @@ def _read_adam(state: Any, ctx: ConversionContext) -> dict[str, Any]:
 
 
 def _write_adam(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
-  """mu_stored = mu (1 - b1^t), nu_stored = nu (1 - b2^t): Adam's bias correction undoes it."""
+  """mu_stored = mu (1 - b1^t), nu_stored = nu (1 - b2^t): Adam's bias correction undoes it.
+
+  Adam divides mu by the square root of nu, so a param's mu is written only
+  with its nu: beside a fresh nu, the next update would divide a converted mu
+  by one squared gradient's share of nu, up to thousands of times the
+  learning rate where that gradient is small (Lion's or SGD's momentum into
+  Adam). Such a param starts both moments fresh; the count is the source's
+  where some param has a nu, else 0 (a fresh Adam).
+  """
   b1, b2 = ctx.hparam("b1", 0.9), ctx.hparam("b2", 0.999)
-  count = moments.count(template.mu, template.count)
+  count = moments.count(template.mu, template.count, (NU,))
   return template._replace(
     count=count,
-    mu=moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b1, count)),
+    mu=moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b1, count), needs=(NU,)),
     nu=moments.fill(template.nu, NU, lambda v, leaf, p: v * _decay(b2, count)),
   )
 
@@ -168,19 +176,44 @@ _read_lion, _write_lion = _ema_momentum("b2", 0.99)
 _read_muon, _write_muon = _ema_momentum("beta", 0.95)
 
 
+def _scaled_trace(ctx: ConversionContext) -> str | None:
+  """Why a ``TraceState`` is not a momentum of the gradients, or None when it is one.
+
+  SGD's trace comes first in its chain (clipping or weight decay before it
+  keep no state). After a transformation with a state, it sums updates
+  already scaled: RMSProp's momentum follows its second moment and learning
+  rate, LARS's its trust ratio.
+  """
+  before = next((s for s in ctx.chain if not isinstance(s, optax.EmptyState)), None)
+  if before is None:
+    return None
+  return f"a momentum of updates scaled by the {type(before).__name__} before it, not of gradients"
+
+
 def _read_trace(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   """mu = trace (1 - m) / (1 - m^t): the trace is a sum of decayed gradients, not an average.
 
   ``t`` is the trace's clock (it has no count of its own); at ``t = 0`` it
-  holds no gradient and mu is 0.
+  holds no gradient and mu is 0. A trace after a stateful transformation in
+  its chain (`_scaled_trace`) is not read.
   """
+  why = _scaled_trace(ctx)
+  if why is not None:
+    return {"unread": why}
   m = ctx.hparam("momentum", 0.9)
   corrected = _corrected(m, ctx.step)
   return {MU: jax.tree.map(lambda x: corrected(x * (1.0 - m)), state.trace)}
 
 
 def _write_trace(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
-  """trace = mu (1 - m^t) / (1 - m), over the trace's clock ``t``."""
+  """trace = mu (1 - m^t) / (1 - m), over the trace's clock ``t``.
+
+  A trace after a stateful transformation in its chain (`_scaled_trace`)
+  starts fresh.
+  """
+  why = _scaled_trace(ctx)
+  if why is not None:
+    return template._replace(trace=moments.keep(template.trace, f"trace ({why})"))
   m = ctx.hparam("momentum", 0.9)
   scale = _decay(m, ctx.step) / (1.0 - m)
   return template._replace(trace=moments.fill(template.trace, MU, lambda v, leaf, p: v * scale))
@@ -420,15 +453,17 @@ def _write_adan(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
   """m = mu (1 - b1^t), n = nu (1 - b3^t), g (the previous gradient) = mu.
 
   v, Adan's average of gradient differences, keeps its initial zero: the
-  expected difference of two gradients from a steady distribution.
+  expected difference of two gradients from a steady distribution. Adan
+  divides by the square root of n, so m and g are written only with n (see
+  `_write_adam`).
   """
   b1, b3 = ctx.hparam("b1", 0.98), ctx.hparam("b3", 0.99)
-  t = moments.count(template.m, template.t)
+  t = moments.count(template.m, template.t, (NU,))
   return template._replace(
     t=t,
-    m=moments.fill(template.m, MU, lambda v, leaf, p: v * _decay(b1, t), field="m"),
+    m=moments.fill(template.m, MU, lambda v, leaf, p: v * _decay(b1, t), field="m", needs=(NU,)),
     n=moments.fill(template.n, NU, lambda v, leaf, p: v * _decay(b3, t), field="n"),
-    g=moments.fill(template.g, MU, lambda v, leaf, p: v, field="g"),
+    g=moments.fill(template.g, MU, lambda v, leaf, p: v, field="g", needs=(NU,)),
   )
 
 

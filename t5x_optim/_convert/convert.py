@@ -484,6 +484,24 @@ def _source_parts(
   return params, jnp.asarray(state["step"]).astype(jnp.int32), states
 
 
+def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
+  """`params` with as many copies as `like` holds, and a report line for a copy left behind.
+
+  ``optax.lookahead`` trains two copies (`optax.LookaheadParams`), every other
+  optimizer one: a lookahead source gives its slow copy (the one lookahead
+  evaluates), a lookahead target starts with both copies at the source's params.
+  """
+  two, wanted = isinstance(params, optax.LookaheadParams), isinstance(like, optax.LookaheadParams)
+  if two and not wanted:
+    return params.slow, (
+      "target/fast (optax.LookaheadParams.fast): the new optimizer trains one copy of the "
+      "params, the slow one (lookahead's params for evaluation)",
+    )
+  if wanted and not two:
+    return optax.LookaheadParams.init_synced(params), ()
+  return params, ()
+
+
 def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
   """The definition's initial state for `params`, placed in `like`'s shardings if it has them."""
   leaves, treedef = jax.tree.flatten(like)
@@ -562,6 +580,10 @@ def convert_state(
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
     the target's dtypes and shardings) and step, and a `ConversionReport`.
+    Between ``optax.lookahead`` (two copies of the params,
+    `optax.LookaheadParams`) and another optimizer (an `Optimizer` target),
+    the params are the slow copy (the report's ``dropped`` names the fast
+    one), or both copies are the source's params.
 
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
@@ -588,17 +610,21 @@ def convert_state(
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
   params, step, param_states = _source_parts(source, source_def)
   step = jnp.asarray(step).astype(jnp.int32)
+  copies = ()
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
+    params, copies = _copies_like(params, like_params)
     params = jax.tree.map(_placed, params, like_params)
   else:
     optimizer_def, like_state = target, None
   template = _fresh_state(optimizer_def, params, like_state)
+  trained = params.fast if isinstance(params, optax.LookaheadParams) else params
   flat_params = {
     "/".join(map(str, path)): leaf
-    for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(params)).items()
+    for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(trained)).items()
   }
   source_stats = _read_source(param_states, step, flat_params, dict(source_hparams or {}))
+  source_stats.dropped.extend(copies)
   written, report = _write_target(
     template.param_states, source_stats, step, flat_params, dict(target_hparams or {}), missing
   )

@@ -133,16 +133,21 @@ class Moments:
       fn: the formula; ``value`` is the param's moment, ``leaf`` the
         template's leaf. The result is cast to the leaf's dtype.
       field: the node's field name, for the report (defaults to `quantity`).
-      needs: other quantities the formula reads (with `value`); a param
-        without all of them keeps its leaf, as one without `quantity` does.
+      needs: other quantities the leaf is written only with (its formula
+        reads them, or the update pairs them: Adam divides ``mu`` by the
+        square root of ``nu``); a param without all of them keeps its leaf,
+        as one without `quantity` does, reported as carried only with them.
       param: for a ``per_param`` node: `tree` is one array, this param's.
     """
 
     def one(param: str, leaf: Any) -> Any:
       value = self.value(param, quantity)
-      found = value is not None and all(self.value(param, q) is not None for q in needs)
-      self._record(field or quantity, param, found)
-      if not found:
+      lacking = [q for q in needs if self.value(param, q) is None]
+      name = field or quantity
+      if value is not None and lacking:
+        name = f"{name} (carried only with {', '.join(needs)})"
+      self._record(name, param, value is not None and not lacking)
+      if value is None or lacking:
         return leaf
       return jnp.asarray(fn(value, leaf, param), dtype=leaf.dtype)
 
