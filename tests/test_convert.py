@@ -143,6 +143,19 @@ KINDS = [
     mu_needs_nu=True,
   ),
   Kind(
+    "adamax",
+    lambda: optax.adamax(1e-3),
+    frozenset({"mu", "nu"}),
+    # Adam's state type; nu is a running maximum of |g|, read as sqrt(E[g^2]).
+    lambda mu, nu, t: (
+      optax.ScaleByAdamState(
+        jnp.int32(t), _scaled(mu, _decay(0.9, t)), jax.tree.map(jnp.sqrt, nu)
+      ),
+      optax.EmptyState(),
+    ),
+    mu_needs_nu=True,
+  ),
+  Kind(
     "lion",
     lambda: optax.lion(1e-3),
     frozenset({"mu"}),
@@ -293,6 +306,36 @@ def test_a_momentum_without_a_second_moment_starts_adams_moments_fresh(source, t
     lambda a, b: jnp.max(jnp.abs(a - b)), new.apply_gradient(grads(keys[30])).target, new.target
   )
   assert max(jax.tree.leaves(moved)) <= 1.5 * LEARNING_RATE, moved
+
+
+@pytest.mark.parametrize("direction", ["into", "from"])
+def test_adamax_state_is_told_from_adams_by_one_update(direction):
+  """Adamax stores Adam's state type, its nu a running maximum of |g|. Read as Adam's E[g^2],
+  adam -> adamax moved params 650 times the learning rate on the next step; adamax -> adam
+  60 times too little. Each side's first step after the conversion stays near its own."""
+  keys = jax.random.split(jax.random.key(1), 52)
+  params = {"w": 0.1 * jax.random.normal(keys[0], (16, 24)), "b": jnp.zeros(24)}
+
+  def grads(key):
+    return jax.tree.map(lambda p: 0.01 * jax.random.normal(key, p.shape) + 0.003, params)
+
+  def trained(tx):
+    opt = OptaxWrapper(tx).create(params)
+    for key in keys[1:51]:
+      opt = opt.apply_gradient(grads(key))
+    return opt
+
+  def largest_step(opt):
+    moved = jax.tree.map(jnp.subtract, opt.apply_gradient(grads(keys[51])).target, opt.target)
+    return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(moved))
+
+  old, new = optax.adam(1e-3), optax.adamax(1e-3)
+  if direction == "from":
+    old, new = new, old
+  converted, report = t5x_optim.convert_state(trained(old), OptaxWrapper(new).create(params))
+  assert any("(AdamaxState)" in line for line in report.converted), report
+  ratio = largest_step(converted) / largest_step(trained(new))
+  assert 0.2 < ratio < 3, ratio
 
 
 def test_a_trace_after_a_stateful_transformation_is_not_a_gradient_momentum():

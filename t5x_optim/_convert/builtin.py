@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,41 @@ def _write_adam(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
     count=count,
     mu=moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b1, count), needs=(NU,)),
     nu=moments.fill(template.nu, NU, lambda v, leaf, p: v * _decay(b2, count)),
+  )
+
+
+class AdamaxState(NamedTuple):
+  """optax's adamax state as the conversion sees it.
+
+  ``scale_by_adamax`` stores a `optax.ScaleByAdamState` whose ``nu`` is a
+  running maximum of ``|g|`` (``max(b2 nu, |g| + eps)``), not Adam's average
+  of ``g^2``; `convert_state` finds such states by one update step and
+  converts them as this type.
+  """
+
+  count: Any
+  mu: Any
+  nu: Any
+
+
+def _read_adamax(state: AdamaxState, ctx: ConversionContext) -> dict[str, Any]:
+  """mu as Adam's; nu = nu_stored^2 (a maximum of |g| has no bias to correct)."""
+  mu = jax.tree.map(_corrected(ctx.hparam("b1", 0.9), state.count), state.mu)
+  return {MU: mu, NU: jax.tree.map(jnp.square, state.nu), "count": state.count}
+
+
+def _write_adamax(template: AdamaxState, moments: Moments, ctx: ConversionContext) -> Any:
+  """mu_stored as Adam's; nu_stored = sqrt(nu); mu only with nu (see `_write_adam`).
+
+  The root mean square is below the maximum the state would hold, so the
+  first updates are at most about ``mu / sqrt(nu)``, Adam's.
+  """
+  b1 = ctx.hparam("b1", 0.9)
+  count = moments.count(template.mu, template.count, (NU,))
+  return template._replace(
+    count=count,
+    mu=moments.fill(template.mu, MU, lambda v, leaf, p: v * _decay(b1, count), needs=(NU,)),
+    nu=moments.fill(template.nu, NU, lambda v, leaf, p: jnp.sqrt(v)),
   )
 
 
@@ -485,6 +520,7 @@ def _write_amsgrad(template: Any, moments: Moments, ctx: ConversionContext) -> A
 def _builtin() -> None:
   adam = {"read": _read_adam, "write": _write_adam}
   register_state_converter(optax.ScaleByAdamState, **adam)
+  register_state_converter(AdamaxState, read=_read_adamax, write=_write_adamax)
   register_state_converter(optax.ScaleByLionState, read=_read_lion, write=_write_lion)
   register_state_converter(optax.TraceState, read=_read_trace, write=_write_trace)
   register_state_converter(optax.contrib.MuonState, read=_read_muon, write=_write_muon)

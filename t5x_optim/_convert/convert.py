@@ -44,7 +44,7 @@ An 8-bit or 4-bit leaf anywhere else cannot be decoded and is refused, with its 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -54,6 +54,7 @@ import optax
 from flax import serialization, traverse_util
 
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
+from t5x_optim._convert.builtin import AdamaxState
 from t5x_optim._convert.registry import (
   MU,
   NU,
@@ -210,7 +211,11 @@ class _Source:
 
 
 def _read_source(
-  param_states: Any, step: Any, params: Mapping[str, Any], hparams: Mapping[str, Any]
+  param_states: Any,
+  step: Any,
+  params: Mapping[str, Any],
+  hparams: Mapping[str, Any],
+  adamax: frozenset[tuple[str, ...]],
 ) -> _Source:
   source = _Source()
   converters = registered_converters()
@@ -222,6 +227,8 @@ def _read_source(
       inner = low_precision_to_float32(node)
       visit(inner, (*path, "inner_state"), hparams, chain, node.count)
       return
+    if path in adamax:
+      node = AdamaxState(*node)
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None or _is_quantized(node):
@@ -359,6 +366,7 @@ def _write_target(
   params: Mapping[str, Any],
   hparams: Mapping[str, Any],
   missing: str,
+  adamax: frozenset[tuple[str, ...]],
 ) -> tuple[Any, ConversionReport]:
   converters = registered_converters()
   recorder = _Recorder()
@@ -374,6 +382,8 @@ def _write_target(
       # Encoded where the template lives: the source's arrays may sit on other devices.
       inner = jax.tree.map(_placed, inner, decoded)
       return float32_to_low_precision(inner, node.replace(count=_placed(clock, node.count)))
+    if path in adamax:
+      node = AdamaxState(*node)
     converter = _converter(node, converters)
     where = "/".join(path) or "<root>"
     if converter is not None or _is_quantized(node):
@@ -385,7 +395,8 @@ def _write_target(
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain)
-      return converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+      written = converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+      return optax.ScaleByAdamState(*written) if path in adamax else written
     node, clock = _with_clock(node, clock, counts)
     children = _children(node)
     if children is None:
@@ -484,6 +495,48 @@ def _source_parts(
   return params, jnp.asarray(state["step"]).astype(jnp.int32), states
 
 
+def _state_paths(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+  """Every node of a state with its path, as the conversion walks it (low precision decoded)."""
+  if isinstance(node, LowPrecisionState):
+    yield from _state_paths(low_precision_to_float32(node), (*path, "inner_state"))
+    return
+  yield path, node
+  for key, child in _children(node) or ():
+    yield from _state_paths(child, (*path, key))
+
+
+def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[tuple[str, ...]]:
+  """The paths of the definition's `optax.ScaleByAdamState` nodes that are adamax's.
+
+  Adamax stores Adam's state type with a running maximum of ``|g|`` as its
+  ``nu``. One update of a copy of the params with two values per dimension,
+  on gradients alternating 2e-3 and 3e-3 (small, for element-wise clipping),
+  tells them apart: Adam's ``nu`` grows as ``g^2`` (ratio 2.25), adamax's as
+  ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
+  adamax's. A definition that this update does not run (it needs extra
+  arguments or the params' axes, or updates only every k steps) has no
+  adamax state found.
+  """
+  if optimizer_def is None:
+    return frozenset()
+  small = jax.tree.map(lambda p: jnp.zeros((2,) * jnp.ndim(p), jnp.float32), params)
+  trained = small.fast if isinstance(small, optax.LookaheadParams) else small
+  grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
+  grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
+  try:
+    state = optimizer_def.create(small).apply_gradient(grads).state.param_states
+  except Exception:  # noqa: BLE001 - any definition the probe cannot run is read as Adam's
+    return frozenset()
+  found = set()
+  for path, node in _state_paths(state):
+    if isinstance(node, optax.ScaleByAdamState):
+      nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
+      ratios = [v[1] / v[0] for v in nus if v.size >= 2 and v[0] > 0]
+      if ratios and all(abs(ratio - 1.5) < 0.15 for ratio in ratios):
+        found.add(path)
+  return frozenset(found)
+
+
 def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
   """`params` with as many copies as `like` holds, and a report line for a copy left behind.
 
@@ -547,7 +600,8 @@ def convert_state(
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
   ``MultiOptimizer``, ``low_precision``: its bfloat16, 8-bit and 4-bit leaves are
   decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
-  AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
+  adamax's (Adam's state type, told apart by one update of a small copy of the
+  params), AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
   (factored or not, and its momentum: the ``EmaState`` after its
   ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
   dict's layout, or T5X's own param state class, matched by its fields);
@@ -623,10 +677,22 @@ def convert_state(
     "/".join(map(str, path)): leaf
     for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(trained)).items()
   }
-  source_stats = _read_source(param_states, step, flat_params, dict(source_hparams or {}))
+  source_stats = _read_source(
+    param_states,
+    step,
+    flat_params,
+    dict(source_hparams or {}),
+    _adamax_paths(source.optimizer_def if isinstance(source, Optimizer) else source_def, params),
+  )
   source_stats.dropped.extend(copies)
   written, report = _write_target(
-    template.param_states, source_stats, step, flat_params, dict(target_hparams or {}), missing
+    template.param_states,
+    source_stats,
+    step,
+    flat_params,
+    dict(target_hparams or {}),
+    missing,
+    _adamax_paths(optimizer_def, params),
   )
   written = jax.tree.map(_placed, written, template.param_states)
   state = OptimizerState(step=_placed(step, template.step), param_states=written)
