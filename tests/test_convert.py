@@ -913,6 +913,26 @@ def test_lookahead_params_convert_to_and_from_one_copy():
   assert not report.initialised and not report.dropped
 
 
+@pytest.mark.parametrize("mode", [None, "8bit"])
+def test_a_schedule_free_source_gives_its_evaluation_params(mode):
+  """Schedule-free takes gradients at y and evaluates its average x; the params carried over
+  were y, with z dropped. The new optimizer starts from x, and the report says so."""
+  tx = optax.contrib.schedule_free_adamw(0.1)
+  old = OptaxWrapper(tx if mode is None else t5x_optim.low_precision(tx, mode, min_size=0))
+  old = old.create(PARAMS)
+  for scale in (1.0, -2.0, 3.0):
+    old = old.apply_gradient(_scaled(M, scale))
+  states = t5x_optim.low_precision_to_float32(old.state.param_states)
+  x = optax.contrib.schedule_free_eval_params(states, old.target)
+  assert not np.allclose(x["dense"]["bias"], old.target["dense"]["bias"])
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+  _assert_close(new.target, x)
+  assert report.dropped[-1] == (
+    "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
+    "evaluation params x = (y - (1 - b1) z) / b1, not the y it took gradients at"
+  )
+
+
 @pytest.mark.slow
 def test_lookahead_and_muon_checkpoints_restore_from_their_definitions(tmp_path, partitioner):
   """Each source is given as a fresh definition, as `--init_from` builds it from gin: Muon's

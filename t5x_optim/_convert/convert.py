@@ -537,6 +537,23 @@ def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[
   return frozenset(found)
 
 
+def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
+  """Schedule-free's evaluation params (its average ``x``) where it is the source, with a report line.
+
+  ``optax.contrib.schedule_free`` computes gradients at ``y``, between its
+  average ``x`` and its ``z``, and evaluates ``x``; the new optimizer starts
+  from ``x`` (``z`` is listed as dropped too).
+  """
+  states = low_precision_to_float32(param_states)
+  if not isinstance(states, optax.contrib.ScheduleFreeState):
+    return params, ()
+  evaluated = optax.contrib.schedule_free_eval_params(states, params)
+  return evaluated, (
+    "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
+    "evaluation params x = (y - (1 - b1) z) / b1, not the y it took gradients at",
+  )
+
+
 def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
   """`params` with as many copies as `like` holds, and a report line for a copy left behind.
 
@@ -664,10 +681,11 @@ def convert_state(
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
   params, step, param_states = _source_parts(source, source_def)
   step = jnp.asarray(step).astype(jnp.int32)
-  copies = ()
+  params, copies = _evaluation_params(params, param_states)
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
-    params, copies = _copies_like(params, like_params)
+    params, lookahead = _copies_like(params, like_params)
+    copies += lookahead
     params = jax.tree.map(_placed, params, like_params)
   else:
     optimizer_def, like_state = target, None
