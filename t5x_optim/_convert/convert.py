@@ -681,11 +681,14 @@ def convert_state(
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
   params, step, param_states = _source_parts(source, source_def)
   step = jnp.asarray(step).astype(jnp.int32)
-  params, copies = _evaluation_params(params, param_states)
+  source_adamax = _adamax_paths(
+    source.optimizer_def if isinstance(source, Optimizer) else source_def, params
+  )
+  params, notes = _evaluation_params(params, param_states)
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
     params, lookahead = _copies_like(params, like_params)
-    copies += lookahead
+    notes += lookahead
     params = jax.tree.map(_placed, params, like_params)
   else:
     optimizer_def, like_state = target, None
@@ -700,9 +703,9 @@ def convert_state(
     step,
     flat_params,
     dict(source_hparams or {}),
-    _adamax_paths(source.optimizer_def if isinstance(source, Optimizer) else source_def, params),
+    source_adamax,
   )
-  source_stats.dropped.extend(copies)
+  source_stats.dropped.extend(notes)
   written, report = _write_target(
     template.param_states,
     source_stats,
