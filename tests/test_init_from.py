@@ -104,10 +104,16 @@ def test_init_from_lookahead_into_muon_and_back(tmp_path, capsys):
     main(["train", *lookahead, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", dirs[0]]) == 0
   )
   capsys.readouterr()
-  flags = ["--gin_bindings", "TOTAL_STEPS = 3", "--init_from", dirs[0], "--model_dir", dirs[1]]
-  assert main(["train", *muon, *flags]) == 0
-  out = capsys.readouterr().out
-  assert f"init_from:       {dirs[0]} at step 2" in out, out
+
+  def init_from(source: int, flags: list[str], steps: int) -> str:
+    total = ["--gin_bindings", f"TOTAL_STEPS = {steps}"]
+    places = ["--init_from", dirs[source], "--model_dir", dirs[source + 1]]
+    assert main(["train", *flags, *total, *places]) == 0
+    out = capsys.readouterr().out
+    assert f"init_from:       {dirs[source]} at step {steps - 1}" in out, out
+    return out
+
+  out = init_from(0, muon, 3)
   assert re.search(
     r"inner_states/muon/inner_state/0 \(MuonState\)\.mu: \d+ params, from fast_state/0", out
   ), out
@@ -115,10 +121,7 @@ def test_init_from_lookahead_into_muon_and_back(tmp_path, capsys):
     "  dropped (1):\n    target/fast (optax.LookaheadParams.fast): the new optimizer trains one "
     "copy of the params, the slow one (lookahead's params for evaluation)\n"
   ) in out, out
-  flags = ["--gin_bindings", "TOTAL_STEPS = 4", "--init_from", dirs[1], "--model_dir", dirs[2]]
-  assert main(["train", *lookahead, *flags]) == 0
-  out = capsys.readouterr().out
-  assert f"init_from:       {dirs[1]} at step 3" in out, out
+  out = init_from(1, lookahead, 4)
   assert re.search(
     r"fast_state/0 \(ScaleByAdamState\)\.nu: \d+ params, from inner_states/adam/", out
   ), out
