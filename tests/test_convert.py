@@ -279,33 +279,44 @@ def test_round_trip_returns_the_same_values(start, via, kept):
   _assert_close(back.state.param_states, expected, f"{start} -> {via} -> {start}: ")
 
 
+def _noisy_grads(params, key):
+  """Gradients whose small mean is under noise: where a moment read in the wrong units misleads."""
+  return jax.tree.map(lambda p: 0.01 * jax.random.normal(key, p.shape) + 0.003, params)
+
+
+def _trained(tx, params, steps=20):
+  """`tx` wrapped and run `steps` jitted updates on `_noisy_grads`."""
+  step = jax.jit(lambda opt, key: opt.apply_gradient(_noisy_grads(params, key)))
+  opt = OptaxWrapper(tx).create(params)
+  for key in jax.random.split(jax.random.key(1), steps):
+    opt = step(opt, key)
+  return opt
+
+
+def _largest_step(opt):
+  """The largest change of a param in `opt`'s next update."""
+  moved = opt.apply_gradient(_noisy_grads(opt.target, jax.random.key(2))).target
+  return max(
+    float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, (moved, opt.target)))
+  )
+
+
+NOISY_PARAMS = {"w": 0.1 * jax.random.normal(jax.random.key(0), (16, 24)), "b": jnp.zeros(24)}
 MOMENTUM_ONLY = {k.name: k.make for k in KINDS if k.quantities == {"mu"}}
 MOMENTUM_ONLY["muon"] = lambda: optax.contrib.muon(1e-3)  # Adam beside it for the bias
 
 
 @pytest.mark.parametrize(
-  "target", [k for k in KINDS if k.mu_needs_nu and "adafactor" not in k.name]
+  "target", [k for k in KINDS if k.mu_needs_nu and "adafactor" not in k.name], ids=str
 )
 @pytest.mark.parametrize("source", sorted(MOMENTUM_ONLY))
 def test_a_momentum_without_a_second_moment_starts_adams_moments_fresh(source, target):
   """A momentum (Lion's, SGD's, Muon's) carried into Adam's mu beside a fresh nu made the
-  next update divide it by one small squared gradient: up to 27,000 times the learning rate.
-  Trained by optax's own loop on gradients with a small mean, then one step of the target."""
-  keys = jax.random.split(jax.random.key(0), 31)
-  params = {"w": jax.random.normal(keys[0], (16, 16)), "b": jnp.zeros(16)}
-
-  def grads(key):
-    return jax.tree.map(lambda p: 0.01 * jax.random.normal(key, p.shape) + 0.003, params)
-
-  old = OptaxWrapper(MOMENTUM_ONLY[source]()).create(params)
-  for key in keys[1:30]:
-    old = old.apply_gradient(grads(key))
+  next update divide it by one small squared gradient: up to 27,000 times the learning rate."""
+  old = _trained(MOMENTUM_ONLY[source](), NOISY_PARAMS)
   new, report = t5x_optim.convert_state(old, OptaxWrapper(target.make()), missing="init")
   assert any("(carried only with nu)" in line for line in report.initialised), report
-  moved = jax.tree.map(
-    lambda a, b: jnp.max(jnp.abs(a - b)), new.apply_gradient(grads(keys[30])).target, new.target
-  )
-  assert max(jax.tree.leaves(moved)) <= 1.5 * LEARNING_RATE, moved
+  assert _largest_step(new) <= 1.5 * LEARNING_RATE
 
 
 @pytest.mark.parametrize("direction", ["into", "from"])
@@ -313,28 +324,14 @@ def test_adamax_state_is_told_from_adams_by_one_update(direction):
   """Adamax stores Adam's state type, its nu a running maximum of |g|. Read as Adam's E[g^2],
   adam -> adamax moved params 650 times the learning rate on the next step; adamax -> adam
   60 times too little. Each side's first step after the conversion stays near its own."""
-  keys = jax.random.split(jax.random.key(1), 52)
-  params = {"w": 0.1 * jax.random.normal(keys[0], (16, 24)), "b": jnp.zeros(24)}
-
-  def grads(key):
-    return jax.tree.map(lambda p: 0.01 * jax.random.normal(key, p.shape) + 0.003, params)
-
-  def trained(tx):
-    opt = OptaxWrapper(tx).create(params)
-    for key in keys[1:51]:
-      opt = opt.apply_gradient(grads(key))
-    return opt
-
-  def largest_step(opt):
-    moved = jax.tree.map(jnp.subtract, opt.apply_gradient(grads(keys[51])).target, opt.target)
-    return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(moved))
-
   old, new = optax.adam(1e-3), optax.adamax(1e-3)
   if direction == "from":
     old, new = new, old
-  converted, report = t5x_optim.convert_state(trained(old), OptaxWrapper(new).create(params))
+  converted, report = t5x_optim.convert_state(
+    _trained(old, NOISY_PARAMS), OptaxWrapper(new).create(NOISY_PARAMS)
+  )
   assert any("(AdamaxState)" in line for line in report.converted), report
-  ratio = largest_step(converted) / largest_step(trained(new))
+  ratio = _largest_step(converted) / _largest_step(_trained(new, NOISY_PARAMS))
   assert 0.2 < ratio < 3, ratio
 
 
