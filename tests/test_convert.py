@@ -11,6 +11,7 @@ the other stores for the same moments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import subprocess
 import sys
@@ -317,6 +318,28 @@ def test_a_momentum_without_a_second_moment_starts_adams_moments_fresh(source, t
   new, report = t5x_optim.convert_state(old, OptaxWrapper(target.make()), missing="init")
   assert any("(carried only with nu)" in line for line in report.initialised), report
   assert _largest_step(new) <= 1.5 * LEARNING_RATE
+
+
+@functools.cache
+def _trained_kind(name):
+  return _trained(BY_NAME[name].make(), NOISY_PARAMS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=lambda k: k.name)
+def test_a_converted_states_first_step_is_of_the_size_the_target_takes(source, target):
+  """Every pair, trained by optax's own loop: a reading or writing in the wrong units shows
+  in the next update (650 times the target's own step for adam -> adamax, 1/60 for adamax ->
+  adam, 10 times and reversed for adam -> rmsprop's momentum before they were fixed)."""
+  new, _ = t5x_optim.convert_state(
+    _trained_kind(source.name),
+    OptaxWrapper(target.make()),
+    source_hparams=HPARAMS,
+    target_hparams=HPARAMS,
+    missing="init",
+  )
+  ratio = _largest_step(new) / _largest_step(_trained_kind(target.name))
+  assert 0.02 < ratio < 5, ratio
 
 
 @pytest.mark.parametrize("direction", ["into", "from"])
