@@ -308,7 +308,13 @@ MOMENTUM_ONLY["muon"] = lambda: optax.contrib.muon(1e-3)  # Adam beside it for t
 
 
 @pytest.mark.parametrize(
-  "target", [k for k in KINDS if k.mu_needs_nu and "adafactor" not in k.name], ids=str
+  "target",
+  [
+    k if k.name == "adam" else pytest.param(k, marks=pytest.mark.slow)  # the quick loop: Adam
+    for k in KINDS
+    if k.mu_needs_nu and "adafactor" not in k.name
+  ],
+  ids=str,
 )
 @pytest.mark.parametrize("source", sorted(MOMENTUM_ONLY))
 def test_a_momentum_without_a_second_moment_starts_adams_moments_fresh(source, target):
@@ -933,7 +939,7 @@ def test_lookahead_params_convert_to_and_from_one_copy():
   assert not report.initialised and not report.dropped
 
 
-@pytest.mark.parametrize("mode", [None, "8bit"])
+@pytest.mark.parametrize("mode", [None, pytest.param("8bit", marks=pytest.mark.slow)])
 def test_a_schedule_free_source_gives_its_evaluation_params(mode):
   """Schedule-free takes gradients at y and evaluates its average x; the params carried over
   were y, with z dropped. The new optimizer starts from x, and the report says so."""
