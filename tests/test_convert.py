@@ -335,8 +335,8 @@ def _trained_kind(name):
 @pytest.mark.parametrize(("source", "target"), PAIRS, ids=lambda k: k.name)
 def test_a_converted_states_first_step_is_of_the_size_the_target_takes(source, target):
   """Every pair, trained by optax's own loop: a reading or writing in the wrong units shows
-  in the next update (650 times the target's own step for adam -> adamax, 1/60 for adamax ->
-  adam, 10 times and reversed for adam -> rmsprop's momentum before they were fixed)."""
+  in the next update (1,500 times the target's own step for adam -> adamax and 1/60 for
+  adamax -> adam before adamax's state was told from Adam's)."""
   new, _ = t5x_optim.convert_state(
     _trained_kind(source.name),
     OptaxWrapper(target.make()),
