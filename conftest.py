@@ -5,8 +5,11 @@ package too, and so that the K-FAC adapter's examples are left out where
 kfac-jax cannot be imported (tests/test_kfac.py then skips, saying why).
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -15,6 +18,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 from _optional import kfac_jax_error  # noqa: E402
+from _subprocesses import RUN_CACHE  # noqa: E402
+
+# The compilation cache of the processes the tests start (`_subprocesses.with_run_compilation_cache`):
+# made by the first process of the run (xdist's controller), whose workers inherit the variable,
+# and deleted when that process exits.
+if RUN_CACHE not in os.environ:
+  os.environ[RUN_CACHE] = tempfile.mkdtemp(prefix="t5x_optim-tests-compilation-cache-")
+  atexit.register(shutil.rmtree, os.environ[RUN_CACHE], ignore_errors=True)
 
 _KFAC_MODULES = ("t5x_optim/_adapters/kfac.py", "t5x_optim/_adapters/kfac_state.py")
 

@@ -1,14 +1,38 @@
-"""What the tests that start processes share: a free port, and waiting for a group of processes.
+"""What the tests that start processes share: a free port, waiting for a group of processes, and
+the test run's compilation cache.
 
 Light on purpose (no jax): the GCS emulator's script imports it too.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
+
+RUN_CACHE = "T5X_OPTIM_TESTS_COMPILATION_CACHE"
+"""The variable naming the test run's compilation cache (made by the repository's conftest.py)."""
+
+
+def with_run_compilation_cache(env: dict[str, str]) -> dict[str, str]:
+  """`env` for a `t5x-optim` process that shares jax's compilation cache with the run's others.
+
+  The processes the tests start compile the same few programs over and over (the tiny
+  model's train, eval and init steps with the default optimizer); with one cache for the
+  whole test run, every process after the first loads them. Every program is kept (no minimum compile time), and
+  jax's size limit is set so that jax takes a file lock around each read and write: processes
+  started at once (a job of two processes, two test workers) never read an entry another
+  is writing. The command defers to jax's own ``JAX_COMPILATION_CACHE_DIR``, so a test of its
+  own cache under ``MODEL_DIR`` starts its processes without this.
+  """
+  return dict(
+    env,
+    JAX_COMPILATION_CACHE_DIR=os.environ[RUN_CACHE],
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_COMPILATION_CACHE_MAX_SIZE=str(2**36),
+  )
 
 
 def free_port() -> int:

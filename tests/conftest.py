@@ -1,8 +1,12 @@
 """Test configuration (the simulated devices are set in the repository's conftest.py)."""
 
+import os
+from pathlib import Path
+
 import gin
 import jax
 import pytest
+from _subprocesses import RUN_CACHE
 
 
 @pytest.fixture
@@ -74,3 +78,29 @@ def shared_compilation_cache(_compilation_cache_dir):
       yield
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+
+
+@pytest.fixture(scope="module")
+def run_compilation_cache():
+  """The test run's compilation cache for the `t5x-optim` runs a module makes in this process.
+
+  What `_subprocesses.with_run_compilation_cache` gives the processes the tests start: one
+  directory for the whole run, every program kept, jax's file lock around each read and
+  write. The command defers to a cache set in jax's config, so that its runs here load the
+  programs any earlier run compiled. Not for a module that tests the command's own cache.
+  """
+  from t5x_optim.cli.loop.compilation_cache import compilation_cache  # noqa: PLC0415
+
+  settings = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_compilation_cache_max_size": 2**36,
+  }
+  previous = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  try:
+    with compilation_cache(Path(os.environ[RUN_CACHE]), primary=False):
+      yield
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)

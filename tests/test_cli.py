@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from _subprocesses import with_run_compilation_cache
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5x_optim import Checkpointer
@@ -25,7 +26,7 @@ from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.job import config_changes
 from t5x_optim.partitioning import init_sharded
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--gin_file", "examples/tiny.gin"]
@@ -46,7 +47,7 @@ OPTIMIZER_FILES = sorted(p.name for p in (_config.GIN_DIR / "optimizers").glob("
 def _env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return env
+  return with_run_compilation_cache(env)
 
 
 def _command(*args: str) -> list[str]:

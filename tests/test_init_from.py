@@ -17,7 +17,7 @@ from t5x_optim.cli._t5x_config import optimizer_config
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
 TINY = ["--gin_file", "examples/tiny.gin"]
 ADAFACTOR = [*TINY, "--gin_file", "optimizers/adafactor.gin"]

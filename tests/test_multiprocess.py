@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _subprocesses import communicate_all, free_port
+from _subprocesses import communicate_all, free_port, with_run_compilation_cache
 from test_cli import _scalars
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _env(devices: int) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return env
+  return with_run_compilation_cache(env)
 
 
 def _start(args: Sequence[str], *, processes: int, cwd: Path) -> list[subprocess.Popen]:
@@ -240,8 +240,8 @@ def _run_recipe(model_dir: Path, steps: int, cwd: Path) -> str:
       "$i &", f"$i --gin_bindings 'TOTAL_STEPS = {steps}' --gin_bindings 'LEARNING_RATE = 5e-3' &"
     )
   )
-  env = _env(8)
-  del env["XLA_FLAGS"]
+  # The recipe's own cache, under MODEL_DIR: not the test run's.
+  env = {k: v for k, v in _env(8).items() if k != "XLA_FLAGS" and not k.startswith("JAX_COMP")}
   env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   result = subprocess.run(

@@ -21,7 +21,7 @@ from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 
-pytestmark = [pytest.mark.usefixtures("clean_gin"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("clean_gin", "run_compilation_cache"), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--gin_file", "examples/tiny.gin"]

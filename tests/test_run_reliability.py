@@ -31,7 +31,7 @@ from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
 LONG = ["--gin_bindings", "TOTAL_STEPS = 100000"]
 GIN_HEADER = "from __gin__ import dynamic_registration\nimport optax\n"

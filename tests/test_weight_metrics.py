@@ -22,7 +22,7 @@ from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.train import _abstract_batch
 from t5x_optim.cli.loop.weight_metrics import metric_vector
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
 TINY_MODEL = TransformerConfig(
   vocab_size=256, embed_dim=32, num_heads=2, head_dim=16, mlp_dim=64, num_layers=1, max_length=8
