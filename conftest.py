@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 from _optional import kfac_jax_error  # noqa: E402
 from _subprocesses import RUN_CACHE  # noqa: E402
 
-# The compilation cache of the processes the tests start (`_subprocesses.with_run_compilation_cache`):
-# made by the first process of the run (xdist's controller), whose workers inherit the variable,
-# and deleted when that process exits.
+# The test run's compilation cache (`_subprocesses.with_run_compilation_cache` and the
+# `run_compilation_cache` fixture): made by the first process of the run (xdist's controller),
+# whose workers inherit the variable, and deleted when that process exits.
 if RUN_CACHE not in os.environ:
   os.environ[RUN_CACHE] = tempfile.mkdtemp(prefix="t5x_optim-tests-compilation-cache-")
   atexit.register(shutil.rmtree, os.environ[RUN_CACHE], ignore_errors=True)

@@ -21,10 +21,10 @@ def with_run_compilation_cache(env: dict[str, str]) -> dict[str, str]:
 
   The processes the tests start compile the same few programs over and over (the tiny
   model's train, eval and init steps with the default optimizer); with one cache for the
-  whole test run, every process after the first loads them. Every program is kept (no minimum compile time), and
-  jax's size limit is set so that jax takes a file lock around each read and write: processes
-  started at once (a job of two processes, two test workers) never read an entry another
-  is writing. The command defers to jax's own ``JAX_COMPILATION_CACHE_DIR``, so a test of its
+  whole test run, every process after the first loads them. Every program is kept (no
+  minimum compile time), and jax's size limit is set so that jax takes a file lock around
+  each read and write: processes started at once (a job of two processes, two test
+  workers) never read an entry another is writing. The command defers to jax's own ``JAX_COMPILATION_CACHE_DIR``, so a test of its
   own cache under ``MODEL_DIR`` starts its processes without this.
   """
   return dict(
