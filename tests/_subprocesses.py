@@ -15,24 +15,27 @@ from collections.abc import Sequence
 RUN_CACHE = "T5X_OPTIM_TESTS_COMPILATION_CACHE"
 """The variable naming the test run's compilation cache (made by the repository's conftest.py)."""
 
+RUN_CACHE_SETTINGS = {
+  "jax_persistent_cache_min_compile_time_secs": 0.0,
+  "jax_compilation_cache_max_size": 2**36,
+}
+"""jax's settings for the run's cache: every program kept (no minimum compile time), and a
+size limit, so that jax takes a file lock around each entry it reads or writes: processes
+started at once (a job of two processes, two test workers) never read an entry another is
+writing. Each is also jax's environment variable, in capitals."""
+
 
 def with_run_compilation_cache(env: dict[str, str]) -> dict[str, str]:
   """`env` for a `t5x-optim` process that shares jax's compilation cache with the run's others.
 
   The processes the tests start compile the same few programs over and over (the tiny
   model's train, eval and init steps with the default optimizer); with one cache for the
-  whole test run, every process after the first loads them. Every program is kept (no
-  minimum compile time), and jax's size limit is set so that jax takes a file lock around
-  each read and write: processes started at once (a job of two processes, two test
-  workers) never read an entry another is writing. The command defers to jax's own ``JAX_COMPILATION_CACHE_DIR``, so a test of its
-  own cache under ``MODEL_DIR`` starts its processes without this.
+  whole test run (`RUN_CACHE_SETTINGS`), every process after the first loads them. The
+  command defers to jax's own ``JAX_COMPILATION_CACHE_DIR``, so a test of its own cache
+  under ``MODEL_DIR`` starts its processes without this.
   """
-  return dict(
-    env,
-    JAX_COMPILATION_CACHE_DIR=os.environ[RUN_CACHE],
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_COMPILATION_CACHE_MAX_SIZE=str(2**36),
-  )
+  settings = {name.upper(): str(value) for name, value in RUN_CACHE_SETTINGS.items()}
+  return dict(env, JAX_COMPILATION_CACHE_DIR=os.environ[RUN_CACHE], **settings)
 
 
 def free_port() -> int:

@@ -1,12 +1,14 @@
 """Test configuration (the simulated devices are set in the repository's conftest.py)."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import gin
 import jax
 import pytest
-from _subprocesses import RUN_CACHE
+from _subprocesses import RUN_CACHE, RUN_CACHE_SETTINGS
 
 
 @pytest.fixture
@@ -54,6 +56,19 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
+@contextlib.contextmanager
+def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
+  """jax's config with `settings` inside, its previous values restored after."""
+  previous = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  try:
+    yield
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)
+
+
 @pytest.fixture(scope="session")
 def _compilation_cache_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("compilation_cache")
@@ -71,13 +86,11 @@ def shared_compilation_cache(_compilation_cache_dir):
   """
   from t5x_optim.cli.loop.compilation_cache import compilation_cache  # noqa: PLC0415
 
-  previous = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  try:
-    with compilation_cache(_compilation_cache_dir, primary=False):
-      yield
-  finally:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+  with (
+    _jax_settings({"jax_persistent_cache_min_compile_time_secs": 0.0}),
+    compilation_cache(_compilation_cache_dir, primary=False),
+  ):
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +104,8 @@ def run_compilation_cache():
   """
   from t5x_optim.cli.loop.compilation_cache import compilation_cache  # noqa: PLC0415
 
-  settings = {
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_compilation_cache_max_size": 2**36,
-  }
-  previous = {name: getattr(jax.config, name) for name in settings}
-  for name, value in settings.items():
-    jax.config.update(name, value)
-  try:
-    with compilation_cache(Path(os.environ[RUN_CACHE]), primary=False):
-      yield
-  finally:
-    for name, value in previous.items():
-      jax.config.update(name, value)
+  with (
+    _jax_settings(RUN_CACHE_SETTINGS),
+    compilation_cache(Path(os.environ[RUN_CACHE]), primary=False),
+  ):
+    yield

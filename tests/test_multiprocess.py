@@ -28,11 +28,11 @@ HEARTBEAT_BOUND_S = 60
 """The survivor's exit after its peer is killed: the 10 s heartbeat plus a loaded machine."""
 
 
-def _env(devices: int) -> dict[str, str]:
+def _env(devices: int, *, run_cache: bool = True) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return with_run_compilation_cache(env)
+  return with_run_compilation_cache(env) if run_cache else env
 
 
 def _start(args: Sequence[str], *, processes: int, cwd: Path) -> list[subprocess.Popen]:
@@ -240,8 +240,8 @@ def _run_recipe(model_dir: Path, steps: int, cwd: Path) -> str:
       "$i &", f"$i --gin_bindings 'TOTAL_STEPS = {steps}' --gin_bindings 'LEARNING_RATE = 5e-3' &"
     )
   )
-  # The recipe's own cache, under MODEL_DIR: not the test run's.
-  env = {k: v for k, v in _env(8).items() if k != "XLA_FLAGS" and not k.startswith("JAX_COMP")}
+  env = _env(8, run_cache=False)  # the recipe's own cache, under MODEL_DIR
+  del env["XLA_FLAGS"]
   env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   result = subprocess.run(
