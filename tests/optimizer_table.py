@@ -114,6 +114,18 @@ def grads_and_extras(tx: optax.GradientTransformation, params: Any) -> tuple[Any
   return _gradient_and_extras(params, _extra_arg_names(tx, params))
 
 
+def wrapper_step(opt: Any) -> Any:
+  """One `Optimizer.apply_gradient` on the table's loss, with the extra arguments its
+  transformation takes.
+
+  The one step function of the modules that step a wrapped optimizer over the table: jitted,
+  its programs are named after it, so that a program one test compiled is loaded from the
+  compilation cache where another test compiles the same program.
+  """
+  grads, extras = grads_and_extras(opt.optimizer_def.optax_optimizer, opt.target)
+  return opt.apply_gradient(grads, **extras)
+
+
 def initial_params(case: Case) -> Any:
   params = make_params()
   return optax.LookaheadParams.init_synced(params) if case.lookahead else params

@@ -23,6 +23,7 @@ from optimizer_table import (
   make_params,
   to_numpy,
   tree_equal,
+  wrapper_step,
 )
 
 import t5x_optim
@@ -37,11 +38,6 @@ def plain_step(tx: optax.GradientTransformation, params: Any, state: Any) -> tup
   grads, extras = grads_and_extras(tx, params)
   updates, state = tx.update(grads, state, params, **extras)
   return optax.apply_updates(params, updates), state
-
-
-def wrapper_step(opt: t5x_optim.Optimizer) -> t5x_optim.Optimizer:
-  grads, extras = grads_and_extras(opt.optimizer_def.optax_optimizer, opt.target)
-  return opt.apply_gradient(grads, **extras)
 
 
 def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
