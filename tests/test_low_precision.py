@@ -50,6 +50,7 @@ MODES = ["8bit", "bfloat16"]
 # The reference: quantize and dequantize in numpy, one block at a time.
 
 
+@functools.cache
 def ref_thresholds(signed: bool) -> np.ndarray:
   """The 255 thresholds between map values: decade i's inner ones (n/9 + k + 1) * (0.9 10^(i-6) / n).
 
@@ -57,6 +58,7 @@ def ref_thresholds(signed: bool) -> np.ndarray:
   as written; the thresholds next to 0, between decades and next to 1 are
   the means of their two map values, except the unsigned map's first: 0,
   so that only 0 encodes as 0. The signed map's negative half mirrors.
+  Computed once per sign (every block of the reference asks), and read-only.
   """
   table = dynamic_map(signed)
   positive_values = table[127:] if signed else table
@@ -74,7 +76,9 @@ def ref_thresholds(signed: bool) -> np.ndarray:
     first += n
   thresholds.append((positive_values[-2] + positive_values[-1]) / np.float32(2))
   positive = np.asarray(thresholds, np.float32)
-  return np.concatenate([-positive[-2::-1], positive]) if signed else positive
+  out = np.concatenate([-positive[-2::-1], positive]) if signed else positive
+  out.setflags(write=False)
+  return out
 
 
 def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
