@@ -439,7 +439,7 @@ SUM_SQUARES_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_sum_squares_equal_those_of_the_float32_values(mode):
   """A chunk of 512 values: the (96, 40) and (12, 8, 16) leaves are walked a chunk of rows at
   a time; the others are decoded whole. The third step's gradient holds a NaN."""
