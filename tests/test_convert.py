@@ -364,6 +364,37 @@ def test_adamax_state_is_told_from_adams_by_one_update(direction):
   assert 0.2 < ratio < 3, ratio
 
 
+def _accumulating(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  return optax.MultiSteps(inner, every_k_schedule=3).gradient_transformation()
+
+
+@pytest.mark.parametrize("direction", ["into", "from"])
+def test_adamax_inside_multisteps_is_told_from_adam(direction):
+  """MultiSteps updates its inner adamax every 3rd gradient: an adamax probe of one update saw
+  Adam's state untouched and read it as Adam's, so adam -> MultiSteps(adamax) wrote E[g^2] as
+  adamax's running maximum of |g|. Inside MultiSteps it converts as adamax does."""
+  adam, adamax = optax.adam(1e-3), optax.adamax(1e-3)
+  if direction == "into":
+    source = _trained(adam, NOISY_PARAMS)
+    want, _ = t5x_optim.convert_state(source, OptaxWrapper(adamax).create(NOISY_PARAMS))
+    got, report = t5x_optim.convert_state(
+      source, OptaxWrapper(_accumulating(adamax)).create(NOISY_PARAMS)
+    )
+    _assert_close(got.state.param_states.inner_opt_state[0].nu, want.state.param_states[0].nu)
+  else:
+    source = _trained(_accumulating(adamax), NOISY_PARAMS, steps=21)
+    as_adamax = OptaxWrapper(adamax).create(source.target)
+    as_adamax = as_adamax.replace(
+      state=t5x_optim.OptimizerState(
+        source.state.param_states.gradient_step, source.state.param_states.inner_opt_state
+      )
+    )
+    want, _ = t5x_optim.convert_state(as_adamax, OptaxWrapper(adam).create(NOISY_PARAMS))
+    got, report = t5x_optim.convert_state(source, OptaxWrapper(adam).create(NOISY_PARAMS))
+    _assert_close(got.state.param_states[0].nu, want.state.param_states[0].nu)
+  assert any("(AdamaxState)" in line for line in report.converted), report
+
+
 def test_a_trace_after_a_stateful_transformation_is_not_a_gradient_momentum():
   """RMSProp's momentum sums updates already divided by its second moment and scaled by -lr:
   written from Adam's mu, its first step went against the gradient (+0.027 on gradients of

@@ -505,17 +505,32 @@ def _state_paths(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[
     yield from _state_paths(child, (*path, key))
 
 
+_PROBE_GRADIENTS = 256
+"""The most gradients the adamax probe feeds a definition whose Adam state has not updated yet
+(`optax.MultiSteps` updates its inner state every k-th gradient)."""
+
+
+def _adam_states(param_states: Any) -> list[tuple[tuple[str, ...], optax.ScaleByAdamState]]:
+  return [
+    (path, node)
+    for path, node in _state_paths(param_states)
+    if isinstance(node, optax.ScaleByAdamState)
+  ]
+
+
 def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[tuple[str, ...]]:
   """The paths of the definition's `optax.ScaleByAdamState` nodes that are adamax's.
 
   Adamax stores Adam's state type with a running maximum of ``|g|`` as its
-  ``nu``. One update of a copy of the params with two values per dimension,
-  on gradients alternating 2e-3 and 3e-3 (small, for element-wise clipping),
-  tells them apart: Adam's ``nu`` grows as ``g^2`` (ratio 2.25), adamax's as
+  ``nu``. Updates of a copy of the params with two values per dimension, on
+  gradients alternating 2e-3 and 3e-3 (small, for element-wise clipping),
+  tell them apart: Adam's ``nu`` grows as ``g^2`` (ratio 2.25), adamax's as
   ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
-  adamax's. A definition that this update does not run (it needs extra
-  arguments or the params' axes, or updates only every k steps) has no
-  adamax state found.
+  adamax's. The probe runs only where the definition's state holds Adam's
+  state type, and feeds the same gradient until every such state has updated
+  once (``optax.MultiSteps`` updates its inner state every k-th gradient: at
+  most `_PROBE_GRADIENTS`). A definition that this update does not run (it
+  needs extra arguments or the params' axes) has no adamax state found.
   """
   if optimizer_def is None:
     return frozenset()
@@ -524,16 +539,22 @@ def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[
   grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
   grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
   try:
-    state = optimizer_def.create(small).apply_gradient(grads).state.param_states
+    if not _adam_states(jax.eval_shape(optimizer_def.init_state, small).param_states):
+      return frozenset()
+    opt = optimizer_def.create(small).apply_gradient(grads)
+    step = jax.jit(lambda opt: opt.apply_gradient(grads))
+    for _ in range(_PROBE_GRADIENTS - 1):
+      if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
+        break
+      opt = step(opt)
   except Exception:  # noqa: BLE001 - any definition the probe cannot run is read as Adam's
     return frozenset()
   found = set()
-  for path, node in _state_paths(state):
-    if isinstance(node, optax.ScaleByAdamState):
-      nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
-      ratios = [v[1] / v[0] for v in nus if v.size >= 2 and v[0] > 0]
-      if ratios and all(abs(ratio - 1.5) < 0.15 for ratio in ratios):
-        found.add(path)
+  for path, node in _adam_states(opt.state.param_states):
+    nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
+    ratios = [v[1] / v[0] for v in nus if v.size >= 2 and v[0] > 0]
+    if ratios and all(abs(ratio - 1.5) < 0.15 for ratio in ratios):
+      found.add(path)
   return frozenset(found)
 
 
@@ -617,8 +638,8 @@ def convert_state(
   ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``multi_transform``,
   ``MultiOptimizer``, ``low_precision``: its bfloat16, 8-bit and 4-bit leaves are
   decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
-  adamax's (Adam's state type, told apart by one update of a small copy of the
-  params), AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
+  adamax's (Adam's state type, told apart by updating a small copy of the params,
+  inside ``MultiSteps`` too), AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
   (factored or not, and its momentum: the ``EmaState`` after its
   ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
   dict's layout, or T5X's own param state class, matched by its fields);
