@@ -531,6 +531,10 @@ BAD_CONFIGS = {
     ["--gin_file", "optimizers/nope.gin"],
     "gin file 'optimizers/nope.gin' not found",
   ),
+  "missing_search_path": (
+    ["--gin_search_paths", "no_such_dir", "--gin_file", "optimizers/adamw.gin"],
+    "gin search path 'no_such_dir' is not a local directory.",
+  ),
   "vocab_mismatch": (
     ["--gin_bindings", "cli.SyntheticTask.vocab_size = 7"],
     "TransformerConfig.vocab_size=32 differs from SyntheticTask.vocab_size=7",

@@ -435,11 +435,13 @@ def parse_config(
   Args:
     gin_files: gin files, parsed in order.
     gin_bindings: bindings parsed after the files.
-    search_paths: directories searched for files and includes.
+    search_paths: local directories searched for files and includes.
     macros: ``{name: value}`` bound right after the default config (the
       command binds `device_macros`), so files and bindings override them.
 
   Raises:
+    NotADirectoryError: a search path is not a local directory (a mistyped one
+      would leave a file to be found in the package's directory instead).
     Exception: whatever gin raises for a bad config (unknown names, syntax);
       gin adds the file and line to the message.
 
@@ -448,6 +450,9 @@ def parse_config(
     >>> gin.query_parameter('%TOTAL_STEPS'), gin.query_parameter('%NUM_PARTITIONS')
     (7, 1)
   """
+  for path in search_paths:
+    if storage.is_object_store(path) or not Path(path).is_dir():
+      raise NotADirectoryError(f"gin search path {str(path)!r} is not a local directory.")
   directories = [Path(path) for path in [*search_paths, *default_search_paths()]]
   gin.clear_config()
   for directory in directories:
