@@ -395,6 +395,30 @@ def test_adamax_inside_multisteps_is_told_from_adam(direction):
   assert any("(AdamaxState)" in line for line in report.converted), report
 
 
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    pytest.param(lambda tx: t5x_optim.low_precision(tx, "bfloat16", min_size=0), id="bfloat16"),
+    pytest.param(
+      lambda tx: _accumulating(t5x_optim.low_precision(tx, "bfloat16", min_size=0)),
+      id="multisteps_of_bfloat16",
+    ),
+    pytest.param(
+      lambda tx: t5x_optim.low_precision(_accumulating(tx), "bfloat16", min_size=0),
+      id="bfloat16_of_multisteps",
+    ),
+  ],
+)
+def test_adamax_is_told_from_adam_inside_low_precision_and_multisteps(wrap):
+  """The probe looks for Adam's state type in the definition's initial state, abstractly: a
+  compressed state decodes only inside a trace (outside one, bfloat16 adamax was read as
+  Adam's), and MultiSteps around or inside low_precision updates its adamax every 3rd step."""
+  source = _trained(optax.adam(1e-3), NOISY_PARAMS)
+  target = OptaxWrapper(wrap(optax.adamax(1e-3))).create(NOISY_PARAMS)
+  _, report = t5x_optim.convert_state(source, target)
+  assert any("(AdamaxState)" in line for line in report.converted), report
+
+
 def test_a_trace_after_a_stateful_transformation_is_not_a_gradient_momentum():
   """RMSProp's momentum sums updates already divided by its second moment and scaled by -lr:
   written from Adam's mu, its first step went against the gradient (+0.027 on gradients of
