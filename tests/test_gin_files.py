@@ -192,6 +192,20 @@ def test_shipped_files_resolve_from_any_directory(name, tmp_path, monkeypatch):
   assert resolved == GIN_DIR / "optimizers" / "adamw.gin"
 
 
+def test_a_search_paths_file_comes_before_the_shipped_one_of_the_same_name(tmp_path, monkeypatch):
+  """A user's ``optimizers/adamw.gin`` in a search path is the one parsed; a search path that
+  is not a directory is refused rather than passed over for the shipped file."""
+  monkeypatch.chdir(tmp_path)
+  mine = tmp_path / "mine"
+  (mine / "optimizers").mkdir(parents=True)
+  (mine / "optimizers" / "adamw.gin").write_text("TOTAL_STEPS = 3\n")
+  _config.parse_config(gin_files=["optimizers/adamw.gin"], search_paths=[str(mine)])
+  assert gin.query_parameter("%TOTAL_STEPS") == 3
+  for missing in (tmp_path / "mien", mine / "optimizers" / "adamw.gin"):
+    with pytest.raises(NotADirectoryError, match=f"gin search path '{missing}' is not a local"):
+      _config.parse_config(gin_files=["optimizers/adamw.gin"], search_paths=[str(missing)])
+
+
 def _optimizer_report(bindings: list[str]) -> tuple[str, str, tuple | None, OptimizerDef]:
   _config.parse_config(gin_bindings=bindings)
   found = _config.optimizer_learning_rate()
