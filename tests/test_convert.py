@@ -410,9 +410,10 @@ def test_adamax_inside_multisteps_is_told_from_adam(direction):
   ],
 )
 def test_adamax_is_told_from_adam_inside_low_precision_and_multisteps(wrap):
-  """The probe looks for Adam's state type in the definition's initial state, abstractly: a
-  compressed state decodes only inside a trace (outside one, bfloat16 adamax was read as
-  Adam's), and MultiSteps around or inside low_precision updates its adamax every 3rd step."""
+  """The probe looks for Adam's state type in the definition's initial state, decoding a
+  compressed one (looked for in abstract values, a bfloat16 state failed to decode and adamax
+  was read as Adam's), and MultiSteps around or inside low_precision updates its adamax every
+  3rd step."""
   source = _trained(optax.adam(1e-3), NOISY_PARAMS)
   target = OptaxWrapper(wrap(optax.adamax(1e-3))).create(NOISY_PARAMS)
   _, report = t5x_optim.convert_state(source, target)

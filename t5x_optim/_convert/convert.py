@@ -538,16 +538,11 @@ def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[
   trained = small.fast if isinstance(small, optax.LookaheadParams) else small
   grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
   grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
-  holds_adam = []
-
-  def look(params: Any) -> None:  # traced: a compressed state decodes only inside a trace
-    holds_adam.append(bool(_adam_states(optimizer_def.init_state(params).param_states)))
-
   try:
-    jax.eval_shape(look, small)
-    if not any(holds_adam):
+    opt = optimizer_def.create(small)
+    if not _adam_states(opt.state.param_states):
       return frozenset()
-    opt = optimizer_def.create(small).apply_gradient(grads)
+    opt = opt.apply_gradient(grads)
     step = jax.jit(lambda opt: opt.apply_gradient(grads))
     for _ in range(_PROBE_GRADIENTS - 1):
       if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
