@@ -27,6 +27,8 @@ from t5x_optim._adapters.optax_wrapper import (
   OptaxWrapper,
   chain,
   inject_hyperparams,
+  trained_params,
+  trains_lookahead_params,
 )
 from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
 from t5x_optim._checkpoint.converting import restore_converted
@@ -114,6 +116,8 @@ __all__ = [
   "stack_params",
   "t5x_checkpoint_steps",
   "t5x_checkpoints",
+  "trained_params",
+  "trains_lookahead_params",
   "wrap_example_lib_optimizer",
   "wrap_optax_optimizer",
 ]

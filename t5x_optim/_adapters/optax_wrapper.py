@@ -28,6 +28,7 @@ __all__ = [
   "chain",
   "inject_hyperparams",
   "takes_param_axes",
+  "trained_params",
   "trains_lookahead_params",
 ]
 
@@ -127,6 +128,18 @@ def trains_lookahead_params(optimizer_def: Any) -> bool:
   """
   init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
   return getattr(init, "__qualname__", "").startswith("lookahead.")
+
+
+def trained_params(params: Any) -> Any:
+  """The params a loss is computed with: the fast copy of `optax.LookaheadParams`, else ``params``.
+
+  Example:
+    >>> trained_params(optax.LookaheadParams(fast={'w': 1.0}, slow={'w': 0.0}))
+    {'w': 1.0}
+    >>> trained_params({'w': 1.0})
+    {'w': 1.0}
+  """
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 @struct.dataclass
@@ -260,9 +273,7 @@ class OptaxWrapper(OptimizerDef):
 
   def prepare_grads(self, params: Any, grads: Any) -> Any:
     """`OptimizerDef.prepare_grads`; for `optax.lookahead`, against the fast params."""
-    if isinstance(params, optax.LookaheadParams):
-      params = params.fast
-    return super().prepare_grads(params, grads)
+    return super().prepare_grads(trained_params(params), grads)
 
   def init_state(self, params: Any) -> OptimizerState:
     return OptimizerState(

@@ -53,6 +53,7 @@ import numpy as np
 import optax
 from flax import serialization, traverse_util
 
+from t5x_optim._adapters.optax_wrapper import trained_params
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import AdamaxState
 from t5x_optim._convert.registry import (
@@ -535,7 +536,7 @@ def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[
   if optimizer_def is None:
     return frozenset()
   small = jax.tree.map(lambda p: jnp.zeros((2,) * jnp.ndim(p), jnp.float32), params)
-  trained = small.fast if isinstance(small, optax.LookaheadParams) else small
+  trained = trained_params(small)
   grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
   grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
   try:
@@ -715,7 +716,7 @@ def convert_state(
   else:
     optimizer_def, like_state = target, None
   template = _fresh_state(optimizer_def, params, like_state)
-  trained = params.fast if isinstance(params, optax.LookaheadParams) else params
+  trained = trained_params(params)
   flat_params = {
     "/".join(map(str, path)): leaf
     for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(trained)).items()

@@ -101,7 +101,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation
+from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation, trained_params
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
@@ -331,7 +331,7 @@ def _mirror_params(inner_state: Any, params: Any) -> list[int]:
   A mirror is a subtree with the params' structure (``MaskedNode`` holes
   allowed); its leaves mirror the params at the same positions.
   """
-  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  reference = trained_params(params)
   param_def = jax.tree.structure(reference, is_leaf=_is_masked)
   if param_def.num_nodes == 1:
     return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
@@ -439,7 +439,7 @@ def _param_axis_names(
       "the axes on), whose set_param_axes takes them (T5X's train state, TrainState.create "
       "and partitioning.init_sharded call it)."
     )
-  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  reference = trained_params(params)
   leaves = [
     (_state_dict.key_path_str(path), leaf)
     for path, leaf in jax.tree.flatten_with_path(reference, is_leaf=_is_masked)[0]
@@ -485,7 +485,7 @@ def _plan_storage(
   """
   flat = jax.tree.flatten_with_path(inner_state)[0]
   indices = _mirror_params(inner_state, params)
-  reference = params.fast if isinstance(params, optax.LookaheadParams) else params
+  reference = trained_params(params)
   param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
   pattern = None if states is None else re.compile(states)
   param_paths = [

@@ -50,7 +50,12 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from t5x_optim import LowPrecisionState, TrainState, storage
+from t5x_optim import (
+  TrainState,
+  storage,
+  trained_params,
+  trains_lookahead_params,
+)
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop.config import TrainJob
@@ -60,7 +65,7 @@ from t5x_optim.cli.loop.job import config_changes, config_file_name, identity_pr
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
 from t5x_optim.cli.loop.summary import TrainSummary
-from t5x_optim.cli.loop.weight_metrics import metric_tags, metric_vector
+from t5x_optim.cli.loop.weight_metrics import holds_low_precision, metric_tags, metric_vector
 from t5x_optim.partitioning import format_bytes
 
 __all__ = [
@@ -211,19 +216,13 @@ def prepare_model_dir(path: Path) -> Path:
   return path
 
 
-def _lookahead(optimizer_def: Any) -> bool:
-  """Whether the optimizer is optax.lookahead (it trains `optax.LookaheadParams`)."""
-  init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
-  return getattr(init, "__qualname__", "").startswith("lookahead.")
-
-
 def _is_spec(x: Any) -> bool:
   return x is None or isinstance(x, PartitionSpec)
 
 
 def _create_fn(job: TrainJob, model: TransformerLM) -> Callable[..., TrainState]:
   """`(key, tokens) -> TrainState`; for lookahead the params are fast and slow copies."""
-  lookahead = _lookahead(job.optimizer)
+  lookahead = trains_lookahead_params(job.optimizer)
 
   def create(key: jax.Array, tokens: jax.Array) -> TrainState:
     variables = model.init(key, tokens)
@@ -238,11 +237,6 @@ def _create_fn(job: TrainJob, model: TransformerLM) -> Callable[..., TrainState]
     )
 
   return create
-
-
-def _trained(params: Any) -> Any:
-  """The params the loss sees: the fast copy for lookahead."""
-  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def _train_step(
@@ -268,7 +262,7 @@ def _train_step(
   def loss_fn(params: Any) -> jax.Array:
     return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
-  loss, grads = jax.value_and_grad(loss_fn)(_trained(state.params))
+  loss, grads = jax.value_and_grad(loss_fn)(trained_params(state.params))
   grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if learning_rate is not None:
@@ -285,11 +279,11 @@ def _train_step(
     metrics["learning_rate"] = jnp.asarray(injected[0], jnp.float32)
   if weights:
     metrics["weights"] = metric_vector(
-      _trained(state.params),
-      _trained(new_state.params),
+      trained_params(state.params),
+      trained_params(new_state.params),
       grads,
       new_state.param_states,
-      param_shardings=None if shardings is None else _trained(shardings.params),
+      param_shardings=None if shardings is None else trained_params(shardings.params),
       state_shardings=None if shardings is None else shardings.param_states,
     )
   return new_state, metrics
@@ -369,7 +363,7 @@ class Setup:
   def weight_tags(self) -> list[str]:
     """The tags of the ``weights`` vector of `weights_step_fn`."""
     state = self.abstract_state
-    return metric_tags(_trained(state.params), state.param_states)
+    return metric_tags(trained_params(state.params), state.param_states)
 
   def train_batch(self, step: int) -> dict[str, jax.Array]:
     """The global batch of `step`; this process reads only its devices' rows."""
@@ -452,7 +446,7 @@ def prepare(job: TrainJob) -> Setup:
 
   step_fn = partitioned_step(weights=False)
   weights_step_fn = partitioned_step(weights=True) if job.metrics_every else None
-  param_shardings = _trained(shardings.params)
+  param_shardings = trained_params(shardings.params)
   eval_fn = partitioner.partition(
     lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
   )
@@ -489,7 +483,7 @@ def describe_setup(
   """
   abstract = setup.abstract_state
   mesh = setup.job.partitioner.mesh
-  params = _trained(abstract.params)
+  params = trained_params(abstract.params)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   states = jax.tree.leaves(abstract.param_states)
   per_device = sum(_leaf_bytes_per_device(x) for x in states)
@@ -516,11 +510,7 @@ def _state_precision(setup: Setup) -> list[str]:
   from t5x_optim.partitioning import build_plan  # noqa: PLC0415 - a plan only for this line
 
   abstract = setup.abstract_state
-
-  def is_low(x: Any) -> bool:
-    return isinstance(x, LowPrecisionState)
-
-  if not any(map(is_low, jax.tree.leaves(abstract.param_states, is_leaf=is_low))):
+  if not holds_low_precision(abstract.param_states):
     return []
   plan = build_plan(abstract, logical=abstract.as_logical_axes())
   choices: dict[str, set[str]] = {}
@@ -696,7 +686,7 @@ def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
   """Mean held-out loss (of the fast and the slow params, for lookahead)."""
   job = setup.job
   batches = [setup.eval_batch(i) for i in range(job.eval_batches)]
-  copies = {"loss": _trained(state.params)}
+  copies = {"loss": trained_params(state.params)}
   if isinstance(state.params, optax.LookaheadParams):
     copies["loss_slow"] = state.params.slow
   return {

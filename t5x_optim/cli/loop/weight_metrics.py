@@ -65,7 +65,9 @@ def _leaves(tree: Any, shardings: Any) -> list[tuple[tuple[str, ...], jax.Array,
   ]
 
 
-def _holds_low_precision(param_states: Any) -> bool:
+def holds_low_precision(param_states: Any) -> bool:
+  """Whether ``param_states`` holds a `LowPrecisionState` (compressed or bfloat16 leaves)."""
+
   def is_node(x: Any) -> bool:
     return isinstance(x, LowPrecisionState)
 
@@ -143,7 +145,7 @@ def metric_tags(params: Any, param_states: Any) -> list[str]:
     ['weight_rms/w', 'weight_gradient_rms/w', 'weight_update_rms/w', 'optimizer_state_rms/mu/w']
   """
   entries = _leaves(params, None)
-  if _holds_low_precision(param_states):
+  if holds_low_precision(param_states):
     param_states = jax.eval_shape(low_precision_to_float32, param_states)
   return _tags([entries, entries, entries, _leaves(param_states, None)])
 
@@ -186,7 +188,7 @@ def metric_vector(
     *[((leaf, old), sharding) for (_, leaf, sharding), old in zip(news, olds, strict=True)],
   ]
   sizes = [term[0].size for term, _ in entries]
-  if _holds_low_precision(param_states):
+  if holds_low_precision(param_states):
     state_totals, state_sizes = _low_precision_totals(param_states)
     sizes += state_sizes
   else:
