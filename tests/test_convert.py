@@ -26,6 +26,7 @@ import optax
 import pytest
 from _t5x import t5x_at_hand
 from flax import traverse_util
+from flax.core import FrozenDict
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
@@ -1009,6 +1010,45 @@ def test_lookahead_params_convert_to_and_from_one_copy():
   _assert_close(back.target.slow, new.target)
   _assert_close(back.state.param_states.fast_state[0].mu, new.state.param_states[0].mu)
   assert not report.initialised and not report.dropped
+
+
+@pytest.mark.parametrize(("source", "target"), [(FrozenDict, dict), (dict, FrozenDict)])
+def test_a_target_in_another_container_gets_the_source_params_in_its_own(source, target):
+  """T5X's older checkpoints hold FrozenDicts, flax's models give dicts: either way round the
+  params are the source's, in the target's container."""
+  old = OptaxWrapper(optax.adam(1e-3)).create(source(PARAMS)).apply_gradient(source(M))
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(optax.adamw(1e-3)).create(target(PARAMS)))
+  assert type(new.target) is target
+  assert type(new.state.param_states[0].mu) is target
+  _assert_close(dict(new.target), dict(old.target))
+  _assert_close(dict(new.state.param_states[0].nu), dict(old.state.param_states[0].nu))
+  assert not report.initialised
+
+
+def _unfit(params: dict) -> dict[str, dict]:
+  kernel = params["dense"]["kernel"]
+  return {
+    "transposed": {"dense": {**params["dense"], "kernel": kernel.T}},
+    "extra": {**params, "head": {"bias": np.zeros(3, np.float32)}},
+    "missing": {"dense": {"kernel": kernel}},
+    "renamed": {"dense": {"kernel": kernel, "b": params["dense"]["bias"]}},
+  }
+
+
+@pytest.mark.parametrize("case", sorted(_unfit(PARAMS)))
+def test_params_that_do_not_fit_the_target_are_refused_naming_the_path(case):
+  """Converted into a target of other shapes, the params were the source's without a word:
+  the optimizer no longer fitted the model it was built for."""
+  old = OptaxWrapper(optax.adam(1e-3)).create(PARAMS)
+  target = OptaxWrapper(optax.adam(1e-3)).create(_unfit(PARAMS)[case])
+  want = {
+    "transposed": r"dense/kernel: the source's params have shape \(4, 6\), the target's \(6, 4\)",
+    "extra": r"the target's params have head/bias, which the source's do not",
+    "missing": r"the source's params have dense/bias, which the target's do not",
+    "renamed": r"the target's params have dense/b, which the source's do not",
+  }[case]
+  with pytest.raises(ValueError, match=want):
+    t5x_optim.convert_state(old, target)
 
 
 @pytest.mark.parametrize("mode", [None, pytest.param("8bit", marks=pytest.mark.slow)])

@@ -72,6 +72,7 @@ from t5x_optim._convert.registry import (
 )
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._low_precision.low_precision import (
   QUANTIZED_LEAF_TYPES,
   LowPrecisionState,
@@ -603,6 +604,39 @@ def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> Optimiz
   return jax.jit(optimizer_def.init_state, out_shardings=out)(params)
 
 
+def _params_like(params: Any, like: Any) -> Any:
+  """`params` in `like`'s structure (its containers: a dict or a FrozenDict), dtypes and
+  shardings, matched by path.
+
+  Raises:
+    ValueError: a path one side has and the other lacks, or a shape that differs, named
+      with both sides.
+  """
+  given = {key_path_str(path): leaf for path, leaf in jax.tree.flatten_with_path(params)[0]}
+  wanted, treedef = jax.tree.flatten_with_path(like)
+  names = [key_path_str(path) for path, _ in wanted]
+  problems = [
+    f"the {side} params have {path}, which the {other} do not"
+    for side, other, have, lack in (
+      ("source's", "target's", given, names),
+      ("target's", "source's", names, given),
+    )
+    for path in sorted(set(have) - set(lack))
+  ]
+  problems += [
+    f"{name}: the source's params have shape {tuple(jnp.shape(given[name]))}, the target's "
+    f"{tuple(leaf.shape)}"
+    for name, (_, leaf) in zip(names, wanted, strict=True)
+    if name in given and tuple(jnp.shape(given[name])) != tuple(leaf.shape)
+  ]
+  if problems:
+    raise ValueError(
+      "The source's params do not fit the target optimizer's: " + "; ".join(problems) + "."
+    )
+  leaves = [_placed(given[name], leaf) for name, (_, leaf) in zip(names, wanted, strict=True)]
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def _placed(value: Any, like: Any) -> Any:
   """`value` as a new array in `like`'s dtype and sharding.
 
@@ -673,7 +707,7 @@ def convert_state(
 
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
-    the target's dtypes and shardings) and step, and a `ConversionReport`.
+    the target's containers, dtypes and shardings, matched by path) and step, and a `ConversionReport`.
     Between ``optax.lookahead`` (two copies of the params,
     `optax.LookaheadParams`) and another optimizer (an `Optimizer` target),
     the params are the slow copy (the report's ``dropped`` names the fast
@@ -682,7 +716,9 @@ def convert_state(
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
     ValueError: a state dict that `source_def` does not fit (or, without
-      it, that is not T5X's legacy Adafactor layout); a param with the same
+      it, that is not T5X's legacy Adafactor layout); source params that do
+      not fit an `Optimizer` target's (a path one side lacks, or another
+      shape: each named, with both sides); a param with the same
       moment in two source states; an 8-bit leaf outside a
       ``LowPrecisionState`` (naming its path); with ``missing="raise"``,
       anything the conversion would initialise.
@@ -712,7 +748,7 @@ def convert_state(
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
     params, lookahead = _copies_like(params, like_params)
     notes += lookahead
-    params = jax.tree.map(_placed, params, like_params)
+    params = _params_like(params, like_params)
   else:
     optimizer_def, like_state = target, None
   template = _fresh_state(optimizer_def, params, like_state)
