@@ -169,6 +169,32 @@ def test_optimizer_file_names_its_learning_rate(path):
     assert found is not None and "%LEARNING_RATE = " in found[1]
 
 
+@pytest.mark.parametrize(
+  ("rates", "logged"),
+  [
+    (("@fast/optax.constant_schedule()", "@slow/optax.constant_schedule()"), None),
+    (("@fast/optax.constant_schedule()", "@fast/optax.constant_schedule()"), 0.01),
+  ],
+  ids=["two_scopes", "one_scope"],
+)
+def test_two_schedules_of_one_configurable_are_two_rates(rates, logged):
+  """The matrices at 0.01 and the scales at 0.5, each a scoped ``optax.constant_schedule``: the
+  rates were told apart by the configurable's name alone, and the scales' 0.5 was logged as
+  the run's learning rate."""
+  _config.parse_config(
+    gin_files=["optimizers/multi_optimizer.gin"],
+    gin_bindings=[
+      f"optimizers.adamw.learning_rate = {rates[0]}",
+      f"optimizers.adam.learning_rate = {rates[1]}",
+      "fast/optax.constant_schedule.value = 0.01",
+      "slow/optax.constant_schedule.value = 0.5",
+    ],
+    macros=_config.device_macros(8),
+  )
+  found = _config.optimizer_learning_rate()
+  assert (found and found[0](0)) == logged
+
+
 @pytest.mark.parametrize("path", _files("examples"), ids=_ids(_files("examples")))
 def test_example_file_builds_a_train_job(path):
   _config.parse_config(gin_files=[str(path)])

@@ -578,6 +578,17 @@ def _binding_name(reference: Any, scope: Sequence[str], arg: str) -> str:
   return f"{reference.selector}.{arg}"
 
 
+def _called_identity(value: Any, scope: Sequence[str]) -> tuple[str, tuple[str, ...]] | None:
+  """A gin reference as the configurable gin calls and the scope it calls it in (a macro
+  followed to its value): one identity, one value; None when `value` is not a reference."""
+  if not isinstance(value, gin.config.ConfigurableReference):
+    return None
+  scope = _called_in(value, scope)
+  if value.configurable.wrapped is gin.config.macro:
+    return _called_identity(_bound(value, scope).get("value"), scope)
+  return value.selector, tuple(scope)
+
+
 def _reference_text(
   value: Any, depth: int, skip: frozenset[str] = frozenset(), scope: Sequence[str] = ()
 ) -> str | None:
@@ -704,7 +715,7 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
     >>> optimizer_learning_rate()
     (1e-05, 'optax.adamw.learning_rate = 1e-05')
   """
-  found: dict[str, tuple[Any, str]] = {}
+  found: dict[Any, tuple[Any, str]] = {}
   for argument in optimizer_arguments(stop=_RATES):
     if argument.name not in _RATES:
       continue
@@ -717,7 +728,9 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
     if isinstance(bound, gin.config.ConfigurableReference):
       if bound.configurable.wrapped is gin.config.macro:
         shown = f"%{bound.scopes[-1]} = {shown}"
-    found[name or repr(rate)] = (rate, f"{argument.binding} = {shown}")
+    # One configurable called in two scopes gives two rates (``@fast/...``, ``@slow/...``).
+    key = _called_identity(bound, argument.scope) or repr(rate)
+    found[key] = (rate, f"{argument.binding} = {shown}")
   if len(found) != 1:
     return None
   rate, where = next(iter(found.values()))
