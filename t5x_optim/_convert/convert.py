@@ -707,11 +707,11 @@ def convert_state(
 
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
-    the target's containers, dtypes and shardings, matched by path) and step, and a `ConversionReport`.
-    Between ``optax.lookahead`` (two copies of the params,
-    `optax.LookaheadParams`) and another optimizer (an `Optimizer` target),
-    the params are the slow copy (the report's ``dropped`` names the fast
-    one), or both copies are the source's params.
+    the target's containers, dtypes and shardings, matched by path) and
+    step, and a `ConversionReport`. Between ``optax.lookahead`` (two copies
+    of the params, `optax.LookaheadParams`) and another optimizer (an
+    `Optimizer` target), the params are the slow copy (the report's
+    ``dropped`` names the fast one), or both copies are the source's params.
 
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
