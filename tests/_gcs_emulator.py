@@ -105,6 +105,21 @@ class Emulator:
     with urllib.request.urlopen(request) as response:
       response.read()
 
+  def upload(self, bucket: str, name: str, data: bytes) -> None:
+    """Writes object `name` of `bucket` (the JSON API's media upload)."""
+    import urllib.parse  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    request = urllib.request.Request(
+      f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
+      data=data,
+      headers={"Content-Type": "application/octet-stream"},
+      method="POST",
+    )
+    with urllib.request.urlopen(request) as response:
+      response.read()
+
 
 def _serve(port: int) -> None:
   from gcp_storage_emulator.exceptions import NotFound  # noqa: PLC0415

@@ -195,6 +195,37 @@ def test_two_schedules_of_one_configurable_are_two_rates(rates, logged):
   assert (found and found[0](0)) == logged
 
 
+@pytest.mark.parametrize(
+  ("bindings", "path"),
+  [
+    ([], None),
+    (_config.data_bindings("hamlet.txt"), "hamlet.txt"),
+    (["TASK = @cli.TextTask()", "cli.TextTask.path = '{x}'"], "{x}"),
+    (["cli.TrainJob.task = @cli.TextTask()", "cli.TextTask.path = '{y}'"], "{y}"),
+    (
+      [
+        "cli.TrainJob.task = @mine/cli.TextTask()",
+        "mine/cli.TextTask.path = '{x}'",
+        "cli.TextTask.path = '{y}'",
+      ],
+      "{x}",
+    ),
+  ],
+  ids=["synthetic", "data_flag", "macro", "direct", "scoped"],
+)
+def test_the_text_a_job_reads_is_found_however_it_is_bound(bindings, path, tmp_path):
+  """The processes of a job compare the text at this path (`test_multiprocess`)."""
+  files = {name: tmp_path / f"{name}.txt" for name in ("x", "y")}
+  for name, file in files.items():
+    file.write_text(f"the text {name} " * 100)
+  bindings = [binding.format(**files) for binding in bindings] + ["VOCAB_SIZE = 256"]
+  _config.parse_config(gin_files=["examples/tiny.gin"], gin_bindings=bindings)
+  want = None if path is None else path.format(**files)
+  assert _config.text_data_path() == want
+  task = _config.build_job().task
+  assert getattr(task, "path", None) == want
+
+
 @pytest.mark.parametrize("path", _files("examples"), ids=_ids(_files("examples")))
 def test_example_file_builds_a_train_job(path):
   _config.parse_config(gin_files=[str(path)])

@@ -222,6 +222,45 @@ def test_processes_of_different_jobs_stop_before_the_first_step(extra, message, 
   )
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo collectives: not on Windows")
+def test_processes_that_read_other_text_at_the_same_path_stop_before_the_first_step(tmp_path):
+  """Each host with its own copy of the corpus at the same path (here one gs:// path on two
+  emulators, one per process), and one copy stale: the job trained on both without a word."""
+  pytest.importorskip("gcsfs")
+  pytest.importorskip("gcp_storage_emulator")
+  from _gcs_emulator import Emulator  # noqa: PLC0415 - needs the emulator installed
+
+  hamlet = (REPO / "t5x_optim" / "data" / "hamlet.txt").read_bytes()
+  address = f"127.0.0.1:{free_port()}"
+  with Emulator() as first, Emulator() as second:
+    for emulator, text in ((first, hamlet), (second, hamlet[: len(hamlet) // 2])):
+      emulator.create_bucket("corpus")
+      emulator.upload("corpus", "text/hamlet.txt", text)
+    procs = [
+      subprocess.Popen(
+        [sys.executable, "-m", "t5x_optim_launcher", "train", "--gin_file", "examples/tiny.gin"]
+        + ["--data", "gs://corpus/text", "--gin_bindings", "TOTAL_STEPS = 5"]
+        + ["--model_dir", str(tmp_path / "run"), "--coordinator_address", address]
+        + ["--num_processes", "2", "--process_id", str(i)],
+        cwd=tmp_path,
+        env={**_env(4), **emulator.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+      for i, emulator in enumerate((first, second))
+    ]
+    results = communicate_all(procs, TIMEOUT)
+  half = f"{len(hamlet) // 2:,} bytes"
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert (
+      "the processes were started with different jobs: the text data at gs://corpus/text" in err
+    )
+    assert f"1 file, {len(hamlet):,} bytes" in err and f"1 file, {half}" in err, err
+    assert "step 1" not in out
+
+
 def _readme_recipe() -> str:
   blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "docs" / "cli.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]

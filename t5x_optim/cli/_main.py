@@ -447,6 +447,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
 
   train = args.command == "train"
   failure = None
+  same_data: dict[str, str] = {}
   try:
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     if train:
@@ -471,12 +472,17 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
+    if _processes.several() and (text := _config.text_data_path()) is not None:
+      # Each host reads its own copy of the text at that path: the copies must agree too.
+      from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
+
+      same_data[f"the text data at {text}"] = _text.data_summary(text, label="--data")
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():
     # Before the first collective of the job: every process, failed or not, compares.
     config = None if failure is not None else gin.config_str()
-    mismatch = _processes.agree(_same_job_flags(args), config)
+    mismatch = _processes.agree({**_same_job_flags(args), **same_data}, config)
     if mismatch is not None and failure is None:
       return _error(args.command, mismatch)
   if failure is not None:

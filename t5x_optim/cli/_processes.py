@@ -10,8 +10,9 @@ is a multi-process job of a cluster that jax detects by itself (Slurm,
 Open MPI, multi-host TPU); arguments left out are detected as jax does.
 
 Before the job's first collective, `agree` all-gathers every process's
-flags and parsed gin config: processes started with different jobs stop
-there, each with one line naming the first difference.
+flags and parsed gin config (and what the command adds, such as a summary
+of the text data each host reads): processes started with different jobs
+stop there, each with one line naming the first difference.
 
 Only process 0 writes the log, TensorBoard events and ``config.gin``;
 checkpoints are written by every process (each its own shards), once per
@@ -175,6 +176,6 @@ def agree(flags: Mapping[str, str], config: str | None) -> str | None:
     if other != mine:
       return (
         f"the processes were started with different jobs: {_first_difference(mine, other, here, i)}"
-        "; every process of a job needs the same flags (but --process_id) and gin files."
+        "; every process of a job needs the same flags (but --process_id), gin files and text data."
       )
   return None

@@ -33,6 +33,7 @@ import bisect
 import codecs
 import dataclasses
 import functools
+import hashlib
 import math
 from pathlib import Path
 
@@ -40,7 +41,14 @@ import numpy as np
 
 from t5x_optim import storage
 
-__all__ = ["BYTE_VOCAB_SIZE", "DATA_DIR", "TextTask", "resolve_data_path", "scan_text"]
+__all__ = [
+  "BYTE_VOCAB_SIZE",
+  "DATA_DIR",
+  "TextTask",
+  "data_summary",
+  "resolve_data_path",
+  "scan_text",
+]
 
 BYTE_VOCAB_SIZE = 256
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -143,6 +151,27 @@ def scan_text(path: str | Path, *, label: str = "text data") -> tuple[list[Path]
     _check_text(file, label)
     starts.append(starts[-1] + storage.file_size(file))
   return files, starts
+
+
+def data_summary(path: str | Path, *, label: str = "text data") -> str:
+  """The text at `path` in one line: its files, their bytes, and a digest of their names,
+  sizes and first 64 KiB, which the processes of a job compare (a host's stale copy of the
+  corpus differs). Reads each file's head, not the whole file.
+
+  Example:
+    >>> data_summary('hamlet.txt')[:21]
+    '1 file, 176,880 bytes'
+  """
+  files, starts = scan_text(path, label=label)
+  root = resolve_data_path(path, label=label)
+  digest = hashlib.sha256()
+  for file, start, end in zip(files, starts, starts[1:]):
+    with file.open("rb") as stream:
+      head = stream.read(_SNIFF_BYTES)
+    name = file.name if file == root else file.relative_to(root).as_posix()
+    digest.update(f"{name}\0{end - start}\0".encode() + hashlib.sha256(head).digest())
+  count = f"{len(files):,} file{'s' if len(files) != 1 else ''}"
+  return f"{count}, {starts[-1]:,} bytes, digest {digest.hexdigest()[:12]}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,7 @@ __all__ = [
   "optimizer_learning_rate",
   "parse_config",
   "resolve_gin_file",
+  "text_data_path",
 ]
 
 BINDING_IMPORTS = """
@@ -406,6 +407,32 @@ def data_bindings(path: str | Path) -> list[str]:
     f"cli.TextTask.path = {str(path)!r}",
     f"VOCAB_SIZE = {BYTE_VOCAB_SIZE}",
   ]
+
+
+def text_data_path() -> str | None:
+  """The path of the text the parsed config trains on (its `TextTask`), or None for
+  another task.
+
+  Example:
+    >>> parse_config(gin_bindings=data_bindings('hamlet.txt'))
+    >>> text_data_path()
+    'hamlet.txt'
+    >>> parse_config()
+    >>> text_data_path() is None
+    True
+  """
+  task, scope = gin.get_bindings(TrainJob, resolve_references=False).get("task"), []
+  while isinstance(task, gin.config.ConfigurableReference) and task.configurable.wrapped is (
+    gin.config.macro
+  ):
+    scope = _called_in(task, scope)
+    task = _bound(task, scope).get("value")
+  if not isinstance(task, gin.config.ConfigurableReference) or task.configurable.wrapped is not (
+    TextTask
+  ):
+    return None
+  path = _bound(task, _called_in(task, scope)).get("path")
+  return None if path is None else str(path)
 
 
 def default_search_paths() -> list[Path]:
