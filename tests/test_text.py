@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +142,29 @@ def test_batches_read_their_windows_only(tmp_path, monkeypatch):
   task.batch(0)
   task.eval_batch(0, rows=slice(0, 2))
   assert sum(read) == 10 * 17
+
+
+def _corpus(root: Path, texts: dict[str, str]) -> Path:
+  for name, text in texts.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(text)
+  return root
+
+
+def test_the_data_summary_tells_a_stale_copy_from_a_copy_and_not_the_hash_seed(tmp_path):
+  """What the processes of a job compare: equal for two copies of one corpus anywhere, and in
+  any process (a set of paths iterated in hash order made it differ between processes)."""
+  texts = {"a.txt": "first file " * 50, "b/c.txt": "middle " * 50, "z.txt": "last file " * 50}
+  one = _text.data_summary(_corpus(tmp_path / "one", texts))
+  assert one.startswith("3 files, 1,400 bytes, digest ")
+  assert _text.data_summary(_corpus(tmp_path / "two", texts)) == one
+  for name, text in [("b/c.txt", "middle " * 49), ("z.txt", "LAST file " * 50)]:
+    stale = _corpus(tmp_path / f"stale_{len(name)}", {**texts, name: text})
+    assert _text.data_summary(stale) != one, name
+  code = f"from t5x_optim.cli.demo import text; print(text.data_summary({str(tmp_path / 'one')!r}))"
+  for seed in ("1", "2"):
+    env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+      [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == one

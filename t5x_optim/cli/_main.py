@@ -476,7 +476,8 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       # Each host reads its own copy of the text at that path: the copies must agree too.
       from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
 
-      same_data[f"the text data at {text}"] = _text.data_summary(text, label="--data")
+      label = "--data" if args.data is not None else "cli.TextTask.path"
+      same_data[f"the text data at {text}"] = _text.data_summary(text, label=label)
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():

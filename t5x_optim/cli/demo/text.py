@@ -154,9 +154,10 @@ def scan_text(path: str | Path, *, label: str = "text data") -> tuple[list[Path]
 
 
 def data_summary(path: str | Path, *, label: str = "text data") -> str:
-  """The text at `path` in one line: its files, their bytes, and a digest of their names,
-  sizes and first 64 KiB, which the processes of a job compare (a host's stale copy of the
-  corpus differs). Reads each file's head, not the whole file.
+  """The text at `path` in one line: its files, their bytes, and a digest of their names and
+  sizes and of the first 64 KiB of the first and the last file, which the processes of a job
+  compare (a host's stale copy of the corpus differs). Lists the files as `scan_text` does
+  and reads two heads, however many files there are.
 
   Example:
     >>> data_summary('hamlet.txt')[:21]
@@ -166,10 +167,11 @@ def data_summary(path: str | Path, *, label: str = "text data") -> str:
   root = resolve_data_path(path, label=label)
   digest = hashlib.sha256()
   for file, start, end in zip(files, starts, starts[1:]):
-    with file.open("rb") as stream:
-      head = stream.read(_SNIFF_BYTES)
     name = file.name if file == root else file.relative_to(root).as_posix()
-    digest.update(f"{name}\0{end - start}\0".encode() + hashlib.sha256(head).digest())
+    digest.update(f"{name}\0{end - start}\0".encode())
+  for file in dict.fromkeys([files[0], files[-1]]):
+    with file.open("rb") as stream:
+      digest.update(stream.read(_SNIFF_BYTES))
   count = f"{len(files):,} file{'s' if len(files) != 1 else ''}"
   return f"{count}, {starts[-1]:,} bytes, digest {digest.hexdigest()[:12]}"
 
