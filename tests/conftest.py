@@ -42,8 +42,10 @@ SLOW_DOCTESTS = {
 
 def pytest_collection_modifyitems(config, items):
   del config
-  doctests = {item.name for item in items if isinstance(item, pytest.DoctestItem)}
-  modules = doctests | {name.rsplit(".", 1)[0] for name in doctests}
+  doctest_items = [item for item in items if isinstance(item, pytest.DoctestItem)]
+  doctests = {item.name for item in doctest_items}
+  # The modules whose examples were collected (a module's own is named as the module).
+  modules = {item.dtest.globs["__name__"] for item in doctest_items}
   stale = sorted(
     name
     for name in SLOW_DOCTESTS - doctests
