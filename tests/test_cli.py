@@ -23,7 +23,7 @@ from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
 from t5x_optim.cli.loop import train as _train
-from t5x_optim.cli.loop.job import config_changes
+from t5x_optim.cli.loop.job import config_changes, identity_problem, state_layout
 from t5x_optim.partitioning import init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
@@ -566,3 +566,27 @@ def test_bad_gin_in_a_subprocess_exits_without_traceback(tmp_path):
   assert "Traceback" not in result.stderr
   assert "adamww" in result.stderr and len(result.stderr.splitlines()) == 1
   assert list(tmp_path.iterdir()) == []
+
+
+def test_another_state_layout_names_what_each_side_holds_at_the_node():
+  """An 8-bit run resumed with bfloat16 states: the node was said to hold "nothing now", where
+  it holds a bfloat16 array."""
+  import optax  # noqa: PLC0415
+
+  from t5x_optim import optimizers  # noqa: PLC0415
+
+  params = {"w": jax.numpy.ones((64, 64))}
+
+  def layout(mode):
+    tx = optimizers.low_precision(optax.adam(0.1), mode, min_size=0)
+    return {"state": state_layout(optimizers.OptaxWrapper(tx).create(params))}
+
+  eight, bf16 = layout("8bit"), layout("bfloat16")
+  assert identity_problem(eight, bf16).startswith(
+    "the optimizer state's node inner_state/0/mu/w is QuantizedLeaf there, "
+    "an array bfloat16[64,64] now;"
+  )
+  assert identity_problem(bf16, eight).startswith(
+    "the optimizer state's node inner_state/0/mu/w is an array bfloat16[64,64] there, "
+    "QuantizedLeaf now;"
+  )

@@ -110,10 +110,20 @@ def job_record(
   }
 
 
-def _first_differences(name: str, there: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+def _first_differences(
+  name: str,
+  there: Mapping[str, str],
+  now: Mapping[str, str],
+  leaves: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
+) -> list[str]:
+  """Each path whose entry differs, with both sides; a path that is a leaf on one side
+  (`leaves`: there's and now's) is named as that array."""
   out = []
   for path in sorted(set(there) | set(now)):
-    old, new = there.get(path, "nothing"), now.get(path, "nothing")
+    old, new = (
+      side.get(path) or (f"an array {leaf[path]}" if path in leaf else "nothing")
+      for side, leaf in zip((there, now), leaves, strict=True)
+    )
     if old != new:
       out.append(f"{name} {path} is {old} there, {new} now")
   return out
@@ -138,7 +148,10 @@ def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
   if not problems:
     old_state, new_state = recorded.get("state", {}), current.get("state", {})
     problems = _first_differences(
-      "the optimizer state's node", old_state.get("classes", {}), new_state.get("classes", {})
+      "the optimizer state's node",
+      old_state.get("classes", {}),
+      new_state.get("classes", {}),
+      (old_state.get("leaves", {}), new_state.get("leaves", {})),
     ) or _first_differences(
       "the optimizer state's leaf", old_state.get("leaves", {}), new_state.get("leaves", {})
     )
