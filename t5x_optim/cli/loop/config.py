@@ -421,17 +421,12 @@ def text_data_path() -> str | None:
     >>> text_data_path() is None
     True
   """
-  task, scope = gin.get_bindings(TrainJob, resolve_references=False).get("task"), []
-  while isinstance(task, gin.config.ConfigurableReference) and task.configurable.wrapped is (
-    gin.config.macro
-  ):
-    scope = _called_in(task, scope)
-    task = _bound(task, scope).get("value")
+  task, scope = _past_macros(gin.get_bindings(TrainJob, resolve_references=False).get("task"), [])
   if not isinstance(task, gin.config.ConfigurableReference) or task.configurable.wrapped is not (
     TextTask
   ):
     return None
-  path = _bound(task, _called_in(task, scope)).get("path")
+  path = _bound(task, scope).get("path")
   return None if path is None else str(path)
 
 
@@ -605,14 +600,23 @@ def _binding_name(reference: Any, scope: Sequence[str], arg: str) -> str:
   return f"{reference.selector}.{arg}"
 
 
+def _past_macros(value: Any, scope: Sequence[str]) -> tuple[Any, list[str]]:
+  """`value` bound from a caller in `scope`, with macros followed to what they bind, and
+  the scope gin calls that in (a reference's own scope, else its caller's)."""
+  while isinstance(value, gin.config.ConfigurableReference):
+    scope = _called_in(value, scope)
+    if value.configurable.wrapped is not gin.config.macro:
+      break
+    value = _bound(value, scope).get("value")
+  return value, list(scope)
+
+
 def _called_identity(value: Any, scope: Sequence[str]) -> tuple[str, tuple[str, ...]] | None:
   """A gin reference as the configurable gin calls and the scope it calls it in (a macro
   followed to its value): one identity, one value; None when `value` is not a reference."""
+  value, scope = _past_macros(value, scope)
   if not isinstance(value, gin.config.ConfigurableReference):
     return None
-  scope = _called_in(value, scope)
-  if value.configurable.wrapped is gin.config.macro:
-    return _called_identity(_bound(value, scope).get("value"), scope)
   return value.selector, tuple(scope)
 
 
