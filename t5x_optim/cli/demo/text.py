@@ -107,13 +107,18 @@ def _files(root: Path, label: str) -> list[Path]:
   return files
 
 
-def _check_text(path: Path, label: str) -> None:
-  """Raises ValueError when `path` is empty or its head is not text (NUL bytes, bad UTF-8)."""
+def _head(path: Path, label: str) -> bytes:
+  """The first `_SNIFF_BYTES` of `path`; ValueError (one line) when it cannot be read."""
   try:
     with path.open("rb") as stream:
-      head = stream.read(_SNIFF_BYTES)
+      return stream.read(_SNIFF_BYTES)
   except OSError as error:
     raise ValueError(f"{label} {path}: cannot be read: {error.strerror or error}.") from error
+
+
+def _check_text(path: Path, label: str) -> None:
+  """Raises ValueError when `path` is empty or its head is not text (NUL bytes, bad UTF-8)."""
+  head = _head(path, label)
   if not head:
     raise ValueError(f"{label} {path}: the file is empty.")
   if b"\0" in head:
@@ -157,23 +162,25 @@ def data_summary(path: str | Path, *, label: str = "text data") -> str:
   """The text at `path` in one line: its files, their bytes, and a digest of their names and
   sizes and of the first 64 KiB of the first and the last file, which the processes of a job
   compare (a host's stale copy of the corpus differs). Lists the files as `scan_text` does
-  and reads two heads, however many files there are.
+  and reads two heads, however many files there are (checking the text is `scan_text`'s).
 
   Example:
     >>> data_summary('hamlet.txt')[:21]
     '1 file, 176,880 bytes'
   """
-  files, starts = scan_text(path, label=label)
   root = resolve_data_path(path, label=label)
+  files = _files(root, label)
   digest = hashlib.sha256()
-  for file, start, end in zip(files, starts, starts[1:]):
+  total = 0
+  for file in files:
     name = file.name if file == root else file.relative_to(root).as_posix()
-    digest.update(f"{name}\0{end - start}\0".encode())
+    size = storage.file_size(file)
+    total += size
+    digest.update(f"{name}\0{size}\0".encode())
   for file in dict.fromkeys([files[0], files[-1]]):
-    with file.open("rb") as stream:
-      digest.update(stream.read(_SNIFF_BYTES))
+    digest.update(_head(file, label))
   count = f"{len(files):,} file{'s' if len(files) != 1 else ''}"
-  return f"{count}, {starts[-1]:,} bytes, digest {digest.hexdigest()[:12]}"
+  return f"{count}, {total:,} bytes, digest {digest.hexdigest()[:12]}"
 
 
 @dataclasses.dataclass(frozen=True)
