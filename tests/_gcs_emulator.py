@@ -94,28 +94,23 @@ class Emulator:
   def create_bucket(self, name: str) -> None:
     """Creates bucket `name` (the JSON API's buckets.insert)."""
     import json  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
 
-    request = urllib.request.Request(
-      f"{self.url}/storage/v1/b?project=test",
-      data=json.dumps({"name": name}).encode(),
-      headers={"Content-Type": "application/json"},
-      method="POST",
+    self._post(
+      "/storage/v1/b?project=test", json.dumps({"name": name}).encode(), "application/json"
     )
-    with urllib.request.urlopen(request) as response:
-      response.read()
 
   def upload(self, bucket: str, name: str, data: bytes) -> None:
     """Writes object `name` of `bucket` (the JSON API's media upload)."""
     import urllib.parse  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
 
     query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    self._post(f"/upload/storage/v1/b/{bucket}/o?{query}", data, "application/octet-stream")
+
+  def _post(self, path: str, data: bytes, content_type: str) -> None:
+    import urllib.request  # noqa: PLC0415
+
     request = urllib.request.Request(
-      f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
-      data=data,
-      headers={"Content-Type": "application/octet-stream"},
-      method="POST",
+      self.url + path, data=data, headers={"Content-Type": content_type}, method="POST"
     )
     with urllib.request.urlopen(request) as response:
       response.read()
