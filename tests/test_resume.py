@@ -6,6 +6,7 @@ subprocess where the device count must differ) on a run of examples/tiny.gin.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -101,6 +102,22 @@ def test_resume_with_same_shapes_of_another_model_is_refused(four_steps, tmp_pat
   assert "--init_from" in err
   assert _checkpoint_steps(model_dir) == [2, 4]
   assert (model_dir / "config.gin").read_text() == config  # nothing half-written
+
+
+def test_a_checkpoint_of_a_newer_version_is_refused_and_kept(four_steps, tmp_path, capsys):
+  """A job record of a format this version does not know was compared field by field as if
+  it were its own: a newer version's record, read as this one's, resumed without a word."""
+  model_dir = _copy(four_steps, tmp_path)
+  record = model_dir / "checkpoints" / "4" / "job" / "metadata"
+  record.write_text(json.dumps({**json.loads(record.read_text()), "format": 2}))
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert (
+    f"--model_dir {model_dir}: its checkpoint step 4 was written by a newer t5x-optim "
+    "(job record format 2; this version reads format 1)"
+  ) in err, err
+  assert _checkpoint_steps(model_dir) == [2, 4]
+  assert json.loads(record.read_text())["format"] == 2
 
 
 def test_resume_may_change_steps_and_cadences_and_keeps_every_config(four_steps, tmp_path, capsys):

@@ -35,6 +35,7 @@ __all__ = [
   "FORMAT",
   "config_changes",
   "config_file_name",
+  "format_problem",
   "identity_problem",
   "job_record",
   "state_layout",
@@ -127,6 +128,28 @@ def _first_differences(
     if old != new:
       out.append(f"{name} {path} is {old} there, {new} now")
   return out
+
+
+def format_problem(recorded: Mapping[str, Any]) -> str | None:
+  """What keeps this version from reading a job record (from `job_record`), or None.
+
+  A record of a higher format comes from a newer t5x-optim, whose fields may
+  mean other things (a state laid out otherwise under the same names), so it
+  is not compared as this version's; nor is one whose format is no number.
+  A record without a format is compared as this version's.
+
+  Example:
+    >>> format_problem({'format': FORMAT}) is None
+    True
+    >>> format_problem({'format': FORMAT + 1})
+    'a newer t5x-optim (job record format 2; this version reads format 1)'
+  """
+  written = recorded.get("format", FORMAT)
+  if type(written) is int and written <= FORMAT:
+    return None
+  if type(written) is int:
+    return f"a newer t5x-optim (job record format {written}; this version reads format {FORMAT})"
+  return f"another t5x-optim (job record format {written!r}; this version reads format {FORMAT})"
 
 
 def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:

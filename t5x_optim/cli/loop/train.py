@@ -61,7 +61,12 @@ from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.input import global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
-from t5x_optim.cli.loop.job import config_changes, config_file_name, identity_problem
+from t5x_optim.cli.loop.job import (
+  config_changes,
+  config_file_name,
+  format_problem,
+  identity_problem,
+)
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
 from t5x_optim.cli.loop.summary import TrainSummary
@@ -598,7 +603,7 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
 
   Raises:
     UsageError: the checkpoint was written by another job (model, optimizer,
-      state layout), or no checkpoint is intact.
+      state layout) or by a newer version, or no checkpoint is intact.
   """
   resume = _Resume()
   for step in reversed(reader.all_steps()):
@@ -610,6 +615,12 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
     except CheckpointError as error:
       resume.skipped.append((step, skip_reason(error)))
       continue
+    written_by = recorded and format_problem(recorded)
+    if written_by:
+      raise UsageError(
+        f"--model_dir {model_dir}: its checkpoint step {step} was written by {written_by}; "
+        "nothing was changed: resume it with that version, or use another --model_dir."
+      )
     if recorded is not None and job is not None:
       problem = identity_problem(recorded, job)
       if problem:
