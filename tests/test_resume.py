@@ -6,6 +6,7 @@ subprocess where the device count must differ) on a run of examples/tiny.gin.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -232,19 +233,39 @@ def test_init_from_reads_the_hparams_of_the_start_that_wrote_the_step(tmp_path, 
     assert code == 0, err
     assert f"init_from:       {source} at step {step}\n" in out, out
     assert f"  hparams: old b1=0.9, b2={b2}, learning_rate=a schedule, new " in out, out
-  # The first start's config no longer builds: only a restore of its step needs it.
+  # The first start's config copy edited or gone: step 2's b2 is unknown, not config.gin's.
   first = source / "config_0.gin"
-  first.write_text(first.read_text().replace("@optax.adam()", "@optax.no_such_optimizer()"))
-  code, out, err = _train_run(
-    tmp_path / "broken_2", *lion, "--init_from", str(source / "checkpoints" / "2"), capsys=capsys
-  )
+  text = first.read_text()
+  step_2 = ["--init_from", str(source / "checkpoints" / "2")]
+  for edit in ("edited", "gone"):
+    if edit == "edited":
+      first.write_text(text.replace("optax.adam.b2 = 0.98", "optax.adam.b2 = 0.5"))
+    else:
+      first.unlink()
+    code, out, err = _train_run(tmp_path / f"{edit}_2", *lion, *step_2, capsys=capsys)
+    err = _one_line_error(code, err)
+    assert err.startswith(
+      f"t5x-optim train: error: --init_from {source}: checkpoint step 2 was written with the "
+      f"config config_0.gin, which {'has changed since' if edit == 'edited' else 'is gone'}"
+    ), err
+    assert "--init_from_gin" in err, err
+  # The first start's config no longer builds: only a restore of its step needs it.
+  first.write_text(text.replace("@optax.adam()", "@optax.no_such_optimizer()"))
+  record = source / "checkpoints" / "2" / "job" / "metadata"
+  job = json.loads(record.read_text())
+  job["config_sha256"] = hashlib.sha256(first.read_text().encode()).hexdigest()
+  record.write_text(json.dumps(job))
+  code, out, err = _train_run(tmp_path / "broken_2", *lion, *step_2, capsys=capsys)
   err = _one_line_error(code, err)
   assert err.startswith(f"t5x-optim train: error: --init_from {first} does not build"), err
+  # Step 4's own copy gone: config.gin, the latest start's copy, has its digest.
+  (source / "config_2.gin").unlink()
   code, out, err = _train_run(
     tmp_path / "broken_4", *lion, "--init_from", str(source), capsys=capsys
   )
   assert code == 0, err
   assert f"init_from:       {source} at step 4\n" in out, out
+  assert "  hparams: old b1=0.9, b2=0.9, learning_rate=a schedule, new " in out, out
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, capsys):

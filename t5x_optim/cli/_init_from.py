@@ -21,6 +21,7 @@ schedule is kept as one); the others are optax's defaults.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -233,7 +234,8 @@ def source_optimizer(
   None for T5X's legacy Adafactor, recognised by its state's layout, and for
   a directory without a config. Of a t5x-optim run resumed with other numbers
   (``optax.adam.b2``, say), each step's hyper-parameters are read from the
-  config of the start that wrote it (`Source.step_hparams`). Parsing leaves
+  config of the start that wrote it (`Source.step_hparams`), a copy that
+  still has the digest its step records. Parsing leaves
   gin's config cleared.
 
   Raises:
@@ -259,32 +261,81 @@ def source_optimizer(
   step_hparams = {}
   if not gin_files and config.is_file() and _is_ours(init_from):
     by_text = {config.read_text(): hparams}
-    for number, path in _step_configs(init_from, step).items():
-      text = path.read_text()
+    for number, found in _step_configs(init_from, step).items():
+      if isinstance(found, UsageError):  # Refused only if its step is the one restored.
+        step_hparams[number] = found
+        continue
+      path, text = found
       if text not in by_text:
         try:
           by_text[text] = _parsed(path, [], search_paths, macros, f"--init_from {path}")[1]
-        except UsageError as error:  # Refused only if its step is the one restored.
+        except UsageError as error:
           by_text[text] = error
       if by_text[text] != hparams:
         step_hparams[number] = by_text[text]
   return Source(init_from, optimizer, hparams, step, step_hparams)
 
 
-def _step_configs(init_from: Path, only: int | None) -> dict[int, Path]:
-  """Each committed step's operative config (step `only`'s alone, if given): that of the
-  start that wrote it (its job's ``config_file``), where the step records one still there."""
-  found = {}
+def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, str] | UsageError]:
+  """Each committed step's operative config (step `only`'s alone, if given), as its file and
+  text: that of the start that wrote it (its job's ``config_file``), where the step records one.
+
+  A step records its config's digest too: the file is taken only if it still
+  has that text, else ``config.gin`` if it has (the latest start's copy); a
+  step whose config neither holds gets the `UsageError` naming what changed,
+  since its hyper-parameters are then unknown. A step without a digest takes
+  its config file as it is.
+  """
+  found: dict[int, tuple[Path, str] | UsageError] = {}
+  texts: dict[str, str | None] = {}
+
+  def text_of(path: Path) -> str | None:
+    if str(path) not in texts:
+      texts[str(path)] = path.read_text() if path.is_file() else None
+    return texts[str(path)]
+
   with Checkpointer(init_from / CHECKPOINTS) as reader:
     for step in reader.all_steps() if only is None else [only]:
       try:
         job = reader.recorded_job(step) if reader.is_committed(step) else None
       except CheckpointError:
         continue
-      name = (job or {}).get("config_file")
-      if isinstance(name, str) and (init_from / name).is_file():
-        found[step] = init_from / name
+      name, digest = (job or {}).get("config_file"), (job or {}).get("config_sha256")
+      if not isinstance(name, str):
+        continue
+      if not isinstance(digest, str):
+        if text_of(init_from / name) is not None:
+          found[step] = init_from / name, text_of(init_from / name)
+        continue
+      for path in (init_from / name, init_from / CONFIG_FILE):
+        text = text_of(path)
+        if text is not None and _digest(text) == digest:
+          found[step] = path, text
+          break
+      else:
+        found[step] = _lost_config(init_from, step, name, digest, text_of(init_from / name))
   return found
+
+
+def _digest(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _lost_config(
+  init_from: Path, step: int, name: str, digest: str, text: str | None
+) -> UsageError:
+  """The refusal of a step whose config copy changed or is gone (`_step_configs`)."""
+  what = (
+    "is gone"
+    if text is None
+    else f"has changed since (sha256 {digest[:12]} recorded with the step, {_digest(text)[:12]} now)"
+  )
+  return UsageError(
+    f"--init_from {init_from}: checkpoint step {step} was written with the config {name}, "
+    f"which {what}, and {CONFIG_FILE} is another config, so the hyper-parameters that wrote "
+    f"the step are unknown: put {name} back as it was, or pass --init_from_gin with gin files of the "
+    "optimizer and numbers that wrote it."
+  )
 
 
 def _parsed(
