@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -174,21 +175,30 @@ def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and message in err, err
 
 
-def _two_processes(tmp_path: Path, extra: Sequence[Sequence[str]]) -> list[tuple[int, str, str]]:
-  """One job of 2 processes, process i with the flags `extra[i]` added."""
+def _two_processes(
+  tmp_path: Path,
+  extra: Sequence[Sequence[str]],
+  *,
+  args: Sequence[str] = (*TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 5"),
+  model_dir: str | None = None,
+  cwds: Sequence[Path] | None = None,
+  envs: Sequence[Mapping[str, str]] = ({}, {}),
+) -> list[tuple[int, str, str]]:
+  """One job of 2 processes, process i with the flags `extra[i]` added, run in `cwds[i]` (all
+  in `tmp_path` by default) with `envs[i]` added to its environment."""
   address = f"127.0.0.1:{free_port()}"
   procs = [
     subprocess.Popen(
-      [sys.executable, "-m", "t5x_optim_launcher", *TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 5"]
-      + ["--model_dir", str(tmp_path / "run"), *flags, "--coordinator_address", address]
-      + ["--num_processes", "2", "--process_id", str(i)],
-      cwd=tmp_path,
-      env=_env(4),
+      [sys.executable, "-m", "t5x_optim_launcher", *args]
+      + ["--model_dir", model_dir or str(tmp_path / "run"), *flags]
+      + ["--coordinator_address", address, "--num_processes", "2", "--process_id", str(i)],
+      cwd=cwd,
+      env={**_env(4), **env},
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
     )
-    for i, flags in enumerate(extra)
+    for i, (flags, cwd, env) in enumerate(zip(extra, cwds or [tmp_path] * 2, envs, strict=True))
   ]
   return communicate_all(procs, TIMEOUT)
 
@@ -231,26 +241,17 @@ def test_processes_that_read_other_text_at_the_same_path_stop_before_the_first_s
   from _gcs_emulator import Emulator  # noqa: PLC0415 - needs the emulator installed
 
   hamlet = (REPO / "t5x_optim" / "data" / "hamlet.txt").read_bytes()
-  address = f"127.0.0.1:{free_port()}"
   with Emulator() as first, Emulator() as second:
     for emulator, text in ((first, hamlet), (second, hamlet[: len(hamlet) // 2])):
       emulator.create_bucket("corpus")
       emulator.upload("corpus", "text/hamlet.txt", text)
-    procs = [
-      subprocess.Popen(
-        [sys.executable, "-m", "t5x_optim_launcher", "train", "--gin_file", "examples/tiny.gin"]
-        + ["--data", "gs://corpus/text", "--gin_bindings", "TOTAL_STEPS = 5"]
-        + ["--model_dir", str(tmp_path / "run"), "--coordinator_address", address]
-        + ["--num_processes", "2", "--process_id", str(i)],
-        cwd=tmp_path,
-        env={**_env(4), **emulator.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-      )
-      for i, emulator in enumerate((first, second))
-    ]
-    results = communicate_all(procs, TIMEOUT)
+    args = ["train", "--gin_file", "examples/tiny.gin", "--data", "gs://corpus/text"]
+    results = _two_processes(
+      tmp_path,
+      [[], []],
+      args=[*args, "--gin_bindings", "TOTAL_STEPS = 5"],
+      envs=[first.env, second.env],
+    )
   half = f"{len(hamlet) // 2:,} bytes"
   for code, out, err in results:
     assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
@@ -309,3 +310,40 @@ def test_the_readme_recipe_runs_two_processes_and_restarts_from_process_0s_cache
   assert re.search(r"^compilation cache: .* loaded from ", again, re.M), again
   assert sorted((model_dir / "compilation_cache").glob("jit__train_step-*")) == written
   assert _checkpoint_steps(model_dir) == [2, 4]
+
+
+def test_processes_that_see_other_checkpoints_stop_before_the_first_step(tmp_path):
+  """One --model_dir that is another directory on each host (here a relative path and two
+  working directories), one holding checkpoints: process 0 resumed while process 1 started
+  afresh, and they met in different collectives (process 0 called its checkpoint unreadable,
+  process 1 crashed with a traceback). The same for --init_from, a stale copy on one host."""
+  first, second = tmp_path / "host0", tmp_path / "host1"
+  second.mkdir()
+  first.mkdir()
+  steps = [
+    "--gin_bindings",
+    "TOTAL_STEPS = 4",
+    "--gin_bindings",
+    "cli.TrainJob.checkpoint_every = 2",
+  ]
+  _train([*TINY_TEXT, "--model_dir", "run", *steps], processes=1, cwd=first)
+  job = [*TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 6"]
+  results = _two_processes(tmp_path, [[], []], args=job, model_dir="run", cwds=[first, second])
+  shutil.copytree(first / "run", second / "run", dirs_exist_ok=True)
+  shutil.rmtree(second / "run" / "checkpoints" / "4")
+  next_dir = tmp_path / "next"
+  results += _two_processes(
+    tmp_path, [["--init_from", "run"]] * 2, args=job, model_dir=str(next_dir), cwds=[first, second]
+  )
+  for (code, out, err), seen in zip(
+    results,
+    ["--model_dir run is steps 2, 4 on process 0, none on process 1"] * 2
+    + ["--init_from run is steps 2, 4 on process 0, step 2 on process 1"] * 2,
+    strict=True,
+  ):
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1, err
+    assert f"the processes were started with different jobs: the checkpoint list of {seen}; " in err
+    assert "step 1" not in out
+  assert _checkpoint_steps(first / "run") == [2, 4]
+  assert not next_dir.exists() or not (next_dir / "checkpoints").exists()

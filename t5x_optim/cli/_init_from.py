@@ -42,9 +42,17 @@ from t5x_optim.cli.loop.train import (
   INCOMPLETE,
   UsageError,
   skip_reason,
+  steps_seen,
 )
 
-__all__ = ["CONVERSION_HPARAMS", "Source", "bound_hparams", "initial_state_fn", "source_optimizer"]
+__all__ = [
+  "CONVERSION_HPARAMS",
+  "Source",
+  "bound_hparams",
+  "checkpoints_seen",
+  "initial_state_fn",
+  "source_optimizer",
+]
 
 CONVERSION_HPARAMS = frozenset(
   {"b1", "b2", "b3", "momentum", "decay", "learning_rate", "beta1", "epsilon2"}
@@ -193,6 +201,14 @@ def _located(path: Path) -> tuple[Path, int | None]:
 def _is_ours(init_from: Path) -> bool:
   """Whether `init_from` is a t5x-optim run's directory (its ``config.gin`` may be gone)."""
   return (init_from / CHECKPOINTS).is_dir()
+
+
+def checkpoints_seen(source: Source) -> str:
+  """The checkpoint steps `source`'s directory holds, as one line (`steps_seen`): what the
+  processes of a job compare, since each host reads its own view of the directory."""
+  if _is_ours(source.directory):
+    return steps_seen(source.directory / CHECKPOINTS)
+  return steps_seen(source.directory, prefix="checkpoint_")
 
 
 def _holds_checkpoints(init_from: Path) -> bool:

@@ -478,6 +478,14 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
 
       label = "--data" if args.data is not None else "cli.TextTask.path"
       same_data[f"the text data at {text}"] = _text.data_summary(text, label=label)
+    if _processes.several() and model_dir is not None:
+      # Each host reads its own view of the model directory: a host-local or relative path
+      # that is another directory on one host would resume there and start afresh here.
+      checkpoints = _train.steps_seen(model_dir / _train.CHECKPOINTS)
+      same_data[f"the checkpoint list of --model_dir {args.model_dir}"] = checkpoints
+    if _processes.several() and source is not None:
+      checkpoints = _init_from.checkpoints_seen(source)
+      same_data[f"the checkpoint list of --init_from {args.init_from}"] = checkpoints
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():

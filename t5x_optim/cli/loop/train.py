@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 import re
@@ -89,6 +90,7 @@ __all__ = [
   "step_memory",
   "prepare_model_dir",
   "skip_reason",
+  "steps_seen",
   "train",
 ]
 
@@ -99,6 +101,7 @@ SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
 _SHOWN_CHANGES = 6
+_SHOWN_STEPS = 4
 _REASON_CHARS = 300
 INCOMPLETE = "incomplete: its save or copy never completed"
 """Why a checkpoint step that was never committed is skipped."""
@@ -183,6 +186,31 @@ def default_model_dir(base: Path | None = None) -> Path:
     n += 1
     candidate = runs / f"{stamp}-{n}"
   return candidate
+
+
+def steps_seen(directory: Path, prefix: str = "") -> str:
+  """The checkpoint steps in `directory` (names ``<prefix><step>``), as one line.
+
+  What the processes of a job compare before the first step (`_processes.agree`):
+  each host reads its own view of the model directory, and processes that see
+  other steps (a host-local path, a relative one from another working
+  directory) would restore different states, or one would start afresh.
+
+  Example:
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> steps_seen(run / 'checkpoints')
+    'none'
+    >>> for step in (4, 20): (run / 'checkpoints' / str(step)).mkdir(parents=True)
+    >>> steps_seen(run / 'checkpoints')
+    'steps 4, 20'
+  """
+  names = [path.name for path in directory.iterdir()] if directory.is_dir() else []
+  steps = sorted(int(n.removeprefix(prefix)) for n in names if re.fullmatch(rf"{prefix}\d+", n))
+  if len(steps) <= _SHOWN_STEPS:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "none"
+  digest = hashlib.sha256(",".join(map(str, steps)).encode()).hexdigest()[:12]
+  return f"{len(steps)} steps, {steps[0]} to {steps[-1]} (digest {digest})"
 
 
 def prepare_model_dir(path: Path) -> Path:
