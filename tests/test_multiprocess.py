@@ -347,3 +347,26 @@ def test_processes_that_see_other_checkpoints_stop_before_the_first_step(tmp_pat
     assert "step 1" not in out
   assert _checkpoint_steps(first / "run") == [2, 4]
   assert not next_dir.exists() or not (next_dir / "checkpoints").exists()
+
+
+def test_processes_that_write_to_other_directories_stop_before_the_first_step(tmp_path):
+  """A fresh --model_dir that is another directory on each host: both see no checkpoint, so
+  they trained, and process 1 crashed at the first save, after orbax's 600 s wait for the
+  directory process 0 creates (the steps since the start were lost)."""
+  first, second = tmp_path / "host0", tmp_path / "host1"
+  first.mkdir()
+  second.mkdir()
+  results = _two_processes(tmp_path, [[], []], model_dir="run", cwds=[first, second])
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1, err
+    assert (
+      "--model_dir run is not one directory for every process: process 1 does not see the file "
+      "process 0 wrote there; "
+    ) in err, err
+    assert "step 1" not in out
+  for host in (first, second):
+    assert not (host / "run" / "checkpoints").exists() or not any(
+      (host / "run" / "checkpoints").iterdir()
+    )
+    assert [p.name for p in (host / "run").iterdir() if p.name.startswith(".")] == []

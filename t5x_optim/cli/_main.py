@@ -494,6 +494,10 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     mismatch = _processes.agree({**_same_job_flags(args), **same_data}, config)
     if mismatch is not None and failure is None:
       return _error(args.command, mismatch)
+    if failure is None and model_dir is not None:
+      blind = _processes.see_one_directory(model_dir, f"--model_dir {args.model_dir}")
+      if blind is not None:
+        return _error(args.command, blind)
   if failure is not None:
     return _fail(args, failure)
   primary = _processes.is_primary()

@@ -12,7 +12,9 @@ Open MPI, multi-host TPU); arguments left out are detected as jax does.
 Before the job's first collective, `agree` all-gathers every process's
 flags and parsed gin config (and what the command adds, such as a summary
 of the text data each host reads): processes started with different jobs
-stop there, each with one line naming the first difference.
+stop there, each with one line naming the first difference. Then
+`see_one_directory` checks that every process sees the model directory as
+one directory, which every process writes its checkpoint shards to.
 
 Only process 0 writes the log, TensorBoard events and ``config.gin``;
 checkpoints are written by every process (each its own shards), once per
@@ -35,8 +37,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["add_flags", "agree", "is_primary", "several", "start", "wanted"]
+__all__ = ["add_flags", "agree", "is_primary", "see_one_directory", "several", "start", "wanted"]
 
 _CLUSTER_SIZES = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
@@ -180,3 +183,48 @@ def agree(flags: Mapping[str, str], config: str | None) -> str | None:
         "and checkpoints (one model directory that every host sees: a shared filesystem or gs://)."
       )
   return None
+
+
+def see_one_directory(directory: Any, flag: str) -> str | None:
+  """Checks that every process sees `directory` as one directory (a shared filesystem or gs://).
+
+  Every process writes its shards of each checkpoint there, and process 0
+  commits them: a host-local path (or a relative one from another working
+  directory) lets the job train until its first save, where the other
+  processes time out waiting for the directory process 0 made. Process 0
+  writes an empty file of a random name, every process looks for it, and
+  process 0 deletes it. Every process calls it at the same point, after
+  `agree`.
+
+  Args:
+    directory: the directory (a `pathlib.Path` or `epath.Path`).
+    flag: how the command line named it (``--model_dir run``).
+
+  Returns:
+    None when every process sees the file; else one line naming the first
+    process that does not.
+  """
+  import secrets  # noqa: PLC0415
+
+  marker = None
+  if is_primary():
+    marker = directory / f".t5x_optim_process_0_{secrets.token_hex(8)}"
+    try:
+      marker.write_text("")
+    except OSError:  # The first save says why; the others must not wait here for the name.
+      marker = None
+  name = _gather_texts("" if marker is None else marker.name)[0]
+  seen = _gather_texts("1" if not name or (directory / name).exists() else "0")
+  if marker is not None:
+    try:
+      marker.unlink()
+    except OSError:
+      pass
+  blind = [i for i, answer in enumerate(seen) if answer != "1"]
+  if not blind:
+    return None
+  return (
+    f"{flag} is not one directory for every process: process {blind[0]} does not see the file "
+    "process 0 wrote there; every process of a job writes its checkpoint shards to one model "
+    "directory, which every host must see (a shared filesystem or gs://)."
+  )
