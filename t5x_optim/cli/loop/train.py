@@ -206,7 +206,9 @@ def steps_seen(directory: Path, prefix: str = "") -> str:
     'steps 4, 20'
   """
   names = [path.name for path in directory.iterdir()] if directory.is_dir() else []
-  steps = sorted(int(n.removeprefix(prefix)) for n in names if re.fullmatch(rf"{prefix}\d+", n))
+  steps = sorted(
+    int(n.removeprefix(prefix)) for n in names if re.fullmatch(rf"{re.escape(prefix)}\d+", n)
+  )
   if len(steps) <= _SHOWN_STEPS:
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "none"
   digest = hashlib.sha256(",".join(map(str, steps)).encode()).hexdigest()[:12]
