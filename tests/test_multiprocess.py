@@ -351,8 +351,8 @@ def test_processes_that_see_other_checkpoints_stop_before_the_first_step(tmp_pat
 
 def test_processes_that_write_to_other_directories_stop_before_the_first_step(tmp_path):
   """A fresh --model_dir that is another directory on each host: both see no checkpoint, so
-  they trained, and process 1 crashed at the first save, after orbax's 600 s wait for the
-  directory process 0 creates (the steps since the start were lost)."""
+  they trained on while the first save waited for a directory only process 0 made, until
+  orbax gave up after 600 s: no checkpoint was committed, and the processes hung."""
   first, second = tmp_path / "host0", tmp_path / "host1"
   first.mkdir()
   second.mkdir()
