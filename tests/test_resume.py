@@ -119,6 +119,15 @@ def test_a_checkpoint_of_a_newer_version_is_refused_and_kept(four_steps, tmp_pat
   ) in err, err
   assert _checkpoint_steps(model_dir) == [2, 4]
   assert json.loads(record.read_text())["format"] == 2
+  # Nor is it converted: --init_from read its arrays with this version's optimizer.
+  code, _, err = _train_run(
+    tmp_path / "next", *_steps(6), "--init_from", str(model_dir), capsys=capsys
+  )
+  err = _one_line_error(code, err)
+  assert err.startswith(
+    f"t5x-optim train: error: --init_from {model_dir}: checkpoint step 4 was written by a newer "
+    "t5x-optim (job record format 2; this version reads format 1); convert it with that version."
+  ), err
 
 
 def test_resume_may_change_steps_and_cadences_and_keeps_every_config(four_steps, tmp_path, capsys):

@@ -36,6 +36,7 @@ from t5x_optim.cli._t5x_config import (
   optimizer_config,
 )
 from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop.job import format_problem
 from t5x_optim.cli.loop.train import (
   CHECKPOINTS,
   CONFIG_FILE,
@@ -209,6 +210,19 @@ def checkpoints_seen(source: Source) -> str:
   if _is_ours(source.directory):
     return steps_seen(source.directory / CHECKPOINTS)
   return steps_seen(source.directory, prefix="checkpoint_")
+
+
+def _refuse_newer(init_from: Path, step: int) -> None:
+  """Refuses checkpoint `step` of a t5x-optim run if a newer version wrote it (its job record's
+  format, `job.format_problem`): its state may be laid out otherwise under the same names."""
+  with Checkpointer(init_from / CHECKPOINTS) as reader:
+    job = reader.recorded_job(step)
+  written_by = job and format_problem(job)
+  if written_by:
+    raise UsageError(
+      f"--init_from {init_from}: checkpoint step {step} was written by {written_by}; convert "
+      "it with that version."
+    )
 
 
 def _holds_checkpoints(init_from: Path) -> bool:
@@ -448,6 +462,8 @@ def initial_state_fn(
     """
     old_hparams = source.hparams_of(step)
     try:
+      if ours and step is not None:
+        _refuse_newer(init_from, step)
       state, report = restore_converted(
         directory,
         abstract_state,
@@ -457,6 +473,8 @@ def initial_state_fn(
         source_hparams=old_hparams,
         target_hparams=target_hparams,
       )
+    except UsageError:
+      raise
     except (ValueError, FileNotFoundError) as error:
       if skipped is not None and isinstance(error, CheckpointError):
         raise
