@@ -6,7 +6,6 @@ subprocess where the device count must differ) on a run of examples/tiny.gin.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -22,6 +21,7 @@ import t5x_optim
 from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.job import config_digest
 
 pytestmark = [pytest.mark.usefixtures("clean_gin", "run_compilation_cache"), pytest.mark.slow]
 
@@ -262,7 +262,7 @@ def test_init_from_reads_the_hparams_of_the_start_that_wrote_the_step(tmp_path, 
   first.write_text(text.replace("@optax.adam()", "@optax.no_such_optimizer()"))
   record = source / "checkpoints" / "2" / "job" / "metadata"
   job = json.loads(record.read_text())
-  job["config_sha256"] = hashlib.sha256(first.read_text().encode()).hexdigest()
+  job["config_sha256"] = config_digest(first.read_text())
   record.write_text(json.dumps(job))
   code, out, err = _train_run(tmp_path / "broken_2", *lion, *step_2, capsys=capsys)
   err = _one_line_error(code, err)

@@ -21,7 +21,6 @@ schedule is kept as one); the others are optax's defaults.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from t5x_optim.cli._t5x_config import (
   optimizer_config,
 )
 from t5x_optim.cli.loop import config as _config
-from t5x_optim.cli.loop.job import format_problem
+from t5x_optim.cli.loop.job import config_digest, format_problem
 from t5x_optim.cli.loop.train import (
   CHECKPOINTS,
   CONFIG_FILE,
@@ -339,16 +338,12 @@ def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, st
         continue
       for path in (init_from / name, init_from / CONFIG_FILE):
         text = text_of(path)
-        if text is not None and _digest(text) == digest:
+        if text is not None and config_digest(text) == digest:
           found[step] = path, text
           break
       else:
         found[step] = _lost_config(init_from, step, name, digest, text_of(init_from / name))
   return found
-
-
-def _digest(text: str) -> str:
-  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _lost_config(
@@ -358,7 +353,7 @@ def _lost_config(
   what = (
     "is gone"
     if text is None
-    else f"has changed since (sha256 {digest[:12]} recorded with the step, {_digest(text)[:12]} now)"
+    else f"has changed since (sha256 {digest[:12]} recorded with the step, {config_digest(text)[:12]} now)"
   )
   return UsageError(
     f"--init_from {init_from}: checkpoint step {step} was written with the config {name}, "

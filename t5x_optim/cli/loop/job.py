@@ -34,6 +34,7 @@ from gin import config_parser
 __all__ = [
   "FORMAT",
   "config_changes",
+  "config_digest",
   "config_file_name",
   "format_problem",
   "identity_problem",
@@ -90,6 +91,16 @@ def state_layout(abstract_state: Any) -> dict[str, dict[str, str]]:
   }
 
 
+def config_digest(text: str) -> str:
+  """The digest of a config's text that `job_record` records as ``config_sha256``.
+
+  Example:
+    >>> config_digest('A = 1')[:12]
+    'd585f16be257'
+  """
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
 def job_record(
   *, model: Any, optimizer: str, abstract_state: Any, config_text: str
 ) -> dict[str, Any]:
@@ -107,7 +118,7 @@ def job_record(
     "model": dataclasses.asdict(model),
     "optimizer": optimizer,
     "state": state_layout(abstract_state),
-    "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+    "config_sha256": config_digest(config_text),
   }
 
 
