@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, TextIO
 
 import gin
 
-from t5x_optim import Checkpointer, TrainState, restore_converted, storage
+from t5x_optim import Checkpointer, TrainState, restore_converted, storage, t5x_checkpoint_steps
 from t5x_optim.checkpoints import CheckpointError
 from t5x_optim.cli._t5x_config import (
   binding_statements,
@@ -42,6 +42,7 @@ from t5x_optim.cli.loop.train import (
   INCOMPLETE,
   UsageError,
   skip_reason,
+  steps_line,
   steps_seen,
 )
 
@@ -208,7 +209,7 @@ def checkpoints_seen(source: Source) -> str:
   processes of a job compare, since each host reads its own view of the directory."""
   if _is_ours(source.directory):
     return steps_seen(source.directory / CHECKPOINTS)
-  return steps_seen(source.directory, prefix="checkpoint_")
+  return steps_line(t5x_checkpoint_steps(source.directory))
 
 
 def _refuse_newer(init_from: Path, step: int) -> None:

@@ -90,6 +90,7 @@ __all__ = [
   "step_memory",
   "prepare_model_dir",
   "skip_reason",
+  "steps_line",
   "steps_seen",
   "train",
 ]
@@ -188,8 +189,9 @@ def default_model_dir(base: Path | None = None) -> Path:
   return candidate
 
 
-def steps_seen(directory: Path, prefix: str = "") -> str:
-  """The checkpoint steps in `directory` (names ``<prefix><step>``), as one line.
+def steps_seen(directory: Path) -> str:
+  """The checkpoint steps in a run's `directory` (``<model_dir>/checkpoints``), as one line
+  (`steps_line`).
 
   What the processes of a job compare before the first step (`_processes.agree`):
   each host reads its own view of the model directory, and processes that see
@@ -206,9 +208,16 @@ def steps_seen(directory: Path, prefix: str = "") -> str:
     'steps 4, 20'
   """
   names = [path.name for path in directory.iterdir()] if directory.is_dir() else []
-  steps = sorted(
-    int(n.removeprefix(prefix)) for n in names if re.fullmatch(rf"{re.escape(prefix)}\d+", n)
-  )
+  return steps_line(sorted(int(name) for name in names if name.isdigit()))
+
+
+def steps_line(steps: Sequence[int]) -> str:
+  """Ascending checkpoint steps as one line: each of a few, else their count, ends and digest.
+
+  Example:
+    >>> steps_line([]), steps_line([2]), steps_line(range(10, 60, 10))
+    ('none', 'step 2', '5 steps, 10 to 50 (digest 88b7e79a7728)')
+  """
   if len(steps) <= _SHOWN_STEPS:
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "none"
   digest = hashlib.sha256(",".join(map(str, steps)).encode()).hexdigest()[:12]
