@@ -472,20 +472,21 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
-    if _processes.several() and (text := _config.text_data_path()) is not None:
-      # Each host reads its own copy of the text at that path: the copies must agree too.
-      from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
+    if _processes.several():
+      # Each host reads its own copy of the text, and its own view of the model and source
+      # directories (a host-local or relative path may be another directory on one host):
+      # what each sees must agree too.
+      if (text := _config.text_data_path()) is not None:
+        from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
 
-      label = "--data" if args.data is not None else "cli.TextTask.path"
-      same_data[f"the text data at {text}"] = _text.data_summary(text, label=label)
-    if _processes.several() and model_dir is not None:
-      # Each host reads its own view of the model directory: a host-local or relative path
-      # that is another directory on one host would resume there and start afresh here.
-      checkpoints = _train.steps_seen(model_dir / _train.CHECKPOINTS)
-      same_data[f"the checkpoint list of --model_dir {args.model_dir}"] = checkpoints
-    if _processes.several() and source is not None:
-      checkpoints = _init_from.checkpoints_seen(source)
-      same_data[f"the checkpoint list of --init_from {args.init_from}"] = checkpoints
+        label = "--data" if args.data is not None else "cli.TextTask.path"
+        same_data[f"the text data at {text}"] = _text.data_summary(text, label=label)
+      if model_dir is not None:
+        checkpoints = _train.steps_seen(model_dir / _train.CHECKPOINTS)
+        same_data[f"the checkpoint list of --model_dir {args.model_dir}"] = checkpoints
+      if source is not None:
+        checkpoints = _init_from.checkpoints_seen(source)
+        same_data[f"the checkpoint list of --init_from {args.init_from}"] = checkpoints
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():
