@@ -35,10 +35,9 @@ from t5x_optim.cli._t5x_config import (
   optimizer_config,
 )
 from t5x_optim.cli.loop import config as _config
-from t5x_optim.cli.loop.job import config_digest, format_problem
+from t5x_optim.cli.loop.job import CONFIG_FILE, LostConfig, format_problem, recorded_config
 from t5x_optim.cli.loop.train import (
   CHECKPOINTS,
-  CONFIG_FILE,
   INCOMPLETE,
   UsageError,
   skip_reason,
@@ -308,21 +307,18 @@ def source_optimizer(
 
 def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, str] | UsageError]:
   """Each committed step's operative config (step `only`'s alone, if given), as its file and
-  text: that of the start that wrote it (its job's ``config_file``), where the step records one.
+  text: that of the start that wrote it (`recorded_config`), where the step records one.
 
-  A step records its config's digest too: the file is taken only if it still
-  has that text, else ``config.gin`` if it has (the latest start's copy); a
-  step whose config neither holds gets the `UsageError` naming what changed,
-  since its hyper-parameters are then unknown. A step without a digest takes
-  its config file as it is.
+  A step whose config no copy still holds gets the `UsageError` naming what
+  changed, since its hyper-parameters are then unknown.
   """
   found: dict[int, tuple[Path, str] | UsageError] = {}
-  texts: dict[str, str | None] = {}
+  texts: dict[Path, str | None] = {}
 
-  def text_of(path: Path) -> str | None:
-    if str(path) not in texts:
-      texts[str(path)] = path.read_text() if path.is_file() else None
-    return texts[str(path)]
+  def read(path: Path) -> str | None:
+    if path not in texts:
+      texts[path] = path.read_text() if path.is_file() else None
+    return texts[path]
 
   with Checkpointer(init_from / CHECKPOINTS) as reader:
     for step in reader.all_steps() if only is None else [only]:
@@ -330,37 +326,21 @@ def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, st
         job = reader.recorded_job(step) if reader.is_committed(step) else None
       except CheckpointError:
         continue
-      name, digest = (job or {}).get("config_file"), (job or {}).get("config_sha256")
-      if not isinstance(name, str):
-        continue
-      if not isinstance(digest, str):
-        if text_of(init_from / name) is not None:
-          found[step] = init_from / name, text_of(init_from / name)
-        continue
-      for path in (init_from / name, init_from / CONFIG_FILE):
-        text = text_of(path)
-        if text is not None and config_digest(text) == digest:
-          found[step] = path, text
-          break
-      else:
-        found[step] = _lost_config(init_from, step, name, digest, text_of(init_from / name))
+      config = recorded_config(init_from, job or {}, read=read)
+      if isinstance(config, LostConfig):
+        found[step] = _lost_config(init_from, step, config)
+      elif config is not None:
+        found[step] = config
   return found
 
 
-def _lost_config(
-  init_from: Path, step: int, name: str, digest: str, text: str | None
-) -> UsageError:
+def _lost_config(init_from: Path, step: int, lost: LostConfig) -> UsageError:
   """The refusal of a step whose config copy changed or is gone (`_step_configs`)."""
-  what = (
-    "is gone"
-    if text is None
-    else f"has changed since (sha256 {digest[:12]} recorded with the step, {config_digest(text)[:12]} now)"
-  )
   return UsageError(
-    f"--init_from {init_from}: checkpoint step {step} was written with the config {name}, "
-    f"which {what}, and {CONFIG_FILE} is another config, so the hyper-parameters that wrote "
-    f"the step are unknown: put {name} back as it was, or pass --init_from_gin with gin files of the "
-    "optimizer and numbers that wrote it."
+    f"--init_from {init_from}: checkpoint step {step} was written with the config {lost.name}, "
+    f"which {lost.why}, and {CONFIG_FILE} {lost.latest}, so the hyper-parameters that wrote "
+    f"the step are unknown: put {lost.name} back as it was, or pass --init_from_gin with gin "
+    "files of the optimizer and numbers that wrote it."
   )
 
 

@@ -23,24 +23,30 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import traverse_util
 from gin import config_parser
 
 __all__ = [
+  "CONFIG_FILE",
   "FORMAT",
+  "LostConfig",
   "config_changes",
   "config_digest",
   "config_file_name",
   "format_problem",
   "identity_problem",
   "job_record",
+  "recorded_config",
   "state_layout",
 ]
+
+CONFIG_FILE = "config.gin"
+"""The model directory's copy of the latest start's config (each start's is ``config_<step>.gin``)."""
 
 FORMAT = 1
 """The version of the record's format."""
@@ -269,6 +275,71 @@ def config_changes(old_text: str, new_text: str) -> list[str]:
     for b in sorted(set(old) | set(new), key=_name)
     if shown(b)
   ]
+
+
+class LostConfig(NamedTuple):
+  """A checkpoint's config that no copy in the model directory still holds (`recorded_config`)."""
+
+  name: str
+  """The copy the checkpoint names (its start's)."""
+  why: str
+  """``is gone``, or ``has changed since (...)`` with both digests."""
+  latest: str
+  """What `CONFIG_FILE` is: ``is gone``, or ``is another config``."""
+
+
+def _read(path: Path) -> str | None:
+  return path.read_text() if path.is_file() else None
+
+
+def recorded_config(
+  model_dir: Path, record: Mapping[str, Any], *, read: Callable[[Path], str | None] = _read
+) -> tuple[Path, str] | LostConfig | None:
+  """The config that wrote a checkpoint of `model_dir` whose job record is `record`.
+
+  The record names its start's copy (``config_file``) and that config's
+  digest (``config_sha256``). The copy is taken only if it still has that
+  text, else `CONFIG_FILE` if it has (the latest start's copy); otherwise
+  the config is lost (`LostConfig`): its hyper-parameters and its changes are
+  unknown. A record without a digest takes its copy as it is.
+
+  Args:
+    model_dir: the run's model directory.
+    record: the checkpoint's job record (`job_record` and ``config_file``).
+    read: a file's text, or None where there is none.
+
+  Returns:
+    The copy's path and text; a `LostConfig`; or None where the record names
+    no copy, or names one without a digest that is gone.
+
+  Example:
+    >>> import tempfile
+    >>> model_dir = Path(tempfile.mkdtemp())
+    >>> _ = (model_dir / 'config.gin').write_text('A = 1')
+    >>> record = {'config_file': 'config_0.gin', 'config_sha256': config_digest('A = 1')}
+    >>> recorded_config(model_dir, record)[0].name
+    'config.gin'
+    >>> recorded_config(model_dir, {**record, 'config_sha256': config_digest('A = 2')}).why
+    'is gone'
+  """
+  name, digest = record.get("config_file"), record.get("config_sha256")
+  if not isinstance(name, str):
+    return None
+  own = read(model_dir / name)
+  if not isinstance(digest, str):
+    return None if own is None else (model_dir / name, own)
+  if own is not None and config_digest(own) == digest:
+    return model_dir / name, own
+  latest = read(model_dir / CONFIG_FILE)
+  if latest is not None and config_digest(latest) == digest:
+    return model_dir / CONFIG_FILE, latest
+  why = (
+    "is gone"
+    if own is None
+    else f"has changed since (sha256 {digest[:12]} recorded with the step, "
+    f"{config_digest(own)[:12]} now)"
+  )
+  return LostConfig(name, why, "is gone" if latest is None else "is another config")
 
 
 def config_file_name(model_dir: Path, start: int, text: str) -> str:

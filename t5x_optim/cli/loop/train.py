@@ -63,10 +63,14 @@ from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.input import global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
 from t5x_optim.cli.loop.job import (
+  CONFIG_FILE,
+  LostConfig,
   config_changes,
+  config_digest,
   config_file_name,
   format_problem,
   identity_problem,
+  recorded_config,
 )
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
@@ -75,7 +79,6 @@ from t5x_optim.cli.loop.weight_metrics import holds_low_precision, metric_tags, 
 from t5x_optim.partitioning import format_bytes
 
 __all__ = [
-  "CONFIG_FILE",
   "Diverged",
   "INCOMPLETE",
   "Interrupted",
@@ -96,7 +99,6 @@ __all__ = [
 ]
 
 BATCH_AXES = {"inputs": PartitionSpec("batch"), "targets": PartitionSpec("batch")}
-CONFIG_FILE = "config.gin"
 CHECKPOINTS = "checkpoints"
 SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
@@ -708,17 +710,24 @@ def _sync(name: str) -> None:
 
 
 def _config_change_line(model_dir: Path, resume: _Resume, config_text: str) -> str | None:
-  """What the resumed run's config changes against the config of the checkpoint's start."""
-  name = (resume.recorded or {}).get("config_file") or CONFIG_FILE
-  earlier = model_dir / name
-  if not earlier.exists():
+  """What the resumed run's config changes against the config that wrote the checkpoint."""
+  recorded = resume.recorded or {}
+  earlier = recorded_config(model_dir, recorded)
+  if isinstance(earlier, LostConfig):
+    if config_digest(config_text) == recorded.get("config_sha256"):
+      return None
+    return (
+      f"config:          changed since step {resume.step}, not listed: the config that wrote it, "
+      f"{earlier.name}, {earlier.why}, and {CONFIG_FILE} {earlier.latest}"
+    )
+  if earlier is None:
     return None
-  changes = config_changes(earlier.read_text(), config_text)
+  changes = config_changes(earlier[1], config_text)
   if not changes:
     return None
   more = f", and {len(changes) - _SHOWN_CHANGES} more" if len(changes) > _SHOWN_CHANGES else ""
   return (
-    f"config:          changed since step {resume.step} ({name}): "
+    f"config:          changed since step {resume.step} ({earlier[0].name}): "
     f"{', '.join(changes[:_SHOWN_CHANGES])}{more}"
   )
 
