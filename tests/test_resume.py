@@ -201,6 +201,30 @@ def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(
   ), out
 
 
+def test_resume_that_would_drop_accumulated_gradients_is_refused(tmp_path, capsys):
+  """A step saved between two updates of optax.MultiSteps (every 4) holds 3 accumulated
+  gradients; resumed with every 2, optax's mini-step (3 mod 2) never emits them: they were
+  dropped without a word (the change line named every_k_schedule alone)."""
+  model_dir = tmp_path / "run"
+  multisteps = ["--gin_file", "optimizers/multisteps.gin"]
+  every = ["--gin_bindings", "cli.TrainJob.checkpoint_every = 3"]
+  assert _train_run(model_dir, *multisteps, *_steps(3), *every, capsys=capsys)[0] == 0
+  fewer = ["--gin_bindings", "optax.MultiSteps.every_k_schedule = 2"]
+  code, _, err = _train_run(model_dir, *multisteps, *_steps(6), *every, *fewer, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert (
+    f"--model_dir {model_dir}: its checkpoint step 3 holds 3 gradients that optax.MultiSteps "
+    "accumulated towards its next update, which every_k_schedule 2 now would never apply"
+  ) in err, err
+  assert _checkpoint_steps(model_dir) == [3]
+  # Every 4 again: step 4 applies the 4 gradients.
+  code, out, err = _train_run(model_dir, *multisteps, *_steps(4), *every, capsys=capsys)
+  assert code == 0, err
+  # Saved at an update (mini-step 0): any every_k_schedule goes on.
+  code, out, err = _train_run(model_dir, *multisteps, *_steps(6), *every, *fewer, capsys=capsys)
+  assert code == 0, err
+
+
 def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
   four_steps, tmp_path, capsys
 ):

@@ -676,6 +676,12 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
       continue
     except (ValueError, FileNotFoundError) as error:
       raise UsageError(_mismatch_message(error, step, model_dir)) from error
+    dropped = _dropped_accumulation(setup.job.optimizer, resume.state)
+    if dropped:
+      raise UsageError(
+        f"--model_dir {model_dir}: its checkpoint step {step} {dropped}; nothing was changed: "
+        "resume with the every_k_schedule it was saved with until that update, then change it."
+      )
     resume.step, resume.recorded = step, recorded
     return resume
   if resume.skipped:
@@ -685,6 +691,38 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
       "move its checkpoints away to start afresh there, or use another --model_dir."
     )
   return resume
+
+
+def _dropped_accumulation(optimizer: Any, state: TrainState) -> str | None:
+  """What a restored `optax.MultiSteps` state accumulated that `optimizer` would drop, or None.
+
+  A step saved between two updates holds ``mini_step`` gradients accumulated
+  towards the next. optax counts mini-steps modulo the current
+  ``every_k_schedule``, so a schedule now at or below that count never
+  applies them: the next update starts afresh, or weighs them as one.
+  """
+  transformation = getattr(optimizer, "optax_optimizer", None)
+  multi_steps = getattr(getattr(transformation, "update", None), "__self__", None)
+  if not isinstance(multi_steps, optax.MultiSteps):
+    return None
+  nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+  node = next((n for n in nodes if isinstance(n, optax.MultiStepsState)), None)
+  if node is None:
+    return None
+  accumulated = int(_host_value(node.mini_step))
+  # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
+  every = int(multi_steps._every_k_schedule(_host_value(node.gradient_step)))
+  if accumulated < every:
+    return None
+  return (
+    f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
+    f"update, which every_k_schedule {every} now would never apply"
+  )
+
+
+def _host_value(x: Any) -> np.ndarray:
+  """A replicated array's value, read from this process's first shard."""
+  return np.asarray(x.addressable_shards[0].data) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def _set_aside(model_dir: Path, step: int, why: str) -> Path:
