@@ -68,6 +68,21 @@ def test_kfac_names_load_lazily():
     getattr(t5x_optim, "nope")
 
 
+def test_importing_the_package_warns_of_nothing_it_does():
+  """`optimizers.dpsgd` wrapped optax's deprecated alias: every import warned."""
+  script = (
+    "import warnings\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "  warnings.simplefilter('always')\n"
+    "  import t5x_optim, t5x_optim.optimizers, t5x_optim.cli\n"
+    "print([f'{w.filename}: {w.message}' for w in caught if '/t5x_optim/' in w.filename])\n"
+  )
+  run = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+  )
+  assert run.stdout.strip() == "[]", run.stdout
+
+
 def _explicit_names(call: str) -> set[str]:
   """Names `optimizers.py` assigns from `call` (written out, as static tools read them)."""
   tree = ast.parse(inspect.getsource(optimizers))
