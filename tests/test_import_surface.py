@@ -68,6 +68,7 @@ def test_kfac_names_load_lazily():
     getattr(t5x_optim, "nope")
 
 
+@pytest.mark.slow
 def test_importing_the_package_warns_of_nothing_it_does():
   """`optimizers.dpsgd` wrapped optax's deprecated alias: every import warned."""
   script = (

@@ -19,6 +19,7 @@ from test_cli import _checkpoint_steps, _env, _scalars
 
 import t5x_optim
 from t5x_optim.cli import main
+from t5x_optim.cli.demo import text as _text
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.job import config_digest
@@ -223,6 +224,26 @@ def test_resume_that_would_drop_accumulated_gradients_is_refused(tmp_path, capsy
   # Saved at an update (mini-step 0): any every_k_schedule goes on.
   code, out, err = _train_run(model_dir, *multisteps, *_steps(6), *every, *fewer, capsys=capsys)
   assert code == 0, err
+
+
+def test_a_resume_on_other_text_data_says_so(tmp_path, capsys):
+  """The text under --data replaced between a run and its resume (same path): the resume
+  read other batches than the run would have, without a word."""
+  text = tmp_path / "text.txt"
+  text.write_text(("the quick brown fox jumps over the lazy dog. " * 400).strip())
+  model_dir = tmp_path / "run"
+  data = ["--data", str(text)]
+  assert _train_run(model_dir, *data, *_steps(2), *EVERY_2, capsys=capsys)[0] == 0
+  code, out, err = _train_run(model_dir, *data, *_steps(4), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert "data:" not in out, out
+  before = _text.data_summary(text)
+  text.write_text(text.read_text().upper())
+  code, out, err = _train_run(model_dir, *data, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert out.splitlines()[2] == (
+    f"data:            changed since step 4: {before} there, {_text.data_summary(text)} now"
+  ), out
 
 
 def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(

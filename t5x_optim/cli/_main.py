@@ -448,6 +448,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
   train = args.command == "train"
   failure = None
   same_data: dict[str, str] = {}
+  text = text_seen = None
   try:
     model_dir = _train.prepare_model_dir(args.model_dir) if train and args.model_dir else None
     if train:
@@ -472,15 +473,18 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
+    text = _config.text_data_path() if train or _processes.several() else None
+    if text is not None:
+      from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
+
+      label = "--data" if args.data is not None else "cli.TextTask.path"
+      text_seen = _text.data_summary(text, label=label)
     if _processes.several():
       # Each host reads its own copy of the text, and its own view of the model and source
       # directories (a host-local or relative path may be another directory on one host):
       # what each sees must agree too.
-      if (text := _config.text_data_path()) is not None:
-        from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
-
-        label = "--data" if args.data is not None else "cli.TextTask.path"
-        same_data[f"the text data at {text}"] = _text.data_summary(text, label=label)
+      if text is not None:
+        same_data[f"the text data at {text}"] = text_seen
       if model_dir is not None:
         checkpoints = _train.steps_seen(model_dir / _train.CHECKPOINTS)
         same_data[f"the checkpoint list of --model_dir {args.model_dir}"] = checkpoints
@@ -536,6 +540,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     optimizer=identity,
     abstract_state=setup.abstract_state,
     config_text=config_text,
+    data=text_seen,
   )
   use = None
   with contextlib.ExitStack() as stack:

@@ -108,7 +108,7 @@ def config_digest(text: str) -> str:
 
 
 def job_record(
-  *, model: Any, optimizer: str, abstract_state: Any, config_text: str
+  *, model: Any, optimizer: str, abstract_state: Any, config_text: str, data: str | None = None
 ) -> dict[str, Any]:
   """The record saved with every checkpoint of a run (the loop adds ``config_file``,
   the name of the start's copy of its config in the model directory).
@@ -118,14 +118,19 @@ def job_record(
     optimizer: the optimizer's gin structure (`config.optimizer_identity`).
     abstract_state: the train state (`Setup.abstract_state`).
     config_text: the operative gin config of this start.
+    data: the text data's summary (``data_summary``: files, bytes, digest) where
+      the job reads text; a resume on other text says so.
   """
-  return {
+  record = {
     "format": FORMAT,
     "model": dataclasses.asdict(model),
     "optimizer": optimizer,
     "state": state_layout(abstract_state),
     "config_sha256": config_digest(config_text),
   }
+  if data is not None:
+    record["data"] = data
+  return record
 
 
 def _first_differences(

@@ -770,6 +770,14 @@ def _config_change_line(model_dir: Path, resume: _Resume, config_text: str) -> s
   )
 
 
+def _data_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | None:
+  """The text data's summary at the resumed step and now, where they differ."""
+  there, now = (resume.recorded or {}).get("data"), (job or {}).get("data")
+  if resume.step is None or there is None or now is None or there == now:
+    return None
+  return f"data:            changed since step {resume.step}: {there} there, {now} now"
+
+
 def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
   """Loss and gradient norm averaged over the interval; the learning rate at its end."""
   fetched = jax.device_get(list(records))
@@ -894,6 +902,9 @@ def train(
   )
   if changed:
     stream.write(changed + "\n")
+  data_changed = _data_change_line(resume, job)
+  if data_changed:
+    stream.write(data_changed + "\n")
   stream.write("".join(f"{line}\n" for line in about))
   stream.flush()
   if interrupt.requested:
