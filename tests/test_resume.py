@@ -246,6 +246,24 @@ def test_a_resume_on_other_text_data_says_so(tmp_path, capsys):
   ), out
 
 
+def test_a_resume_with_other_library_versions_says_which(four_steps, tmp_path, capsys):
+  """A checkpoint written under another optax (a container rebuilt between a run and its
+  resume) resumed without a word: a change of numerics after the resume had no trace."""
+  model_dir = _copy(four_steps, tmp_path)
+  record = model_dir / "checkpoints" / "4" / "job" / "metadata"
+  job = json.loads(record.read_text())
+  assert set(job["versions"]) >= {"t5x-optim", "jax", "jaxlib", "flax", "optax"}, job
+  now = job["versions"]["optax"]
+  record.write_text(json.dumps({**job, "versions": {**job["versions"], "optax": "0.1.0"}}))
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert f"\nversions:        changed since step 4: optax 0.1.0 -> {now}\n" in out, out
+  # The same versions: no line.
+  code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert "versions:" not in out, out
+
+
 def test_init_from_into_a_model_dir_with_checkpoints_says_it_is_ignored(
   four_steps, tmp_path, capsys
 ):

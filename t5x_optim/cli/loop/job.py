@@ -4,13 +4,16 @@ Every checkpoint of `t5x-optim train` records its job (`job_record`, saved
 with the step by `Checkpointer(job=...)`): the model's sizes, the optimizer
 (the gin configurables ``%OPTIMIZER`` reaches, its learning rate and schedule
 left out), the optimizer state's layout (the class of each state node, each
-leaf's dtype and shape) and the config file of the start that wrote it. A
+leaf's dtype and shape), the config file of the start that wrote it, the
+text data's summary and the versions of the libraries that ran it. A
 resume compares the checkpoint's record with the new run's (`identity_problem`):
 another model, optimizer or layout is refused, since the state would be read
 as another's (adam's E[g^2] as adabelief's variance; 4 heads of 8 read from 2
 of 16, whose kernels have the same shapes). Everything else may change and is
 reported (`config_changes`): total steps, cadences, the learning rate and
-other numeric hyper-parameters, the data, the seed, the devices and mesh.
+other numeric hyper-parameters, the data, the seed, the devices and mesh;
+so are other text under the same path and other library versions
+(`version_changes`).
 
 Example:
   >>> old = {'model': {'num_heads': 2}, 'optimizer': 'optax.adam', 'state': {}}
@@ -24,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,8 +45,10 @@ __all__ = [
   "format_problem",
   "identity_problem",
   "job_record",
+  "package_versions",
   "recorded_config",
   "state_layout",
+  "version_changes",
 ]
 
 CONFIG_FILE = "config.gin"
@@ -51,6 +57,7 @@ CONFIG_FILE = "config.gin"
 FORMAT = 1
 """The version of the record's format."""
 _SHOWN = 4
+_PACKAGES = ("t5x-optim", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
 
 def _node_classes(tree: Any, path: tuple[str, ...], out: dict[str, str]) -> None:
@@ -127,10 +134,41 @@ def job_record(
     "optimizer": optimizer,
     "state": state_layout(abstract_state),
     "config_sha256": config_digest(config_text),
+    "versions": package_versions(),
   }
   if data is not None:
     record["data"] = data
   return record
+
+
+def package_versions() -> dict[str, str]:
+  """The installed versions of this package and of the libraries whose numerics a step runs.
+
+  Example:
+    >>> sorted(package_versions())[:3]
+    ['flax', 'jax', 'jaxlib']
+  """
+  versions = {}
+  for name in _PACKAGES:
+    try:
+      versions[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      continue
+  return versions
+
+
+def version_changes(there: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+  """Each package whose version differs, ``name old -> new`` (``none`` where not installed).
+
+  Example:
+    >>> version_changes({'jax': '0.4.1', 'optax': '0.2.4'}, {'jax': '0.4.1', 'optax': '0.2.5'})
+    ['optax 0.2.4 -> 0.2.5']
+  """
+  return [
+    f"{name} {there.get(name, 'none')} -> {now.get(name, 'none')}"
+    for name in sorted(set(there) | set(now))
+    if there.get(name) != now.get(name)
+  ]
 
 
 def _first_differences(

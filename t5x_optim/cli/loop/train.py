@@ -71,6 +71,7 @@ from t5x_optim.cli.loop.job import (
   format_problem,
   identity_problem,
   recorded_config,
+  version_changes,
 )
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
@@ -778,6 +779,17 @@ def _data_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | N
   return f"data:            changed since step {resume.step}: {there} there, {now} now"
 
 
+def _version_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | None:
+  """The packages whose versions differ from those that wrote the resumed step."""
+  there, now = (resume.recorded or {}).get("versions"), (job or {}).get("versions")
+  if resume.step is None or not isinstance(there, dict) or not isinstance(now, dict):
+    return None
+  changes = version_changes(there, now)
+  if not changes:
+    return None
+  return f"versions:        changed since step {resume.step}: {', '.join(changes)}"
+
+
 def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
   """Loss and gradient norm averaged over the interval; the learning rate at its end."""
   fetched = jax.device_get(list(records))
@@ -902,9 +914,9 @@ def train(
   )
   if changed:
     stream.write(changed + "\n")
-  data_changed = _data_change_line(resume, job)
-  if data_changed:
-    stream.write(data_changed + "\n")
+  for line in (_data_change_line(resume, job), _version_change_line(resume, job)):
+    if line:
+      stream.write(line + "\n")
   stream.write("".join(f"{line}\n" for line in about))
   stream.flush()
   if interrupt.requested:
