@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -259,6 +260,27 @@ def test_processes_that_read_other_text_at_the_same_path_stop_before_the_first_s
       "the processes were started with different jobs: the text data at gs://corpus/text" in err
     )
     assert f"1 file, {len(hamlet):,} bytes" in err and f"1 file, {half}" in err, err
+    assert "step 1" not in out
+
+
+def test_processes_that_run_other_library_versions_stop_before_the_first_step(tmp_path):
+  """A host whose image has another optax (process 1 here reads its version as 0.1.0): each
+  host traces the step with its own optax, and the job ran without a word."""
+  other = tmp_path / "other_optax"
+  other.mkdir()
+  (other / "sitecustomize.py").write_text(
+    "from importlib import metadata\n"
+    "_version = metadata.version\n"
+    "metadata.version = lambda name: '0.1.0' if name == 'optax' else _version(name)\n"
+  )
+  path = os.pathsep.join([str(other), _env(4)["PYTHONPATH"]])
+  results = _two_processes(tmp_path, [[], []], envs=[{}, {"PYTHONPATH": path}])
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert (
+      "the processes were started with different jobs: the version of optax is "
+      f"{metadata.version('optax')} on process 0, 0.1.0 on process 1;"
+    ) in err, err
     assert "step 1" not in out
 
 

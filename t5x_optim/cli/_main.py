@@ -480,9 +480,11 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
       label = "--data" if args.data is not None else "cli.TextTask.path"
       text_seen = _text.data_summary(text, label=label)
     if _processes.several():
-      # Each host reads its own copy of the text, and its own view of the model and source
-      # directories (a host-local or relative path may be another directory on one host):
-      # what each sees must agree too.
+      # Each host runs its own installed libraries, reads its own copy of the text, and its
+      # own view of the model and source directories (a host-local or relative path may be
+      # another directory on one host): what each has and sees must agree too.
+      for name, version in _job.package_versions().items():
+        same_data[f"the version of {name}"] = version
       if text is not None:
         same_data[f"the text data at {text}"] = text_seen
       if model_dir is not None:

@@ -179,8 +179,9 @@ def agree(flags: Mapping[str, str], config: str | None) -> str | None:
     if other != mine:
       return (
         f"the processes were started with different jobs: {_first_difference(mine, other, here, i)}"
-        "; every process of a job needs the same flags (but --process_id), gin files, text data "
-        "and checkpoints (one model directory that every host sees: a shared filesystem or gs://)."
+        "; every process of a job needs the same flags (but --process_id), gin files, library "
+        "versions, text data and checkpoints (one model directory that every host sees: a shared "
+        "filesystem or gs://)."
       )
   return None
 
