@@ -710,20 +710,15 @@ def _dropped_accumulation(optimizer: Any, state: TrainState) -> str | None:
   node = next((n for n in nodes if isinstance(n, optax.MultiStepsState)), None)
   if node is None:
     return None
-  accumulated = int(_host_value(node.mini_step))
+  accumulated = int(node.mini_step)
   # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
-  every = int(multi_steps._every_k_schedule(_host_value(node.gradient_step)))
+  every = int(multi_steps._every_k_schedule(int(node.gradient_step)))
   if accumulated < every:
     return None
   return (
     f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
     f"update, which every_k_schedule {every} now would never apply"
   )
-
-
-def _host_value(x: Any) -> np.ndarray:
-  """A replicated array's value, read from this process's first shard."""
-  return np.asarray(x.addressable_shards[0].data) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def _set_aside(model_dir: Path, step: int, why: str) -> Path:
@@ -774,7 +769,7 @@ def _config_change_line(model_dir: Path, resume: _Resume, config_text: str) -> s
 def _data_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | None:
   """The text data's summary at the resumed step and now, where they differ."""
   there, now = (resume.recorded or {}).get("data"), (job or {}).get("data")
-  if resume.step is None or there is None or now is None or there == now:
+  if there is None or now is None or there == now:
     return None
   return f"data:            changed since step {resume.step}: {there} there, {now} now"
 
@@ -782,7 +777,7 @@ def _data_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | N
 def _version_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str | None:
   """The packages whose versions differ from those that wrote the resumed step."""
   there, now = (resume.recorded or {}).get("versions"), (job or {}).get("versions")
-  if resume.step is None or not isinstance(there, dict) or not isinstance(now, dict):
+  if not isinstance(there, dict) or not isinstance(now, dict):
     return None
   changes = version_changes(there, now)
   if not changes:
@@ -907,16 +902,13 @@ def train(
   for step, why in resume.skipped:
     kept = model_dir / SKIPPED / str(step)
     stream.write(f"skipped:         checkpoint step {step}, kept in {kept}: {why}\n")
-  changed = (
-    _config_change_line(model_dir, resume, config_text)
-    if resume.step is not None and config_text is not None
-    else None
-  )
-  if changed:
-    stream.write(changed + "\n")
-  for line in (_data_change_line(resume, job), _version_change_line(resume, job)):
-    if line:
-      stream.write(line + "\n")
+  if resume.step is not None:
+    changes = (
+      None if config_text is None else _config_change_line(model_dir, resume, config_text),
+      _data_change_line(resume, job),
+      _version_change_line(resume, job),
+    )
+    stream.write("".join(f"{line}\n" for line in changes if line))
   stream.write("".join(f"{line}\n" for line in about))
   stream.flush()
   if interrupt.requested:
