@@ -411,6 +411,64 @@ def test_adamax_inside_multisteps_is_told_from_adam(direction):
   assert any("(AdamaxState)" in line for line in report.converted), report
 
 
+def _on_plateau(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`inner` followed by a transformation whose update needs the loss (optax's ``value``)."""
+  return optax.chain(inner, optax.contrib.reduce_on_plateau())
+
+
+@pytest.mark.parametrize("direction", ["into", "from"])
+def test_adamax_before_a_transformation_that_takes_the_loss_is_told_from_adam(direction):
+  """reduce_on_plateau's update needs the loss: the probe updated without it, failed, and read
+  adamax's state as Adam's: adamax -> adam wrote nu 0.023 where 1.0e-5 is right, adam -> adamax
+  2.0e-6 where 0.010 is. The probe gives the update the extra arguments it takes."""
+  adam, adamax = optax.adam(1e-3), optax.adamax(1e-3)
+  if direction == "into":
+    source = _trained(adam, NOISY_PARAMS)
+    want, _ = t5x_optim.convert_state(source, OptaxWrapper(adamax).create(NOISY_PARAMS))
+    target = OptaxWrapper(_on_plateau(adamax)).create(NOISY_PARAMS)
+    got, report = t5x_optim.convert_state(source, target)
+    _assert_close(got.state.param_states[0][0].nu, want.state.param_states[0].nu)
+  else:
+    trained = _trained(adamax, NOISY_PARAMS)
+    source = OptaxWrapper(_on_plateau(adamax)).create(trained.target)
+    states = (trained.state.param_states, source.state.param_states[1])
+    source = source.replace(state=source.state.replace(param_states=states))
+    want, _ = t5x_optim.convert_state(trained, OptaxWrapper(adam).create(NOISY_PARAMS))
+    got, report = t5x_optim.convert_state(source, OptaxWrapper(adam).create(NOISY_PARAMS))
+    _assert_close(got.state.param_states[0].nu, want.state.param_states[0].nu)
+  assert any("(AdamaxState)" in line for line in report.converted), report
+
+
+def _weighted() -> optax.GradientTransformationExtraArgs:
+  """Scales the updates by an extra argument ``weights`` that optax does not define."""
+
+  def update(updates, state, params=None, *, weights, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: u * weights, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_adams_state_under_an_update_the_probe_cannot_run_is_refused(side):
+  """An update that needs an argument of its own: the probe could not tell adamax's state from
+  Adam's and read it as Adam's, whichever it was. The conversion is refused, naming the state
+  and why, and nothing is changed."""
+  weighted = OptaxWrapper(optax.chain(optax.adamax(1e-3), _weighted()), extra_args={"weights"})
+  plain = OptaxWrapper(optax.adam(1e-3))
+  source, target = _trained(optax.adam(1e-3), NOISY_PARAMS), weighted
+  if side == "source":
+    trained = _trained(optax.adamax(1e-3), NOISY_PARAMS)
+    states = (trained.state.param_states, optax.EmptyState())
+    source = weighted.create(trained.target)
+    source, target = source.replace(state=source.state.replace(param_states=states)), plain
+  with pytest.raises(ValueError, match="weights") as raised:
+    t5x_optim.convert_state(source, target)
+  message = str(raised.value)
+  assert f"the {side} optimizer's state" in message, message
+  assert "0/0 (ScaleByAdamState)" in message, message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "wrap",

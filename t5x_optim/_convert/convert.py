@@ -520,38 +520,72 @@ def _adam_states(param_states: Any) -> list[tuple[tuple[str, ...], optax.ScaleBy
   ]
 
 
-def _adamax_paths(optimizer_def: OptimizerDef | None, params: Any) -> frozenset[tuple[str, ...]]:
-  """The paths of the definition's `optax.ScaleByAdamState` nodes that are adamax's.
+def _holds_adam_state(param_states: Any) -> bool:
+  """Whether `param_states` holds `optax.ScaleByAdamState` anywhere (compressed leaves too)."""
+  is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)  # noqa: E731
+  return any(map(is_adam, jax.tree.leaves(param_states, is_leaf=is_adam)))
+
+
+def _probe_extra_args(optimizer_def: OptimizerDef, params: Any, grads: Any) -> dict[str, Any]:
+  """The extra update arguments the definition takes, of a linear loss whose gradient is `grads`.
+
+  optax's own (`OPTAX_EXTRA_ARGS`): ``value`` and ``grad`` at `params`, ``value_fn`` and
+  ``obj_fn`` the loss; a definition given others gets none of them, and its update fails.
+  """
+
+  def loss(params: Any) -> Any:
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False)
+    return sum(jnp.vdot(g, p) for g, p in pairs)
+
+  known = {"value": loss(params), "grad": grads, "value_fn": loss, "obj_fn": loss}
+  names = getattr(optimizer_def, "extra_arg_names", ())
+  return {name: known[name] for name in names if name in known}
+
+
+def _adamax_paths(
+  optimizer_def: OptimizerDef | None, params: Any, param_states: Any, side: str
+) -> frozenset[tuple[str, ...]]:
+  """The paths of the `optax.ScaleByAdamState` nodes in `param_states` that are adamax's.
 
   Adamax stores Adam's state type with a running maximum of ``|g|`` as its
   ``nu``. Updates of a copy of the params with two values per dimension, on
   gradients alternating 2e-3 and 3e-3 (small, for element-wise clipping),
   tell them apart: Adam's ``nu`` grows as ``g^2`` (ratio 2.25), adamax's as
   ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
-  adamax's. The probe runs only where the definition's state holds Adam's
-  state type, and feeds the same gradient until every such state has updated
-  once (``optax.MultiSteps`` updates its inner state every k-th gradient: at
-  most `_PROBE_GRADIENTS`). A definition that this update does not run (it
-  needs extra arguments or the params' axes) has no adamax state found.
+  adamax's. The probe runs only where `param_states` (the `side`
+  optimizer's) holds Adam's state type, with the extra arguments the update
+  takes (`_probe_extra_args`), and feeds the same gradient until every such
+  state has updated once (``optax.MultiSteps`` updates its inner state every
+  k-th gradient: at most `_PROBE_GRADIENTS`).
+
+  Raises:
+    ValueError: the definition's update does not run on the probe's gradients, so the states
+      could not be told apart (each named, with the update's error).
   """
-  if optimizer_def is None:
+  if optimizer_def is None or not _holds_adam_state(param_states):
     return frozenset()
   small = jax.tree.map(lambda p: jnp.zeros((2,) * jnp.ndim(p), jnp.float32), params)
   trained = trained_params(small)
   grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
   grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
+  extra_args = _probe_extra_args(optimizer_def, trained, grads)
   try:
-    opt = optimizer_def.create(small)
-    if not _adam_states(opt.state.param_states):
-      return frozenset()
-    opt = opt.apply_gradient(grads)
-    step = jax.jit(lambda opt: opt.apply_gradient(grads))
+    opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
+    step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))
     for _ in range(_PROBE_GRADIENTS - 1):
       if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
         break
       opt = step(opt)
-  except Exception:  # noqa: BLE001 - any definition the probe cannot run is read as Adam's
-    return frozenset()
+  except Exception as error:
+    paths = ", ".join(
+      f"{'/'.join(path) or '<root>'} (ScaleByAdamState)" for path, _ in _adam_states(param_states)
+    )
+    raise ValueError(
+      f"Cannot convert the {side} optimizer's state at {paths}: adam and adamax both store "
+      "optax.ScaleByAdamState (nu Adam's average of g^2 or adamax's maximum of |g|), told "
+      "apart by updating a small copy of the params, and that update failed: "
+      f"{type(error).__name__}: {error}"
+    ) from error
   found = set()
   for path, node in _adam_states(opt.state.param_states):
     nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
@@ -675,7 +709,8 @@ def convert_state(
   ``MultiOptimizer``, ``low_precision``: its bfloat16, 8-bit and 4-bit leaves are
   decoded to float32 to be read and encoded again when written). Built in: Adam's state (adam, adamw, nadam, radam),
   adamax's (Adam's state type, told apart by updating a small copy of the params,
-  inside ``MultiSteps`` too), AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
+  inside ``MultiSteps`` too, with optax's extra arguments where the update takes
+  them), AMSGrad, Adan, Lion, SGD's momentum trace, RMSProp, optax's Adafactor
   (factored or not, and its momentum: the ``EmaState`` after its
   ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
   dict's layout, or T5X's own param state class, matched by its fields);
@@ -720,8 +755,10 @@ def convert_state(
       not fit an `Optimizer` target's (a path one side lacks, or another
       shape: each named, with both sides); a param with the same
       moment in two source states; an 8-bit leaf outside a
-      ``LowPrecisionState`` (naming its path); with ``missing="raise"``,
-      anything the conversion would initialise.
+      ``LowPrecisionState`` (naming its path); Adam's state type under an
+      update that does not run on gradients and optax's extra arguments
+      alone, so adamax's cannot be told from Adam's (naming its path); with
+      ``missing="raise"``, anything the conversion would initialise.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -741,7 +778,10 @@ def convert_state(
   params, step, param_states = _source_parts(source, source_def)
   step = jnp.asarray(step).astype(jnp.int32)
   source_adamax = _adamax_paths(
-    source.optimizer_def if isinstance(source, Optimizer) else source_def, params
+    source.optimizer_def if isinstance(source, Optimizer) else source_def,
+    params,
+    param_states,
+    "source",
   )
   params, notes = _evaluation_params(params, param_states)
   if isinstance(target, Optimizer):
@@ -772,7 +812,7 @@ def convert_state(
     flat_params,
     dict(target_hparams or {}),
     missing,
-    _adamax_paths(optimizer_def, params),
+    _adamax_paths(optimizer_def, params, template.param_states, "target"),
   )
   written = jax.tree.map(_placed, written, template.param_states)
   state = OptimizerState(step=_placed(step, template.step), param_states=written)
