@@ -27,6 +27,7 @@ from t5x_optim._adapters.optax_wrapper import (
   OptaxWrapper,
   chain,
   inject_hyperparams,
+  loss_extra_args,
   trained_params,
   trains_lookahead_params,
 )
@@ -102,6 +103,7 @@ __all__ = [
   "fusion_report",
   "inject_hyperparams",
   "latest_t5x_step",
+  "loss_extra_args",
   "low_precision",
   "low_precision_sum_squares",
   "low_precision_to_float32",

@@ -307,6 +307,47 @@ def test_every_optimizer_file_trains(name, tmp_path, capsys):
     assert "(lookahead: fast and slow copies)" in out
 
 
+PLATEAU = [
+  "optimizers.chain.transformations = [@optax.adamw(), @optax.contrib.reduce_on_plateau()]",
+  # Never an improvement after the first step, so the scale halves at every later one.
+  "optax.contrib.reduce_on_plateau.atol = 1e9",
+  "optax.contrib.reduce_on_plateau.patience = 1",
+  "optax.contrib.reduce_on_plateau.factor = 0.5",
+  "optax.contrib.reduce_on_plateau.accumulation_size = 1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("bindings", "scale"),
+  [
+    pytest.param(PLATEAU, 0.25, id="reduce_on_plateau"),
+    pytest.param(["OPTIMIZER = @optimizers.lbfgs()"], None, id="lbfgs"),
+  ],
+)
+def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, capsys):
+  """optax's updates that read the loss (``value``), the gradient and the loss function
+  (``value_fn``, ``obj_fn``: L-BFGS's line search) get them from the step: the run failed
+  while tracing its first step (``update_fn() missing 1 required keyword-only argument:
+  'value'``)."""
+  flags = [f for binding in ["TOTAL_STEPS = 3", *bindings] for f in ("--gin_bindings", binding)]
+  assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0, capsys.readouterr()
+  assert _steps(capsys.readouterr().out) == (0, 3)
+  if scale is not None:
+    _config.parse_config(
+      gin_files=TINY[1::2], gin_bindings=PLATEAU, macros=_config.device_macros(8)
+    )
+    setup = _train.prepare(_config.build_job())
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+      state = checkpointer.restore(setup.abstract_state)
+    (plateau,) = [
+      node
+      for node in jax.tree.leaves(state.param_states, is_leaf=lambda n: hasattr(n, "plateau_count"))
+      if hasattr(node, "plateau_count")
+    ]
+    assert float(plateau.scale) == scale
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in EXAMPLE_FILES if name != "tiny.gin"])
 def test_every_example_file_trains(name, tmp_path, capsys):

@@ -44,6 +44,30 @@ FusedOption = FusedUpdate | str | bool
 OPTAX_EXTRA_ARGS = frozenset({"value", "grad", "value_fn", "obj_fn"})
 
 
+def loss_extra_args(
+  names: Collection[str], loss: Any, grads: Any, loss_fn: Callable[[Any], Any]
+) -> dict[str, Any]:
+  """optax's extra update arguments among `names`, for a loss and its gradient.
+
+  ``value`` is `loss`, ``grad`` is `grads`, ``value_fn`` and ``obj_fn`` are `loss_fn` (the
+  loss as a function of the params). optax's line searches give their ``value_fn`` every
+  extra argument its signature names and refuse any other, so ``value_fn`` names ``obj_fn``
+  (which sophia reads) and ignores it.
+
+  Example:
+    >>> args = loss_extra_args({'value', 'value_fn', 'lr'}, 2.0, None, lambda p: p * p)
+    >>> sorted(args), args['value_fn'](3.0, obj_fn=None)
+    (['value', 'value_fn'], 9.0)
+  """
+
+  def value_fn(params: Any, obj_fn: Any = None) -> Any:
+    del obj_fn
+    return loss_fn(params)
+
+  given = {"value": loss, "grad": grads, "value_fn": value_fn, "obj_fn": loss_fn}
+  return {name: given[name] for name in sorted(names) if name in given}
+
+
 def check_learning_rate(learning_rate: Any) -> None:
   """Checks that a `learning_rate=` override is a real scalar.
 

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 from flax import serialization, traverse_util
 
-from t5x_optim._adapters.optax_wrapper import trained_params
+from t5x_optim._adapters.optax_wrapper import loss_extra_args, trained_params
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import AdamaxState
 from t5x_optim._convert.registry import (
@@ -526,22 +526,6 @@ def _holds_adam_state(param_states: Any) -> bool:
   return any(map(is_adam, jax.tree.leaves(param_states, is_leaf=is_adam)))
 
 
-def _probe_extra_args(optimizer_def: OptimizerDef, params: Any, grads: Any) -> dict[str, Any]:
-  """The extra update arguments the definition takes, of a linear loss whose gradient is `grads`.
-
-  optax's own (`OPTAX_EXTRA_ARGS`): ``value`` and ``grad`` at `params`, ``value_fn`` and
-  ``obj_fn`` the loss; a definition given others gets none of them, and its update fails.
-  """
-
-  def loss(params: Any) -> Any:
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False)
-    return sum(jnp.vdot(g, p) for g, p in pairs)
-
-  known = {"value": loss(params), "grad": grads, "value_fn": loss, "obj_fn": loss}
-  names = getattr(optimizer_def, "extra_arg_names", ())
-  return {name: known[name] for name in names if name in known}
-
-
 def _adamax_paths(
   optimizer_def: OptimizerDef | None, params: Any, param_states: Any, side: str
 ) -> frozenset[tuple[str, ...]]:
@@ -554,7 +538,7 @@ def _adamax_paths(
   ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
   adamax's. The probe runs only where `param_states` (the `side`
   optimizer's) holds Adam's state type, with the extra arguments the update
-  takes (`_probe_extra_args`), and feeds the same gradient until every such
+  takes (`loss_extra_args` of a linear loss whose gradient is the probe's), and feeds the same gradient until every such
   state has updated once (``optax.MultiSteps`` updates its inner state every
   k-th gradient: at most `_PROBE_GRADIENTS`).
 
@@ -568,7 +552,13 @@ def _adamax_paths(
   trained = trained_params(small)
   grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
   grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
-  extra_args = _probe_extra_args(optimizer_def, trained, grads)
+
+  def loss(params: Any) -> Any:  # linear, its gradient the probe's everywhere
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False)
+    return sum(jnp.vdot(g, p) for g, p in pairs)
+
+  names = getattr(optimizer_def, "extra_arg_names", ())
+  extra_args = loss_extra_args(names, loss(trained), grads, loss)
   try:
     opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
     step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim import (
   TrainState,
+  loss_extra_args,
   storage,
   trained_params,
   trains_lookahead_params,
@@ -315,7 +316,9 @@ def _train_step(
   if learning_rate is not None:
     rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
-  updated = state.apply_gradient(grads)
+  # optax's updates that read the loss (reduce_on_plateau, L-BFGS's line search) get it.
+  names = getattr(state.optimizer.optimizer_def, "extra_arg_names", ())
+  updated = state.apply_gradient(grads, **loss_extra_args(names, loss, grads, loss_fn))
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
   metrics["finite"] = finite
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
