@@ -310,7 +310,8 @@ def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, st
   text: that of the start that wrote it (`recorded_config`), where the step records one.
 
   A step whose config no copy still holds gets the `UsageError` naming what
-  changed, since its hyper-parameters are then unknown.
+  changed, since its hyper-parameters are then unknown. A step that a newer
+  version recorded is left out, for `_refuse_newer` to refuse.
   """
   found: dict[int, tuple[Path, str] | UsageError] = {}
   texts: dict[Path, str | None] = {}
@@ -325,6 +326,8 @@ def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, st
       try:
         job = reader.recorded_job(step) if reader.is_committed(step) else None
       except CheckpointError:
+        continue
+      if job and format_problem(job):  # Its fields are not this version's: `_refuse_newer`.
         continue
       config = recorded_config(init_from, job or {}, read=read)
       if isinstance(config, LostConfig):
