@@ -330,10 +330,19 @@ def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, caps
   (``value_fn``, ``obj_fn``: L-BFGS's line search) get them from the step: the run failed
   while tracing its first step (``update_fn() missing 1 required keyword-only argument:
   'value'``)."""
-  flags = [f for binding in ["TOTAL_STEPS = 3", *bindings] for f in ("--gin_bindings", binding)]
+  bindings = ["TOTAL_STEPS = 3", "cli.TrainJob.log_every = 1", *bindings]
+  flags = [f for binding in bindings for f in ("--gin_bindings", binding)]
   assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0, capsys.readouterr()
-  assert _steps(capsys.readouterr().out) == (0, 3)
-  if scale is not None:
+  out = capsys.readouterr().out
+  assert _steps(out) == (0, 3)
+  logged = re.findall(r"^step \d/3 .*", out, re.M)
+  if scale is None:
+    assert len(logged) == 3 and not any("lr_scale" in line for line in logged), out
+  else:
+    # The scale reduce_on_plateau gives the updates is logged beside the learning rate.
+    assert [re.search(r" lr_scale (\S+) ", line)[1] for line in logged] == ["1", "0.5", "0.25"]
+    tags = _scalars(tmp_path / "train")
+    assert [value for _, value in tags["lr_scale"]] == [1.0, 0.5, 0.25]
     _config.parse_config(
       gin_files=TINY[1::2], gin_bindings=PLATEAU, macros=_config.device_macros(8)
     )

@@ -141,6 +141,8 @@ def format_metrics(step: int, total: int, metrics: dict[str, float | None]) -> s
   parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f}"]
   if metrics.get("learning_rate") is not None:
     parts.append(f"lr {metrics['learning_rate']:.3g}")
+  if metrics.get("lr_scale") is not None:
+    parts.append(f"lr_scale {metrics['lr_scale']:.3g}")
   parts.append(f"grad_norm {metrics['grad_norm']:.3g}")
   if metrics.get("steps_per_sec") is not None:
     parts.append(f"{metrics['steps_per_sec']:.1f} steps/s")

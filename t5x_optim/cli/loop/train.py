@@ -91,6 +91,7 @@ __all__ = [
   "default_model_dir",
   "describe_setup",
   "injected_learning_rates",
+  "plateau_scales",
   "prepare",
   "step_memory",
   "prepare_model_dir",
@@ -298,7 +299,7 @@ def _train_step(
   skip: bool = False,
 ) -> Any:
   """One update; the metrics are the loss, the gradient norm, the step's learning rate
-  and ``finite`` (whether the loss, the gradient norm and the updated params are), and
+  (and reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient norm and the updated params are), and
   with `weights` the per-parameter metrics (`metric_vector`, reduced with one all-reduce
   given the state's `shardings`) under ``weights``.
 
@@ -327,6 +328,9 @@ def _train_step(
   injected = injected_learning_rates(updated.param_states)
   if len(injected) == 1:  # What the optimizer used in this step.
     metrics["learning_rate"] = jnp.asarray(injected[0], jnp.float32)
+  scales = plateau_scales(updated.param_states)
+  if len(scales) == 1:  # reduce_on_plateau's scale of this step's updates.
+    metrics["lr_scale"] = jnp.asarray(scales[0], jnp.float32)
   if weights:
     metrics["weights"] = metric_vector(
       trained_params(state.params),
@@ -375,6 +379,21 @@ def injected_learning_rates(param_states: Any) -> list[Any]:
   return found
 
 
+def plateau_scales(param_states: Any) -> list[Any]:
+  """The ``scale`` of every ``optax.contrib.reduce_on_plateau`` state in an optimizer state:
+  the factor it multiplied the last updates by.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+    >>> plateau_scales(tx.init({'w': jnp.ones(2)}))
+    [Array(1., dtype=float32)]
+  """
+  is_plateau = lambda node: isinstance(node, optax.contrib.ReduceLROnPlateauState)  # noqa: E731
+  nodes = jax.tree.leaves(param_states, is_leaf=is_plateau)
+  return [node.scale for node in nodes if is_plateau(node)]
+
+
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
   return cross_entropy_loss(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
@@ -390,8 +409,8 @@ class Setup:
     create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
-      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params) and ``learning_rate``
-      (when the job names one). A step that is not finite leaves the state
+      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params), ``learning_rate``
+      (when the job names one) and ``lr_scale`` (reduce_on_plateau's, when it is in the optimizer). A step that is not finite leaves the state
       as it was (see `_train_step`).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
     batch_sharding: how a batch's rows shard over the mesh.
