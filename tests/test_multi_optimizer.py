@@ -305,6 +305,60 @@ def test_extra_args_reach_only_sub_optimizers_that_take_them() -> None:
     MultiOptimizer([(KERNELS, PlainSgd(0.1))]).create(params).apply_gradient(params, value=1.0)
 
 
+def _sines(params: Any) -> jax.Array:
+  return sum(jnp.sum(jnp.sin(p) ** 2) for p in jax.tree.leaves(params))
+
+
+def _merged(kernels: Any, rest: Any) -> dict[str, Any]:
+  return {name: {**kernels.get(name, {}), **rest[name]} for name in rest}
+
+
+@pytest.mark.slow
+def test_a_line_search_in_a_sub_optimizer_searches_its_own_params() -> None:
+  """L-BFGS on the kernels, SGD on the rest: its line search was given the whole tree's
+  ``grad`` and a ``value_fn`` of all the params, and failed on their structure. Each
+  sub-optimizer gets ``grad`` split as the grads are, and ``value_fn`` (and ``obj_fn``) of
+  its own params, the others held at their values: a hand-written optax loop's numbers."""
+  params = make_params()
+  opt_def = MultiOptimizer(
+    [(KERNELS, OptaxWrapper(optax.lbfgs())), (PathFilter(r"kernel$", invert=True), PlainSgd(0.1))]
+  )
+  step = jax.jit(
+    lambda opt: opt.apply_gradient(
+      jax.grad(_sines)(opt.target),
+      value=_sines(opt.target),
+      grad=jax.grad(_sines)(opt.target),
+      value_fn=_sines,
+    )
+  )
+  opt = opt_def.create(params)
+  for _ in range(STEPS):
+    opt = step(opt)
+
+  lbfgs = optax.lbfgs()
+  kernels = {name: {"kernel": params[name]["kernel"]} for name in ("dense", "out")}
+  rest = {name: {k: v for k, v in leaf.items() if k != "kernel"} for name, leaf in params.items()}
+
+  @jax.jit
+  def reference(kernels, rest, state):
+    value_fn = lambda k: _sines(_merged(k, rest))  # noqa: E731
+    value, grad = jax.value_and_grad(value_fn)(kernels)
+    updates, state = lbfgs.update(grad, state, kernels, value=value, grad=grad, value_fn=value_fn)
+    rest_grads = jax.grad(lambda r: _sines(_merged(kernels, r)))(rest)
+    rest = jax.tree.map(lambda p, g: p - 0.1 * g, rest, rest_grads)
+    return optax.apply_updates(kernels, updates), rest, state
+
+  state = lbfgs.init(kernels)
+  for _ in range(STEPS):
+    kernels, rest, state = reference(kernels, rest, state)
+  np.testing.assert_allclose(
+    np.concatenate([np.ravel(x) for x in jax.tree.leaves(opt.target)]),
+    np.concatenate([np.ravel(x) for x in jax.tree.leaves(_merged(kernels, rest))]),
+    rtol=1e-6,
+  )
+  assert not np.allclose(opt.target["dense"]["kernel"], params["dense"]["kernel"])
+
+
 def stepped(container: type = dict) -> Optimizer:
   opt_def = MultiOptimizer(
     [

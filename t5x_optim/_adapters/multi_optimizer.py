@@ -45,8 +45,9 @@ two layouts, chosen from the sub-optimizers' states:
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax
@@ -100,6 +101,21 @@ def _with_context(error: Exception, context: str) -> Exception:
   return kind(f"{context}: {error}")
 
 
+def _of_own_params(
+  fn: Callable[..., Any], partition: Partition, leaves: list[Any], i: int
+) -> Callable[..., Any]:
+  """`fn` of the whole params (whose leaves are `leaves`) as a function of sub-optimizer `i`'s,
+  the others held at their values; its signature is `fn`'s, which optax's line searches read."""
+
+  @functools.wraps(fn)
+  def of_own(own_params: Any, *args: Any, **kwargs: Any) -> Any:
+    subtrees = partition.split(leaves)
+    subtrees[i] = own_params
+    return fn(partition.merge(leaves, subtrees), *args, **kwargs)
+
+  return of_own
+
+
 class MultiOptimizer(OptimizerDef):
   """Applies a different optimizer definition to each subset of the params.
 
@@ -116,7 +132,9 @@ class MultiOptimizer(OptimizerDef):
   `learning_rate=`) go to every sub-optimizer that has a hyper-parameter of
   that name; `hyper_params=` takes one hyper-params object per sub-optimizer.
   Other keywords (e.g. optax's `value=`) go to every sub-optimizer whose
-  `extra_arg_names` has them. `set_param_axes` exists only when a
+  `extra_arg_names` has them, of its own params: optax's `grad=` split as the
+  grads are, `value_fn=` and `obj_fn=` as functions of its params alone (the
+  others held at their values), so that a line search searches its own. `set_param_axes` exists only when a
   sub-optimizer defines it (T5X then requires a `params_axes` collection).
 
   The split of leaves between sub-optimizers is computed once per params tree
@@ -290,7 +308,7 @@ class MultiOptimizer(OptimizerDef):
         partition.split(grad_leaves),
       )
     ):
-      extras = {k: v for k, v in extra_args.items() if k in _extra_arg_names(opt)}
+      extras = self._own_extra_args(extra_args, params, i)
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:
@@ -300,6 +318,26 @@ class MultiOptimizer(OptimizerDef):
       new_states.append(new_state)
     new_target = partition.merge(leaves, new_subtrees)
     return new_target, OptimizerState(step=state.step + 1, param_states=tuple(new_states))
+
+  def _own_extra_args(self, extra_args: Mapping[str, Any], params: Any, i: int) -> dict[str, Any]:
+    """The extra arguments sub-optimizer `i` takes, of its own params.
+
+    optax's ``grad`` (a tree like the params) is split as the grads are; ``value_fn`` and
+    ``obj_fn`` (functions of the params) become functions of sub-optimizer `i`'s params,
+    the others held at their values, with the signature a line search reads; others
+    (``value``, a user's own) are passed as given.
+    """
+    partition, leaves = self._partition(params)
+    own = {}
+    for name, value in extra_args.items():
+      if name not in _extra_arg_names(self.sub_optimizers[i]):
+        continue
+      if name == "grad":
+        value = partition.split(partition.leaves_of(value, name="grad", reference=params))[i]
+      elif name in ("value_fn", "obj_fn") and callable(value):
+        value = _of_own_params(value, partition, leaves, i)
+      own[name] = value
+    return own
 
   def _sub_targets(self, target: Any) -> list[Any]:
     partition, leaves = self._partition(target)
