@@ -42,6 +42,7 @@ from t5x_optim._convert.convert import (
   convert_state,
   register_state_converter,
   registered_converters,
+  schedule_free_evaluation_params,
 )
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._layouts.fused import FusedUpdate, FusionReport, fusion_report
@@ -115,6 +116,7 @@ __all__ = [
   "restore_converted",
   "restore_t5x_checkpoint",
   "save_t5x_checkpoint",
+  "schedule_free_evaluation_params",
   "stack_params",
   "t5x_checkpoint_steps",
   "t5x_checkpoints",

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
+import optax
 import pytest
 from _subprocesses import with_run_compilation_cache
 from tensorboard.backend.event_processing import event_accumulator
@@ -355,6 +357,29 @@ def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, caps
       if hasattr(node, "plateau_count")
     ]
     assert float(plateau.scale) == scale
+
+
+@pytest.mark.slow
+def test_schedule_free_is_evaluated_at_its_evaluation_params_too(tmp_path, capsys):
+  """Schedule-free takes gradients at y and is evaluated at its average x (optax's
+  ``schedule_free_eval_params``): the eval line showed y's loss alone. It shows x's as
+  ``loss_x``, the loss of x computed from the checkpoint."""
+  bindings = ["OPTIMIZER = @optimizers.schedule_free_adamw()", "TOTAL_STEPS = 4"]
+  bindings.append("optimizers.schedule_free_adamw.learning_rate = 0.01")
+  flags = [f for binding in bindings for f in ("--gin_bindings", binding)]
+  assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0
+  out = capsys.readouterr().out
+  loss, loss_x = map(
+    float, re.search(r"^eval step 4  loss (\S+)  loss_x (\S+)$", out, re.M).groups()
+  )
+  _config.parse_config(gin_files=TINY[1::2], gin_bindings=bindings, macros=_config.device_macros(8))
+  setup = _train.prepare(_config.build_job())
+  with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+    state = checkpointer.restore(setup.abstract_state)
+  x = optax.contrib.schedule_free_eval_params(state.param_states, state.params)
+  losses = [setup.eval_fn(x, setup.eval_batch(i)) for i in range(setup.job.eval_batches)]
+  assert loss_x == pytest.approx(float(np.mean(jax.device_get(losses))), abs=1e-4)
+  assert loss_x != loss
 
 
 @pytest.mark.slow

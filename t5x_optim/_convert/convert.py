@@ -90,6 +90,7 @@ __all__ = [
   "convert_state",
   "register_state_converter",
   "registered_converters",
+  "schedule_free_evaluation_params",
 ]
 
 _MISSING_POLICIES = ("raise", "init")
@@ -585,17 +586,40 @@ def _adamax_paths(
   return frozenset(found)
 
 
-def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
-  """Schedule-free's evaluation params (its average ``x``) where it is the source, with a report line.
+def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | None:
+  """Schedule-free's evaluation params, or None where `param_states` is not schedule-free's.
 
-  ``optax.contrib.schedule_free`` computes gradients at ``y``, between its
-  average ``x`` and its ``z``, and evaluates ``x``; the new optimizer starts
-  from ``x`` (``z`` is listed as dropped too).
+  ``optax.contrib.schedule_free`` takes gradients at its params ``y`` and is
+  evaluated at its average ``x = (y - (1 - b1) z) / b1``
+  (``optax.contrib.schedule_free_eval_params``). Its state is the optimizer's
+  whole state (decoded from `low_precision` too); one inside a chain, or
+  wrapped, is not looked for.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = optax.contrib.schedule_free_sgd(1.0, b1=0.5)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.ones(2)}, state, params)
+    >>> schedule_free_evaluation_params(state, optax.apply_updates(params, updates))
+    {'w': Array([-1., -1.], dtype=float32)}
+    >>> schedule_free_evaluation_params(optax.sgd(1.0).init(params), params) is None
+    True
   """
   states = low_precision_to_float32(param_states)
   if not isinstance(states, optax.contrib.ScheduleFreeState):
+    return None
+  return optax.contrib.schedule_free_eval_params(states, params)
+
+
+def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
+  """Schedule-free's evaluation params (its average ``x``) where it is the source, with a report line.
+
+  The new optimizer starts from ``x`` (``z`` is listed as dropped too).
+  """
+  evaluated = schedule_free_evaluation_params(param_states, params)
+  if evaluated is None:
     return params, ()
-  evaluated = optax.contrib.schedule_free_eval_params(states, params)
   return evaluated, (
     "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
     "evaluation params x = (y - (1 - b1) z) / b1, not the y it took gradients at",

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec
 from t5x_optim import (
   TrainState,
   loss_extra_args,
+  schedule_free_evaluation_params,
   storage,
   trained_params,
   trains_lookahead_params,
@@ -817,12 +818,17 @@ def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def _evaluate(setup: Setup, state: TrainState) -> dict[str, float]:
-  """Mean held-out loss (of the fast and the slow params, for lookahead)."""
+  """Mean held-out loss of the trained params, and of the copy the optimizer is evaluated at
+  where that is another: lookahead's slow params (``loss_slow``), schedule-free's average
+  (``loss_x``)."""
   job = setup.job
   batches = [setup.eval_batch(i) for i in range(job.eval_batches)]
   copies = {"loss": trained_params(state.params)}
   if isinstance(state.params, optax.LookaheadParams):
     copies["loss_slow"] = state.params.slow
+  evaluated = schedule_free_evaluation_params(state.param_states, state.params)
+  if evaluated is not None:
+    copies["loss_x"] = evaluated
   return {
     name: float(np.mean(jax.device_get([setup.eval_fn(params, b) for b in batches])))
     for name, params in copies.items()
