@@ -68,6 +68,13 @@ def loss_extra_args(
   return {name: given[name] for name in sorted(names) if name in given}
 
 
+def _strongly_typed(leaf: Any) -> Any:
+  """`leaf` of its own dtype but not weakly typed (an array or a tracer; others as given)."""
+  if getattr(getattr(leaf, "aval", None), "weak_type", False):
+    return jax.lax.convert_element_type(leaf, leaf.dtype)
+  return leaf
+
+
 def check_learning_rate(learning_rate: Any) -> None:
   """Checks that a `learning_rate=` override is a real scalar.
 
@@ -300,9 +307,10 @@ class OptaxWrapper(OptimizerDef):
     return super().prepare_grads(trained_params(params), grads)
 
   def init_state(self, params: Any) -> OptimizerState:
-    return OptimizerState(
-      step=jnp.zeros((), jnp.int32), param_states=self.optax_optimizer.init(params)
-    )
+    # optax's updates return strongly typed states; a weakly typed initial leaf (L-BFGS's
+    # line-search info) would make a jitted step compile again at the second step.
+    param_states = jax.tree.map(_strongly_typed, self.optax_optimizer.init(params))
+    return OptimizerState(step=jnp.zeros((), jnp.int32), param_states=param_states)
 
   def apply_gradient(
     self,
