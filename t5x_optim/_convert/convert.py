@@ -539,9 +539,10 @@ def _adamax_paths(
   ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
   adamax's. The probe runs only where `param_states` (the `side`
   optimizer's) holds Adam's state type, with the extra arguments the update
-  takes (`loss_extra_args` of a linear loss whose gradient is the probe's), and feeds the same gradient until every such
-  state has updated once (``optax.MultiSteps`` updates its inner state every
-  k-th gradient: at most `_PROBE_GRADIENTS`).
+  takes (`loss_extra_args` of a linear loss whose gradient is the probe's),
+  and feeds the same gradient until every such state has updated once
+  (``optax.MultiSteps`` updates its inner state every k-th gradient: at most
+  `_PROBE_GRADIENTS`).
 
   Raises:
     ValueError: the definition's update does not run on the probe's gradients, so the states
@@ -592,8 +593,9 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
   ``optax.contrib.schedule_free`` takes gradients at its params ``y`` and is
   evaluated at its average ``x = (y - (1 - b1) z) / b1``
   (``optax.contrib.schedule_free_eval_params``). Its state is the optimizer's
-  whole state (decoded from `low_precision` too); one inside a chain, or
-  wrapped, is not looked for.
+  whole state (decoded from `low_precision` too) or the last of a chain's
+  (``chain(clip_by_global_norm, schedule_free_adamw)``), so that its updates
+  are the ones applied; one elsewhere is not looked for.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -603,10 +605,15 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
     >>> updates, state = tx.update({'w': jnp.ones(2)}, state, params)
     >>> schedule_free_evaluation_params(state, optax.apply_updates(params, updates))
     {'w': Array([-1., -1.], dtype=float32)}
+    >>> clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    >>> schedule_free_evaluation_params(clipped.init(params), params)
+    {'w': Array([0., 0.], dtype=float32)}
     >>> schedule_free_evaluation_params(optax.sgd(1.0).init(params), params) is None
     True
   """
   states = low_precision_to_float32(param_states)
+  while type(states) is tuple and states:  # a chain's: its last transformation's
+    states = states[-1]
   if not isinstance(states, optax.contrib.ScheduleFreeState):
     return None
   return optax.contrib.schedule_free_eval_params(states, params)
