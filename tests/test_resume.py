@@ -230,6 +230,52 @@ def test_resume_that_would_drop_accumulated_gradients_is_refused(tmp_path, capsy
   assert code == 0, err
 
 
+def _plateau(**settings: int) -> list[str]:
+  """reduce_on_plateau after adam, never seeing an improvement after its first check."""
+  bindings = [
+    "optimizers.chain.transformations = [@optax.adam(), @optax.contrib.reduce_on_plateau()]",
+    "optax.adam.learning_rate = %LEARNING_RATE",
+    "optax.contrib.reduce_on_plateau.atol = 1e9",
+    *(f"optax.contrib.reduce_on_plateau.{name} = {value}" for name, value in settings.items()),
+  ]
+  return [flag for binding in bindings for flag in ("--gin_bindings", binding)]
+
+
+@pytest.mark.parametrize(
+  ("saved", "resumed", "message"),
+  [
+    (
+      {"accumulation_size": 3},
+      {"accumulation_size": 2},
+      "holds the average of 2 losses that optax.contrib.reduce_on_plateau accumulates towards "
+      "its next check, which accumulation_size 2 now would never make (it checks when its "
+      "count equals it)",
+    ),
+    (
+      {"accumulation_size": 1, "patience": 5},
+      {"accumulation_size": 1, "patience": 1},
+      "holds a count of 1 checks without improvement of optax.contrib.reduce_on_plateau, which "
+      "patience 1 now would never act on until the loss improves (it reduces the scale when "
+      "its count equals it)",
+    ),
+  ],
+  ids=["accumulation_size", "patience"],
+)
+def test_resume_that_would_stall_reduce_on_plateau_is_refused(
+  saved, resumed, message, tmp_path, capsys
+):
+  """reduce_on_plateau acts when a counter equals its setting: resumed with a setting at or
+  below the counter saved, it never checked (or reduced) again, without a word."""
+  model_dir = tmp_path / "run"
+  assert _train_run(model_dir, *_steps(2), *EVERY_2, *_plateau(**saved), capsys=capsys)[0] == 0
+  code, _, err = _train_run(model_dir, *_steps(4), *EVERY_2, *_plateau(**resumed), capsys=capsys)
+  err = _one_line_error(code, err)
+  assert f"--model_dir {model_dir}: its checkpoint step 2 {message}; nothing was changed" in err
+  assert _checkpoint_steps(model_dir) == [2]
+  code, _, err = _train_run(model_dir, *_steps(4), *EVERY_2, *_plateau(**saved), capsys=capsys)
+  assert code == 0, err
+
+
 def test_a_resume_on_other_text_data_says_so(tmp_path, capsys):
   """The text under --data replaced between a run and its resume (same path): the resume
   read other batches than the run would have, without a word."""

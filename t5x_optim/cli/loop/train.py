@@ -700,11 +700,13 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
       continue
     except (ValueError, FileNotFoundError) as error:
       raise UsageError(_mismatch_message(error, step, model_dir)) from error
-    dropped = _dropped_accumulation(setup.job.optimizer, resume.state)
-    if dropped:
+    stalled = _dropped_accumulation(setup.job.optimizer, resume.state) or _stalled_plateau(
+      setup.job.optimizer, resume.state
+    )
+    if stalled:
       raise UsageError(
-        f"--model_dir {model_dir}: its checkpoint step {step} {dropped}; nothing was changed: "
-        "resume with the every_k_schedule it was saved with until that update, then change it."
+        f"--model_dir {model_dir}: its checkpoint step {step} {stalled[0]}; nothing was "
+        f"changed: resume with the {stalled[1]} it was saved with until then, then change it."
       )
     resume.step, resume.recorded = step, recorded
     return resume
@@ -717,8 +719,9 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
   return resume
 
 
-def _dropped_accumulation(optimizer: Any, state: TrainState) -> str | None:
-  """What a restored `optax.MultiSteps` state accumulated that `optimizer` would drop, or None.
+def _dropped_accumulation(optimizer: Any, state: TrainState) -> tuple[str, str] | None:
+  """What a restored `optax.MultiSteps` state accumulated that `optimizer` would drop, and the
+  setting that drops it, or None.
 
   A step saved between two updates holds ``mini_step`` gradients accumulated
   towards the next. optax counts mini-steps modulo the current
@@ -740,8 +743,85 @@ def _dropped_accumulation(optimizer: Any, state: TrainState) -> str | None:
     return None
   return (
     f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
-    f"update, which every_k_schedule {every} now would never apply"
+    f"update, which every_k_schedule {every} now would never apply",
+    "every_k_schedule",
   )
+
+
+def _stalled_plateau(optimizer: Any, state: TrainState) -> tuple[str, str] | None:
+  """What a restored ``optax.contrib.reduce_on_plateau`` state counted that `optimizer` would
+  never act on, and the setting that stalls it, or None.
+
+  reduce_on_plateau checks the loss when its ``count`` of losses equals
+  ``accumulation_size``, and reduces the scale when its ``plateau_count``
+  equals ``patience``; a setting now at or below the count saved is never
+  met (until an improvement resets ``plateau_count``). Checked where the
+  optimizer holds one reduce_on_plateau and its state one such state.
+  """
+  settings = _plateau_settings(getattr(optimizer, "optax_optimizer", None))
+  is_plateau = lambda x: isinstance(x, optax.contrib.ReduceLROnPlateauState)  # noqa: E731
+  nodes = [n for n in jax.tree.leaves(state.param_states, is_leaf=is_plateau) if is_plateau(n)]
+  if len(settings) != 1 or len(nodes) != 1:
+    return None
+  (setting,), (node,) = settings, nodes
+  what = "optax.contrib.reduce_on_plateau"
+  count, size = int(node.count), setting.get("accumulation_size")
+  if isinstance(size, int) and count >= size > 0:
+    return (
+      f"holds the average of {count} losses that {what} accumulates towards its next check, "
+      f"which accumulation_size {size} now would never make (it checks when its count equals "
+      "it)",
+      "accumulation_size",
+    )
+  plateaus, patience = int(node.plateau_count), setting.get("patience")
+  if isinstance(patience, int) and plateaus >= patience > 0:
+    return (
+      f"holds a count of {plateaus} checks without improvement of {what}, which patience "
+      f"{patience} now would never act on until the loss improves (it reduces the scale when "
+      "its count equals it)",
+      "patience",
+    )
+  return None
+
+
+def _plateau_settings(transformation: Any) -> list[dict[str, Any]]:
+  """The ``accumulation_size`` and ``patience`` of each ``optax.contrib.reduce_on_plateau``
+  in `transformation`, through its combinators (chain, MultiSteps, wrappers).
+
+  optax keeps them nowhere but in the closures of reduce_on_plateau's functions (the
+  patience in those of its ``_update_scale``), so they are read from there.
+  """
+  found: list[dict[str, Any]] = []
+  seen: set[int] = set()
+
+  def closure(fn: Any) -> dict[str, Any]:
+    cells = getattr(fn, "__closure__", None) or ()
+    return {
+      name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells, strict=True)
+    }
+
+  def visit(node: Any, depth: int) -> None:
+    if depth > 16 or id(node) in seen:
+      return
+    seen.add(id(node))
+    children: Any = ()
+    if isinstance(node, tuple | list):
+      children = node
+    elif hasattr(node, "__self__") and hasattr(node, "__func__"):  # a bound method (MultiSteps)
+      children = vars(node.__self__).values()
+    elif callable(node) and hasattr(node, "__code__"):
+      values = closure(node)
+      if node.__qualname__ == "reduce_on_plateau.<locals>.update_fn":
+        scale = values.get("_update_scale")
+        patience = closure(scale).get("patience") if scale is not None else None
+        found.append({"accumulation_size": values.get("accumulation_size"), "patience": patience})
+        return
+      children = values.values()
+    for child in children:
+      visit(child, depth + 1)
+
+  visit(transformation, 0)
+  return found
 
 
 def _set_aside(model_dir: Path, step: int, why: str) -> Path:
