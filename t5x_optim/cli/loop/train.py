@@ -764,23 +764,26 @@ def _stalled_plateau(optimizer: Any, state: TrainState) -> tuple[str, str] | Non
   if len(settings) != 1 or len(nodes) != 1:
     return None
   (setting,), (node,) = settings, nodes
-  what = "optax.contrib.reduce_on_plateau"
-  count, size = int(node.count), setting.get("accumulation_size")
-  if isinstance(size, int) and count >= size > 0:
-    return (
-      f"holds the average of {count} losses that {what} accumulates towards its next check, "
-      f"which accumulation_size {size} now would never make (it checks when its count equals "
-      "it)",
+  checks = (
+    (
       "accumulation_size",
-    )
-  plateaus, patience = int(node.plateau_count), setting.get("patience")
-  if isinstance(patience, int) and plateaus >= patience > 0:
-    return (
-      f"holds a count of {plateaus} checks without improvement of {what}, which patience "
-      f"{patience} now would never act on until the loss improves (it reduces the scale when "
-      "its count equals it)",
+      int(node.count),
+      "holds the average of {count} losses that {what} accumulates towards its next check, "
+      "which accumulation_size {value} now would never make (it checks when its count equals "
+      "it)",
+    ),
+    (
       "patience",
-    )
+      int(node.plateau_count),
+      "holds a count of {count} checks without improvement of {what}, which patience {value} "
+      "now would never act on until the loss improves (it reduces the scale when its count "
+      "equals it)",
+    ),
+  )
+  for name, count, text in checks:
+    value = setting.get(name)
+    if isinstance(value, int) and count >= value > 0:
+      return text.format(count=count, value=value, what="optax.contrib.reduce_on_plateau"), name
   return None
 
 
