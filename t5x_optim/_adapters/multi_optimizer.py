@@ -134,8 +134,9 @@ class MultiOptimizer(OptimizerDef):
   Other keywords (e.g. optax's `value=`) go to every sub-optimizer whose
   `extra_arg_names` has them, of its own params: optax's `grad=` split as the
   grads are, `value_fn=` and `obj_fn=` as functions of its params alone (the
-  others held at their values), so that a line search searches its own. `set_param_axes` exists only when a
-  sub-optimizer defines it (T5X then requires a `params_axes` collection).
+  others held at their values), so that a line search searches its own.
+  `set_param_axes` exists only when a sub-optimizer defines it (T5X then
+  requires a `params_axes` collection).
 
   The split of leaves between sub-optimizers is computed once per params tree
   structure. Filters of flax traversals see the leaf values (arrays or

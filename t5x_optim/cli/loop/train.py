@@ -300,9 +300,11 @@ def _train_step(
   skip: bool = False,
 ) -> Any:
   """One update; the metrics are the loss, the gradient norm, the step's learning rate
-  (and reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient norm and the updated params are), and
-  with `weights` the per-parameter metrics (`metric_vector`, reduced with one all-reduce
-  given the state's `shardings`) under ``weights``.
+  (and reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient
+  norm and the updated params are), and with `weights` the per-parameter metrics
+  (`metric_vector`, reduced with one all-reduce given the state's `shardings`) under
+  ``weights``. An optimizer that takes optax's extra arguments gets them of the batch's
+  loss (`loss_extra_args`).
 
   A step that is not finite returns the state it was given: its step counter
   advanced when `skip`, else unchanged. A non-finite update never reaches the
@@ -318,7 +320,6 @@ def _train_step(
   if learning_rate is not None:
     rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
-  # optax's updates that read the loss (reduce_on_plateau, L-BFGS's line search) get it.
   names = getattr(state.optimizer.optimizer_def, "extra_arg_names", ())
   updated = state.apply_gradient(grads, **loss_extra_args(names, loss, grads, loss_fn))
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
@@ -410,9 +411,10 @@ class Setup:
     create: `(key, tokens) -> TrainState`, jitted into the shardings.
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
-      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params), ``learning_rate``
-      (when the job names one) and ``lr_scale`` (reduce_on_plateau's, when it is in the optimizer). A step that is not finite leaves the state
-      as it was (see `_train_step`).
+      ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params),
+      ``learning_rate`` (when the job names one) and ``lr_scale`` (reduce_on_plateau's,
+      when the optimizer holds one). A step that is not finite leaves the state as it
+      was (see `_train_step`).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
     batch_sharding: how a batch's rows shard over the mesh.
     weights_step_fn: `step_fn` that also returns the per-parameter metrics
