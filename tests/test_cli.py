@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import pytest
 from _subprocesses import with_run_compilation_cache
 from tensorboard.backend.event_processing import event_accumulator
 
+import t5x_optim
 from t5x_optim import Checkpointer
 from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
@@ -665,3 +667,25 @@ def test_another_state_layout_names_what_each_side_holds_at_the_node():
     "the optimizer state's node inner_state/0/mu/w is an array bfloat16[64,64] there, "
     "QuantizedLeaf now;"
   )
+
+
+def test_an_update_that_needs_an_argument_the_step_does_not_give_is_named():
+  """An update that needs an extra argument of the user's own: the error said only that the
+  optimizer was misconfigured, "e.g. a hyper-parameter of the wrong type"."""
+
+  def update(updates, state, params=None, *, weights, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: u * weights, updates), state
+
+  weighted = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+  optimizer = t5x_optim.OptaxWrapper(
+    optax.chain(optax.adam(1e-3), weighted), extra_args={"value", "weights"}
+  )
+  _config.parse_config(gin_files=TINY[1::2], macros=_config.device_macros(8))
+  job = dataclasses.replace(_config.build_job(), optimizer=optimizer)
+  with pytest.raises(ValueError, match="missing 1 required keyword-only argument: 'weights'") as e:
+    _train.prepare(job)
+  assert str(e.value).endswith(
+    "; of the extra arguments it takes, the train step gives those of optax's that come from "
+    "the loss (value), not weights."
+  ), e.value

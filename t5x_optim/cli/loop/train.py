@@ -525,9 +525,18 @@ def prepare(job: TrainJob) -> Setup:
   try:
     step_fn.lower(abstract, _abstract_batch(job.task.batch(0)))
   except (TypeError, ValueError) as error:
+    names = getattr(job.optimizer, "extra_arg_names", ())
+    given = sorted(loss_extra_args(names, None, None, lambda params: None))
+    others = sorted(set(names) - set(given))
     raise ValueError(
       f"Tracing one train step failed, so the optimizer is misconfigured (e.g. a "
       f"hyper-parameter of the wrong type): {type(error).__name__}: {error}"
+      + (
+        f"; of the extra arguments it takes, the train step gives those of optax's that come "
+        f"from the loss ({', '.join(given) or 'none'}), not {', '.join(others)}."
+        if others
+        else ""
+      )
     ) from error
   create = partitioner.partition(create_fn, None, shardings)
   batch_sharding = partitioner.mesh_sharding(BATCH_AXES["inputs"])
