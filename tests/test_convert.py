@@ -1199,3 +1199,21 @@ def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitione
       np.testing.assert_allclose(_at(state.param_states[0].mu, path[4:]), mu, rtol=1e-5)
   assert int(state.step) == int(state.param_states[0].count) == 2
   _assert_target_shardings(state, target)
+
+
+def test_stacked_params_convert_into_a_definition_as_into_its_optimizer():
+  """Params kept stacked (`stack_params`) converted against a bare definition: the result held
+  the stacked params under the plain definition, without the stacked layer `create` puts
+  around it, and its first update failed (``The grads do not fit the params: paths only in
+  the grads: ['b', 'w'] ...``). It is the optimizer `create` gives, and steps as the
+  conversion of the same params unstacked does."""
+  params = {"w": NOISY_PARAMS["w"][:8], "b": NOISY_PARAMS["w"][8:]}
+  grads = _noisy_grads(params, 1)
+  moved = []
+  for given in (params, t5x_optim.stack_params(params)):
+    source = OptaxWrapper(optax.adam(1e-3)).create(given).apply_gradient(grads)
+    new, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.lion(1e-3)), missing="init")
+    assert type(new.target) is type(given)
+    target = new.apply_gradient(grads).target
+    moved.append(target.unstack() if isinstance(target, t5x_optim.StackedParams) else target)
+  _assert_close(moved[1], moved[0])

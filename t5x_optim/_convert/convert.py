@@ -73,6 +73,7 @@ from t5x_optim._convert.registry import (
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._layouts.stacked import StackedParams
 from t5x_optim._low_precision.low_precision import (
   QUANTIZED_LEAF_TYPES,
   LowPrecisionState,
@@ -768,6 +769,8 @@ def convert_state(
     of the params, `optax.LookaheadParams`) and another optimizer (an
     `Optimizer` target), the params are the slow copy (the report's
     ``dropped`` names the fast one), or both copies are the source's params.
+    Stacked params (`t5x_optim.stack_params`) with a definition `target` get
+    the stacked layer its ``create`` would put around it.
 
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
@@ -812,6 +815,8 @@ def convert_state(
     params = _params_like(params, like_params)
   else:
     optimizer_def, like_state = target, None
+    if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
+      optimizer_def = jax.eval_shape(target.create, params).optimizer_def
   template = _fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
   flat_params = {
