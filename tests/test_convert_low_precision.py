@@ -299,3 +299,18 @@ def test_conversion_on_explicit_mesh_axes_as_on_auto(source_storage, target_stor
       assert leaf.sharding == like.sharding
     converted[axis_types] = new.state
   assert_same_bits(converted[AxisType.Explicit], converted[AxisType.Auto])
+
+
+@pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
+def test_schedule_free_evaluation_params_decode_nothing_of_another_optimizers_state(mode):
+  """`t5x-optim train` asks at every eval whether the state is schedule-free's: it decoded
+  the whole compressed state to float32 to find out (8 bytes per param at once, for nothing).
+  Another optimizer's state is told apart without computing anything; schedule-free's is
+  decoded, and gives its average."""
+  params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
+  state = low_precision(optax.adam(1e-3), mode, min_size=0).init(params)
+  asked = jax.make_jaxpr(lambda s: t5x_optim.schedule_free_evaluation_params(s, params))(state)
+  assert not asked.eqns, asked
+  free = low_precision(optax.contrib.schedule_free_sgd(1.0, b1=0.5), mode, min_size=0)
+  x = t5x_optim.schedule_free_evaluation_params(free.init(params), params)
+  np.testing.assert_array_equal(np.asarray(x["w"]), np.ones((64, 64), np.float32))

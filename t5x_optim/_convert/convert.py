@@ -594,9 +594,10 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
   ``optax.contrib.schedule_free`` takes gradients at its params ``y`` and is
   evaluated at its average ``x = (y - (1 - b1) z) / b1``
   (``optax.contrib.schedule_free_eval_params``). Its state is the optimizer's
-  whole state (decoded from `low_precision` too) or the last of a chain's
-  (``chain(clip_by_global_norm, schedule_free_adamw)``), so that its updates
-  are the ones applied; one elsewhere is not looked for.
+  whole state or the last of a chain's (``chain(clip_by_global_norm,
+  schedule_free_adamw)``), so that its updates are the ones applied, inside
+  `low_precision` too (decoded only once found); one elsewhere is not looked
+  for.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -609,15 +610,30 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
     >>> clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
     >>> schedule_free_evaluation_params(clipped.init(params), params)
     {'w': Array([0., 0.], dtype=float32)}
+    >>> from t5x_optim import low_precision
+    >>> compressed = optax.chain(optax.clip_by_global_norm(1.0), low_precision(tx, 'bfloat16'))
+    >>> schedule_free_evaluation_params(compressed.init(params), params)
+    {'w': Array([0., 0.], dtype=float32)}
     >>> schedule_free_evaluation_params(optax.sgd(1.0).init(params), params) is None
     True
   """
-  states = low_precision_to_float32(param_states)
-  while type(states) is tuple and states:  # a chain's: its last transformation's
-    states = states[-1]
-  if not isinstance(states, optax.contrib.ScheduleFreeState):
+  # Told by its type, so that another optimizer's compressed state is not decoded.
+  if not isinstance(_last_of_chain(param_states), optax.contrib.ScheduleFreeState):
     return None
+  states = _last_of_chain(low_precision_to_float32(param_states))
   return optax.contrib.schedule_free_eval_params(states, params)
+
+
+def _last_of_chain(states: Any) -> Any:
+  """The state of a chain's last transformation, through nested chains and `low_precision`
+  (its inner state, still compressed); another state as given."""
+  while True:
+    if isinstance(states, LowPrecisionState):
+      states = states.inner_state
+    elif type(states) is tuple and states:
+      states = states[-1]
+    else:
+      return states
 
 
 def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
