@@ -391,9 +391,13 @@ def plateau_scales(param_states: Any) -> list[Any]:
     >>> plateau_scales(tx.init({'w': jnp.ones(2)}))
     [Array(1., dtype=float32)]
   """
+  return [node.scale for node in _plateau_states(param_states)]
+
+
+def _plateau_states(param_states: Any) -> list[optax.contrib.ReduceLROnPlateauState]:
+  """Every ``optax.contrib.reduce_on_plateau`` state in an optimizer state."""
   is_plateau = lambda node: isinstance(node, optax.contrib.ReduceLROnPlateauState)  # noqa: E731
-  nodes = jax.tree.leaves(param_states, is_leaf=is_plateau)
-  return [node.scale for node in nodes if is_plateau(node)]
+  return [node for node in jax.tree.leaves(param_states, is_leaf=is_plateau) if is_plateau(node)]
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
@@ -770,8 +774,7 @@ def _stalled_plateau(optimizer: Any, state: TrainState) -> tuple[str, str] | Non
   optimizer holds one reduce_on_plateau and its state one such state.
   """
   settings = _plateau_settings(getattr(optimizer, "optax_optimizer", None))
-  is_plateau = lambda x: isinstance(x, optax.contrib.ReduceLROnPlateauState)  # noqa: E731
-  nodes = [n for n in jax.tree.leaves(state.param_states, is_leaf=is_plateau) if is_plateau(n)]
+  nodes = _plateau_states(state.param_states)
   if len(settings) != 1 or len(nodes) != 1:
     return None
   (setting,), (node,) = settings, nodes
