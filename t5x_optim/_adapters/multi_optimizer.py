@@ -309,7 +309,7 @@ class MultiOptimizer(OptimizerDef):
         partition.split(grad_leaves),
       )
     ):
-      extras = self._own_extra_args(extra_args, params, i)
+      extras = self._own_extra_args(extra_args, params, partition, leaves, i)
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:
@@ -320,15 +320,17 @@ class MultiOptimizer(OptimizerDef):
     new_target = partition.merge(leaves, new_subtrees)
     return new_target, OptimizerState(step=state.step + 1, param_states=tuple(new_states))
 
-  def _own_extra_args(self, extra_args: Mapping[str, Any], params: Any, i: int) -> dict[str, Any]:
-    """The extra arguments sub-optimizer `i` takes, of its own params.
+  def _own_extra_args(
+    self, extra_args: Mapping[str, Any], params: Any, partition: Partition, leaves: list, i: int
+  ) -> dict[str, Any]:
+    """The extra arguments sub-optimizer `i` takes, of its own params (`partition` and
+    `leaves` are `params`', from `_partition`).
 
     optax's ``grad`` (a tree like the params) is split as the grads are; ``value_fn`` and
     ``obj_fn`` (functions of the params) become functions of sub-optimizer `i`'s params,
     the others held at their values, with the signature a line search reads; others
     (``value``, a user's own) are passed as given.
     """
-    partition, leaves = self._partition(params)
     own = {}
     for name, value in extra_args.items():
       if name not in _extra_arg_names(self.sub_optimizers[i]):
