@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -22,7 +23,7 @@ from _subprocesses import with_run_compilation_cache
 from tensorboard.backend.event_processing import event_accumulator
 
 import t5x_optim
-from t5x_optim import Checkpointer
+from t5x_optim import Checkpointer, TrainState
 from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
@@ -94,12 +95,22 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
   }
 
 
-def _restored_step(model_dir: Path, gin_files: list[str]) -> int:
-  """Restores the latest checkpoint of `model_dir` into the job of `gin_files`."""
-  _config.parse_config(gin_files=gin_files, macros=_config.device_macros(8))
+def _restored(
+  model_dir: Path, gin_files: list[str], gin_bindings: Sequence[str] = ()
+) -> tuple[_train.Setup, TrainState]:
+  """The job of `gin_files` and `gin_bindings`, and the latest checkpoint of `model_dir`
+  restored into it."""
+  _config.parse_config(
+    gin_files=gin_files, gin_bindings=gin_bindings, macros=_config.device_macros(8)
+  )
   setup = _train.prepare(_config.build_job())
   with Checkpointer(model_dir / "checkpoints") as checkpointer:
-    return int(checkpointer.restore(setup.abstract_state).step)
+    return setup, checkpointer.restore(setup.abstract_state)
+
+
+def _restored_step(model_dir: Path, gin_files: list[str]) -> int:
+  """Restores the latest checkpoint of `model_dir` into the job of `gin_files`."""
+  return int(_restored(model_dir, gin_files)[1].step)
 
 
 @pytest.fixture(scope="module")
@@ -347,12 +358,7 @@ def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, caps
     assert [re.search(r" lr_scale (\S+) ", line)[1] for line in logged] == ["1", "0.5", "0.25"]
     tags = _scalars(tmp_path / "train")
     assert [value for _, value in tags["lr_scale"]] == [1.0, 0.5, 0.25]
-    _config.parse_config(
-      gin_files=TINY[1::2], gin_bindings=PLATEAU, macros=_config.device_macros(8)
-    )
-    setup = _train.prepare(_config.build_job())
-    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
-      state = checkpointer.restore(setup.abstract_state)
+    _, state = _restored(tmp_path, TINY[1::2], PLATEAU)
     (plateau,) = [
       node
       for node in jax.tree.leaves(state.param_states, is_leaf=lambda n: hasattr(n, "plateau_count"))
@@ -374,10 +380,7 @@ def test_schedule_free_is_evaluated_at_its_evaluation_params_too(tmp_path, capsy
   loss, loss_x = map(
     float, re.search(r"^eval step 4  loss (\S+)  loss_x (\S+)$", out, re.M).groups()
   )
-  _config.parse_config(gin_files=TINY[1::2], gin_bindings=bindings, macros=_config.device_macros(8))
-  setup = _train.prepare(_config.build_job())
-  with Checkpointer(tmp_path / "checkpoints") as checkpointer:
-    state = checkpointer.restore(setup.abstract_state)
+  setup, state = _restored(tmp_path, TINY[1::2], bindings)
   x = optax.contrib.schedule_free_eval_params(state.param_states, state.params)
   losses = [setup.eval_fn(x, setup.eval_batch(i)) for i in range(setup.job.eval_batches)]
   assert loss_x == pytest.approx(float(np.mean(jax.device_get(losses))), abs=1e-4)
