@@ -1217,3 +1217,20 @@ def test_stacked_params_convert_into_a_definition_as_into_its_optimizer():
     target = new.apply_gradient(grads).target
     moved.append(target.unstack() if isinstance(target, t5x_optim.StackedParams) else target)
   _assert_close(moved[1], moved[0])
+
+
+def test_the_report_of_stacked_params_counts_and_names_params_not_buffers():
+  """Params kept stacked: the report counted the stacked buffers as params ("2 params" for
+  three leaves in two buffers) and named a buffer as the example ("e.g. buffers/0"). It reads
+  as the report of the same params unstacked."""
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones((4, 3)), "c": jnp.ones((5,))}
+  reports = []
+  for given in (params, t5x_optim.stack_params(params)):
+    for old, new in ((optax.adam, optax.lion), (optax.lion, optax.adam)):
+      source = OptaxWrapper(old(1e-3)).create(given)
+      reports.append(t5x_optim.convert_state(source, OptaxWrapper(new(1e-3)), missing="init")[1])
+  assert reports[0].converted == ("0 (ScaleByLionState).mu: 3 params, from 0 (ScaleByAdamState)",)
+  assert reports[1].initialised[-1] == (
+    "0 (ScaleByAdamState).nu: 3 params without a source value (e.g. b)"
+  )
+  assert reports[2:] == reports[:2]

@@ -363,6 +363,17 @@ class _Recorder:
     return add
 
 
+def _held_params(params: Any) -> dict[str, tuple[str, ...]]:
+  """Per stacked buffer's path (``buffers/0``), the paths of the params it holds; ``{}``
+  for params that are not stacked (each path is one param)."""
+  if not isinstance(params, StackedParams):
+    return {}
+  layout = params.layout
+  return {
+    f"buffers/{i}": tuple(layout.paths[j] for j in group) for i, group in enumerate(layout.groups)
+  }
+
+
 def _write_target(
   template: Any,
   source: _Source,
@@ -371,7 +382,10 @@ def _write_target(
   hparams: Mapping[str, Any],
   missing: str,
   adamax: frozenset[tuple[str, ...]],
+  held: Mapping[str, tuple[str, ...]],
 ) -> tuple[Any, ConversionReport]:
+  """`template` written from `source`, and the report; `held` names the params a stacked
+  buffer's path holds, so that the report counts and names params."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -425,15 +439,20 @@ def _write_target(
 
   written = visit(template, (), hparams, (), step)
   converted, initialised = [], []
+
+  def count(paths: list[str]) -> int:
+    return sum(len(held.get(path, (path,))) for path in paths)
+
   for field, by in recorder.fields.items():
     if by[True]:
       origins = sorted(
         {source.origin[(p, q)] for p in by[True] for q in (MU, NU) if (p, q) in source.origin}
       )
-      converted.append(f"{field}: {len(by[True])} params, from {', '.join(origins)}")
+      converted.append(f"{field}: {count(by[True])} params, from {', '.join(origins)}")
     if by[False]:
+      example = held.get(by[False][0], by[False])[0]
       initialised.append(
-        f"{field}: {len(by[False])} params without a source value (e.g. {by[False][0]})"
+        f"{field}: {count(by[False])} params without a source value (e.g. {example})"
       )
   initialised += [f"{entry}: no converter" for entry in no_converter]
   report = ConversionReport(tuple(converted), tuple(initialised), tuple(source.dropped))
@@ -855,6 +874,7 @@ def convert_state(
     dict(target_hparams or {}),
     missing,
     _adamax_paths(optimizer_def, params, template.param_states, "target"),
+    _held_params(trained),
   )
   written = jax.tree.map(_placed, written, template.param_states)
   state = OptimizerState(step=_placed(step, template.step), param_states=written)
