@@ -1201,6 +1201,7 @@ def test_t5x_adamw_checkpoint_restores_into_lion_in_both_formats(fmt, partitione
   _assert_target_shardings(state, target)
 
 
+@pytest.mark.slow
 def test_stacked_params_convert_into_a_definition_as_into_its_optimizer():
   """Params kept stacked (`stack_params`) converted against a bare definition: the result held
   the stacked params under the plain definition, without the stacked layer `create` puts
