@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import gin
 import jax
 import numpy as np
 import optax
@@ -619,6 +620,27 @@ BAD_CONFIGS = {
     ["--gin_bindings", "cli.SyntheticTask.vocab_size = 7"],
     "TransformerConfig.vocab_size=32 differs from SyntheticTask.vocab_size=7",
   ),
+  "binding_never_read": (
+    [
+      "--gin_bindings",
+      "OPTIMIZER = @optimizers.lbfgs()",
+      "--gin_bindings",
+      "optax.lbfgs.memory_size = 5",
+    ],
+    "--gin_bindings 'optax.lbfgs.memory_size = 5' binds what this run never reads: no call of "
+    "optax.lbfgs took memory_size from the bindings (did you mean "
+    "optimizers.lbfgs?)",
+  ),
+  "binding_of_another_optimizer": (
+    ["--gin_bindings", "optax.adam.b1 = 0.8"],
+    "--gin_bindings 'optax.adam.b1 = 0.8' binds what this run never reads: no call of "
+    "optax.adam took b1 from the bindings (did you mean optax.adamw?)",
+  ),
+  "macro_never_read": (
+    ["--gin_bindings", "BATCH_SIZE = 8"],
+    "--gin_bindings 'BATCH_SIZE = 8' binds what this run never reads: nothing refers to "
+    "%BATCH_SIZE",
+  ),
   "learning_rate_type": (
     ["--gin_bindings", "cli.TrainJob.learning_rate = 'high'"],
     "TrainJob.learning_rate must be a schedule, a number or None",
@@ -692,3 +714,13 @@ def test_an_update_that_needs_an_argument_the_step_does_not_give_is_named():
     "; of the extra arguments it takes, the train step gives those of optax's that come from "
     "the loss (value), not weights."
   ), e.value
+
+
+def test_a_binding_that_every_caller_overrides_is_unread(clean_gin):
+  """gin gives a call's own argument precedence over a binding, without a word; the binding
+  is then unread, as one for a configurable nothing calls."""
+  _config.parse_config(gin_bindings=["optax.adamw.b1 = 0.8", "optax.adamw.b2 = 0.9"])
+  gin.get_configurable(optax.adamw)(learning_rate=0.1, b1=0.5)
+  assert _config.unread_bindings() == [
+    ("optax.adamw.b1 = 0.8", "no call of optax.adamw took b1 from the bindings")
+  ]

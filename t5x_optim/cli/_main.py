@@ -398,6 +398,19 @@ def _fail(args: argparse.Namespace, error: Exception) -> int:
   return _error(args.command, _describe(error))
 
 
+def _refuse_unread(unread: Sequence[tuple[str, str]]) -> None:
+  """Refuses the bindings the built job never read (`config.unread_bindings`): a binding that
+  changes nothing is a mistake (a configurable the run does not call, a mistyped macro)."""
+  if unread:
+    raise ValueError(
+      "; ".join(
+        f"--gin_bindings {binding!r} binds what this run never reads: {reason}"
+        for binding, reason in unread
+      )
+      + ". Nothing was trained or saved: remove it, or bind what the run calls."
+    )
+
+
 def _same_job_flags(args: argparse.Namespace) -> dict[str, str]:
   """The flags every process of a job must share (all but ``--process_id`` and ``--traceback``)."""
   return {
@@ -514,6 +527,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
     job = _config.build_job()
     rate_from = _config.learning_rate_source()
     setup = _train.prepare(job)
+    _refuse_unread(_config.unread_bindings())
     initial_state = None
     if train and args.init_from:
       initial_state = _init_from.initial_state_fn(

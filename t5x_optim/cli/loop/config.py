@@ -57,6 +57,7 @@ __all__ = [
   "parse_config",
   "resolve_gin_file",
   "text_data_path",
+  "unread_bindings",
 ]
 
 BINDING_IMPORTS = """
@@ -483,8 +484,101 @@ def parse_config(
   with _quiet_gin_path_probes():
     gin.parse_config(DEFAULT_CONFIG)
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
-    bindings = [BINDING_IMPORTS, *gin_bindings] if gin_bindings else []
-    gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+    gin.parse_config_files_and_bindings(files, None, finalize_config=False)
+    _GIVEN_BINDINGS[:] = _parse_bindings(gin_bindings)
+
+
+class _GivenBinding(NamedTuple):
+  text: str
+  keys: tuple[tuple[str, str, str], ...]  # (scope, selector, parameter) it binds
+
+
+_GIVEN_BINDINGS: list[_GivenBinding] = []
+"""The bindings the last `parse_config` was given, each with what it binds."""
+
+
+def _config_values() -> dict[tuple[str, str, str], Any]:
+  # gin shows its bindings only as text; its `_CONFIG` holds them by (scope, selector).
+  return {
+    (scope, selector, name): value
+    for (scope, selector), values in gin.config._CONFIG.items()  # noqa: SLF001
+    for name, value in values.items()
+  }
+
+
+def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
+  """Parses `bindings` in order (after `BINDING_IMPORTS` and the imports of those before),
+  each with the (scope, selector, parameter) keys it binds or rebinds."""
+  imports = [BINDING_IMPORTS]
+  given = []
+  for text in bindings:
+    before = _config_values()
+    gin.parse_config([*imports, text])
+    after = _config_values()
+    keys = tuple(
+      key for key, value in after.items() if key not in before or before[key] is not value
+    )
+    given.append(_GivenBinding(text, keys))
+    imports += [line for line in text.splitlines() if line.strip().startswith(("import ", "from "))]
+  return given
+
+
+def _display(selector: str) -> str:
+  return selector.removeprefix("t5x_optim.")
+
+
+def unread_bindings() -> list[tuple[str, str]]:
+  """The bindings given to the last `parse_config` that nothing called so far has read, each
+  with why (``(binding, reason)``).
+
+  A binding is read when a call of its configurable took the parameter from
+  the bindings (not from the caller), or, for a macro, when something referred
+  to it. Ask once the job is built: `build_job` and `train.prepare` call every
+  configurable a run calls.
+
+  Example:
+    >>> parse_config(gin_bindings=['BATCH_SIZE = 8', 'optax.lbfgs.memory_size = 5'])
+    >>> for binding, reason in unread_bindings():
+    ...   print(f'{binding}: {reason}')
+    BATCH_SIZE = 8: nothing refers to %BATCH_SIZE
+    optax.lbfgs.memory_size = 5: no call of optax.lbfgs took memory_size from the bindings
+  """
+  operative = gin.config._OPERATIVE_CONFIG  # noqa: SLF001 - likewise only text otherwise
+  lines = []
+  for given in _GIVEN_BINDINGS:
+    unread = [key for key in given.keys if not _read(key, operative)]
+    for scope, selector, name in unread:
+      if selector == "gin.macro":
+        lines.append((given.text, f"nothing refers to %{scope}"))
+        continue
+      line = f"no call of {_display(selector)} took {name} from the bindings"
+      # What the binding may have meant: a call of the same name, or one that takes `name`.
+      last = selector.rsplit(".", 1)[-1]
+      alike = sorted(
+        {
+          _display(c)
+          for (_, c), values in operative.items()
+          if c != selector and (name in values or c.rsplit(".", 1)[-1] == last)
+        }
+      )
+      if alike:
+        more = f" and {len(alike) - 4} more" if len(alike) > 4 else ""
+        line += f" (did you mean {', '.join(alike[:4])}{more}?)"
+      lines.append((given.text, line))
+  return lines
+
+
+def _read(key: tuple[str, str, str], operative: Mapping[tuple[str, str], Any]) -> bool:
+  """Whether a call recorded in `operative` took `key`'s parameter from the bindings: a call
+  of its selector in its scope or one inside it (gin reads a scope's bindings in its
+  sub-scopes)."""
+  scope, selector, name = key
+  return any(
+    called == selector
+    and name in values
+    and (not scope or where == scope or where.startswith(f"{scope}/"))
+    for (where, called), values in operative.items()
+  )
 
 
 def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
