@@ -477,6 +477,7 @@ def parse_config(
     if storage.is_object_store(path) or not Path(path).is_dir():
       raise NotADirectoryError(f"gin search path {str(path)!r} is not a local directory.")
   directories = [Path(path) for path in [*search_paths, *default_search_paths()]]
+  _GIVEN_BINDINGS.clear()
   gin.clear_config()
   for directory in directories:
     gin.add_config_file_search_path(str(directory))
