@@ -724,3 +724,16 @@ def test_a_binding_that_every_caller_overrides_is_unread(clean_gin):
   assert _config.unread_bindings() == [
     ("optax.adamw.b1 = 0.8", "no call of optax.adamw took b1 from the bindings")
   ]
+
+
+def test_a_file_included_by_a_binding_is_not_checked_as_a_binding(clean_gin, tmp_path):
+  """A binding that includes a gin file binds what the file binds, and a file's bindings are
+  not checked (a file may configure what only some runs use, as tiny.gin binds both tasks);
+  they were refused as the binding's own. Such an entry is taken as a file; the others are
+  still checked."""
+  text = "from __gin__ import dynamic_registration\nfrom t5x_optim import cli\n"
+  (tmp_path / "text.gin").write_text(text + "cli.TextTask.length = 8\n")
+  include = f"include '{tmp_path / 'text.gin'}'"
+  _config.parse_config(gin_bindings=[include, "BATCH_SIZE = 8"], macros=_config.device_macros(8))
+  _config.build_job()
+  assert _config.unread_bindings() == [("BATCH_SIZE = 8", "nothing refers to %BATCH_SIZE")]

@@ -509,7 +509,8 @@ def _config_values() -> dict[tuple[str, str, str], Any]:
 
 def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
   """Parses `bindings` in order (after `BINDING_IMPORTS` and the imports of those before),
-  each with the (scope, selector, parameter) keys it binds or rebinds."""
+  each with the (scope, selector, parameter) keys it binds or rebinds (none for an entry that
+  includes a file: its bindings are the file's, and a file's are not checked)."""
   imports = [BINDING_IMPORTS]
   given = []
   for text in bindings:
@@ -519,8 +520,11 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
     keys = tuple(
       key for key, value in after.items() if key not in before or before[key] is not value
     )
-    given.append(_GivenBinding(text, keys))
-    imports += [line for line in text.splitlines() if line.strip().startswith(("import ", "from "))]
+    lines = [line.strip() for line in text.splitlines()]
+    # An entry that includes a file binds what the file binds, and is taken as a file is.
+    included = any(line.startswith("include ") for line in lines)
+    given.append(_GivenBinding(text, () if included else keys))
+    imports += [line for line in lines if line.startswith(("import ", "from "))]
   return given
 
 
