@@ -368,8 +368,10 @@ def _parsed(
       raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
     if found.gin is None:
       return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
-    # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already.
-    bindings = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
+    # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already;
+    # one entry, parsed at once as the config it comes from.
+    lines = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
+    bindings = ["\n".join(lines)]
   if not gin_files and not bindings:
     return None, {}
   try:
