@@ -513,13 +513,14 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
   includes a file: its bindings are the file's, and a file's are not checked)."""
   imports = [BINDING_IMPORTS]
   given = []
+  before = _config_values()
   for text in bindings:
-    before = _config_values()
     gin.parse_config([*imports, text])
     after = _config_values()
     keys = tuple(
       key for key, value in after.items() if key not in before or before[key] is not value
     )
+    before = after
     lines = [line.strip() for line in text.splitlines()]
     # An entry that includes a file binds what the file binds, and is taken as a file is.
     included = any(line.startswith("include ") for line in lines)
