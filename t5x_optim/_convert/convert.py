@@ -363,14 +363,24 @@ class _Recorder:
     return add
 
 
+def _flat_params(params: Any) -> dict[str, Any]:
+  """`params`' leaves by the path the conversion keys them by (``layers_0/mlp/wi``)."""
+  return {
+    "/".join(map(str, path)): leaf
+    for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(params)).items()
+  }
+
+
 def _held_params(params: Any) -> dict[str, tuple[str, ...]]:
-  """Per stacked buffer's path (``buffers/0``), the paths of the params it holds; ``{}``
-  for params that are not stacked (each path is one param)."""
+  """Per stacked buffer's path (as `_flat_params` gives it), the paths of the params it
+  holds; ``{}`` for params that are not stacked (each path is one param)."""
   if not isinstance(params, StackedParams):
     return {}
   layout = params.layout
+  numbered = params.replace(buffers=tuple(range(len(layout.groups))))
   return {
-    f"buffers/{i}": tuple(layout.paths[j] for j in group) for i, group in enumerate(layout.groups)
+    path: tuple(layout.paths[j] for j in layout.groups[i])
+    for path, i in _flat_params(numbered).items()
   }
 
 
@@ -854,10 +864,7 @@ def convert_state(
       optimizer_def = jax.eval_shape(target.create, params).optimizer_def
   template = _fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
-  flat_params = {
-    "/".join(map(str, path)): leaf
-    for path, leaf in traverse_util.flatten_dict(serialization.to_state_dict(trained)).items()
-  }
+  flat_params = _flat_params(trained)
   source_stats = _read_source(
     param_states,
     step,
