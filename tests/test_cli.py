@@ -652,13 +652,32 @@ BAD_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(BAD_CONFIGS))
 def test_bad_config_is_one_clear_error(name, command, capsys, tmp_path):
   flags, message = BAD_CONFIGS[name]
-  extra = ["--model_dir", str(tmp_path)] if command == "train" else []
+  model_dir = tmp_path / "runs" / "run"
+  extra = ["--model_dir", str(model_dir)] if command == "train" else []
   assert main([command, *flags, *extra]) == 2
   err = capsys.readouterr().err
   assert err.startswith(f"t5x-optim {command}: error: ")
   assert message in err
   assert "Traceback" not in err and len(err.splitlines()) == 1
-  assert not (tmp_path / "checkpoints").exists()
+  # Nothing was trained or saved, and nothing is left: not even the directories the run made.
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_configuration_error_keeps_the_directories_that_were_there(tmp_path, capsys):
+  """The directories a run made for --model_dir and --compilation_cache go again when a
+  configuration error stops it; those the user made, and what they hold, stay."""
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  (tmp_path / "mine").mkdir()
+  cache = tmp_path / "mine" / "cache" / "xla"
+  assert (
+    main(["train", *bad, "--model_dir", str(tmp_path / "mine"), "--compilation_cache", str(cache)])
+    == 2
+  )
+  assert [p.name for p in tmp_path.rglob("*")] == ["mine"]
+  run = tmp_path / "runs" / "run"
+  assert main(["train", *bad, "--model_dir", str(run), "--compilation_cache", str(run / "cc")]) == 2
+  assert [p.name for p in tmp_path.rglob("*")] == ["mine"]
+  assert "total_stepz" in capsys.readouterr().err
 
 
 @pytest.mark.slow

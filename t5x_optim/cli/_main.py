@@ -445,7 +445,40 @@ def _cache_directory(args: argparse.Namespace, model_dir: Path) -> tuple[Path | 
   return directory, str(directory)
 
 
+def _absent_directories(path: Path | str | None) -> list[Path]:
+  """`path` and those of its parents that do not exist yet, deepest first (a local path only:
+  an object store keeps no empty directories)."""
+  if not isinstance(path, Path) or str(path) == "none":
+    return []
+  absent = []
+  for directory in (path.absolute(), *path.absolute().parents):
+    if directory.exists():
+      break
+    absent.append(directory)
+  return absent
+
+
+def _remove_if_empty(directories: Sequence[Path]) -> None:
+  """Removes those of `directories` (made by the command) that it left empty, deepest first."""
+  for directory in sorted(set(directories), key=lambda path: len(path.parts), reverse=True):
+    with contextlib.suppress(OSError):  # not empty, or gone: kept as it is
+      directory.rmdir()
+
+
 def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
+  """Runs the command; the directories it made for its flags and left empty (a configuration
+  error stops it before it writes) are removed again."""
+  made = [
+    *_absent_directories(getattr(args, "model_dir", None)),
+    *_absent_directories(getattr(args, "compilation_cache", None)),
+  ]
+  try:
+    return _run_command(args, interrupt)
+  finally:
+    _remove_if_empty(made)
+
+
+def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
   if args.command == "train":
     try:
       _processes.start(args)
