@@ -680,6 +680,21 @@ def test_a_configuration_error_keeps_the_directories_that_were_there(tmp_path, c
   assert "total_stepz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  ("binding", "raised_in"),
+  [
+    ("cli.TrainJob.total_stepz = 3", "parse_config"),  # while gin parses the bindings
+    ("cli.TrainJob.total_steps = 'ten'", "__post_init__"),  # while the job is built
+  ],
+)
+def test_traceback_flag_shows_where_a_configuration_error_was_raised(binding, raised_in, capsys):
+  assert main(["plan", "--traceback", "--gin_bindings", binding]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("Traceback (most recent call last):")
+  assert f"in {raised_in}" in err and "NoneType: None" not in err
+  assert err.splitlines()[-1].startswith("t5x-optim plan: error: ")
+
+
 @pytest.mark.slow
 def test_bad_gin_in_a_subprocess_exits_without_traceback(tmp_path):
   result = _run("train", "--gin_bindings", "optax.adamww.learning_rate = 1.0", cwd=tmp_path)

@@ -393,8 +393,8 @@ def _run_plan(args: argparse.Namespace, setup) -> int:
 
 
 def _fail(args: argparse.Namespace, error: Exception) -> int:
-  if args.traceback:
-    traceback.print_exc()
+  if args.traceback:  # the error's own traceback: it may have been caught before this call
+    traceback.print_exception(error)
   return _error(args.command, _describe(error))
 
 
