@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import gin
@@ -261,6 +262,47 @@ def test_a_search_paths_file_comes_before_the_shipped_one_of_the_same_name(tmp_p
   for missing in (tmp_path / "mien", mine / "optimizers" / "adamw.gin"):
     with pytest.raises(NotADirectoryError, match=f"gin search path '{missing}' is not a local"):
       _config.parse_config(gin_files=["optimizers/adamw.gin"], search_paths=[str(missing)])
+
+
+@pytest.fixture
+def folders_on_sys_path(tmp_path, monkeypatch):
+  """The working directory on ``sys.path`` (``python -m t5x_optim``), as `tmp_path`; what it
+  imports as namespace packages (folders without ``__init__.py``) is forgotten afterwards."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  before = set(sys.modules)
+  yield tmp_path
+  for name in set(sys.modules) - before:
+    del sys.modules[name]
+
+
+def test_a_folder_named_like_an_include_in_the_working_directory_does_not_break_it(
+  folders_on_sys_path,
+):
+  """adamw_8bit.gin includes ``optimizers/adamw.gin``: with an ``optimizers/`` folder where the
+  command runs, gin's lookup of the include in packages failed on that namespace package with
+  ``TypeError: expected str, bytes or os.PathLike object, not NoneType``."""
+  (folders_on_sys_path / "optimizers").mkdir()
+  _config.parse_config(gin_files=["optimizers/adamw_8bit.gin"])
+  assert "optimizers.low_precision(inner=optax.adamw" in _config.describe_optimizer()
+  _config.parse_config(gin_bindings=["include 'optimizers/adamw_8bit.gin'"])
+  assert "optimizers.low_precision(inner=optax.adamw" in _config.describe_optimizer()
+
+
+def test_an_include_in_a_namespace_package_is_found_as_in_a_package(
+  folders_on_sys_path, monkeypatch
+):
+  """gin finds ``include 'pkg/file.gin'`` in the package ``pkg`` on ``sys.path``: in a folder
+  without ``__init__.py`` as well, also when another folder is the working directory."""
+  (folders_on_sys_path / "elsewhere").mkdir()
+  (folders_on_sys_path / "lib" / "my_configs").mkdir(parents=True)
+  (folders_on_sys_path / "lib" / "my_configs" / "steps.gin").write_text("TOTAL_STEPS = 3\n")
+  monkeypatch.syspath_prepend(str(folders_on_sys_path / "lib"))
+  monkeypatch.chdir(folders_on_sys_path / "elsewhere")
+  _config.parse_config(gin_bindings=["include 'my_configs/steps.gin'"])
+  assert gin.query_parameter("%TOTAL_STEPS") == 3
+  with pytest.raises(OSError, match="Unable to open file: my_configs/nothing.gin"):
+    _config.parse_config(gin_bindings=["include 'my_configs/nothing.gin'"])
 
 
 def _optimizer_report(bindings: list[str]) -> tuple[str, str, tuple | None, OptimizerDef]:

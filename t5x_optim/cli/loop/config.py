@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -451,7 +453,9 @@ def parse_config(
   """Parses the default config, the `macros`, then `gin_files`, then `gin_bindings`.
 
   Relative files and ``include``s are looked up in the current directory,
-  then in `search_paths`, then in the package's gin directory (`GIN_DIR`).
+  then in `search_paths`, then in the package's gin directory (`GIN_DIR`);
+  an ``include`` also, as gin does, in the packages on ``sys.path``, folders
+  without ``__init__.py`` among them (`_package_file`).
   Gin files are code: parsing one imports modules and calls functions, so
   parse only files you trust like code.
 
@@ -482,7 +486,7 @@ def parse_config(
   for directory in directories:
     gin.add_config_file_search_path(str(directory))
   files = [str(resolve_gin_file(path, directories)) for path in gin_files]
-  with _quiet_gin_path_probes():
+  with _quiet_gin_path_probes(), _package_lookup_of_namespace_packages():
     gin.parse_config(DEFAULT_CONFIG)
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
     gin.parse_config_files_and_bindings(files, None, finalize_config=False)
@@ -622,6 +626,56 @@ def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
   raise FileNotFoundError(
     f"gin file {str(path)!r} not found (in the current directory or the search paths: {searched})."
   )
+
+
+def _package_file(config_path: str) -> str | None:
+  """Where gin's lookup in packages finds `config_path` (``pkg/file.gin``: ``file.gin`` in the
+  package ``pkg`` on ``sys.path``), a namespace package (a folder without ``__init__.py``)
+  included, whose folders gin's own lookup fails on; None where it is not found.
+
+  Example:
+    >>> _package_file('t5x_optim/gin/optimizers/adamw.gin') == str(GIN_DIR / 'optimizers/adamw.gin')
+    True
+    >>> _package_file('no_such_package/adamw.gin') is None
+    True
+  """
+  head, name = os.path.split(config_path)
+  try:
+    spec = importlib.util.find_spec(head.replace("/", "."))
+  except (ImportError, ValueError):
+    return None
+  if spec is None:
+    return None
+  if spec.has_location and spec.origin:
+    folders = [os.path.dirname(spec.origin)]
+  else:
+    folders = list(spec.submodule_search_locations or ())
+  for folder in folders:
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+      return path
+  return None
+
+
+def _open_package_file(config_path: str) -> Any:
+  return open(_package_file(config_path))  # noqa: SIM115 - gin closes it
+
+
+def _package_file_exists(config_path: str) -> bool:
+  return _package_file(config_path) is not None
+
+
+@contextlib.contextmanager
+def _package_lookup_of_namespace_packages() -> Iterator[None]:
+  """Swaps gin's lookup of files in packages for `_package_file` while a config is parsed."""
+  readers = gin.config._FILE_READERS  # noqa: SLF001 - gin offers no way to replace a reader
+  gins = (gin.resource_reader.system_path_reader, gin.resource_reader.system_path_file_exists)
+  ours = (_open_package_file, _package_file_exists)
+  readers[:] = [ours if entry == gins else entry for entry in readers]
+  try:
+    yield
+  finally:
+    readers[:] = [gins if entry == ours else entry for entry in readers]
 
 
 class _DropPathProbes(logging.Filter):
