@@ -26,7 +26,10 @@ naming the step and the array path. `Checkpointer.restore(..., fallback=True)`
 then falls back to the newest intact step. Each step also records the
 classes of the optimizer state's nodes (``<step>/state_classes``): a restore
 into an optimizer whose state has another class at the same path (adam's
-checkpoint into adabelief, whose keys agree) is refused. One writer per directory: the
+checkpoint into adabelief, whose keys agree) is refused. An array without
+elements (a layer of width 0), which orbax cannot write, is recorded by its
+path, shape and dtype (``<step>/zero_size_arrays``) and restored as the
+target's empty array, after the same checks. One writer per directory: the
 first `save` takes an exclusive lock (``fcntl.flock`` on
 ``<directory>/.t5x_optim.lock``, held by process 0, released by `close` or
 when the process dies).

@@ -136,6 +136,78 @@ def test_round_trip_of_special_leaves(tmp_path, name, tx, params):
     np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+EMPTY_PARAMS = {
+  "w": jnp.linspace(-1.0, 1.0, 48).reshape(6, 8),
+  "no_rows": jnp.zeros((0, 8)),
+  "no_cols": jnp.zeros((8, 0), jnp.bfloat16),
+  "none": jnp.zeros((0,)),
+}
+"""Params with zero-size leaves (a layer of width 0): orbax cannot store a zero-size array."""
+
+
+@pytest.mark.parametrize(
+  "tx",
+  [optax.adamw(0.1), optimizers.low_precision(optax.adamw(0.1), "8bit", min_size=0)],
+  ids=["adamw", "adamw_8bit"],
+)
+def test_zero_size_leaves_round_trip_on_a_mesh(tmp_path, tx):
+  """A state with zero-size leaves saves (the save failed in orbax, and its threads kept the
+  process alive minutes after) and restores: exactly, sharded, params only, into a target
+  whose zero-size leaf has another shape only with a refusal naming it."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  opt_def = w.OptaxWrapper(tx)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), EMPTY_PARAMS)
+  state = opt_def.create(EMPTY_PARAMS).apply_gradient(grads).apply_gradient(grads)
+  _save(tmp_path, 2, state)
+  w.assert_same_state(_restore(tmp_path, opt_def.create(EMPTY_PARAMS)), state)
+  sharded = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard if x.ndim else None),
+    jax.eval_shape(opt_def.create, EMPTY_PARAMS),
+  )
+  restored = _restore(tmp_path, sharded)
+  for got, want, like in zip(*(jax.tree.leaves(t) for t in (restored, state, sharded))):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if like.sharding is not None:
+      assert got.sharding == like.sharding
+  restored = _restore(tmp_path, opt_def.create(EMPTY_PARAMS), params_only=True)
+  assert restored.target["no_rows"].shape == (0, 8) and int(restored.state.step) == 2
+  assert restored.target["no_cols"].dtype == jnp.bfloat16
+  other = opt_def.create({**EMPTY_PARAMS, "none": jnp.zeros((0, 3))})
+  with pytest.raises(
+    ValueError,
+    match="shape mismatch at 'target/none': the target has "
+    r"float32\[0, 3\], the checkpoint has float32\[0\]",
+  ):
+    _restore(tmp_path, other)
+
+
+@pytest.mark.parametrize(
+  "record, message",
+  [
+    ("[]", "expected a JSON object, got list"),
+    (
+      '{"arrays": [{"path": ["target", "none"], "shape": [3], "dtype": "float32"}]}',
+      "with elements",
+    ),
+  ],
+)
+def test_a_corrupt_record_of_zero_size_arrays_is_a_corrupt_step(tmp_path, record, message):
+  opt_def = w.OptaxWrapper(optax.sgd(0.1))
+  _save(tmp_path, 1, opt_def.create(EMPTY_PARAMS))
+  _save(tmp_path, 2, opt_def.create(EMPTY_PARAMS))
+  (tmp_path / "2" / "zero_size_arrays" / "metadata").write_text(record)
+  with pytest.raises(
+    CheckpointError, match="Checkpoint step 2 in .* record of its zero-size"
+  ) as info:
+    _restore(tmp_path, opt_def.create(EMPTY_PARAMS))
+  assert message in str(info.value)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.restore(opt_def.create(EMPTY_PARAMS), fallback=True)
+    assert ckpt.restored_step == 1
+
+
 @pytest.mark.parametrize(
   "victim, message",
   [

@@ -37,6 +37,7 @@ __all__ = [
   "as_stored",
   "checked_step",
   "class_problems",
+  "empty_leaf",
   "fit_read",
   "flatten",
   "leaf_problems",
@@ -47,6 +48,8 @@ __all__ = [
   "root_cause",
   "saveable",
   "state_classes",
+  "zero_size_record",
+  "zero_size_stored",
 ]
 
 
@@ -273,6 +276,49 @@ def fit_read(
     else:
       cast[path] = _astype(leaf, dtype)
   return cast, problems
+
+
+def zero_size_record(arrays: Mapping[Path, Any]) -> dict[str, Any]:
+  """The path, shape and dtype of each zero-size array in `arrays`, as JSON.
+
+  orbax refuses to write an array without elements (a layer of width 0), and
+  there is nothing to write but its shape and dtype: `Checkpointer` records
+  them here, next to the arrays it writes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> zero_size_record({('w',): jnp.ones(2), ('b',): jnp.zeros((0, 3), jnp.bfloat16)})
+    {'arrays': [{'path': ['b'], 'shape': [0, 3], 'dtype': 'bfloat16'}]}
+  """
+  return {
+    "arrays": [
+      {"path": list(path), "shape": list(shape), "dtype": dtype.name}
+      for path, (shape, dtype) in ((p, _shape_dtype(x)) for p, x in arrays.items())
+      if 0 in shape
+    ]
+  }
+
+
+def zero_size_stored(record: Mapping[str, Any]) -> dict[Path, jax.ShapeDtypeStruct]:
+  """The arrays of a `zero_size_record`, as stored arrays (what `open_stored` gives).
+
+  Raises:
+    ValueError: the record is not one `zero_size_record` writes.
+  """
+  stored = {}
+  for entry in record["arrays"]:
+    shape = tuple(int(n) for n in entry["shape"])
+    if 0 not in shape:
+      raise ValueError(f"the array at {entry['path']} has shape {list(shape)}, with elements")
+    path = tuple(str(key) for key in entry["path"])
+    stored[path] = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(entry["dtype"]))
+  return stored
+
+
+def empty_leaf(expected: Any) -> Any:
+  """A zero-size leaf as the target `expected` has it: its shape, dtype and sharding."""
+  shape, dtype = _shape_dtype(expected)
+  return jax.device_put(np.zeros(shape, dtype), _abstract_leaf(expected).sharding)
 
 
 def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:

@@ -34,6 +34,7 @@ from t5x_optim._checkpoint.leaves import (
   as_stored,
   checked_step,
   class_problems,
+  empty_leaf,
   fit_read,
   flatten,
   leaf_problems,
@@ -42,6 +43,8 @@ from t5x_optim._checkpoint.leaves import (
   rewrap_keys,
   root_cause,
   saveable,
+  zero_size_record,
+  zero_size_stored,
 )
 from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim._core.interface import Optimizer
@@ -61,6 +64,8 @@ _ARRAYS = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
 _CHECKSUMS = "checksums"
 _STATE_CLASSES = "state_classes"
 _JOB = "job"
+# The zero-size arrays of a step, which orbax cannot write: their paths, shapes and dtypes.
+_ZERO_SIZE = "zero_size_arrays"
 # The file orbax's JsonCheckpointHandler writes an item to.
 _JSON_FILE = "metadata"
 # A replicated array whose slice per replica would be smaller is written whole
@@ -280,6 +285,7 @@ class Checkpointer:
       _CHECKSUMS: ChecksumsHandler(),
       _STATE_CLASSES: ocp.JsonCheckpointHandler(),
       _JOB: ocp.JsonCheckpointHandler(),
+      _ZERO_SIZE: ocp.JsonCheckpointHandler(),
     }
     return ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers)
 
@@ -340,11 +346,16 @@ class Checkpointer:
         "and steps must increase."
       )
     arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
+    zero_size = zero_size_record(arrays)
+    empty = {tuple(entry["path"]) for entry in zero_size["arrays"]}
+    arrays = {path: leaf for path, leaf in arrays.items() if path not in empty}
     checksums = dispatch_checksums(arrays)
     items = {
       _ARRAYS: ocp.args.PyTreeSave(traverse_util.unflatten_dict(arrays)),
       _CHECKSUMS: ChecksumsArgs(checksums),
     }
+    if empty:
+      items[_ZERO_SIZE] = ocp.args.JsonSave(zero_size)
     classes = optimizer_state_classes(state)
     if classes is not None:
       items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
@@ -472,6 +483,21 @@ class Checkpointer:
       )
     return step
 
+  def _recorded_zero_size(self, step: int) -> dict[Path, Any]:
+    """The zero-size arrays saved with step `step` (`zero_size_record`), as stored arrays."""
+    recorded = self._json_record(step, _ZERO_SIZE, "its zero-size arrays")
+    if recorded is None:
+      return {}
+    try:
+      return zero_size_stored(recorded)
+    except (KeyError, TypeError, ValueError) as e:
+      path = self._item(step, _ZERO_SIZE) / _JSON_FILE
+      raise CheckpointError(
+        f"{self._where(step)} has an unreadable record of its zero-size arrays ({path}): "
+        f"{type(e).__name__}: {e}.",
+        step=step,
+      ) from e
+
   def _recorded_classes(self, step: int) -> dict[str, str]:
     """The state classes saved with step `step`; {} for a step saved before they were."""
     recorded = self._json_record(step, _STATE_CLASSES, "its optimizer")
@@ -575,25 +601,32 @@ class Checkpointer:
     """
     wanted = _is_params_only_path if params_only else _any_path
     stored = open_stored(self._item(step), self._where(step), step, wanted)
+    empty = {p: x for p, x in self._recorded_zero_size(step).items() if wanted(p)}
+    stored.update(empty)
     target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
     classes = None if params_only else optimizer_state_classes(target)
     self._check(step, expected, stored, classes)
     if verify:
       recorded = self._recorded_checksums(step)
-      unrecorded = [f"'{key_path_str(p)}'" for p in expected if key_path_str(p) not in recorded]
+      unrecorded = [
+        f"'{key_path_str(p)}'"
+        for p in expected
+        if key_path_str(p) not in recorded and p not in empty
+      ]
       if unrecorded:
         raise CheckpointError(
           f"{self._where(step)} has no checksum recorded for {', '.join(unrecorded)}.",
           step=step,
         )
-    to_read = {path: as_read(leaf, stored[path]) for path, leaf in expected.items()}
+    to_read = {p: as_read(leaf, stored[p]) for p, leaf in expected.items() if p not in empty}
     restored = self._read(step, to_read, partial=params_only)
     if verify:
       # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
       dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
       pending = dispatch_checksums(restored, dtypes)
     restored, unfit = fit_read(restored, expected)
+    restored.update({path: empty_leaf(expected[path]) for path in empty})
     if unfit:
       if verify:
         self._verify(step, pending, recorded)  # Corrupt data is not the target's fault.
