@@ -302,6 +302,14 @@ def test_a_relative_directory_is_the_one_below_the_working_directory_when_opened
   assert _restore("checkpoints", opt, step=2).target["w"].tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])
+def test_keep_is_a_whole_number_of_steps(tmp_path, keep):
+  with pytest.raises(ValueError, match=f"keep must be None or an int >= 1, got {keep!r}"):
+    Checkpointer(tmp_path, keep=keep)
+  assert list(tmp_path.iterdir()) == []
+  Checkpointer(tmp_path, keep=np.int64(2)).close()
+
+
 def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
   path = tmp_path / "notes.txt"
   path.write_text("mine")

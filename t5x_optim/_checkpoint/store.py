@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import signal
 import threading
@@ -226,7 +227,7 @@ class Checkpointer:
       saves, in the same atomic commit; `recorded_job` reads it back.
 
   Raises:
-    ValueError: ``keep`` below 1, or a ``job`` that is not JSON.
+    ValueError: ``keep`` not a whole number >= 1, or a ``job`` that is not JSON.
     NotADirectoryError: a local ``directory`` that is a file.
     StorageError: an unsupported scheme, or an object store whose bucket or
       credentials are missing.
@@ -249,8 +250,10 @@ class Checkpointer:
     async_save: bool = True,
     job: Mapping[str, Any] | None = None,
   ):
-    if keep is not None and keep < 1:
-      raise ValueError(f"keep must be None or at least 1, got {keep}.")
+    if keep is not None:
+      if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1:
+        raise ValueError(f"keep must be None or an int >= 1, got {keep!r}.")
+      keep = int(keep)
     if job is not None:
       try:
         json.dumps(dict(job))
