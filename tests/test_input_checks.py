@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import traverse_util
 
-from t5x_optim import MultiOptimizer, OptaxWrapper
+from t5x_optim import MultiOptimizer, OptaxWrapper, optimizers
 
 PARAMS = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
 
@@ -148,3 +148,32 @@ def test_restore_of_a_list_where_state_belongs(opt):
   state_dict = {**opt.state_dict(), "state": [1, 2]}
   with pytest.raises(ValueError, match=r"State dict mismatch at 'state': expected a subtree"):
     opt.restore_state(state_dict)
+
+
+@pytest.mark.parametrize(
+  "build, message",
+  [
+    (
+      lambda: OptaxWrapper(optax.adam),
+      r"OptaxWrapper takes .* got the function optax\.adam.*call it",
+    ),
+    (lambda: OptaxWrapper(None), r"OptaxWrapper takes .* got None"),
+    (
+      lambda: OptaxWrapper(OptaxWrapper(optax.adam(0.1))),
+      r"OptaxWrapper takes .* got an OptaxWrapper, an optimizer definition already",
+    ),
+    (
+      lambda: optimizers.chain([optax.clip(1.0), optax.sgd]),
+      r"optimizers\.chain's transformations\[1\] .* got the function optax\.sgd.*call it",
+    ),
+    (
+      lambda: optimizers.low_precision(optax.adamw, "8bit"),
+      r"low_precision's inner .* got the function optax\.adamw.*call it",
+    ),
+  ],
+)
+def test_a_transformation_is_checked_where_it_is_given(build, message):
+  """A factory instead of the transformation it builds (gin's ``@optax.adam`` without ``()``)
+  failed only at ``create``, with ``AttributeError: 'function' object has no attribute 'init'``."""
+  with pytest.raises(TypeError, match=message):
+    build()

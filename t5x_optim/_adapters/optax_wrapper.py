@@ -26,6 +26,7 @@ __all__ = [
   "OptaxWrapper",
   "axes_aware_chain",
   "chain",
+  "checked_transformation",
   "inject_hyperparams",
   "takes_param_axes",
   "trained_params",
@@ -143,6 +144,46 @@ class AxesAwareTransformation(optax.GradientTransformationExtraArgs):
   def with_param_axes(self, param_axes: Any) -> optax.GradientTransformation:
     """The transformation built for ``param_axes`` (any form `logical_axes_from` accepts)."""
     return self._build(param_axes)
+
+
+def _public_name(fn: Any) -> str:
+  """``optax.adam`` for optax's own functions, else the function's module and name."""
+  name = getattr(fn, "__qualname__", None) or repr(fn)
+  for namespace in (optax, optax.contrib):
+    if getattr(namespace, name, None) is fn:
+      return f"{namespace.__name__}.{name}"
+  return f"{getattr(fn, '__module__', None) or '?'}.{name}"
+
+
+def checked_transformation(value: Any, where: str) -> Any:
+  """`value` when it is an optax transformation (callable ``init`` and ``update``).
+
+  Raises:
+    TypeError: naming `where` and what it got, for instance the function
+      that builds a transformation (gin's ``@optax.adam`` without ``()``).
+
+  Example:
+    >>> checked_transformation(optax.adam, 'OptaxWrapper')
+    Traceback (most recent call last):
+    ...
+    TypeError: OptaxWrapper takes an optax transformation (with init and update), got the function optax.adam, which builds one: call it (optax.adam(...); in gin @optax.adam(), with the parentheses).
+  """
+  if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+    return value
+  if isinstance(value, OptimizerDef):
+    got = (
+      f"an {type(value).__name__}, an optimizer definition already: give its transformation "
+      "(optax_optimizer), or give the definition where one is taken"
+    )
+  elif callable(value):
+    name = _public_name(value)
+    got = (
+      f"the function {name}, which builds one: call it ({name}(...); in gin @{name}(), with "
+      "the parentheses)"
+    )
+  else:
+    got = repr(value) if value is None else f"{type(value).__name__} {value!r}"
+  raise TypeError(f"{where} takes an optax transformation (with init and update), got {got}.")
 
 
 def takes_param_axes(tx: Any) -> bool:
@@ -282,7 +323,7 @@ class OptaxWrapper(OptimizerDef):
     self.fused = FusedUpdate.of(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
-    self.optax_optimizer = optax_optimizer
+    self.optax_optimizer = checked_transformation(optax_optimizer, "OptaxWrapper")
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
     if takes_param_axes(optax_optimizer) and not hasattr(self, "set_param_axes"):
@@ -395,7 +436,10 @@ def axes_aware_chain(
     >>> takes_param_axes(axes_aware_chain([optax.clip(1.0), tx]))
     True
   """
-  transformations = tuple(transformations)
+  transformations = tuple(
+    checked_transformation(tx, f"optimizers.chain's transformations[{i}]")
+    for i, tx in enumerate(transformations)
+  )
   chained = optax.chain(*transformations)
   if not any(map(takes_param_axes, transformations)):
     return chained

@@ -101,7 +101,11 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation, trained_params
+from t5x_optim._adapters.optax_wrapper import (
+  AxesAwareTransformation,
+  checked_transformation,
+  trained_params,
+)
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
@@ -1232,7 +1236,7 @@ def low_precision(
     size = codec.block_size if block_size is None else block_size
     return codec.leaf_block(tuple(shape), block_size=size, shard_multiple=shard_multiple)
 
-  inner = optax.with_extra_args_support(inner)
+  inner = optax.with_extra_args_support(checked_transformation(inner, "low_precision's inner"))
 
   def init(params: Any) -> LowPrecisionState:
     axes = _param_axis_names(rules, specs, params)
