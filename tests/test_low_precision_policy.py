@@ -125,6 +125,29 @@ def test_bad_param_modes_are_refused(param_modes, match):
 
 
 @pytest.mark.parametrize(
+  "param_modes, warned",
+  [
+    ((("embeddng", "float32"),), "'embeddng' selects no param"),
+    (
+      (("mlp|bias", "4bit"), ("bias$", "bfloat16")),
+      "'bias$' selects only params an earlier pattern takes (bias)",
+    ),
+  ],
+)
+def test_a_pattern_that_sets_no_params_mode_warns(param_modes, warned):
+  """A mistyped pattern, or one after a pattern that takes all it selects, changed nothing
+  without a word: the embedding's state stayed in 8 bits."""
+  with pytest.warns(UserWarning, match=re.escape(warned) + ".*the params are attn, bias, embed"):
+    low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes).init(_params())
+
+
+def test_patterns_that_each_set_some_params_mode_do_not_warn(recwarn):
+  """Rules that each decide a param, also of a state too small to compress (the bias)."""
+  low_precision(optax.adam(1e-3), "8bit", param_modes=RULES).init(_params())
+  assert not [w for w in recwarn if "param_modes" in str(w.message)]
+
+
+@pytest.mark.parametrize(
   "param_modes, expected",
   [
     (
@@ -270,7 +293,7 @@ def test_an_axis_rule_keeps_every_vocab_param_in_float32_and_says_why():
   "rules, logits",
   [
     ((("logits", "8bit"), ("axis:vocab", "float32")), "8bit (param_modes 'logits')"),
-    ((("axis:vocab", "float32"), ("logits", "8bit")), "float32: param_modes 'axis:vocab'"),
+    ((("axis:vocab", "float32"), ("logits|wo", "8bit")), "float32: param_modes 'axis:vocab'"),
   ],
 )
 def test_path_and_axis_rules_take_the_first_match_in_order(rules, logits):

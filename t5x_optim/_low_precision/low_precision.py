@@ -92,6 +92,7 @@ import dataclasses
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -106,6 +107,7 @@ from t5x_optim._adapters.optax_wrapper import (
   checked_transformation,
   trained_params,
 )
+from t5x_optim._adapters.param_subsets import format_paths
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
@@ -461,6 +463,35 @@ def _param_axis_names(
       f"the axes cover {sorted(specs)}."
     )
   return {path: axis_names(path, specs[path], jnp.shape(leaf)) for path, leaf in leaves}
+
+
+def _warn_of_unused_rules(
+  rules: Sequence[_ParamRule], params: Any, axes: Mapping[str, tuple[str | None, ...]]
+) -> None:
+  """Warns of each of ``param_modes`` that decides no param's mode: it selects no param, or
+  only params an earlier pattern takes (a warning, not an error: one policy may be given to
+  several transformations, each over its own params, as `MultiOptimizer`'s groups)."""
+  paths = [
+    _state_dict.key_path_str(path)
+    for path, leaf in jax.tree.flatten_with_path(trained_params(params), is_leaf=_is_masked)[0]
+    if not _is_masked(leaf)
+  ]
+  taken: set[str] = set()
+  for rule in rules:
+    selected = [path for path in paths if rule.matches(path, axes.get(path, ()))]
+    if not selected:
+      why = "selects no param"
+    elif taken.issuperset(selected):
+      why = f"selects only params an earlier pattern takes ({format_paths(selected)})"
+    else:
+      why = None
+    if why is not None:
+      warnings.warn(
+        f"low_precision: the param_modes pattern {rule.pattern!r} {why}, so it sets no "
+        f"param's mode; the params are {format_paths(paths)}.",
+        stacklevel=3,
+      )
+    taken.update(selected)
 
 
 def _plan_storage(
@@ -1174,7 +1205,8 @@ def low_precision(
       'embed')``, and untied logits, ``('embed', 'vocab')``). The first pair
       that selects a param sets the mode of its state leaves, and the others
       take ``state_dtype`` (e.g. ``(("axis:vocab", "float32"), ("mlp",
-      "4bit"))`` with ``state_dtype="8bit"``). ``leaf_storage`` and
+      "4bit"))`` with ``state_dtype="8bit"``). A pattern that decides no
+      param's mode is a warning at ``init``. ``leaf_storage`` and
       ``t5x-optim plan`` show each leaf's mode and the pattern that chose it.
     param_axes: the params' logical axes, which ``axis:`` patterns read: a
       tree of `PartitionSpec`s or name tuples (None: no axes), params boxed
@@ -1240,6 +1272,7 @@ def low_precision(
 
   def init(params: Any) -> LowPrecisionState:
     axes = _param_axis_names(rules, specs, params)
+    _warn_of_unused_rules(rules, params, axes)
     inner_state = inner.init(params)
     storage, param_index, chosen_by = _plan_storage(
       state_dtype,
