@@ -34,6 +34,7 @@ from t5x_optim._adapters.optax_wrapper import (
 from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
 from t5x_optim._checkpoint.converting import restore_converted
 from t5x_optim._convert.convert import (
+  BUILTIN_HPARAMS,
   ConversionContext,
   ConversionReport,
   Moments,
@@ -67,6 +68,7 @@ from t5x_optim.t5x_checkpoints import (
 )
 
 __all__ = [
+  "BUILTIN_HPARAMS",
   "CheckpointError",
   "Checkpointer",
   "ConversionContext",

@@ -223,8 +223,19 @@ def _adam_pairs_quick(pairs):
   ]
 
 
+@pytest.fixture
+def hparams_read(monkeypatch):
+  """The names of the hyper-parameters the converters ask their context for."""
+  names: set[str] = set()
+  context = t5x_optim.ConversionContext
+  hparam, rate = context.hparam, context.rate
+  monkeypatch.setattr(context, "hparam", lambda c, n, d: names.add(n) or hparam(c, n, d))
+  monkeypatch.setattr(context, "rate", lambda c, n="learning_rate": names.add(n) or rate(c, n))
+  return names
+
+
 @pytest.mark.parametrize(("source", "target"), _adam_pairs_quick(PAIRS), ids=lambda k: k.name)
-def test_conversion_matches_the_formulas(source, target):
+def test_conversion_matches_the_formulas(source, target, hparams_read):
   has = target.usable(source)
   new, report = t5x_optim.convert_state(
     _optimizer(source),
@@ -239,6 +250,8 @@ def test_conversion_matches_the_formulas(source, target):
   _assert_close(new.target, PARAMS)
   assert bool(report.converted) == bool(has)
   assert bool(report.initialised) == bool(target.quantities - source.quantities)
+  # Every name a built-in converter reads is one `convert_state` knows (and the CLI reads).
+  assert hparams_read <= t5x_optim.BUILTIN_HPARAMS, hparams_read - t5x_optim.BUILTIN_HPARAMS
 
 
 @pytest.mark.parametrize(
@@ -534,6 +547,18 @@ def test_adafactor_reconstruction_is_adafactors_own():
   )
   nu = _scaled(adam.state.param_states.nu, 1 / _decay(0.999, 3))
   _assert_close(jax.tree.map(lambda g, v: g / jnp.sqrt(v), grads, nu), updates)
+
+
+@pytest.mark.parametrize("side", ["source_hparams", "target_hparams"])
+def test_an_hparam_no_converter_reads_is_refused(side):
+  """A mistyped name (``beta_1`` for ``b1``) left the converter on optax's default b1."""
+  with pytest.raises(ValueError, match=rf"{side} 'beta_1', 'lr' read by no converter.* b1, b2"):
+    t5x_optim.convert_state(
+      _optimizer(BY_NAME["adam"]),
+      OptaxWrapper(optax.sgd(1e-3, momentum=0.5)),
+      **{side: {"beta_1": 0.8, "lr": 0.1, "momentum": 0.5}},
+      missing="init",
+    )
 
 
 def test_hparams_reach_the_formulas():

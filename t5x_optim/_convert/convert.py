@@ -57,11 +57,13 @@ from t5x_optim._adapters.optax_wrapper import loss_extra_args, trained_params
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import AdamaxState
 from t5x_optim._convert.registry import (
+  BUILTIN_HPARAMS,
   MU,
   NU,
   ConversionContext,
   ConversionReport,
   Moments,
+  ReadHparams,
   StateConverter,
   T5XAdafactorParamState,
   by_param,
@@ -83,6 +85,7 @@ from t5x_optim._low_precision.low_precision import (
 )
 
 __all__ = [
+  "BUILTIN_HPARAMS",
   "ConversionContext",
   "ConversionReport",
   "Moments",
@@ -313,6 +316,22 @@ def _own_param(
   return own
 
 
+def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
+  """Refuses hyper-parameter names that no converter read and no built-in one reads (a
+  mistyped ``beta_1`` would leave its converter on optax's default)."""
+  problems = []
+  for side, hparams in given.items():
+    unknown = sorted(set(hparams) - hparams.read - BUILTIN_HPARAMS)
+    if unknown:
+      problems.append(f"{side} {', '.join(map(repr, unknown))}")
+  if problems:
+    raise ValueError(
+      f"convert_state: {'; '.join(problems)} read by no converter; the built-in converters "
+      f"read {', '.join(sorted(BUILTIN_HPARAMS))}, a registered one the names it asks its "
+      "ConversionContext for."
+    )
+
+
 def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
   """`hparams` updated with those an ``inject_hyperparams`` state holds (its values rule).
 
@@ -323,6 +342,8 @@ def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
     return hparams
   if not isinstance(node.hyperparams, Mapping):
     return hparams
+  if isinstance(hparams, ReadHparams):
+    return hparams.updated(node.hyperparams)
   return {**hparams, **node.hyperparams}
 
 
@@ -827,7 +848,9 @@ def convert_state(
       ``LowPrecisionState`` (naming its path); Adam's state type under an
       update that does not run on gradients and optax's extra arguments
       alone, so adamax's cannot be told from Adam's (naming its path); with
-      ``missing="raise"``, anything the conversion would initialise.
+      ``missing="raise"``, anything the conversion would initialise; a
+      ``source_hparams`` or ``target_hparams`` name that no converter read
+      and none of `BUILTIN_HPARAMS` is (a typo: ``beta_1`` for ``b1``).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -865,11 +888,15 @@ def convert_state(
   template = _fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
   flat_params = _flat_params(trained)
+  given = {
+    "source_hparams": ReadHparams(source_hparams or {}),
+    "target_hparams": ReadHparams(target_hparams or {}),
+  }
   source_stats = _read_source(
     param_states,
     step,
     flat_params,
-    dict(source_hparams or {}),
+    given["source_hparams"],
     source_adamax,
   )
   source_stats.dropped.extend(notes)
@@ -878,11 +905,12 @@ def convert_state(
     source_stats,
     step,
     flat_params,
-    dict(target_hparams or {}),
+    given["target_hparams"],
     missing,
     _adamax_paths(optimizer_def, params, template.param_states, "target"),
     _held_params(trained),
   )
+  _refuse_unread(given)
   written = jax.tree.map(_placed, written, template.param_states)
   state = OptimizerState(step=_placed(step, template.step), param_states=written)
   return Optimizer(optimizer_def=optimizer_def, state=state, target=params), report

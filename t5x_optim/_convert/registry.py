@@ -19,9 +19,11 @@ import jax.numpy as jnp
 from t5x_optim._core import state_dict as _state_dict
 
 __all__ = [
+  "BUILTIN_HPARAMS",
   "MU",
   "NU",
   "ConversionContext",
+  "ReadHparams",
   "ConversionReport",
   "Moments",
   "StateConverter",
@@ -35,6 +37,49 @@ __all__ = [
 ]
 
 MU, NU = "mu", "nu"
+
+BUILTIN_HPARAMS = frozenset(
+  {"b1", "b2", "b3", "beta", "momentum", "decay", "learning_rate", "beta1", "epsilon2"}
+  | {"multiply_by_parameter_scale"}
+)
+"""The hyper-parameters the built-in converters read (`ConversionContext.hparam`): Adam's
+and Lion's ``b1``/``b2``, Adan's ``b3``, Muon's ``beta``, SGD's ``momentum``, RMSProp's
+``decay``, and the learning rate and T5X Adafactor settings its momentum is read with."""
+
+
+class ReadHparams(Mapping[str, Any]):
+  """Hyper-parameters that note which names were read (``get``, ``[]``).
+
+  Copies made with `updated` share the record, so a name read anywhere in a
+  conversion counts (`convert_state` refuses names nothing read).
+
+  Example:
+    >>> hparams = ReadHparams({'b1': 0.8, 'b2x': 0.9})
+    >>> hparams.updated({'b1': 0.7}).get('b1'), sorted(hparams.read)
+    (0.7, ['b1'])
+  """
+
+  def __init__(self, values: Mapping[str, Any], read: set[str] | None = None):
+    self._values = dict(values)
+    self.read = set() if read is None else read
+
+  def __getitem__(self, name: str) -> Any:
+    self.read.add(name)
+    return self._values[name]
+
+  def get(self, name: str, default: Any = None) -> Any:
+    self.read.add(name)
+    return self._values.get(name, default)
+
+  def __iter__(self):
+    return iter(self._values)
+
+  def __len__(self) -> int:
+    return len(self._values)
+
+  def updated(self, values: Mapping[str, Any]) -> ReadHparams:
+    """These hyper-parameters with `values` over them, noting reads in the same record."""
+    return ReadHparams({**self._values, **values}, self.read)
 
 
 class T5XAdafactorParamState(NamedTuple):
