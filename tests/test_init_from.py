@@ -169,6 +169,19 @@ def test_bound_hparams_are_those_gin_builds_the_optimizer_with():
   assert callable(_init_from.bound_hparams()["learning_rate"])
 
 
+def test_bound_hparams_read_muons_beta_and_the_b1_and_b2_of_its_adam():
+  """muon.gin binds beta and adam_b2 = 0.98: a conversion from a muon run read its Adam's
+  second moment with optax's b2 0.999 and its momentum with the default beta."""
+  _config.parse_config(
+    gin_files=["optimizers/muon.gin"],
+    gin_bindings=["optimizers.muon.beta = 0.9", "optimizers.muon.adam_b1 = 0.85"],
+    macros=_config.device_macros(8),
+  )
+  hparams = _init_from.bound_hparams()
+  assert {k: hparams[k] for k in ("beta", "b1", "b2")} == {"beta": 0.9, "b1": 0.85, "b2": 0.98}
+  assert _init_from.CONVERSION_HPARAMS == t5x_optim.BUILTIN_HPARAMS
+
+
 T5X_CONFIG = pathlib.Path(__file__).parent / "data" / "t5x_config" / "config.gin"
 
 

@@ -28,7 +28,14 @@ from typing import Any, NamedTuple, TextIO
 
 import gin
 
-from t5x_optim import Checkpointer, TrainState, restore_converted, storage, t5x_checkpoint_steps
+from t5x_optim import (
+  BUILTIN_HPARAMS,
+  Checkpointer,
+  TrainState,
+  restore_converted,
+  storage,
+  t5x_checkpoint_steps,
+)
 from t5x_optim.checkpoints import CheckpointError
 from t5x_optim.cli._t5x_config import (
   binding_statements,
@@ -54,11 +61,12 @@ __all__ = [
   "source_optimizer",
 ]
 
-CONVERSION_HPARAMS = frozenset(
-  {"b1", "b2", "b3", "momentum", "decay", "learning_rate", "beta1", "epsilon2"}
-  | {"multiply_by_parameter_scale"}
-)
+CONVERSION_HPARAMS = BUILTIN_HPARAMS
 """The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
+
+_HPARAM_ALIASES = {"adam_b1": "b1", "adam_b2": "b2"}
+"""Arguments of another name that set a converter's hyper-parameter: Muon's (``optax.contrib.muon``,
+``optimizers.muon``) for the Adam it runs on the params it does not orthogonalise."""
 
 
 class Source(NamedTuple):
@@ -96,6 +104,8 @@ class Source(NamedTuple):
 def bound_hparams() -> dict[str, Any]:
   """The `CONVERSION_HPARAMS` that gin's current config gives its optimizer, one value each.
 
+  Muon's ``adam_b1`` and ``adam_b2`` count as the ``b1`` and ``b2`` of its Adam.
+
   They are read as gin builds ``%OPTIMIZER`` (`config.optimizer_arguments`):
   only the configurables it reaches count, each in the scope gin calls it
   in, so ``OPTIMIZER/optax.adamw.b2`` wins over ``optax.adamw.b2``. In a
@@ -128,17 +138,18 @@ def bound_hparams() -> dict[str, Any]:
         tuple(binding.scope.split("/")) if binding.scope else (),
       )
       for binding in binding_statements(gin.config_str())
-      if binding.arg_name in CONVERSION_HPARAMS
+      if _HPARAM_ALIASES.get(binding.arg_name, binding.arg_name) in CONVERSION_HPARAMS
     ]
   values: dict[str, dict[Any, Any]] = {}
   for argument in arguments:
-    if argument.name not in CONVERSION_HPARAMS:
+    name = _HPARAM_ALIASES.get(argument.name, argument.name)
+    if name not in CONVERSION_HPARAMS:
       continue
     value = _conversion_value(argument)
     if isinstance(value, bool | int | float):
-      values.setdefault(argument.name, {})[value] = value
-    elif callable(value) and argument.name == "learning_rate":  # one schedule per reference
-      values.setdefault(argument.name, {})[_evaluated_as(argument)] = value
+      values.setdefault(name, {})[value] = value
+    elif callable(value) and name == "learning_rate":  # one schedule per reference
+      values.setdefault(name, {})[_evaluated_as(argument)] = value
   return {
     name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
   }
