@@ -74,6 +74,9 @@ def test_extra_args_can_be_named_for_custom_transformations():
   opt = OptaxWrapper(tx, extra_args=["scale"]).create(PARAMS)
   stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, PARAMS), scale=0.5)
   np.testing.assert_array_equal(stepped.target["dense"]["bias"], -0.5 * np.ones(4))
+  # One name as a string was its letters: s, c, a, l, e.
+  with pytest.raises(TypeError, match=r"extra_args takes a collection of names, got 'scale'"):
+    OptaxWrapper(tx, extra_args="scale")
 
 
 @pytest.mark.parametrize(

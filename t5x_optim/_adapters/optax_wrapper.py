@@ -324,6 +324,11 @@ class OptaxWrapper(OptimizerDef):
     if isinstance(optax_optimizer, optax.MultiSteps):
       optax_optimizer = optax_optimizer.gradient_transformation()
     self.optax_optimizer = checked_transformation(optax_optimizer, "OptaxWrapper")
+    if isinstance(extra_args, str):
+      raise TypeError(
+        f"OptaxWrapper: extra_args takes a collection of names, got {extra_args!r} (one name "
+        f"is [{extra_args!r}])."
+      )
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
     if takes_param_axes(optax_optimizer) and not hasattr(self, "set_param_axes"):
