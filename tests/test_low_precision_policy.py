@@ -117,6 +117,9 @@ def test_a_mixed_step_is_each_modes_own_step():
     ((("(", "4bit"),), "missing \\)"),
     ((("axis:(", "4bit"),), "missing \\)"),
     ((("axis:", "4bit"),), "'axis:' names no logical axis"),
+    (("embed", "float32"), r"param_modes takes \(pattern, mode\) pairs, got 'embed' at 0"),
+    ([("wi", "8bit", "x")], r"got \('wi', '8bit', 'x'\) at 0 \(e.g. \[\('embed', 'float32'\)\]\)"),
+    ("embed", r"param_modes takes \(pattern, mode\) pairs, got 'embed' at 0"),
   ],
 )
 def test_bad_param_modes_are_refused(param_modes, match):

@@ -403,6 +403,14 @@ def _param_rules(param_modes: Sequence[tuple[str, str]]) -> tuple[_ParamRule, ..
     ValueError: naming the pattern, for an unknown mode or an ``axis:``
       pattern without an axis; `re.error` for a bad regular expression.
   """
+  if isinstance(param_modes, str):
+    param_modes = [param_modes]
+  for i, pair in enumerate(param_modes):
+    if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+      raise ValueError(
+        f"low_precision: param_modes takes (pattern, mode) pairs, got {pair!r} at {i} "
+        "(e.g. [('embed', 'float32')])."
+      )
   rules = tuple(_ParamRule(str(pattern), str(mode)) for pattern, mode in param_modes)
   for rule in rules:
     if rule.mode not in (_FLOAT32, *LOW_PRECISION_MODES):
