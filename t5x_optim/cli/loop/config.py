@@ -668,8 +668,12 @@ def _package_file_exists(config_path: str) -> bool:
 @contextlib.contextmanager
 def _package_lookup_of_namespace_packages() -> Iterator[None]:
   """Swaps gin's lookup of files in packages for `_package_file` while a config is parsed."""
-  readers = gin.config._FILE_READERS  # noqa: SLF001 - gin offers no way to replace a reader
-  gins = (gin.resource_reader.system_path_reader, gin.resource_reader.system_path_file_exists)
+  readers = getattr(gin.config, "_FILE_READERS", None)  # gin offers no way to replace a reader
+  lookup = getattr(gin, "resource_reader", None)
+  if not isinstance(readers, list) or lookup is None:  # another gin: its own lookup, as it is
+    yield
+    return
+  gins = (lookup.system_path_reader, lookup.system_path_file_exists)
   ours = (_open_package_file, _package_file_exists)
   readers[:] = [ours if entry == gins else entry for entry in readers]
   try:
