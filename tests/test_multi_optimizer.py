@@ -369,6 +369,29 @@ def stepped(container: type = dict) -> Optimizer:
   return run_multi(opt_def, make_params(container))
 
 
+def test_sub_optimizers_take_the_step_of_the_multi_optimizer() -> None:
+  """As T5X's MultiOptimizer, each sub-optimizer steps at the parent's step: after
+  ``replace_step(9)`` a schedule read at the step (``example_lib``, T5X's Adafactor) ran at the
+  sub-optimizer's own step 0, ten times the rate."""
+  from t5x_optim import optimizers  # noqa: PLC0415
+
+  params, grads = {"w": jnp.zeros(1), "b": jnp.zeros(1)}, {"w": jnp.ones(1), "b": jnp.ones(1)}
+
+  def sgd():
+    return optimizers.example_lib_sgd(lambda i: 1.0 / (1.0 + i))
+
+  single = TrainState.create(sgd(), {"params": params})
+  multi = TrainState.create(
+    MultiOptimizer([(PathFilter("w"), sgd()), (PathFilter("b"), sgd())]), {"params": params}
+  )
+  want = single.replace_step(jnp.int32(9)).apply_gradient(grads)
+  got = multi.replace_step(jnp.int32(9)).apply_gradient(grads)
+  np.testing.assert_array_equal(got.params["w"], want.params["w"])
+  np.testing.assert_array_equal(got.params["b"], want.params["b"])
+  assert int(got.step) == 10
+  assert [int(s.step) for s in got._optimizer.state.param_states] == [10, 10]
+
+
 def test_state_dict_layout() -> None:
   flat = traverse_util.flatten_dict(stepped().state_dict(), sep="/")
   state_keys = sorted(k for k in flat if k.startswith("state/"))

@@ -310,6 +310,9 @@ class MultiOptimizer(OptimizerDef):
       )
     ):
       extras = self._own_extra_args(extra_args, params, partition, leaves, i)
+      # As T5X's: each sub-optimizer steps at this optimizer's step (`TrainState.replace_step`
+      # sets that one alone).
+      sub_state = sub_state.replace(step=state.step)
       try:
         new_params, new_state = opt.apply_gradient(hp, sub_params, sub_state, sub_grads, **extras)
       except (TypeError, ValueError) as error:
