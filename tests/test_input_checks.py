@@ -104,6 +104,19 @@ def test_learning_rate_override_accepts_real_scalars(learning_rate):
   assert stepped.state.param_states.hyperparams["learning_rate"].shape == ()
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_fractional_learning_rate_is_refused_where_an_integer_one_was_injected(jit):
+  """gin's ``learning_rate = 1`` injects an int32 rate: an override of 0.5 was cast to 0, and
+  the params stopped moving without a word."""
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=1)
+  opt = OptaxWrapper(tx).create(PARAMS)
+  step = jax.jit(lambda o, lr: o.apply_gradient(PARAMS, learning_rate=lr)) if jit else None
+  with pytest.raises(TypeError, match=r"learning_rate=.*float32.* int32 learning rate .*1\.0"):
+    step(opt, 0.5) if jit else opt.apply_gradient(PARAMS, learning_rate=0.5)
+  stepped = opt.apply_gradient(PARAMS, learning_rate=2)
+  np.testing.assert_array_equal(stepped.target["dense"]["kernel"], -np.ones((3, 4)))
+
+
 def _set(state_dict: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
   flat = traverse_util.flatten_dict(state_dict, sep="/")
   flat[path] = value

@@ -251,8 +251,15 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
       return node
     found.append(node)
     old = node.hyperparams[_LEARNING_RATE]
+    dtype, given = jnp.result_type(old), jnp.result_type(learning_rate)
+    if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(given, jnp.integer):
+      raise TypeError(
+        f"learning_rate= of dtype {given} would be cut to the {dtype} learning rate injected "
+        "here (a constant given as an integer, e.g. gin's learning_rate = 1): inject it as a "
+        "float (learning_rate = 1.0)."
+      )
     hyperparams = dict(node.hyperparams)
-    hyperparams[_LEARNING_RATE] = jnp.asarray(learning_rate, dtype=jnp.result_type(old))
+    hyperparams[_LEARNING_RATE] = jnp.asarray(learning_rate, dtype=dtype)
     return node._replace(hyperparams=hyperparams)
 
   new_states = jax.tree.map(set_rate, param_states, is_leaf=_is_injected_state)
