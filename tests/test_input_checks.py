@@ -117,6 +117,17 @@ def test_a_fractional_learning_rate_is_refused_where_an_integer_one_was_injected
   np.testing.assert_array_equal(stepped.target["dense"]["kernel"], -np.ones((3, 4)))
 
 
+def test_lookahead_over_plain_params_is_refused_at_create():
+  """optax.lookahead trains `optax.LookaheadParams`: plain params were accepted by ``create``
+  and failed at the first step with ``AttributeError: 'dict' object has no attribute 'fast'``."""
+  opt_def = OptaxWrapper(optax.lookahead(optax.adam(0.1), 2, 0.5))
+  with pytest.raises(TypeError, match=r"optax\.LookaheadParams\.init_synced\(params\).*got dict"):
+    opt_def.create(PARAMS)
+  opt = opt_def.create(optax.LookaheadParams.init_synced(PARAMS))
+  stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, PARAMS))
+  assert int(stepped.state.step) == 1
+
+
 def _set(state_dict: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
   flat = traverse_util.flatten_dict(state_dict, sep="/")
   flat[path] = value

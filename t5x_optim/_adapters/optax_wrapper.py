@@ -360,6 +360,12 @@ class OptaxWrapper(OptimizerDef):
     return super().prepare_grads(trained_params(params), grads)
 
   def init_state(self, params: Any) -> OptimizerState:
+    if trains_lookahead_params(self) and not isinstance(params, optax.LookaheadParams):
+      raise TypeError(
+        "optax.lookahead trains a fast and a slow copy of the params: create the optimizer "
+        "with optax.LookaheadParams.init_synced(params) (its update reads params.fast), got "
+        f"{type(params).__name__}."
+      )
     # optax's updates return strongly typed states; a weakly typed initial leaf (L-BFGS's
     # line-search info) would make a jitted step compile again at the second step.
     param_states = jax.tree.map(_strongly_typed, self.optax_optimizer.init(params))
