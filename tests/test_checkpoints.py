@@ -3,6 +3,7 @@
 import ast
 import inspect
 import os
+import re
 import shutil
 import sys
 
@@ -300,6 +301,23 @@ def test_a_relative_directory_is_the_one_below_the_working_directory_when_opened
   )
   monkeypatch.chdir(tmp_path / "run")
   assert _restore("checkpoints", opt, step=2).target["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("key", ["a.b", "a/b"])
+def test_keys_that_two_paths_would_share_are_refused_before_anything_is_written(tmp_path, key):
+  """orbax names an array by its keys joined with '.', a checksum by its path joined with '/':
+  ``{'a.b'}`` and ``{'a': {'b'}}`` were written to one file (the step was damaged from the
+  start, and its restore blamed the disk); ``{'a/b'}`` and ``{'a': {'b'}}`` shared one checksum,
+  so an intact step could not be restored."""
+  good = w.OptaxWrapper(optax.sgd(0.1)).create({"a": {"b": jnp.array([3.0, 4.0])}})
+  _save(tmp_path, 0, good)
+  params = {key: jnp.array([1.0, 2.0]), "a": {"b": jnp.array([3.0, 4.0])}}
+  shared = re.escape(f"('target', '{key}') and ('target', 'a', 'b') would share")
+  with pytest.raises(ValueError, match=rf"{shared} .*Nothing was written"):
+    _save(tmp_path, 1, w.OptaxWrapper(optax.sgd(0.1)).create(params))
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.all_steps() == [0]
+    w.assert_same_state(ckpt.restore(good), good)  # the previous step is intact
 
 
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])

@@ -47,6 +47,7 @@ __all__ = [
   "rewrap_keys",
   "root_cause",
   "saveable",
+  "shared_names",
   "state_classes",
   "zero_size_record",
   "zero_size_stored",
@@ -276,6 +277,29 @@ def fit_read(
     else:
       cast[path] = _astype(leaf, dtype)
   return cast, problems
+
+
+def shared_names(arrays: Mapping[Path, Any]) -> list[str]:
+  """The pairs of paths that would share a name on disk, each said once.
+
+  orbax names an array by its keys joined with ``.`` and a checksum is
+  recorded under the path joined with ``/``: ``('a.b',)`` and ``('a', 'b')``
+  would be written to one file, ``('a/b',)`` and ``('a', 'b')`` would share
+  one checksum.
+
+  Example:
+    >>> shared_names({('a.b',): 1, ('a', 'b'): 2, ('c',): 3})
+    ["the paths ('a.b',) and ('a', 'b') would share the array file a.b"]
+  """
+  problems = []
+  for separator, what in ((".", "array file"), ("/", "checksum")):
+    seen: dict[str, Path] = {}
+    for path in arrays:
+      name = separator.join(path)
+      if name in seen:
+        problems.append(f"the paths {seen[name]} and {path} would share the {what} {name}")
+      seen.setdefault(name, path)
+  return problems
 
 
 def zero_size_record(arrays: Mapping[Path, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from t5x_optim._checkpoint.leaves import (
   rewrap_keys,
   root_cause,
   saveable,
+  shared_names,
   zero_size_record,
   zero_size_stored,
 )
@@ -339,6 +340,13 @@ class Checkpointer:
       CheckpointError: another checkpointer writes into this directory.
     """
     step = checked_step(step)
+    arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
+    shared = shared_names(arrays)
+    if shared:
+      raise ValueError(
+        f"Cannot save step {step} in {self._directory}: {'; '.join(shared)}. Nothing was "
+        "written: rename one of them."
+      )
     if not self._open.lock.held:
       self._become_writer(step)
     self._open.lock.check(f"checkpoint directory {self._directory}", step)
@@ -348,7 +356,6 @@ class Checkpointer:
         f"Cannot save step {step} in {self._directory}: step {latest} is already saved "
         "and steps must increase."
       )
-    arrays = {path: saveable(leaf) for path, leaf in flatten(state.state_dict()).items()}
     zero_size = zero_size_record(arrays)
     empty = {tuple(entry["path"]) for entry in zero_size["arrays"]}
     arrays = {path: leaf for path, leaf in arrays.items() if path not in empty}
