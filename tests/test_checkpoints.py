@@ -320,6 +320,38 @@ def test_keys_that_two_paths_would_share_are_refused_before_anything_is_written(
     w.assert_same_state(ckpt.restore(good), good)  # the previous step is intact
 
 
+def test_saves_from_several_threads_take_turns(tmp_path):
+  """One checkpointer saving from three threads at once: steps were lost without an error, a
+  listed step could not be read, and the checkpointer took itself for another writer."""
+  import threading  # noqa: PLC0415
+
+  opt = w.OptaxWrapper(optax.adamw(0.1)).create({"w": jnp.arange(1000.0), "v": jnp.ones((8, 8))})
+  refused = []
+
+  def save(checkpointer, step):
+    try:
+      checkpointer.save(step, opt.replace(target=jax.tree.map(lambda x: x * step, opt.target)))
+    except ValueError as error:  # a step not newer than one another thread saved first
+      assert "steps must increase" in str(error)
+      refused.append(step)
+
+  with Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(0, opt)
+    threads = [threading.Thread(target=save, args=(checkpointer, k)) for k in (1, 2, 3)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+    checkpointer.wait_until_finished()
+  with Checkpointer(tmp_path) as reader:
+    steps = reader.all_steps()
+    assert sorted([*steps, *refused]) == [0, 1, 2, 3]
+    for step in steps[1:]:
+      restored = reader.restore(opt, step)
+      np.testing.assert_array_equal(restored.target["w"], np.arange(1000.0) * step)
+  assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
+
+
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])
 def test_keep_is_a_whole_number_of_steps(tmp_path, keep):
   with pytest.raises(ValueError, match=f"keep must be None or an int >= 1, got {keep!r}"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import numbers
@@ -9,7 +10,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, Protocol, Self
 
 import jax
@@ -159,12 +160,25 @@ class _SigtermFlag:
     self._installed = False
 
 
+def _taking_turns(method: Callable[..., Any]) -> Callable[..., Any]:
+  """`method` of a `Checkpointer`, run by one thread at a time (its `_Open.turn`)."""
+
+  @functools.wraps(method)
+  def one_at_a_time(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+    with self._open.turn:
+      return method(self, *args, **kwargs)
+
+  return one_at_a_time
+
+
 class _Open:
   """A checkpointer's orbax manager, writer lock and SIGTERM flag: what closing releases."""
 
   def __init__(self, manager: ocp.CheckpointManager, lock: WriterLock):
     self.manager, self.lock = manager, lock
     self.sigterm = _SigtermFlag()
+    # One call at a time into the manager: saves from several threads take turns.
+    self.turn = threading.RLock()
 
   def close(self) -> None:
     """Finishes pending saves, then releases the lock (also if they fail)."""
@@ -321,6 +335,7 @@ class Checkpointer:
     """The newest of `all_steps`, or None when there is none."""
     return self._manager.latest_step()
 
+  @_taking_turns
   def save(self, step: int, state: CheckpointState) -> None:
     """Saves `state`'s state dict as checkpoint `step`.
 
@@ -379,6 +394,7 @@ class Checkpointer:
     self._open.manager.close()
     self._open.manager = self._new_manager(writer=True)
 
+  @_taking_turns
   def wait_until_finished(self) -> None:
     """Blocks until every pending asynchronous save is complete."""
     self._manager.wait_until_finished()
@@ -649,6 +665,7 @@ class Checkpointer:
       self._verify(step, pending, recorded)
     return state
 
+  @_taking_turns
   def restore(
     self,
     target: CheckpointState,
