@@ -880,6 +880,30 @@ def test_registry_refuses_duplicates_and_takes_user_converters():
   assert t5x_optim.registered_converters()[_Avg].read is not None
 
 
+@pytest.mark.parametrize(
+  ("source", "message"),
+  [
+    (
+      optax.adamw(1e-3),
+      r"got a GradientTransformationExtraArgs, an optax transformation: give "
+      r"OptaxWrapper\(it\)",
+    ),
+    ("adamw", "got a str"),
+  ],
+)
+def test_the_source_of_a_restore_converted_is_a_definition_or_a_state(tmp_path, source, message):
+  """An optax transformation given as the optimizer that wrote the checkpoint failed with
+  ``AttributeError: ... has no attribute 'create'``."""
+  adam = _optimizer(BY_NAME["adam"])
+  with t5x_optim.Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, adam)
+  sgd = OptaxWrapper(optax.sgd(0.1)).create(PARAMS)
+  with pytest.raises(TypeError, match=rf"convert_from= / source= .*{message}"):
+    t5x_optim.restore_converted(tmp_path, sgd, source=source)
+  with t5x_optim.Checkpointer(tmp_path) as checkpointer, pytest.raises(TypeError, match=message):
+    checkpointer.restore(sgd, convert_from=source)
+
+
 def test_state_dict_source_needs_its_definition():
   state_dict = _optimizer(BY_NAME["adam"]).state_dict()
   with pytest.raises(ValueError, match="pass source_def="):

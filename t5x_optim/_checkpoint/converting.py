@@ -85,6 +85,17 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
   return old
 
 
+def _not_a_source(source: Any) -> str:
+  if callable(getattr(source, "init", None)) and callable(getattr(source, "update", None)):
+    got = f"a {type(source).__name__}, an optax transformation: give OptaxWrapper(it)"
+  else:
+    got = f"a {type(source).__name__}"
+  return (
+    "convert_from= / source= takes the optimizer that wrote the checkpoint: its definition "
+    f"(an OptimizerDef) or an abstract state of it (True: T5X's legacy Adafactor), got {got}."
+  )
+
+
 def restore_converted(
   path: str | os.PathLike[str],
   target: State,
@@ -157,7 +168,9 @@ def restore_converted(
         {**optimizer.state_dict(), "flax_mutables": state_dict["flax_mutables"]}
       )
     return restored, report
-  if isinstance(source, OptimizerDef) or not isinstance(source, TrainState | Optimizer):
+  if not isinstance(source, TrainState | Optimizer):
+    if not callable(getattr(source, "create", None)):
+      raise TypeError(_not_a_source(source))
     source = _source_state(source, target)
   if t5x:
     old_state = _t5x.restore_t5x_checkpoint(path, source, step=step)
