@@ -107,6 +107,17 @@ def test_steps_are_listed(fmt):
   assert t5x_optim.latest_t5x_step(DATA / fmt) == STEP
 
 
+def test_two_directories_of_one_step_are_refused_naming_both(tmp_path):
+  """``checkpoint_10`` and ``checkpoint_010`` both read as step 10, and the one restored was
+  whichever the directory listing gave last; ``checkpoint_٧`` (an Arabic-Indic seven) was 7."""
+  shutil.copytree(DATA / "legacy" / f"checkpoint_{STEP}", tmp_path / f"checkpoint_{STEP}")
+  shutil.copytree(DATA / "legacy" / f"checkpoint_{STEP}", tmp_path / "checkpoint_٧")
+  assert t5x_optim.t5x_checkpoint_steps(tmp_path) == [STEP]
+  shutil.copytree(DATA / "legacy" / f"checkpoint_{STEP}", tmp_path / f"checkpoint_0{STEP}")
+  with pytest.raises(ValueError, match=rf"checkpoint_0?{STEP} and .*checkpoint_0?{STEP} are both"):
+    t5x_optim.t5x_checkpoint_steps(tmp_path)
+
+
 def test_no_steps_in_an_empty_dir(tmp_path):
   (tmp_path / "checkpoint_3.tmp-123").mkdir()  # an unfinished save
   (tmp_path / "checkpoint_4").mkdir()  # neither format

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 Path = tuple[str, ...]
-_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+_STEP_DIR = re.compile(r"checkpoint_([0-9]+)")
 MSGPACK_FILE = "checkpoint"
 # t5x_optim's record of the optimizer state's classes, beside T5X's files (T5X ignores it).
 STATE_CLASSES_FILE = "t5x_optim_state_classes.json"
@@ -92,7 +92,12 @@ def _step_dirs(model_dir: epath.Path) -> dict[int, epath.Path]:
   for child in model_dir.iterdir():
     match = _STEP_DIR.fullmatch(child.name)
     if match and child.is_dir() and _format(child) is not None:
-      found[int(match.group(1))] = child
+      step = int(match.group(1))
+      if step in found:
+        raise ValueError(
+          f"{found[step]} and {child} are both checkpoints of step {step}: keep one."
+        )
+      found[step] = child
   return dict(sorted(found.items()))
 
 

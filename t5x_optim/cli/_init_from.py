@@ -204,7 +204,7 @@ def _located(path: Path) -> tuple[Path, int | None]:
   name = path.name
   if path.parent.name == CHECKPOINTS and name.isdigit() and path.is_dir():
     return path.parent.parent, int(name)
-  if re.fullmatch(r"checkpoint_\d+", name) and path.is_dir():
+  if re.fullmatch(r"checkpoint_[0-9]+", name) and path.is_dir():
     return path.parent, int(name.removeprefix("checkpoint_"))
   return path, None
 
