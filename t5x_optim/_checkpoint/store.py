@@ -716,7 +716,8 @@ class Checkpointer:
     A directory that holds no t5x_optim checkpoint but T5X's
     ``checkpoint_<step>`` directories (legacy or Orbax format) is restored
     with `t5x_checkpoints.restore_t5x_checkpoint` (T5X's format has no
-    checksums, and no `params_only` or `fallback`).
+    checksums, and no `params_only` or `fallback`; its floating params keep
+    the checkpoint's dtype, as T5X restores them without a ``restore_dtype``).
 
     Returns:
       A new object of `target`'s type holding real, sharded arrays.
