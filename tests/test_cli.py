@@ -184,6 +184,21 @@ def test_second_run_reports_the_finished_run(tiny_run, capsys):
 
 
 @pytest.mark.slow
+def test_a_finished_run_of_another_job_is_refused_not_reported_finished(tiny_run, capsys):
+  """Another optimizer pointed at a finished run said "nothing to do" and exited 0; with a
+  higher TOTAL_STEPS the same command was refused as another job."""
+  model_dir, _ = tiny_run
+  flags = ["--gin_file", "optimizers/lion.gin", "--model_dir", str(model_dir)]
+  assert main(["train", *TINY, *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(
+    f"t5x-optim train: error: --model_dir {model_dir} holds another job: at its checkpoint "
+    "step 40 the optimizer is "
+  ), err
+  assert _checkpoint_steps(model_dir) == [20, 40]
+
+
+@pytest.mark.slow
 def test_an_optimizer_bound_in_its_scope_is_the_one_shown_logged_and_recorded(tmp_path, capsys):
   flags = [
     "--gin_bindings",

@@ -675,6 +675,30 @@ class _Resume:
   skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
+def _refuse_another_job(
+  recorded: Mapping[str, Any] | None, job: Mapping[str, Any] | None, model_dir: Path, step: int
+) -> None:
+  """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it
+  or it is another job than `job` (`job.identity_problem`).
+
+  Raises:
+    UsageError: naming the step and what differs.
+  """
+  written_by = recorded and format_problem(recorded)
+  if written_by:
+    raise UsageError(
+      f"--model_dir {model_dir}: its checkpoint step {step} was written by {written_by}; "
+      "nothing was changed: resume it with that version, or use another --model_dir."
+    )
+  if recorded is not None and job is not None:
+    problem = identity_problem(recorded, job)
+    if problem:
+      raise UsageError(
+        f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
+        f"{problem}; {_resume_advice(model_dir)}."
+      )
+
+
 def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _Resume:
   """Restores the newest intact checkpoint that the job may resume from.
 
@@ -695,19 +719,7 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
     except CheckpointError as error:
       resume.skipped.append((step, skip_reason(error)))
       continue
-    written_by = recorded and format_problem(recorded)
-    if written_by:
-      raise UsageError(
-        f"--model_dir {model_dir}: its checkpoint step {step} was written by {written_by}; "
-        "nothing was changed: resume it with that version, or use another --model_dir."
-      )
-    if recorded is not None and job is not None:
-      problem = identity_problem(recorded, job)
-      if problem:
-        raise UsageError(
-          f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
-          f"{problem}; {_resume_advice(model_dir)}."
-        )
+    _refuse_another_job(recorded, job, model_dir, step)
     try:
       resume.state = reader.restore(setup.abstract_state, step)
     except CheckpointError as error:
@@ -999,6 +1011,8 @@ def train(
       else ""
     )
     if latest is not None and latest >= train_job.total_steps:
+      with contextlib.suppress(CheckpointError):  # an unreadable record: the step is corrupt
+        _refuse_another_job(reader.recorded_job(latest), job, model_dir, latest)
       stream.write(ignored)
       stream.write(
         f"model_dir: {model_dir} holds the finished run (checkpoint at step "
