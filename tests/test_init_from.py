@@ -93,6 +93,20 @@ def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+def test_init_from_into_injected_hyperparams(tmp_path, capsys):
+  """The new optimizer's injected b1 and b2 (replicated on the mesh) met the count of the
+  restored step on one device: "Received incompatible devices for jitted computation"."""
+  old, new = str(tmp_path / "old"), str(tmp_path / "new")
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", old]) == 0
+  injected = [*TINY, "--gin_file", "optimizers/inject_hyperparams.gin"]
+  flags = ["--gin_bindings", "TOTAL_STEPS = 3", "--init_from", old, "--model_dir", new]
+  assert main(["train", *injected, *flags]) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert re.search(r"\(ScaleByAdamState\)\.nu: \d+ params, from ", out), out
+  assert re.search(r"^steps 2 -> 3,", out, re.M), out
+
+
+@pytest.mark.slow
 def test_init_from_lookahead_into_muon_and_back(tmp_path, capsys):
   """Lookahead checkpoints two copies of the params, and Muon's state follows the params'
   logical axes (the embeddings run Adam): both were refused as not fitting the optimizer

@@ -342,9 +342,23 @@ def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
     return hparams
   if not isinstance(node.hyperparams, Mapping):
     return hparams
+  held = {name: _on_host(value) for name, value in node.hyperparams.items()}
   if isinstance(hparams, ReadHparams):
-    return hparams.updated(node.hyperparams)
-  return {**hparams, **node.hyperparams}
+    return hparams.updated(held)
+  return {**hparams, **held}
+
+
+def _on_host(value: Any) -> Any:
+  """A replicated scalar of a state as a host value, to combine with values on any device (a
+  count on one device); anything else as it is."""
+  if (
+    isinstance(value, jax.Array)
+    and not isinstance(value, jax.core.Tracer)
+    and value.ndim == 0
+    and value.is_fully_replicated
+  ):
+    return np.asarray(value.addressable_data(0))
+  return value
 
 
 def _chained(node: Any, children: list[tuple[str, Any]], i: int) -> tuple[Any, ...]:
