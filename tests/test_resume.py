@@ -276,6 +276,28 @@ def test_resume_that_would_stall_reduce_on_plateau_is_refused(
   assert code == 0, err
 
 
+@pytest.mark.slow
+def test_a_resume_trains_with_the_injected_hyperparameters_the_config_gives_now(tmp_path, capsys):
+  """inject_hyperparams keeps its constants in the optimizer state: a resume with another
+  learning rate said "LEARNING_RATE 0.003 -> 1e-05" and trained on at 0.003."""
+  flags = [*TINY, "--gin_file", "optimizers/inject_hyperparams.gin", "--model_dir", str(tmp_path)]
+  flags += ["--gin_bindings", "cli.TrainJob.log_every = 1"]
+  assert main(["train", *flags, "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
+  capsys.readouterr()
+  changed = ["--gin_bindings", "LEARNING_RATE = 1e-5", "--gin_bindings", "TOTAL_STEPS = 3"]
+  assert main(["train", *flags, *changed]) == 0
+  out = capsys.readouterr().out
+  assert "LEARNING_RATE 0.003 -> 1e-05" in out, out
+  assert re.search(r"^step 3/3 .* lr 1e-05 ", out, re.M), out
+  _config.parse_config(gin_files=[*TINY[1::2], "optimizers/inject_hyperparams.gin"])
+  setup = _train.prepare(_config.build_job())
+  with t5x_optim.Checkpointer(tmp_path / "checkpoints") as checkpointer:
+    state = checkpointer.restore(setup.abstract_state, 3)
+  hyperparams = state.param_states.hyperparams
+  assert float(hyperparams["learning_rate"]) == pytest.approx(1e-5)
+  assert float(hyperparams["b1"]) == pytest.approx(0.9)
+
+
 def test_a_resume_on_other_text_data_says_so(tmp_path, capsys):
   """The text under --data replaced between a run and its resume (same path): the resume
   read other batches than the run would have, without a word."""

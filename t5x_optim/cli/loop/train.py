@@ -53,7 +53,9 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim import (
   TrainState,
+  injected_constants,
   loss_extra_args,
+  replace_injected_constants,
   schedule_free_evaluation_params,
   storage,
   trained_params,
@@ -675,6 +677,26 @@ class _Resume:
   skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
+def _configured_constants(state: TrainState) -> TrainState:
+  """`state` with the hyper-parameters its ``inject_hyperparams`` states hold as the config
+  gives them now: optax keeps them in the state, so a resume restored the old values (a new
+  learning rate was reported as changed and not used). Computed without the moments."""
+  held = injected_constants(state.param_states)
+  if not held:
+    return state
+  optimizer = state.optimizer
+  configured = jax.jit(
+    lambda target: injected_constants(optimizer.optimizer_def.init_state(target).param_states)
+  )(optimizer.target)
+  configured = jax.tree.map(
+    lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding), configured, held
+  )
+  param_states = replace_injected_constants(state.param_states, configured)
+  return state.replace(
+    _optimizer=optimizer.replace(state=optimizer.state.replace(param_states=param_states))
+  )
+
+
 def _refuse_another_job(
   recorded: Mapping[str, Any] | None, job: Mapping[str, Any] | None, model_dir: Path, step: int
 ) -> None:
@@ -1059,7 +1081,7 @@ def train(
   if resume.state is None:
     state = setup.create(*setup.init_args) if initial_state is None else initial_state()
   else:
-    state = resume.state
+    state = _configured_constants(resume.state)
   start = int(state.step)
   record = None
   if config_text is not None:
