@@ -388,7 +388,5 @@ def test_processes_that_write_to_other_directories_stop_before_the_first_step(tm
     ) in err, err
     assert "step 1" not in out
   for host in (first, second):
-    assert not (host / "run" / "checkpoints").exists() or not any(
-      (host / "run" / "checkpoints").iterdir()
-    )
-    assert [p.name for p in (host / "run").iterdir() if p.name.startswith(".")] == []
+    # The directory each process made for its --model_dir is gone again, probe files and all.
+    assert not (host / "run").exists(), sorted(p.name for p in (host / "run").rglob("*"))
