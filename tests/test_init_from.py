@@ -93,6 +93,24 @@ def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+def test_init_from_gin_of_another_optimizer_names_both(tmp_path, capsys):
+  """--init_from_gin with the gin file of an optimizer that did not write the checkpoint gave
+  a 40-key list of missing and unexpected keys that never named --init_from_gin."""
+  old, new = str(tmp_path / "old"), str(tmp_path / "new")
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", old]) == 0
+  capsys.readouterr()
+  flags = ["--init_from", old, "--init_from_gin", "optimizers/lion.gin", "--model_dir", new]
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 3", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err) < 600 and len(err.splitlines()) == 1, err
+  assert (
+    f"--init_from {old}: checkpoint step 2 was written by optimizers.chain(transformations="
+    "[optax.clip_by_global_norm, optax.adamw]), and --init_from_gin optimizers/lion.gin builds "
+    "optimizers.lion: give the gin files of the optimizer that wrote it"
+  ) in err, err
+
+
+@pytest.mark.slow
 def test_init_from_into_injected_hyperparams(tmp_path, capsys):
   """The new optimizer's injected b1 and b2 (replicated on the mesh) met the count of the
   restored step on one device: "Received incompatible devices for jitted computation"."""

@@ -81,6 +81,8 @@ class Source(NamedTuple):
       `bound_hparams` from the config of the start that wrote it, where they
       differ from `hparams`; or the `UsageError` of a config that does not
       build, raised only if that step is restored.
+    given_gin: with ``--init_from_gin``, the flag as given and the identity
+      (`config.optimizer_identity`) of the optimizer its files build.
   """
 
   directory: Path
@@ -88,6 +90,7 @@ class Source(NamedTuple):
   hparams: Mapping[str, Any]
   step: int | None = None
   step_hparams: Mapping[int, Mapping[str, Any] | UsageError] = {}
+  given_gin: tuple[str, str | None] | None = None
 
   def hparams_of(self, step: int | None) -> Mapping[str, Any]:
     """The hyper-parameters that wrote checkpoint `step` (None: the newest).
@@ -235,6 +238,28 @@ def _refuse_newer(init_from: Path, step: int) -> None:
     )
 
 
+def _another_optimizer(
+  init_from: Path, step: int | None, given_gin: tuple[str, str | None] | None
+) -> str | None:
+  """Why checkpoint `step` (None: the newest) of a t5x-optim run did not fit the optimizer
+  ``--init_from_gin`` builds (`given_gin`), when its job record names another; else None."""
+  if given_gin is None or not given_gin[1]:
+    return None
+  try:
+    with Checkpointer(init_from / CHECKPOINTS) as reader:
+      step = reader.latest_step() if step is None else step
+      recorded = None if step is None else (reader.recorded_job(step) or {}).get("optimizer")
+  except (CheckpointError, OSError):
+    return None
+  if not recorded or recorded == given_gin[1]:
+    return None
+  return (
+    f"checkpoint step {step} was written by {recorded}, and {given_gin[0]} builds "
+    f"{given_gin[1]}: give the gin files of the optimizer that wrote it, or no "
+    f"--init_from_gin (the run's {CONFIG_FILE} names it)."
+  )
+
+
 def _holds_checkpoints(init_from: Path) -> bool:
   if _is_ours(init_from):
     return True
@@ -297,7 +322,7 @@ def source_optimizer(
     )
   where = f"--init_from {init_from}: {_flag_names(gin_files)}"
   config = init_from / CONFIG_FILE
-  optimizer, hparams = _parsed(config, gin_files, search_paths, macros, where)
+  optimizer, hparams, identity = _parsed(config, gin_files, search_paths, macros, where)
   step_hparams = {}
   if not gin_files and config.is_file() and _is_ours(init_from):
     by_text = {config.read_text(): hparams}
@@ -313,7 +338,8 @@ def source_optimizer(
           by_text[text] = error
       if by_text[text] != hparams:
         step_hparams[number] = by_text[text]
-  return Source(init_from, optimizer, hparams, step, step_hparams)
+  given = (_flag_names(gin_files), identity) if gin_files else None
+  return Source(init_from, optimizer, hparams, step, step_hparams, given)
 
 
 def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, str] | UsageError]:
@@ -364,8 +390,9 @@ def _parsed(
   search_paths: Sequence[str],
   macros: dict[str, Any],
   where: str,
-) -> tuple[Any, dict[str, Any]]:
-  """``(optimizer, hparams)`` built from `gin_files`, else from `config`'s optimizer bindings.
+) -> tuple[Any, dict[str, Any], str | None]:
+  """``(optimizer, hparams, identity)`` built from `gin_files`, else from `config`'s optimizer
+  bindings; the identity is `config.optimizer_identity`'s.
 
   The optimizer is None, and the hparams are those T5X's config gives, for
   T5X's legacy Adafactor; both are empty for a directory without a config.
@@ -378,18 +405,18 @@ def _parsed(
     except ValueError as error:
       raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
     if found.gin is None:
-      return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
+      return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}, None
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already;
     # one entry, parsed at once as the config it comes from.
     lines = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
     bindings = ["\n".join(lines)]
   if not gin_files and not bindings:
-    return None, {}
+    return None, {}, None
   try:
     _config.parse_config(
       gin_files=gin_files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return _build_optimizer(where), bound_hparams()
+    return _build_optimizer(where), bound_hparams(), _config.optimizer_identity()
   except UsageError:
     raise
   except Exception as error:  # noqa: BLE001 - gin raises what the configurables raise
@@ -471,6 +498,8 @@ def initial_state_fn(
       if skipped is not None and isinstance(error, CheckpointError):
         raise
       text = " ".join(str(error).split())
+      if ours and not isinstance(error, CheckpointError):
+        text = _another_optimizer(init_from, step, source.given_gin) or text
       if source.optimizer is None:  # No config told which optimizer wrote it.
         text = _PYTHON_ADVICE.sub(
           f"it has no {CONFIG_FILE} that names the optimizer which wrote it: pass "
