@@ -427,6 +427,16 @@ def _param_rules(param_modes: Sequence[tuple[str, str]]) -> tuple[_ParamRule, ..
   return rules
 
 
+def _trained_leaves(params: Any) -> list[tuple[str, Any]]:
+  """The trained params' leaves by path (``encoder/layers_0/mlp/wi/kernel``), those another
+  transformation takes (optax's masked nodes) left out."""
+  return [
+    (_state_dict.key_path_str(path), leaf)
+    for path, leaf in jax.tree.flatten_with_path(trained_params(params), is_leaf=_is_masked)[0]
+    if not _is_masked(leaf)
+  ]
+
+
 def _param_axis_names(
   rules: Sequence[_ParamRule], specs: dict[str, Any] | None, params: Any
 ) -> dict[str, tuple[str | None, ...]]:
@@ -453,12 +463,7 @@ def _param_axis_names(
       "the axes on), whose set_param_axes takes them (T5X's train state, TrainState.create "
       "and partitioning.init_sharded call it)."
     )
-  reference = trained_params(params)
-  leaves = [
-    (_state_dict.key_path_str(path), leaf)
-    for path, leaf in jax.tree.flatten_with_path(reference, is_leaf=_is_masked)[0]
-    if not _is_masked(leaf)
-  ]
+  leaves = _trained_leaves(params)
   missing = [path for path, _ in leaves if path not in specs]
   if missing:
     which = (
@@ -479,11 +484,7 @@ def _warn_of_unused_rules(
   """Warns of each of ``param_modes`` that decides no param's mode: it selects no param, or
   only params an earlier pattern takes (a warning, not an error: one policy may be given to
   several transformations, each over its own params, as `MultiOptimizer`'s groups)."""
-  paths = [
-    _state_dict.key_path_str(path)
-    for path, leaf in jax.tree.flatten_with_path(trained_params(params), is_leaf=_is_masked)[0]
-    if not _is_masked(leaf)
-  ]
+  paths = [path for path, _ in _trained_leaves(params)]
   taken: set[str] = set()
   for rule in rules:
     selected = [path for path in paths if rule.matches(path, axes.get(path, ()))]
