@@ -221,14 +221,14 @@ def _read_source(
   param_states: Any,
   step: Any,
   params: Mapping[str, Any],
-  hparams: Mapping[str, Any],
+  hparams: ReadHparams,
   adamax: frozenset[tuple[str, ...]],
 ) -> _Source:
   source = _Source()
   converters = registered_converters()
 
   def visit(
-    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+    node: Any, path: tuple[str, ...], hparams: ReadHparams, chain: tuple, clock: Any
   ) -> None:
     if isinstance(node, LowPrecisionState):
       inner = low_precision_to_float32(node)
@@ -332,7 +332,7 @@ def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
     )
 
 
-def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
+def _injected(node: Any, hparams: ReadHparams) -> ReadHparams:
   """`hparams` updated with those an ``inject_hyperparams`` state holds (its values rule).
 
   Such a state is recognised by structure: a NamedTuple with a mapping
@@ -342,10 +342,7 @@ def _injected(node: Any, hparams: Mapping[str, Any]) -> Mapping[str, Any]:
     return hparams
   if not isinstance(node.hyperparams, Mapping):
     return hparams
-  held = {name: _on_host(value) for name, value in node.hyperparams.items()}
-  if isinstance(hparams, ReadHparams):
-    return hparams.updated(held)
-  return {**hparams, **held}
+  return hparams.updated({name: _on_host(value) for name, value in node.hyperparams.items()})
 
 
 def _on_host(value: Any) -> Any:
@@ -424,7 +421,7 @@ def _write_target(
   source: _Source,
   step: Any,
   params: Mapping[str, Any],
-  hparams: Mapping[str, Any],
+  hparams: ReadHparams,
   missing: str,
   adamax: frozenset[tuple[str, ...]],
   held: Mapping[str, tuple[str, ...]],
@@ -437,7 +434,7 @@ def _write_target(
   counts = Moments(source.stats, lambda field, param, converted: None)
 
   def visit(
-    node: Any, path: tuple[str, ...], hparams: Mapping[str, Any], chain: tuple, clock: Any
+    node: Any, path: tuple[str, ...], hparams: ReadHparams, chain: tuple, clock: Any
   ) -> Any:
     if isinstance(node, LowPrecisionState):
       decoded = low_precision_to_float32(node)
