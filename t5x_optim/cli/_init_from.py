@@ -225,9 +225,13 @@ def checkpoints_seen(source: Source) -> str:
   return steps_line(t5x_checkpoint_steps(source.directory))
 
 
-def _refuse_newer(init_from: Path, step: int) -> None:
+def _refuse_newer(init_from: Path, step: int) -> dict[str, Any] | None:
   """Refuses checkpoint `step` of a t5x-optim run if a newer version wrote it (its job record's
-  format, `job.format_problem`): its state may be laid out otherwise under the same names."""
+  format, `job.format_problem`): its state may be laid out otherwise under the same names.
+
+  Returns:
+    The step's job record (None for a step saved without one).
+  """
   with Checkpointer(init_from / CHECKPOINTS) as reader:
     job = reader.recorded_job(step)
   written_by = job and format_problem(job)
@@ -236,22 +240,16 @@ def _refuse_newer(init_from: Path, step: int) -> None:
       f"--init_from {init_from}: checkpoint step {step} was written by {written_by}; convert "
       "it with that version."
     )
+  return job
 
 
 def _another_optimizer(
-  init_from: Path, step: int | None, given_gin: tuple[str, str | None] | None
+  job: Mapping[str, Any] | None, step: int, given_gin: tuple[str, str | None] | None
 ) -> str | None:
-  """Why checkpoint `step` (None: the newest) of a t5x-optim run did not fit the optimizer
-  ``--init_from_gin`` builds (`given_gin`), when its job record names another; else None."""
-  if given_gin is None or not given_gin[1]:
-    return None
-  try:
-    with Checkpointer(init_from / CHECKPOINTS) as reader:
-      step = reader.latest_step() if step is None else step
-      recorded = None if step is None else (reader.recorded_job(step) or {}).get("optimizer")
-  except (CheckpointError, OSError):
-    return None
-  if not recorded or recorded == given_gin[1]:
+  """Why checkpoint `step`, whose job record is `job`, did not fit the optimizer
+  ``--init_from_gin`` builds (`given_gin`), when the record names another; else None."""
+  recorded = (job or {}).get("optimizer")
+  if given_gin is None or not given_gin[1] or not recorded or recorded == given_gin[1]:
     return None
   return (
     f"checkpoint step {step} was written by {recorded}, and {given_gin[0]} builds "
@@ -480,9 +478,10 @@ def initial_state_fn(
     `CheckpointError`, for the caller to skip it.
     """
     old_hparams = source.hparams_of(step)
+    job = None
     try:
       if ours and step is not None:
-        _refuse_newer(init_from, step)
+        job = _refuse_newer(init_from, step)
       state, report = restore_converted(
         directory,
         abstract_state,
@@ -498,8 +497,8 @@ def initial_state_fn(
       if skipped is not None and isinstance(error, CheckpointError):
         raise
       text = " ".join(str(error).split())
-      if ours and not isinstance(error, CheckpointError):
-        text = _another_optimizer(init_from, step, source.given_gin) or text
+      if step is not None and not isinstance(error, CheckpointError):
+        text = _another_optimizer(job, step, source.given_gin) or text
       if source.optimizer is None:  # No config told which optimizer wrote it.
         text = _PYTHON_ADVICE.sub(
           f"it has no {CONFIG_FILE} that names the optimizer which wrote it: pass "
