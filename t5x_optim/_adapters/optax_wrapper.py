@@ -29,6 +29,7 @@ __all__ = [
   "checked_transformation",
   "inject_hyperparams",
   "injected_constants",
+  "is_transformation",
   "replace_injected_constants",
   "takes_param_axes",
   "trained_params",
@@ -157,6 +158,11 @@ def _public_name(fn: Any) -> str:
   return f"{getattr(fn, '__module__', None) or '?'}.{name}"
 
 
+def is_transformation(value: Any) -> bool:
+  """Whether `value` is an optax transformation: it has callable ``init`` and ``update``."""
+  return callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
 def checked_transformation(value: Any, where: str) -> Any:
   """`value` when it is an optax transformation (callable ``init`` and ``update``).
 
@@ -170,7 +176,7 @@ def checked_transformation(value: Any, where: str) -> Any:
     ...
     TypeError: OptaxWrapper takes an optax transformation (with init and update), got the function optax.adam, which builds one: call it (optax.adam(...); in gin @optax.adam(), with the parentheses).
   """
-  if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+  if is_transformation(value):
     return value
   if isinstance(value, OptimizerDef):
     got = (
@@ -234,6 +240,13 @@ def _is_injected_state(node: Any) -> bool:
   return isinstance(node, tuple) and "hyperparams" in fields and "inner_state" in fields
 
 
+def _constants(node: Any) -> dict[str, Any]:
+  """The hyper-parameters an injected state holds as values, those a stateful schedule keeps
+  state for (``hyperparams_states``) left out."""
+  scheduled = getattr(node, "hyperparams_states", None) or {}
+  return {name: value for name, value in node.hyperparams.items() if name not in scheduled}
+
+
 def _injected_states(param_states: Any) -> list[Any]:
   return [
     node
@@ -251,14 +264,7 @@ def injected_constants(param_states: Any) -> list[dict[str, Any]]:
     >>> [sorted(c) for c in injected_constants(tx.init({'w': jnp.ones(2)}))]
     [['b1', 'b2', 'eps', 'eps_root', 'learning_rate']]
   """
-  return [
-    {
-      name: value
-      for name, value in node.hyperparams.items()
-      if name not in (getattr(node, "hyperparams_states", None) or {})
-    }
-    for node in _injected_states(param_states)
-  ]
+  return [_constants(node) for node in _injected_states(param_states)]
 
 
 def replace_injected_constants(param_states: Any, constants: Sequence[Mapping[str, Any]]) -> Any:
@@ -287,9 +293,7 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
   found = []
 
   def set_rate(node: Any) -> Any:
-    if not (_is_injected_state(node) and _LEARNING_RATE in node.hyperparams):
-      return node
-    if _LEARNING_RATE in (getattr(node, "hyperparams_states", None) or {}):
+    if not (_is_injected_state(node) and _LEARNING_RATE in _constants(node)):
       return node
     found.append(node)
     old = node.hyperparams[_LEARNING_RATE]

@@ -11,7 +11,7 @@ import jax
 import optax
 from flax import traverse_util
 
-from t5x_optim._adapters.optax_wrapper import trains_lookahead_params
+from t5x_optim._adapters.optax_wrapper import is_transformation, trains_lookahead_params
 from t5x_optim._checkpoint import store as _checkpoints
 from t5x_optim._checkpoint import t5x_read as _t5x
 from t5x_optim._convert import convert as _convert
@@ -86,7 +86,7 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
 
 
 def _not_a_source(source: Any) -> str:
-  if callable(getattr(source, "init", None)) and callable(getattr(source, "update", None)):
+  if is_transformation(source):
     got = f"a {type(source).__name__}, an optax transformation: give OptaxWrapper(it)"
   else:
     got = f"a {type(source).__name__}"
