@@ -241,3 +241,54 @@ def test_optimizer_state_axis_must_be_in_mesh():
     optimizer_state_mesh_axes_tree(
       {"w": P("mlp")}, _shapes({"w": (8,)}), rules, mesh_shape=MESH_2X4
     )
+
+
+@pytest.mark.parametrize(
+  "rules, match",
+  [
+    ("mlp", r"a sequence of \(logical_name, mesh_axes\) pairs, not the str 'mlp'"),
+    ([("mlp", 3)], r"\('mlp', 3\): mesh_axes is None, a mesh axis name or a tuple of names"),
+    ([("mlp", ("model", 2))], r"\('mlp', \('model', 2\)\): mesh_axes is None"),
+    ([("mlp", P.UNCONSTRAINED)], r"\('mlp', UNCONSTRAINED\): mesh_axes is None"),
+  ],
+)
+def test_rules_with_mesh_axes_of_another_type_are_refused_naming_the_rule(rules, match):
+  with pytest.raises(ValueError, match=match):
+    as_logical_axis_rules(rules)
+
+
+def test_a_dimension_with_several_logical_names_is_refused():
+  with pytest.raises(ValueError, match=r"dimension 0 of P\(\('embed', 'mlp'\), None\) names"):
+    logical_to_mesh_axes(P(("embed", "mlp"), None), standard_logical_axis_rules())
+
+
+def test_a_tuple_of_names_without_rules_passes_through_as_mesh_axes():
+  assert logical_to_mesh_axes(P(("data", "model")), [("mlp", "model")]) == P(("data", "model"))
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_optimizer_state_tree_keeps_unconstrained_dimensions(zero):
+  rules = standard_logical_axis_rules(shard_optimizer_state_over_data=zero)
+  mesh_axes = optimizer_state_mesh_axes_tree(
+    {"w": P(P.UNCONSTRAINED, "mlp")}, _shapes({"w": (6, 8)}), rules, mesh_shape=MESH_2X4
+  )
+  expected = ("model", "data") if zero else "model"
+  assert mesh_axes == {"w": P(P.UNCONSTRAINED, expected)}
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_optimizer_state_tree_refuses_a_spec_longer_than_the_leaf(zero):
+  rules = standard_logical_axis_rules(shard_optimizer_state_over_data=zero)
+  with pytest.raises(
+    ValueError, match=r"w: sharding P\('model', None, None\) has 3 entries .* \(16, 4\)"
+  ):
+    optimizer_state_mesh_axes_tree(
+      {"w": P("mlp", None, None)}, _shapes({"w": (16, 4)}), rules, mesh_shape=MESH_2X4
+    )
+
+
+@pytest.mark.parametrize("spec", [P(("data", "expert")), P("mlp")])
+def test_optimizer_state_tree_refuses_mesh_axes_not_in_the_mesh(spec):
+  rules = [("mlp", "expert")]
+  with pytest.raises(ValueError, match=r"w: mesh axes \['expert'\] of .* are not in the mesh"):
+    optimizer_state_mesh_axes_tree({"w": spec}, _shapes({"w": (16,)}), rules, mesh_shape=MESH_2X4)

@@ -96,12 +96,28 @@ class LogicalAxisRules:
 
 
 def _normalize_rules(rules: Sequence[Sequence[Any]]) -> tuple[Rule, ...]:
+  if isinstance(rules, str):
+    raise ValueError(
+      f"Logical axis rules are a sequence of (logical_name, mesh_axes) pairs, not the str "
+      f"{rules!r}."
+    )
   normalized = []
   for rule in rules:
-    if len(rule) != 2 or not isinstance(rule[0], str):
+    if isinstance(rule, str) or len(rule) != 2 or not isinstance(rule[0], str):
       raise ValueError(f"A logical axis rule is a (logical_name, mesh_axes) pair; got {rule!r}.")
     name, mesh_axes = rule
-    normalized.append((name, tuple(mesh_axes) if isinstance(mesh_axes, list) else mesh_axes))
+    if isinstance(mesh_axes, list):
+      mesh_axes = tuple(mesh_axes)
+    if not (
+      mesh_axes is None
+      or isinstance(mesh_axes, str)
+      or (isinstance(mesh_axes, tuple) and all(isinstance(a, str) for a in mesh_axes))
+    ):
+      raise ValueError(
+        f"Logical axis rule {(name, mesh_axes)!r}: mesh_axes is None, a mesh axis name or a "
+        f"tuple of names, not {type(mesh_axes).__name__}."
+      )
+    normalized.append((name, mesh_axes))
   return tuple(normalized)
 
 
@@ -116,7 +132,7 @@ def as_logical_axis_rules(
   """
   if isinstance(rules, LogicalAxisRules):
     return rules
-  return LogicalAxisRules(tuple(rules))
+  return LogicalAxisRules(_normalize_rules(rules))
 
 
 def standard_logical_axis_rules(
@@ -229,6 +245,13 @@ def logical_to_mesh_axes(
   )
   if repeated:
     raise ValueError(f"Logical axis names {repeated} occur more than once in {spec}.")
+  ruled = {name for name, _ in rules}
+  for dim, entry in enumerate(names):
+    if isinstance(entry, tuple) and ruled.intersection(entry):
+      raise ValueError(
+        f"dimension {dim} of {spec} names the logical axes {entry}; a logical spec names one "
+        f"axis per dimension (a tuple of names without rules passes through as mesh axes)."
+      )
   result: list[Any] = [_UNASSIGNED if isinstance(n, str) else n for n in names]
   known = set()
   for name, mesh_axes in rules:
@@ -325,12 +348,82 @@ def drop_indivisible_axes(
     return None
   entries = []
   for entry, size in zip(spec, shape):
+    if entry is PartitionSpec.UNCONSTRAINED:
+      entries.append(entry)
+      continue
     names = [entry] if isinstance(entry, str) else list(entry or ())
     while names and size % math.prod(mesh_shape[n] for n in names):
       names.pop()
     entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
   fitted = PartitionSpec(*entries, *spec[len(shape) :])
   return spec if fitted == spec else fitted
+
+
+def _check_entries(
+  where: str, shape: Sequence[int], spec: PartitionSpec, mesh_shape: Mapping[str, int]
+) -> None:
+  if len(spec) > len(shape):
+    raise ValueError(
+      f"{where}: sharding {spec} has {len(spec)} entries but the leaf has shape {tuple(shape)}."
+    )
+  for entry in spec:
+    missing = sorted(mesh_axis_names(entry) - set(mesh_shape))
+    if missing:
+      raise ValueError(
+        f"{where}: mesh axes {missing} of {spec} are not in the mesh {dict(mesh_shape)}."
+      )
+
+
+def check_leaf_spec(
+  where: str, shape: Sequence[int], spec: PartitionSpec | None, mesh_shape: Mapping[str, int]
+) -> None:
+  """Raises ``ValueError`` naming ``where`` unless ``spec`` fits the leaf on the mesh.
+
+  It fits when it has no more entries than the leaf has dimensions, names
+  only axes of the mesh, and each dimension's size divides by its axes'.
+
+  Example:
+    >>> check_leaf_spec('w', (8, 6), PartitionSpec(None, 'model'), {'data': 2, 'model': 3})
+  """
+  spec = spec or PartitionSpec()
+  _check_entries(where, shape, spec, mesh_shape)
+  for dim, entry in enumerate(spec):
+    size = math.prod(mesh_shape[a] for a in mesh_axis_names(entry))
+    if shape[dim] % size:
+      raise ValueError(
+        f"{where}: dimension {dim} of shape {tuple(shape)} is not divisible by mesh "
+        f"axis {entry!r} of size {size} (sharding {spec}, mesh {dict(mesh_shape)})."
+      )
+
+
+def fit_state_spec(
+  where: str,
+  spec: PartitionSpec | None,
+  shape: Sequence[int],
+  *,
+  mesh_shape: Mapping[str, int],
+  axis: str | None,
+) -> PartitionSpec | None:
+  """An optimizer-state leaf's mesh spec, fitted to its shape and the mesh.
+
+  The mesh axes a dimension does not divide are dropped
+  (:func:`drop_indivisible_axes`); then ``axis`` (ZeRO), when given, is added
+  (:func:`add_optimizer_state_axis`).
+
+  Raises:
+    ValueError: naming ``where``, for a spec with more entries than the leaf
+      has dimensions or with mesh axes that are not in the mesh.
+
+  Example:
+    >>> fit_state_spec('mu', PartitionSpec('model'), (6,), mesh_shape={'data': 2, 'model': 4},
+    ...                axis='data')
+    P('data',)
+  """
+  _check_entries(where, shape, spec or PartitionSpec(), mesh_shape)
+  spec = drop_indivisible_axes(spec, shape, mesh_shape)
+  if axis is None:
+    return spec
+  return add_optimizer_state_axis(spec, shape, mesh_axis=axis, mesh_shape=mesh_shape)
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -422,24 +515,18 @@ def optimizer_state_mesh_axes_tree(
     {'w': P('data', 'model')}
   """
   rules = as_logical_axis_rules(rules)
-  mesh_axes = jax.tree.map(
-    lambda spec, x: drop_indivisible_axes(spec, np.shape(x), mesh_shape),
-    logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown),
-    shapes,
-    is_leaf=is_spec_leaf,
-  )
   axis = rules.optimizer_state_axis
-  if axis is None:
-    return mesh_axes
-  if axis not in mesh_shape:
+  if axis is not None and axis not in mesh_shape:
     raise ValueError(
       f"optimizer_state_axis {axis!r} is not a mesh axis; the mesh has {dict(mesh_shape)}."
     )
-  return jax.tree.map(
-    lambda spec, x: add_optimizer_state_axis(
-      spec, np.shape(x), mesh_axis=axis, mesh_shape=mesh_shape
-    ),
-    mesh_axes,
+
+  def fit(path: jax.tree_util.KeyPath, spec: PartitionSpec | None, x: Any) -> Any:
+    return fit_state_spec(key_path_str(path), spec, np.shape(x), mesh_shape=mesh_shape, axis=axis)
+
+  return jax.tree.map_with_path(
+    fit,
+    logical_to_mesh_axes_tree(logical_tree, rules, unknown=unknown),
     shapes,
     is_leaf=is_spec_leaf,
   )

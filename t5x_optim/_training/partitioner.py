@@ -10,8 +10,7 @@ when the rules enable it.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, Self
 
 import flax.linen as nn
@@ -63,31 +62,6 @@ def is_optimizer_state_path(path: jax.tree_util.KeyPath) -> bool:
   return any(_key_name(key) == OPTIMIZER_STATE_KEY for key in path)
 
 
-def _check_leaf_divisible(
-  where: str,
-  shape: Sequence[int],
-  spec: PartitionSpec,
-  mesh_shape: Mapping[str, int],
-) -> None:
-  if len(spec) > len(shape):
-    raise ValueError(
-      f"{where}: sharding {spec} has {len(spec)} entries but the leaf has shape {tuple(shape)}."
-    )
-  for dim, entry in enumerate(spec):
-    axes = _axis_rules.mesh_axis_names(entry)
-    missing = sorted(axes - set(mesh_shape))
-    if missing:
-      raise ValueError(
-        f"{where}: mesh axes {missing} of {spec} are not in the mesh {dict(mesh_shape)}."
-      )
-    size = math.prod(mesh_shape[a] for a in axes)
-    if shape[dim] % size:
-      raise ValueError(
-        f"{where}: dimension {dim} of shape {tuple(shape)} is not divisible by mesh "
-        f"axis {entry!r} of size {size} (sharding {spec}, mesh {dict(mesh_shape)})."
-      )
-
-
 def check_divisible(values: Any, shardings: Any, *, name: str = "") -> None:
   """Checks that every sharded dimension is divisible by its mesh axes' size.
 
@@ -114,7 +88,7 @@ def check_divisible(values: Any, shardings: Any, *, name: str = "") -> None:
     jax.tree.leaves_with_path(values), jax.tree.leaves(full, is_leaf=is_sharding)
   ):
     where = key_path_str((name, *path)) if name else key_path_str(path)
-    _check_leaf_divisible(where, np.shape(value), sharding.spec, sharding.mesh.shape)
+    _axis_rules.check_leaf_spec(where, np.shape(value), sharding.spec, sharding.mesh.shape)
 
 
 def _signature(args: Any) -> tuple[Any, ...]:
@@ -395,12 +369,10 @@ class Partitioner:
       mesh_spec = self._leaf_mesh_axes(path, spec)
       shape = np.shape(value)
       if is_optimizer_state_path(path):
-        mesh_spec = _axis_rules.drop_indivisible_axes(mesh_spec, shape, mesh_shape)
-        if axis is not None:
-          mesh_spec = _axis_rules.add_optimizer_state_axis(
-            mesh_spec, shape, mesh_axis=axis, mesh_shape=mesh_shape
-          )
-      _check_leaf_divisible(_where(path), shape, mesh_spec or PartitionSpec(), mesh_shape)
+        mesh_spec = _axis_rules.fit_state_spec(
+          _where(path), mesh_spec, shape, mesh_shape=mesh_shape, axis=axis
+        )
+      _axis_rules.check_leaf_spec(_where(path), shape, mesh_spec, mesh_shape)
       return mesh_spec
 
     return jax.tree.map_with_path(convert, logical, train_state, is_leaf=_axis_rules.is_spec_leaf)
