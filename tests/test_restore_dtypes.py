@@ -11,6 +11,7 @@ from t5x_optim import optimizers
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 W, COUNT = "target/w", "state/param_states/0/count"
+MU = "state/param_states/0/mu/w"
 
 # name: (path of the leaf, the value saved there, the target's dtype there, restores?)
 CASES = {
@@ -30,6 +31,16 @@ CASES = {
   "float32 count into int8, too big": (COUNT, jnp.float32(300.0), jnp.int8, False),
   "int32 count into float32": (COUNT, jnp.int32(3), jnp.float32, False),
   "complex params into real": (W, jnp.ones(4, jnp.complex64), jnp.float32, False),
+  "f32 mu into f16, in range": (MU, jnp.array([-65504.0, 0.1, 1e-9, 6e4]), jnp.float16, True),
+  "f32 mu into f16, nan and inf stay": (
+    MU,
+    jnp.array([jnp.nan, -jnp.inf, 1.0, 0.0]),
+    jnp.float16,
+    True,
+  ),
+  "f32 mu into f16, beyond its range": (MU, jnp.array([0.0, 1.0, 7e4, 2.0]), jnp.float16, False),
+  "bf16 mu into f16, beyond its range": (MU, jnp.full(4, -1e5, jnp.bfloat16), jnp.float16, False),
+  "f32 mu into bf16, large": (MU, jnp.full(4, 3e38, jnp.float32), jnp.bfloat16, True),
 }
 
 
@@ -114,3 +125,14 @@ def test_values_are_checked_after_their_checksum(tmp_path):
       ckpt.restore(target)
     with pytest.raises(ValueError, match=f"mismatch at '{COUNT}'.*Nothing was restored"):
       ckpt.restore(target, verify=False)
+
+
+def test_params_beyond_a_narrower_float_range_are_refused_where_they_would_be_cast(tmp_path):
+  # A state dict's float params keep their dtype (T5X's restore_dtype), so nothing overflows;
+  # a checkpoint's come back in the target's, where 70000 would become inf in float16.
+  saved, target = _pair(W, jnp.array([1.0, 7e4, 0.0, 2.0]), jnp.float16)
+  assert _leaf(target.restore_state(saved.state_dict()), W).dtype == jnp.float32
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, saved)
+    with pytest.raises(ValueError, match=f"mismatch at '{W}'.*float32 values .* range of the target's float16"):
+      ckpt.restore(target)

@@ -164,8 +164,14 @@ class Fit(enum.Enum):
   EXACT = "exact"
   """Same shape; the same dtype or one numpy casts to "safely" (every value exactly)."""
   ROUNDS = "rounds"
-  """Same shape; floating data into another floating dtype: allowed, and may
-  round, as T5X casts params to its ``restore_dtype``."""
+  """Same shape; floating data into another floating dtype with as many
+  exponent bits: allowed, and may round, as T5X casts params to its
+  ``restore_dtype``."""
+  IF_IN_RANGE = "if_in_range"
+  """Same shape; floating data into a floating dtype with fewer exponent
+  bits (float32 into float16 or a float8 type): allowed only when every
+  finite value is within the target's range (`values_fit`), since a cast
+  would turn the others into infinities."""
   IF_VALUES_FIT = "if_values_fit"
   """Same shape; integer data into a narrower integer dtype, or floating
   data into an integer dtype: allowed only when every value is a whole
@@ -207,6 +213,8 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
     ...   (np.float32, jnp.bfloat16), (np.int32, np.int8), (np.float32, np.int32),
     ...   (np.complex64, np.float32)]]
     ['ROUNDS', 'IF_VALUES_FIT', 'IF_VALUES_FIT', 'OTHER_DTYPE']
+    >>> leaf_fit((2,), np.float32, (2,), np.float16).name
+    'IF_IN_RANGE'
   """
   if tuple(shape) != tuple(ref_shape):
     return Fit.OTHER_SHAPE
@@ -214,6 +222,8 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
   if src == dst or np.can_cast(src, dst, casting="safe"):
     return Fit.EXACT
   if _is_float(src) and _is_float(dst):
+    if jax.numpy.finfo(dst).maxexp < jax.numpy.finfo(src).maxexp:
+      return Fit.IF_IN_RANGE
     return Fit.ROUNDS
   if _is_int(dst) and (_is_int(src) or _is_float(src)):
     return Fit.IF_VALUES_FIT
@@ -225,8 +235,10 @@ def values_fit(value: Any, dtype: Any) -> bool:
 
   `value` is integer or floating data; a floating value fits when it is
   finite and integral (``3.0`` fits int8, ``3.5``, ``nan`` and ``inf`` do
-  not). A `jax.Array` is reduced where its shards live (so this also works
-  for arrays spread over several processes); other data on the host.
+  not). For a floating `dtype`, every finite value must be within its
+  range (a non-finite one stays what it is). A `jax.Array` is reduced where
+  its shards live (so this also works for arrays spread over several
+  processes); other data on the host.
 
   Example:
     >>> import numpy as np
@@ -234,10 +246,15 @@ def values_fit(value: Any, dtype: Any) -> bool:
     (True, False)
     >>> values_fit(np.float32(3.0), np.int32), values_fit(np.array([0.0, 1.5]), np.int32)
     (True, False)
+    >>> values_fit(np.array([np.inf, 6e4]), np.float16), values_fit(np.array([7e4]), np.float16)
+    (True, False)
   """
   if np.size(value) == 0:
     return True
   xp = jax.numpy if isinstance(value, jax.Array) else np
+  if _is_float(np.dtype(dtype)):
+    finite = xp.where(xp.isfinite(value), xp.abs(value), 0)
+    return float(xp.max(finite)) <= float(jax.numpy.finfo(dtype).max)
   info = jax.numpy.iinfo(dtype)
   if _is_float(_dtype_of(value)):
     finite = xp.isfinite(value)
@@ -296,6 +313,11 @@ def fit_on_host(value: Any, ref_dtype: Any, path: Sequence[str]) -> np.ndarray:
       f"Dtype mismatch at '{where}': the stored {value.dtype} cannot be cast safely to the "
       f"target's {np.dtype(ref_dtype)}"
     )
+  if fit is Fit.IF_IN_RANGE and not values_fit(value, ref_dtype):
+    raise ValueError(
+      f"Value mismatch at '{where}': the stored {value.dtype} values are not all within the "
+      f"target's {np.dtype(ref_dtype)} range"
+    )
   if fit is not Fit.IF_VALUES_FIT:
     return value
   if not values_fit(value, ref_dtype):
@@ -313,7 +335,7 @@ def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
   `leaf_fit`'s rule; a Python scalar may also change kind when it converts
   exactly (T5X state dicts may hold a plain ``int`` step, for instance).
   """
-  if fit is Fit.IF_VALUES_FIT:
+  if fit in (Fit.IF_VALUES_FIT, Fit.IF_IN_RANGE):
     return values_fit(value, dst)
   if fit is Fit.OTHER_DTYPE:
     return isinstance(value, bool | int | float | complex) and bool(
@@ -379,8 +401,11 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
     )
   floats = _is_float(dtype) and _is_float(ref_dtype)
   keeps_dtype = floats and path[:1] == ("target",) and hasattr(value, "dtype")
-  if not _castable(value, fit, ref_dtype):
-    why = " (not every value is a whole number in its range)" if fit is Fit.IF_VALUES_FIT else ""
+  if not keeps_dtype and not _castable(value, fit, ref_dtype):
+    why = {
+      Fit.IF_VALUES_FIT: " (not every value is a whole number in its range)",
+      Fit.IF_IN_RANGE: " (a finite value is beyond its range and would become inf)",
+    }.get(fit, "")
     raise ValueError(
       f"Dtype mismatch at '{where}': the state dict has {dtype}, which cannot "
       f"be cast safely to the optimizer's {ref_dtype}{why}."
