@@ -47,6 +47,7 @@ Example:
 """
 
 from t5x_optim._checkpoint.api import Checkpointer
+from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim._checkpoint.store import CheckpointError, CheckpointState
 
-__all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]
+__all__ = ["CheckpointError", "CheckpointState", "Checkpointer", "WriterLock"]

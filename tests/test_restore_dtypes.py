@@ -134,5 +134,7 @@ def test_params_beyond_a_narrower_float_range_are_refused_where_they_would_be_ca
   assert _leaf(target.restore_state(saved.state_dict()), W).dtype == jnp.float32
   with Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(1, saved)
-    with pytest.raises(ValueError, match=f"mismatch at '{W}'.*float32 values .* range of the target's float16"):
+    with pytest.raises(
+      ValueError, match=f"mismatch at '{W}'.*float32 values .* range of the target's float16"
+    ):
       ckpt.restore(target)

@@ -18,6 +18,7 @@ from _ocdbt import flip_bytes
 from test_cli import _checkpoint_steps, _env, _scalars
 
 import t5x_optim
+from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim.cli import main
 from t5x_optim.cli.demo import text as _text
 from t5x_optim.cli.loop import config as _config
@@ -478,6 +479,42 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, c
   assert sorted(p.name for p in kept.iterdir()) == ["4", "4.txt"]
   assert (kept / "4" / "default").is_dir()
   assert "was skipped on resume" in (kept / "4.txt").read_text()
+
+
+def test_a_finished_run_whose_last_checkpoint_is_corrupt_trains_it_again(
+  four_steps, tmp_path, capsys
+):
+  model_dir = _copy(four_steps, tmp_path)
+  flip_bytes(model_dir / "checkpoints" / "4", 1)
+  code, out, err = _train_run(model_dir, *_steps(4), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  lines = out.splitlines()
+  assert lines[0] == f"model_dir:       {model_dir} (resuming from the checkpoint at step 2)", out
+  assert lines[1].startswith(f"skipped:         checkpoint step 4, kept in {model_dir}/"), out
+  assert re.search(r"^steps 2 -> 4,", out, re.M), out
+  assert _checkpoint_steps(model_dir) == [2, 4]
+
+
+def test_a_model_dir_in_use_by_another_run_is_refused_before_anything_changes(
+  four_steps, tmp_path, capsys
+):
+  model_dir = _copy(four_steps, tmp_path)
+  other = WriterLock(str(model_dir))
+  assert other.take() == ""
+  before = {p.relative_to(model_dir): p.stat().st_mtime_ns for p in model_dir.rglob("*")}
+  try:
+    code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, capsys=capsys)
+  finally:
+    other.release()
+  err = _one_line_error(code, err)
+  assert f"--model_dir {model_dir} is in use by another writer (pid " in err, err
+  assert "nothing was changed" in err, err
+  assert "step" not in out, out
+  after = {p.relative_to(model_dir): p.stat().st_mtime_ns for p in model_dir.rglob("*")}
+  assert after == before
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert _checkpoint_steps(model_dir) == [2, 4, 6]
 
 
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):

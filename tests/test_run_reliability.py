@@ -417,3 +417,23 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   assert steps_of(model_dir)[-1] == stopped and not _tmp_steps(model_dir)
   assert took < 30, took
   print(f"2 processes, SIGTERM to process 1 to both exited 143: {took:.2f} s")
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_model_dir_being_trained_is_refused_at_once(tmp_path):
+  model_dir = tmp_path / "run"
+  args = [*TINY, *LONG, "--metrics_every", "0", "--model_dir", str(model_dir)]
+  first = _Run(*args)
+  first.wait_for(r"^step 10/")
+  config = (model_dir / "config.gin").read_text()
+  code, out, err = _Run(*args).finish()
+  assert code == 2, err
+  assert err.startswith(f"t5x-optim train: error: --model_dir {model_dir} is in use by "), err
+  assert len(err.splitlines()) == 1 and "model_dir" not in out, (out, err)
+  assert (model_dir / "config.gin").read_text() == config
+  assert not (model_dir / "traceback.txt").exists()
+  first.process.send_signal(signal.SIGTERM)
+  code, out, err = first.finish()
+  assert code == EXIT_PREEMPTED, err
+  stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
+  assert _checkpoint_steps(model_dir)[-1] == stopped

@@ -39,6 +39,19 @@ class WriterLock:
   process of a multi-process job locks (it is the one that finalises steps);
   the outcome is broadcast so that every process fails together. Systems
   without ``fcntl`` do not lock local directories.
+
+  `Checkpointer` locks its directory at its first save; a training loop may
+  lock its own directory for the whole run with `take`, so that a second run
+  there is refused before it reads or writes anything.
+
+  Example:
+    >>> import tempfile
+    >>> first, second = WriterLock(d := tempfile.mkdtemp()), WriterLock(d)
+    >>> first.take(), second.take().startswith('is in use by another writer (pid ')
+    ('', True)
+    >>> first.release(); second.take()
+    ''
+    >>> second.release()
   """
 
   def __init__(self, directory: str):
@@ -58,6 +71,16 @@ class WriterLock:
 
   def acquire(self, where: str, step: int) -> None:
     """Takes the lock, or raises `CheckpointError` saying why it cannot."""
+    problem = self.take()
+    if problem:
+      raise CheckpointError(
+        f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
+        f"directory; its lock is {self._path}.",
+        step=step,
+      )
+
+  def take(self) -> str:
+    """Takes the lock; or says why it cannot (``'is in use by another writer (pid 7 on h)'``)."""
     problem = ""
     if jax.process_index() == 0 and self._lease is not None:
       problem = self._lease.acquire()
@@ -69,11 +92,7 @@ class WriterLock:
     self.held = not problem
     if problem:
       self.release()
-      raise CheckpointError(
-        f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
-        f"directory; its lock is {self._path}.",
-        step=step,
-      )
+    return problem
 
   def _try_lock(self) -> str:
     """Locks and records this process in the lock file; or says why it cannot."""

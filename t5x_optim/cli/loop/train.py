@@ -39,7 +39,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,7 +61,7 @@ from t5x_optim import (
   trained_params,
   trains_lookahead_params,
 )
-from t5x_optim.checkpoints import Checkpointer, CheckpointError
+from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.input import global_batch
@@ -981,6 +981,9 @@ def train(
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its newest intact checkpoint.
 
+  The run holds `model_dir`'s writer lock (`WriterLock`) from start to end,
+  so a second run there is refused before it reads or writes anything.
+
   Prints the model directory (and whether the run is new, resumed or
   finished) first, then the checkpoints it skipped, then `about`, then a log
   line every ``log_every`` steps and an eval line every ``eval_every`` steps.
@@ -1011,17 +1014,70 @@ def train(
     The summary.
 
   Raises:
-    UsageError: the checkpoint was written by another job or does not fit
-      it, or no checkpoint is intact.
+    UsageError: another run holds `model_dir`, the checkpoint was written by
+      another job or does not fit it, or no checkpoint is intact.
     Interrupted: Ctrl-C or SIGTERM before the first step (nothing was written).
     Diverged: a step's loss, gradient norm or updated params were not
       finite (unless the job skips such steps); nothing more is saved.
     LoopFailed: an exception inside the loop; the last finite state was
       saved first (single-process runs).
   """
-  train_job = setup.job
-  stream = sys.stdout if stream is None else stream
   model_dir = storage.as_path(model_dir)
+  with _one_run_at_a_time(model_dir):
+    return _train(
+      setup,
+      model_dir=model_dir,
+      interrupt=interrupt,
+      about=about,
+      config_text=config_text,
+      stream=sys.stdout if stream is None else stream,
+      initial_state=initial_state,
+      write_events=write_events,
+      job=job,
+      init_from=init_from,
+    )
+
+
+@contextlib.contextmanager
+def _one_run_at_a_time(model_dir: Path) -> Iterator[None]:
+  """Holds `model_dir`'s writer lock for the run; a run already there refuses this one."""
+  lock = WriterLock(str(model_dir))
+  problem = lock.take()
+  if problem:
+    raise UsageError(
+      f"--model_dir {model_dir} {problem}: another run trains there; nothing was changed: "
+      "wait for it to end, or use another --model_dir."
+    )
+  try:
+    yield
+  finally:
+    lock.release()
+
+
+def _intact(reader: Checkpointer, setup: Setup, step: int) -> bool:
+  """Whether checkpoint `step` restores into the job's state (its checksums verified)."""
+  try:
+    reader.restore(setup.abstract_state, step)
+  except (CheckpointError, ValueError, FileNotFoundError):
+    return False
+  return True
+
+
+def _train(
+  setup: Setup,
+  *,
+  model_dir: Path,
+  interrupt: Interrupt,
+  about: Sequence[str],
+  config_text: str | None,
+  stream: TextIO,
+  initial_state: Callable[[], TrainState] | None,
+  write_events: bool,
+  job: Mapping[str, Any] | None,
+  init_from: str | None,
+) -> TrainSummary:
+  """`train` in `model_dir`, which this process (or job) holds."""
+  train_job = setup.job
   directory = model_dir / CHECKPOINTS
   with Checkpointer(directory) as reader:
     committed = [step for step in reader.all_steps() if reader.is_committed(step)]
@@ -1032,9 +1088,12 @@ def train(
       if init_from is not None and latest is not None
       else ""
     )
-    if latest is not None and latest >= train_job.total_steps:
+    finished = latest is not None and latest >= train_job.total_steps
+    if finished:
       with contextlib.suppress(CheckpointError):  # an unreadable record: the step is corrupt
         _refuse_another_job(reader.recorded_job(latest), job, model_dir, latest)
+    # A corrupt last step is no finished run: the resume below skips it and trains it again.
+    if finished and _intact(reader, setup, latest):
       stream.write(ignored)
       stream.write(
         f"model_dir: {model_dir} holds the finished run (checkpoint at step "
