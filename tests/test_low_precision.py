@@ -611,6 +611,19 @@ def test_restore_into_a_float32_optimizer_and_back(mode):
     )
 
 
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("shape", [(256, 32), (64, 256), (8192,)])
+def test_float32_state_of_another_shape_is_refused_naming_the_path(mode, shape):
+  like = low_precision(optax.adam(1e-3), mode, min_size=0).init({"w": jnp.ones((32, 256))})
+  full = low_precision_to_float32(like)
+  wrong = (full[0]._replace(mu={"w": jnp.ones(shape)}), *full[1:])
+  with pytest.raises(
+    ValueError,
+    match=rf"at '0/mu/w': float32\[{shape[0]}.*\] in the float32 state, .* float32\[32, 256\]",
+  ):
+    float32_to_low_precision(wrong, like)
+
+
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_logical_axes_are_derived(mode):
   """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""

@@ -1560,12 +1560,22 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
     if not is_node(node):
       out.append(value)
       continue
-    expected = jax.tree.structure(_expanded_shapes(node))
+    shapes = _expanded_shapes(node)
+    expected = jax.tree.structure(shapes)
     if jax.tree.structure(value) != expected:
       raise ValueError(
         f"float32_to_low_precision: the float32 inner state has structure "
         f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
       )
+    for (path, got), want in zip(
+      jax.tree.leaves_with_path(value), jax.tree.leaves(shapes), strict=True
+    ):
+      if jnp.shape(got) != want.shape:
+        raise ValueError(
+          f"float32_to_low_precision: at '{_state_dict.key_path_str(path)}': "
+          f"{jnp.result_type(got)}{list(jnp.shape(got))} in the float32 state, "
+          f"the low-precision state holds float32{list(want.shape)} there."
+        )
     blocks = {}
     for leaf, kind in zip(
       jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
