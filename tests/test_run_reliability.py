@@ -437,3 +437,17 @@ def test_a_second_run_in_a_model_dir_being_trained_is_refused_at_once(tmp_path):
   assert code == EXIT_PREEMPTED, err
   stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
   assert _checkpoint_steps(model_dir)[-1] == stopped
+
+
+@pytest.mark.slow
+def test_a_preempted_run_in_the_default_model_dir_says_how_to_resume(tmp_path):
+  run = _Run(*TINY, *LONG, "--metrics_every", "0", cwd=tmp_path)
+  model_dir = Path(run.wait_for(r"^model_dir: +(\S+) \(new run\)").group(1))
+  run.wait_for(r"^step 10/")
+  run.process.send_signal(signal.SIGTERM)
+  code, out, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+  stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
+  assert out.splitlines()[-1] == f"to resume:       rerun with --model_dir {model_dir}", out
+  assert model_dir.parent == tmp_path / "t5x_optim_runs"
+  assert _checkpoint_steps(model_dir)[-1] == stopped

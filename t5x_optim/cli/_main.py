@@ -633,6 +633,9 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
     print(summary.format())
     if use is not None and (use.loaded or use.removed):
       print(use.format())
+    if args.model_dir is None and (summary.preempted or summary.interrupted):
+      # The next run without --model_dir would start afresh in a directory of its own.
+      print(f"to resume:       rerun with --model_dir {model_dir}")
   if summary.preempted:
     return EXIT_PREEMPTED
   return EXIT_INTERRUPTED if summary.interrupted else 0
