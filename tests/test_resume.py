@@ -517,6 +517,26 @@ def test_a_model_dir_in_use_by_another_run_is_refused_before_anything_changes(
   assert _checkpoint_steps(model_dir) == [2, 4, 6]
 
 
+def test_a_constant_learning_rate_in_place_of_the_schedule_says_how_to_keep_its_kind(
+  four_steps, tmp_path, capsys
+):
+  model_dir = _copy(four_steps, tmp_path)
+  constant = ["--gin_bindings", "LEARNING_RATE = 0.001"]
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, *constant, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "is ScaleByScheduleState there, EmptyState now" in err, err
+  assert "`LEARNING_RATE = @optax.constant_schedule()` with `optax.constant_schedule.value" in err
+  as_schedule = [
+    "--gin_bindings",
+    "LEARNING_RATE = @optax.constant_schedule()",
+    "--gin_bindings",
+    "optax.constant_schedule.value = 0.001",
+  ]
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, *as_schedule, capsys=capsys)
+  assert code == 0, err
+  assert re.search(r"^step 6/6  loss \S+  lr 0.001  ", out, re.M), out
+
+
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   (model_dir / "checkpoints" / "6").mkdir()

@@ -241,7 +241,23 @@ def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
   if not problems:
     return None
   more = f" ({len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
-  return "; ".join(problems[:_SHOWN]) + more
+  return "; ".join(problems[:_SHOWN]) + more + _schedule_hint(problems)
+
+
+def _schedule_hint(problems: list[str]) -> str:
+  """Advice when a learning rate changed between a number and a schedule, which optax keeps
+  in the state (`ScaleByScheduleState`) only for a schedule."""
+  swapped = (
+    "ScaleByScheduleState there, EmptyState now",
+    "EmptyState there, ScaleByScheduleState now",
+  )
+  if not any(problem.endswith(swapped) for problem in problems):
+    return ""
+  return (
+    " (a learning rate that was a schedule is a number now, or the other way round: keep its "
+    "kind; a constant one as a schedule is `LEARNING_RATE = @optax.constant_schedule()` with "
+    "`optax.constant_schedule.value = 0.001`)"
+  )
 
 
 class _Gin:
