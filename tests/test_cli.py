@@ -529,6 +529,18 @@ def test_unusable_model_dir_is_one_line(where, tmp_path, capsys):
   assert "step" not in out
 
 
+@pytest.mark.parametrize(
+  "binding", ["cli.TrainJob.log_every = (", "cli.TrainJob.log_every = 1 2", "TOTAL_STEPS = "]
+)
+def test_a_binding_that_does_not_parse_is_named(binding, tmp_path, capsys):
+  argv = ["train", *TINY, "--gin_bindings", "BATCH_SIZE = 8", "--gin_bindings", binding]
+  assert main([*argv, "--model_dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith(f"t5x-optim train: error: --gin_bindings {binding!r} does not parse: "), err
+  assert not re.search(r"line \d|\(\d+, \d+\)", err) and not (tmp_path / "run").exists(), err
+
+
 def test_help_says_gin_files_are_code(capsys):
   for argv in (["--help"], ["train", "--help"], ["plan", "--help"]):
     with pytest.raises(SystemExit):

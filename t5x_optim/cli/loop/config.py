@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import math
 import os
+import tokenize
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -519,7 +520,12 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
   given = []
   before = _config_values()
   for text in bindings:
-    gin.parse_config([*imports, text])
+    try:
+      gin.parse_config([*imports, text])
+    except (SyntaxError, tokenize.TokenError) as error:
+      # gin's line numbers count the imports put before the binding.
+      detail = error.msg if isinstance(error, SyntaxError) else error.args[0]
+      raise ValueError(f"--gin_bindings {text!r} does not parse: {detail}") from error
     after = _config_values()
     keys = tuple(
       key for key, value in after.items() if key not in before or before[key] is not value
