@@ -1041,12 +1041,13 @@ def train(
 @contextlib.contextmanager
 def _one_run_at_a_time(model_dir: Path) -> Iterator[None]:
   """Holds `model_dir`'s writer lock for the run; a run already there refuses this one."""
+  model_dir.mkdir(parents=True, exist_ok=True)
   lock = WriterLock(str(model_dir))
   problem = lock.take()
   if problem:
+    advice = "wait for it to end, or use" if problem.startswith("is in use") else "use"
     raise UsageError(
-      f"--model_dir {model_dir} {problem}: another run trains there; nothing was changed: "
-      "wait for it to end, or use another --model_dir."
+      f"--model_dir {model_dir} {problem}; nothing was changed: {advice} another --model_dir."
     )
   try:
     yield
