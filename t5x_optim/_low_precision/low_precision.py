@@ -97,6 +97,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import optax
 from flax import struct
@@ -182,6 +183,7 @@ _KEPT_NO_BLOCK4 = (
 )
 _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
+_KEPT_PARAM_COPY = "kept: a copy of its param"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
 _BY_AXIS = "axis:"
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
@@ -356,14 +358,53 @@ def _mirror_params(inner_state: Any, params: Any) -> list[int]:
   return out
 
 
-def _not_applicable(leaf: Any, param: Any | None) -> str | None:
-  """Why the modes do not apply to an inner leaf (its param or None), or None."""
+_COPYING = frozenset(
+  {"copy", "copy_p", "convert_element_type", "device_put", "sharding_constraint"}
+)
+"""Primitives whose result holds their operand's values (in another dtype or place)."""
+
+
+def _copies_of_inputs(jaxpr: Any, copies: set) -> set:
+  """`copies` (variables of `jaxpr` that copy its inputs) with what `jaxpr`'s equations copy."""
+  for eqn in jaxpr.eqns:
+    sub = eqn.params.get("jaxpr")
+    if sub is not None and len(getattr(sub, "jaxpr", sub).invars) == len(eqn.invars):
+      sub = getattr(sub, "jaxpr", sub)
+      inner = {v for v, x in zip(sub.invars, eqn.invars, strict=True) if _in(x, copies)}
+      inner = _copies_of_inputs(sub, inner)
+      copies |= {o for o, v in zip(eqn.outvars, sub.outvars, strict=True) if _in(v, inner)}
+    elif eqn.primitive.name in _COPYING and _in(eqn.invars[0], copies):
+      copies.update(eqn.outvars)
+  return copies
+
+
+def _in(v: Any, variables: set) -> bool:
+  return isinstance(v, jax.extend.core.Var) and v in variables
+
+
+def _param_copies(init: Callable[[Any], Any], params: Any) -> list[bool]:
+  """For each leaf of ``init(params)``, whether it is a copy of a param.
+
+  Read from the traced init (no values): a leaf that is a param, or a param
+  copied or cast (schedule-free's ``z``, prodigy's ``params0``, dog's
+  ``init_params``, COCOB's ``init_particles``, mechanic's ``x0``).
+  """
+  closed = jax.make_jaxpr(init)(params)
+  copies = _copies_of_inputs(closed.jaxpr, set(closed.jaxpr.invars))
+  return [_in(v, copies) for v in closed.jaxpr.outvars]
+
+
+def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str] | None:
+  """(storage, why) of an inner leaf (its param or None) the modes do not apply to, or None."""
   if param is None:
-    return "mirrors no param"
+    return _KEPT_NOT_MIRROR, "mirrors no param"
   if jnp.shape(leaf) != jnp.shape(param):
-    return f"its shape {jnp.shape(leaf)} is not its param's {jnp.shape(param)}"
+    return _KEPT_NOT_MIRROR, f"its shape {jnp.shape(leaf)} is not its param's {jnp.shape(param)}"
   if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-    return f"its dtype {jnp.result_type(leaf)} is not floating"
+    return _KEPT_NOT_FLOAT, f"its dtype {jnp.result_type(leaf)} is not floating"
+  if copy:
+    # A codec scaled to the weights would round away each step's small change.
+    return _KEPT_PARAM_COPY, "it is a copy of its param (the inner init sets it to the param)"
   return None
 
 
@@ -511,6 +552,7 @@ def _plan_storage(
   min_size: int,
   states: str | None,
   block: Callable[[str, tuple[int, ...]], Any],
+  copies: Sequence[bool],
   param_modes: Sequence[_ParamRule] = (),
   axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
@@ -521,7 +563,8 @@ def _plan_storage(
   path), else ``mode``; ``"float32"`` keeps it, saying which pattern. In a
   quantized mode a leaf without a block (``block(mode, shape)``, the mode's
   `leaf_block` with its arguments, returns None) stays float32: the mode
-  would cost it more bytes.
+  would cost it more bytes. A leaf that ``copies`` marks as a copy of its
+  param keeps its dtype.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -538,20 +581,22 @@ def _plan_storage(
   ]
   storage, rules = [], []
   matched = False
-  for (path, leaf), j in zip(flat, indices, strict=True):
+  for (path, leaf), j, copy in zip(flat, indices, copies, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
     rule = None
-    why = _not_applicable(leaf, param_leaves[j] if j >= 0 else None)
+    kept = _not_applicable(leaf, param_leaves[j] if j >= 0 else None, copy)
+    why = None if kept is None else kept[1]
     if why is not None and pattern is not None and selected:
       raise ValueError(
         f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
         f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
-        f"the mode compresses floating param-shaped state leaves, and {why}."
+        f"the mode compresses floating param-shaped state leaves that are not copies of the "
+        f"params, and {why}."
       )
-    if why is not None:
-      storage.append(_KEPT_NOT_FLOAT if "dtype" in why else _KEPT_NOT_MIRROR)
+    if kept is not None:
+      storage.append(kept[0])
     elif not selected:
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
@@ -1290,6 +1335,7 @@ def low_precision(
       min_size=min_size,
       states=states,
       block=block,
+      copies=_param_copies(inner.init, params),
       param_modes=rules,
       axes=axes,
     )
