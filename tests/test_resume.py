@@ -537,6 +537,18 @@ def test_a_constant_learning_rate_in_place_of_the_schedule_says_how_to_keep_its_
   assert re.search(r"^step 6/6  loss \S+  lr 0.001  ", out, re.M), out
 
 
+def test_init_from_a_run_of_another_model_names_what_differs(four_steps, tmp_path, capsys):
+  flags = [*_steps(6), *HEADS_4X8, "--init_from", str(four_steps)]
+  code, _, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert err.startswith(
+    f"t5x-optim train: error: --init_from {four_steps}: checkpoint step 4 holds another model: "
+    "cli.TransformerConfig.head_dim is 16 there, 8 now; cli.TransformerConfig.num_heads is 2 "
+    "there, 4 now"
+  ), err
+  assert len(err) < 600, err
+
+
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   (model_dir / "checkpoints" / "6").mkdir()

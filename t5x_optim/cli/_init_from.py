@@ -42,7 +42,13 @@ from t5x_optim.cli._t5x_config import (
   optimizer_config,
 )
 from t5x_optim.cli.loop import config as _config
-from t5x_optim.cli.loop.job import CONFIG_FILE, LostConfig, format_problem, recorded_config
+from t5x_optim.cli.loop.job import (
+  CONFIG_FILE,
+  LostConfig,
+  format_problem,
+  model_changes,
+  recorded_config,
+)
 from t5x_optim.cli.loop.train import (
   CHECKPOINTS,
   INCOMPLETE,
@@ -258,6 +264,21 @@ def _another_optimizer(
   )
 
 
+def _refuse_another_model(
+  init_from: Path, step: int, job: Mapping[str, Any] | None, model: Mapping[str, Any] | None
+) -> None:
+  """Refuses checkpoint `step`, whose job record is `job`, when it names another model than
+  `model`: params of other shapes would not restore, and heads split otherwise (2 x 16 read
+  as 4 x 8) would restore into a model that means something else by them."""
+  changes = model_changes((job or {}).get("model", {}), model or {})
+  if job and "model" in job and model is not None and changes:
+    raise UsageError(
+      f"--init_from {init_from}: checkpoint step {step} holds another model: "
+      f"{'; '.join(changes)}; --init_from starts a run of the same model with another "
+      "optimizer: give the model of the run it names."
+    )
+
+
 def _holds_checkpoints(init_from: Path) -> bool:
   if _is_ours(init_from):
     return True
@@ -433,6 +454,7 @@ def initial_state_fn(
   stream: TextIO,
   *,
   target_hparams: Mapping[str, Any] | None = None,
+  model: Mapping[str, Any] | None = None,
 ) -> Callable[[], TrainState]:
   """A function restoring `source`'s checkpoint into `abstract_state`'s optimizer.
 
@@ -443,8 +465,9 @@ def initial_state_fn(
   (`bound_hparams` of the job's config). What was converted, with which
   hyper-parameters, and what started fresh is written to `stream`. A moment
   the old optimizer did not keep (Adam's ``mu`` after an Adafactor without
-  momentum) starts from zero. A checkpoint that cannot be restored raises
-  `UsageError` (one line on the command line).
+  momentum) starts from zero. A checkpoint that cannot be restored, or whose
+  job record names another `model` (the job's, as `job.job_record` records
+  it), raises `UsageError` (one line on the command line).
   """
 
   init_from = source.directory
@@ -482,6 +505,7 @@ def initial_state_fn(
     try:
       if ours and step is not None:
         job = _refuse_newer(init_from, step)
+        _refuse_another_model(init_from, step, job, model)
       state, report = restore_converted(
         directory,
         abstract_state,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -568,6 +569,7 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
         setup.abstract_state,
         sys.stdout if primary else io.StringIO(),
         target_hparams=_init_from.bound_hparams(),
+        model=dataclasses.asdict(job.model),
       )
     if train and model_dir is None:
       model_dir = _train.prepare_model_dir(_train.default_model_dir())

@@ -212,18 +212,27 @@ def format_problem(recorded: Mapping[str, Any]) -> str | None:
   return f"another t5x-optim (job record format {written!r}; this version reads format {FORMAT})"
 
 
+def model_changes(there: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+  """Each field of the model (a job record's ``model``) that differs, with both sides.
+
+  Example:
+    >>> model_changes({'num_heads': 2, 'head_dim': 16}, {'num_heads': 4, 'head_dim': 16})
+    ['cli.TransformerConfig.num_heads is 2 there, 4 now']
+  """
+  return [
+    f"cli.TransformerConfig.{key} is {there.get(key)} there, {now.get(key)} now"
+    for key in sorted(set(there) | set(now))
+    if there.get(key) != now.get(key)
+  ]
+
+
 def identity_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
   """What makes `current` another job than `recorded` (both from `job_record`), or None.
 
   Compares the model, then the optimizer, then the optimizer state's layout,
   and names the first differences with both sides (the checkpoint's first).
   """
-  old_model, new_model = recorded.get("model", {}), current.get("model", {})
-  problems = [
-    f"cli.TransformerConfig.{key} is {old_model.get(key)} there, {new_model.get(key)} now"
-    for key in sorted(set(old_model) | set(new_model))
-    if old_model.get(key) != new_model.get(key)
-  ]
+  problems = model_changes(recorded.get("model", {}), current.get("model", {}))
   if not problems and recorded.get("optimizer") != current.get("optimizer"):
     problems.append(
       f"the optimizer is {recorded.get('optimizer')} there, {current.get('optimizer')} now"
