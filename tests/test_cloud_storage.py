@@ -39,7 +39,7 @@ import t5x_optim
 from t5x_optim import optimizers
 from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint.lease import LEASE_FILE, Lease
-from t5x_optim.checkpoints import Checkpointer, CheckpointError
+from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli import main
 
 pytest.importorskip("gcsfs")
@@ -163,6 +163,26 @@ def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch)
     ):
       writer.save(2, _opt())
   assert json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"] == "pid 2 on other"
+
+
+def test_a_run_lock_waits_out_the_lease_of_a_killed_run_but_not_a_live_one(where, monkeypatch):
+  """A run killed without releasing its lease (SIGKILL) holds it until it expires; a live run
+  renews it. `WriterLock.take(wait_out_stale=True)` waits one lease period to tell them apart,
+  so a job restarted at once takes its directory over, and a second job is still refused."""
+  monkeypatch.setattr(Lease, "seconds", 1.5)  # Renewed every 0.5 s.
+  killed = {"holder": "pid 1 on gone", "expires": time.time() + 0.7}
+  lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
+  lease_dir.write(LEASE_FILE, json.dumps(killed).encode()).result()
+  assert WriterLock(where).take().startswith("is in use by another writer (pid 1 on gone")
+  restarted = WriterLock(where)
+  started = time.monotonic()
+  assert restarted.take(wait_out_stale=True) == ""
+  assert 0.3 < time.monotonic() - started < 1.5
+  second = WriterLock(where)
+  started = time.monotonic()
+  assert second.take(wait_out_stale=True).startswith("is in use by another writer (pid ")
+  assert time.monotonic() - started >= 1.5
+  restarted.release()
 
 
 _KILLED_MID_SAVE = """

@@ -83,8 +83,20 @@ class Lease:
       self._expires = expires
     return generation
 
-  def acquire(self) -> str:
-    """Takes the lease: '' on success, else why not ('is in use by ...')."""
+  def acquire(self, *, patience: float = 0.0) -> str:
+    """Takes the lease: '' on success, else why not ('is in use by ...').
+
+    A lease held by another is tried again for up to `patience` seconds; one
+    whose holder died expires in the meantime, as one renewed does not.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+      problem = self._try_acquire()
+      if not problem.startswith("is in use") or time.monotonic() >= deadline:
+        return problem
+      time.sleep(min(self.seconds / 12, max(deadline - time.monotonic(), 0.0)))
+
+  def _try_acquire(self) -> str:
     try:
       self._store = self._store or _kvstore(self.directory)
       read = self._store.read(LEASE_FILE).result()

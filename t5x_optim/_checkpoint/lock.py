@@ -79,11 +79,19 @@ class WriterLock:
         step=step,
       )
 
-  def take(self) -> str:
-    """Takes the lock; or says why it cannot (``'is in use by another writer (pid 7 on h)'``)."""
+  def take(self, *, wait_out_stale: bool = False) -> str:
+    """Takes the lock; or says why it cannot (``'is in use by another writer (pid 7 on h)'``).
+
+    A flock dies with its process; a lease outlives a process killed without
+    releasing it (SIGKILL) until it expires. With `wait_out_stale`, a lease
+    held by another is tried again for one lease period (`Lease.seconds`):
+    a dead holder's expires meanwhile, a live one renews it. A job restarted
+    at once after being killed thus takes its directory over.
+    """
     problem = ""
     if jax.process_index() == 0 and self._lease is not None:
-      problem = self._lease.acquire()
+      patience = self._lease.seconds * 1.1 if wait_out_stale else 0.0
+      problem = self._lease.acquire(patience=patience)
     elif jax.process_index() == 0 and fcntl is not None:
       problem = self._try_lock()
     if jax.process_count() > 1:

@@ -1043,7 +1043,7 @@ def _one_run_at_a_time(model_dir: Path) -> Iterator[None]:
   """Holds `model_dir`'s writer lock for the run; a run already there refuses this one."""
   model_dir.mkdir(parents=True, exist_ok=True)
   lock = WriterLock(str(model_dir))
-  problem = lock.take()
+  problem = lock.take(wait_out_stale=True)
   if problem:
     advice = "wait for it to end, or use" if problem.startswith("is in use") else "use"
     raise UsageError(
