@@ -270,8 +270,10 @@ def _refuse_another_model(
   """Refuses checkpoint `step`, whose job record is `job`, when it names another model than
   `model`: params of other shapes would not restore, and heads split otherwise (2 x 16 read
   as 4 x 8) would restore into a model that means something else by them."""
-  changes = model_changes((job or {}).get("model", {}), model or {})
-  if job and "model" in job and model is not None and changes:
+  if not job or "model" not in job or model is None:
+    return
+  changes = model_changes(job["model"], model)
+  if changes:
     raise UsageError(
       f"--init_from {init_from}: checkpoint step {step} holds another model: "
       f"{'; '.join(changes)}; --init_from starts a run of the same model with another "
