@@ -54,6 +54,41 @@ def test_grads_of_wrong_structure_name_the_paths(opt):
     opt.apply_gradient({"dense": {**PARAMS["dense"], "extra": jnp.ones(2)}})
 
 
+@pytest.mark.parametrize(
+  "grads, message",
+  [
+    ({"dense": PARAMS["dense"]}, r"at 'extra': the grads have nothing, the params an empty dict"),
+    (
+      [jnp.ones(2), jnp.ones(3)],
+      r"at the root: the grads have a list of 2, the params a tuple of 2",
+    ),
+    (
+      {"dense": PARAMS["dense"], "extra": [None]},
+      r"at 'extra': the grads have a list of 1, the params an empty dict",
+    ),
+  ],
+)
+def test_grads_whose_leaves_agree_but_not_their_containers_name_where(grads, message):
+  params = (jnp.zeros(2), jnp.zeros(3)) if isinstance(grads, list) else {**PARAMS, "extra": {}}
+  with pytest.raises(ValueError, match=message):
+    OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(grads)
+
+
+@pytest.mark.parametrize("hyper_params", [{"learning_rate": 0.1}, 0.1, None])
+def test_hyper_params_of_another_type_are_refused_naming_the_type(opt, hyper_params):
+  with pytest.raises(TypeError, match=r"hyper_params= is an OptaxHyperParams \(.*\), not "):
+    opt.apply_gradient(PARAMS, hyper_params=hyper_params)
+
+
+@pytest.mark.parametrize("hyper_params", [optimizers.OptaxHyperParams(), {"learning_rate": 0.3}])
+def test_multi_optimizer_hyper_params_are_one_per_sub_optimizer(hyper_params):
+  multi = MultiOptimizer([("dense", OptaxWrapper(optax.sgd(0.1)))]).create(PARAMS)
+  with pytest.raises(TypeError, match=r"hyper_params= is a list or tuple with one entry per "):
+    multi.apply_gradient(PARAMS, hyper_params=hyper_params)
+  with pytest.raises(TypeError, match=r"hyper_params= is an OptaxHyperParams"):
+    multi.apply_gradient(PARAMS, hyper_params=[{"learning_rate": 0.3}])
+
+
 @pytest.mark.parametrize("kwargs", [{"lr": 0.1}, {"learning_rte": 0.1}, {"valu": 1.0}])
 def test_unknown_keywords_list_what_is_accepted(opt, kwargs):
   with pytest.raises(

@@ -263,9 +263,15 @@ class MultiOptimizer(OptimizerDef):
 
     Raises:
       ValueError: when `hyper_params` has the wrong length.
+      TypeError: when `hyper_params` is not a list or tuple.
       TypeError: for a keyword no sub-optimizer knows.
     """
     hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
+    if not isinstance(hyper_params, list | tuple):
+      raise TypeError(
+        f"hyper_params= is a list or tuple with one entry per sub-optimizer "
+        f"({len(self.sub_optimizers)}), not {type(hyper_params).__name__} {hyper_params!r}."
+      )
     if len(hyper_params) != len(self.sub_optimizers):
       raise ValueError(
         f"hyper_params= needs one entry per sub-optimizer ({len(self.sub_optimizers)}), "

@@ -177,6 +177,13 @@ class OptimizerDef(abc.ABC):
     `hyper_params=` replaces all of them; other keywords are `.replace`d.
     """
     hyper_params = hyper_param_overrides.pop("hyper_params", self.hyper_params)
+    kind = type(self.hyper_params)
+    if not isinstance(hyper_params, kind):
+      raise TypeError(
+        f"hyper_params= is {_article(kind.__name__)} {kind.__name__} (this optimizer's "
+        f"`optimizer_def.hyper_params`, or its `.replace(...)`), not "
+        f"{type(hyper_params).__name__} {hyper_params!r}."
+      )
     if hyper_param_overrides:
       hyper_params = hyper_params.replace(**hyper_param_overrides)
     return hyper_params
@@ -268,6 +275,10 @@ def hyper_param_names_of(opt_def: Any) -> frozenset[str]:
   return _dataclass_hyper_param_names(opt_def.hyper_params)
 
 
+def _article(word: str) -> str:
+  return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def _leaf_paths(tree: Any) -> set[str]:
   return {key_path_str(path) for path, _ in jax.tree.flatten_with_path(flax.core.unfreeze(tree))[0]}
 
@@ -288,17 +299,61 @@ def tree_like(value: Any, reference: Any) -> Any:
 
 
 def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
-  """Describes how `value`'s structure differs from `reference`'s, or None."""
-  value_def = jax.tree.structure(flax.core.unfreeze(value))
-  ref_def = jax.tree.structure(flax.core.unfreeze(reference))
+  """Describes how `value`'s structure differs from `reference`'s, or None.
+
+  The leaf paths only one side has; where both have the same leaves, the
+  first container that differs (an empty dict, a list for a tuple).
+
+  Example:
+    >>> structure_mismatch({'w': 1, 'e': {}}, {'w': 1}, name='grads')
+    "at 'e': the grads have an empty dict, the params nothing"
+  """
+  value, reference = flax.core.unfreeze(value), flax.core.unfreeze(reference)
+  value_def, ref_def = jax.tree.structure(value), jax.tree.structure(reference)
   if value_def == ref_def:
     return None
   value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
-  return (
-    f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
-    f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
-    f"params tree: {ref_def}"
-  )
+  if value_paths != ref_paths:
+    return (
+      f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
+      f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
+      f"params tree: {ref_def}"
+    )
+  where, have, want = _first_container_difference(value, reference, ())
+  return f"at {where}: the {name} have {have}, the params {want}"
+
+
+def _container(x: Any) -> str:
+  if isinstance(x, dict):
+    return f"a dict of {len(x)}" if x else "an empty dict"
+  if isinstance(x, list | tuple):
+    kind = type(x).__name__
+    return f"{_article(kind)} {kind} of {len(x)}" if x else f"an empty {kind}"
+  return "None" if x is None else f"{_article(type(x).__name__)} {type(x).__name__}"
+
+
+def _first_container_difference(value: Any, reference: Any, path: tuple) -> tuple[str, str, str]:
+  """(where, value's node, reference's node) of the first node whose kind or keys differ."""
+  where = f"'{key_path_str(path)}'" if path else "the root"
+  same_kind = type(value) is type(reference)
+  if same_kind and isinstance(value, dict) and set(value) == set(reference):
+    children = [(key, value[key], reference[key]) for key in sorted(value, key=str)]
+  elif same_kind and isinstance(value, list | tuple) and len(value) == len(reference):
+    children = list(zip(range(len(value)), value, reference, strict=True))
+  elif same_kind and isinstance(value, dict):
+    for key in sorted(set(value) ^ set(reference), key=str):
+      inner = f"'{key_path_str((*path, key))}'"
+      return inner, _side(value, key), _side(reference, key)
+  else:
+    return where, _container(value), _container(reference)
+  for key, a, b in children:
+    if jax.tree.structure(a) != jax.tree.structure(b):
+      return _first_container_difference(a, b, (*path, key))
+  return where, _container(value), _container(reference)
+
+
+def _side(node: dict, key: Any) -> str:
+  return _container(node[key]) if key in node else "nothing"
 
 
 def _kind(dtype: Any) -> str:
