@@ -416,6 +416,15 @@ def test_an_int64_restores_whole_into_a_host_int64_target(tmp_path, writer):
   assert restored.state.step.dtype == np.int64 and int(restored.state.step) == 2**32 + 3
 
 
+@pytest.mark.parametrize("writer", list(WRITERS), ids=list(WRITERS))
+def test_a_python_int_beyond_int32_restores_whole(tmp_path, writer):
+  opt = _with_step(optax_opt(), 2**40 + 3)
+  save, restore = WRITERS[writer]
+  save(tmp_path, opt)
+  restored = restore(tmp_path, opt)
+  assert type(restored.state.step) is int and restored.state.step == 2**40 + 3
+
+
 def test_a_t5x_checkpoint_of_another_optimizer_with_the_same_keys_is_refused(tmp_path):
   """save_t5x_checkpoint records the optimizer's state classes beside T5X's files."""
   params = {"w": jnp.ones((4, 8))}
@@ -436,6 +445,8 @@ def test_checksums_see_the_high_words_of_host_integers():
   assert checksum(np.array([-(2**33)])) != checksum(np.array([0]))
   # Values that fit a device's int32 keep the checksums recorded before.
   assert checksum(np.int64(3)) == checksum(np.int32(3))
+  assert checksum(2**40 + 3) == checksum(np.int64(2**40 + 3)) != checksum(3)
+  assert checksum(3) == checksum(np.int32(3))
 
 
 @pytest.mark.parametrize(

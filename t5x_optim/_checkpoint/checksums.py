@@ -96,10 +96,14 @@ def _exact(leaf: Any) -> Any:
   whose values all fit the narrower dtype is checksummed as before (so
   checksums recorded earlier still verify); other data by its words.
 
+  A Python int is such data too (jax refuses one beyond int32 outright).
+
   Example:
-    >>> _exact(np.int64(3)), _exact(np.array([2**32 + 3])).tolist()
-    (np.int64(3), [[3, 1]])
+    >>> _exact(np.int64(3)), _exact(np.array([2**32 + 3])).tolist(), _exact(2**40).tolist()
+    (np.int64(3), [[3, 1]], [0, 256])
   """
+  if isinstance(leaf, int) and not isinstance(leaf, bool):
+    leaf = np.int64(leaf)
   if not isinstance(leaf, np.ndarray | np.generic) or not np.issubdtype(leaf.dtype, np.integer):
     return leaf
   narrow = jax.dtypes.canonicalize_dtype(leaf.dtype)
