@@ -100,7 +100,7 @@ def _exact(leaf: Any) -> Any:
 
   Example:
     >>> _exact(np.int64(3)), _exact(np.array([2**32 + 3])).tolist(), _exact(2**40).tolist()
-    (np.int64(3), [[3, 1]], [0, 256])
+    (np.int64(3), [[3, 1]], [[0, 256]])
   """
   if isinstance(leaf, int) and not isinstance(leaf, bool):
     leaf = np.int64(leaf)
