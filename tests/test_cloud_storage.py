@@ -132,16 +132,24 @@ def test_files_under_and_seeking_reads(where):
 
 
 @pytest.mark.slow
-def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where):
+def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where, monkeypatch):
+  monkeypatch.setattr(Lease, "seconds", 1.5)  # A live writer renews it every 0.5 s.
   with Checkpointer(where) as first, Checkpointer(where) as second:
     first.save(1, _opt())
+    started = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"{where} is in use by another writer \(pid "):
       second.save(2, _opt())
-  stale = {"holder": "pid 1 on gone", "expires": time.time() - 1}
+    assert time.monotonic() - started >= 1.5  # Tried for one lease period.
+  # A writer killed without releasing its lease: the next one's first save waits it out.
+  killed = {"holder": "pid 1 on gone", "expires": time.time() + 0.7}
   lease_dir = ts.KvStore.open(storage.kvstore_spec(f"{where}/")).result()
-  lease_dir.write(LEASE_FILE, json.dumps(stale).encode()).result()
+  lease_dir.write(LEASE_FILE, json.dumps(killed).encode()).result()
   with Checkpointer(where, async_save=False) as writer:
     writer.save(2, _opt())
+  stale = {"holder": "pid 1 on gone", "expires": time.time() - 1}
+  lease_dir.write(LEASE_FILE, json.dumps(stale).encode()).result()
+  with Checkpointer(where, async_save=False) as writer:
+    writer.save(3, _opt())
     holder = json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"]
     assert holder == f"pid {os.getpid()} on {os.uname().nodename}"
 

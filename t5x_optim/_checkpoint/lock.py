@@ -70,8 +70,13 @@ class WriterLock:
       )
 
   def acquire(self, where: str, step: int) -> None:
-    """Takes the lock, or raises `CheckpointError` saying why it cannot."""
-    problem = self.take()
+    """Takes the lock, or raises `CheckpointError` saying why it cannot.
+
+    A lease is waited out (`take`'s `wait_out_stale`): the first save of a
+    job restarted at once after a SIGKILL meets the lease its killed run
+    left, which expires meanwhile.
+    """
+    problem = self.take(wait_out_stale=True)
     if problem:
       raise CheckpointError(
         f"Cannot save step {step}: {where} {problem}. Only one Checkpointer may write into a "
