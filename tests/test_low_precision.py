@@ -644,6 +644,19 @@ def test_copies_of_the_params_are_never_compressed(mode):
   assert {"schedule_free_adamw", "schedule_free", "prodigy", "dog", "mechanize"} <= found, found
 
 
+def test_an_init_that_reads_values_still_finds_the_copies_of_the_params():
+  """An init that needs concrete values (run eagerly) cannot be traced without them: the
+  copies are then the leaves that are the params themselves."""
+
+  def init(params):
+    scale = float(jnp.max(jnp.abs(params["w"])))  # A value, not a tracer.
+    return {"copy": params, "trace": jax.tree.map(lambda x: jnp.zeros_like(x) * scale, params)}
+
+  tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+  storage = low_precision(tx, "bfloat16", min_size=0).init({"w": jnp.ones((4, 8))}).storage
+  assert storage == ("kept: a copy of its param", "bfloat16")
+
+
 @pytest.mark.parametrize("mode, most", [("8bit", 0.05), ("4bit", 0.2), ("bfloat16", 0.05)])
 @pytest.mark.parametrize(
   "make",

@@ -382,14 +382,20 @@ def _in(v: Any, variables: set) -> bool:
   return isinstance(v, jax.extend.core.Var) and v in variables
 
 
-def _param_copies(init: Callable[[Any], Any], params: Any) -> list[bool]:
-  """For each leaf of ``init(params)``, whether it is a copy of a param.
+def _param_copies(init: Callable[[Any], Any], params: Any, state: Any) -> list[bool]:
+  """For each leaf of `state` (``init(params)``), whether it is a copy of a param.
 
   Read from the traced init (no values): a leaf that is a param, or a param
   copied or cast (schedule-free's ``z``, prodigy's ``params0``, dog's
-  ``init_params``, COCOB's ``init_particles``, mechanic's ``x0``).
+  ``init_params``, COCOB's ``init_particles``, mechanic's ``x0``). An init
+  that needs the params' values cannot be traced without them; its copies
+  are then the leaves that are params.
   """
-  closed = jax.make_jaxpr(init)(params)
+  try:
+    closed = jax.make_jaxpr(init)(params)
+  except jax.errors.JAXTypeError:
+    ids = {id(x) for x in jax.tree.leaves(params)}
+    return [id(x) in ids for x in jax.tree.leaves(state)]
   copies = _copies_of_inputs(closed.jaxpr, set(closed.jaxpr.invars))
   return [_in(v, copies) for v in closed.jaxpr.outvars]
 
@@ -1335,7 +1341,7 @@ def low_precision(
       min_size=min_size,
       states=states,
       block=block,
-      copies=_param_copies(inner.init, params),
+      copies=_param_copies(inner.init, params, inner_state),
       param_modes=rules,
       axes=axes,
     )
