@@ -624,6 +624,7 @@ def _param_copies(case: Case, params: Any) -> list[bool]:
   ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_copies_of_the_params_are_never_compressed(mode):
   """Schedule-free's ``z``, prodigy's ``params0``, dog's ``init_params``, mechanic's ``x0``:
@@ -657,7 +658,14 @@ def test_an_init_that_reads_values_still_finds_the_copies_of_the_params():
   assert storage == ("kept: a copy of its param", "bfloat16")
 
 
-@pytest.mark.parametrize("mode, most", [("8bit", 0.05), ("4bit", 0.2), ("bfloat16", 0.05)])
+@pytest.mark.parametrize(
+  "mode, most",
+  [
+    pytest.param("8bit", 0.05, marks=pytest.mark.slow),
+    pytest.param("4bit", 0.2, marks=pytest.mark.slow),
+    ("bfloat16", 0.05),
+  ],
+)
 @pytest.mark.parametrize(
   "make",
   [lambda: optax.contrib.schedule_free_adamw(1e-3), lambda: optax.contrib.prodigy(1.0)],
