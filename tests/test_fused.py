@@ -386,6 +386,24 @@ def test_scalar_and_empty_leaves(params):
   assert jax.tree.map(jnp.shape, fused.state) == jax.tree.map(jnp.shape, plain.state)
 
 
+@pytest.mark.parametrize(
+  "tx",
+  [optax.adagrad(1e-2), optax.chain(optax.zero_nans(), optax.adam(1e-2))],
+  ids=["adagrad", "zero_nans_adam"],
+)
+def test_a_select_on_a_scalar_leaf_runs_fused(tx):
+  """A scalar leaf's update traces ``jnp.where`` without a broadcast: its cases are
+  scalars, while the kernel runs the leaf as a block."""
+  params = {"temperature": jnp.asarray(0.5), "w": jnp.ones((2, 3))}
+  grads = {"temperature": jnp.asarray(0.25), "w": jnp.full((2, 3), 0.25)}
+  assert fusion_report(tx, params).fusible
+  step = jax.jit(lambda o: o.apply_gradient(grads))
+  plain = step(OptaxWrapper(tx).create(params))
+  fused = step(OptaxWrapper(tx, fused="interpret").create(params))
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert leaf_scale_ulps(fused.state, plain.state) <= ULPS
+
+
 @pytest.mark.slow
 def test_learning_rate_override_reaches_the_kernel():
   tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)

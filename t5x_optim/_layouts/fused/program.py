@@ -135,7 +135,10 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
       params = {**params, "shape": shape, "broadcast_dimensions": (), "sharding": None}
     elif "sharding" in params:
       params = {**params, "sharding": None}
-    outs = primitive.bind(*map(read, op_ins), **params)
+    args = [read(operand) for operand in op_ins]
+    if primitive.name == "select_n":
+      args = _select_operands(args)
+    outs = primitive.bind(*args, **params)
     for out_id, out in zip(op_outs, outs if primitive.multiple_results else [outs], strict=True):
       values[out_id] = out
   results = []
@@ -143,6 +146,18 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
     value = read(operand)
     results.append(jnp.broadcast_to(value, shape) if jnp.ndim(value) == 0 else value)
   return results
+
+
+def _select_operands(args: list) -> list:
+  """`select_n`'s operands with scalar cases broadcast to the others' shape.
+
+  A scalar leaf's update traces ``jnp.where`` without a broadcast, so its
+  cases are scalars, while the kernel holds the leaf's values as a block.
+  """
+  shape = next((jnp.shape(a) for a in args if jnp.ndim(a)), None)
+  if shape is None:
+    return args
+  return [args[0], *(jnp.broadcast_to(a, shape) if jnp.ndim(a) == 0 else a for a in args[1:])]
 
 
 class NotFusible(ValueError):
