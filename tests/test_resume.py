@@ -576,6 +576,28 @@ def test_no_intact_checkpoint_is_one_line_and_changes_nothing(four_steps, tmp_pa
   assert not (model_dir / "skipped_checkpoints").exists()
 
 
+def test_the_logged_scheduled_rate_is_the_one_the_accumulating_optimizer_uses(tmp_path, capsys):
+  """optax.MultiSteps updates adamw every 4th step: its schedule counts updates, not steps."""
+  schedule = [
+    "--gin_bindings",
+    "LEARNING_RATE = @optax.linear_schedule()",
+    "--gin_bindings",
+    "optax.linear_schedule.init_value = 0.01",
+    "--gin_bindings",
+    "optax.linear_schedule.end_value = 0.0",
+    "--gin_bindings",
+    "optax.linear_schedule.transition_steps = 40",
+  ]
+  flags = [*_steps(40), "--gin_file", "optimizers/multisteps.gin", *schedule]
+  code, out, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
+  assert code == 0, err
+  rates = dict(_scalars(tmp_path / "run" / "train")["learning_rate"])
+  # Step s (1-based) runs with adamw's count (s - 1) // 4.
+  for step, rate in rates.items():
+    assert rate == pytest.approx(0.01 * (1 - ((step - 1) // 4) / 40), rel=1e-5), (step, rate)
+  assert re.search(r"^step 40/40  loss \S+  lr 0.00775  ", out, re.M), out
+
+
 def test_the_logged_learning_rate_is_the_optimizers(tmp_path, capsys):
   model_dir = tmp_path / "run"
   flags = [*_steps(10), "--gin_bindings", "optax.adamw.learning_rate = 1e-5"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
 from _subprocesses import communicate_all
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env
@@ -301,6 +302,27 @@ def test_a_nonfinite_step_is_skipped_when_asked(tmp_path):
   for before, after in zip(_params(tmp_path / "again", 30), _params(tmp_path / "again", 31)):
     np.testing.assert_array_equal(before, after)
   assert all(np.isfinite(x).all() for x in _params(tmp_path, 40))
+
+
+def test_the_rate_logged_after_a_skipped_step_is_the_one_the_optimizer_uses():
+  """A skipped step leaves the optimizer state, and so its schedule's count, as it was."""
+  schedule = optax.linear_schedule(0.01, 0.0, 10)
+  job = dataclasses.replace(
+    _poisoned_job(8, "skip"),
+    optimizer=optimizers.adamw(schedule),
+    learning_rate=schedule,
+    task=_PoisonedTask(vocab_size=16, length=8, batch_size=4, poisoned=3),
+  )
+  setup = _train.prepare(job)
+  state, rates, finite = setup.create(*setup.init_args), [], []
+  for step in range(6):
+    batch = jax.device_put(job.task.batch(step), setup.batch_sharding)
+    state, metrics = setup.step_fn(state, batch)
+    rates.append(float(metrics["learning_rate"]))
+    finite.append(bool(metrics["finite"]))
+  assert finite == [True, True, True, False, True, True]
+  # Steps 1-3 use counts 0-2; step 4 would have used 3 and was skipped; steps 5 and 6 use 3, 4.
+  assert rates == pytest.approx([float(schedule(c)) for c in (0, 1, 2, 3, 3, 4)])
 
 
 @pytest.mark.slow

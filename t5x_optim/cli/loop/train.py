@@ -320,7 +320,10 @@ def _train_step(
   grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if learning_rate is not None:
-    rate = learning_rate(state.step) if callable(learning_rate) else learning_rate
+    # The schedule's own count: behind the step under optax.MultiSteps or after skipped steps.
+    counts = schedule_counts(state.param_states)
+    at = counts[0] if counts else state.step
+    rate = learning_rate(at) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
   names = getattr(state.optimizer.optimizer_def, "extra_arg_names", ())
   updated = state.apply_gradient(grads, **loss_extra_args(names, loss, grads, loss_fn))
@@ -381,6 +384,22 @@ def injected_learning_rates(param_states: Any) -> list[Any]:
 
   visit(param_states)
   return found
+
+
+def schedule_counts(param_states: Any) -> list[Any]:
+  """The ``count`` of every ``optax.scale_by_schedule`` state in an optimizer state: where
+  its schedule is read for the next update.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = optax.MultiSteps(optax.adam(optax.linear_schedule(1.0, 0.0, 10)), 4)
+    >>> schedule_counts(tx.init({'w': jnp.ones(2)}))
+    [Array(0, dtype=int32)]
+  """
+  is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+  return [
+    node.count for node in jax.tree.leaves(param_states, is_leaf=is_schedule) if is_schedule(node)
+  ]
 
 
 def plateau_scales(param_states: Any) -> list[Any]:
@@ -630,7 +649,9 @@ def _rate_source(setup: Setup, where: str | None) -> str:
     return "read from the optimizer state (inject_hyperparams' learning_rate) after each step"
   if setup.job.learning_rate is None:
     return "not logged (the optimizer binds no single learning rate)"
-  kind = "a schedule, at each step's count" if callable(setup.job.learning_rate) else "a constant"
+  kind = (
+    "a schedule, at its optimizer's count" if callable(setup.job.learning_rate) else "a constant"
+  )
   return f"{where or 'cli.TrainJob.learning_rate'} ({kind})"
 
 
