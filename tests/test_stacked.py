@@ -237,6 +237,14 @@ def test_wrong_grads_name_the_paths():
     opt.apply_gradient(jax.grad(stacked_loss)(other))
 
 
+def test_a_scalar_updated_otherwise_than_its_buffer_is_named_as_a_scalar():
+  params = {"temperature": jnp.asarray(0.5), "w": jnp.ones((2, 3))}
+  with pytest.raises(
+    ValueError, match=r"\['temperature'\] .*updates a scalar otherwise than an array"
+  ):
+    OptaxWrapper(optax.adagrad(1e-2)).create(stack_params(params, tx=optax.adagrad(1e-2)))
+
+
 @pytest.mark.parametrize(
   "tx, match",
   [

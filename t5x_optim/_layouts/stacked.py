@@ -388,11 +388,17 @@ def check_stacked_update(tx: optax.GradientTransformation, params: StackedParams
       buffer_program != leaf_program
       or shared.setdefault(leaf_residuals, buffer_residuals) != buffer_residuals
     ):
+      scalar = (
+        " Or it updates a scalar otherwise than an array: jnp.where traces no broadcast for "
+        "a scalar (adagrad, zero_nans), and a stacked scalar is an array."
+        if layout.shapes[group[0]] == ()
+        else ""
+      )
       raise ValueError(
         f"The optax update computes the stacked buffer of {names} otherwise than those "
         "leaves: it tells leaves apart by their path, rank or shape (a mask or label "
-        "function, say), and sees the buffers instead. Keep these params per leaf, or give "
-        "such transformations masks that hold for the stacked buffers."
+        "function, say), and sees the buffers instead." + scalar + " Keep these params per "
+        "leaf, or give such transformations masks that hold for the stacked buffers."
       )
 
 
