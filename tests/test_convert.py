@@ -1063,6 +1063,14 @@ def test_t5x_own_legacy_adafactor_is_a_conversion_target():
   assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_t5x_reads_our_checkpoints_of_adafactor_states():
+  """data/t5x_adafactor/read_by_t5x.py, in a fresh process with T5X's own code."""
+  script = T5X_DATA / "read_by_t5x.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_our_checkpoint_restores_into_another_optimizer_sharded(tmp_path, partitioner):
   source_def = optimizers.adafactor(0.1, min_dim_size_to_factor=2)

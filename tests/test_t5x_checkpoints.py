@@ -237,6 +237,31 @@ def test_saves_and_reads_back_on_another_mesh(fmt, restored, expected, tmp_path)
     _assert_shardings(again, target)
 
 
+def test_single_element_arrays_are_written_inline_as_t5x_writes_them(tmp_path):
+  """T5X writes a leaf without mesh axes (adafactor's (1,) placeholders) into the msgpack
+  file, and its reader takes each tensorstore spec for an array with mesh axes: T5X's
+  checkpointer failed on such a spec (data/t5x_adafactor/read_by_t5x.py, with T5X)."""
+  params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.ones(8)}}
+  opt = t5x_optim.optimizers.adafactor(0.1, min_dim_size_to_factor=2).create(params)
+  t5x_optim.save_t5x_checkpoint(tmp_path, opt, step=1)
+  contents = serialization.msgpack_restore((tmp_path / "checkpoint_1" / "checkpoint").read_bytes())
+  factored = contents["optimizer"]["state"]["param_states"]["0"]
+  assert isinstance(factored["v_row"]["dense"]["bias"], np.ndarray)  # (1,): inline
+  assert isinstance(factored["v"]["dense"]["kernel"], np.ndarray)
+  assert factored["v"]["dense"]["bias"]["metadata"]["shape"] == [8]  # a spec
+  assert sorted(os.listdir(tmp_path / "checkpoint_1")) == [
+    "checkpoint",
+    "state.param_states.0.v.dense.bias",
+    "state.param_states.0.v_col.dense.kernel",
+    "state.param_states.0.v_row.dense.kernel",
+    "t5x_optim_state_classes.json",
+    "target.dense.bias",
+    "target.dense.kernel",
+  ]
+  expected = {k: np.asarray(v) for k, v in _flat(opt.state_dict()).items()}
+  _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, opt), expected)
+
+
 def test_save_refuses_an_existing_step_and_keeps_it(restored, expected, tmp_path):
   t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
   with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):

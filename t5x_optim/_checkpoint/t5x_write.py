@@ -107,7 +107,9 @@ def _plan_writes(
       )
     if _state_dict.is_prng_key(leaf):
       leaf = jax.random.key_data(leaf)
-    if np.ndim(leaf) == 0:
+    if np.ndim(leaf) == 0 or np.size(leaf) == 1:
+      # Inline, as T5X writes a leaf without mesh axes (Adafactor's (1,) placeholders): its
+      # reader takes every tensorstore spec for an array with mesh axes.
       written[path] = np.asarray(leaf)
       continue
     name = ".".join(path)
@@ -159,8 +161,9 @@ def save_t5x_checkpoint(
 
   The step directory ``<model_dir>/checkpoint_<step>`` holds the msgpack file
   ``checkpoint`` (``{'version': 3, 'optimizer': <state dict>}``, scalars
-  inline, every other array as a tensorstore spec) and one zarr array per
-  non-scalar leaf, written shard by shard from this process's devices (one
+  and single-element arrays inline, as T5X writes Adafactor's (1,)
+  placeholders, every other array as a tensorstore spec) and one zarr array
+  per other leaf, written shard by shard from this process's devices (one
   copy of each shard; nothing is gathered), and, for a `TrainState` or an
   `Optimizer`, ``t5x_optim_state_classes.json``: the classes of its
   optimizer state's nodes, which `restore_t5x_checkpoint` compares with
