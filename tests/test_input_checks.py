@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +72,16 @@ def test_grads_of_wrong_structure_name_the_paths(opt):
 def test_grads_whose_leaves_agree_but_not_their_containers_name_where(grads, message):
   params = (jnp.zeros(2), jnp.zeros(3)) if isinstance(grads, list) else {**PARAMS, "extra": {}}
   with pytest.raises(ValueError, match=message):
+    OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(grads)
+
+
+def test_a_node_that_differs_in_its_metadata_shows_both_trees():
+  params = {"p": nn.Partitioned(jnp.ones(2), names=("x",))}
+  grads = {"p": nn.Partitioned(jnp.ones(2), names=("y",))}
+  with pytest.raises(
+    ValueError,
+    match=r"at 'p': the grads have a Partitioned .*'y'.*, the params a Partitioned .*'x'",
+  ):
     OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(grads)
 
 

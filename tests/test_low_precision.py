@@ -658,6 +658,15 @@ def test_an_init_that_reads_values_still_finds_the_copies_of_the_params():
   assert storage == ("kept: a copy of its param", "bfloat16")
 
 
+def test_a_copy_behind_stop_gradient_is_a_copy():
+  def init(params):
+    return {"copy": jax.lax.stop_gradient(params), "trace": jax.tree.map(jnp.zeros_like, params)}
+
+  tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+  storage = low_precision(tx, "bfloat16", min_size=0).init({"w": jnp.ones((4, 8))}).storage
+  assert storage == ("kept: a copy of its param", "bfloat16")
+
+
 @pytest.mark.parametrize(
   "mode, most",
   [

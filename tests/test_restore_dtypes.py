@@ -31,7 +31,14 @@ CASES = {
   "float32 count into int8, too big": (COUNT, jnp.float32(300.0), jnp.int8, False),
   "int32 count into float32": (COUNT, jnp.int32(3), jnp.float32, False),
   "complex params into real": (W, jnp.ones(4, jnp.complex64), jnp.float32, False),
-  "f32 mu into f16, in range": (MU, jnp.array([-65504.0, 0.1, 1e-9, 6e4]), jnp.float16, True),
+  "f32 mu into f16, in range": (MU, jnp.array([-65504.0, 0.1, 1e-9, 65519.0]), jnp.float16, True),
+  "f32 mu into f16, half an ulp beyond": (
+    MU,
+    jnp.array([0.0, 65520.0, 1.0, 2.0]),
+    jnp.float16,
+    False,
+  ),
+  "f32 mu into f8 e4m3, beyond": (MU, jnp.array([0.0, 500.0, 1.0, 2.0]), jnp.float8_e4m3fn, False),
   "f32 mu into f16, nan and inf stay": (
     MU,
     jnp.array([jnp.nan, -jnp.inf, 1.0, 0.0]),

@@ -329,7 +329,10 @@ def _container(x: Any) -> str:
   if isinstance(x, list | tuple):
     kind = type(x).__name__
     return f"{_article(kind)} {kind} of {len(x)}" if x else f"an empty {kind}"
-  return "None" if x is None else f"{_article(type(x).__name__)} {type(x).__name__}"
+  if x is None:
+    return "None"
+  # Another node (flax's Partitioned, say) may differ in its metadata: its tree shows it.
+  return f"{_article(type(x).__name__)} {type(x).__name__} {jax.tree.structure(x)}"
 
 
 def _first_container_difference(value: Any, reference: Any, path: tuple) -> tuple[str, str, str]:

@@ -359,7 +359,7 @@ def _mirror_params(inner_state: Any, params: Any) -> list[int]:
 
 
 _COPYING = frozenset(
-  {"copy", "copy_p", "convert_element_type", "device_put", "sharding_constraint"}
+  {"copy", "copy_p", "convert_element_type", "device_put", "sharding_constraint", "stop_gradient"}
 )
 """Primitives whose result holds their operand's values (in another dtype or place)."""
 
