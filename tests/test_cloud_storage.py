@@ -173,6 +173,7 @@ def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch)
   assert json.loads((epath.Path(where) / LEASE_FILE).read_text())["holder"] == "pid 2 on other"
 
 
+@pytest.mark.slow
 def test_a_run_lock_waits_out_the_lease_of_a_killed_run_but_not_a_live_one(where, monkeypatch):
   """A run killed without releasing its lease (SIGKILL) holds it until it expires; a live run
   renews it. `WriterLock.take(wait_out_stale=True)` waits one lease period to tell them apart,

@@ -304,6 +304,7 @@ def test_a_nonfinite_step_is_skipped_when_asked(tmp_path):
   assert all(np.isfinite(x).all() for x in _params(tmp_path, 40))
 
 
+@pytest.mark.slow
 def test_the_rate_logged_after_a_skipped_step_is_the_one_the_optimizer_uses():
   """A skipped step leaves the optimizer state, and so its schedule's count, as it was."""
   schedule = optax.linear_schedule(0.01, 0.0, 10)
