@@ -398,6 +398,13 @@ def test_init_from_a_step_directory_restores_that_step_or_refuses(four_steps, tm
   assert not any((tmp_path / "new_4" / "checkpoints").iterdir())
 
 
+def test_init_from_a_runs_checkpoints_directory_is_that_run(four_steps, tmp_path, capsys):
+  flags = [*_steps(5), *ADAM, "--init_from", str(four_steps / "checkpoints")]
+  code, out, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  assert code == 0, err
+  assert f"init_from:       {four_steps} at step 4\n" in out, out
+
+
 def test_init_from_a_run_without_its_config_gin_reads_its_checkpoints(four_steps, tmp_path, capsys):
   source = _copy(four_steps, tmp_path)
   (source / "config.gin").unlink()

@@ -206,13 +206,15 @@ def _located(path: Path) -> tuple[Path, int | None]:
     >>> import tempfile
     >>> run = Path(tempfile.mkdtemp())
     >>> (run / 'checkpoints' / '20').mkdir(parents=True); (run / 'checkpoint_8').mkdir()
-    >>> [_located(p) == (run, s) for p, s in
-    ...  [(run / 'checkpoints' / '20', 20), (run / 'checkpoint_8', 8), (run, None)]]
-    [True, True, True]
+    >>> [_located(p) == (run, s) for p, s in [(run / 'checkpoints' / '20', 20),
+    ...  (run / 'checkpoint_8', 8), (run, None), (run / 'checkpoints', None)]]
+    [True, True, True, True]
   """
   name = path.name
   if path.parent.name == CHECKPOINTS and name.isdigit() and path.is_dir():
     return path.parent.parent, int(name)
+  if name == CHECKPOINTS and _is_ours(path.parent):
+    return path.parent, None  # A run's checkpoints/ directory: the run.
   if re.fullmatch(r"checkpoint_[0-9]+", name) and path.is_dir():
     return path.parent, int(name.removeprefix("checkpoint_"))
   return path, None
