@@ -541,6 +541,21 @@ def test_a_binding_that_does_not_parse_is_named(binding, tmp_path, capsys):
   assert not re.search(r"line \d|\(\d+, \d+\)", err) and not (tmp_path / "run").exists(), err
 
 
+@pytest.mark.parametrize(
+  "flag, value, message",
+  [
+    ("--metrics_every", "-1", "argument --metrics_every: must be at least 0, got -1"),
+    ("--num_devices", "0", "argument --num_devices: must be at least 1, got 0"),
+  ],
+)
+def test_a_flag_out_of_range_is_named_as_the_flag(flag, value, message, capsys):
+  with pytest.raises(SystemExit) as exit_status:
+    main(["train", *TINY, flag, value])
+  assert exit_status.value.code == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1].endswith(message) and "TrainJob" not in err, err
+
+
 def test_help_says_gin_files_are_code(capsys):
   for argv in (["--help"], ["train", "--help"], ["plan", "--help"]):
     with pytest.raises(SystemExit):

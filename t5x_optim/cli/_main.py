@@ -110,6 +110,13 @@ def _positive(text: str) -> int:
   return value
 
 
+def _non_negative(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+  return value
+
+
 def _seconds(text: str) -> float:
   value = float(text)
   if not value > 0:
@@ -202,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   train.add_argument(
     "--metrics_every",
-    type=int,
+    type=_non_negative,
     default=None,
     metavar="N",
     help="write per-parameter metrics (RMS of params, gradients, updates and optimizer "
