@@ -226,6 +226,38 @@ def test_derive_logical_axes_raise_policy_and_replicated_params(kfac, adapter_ru
   assert all(s is None for s in jax.tree.leaves(specs, is_leaf=lambda x: x is None))
 
 
+def test_derive_logical_axes_of_a_diagonal_block():
+  """A layer-norm scale gets a diagonal block, whose state has an empty (None) cache."""
+
+  def loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["dense1"]["kernel"])
+    h = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-6) * params["ln"]
+    logits = h @ params["dense2"]["kernel"] + params["dense2"]["bias"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+  optimizer = kfac_jax.Optimizer(
+    value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0
+  )
+  opt_def = KfacOptimizerDef(
+    optimizer, init_batch=_batches()[0], init_rng=jax.random.key(1), **_HYPER
+  )
+  params = {**_params(), "ln": jnp.ones(8)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # The unmatched (9, 9) factor of dense2.
+    axes = opt_def.derive_logical_axes(
+      jax.eval_shape(opt_def.create, params), {**_AXES, "ln": P("mlp")}
+    )
+  [diagonal] = [
+    block
+    for block in axes.state.param_states.estimator_state.blocks_states
+    if hasattr(block, "diagonal_factors")
+  ]
+  assert diagonal.cache is None
+  assert [f.value for f in diagonal.diagonal_factors] == [P("mlp")]
+
+
 def _mesh_shardings(tree, mesh):
   rules = (("embed", None), ("mlp", "model"), ("vocab", None))
   specs = jax.tree.map(

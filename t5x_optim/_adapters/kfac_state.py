@@ -209,6 +209,8 @@ def _kfac_rule(node: _KfacNode, specs: _KfacNode, context: StateRuleContext) -> 
   velocity_specs = kfac_state_to_dict(context.param_specs)
 
   def spec(keys: tuple[str, ...], leaf: Any) -> Any:
+    if leaf is None:  # A diagonal block's empty cache.
+      return None
     shape = tuple(leaf.shape)
     if all(d == 1 for d in shape):
       return None
