@@ -28,7 +28,6 @@ import make_with_t5x as base  # noqa: E402  (sets XLA_FLAGS before jax is import
 
 def _read_back(optimizer_def):
   def check(partitioner):
-    import numpy as np
     from flax import traverse_util
     from t5x import checkpoints
 
@@ -54,12 +53,7 @@ def _read_back(optimizer_def):
       except Exception as e:  # noqa: BLE001 - reported as a problem
         problems.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         continue
-      if sorted(got) != sorted(want):
-        problems.append(f"{name}: keys differ: {sorted(set(got) ^ set(want))}")
-      for key in sorted(set(got) & set(want)):
-        a, b = np.asarray(got[key]), np.asarray(want[key])
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-          problems.append(f"{name}: {key} differs ({a.dtype}{list(a.shape)}, {b.dtype}{list(b.shape)})")
+      problems += [f"{name}: {problem}" for problem in base.differences(got, want)]
     return problems
 
   return check

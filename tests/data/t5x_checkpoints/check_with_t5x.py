@@ -37,14 +37,7 @@ def _flat(state_dict):
 
 def _compare(name, got, want) -> bool:
   """Prints and returns whether two flat state dicts are equal bit for bit."""
-  import numpy as np
-  problems = []
-  if sorted(got) != sorted(want):
-    problems.append(f"keys differ: {sorted(set(got) ^ set(want))}")
-  for key in sorted(set(got) & set(want)):
-    a, b = np.asarray(got[key]), np.asarray(want[key])
-    if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-      problems.append(f"{key}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+  problems = make_with_t5x.differences(got, want)
   print(f"{'OK  ' if not problems else 'FAIL'} {name}: {len(want)} leaves"
         + (f"; {problems}" if problems else " identical (dtype, shape, bytes)"))
   return not problems

@@ -220,6 +220,20 @@ def t5x_optim_plan(initializer, partitioner):
   )
 
 
+def differences(got: dict, want: dict) -> list:
+  """How two flat state dicts differ: keys, then each leaf's dtype, shape or bytes."""
+  import numpy as np
+
+  problems = []
+  if sorted(got) != sorted(want):
+    problems.append(f"keys differ: {sorted(set(got) ^ set(want))}")
+  for key in sorted(set(got) & set(want)):
+    a, b = np.asarray(got[key]), np.asarray(want[key])
+    if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+      problems.append(f"{key}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+  return problems
+
+
 def run_checks(checks) -> int:
   """Runs each ``(label, check)`` with T5X and its example networks loaded, where
   ``check(partitioner)`` (`t5x_partitioner`, 8 simulated devices) returns the problems it
