@@ -13,12 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from _ocdbt import flip_bytes
 from test_cli import _checkpoint_steps, _env, _scalars
 
 import t5x_optim
 from t5x_optim._checkpoint.lock import WriterLock
+from t5x_optim._low_precision import low_precision as low_precision_module
 from t5x_optim.cli import main
 from t5x_optim.cli.demo import text as _text
 from t5x_optim.cli.loop import config as _config
@@ -554,6 +556,32 @@ def test_init_from_a_run_of_another_model_names_what_differs(four_steps, tmp_pat
     "there, 4 now"
   ), err
   assert len(err) < 600, err
+
+
+def test_a_checkpoint_of_an_earlier_version_with_compressed_param_copies_says_so(
+  tmp_path, capsys, monkeypatch
+):
+  """Earlier versions compressed a low_precision state leaf that copies the params
+  (schedule-free's z); their checkpoints were refused as "another job" without a reason."""
+  schedule_free = [
+    "--gin_file",
+    "optimizers/adamw_8bit.gin",
+    "--gin_bindings",
+    "optimizers.low_precision.inner = @optax.contrib.schedule_free_adamw()",
+    "--gin_bindings",
+    "optax.contrib.schedule_free_adamw.learning_rate = %LEARNING_RATE",
+    "--gin_bindings",
+    "optimizers.low_precision.min_size = 0",
+  ]
+  earlier = lambda init, params, state: [False] * len(jax.tree.leaves(state))  # noqa: E731
+  with monkeypatch.context() as patched:
+    patched.setattr(low_precision_module, "_param_copies", earlier)
+    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *schedule_free, capsys=capsys)
+  assert code == 0, err
+  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *schedule_free, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "1/inner_state/z/" in err and "is QuantizedLeaf there" in err, err
+  assert "earlier versions compressed it" in err, err
 
 
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec
 from t5x_optim import (
   TrainState,
   injected_constants,
+  leaf_storage,
   loss_extra_args,
   replace_injected_constants,
   schedule_free_evaluation_params,
@@ -719,10 +720,15 @@ def _configured_constants(state: TrainState) -> TrainState:
 
 
 def _refuse_another_job(
-  recorded: Mapping[str, Any] | None, job: Mapping[str, Any] | None, model_dir: Path, step: int
+  recorded: Mapping[str, Any] | None,
+  job: Mapping[str, Any] | None,
+  model_dir: Path,
+  step: int,
+  copies: frozenset[str] = frozenset(),
 ) -> None:
   """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it
-  or it is another job than `job` (`job.identity_problem`).
+  or it is another job than `job` (`job.identity_problem`). `copies` are the state paths of
+  the job's low_precision leaves that copy the params (`_param_copy_paths`).
 
   Raises:
     UsageError: naming the step and what differs.
@@ -736,10 +742,27 @@ def _refuse_another_job(
   if recorded is not None and job is not None:
     problem = identity_problem(recorded, job)
     if problem:
+      earlier = (
+        " (this version keeps a low_precision state leaf that copies the params, such as "
+        "schedule-free's z, in its own dtype; earlier versions compressed it, and their "
+        "checkpoints resume only with the version that wrote them)"
+        if any(f" {path} is " in problem for path in copies)
+        else ""
+      )
       raise UsageError(
         f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
-        f"{problem}; {_resume_advice(model_dir)}."
+        f"{problem}{earlier}; {_resume_advice(model_dir)}."
       )
+
+
+def _param_copy_paths(abstract_state: TrainState) -> frozenset[str]:
+  """The state-dict paths (below ``param_states``) of the low_precision leaves that copy the
+  params (`leaf_storage`'s ``kept: a copy of its param``)."""
+  return frozenset(
+    "/".join(path)
+    for path, kind in leaf_storage(abstract_state.param_states).items()
+    if kind == "kept: a copy of its param"
+  )
 
 
 def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _Resume:
@@ -762,7 +785,7 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
     except CheckpointError as error:
       resume.skipped.append((step, skip_reason(error)))
       continue
-    _refuse_another_job(recorded, job, model_dir, step)
+    _refuse_another_job(recorded, job, model_dir, step, _param_copy_paths(setup.abstract_state))
     try:
       resume.state = reader.restore(setup.abstract_state, step)
     except CheckpointError as error:
