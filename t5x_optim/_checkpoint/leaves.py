@@ -269,14 +269,10 @@ def fit_read(
       cast[path] = leaf
       continue
     fit = _state_dict.leaf_fit(leaf.shape, leaf.dtype, leaf.shape, dtype)
-    checked = (_state_dict.Fit.IF_VALUES_FIT, _state_dict.Fit.IF_IN_RANGE)
-    if fit in checked and not _state_dict.values_fit(leaf, dtype):
-      what = (
-        "whole numbers within" if fit is _state_dict.Fit.IF_VALUES_FIT else "within the range of"
-      )
+    if fit.values_decide and not _state_dict.values_fit(leaf, dtype):
       problems.append(
         f"dtype mismatch at '{key_path_str(path)}': the checkpoint's "
-        f"{leaf.dtype} values are not all {what} the target's {dtype}"
+        f"{leaf.dtype} values are not all {fit.misfit} the target's {dtype}"
       )
     else:
       cast[path] = _astype(leaf, dtype)

@@ -186,6 +186,16 @@ class Fit(enum.Enum):
   OTHER_SHAPE = "other_shape"
   """Another shape: refused."""
 
+  @property
+  def values_decide(self) -> bool:
+    """Whether the data's values decide (`values_fit`): `IF_VALUES_FIT` and `IF_IN_RANGE`."""
+    return self in (Fit.IF_VALUES_FIT, Fit.IF_IN_RANGE)
+
+  @property
+  def misfit(self) -> str:
+    """How values that `values_fit` refused miss the target's dtype, said before it."""
+    return "whole numbers within" if self is Fit.IF_VALUES_FIT else "within the range of"
+
 
 def _is_float(dtype: np.dtype) -> bool:
   return bool(jax.dtypes.issubdtype(dtype, np.floating))
@@ -317,20 +327,15 @@ def fit_on_host(value: Any, ref_dtype: Any, path: Sequence[str]) -> np.ndarray:
       f"Dtype mismatch at '{where}': the stored {value.dtype} cannot be cast safely to the "
       f"target's {np.dtype(ref_dtype)}"
     )
-  if fit is Fit.IF_IN_RANGE and not values_fit(value, ref_dtype):
-    raise ValueError(
-      f"Value mismatch at '{where}': the stored {value.dtype} values are not all within the "
-      f"target's {np.dtype(ref_dtype)} range"
-    )
-  if fit is not Fit.IF_VALUES_FIT:
+  if not fit.values_decide:
     return value
   if not values_fit(value, ref_dtype):
     span = f" (from {value.min()} to {value.max()})" if value.size else ""
     raise ValueError(
       f"Value mismatch at '{where}': the stored {value.dtype} values{span} are not all "
-      f"whole numbers within the target's {np.dtype(ref_dtype)}"
+      f"{fit.misfit} the target's {np.dtype(ref_dtype)}"
     )
-  return value.astype(ref_dtype)
+  return value.astype(ref_dtype) if fit is Fit.IF_VALUES_FIT else value
 
 
 def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
@@ -339,7 +344,7 @@ def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
   `leaf_fit`'s rule; a Python scalar may also change kind when it converts
   exactly (T5X state dicts may hold a plain ``int`` step, for instance).
   """
-  if fit in (Fit.IF_VALUES_FIT, Fit.IF_IN_RANGE):
+  if fit.values_decide:
     return values_fit(value, dst)
   if fit is Fit.OTHER_DTYPE:
     return isinstance(value, bool | int | float | complex) and bool(
