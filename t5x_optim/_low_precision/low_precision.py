@@ -593,13 +593,12 @@ def _plan_storage(
     matched |= selected
     rule = None
     kept = _not_applicable(leaf, param_leaves[j] if j >= 0 else None, copy)
-    why = None if kept is None else kept[1]
-    if why is not None and pattern is not None and selected:
+    if kept is not None and pattern is not None and selected:
       raise ValueError(
         f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
         f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
         f"the mode compresses floating param-shaped state leaves that are not copies of the "
-        f"params, and {why}."
+        f"params, and {kept[1]}."
       )
     if kept is not None:
       storage.append(kept[0])

@@ -397,10 +397,7 @@ def schedule_counts(param_states: Any) -> list[Any]:
     >>> schedule_counts(tx.init({'w': jnp.ones(2)}))
     [Array(0, dtype=int32)]
   """
-  is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
-  return [
-    node.count for node in jax.tree.leaves(param_states, is_leaf=is_schedule) if is_schedule(node)
-  ]
+  return [node.count for node in _nodes(param_states, optax.ScaleByScheduleState)]
 
 
 def plateau_scales(param_states: Any) -> list[Any]:
@@ -418,8 +415,16 @@ def plateau_scales(param_states: Any) -> list[Any]:
 
 def _plateau_states(param_states: Any) -> list[optax.contrib.ReduceLROnPlateauState]:
   """Every ``optax.contrib.reduce_on_plateau`` state in an optimizer state."""
-  is_plateau = lambda node: isinstance(node, optax.contrib.ReduceLROnPlateauState)  # noqa: E731
-  return [node for node in jax.tree.leaves(param_states, is_leaf=is_plateau) if is_plateau(node)]
+  return _nodes(param_states, optax.contrib.ReduceLROnPlateauState)
+
+
+def _nodes(param_states: Any, kind: type) -> list[Any]:
+  """Every node of class `kind` in an optimizer state, in tree order."""
+  return [
+    node
+    for node in jax.tree.leaves(param_states, is_leaf=lambda x: isinstance(x, kind))
+    if isinstance(node, kind)
+  ]
 
 
 def _eval_loss(model: TransformerLM, params: Any, batch: dict[str, Any]) -> jax.Array:
