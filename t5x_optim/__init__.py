@@ -27,9 +27,7 @@ from t5x_optim._adapters.optax_wrapper import (
   OptaxWrapper,
   chain,
   inject_hyperparams,
-  injected_constants,
   loss_extra_args,
-  replace_injected_constants,
   trained_params,
   trains_lookahead_params,
 )
@@ -47,6 +45,7 @@ from t5x_optim._convert.convert import (
   registered_converters,
   schedule_free_evaluation_params,
 )
+from t5x_optim._core.configured import configured_leaves, reapply_config
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._layouts.fused import FusedUpdate, FusionReport, fusion_report
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, stack_params
@@ -102,13 +101,13 @@ __all__ = [
   "UnplaceableParamsError",
   "chain",
   "checkpoints",
+  "configured_leaves",
   "convert_state",
   "distributed",
   "example_lib_optimizer_makers",
   "float32_to_low_precision",
   "fusion_report",
   "inject_hyperparams",
-  "injected_constants",
   "latest_t5x_step",
   "leaf_storage",
   "loss_extra_args",
@@ -118,9 +117,9 @@ __all__ = [
   "optax_optimizer_factories",
   "optimizers",
   "partitioning",
+  "reapply_config",
   "register_state_converter",
   "registered_converters",
-  "replace_injected_constants",
   "restore_converted",
   "restore_t5x_checkpoint",
   "save_t5x_checkpoint",

@@ -406,3 +406,40 @@ def test_derive_logical_axes_on_abstract_params():
   assert factored.v_row == {"dense": {"kernel": P("embed"), "bias": None}}
   assert factored.v_col == {"dense": {"kernel": P("mlp"), "bias": None}}
   assert factored.v == {"dense": {"kernel": None, "bias": P("mlp")}}
+
+
+CONFIGURED = {
+  "galore": ["[0].projector['dense']['bias']"],
+  "momo": [".lb"],
+  "momo_adam": [".lb"],
+  "muon": [".inner_states['muon'].inner_state[0].ns_coeffs"],
+  "schedule_free": [".b1"],
+  "schedule_free_adamw": [".b1"],
+  "schedule_free_sgd": [".b1"],
+  "inject_hyperparams": [
+    f".hyperparams['{name}']"
+    for name in ("b1", "b2", "eps", "eps_root", "learning_rate", "weight_decay")
+  ],
+  "inject_stateful_hyperparams": [".hyperparams['momentum']"],
+}
+"""The state leaves that only the config sets (`t5x_optim.configured_leaves`), by table case;
+every other case has none."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TABLE, ids=repr)
+def test_reapply_config_resets_only_the_leaves_the_config_alone_sets(case: Case):
+  """Muon's ns_coeffs and schedule-free's b1 sit in the state and a resume kept the old ones:
+  `reapply_config` sets such leaves as the config gives them. Under an unchanged config after
+  two steps it changes no leaf: one that the update changes, taken for a setting, would come
+  back as at init."""
+  opt = OptaxWrapper(case.make()).create(initial_params(case))
+  for _ in range(2):
+    opt = jax.jit(wrapper_step)(opt)
+  grads, extras = grads_and_extras(opt.optimizer_def.optax_optimizer, opt.target)
+  flags = t5x_optim.configured_leaves(opt, grads, **extras)
+  paths = jax.tree_util.tree_leaves_with_path(opt.state.param_states)
+  assert [jax.tree_util.keystr(path) for (path, _), flag in zip(paths, flags) if flag] == (
+    CONFIGURED.get(case.name, [])
+  )
+  assert tree_equal(t5x_optim.reapply_config(opt, grads, **extras).state, opt.state)

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from _ocdbt import flip_bytes
-from test_cli import _checkpoint_steps, _env, _scalars
+from test_cli import _checkpoint_steps, _env, _restored, _scalars
 
 import t5x_optim
 from t5x_optim._checkpoint.lock import WriterLock
@@ -299,6 +300,53 @@ def test_a_resume_trains_with_the_injected_hyperparameters_the_config_gives_now(
   hyperparams = state.param_states.hyperparams
   assert float(hyperparams["learning_rate"]) == pytest.approx(1e-5)
   assert float(hyperparams["b1"]) == pytest.approx(0.9)
+
+
+_SCHEDULE_FREE = [
+  "OPTIMIZER = @optimizers.schedule_free_adamw()",
+  "optimizers.schedule_free_adamw.learning_rate = 1e-3",
+  "optimizers.schedule_free_adamw.b1 = 0.9",
+]
+
+
+@pytest.mark.parametrize(
+  "gin_files, bindings, change, held, new",
+  [
+    (
+      ["optimizers/muon.gin"],
+      [],
+      "optimizers.muon.ns_coeffs = (3.0, -4.0, 2.0)",
+      lambda states: states.inner_states["muon"].inner_state[0].ns_coeffs,
+      [3.0, -4.0, 2.0],
+    ),
+    (
+      [],
+      _SCHEDULE_FREE,
+      "optimizers.schedule_free_adamw.b1 = 0.5",
+      lambda states: states.b1,
+      [0.5],
+    ),
+  ],
+  ids=["muon_ns_coeffs", "schedule_free_b1"],
+)
+def test_a_resume_trains_with_the_constants_the_optimizer_state_keeps_as_the_config_gives_now(
+  tmp_path, capsys, gin_files, bindings, change, held, new
+):
+  """Muon keeps its Newton-Schulz coefficients in its state and schedule-free its b1, and
+  their updates read them there: a resume that changed them said so and trained on with the
+  old ones."""
+  flags = [*EVERY_2]
+  for gin_file in gin_files:
+    flags += ["--gin_file", gin_file]
+  for binding in bindings:
+    flags += ["--gin_bindings", binding]
+  assert _train_run(tmp_path, *flags, *_steps(2), capsys=capsys)[0] == 0
+  code, out, err = _train_run(tmp_path, *flags, *_steps(4), "--gin_bindings", change, capsys=capsys)
+  assert code == 0, err
+  assert "config:          changed since step 2" in out, out
+  _, state = _restored(tmp_path, [*TINY[1::2], *gin_files], [*bindings, change, "TOTAL_STEPS = 4"])
+  assert int(state.step) == 4
+  assert np.ravel(held(state.param_states)).tolist() == pytest.approx(new)
 
 
 def test_a_resume_on_other_text_data_says_so(tmp_path, capsys):

@@ -28,9 +28,7 @@ __all__ = [
   "chain",
   "checked_transformation",
   "inject_hyperparams",
-  "injected_constants",
   "is_transformation",
-  "replace_injected_constants",
   "takes_param_axes",
   "trained_params",
   "trains_lookahead_params",
@@ -245,39 +243,6 @@ def _constants(node: Any) -> dict[str, Any]:
   state for (``hyperparams_states``) left out."""
   scheduled = getattr(node, "hyperparams_states", None) or {}
   return {name: value for name, value in node.hyperparams.items() if name not in scheduled}
-
-
-def _injected_states(param_states: Any) -> list[Any]:
-  return [
-    node
-    for node in jax.tree.leaves(param_states, is_leaf=_is_injected_state)
-    if _is_injected_state(node)
-  ]
-
-
-def injected_constants(param_states: Any) -> list[dict[str, Any]]:
-  """The hyper-parameters each ``inject_hyperparams`` state of the tree holds, in tree order,
-  those a stateful schedule keeps state for (``hyperparams_states``) left out.
-
-  Example:
-    >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
-    >>> [sorted(c) for c in injected_constants(tx.init({'w': jnp.ones(2)}))]
-    [['b1', 'b2', 'eps', 'eps_root', 'learning_rate']]
-  """
-  return [_constants(node) for node in _injected_states(param_states)]
-
-
-def replace_injected_constants(param_states: Any, constants: Sequence[Mapping[str, Any]]) -> Any:
-  """`param_states` with each ``inject_hyperparams`` state's values of `constants` (as
-  `injected_constants` lists them) in place of those it holds."""
-  queue = list(constants)
-
-  def replace(node: Any) -> Any:
-    if not _is_injected_state(node):
-      return node
-    return node._replace(hyperparams={**node.hyperparams, **queue.pop(0)})
-
-  return jax.tree.map(replace, param_states, is_leaf=_is_injected_state)
 
 
 def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:

@@ -4,6 +4,8 @@
   and the checks every definition shares;
 - `state_dict`: T5X's state-dict layout and the restore checks that name a
   path and both sides.
+- `configured`: the state leaves that only the config sets, set anew after a
+  restore under a changed config.
 
 Imports only the axes room (`t5x_optim._axes`) and `t5x_optim._keypaths`.
 """

@@ -53,10 +53,9 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim import (
   TrainState,
-  injected_constants,
   leaf_storage,
   loss_extra_args,
-  replace_injected_constants,
+  reapply_config,
   schedule_free_evaluation_params,
   storage,
   trained_params,
@@ -705,23 +704,14 @@ class _Resume:
 
 
 def _configured_constants(state: TrainState) -> TrainState:
-  """`state` with the hyper-parameters its ``inject_hyperparams`` states hold as the config
-  gives them now: optax keeps them in the state, so a resume restored the old values (a new
-  learning rate was reported as changed and not used). Computed without the moments."""
-  held = injected_constants(state.param_states)
-  if not held:
-    return state
-  optimizer = state.optimizer
-  configured = jax.jit(
-    lambda target: injected_constants(optimizer.optimizer_def.init_state(target).param_states)
-  )(optimizer.target)
-  configured = jax.tree.map(
-    lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding), configured, held
-  )
-  param_states = replace_injected_constants(state.param_states, configured)
-  return state.replace(
-    _optimizer=optimizer.replace(state=optimizer.state.replace(param_states=param_states))
-  )
+  """`state` with the settings its optimizer state keeps (Muon's ``ns_coeffs``, schedule-free's
+  ``b1``, ``inject_hyperparams``' constants: `reapply_config`) as the config gives them now:
+  the update reads them in the state, so a resume restored the old values (a change was
+  reported and not used)."""
+  grads = jax.tree.map(jnp.zeros_like, trained_params(state.params))
+  names = getattr(state.optimizer.optimizer_def, "extra_arg_names", ())
+  extra = loss_extra_args(names, jnp.float32(0), grads, lambda p: optax.tree.norm(p, squared=True))
+  return state.replace(_optimizer=reapply_config(state.optimizer, grads, **extra))
 
 
 def _refuse_another_job(
