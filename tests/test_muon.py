@@ -101,6 +101,22 @@ def test_override_naming_a_missing_axis():
     KernelAxesRule(overrides={"w": ("mlp", "kv")}).place("w", ("embed", "kv"))
 
 
+@pytest.mark.parametrize(
+  "override", [("embed", "embed"), (("embed", "embed"), "mlp"), ("embed", ("mlp", "embed"))]
+)
+def test_override_naming_an_axis_twice_is_refused(override):
+  """An override that names one axis on both sides, or twice on one, gave dimension numbers
+  such as reduction (0,) and output (0,), and Muon trained with them without a word."""
+  with pytest.raises(UnplaceableParamsError, match=r"'w' names the axis 'embed' twice"):
+    KernelAxesRule(overrides={"w": override}).place("w", ("embed", "mlp"))
+
+
+def test_unplaceable_params_message_ends_in_one_period():
+  with pytest.raises(UnplaceableParamsError) as raised:
+    KernelAxesRule(overrides={"w": ("embed", "heads")}).place_all({"w": ("embed", "mlp")})
+  assert "(need exactly once). Add the axis names" in str(raised.value), raised.value
+
+
 def test_bad_override_value():
   with pytest.raises(TypeError, match="'adam'.*got 3"):
     KernelAxesRule(overrides={"w": 3})
@@ -265,6 +281,22 @@ def test_set_param_axes_raises_for_unplaceable_params():
   with pytest.raises(UnplaceableParamsError, match=r"'a' with axes \('x', 'embed', 'mlp'\)"):
     opt_def.set_param_axes(axes)
   assert opt_def.param_specs is None
+
+
+def test_an_override_that_places_no_param_warns():
+  """An override with a typo, or one short of the whole path ('mlp/wi' for
+  'layers_0/mlp/wi'), placed nothing and the param kept the rule's placement, silently."""
+  rule = KernelAxesRule(
+    overrides={".*logit": ("embed", "vocab"), "mlp/wi": "adam", "layers_0/mlp/wi": "adam"}
+  )
+  axes = {"layers_0": {"mlp": {"wi": P("embed", "mlp")}}, "logits": P("embed", "vocab")}
+  with pytest.warns(UserWarning) as caught:
+    optimizers.muon(**MUON_ARGS, kernel_axes_rule=rule, param_axes=axes)
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 2, messages
+  assert messages[0].startswith("KernelAxesRule: the override '.*logit' matches no param"), messages
+  assert "'mlp/wi' matches no param" in messages[1], messages
+  assert messages[1].endswith("the params are layers_0/mlp/wi, logits."), messages
 
 
 def test_rank_and_path_mismatches_name_the_param():

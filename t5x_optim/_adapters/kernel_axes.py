@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ import optax
 import optax.contrib
 
 from t5x_optim._adapters.optax_wrapper import FusedOption, OptaxWrapper, takes_param_axes
+from t5x_optim._adapters.param_subsets import format_paths
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.kernel_axes import (
   KernelAxes,
@@ -178,6 +180,12 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     axes = _state_rules.logical_axes_from(param_logical_axes)
     specs = specs_by_path(axes)
     self.rule.place_all({path: tuple(spec) for path, spec in specs.items() if spec is not None})
+    for pattern, why in self.rule.unused_overrides(list(specs)):
+      warnings.warn(
+        f"KernelAxesRule: the override {pattern!r} {why} (a pattern matches the whole "
+        f"'/'-joined path), so it places no param; the params are {format_paths(list(specs))}.",
+        stacklevel=2,
+      )
     self.param_axes = axes
     self.param_specs = specs
     self.optax_optimizer = self._build(with_axes=True)

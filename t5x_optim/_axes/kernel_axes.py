@@ -143,6 +143,13 @@ class KernelAxesRule:
     return ("axis", position)
 
   def _by_names(self, path: str, names: AxisNames, reduction: tuple, output: tuple) -> KernelAxes:
+    named = (*reduction, *output)
+    twice = next((name for name in named if named.count(name) > 1), None)
+    if twice is not None:
+      raise UnplaceableParamsError(
+        f"The override for '{path}' names the axis {twice!r} twice ({reduction} and "
+        f"{output}); each axis is on one side, once."
+      )
     where = {}
     for name in (*reduction, *output):
       if names.count(name) != 1:
@@ -195,6 +202,24 @@ class KernelAxesRule:
       )
     return KernelAxes(batch, tuple(runs[0][1]), tuple(runs[1][1]))
 
+  def unused_overrides(self, paths: Sequence[str]) -> list[tuple[str, str]]:
+    """``(pattern, why)`` for each override that places none of `paths`: it matches none of
+    them, or only paths that an earlier override takes (overrides are tried in order).
+
+    Example:
+      >>> KernelAxesRule(overrides={"mlp/wi": "adam"}).unused_overrides(["layers_0/mlp/wi"])
+      [('mlp/wi', 'matches no param')]
+    """
+    unused, taken = [], set()
+    for pattern, _ in self.overrides:
+      matched = {path for path in paths if re.fullmatch(pattern, path)}
+      if not matched:
+        unused.append((pattern, "matches no param"))
+      elif matched <= taken:
+        unused.append((pattern, "matches only params that an earlier override places"))
+      taken |= matched
+    return unused
+
   def place_all(self, axes: Mapping[str, AxisNames]) -> dict[str, KernelAxes | None]:
     """`place` for every ``{path: axis names}``, all failures in one error.
 
@@ -216,7 +241,7 @@ class KernelAxesRule:
       params = "param" if len(problems) == 1 else "params"
       raise UnplaceableParamsError(
         f"The kernel-axes rule cannot place {len(problems)} {params}: "
-        + "; ".join(problems)
+        + "; ".join(problem.rstrip(".") for problem in problems)
         + ". Add the axis names to KernelAxesRule.axis_groups, batch_axes or adam_axes, or "
         "give the path an override: KernelAxesRule(overrides={'<path regex>': 'adam'}) or "
         "{'<path regex>': (('<input axis>', ...), ('<output axis>', ...))}."
