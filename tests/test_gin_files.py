@@ -196,6 +196,18 @@ def test_two_schedules_of_one_configurable_are_two_rates(rates, logged):
   assert (found and found[0](0)) == logged
 
 
+@pytest.mark.parametrize(("adam_rate", "logged"), [("1e-3", False), ("%LEARNING_RATE", True)])
+def test_muons_adam_learning_rate_is_a_second_rate(adam_rate, logged):
+  """Muon with its own ``adam_learning_rate`` trains its other params at that rate: the run
+  logged Muon's schedule as the one learning rate."""
+  _config.parse_config(
+    gin_files=["optimizers/muon.gin"],
+    gin_bindings=[f"optimizers.muon.adam_learning_rate = {adam_rate}"],
+    macros=_config.device_macros(8),
+  )
+  assert (_config.optimizer_learning_rate() is not None) == logged
+
+
 @pytest.mark.parametrize(
   ("bindings", "path"),
   [

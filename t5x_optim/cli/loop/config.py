@@ -826,8 +826,9 @@ def describe_optimizer() -> str:
 
 
 _IDENTITY_DEPTH = 16
-_RATES = frozenset({"learning_rate", "step_size"})
-"""The names of an optimizer's learning rate (``step_size``: jax.example_libraries')."""
+_RATES = frozenset({"learning_rate", "step_size", "adam_learning_rate"})
+"""The names of an optimizer's learning rates (``step_size``: jax.example_libraries';
+``adam_learning_rate``: Muon's for the params it sends to Adam)."""
 
 
 def optimizer_identity() -> str:
