@@ -233,6 +233,17 @@ def test_processes_of_different_jobs_stop_before_the_first_step(extra, message, 
   )
 
 
+def test_processes_with_other_device_counts_stop_before_the_first_step(tmp_path):
+  """Process 0 with 4 devices, process 1 with 2: both ended in a traceback from the gather that
+  compares their jobs ("cannot reshape array of size 6 into shape (2,4)")."""
+  two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  for code, out, err in _two_processes(tmp_path, [[], []], envs=({}, two)):
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1, err
+    assert "the processes have other numbers of devices: 4 on process 0, 2 on process 1" in err
+    assert "step 1" not in out
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo collectives: not on Windows")
 def test_processes_that_read_other_text_at_the_same_path_stop_before_the_first_step(tmp_path):
   """Each host with its own copy of the corpus at the same path (here one gs:// path on two

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -158,13 +159,21 @@ def agree(flags: Mapping[str, str], config: str | None) -> str | None:
   process learns it, instead of waiting for it).
 
   Returns:
-    None when every process has the same flags and config; else one line
-    naming the first difference with both sides.
+    None when every process has as many devices and the same flags and
+    config; else one line naming the first difference with both sides.
   """
   import json  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
 
+  # Every process knows every device; the gather below needs as many on each process.
+  counts = collections.Counter(device.process_index for device in jax.devices())
+  if len(set(counts.values())) > 1:
+    listed = ", ".join(f"{n} on process {i}" for i, n in sorted(counts.items()))
+    return (
+      f"the processes have other numbers of devices: {listed}; every process of a job needs "
+      "as many (XLA_FLAGS, CUDA_VISIBLE_DEVICES, the host's accelerators)."
+    )
   mine = {**flags, "config": config}
   texts = _gather_texts(json.dumps(mine, sort_keys=True))
   everyone = [json.loads(text) for text in texts]
