@@ -31,6 +31,7 @@ from t5x_optim.cli import SyntheticTask, TransformerConfig, main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
+from t5x_optim.cli.loop.metrics import MetricWriters
 
 pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
@@ -363,7 +364,55 @@ def test_a_crash_in_the_loop_saves_the_last_state_and_exits_1(tmp_path):
   assert _checkpoint_steps(model_dir) == [crashed]
 
 
+@pytest.mark.slow
+def test_a_save_that_fails_names_the_latest_committed_step(tmp_path):
+  """A save that fails (here files capped at 40 KiB, as a full disk) left step 4 uncommitted,
+  and the run's last line said "the latest checkpoint is step 4"."""
+  pytest.importorskip("resource")  # POSIX only
+  model_dir = tmp_path / "run"
+  args = [*TINY, "--model_dir", str(model_dir), "--compilation_cache", "none"]
+  args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2"]
+  assert main(["train", *args, "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
+  cap = (
+    f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({40 * 1024},) * 2); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+  )
+  command = _command("train", *args, "--gin_bindings", "TOTAL_STEPS = 4")
+  capped = subprocess.run(
+    [command[0], "-c", cap, *command[1:]],
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    check=False,
+  )
+  assert capped.returncode == 1, capped.stderr[-3000:]
+  line = next(x for x in capped.stderr.splitlines() if x.startswith("t5x-optim train: error"))
+  assert "File too large" in line, line
+  assert f"the latest checkpoint is step 2 in {model_dir}/checkpoints (not the last state" in line
+  assert _checkpoint_steps(model_dir) == [2]
+
+
 # Quick checks of the parts ----------------------------------------------------------------
+
+
+def test_event_writers_that_fail_to_close_keep_the_error_that_stopped_the_run(
+  tmp_path, monkeypatch
+):
+  """A full disk under the model directory: the event writers' OSError as they closed replaced
+  the loop's failure (the run's one line), and the run ended in a 900-line traceback."""
+  import tensorboardX  # noqa: PLC0415
+
+  def disk_full(self):
+    raise OSError(28, "No space left on device")
+
+  writers = MetricWriters(tmp_path, start_step=0)
+  monkeypatch.setattr(tensorboardX.SummaryWriter, "close", disk_full)
+  with pytest.raises(RuntimeError, match="the loop's error"), writers:
+    raise RuntimeError("the loop's error")
+  with pytest.raises(OSError, match="No space left"), writers:
+    pass
 
 
 def test_sigterm_sets_the_preemption_flag_once_and_arms_the_grace():

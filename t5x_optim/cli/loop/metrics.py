@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Self
@@ -58,8 +59,13 @@ class MetricWriters:
   def __enter__(self) -> Self:
     return self
 
-  def __exit__(self, *exc_info: object) -> None:
-    self.close()
+  def __exit__(self, error_type: type | None, *rest: object) -> None:
+    if error_type is None:
+      self.close()
+      return
+    # The error in flight is the run's; one in closing (the same full disk) would replace it.
+    with contextlib.suppress(Exception):
+      self.close()
 
   def write(self, kind: str, step: int, scalars: Mapping[str, float | None]) -> None:
     """Writes the scalars that are not None at `step` and flushes them to disk."""

@@ -1279,11 +1279,11 @@ def _loop(
   try:
     return _steps(setup, state, checkpointer, writers, interrupt, stream, saved=saved)
   except _Stopped as stopped:
-    step, state, saved, error = stopped.step, stopped.state, stopped.saved, stopped.error
+    step, state, error = stopped.step, stopped.state, stopped.error
+    saved = _newest_committed(checkpointer, stopped.saved)
   if isinstance(error, Diverged):
     # Not saved: the state before a divergence is often already bad, and its save would
     # rotate an older, good checkpoint away.
-    checkpointer.wait_until_finished()
     raise Diverged(
       error.step, error.loss, error.grad_norm, saved=saved, skipped=error.skipped
     ) from None
@@ -1291,6 +1291,20 @@ def _loop(
     (saved, "") if step == start else _save_on_the_way_out(checkpointer, state, step, saved)
   )
   raise LoopFailed(step, error, saved=saved, note=note) from error
+
+
+def _newest_committed(checkpointer: Checkpointer, saved: int | None) -> int | None:
+  """The newest step up to `saved` whose save completed, once the saves in flight end.
+
+  The loop counts a step saved when its save starts; a save that fails (a full
+  disk) leaves it uncommitted, and its error is the run's or comes with it.
+  """
+  with contextlib.suppress(Exception):
+    checkpointer.wait_until_finished()
+  if saved is None:
+    return None
+  steps = reversed([s for s in checkpointer.all_steps() if s <= saved])
+  return next((s for s in steps if checkpointer.is_committed(s)), None)
 
 
 class _Stopped(Exception):
