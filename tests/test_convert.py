@@ -1292,3 +1292,71 @@ def test_the_report_of_stacked_params_counts_and_names_params_not_buffers():
     "0 (ScaleByAdamState).nu: 3 params without a source value (e.g. b)"
   )
   assert reports[2:] == reports[:2]
+
+
+def test_a_converting_restore_says_which_checkpoint_step_it_read(tmp_path):
+  """`restored_step` after a restore with convert_from= was the optimizer's step counter (1),
+  not the checkpoint step read (100)."""
+  source = _optimizer(BY_NAME["sgd_momentum"])
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(100, source.replace(state=source.state.replace(step=1)))
+    for step in (None, 100):
+      checkpointer.restore(
+        OptaxWrapper(BY_NAME["sgd_momentum"].make()).create(PARAMS),
+        step,
+        convert_from=OptaxWrapper(BY_NAME["sgd_momentum"].make()),
+      )
+      assert checkpointer.restored_step == 100
+
+
+def _kernel_axes_variables() -> dict[str, Any]:
+  return {
+    "params": {
+      "emb": nn.LogicallyPartitioned(jnp.ones((16, 8)), ("vocab", "embed")),
+      "wi": nn.LogicallyPartitioned(jnp.ones((8, 16)), ("embed", "mlp")),
+    }
+  }
+
+
+def _creates_without_axes(definition: Any) -> bool:
+  """Whether `definition` has axes bound: low_precision's axis rules refuse params without."""
+  try:
+    definition.create({"emb": jnp.ones((16, 8)), "wi": jnp.ones((8, 16))})
+  except ValueError:
+    return False
+  return True
+
+
+@pytest.mark.parametrize(
+  "make_source, bound",
+  [
+    (lambda: optimizers.muon(learning_rate=0.02), lambda d: d.param_specs is not None),
+    (
+      lambda: OptaxWrapper(
+        t5x_optim.low_precision(
+          optax.adam(1e-2), "bfloat16", min_size=0, param_modes=[("axis:vocab", "float32")]
+        )
+      ),
+      _creates_without_axes,
+    ),
+  ],
+  ids=["muon", "low_precision_axis_rule"],
+)
+@pytest.mark.parametrize("step", [None, 999], ids=["restored", "failed"])
+def test_a_converting_restore_leaves_the_callers_source_definition_as_it_was(
+  tmp_path, make_source, bound, step
+):
+  """The source definition got the target's logical axes bound in place (`set_param_axes`),
+  whether the restore succeeded or failed: the caller's object placed its params by another
+  model's axes afterwards."""
+  written = t5x_optim.TrainState.create(make_source(), _kernel_axes_variables())
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(1, written)
+  source = make_source()
+  target = t5x_optim.TrainState.create(optimizers.adamw(1e-3), _kernel_axes_variables())
+  if step is None:
+    t5x_optim.restore_converted(tmp_path, target, source=source, missing="init")
+  else:
+    with pytest.raises(FileNotFoundError):
+      t5x_optim.restore_converted(tmp_path, target, source=source, step=step, missing="init")
+  assert not bound(source)

@@ -349,12 +349,20 @@ class OptaxWrapper(OptimizerDef):
       )
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
-    if takes_param_axes(optax_optimizer) and not hasattr(self, "set_param_axes"):
-      self._axes_aware = optax_optimizer
-      self.set_param_axes = self._set_param_axes
+    self._axes_aware = optax_optimizer if takes_param_axes(optax_optimizer) else None
+
+  @property
+  def set_param_axes(self) -> Callable[[Any], None]:
+    """T5X's hook, only where the transformation is an `AxesAwareTransformation` (T5X asks
+    no axes of a definition without it): takes the params' logical axes and builds the
+    transformation for them."""
+    if getattr(self, "_axes_aware", None) is None:
+      raise AttributeError(
+        f"{type(self).__name__}: its transformation takes no logical axes (no set_param_axes)"
+      )
+    return self._set_param_axes
 
   def _set_param_axes(self, param_logical_axes: Any) -> None:
-    """Takes the params' logical axes (T5X's hook) and builds the transformation for them."""
     self.optax_optimizer = self._axes_aware.with_param_axes(param_logical_axes)
 
   def create(self, target: Any) -> Optimizer:

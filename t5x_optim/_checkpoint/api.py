@@ -66,8 +66,11 @@ class Checkpointer(store.Checkpointer):
         f"restore(convert_from=...) takes no {sorted(options)}: a converting restore "
         "reads one step whole."
       )
+    if step is None:
+      only_t5x = self._holds_only_t5x_checkpoints()
+      step = t5x_read.latest_t5x_step(self.directory) if only_t5x else self._resolve_step(None)
     restored = converting.restore_with_conversion(self.directory, target, convert_from, step)
-    self._restored_step = int(store.optimizer_of(restored).state.step)
+    self._restored_step = step
     return restored
 
 

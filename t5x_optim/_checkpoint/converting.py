@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -78,6 +79,7 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
   elif not two and trains_lookahead_params(source_def):
     params, axes = optax.LookaheadParams.init_synced(params), None if axes is None else axes * 2
   if axes is not None and hasattr(source_def, "set_param_axes"):
+    source_def = copy.copy(source_def)  # the caller's definition keeps its own axes
     source_def.set_param_axes(jax.tree.structure(params).unflatten(axes))
   old = jax.eval_shape(source_def.create, params)
   if isinstance(target, TrainState):
