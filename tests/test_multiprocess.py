@@ -176,6 +176,55 @@ def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and message in err, err
 
 
+def _alone(tmp_path: Path, *flags: str) -> subprocess.Popen:
+  """Process 1 of a job of 2 whose process 0 never starts."""
+  args = [*TINY_TEXT, "--model_dir", str(tmp_path / "run"), *flags]
+  args += ["--coordinator_address", f"127.0.0.1:{free_port()}"]
+  return subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "t5x_optim_launcher",
+      *args,
+      "--num_processes",
+      "2",
+      "--process_id",
+      "1",
+    ],
+    cwd=tmp_path,
+    env=_env(4),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def test_a_process_whose_peers_never_connect_stops_in_one_line_when_the_wait_ends(tmp_path):
+  """Its coordinator unreachable (or a --process_id given twice), a process printed nothing for
+  300 s, then jax aborted it (status 134) with a 100-line C++ stack trace."""
+  started = time.monotonic()
+  code, out, err = communicate_all([_alone(tmp_path, "--startup_timeout_seconds", "3")], 60)[0]
+  assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+  assert len(err.splitlines()) == 1, err
+  assert "after 3 s, not every one of the job's 2 processes had connected" in err, err
+  assert time.monotonic() - started < 45
+
+
+def test_sigterm_while_a_process_waits_for_its_peers_stops_it_in_one_line(tmp_path):
+  """SIGTERM and Ctrl-C went unheard while jax waited for the other processes to connect: a
+  scheduler's stop took effect only when jax gave up, 300 s later."""
+  proc = _alone(tmp_path)
+  line = proc.stdout.readline()
+  assert "waiting for the job's 2 processes" in line, line
+  proc.send_signal(signal.SIGTERM)
+  code, out, err = communicate_all([proc], 30)[0]
+  assert code == 143, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+  assert err.splitlines()[-1] == (
+    "t5x-optim train: preempted (SIGTERM) while waiting for the job's processes; nothing was "
+    "started."
+  ), err
+
+
 def _two_processes(
   tmp_path: Path,
   extra: Sequence[Sequence[str]],

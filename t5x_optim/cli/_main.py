@@ -489,7 +489,7 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
 def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
   if args.command == "train":
     try:
-      _processes.start(args)
+      _processes.start(args, interrupt)
     except ValueError as error:
       return _fail(args, error)
   import gin  # noqa: PLC0415

@@ -37,12 +37,23 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
+
+from t5x_optim.cli.loop.interrupt import Interrupt
 
 __all__ = ["add_flags", "agree", "is_primary", "see_one_directory", "several", "start", "wanted"]
 
 _CLUSTER_SIZES = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+DEFAULT_STARTUP_TIMEOUT_S = 300
+"""How long a process waits for every process of the job to connect (jax's default)."""
+_EXIT_BAD_START = 2
+"""The command's status for bad input: processes that never all connect were given bad flags."""
+_WAIT_NOTE_S = 5.0
+"""A wait for the other processes longer than this is said on stdout."""
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +71,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   )
   group.add_argument("--num_processes", type=int, default=None, metavar="N")
   group.add_argument("--process_id", type=int, default=None, metavar="I", help="0 <= I < N")
+  group.add_argument(
+    "--startup_timeout_seconds",
+    type=int,
+    default=DEFAULT_STARTUP_TIMEOUT_S,
+    metavar="S",
+    help=f"how long each process waits for all to connect (default {DEFAULT_STARTUP_TIMEOUT_S})",
+  )
 
 
 def _cluster_size(environ: Mapping[str, str]) -> int:
@@ -78,8 +96,14 @@ def wanted(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -
   return any(value is not None for value in given) or _cluster_size(environ) > 1
 
 
-def start(args: argparse.Namespace) -> None:
+def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
   """Connects this process to the others when `wanted`; call before any other jax call.
+
+  jax waits in C++ for every process to connect, deaf to signals, and aborts
+  the process when its time runs out. The wait runs in a thread instead, so
+  that a Ctrl-C or SIGTERM (`interrupt`) ends it at once and the deadline
+  (``--startup_timeout_seconds``) in one line; either ends the process there
+  (``os._exit``), as jax's start-up cannot be abandoned.
 
   Raises:
     ValueError: the flags do not describe a process of a job, or no
@@ -93,6 +117,10 @@ def start(args: argparse.Namespace) -> None:
       "same directory."
     )
   count, index = args.num_processes, args.process_id
+  if args.startup_timeout_seconds < 1:
+    raise ValueError(
+      f"--startup_timeout_seconds must be at least 1, got {args.startup_timeout_seconds}."
+    )
   if count is not None and count < 1:
     raise ValueError(f"--num_processes must be at least 1, got {count}.")
   if index is not None and count is not None and not 0 <= index < count:
@@ -103,10 +131,62 @@ def start(args: argparse.Namespace) -> None:
 
   # CPU devices of different processes exchange collectives through gloo.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  try:
-    distributed.initialize(args.coordinator_address, num_processes=count, process_id=index)
-  except (RuntimeError, ValueError) as error:
+  timeout = args.startup_timeout_seconds
+  failed: list[BaseException] = []
+
+  def connect() -> None:
+    try:
+      # jax's own deadline after this process's, which then ends the wait with its line.
+      distributed.initialize(
+        args.coordinator_address,
+        num_processes=count,
+        process_id=index,
+        initialization_timeout=timeout + 60,
+      )
+    except BaseException as error:  # noqa: BLE001 - handed to the main thread
+      failed.append(error)
+
+  thread = threading.Thread(target=connect, name="t5x-optim start-up", daemon=True)
+  thread.start()
+  begun = time.monotonic()
+  noted = False
+  while thread.is_alive():
+    thread.join(0.2)
+    waited = time.monotonic() - begun
+    if interrupt.requested:
+      what = "preempted (SIGTERM)" if interrupt.preempted else "interrupted"
+      _end(f"{what} while waiting for the job's processes; nothing was started.", interrupt)
+    if waited >= timeout and thread.is_alive():
+      where = args.coordinator_address or "the coordinator the cluster names"
+      _end(
+        f"error: multi-process start-up failed: after {timeout} s, not every one of the job's "
+        f"{count or 'N'} processes had connected to the coordinator at {where} (process 0 runs "
+        "it; each --process_id must run once, all with the same --coordinator_address and "
+        "--num_processes); nothing was started.",
+        None,
+      )
+    if not noted and waited >= _WAIT_NOTE_S and thread.is_alive():
+      print(
+        f"process {index if index is not None else '?'}: waiting for the job's "
+        f"{count or 'N'} processes at {args.coordinator_address or 'the cluster coordinator'} "
+        f"(at most {timeout} s)",
+        flush=True,
+      )
+      noted = True
+  if failed:
+    error = failed[0]
+    if not isinstance(error, (RuntimeError, ValueError)):
+      raise error
     raise ValueError(f"multi-process start-up failed: {' '.join(str(error).split())}") from error
+
+
+def _end(line: str, interrupt: Interrupt | None) -> None:
+  """Ends the process with `line` (after ``t5x-optim train: ``) while jax's start-up runs in
+  its thread: 2, or the status of `interrupt`'s signal."""
+  print(f"t5x-optim train: {line}", file=sys.stderr, flush=True)
+  if interrupt is not None:
+    interrupt.cancel()
+  os._exit(_EXIT_BAD_START if interrupt is None else interrupt.exit_status)
 
 
 def is_primary() -> bool:
