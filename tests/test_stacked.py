@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from optimizer_table import TABLE, Case, tree_equal
 from test_fused import leaf_scale_ulps
 
+import t5x_optim
 from t5x_optim import OptaxWrapper, StackedParams, stack_params
 from t5x_optim.partitioning import (
   create_mesh,
@@ -360,3 +361,32 @@ def test_sharded_stacked_steps_match_unsharded(zero):
   mu_specs = [b.sharding.spec for b in sharded.state.param_states[1][0].mu.buffers]
   zero_specs = [P("data", "model"), P("data", None, "model"), P("data", "model", None)]
   assert mu_specs == (zero_specs if zero else specs)
+
+
+def _layers(n: int = 3) -> dict[str, Any]:
+  return {f"layer_{i}": {"kernel": jnp.full((4, 32), 0.5 * (i + 1))} for i in range(n)}
+
+
+def test_conversion_between_stacked_and_per_leaf_optimizers_in_memory():
+  """A stacked optimizer into a per-leaf one (or back) was refused, naming the stacked buffers
+  ('the source's params have buffers/0, which the target's do not'), while a checkpoint
+  converted the same states: the two layouts differ only in how the params are kept."""
+  params = _layers()
+  grads = jax.tree.map(lambda x: x * 0.1, params)
+  adam = optax.adam(1e-2)
+  per_leaf = OptaxWrapper(adam).create(params).apply_gradient(grads)
+  stacked = OptaxWrapper(adam).create(stack_params(params, tx=adam)).apply_gradient(grads)
+  lion = optax.lion(1e-3, b2=0.999)
+
+  into_per_leaf, report = t5x_optim.convert_state(stacked, OptaxWrapper(lion).create(params))
+  expected, expected_report = t5x_optim.convert_state(per_leaf, OptaxWrapper(lion).create(params))
+  assert tree_equal(into_per_leaf.state, expected.state), report
+  assert report.converted == expected_report.converted
+
+  stacked_lion = OptaxWrapper(lion).create(stack_params(params, tx=lion))
+  into_stacked, _ = t5x_optim.convert_state(per_leaf, stacked_lion)
+  assert isinstance(into_stacked.target, StackedParams)
+  assert tree_equal(into_stacked.state_dict(), expected.state_dict())
+  assert tree_equal(
+    into_stacked.apply_gradient(grads).state_dict(), expected.apply_gradient(grads).state_dict()
+  )

@@ -75,7 +75,7 @@ from t5x_optim._convert.registry import (
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._layouts.stacked import StackedParams
+from t5x_optim._layouts.stacked import StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (
   QUANTIZED_LEAF_TYPES,
   LowPrecisionState,
@@ -789,6 +789,10 @@ def _placed(value: Any, like: Any) -> Any:
   return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
+def _stacked(optimizer: Any) -> bool:
+  return isinstance(optimizer, Optimizer) and isinstance(optimizer.target, StackedParams)
+
+
 def convert_state(
   source: Optimizer | Mapping[str, Any],
   target: Optimizer | OptimizerDef,
@@ -847,7 +851,9 @@ def convert_state(
     `Optimizer` target), the params are the slow copy (the report's
     ``dropped`` names the fast one), or both copies are the source's params.
     Stacked params (`t5x_optim.stack_params`) with a definition `target` get
-    the stacked layer its ``create`` would put around it.
+    the stacked layer its ``create`` would put around it; between an optimizer
+    of stacked params and an `Optimizer` target of per-leaf ones (or back),
+    the states are converted per leaf and the result has the target's layout.
 
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
@@ -878,6 +884,17 @@ def convert_state(
   """
   if missing not in _MISSING_POLICIES:
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
+  if _stacked(source) != _stacked(target) and isinstance(target, Optimizer):
+    # One side keeps its params stacked: converted per leaf, as checkpoints hold both layouts.
+    converted, report = convert_state(
+      per_leaf(source) if _stacked(source) else source,
+      per_leaf(target) if _stacked(target) else target,
+      source_def=source_def,
+      source_hparams=source_hparams,
+      target_hparams=target_hparams,
+      missing=missing,
+    )
+    return (stacked_like(converted, target) if _stacked(target) else converted), report
   params, step, param_states = _source_parts(source, source_def)
   step = jnp.asarray(step).astype(jnp.int32)
   source_adamax = _adamax_paths(

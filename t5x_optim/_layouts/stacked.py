@@ -504,6 +504,20 @@ class StackedOptimizerDef(OptimizerDef):
     return self.inner.derive_logical_axes(optimizer, axes)
 
 
+def per_leaf(optimizer: Optimizer) -> Optimizer:
+  """An optimizer of stacked params as its inner definition's, per leaf: its params and state
+  as its state dict and checkpoints hold them."""
+  target, state = _unstacked(optimizer.target, optimizer.state)
+  return Optimizer(optimizer_def=optimizer.optimizer_def.inner, state=state, target=target)
+
+
+def stacked_like(optimizer: Optimizer, reference: Optimizer) -> Optimizer:
+  """A per-leaf `optimizer` stacked as `reference` (a stacked optimizer of the same params and
+  update) is, in its shardings."""
+  target, state = _restacked(reference.state, optimizer.target, optimizer.state, reference.target)
+  return Optimizer(optimizer_def=reference.optimizer_def, state=state, target=target)
+
+
 def _unstacked(target: StackedParams, state: OptimizerState) -> tuple[Any, OptimizerState]:
   """`target` and `state` with every `StackedParams` subtree per leaf."""
   param_states = jax.tree.map(
