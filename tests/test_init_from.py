@@ -278,3 +278,21 @@ def test_init_from_a_directory_without_checkpoints_is_one_line(tmp_path, capsys)
   assert not (tmp_path / "new" / "checkpoints").exists() or not any(
     (tmp_path / "new" / "checkpoints").iterdir()
   )
+
+
+@pytest.mark.slow
+def test_init_from_a_step_at_or_past_total_steps_is_refused(tmp_path, capsys):
+  """A run started from another run's step 3 with TOTAL_STEPS = 3 trained nothing, saved
+  nothing and exited 0: its model directory held no checkpoint to evaluate or resume."""
+  old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+  three = ["--gin_bindings", "TOTAL_STEPS = 3"]
+  assert main(["train", *TINY, *three, "--model_dir", str(old_dir)]) == 0
+  capsys.readouterr()
+  flags = ["--init_from", str(old_dir), "--model_dir", str(new_dir)]
+  assert main(["train", *TINY, "--gin_file", "optimizers/adafactor.gin", *three, *flags]) == 2
+  assert capsys.readouterr().err == (
+    f"t5x-optim train: error: --init_from {old_dir}: its checkpoint is at step 3, and the run "
+    "ends at TOTAL_STEPS 3, so it would train nothing; raise TOTAL_STEPS (the steps count on "
+    "from the checkpoint's).\n"
+  )
+  assert not (new_dir / "checkpoints").exists() or not any((new_dir / "checkpoints").iterdir())

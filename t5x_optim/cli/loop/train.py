@@ -1179,6 +1179,12 @@ def _train(
   _sync("t5x_optim: skipped checkpoints set aside")
   if resume.state is None:
     state = setup.create(*setup.init_args) if initial_state is None else initial_state()
+    if initial_state is not None and int(state.step) >= train_job.total_steps:
+      raise UsageError(
+        f"--init_from {init_from}: its checkpoint is at step {int(state.step)}, and the run "
+        f"ends at TOTAL_STEPS {train_job.total_steps}, so it would train nothing; raise "
+        "TOTAL_STEPS (the steps count on from the checkpoint's)."
+      )
   else:
     state = _configured_constants(resume.state)
   start = int(state.step)
