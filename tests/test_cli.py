@@ -60,9 +60,20 @@ def _command(*args: str) -> list[str]:
   return [sys.executable, "-m", "t5x_optim_launcher", *args]
 
 
-def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _run(
+  *args: str, cwd: Path = REPO, max_file_bytes: int | None = None
+) -> subprocess.CompletedProcess:
+  """The command in a subprocess; with `max_file_bytes`, no file it writes may grow past that
+  (``RLIMIT_FSIZE``, set by the interpreter before it runs the command in its place)."""
+  command = _command(*args)
+  if max_file_bytes is not None:
+    cap = (
+      f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes},) "
+      "* 2); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    command = [command[0], "-c", cap, *command[1:]]
   return subprocess.run(
-    _command(*args),
+    command,
     cwd=cwd,
     env=_env(),
     capture_output=True,

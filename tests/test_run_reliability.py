@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 from _subprocesses import communicate_all
-from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env
+from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run
 
 from t5x_optim import Checkpointer, optimizers, partitioning
 from t5x_optim.cli import SyntheticTask, TransformerConfig, main
@@ -373,20 +373,7 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path):
   args = [*TINY, "--model_dir", str(model_dir), "--compilation_cache", "none"]
   args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2"]
   assert main(["train", *args, "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
-  cap = (
-    f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({40 * 1024},) * 2); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-  )
-  command = _command("train", *args, "--gin_bindings", "TOTAL_STEPS = 4")
-  capped = subprocess.run(
-    [command[0], "-c", cap, *command[1:]],
-    cwd=REPO,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    check=False,
-  )
+  capped = _run("train", *args, "--gin_bindings", "TOTAL_STEPS = 4", max_file_bytes=40 * 1024)
   assert capped.returncode == 1, capped.stderr[-3000:]
   line = next(x for x in capped.stderr.splitlines() if x.startswith("t5x-optim train: error"))
   assert "File too large" in line, line
