@@ -131,6 +131,19 @@ def test_files_under_and_seeking_reads(where):
     assert stream.read() == b"e/c.txt"
 
 
+def test_files_under_lists_a_tree_in_one_order_on_every_storage(where, tmp_path):
+  """'books/vol1.txt' came before 'books.txt' on local disk and after it on gs://: one corpus
+  copied to a bucket was another byte stream, held out other text and resumed as other data."""
+  names = ["books.txt", "books/vol1.txt", "books-2.txt", "a/b/c.txt", "a.b"]
+  for name in names:
+    (epath.Path(where) / name).write_text(name)
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(name)
+  local = [p.relative_to(tmp_path).as_posix() for p in storage.files_under(tmp_path)]
+  remote = [os.fspath(p)[len(where) + 1 :] for p in storage.files_under(where)]
+  assert remote == local, (remote, local)
+
+
 @pytest.mark.slow
 def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where, monkeypatch):
   monkeypatch.setattr(Lease, "seconds", 1.5)  # A live writer renews it every 0.5 s.

@@ -158,7 +158,8 @@ def join(path: str | os.PathLike[str], *names: str) -> str:
 
 
 def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
-  """Every file below the directory `root`, recursively, sorted by path.
+  """Every file below the directory `root`, recursively, sorted by path (component by
+  component, on every storage alike).
 
   `epath`'s ``rglob`` refuses object stores (a request per directory), and
   its ``walk`` drops the scheme; this lists them one directory at a time.
@@ -173,12 +174,16 @@ def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
   """
   top = as_path(root)
   if scheme_of(top) is None:
-    return sorted(path for path in top.rglob("*") if path.is_file())
-  found, pending = [], [top]
-  while pending:
-    for child in pending.pop().iterdir():
-      (pending if child.is_dir() else found).append(child)
-  return sorted(found, key=os.fspath)
+    found = [path for path in top.rglob("*") if path.is_file()]
+  else:
+    found, pending = [], [top]
+    while pending:
+      for child in pending.pop().iterdir():
+        (pending if child.is_dir() else found).append(child)
+  # By path components below `root` (as paths sort), on every storage alike: sorted as
+  # strings, 'books.txt' would come before 'books/vol1.txt' ('.' < '/').
+  prefix = len(os.fspath(top).rstrip("/")) + 1
+  return sorted(found, key=lambda path: os.fspath(path)[prefix:].split("/"))
 
 
 def file_size(path: str | os.PathLike[str]) -> int:
