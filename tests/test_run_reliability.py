@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 from _subprocesses import communicate_all
-from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run
+from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run, _scalars
 
 from t5x_optim import Checkpointer, optimizers, partitioning
 from t5x_optim.cli import SyntheticTask, TransformerConfig, main
@@ -382,6 +382,20 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path):
 
 
 # Quick checks of the parts ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_that_starts_at_step_0_drops_the_events_of_one_that_saved_nothing(tmp_path):
+  """A run that diverged (or was killed) before its first checkpoint left its events; the
+  next start at step 0 purged nothing, so TensorBoard showed each step twice, one of them
+  at a learning rate of 1e30."""
+  with MetricWriters(tmp_path, start_step=0) as writers:
+    writers.write("train", 1, {"learning_rate": 1e30})
+  time.sleep(1.1)  # event files are named by the second they are opened in
+  with MetricWriters(tmp_path, start_step=0) as writers:
+    for step in (1, 2):
+      writers.write("train", step, {"learning_rate": 0.5})
+  assert _scalars(tmp_path / "train")["learning_rate"] == [(1, 0.5), (2, 0.5)]
 
 
 def test_event_writers_that_fail_to_close_keep_the_error_that_stopped_the_run(

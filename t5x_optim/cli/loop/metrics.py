@@ -43,13 +43,16 @@ class MetricWriters:
 
   Args:
     model_dir: the run's directory.
-    start_step: the step the run starts from; on a resumed run TensorBoard
-      drops events logged after it by the interrupted run (its purge step).
+    start_step: the step the run starts from; TensorBoard drops the events
+      that an earlier run logged after it (its purge step): a resume's
+      interrupted steps, or all of those of a run that saved nothing.
     enabled: False writes nothing (the processes other than 0 of a run).
   """
 
   def __init__(self, model_dir: Path, *, start_step: int, enabled: bool = True):
-    purge = start_step + 1 if start_step else None
+    # Events of steps after the start are an earlier run's that never saved (a resume's
+    # interrupted steps, or a whole run that diverged or was killed before its first save).
+    purge = start_step + 1
     self._writers = {
       kind: tensorboardX.SummaryWriter(event_dir(model_dir, kind), purge_step=purge)
       for kind in (TRAIN, EVAL)
