@@ -103,6 +103,23 @@ def test_too_little_text_names_the_window(tmp_path, capsys):
   assert main(["plan", *TINY, "--data", str(path)]) == 2
   err = capsys.readouterr().err
   assert len(err.splitlines()) == 1 and "5 bytes are too few" in err, err
+  # gin's note on where the value was built ("In call to configurable 'TextTask' ...") is
+  # not the user's to read.
+  assert err.endswith("each (eval_fraction=0.1).\n"), err
+
+
+def test_a_model_dir_inside_the_data_directory_is_refused(tmp_path, capsys):
+  """--data corp --model_dir corp/run trained, and every resume then failed on the run's own
+  checkpoint files read as text ("binary data (NUL bytes)")."""
+  corpus = tmp_path / "corp"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text("to be or not to be " * 50)
+  model_dir = corpus / "run"
+  assert main(["train", *TINY, "--data", str(corpus), "--model_dir", str(model_dir)]) == 2
+  assert capsys.readouterr().err == (
+    f"t5x-optim train: error: --data {corpus} holds --model_dir {model_dir}: the run would "
+    "read its own checkpoints and logs as text; put the model directory elsewhere.\n"
+  )
 
 
 @pytest.mark.slow

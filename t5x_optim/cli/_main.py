@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -295,9 +296,22 @@ def _error(command: str, message: str) -> int:
   return EXIT_CONFIG_ERROR
 
 
+_GIN_NOTE = re.compile(r"\s+In call to configurable '[^']*' \(.*\)( in scope '[^']*')?$")
+"""What gin appends to an error raised where it builds a configurable: not the user's to read."""
+
+
 def _describe(error: BaseException) -> str:
-  text = " ".join(str(error).split()) or "(no message)"
+  text = _GIN_NOTE.sub("", " ".join(str(error).split())) or "(no message)"
   return text if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {text}"
+
+
+def _inside(path: str | os.PathLike[str], directory: str | os.PathLike[str]) -> bool:
+  """Whether `path` is `directory` or below it (local paths resolved, others as written)."""
+  path, directory = (
+    os.fspath(Path(p).resolve()) if "://" not in os.fspath(p) else os.fspath(p).rstrip("/")
+    for p in (path, directory)
+  )
+  return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _interrupted(command: str, interrupt: Interrupt) -> int:
@@ -533,6 +547,11 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
 
       label = "--data" if args.data is not None else "cli.TextTask.path"
       text_seen = _text.data_summary(text, label=label)
+      if train and model_dir is not None and _inside(model_dir, text):
+        raise ValueError(
+          f"{label} {text} holds --model_dir {model_dir}: the run would read its own "
+          "checkpoints and logs as text; put the model directory elsewhere."
+        )
     if _processes.several():
       # Each host runs its own installed libraries, reads its own copy of the text, and its
       # own view of the model and source directories (a host-local or relative path may be

@@ -142,7 +142,7 @@ def scan_text(path: str | Path, *, label: str = "text data") -> tuple[list[Path]
 
   Raises:
     ValueError: a missing path, no files, an empty file, or binary or
-      non-UTF-8 data; one line naming the path.
+      non-UTF-8 data in a file's first 64 KiB; one line naming the path.
 
   Example:
     >>> files, starts = scan_text('hamlet.txt')
