@@ -37,6 +37,7 @@ class Clock:
     self._t0: float | None = None
     self._step0 = 0
     self._paused = 0.0
+    self._left_out = 0
     self.total_steps = 0
     self.total_seconds = 0.0
 
@@ -46,26 +47,29 @@ class Clock:
 
   def start(self, step: int) -> None:
     """Starts timing after `step` completed (the compiling step is not timed)."""
-    self._t0, self._step0, self._paused = time.perf_counter(), step, 0.0
+    self._t0, self._step0, self._paused, self._left_out = time.perf_counter(), step, 0.0, 0
 
   @contextlib.contextmanager
-  def paused(self) -> Iterator[None]:
-    """Leaves the enclosed time (an eval, a save) out of the interval."""
+  def paused(self, *, steps: int = 0) -> Iterator[None]:
+    """Leaves the enclosed time (an eval, a save) out of the interval, and the `steps` it
+    takes (a step that compiles its program)."""
     begin = time.perf_counter()
     try:
       yield
     finally:
       self._paused += time.perf_counter() - begin
+      self._left_out += steps
 
   def interval(self, step: int) -> tuple[int, float]:
     """(steps, seconds) since the last call (or `start`); restarts the interval."""
     if self._t0 is None:
       return 0, 0.0
     now = time.perf_counter()
-    steps, seconds = step - self._step0, max(now - self._t0 - self._paused, 0.0)
+    steps = max(step - self._step0 - self._left_out, 0)
+    seconds = max(now - self._t0 - self._paused, 0.0)
     self.total_steps += steps
     self.total_seconds += seconds
-    self._t0, self._step0, self._paused = now, step, 0.0
+    self._t0, self._step0, self._paused, self._left_out = now, step, 0.0, 0
     return steps, seconds
 
 

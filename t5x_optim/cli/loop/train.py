@@ -1345,7 +1345,7 @@ def _steps(
       interrupt, checkpointer, step, job.log_every, first=step == start
     ):
       if setup.weights_step_fn is not None and (step + 1) % job.metrics_every == 0:
-        with clock.paused() if not compiled_weights else contextlib.nullcontext():
+        with clock.paused(steps=1) if not compiled_weights else contextlib.nullcontext():
           state, metrics = setup.weights_step_fn(state, setup.train_batch(step))
           if not compiled_weights:
             jax.block_until_ready(metrics)
