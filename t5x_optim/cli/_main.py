@@ -404,8 +404,9 @@ def _run_plan(args: argparse.Namespace, setup) -> int:
       print("\n".join(f"  {line}" for line in routes) + "\n")
     print(_plan.format_table(plan))
     print(
-      f"train step: peak {_plan.format_bytes(memory['peak'])} per device (XLA's memory "
-      f"analysis of the compiled step: arguments {_plan.format_bytes(memory['arguments'])} + "
+      f"train step: peak {_plan.format_bytes(memory['peak'])} per device, {memory['steps']} "
+      f"(XLA's memory analysis of the compiled step: arguments "
+      f"{_plan.format_bytes(memory['arguments'])} + "
       f"outputs {_plan.format_bytes(memory['outputs'])} + temporaries "
       f"{_plan.format_bytes(memory['temporaries'])} - donated "
       f"{_plan.format_bytes(memory['aliased'])}); optimizer state at rest "

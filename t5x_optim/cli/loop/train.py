@@ -498,24 +498,34 @@ def _abstract_batch(batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStr
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
-def step_memory(setup: Setup) -> dict[str, int]:
-  """XLA's memory analysis of the compiled train step, in bytes per device.
+def step_memory(setup: Setup) -> dict[str, Any]:
+  """XLA's memory analysis of the largest train step the run compiles, in bytes per device.
 
   ``peak`` is what the step holds at once: its arguments (params, optimizer
   state, batch), outputs and temporaries, less the outputs that reuse a
-  donated argument's buffer. Compiles the step; allocates nothing.
+  donated argument's buffer. The run also compiles a step that computes the
+  per-parameter metrics (every ``metrics_every`` steps), whose peak may be
+  the larger; ``steps`` says which steps it is. Compiles the steps;
+  allocates nothing.
   """
-  compiled = setup.step_fn.lower(
-    setup.abstract_state, _abstract_batch(setup.job.task.batch(0))
-  ).compile()
-  m = compiled.memory_analysis()
-  out = {
-    "arguments": m.argument_size_in_bytes,
-    "outputs": m.output_size_in_bytes,
-    "temporaries": m.temp_size_in_bytes,
-    "aliased": m.alias_size_in_bytes,
-  }
-  return out | {"peak": out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]}
+  batch = _abstract_batch(setup.job.task.batch(0))
+  largest: dict[str, Any] = {}
+  steps = [(setup.step_fn, "every step")]
+  if setup.weights_step_fn is not None:
+    every = setup.job.metrics_every
+    steps.append((setup.weights_step_fn, f"the steps with per-parameter metrics (every {every})"))
+  for step_fn, which in steps:
+    m = step_fn.lower(setup.abstract_state, batch).compile().memory_analysis()
+    out = {
+      "arguments": m.argument_size_in_bytes,
+      "outputs": m.output_size_in_bytes,
+      "temporaries": m.temp_size_in_bytes,
+      "aliased": m.alias_size_in_bytes,
+    }
+    out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    if out["peak"] > largest.get("peak", -1):
+      largest = out | {"steps": which}
+  return largest
 
 
 def prepare(job: TrainJob) -> Setup:
