@@ -507,10 +507,26 @@ BAD_INPUT = {
   ),
   "pinned_shape": (
     ["--gin_bindings", "partitioning.create_mesh.shape = {'data': 2, 'model': 2}"],
-    "which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8)",
+    "the gin config pins partitioning.create_mesh.shape = {'data': 2, 'model': 2}, which does "
+    "not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8)",
   ),
   "too_many_devices": (["--num_devices", "9"], "--num_devices 9: only 8 cpu devices"),
 }
+
+
+@pytest.mark.parametrize(
+  "pin, mesh",
+  [
+    ("partitioning.create_mesh.shape = {'data': 2, 'model': 4}", "mesh data=2 x model=4"),
+    ("partitioning.create_mesh.model_parallel_submesh = (1, 1, 4, 1)", "mesh data=2 x model=4"),
+  ],
+  ids=["shape", "submesh"],
+)
+def test_a_mesh_pinned_by_shape_or_submesh_is_the_mesh(pin, mesh, capsys):
+  """The default config binds num_partitions, so a fitting shape or submesh was refused as a
+  second pin: "pins num_partitions = 2, shape = {'data': 2, 'model': 4}, which does not fit"."""
+  assert main(["plan", *TINY, "--gin_bindings", pin]) == 0, capsys.readouterr().err
+  assert mesh in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUT))

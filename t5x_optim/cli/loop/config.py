@@ -209,11 +209,22 @@ def _evaluated(value: Any) -> Any:
   return value
 
 
+def _is_macro(value: Any, name: str) -> bool:
+  """Whether a gin binding's `value` is the macro reference ``%name``."""
+  return (
+    isinstance(value, gin.config.ConfigurableReference)
+    and value.configurable.wrapped is gin.config.macro
+    and value.scopes[-1] == name
+  )
+
+
 def check_mesh_pin(num_devices: int) -> None:
   """Checks that a mesh pinned in the parsed config fits `num_devices`.
 
   Call after `parse_config`; looks at the bindings of
-  ``partitioning.create_mesh``.
+  ``partitioning.create_mesh``. A ``shape`` or ``model_parallel_submesh``
+  given there replaces the default config's ``num_partitions =
+  %NUM_PARTITIONS``.
 
   Raises:
     ValueError: one line naming the pin, the device count and what would fit.
@@ -226,6 +237,12 @@ def check_mesh_pin(num_devices: int) -> None:
     ValueError: the gin config pins partitioning.create_mesh.num_partitions = 3, which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8), or shape {'data': d, 'model': m} with d * m = 8 (without a pin the mesh is data=4 x model=2).
   """
   bindings = gin.get_bindings(partitioning.create_mesh)
+  if any(bindings.get(name) is not None for name in ("shape", "model_parallel_submesh")):
+    # The default config's num_partitions gives way to a shape or submesh the user pins.
+    raw = gin.get_bindings(partitioning.create_mesh, resolve_references=False)
+    if _is_macro(raw.get("num_partitions"), "NUM_PARTITIONS"):
+      gin.bind_parameter("partitioning.create_mesh.num_partitions", None)
+      bindings = gin.get_bindings(partitioning.create_mesh)
   pinned = {
     name: _evaluated(bindings[name]) for name in _MESH_OPTIONS if bindings.get(name) is not None
   }
