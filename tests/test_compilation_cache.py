@@ -184,17 +184,20 @@ def test_an_entry_that_cannot_be_deleted_is_logged_and_jax_compiles_anew(
 
 
 def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
+  """jax compresses every entry (zstd, else zlib): an entry in neither format, such as one a
+  crash left filled with zeros, was kept and recorded intact, and jax warned at every start
+  that it could not read it and never cached that program again."""
   intact = zlib.compress(b"executable" * 100)
   (tmp_path / "jit_a-1-cache").write_bytes(intact)
   (tmp_path / "jit_b-2-cache").write_bytes(intact[:-3])
   (tmp_path / "jit_c-3-cache").write_bytes(b"")
   (tmp_path / "jit_d-4-cache").write_bytes(b"\x00unknown format")
+  (tmp_path / "jit_f-6-cache").write_bytes(bytes(len(intact)))
   (tmp_path / "jit_e-5-atime").write_bytes(b"\x00" * 8)
-  assert remove_damaged(tmp_path) == 2
+  assert remove_damaged(tmp_path) == 4
   assert sorted(p.name for p in tmp_path.iterdir()) == [
     "intact-entries.json",
     "jit_a-1-cache",
-    "jit_d-4-cache",
     "jit_e-5-atime",
   ]
   assert remove_damaged(tmp_path / "absent") == 0

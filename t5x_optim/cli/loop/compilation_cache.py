@@ -82,11 +82,9 @@ class CacheUse:
 
 
 def _decompressor(data: bytes) -> Any:
-  """The decompression of an entry's format: zlib, or zstd where a zstd module is there; or None."""
+  """The decompression of a zlib or zstd entry (None: zstd without a zstd module here)."""
   if data[:1] == bytes([_ZLIB_FIRST_BYTE]):
     return zlib.decompress
-  if data[:4] != _ZSTD_MAGIC:
-    return None
   with contextlib.suppress(ImportError):
     from compression import zstd  # noqa: PLC0415 - Python 3.14's
 
@@ -99,11 +97,12 @@ def _decompressor(data: bytes) -> Any:
 
 
 def _damaged(data: bytes) -> bool:
-  """Whether an entry cannot be read back: empty, or its compressed stream cut short or corrupt.
+  """Whether an entry cannot be read back: empty, neither zlib nor zstd (jax compresses every
+  entry), or its compressed stream cut short or corrupt.
 
-  An entry of a format this module cannot check counts as intact: jax reads it as before.
+  A zstd entry where no zstd module is at hand counts as intact: jax reads it as before.
   """
-  if not data:
+  if not data or (data[:1] != bytes([_ZLIB_FIRST_BYTE]) and data[:4] != _ZSTD_MAGIC):
     return True
   decompress = _decompressor(data)
   if decompress is None:
