@@ -296,3 +296,23 @@ def test_init_from_a_step_at_or_past_total_steps_is_refused(tmp_path, capsys):
     "from the checkpoint's).\n"
   )
   assert not (new_dir / "checkpoints").exists() or not any((new_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_init_from_a_t5x_directory_whose_config_does_not_parse_names_the_flag_and_file(
+  tmp_path, capsys
+):
+  """T5X's config.gin cut short gave only gin's "SyntaxError: Couldn't parse statement ...
+  (line 42)", naming neither --init_from nor the file."""
+  t5x_dir = tmp_path / "t5x"
+  _config.parse_config(gin_files=["examples/tiny.gin"], macros=_config.device_macros(8))
+  setup = _train.prepare(_config.build_job())
+  t5x_optim.save_t5x_checkpoint(t5x_dir, setup.create(*setup.init_args))
+  (t5x_dir / "config.gin").write_text(T5X_CONFIG.read_text() + "\nDROPOUT_RATE = (0.1,\n")
+  flags = ["--init_from", str(t5x_dir), "--model_dir", str(tmp_path / "new")]
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith(
+    f"t5x-optim train: error: --init_from {t5x_dir}: {t5x_dir}/config.gin does not parse: "
+  ), err

@@ -427,6 +427,11 @@ def _parsed(
       found = optimizer_config(config.read_text(), str(config))
     except ValueError as error:
       raise UsageError(f"--init_from {' '.join(str(error).split())}") from error
+    except _config.PARSE_ERRORS as error:
+      detail, line = _config.parse_problem(error)
+      raise UsageError(
+        f"--init_from {config.parent}: {config} does not parse: {detail} (line {line})"
+      ) from error
     if found.gin is None:
       return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}, None
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already;

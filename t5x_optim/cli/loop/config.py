@@ -461,6 +461,23 @@ def default_search_paths() -> list[Path]:
   return [GIN_DIR]
 
 
+PARSE_ERRORS = (SyntaxError, tokenize.TokenError)
+"""What gin's parser raises for text that is not gin."""
+
+
+def parse_problem(error: SyntaxError | tokenize.TokenError) -> tuple[str, int | None]:
+  """What is wrong in text gin could not parse (one of `PARSE_ERRORS`), and on which line.
+
+  Example:
+    >>> import tokenize
+    >>> parse_problem(tokenize.TokenError('EOF in multi-line statement', (3, 0)))
+    ('EOF in multi-line statement', 3)
+  """
+  if isinstance(error, SyntaxError):
+    return error.msg, error.lineno
+  return error.args[0], error.args[1][0]
+
+
 def parse_config(
   *,
   gin_files: Sequence[str] = (),
@@ -539,9 +556,9 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
   for text in bindings:
     try:
       gin.parse_config([*imports, text])
-    except (SyntaxError, tokenize.TokenError) as error:
+    except PARSE_ERRORS as error:
       # gin's line numbers count the imports put before the binding.
-      detail = error.msg if isinstance(error, SyntaxError) else error.args[0]
+      detail, _ = parse_problem(error)
       raise ValueError(f"--gin_bindings {text!r} does not parse: {detail}") from error
     after = _config_values()
     keys = tuple(
