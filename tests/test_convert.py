@@ -1127,6 +1127,23 @@ def test_lookahead_params_convert_to_and_from_one_copy():
   assert not report.initialised and not report.dropped
 
 
+def test_lookahead_into_lookahead_keeps_the_steps_since_the_last_sync():
+  """Lookahead into lookahead carried both copies of the params but restarted the count of fast
+  steps since the last sync at 0, without a word: the next sync came late, and the run
+  differed from the source continued."""
+  la, old = _lookahead(PARAMS)
+  assert int(old.state.param_states.steps_since_sync) == 2
+  new, report = t5x_optim.convert_state(old, la.create(optax.LookaheadParams.init_synced(PARAMS)))
+  assert int(new.state.param_states.steps_since_sync) == 2
+  assert (
+    "<root> (LookaheadState).steps_since_sync: from <root> (LookaheadState)" in report.converted
+  )
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5), PARAMS)
+  for _ in range(2):  # past the sync at the third step
+    old, new = old.apply_gradient(grads), new.apply_gradient(grads)
+  _assert_close(new.target, old.target)
+
+
 @pytest.mark.parametrize(("source", "target"), [(FrozenDict, dict), (dict, FrozenDict)])
 def test_a_target_in_another_container_gets_the_source_params_in_its_own(source, target):
   """T5X's older checkpoints hold FrozenDicts, flax's models give dicts: either way round the

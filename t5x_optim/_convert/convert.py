@@ -29,7 +29,9 @@ parent's clock (they update once per step of it; T5X's ``MultiOptimizer``
 passes its own step to its sub-optimizers); a ``MultiSteps``'
 ``gradient_step`` is the source's count for its params (its inner optimizer
 goes on from as many updates as its moments were gathered over), with
-``mini_step`` 0 and no accumulated gradient. Every other ``count``
+``mini_step`` 0 and no accumulated gradient; an ``optax.lookahead`` state's
+``steps_since_sync`` is a lookahead source's (both copies of the params are the source's),
+else 0 (one copy: just synced). Every other ``count``
 field (learning-rate schedules, injected hyper-parameters) is set to its clock,
 so schedules go on where the old run was instead of warming up again; a node
 that gets none of its moments starts fresh with count 0.
@@ -185,6 +187,37 @@ def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
   if isinstance(node, OptimizerState):
     return node.replace(step=_as_count(clock, node.step)), clock
   return node, clock
+
+
+def _is_lookahead(node: Any) -> bool:
+  return isinstance(node, optax.LookaheadState)
+
+
+def _carry_sync_count(source_states: Any, target_states: Any) -> tuple[Any, str | None]:
+  """The target's ``optax.lookahead`` state with the source's count of fast steps since the
+  last sync, when the source is lookahead too (the target's params are then both of the
+  source's copies, so the next sync falls where the source's would), and its report line.
+
+  From another optimizer, the fast and slow params are one: the count stays 0, just synced.
+  """
+  sources = jax.tree.flatten_with_path(source_states, is_leaf=_is_lookahead)[0]
+  sources = [(path, node) for path, node in sources if _is_lookahead(node)]
+  targets = jax.tree.flatten_with_path(target_states, is_leaf=_is_lookahead)[0]
+  targets = [(path, node) for path, node in targets if _is_lookahead(node)]
+  if len(sources) != 1 or len(targets) != 1:
+    return target_states, None
+  count = sources[0][1].steps_since_sync
+
+  def carry(node: Any) -> Any:
+    if not _is_lookahead(node):
+      return node
+    return node._replace(steps_since_sync=_as_count(count, node.steps_since_sync))
+
+  carried = jax.tree.map(carry, target_states, is_leaf=_is_lookahead)
+  where = [
+    "/".join(_state_dict.key_path_parts(path)) or "<root>" for path, _ in (sources[0], targets[0])
+  ]
+  return carried, f"{where[1]} (LookaheadState).steps_since_sync: from {where[0]} (LookaheadState)"
 
 
 def _is_quantized(node: Any) -> bool:
@@ -939,6 +972,9 @@ def convert_state(
     _held_params(trained),
   )
   _refuse_unread(given)
+  written, carried = _carry_sync_count(param_states, written)
+  if carried:
+    report = dataclasses.replace(report, converted=(*report.converted, carried))
   written = jax.tree.map(_placed, written, template.param_states)
   state = OptimizerState(step=_placed(step, template.step), param_states=written)
   return Optimizer(optimizer_def=optimizer_def, state=state, target=params), report
