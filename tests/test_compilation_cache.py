@@ -162,10 +162,12 @@ def test_an_unusable_cache_directory_is_one_line_and_nothing_trained(tmp_path, c
 def test_a_default_cache_that_cannot_be_made_is_a_warning_and_the_run_goes_on(tmp_path, capsys):
   (tmp_path / "compilation_cache").write_text("a file where the cache would go")
   assert _train_to(tmp_path, 1) == 0
-  err = capsys.readouterr().err
+  out, err = capsys.readouterr()
   assert (
     f"t5x-optim train: warning: no compilation cache ({tmp_path / 'compilation_cache'}: " in err
   )
+  # The banner named the directory it could not use as the run's cache.
+  assert "compile cache:   none (the warning above says why)\n" in out, out
   assert (tmp_path / "checkpoints").is_dir()
 
 

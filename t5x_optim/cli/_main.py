@@ -610,7 +610,6 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
     setup, devices=devices, optimizer=_config.describe_optimizer(), learning_rate=rate_from
   )
   cache, cache_text = _cache_directory(args, model_dir)
-  about = [*about, f"compile cache:   {cache_text}"]
   interrupt.set_grace(setup.job.preemption_grace_seconds)
   config_text = gin.operative_config_str()
   record = _job.job_record(
@@ -631,6 +630,8 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
         f"t5x-optim train: warning: no compilation cache ({cache}: {error}); compiling as usual",
         file=sys.stderr,
       )
+      cache_text = "none (the warning above says why)"
+    about = [*about, f"compile cache:   {cache_text}"]
     try:
       summary = _train.train(
         setup,
