@@ -514,6 +514,7 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "pin, mesh",
   [

@@ -1344,6 +1344,7 @@ def _creates_without_axes(definition: Any) -> bool:
   return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "make_source, bound",
   [

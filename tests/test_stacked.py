@@ -367,6 +367,7 @@ def _layers(n: int = 3) -> dict[str, Any]:
   return {f"layer_{i}": {"kernel": jnp.full((4, 32), 0.5 * (i + 1))} for i in range(n)}
 
 
+@pytest.mark.slow
 def test_conversion_between_stacked_and_per_leaf_optimizers_in_memory():
   """A stacked optimizer into a per-leaf one (or back) was refused, naming the stacked buffers
   ('the source's params have buffers/0, which the target's do not'), while a checkpoint
