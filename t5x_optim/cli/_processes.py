@@ -131,7 +131,6 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
 
   # CPU devices of different processes exchange collectives through gloo.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeout = args.startup_timeout_seconds
   failed: list[BaseException] = []
 
   def connect() -> None:
@@ -141,13 +140,26 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
         args.coordinator_address,
         num_processes=count,
         process_id=index,
-        initialization_timeout=timeout + 60,
+        initialization_timeout=args.startup_timeout_seconds + 60,
       )
     except BaseException as error:  # noqa: BLE001 - handed to the main thread
       failed.append(error)
 
   thread = threading.Thread(target=connect, name="t5x-optim start-up", daemon=True)
   thread.start()
+  _wait(thread, args, interrupt)
+  if failed:
+    error = failed[0]
+    if not isinstance(error, (RuntimeError, ValueError)):
+      raise error
+    raise ValueError(f"multi-process start-up failed: {' '.join(str(error).split())}") from error
+
+
+def _wait(thread: threading.Thread, args: argparse.Namespace, interrupt: Interrupt) -> None:
+  """Waits for jax's start-up in `thread`, hearing `interrupt`, up to the flags' deadline; from
+  `_WAIT_NOTE_S` on, says that it waits."""
+  timeout, count = args.startup_timeout_seconds, args.num_processes or "N"
+  where = args.coordinator_address or "the coordinator the cluster names"
   begun = time.monotonic()
   noted = False
   while thread.is_alive():
@@ -157,27 +169,21 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
       what = "preempted (SIGTERM)" if interrupt.preempted else "interrupted"
       _end(f"{what} while waiting for the job's processes; nothing was started.", interrupt)
     if waited >= timeout and thread.is_alive():
-      where = args.coordinator_address or "the coordinator the cluster names"
       _end(
         f"error: multi-process start-up failed: after {timeout} s, not every one of the job's "
-        f"{count or 'N'} processes had connected to the coordinator at {where} (process 0 runs "
-        "it; each --process_id must run once, all with the same --coordinator_address and "
+        f"{count} processes had connected to the coordinator at {where} (process 0 runs it; "
+        "each --process_id must run once, all with the same --coordinator_address and "
         "--num_processes); nothing was started.",
         None,
       )
     if not noted and waited >= _WAIT_NOTE_S and thread.is_alive():
+      index = "?" if args.process_id is None else args.process_id
       print(
-        f"process {index if index is not None else '?'}: waiting for the job's "
-        f"{count or 'N'} processes at {args.coordinator_address or 'the cluster coordinator'} "
+        f"process {index}: waiting for the job's {count} processes at {where} "
         f"(at most {timeout} s)",
         flush=True,
       )
       noted = True
-  if failed:
-    error = failed[0]
-    if not isinstance(error, (RuntimeError, ValueError)):
-      raise error
-    raise ValueError(f"multi-process start-up failed: {' '.join(str(error).split())}") from error
 
 
 def _end(line: str, interrupt: Interrupt | None) -> None:
