@@ -30,7 +30,7 @@ def main() -> None:
   signal.signal(signal.SIGTERM, _record)
   from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handlers on purpose
 
-  sys.exit(_main.main(pending_signals=_PENDING))
+  _main.exit_process(_main.main(pending_signals=_PENDING))
 
 
 if __name__ == "__main__":

@@ -382,6 +382,28 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path):
   assert _checkpoint_steps(model_dir) == [2]
 
 
+@pytest.mark.slow
+def test_a_run_whose_background_save_failed_exits_without_waiting_for_orbax(tmp_path):
+  """The checkpoint directory replaced by a file while the run trained: the background save
+  failed, the run printed its error line, then the process stayed alive 300 s more (orbax's
+  threads wait that long for a signal the failed save never sends)."""
+  model_dir = tmp_path / "run"
+  every = ["--gin_bindings", "cli.TrainJob.checkpoint_every = 20"]
+  run = _Run(*TINY, *LONG, *every, "--model_dir", str(model_dir), "--compilation_cache", "none")
+  deadline = time.monotonic() + TIMEOUT
+  while not (model_dir / "checkpoints" / "20").is_dir() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  (model_dir / "checkpoints").rename(model_dir / "moved")
+  (model_dir / "checkpoints").write_text("a file where the checkpoints go")
+  while not any("t5x-optim train: error" in x for x in run.errors) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  failed = time.monotonic()
+  code, _, err = run.finish(timeout=200)
+  assert code == 1, err[-3000:]
+  assert "t5x-optim train: error at step" in err and "Not a directory" in err, err[-3000:]
+  assert time.monotonic() - failed < 90, err[-3000:]
+
+
 # Quick checks of the parts ----------------------------------------------------------------
 
 

@@ -21,9 +21,11 @@ import logging
 import os
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from t5x_optim.cli import _processes
 from t5x_optim.cli.loop.interrupt import (
@@ -695,7 +697,30 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
   return _run(args, interrupt)
 
 
+_STRAGGLER_WAIT_S = 10.0
+"""How long a failed command's process waits for threads that outlive it before it exits."""
+
+
+def _end_now(status: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
+
+
+def exit_process(status: int) -> NoReturn:
+  """Ends the process with the command's `status`, as ``sys.exit`` does, except that after a
+  failure the threads that outlive the command get `_STRAGGLER_WAIT_S`, not as long as they
+  take: a checkpoint save that failed in the background (the directory gone, no inodes left)
+  leaves orbax's threads, some started as Python shuts down, waiting 300 s for a signal it
+  never sends, and Python waits for them before it exits."""
+  if status:
+    watchdog = threading.Timer(_STRAGGLER_WAIT_S, _end_now, args=(status,))
+    watchdog.daemon = True
+    watchdog.start()
+  sys.exit(status)
+
+
 def console_main() -> None:
   """The command as ``python -m t5x_optim``; the `t5x-optim` script also catches
   Ctrl-C while the package is imported (see ``t5x_optim_launcher``)."""
-  sys.exit(main(pending_signals=[]))
+  exit_process(main(pending_signals=[]))
