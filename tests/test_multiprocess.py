@@ -282,6 +282,15 @@ def test_processes_of_different_jobs_stop_before_the_first_step(extra, message, 
   )
 
 
+def test_processes_may_wait_for_each_other_for_different_times(tmp_path):
+  """--startup_timeout_seconds is how long one process waits for the others: process 0
+  waiting longer than the rest is one job, where the jobs' comparison refused it."""
+  extra = [["--startup_timeout_seconds", "600"], ["--startup_timeout_seconds", "60"]]
+  args = (*TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 1")
+  for code, out, err in _two_processes(tmp_path, extra, args=args):
+    assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+
+
 def test_processes_with_other_device_counts_stop_before_the_first_step(tmp_path):
   """Process 0 with 4 devices, process 1 with 2: both ended in a traceback from the gather that
   compares their jobs ("cannot reshape array of size 6 into shape (2,4)")."""

@@ -437,11 +437,13 @@ def _refuse_unread(unread: Sequence[tuple[str, str]]) -> None:
 
 
 def _same_job_flags(args: argparse.Namespace) -> dict[str, str]:
-  """The flags every process of a job must share (all but ``--process_id`` and ``--traceback``)."""
+  """The flags every process of a job must share: all but ``--process_id``, ``--traceback``
+  and ``--startup_timeout_seconds`` (how long one process waits for the others)."""
+  own = ("process_id", "traceback", "command", "startup_timeout_seconds")
   return {
     f"--{name}": repr(value if not isinstance(value, Path) else str(value))
     for name, value in sorted(vars(args).items())
-    if name not in ("process_id", "traceback", "command")
+    if name not in own
   }
 
 
