@@ -33,6 +33,7 @@ from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
 from t5x_optim.cli.loop.metrics import MetricWriters
 from t5x_optim.cli.loop.progress import Clock
+from t5x_optim.cli.loop.summary import TrainSummary
 
 pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
@@ -559,3 +560,14 @@ def test_a_step_left_out_of_the_clock_is_left_out_of_the_rate():
     time.sleep(0.2)
   steps, seconds = clock.interval(3)
   assert steps == 1 and 0.04 < seconds < 0.15, (steps, seconds)
+
+
+def test_the_summary_says_when_its_eval_loss_is_from_an_earlier_step():
+  """Interrupted at step 142 with evals every 100 steps, the summary gave step 100's eval loss
+  beside step 142's train loss as if both were the end's."""
+  summary = TrainSummary(
+    0, 142, 5.87, 2.58, 2.56, 141, 1.0, "/tmp/c", 140, True, False, eval_step=100
+  )
+  assert "loss 5.8700 -> 2.5800, eval loss 2.5600 (step 100)\n" in summary.format()
+  at_end = dataclasses.replace(summary, eval_step=142)
+  assert "eval loss 2.5600\n" in at_end.format()

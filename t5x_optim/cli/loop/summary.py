@@ -26,6 +26,7 @@ class TrainSummary:
     tokens_per_step: tokens in a global batch, for the token rate (0: not shown).
     preempted: stopped by SIGTERM (a preemption).
     skipped_steps: non-finite steps skipped (``on_nonfinite = 'skip'``).
+    eval_step: the step `eval_loss` is of (None: the end step).
 
   Example:
     >>> print(TrainSummary(0, 10, 3.5, 1.25, 1.5, 9, 2.0, '/tmp/c', 10, False, False).format())
@@ -48,6 +49,7 @@ class TrainSummary:
   tokens_per_step: int = 0
   preempted: bool = False
   skipped_steps: int = 0
+  eval_step: int | None = None
 
   def format(self) -> str:
     lines = []
@@ -71,6 +73,8 @@ class TrainSummary:
       lines.append(f"skipped {self.skipped_steps} non-finite steps")
     if self.final_loss is not None:
       evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
+      if self.eval_loss is not None and self.eval_step not in (None, self.end_step):
+        evaluated += f" (step {self.eval_step})"
       lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")
     saved = "none" if self.checkpoint_step is None else f"step {self.checkpoint_step}"
     lines.append(f"checkpoint: {saved} in {self.checkpoint_dir}")

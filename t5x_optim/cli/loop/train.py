@@ -1347,7 +1347,7 @@ def _steps(
   progress = Progress(stream, start=start, total=job.total_steps)
   clock = Clock()
   records: list[dict[str, Any]] = []
-  first_loss = final_loss = eval_loss = None
+  first_loss = final_loss = eval_loss = eval_step = None
   compiled_weights = False
   skipped = in_a_row = 0
   try:
@@ -1406,7 +1406,7 @@ def _steps(
         with clock.paused():
           evaluated = _evaluate(setup, state)
           writers.write(EVAL, step, evaluated)
-          eval_loss = evaluated["loss"]
+          eval_loss, eval_step = evaluated["loss"], step
           progress.log(
             f"eval step {step}  "
             + "  ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
@@ -1431,6 +1431,7 @@ def _steps(
     first_loss=first_loss,
     final_loss=final_loss,
     eval_loss=eval_loss,
+    eval_step=eval_step,
     timed_steps=clock.total_steps,
     timed_seconds=clock.total_seconds,
     checkpoint_dir=str(checkpointer.directory),
