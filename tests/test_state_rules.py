@@ -697,3 +697,50 @@ def test_adapter_state_rules_are_registered_once():
     with pytest.raises(ValueError, match="already registered; pass replace=True"):
       register_state_rule(state_type, registered[state_type].rule)
   assert registered_rules()[PartsNode] == registered[PartsNode]
+
+
+def _zeros_momentum() -> optax.GradientTransformation:
+  """A momentum whose state is built by ``jnp.zeros(p.shape)``, not ``zeros_like``."""
+
+  def init(params):
+    return {"m": jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)}
+
+  def update(updates, state, params=None):
+    del params
+    m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], updates)
+    return m, {"m": m}
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_a_square_params_moment_keeps_its_spec_where_tracing_tells_nothing():
+  """A moment built by jnp.zeros(p.shape) carries no sharding when traced: the moment of a
+  square param, whose orientation its shape cannot confirm, came back replicated without a
+  word (even with fallback RAISE), while a rectangular param's kept its spec."""
+  tx = _zeros_momentum()
+  params = {"square": jnp.ones((8, 8)), "rect": jnp.ones((4, 8))}
+  axes = {"square": P("embed", "mlp"), "rect": P("embed", "mlp")}
+  specs = OptaxStatePartitionRules.derive_optax_logical_axes(
+    tx.init(params), axes, transformation=tx, params=params, fallback=StateRulesFallback.RAISE
+  )
+  assert specs == {"m": {"square": P("embed", "mlp"), "rect": P("embed", "mlp")}}
+  # A transposed copy still takes its orientation from tracing.
+  transposed = optax.GradientTransformation(
+    lambda p: {"t": jax.tree.map(lambda x: x.T, p)}, lambda u, s, p=None: (u, s)
+  )
+  specs = OptaxStatePartitionRules.derive_optax_logical_axes(
+    transposed.init(params), axes, transformation=transposed, params=params
+  )
+  assert specs["t"]["square"] == P("mlp", "embed")
+
+
+def test_derive_optax_logical_axes_takes_the_fallback_by_name():
+  """fallback="raise" ended in AttributeError: 'str' object has no attribute 'handle', as
+  an unknown name did; OptaxWrapper already took names."""
+  state = {"h": jnp.zeros((3, 4, 8))}
+  with pytest.raises(ValueError, match=r"h"):
+    OptaxStatePartitionRules.derive_optax_logical_axes(
+      state, {"w": P("embed", "mlp")}, fallback="raise"
+    )
+  with pytest.raises(ValueError, match="not a valid StateRulesFallback"):
+    OptaxStatePartitionRules.derive_optax_logical_axes(state, {"w": P("embed")}, fallback="ignore")

@@ -503,10 +503,12 @@ def derive_state_specs(
       if any(s is specs_lib.UNDERIVED for s in specs):
         cause = e
     else:
-      # Tracing also decides the mirror leaves whose shape could be a transpose.
+      # Tracing also decides the mirror leaves whose shape could be a transpose, where it
+      # tells an orientation: a leaf that carries no sharding (built by jnp.zeros(p.shape),
+      # not zeros_like) keeps its param's spec, as the other mirror leaves do.
       redo = set(unsure)
       specs = [
-        d if s is specs_lib.UNDERIVED or (i in redo and d is not specs_lib.UNDERIVED) else s
+        d if s is specs_lib.UNDERIVED or (i in redo and d not in (None, specs_lib.UNDERIVED)) else s
         for i, (s, d) in enumerate(zip(specs, derived))
       ]
   if ruled:
@@ -530,7 +532,7 @@ class OptaxStatePartitionRules:
     *,
     transformation: optax.GradientTransformation | None = None,
     params: Any | None = None,
-    fallback: StateRulesFallback = StateRulesFallback.REPLICATE_WITH_WARNING,
+    fallback: StateRulesFallback | str = StateRulesFallback.REPLICATE_WITH_WARNING,
   ) -> Any:
     """Logical specs for every leaf of ``optax_state``.
 
@@ -543,7 +545,8 @@ class OptaxStatePartitionRules:
         ``params``, enables exact generic derivation for any state.
       params: the params (arrays, ``jax.ShapeDtypeStruct``s or flax boxes) the
         state was initialised with.
-      fallback: what to do with leaves that cannot be given a valid spec.
+      fallback: what to do with leaves that cannot be given a valid spec (or its
+        name, e.g. ``"raise"``).
 
     Returns:
       a tree with exactly the structure of ``optax_state`` (``EmptyState`` and
@@ -564,6 +567,7 @@ class OptaxStatePartitionRules:
     ...     transformation=tx, params=params)[0].mu
     {'w': P('embed', 'mlp')}
     """
+    fallback = StateRulesFallback(fallback)
     return derive_state_specs(
       optax_state, params_axes, transformation=transformation, params=params, fallback=fallback
     )
