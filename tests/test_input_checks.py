@@ -243,6 +243,12 @@ def test_restore_of_a_list_where_state_belongs(opt):
       lambda: optimizers.low_precision(optax.adamw, "8bit"),
       r"low_precision's inner .* got the function optax\.adamw.*call it",
     ),
+    (
+      # The list's brackets forgotten: the error blamed chain's init_fn and said to call it.
+      lambda: optimizers.chain(optax.adamw(1e-3)),
+      r"optimizers\.chain's transformations takes a list of transformations, got one "
+      r"transformation: put it in a list \(in gin, with the brackets: ",
+    ),
   ],
 )
 def test_a_transformation_is_checked_where_it_is_given(build, message):
@@ -250,3 +256,12 @@ def test_a_transformation_is_checked_where_it_is_given(build, message):
   failed only at ``create``, with ``AttributeError: 'function' object has no attribute 'init'``."""
   with pytest.raises(TypeError, match=message):
     build()
+
+
+def test_inject_hyperparams_takes_one_static_arg_by_name():
+  """optax takes ``static_args='nesterov'``; ours split it into characters, and optax then
+  refused {'v', 's', 'o', 't', 'r', 'n', 'e'}."""
+  tx = optimizers.inject_hyperparams(
+    optax.sgd, hyperparams={"learning_rate": 0.1, "nesterov": True}, static_args="nesterov"
+  )
+  assert sorted(tx.init({"w": jnp.ones(2)}).hyperparams) == ["learning_rate"]  # nesterov static

@@ -473,6 +473,12 @@ def axes_aware_chain(
     >>> takes_param_axes(axes_aware_chain([optax.clip(1.0), tx]))
     True
   """
+  if is_transformation(transformations):  # an (init, update) tuple, not a list of them
+    raise TypeError(
+      "optimizers.chain's transformations takes a list of transformations, got one "
+      "transformation: put it in a list (in gin, with the brackets: "
+      "transformations = [@optax.adamw()])."
+    )
   transformations = tuple(
     checked_transformation(tx, f"optimizers.chain's transformations[{i}]")
     for i, tx in enumerate(transformations)
@@ -493,7 +499,7 @@ def inject_hyperparams(
   inner_factory: Callable[..., optax.GradientTransformation],
   *,
   hyperparams: Mapping[str, Any],
-  static_args: Sequence[str] = (),
+  static_args: str | Sequence[str] = (),
 ) -> optax.GradientTransformation:
   """`optax.inject_hyperparams(inner_factory)(**hyperparams)`, configurable by gin.
 
@@ -508,7 +514,7 @@ def inject_hyperparams(
       ``@optax.sgd``).
     hyperparams: the factory's arguments; numbers (or schedules) are
       injected into the state, other values are passed as they are.
-    static_args: names of arguments that must stay static.
+    static_args: names of arguments that must stay static (or one name).
 
   Raises:
     TypeError: when `hyperparams` names an argument `inner_factory` lacks.
@@ -526,4 +532,5 @@ def inject_hyperparams(
       f"inject_hyperparams: {getattr(inner_factory, '__name__', inner_factory)} has no "
       f"argument(s) {unknown}; it takes {sorted(accepted)}."
     )
-  return optax.inject_hyperparams(inner_factory, static_args=tuple(static_args))(**hyperparams)
+  static = (static_args,) if isinstance(static_args, str) else tuple(static_args)
+  return optax.inject_hyperparams(inner_factory, static_args=static)(**hyperparams)
