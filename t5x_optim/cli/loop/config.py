@@ -222,9 +222,7 @@ def check_mesh_pin(num_devices: int) -> None:
   """Checks that a mesh pinned in the parsed config fits `num_devices`.
 
   Call after `parse_config`; looks at the bindings of
-  ``partitioning.create_mesh``. A ``shape`` or ``model_parallel_submesh``
-  given there replaces the default config's ``num_partitions =
-  %NUM_PARTITIONS``.
+  ``partitioning.create_mesh``.
 
   Raises:
     ValueError: one line naming the pin, the device count and what would fit.
@@ -237,12 +235,6 @@ def check_mesh_pin(num_devices: int) -> None:
     ValueError: the gin config pins partitioning.create_mesh.num_partitions = 3, which does not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8), or shape {'data': d, 'model': m} with d * m = 8 (without a pin the mesh is data=4 x model=2).
   """
   bindings = gin.get_bindings(partitioning.create_mesh)
-  if any(bindings.get(name) is not None for name in ("shape", "model_parallel_submesh")):
-    # The default config's num_partitions gives way to a shape or submesh the user pins.
-    raw = gin.get_bindings(partitioning.create_mesh, resolve_references=False)
-    if _is_macro(raw.get("num_partitions"), "NUM_PARTITIONS"):
-      gin.bind_parameter("partitioning.create_mesh.num_partitions", None)
-      bindings = gin.get_bindings(partitioning.create_mesh)
   pinned = {
     name: _evaluated(bindings[name]) for name in _MESH_OPTIONS if bindings.get(name) is not None
   }
@@ -485,7 +477,9 @@ def parse_config(
   search_paths: Sequence[str | Path] = (),
   macros: Mapping[str, Any] | None = None,
 ) -> None:
-  """Parses the default config, the `macros`, then `gin_files`, then `gin_bindings`.
+  """Parses the default config, the `macros`, then `gin_files`, then `gin_bindings`; a mesh
+  pinned by ``shape`` or ``model_parallel_submesh`` replaces the default config's
+  ``num_partitions``.
 
   Relative files and ``include``s are looked up in the current directory,
   then in `search_paths`, then in the package's gin directory (`GIN_DIR`);
@@ -526,6 +520,17 @@ def parse_config(
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
     gin.parse_config_files_and_bindings(files, None, finalize_config=False)
     _GIVEN_BINDINGS[:] = _parse_bindings(gin_bindings)
+  _give_way_to_a_pinned_mesh()
+
+
+def _give_way_to_a_pinned_mesh() -> None:
+  """Unbinds the default config's ``num_partitions = %NUM_PARTITIONS`` where the parsed
+  config pins the mesh by ``shape`` or ``model_parallel_submesh`` (``create_mesh`` takes one
+  of the three)."""
+  raw = gin.get_bindings(partitioning.create_mesh, resolve_references=False)
+  pinned = any(raw.get(name) is not None for name in ("shape", "model_parallel_submesh"))
+  if pinned and _is_macro(raw.get("num_partitions"), "NUM_PARTITIONS"):
+    gin.bind_parameter("partitioning.create_mesh.num_partitions", None)
 
 
 class _GivenBinding(NamedTuple):
