@@ -729,11 +729,11 @@ def _refuse_another_job(
   job: Mapping[str, Any] | None,
   model_dir: Path,
   step: int,
-  copies: frozenset[str] = frozenset(),
+  abstract_state: TrainState | None = None,
 ) -> None:
   """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it
-  or it is another job than `job` (`job.identity_problem`). `copies` are the state paths of
-  the job's low_precision leaves that copy the params (`_param_copy_paths`).
+  or it is another job than `job` (`job.identity_problem`); a refusal over a low_precision
+  leaf of `abstract_state` that copies the params (`_param_copy_paths`) says why.
 
   Raises:
     UsageError: naming the step and what differs.
@@ -751,7 +751,8 @@ def _refuse_another_job(
         " (this version keeps a low_precision state leaf that copies the params, such as "
         "schedule-free's z, in its own dtype; earlier versions compressed it, and their "
         "checkpoints resume only with the version that wrote them)"
-        if any(f" {path} is " in problem for path in copies)
+        if abstract_state is not None
+        and any(f" {path} is " in problem for path in _param_copy_paths(abstract_state))
         else ""
       )
       raise UsageError(
@@ -790,7 +791,7 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
     except CheckpointError as error:
       resume.skipped.append((step, skip_reason(error)))
       continue
-    _refuse_another_job(recorded, job, model_dir, step, _param_copy_paths(setup.abstract_state))
+    _refuse_another_job(recorded, job, model_dir, step, setup.abstract_state)
     try:
       resume.state = reader.restore(setup.abstract_state, step)
     except CheckpointError as error:
