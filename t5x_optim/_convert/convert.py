@@ -193,6 +193,12 @@ def _is_lookahead(node: Any) -> bool:
   return isinstance(node, optax.LookaheadState)
 
 
+def _lookahead_states(states: Any) -> list[tuple[Any, optax.LookaheadState]]:
+  """Every ``optax.lookahead`` state in `states`, with its key path."""
+  flat = jax.tree.flatten_with_path(states, is_leaf=_is_lookahead)[0]
+  return [(path, node) for path, node in flat if _is_lookahead(node)]
+
+
 def _carry_sync_count(source_states: Any, target_states: Any) -> tuple[Any, str | None]:
   """The target's ``optax.lookahead`` state with the source's count of fast steps since the
   last sync, when the source is lookahead too (the target's params are then both of the
@@ -200,10 +206,7 @@ def _carry_sync_count(source_states: Any, target_states: Any) -> tuple[Any, str 
 
   From another optimizer, the fast and slow params are one: the count stays 0, just synced.
   """
-  sources = jax.tree.flatten_with_path(source_states, is_leaf=_is_lookahead)[0]
-  sources = [(path, node) for path, node in sources if _is_lookahead(node)]
-  targets = jax.tree.flatten_with_path(target_states, is_leaf=_is_lookahead)[0]
-  targets = [(path, node) for path, node in targets if _is_lookahead(node)]
+  sources, targets = _lookahead_states(source_states), _lookahead_states(target_states)
   if len(sources) != 1 or len(targets) != 1:
     return target_states, None
   count = sources[0][1].steps_since_sync
