@@ -81,10 +81,8 @@ class CacheUse:
     return text
 
 
-def _decompressor(data: bytes) -> Any:
-  """The decompression of a zlib or zstd entry (None: zstd without a zstd module here)."""
-  if data[:1] == bytes([_ZLIB_FIRST_BYTE]):
-    return zlib.decompress
+def _zstd_decompressor() -> Any:
+  """zstd's decompression where a zstd module is there (Python 3.14's, or zstandard), else None."""
   with contextlib.suppress(ImportError):
     from compression import zstd  # noqa: PLC0415 - Python 3.14's
 
@@ -102,11 +100,14 @@ def _damaged(data: bytes) -> bool:
 
   A zstd entry where no zstd module is at hand counts as intact: jax reads it as before.
   """
-  if not data or (data[:1] != bytes([_ZLIB_FIRST_BYTE]) and data[:4] != _ZSTD_MAGIC):
-    return True
-  decompress = _decompressor(data)
-  if decompress is None:
-    return False
+  if data[:1] == bytes([_ZLIB_FIRST_BYTE]):
+    decompress = zlib.decompress
+  elif data[:4] == _ZSTD_MAGIC:
+    decompress = _zstd_decompressor()
+    if decompress is None:
+      return False
+  else:
+    return True  # empty, or in neither format
   try:
     decompress(data)
   except Exception:  # noqa: BLE001 - each codec raises its own error type
