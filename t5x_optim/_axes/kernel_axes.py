@@ -151,7 +151,7 @@ class KernelAxesRule:
         f"{output}); each axis is on one side, once."
       )
     where = {}
-    for name in (*reduction, *output):
+    for name in named:
       if names.count(name) != 1:
         raise UnplaceableParamsError(
           f"The override for '{path}' names the axis {name!r}, which its axes {names} "
