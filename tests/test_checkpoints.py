@@ -148,8 +148,15 @@ EMPTY_PARAMS = {
 
 @pytest.mark.parametrize(
   "tx",
-  [optax.adamw(0.1), optimizers.low_precision(optax.adamw(0.1), "8bit", min_size=0)],
-  ids=["adamw", "adamw_8bit"],
+  [
+    pytest.param(optax.adamw(0.1), id="adamw"),
+    # The 8-bit codec takes seconds to compile: with the slow tests.
+    pytest.param(
+      optimizers.low_precision(optax.adamw(0.1), "8bit", min_size=0),
+      id="adamw_8bit",
+      marks=pytest.mark.slow,
+    ),
+  ],
 )
 def test_zero_size_leaves_round_trip_on_a_mesh(tmp_path, tx):
   """A state with zero-size leaves saves (the save failed in orbax, and its threads kept the

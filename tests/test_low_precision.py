@@ -481,7 +481,11 @@ def test_an_eager_create_compiles_the_rounding_bits_once_per_shape(caplog):
   assert not hashing & set(compiled), compiled
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
+@pytest.mark.parametrize(
+  "stream",
+  # The default (streamed) path with the quick tests, the whole-tree one with the slow.
+  [pytest.param(True, id="streamed"), pytest.param(False, id="whole_tree", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):
   """The state computes in float32, but the updates keep the dtypes adamw gives bfloat16
