@@ -512,6 +512,32 @@ def test_registry_refuses_duplicates_and_applies_rules():
     register_state_rule("OddState", rule)
 
 
+class FaultyState(NamedTuple):
+  trace: jax.Array
+
+
+def test_a_rule_that_fails_is_named_with_the_node_path():
+  def raises(state, specs, context):
+    del specs, context
+    return state.trace.shape[5]  # a rule's own bug: IndexError
+
+  def wrong_tree(state, specs, context):
+    del state, specs, context
+    return (P("mlp"), P("embed"))
+
+  init = lambda p: {"inner": FaultyState(jnp.zeros((3, 5)))}  # noqa: E731
+  state = optax.GradientTransformation(init, lambda u, s, p=None: (u, s)).init(make_params())
+  register_state_rule(FaultyState, raises)
+  with pytest.raises(IndexError) as raised:
+    derive(state, AXES)
+  assert "state rule for FaultyState at inner/trace" in "\n".join(
+    getattr(raised.value, "__notes__", ())
+  )
+  register_state_rule(FaultyState, wrong_tree, replace=True)
+  with pytest.raises(ValueError, match=r"state rule for FaultyState at inner/trace returned"):
+    derive(state, AXES)
+
+
 # ---------------------------------------------------------------------------
 # Property test.
 

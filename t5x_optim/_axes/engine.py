@@ -342,15 +342,24 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
   for offset, node in reversed(ruled):
     end = offset + node.num_leaves
     state_node = node.unflatten(state_leaves[offset:end])
-    out = rules[node.node_data()[0]].rule(state_node, node.unflatten(specs[offset:end]), context)
+    try:
+      out = rules[node.node_data()[0]].rule(state_node, node.unflatten(specs[offset:end]), context)
+    except Exception as e:
+      e.add_note(f"raised by {_rule_at(state_node, node, paths, offset)}")
+      raise
     try:
       specs[offset:end] = node.flatten_up_to(out)
     except (ValueError, TypeError) as e:
-      where = paths()[offset] if node.num_leaves else "(empty node)"
       raise ValueError(
-        f"the state rule for {type(state_node).__qualname__} at {where} "
-        f"returned a tree that does not match the state node: {out!r}"
+        f"{_rule_at(state_node, node, paths, offset)} returned a tree that does not match "
+        f"the state node: {out!r}"
       ) from e
+
+
+def _rule_at(state_node, node, paths, offset: int) -> str:
+  """Names the rule of ``state_node`` and the path of its first leaf, for messages."""
+  where = paths()[offset] if node.num_leaves else "(empty node)"
+  return f"the state rule for {type(state_node).__qualname__} at {where}"
 
 
 def _describe(name: str, shape: tuple[int, ...], spec: Any, problem: str) -> str:
