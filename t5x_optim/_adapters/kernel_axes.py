@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +39,7 @@ from t5x_optim._axes.kernel_axes import (
   specs_by_path,
 )
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._warn import warn
 
 __all__ = [
   "KERNEL_AXES_FACTORIES",
@@ -181,10 +181,9 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     specs = specs_by_path(axes)
     self.rule.place_all({path: tuple(spec) for path, spec in specs.items() if spec is not None})
     for pattern, why in self.rule.unused_overrides(list(specs)):
-      warnings.warn(
+      warn(
         f"KernelAxesRule: the override {pattern!r} {why} (a pattern matches the whole "
-        f"'/'-joined path), so it places no param; the params are {format_paths(list(specs))}.",
-        stacklevel=2,
+        f"'/'-joined path), so it places no param; the params are {format_paths(list(specs))}."
       )
     self.param_axes = axes
     self.param_specs = specs

@@ -33,7 +33,6 @@ state).
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -55,6 +54,8 @@ from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 # After kfac_state, which turns kfac-jax's failure to import with this jax into an ImportError.
 import kfac_jax
 from kfac_jax._src import tag_graph_matcher
+
+from t5x_optim._warn import warn
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
 
@@ -206,11 +207,10 @@ class KfacOptimizerDef(OptimizerDef):
         or when `fallback` and `state_rules_fallback` disagree.
     """
     if state_rules_fallback is not None:
-      warnings.warn(
+      warn(
         "KfacOptimizerDef(state_rules_fallback=...) is deprecated; pass fallback=..., "
         "the setting every OptimizerDef shares.",
         DeprecationWarning,
-        stacklevel=2,
       )
       state_rules_fallback = StateRulesFallback(state_rules_fallback)
       if StateRulesFallback(fallback) not in (
@@ -246,11 +246,7 @@ class KfacOptimizerDef(OptimizerDef):
   @property
   def state_rules_fallback(self) -> StateRulesFallback:
     """Deprecated alias of `fallback`."""
-    warnings.warn(
-      "KfacOptimizerDef.state_rules_fallback is deprecated; read fallback.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
+    warn("KfacOptimizerDef.state_rules_fallback is deprecated; read fallback.", DeprecationWarning)
     return self.fallback
 
   def init_state(

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -78,6 +77,7 @@ from t5x_optim._core.interface import (
   missing_def_methods,
 )
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._warn import warn
 
 __all__ = ["MultiOptimizer", "PathFilter"]
 
@@ -225,10 +225,9 @@ class MultiOptimizer(OptimizerDef):
     groups = [tuple(j for j in range(len(paths)) if owners[j] == [i]) for i in range(len(masks))]
     for i, group in enumerate(groups):
       if not group:
-        warnings.warn(
+        warn(
           f"MultiOptimizer {describe_traversal(i, self.traversals[i])} selects no params, so its "
-          f"optimizer gets an empty tree; the params are {format_paths(paths)}.",
-          stacklevel=4,
+          f"optimizer gets an empty tree; the params are {format_paths(paths)}."
         )
     index_tree = treedef.unflatten(range(len(paths)))
     subtrees = [subset(index_tree, frozenset(group), ()) for group in groups]

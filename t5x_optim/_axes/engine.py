@@ -27,7 +27,6 @@ None (replicated). Derivation runs in four steps:
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from t5x_optim._axes import generic, registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._warn import warn
 
 _MAX_PATHS_IN_WARNING = 5
 _NO_SPEC_DERIVED = "no spec could be derived"
@@ -85,12 +85,11 @@ class StateRulesFallback(enum.Enum):
         f"leaves: {', '.join(leaves)}{why}"
       ) from cause
     more = len(leaves) - _MAX_PATHS_IN_WARNING
-    warnings.warn(
+    warn(
       f"replicating {len(leaves)} optimizer state leaves without a valid "
       f"logical spec: {', '.join(leaves[:_MAX_PATHS_IN_WARNING])}"
       + (f" and {more} more" if more > 0 else "")
-      + why,
-      stacklevel=4,
+      + why
     )
 
 

@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +38,7 @@ import optax
 
 from t5x_optim._layouts.fused.analysis import FusedPlan, NotFusible, plan_fused_update
 from t5x_optim._layouts.fused.program import program_key
+from t5x_optim._warn import warn
 
 __all__ = [
   "FusedPlan",
@@ -139,10 +139,9 @@ class FusedUpdate(enum.Enum):
       try:
         plan = plan_fused_update(tx, params, grads, state, extra_args, kernel=kernel)
       except NotFusible as refusal:
-        warnings.warn(
+        warn(
           f"OptaxWrapper(fused={self.value!r}): the update cannot run fused "
-          f"({refusal}), so it runs on the plain optax path.",
-          stacklevel=4,
+          f"({refusal}), so it runs on the plain optax path."
         )
       else:
         # Pallas loads here, with the first fused update.
