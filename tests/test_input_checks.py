@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
+from jax.sharding import PartitionSpec as P
 
-from t5x_optim import MultiOptimizer, OptaxWrapper, optimizers
+from t5x_optim import KernelAxesRule, MultiOptimizer, OptaxWrapper, low_precision, optimizers
 
 PARAMS = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
 
@@ -265,3 +266,57 @@ def test_inject_hyperparams_takes_one_static_arg_by_name():
     optax.sgd, hyperparams={"learning_rate": 0.1, "nesterov": True}, static_args="nesterov"
   )
   assert sorted(tx.init({"w": jnp.ones(2)}).hyperparams) == ["learning_rate"]  # nesterov static
+
+
+def _warn_ignored_learning_rate() -> None:
+  OptaxWrapper(optax.adam(0.1)).create(PARAMS).apply_gradient(
+    _grads(PARAMS["dense"]["kernel"]), learning_rate=0.5
+  )
+
+
+def _warn_ignored_learning_rate_under_jit() -> None:
+  opt = OptaxWrapper(optax.adam(0.1)).create(PARAMS)
+  jax.jit(lambda o: o.apply_gradient(_grads(o.target["dense"]["kernel"]), learning_rate=0.5))(opt)
+
+
+def _warn_replicated_state_leaves() -> None:
+  opt = OptaxWrapper(optax.adam(0.1)).create(PARAMS)
+  axes = {"dense": {"kernel": P("embed", "mlp"), "bias": P("embed", "mlp")}}
+  opt.optimizer_def.derive_logical_axes(opt, axes)
+
+
+def _warn_filter_selecting_nothing() -> None:
+  MultiOptimizer([("nothing", OptaxWrapper(optax.sgd(0.1)))]).create(PARAMS)
+
+
+def _warn_unused_kernel_axes_override() -> None:
+  rule = KernelAxesRule(overrides={"nothing": "adam"})
+  optimizers.muon(
+    learning_rate=0.02,
+    kernel_axes_rule=rule,
+    param_axes={"dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")}},
+  )
+
+
+def _warn_unused_param_mode() -> None:
+  low_precision(optax.adam(0.1), "8bit", param_modes=[("nothing", "bfloat16")]).init(PARAMS)
+
+
+@pytest.mark.parametrize(
+  "warn",
+  [
+    _warn_ignored_learning_rate,
+    _warn_ignored_learning_rate_under_jit,
+    _warn_replicated_state_leaves,
+    _warn_filter_selecting_nothing,
+    _warn_unused_kernel_axes_override,
+    _warn_unused_param_mode,
+  ],
+)
+def test_each_warning_points_at_the_callers_line(warn):
+  """The warnings named an internal line, or `sys:1` (a fixed stacklevel too deep)."""
+  with pytest.warns(UserWarning) as caught:
+    warn()
+  assert [w.filename for w in caught] == [__file__] * len(caught), [
+    (w.filename, w.lineno, str(w.message)[:60]) for w in caught
+  ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import flax
@@ -307,6 +308,27 @@ def test_learning_rate_override_reaches_nested_injected_state():
   opt = OptaxWrapper(tx).create(_params())
   stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()), learning_rate=0.25)
   assert float(stepped.state.param_states[1].hyperparams["learning_rate"]) == 0.25
+
+
+def test_learning_rate_override_of_several_injected_rates_warns_with_their_paths():
+  labels = {"dense": {"kernel": "k", "bias": "b"}}
+  tx = optax.multi_transform(
+    {
+      "k": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+      "b": optax.inject_hyperparams(optax.sgd)(learning_rate=1e-4),
+    },
+    labels,
+  )
+  opt = OptaxWrapper(tx).create(_params())
+  grads = jax.tree.map(jnp.ones_like, _params())
+  with pytest.warns(UserWarning, match=r"one value.*inner_states/b/.*inner_states/k/"):
+    stepped = opt.apply_gradient(grads, learning_rate=0.5)
+  inner = stepped.state.param_states.inner_states
+  assert [float(inner[k].inner_state.hyperparams["learning_rate"]) for k in "bk"] == [0.5, 0.5]
+  single = OptaxWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)).create(_params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    single.apply_gradient(grads, learning_rate=0.5)
 
 
 @pytest.mark.parametrize(

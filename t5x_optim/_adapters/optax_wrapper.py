@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -16,8 +15,10 @@ from flax import struct
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.fused import FusedUpdate
 from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
+from t5x_optim._warn import warn
 
 __all__ = [
   "OPTAX_EXTRA_ARGS",
@@ -253,14 +254,15 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
   inside the transformation. Like T5X's own `OptaxWrapper`, the override is
   then ignored: when no state of the tree has an injectable constant
   learning rate (none was injected, or `inject_hyperparams` got a schedule)
-  the states come back unchanged, with a warning that says so.
+  the states come back unchanged, with a warning that says so. Several
+  injected rates all take the one value, with a warning naming them.
   """
   found = []
 
-  def set_rate(node: Any) -> Any:
+  def set_rate(path: jax.tree_util.KeyPath, node: Any) -> Any:
     if not (_is_injected_state(node) and _LEARNING_RATE in _constants(node)):
       return node
-    found.append(node)
+    found.append(key_path_str(path) or "(the whole state)")
     old = node.hyperparams[_LEARNING_RATE]
     dtype, given = jnp.result_type(old), jnp.result_type(learning_rate)
     if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(given, jnp.integer):
@@ -273,16 +275,22 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
     hyperparams[_LEARNING_RATE] = jnp.asarray(learning_rate, dtype=dtype)
     return node._replace(hyperparams=hyperparams)
 
-  new_states = jax.tree.map(set_rate, param_states, is_leaf=_is_injected_state)
+  new_states = jax.tree.map_with_path(set_rate, param_states, is_leaf=_is_injected_state)
+  if len(found) > 1:
+    warn(
+      f"learning_rate= sets the {len(found)} injected learning rates of the optax state to "
+      f"one value, whatever each held before: {', '.join(found)}. To keep rates apart "
+      "(per parameter group), inject them as schedules (never overridden) or use a "
+      "MultiOptimizer with an OptaxWrapper per group."
+    )
   if not found:
-    warnings.warn(
+    warn(
       "learning_rate= was passed to apply_gradient (T5X's trainer passes its "
       "learning_rate_fn value), but the optax transformation has no injectable "
       "constant learning rate, so the override is ignored and optax's own "
       "learning rate or schedule applies, as with T5X's OptaxWrapper. To "
       "override it per step, build the transformation with "
-      "optax.inject_hyperparams and a constant learning rate.",
-      stacklevel=5,
+      "optax.inject_hyperparams and a constant learning rate."
     )
   return new_states
 
