@@ -683,12 +683,13 @@ class Checkpointer:
     its target sharding, whatever mesh or device count the checkpoint was
     saved from; no unsharded copy is made. Every array read is checked
     against the checksum saved with it. Each leaf comes back in the
-    target's dtype, by the rule `Optimizer.restore_state` follows: floating
-    data may be cast to any floating dtype (a float32 checkpoint restores
-    into bfloat16 params, as with T5X's ``restore_dtype``), an integer to a
-    narrower integer, or a float to an integer (a float32 step counter),
-    when every value is a whole number that fits; another change of kind
-    (complex to real) is refused. Arrays whose stored dtype casts exactly
+    target's dtype (params too, which `Optimizer.restore_state` keeps in
+    their stored floating dtype, as T5X does), by the rule of `leaf_fit`:
+    floating data may be cast to any floating dtype whose range holds
+    every value (a float32 checkpoint restores into bfloat16 params), an
+    integer to a narrower integer, or a float to an integer (a float32 step
+    counter), when every value is a whole number that fits; another change
+    of kind (complex to real) is refused. Arrays whose stored dtype casts exactly
     into the target's are read in the target's dtype and returned as read,
     without another device copy; the others are read as stored and cast
     on their devices. Pending saves of this checkpointer are finished
