@@ -12,7 +12,7 @@ use and need the ``kfac`` extra: ``pip install 't5x-optim[kfac]'``.
 import importlib
 from typing import Any
 
-from t5x_optim import checkpoints, distributed, optimizers, partitioning, t5x_checkpoints
+from t5x_optim import checkpoints, distributed, optimizers, partitioning, storage, t5x_checkpoints
 from t5x_optim._adapters.discovery import optax_optimizer_factories
 from t5x_optim._adapters.example_lib import (
   ExampleLibHyperParams,
@@ -125,6 +125,7 @@ __all__ = [
   "save_t5x_checkpoint",
   "schedule_free_evaluation_params",
   "stack_params",
+  "storage",
   "t5x_checkpoint_steps",
   "t5x_checkpoints",
   "trained_params",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import pathlib
 import subprocess
 import sys
 import types
@@ -104,3 +106,13 @@ def test_optimizers_namespace_is_written_out_as_discovery_finds_it():
     assert getattr(optimizers, name).optax_factory is factory, name
   for name, maker in EXAMPLE_LIB_OPTIMIZERS.items():
     assert getattr(optimizers, name) is maker, name
+
+
+def test_the_root_re_exports_every_public_module_the_api_reference_documents():
+  """`t5x_optim.storage` had its API page but was neither an attribute nor in `__all__`."""
+  pages = pathlib.Path(__file__).parent.parent / "docs" / "api"
+  documented = {page.stem for page in pages.glob("*.md")} - {"t5x_optim"}
+  assert documented, pages
+  for name in sorted(documented):
+    assert name in t5x_optim.__all__, name
+    assert getattr(t5x_optim, name) is importlib.import_module(f"t5x_optim.{name}"), name
