@@ -140,5 +140,14 @@ _LAZY = {"KfacHyperParams": _KFAC, "KfacOptimizerDef": _KFAC}
 
 def __getattr__(name: str) -> Any:
   if name in _LAZY:
-    return getattr(importlib.import_module(_LAZY[name]), name)
+    try:
+      module = importlib.import_module(_LAZY[name])
+    except ImportError as e:
+      if e.name != "kfac_jax":
+        raise
+      raise ImportError(
+        f"t5x_optim.{name} needs kfac-jax, which is not installed: "
+        "pip install 't5x-optim[kfac]'."
+      ) from e
+    return getattr(module, name)
   raise AttributeError(f"module 't5x_optim' has no attribute {name!r}")

@@ -116,3 +116,13 @@ def test_the_root_re_exports_every_public_module_the_api_reference_documents():
   for name in sorted(documented):
     assert name in t5x_optim.__all__, name
     assert getattr(t5x_optim, name) is importlib.import_module(f"t5x_optim.{name}"), name
+
+
+@pytest.mark.parametrize("name", ["KfacOptimizerDef", "KfacHyperParams"])
+def test_the_kfac_adapter_without_kfac_jax_names_the_extra(name, monkeypatch):
+  """Without the `kfac` extra the lazy import gave a bare `No module named 'kfac_jax'`."""
+  for module in [m for m in sys.modules if m.startswith(("kfac_jax", "t5x_optim._adapters.kfac"))]:
+    monkeypatch.delitem(sys.modules, module)
+  monkeypatch.setitem(sys.modules, "kfac_jax", None)  # what an import finds when it is absent
+  with pytest.raises(ImportError, match=r"kfac-jax.*pip install 't5x-optim\[kfac\]'"):
+    getattr(t5x_optim, name)
