@@ -146,8 +146,7 @@ def __getattr__(name: str) -> Any:
       if e.name != "kfac_jax":
         raise
       raise ImportError(
-        f"t5x_optim.{name} needs kfac-jax, which is not installed: "
-        "pip install 't5x-optim[kfac]'."
+        f"t5x_optim.{name} needs kfac-jax, which is not installed: pip install 't5x-optim[kfac]'."
       ) from e
     return getattr(module, name)
   raise AttributeError(f"module 't5x_optim' has no attribute {name!r}")

@@ -393,6 +393,18 @@ def test_a_scheme_without_backend_is_one_line(flag, path, message, tmp_path, cap
   assert len(err.strip().splitlines()) == 1, err
 
 
+def test_gs_without_gcsfs_names_the_extra(monkeypatch):
+  absent = ("gcsfs", "tensorflow")
+  find_spec = storage.importlib.util.find_spec
+  monkeypatch.setattr(
+    storage.importlib.util, "find_spec", lambda name: None if name in absent else find_spec(name)
+  )
+  with pytest.raises(
+    storage.StorageError, match=r"pip install gcsfs or pip install 't5x-optim\[gcs\]'"
+  ):
+    storage.as_path("gs://bkt/run")
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
 def test_train_on_text_data_from_gs(where, capsys):

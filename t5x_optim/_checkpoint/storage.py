@@ -106,9 +106,10 @@ def _check_backend(text: str, scheme: str) -> None:
   # With TensorFlow installed, epath reads and writes gs:// through its gfile instead.
   backends = (package, "tensorflow") if scheme == "gs" else (package,)
   if all(importlib.util.find_spec(name) is None for name in backends):
+    extra = " or pip install 't5x-optim[gcs]'" if scheme == "gs" else ""
     raise StorageError(
       f"{text}: {scheme}:// paths need the {package} package, which is not installed "
-      f"(pip install {package})."
+      f"(pip install {package}{extra})."
     )
 
 
