@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,25 @@ def test_readme_commands_run_from_another_directory(venv, tmp_path):
     assert result.returncode == 0, (command, result.stderr)
     assert "Traceback" not in result.stderr
   assert (tmp_path / "runs" / "lookahead" / "config.gin").is_file()
+
+
+def test_the_sdist_holds_the_package_and_no_partial_test_suite(tmp_path):
+  """setuptools put tests/test_*.py in the sdist without their conftest, helpers or data."""
+  tracked = subprocess.run(
+    ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+  ).stdout.split()
+  source = tmp_path / "source"
+  for name in tracked:
+    (source / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / name, source / name)
+  script = (
+    "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+  )
+  build = _run([sys.executable, "-c", script, str(tmp_path / "dist")], cwd=source)
+  assert build.returncode == 0, build.stdout + build.stderr
+  (sdist,) = (tmp_path / "dist").glob("t5x_optim-*.tar.gz")
+  with tarfile.open(sdist) as archive:
+    names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+  assert not {name for name in names if name.startswith("tests/")}
+  package = {name for name in tracked if name.startswith("t5x_optim/")}
+  assert package <= names, sorted(package - names)
