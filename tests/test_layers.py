@@ -2,7 +2,8 @@
 
 From the bottom:
 
-0. key paths (``t5x_optim/_keypaths.py``), which every room may import;
+0. key paths and warnings (``t5x_optim/_keypaths.py``, ``t5x_optim/_warn.py``), which
+   every room may import;
 1. axes (``_axes``): logical-axis rules and optimizer-state specs;
 2. core (``_core``): T5X's optimizer interface and state dicts;
 3. layouts (``_layouts``): the fused and the stacked update;
@@ -43,6 +44,7 @@ PACKAGE_DIR = pathlib.Path(t5x_optim.__file__).parent
 
 LAYERS = {
   "t5x_optim._keypaths": 0,
+  "t5x_optim._warn": 0,
   "t5x_optim._axes": 1,
   "t5x_optim._core": 2,
   "t5x_optim._layouts": 3,
@@ -122,16 +124,17 @@ def test_module_imports_only_its_own_layer_and_below(path):
   assert upward_imports(path.read_text(), module_name(path)) == []
 
 
-def test_axes_layer_imports_no_other_t5x_optim_module_but_key_paths():
+def test_axes_layer_imports_no_other_t5x_optim_module_but_room_0():
   for path in (PACKAGE_DIR / "_axes").rglob("*.py"):
     name = module_name(path)
     others = [m for _, m in imported_modules(path.read_text(), name) if layer_of(m) not in (0, 1)]
     assert others == [], name
 
 
-def test_key_paths_import_no_t5x_optim_module():
-  source = (PACKAGE_DIR / "_keypaths.py").read_text()
-  assert imported_modules(source, "t5x_optim._keypaths") == []
+@pytest.mark.parametrize("name", ["_keypaths", "_warn"])
+def test_room_0_imports_no_t5x_optim_module(name):
+  source = (PACKAGE_DIR / f"{name}.py").read_text()
+  assert imported_modules(source, f"t5x_optim.{name}") == []
 
 
 def import_graph() -> dict[str, set[str]]:
