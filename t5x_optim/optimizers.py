@@ -6,7 +6,7 @@ classes it holds a wrapped factory (`wrap_optax_optimizer`) for every optax
 and optax.contrib optimizer factory, found by introspection at import, under
 optax's own name (``adamw``, ``adafactor``, ``lion``, ...), `chain`, which
 takes a list, `low_precision` (a transformation storing another's state in
-bfloat16 or 8 bits), and the `jax.example_libraries.optimizers` triples as
+bfloat16, 8 or 4 bits), and the `jax.example_libraries.optimizers` triples as
 ``example_lib_<name>`` (``example_lib_adam``, ``example_lib_sm3``, ...).
 
 Example:
