@@ -353,6 +353,28 @@ def test_processes_that_run_other_library_versions_stop_before_the_first_step(tm
     assert "step 1" not in out
 
 
+@pytest.mark.parametrize(
+  ("env", "setting", "values"),
+  [
+    ({"JAX_ENABLE_X64": "1"}, "jax_enable_x64", "False on process 0, True on process 1"),
+    (
+      {"JAX_DEFAULT_MATMUL_PRECISION": "highest"},
+      "jax_default_matmul_precision",
+      "None on process 0, 'highest' on process 1",
+    ),
+  ],
+  ids=["x64", "matmul_precision"],
+)
+def test_processes_with_other_jax_settings_stop_before_the_first_step(
+  tmp_path, env, setting, values
+):
+  """A host whose environment sets another jax numerics setting traces another program."""
+  for code, out, err in _two_processes(tmp_path, [[], []], envs=({}, env)):
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert f"different jobs: jax's setting {setting} is {values};" in err, err
+    assert "step 1" not in out
+
+
 def _readme_recipe() -> str:
   blocks = re.findall(r"^```bash\n(.*?)^```$", (REPO / "docs" / "cli.md").read_text(), re.M | re.S)
   (recipe,) = [block for block in blocks if "--num_processes 2" in block]

@@ -558,11 +558,13 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
           "checkpoints and logs as text; put the model directory elsewhere."
         )
     if _processes.several():
-      # Each host runs its own installed libraries, reads its own copy of the text, and its
-      # own view of the model and source directories (a host-local or relative path may be
-      # another directory on one host): what each has and sees must agree too.
+      # Each host runs its own installed libraries and jax settings, reads its own copy of the
+      # text, and its own view of the model and source directories (a host-local or relative
+      # path may be another directory on one host): what each has and sees must agree too.
       for name, version in _job.package_versions().items():
         same_data[f"the version of {name}"] = version
+      for name, value in _job.jax_settings().items():
+        same_data[f"jax's setting {name}"] = value
       if text is not None:
         same_data[f"the text data at {text}"] = text_seen
       if model_dir is not None:

@@ -215,7 +215,9 @@ def _gather_texts(text: str) -> list[str]:
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   data = np.frombuffer(text.encode(), np.uint8)
-  lengths = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  # int32, not int64: jax sends an int64 as 4 bytes, or as 8 with x64 enabled, and a process
+  # with another jax_enable_x64 than its peers' must reach the comparison that names it.
+  lengths = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
   padded = np.zeros(int(lengths.max()), np.uint8)
   padded[: data.size] = data
   gathered = np.asarray(multihost_utils.process_allgather(padded))

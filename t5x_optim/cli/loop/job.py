@@ -157,6 +157,33 @@ def package_versions() -> dict[str, str]:
   return versions
 
 
+_JAX_SETTINGS = (
+  "jax_enable_x64",
+  "jax_default_matmul_precision",
+  "jax_numpy_dtype_promotion",
+  "jax_numpy_rank_promotion",
+  "jax_default_prng_impl",
+  "jax_threefry_partitionable",
+  "jax_debug_nans",
+  "jax_debug_infs",
+  "jax_disable_jit",
+)
+"""jax's settings that change the program a step traces, or what it does on a bad value."""
+
+
+def jax_settings() -> dict[str, str]:
+  """jax's `_JAX_SETTINGS` as this process has them (environment variables or
+  ``jax.config.update``), each as its ``repr``.
+
+  Example:
+    >>> jax_settings()["jax_enable_x64"]
+    'False'
+  """
+  return {
+    name: repr(jax.config.values[name]) for name in _JAX_SETTINGS if name in jax.config.values
+  }
+
+
 def version_changes(there: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
   """Each package whose version differs, ``name old -> new`` (``none`` where not installed).
 
