@@ -161,6 +161,25 @@ def test_resume_may_change_steps_and_cadences_and_keeps_every_config(four_steps,
     assert checkpointer.recorded_job(6)["model"]["num_heads"] == 2
 
 
+def test_the_config_change_line_lists_every_change(four_steps, tmp_path, capsys):
+  """It showed six and "and 1 more": a seventh change (the data's seed) went unnamed."""
+  model_dir = _copy(four_steps, tmp_path)
+  bindings = {
+    f"OPTIMIZER/optax.adamw.{name}": value
+    for name, value in [("b1", "0.8"), ("b2", "0.99"), ("eps", "1e-6"), ("weight_decay", "0.01")]
+  }
+  bindings |= {"cli.TrainJob.eval_every": "3", "cli.SyntheticTask.seed": "7"}
+  flags = [*_steps(6), *EVERY_2]
+  for name, value in bindings.items():
+    flags += ["--gin_bindings", f"{name} = {value}"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  (line,) = [line for line in out.splitlines() if line.startswith("config:")]
+  assert "more" not in line, line
+  for name in [*bindings, "TOTAL_STEPS"]:
+    assert f"{name} " in line, (name, line)
+
+
 def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(
   four_steps, tmp_path, capsys
 ):

@@ -109,7 +109,6 @@ CHECKPOINTS = "checkpoints"
 SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
-_SHOWN_CHANGES = 6
 _SHOWN_STEPS = 4
 _REASON_CHARS = 300
 INCOMPLETE = "incomplete: its save or copy never completed"
@@ -963,10 +962,9 @@ def _config_change_line(model_dir: Path, resume: _Resume, config_text: str) -> s
   changes = config_changes(earlier[1], config_text)
   if not changes:
     return None
-  more = f", and {len(changes) - _SHOWN_CHANGES} more" if len(changes) > _SHOWN_CHANGES else ""
+  # Every change: one left unnamed may be the one that changes what the run trains on.
   return (
-    f"config:          changed since step {resume.step} ({earlier[0].name}): "
-    f"{', '.join(changes[:_SHOWN_CHANGES])}{more}"
+    f"config:          changed since step {resume.step} ({earlier[0].name}): {', '.join(changes)}"
   )
 
 
