@@ -511,6 +511,10 @@ BAD_INPUT = {
     "not fit the 8 devices in use; what fits: num_partitions in (1, 2, 4, 8)",
   ),
   "too_many_devices": (["--num_devices", "9"], "--num_devices 9: only 8 cpu devices"),
+  "flag_against_binding": (
+    ["--num_devices", "4", "--gin_bindings", "NUM_DEVICES = 8"],
+    "--num_devices 4, but the gin config binds NUM_DEVICES = 8 (cli.mesh_devices.count)",
+  ),
 }
 
 
@@ -528,6 +532,28 @@ def test_a_mesh_pinned_by_shape_or_submesh_is_the_mesh(pin, mesh, capsys):
   second pin: "pins num_partitions = 2, shape = {'data': 2, 'model': 4}, which does not fit"."""
   assert main(["plan", *TINY, "--gin_bindings", pin]) == 0, capsys.readouterr().err
   assert mesh in capsys.readouterr().out
+
+
+def test_num_devices_beats_a_gin_file_that_binds_the_count(tmp_path, capsys):
+  """A resumed run's config.gin binds NUM_DEVICES = 8: it overrode --num_devices 4 silently."""
+  saved = tmp_path / "saved.gin"
+  saved.write_text("NUM_DEVICES = 8\n")
+  flags = ["--gin_file", str(saved), "--num_devices", "4"]
+  assert main(["plan", *TINY, *flags]) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert out.startswith("Optimizer state on mesh data=2 x model=2 (4 devices)"), out
+
+
+@pytest.mark.slow
+def test_the_banner_names_the_devices_the_config_uses(tmp_path, capsys):
+  """The devices line came from --num_devices (or every device), not from the config."""
+  saved = tmp_path / "saved.gin"
+  saved.write_text("NUM_DEVICES = 4\n")
+  flags = ["--gin_file", str(saved), "--gin_bindings", "TOTAL_STEPS = 1"]
+  assert main(["train", *TINY, *flags, "--model_dir", str(tmp_path / "run")]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "devices:         4 x cpu (simulated)" in lines, lines
+  assert "mesh:            data=2 x model=2" in lines, lines
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUT))

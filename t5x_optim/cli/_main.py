@@ -353,27 +353,43 @@ def _loop_failed(args: argparse.Namespace, failure: Exception, model_dir, primar
   return EXIT_FAILED
 
 
-def _devices(requested: int | None) -> tuple[int, str]:
-  """(device count to use, its description); raises ValueError when too few exist."""
+def _devices(requested: int | None, label: str = "--num_devices") -> tuple[int, str]:
+  """(device count to use, its description); raises ValueError when too few exist.
+
+  ``label`` names where ``requested`` comes from: the flag, or the gin config's count.
+  """
   import jax  # noqa: PLC0415 - after the XLA flags are set
 
   devices = jax.devices()
   platform = devices[0].platform
   if requested is not None and requested > len(devices):
-    raise ValueError(
-      f"--num_devices {requested}: only {len(devices)} {platform} devices are available."
-    )
+    raise ValueError(f"{label} {requested}: only {len(devices)} {platform} devices are available.")
   count = len(devices) if requested is None else requested
   kind = "cpu (simulated)" if platform == "cpu" else devices[0].device_kind
   processes = jax.process_count()
   if processes > 1 and count != len(devices):
     raise ValueError(
-      f"--num_devices {requested}: a run of {processes} processes uses every device of every "
+      f"{label} {requested}: a run of {processes} processes uses every device of every "
       f"process, {len(devices)} here ({len(devices) // processes} per process); leave "
-      f"--num_devices out or set it to {len(devices)}."
+      f"{label} out or set it to {len(devices)}."
     )
   spread = f" in {processes} processes of {count // processes}" if processes > 1 else ""
   return count, f"{count} x {kind}{spread}"
+
+
+def _configured_devices(
+  flag: int | None, configured: int | None, count: int, devices: str
+) -> tuple[int, str]:
+  """`_devices` for the count the parsed gin config's mesh takes (``configured``; None: every
+  device); refuses a count bound by ``--gin_bindings`` against the flag's."""
+  if configured is None or configured == count:
+    return count, devices
+  if flag is not None:
+    raise ValueError(
+      f"--num_devices {flag}, but the gin config binds NUM_DEVICES = {configured} "
+      "(cli.mesh_devices.count); give one of the two."
+    )
+  return _devices(configured, label="the gin config's NUM_DEVICES")
 
 
 def _param_routes(abstract_state) -> list[str]:
@@ -540,12 +556,16 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
 
       data = _config.data_bindings(_text.resolve_data_path(args.data, label="--data"))
       _text.scan_text(args.data, label="--data")
+    # The flag's count beats a gin file's (a resumed run's config.gin binds one).
+    flag_count = [] if args.num_devices is None else [f"NUM_DEVICES = {args.num_devices}"]
     _config.parse_config(
       gin_files=args.gin_file,
-      gin_bindings=[*data, *_flag_bindings(args), *args.gin_bindings],
+      gin_bindings=[*data, *flag_count, *_flag_bindings(args), *args.gin_bindings],
       search_paths=args.gin_search_paths,
       macros=_config.device_macros(count),
     )
+    configured = _config.configured_device_count()
+    count, devices = _configured_devices(args.num_devices, configured, count, devices)
     text = _config.text_data_path() if train or _processes.several() else None
     if text is not None:
       from t5x_optim.cli.demo import text as _text  # noqa: PLC0415

@@ -422,6 +422,20 @@ def data_bindings(path: str | Path) -> list[str]:
   ]
 
 
+def configured_device_count() -> int | None:
+  """How many devices the parsed config's mesh takes (``cli.mesh_devices.count``, its
+  macro ``NUM_DEVICES`` followed), or None: every device.
+
+  Example:
+    >>> parse_config(macros=device_macros(8), gin_bindings=['NUM_DEVICES = 4'])
+    >>> configured_device_count()
+    4
+  """
+  bound = gin.get_bindings(mesh_devices, resolve_references=False).get("count")
+  count, _ = _past_macros(bound, [])
+  return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def text_data_path() -> str | None:
   """The path of the text the parsed config trains on (its `TextTask`), or None for
   another task.
