@@ -181,6 +181,17 @@ def test_the_data_summary_tells_a_stale_copy_from_a_copy(tmp_path):
     assert _text.data_summary(stale) != one, name
 
 
+def test_the_data_summary_tells_text_edited_past_the_heads(tmp_path):
+  """Names, sizes and the first 64 KiB of the first and last file: a corpus edited in place
+  past them (same size) resumed as the same text, and trained on the other."""
+  line = "".join(f"line {i} of a long corpus\n" for i in range(40_000))
+  files = {"a.txt": line, "b.txt": line, "c.txt": line}
+  one = _text.data_summary(_corpus(tmp_path / "one", files))
+  for name in files:  # every file past its first 64 KiB, in upper case
+    edited = {**files, name: line[: 1 << 16] + line[1 << 16 :].upper()}
+    assert _text.data_summary(_corpus(tmp_path / f"edited_{name}", edited)) != one, name
+
+
 @pytest.mark.slow
 def test_the_data_summary_does_not_depend_on_the_hash_seed(tmp_path):
   """Equal in any process: a set of paths iterated in hash order made it differ between them."""

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,9 @@ BYTE_VOCAB_SIZE = 256
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 """The texts shipped in the package (``hamlet.txt``)."""
 _SNIFF_BYTES = 1 << 16
+_SAMPLES = 16
+_SAMPLE_BYTES = 1 << 12
+"""`data_summary` digests this many windows of this many bytes, spread over the text."""
 _EVAL_STREAM = 1
 _MAX_LISTED_FILES = 100_000
 
@@ -160,9 +164,12 @@ def scan_text(path: str | Path, *, label: str = "text data") -> tuple[list[Path]
 
 def data_summary(path: str | Path, *, label: str = "text data") -> str:
   """The text at `path` in one line: its files, their bytes, and a digest of their names and
-  sizes and of the first 64 KiB of the first and the last file, which the processes of a job
-  compare (a host's stale copy of the corpus differs). Lists the files as `scan_text` does
-  and reads two heads, however many files there are (checking the text is `scan_text`'s).
+  sizes, of the first 64 KiB of the first and the last file, and of `_SAMPLES` windows of
+  `_SAMPLE_BYTES` spread evenly over the whole text, which the processes of a job compare (a
+  host's stale copy of the corpus differs) and a resume compares with the step's (a corpus
+  edited in place). Lists the files as `scan_text` does and reads two heads and the
+  windows, however many files there are (checking the text is `scan_text`'s): an edit that
+  misses them all, a byte here and there in a large corpus, goes unseen.
 
   Example:
     >>> data_summary('hamlet.txt')[:21]
@@ -171,14 +178,18 @@ def data_summary(path: str | Path, *, label: str = "text data") -> str:
   root = resolve_data_path(path, label=label)
   files = _files(root, label)
   digest = hashlib.sha256()
-  total = 0
+  starts = [0]
   for file in files:
     name = file.name if file == root else file.relative_to(root).as_posix()
     size = storage.file_size(file)
-    total += size
+    starts.append(starts[-1] + size)
     digest.update(f"{name}\0{size}\0".encode())
+  total = starts[-1]
   for file in dict.fromkeys([files[0], files[-1]]):
     digest.update(_head(file, label))
+  window = min(_SAMPLE_BYTES, total)
+  for k in range(_SAMPLES):
+    digest.update(_stream_bytes(files, starts, (total - window) * k // (_SAMPLES - 1), window))
   count = f"{len(files):,} file{'s' if len(files) != 1 else ''}"
   return f"{count}, {total:,} bytes, digest {digest.hexdigest()[:12]}"
 
@@ -278,17 +289,22 @@ class TextTask:
 
   def _bytes(self, offset: int, count: int) -> bytes:
     """`count` bytes of the stream from `offset`, across file boundaries."""
-    files, starts = self._index
-    parts = []
-    index = bisect.bisect_right(starts, offset) - 1
-    while count > 0:
-      with files[index].open("rb") as stream:
-        stream.seek(offset - starts[index])
-        part = stream.read(min(count, starts[index + 1] - offset))
-      if not part:
-        raise ValueError(f"text data {files[index]}: the file shrank while training.")
-      parts.append(part)
-      count -= len(part)
-      offset += len(part)
-      index += 1
-    return b"".join(parts)
+    return _stream_bytes(*self._index, offset, count)
+
+
+def _stream_bytes(files: Sequence[Path], starts: Sequence[int], offset: int, count: int) -> bytes:
+  """`count` bytes of the files' stream from `offset` (file ``i`` starts at ``starts[i]``),
+  across file boundaries."""
+  parts = []
+  index = bisect.bisect_right(starts, offset) - 1
+  while count > 0:
+    with files[index].open("rb") as stream:
+      stream.seek(offset - starts[index])
+      part = stream.read(min(count, starts[index + 1] - offset))
+    if not part:
+      raise ValueError(f"text data {files[index]}: the file shrank while training.")
+    parts.append(part)
+    count -= len(part)
+    offset += len(part)
+    index += 1
+  return b"".join(parts)
