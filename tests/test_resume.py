@@ -180,6 +180,29 @@ def test_the_config_change_line_lists_every_change(four_steps, tmp_path, capsys)
     assert f"{name} " in line, (name, line)
 
 
+def test_an_edited_config_gin_is_kept_and_the_resume_says_it_was_not_read(
+  four_steps, tmp_path, capsys
+):
+  """config.gin edited by hand (b1 = 0.5), then a resume: the edit went unused and the file
+  was overwritten, without a word."""
+  model_dir = _copy(four_steps, tmp_path)
+  edited = (model_dir / "config.gin").read_text().replace("b1 = 0.9", "b1 = 0.5")
+  (model_dir / "config.gin").write_text(edited)
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  kept = model_dir / "config_edited.gin"
+  assert kept.read_text() == edited
+  assert (
+    f"config.gin:      edited by hand, not read (a run reads --gin_file and --gin_bindings); "
+    f"kept as {kept}"
+  ) in out.splitlines(), out
+  assert "b1 = 0.9" in (model_dir / "config.gin").read_text()
+  # Unedited: no line, nothing set aside.
+  code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
+
+
 def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(
   four_steps, tmp_path, capsys
 ):

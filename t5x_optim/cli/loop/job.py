@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
   "config_changes",
   "config_digest",
   "config_file_name",
+  "keep_edited_config",
   "format_problem",
   "identity_problem",
   "job_record",
@@ -435,6 +437,38 @@ def recorded_config(
     f"{config_digest(own)[:12]} now)"
   )
   return LostConfig(name, why, "is gone" if latest is None else "is another config")
+
+
+_START_COPY = re.compile(r"config_\d+(-\d+)?\.gin")
+"""The name of a start's config copy (`config_file_name`)."""
+
+
+def keep_edited_config(model_dir: Path) -> Path | None:
+  """Copies `CONFIG_FILE` to ``config_edited.gin`` (or ``config_edited-<n>.gin``, a new name)
+  when no start wrote it, its text being none of the starts' copies: an edit by hand, which
+  no run reads and the next start overwrites. Returns the copy, or None.
+
+  Example:
+    >>> import tempfile
+    >>> model_dir = Path(tempfile.mkdtemp())
+    >>> (model_dir / 'config_0.gin').write_text('A = 1')
+    5
+    >>> (model_dir / CONFIG_FILE).write_text('A = 2')
+    5
+    >>> keep_edited_config(model_dir).name
+    'config_edited.gin'
+  """
+  text = _read(model_dir / CONFIG_FILE)
+  if text is None or any(
+    _START_COPY.fullmatch(copy.name) and _read(copy) == text for copy in model_dir.iterdir()
+  ):
+    return None
+  name, n = "config_edited.gin", 1
+  while (model_dir / name).exists():
+    n += 1
+    name = f"config_edited-{n}.gin"
+  (model_dir / name).write_text(text)
+  return model_dir / name
 
 
 def config_file_name(model_dir: Path, start: int, text: str) -> str:
