@@ -600,9 +600,15 @@ def test_a_model_dir_in_use_by_another_run_is_refused_before_anything_changes(
   model_dir = _copy(four_steps, tmp_path)
   other = WriterLock(str(model_dir))
   assert other.take() == ""
+  # The compilation cache in the model directory (the default outside the tests) too: the
+  # refused run rewrote its record of intact entries and deleted an entry being written.
+  cache = model_dir / "compilation_cache"
+  cache.mkdir()
+  (cache / "jit_step-0123-cache").write_bytes(b"being written")
   before = {p.relative_to(model_dir): p.stat().st_mtime_ns for p in model_dir.rglob("*")}
   try:
-    code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, capsys=capsys)
+    flags = ["--compilation_cache", str(cache)]
+    code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, *flags, capsys=capsys)
   finally:
     other.release()
   err = _one_line_error(code, err)

@@ -648,6 +648,12 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
   use = None
   with contextlib.ExitStack() as stack:
     try:
+      # Before the compilation cache, which lives in the model directory by default: a run
+      # refused there must not rewrite the cache's record or delete an entry being written.
+      stack.enter_context(_train.one_run_at_a_time(model_dir))
+    except _train.UsageError as error:
+      return _fail(args, error)
+    try:
       if cache is not None:
         use = stack.enter_context(_compilation_cache.compilation_cache(cache, primary=primary))
     except OSError as error:
@@ -670,6 +676,7 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
         write_events=primary,
         job=record,
         init_from=None if args.init_from is None else str(args.init_from),
+        lock=False,
       )
     except _train.UsageError as error:
       return _fail(args, error)

@@ -95,6 +95,7 @@ __all__ = [
   "default_model_dir",
   "describe_setup",
   "injected_learning_rates",
+  "one_run_at_a_time",
   "plateau_scales",
   "prepare",
   "step_memory",
@@ -1027,11 +1028,14 @@ def train(
   write_events: bool = True,
   job: Mapping[str, Any] | None = None,
   init_from: str | None = None,
+  lock: bool = True,
 ) -> TrainSummary:
   """Runs the job to `total_steps` in `model_dir`, resuming from its newest intact checkpoint.
 
   The run holds `model_dir`'s writer lock (`WriterLock`) from start to end,
-  so a second run there is refused before it reads or writes anything.
+  so a second run there is refused before it reads or writes anything
+  (``lock=False``: the caller holds it, `one_run_at_a_time`, from before
+  it touches anything of the directory's, the compilation cache in it).
 
   Prints the model directory (and whether the run is new, resumed or
   finished) first, then the checkpoints it skipped, then `about`, then a log
@@ -1058,6 +1062,7 @@ def train(
     job: what makes the run this job (`job.job_record` without the config
       file), recorded with every checkpoint and compared on resume.
     init_from: the ``--init_from`` directory, named when a resume ignores it.
+    lock: take `model_dir`'s writer lock (False: the caller holds it).
 
   Returns:
     The summary.
@@ -1072,7 +1077,7 @@ def train(
       saved first (single-process runs).
   """
   model_dir = storage.as_path(model_dir)
-  with _one_run_at_a_time(model_dir):
+  with one_run_at_a_time(model_dir) if lock else contextlib.nullcontext():
     return _train(
       setup,
       model_dir=model_dir,
@@ -1088,7 +1093,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _one_run_at_a_time(model_dir: Path) -> Iterator[None]:
+def one_run_at_a_time(model_dir: Path) -> Iterator[None]:
   """Holds `model_dir`'s writer lock for the run; a run already there refuses this one."""
   model_dir.mkdir(parents=True, exist_ok=True)
   lock = WriterLock(str(model_dir))
