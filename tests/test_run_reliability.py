@@ -134,6 +134,22 @@ def test_sigterm_mid_loop_saves_that_step_and_exits_143(tmp_path):
   print(f"SIGTERM to exit 143: {took:.2f} s")
 
 
+@pytest.mark.slow
+def test_sigterms_while_the_command_exits_keep_its_status(tmp_path):
+  """A scheduler repeating SIGTERM: Python's shutdown puts the default handler back, and jax's
+  teardown takes a second, so the finished run died by the signal (-15), not with its 143."""
+  args = [*TINY, *LONG, "--metrics_every", "0", "--preemption_grace_seconds", "120"]
+  run = _Run(*args, "--model_dir", str(tmp_path / "run"))
+  run.wait_for(r"^step 10/")
+  run.process.send_signal(signal.SIGTERM)
+  run.wait_for(r"^checkpoint: ")
+  while run.process.poll() is None:
+    run.process.send_signal(signal.SIGTERM)
+    time.sleep(0.005)
+  code, _, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+
+
 @pytest.fixture(scope="module")
 def finished_tiny(tmp_path_factory) -> Path:
   """A finished 40-step tiny run (checkpoints 20 and 40)."""

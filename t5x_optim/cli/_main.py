@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import traceback
@@ -743,7 +744,12 @@ def exit_process(status: int) -> NoReturn:
   failure the threads that outlive the command get `_STRAGGLER_WAIT_S`, not as long as they
   take: a checkpoint save that failed in the background (the directory gone, no inodes left)
   leaves orbax's threads, some started as Python shuts down, waiting 300 s for a signal it
-  never sends, and Python waits for them before it exits."""
+  never sends, and Python waits for them before it exits.
+
+  SIGTERM is ignored from here on: the command has ended, and Python's shutdown would put
+  the default handler back while jax tears down (a second or more), so that a scheduler's
+  repeated SIGTERM killed a process that had saved and was exiting with its status."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   if status:
     watchdog = threading.Timer(_STRAGGLER_WAIT_S, _end_now, args=(status,))
     watchdog.daemon = True
