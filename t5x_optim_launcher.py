@@ -1,4 +1,5 @@
-"""The `t5x-optim` console script: Ctrl-C and SIGTERM are caught before anything is imported.
+"""The `t5x-optim` console script: Ctrl-C, SIGTERM and SIGHUP are caught before anything is
+imported.
 
 Importing jax takes a while; a Ctrl-C during the import would otherwise end
 in a KeyboardInterrupt traceback, and a SIGTERM (a preemption) would kill the
@@ -16,7 +17,12 @@ import sys
 _PENDING: list[int] = []
 
 
+_SIGHUP = getattr(signal, "SIGHUP", None)
+
+
 def _record(signum, frame):
+  if signum == _SIGHUP:  # a closed terminal: taken for a preemption
+    signum = signal.SIGTERM
   if signum == signal.SIGTERM and signum in _PENDING:
     return
   _PENDING.append(signum)
@@ -25,9 +31,12 @@ def _record(signum, frame):
 
 
 def main() -> None:
-  """Entry point: records Ctrl-C and SIGTERM, then runs `t5x_optim.cli.main`."""
+  """Entry point: records Ctrl-C, SIGTERM and SIGHUP (unless ``nohup`` ignores it), then runs
+  `t5x_optim.cli.main`."""
   signal.signal(signal.SIGINT, _record)
   signal.signal(signal.SIGTERM, _record)
+  if _SIGHUP is not None and signal.getsignal(_SIGHUP) == signal.SIG_DFL:
+    signal.signal(_SIGHUP, _record)
   from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handlers on purpose
 
   _main.exit_process(_main.main(pending_signals=_PENDING))

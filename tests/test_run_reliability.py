@@ -135,6 +135,22 @@ def test_sigterm_mid_loop_saves_that_step_and_exits_143(tmp_path):
 
 
 @pytest.mark.slow
+def test_sighup_saves_the_step_and_exits_143(tmp_path):
+  """A closed terminal or ssh session: SIGHUP killed the run at once, losing every step since
+  the last checkpoint."""
+  model_dir = tmp_path / "run"
+  args = [*TINY, *LONG, "--metrics_every", "0", "--preemption_grace_seconds", "120"]
+  run = _Run(*args, "--model_dir", str(model_dir))
+  run.wait_for(r"^step 10/")
+  run.process.send_signal(signal.SIGHUP)
+  code, out, err = run.finish()
+  assert code == EXIT_PREEMPTED, err
+  assert "SIGHUP, taken for SIGTERM; saving at the next step" in err, err
+  stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
+  assert stopped >= 10 and _checkpoint_steps(model_dir)[-1] == stopped
+
+
+@pytest.mark.slow
 def test_sigterms_while_the_command_exits_keep_its_status(tmp_path):
   """A scheduler repeating SIGTERM: Python's shutdown puts the default handler back, and jax's
   teardown takes a second, so the finished run died by the signal (-15), not with its 143."""

@@ -746,10 +746,12 @@ def exit_process(status: int) -> NoReturn:
   leaves orbax's threads, some started as Python shuts down, waiting 300 s for a signal it
   never sends, and Python waits for them before it exits.
 
-  SIGTERM is ignored from here on: the command has ended, and Python's shutdown would put
+  SIGTERM (and SIGHUP) is ignored from here on: the command has ended, and Python's shutdown would put
   the default handler back while jax tears down (a second or more), so that a scheduler's
   repeated SIGTERM killed a process that had saved and was exiting with its status."""
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  for ended in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+    if ended is not None:
+      signal.signal(ended, signal.SIG_IGN)
   if status:
     watchdog = threading.Timer(_STRAGGLER_WAIT_S, _end_now, args=(status,))
     watchdog.daemon = True

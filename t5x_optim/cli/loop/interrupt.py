@@ -15,7 +15,9 @@ waits until the checkpoint is committed and exits with status 143. A
 watchdog started with the signal exits with 143 anyway once
 ``grace_seconds`` have passed (the latest complete checkpoint then stays the
 latest; a half-written step is never taken for one). Repeated SIGTERMs are
-ignored.
+ignored. SIGHUP (the terminal or ssh session closed) is taken for a
+SIGTERM where nothing ignores it (``nohup`` does): it killed the run at once,
+with every step since the last checkpoint.
 
 Example:
   >>> interrupt = Interrupt(quiet=True)
@@ -50,8 +52,14 @@ _NOTICE = "t5x-optim: interrupted; stopping at the next step (Ctrl-C again to qu
 _QUIT = "t5x-optim: interrupted twice; quitting now\n"
 
 
+_SIGHUP = getattr(signal, "SIGHUP", None)
+
+
 def _write(text: str) -> None:
-  os.write(sys.stderr.fileno(), text.encode())
+  try:
+    os.write(sys.stderr.fileno(), text.encode())
+  except OSError:  # no terminal any more (after a SIGHUP): the notice is lost, not the run
+    pass
 
 
 class Interrupt:
@@ -101,14 +109,16 @@ class Interrupt:
     return self._grace
 
   def handle(self, signum: int, frame: Any) -> None:
-    """The handler: flag the first signal; quit on a second Ctrl-C; ignore a second SIGTERM."""
-    if signum == signal.SIGTERM:
+    """The handler: flag the first signal; quit on a second Ctrl-C; ignore a second SIGTERM;
+    take SIGHUP for SIGTERM."""
+    if signum in (signal.SIGTERM, _SIGHUP):
       if self.preempted:
         return
-      self.pending.append(signum)
+      self.pending.append(signal.SIGTERM)
       if not self._quiet:
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGHUP, taken for SIGTERM"
         _write(
-          f"t5x-optim: SIGTERM; saving at the next step and exiting within "
+          f"t5x-optim: {name}; saving at the next step and exiting within "
           f"{self._grace:g} s (the preemption grace)\n"
         )
       self.start_grace()
@@ -152,6 +162,9 @@ class Interrupt:
     os._exit(EXIT_PREEMPTED)
 
   def install(self) -> None:
-    """Makes this the process's SIGINT and SIGTERM handler (main thread only)."""
+    """Makes this the process's SIGINT and SIGTERM handler, and its SIGHUP handler unless
+    SIGHUP is ignored (``nohup``) (main thread only)."""
+    if _SIGHUP is not None and signal.getsignal(_SIGHUP) not in (signal.SIG_IGN, None):
+      signal.signal(_SIGHUP, self.handle)
     signal.signal(signal.SIGINT, self.handle)
     signal.signal(signal.SIGTERM, self.handle)
