@@ -302,6 +302,11 @@ def _warn_unused_param_mode() -> None:
   low_precision(optax.adam(0.1), "8bit", param_modes=[("nothing", "bfloat16")]).init(PARAMS)
 
 
+def _warn_unused_param_mode_in_a_wrapper_under_jit() -> None:
+  tx = low_precision(optax.adam(0.1), "8bit", param_modes=[("nothing", "bfloat16")])
+  jax.jit(OptaxWrapper(optax.chain(tx)).create)(PARAMS)
+
+
 @pytest.mark.parametrize(
   "warn",
   [
@@ -311,6 +316,7 @@ def _warn_unused_param_mode() -> None:
     _warn_filter_selecting_nothing,
     _warn_unused_kernel_axes_override,
     _warn_unused_param_mode,
+    _warn_unused_param_mode_in_a_wrapper_under_jit,
   ],
 )
 def test_each_warning_points_at_the_callers_line(warn):

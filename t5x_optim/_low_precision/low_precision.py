@@ -92,7 +92,6 @@ import dataclasses
 import functools
 import math
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -151,6 +150,7 @@ from t5x_optim._low_precision.quantize4 import (
   unpacked_shape,
   uses_rank1,
 )
+from t5x_optim._warn import warn
 
 __all__ = [
   "LOW_PRECISION_MODES",
@@ -542,10 +542,9 @@ def _warn_of_unused_rules(
     else:
       why = None
     if why is not None:
-      warnings.warn(
+      warn(
         f"low_precision: the param_modes pattern {rule.pattern!r} {why}, so it sets no "
-        f"param's mode; the params are {format_paths(paths)}.",
-        stacklevel=3,
+        f"param's mode; the params are {format_paths(paths)}."
       )
     taken.update(selected)
 
