@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -13,6 +14,7 @@ import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+import t5x_optim
 from t5x_optim import KernelAxesRule, MultiOptimizer, OptaxWrapper, low_precision, optimizers
 
 PARAMS = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
@@ -326,3 +328,14 @@ def test_each_warning_points_at_the_callers_line(warn):
   assert [w.filename for w in caught] == [__file__] * len(caught), [
     (w.filename, w.lineno, str(w.message)[:60]) for w in caught
   ]
+
+
+def test_every_warning_of_the_package_goes_through_the_caller_attributing_helper():
+  """A warning raised with a fixed stacklevel names an internal line from other call paths."""
+  package = Path(t5x_optim.__file__).parent
+  direct = [
+    str(path.relative_to(package))
+    for path in package.rglob("*.py")
+    if path.name != "_warn.py" and "warnings.warn(" in path.read_text()
+  ]
+  assert direct == []
