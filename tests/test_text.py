@@ -192,6 +192,14 @@ def test_the_data_summary_tells_text_edited_past_the_heads(tmp_path):
     assert _text.data_summary(_corpus(tmp_path / f"edited_{name}", edited)) != one, name
 
 
+def test_the_data_summary_names_an_empty_file(tmp_path):
+  """Its windows read through an empty file between two others: "the file shrank while
+  training", before any training."""
+  corpus = _corpus(tmp_path, {"a.txt": "first " * 100, "b.txt": "", "c.txt": "last " * 100})
+  with pytest.raises(ValueError, match=r"b.txt: the file is empty\."):
+    _text.data_summary(corpus)
+
+
 @pytest.mark.slow
 def test_the_data_summary_does_not_depend_on_the_hash_seed(tmp_path):
   """Equal in any process: a set of paths iterated in hash order made it differ between them."""

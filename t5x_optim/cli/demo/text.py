@@ -182,6 +182,8 @@ def data_summary(path: str | Path, *, label: str = "text data") -> str:
   for file in files:
     name = file.name if file == root else file.relative_to(root).as_posix()
     size = storage.file_size(file)
+    if not size:  # as `scan_text` says it (the windows read across the files)
+      raise ValueError(f"{label} {file}: the file is empty.")
     starts.append(starts[-1] + size)
     digest.update(f"{name}\0{size}\0".encode())
   total = starts[-1]
