@@ -201,6 +201,13 @@ def test_an_edited_config_gin_is_kept_and_the_resume_says_it_was_not_read(
   code, out, err = _train_run(model_dir, *_steps(8), *EVERY_2, capsys=capsys)
   assert code == 0, err
   assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
+  # Edited and read with --gin_file: the run trains with it, nothing to say.
+  config = model_dir / "config.gin"
+  config.write_text(config.read_text().replace("TOTAL_STEPS = 8", "TOTAL_STEPS = 10"))
+  code, out, err = _train_run(model_dir, "--gin_file", str(config), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
+  assert "TOTAL_STEPS 8 -> 10" in out, out
 
 
 def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(

@@ -393,6 +393,17 @@ def _configured_devices(
   return _devices(configured, label="the gin config's NUM_DEVICES")
 
 
+def _keep_edited_config(model_dir: Path, gin_files: Sequence[str]) -> Path | None:
+  """`keep_edited_config` of `model_dir`, unless its config file is one of `gin_files` (a run
+  told to read it); the kept copy, or None."""
+  from t5x_optim.cli.loop import job as _job  # noqa: PLC0415 - after the XLA flags are set
+
+  config = model_dir / _job.CONFIG_FILE
+  if any(_inside(name, config) for name in gin_files):
+    return None
+  return _job.keep_edited_config(model_dir)
+
+
 def _param_routes(abstract_state) -> list[str]:
   """Where each param goes, for optimizers that decide it from the axes (muon: muon or adam),
   alone or inside a MultiOptimizer."""
@@ -654,6 +665,13 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       stack.enter_context(_train.one_run_at_a_time(model_dir))
     except _train.UsageError as error:
       return _fail(args, error)
+    kept = _keep_edited_config(model_dir, args.gin_file) if primary else None
+    if kept is not None:
+      about = [
+        *about,
+        f"{_job.CONFIG_FILE}:      edited by hand, not read (a run reads --gin_file and "
+        f"--gin_bindings); kept as {kept}",
+      ]
     try:
       if cache is not None:
         use = stack.enter_context(_compilation_cache.compilation_cache(cache, primary=primary))

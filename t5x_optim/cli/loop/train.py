@@ -74,7 +74,6 @@ from t5x_optim.cli.loop.job import (
   config_file_name,
   format_problem,
   identity_problem,
-  keep_edited_config,
   recorded_config,
   version_changes,
 )
@@ -1207,12 +1206,6 @@ def _train(
   if config_text is not None:
     name = config_file_name(model_dir, start, config_text)
     if write_events:
-      kept = keep_edited_config(model_dir)
-      if kept is not None:
-        stream.write(
-          f"{CONFIG_FILE}:      edited by hand, not read (a run reads --gin_file and "
-          f"--gin_bindings); kept as {kept}\n"
-        )
       (model_dir / CONFIG_FILE).write_text(config_text)
       (model_dir / name).write_text(config_text)
     if job is not None:
