@@ -544,6 +544,17 @@ def test_num_devices_beats_a_gin_file_that_binds_the_count(tmp_path, capsys):
   assert out.startswith("Optimizer state on mesh data=2 x model=2 (4 devices)"), out
 
 
+@pytest.mark.parametrize("count, mesh", [("1", "data=1 x model=1"), ("4", "data=2 x model=2")])
+def test_a_device_count_bound_in_gin_gets_the_default_mesh_of_that_count(count, mesh, capsys):
+  """The default mesh's partitions followed the flag's (or every device's) count: NUM_DEVICES
+  = 1 was refused as "the gin config pins num_partitions = 2", which nobody had pinned."""
+  assert main(["plan", *TINY, "--gin_bindings", f"NUM_DEVICES = {count}"]) == 0, (
+    capsys.readouterr().err
+  )
+  out = capsys.readouterr().out
+  assert out.startswith(f"Optimizer state on mesh {mesh} ({count} devices)"), out
+
+
 @pytest.mark.slow
 def test_the_banner_names_the_devices_the_config_uses(tmp_path, capsys):
   """The devices line came from --num_devices (or every device), not from the config."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -570,14 +571,18 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       _text.scan_text(args.data, label="--data")
     # The flag's count beats a gin file's (a resumed run's config.gin binds one).
     flag_count = [] if args.num_devices is None else [f"NUM_DEVICES = {args.num_devices}"]
-    _config.parse_config(
+    parse = functools.partial(
+      _config.parse_config,
       gin_files=args.gin_file,
       gin_bindings=[*data, *flag_count, *_flag_bindings(args), *args.gin_bindings],
       search_paths=args.gin_search_paths,
-      macros=_config.device_macros(count),
     )
+    parse(macros=_config.device_macros(count))
     configured = _config.configured_device_count()
-    count, devices = _configured_devices(args.num_devices, configured, count, devices)
+    taken, devices = _configured_devices(args.num_devices, configured, count, devices)
+    if taken != count:  # a count bound in gin: the default mesh of that count
+      count = taken
+      parse(macros=_config.device_macros(count))
     text = _config.text_data_path() if train or _processes.several() else None
     if text is not None:
       from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
