@@ -11,6 +11,7 @@ signals to the command, which exits with status 130 (Ctrl-C) or 143
 Run: ``t5x-optim ...`` or ``python -m t5x_optim_launcher ...``.
 """
 
+import os
 import signal
 import sys
 
@@ -20,8 +21,15 @@ _PENDING: list[int] = []
 _SIGHUP = getattr(signal, "SIGHUP", None)
 
 
+_TERMINAL: list[int] = []
+
+
 def _record(signum, frame):
-  if signum == _SIGHUP:  # a closed terminal: taken for a preemption
+  if signum == _SIGHUP:  # a closed terminal: taken for a preemption; writes there would fail
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in _TERMINAL:
+      os.dup2(null, fd)
+    os.close(null)
     signum = signal.SIGTERM
   if signum == signal.SIGTERM and signum in _PENDING:
     return
@@ -36,6 +44,7 @@ def main() -> None:
   signal.signal(signal.SIGINT, _record)
   signal.signal(signal.SIGTERM, _record)
   if _SIGHUP is not None and signal.getsignal(_SIGHUP) == signal.SIG_DFL:
+    _TERMINAL.extend(fd for fd in (1, 2) if os.isatty(fd))
     signal.signal(_SIGHUP, _record)
   from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handlers on purpose
 

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import math
 import os
+import pty
 import re
 import shutil
 import signal
@@ -148,6 +149,31 @@ def test_sighup_saves_the_step_and_exits_143(tmp_path):
   assert "SIGHUP, taken for SIGTERM; saving at the next step" in err, err
   stopped = int(re.search(r"^preempted at step (\d+)$", out, re.M).group(1))
   assert stopped >= 10 and _checkpoint_steps(model_dir)[-1] == stopped
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_saves_the_step_and_exits_143(tmp_path):
+  """The terminal itself closed: SIGHUP, then every write to it fails (EIO), and the run
+  crashed at its next step line with nothing saved."""
+  model_dir = tmp_path / "run"
+  args = [*TINY, *LONG, "--metrics_every", "0", "--preemption_grace_seconds", "120"]
+  command, env = _command("train", *args, "--model_dir", str(model_dir)), _env()
+  stderr = os.open(tmp_path / "stderr", os.O_WRONLY | os.O_CREAT)
+  pid, terminal = pty.fork()
+  if pid == 0:  # the child: stdout on the terminal, stderr to a file
+    os.dup2(stderr, 2)
+    os.chdir(REPO)
+    os.execve(command[0], command, env)
+  os.close(stderr)
+  seen = b""
+  deadline = time.monotonic() + TIMEOUT
+  while seen.count(b"step ") < 3 and time.monotonic() < deadline:
+    seen += os.read(terminal, 4096)
+  os.close(terminal)  # the hangup
+  _, status = os.waitpid(pid, 0)
+  err = (tmp_path / "stderr").read_text()
+  assert os.waitstatus_to_exitcode(status) == EXIT_PREEMPTED, err
+  assert _checkpoint_steps(model_dir), err
 
 
 @pytest.mark.slow

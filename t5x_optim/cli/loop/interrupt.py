@@ -55,6 +55,20 @@ _QUIT = "t5x-optim: interrupted twice; quitting now\n"
 _SIGHUP = getattr(signal, "SIGHUP", None)
 
 
+def _terminal_outputs() -> list[int]:
+  """Standard output and error where they are a terminal (a hangup takes it away)."""
+  return [fd for fd in (1, 2) if os.isatty(fd)]
+
+
+def _silence(fds: list[int]) -> None:
+  """Points `fds` at the null device: after a hangup every write to the terminal fails
+  (EIO), and a step line would crash the run before it saves."""
+  null = os.open(os.devnull, os.O_WRONLY)
+  for fd in fds:
+    os.dup2(null, fd)
+  os.close(null)
+
+
 def _write(text: str) -> None:
   try:
     os.write(sys.stderr.fileno(), text.encode())
@@ -85,6 +99,7 @@ class Interrupt:
     self._grace = grace_seconds
     self._since: float | None = None
     self._timer: threading.Timer | None = None
+    self._terminal: list[int] = []
     if self.preempted:
       self.start_grace()
 
@@ -112,6 +127,8 @@ class Interrupt:
     """The handler: flag the first signal; quit on a second Ctrl-C; ignore a second SIGTERM;
     take SIGHUP for SIGTERM."""
     if signum in (signal.SIGTERM, _SIGHUP):
+      if signum == _SIGHUP:
+        _silence(self._terminal)
       if self.preempted:
         return
       self.pending.append(signal.SIGTERM)
@@ -165,6 +182,7 @@ class Interrupt:
     """Makes this the process's SIGINT and SIGTERM handler, and its SIGHUP handler unless
     SIGHUP is ignored (``nohup``) (main thread only)."""
     if _SIGHUP is not None and signal.getsignal(_SIGHUP) not in (signal.SIG_IGN, None):
+      self._terminal = _terminal_outputs()
       signal.signal(_SIGHUP, self.handle)
     signal.signal(signal.SIGINT, self.handle)
     signal.signal(signal.SIGTERM, self.handle)
