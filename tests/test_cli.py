@@ -534,6 +534,7 @@ def test_a_mesh_pinned_by_shape_or_submesh_is_the_mesh(pin, mesh, capsys):
   assert mesh in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_num_devices_beats_a_gin_file_that_binds_the_count(tmp_path, capsys):
   """A resumed run's config.gin binds NUM_DEVICES = 8: it overrode --num_devices 4 silently."""
   saved = tmp_path / "saved.gin"
@@ -544,6 +545,7 @@ def test_num_devices_beats_a_gin_file_that_binds_the_count(tmp_path, capsys):
   assert out.startswith("Optimizer state on mesh data=2 x model=2 (4 devices)"), out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count, mesh", [("1", "data=1 x model=1"), ("4", "data=2 x model=2")])
 def test_a_device_count_bound_in_gin_gets_the_default_mesh_of_that_count(count, mesh, capsys):
   """The default mesh's partitions followed the flag's (or every device's) count: NUM_DEVICES
