@@ -397,7 +397,7 @@ def _configured_devices(
 def _keep_edited_config(model_dir: Path, gin_files: Sequence[str]) -> Path | None:
   """`keep_edited_config` of `model_dir`, unless its config file is one of `gin_files` (a run
   told to read it); the kept copy, or None."""
-  from t5x_optim.cli.loop import job as _job  # noqa: PLC0415 - after the XLA flags are set
+  from t5x_optim.cli.loop import job as _job  # noqa: PLC0415
 
   config = model_dir / _job.CONFIG_FILE
   if any(_inside(name, config) for name in gin_files):
@@ -769,9 +769,10 @@ def exit_process(status: int) -> NoReturn:
   leaves orbax's threads, some started as Python shuts down, waiting 300 s for a signal it
   never sends, and Python waits for them before it exits.
 
-  SIGTERM (and SIGHUP) is ignored from here on: the command has ended, and Python's shutdown would put
-  the default handler back while jax tears down (a second or more), so that a scheduler's
-  repeated SIGTERM killed a process that had saved and was exiting with its status."""
+  SIGTERM and SIGHUP are ignored from here on: the command has ended, and Python's shutdown
+  would put the default handlers back while jax tears down (a second or more; with several
+  processes, until every process reaches the shutdown), so that a scheduler's repeated
+  SIGTERM killed a process that had saved and was exiting with its status."""
   for ended in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
     if ended is not None:
       signal.signal(ended, signal.SIG_IGN)
