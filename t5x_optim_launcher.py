@@ -16,12 +16,9 @@ import signal
 import sys
 
 _PENDING: list[int] = []
-
-
 _SIGHUP = getattr(signal, "SIGHUP", None)
-
-
 _TERMINAL: list[int] = []
+"""Standard output and error where they were a terminal: a hangup takes it away."""
 
 
 def _record(signum, frame):
