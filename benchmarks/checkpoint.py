@@ -18,7 +18,8 @@ training; ``--data constant`` keeps the initial constant params and zero
   restoring it into the same ``ShapeDtypeStruct``s with the same shardings.
 
 Both tell orbax where the checkpoint is (orbax a path, `Checkpointer` its
-step); the restored leaves and shardings are checked to be equal. Each round
+step); the first round's restored leaf paths and shardings are checked to be
+equal on both sides (values are checked by the checksums of `Checkpointer`). Each round
 saves both sides to fresh directories, then restores ``--restores`` pairs
 back to back; the order alternates between rounds and between pairs, so
 neither side always goes first. One warm-up round is not counted. The table
@@ -267,6 +268,8 @@ def main() -> None:
   parser.add_argument("--small", type=int, default=0, help="replicated vectors of distinct sizes")
   parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   args = parser.parse_args()
+  if args.restores < 1:
+    parser.error(f"--restores must be at least 1, got {args.restores}.")
   root = tempfile.mkdtemp(dir=args.dir)
   try:
     run(

@@ -1,8 +1,8 @@
 """Benchmark: bytes moved between devices by one sharded Muon step, against AdamW.
 
 A scanned T5-style stack (``layers`` x kernels, a token embedding, untied
-logits, layer-norm scales) is given as abstract ``jax.ShapeDtypeStruct``s;
-nothing is allocated. For muon (dimension numbers from the logical axes,
+logits, layer-norm scales) is built as float32 zeros (about 180 MB at the
+default sizes). For muon (dimension numbers from the logical axes,
 `KernelAxesRule`) and adamw, the optimizer step (``apply_gradient`` with the
 gradients sharded like the params, the state donated) is compiled for 8
 simulated CPU devices on 1x8, 2x4 and 4x2 ``(data, model)`` meshes with

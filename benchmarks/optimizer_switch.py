@@ -70,7 +70,11 @@ def _parse() -> argparse.Namespace:
     "--png",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "optimizer_switch.png"),
   )
-  return parser.parse_args()
+  args = parser.parse_args()
+  if args.after < PRE:
+    # The final loss averages the last PRE steps, the peak a window of SMOOTH.
+    parser.error(f"--after must be at least {PRE}, got {args.after}.")
+  return args
 
 
 def _optimizers(args: argparse.Namespace) -> dict[str, t5x_optim.OptimizerDef]:

@@ -22,6 +22,7 @@ Run: ``python benchmarks/sharded_memory.py``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -114,6 +115,7 @@ def measure(data: int, model: int, optimizer: str, rules: str) -> dict[str, floa
 
 
 def main() -> None:
+  argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args()  # --help
   devices = jax.device_count()
   header = (
     f"{'mesh':>5} {'optimizer':>9} {'rules':>8} | {'params/dev':>10} {'ideal':>8} "

@@ -17,8 +17,9 @@ Variants: ``per_leaf`` (plain optax on the per-leaf params, the reference),
 ``wrapper`` (the same through `OptaxWrapper`) and ``stacked``
 (``OptaxWrapper(tx).create(stack_params(params, tx=tx))``, gradients taken
 with respect to the stacked params). Times are medians over ``--repeats``
-rounds, variants interleaved; "compile" is trace + compile; "exact" compares
-the params after one step with ``per_leaf`` bit for bit.
+rounds, each round running every variant once, in ``--variants`` order; "compile" is
+trace + compile; "exact" compares the params after one step with the first of
+``--variants`` (``per_leaf`` by default) bit for bit.
 """
 
 from __future__ import annotations

@@ -39,7 +39,10 @@ def _parse() -> argparse.Namespace:
   parser.add_argument(
     "--num_devices", type=int, default=8, help="simulated CPU devices (ignored on an accelerator)"
   )
-  return parser.parse_args()
+  args = parser.parse_args()
+  if args.steps < 2:  # the bare loop times the steps after its first, compiling one
+    parser.error(f"--steps must be at least 2, got {args.steps}.")
+  return args
 
 
 def main() -> None:
@@ -64,9 +67,10 @@ def main() -> None:
   one_in_flight = jax.devices()[0].platform == "cpu"
 
   def cli_loop() -> float:
-    summary = _train.train(
-      setup, model_dir=tempfile.mkdtemp(), interrupt=Interrupt(), stream=io.StringIO()
-    )
+    with tempfile.TemporaryDirectory() as model_dir:
+      summary = _train.train(
+        setup, model_dir=model_dir, interrupt=Interrupt(), stream=io.StringIO()
+      )
     return summary.timed_steps / summary.timed_seconds
 
   def bare_loop() -> float:

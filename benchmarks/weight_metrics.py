@@ -6,7 +6,8 @@ Run: ``python benchmarks/weight_metrics.py [--pairs N] [--data PATH] [--gin_file
 Builds the default job (the default model, optimizer and mesh on 8 simulated
 CPU devices, on the text task), then times the jitted train step without the
 metrics and with them (RMS of every param, gradient, update and
-optimizer-state leaf), interleaved in pairs so machine noise hits both alike.
+optimizer-state leaf), in pairs (the plain step first in each) so that machine
+noise hits both alike.
 Prints the median step times, the cost of one step with the metrics, and what
 that costs on average at ``metrics_every = 50`` (the default).
 """
