@@ -19,8 +19,8 @@ training; ``--data constant`` keeps the initial constant params and zero
 
 Both tell orbax where the checkpoint is (orbax a path, `Checkpointer` its
 step); the first round's restored leaf paths and shardings are checked to be
-equal on both sides (values are checked by the checksums of `Checkpointer`). Each round
-saves both sides to fresh directories, then restores ``--restores`` pairs
+equal on both sides (values by `Checkpointer`'s checksums). Each round saves
+both sides to fresh directories, then restores ``--restores`` pairs
 back to back; the order alternates between rounds and between pairs, so
 neither side always goes first. One warm-up round is not counted. The table
 gives the median time and the MB/s of the median and of the best run
