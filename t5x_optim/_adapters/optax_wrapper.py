@@ -262,7 +262,7 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
   def set_rate(path: jax.tree_util.KeyPath, node: Any) -> Any:
     if not (_is_injected_state(node) and _LEARNING_RATE in _constants(node)):
       return node
-    found.append(key_path_str(path) or "(the whole state)")
+    found.append(key_path_str(path))
     old = node.hyperparams[_LEARNING_RATE]
     dtype, given = jnp.result_type(old), jnp.result_type(learning_rate)
     if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(given, jnp.integer):

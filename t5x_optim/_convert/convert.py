@@ -217,9 +217,7 @@ def _carry_sync_count(source_states: Any, target_states: Any) -> tuple[Any, str 
     return node._replace(steps_since_sync=_as_count(count, node.steps_since_sync))
 
   carried = jax.tree.map(carry, target_states, is_leaf=_is_lookahead)
-  where = [
-    "/".join(_state_dict.key_path_parts(path)) or "<root>" for path, _ in (sources[0], targets[0])
-  ]
+  where = [key_path_str(path) for path, _ in (sources[0], targets[0])]
   return carried, f"{where[1]} (LookaheadState).steps_since_sync: from {where[0]} (LookaheadState)"
 
 
