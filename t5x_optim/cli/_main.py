@@ -379,13 +379,10 @@ def _devices(requested: int | None, label: str = "--num_devices") -> tuple[int, 
   return count, f"{count} x {kind}{spread}"
 
 
-def _configured_devices(
-  flag: int | None, configured: int | None, count: int, devices: str
-) -> tuple[int, str]:
-  """`_devices` for the count the parsed gin config's mesh takes (``configured``; None: every
-  device); refuses a count bound by ``--gin_bindings`` against the flag's."""
-  if configured is None or configured == count:
-    return count, devices
+def _gin_devices(flag: int | None, configured: int) -> tuple[int, str]:
+  """`_devices` for a count the parsed gin config binds apart from the flag's or every
+  device's; refused against ``--num_devices`` (the flag's count beats a gin file's, so only
+  ``--gin_bindings`` can bind another)."""
   if flag is not None:
     raise ValueError(
       f"--num_devices {flag}, but the gin config binds NUM_DEVICES = {configured} "
@@ -579,10 +576,9 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
     )
     parse(macros=_config.device_macros(count))
     configured = _config.configured_device_count()
-    taken, devices = _configured_devices(args.num_devices, configured, count, devices)
-    if taken != count:  # a count bound in gin: the default mesh of that count
-      count = taken
-      parse(macros=_config.device_macros(count))
+    if configured is not None and configured != count:
+      count, devices = _gin_devices(args.num_devices, configured)
+      parse(macros=_config.device_macros(count))  # the default mesh of that count
     text = _config.text_data_path() if train or _processes.several() else None
     if text is not None:
       from t5x_optim.cli.demo import text as _text  # noqa: PLC0415
