@@ -440,6 +440,37 @@ def test_gpu_kernel_lowers_for_cuda():
   assert MUST_FUSE <= set(lowered)
 
 
+@pytest.mark.parametrize(("size", "kernels"), [(3 * 4096, 1), (2**31 + 4096, 0)])
+def test_a_buffer_past_32_bit_offsets_runs_without_the_kernel(size, kernels):
+  """Triton's block offsets are 32-bit: a longer buffer would wrap onto its start (lowered only)."""
+  from t5x_optim._layouts.fused import kernel, sharding
+
+  params = {"w": jax.ShapeDtypeStruct((size,), jnp.float32)}
+  tx = optax.adam(1e-3)
+  state = jax.eval_shape(tx.init, params)
+  plan = fused_module.plan_fused_update(tx, params, params, state, kernel="pallas", platform="cuda")
+  with kernel._lowering_target("cuda"):
+    exported = jax.export.export(
+      jax.jit(functools.partial(sharding.fused_apply, plan)),
+      platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(kernel._TRITON_CALL)],
+    )(params, params, state)
+  assert exported.mlir_module().count(kernel._TRITON_CALL) == kernels
+
+
+def test_a_buffer_past_the_kernels_length_gets_the_same_update(monkeypatch):
+  from t5x_optim._layouts.fused import kernel
+
+  monkeypatch.setattr(kernel, "_KERNEL_ELEMENTS", 16)
+  params = {"long": jnp.linspace(-1.0, 1.0, 37), "short": jnp.linspace(0.5, 2.0, 16)}
+  grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+  tx = optax.adamw(1e-2)
+  plain = OptaxWrapper(tx).create(params).apply_gradient(grads)
+  fused = OptaxWrapper(tx, fused="interpret").create(params).apply_gradient(grads)
+  assert leaf_scale_ulps(fused.target, plain.target) <= ULPS
+  assert leaf_scale_ulps(fused.state.param_states, plain.state.param_states) <= ULPS
+
+
 @pytest.mark.parametrize("fn", [jax.lax.erf, jax.lax.lgamma, jax.lax.round])
 def test_pallas_refuses_what_its_gpu_lowering_lacks(fn):
   tx = optax.chain(optax.stateless(lambda u, p: jax.tree.map(fn, u)), optax.sgd(0.1))

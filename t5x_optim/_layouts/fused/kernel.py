@@ -44,6 +44,8 @@ __all__ = ["check_lowering", "local_update"]
 _BLOCK = 4096
 # The custom call a Pallas Triton kernel lowers to.
 _TRITON_CALL = "__gpu$xla.gpu.triton"
+# The longest buffer a kernel updates: Triton's block offsets are 32-bit integers.
+_KERNEL_ELEMENTS = 1 << 31
 
 
 def _pallas_group(
@@ -97,20 +99,28 @@ def _group_buffers(group: Group, interpret: bool, args: list[list], scalars: lis
   """One group's update over flat buffers; returns the new flat buffers.
 
   `args` holds, per leaf of the group, its param, gradient and state
-  components. The buffers are padded to a whole number of blocks.
+  components. The buffers are padded to a whole number of blocks. Triton
+  computes a block's offsets in 32 bits, so a buffer longer than
+  `_KERNEL_ELEMENTS` runs the same program as XLA's elementwise fusion.
   """
   total = sum(math.prod(leaf[0].shape) for leaf in args)
-  if not total:
-    return run_program(group.program, [jnp.zeros((0,), x.dtype) for x in args[0]], scalars, (0,))
+  if not total or total > _KERNEL_ELEMENTS:
+    return run_program(group.program, _buffers(args, total), scalars, (total,))
   block = min(_BLOCK, 1 << (total - 1).bit_length())
-  padded = -(-total // block) * block
+  buffers = _buffers(args, -(-total // block) * block)
+  return _pallas_group(group.program, buffers, scalars, interpret=interpret)
+
+
+def _buffers(args: list[list], size: int) -> list:
+  """Per component, the group's leaves flattened one after another, zero-padded to `size`."""
   buffers = []
   for k in range(len(args[0])):
     parts = [jnp.ravel(leaf[k]) for leaf in args]
-    if padded > total:
-      parts.append(jnp.zeros((padded - total,), parts[0].dtype))
+    total = sum(part.shape[0] for part in parts)
+    if size > total:
+      parts.append(jnp.zeros((size - total,), parts[0].dtype))
     buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-  return _pallas_group(group.program, buffers, scalars, interpret=interpret)
+  return buffers
 
 
 def local_update(plan: FusedPlan, leaf_args: Sequence, residuals: Sequence) -> list:
