@@ -1483,7 +1483,8 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
 
   Each compressed leaf is decoded at most ``chunk`` values at a time (rows of
   whole blocks, in stripes along its first dimension's shards, as the
-  streamed update walks it), and one leaf after another: each leaf's sum is
+  streamed update walks it; at least a block of rows per stripe, which for a
+  leaf with a short first dimension is more), and one leaf after another: each leaf's sum is
   computed in a conditional whose predicate reads the previous one's, so the
   temporaries stay within one chunk in float32 whatever order the compiler's
   scheduler prefers. ``jnp.sum(jnp.square(...))`` of the decoded state holds
