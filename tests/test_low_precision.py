@@ -429,6 +429,17 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
   assert got == expected, case
 
 
+def test_rounding_bits_of_a_leaf_past_2_to_the_32_values():
+  """Its trailing dimensions' strides exceed uint32; the index wraps (abstract: nothing allocated)."""
+  params = {"experts": jax.ShapeDtypeStruct((2, 65536, 65536), jnp.bfloat16)}
+  tx = low_precision(optax.adamw(1e-3), "bfloat16")
+  state = jax.eval_shape(tx.init, params)
+  new_state = jax.eval_shape(lambda p, s: tx.update(p, s, p)[1], params, state)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), new_state) == jax.tree.map(
+    lambda x: (x.shape, x.dtype), state
+  )
+
+
 @pytest.mark.slow
 def test_stochastic_rounding_is_unbiased_and_accumulates():
   """A nu that grows by 1e-4 per step from 1: to nearest it never moves, stochastically it does."""

@@ -430,11 +430,12 @@ def leaf_key(step: jax.Array, leaf: int | jax.Array) -> jax.Array:
 
 
 def hashed_bits(shape: tuple[int, ...], key: jax.Array) -> jax.Array:
-  """`rounding_bits` from its key (`leaf_key`): each element's row-major index hashed with it."""
+  """`rounding_bits` from its key (`leaf_key`): each element's row-major index hashed with it
+  (modulo 2**32: elements 2**32 apart in one leaf get the same bits)."""
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for dim in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride % 2**32)
     stride *= shape[dim]
   return _hash32(index * jnp.uint32(0x9E3779B9) + key) >> 16
 
