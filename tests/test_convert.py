@@ -1026,6 +1026,51 @@ class _T5XAdafactorLayout(t5x_optim.OptimizerDef):
     raise NotImplementedError("only its initial state is used")
 
 
+def test_t5x_legacy_adafactor_factored_over_several_dims_converts_both_ways():
+  """A 3-D kernel ('embed', 'heads', 'kv') under T5X's standard logical factor rules: the
+  row dims (0,), the column dims (1, 2); T5X's update divides by the reconstructed nu."""
+  rng = np.random.default_rng(0)
+  params = {"query": {"kernel": jnp.ones((6, 2, 4))}}
+  nu = rng.uniform(0.5, 2.0, size=(6, 2, 4)).astype(np.float32)
+  v_row, v_col = nu.mean(axis=(1, 2)), nu.mean(axis=0)
+  empty = jnp.zeros((1,))
+  source = {
+    "target": params,
+    "state": {"step": 3, "param_states": {"query": {"kernel": {
+      "v_row": jnp.asarray(v_row), "v_col": jnp.asarray(v_col), "v": empty, "m": empty,
+    }}}},
+  }  # fmt: skip
+  adamw, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+  seen = (v_row / v_row.mean())[:, None, None] * v_col[None]
+  stored = adamw.state.param_states[0].nu["query"]["kernel"]
+  _assert_close(stored / _decay(0.999, 3), seen)
+
+  class Layout(_T5XAdafactorLayout):
+    def __init__(self):
+      super().__init__({
+        ("state", "param_states", "query", "kernel", name): x
+        for name, x in {"v_row": v_row, "v_col": v_col, "v": empty, "m": empty}.items()
+      })  # fmt: skip
+
+  back, _ = t5x_optim.convert_state(adamw, Layout())
+  state = back.state.param_states["query"]["kernel"]
+  _assert_close(state.v_row, seen.mean(axis=(1, 2)))
+  _assert_close(state.v_col, seen.mean(axis=0))
+
+
+def test_adafactor_factors_that_fit_no_dims_of_the_param_are_refused_naming_it():
+  params = {"query": {"kernel": jnp.ones((6, 2, 4))}}
+  empty = jnp.zeros((1,))
+  source = {
+    "target": params,
+    "state": {"step": 3, "param_states": {"query": {"kernel": {
+      "v_row": jnp.ones((5,)), "v_col": jnp.ones((2, 4)), "v": empty, "m": empty,
+    }}}},
+  }  # fmt: skip
+  with pytest.raises(ValueError, match=r"query/kernel.*v_row \(5,\) and v_col \(2, 4\)"):
+    t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+
+
 @pytest.mark.slow
 def test_t5x_legacy_adafactor_round_trips_through_adamw_to_t5xs_own_values(
   partitioner, t5x_expected

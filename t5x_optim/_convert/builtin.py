@@ -9,6 +9,7 @@ Adafactor;
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -56,9 +57,12 @@ def factored_dims(shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape:
   """The (row dims, column dims) that Adafactor's ``v_row``/``v_col`` shapes imply.
 
   ``v_row`` is the second moment averaged over the column dims ``d0``,
-  ``v_col`` averaged over the row dims ``d1``. Where the shapes allow several
-  choices (two factored dims of equal size), Adafactor's own heuristic wins:
-  the largest dim is the column, the second largest the row.
+  ``v_col`` averaged over the row dims ``d1``: one dim each in optax, one or
+  more each in T5X's Adafactor under logical factor rules (a
+  ``('embed', 'heads', 'kv')`` kernel: rows ``(0,)``, columns ``(1, 2)``).
+  Where the shapes allow several choices (two factored dims of equal size),
+  Adafactor's own heuristic wins: the largest dim is the column, the second
+  largest the row; then single dims before several.
 
   Raises:
     ValueError: when no choice of dims gives both shapes.
@@ -68,13 +72,18 @@ def factored_dims(shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape:
     ((0,), (1,))
     >>> factored_dims((16, 4), (4,), (16,))
     ((1,), (0,))
+    >>> factored_dims((6, 2, 4), (6,), (2, 4))
+    ((0,), (1, 2))
   """
   order = [int(d) for d in np.argsort(shape, kind="stable")]
-  heuristic = ((order[-2],), (order[-1],))
-  candidates = [heuristic] + [
-    ((d1,), (d0,)) for d1 in range(len(shape)) for d0 in range(len(shape)) if d1 != d0
+  candidates = [((order[-2],), (order[-1],))] if len(shape) > 1 else []
+  subsets = [
+    dims
+    for size in range(1, len(shape))
+    for dims in itertools.combinations(range(len(shape)), size)
   ]
-  for d1, d0 in candidates:
+  candidates += [(d1, d0) for d1 in subsets for d0 in subsets if not set(d1) & set(d0)]
+  for d1, d0 in sorted(candidates, key=lambda dims: len(dims[0]) + len(dims[1])):
     if tuple(np.delete(shape, d0)) == tuple(row_shape) and tuple(np.delete(shape, d1)) == tuple(
       col_shape
     ):
@@ -273,20 +282,27 @@ def _is_factored(v_row: Any) -> bool:
   return jnp.shape(v_row) != (1,)
 
 
-def _second_moment(shape: tuple[int, ...], v_row: Any, v_col: Any, v: Any) -> Any:
+def _dims(param: str, shape: tuple[int, ...], v_row: Any, v_col: Any) -> tuple[tuple, tuple]:
+  """`factored_dims` of param `param`, named where the factors fit none of its dims."""
+  try:
+    return factored_dims(shape, jnp.shape(v_row), jnp.shape(v_col))
+  except ValueError as e:
+    raise ValueError(f"Param '{param}': {e}.") from None
+
+
+def _second_moment(param: str, shape: tuple[int, ...], v_row: Any, v_col: Any, v: Any) -> Any:
   """The full second moment of a param of `shape`: `v`, or reconstructed from its factors."""
   if not _is_factored(v_row):
     return v
-  d1, d0 = factored_dims(shape, jnp.shape(v_row), jnp.shape(v_col))
-  return reconstruct_second_moment(v_row, v_col, d1, d0)
+  return reconstruct_second_moment(v_row, v_col, *_dims(param, shape, v_row, v_col))
 
 
-def _factors(nu: Any, v_row: Any, v_col: Any) -> tuple[Any, Any]:
+def _factors(param: str, nu: Any, v_row: Any, v_col: Any) -> tuple[Any, Any]:
   """`factor_second_moment` of `nu` on the dims that factors shaped as `v_row`, `v_col` imply."""
-  return factor_second_moment(nu, *factored_dims(jnp.shape(nu), jnp.shape(v_row), jnp.shape(v_col)))
+  return factor_second_moment(nu, *_dims(param, jnp.shape(nu), v_row, v_col))
 
 
-def _as_factored(nu: Any, v_row: Any, v_col: Any) -> Any:
+def _as_factored(param: str, nu: Any, v_row: Any, v_col: Any) -> Any:
   """`nu` as an Adafactor whose factors have the shapes of `v_row`, `v_col` stores it back.
 
   Factored and reconstructed (`factor_second_moment`, then
@@ -294,7 +310,7 @@ def _as_factored(nu: Any, v_row: Any, v_col: Any) -> Any:
   """
   if not _is_factored(v_row):
     return nu
-  d1, d0 = factored_dims(jnp.shape(nu), jnp.shape(v_row), jnp.shape(v_col))
+  d1, d0 = _dims(param, jnp.shape(nu), v_row, v_col)
   return reconstruct_second_moment(*factor_second_moment(nu, d1, d0), d1, d0)
 
 
@@ -308,7 +324,7 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
 
   def nu(path: Any, v_row: Any) -> Any:
     param = _state_dict.key_path_str(path)
-    return _second_moment(jnp.shape(ctx.params[param]), v_row, cols[param], full[param])
+    return _second_moment(param, jnp.shape(ctx.params[param]), v_row, cols[param], full[param])
 
   return {NU: jax.tree.map_with_path(nu, state.v_row), "count": state.count}
 
@@ -319,7 +335,9 @@ def _write_factored(template: optax.FactoredState, moments: Moments, ctx: Conver
 
   def factor(which: int) -> Callable[[Any, Any, str], Any]:
     def fn(nu: Any, leaf: Any, param: str) -> Any:
-      return _factors(nu, rows[param], cols[param])[which] if _is_factored(rows[param]) else leaf
+      return (
+        _factors(param, nu, rows[param], cols[param])[which] if _is_factored(rows[param]) else leaf
+      )
 
     return fn
 
@@ -369,7 +387,7 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   step); without it ``m`` is not read.
   """
   param = ctx.params[ctx.param]
-  nu = _second_moment(jnp.shape(param), state.v_row, state.v_col, state.v)
+  nu = _second_moment(ctx.param, jnp.shape(param), state.v_row, state.v_col, state.v)
   read = {NU: nu}
   if _has_momentum(state, param) and ctx.rate() is not None:
     scale = _update_scale(ctx, ctx.param)
@@ -397,7 +415,7 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
     for which, name in enumerate(("v_row", "v_col")):
       fields[name] = moments.fill(
         getattr(template, name), NU,
-        lambda nu, leaf, p, which=which: _factors(nu, template.v_row, template.v_col)[which],
+        lambda nu, leaf, p, which=which: _factors(p, nu, template.v_row, template.v_col)[which],
         field=name, param=param,
       )  # fmt: skip
   else:
@@ -412,7 +430,7 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
       fields["m"] = moments.fill(
         template.m, MU,
         lambda mu, leaf, p: _update_average(
-          mu, _as_factored(moments.value(p, NU), template.v_row, template.v_col), scale, beta1,
+          mu, _as_factored(p, moments.value(p, NU), template.v_row, template.v_col), scale, beta1,
           ctx.step,
         ),
         field="m", needs=(NU,), param=param,
@@ -470,7 +488,7 @@ def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: C
   count = moments.count(template.ema, template.count, (MU,), needs=(NU,))
 
   def ema(mu: Any, leaf: Any, param: str) -> Any:
-    nu = _as_factored(moments.value(param, NU), rows[param], cols[param])
+    nu = _as_factored(param, moments.value(param, NU), rows[param], cols[param])
     return _update_average(mu, nu, _update_scale(ctx, param), momentum, count)
 
   return template._replace(
