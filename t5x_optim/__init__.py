@@ -35,6 +35,7 @@ from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
 from t5x_optim._checkpoint.converting import restore_converted
 from t5x_optim._convert.convert import (
   BUILTIN_HPARAMS,
+  HPARAM_ALIASES,
   ConversionContext,
   ConversionReport,
   Moments,
@@ -71,6 +72,7 @@ from t5x_optim.t5x_checkpoints import (
 
 __all__ = [
   "BUILTIN_HPARAMS",
+  "HPARAM_ALIASES",
   "CheckpointError",
   "Checkpointer",
   "ConversionContext",

@@ -640,6 +640,45 @@ def test_injected_hyperparameters_are_the_states_own():
   _assert_close(lion.state.param_states[0].mu, _scaled(M, _decay(0.99, T)))
 
 
+def _constant_gradient_steps(tx, params, grads, steps):
+  source = OptaxWrapper(tx).create(params)
+  for _ in range(steps):
+    source = source.apply_gradient(grads)
+  return source
+
+
+def test_an_injected_muons_adam_b2_reads_its_adam():
+  """Muon's adam_b1/adam_b2 are its Adam's b1/b2, held by an inject_hyperparams state too."""
+  params = {"k": jnp.ones((4, 6)), "b": jnp.ones((6,))}
+  grads = {"k": jnp.full((4, 6), 0.5), "b": jnp.full((6,), 2.0)}
+  tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3, adam_b2=0.95)
+  source = _constant_gradient_steps(tx, params, grads, 5)
+  adamw, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+  _assert_close(adamw.state.param_states[0].nu["b"] / _decay(0.999, 5), jnp.full((6,), 4.0))
+
+
+@pytest.mark.parametrize("b2", [None, 0.99])
+def test_schedule_free_adamws_second_moment_decays_with_its_b2(b2):
+  """schedule_free_adamw keeps scale_by_rms(decay=b2)'s state, not rmsprop's decay=0.9."""
+  params, grads = {"w": jnp.zeros(3)}, {"w": jnp.array([1.0, 2.0, 3.0])}
+  given = {} if b2 is None else {"b2": b2}
+  source = _constant_gradient_steps(
+    optax.contrib.schedule_free_adamw(1e-3, **given), params, grads, 10
+  )
+  adamw, _ = t5x_optim.convert_state(
+    source, OptaxWrapper(optax.adamw(1e-3)), source_hparams=given, missing="init"
+  )
+  _assert_close(adamw.state.param_states[0].nu["w"] / _decay(0.999, 10), grads["w"] ** 2)
+  back, _ = t5x_optim.convert_state(
+    adamw,
+    OptaxWrapper(optax.contrib.schedule_free_adamw(1e-3, **given)),
+    target_hparams=given,
+    missing="init",
+  )
+  rms = back.state.param_states.base_optimizer_state[0]
+  _assert_close(rms.nu["w"] / _decay(b2 or 0.999, int(rms.count)), grads["w"] ** 2)
+
+
 NESTED = [
   ("chain+inject", lambda tx: optax.chain(
     optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=0.1)),

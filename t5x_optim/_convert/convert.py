@@ -60,6 +60,7 @@ from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (regist
 from t5x_optim._convert.builtin import AdamaxState
 from t5x_optim._convert.registry import (
   BUILTIN_HPARAMS,
+  HPARAM_ALIASES,
   MU,
   NU,
   ConversionContext,
@@ -88,6 +89,7 @@ from t5x_optim._low_precision.low_precision import (
 
 __all__ = [
   "BUILTIN_HPARAMS",
+  "HPARAM_ALIASES",
   "ConversionContext",
   "ConversionReport",
   "Moments",
@@ -367,16 +369,25 @@ def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
 
 
 def _injected(node: Any, hparams: ReadHparams) -> ReadHparams:
-  """`hparams` updated with those an ``inject_hyperparams`` state holds (its values rule).
+  """`hparams` updated with those `node` sets for the states under it.
 
-  Such a state is recognised by structure: a NamedTuple with a mapping
-  ``hyperparams`` and an ``inner_state``.
+  An ``inject_hyperparams`` state's (its values rule, Muon's ``adam_b2`` as
+  ``b2``: `HPARAM_ALIASES`), recognised by structure: a NamedTuple with a
+  mapping ``hyperparams`` and an ``inner_state``. A schedule-free state's
+  second moment is ``schedule_free_adamw``'s ``scale_by_rms(decay=b2)``:
+  under it ``decay`` is ``b2`` (optax's 0.999) unless ``decay`` is given.
   """
+  if isinstance(node, optax.contrib.ScheduleFreeState) and "decay" not in hparams:
+    return hparams.updated({"decay": hparams.get("b2", 0.999)})
   if not (is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
     return hparams
   if not isinstance(node.hyperparams, Mapping):
     return hparams
-  return hparams.updated({name: _on_host(value) for name, value in node.hyperparams.items()})
+  injected = {name: _on_host(value) for name, value in node.hyperparams.items()}
+  for alias, name in HPARAM_ALIASES.items():
+    if alias in injected and name not in injected:
+      injected[name] = injected[alias]
+  return hparams.updated(injected)
 
 
 def _on_host(value: Any) -> Any:

@@ -20,6 +20,7 @@ from t5x_optim._core import state_dict as _state_dict
 
 __all__ = [
   "BUILTIN_HPARAMS",
+  "HPARAM_ALIASES",
   "MU",
   "NU",
   "ConversionContext",
@@ -45,6 +46,10 @@ BUILTIN_HPARAMS = frozenset(
 """The hyper-parameters the built-in converters read (`ConversionContext.hparam`): Adam's
 and Lion's ``b1``/``b2``, Adan's ``b3``, Muon's ``beta``, SGD's ``momentum``, RMSProp's
 ``decay``, and the learning rate and T5X Adafactor settings its momentum is read with."""
+
+HPARAM_ALIASES = {"adam_b1": "b1", "adam_b2": "b2"}
+"""Arguments of another name that set a built-in converter's hyper-parameter: Muon's
+(``optax.contrib.muon``) for the Adam it runs on the params it does not orthogonalise."""
 
 
 class ReadHparams(Mapping[str, Any]):

@@ -30,6 +30,7 @@ import gin
 
 from t5x_optim import (
   BUILTIN_HPARAMS,
+  HPARAM_ALIASES,
   Checkpointer,
   TrainState,
   restore_converted,
@@ -69,10 +70,6 @@ __all__ = [
 
 CONVERSION_HPARAMS = BUILTIN_HPARAMS
 """The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
-
-_HPARAM_ALIASES = {"adam_b1": "b1", "adam_b2": "b2"}
-"""Arguments of another name that set a converter's hyper-parameter: Muon's (``optax.contrib.muon``,
-``optimizers.muon``) for the Adam it runs on the params it does not orthogonalise."""
 
 
 class Source(NamedTuple):
@@ -147,11 +144,11 @@ def bound_hparams() -> dict[str, Any]:
         tuple(binding.scope.split("/")) if binding.scope else (),
       )
       for binding in binding_statements(gin.config_str())
-      if _HPARAM_ALIASES.get(binding.arg_name, binding.arg_name) in CONVERSION_HPARAMS
+      if HPARAM_ALIASES.get(binding.arg_name, binding.arg_name) in CONVERSION_HPARAMS
     ]
   values: dict[str, dict[Any, Any]] = {}
   for argument in arguments:
-    name = _HPARAM_ALIASES.get(argument.name, argument.name)
+    name = HPARAM_ALIASES.get(argument.name, argument.name)
     if name not in CONVERSION_HPARAMS:
       continue
     value = _conversion_value(argument)
