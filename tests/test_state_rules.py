@@ -342,6 +342,18 @@ def test_adafactor_v_row_is_sharded_along_embed(mesh):
   assert v_row.addressable_shards[0].data.nbytes == v_row.nbytes // 2
 
 
+@pytest.mark.parametrize("context", ["set_mesh", "use_abstract_mesh"])
+def test_specs_are_the_same_inside_the_users_mesh_context(mesh, context):
+  """Deriving inside ``with jax.set_mesh(mesh):``, as jax and Flax users run, changes nothing."""
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+  outside = exact(tx)
+  enter = jax.set_mesh(mesh) if context == "set_mesh" else None
+  if enter is None:
+    enter = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+  with enter:
+    assert exact(tx) == outside
+
+
 def test_sm3_per_dimension_accumulators():
   specs = exact(optax.sm3(1e-3))
   assert specs[0].mu == {

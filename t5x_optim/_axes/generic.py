@@ -36,9 +36,19 @@ class GenericDerivationError(Exception):
   """Raised when tracing ``init`` cannot give specs for the given state."""
 
 
+# An axis no spec names, sized to the caller's mesh: jax refuses an abstract mesh of
+# another size inside ``jax.set_mesh`` or ``use_abstract_mesh``.
+_SPARE_AXIS = "t5x_optim spare axis"
+
+
 def _abstract_mesh(param_specs: Sequence[PartitionSpec | None]) -> AbstractMesh:
+  """One axis of size 1 per logical name, and the spare axis sized to the caller's mesh."""
   names = sorted({n for s in set(param_specs) for n in specs_lib.spec_names(s)})
-  return AbstractMesh((1,) * len(names), tuple(names), axis_types=(AxisType.Explicit,) * len(names))
+  sizes = [1] * len(names)
+  ambient = jax.sharding.get_abstract_mesh()
+  if not ambient.empty and ambient.size > 1:
+    names, sizes = [*names, _SPARE_AXIS], [*sizes, ambient.size]
+  return AbstractMesh(tuple(sizes), tuple(names), axis_types=(AxisType.Explicit,) * len(names))
 
 
 def _leaf_class(leaf: Any, spec: PartitionSpec | None) -> tuple[Any, ...]:
