@@ -514,6 +514,22 @@ def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):
   assert jax.tree.map(jnp.result_type, updates) == jax.tree.map(jnp.result_type, want)
 
 
+@pytest.mark.parametrize(
+  "stream",
+  [pytest.param(True, id="streamed"), pytest.param(False, id="whole_tree", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
+def test_float16_gradients_are_squared_in_float32(mode, stream):
+  """In float16, 0.001 * g**2 of g = -0.0054 underflows to 0: the decoded float32 moments
+  then gave an update of lr * g / eps (540), finite, where float32 adam gives lr."""
+  params = {"h": jnp.full((64, 256), 0.1, jnp.float16)}
+  grads = {"h": jnp.full((64, 256), -0.0054, jnp.float16)}
+  tx = low_precision(optax.adam(1e-3), mode, min_size=0, stream=stream)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert updates["h"].dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(updates["h"], np.float32), 1e-3, rtol=0.02)
+
+
 def test_storage_small_and_factored_leaves_stay_float32():
   params = {"big": jnp.ones((32, 64)), "small": jnp.ones((8,))}
   state = low_precision(optax.adafactor(1e-2, min_dim_size_to_factor=16), "8bit", min_size=64).init(

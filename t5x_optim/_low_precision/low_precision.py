@@ -772,7 +772,7 @@ def _inner_update_dtypes(
   ``low_precision(inner)`` gives the updates ``inner`` gives.
   """
   own = jax.eval_shape(inner.init, updates if params is None else params)
-  if all(
+  if not any(_narrow_range(x) for x in jax.tree.leaves(updates)) and all(
     x.dtype == jnp.float32 or kind not in LOW_PRECISION_MODES
     for x, kind in zip(jax.tree.leaves(own), state.storage, strict=True)
   ):
@@ -781,6 +781,20 @@ def _inner_update_dtypes(
     functools.partial(inner.update, **extra_args), updates, own, params
   )
   return [x.dtype for x in jax.tree.leaves(inner_updates)]
+
+
+def _narrow_range(x: Any) -> bool:
+  """Whether ``x`` is of a floating dtype of narrower range than float32's (float16, the
+  float8s), in which the squares of small gradients underflow."""
+  dtype = jnp.result_type(x)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).maxexp < 128
+
+
+def _in_float32_range(tree: Any) -> Any:
+  """``tree`` with its `_narrow_range` leaves in float32, for the update beside the decoded
+  float32 state (otherwise a float16 ``0.001 * g**2`` of ``g = 0.005`` is 0, and the update
+  ``lr * g / eps``)."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if _narrow_range(x) else x, tree)
 
 
 def _stream_plan(
@@ -1380,6 +1394,7 @@ def low_precision(
   ) -> tuple[Any, LowPrecisionState]:
     count = optax.safe_int32_increment(state.count)
     dtypes = _inner_update_dtypes(inner, updates, state, params, extra_args)
+    updates, params = _in_float32_range(updates), _in_float32_range(params)
     plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
     if plan is not None:
       new_updates, inner_state = _streamed_update(
