@@ -877,6 +877,22 @@ def test_a_multi_optimizer_in_t5xs_layout_behaves_the_same_after_a_state_dict_ro
     _assert_close(optimizer.apply_gradient(M).target, expected)
 
 
+@pytest.mark.parametrize(
+  ("param", "grad", "match"),
+  [
+    (7e4, 1.0, r"w: the source's params .*7e\+04.* float16"),
+    (1.0, 1e4, r"nu of param 'w' .*1e\+05.* float16"),
+  ],
+)
+def test_values_beyond_a_float16_targets_range_are_refused(param, grad, match):
+  """Cast, they would be inf: a float32 source's params, or a moment (adam's nu = 1e5)."""
+  source = optimizers.adam(1e-3).create({"w": jnp.full((4, 8), param)})
+  source = source.apply_gradient({"w": jnp.full((4, 8), grad)})
+  target = optimizers.adam(1e-3).create({"w": jnp.ones((4, 8), jnp.float16)})
+  with pytest.raises(ValueError, match=match):
+    t5x_optim.convert_state(source, target)
+
+
 def test_a_state_without_converter_is_named():
   with pytest.raises(ValueError, match=r"ScaleByBeliefState\.mu.*no converter"):
     t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)))

@@ -807,6 +807,12 @@ def _params_like(params: Any, like: Any) -> Any:
     for name, (_, leaf) in zip(names, wanted, strict=True)
     if name in given and tuple(jnp.shape(given[name])) != tuple(leaf.shape)
   ]
+  problems += [
+    f"{name}: the source's params hold {problem}"
+    for name, (_, leaf) in zip(names, wanted, strict=True)
+    if name in given
+    and (problem := _state_dict.range_problem(given[name], getattr(leaf, "dtype", None)))
+  ]
   if problems:
     raise ValueError(
       "The source's params do not fit the target optimizer's: " + "; ".join(problems) + "."

@@ -181,7 +181,8 @@ class Moments:
       tree: the template's tree over the params (MaskedNode holes allowed).
       quantity: ``"mu"`` or ``"nu"``: the moment the leaves are made from.
       fn: the formula; ``value`` is the param's moment, ``leaf`` the
-        template's leaf. The result is cast to the leaf's dtype.
+        template's leaf. The result is cast to the leaf's dtype (refused,
+        naming the param, where it would overflow a float16 leaf).
       field: the node's field name, for the report (defaults to `quantity`).
       needs: other quantities the leaf is written only with (its formula
         reads them, or the update pairs them: Adam divides ``mu`` by the
@@ -199,7 +200,11 @@ class Moments:
       self._record(name, param, value is not None and not lacking)
       if value is None or lacking:
         return leaf
-      return jnp.asarray(fn(value, leaf, param), dtype=leaf.dtype)
+      written = fn(value, leaf, param)
+      problem = _state_dict.range_problem(written, leaf.dtype)
+      if problem is not None:
+        raise ValueError(f"The converted {name} of param '{param}' does not fit: {problem}.")
+      return jnp.asarray(written, dtype=leaf.dtype)
 
     if param is not None:
       return one(param, tree)

@@ -31,6 +31,7 @@ __all__ = [
   "leaf_fit",
   "optimizer_part",
   "prune_empty",
+  "range_problem",
   "reads_on_host",
   "restore_into",
   "restore_state_dict",
@@ -295,6 +296,28 @@ def reads_on_host(stored_dtype: Any, ref_dtype: Any) -> bool:
   if jax.dtypes.canonicalize_dtype(src) != src:
     return True
   return leaf_fit((), src, (), ref_dtype) is Fit.IF_VALUES_FIT
+
+
+def range_problem(value: Any, dtype: Any) -> str | None:
+  """Why casting floating `value` to a floating `dtype` of narrower range would overflow it,
+  or None (a cast that fits, of other kinds, or of traced values, which hold no numbers).
+
+  Example:
+    >>> import numpy as np
+    >>> range_problem(np.array([1.0, 7e4], np.float32), np.float16)
+    "values up to 7e+04, beyond float16's largest, 6.55e+04"
+    >>> range_problem(np.array([1.0, np.inf], np.float32), np.float16) is None
+    True
+  """
+  src = _dtype_of(value)
+  if leaf_fit((), src, (), dtype) is not Fit.IF_IN_RANGE or isinstance(value, jax.core.Tracer):
+    return None
+  if values_fit(value, dtype):
+    return None
+  xp = jax.numpy if isinstance(value, jax.Array) else np
+  largest = float(xp.max(xp.where(xp.isfinite(value), xp.abs(value), 0)))
+  info = jax.numpy.finfo(dtype)
+  return f"values up to {largest:.3g}, beyond {np.dtype(dtype)}'s largest, {float(info.max):.3g}"
 
 
 def fit_on_host(value: Any, ref_dtype: Any, path: Sequence[str]) -> np.ndarray:
