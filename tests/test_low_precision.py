@@ -530,6 +530,17 @@ def test_float16_gradients_are_squared_in_float32(mode, stream):
   np.testing.assert_allclose(np.asarray(updates["h"], np.float32), 1e-3, rtol=0.02)
 
 
+def test_storage_names_the_dtype_a_kept_leaf_has():
+  """bfloat16 params' adam state is bfloat16: a leaf left uncompressed is not float32."""
+  params = {"emb": jnp.ones((64, 32), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
+  tx = low_precision(optax.adam(1e-2), "8bit", min_size=16, param_modes=(("emb", "float32"),))
+  state = tx.init(params)
+  storage = leaf_storage(state)
+  assert storage[("inner_state", "0", "mu", "emb")] == "bfloat16: param_modes 'emb'"
+  assert storage[("inner_state", "0", "mu", "b")] == "bfloat16: below min_size"
+  assert state.inner_state[0].mu["emb"].dtype == jnp.bfloat16
+
+
 def test_storage_small_and_factored_leaves_stay_float32():
   params = {"big": jnp.ones((32, 64)), "small": jnp.ones((8,))}
   state = low_precision(optax.adafactor(1e-2, min_dim_size_to_factor=16), "8bit", min_size=64).init(

@@ -549,6 +549,17 @@ def _warn_of_unused_rules(
     taken.update(selected)
 
 
+def _in_own_dtype(kept: str, leaf: Any) -> str:
+  """A ``"float32: <why>"`` storage label with the dtype the uncompressed `leaf` keeps (the
+  wrapped optimizer's own: bfloat16 for bfloat16 params' adam state).
+
+  Example:
+    >>> _in_own_dtype(_KEPT_SMALL, jnp.ones(2, jnp.bfloat16))
+    'bfloat16: below min_size'
+  """
+  return kept.replace(_FLOAT32, jnp.result_type(leaf).name, 1)
+
+
 def _plan_storage(
   mode: str,
   inner_state: Any,
@@ -604,16 +615,16 @@ def _plan_storage(
     elif not selected:
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
-      storage.append(_KEPT_SMALL)
+      storage.append(_in_own_dtype(_KEPT_SMALL, leaf))
     else:
       where_param = param_paths[j]
       names = axes.get(where_param, ()) if axes else ()
       rule = next((r for r in param_modes if r.matches(where_param, names)), None)
       leaf_mode = mode if rule is None else rule.mode
       if leaf_mode == _FLOAT32:
-        storage.append(f"float32: param_modes {rule.pattern!r}")
+        storage.append(_in_own_dtype(f"float32: param_modes {rule.pattern!r}", leaf))
       elif leaf_mode in _CODECS and block(leaf_mode, jnp.shape(leaf)) is None:
-        storage.append(_CODECS[leaf_mode].no_block)
+        storage.append(_in_own_dtype(_CODECS[leaf_mode].no_block, leaf))
       else:
         storage.append(leaf_mode)
     rules.append("" if rule is None else rule.pattern)
