@@ -893,6 +893,19 @@ def test_values_beyond_a_float16_targets_range_are_refused(param, grad, match):
     t5x_optim.convert_state(source, target)
 
 
+def test_the_report_counts_each_adafactor_field_for_the_params_it_holds():
+  """A factored kernel's v and an unfactored bias's v_row and v_col are (1,) placeholders."""
+  params = {"kernel": jnp.ones((4, 8)), "bias": jnp.ones((8,))}
+  source = OptaxWrapper(optax.adam(1e-3)).create(params).apply_gradient(params)
+  _, report = t5x_optim.convert_state(
+    source, OptaxWrapper(optax.adafactor(1e-3, min_dim_size_to_factor=2))
+  )
+  assert report.converted == tuple(
+    f"0 (FactoredState).{field}: 1 params, from 0 (ScaleByAdamState)"
+    for field in ("v_row", "v_col", "v")
+  )
+
+
 def test_a_state_without_converter_is_named():
   with pytest.raises(ValueError, match=r"ScaleByBeliefState\.mu.*no converter"):
     t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adabelief(1e-3)))

@@ -334,21 +334,18 @@ def _write_factored(template: optax.FactoredState, moments: Moments, ctx: Conver
   rows, cols = by_param(template.v_row), by_param(template.v_col)
 
   def factor(which: int) -> Callable[[Any, Any, str], Any]:
-    def fn(nu: Any, leaf: Any, param: str) -> Any:
-      return (
-        _factors(param, nu, rows[param], cols[param])[which] if _is_factored(rows[param]) else leaf
-      )
+    return lambda nu, leaf, param: _factors(param, nu, rows[param], cols[param])[which]
 
-    return fn
-
-  def full(nu: Any, leaf: Any, param: str) -> Any:
-    return leaf if _is_factored(rows[param]) else nu
+  def factored(param: str) -> bool:
+    return _is_factored(rows[param])
 
   return template._replace(
     count=moments.count(template.v, template.count, (NU,)),
-    v_row=moments.fill(template.v_row, NU, factor(0), field="v_row"),
-    v_col=moments.fill(template.v_col, NU, factor(1), field="v_col"),
-    v=moments.fill(template.v, NU, full, field="v"),
+    v_row=moments.fill(template.v_row, NU, factor(0), field="v_row", holds=factored),
+    v_col=moments.fill(template.v_col, NU, factor(1), field="v_col", holds=factored),
+    v=moments.fill(
+      template.v, NU, lambda nu, leaf, p: nu, field="v", holds=lambda p: not factored(p)
+    ),
   )
 
 

@@ -174,6 +174,7 @@ class Moments:
     field: str | None = None,
     needs: tuple[str, ...] = (),
     param: str | None = None,
+    holds: Callable[[str], bool] | None = None,
   ) -> Any:
     """`tree` with each leaf replaced by ``fn(value, leaf, param_path)``.
 
@@ -189,9 +190,14 @@ class Moments:
         square root of ``nu``); a param without all of them keeps its leaf,
         as one without `quantity` does, reported as carried only with them.
       param: for a ``per_param`` node: `tree` is one array, this param's.
+      holds: whether the field holds a value of this param; a param's leaf
+        where it does not (Adafactor's ``(1,)`` placeholders) stays as it is,
+        unreported. By default every param's.
     """
 
     def one(param: str, leaf: Any) -> Any:
+      if holds is not None and not holds(param):
+        return leaf
       value = self.value(param, quantity)
       lacking = [q for q in needs if self.value(param, q) is None]
       name = field or quantity
