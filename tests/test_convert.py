@@ -679,6 +679,32 @@ def test_schedule_free_adamws_second_moment_decays_with_its_b2(b2):
   _assert_close(rms.nu["w"] / _decay(b2 or 0.999, int(rms.count)), grads["w"] ** 2)
 
 
+def test_a_schedule_given_for_an_injected_target_is_called_at_the_step():
+  """A fresh inject_hyperparams state holds its schedule's value at step 0 (0 in a warmup
+  from 0): Adafactor's momentum, written with that rate, was all zeros."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)}
+  grads = {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)}
+  source = _constant_gradient_steps(optax.adamw(1e-3), params, grads, 5)
+  schedule = optax.linear_schedule(0.0, 1e-2, 100)
+  static = (
+    *("dtype_momentum", "min_dim_size_to_factor", "factored", "multiply_by_parameter_scale"),
+    *("eps", "decay_rate", "decay_offset", "clipping_threshold", "weight_decay_rate"),
+    "weight_decay_mask",
+  )
+  injected = optax.inject_hyperparams(optax.adafactor, static_args=static)(
+    learning_rate=schedule, momentum=0.9, min_dim_size_to_factor=2
+  )
+  plain = optax.adafactor(schedule, momentum=0.9, min_dim_size_to_factor=2)
+  hparams = {"learning_rate": schedule, "momentum": 0.9}
+  ema = [
+    t5x_optim.convert_state(source, OptaxWrapper(tx), target_hparams=hparams)[0]
+    for tx in (injected, plain)
+  ]
+  _assert_close(ema[0].state.param_states.inner_state[4].ema, ema[1].state.param_states[4].ema)
+  assert float(jnp.abs(ema[1].state.param_states[4].ema["w"]).mean()) > 0
+
+
 NESTED = [
   ("chain+inject", lambda tx: optax.chain(
     optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=0.1)),

@@ -477,6 +477,7 @@ def _write_target(
   recorder = _Recorder()
   no_converter: list[str] = []
   counts = Moments(source.stats, lambda field, param, converted: None)
+  schedules = hparams.schedules()
 
   def visit(
     node: Any, path: tuple[str, ...], hparams: ReadHparams, chain: tuple, clock: Any
@@ -506,7 +507,8 @@ def _write_target(
     children = _children(node)
     if children is None:
       return node
-    hparams = _injected(node, hparams)
+    # A fresh state holds a schedule's value at step 0; one given is called at the step.
+    hparams = _injected(node, hparams).updated(schedules)
     new = []
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)

@@ -82,6 +82,10 @@ class ReadHparams(Mapping[str, Any]):
   def __len__(self) -> int:
     return len(self._values)
 
+  def schedules(self) -> dict[str, Any]:
+    """Those given as schedules (called at the step), without noting them read."""
+    return {name: value for name, value in self._values.items() if callable(value)}
+
   def updated(self, values: Mapping[str, Any]) -> ReadHparams:
     """These hyper-parameters with `values` over them, noting reads in the same record."""
     return ReadHparams({**self._values, **values}, self.read)
