@@ -19,9 +19,13 @@ from t5x_optim.partitioning import (
   StateRulesFallback,
   UnknownAxis,
   abstract_train_state,
+  build_plan,
   create_mesh,
+  format_table,
+  init_sharded,
   logical_to_mesh_axes_tree,
   optimizer_state_mesh_axes_tree,
+  plan_to_json,
   standard_logical_axis_rules,
 )
 
@@ -367,3 +371,39 @@ def test_optimizer_state_leaf_is_replicated_along_a_dimension_its_mesh_axis_does
       mesh_shape={"data": 2, "model": 4},
     )
     assert tree[0].mu["dense1"]["kernel"] == want
+
+
+def _mlp_variables():
+  return {
+    "params": {
+      "wi": nn.LogicallyPartitioned(jnp.ones((EMBED, MLP)), ("embed", "mlp")),
+      "bi": nn.LogicallyPartitioned(jnp.zeros(MLP), ("mlp",)),
+      "scale": nn.LogicallyPartitioned(jnp.ones(EMBED), ("embed",)),
+    }
+  }
+
+
+@pytest.mark.parametrize("data, model", [(8, 1), (4, 2)])
+def test_plan_calls_replicated_every_leaf_each_device_holds_whole(data, model):
+  """On data=8 x model=1 the leaves sharded over model are held whole by every device: the
+  plan calls them replicated (table, JSON, totals, warnings), as the real arrays' shards are."""
+  partitioner = _partitioner(data, model)
+  opt_def = OptaxWrapper(optax.adam(0.1))
+  state = abstract_train_state(partitioner, opt_def, _mlp_variables)
+  plan = build_plan(state, logical=state.as_logical_axes(), warn_replicated_bytes=1)
+  real = init_sharded(partitioner, opt_def, _mlp_variables).param_states
+  whole = {
+    row.path: all(s.data.nbytes == leaf.nbytes for s in leaf.addressable_shards)
+    for row, leaf in zip(plan.rows, jax.tree.leaves(real), strict=True)
+  }
+  assert {row.path: row.replicated for row in plan.rows} == whole
+  assert whole["0/mu/wi"] == (model == 1) and whole["0/mu/scale"]
+  assert plan.replicated_bytes_per_device == sum(
+    row.bytes_per_device for row in plan.rows if whole[row.path]
+  )
+  data_json = plan_to_json(plan)
+  assert {leaf["path"]: leaf["replicated"] for leaf in data_json["leaves"]} == whole
+  warned = {message.split(":")[0] for message in plan.warnings()}
+  assert warned == {path for path, held in whole.items() if held}
+  wi = next(line for line in format_table(plan).splitlines() if "0/mu/wi " in line)
+  assert ("replicated" in wi.split("(embed, mlp)")[1]) == (model == 1), wi

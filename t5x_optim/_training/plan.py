@@ -54,6 +54,8 @@ class LeafRow:
     dtype: dtype name.
     logical_axes: logical name (or None) per dimension; None: replicated.
     mesh_axes: mesh axes per dimension (a name, a tuple, or None).
+    replicated: whether every device holds the whole leaf: it is sharded over no mesh axis
+      of more than one device (``(None, 'model')`` is replicated on a mesh of model=1).
     bytes_per_device: bytes of the largest shard one device holds.
     total_bytes: bytes of the whole leaf.
     param: the path of the param the leaf mirrors, if any.
@@ -70,17 +72,13 @@ class LeafRow:
   dtype: str
   logical_axes: tuple[str | None, ...] | None
   mesh_axes: tuple[Any, ...]
+  replicated: bool
   bytes_per_device: int
   total_bytes: int
   param: str | None
   param_shape: tuple[int, ...] | None
   dropped_axes: tuple[str, ...]
   storage: str = ""
-
-  @property
-  def replicated(self) -> bool:
-    """Whether every device holds the whole leaf."""
-    return all(entry is None for entry in self.mesh_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +217,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
         dtype=np.dtype(leaf.dtype).name,
         logical_axes=logical_axes,
         mesh_axes=_spec_tuple(sharding.spec, len(shape)),
+        replicated=sharding.is_fully_replicated,
         bytes_per_device=math.prod(sharding.shard_shape(shape)) * itemsize,
         total_bytes=math.prod(shape) * itemsize,
         param="/".join(param) if param else None,
