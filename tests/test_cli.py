@@ -30,7 +30,7 @@ from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.job import config_changes, identity_problem, state_layout
-from t5x_optim.partitioning import init_sharded
+from t5x_optim.partitioning import format_bytes, init_sharded
 
 pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
 
@@ -700,6 +700,37 @@ def test_plan_json_matches_a_real_init(extra, capsys):
   )
   # The state, params and batch are arguments: the peak is at least the state at rest.
   assert memory["arguments"] > per_device
+
+
+NOISE = [
+  *TINY,
+  "--gin_bindings",
+  "optimizers.chain.transformations = [@optax.add_noise(), @optax.adamw()]",
+  "--gin_bindings",
+  "optax.add_noise.eta = 0.01",
+  "--gin_bindings",
+  "optax.add_noise.gamma = 0.55",
+  "--gin_bindings",
+  "optax.add_noise.key = 0",
+]
+"""optax.add_noise before AdamW: its state holds a typed PRNG key (``key<fry>``)."""
+
+
+@pytest.mark.slow
+def test_plan_and_train_count_the_bytes_of_a_typed_prng_key(tmp_path, capsys):
+  """A typed key has no numpy dtype: plan and train died on it with a raw TypeError."""
+  assert main(["plan", *NOISE, "--format", "json"]) == 0
+  plan = json.loads(capsys.readouterr().out)
+  key = next(leaf for leaf in plan["leaves"] if leaf["dtype"] == "key<fry>")
+  assert key["path"] == "0/rng_key" and key["total_bytes"] == key["bytes_per_device"] == 8
+  per_device = format_bytes(plan["totals"]["bytes_per_device"])
+  model_dir = str(tmp_path / "run")
+  for steps in (2, 3):
+    argv = ["train", *NOISE, "--gin_bindings", f"TOTAL_STEPS = {steps}"]
+    assert main([*argv, "--model_dir", model_dir]) == 0
+    out = capsys.readouterr().out
+    assert f"optimizer state: {per_device} per device" in out
+  assert "(resuming from the checkpoint at step 2)" in out and f"step {steps}/3" in out
 
 
 BAD_CONFIGS = {

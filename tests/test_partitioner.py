@@ -407,3 +407,20 @@ def test_plan_calls_replicated_every_leaf_each_device_holds_whole(data, model):
   assert warned == {path for path, held in whole.items() if held}
   wi = next(line for line in format_table(plan).splitlines() if "0/mu/wi " in line)
   assert ("replicated" in wi.split("(embed, mlp)")[1]) == (model == 1), wi
+
+
+def test_plan_counts_the_bytes_of_a_typed_prng_key():
+  """optax.add_noise keeps a typed key (``key<fry>``, no numpy dtype) in its state: the plan
+  counts its bytes, those of the real array's shards."""
+  partitioner = _partitioner(4, 2)
+  opt_def = OptaxWrapper(optax.chain(optax.add_noise(0.01, 0.55, 0), optax.adam(0.1)))
+  state = abstract_train_state(partitioner, opt_def, _mlp_variables)
+  plan = build_plan(state, logical=state.as_logical_axes())
+  real = init_sharded(partitioner, opt_def, _mlp_variables).param_states
+  rows = {row.path: row for row in plan.rows}
+  assert rows["0/rng_key"].dtype == "key<fry>" and rows["0/rng_key"].replicated
+  for row, leaf in zip(plan.rows, jax.tree.leaves(real), strict=True):
+    assert row.total_bytes == leaf.nbytes, row.path
+    assert row.bytes_per_device == leaf.addressable_shards[0].data.nbytes, row.path
+  assert rows["0/rng_key"].total_bytes == 8
+  assert "0/rng_key" in format_table(plan)

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes.rules import is_spec_leaf
@@ -51,7 +50,7 @@ class LeafRow:
     group: the part of the state the leaf belongs to (the path without the
       param's path, or without the leaf's own name).
     shape: global shape.
-    dtype: dtype name.
+    dtype: dtype name (``key<fry>`` for a typed PRNG key, counted at its bytes).
     logical_axes: logical name (or None) per dimension; None: replicated.
     mesh_axes: mesh axes per dimension (a name, a tuple, or None).
     replicated: whether every device holds the whole leaf: it is sharded over no mesh axis
@@ -200,7 +199,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
       raise ValueError(f"Optimizer-state leaf {key_path_str(key_path)} has no NamedSharding.")
     mesh_shape = dict(sharding.mesh.shape)
     shape = tuple(leaf.shape)
-    itemsize = np.dtype(leaf.dtype).itemsize
+    itemsize = leaf.dtype.itemsize
     logical_axes = None if spec is None else _spec_tuple(spec, len(shape))
     stored = storage.get(path, "")
     part = stored.startswith(tuple(f"{mode} " for mode in _low_precision.QUANTIZED_MODES))
@@ -214,7 +213,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
         path="/".join(path),
         group="/".join(group) or _ROOT,
         shape=shape,
-        dtype=np.dtype(leaf.dtype).name,
+        dtype=leaf.dtype.name,
         logical_axes=logical_axes,
         mesh_axes=_spec_tuple(sharding.spec, len(shape)),
         replicated=sharding.is_fully_replicated,

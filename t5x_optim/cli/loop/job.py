@@ -101,7 +101,7 @@ def state_layout(abstract_state: Any) -> dict[str, dict[str, str]]:
   return {
     "classes": classes,
     "leaves": {
-      path: f"{jax.numpy.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
+      path: f"{leaf.dtype.name}[{','.join(map(str, leaf.shape))}]"
       for path, leaf in sorted(leaves.items())
     },
   }

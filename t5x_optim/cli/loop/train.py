@@ -586,7 +586,7 @@ def prepare(job: TrainJob) -> Setup:
 
 
 def _leaf_bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
-  return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+  return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
 
 def describe_setup(
@@ -608,7 +608,7 @@ def describe_setup(
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   states = jax.tree.leaves(abstract.param_states)
   per_device = sum(_leaf_bytes_per_device(x) for x in states)
-  total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in states)
+  total = sum(math.prod(x.shape) * x.dtype.itemsize for x in states)
   mesh_text = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
   copies = " (lookahead: fast and slow copies)" if params is not abstract.params else ""
   return [
