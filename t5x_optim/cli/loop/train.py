@@ -503,16 +503,16 @@ def step_memory(setup: Setup) -> dict[str, Any]:
 
   ``peak`` is what the step holds at once: its arguments (params, optimizer
   state, batch), outputs and temporaries, less the outputs that reuse a
-  donated argument's buffer. The run also compiles a step that computes the
-  per-parameter metrics (every ``metrics_every`` steps), whose peak may be
-  the larger; ``steps`` says which steps it is. Compiles the steps;
-  allocates nothing.
+  donated argument's buffer. A run of at least ``metrics_every`` steps also
+  runs a step that computes the per-parameter metrics (every ``metrics_every``
+  steps), whose peak may be the larger; ``steps`` says which steps it is.
+  Compiles the steps; allocates nothing.
   """
   batch = _abstract_batch(setup.job.task.batch(0))
   largest: dict[str, Any] = {}
   steps = [(setup.step_fn, "every step")]
-  if setup.weights_step_fn is not None:
-    every = setup.job.metrics_every
+  every = setup.job.metrics_every
+  if setup.weights_step_fn is not None and every <= setup.job.total_steps:
     steps.append((setup.weights_step_fn, f"the steps with per-parameter metrics (every {every})"))
   for step_fn, which in steps:
     m = step_fn.lower(setup.abstract_state, batch).compile().memory_analysis()
