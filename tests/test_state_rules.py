@@ -452,6 +452,20 @@ def test_params_axes_forms():
     logical_axes_from({"kernel": "embed"})
 
 
+def test_mesh_axis_boxes_are_refused_naming_the_param():
+  # nn.with_partitioning names mesh axes; read as logical names they would replicate.
+  boxed = {"dense": {"kernel": nn.Partitioned(jnp.ones((8, 16)), ("data", "model"))}}
+  refused = r"'dense/kernel' is a flax Partitioned box .*mesh axes.*nn.with_logical_partitioning"
+  with pytest.raises(TypeError, match=refused):
+    logical_axes_from(boxed)
+  params = nn.unbox(boxed)
+  tx = optax.adam(1e-3)
+  with pytest.raises(TypeError, match=refused):
+    derive(tx.init(params), boxed, transformation=tx, params=params)
+  logical = {"dense": {"kernel": nn.LogicallyPartitioned(jnp.ones((8, 16)), ("embed", "mlp"))}}
+  assert derive(tx.init(params), logical)[0].mu == {"dense": {"kernel": P("embed", "mlp")}}
+
+
 def test_repeated_names_and_short_specs():
   params = {
     "w": jax.ShapeDtypeStruct((8, 8), jnp.float32),

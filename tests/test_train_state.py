@@ -208,6 +208,12 @@ def test_create_errors(variables, match):
     TrainState.create(_WantsAxes(optax.sgd(0.1)), variables)
 
 
+def test_create_refuses_mesh_axis_boxes_naming_the_variable():
+  boxed = nn.Partitioned(jnp.ones((EMBED, MLP)), ("data", "model"))
+  with pytest.raises(TypeError, match=r"'params/w' is a flax Partitioned box .*mesh axes"):
+    TrainState.create(optimizers.adam(1e-3), {"params": {"w": boxed}})
+
+
 def test_set_param_axes_gets_the_axes():
   opt_def = _WantsAxes(optax.sgd(0.1))
   TrainState.create(opt_def, _variables(BoxedModel()))

@@ -34,6 +34,7 @@ import jax
 import optax
 from flax.core import frozen_dict, meta
 from flax.linen import partitioning as flax_partitioning
+from flax.linen import spmd
 from jax.sharding import PartitionSpec
 
 from t5x_optim._axes import builtin as _state_rules_builtin  # noqa: F401  (registers the built-in rules)
@@ -107,11 +108,40 @@ def _is_names_tuple(x: Any) -> bool:
   )
 
 
+def box_spec(box: meta.AxisMetadata, where: str) -> PartitionSpec | None:
+  """The logical spec of a flax box: an ``nn.with_logical_partitioning`` box's names.
+
+  Boxes that name no axes give None (replicated). A plain ``Partitioned`` box
+  (``nn.with_partitioning``) names mesh axes, which no logical rule maps, so
+  it is refused.
+
+  Args:
+    box: the box.
+    where: the box's tree path, for the message.
+
+  Raises:
+    TypeError: for a plain ``Partitioned`` box, naming ``where``.
+
+  >>> box_spec(spmd.LogicallyPartitioned(0.0, ('embed',)), 'w')
+  P('embed',)
+  """
+  if isinstance(box, spmd.LogicallyPartitioned):
+    return box.get_partition_spec()
+  if isinstance(box, meta.Partitioned):
+    raise TypeError(
+      f"'{where}' is a flax Partitioned box (nn.with_partitioning), whose names "
+      f"{box.names} are mesh axes, not logical ones: box it with "
+      "nn.with_logical_partitioning, or pass nn.get_partition_spec(params) as the "
+      "logical axes with rules that map each mesh axis to itself"
+    )
+  return None
+
+
 def _to_spec(path: Any, x: Any) -> PartitionSpec | None:
   if x is None or isinstance(x, PartitionSpec):
     return x
   if isinstance(x, meta.AxisMetadata):
-    return meta.get_partition_spec(x)
+    return box_spec(x, key_path_str(path))
   if _is_names_tuple(x):
     return PartitionSpec(*x)
   if hasattr(x, "shape"):
@@ -136,7 +166,8 @@ def logical_axes_from(params_axes: Any) -> Any:
   * a tree of ``PartitionSpec`` (or tuples of names) and None (T5X form; dict
     or FrozenDict, returned with its containers);
   * params boxed by ``nn.with_logical_partitioning`` (``LogicallyPartitioned``
-    leaves become their spec; unboxed arrays become None, replicated);
+    leaves become their spec; unboxed arrays become None, replicated); boxes of
+    ``nn.with_partitioning``, whose names are mesh axes, are refused;
   * a T5X-style ``params_axes`` collection written by
     ``flax.linen.partitioning.param_with_axes`` (``AxisMetadata`` leaves under
     keys ending in ``_axes``), either the collection itself or
@@ -151,7 +182,8 @@ def logical_axes_from(params_axes: Any) -> Any:
     None.
 
   Raises:
-    TypeError: if a leaf is none of the above, naming its tree path.
+    TypeError: if a leaf is none of the above or a plain ``Partitioned`` box,
+      naming its tree path.
 
   >>> logical_axes_from({'dense': {'kernel': ('embed', 'mlp'), 'bias': None}})
   {'dense': {'bias': None, 'kernel': P('embed', 'mlp')}}

@@ -23,6 +23,7 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
+from t5x_optim._axes.engine import box_spec
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
 from t5x_optim._keypaths import key_path_str
@@ -47,8 +48,9 @@ def _unbox(x: Any) -> Any:
   return x.unbox() if _is_box(x) else x
 
 
-def _box_spec(x: Any) -> PartitionSpec | None:
-  return x.get_partition_spec() if isinstance(x, meta.Partitioned) else None
+def _box_spec(path: tuple[str, ...], x: Any) -> PartitionSpec | None:
+  """A leaf's logical spec from its box; None (replicated) for an unboxed leaf."""
+  return box_spec(x, key_path_str(path)) if _is_box(x) else None
 
 
 def _axes_by_path(axes_collection: Any) -> dict[tuple[str, ...], PartitionSpec | None]:
@@ -89,7 +91,8 @@ def _split_collection(
     specs_flat = None
   else:
     specs_flat = {
-      p: x if x is traverse_util.empty_node else given.get(p, _box_spec(x)) for p, x in flat.items()
+      p: x if x is traverse_util.empty_node else given.get(p, _box_spec((name, *p), x))
+      for p, x in flat.items()
     }
   values = traverse_util.unflatten_dict({p: _unbox(x) for p, x in flat.items()})
   if specs_flat is None:
@@ -169,7 +172,8 @@ class TrainState(struct.PyTreeNode):
     """Builds a train state from a model's variables (dicts or FrozenDicts).
 
     `params` may hold plain arrays or `nn.with_logical_partitioning` boxes
-    (unboxed here, their axes kept). A T5X `params_axes` collection (from
+    (unboxed here, their axes kept), not `nn.with_partitioning` boxes, whose
+    names are mesh axes. A T5X `params_axes` collection (from
     `flax.linen.partitioning.param_with_axes`) gives the params' axes; a
     `<collection>_axes` collection those of another collection. All other
     collections become `flax_mutables`. As in T5X, an optimizer definition
@@ -186,6 +190,8 @@ class TrainState(struct.PyTreeNode):
       ValueError: no `params` collection; an axes collection that does not
         match its collection (naming the paths); or an optimizer with
         `set_param_axes` and params without axes.
+      TypeError: a `nn.with_partitioning` box (its names are mesh axes, not
+        logical ones), naming its path.
     """
     params, param_specs, mutables, mutable_specs = _split_variables(model_variables)
     if hasattr(optimizer_def, "set_param_axes"):
