@@ -466,6 +466,23 @@ def test_mesh_axis_boxes_are_refused_naming_the_param():
   assert derive(tx.init(params), logical)[0].mu == {"dense": {"kernel": P("embed", "mlp")}}
 
 
+def test_a_state_built_from_boxed_params_gets_the_params_specs():
+  # Flax's TrainState.create(params=boxed) inits the optax state on the boxes, so it holds boxes.
+  boxed = BoxedDense().init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+  adam = optax.adam(1e-3)
+  state = adam.init(boxed)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for specs in (derive(state, boxed, transformation=adam, params=boxed), derive(state, boxed)):
+      assert specs[0].mu == nn.get_partition_spec(state)[0].mu == {"kernel": P("embed", "mlp")}
+      assert all(is_spec(x) for x in jax.tree.leaves(specs, is_leaf=is_spec))
+    # The boxes of a factored leaf keep the param's names; its spec keeps the dims it has.
+    factored = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    specs = derive(factored.init(boxed), boxed, transformation=factored, params=boxed)
+  assert specs[0].v_row == {"kernel": P("embed")}
+  assert specs[0].v_col == {"kernel": P("mlp")}
+
+
 def test_repeated_names_and_short_specs():
   params = {
     "w": jax.ShapeDtypeStruct((8, 8), jnp.float32),

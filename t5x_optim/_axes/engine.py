@@ -199,6 +199,16 @@ def logical_axes_from(params_axes: Any) -> Any:
   return jax.tree.map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
+def _unboxed(tree: Any) -> Any:
+  """``tree`` with every flax box replaced by its value, no sharding constraint applied."""
+  return meta.map_axis_meta(
+    lambda box: _unboxed(
+      box.unbox(apply_constraint=False) if isinstance(box, meta.Partitioned) else box.unbox()
+    ),
+    tree,
+  )
+
+
 class _ParamIndex:
   """Flat, aligned view of the params and their logical specs."""
 
@@ -220,7 +230,7 @@ class _ParamIndex:
   def _align(self, spec_tree: Any) -> None:
     leaves, params_def = jax.tree.flatten(self.params)
     if params_def != self.params_def:
-      self.params = meta.unbox(self.params)
+      self.params = _unboxed(self.params)
       leaves, params_def = jax.tree.flatten(self.params)
     if params_def != self.params_def:
       spec_def = jax.tree.structure(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
@@ -508,7 +518,8 @@ def derive_state_specs(
     leaf_name: names a leaf from its key path in the fallback's message.
 
   Returns:
-    ``state``'s structure with a canonical spec or None at every leaf.
+    ``state``'s structure with a canonical spec or None at every leaf; a flax
+    box in ``state`` becomes the spec of its value.
 
   Raises:
     ValueError: see ``OptaxStatePartitionRules.derive_optax_logical_axes``.
@@ -518,6 +529,7 @@ def derive_state_specs(
   {'w': P('embed',)}
   """
   index = _ParamIndex(params_axes, params)
+  state = _unboxed(state)
   state_leaves, state_def = jax.tree.flatten(state)
   shapes = [specs_lib.leaf_shape(x) for x in state_leaves]
   specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
@@ -578,7 +590,7 @@ class OptaxStatePartitionRules:
 
     Args:
       optax_state: the state (arrays or ``jax.ShapeDtypeStruct``s, e.g. from
-        ``jax.eval_shape(tx.init, params)``).
+        ``jax.eval_shape(tx.init, params)``, possibly in flax boxes).
       params_axes: the params' logical axes in any form
         ``logical_axes_from`` accepts.
       transformation: the transformation that built ``optax_state``; with
@@ -592,7 +604,10 @@ class OptaxStatePartitionRules:
       a tree with exactly the structure of ``optax_state`` (``EmptyState`` and
       ``MaskedNode`` kept) whose leaves are canonical logical
       ``PartitionSpec``s (one entry per array dimension, at least one axis
-      named, no axis named twice) or None for replicated leaves.
+      named, no axis named twice) or None for replicated leaves. A state
+      initialised on flax boxes holds boxes: each becomes the spec of its
+      value, in its place, as ``nn.get_partition_spec`` puts the box's names
+      (the spec is derived, so a factored leaf's keeps the dimensions it has).
 
     Raises:
       ValueError: with ``StateRulesFallback.RAISE``, for the first leaf
