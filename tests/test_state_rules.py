@@ -413,6 +413,24 @@ def test_masked_mirrors_resolve_without_transformation():
   assert mu["dense"] == {"kernel": P("embed", "mlp"), "bias": optax.MaskedNode()}
 
 
+@pytest.mark.parametrize("frozen", ["params", "axes"])
+def test_masked_mirrors_of_frozen_dicts_resolve_against_plain_dicts(frozen):
+  # flax.core.freeze(variables)['params'] with nn.get_partition_spec's plain dicts, or the reverse.
+  params, axes = make_params(), AXES
+  if frozen == "params":
+    params = flax.core.freeze(params)
+  else:
+    axes = flax.core.freeze(axes)
+  tx = optax.masked(optax.adam(1e-3), jax.tree.map(lambda x: x.ndim >= 2, params))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    specs = derive(tx.init(params), axes)
+  mu = specs.inner_state[0].mu
+  assert mu["dense"]["kernel"] == P("embed", "mlp")
+  assert mu["attn"]["query"] == P("embed", "heads", "kv")
+  assert mu["norm"]["scale"] == optax.MaskedNode()
+
+
 # ---------------------------------------------------------------------------
 # Forms of params axes, abstract params, repeated names.
 

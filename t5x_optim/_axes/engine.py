@@ -5,7 +5,8 @@ a tree of the same structure whose leaves are logical ``PartitionSpec``s or
 None (replicated). Derivation runs in four steps:
 
 1. *Structure*: scalars are replicated; a subtree with the params'
-   structure (a "mirror", like adam's ``mu``) gives each leaf of its param's
+   structure (a "mirror", like adam's ``mu``, ``MaskedNode`` holes allowed, a
+   dict and a FrozenDict of the same keys alike) gives each leaf of its param's
    shape that param's spec, size-1 dimensions included (T5X keeps
    ``('output_head',)`` on a ``(1,)`` bias); other leaves whose dimensions all
    have size 1 are replicated. This is the fast path: adamw, sgd, lion, ... end here.
@@ -250,10 +251,24 @@ class _ParamIndex:
     )
 
 
+_MAPPINGS = (dict, frozen_dict.FrozenDict)
+
+
+def _same_node(a: Any, b: Any) -> bool:
+  """Whether two ``node_data()`` are one node, a dict and a FrozenDict of the same keys too."""
+  if a is not None and b is not None and a[0] in _MAPPINGS and b[0] in _MAPPINGS:
+    return tuple(a[1]) == tuple(b[1])
+  return a == b
+
+
 def _holey_mirror(
   node: jax.tree_util.PyTreeDef, params_def: jax.tree_util.PyTreeDef
 ) -> list[int] | None:
-  """Param index of each leaf if ``node`` is the params with MaskedNode holes."""
+  """Param index of each leaf if ``node`` is the params with MaskedNode holes.
+
+  Dicts and FrozenDicts of the same keys match each other, as the exact
+  mirrors of params given only by their axes do.
+  """
   indices: list[int] = []
   stack = [(node, params_def)]
   next_param = 0
@@ -271,7 +286,7 @@ def _holey_mirror(
     if data is not None and data[0] is optax.MaskedNode:
       next_param += p.num_leaves
       continue
-    if data != p.node_data():
+    if not _same_node(data, p.node_data()):
       return None
     stack.extend(reversed(list(zip(s.children(), p.children()))))
   return indices
@@ -297,7 +312,9 @@ def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex, rule_types: Se
       continue
     data = node.node_data()
     holey = (
-      _holey_mirror(node, index.params_def) if data is not None and data == root_data else None
+      _holey_mirror(node, index.params_def)
+      if data is not None and _same_node(data, root_data)
+      else None
     )
     if holey is not None:
       mirrors.append((offset, holey))
