@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -480,18 +481,42 @@ def test_a_run_that_starts_at_step_0_drops_the_events_of_one_that_saved_nothing(
   assert _scalars(tmp_path / "train")["learning_rate"] == [(1, 0.5), (2, 0.5)]
 
 
+@pytest.mark.slow
+def test_metrics_are_on_disk_when_write_returns(tmp_path):
+  """tensorboardX wrote events from a logging thread that flushed every 120 s, and `flush`
+  flushed only what that thread had written: a process killed (SIGKILL, a lost machine)
+  within two minutes of a write lost each writer's last points, the eval of a checkpoint
+  step for good (the resume starts after it)."""
+  write_and_die = (
+    "import os, sys\n"
+    "from pathlib import Path\n"
+    "from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters\n"
+    "writers = MetricWriters(Path(sys.argv[1]), start_step=0)\n"
+    "for step in (5, 10):\n"
+    "  writers.write(TRAIN, step, {'loss': step / 2})\n"
+    "writers.write(EVAL, 10, {'loss': 3.5})\n"
+    "os._exit(137)\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", write_and_die, str(tmp_path)], env=_env(), timeout=TIMEOUT
+  )
+  assert done.returncode == 137
+  assert _scalars(tmp_path / "train")["loss"] == [(5, 2.5), (10, 5.0)]
+  assert _scalars(tmp_path / "eval")["loss"] == [(10, 3.5)]
+
+
 def test_event_writers_that_fail_to_close_keep_the_error_that_stopped_the_run(
   tmp_path, monkeypatch
 ):
   """A full disk under the model directory: the event writers' OSError as they closed replaced
   the loop's failure (the run's one line), and the run ended in a 900-line traceback."""
-  import tensorboardX  # noqa: PLC0415
+  from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415
 
   def disk_full(self):
     raise OSError(28, "No space left on device")
 
   writers = MetricWriters(tmp_path, start_step=0)
-  monkeypatch.setattr(tensorboardX.SummaryWriter, "close", disk_full)
+  monkeypatch.setattr(EventsWriter, "close", disk_full)
   with pytest.raises(RuntimeError, match="the loop's error"), writers:
     raise RuntimeError("the loop's error")
   with pytest.raises(OSError, match="No space left"), writers:

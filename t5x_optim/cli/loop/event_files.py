@@ -1,4 +1,4 @@
-"""TensorBoard event files on any storage: tensorboardX writers that write through `epath`.
+"""TensorBoard event files on any storage: tensorboardX record writers that write through `epath`.
 
 tensorboardX opens an event file by the prefix of its path: local files with
 `open`, ``gs://`` with google-cloud-storage's own client, ``s3://`` with
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 
 from etils import epath
 from tensorboardX import record_writer
@@ -28,27 +27,20 @@ __all__ = ["event_dir"]
 
 
 class _EpathRecordWriter:
-  """An event file written whole through `epath` at every flush.
-
-  tensorboardX flushes from its logging thread and from the caller's; the
-  lock keeps the uploads in order, so an older copy never lands last.
-  """
+  """An event file written whole through `epath` at every flush (from the caller's thread)."""
 
   def __init__(self, path: str):
     self._path = epath.Path(path)
     self._buffer = io.BytesIO()
     self._flushed = -1
-    self._lock = threading.Lock()
 
   def write(self, data: bytes) -> None:
-    with self._lock:
-      self._buffer.write(data)
+    self._buffer.write(data)
 
   def flush(self) -> None:
-    with self._lock:
-      if self._buffer.tell() != self._flushed:
-        self._path.write_bytes(self._buffer.getvalue())
-        self._flushed = self._buffer.tell()
+    if self._buffer.tell() != self._flushed:
+      self._path.write_bytes(self._buffer.getvalue())
+      self._flushed = self._buffer.tell()
 
   def close(self) -> None:
     self.flush()

@@ -11,6 +11,12 @@ protos with ``simple_value`` scalars), which TensorBoard and its
 Train and eval scalars share their tags (``loss``), so TensorBoard draws the
 two curves of a tag in one chart.
 
+The events are written in the caller's thread and flushed (``fsync`` on a
+local disk) before `MetricWriters.write` returns: tensorboardX's
+`SummaryWriter` hands them to a logging thread that flushes every
+``flush_secs`` (120 s), and its `flush` reaches only what that thread has
+written, so a process killed after a write could lose the write.
+
 Example:
   >>> import tempfile
   >>> from pathlib import Path
@@ -24,12 +30,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Self
 
-import tensorboardX
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import directory_check
+from tensorboardX.summary import scalar
 
+from t5x_optim import storage
 from t5x_optim.cli.loop.event_files import event_dir
 
 __all__ = ["EVAL", "TRAIN", "MetricWriters"]
@@ -50,14 +61,18 @@ class MetricWriters:
   """
 
   def __init__(self, model_dir: Path, *, start_step: int, enabled: bool = True):
-    # Events of steps after the start are an earlier run's that never saved (a resume's
-    # interrupted steps, or a whole run that diverged or was killed before its first save).
-    purge = start_step + 1
-    self._writers = {
-      kind: tensorboardX.SummaryWriter(event_dir(model_dir, kind), purge_step=purge)
-      for kind in (TRAIN, EVAL)
-      if enabled
-    }
+    self._writers: dict[str, EventsWriter] = {}
+    for kind in (TRAIN, EVAL) if enabled else ():
+      directory = event_dir(model_dir, kind)
+      directory_check(directory)
+      writer = EventsWriter(storage.join(directory, "events"))
+      # Events of steps after the start are an earlier run's that never saved (a resume's
+      # interrupted steps, or a whole run that diverged or was killed before its first save).
+      writer.write_event(
+        Event(step=start_step + 1, session_log=SessionLog(status=SessionLog.START))
+      )
+      writer.flush()
+      self._writers[kind] = writer
 
   def __enter__(self) -> Self:
     return self
@@ -71,13 +86,14 @@ class MetricWriters:
       self.close()
 
   def write(self, kind: str, step: int, scalars: Mapping[str, float | None]) -> None:
-    """Writes the scalars that are not None at `step` and flushes them to disk."""
+    """Writes the scalars that are not None at `step`; they are on disk when it returns."""
     writer = self._writers.get(kind)
     if writer is None:
       return
+    now = time.time()
     for tag, value in scalars.items():
       if value is not None:
-        writer.add_scalar(tag, float(value), step)
+        writer.write_event(Event(wall_time=now, step=step, summary=scalar(tag, float(value))))
     writer.flush()
 
   def close(self) -> None:
