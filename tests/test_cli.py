@@ -394,6 +394,19 @@ def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, caps
     assert float(plateau.scale) == scale
 
 
+def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest():
+  """reduce_on_plateau halving its scale at every step: the line of step 3 with
+  ``log_every = 3`` showed the scales' mean (0.583), where ``log_every = 1`` showed 0.25 at
+  step 3; the scale in effect is what the line names, as the learning rate's is."""
+  records = [
+    {"loss": loss, "grad_norm": 1.0, "learning_rate": rate, "lr_scale": scale}
+    for loss, rate, scale in [(3.0, 0.3, 1.0), (2.0, 0.2, 0.5), (1.0, 0.1, 0.25)]
+  ]
+  assert _train._summarize(records) == pytest.approx(
+    {"loss": 2.0, "grad_norm": 1.0, "learning_rate": 0.1, "lr_scale": 0.25}
+  )
+
+
 @pytest.mark.slow
 def test_schedule_free_is_evaluated_at_its_evaluation_params_too(tmp_path, capsys):
   """Schedule-free takes gradients at y and is evaluated at its average x (optax's

@@ -988,11 +988,16 @@ def _version_change_line(resume: _Resume, job: Mapping[str, Any] | None) -> str 
   return f"versions:        changed since step {resume.step}: {', '.join(changes)}"
 
 
+_AT_END = frozenset({"learning_rate", "lr_scale"})
+"""The step metrics a log line takes from the interval's last step: the learning rate and
+reduce_on_plateau's scale in effect at the line's step."""
+
+
 def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-  """Loss and gradient norm averaged over the interval; the learning rate at its end."""
+  """Loss and gradient norm averaged over the interval; the rates in effect at its end."""
   fetched = jax.device_get(list(records))
   return {
-    key: float(fetched[-1][key] if key == "learning_rate" else np.mean([r[key] for r in fetched]))
+    key: float(fetched[-1][key] if key in _AT_END else np.mean([r[key] for r in fetched]))
     for key in fetched[0]
   }
 
