@@ -337,6 +337,47 @@ def _train_to(model_dir: Path, total_steps: int, on_nonfinite: str = "skip") -> 
   return summary, stream.getvalue()
 
 
+@dataclasses.dataclass(frozen=True)
+class _StoppingTask(SyntheticTask):
+  """The synthetic task, which presses Ctrl-C (a SIGINT in `pending`) as batch `stop` is read."""
+
+  stop: int | None = None
+  pending: list[int] = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+  def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+    if step == self.stop:
+      self.pending.append(signal.SIGINT)
+    return super().batch(step, rows)
+
+
+def _loss_events(
+  model_dir: Path, total_steps: int, *, stop: int | None = None
+) -> list[tuple[int, float]]:
+  """The train loss in `model_dir`'s event files after a run to `total_steps` (logged every 5),
+  with `stop` stopped after step `stop` + 1 and resumed to the end."""
+  pending: list[int] = []
+  task = _StoppingTask(vocab_size=16, length=8, batch_size=4, stop=stop, pending=pending)
+  setup = _train.prepare(dataclasses.replace(_poisoned_job(total_steps, "stop"), task=task))
+  interrupt = Interrupt(pending, quiet=True)
+  _train.train(setup, model_dir=model_dir, interrupt=interrupt, stream=io.StringIO())
+  if pending:
+    pending.clear()
+    _train.train(setup, model_dir=model_dir, interrupt=interrupt, stream=io.StringIO())
+  return _scalars(model_dir / "train")["loss"]
+
+
+@pytest.mark.slow
+def test_a_run_stopped_between_log_lines_logs_the_steps_since_the_last(tmp_path):
+  """A run stopped at step 13 (log every 5, SIGTERM or Ctrl-C) wrote no point for steps 11-13,
+  and the resumed run's point at step 15 covered steps 14 and 15 only: steps 11-13 were in no
+  event file. The stopped run writes their mean at step 13, so every step is in one point."""
+  whole = dict(_loss_events(tmp_path / "whole", 20))
+  stopped = dict(_loss_events(tmp_path / "stopped", 20, stop=12))
+  assert sorted(whole) == [5, 10, 15, 20] and sorted(stopped) == [5, 10, 13, 15, 20]
+  assert (3 * stopped[13] + 2 * stopped[15]) / 5 == pytest.approx(whole[15], rel=1e-5)
+  assert [stopped[s] for s in (5, 10, 20)] == pytest.approx([whole[s] for s in (5, 10, 20)])
+
+
 def _params(model_dir: Path, step: int) -> list[np.ndarray]:
   setup = _train.prepare(_poisoned_job(step, "skip"))
   with Checkpointer(model_dir / "checkpoints") as checkpointer:

@@ -1359,6 +1359,20 @@ def _steps(
   first_loss = final_loss = eval_loss = eval_step = None
   compiled_weights = False
   skipped = in_a_row = 0
+
+  def log() -> float:
+    """Writes and prints the line of the steps since the last one (`records`); its loss."""
+    mean = _summarize(records)
+    steps, seconds = clock.interval(step)
+    with clock.paused():
+      rate = steps / seconds if steps and seconds > 0 else None
+      mean["steps_per_sec"] = rate
+      if skipped:
+        mean["skipped_steps"] = skipped
+      writers.write(TRAIN, step, mean)
+      progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
+    return mean["loss"]
+
   try:
     while step < job.total_steps and not _stop(
       interrupt, checkpointer, step, job.log_every, first=step == start
@@ -1400,17 +1414,8 @@ def _steps(
         first_loss = float(metrics["loss"])
         clock.start(step)
       if records and (step % job.log_every == 0 or step == job.total_steps):
-        mean = _summarize(records)
+        final_loss = log()
         records = []
-        steps, seconds = clock.interval(step)
-        with clock.paused():
-          rate = steps / seconds if steps and seconds > 0 else None
-          mean["steps_per_sec"] = rate
-          if skipped:
-            mean["skipped_steps"] = skipped
-          writers.write(TRAIN, step, mean)
-          progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
-          final_loss = mean["loss"]
       if step % job.eval_every == 0 or step == job.total_steps:
         with clock.paused():
           evaluated = _evaluate(setup, state)
@@ -1424,8 +1429,8 @@ def _steps(
         with clock.paused():
           checkpointer.save(step, state)
           saved = step
-    if step > start and records:
-      final_loss = _summarize(records)["loss"]
+    if records:  # Stopped (Ctrl-C, SIGTERM) between log lines: the resume starts after them.
+      final_loss = log()
     if step > start and step != saved:
       checkpointer.save(step, state)
       saved = step
