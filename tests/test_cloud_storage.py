@@ -41,6 +41,7 @@ from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint.lease import LEASE_FILE, Lease
 from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli import main
+from t5x_optim.cli.loop.metrics import MetricWriters
 
 pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
@@ -297,6 +298,23 @@ def _scalars(remote: str, local: Path) -> dict[str, list[int]]:
   accumulator = event_accumulator.EventAccumulator(remote)
   accumulator.Reload()
   return {tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_a_start_on_gs_removes_the_events_after_its_step(where, tmp_path):
+  """The events a killed run wrote after its last save are removed from the objects too, where
+  TensorBoard's default loader (which ignores purge steps) drew them beside the resumed run's."""
+  with MetricWriters(where, start_step=0) as writers:
+    for step in (1, 2, 3):
+      writers.write("train", step, {"loss": float(step)})
+  time.sleep(1.1)  # event files are named by the second they are opened in
+  with MetricWriters(where, start_step=1) as writers:
+    writers.write("train", 2, {"loss": 0.5})
+  for file in epath.Path(where, "train").iterdir():
+    (tmp_path / file.name).write_bytes(file.read_bytes())
+  accumulator = event_accumulator.EventAccumulator(str(tmp_path), purge_orphaned_data=False)
+  accumulator.Reload()
+  assert [(e.step, e.value) for e in accumulator.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
 
 
 def _readme_commands() -> list[list[str]]:

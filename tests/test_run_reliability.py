@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 from _subprocesses import communicate_all
+from tensorboard.backend.event_processing import event_accumulator
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run, _scalars
 
 from t5x_optim import Checkpointer, optimizers, partitioning
@@ -544,6 +545,39 @@ def test_metrics_are_on_disk_when_write_returns(tmp_path):
   assert done.returncode == 137
   assert _scalars(tmp_path / "train")["loss"] == [(5, 2.5), (10, 5.0)]
   assert _scalars(tmp_path / "eval")["loss"] == [(10, 3.5)]
+
+
+def _unpurged(directory: Path) -> dict[str, list[tuple[int, float]]]:
+  """Every scalar in `directory`'s event files as TensorBoard's default loader (its Rust data
+  server) reads them: it ignores purge steps."""
+  accumulator = event_accumulator.EventAccumulator(str(directory), purge_orphaned_data=False)
+  accumulator.Reload()
+  return {
+    tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+    for tag in accumulator.Tags()["scalars"]
+  }
+
+
+@pytest.mark.slow
+def test_a_start_removes_the_events_of_runs_that_never_saved_them(tmp_path):
+  """TensorBoard's default loader ignores purge steps: a run killed at step 4 after its save of
+  step 2 showed its steps 3 and 4 among the resumed run's, and a run killed before its first
+  save showed its steps as the start of the curves of a run started with --init_from."""
+  with MetricWriters(tmp_path, start_step=0) as writers:
+    for step in range(1, 5):
+      writers.write("train", step, {"loss": 10.0 + step})
+    writers.write("eval", 4, {"loss": 9.0})
+  time.sleep(1.1)  # event files are named by the second they are opened in
+  with MetricWriters(tmp_path, start_step=2) as writers:
+    writers.write("train", 3, {"loss": 1.0})
+  assert _unpurged(tmp_path / "train") == {"loss": [(1, 11.0), (2, 12.0), (3, 1.0)]}
+  assert _unpurged(tmp_path / "eval") == {}
+  assert len(list((tmp_path / "eval").iterdir())) == 1  # the old one held nothing kept
+  time.sleep(1.1)
+  with MetricWriters(tmp_path, start_step=25, fresh=True) as writers:
+    writers.write("train", 26, {"loss": 2.0})
+  assert _unpurged(tmp_path / "train") == {"loss": [(26, 2.0)]}
+  assert len(list((tmp_path / "train").iterdir())) == 1
 
 
 def test_event_writers_that_fail_to_close_keep_the_error_that_stopped_the_run(

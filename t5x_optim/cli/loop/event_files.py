@@ -8,6 +8,11 @@ and ``STORAGE_EMULATOR_HOST``). An object cannot be appended to, so each
 flush rewrites the event file whole (as TensorFlow's GCS file system does);
 event files of scalars stay small.
 
+`drop_events_after` removes the events an earlier run wrote after a step
+(those of steps it never saved) from the files themselves, where a purge
+step (a ``SessionLog.START`` event) hides them from TensorBoard's Python
+loader only: its default loader, the Rust data server, ignores purge steps.
+
 Example:
   >>> event_dir('/tmp/run', 'train')
   '/tmp/run/train'
@@ -17,13 +22,19 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 
 from etils import epath
+from google.protobuf.message import DecodeError
 from tensorboardX import record_writer
+from tensorboardX.proto.event_pb2 import Event
 
 from t5x_optim import storage
 
-__all__ = ["event_dir"]
+__all__ = ["drop_events_after", "event_dir"]
+
+_HEADER = struct.Struct("<QI")
+"""A record's length and the masked CRC-32C of those 8 bytes; its data and their CRC follow."""
 
 
 class _EpathRecordWriter:
@@ -62,3 +73,61 @@ def event_dir(model_dir: str | os.PathLike[str], kind: str) -> str:
   if scheme is not None:
     record_writer.register_writer_factory(scheme, _EpathWriterFactory())
   return storage.join(model_dir, kind)
+
+
+def _records(data: bytes) -> list[tuple[bytes, Event]] | None:
+  """The records of an event file (each whole, and its event), up to one cut short by a kill;
+  None where a length's checksum is wrong or an event does not parse."""
+  records = []
+  at = 0
+  while at + _HEADER.size <= len(data):
+    length, checksum = _HEADER.unpack_from(data, at)
+    if checksum != record_writer.masked_crc32c(data[at : at + 8]):
+      return None
+    end = at + _HEADER.size + length + 4
+    if end > len(data):
+      break
+    try:
+      records.append((data[at:end], Event.FromString(data[at + _HEADER.size : end - 4])))
+    except DecodeError:
+      return None
+    at = end
+  return records
+
+
+def drop_events_after(directory: str, step: int) -> None:
+  """Removes the events of steps after `step` from the event files in `directory`.
+
+  A file that keeps no scalar is deleted. The others are replaced whole: on a
+  local disk by renaming a complete copy over them, on an object store by one
+  upload (an object is replaced at once). A file this cannot read is left as
+  it is.
+
+  Args:
+    directory: a log directory (``<model_dir>/train``), any scheme `event_dir` takes.
+    step: the last step kept; -1 removes every event.
+  """
+  root = storage.as_path(directory)
+  if not root.exists():
+    return
+  for path in sorted(root.glob("*tfevents*")):
+    data = path.read_bytes()
+    records = _records(data)
+    if records is None:
+      continue
+    kept = [(record, event) for record, event in records if event.step <= step]
+    if not any(event.HasField("summary") for _, event in kept):
+      path.unlink()
+    elif len(kept) < len(records) or sum(len(record) for record, _ in records) < len(data):
+      _replace(path, b"".join(record for record, _ in kept))
+
+
+def _replace(path: storage.AnyPath, data: bytes) -> None:
+  """Writes `data` as `path` at once: a renamed copy (named so no reader takes it for an event
+  file) on a local disk, one upload on an object store."""
+  if storage.is_object_store(path):
+    path.write_bytes(data)
+    return
+  copy = path.with_name(".events-rewrite.tmp")
+  copy.write_bytes(data)
+  os.replace(copy, path)

@@ -41,7 +41,7 @@ from tensorboardX.record_writer import directory_check
 from tensorboardX.summary import scalar
 
 from t5x_optim import storage
-from t5x_optim.cli.loop.event_files import event_dir
+from t5x_optim.cli.loop.event_files import drop_events_after, event_dir
 
 __all__ = ["EVAL", "TRAIN", "MetricWriters"]
 
@@ -54,20 +54,27 @@ class MetricWriters:
 
   Args:
     model_dir: the run's directory.
-    start_step: the step the run starts from; TensorBoard drops the events
-      that an earlier run logged after it (its purge step): a resume's
-      interrupted steps, or all of those of a run that saved nothing.
+    start_step: the step the run starts from; the events that an earlier run
+      logged after it are removed from the files (a resume's interrupted
+      steps, or all of those of a run that saved nothing), and a purge step
+      after it hides those of a file that cannot be read from TensorBoard's
+      Python loader.
+    fresh: the run starts from no checkpoint of this directory (a new run,
+      or one started with ``--init_from``): every event already in it is of
+      a run that saved nothing, and is removed.
     enabled: False writes nothing (the processes other than 0 of a run).
   """
 
-  def __init__(self, model_dir: Path, *, start_step: int, enabled: bool = True):
+  def __init__(
+    self, model_dir: Path, *, start_step: int, fresh: bool = False, enabled: bool = True
+  ):
     self._writers: dict[str, EventsWriter] = {}
     for kind in (TRAIN, EVAL) if enabled else ():
       directory = event_dir(model_dir, kind)
+      drop_events_after(directory, -1 if fresh else start_step)
       directory_check(directory)
       writer = EventsWriter(storage.join(directory, "events"))
-      # Events of steps after the start are an earlier run's that never saved (a resume's
-      # interrupted steps, or a whole run that diverged or was killed before its first save).
+      # The purge step: TensorBoard's Python loader drops the events of later steps before it.
       writer.write_event(
         Event(step=start_step + 1, session_log=SessionLog(status=SessionLog.START))
       )

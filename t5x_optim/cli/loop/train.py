@@ -1217,7 +1217,9 @@ def _train(
       record = {**job, "config_file": name}
   with (
     Checkpointer(directory, keep=train_job.keep_checkpoints, job=record) as checkpointer,
-    MetricWriters(model_dir, start_step=start, enabled=write_events) as writers,
+    MetricWriters(
+      model_dir, start_step=start, fresh=resume.step is None, enabled=write_events
+    ) as writers,
   ):
     return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=resume.step)
 
