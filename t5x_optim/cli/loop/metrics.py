@@ -76,7 +76,11 @@ class MetricWriters:
       writer = EventsWriter(storage.join(directory, "events"))
       # The purge step: TensorBoard's Python loader drops the events of later steps before it.
       writer.write_event(
-        Event(step=start_step + 1, session_log=SessionLog(status=SessionLog.START))
+        Event(
+          wall_time=time.time(),
+          step=start_step + 1,
+          session_log=SessionLog(status=SessionLog.START),
+        )
       )
       writer.flush()
       self._writers[kind] = writer
