@@ -301,7 +301,7 @@ def _read_source(
     children = _children(node)
     if children is None:
       return
-    hparams = _injected(node, hparams)
+    hparams = _node_hparams(node, hparams)
     clock = _clock_of(node, clock)
     for i, (key, child) in enumerate(children):
       if (
@@ -368,7 +368,7 @@ def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
     )
 
 
-def _injected(node: Any, hparams: ReadHparams) -> ReadHparams:
+def _node_hparams(node: Any, hparams: ReadHparams) -> ReadHparams:
   """`hparams` updated with those `node` sets for the states under it.
 
   An ``inject_hyperparams`` state's (its values rule, Muon's ``adam_b2`` as
@@ -508,7 +508,7 @@ def _write_target(
     if children is None:
       return node
     # A fresh state holds a schedule's value at step 0; one given is called at the step.
-    hparams = _injected(node, hparams).updated(schedules)
+    hparams = _node_hparams(node, hparams).updated(schedules)
     new = []
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
