@@ -379,6 +379,15 @@ def test_a_run_stopped_between_log_lines_logs_the_steps_since_the_last(tmp_path)
   assert [stopped[s] for s in (5, 10, 20)] == pytest.approx([whole[s] for s in (5, 10, 20)])
 
 
+@pytest.mark.slow
+def test_skips_in_an_interval_without_a_logged_step_reach_the_event_files(tmp_path):
+  """Step 31, the last, is skipped: no log line follows it, which wrote skipped_steps."""
+  setup = _train.prepare(_poisoned_job(31, "skip"))
+  summary = _train.train(setup, model_dir=tmp_path, interrupt=Interrupt(), stream=io.StringIO())
+  assert summary.skipped_steps == 1
+  assert _scalars(tmp_path / "train")["skipped_steps"] == [(31, 1.0)]
+
+
 def _params(model_dir: Path, step: int) -> list[np.ndarray]:
   setup = _train.prepare(_poisoned_job(step, "skip"))
   with Checkpointer(model_dir / "checkpoints") as checkpointer:

@@ -1360,20 +1360,30 @@ def _steps(
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = eval_step = None
   compiled_weights = False
-  skipped = in_a_row = 0
+  skipped = in_a_row = written_skips = 0
 
   def log() -> float:
     """Writes and prints the line of the steps since the last one (`records`); its loss."""
+    nonlocal written_skips
     mean = _summarize(records)
     steps, seconds = clock.interval(step)
     with clock.paused():
       rate = steps / seconds if steps and seconds > 0 else None
       mean["steps_per_sec"] = rate
       if skipped:
-        mean["skipped_steps"] = skipped
+        mean["skipped_steps"] = written_skips = skipped
       writers.write(TRAIN, step, mean)
       progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
     return mean["loss"]
+
+  def log_skips() -> None:
+    """Writes the count of skipped steps where it changed since the last line that wrote it
+    (an interval of skipped steps only has no line)."""
+    nonlocal written_skips
+    if skipped != written_skips:
+      with clock.paused():
+        writers.write(TRAIN, step, {"skipped_steps": skipped})
+      written_skips = skipped
 
   try:
     while step < job.total_steps and not _stop(
@@ -1402,6 +1412,7 @@ def _steps(
           f"params and optimizer state unchanged ({skipped} skipped in all)"
         )
         if in_a_row >= job.max_consecutive_skips:
+          log_skips()
           raise Diverged(step, loss, grad_norm, saved=saved, skipped=True)
         weights = None
       else:
@@ -1415,9 +1426,11 @@ def _steps(
       if step == start + 1:
         first_loss = float(metrics["loss"])
         clock.start(step)
-      if records and (step % job.log_every == 0 or step == job.total_steps):
-        final_loss = log()
-        records = []
+      if step % job.log_every == 0 or step == job.total_steps:
+        if records:
+          final_loss = log()
+          records = []
+        log_skips()
       if step % job.eval_every == 0 or step == job.total_steps:
         with clock.paused():
           evaluated = _evaluate(setup, state)
@@ -1433,6 +1446,7 @@ def _steps(
           saved = step
     if records:  # Stopped (Ctrl-C, SIGTERM) between log lines: the resume starts after them.
       final_loss = log()
+    log_skips()
     if step > start and step != saved:
       checkpointer.save(step, state)
       saved = step
