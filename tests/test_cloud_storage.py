@@ -253,6 +253,17 @@ def test_a_save_killed_midway_leaves_the_previous_step(where, emulator):
     assert ckpt.all_steps() == [1, 2]
 
 
+def test_a_step_whose_save_began_only_is_not_committed(where):
+  """On gs:// orbax writes a step in place, its metadata first: only commit_success.txt,
+  written last, says the save completed."""
+  with Checkpointer(where, async_save=False) as ckpt:
+    ckpt.save(1, _opt(1.0))
+    metadata = epath.Path(where) / "1" / "_CHECKPOINT_METADATA"
+    (epath.Path(where) / "2" / "_CHECKPOINT_METADATA").write_bytes(metadata.read_bytes())
+    assert [ckpt.is_committed(step) for step in (1, 2)] == [True, False]
+    assert ckpt.all_steps() == [1]
+
+
 # The quick loop reads the orbax format; the legacy one (many small objects) takes seconds.
 @pytest.mark.parametrize("fmt", [pytest.param("legacy", marks=pytest.mark.slow), "orbax"])
 def test_t5x_checkpoints_read_from_gs(fmt, where):

@@ -77,6 +77,10 @@ _MIN_REPLICA_SLICE_BYTES = 1 << 20
 # What orbax writes into a step's directory when its save completes (locally, and on
 # object stores, where nothing is renamed).
 _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+"""Files of a committed step: on a local disk orbax renames a complete step into place, so
+either one; on an object store it writes the step in place, ``_CHECKPOINT_METADATA`` first,
+so only `_OBJECT_STORE_COMMIT`."""
+_OBJECT_STORE_COMMIT = ("commit_success.txt",)
 
 
 class CheckpointState(Protocol):
@@ -556,10 +560,12 @@ class Checkpointer:
     """Whether checkpoint `step` is on disk and was committed (its save completed).
 
     A step directory without orbax's commit record (an empty or partly
-    copied ``<step>/``) is not a checkpoint, whatever its name.
+    copied ``<step>/``, or on ``gs://`` a save that was cut short) is not a
+    checkpoint, whatever its name.
     """
     directory = epath.Path(self._directory) / self._step_names.build_name(checked_step(step))
-    return any((directory / name).exists() for name in _COMMIT_RECORDS)
+    records = _OBJECT_STORE_COMMIT if storage.is_object_store(self._directory) else _COMMIT_RECORDS
+    return any((directory / name).exists() for name in records)
 
   def _check(
     self,
