@@ -328,6 +328,26 @@ def test_a_start_on_gs_removes_the_events_after_its_step(where, tmp_path):
   assert [(e.step, e.value) for e in accumulator.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
 
 
+@pytest.mark.slow
+def test_an_event_file_upload_refused_at_the_start_is_one_line(where, monkeypatch, capsys):
+  """The writers open before the loop, whose errors are one line: a refused first upload
+  ended the run in a raw traceback naming no object."""
+  model_dir = f"{where}/run"
+  gpath = type(epath.Path(model_dir))
+  write_bytes = gpath.write_bytes
+
+  def refuse_events(self, data):
+    if "/train/events" in os.fspath(self):
+      raise RuntimeError("injected, 503")  # gcsfs's HttpError is no OSError
+    return write_bytes(self, data)
+
+  monkeypatch.setattr(gpath, "write_bytes", refuse_events)
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", model_dir]) == 1
+  line = capsys.readouterr().err.strip().splitlines()[-1]
+  assert line.startswith("t5x-optim train: error at step 0: "), line
+  assert f"{model_dir}/train/events" in line and "injected, 503" in line, line
+
+
 def _readme_commands() -> list[list[str]]:
   """The ``t5x-optim train`` lines of docs/cloud-storage.md's block."""
   text = (REPO / "docs" / "cloud-storage.md").read_text()

@@ -50,7 +50,10 @@ class _EpathRecordWriter:
 
   def flush(self) -> None:
     if self._buffer.tell() != self._flushed:
-      self._path.write_bytes(self._buffer.getvalue())
+      try:
+        self._path.write_bytes(self._buffer.getvalue())
+      except Exception as error:  # noqa: BLE001 - gcsfs's HttpError is no OSError
+        raise OSError(f"writing the event file {self._path}: {error}") from error
       self._flushed = self._buffer.tell()
 
   def close(self) -> None:

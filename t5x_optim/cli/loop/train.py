@@ -1215,12 +1215,18 @@ def _train(
       (model_dir / name).write_text(config_text)
     if job is not None:
       record = {**job, "config_file": name}
-  with (
-    Checkpointer(directory, keep=train_job.keep_checkpoints, job=record) as checkpointer,
-    MetricWriters(
-      model_dir, start_step=start, fresh=resume.step is None, enabled=write_events
-    ) as writers,
-  ):
+  with contextlib.ExitStack() as stack:
+    try:
+      checkpointer = stack.enter_context(
+        Checkpointer(directory, keep=train_job.keep_checkpoints, job=record)
+      )
+      writers = stack.enter_context(
+        MetricWriters(model_dir, start_step=start, fresh=resume.step is None, enabled=write_events)
+      )
+    except (UsageError, Interrupted):
+      raise
+    except Exception as error:  # noqa: BLE001 - storage fails as it may: one line, as in the loop
+      raise LoopFailed(start, error, saved=resume.step, note="") from error
     return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=resume.step)
 
 
