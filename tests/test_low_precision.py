@@ -522,12 +522,15 @@ def test_bfloat16_params_get_the_inner_optimizers_update_dtypes(mode, stream):
 def test_float16_gradients_are_squared_in_float32(mode, stream):
   """In float16, 0.001 * g**2 of g = -0.0054 underflows to 0: the decoded float32 moments
   then gave an update of lr * g / eps (540), finite, where float32 adam gives lr."""
-  params = {"h": jnp.full((64, 256), 0.1, jnp.float16)}
-  grads = {"h": jnp.full((64, 256), -0.0054, jnp.float16)}
-  tx = low_precision(optax.adam(1e-3), mode, min_size=0, stream=stream)
-  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  assert updates["h"].dtype == jnp.float16
+  params = {"h": jnp.full((64, 256), 0.1, jnp.float16), "b": jnp.full((8,), 0.1, jnp.float16)}
+  grads = {"h": jnp.full((64, 256), -0.0054, jnp.float16), "b": jnp.full((8,), 1.0, jnp.float16)}
+  tx = low_precision(optax.adam(1e-3), mode, min_size=64, stream=stream)
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert jax.tree.map(jnp.result_type, updates) == {"h": jnp.float16, "b": jnp.float16}
   np.testing.assert_allclose(np.asarray(updates["h"], np.float32), 1e-3, rtol=0.02)
+  # The state kept below min_size (b's) stays float16, as init made it.
+  assert jax.tree.map(jnp.result_type, new_state) == jax.tree.map(jnp.result_type, state)
 
 
 def test_storage_names_the_dtype_a_kept_leaf_has():

@@ -808,6 +808,17 @@ def _in_float32_range(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(jnp.float32) if _narrow_range(x) else x, tree)
 
 
+def _in_stored_dtypes(new: Any, old: Any) -> Any:
+  """The stored inner state `new` with each leaf kept as it is (not compressed) in its dtype
+  in `old`: an update of widened float16 gradients (`_in_float32_range`) gives float32."""
+  new_leaves, treedef = jax.tree.flatten(new, is_leaf=_is_quantized)
+  old_leaves = jax.tree.leaves(old, is_leaf=_is_quantized)
+  return treedef.unflatten([
+    x if _is_quantized(x) else jnp.asarray(x).astype(jnp.result_type(o))
+    for x, o in zip(new_leaves, old_leaves, strict=True)
+  ])  # fmt: skip
+
+
 def _stream_plan(
   inner: optax.GradientTransformation,
   updates: Any,
@@ -1405,10 +1416,26 @@ def low_precision(
   ) -> tuple[Any, LowPrecisionState]:
     count = optax.safe_int32_increment(state.count)
     dtypes = _inner_update_dtypes(inner, updates, state, params, extra_args)
-    updates, params = _in_float32_range(updates), _in_float32_range(params)
+    widened = any(_narrow_range(x) for x in jax.tree.leaves(updates))
+    if widened:
+      updates, params = _in_float32_range(updates), _in_float32_range(params)
+    new_updates, inner_state = _stored_update(updates, state, params, count, dtypes, extra_args)
+    if widened:
+      inner_state = _in_stored_dtypes(inner_state, state.inner_state)
+    return new_updates, state.replace(count=count, inner_state=inner_state)
+
+  def _stored_update(
+    updates: Any,
+    state: LowPrecisionState,
+    params: Any,
+    count: jax.Array,
+    dtypes: list[Any] | None,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    """The updates (in `dtypes` where given) and the new stored inner state."""
     plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
     if plan is not None:
-      new_updates, inner_state = _streamed_update(
+      return _streamed_update(
         plan,
         updates,
         state,
@@ -1421,15 +1448,11 @@ def low_precision(
         shard_multiple=shard_multiple,
         dtypes=dtypes,
       )
-      return new_updates, state.replace(count=count, inner_state=inner_state)
     new_updates, inner_state = inner.update(updates, _expand(state), params, **extra_args)
     if dtypes is not None:
       leaves, treedef = jax.tree.flatten(new_updates)
       new_updates = treedef.unflatten([u.astype(d) for u, d in zip(leaves, dtypes, strict=True)])
-    return new_updates, state.replace(
-      count=count,
-      inner_state=_compress(inner_state, state, count, block=block, guard=guard_nonfinite),
-    )
+    return new_updates, _compress(inner_state, state, count, block=block, guard=guard_nonfinite)
 
   tx = optax.GradientTransformationExtraArgs(init, update)
   if not any(rule.by_axis for rule in rules):
