@@ -705,6 +705,16 @@ def test_a_schedule_given_for_an_injected_target_is_called_at_the_step():
   assert float(jnp.abs(ema[1].state.param_states[4].ema["w"]).mean()) > 0
 
 
+def test_schedule_free_over_rmsprop_keeps_rmsprops_decay():
+  """rmsprop's scale_by_rms(decay=0.9) keeps no count: b2 is schedule_free_adamw's only."""
+  params, grads = {"w": jnp.zeros(3)}, {"w": jnp.array([1.0, 2.0, 3.0])}
+  tx = optax.contrib.schedule_free(optax.rmsprop(1.0), 1.0)
+  source = _constant_gradient_steps(tx, params, grads, 10)
+  adamw, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+  nu = source.state.param_states.base_optimizer_state[0].nu["w"] / _decay(0.9, 10)
+  _assert_close(adamw.state.param_states[0].nu["w"] / _decay(0.999, 10), nu)
+
+
 NESTED = [
   ("chain+inject", lambda tx: optax.chain(
     optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=0.1)),

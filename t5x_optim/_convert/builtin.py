@@ -37,7 +37,7 @@ from t5x_optim._core import state_dict as _state_dict
 # RMSProp's state with bias correction: optax exports no name for it. (Building
 # one to take its type would run JAX at import, before a multi-process job's
 # jax.distributed.initialize.)
-_RMS_WITH_COUNT = _optax_transform.ScaleByRmsWithCountState
+RMS_WITH_COUNT = _optax_transform.ScaleByRmsWithCountState
 
 # ------------------------------------------------------------- formulas
 
@@ -540,7 +540,7 @@ def _builtin() -> None:
   register_state_converter(optax.TraceState, read=_read_trace, write=_write_trace)
   register_state_converter(optax.contrib.MuonState, read=_read_muon, write=_write_muon)
   register_state_converter(optax.ScaleByRmsState, read=_read_rms, write=_write_rms)
-  register_state_converter(_RMS_WITH_COUNT, read=_read_rms, write=_write_rms)
+  register_state_converter(RMS_WITH_COUNT, read=_read_rms, write=_write_rms)
   register_state_converter(optax.ScaleByAmsgradState, read=_read_amsgrad, write=_write_amsgrad)
   register_state_converter(optax.ScaleByAdanState, read=_read_adan, write=_write_adan)
   register_state_converter(optax.FactoredState, read=_read_factored, write=_write_factored)

@@ -57,7 +57,7 @@ from flax import serialization, traverse_util
 
 from t5x_optim._adapters.optax_wrapper import loss_extra_args, trained_params
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
-from t5x_optim._convert.builtin import AdamaxState
+from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
 from t5x_optim._convert.registry import (
   BUILTIN_HPARAMS,
   HPARAM_ALIASES,
@@ -373,11 +373,21 @@ def _node_hparams(node: Any, hparams: ReadHparams) -> ReadHparams:
 
   An ``inject_hyperparams`` state's (its values rule, Muon's ``adam_b2`` as
   ``b2``: `HPARAM_ALIASES`), recognised by structure: a NamedTuple with a
-  mapping ``hyperparams`` and an ``inner_state``. A schedule-free state's
-  second moment is ``schedule_free_adamw``'s ``scale_by_rms(decay=b2)``:
-  under it ``decay`` is ``b2`` (optax's 0.999) unless ``decay`` is given.
+  mapping ``hyperparams`` and an ``inner_state``. Under a schedule-free
+  state, an RMS state with a count is ``schedule_free_adamw``'s
+  ``scale_by_rms(decay=b2, bias_correction=True)``: there ``decay`` is
+  ``b2`` (optax's 0.999) unless ``decay`` is given.
   """
-  if isinstance(node, optax.contrib.ScheduleFreeState) and "decay" not in hparams:
+  if (
+    isinstance(node, optax.contrib.ScheduleFreeState)
+    and not hparams.has("decay")
+    and any(
+      isinstance(s, RMS_WITH_COUNT)
+      for s in jax.tree.leaves(
+        node.base_optimizer_state, is_leaf=lambda x: isinstance(x, RMS_WITH_COUNT)
+      )
+    )
+  ):
     return hparams.updated({"decay": hparams.get("b2", 0.999)})
   if not (is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
     return hparams

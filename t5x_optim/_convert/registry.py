@@ -82,6 +82,10 @@ class ReadHparams(Mapping[str, Any]):
   def __len__(self) -> int:
     return len(self._values)
 
+  def has(self, name: str) -> bool:
+    """Whether `name` is given, without noting it read."""
+    return name in self._values
+
   def schedules(self) -> dict[str, Any]:
     """Those given as schedules (called at the step), without noting them read."""
     return {name: value for name, value in self._values.items() if callable(value)}
