@@ -923,7 +923,9 @@ def convert_state(
     ValueError: a state dict that `source_def` does not fit (or, without
       it, that is not T5X's legacy Adafactor layout); source params that do
       not fit an `Optimizer` target's (a path one side lacks, or another
-      shape: each named, with both sides); a param with the same
+      shape: each named, with both sides); params or converted moments
+      beyond a float16 or float8 target's range, naming the param (values
+      traced under `jax.jit` are not checked); a param with the same
       moment in two source states; an 8-bit leaf outside a
       ``LowPrecisionState`` (naming its path); Adam's state type under an
       update that does not run on gradients and optax's extra arguments

@@ -264,12 +264,7 @@ def values_fit(value: Any, dtype: Any) -> bool:
     return True
   xp = jax.numpy if isinstance(value, jax.Array) else np
   if _is_float(np.dtype(dtype)):
-    info = jax.numpy.finfo(dtype)
-    # Half an ulp above the largest finite value rounds beyond it (to inf, or NaN in a
-    # float8 type without inf).
-    limit = float(info.max) + float(info.eps) * 2.0 ** (info.maxexp - 1) / 2
-    finite = xp.where(xp.isfinite(value), xp.abs(value), 0)
-    return float(xp.max(finite)) < limit
+    return _largest_finite(value) < _rounds_within(dtype)
   info = jax.numpy.iinfo(dtype)
   if _is_float(_dtype_of(value)):
     finite = xp.isfinite(value)
@@ -298,6 +293,19 @@ def reads_on_host(stored_dtype: Any, ref_dtype: Any) -> bool:
   return leaf_fit((), src, (), ref_dtype) is Fit.IF_VALUES_FIT
 
 
+def _largest_finite(value: Any) -> float:
+  """The largest magnitude among `value`'s finite values (0 for none), reduced where it lives."""
+  xp = jax.numpy if isinstance(value, jax.Array) else np
+  return float(xp.max(xp.where(xp.isfinite(value), xp.abs(value), 0)))
+
+
+def _rounds_within(dtype: Any) -> float:
+  """The magnitude from which a value rounds beyond floating `dtype`'s largest finite value
+  (half an ulp above it: to inf, or NaN in a float8 type without inf)."""
+  info = jax.numpy.finfo(dtype)
+  return float(info.max) + float(info.eps) * 2.0 ** (info.maxexp - 1) / 2
+
+
 def range_problem(value: Any, dtype: Any) -> str | None:
   """Why casting floating `value` to a floating `dtype` of narrower range would overflow it,
   or None (a cast that fits, of other kinds, or of traced values, which hold no numbers).
@@ -312,12 +320,11 @@ def range_problem(value: Any, dtype: Any) -> str | None:
   src = _dtype_of(value)
   if leaf_fit((), src, (), dtype) is not Fit.IF_IN_RANGE or isinstance(value, jax.core.Tracer):
     return None
-  if values_fit(value, dtype):
+  largest = _largest_finite(value) if np.size(value) else 0.0
+  if largest < _rounds_within(dtype):
     return None
-  xp = jax.numpy if isinstance(value, jax.Array) else np
-  largest = float(xp.max(xp.where(xp.isfinite(value), xp.abs(value), 0)))
-  info = jax.numpy.finfo(dtype)
-  return f"values up to {largest:.3g}, beyond {np.dtype(dtype)}'s largest, {float(info.max):.3g}"
+  top = float(jax.numpy.finfo(dtype).max)
+  return f"values up to {largest:.3g}, beyond {np.dtype(dtype)}'s largest, {top:.3g}"
 
 
 def fit_on_host(value: Any, ref_dtype: Any, path: Sequence[str]) -> np.ndarray:
