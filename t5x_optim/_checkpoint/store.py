@@ -77,10 +77,9 @@ _MIN_REPLICA_SLICE_BYTES = 1 << 20
 # What orbax writes into a step's directory when its save completes (locally, and on
 # object stores, where nothing is renamed).
 _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
-"""Files of a committed step: on a local disk orbax renames a complete step into place, so
-either one; on an object store it writes the step in place, ``_CHECKPOINT_METADATA`` first,
-so only `_OBJECT_STORE_COMMIT`."""
-_OBJECT_STORE_COMMIT = ("commit_success.txt",)
+"""Files of a committed step: where orbax renames a complete step into place, either one; on
+``gs://`` it writes the step in place, ``_CHECKPOINT_METADATA`` first, so only `_GCS_COMMIT`."""
+_GCS_COMMIT = ("commit_success.txt",)
 
 
 class CheckpointState(Protocol):
@@ -564,7 +563,7 @@ class Checkpointer:
     checkpoint, whatever its name.
     """
     directory = epath.Path(self._directory) / self._step_names.build_name(checked_step(step))
-    records = _OBJECT_STORE_COMMIT if storage.is_object_store(self._directory) else _COMMIT_RECORDS
+    records = _GCS_COMMIT if storage.scheme_of(self._directory) == "gs" else _COMMIT_RECORDS
     return any((directory / name).exists() for name in records)
 
   def _check(
