@@ -132,8 +132,8 @@ def box_spec(box: meta.AxisMetadata, where: str) -> PartitionSpec | None:
     raise TypeError(
       f"'{where}' is a flax Partitioned box (nn.with_partitioning), whose names "
       f"{box.names} are mesh axes, not logical ones: box it with "
-      "nn.with_logical_partitioning, or pass nn.get_partition_spec(params) as the "
-      "logical axes with rules that map each mesh axis to itself"
+      "nn.with_logical_partitioning, or give its names as logical axes (unboxed, with "
+      "nn.get_partition_spec) with rules that map each mesh axis to itself"
     )
   return None
 
@@ -200,14 +200,16 @@ def logical_axes_from(params_axes: Any) -> Any:
   return jax.tree.map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
+def unbox_leaf(x: Any) -> Any:
+  """A flax box's value, with no sharding constraint applied; anything else as it is."""
+  if isinstance(x, meta.Partitioned):
+    return x.unbox(apply_constraint=False)
+  return x.unbox() if isinstance(x, meta.AxisMetadata) else x
+
+
 def _unboxed(tree: Any) -> Any:
-  """``tree`` with every flax box replaced by its value, no sharding constraint applied."""
-  return meta.map_axis_meta(
-    lambda box: _unboxed(
-      box.unbox(apply_constraint=False) if isinstance(box, meta.Partitioned) else box.unbox()
-    ),
-    tree,
-  )
+  """``tree`` with every flax box replaced by its value (`unbox_leaf`)."""
+  return meta.map_axis_meta(lambda box: _unboxed(unbox_leaf(box)), tree)
 
 
 class _ParamIndex:

@@ -23,7 +23,7 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
-from t5x_optim._axes.engine import box_spec
+from t5x_optim._axes.engine import box_spec, unbox_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
 from t5x_optim._keypaths import key_path_str
@@ -40,12 +40,6 @@ SpecLeaves = tuple[PartitionSpec | None, ...]
 
 def _is_box(x: Any) -> bool:
   return isinstance(x, meta.AxisMetadata)
-
-
-def _unbox(x: Any) -> Any:
-  if isinstance(x, meta.Partitioned):
-    return x.unbox(apply_constraint=False)
-  return x.unbox() if _is_box(x) else x
 
 
 def _box_spec(path: tuple[str, ...], x: Any) -> PartitionSpec | None:
@@ -91,10 +85,14 @@ def _split_collection(
     specs_flat = None
   else:
     specs_flat = {
-      p: x if x is traverse_util.empty_node else given.get(p, _box_spec((name, *p), x))
+      p: x
+      if x is traverse_util.empty_node
+      else given[p]
+      if p in given
+      else _box_spec((name, *p), x)
       for p, x in flat.items()
     }
-  values = traverse_util.unflatten_dict({p: _unbox(x) for p, x in flat.items()})
+  values = traverse_util.unflatten_dict({p: unbox_leaf(x) for p, x in flat.items()})
   if specs_flat is None:
     return values, None
   specs = traverse_util.unflatten_dict(specs_flat)
