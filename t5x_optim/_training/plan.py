@@ -129,11 +129,22 @@ class Plan:
     return [
       f"{row.path}: {format_bytes(row.total_bytes)} replicated on all "
       f"{self.num_devices} devices (logical axes {_axes_text(row.logical_axes)}); "
-      "add a logical axis rule for one of its dimensions or shard the optimizer "
-      "state over data (shard_optimizer_state_over_data=True)"
+      f"{_unreplicate_hint(row)} or shard the optimizer state over data "
+      "(shard_optimizer_state_over_data=True)"
       for row in self.rows
       if row.replicated and row.total_bytes >= self.warn_replicated_bytes
     ]
+
+
+def _unreplicate_hint(row: LeafRow) -> str:
+  """How a replicated leaf could be sharded: a rule for its axes, or a mesh whose axes it is
+  sharded over span more than one device."""
+  if any(entry is not None for entry in row.mesh_axes):
+    return (
+      f"its mesh axes {_axes_text(row.mesh_axes)} span one device each on this mesh: use a "
+      "mesh where they span more,"
+    )
+  return "add a logical axis rule for one of its dimensions"
 
 
 def _spec_tuple(spec: PartitionSpec | None, ndim: int) -> tuple[Any, ...]:
