@@ -167,7 +167,8 @@ class Diverged(Exception):
 
 
 class LoopFailed(Exception):
-  """An exception inside the training loop, after the last finite state was saved.
+  """An exception inside the training loop, after the last finite state was saved, or
+  while the checkpointer and event writers open before it (nothing saved then).
 
   Attributes:
     step: the last step completed.
@@ -1077,8 +1078,9 @@ def train(
     Interrupted: Ctrl-C or SIGTERM before the first step (nothing was written).
     Diverged: a step's loss, gradient norm or updated params were not
       finite (unless the job skips such steps); nothing more is saved.
-    LoopFailed: an exception inside the loop; the last finite state was
-      saved first (single-process runs).
+    LoopFailed: an exception inside the loop (the last finite state was
+      saved first, in single-process runs) or while the checkpointer and
+      event writers open before it.
   """
   model_dir = storage.as_path(model_dir)
   with one_run_at_a_time(model_dir) if lock else contextlib.nullcontext():
@@ -1382,10 +1384,14 @@ def _steps(
       progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
     return mean["loss"]
 
-  def log_skips() -> None:
-    """Writes the count of skipped steps where it changed since the last line that wrote it
-    (an interval of skipped steps only has no line)."""
-    nonlocal written_skips
+  def log_pending() -> None:
+    """Writes the line of the steps since the last one, if any, and the count of skipped steps
+    where it changed since the last line that wrote it (an interval of skipped steps only has
+    no line)."""
+    nonlocal final_loss, written_skips
+    if records:
+      final_loss = log()
+      records.clear()
     if skipped != written_skips:
       with clock.paused():
         writers.write(TRAIN, step, {"skipped_steps": skipped})
@@ -1409,6 +1415,7 @@ def _steps(
       if not bool(metrics.pop("finite")):
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         if job.on_nonfinite != "skip":
+          log_pending()
           raise Diverged(step + 1, loss, grad_norm, saved=saved, skipped=False)
         step += 1
         skipped, in_a_row = skipped + 1, in_a_row + 1
@@ -1418,7 +1425,7 @@ def _steps(
           f"params and optimizer state unchanged ({skipped} skipped in all)"
         )
         if in_a_row >= job.max_consecutive_skips:
-          log_skips()
+          log_pending()
           raise Diverged(step, loss, grad_norm, saved=saved, skipped=True)
         weights = None
       else:
@@ -1433,10 +1440,7 @@ def _steps(
         first_loss = float(metrics["loss"])
         clock.start(step)
       if step % job.log_every == 0 or step == job.total_steps:
-        if records:
-          final_loss = log()
-          records = []
-        log_skips()
+        log_pending()
       if step % job.eval_every == 0 or step == job.total_steps:
         with clock.paused():
           evaluated = _evaluate(setup, state)
@@ -1450,9 +1454,7 @@ def _steps(
         with clock.paused():
           checkpointer.save(step, state)
           saved = step
-    if records:  # Stopped (Ctrl-C, SIGTERM) between log lines: the resume starts after them.
-      final_loss = log()
-    log_skips()
+    log_pending()  # Stopped (Ctrl-C, SIGTERM) between log lines: the resume starts after them.
     if step > start and step != saved:
       checkpointer.save(step, state)
       saved = step
