@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -47,7 +48,7 @@ BUILTIN_HPARAMS = frozenset(
 and Lion's ``b1``/``b2``, Adan's ``b3``, Muon's ``beta``, SGD's ``momentum``, RMSProp's
 ``decay``, and the learning rate and T5X Adafactor settings its momentum is read with."""
 
-HPARAM_ALIASES = {"adam_b1": "b1", "adam_b2": "b2"}
+HPARAM_ALIASES = types.MappingProxyType({"adam_b1": "b1", "adam_b2": "b2"})
 """Arguments of another name that set a built-in converter's hyper-parameter: Muon's
 (``optax.contrib.muon``) for the Adam it runs on the params it does not orthogonalise."""
 

@@ -1471,8 +1471,10 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   scales"``, ``"4bit cols"``), or why a leaf is kept as it
   is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
   more values tiles the last dimension"`` (see `leaf_block` and
-  `leaf_block4`), ``"kept: not param-shaped"``, ...). Leaves outside a
-  `LowPrecisionState` are absent.
+  `leaf_block4`), ``"kept: not param-shaped"``, ...; an uncompressed leaf's
+  label names the dtype it keeps: ``"bfloat16: below min_size"`` for
+  bfloat16 params' adam state). Leaves outside a `LowPrecisionState` are
+  absent.
 
   Example:
     >>> import jax.numpy as jnp, optax

@@ -101,7 +101,7 @@ def _records(data: bytes) -> list[tuple[bytes, Event]] | None:
 def drop_events_after(directory: str, step: int) -> None:
   """Removes the events of steps after `step` from the event files in `directory`.
 
-  A file that keeps no scalar is deleted. The others are replaced whole: on a
+  A file that keeps no summary (the scalars) is deleted. The others are replaced whole: on a
   local disk by renaming a complete copy over them, on an object store by one
   upload (an object is replaced at once). A file this cannot read is left as
   it is.

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,7 +74,9 @@ class MetricWriters:
       directory = event_dir(model_dir, kind)
       drop_events_after(directory, -1 if fresh else start_step)
       directory_check(directory)
-      writer = EventsWriter(storage.join(directory, "events"))
+      # Named by the second, the host and the process: a start in the second of the last
+      # one's would otherwise reopen its file (rewritten by `drop_events_after`) from empty.
+      writer = EventsWriter(storage.join(directory, "events"), filename_suffix=f".{os.getpid()}")
       # The purge step: TensorBoard's Python loader drops the events of later steps before it.
       writer.write_event(
         Event(
