@@ -430,14 +430,23 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
 
 
 def test_rounding_bits_of_a_leaf_past_2_to_the_32_values():
-  """Its trailing dimensions' strides exceed uint32; the index wraps (abstract: nothing allocated)."""
-  params = {"experts": jax.ShapeDtypeStruct((2, 65536, 65536), jnp.bfloat16)}
+  """Its trailing dimensions' strides exceed uint32 (an OverflowError naming no leaf): the
+  index is taken modulo 2**32, as documented (abstract, or 16 values computed)."""
+  shape = (2, 65536, 65536)
+  params = {"experts": jax.ShapeDtypeStruct(shape, jnp.bfloat16)}
   tx = low_precision(optax.adamw(1e-3), "bfloat16")
   state = jax.eval_shape(tx.init, params)
   new_state = jax.eval_shape(lambda p, s: tx.update(p, s, p)[1], params, state)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), new_state) == jax.tree.map(
     lambda x: (x.shape, x.dtype), state
   )
+
+  def first_of_each_half(seed):  # XLA computes the two slices alone.
+    bits = rounding_bits(shape, seed, jnp.int32(1), 0)
+    return bits[0, 0, :8], bits[1, 0, :8]
+
+  low, high = jax.jit(first_of_each_half, static_argnums=0)(0)
+  np.testing.assert_array_equal(low, high)
 
 
 @pytest.mark.slow
