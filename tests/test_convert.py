@@ -647,6 +647,7 @@ def _constant_gradient_steps(tx, params, grads, steps):
   return source
 
 
+@pytest.mark.slow
 def test_an_injected_muons_adam_b2_reads_its_adam():
   """Muon's adam_b1/adam_b2 are its Adam's b1/b2, held by an inject_hyperparams state too."""
   params = {"k": jnp.ones((4, 6)), "b": jnp.ones((6,))}
@@ -657,6 +658,7 @@ def test_an_injected_muons_adam_b2_reads_its_adam():
   _assert_close(adamw.state.param_states[0].nu["b"] / _decay(0.999, 5), jnp.full((6,), 4.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("b2", [None, 0.99])
 def test_schedule_free_adamws_second_moment_decays_with_its_b2(b2):
   """schedule_free_adamw keeps scale_by_rms(decay=b2)'s state, not rmsprop's decay=0.9."""
@@ -679,6 +681,7 @@ def test_schedule_free_adamws_second_moment_decays_with_its_b2(b2):
   _assert_close(rms.nu["w"] / _decay(b2 or 0.999, int(rms.count)), grads["w"] ** 2)
 
 
+@pytest.mark.slow
 def test_a_schedule_given_for_an_injected_target_is_called_at_the_step():
   """A fresh inject_hyperparams state holds its schedule's value at step 0 (0 in a warmup
   from 0): Adafactor's momentum, written with that rate, was all zeros."""
@@ -1130,6 +1133,7 @@ class _T5XAdafactorLayout(t5x_optim.OptimizerDef):
     raise NotImplementedError("only its initial state is used")
 
 
+@pytest.mark.slow
 def test_t5x_legacy_adafactor_factored_over_several_dims_converts_both_ways():
   """A 3-D kernel ('embed', 'heads', 'kv') under T5X's standard logical factor rules: the
   row dims (0,), the column dims (1, 2); T5X's update divides by the reconstructed nu."""

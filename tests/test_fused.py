@@ -458,6 +458,7 @@ def test_a_buffer_past_32_bit_offsets_runs_without_the_kernel(size, kernels):
   assert exported.mlir_module().count(kernel._TRITON_CALL) == kernels
 
 
+@pytest.mark.slow
 def test_a_buffer_past_the_kernels_length_gets_the_same_update(monkeypatch):
   from t5x_optim._layouts.fused import kernel
 
