@@ -74,9 +74,10 @@ class MetricWriters:
       directory = event_dir(model_dir, kind)
       drop_events_after(directory, -1 if fresh else start_step)
       directory_check(directory)
-      # Named by the second, the host and the process: a start in the second of the last
-      # one's would otherwise reopen its file (rewritten by `drop_events_after`) from empty.
-      writer = EventsWriter(storage.join(directory, "events"), filename_suffix=f".{os.getpid()}")
+      # tensorboardX names a file by the second and the host: the process and the nanosecond
+      # keep a start in the second of the last one's from reopening its file from empty.
+      suffix = f".{os.getpid()}.{time.time_ns()}"
+      writer = EventsWriter(storage.join(directory, "events"), filename_suffix=suffix)
       # The purge step: TensorBoard's Python loader drops the events of later steps before it.
       writer.write_event(
         Event(
