@@ -64,9 +64,12 @@ def _run(
   *args: str, cwd: Path = REPO, max_file_bytes: int | None = None
 ) -> subprocess.CompletedProcess:
   """The command in a subprocess; with `max_file_bytes`, no file it writes may grow past that
-  (``RLIMIT_FSIZE``, set by the interpreter before it runs the command in its place)."""
+  (``RLIMIT_FSIZE``, set by the interpreter before it runs the command in its place), and it
+  compiles without the run's compilation cache, whose entries it would cut short."""
   command = _command(*args)
+  env = _env()
   if max_file_bytes is not None:
+    env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     cap = (
       f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes},) "
       "* 2); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
@@ -75,7 +78,7 @@ def _run(
   return subprocess.run(
     command,
     cwd=cwd,
-    env=_env(),
+    env=env,
     capture_output=True,
     text=True,
     timeout=TIMEOUT,

@@ -487,7 +487,9 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path):
   assert main(["train", *args, "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
   capped = _run("train", *args, "--gin_bindings", "TOTAL_STEPS = 4", max_file_bytes=40 * 1024)
   assert capped.returncode == 1, capped.stderr[-3000:]
-  line = next(x for x in capped.stderr.splitlines() if x.startswith("t5x-optim train: error"))
+  errors = [x for x in capped.stderr.splitlines() if x.startswith("t5x-optim train: error")]
+  assert errors, capped.stderr[-3000:]
+  line = errors[0]
   assert "File too large" in line, line
   assert f"the latest checkpoint is step 2 in {model_dir}/checkpoints (not the last state" in line
   assert _checkpoint_steps(model_dir) == [2]
