@@ -1370,28 +1370,23 @@ def _steps(
   compiled_weights = False
   skipped = in_a_row = written_skips = 0
 
-  def log() -> float:
-    """Writes and prints the line of the steps since the last one (`records`); its loss."""
-    nonlocal written_skips
-    mean = _summarize(records)
-    steps, seconds = clock.interval(step)
-    with clock.paused():
-      rate = steps / seconds if steps and seconds > 0 else None
-      mean["steps_per_sec"] = rate
-      if skipped:
-        mean["skipped_steps"] = written_skips = skipped
-      writers.write(TRAIN, step, mean)
-      progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
-    return mean["loss"]
-
   def log_pending() -> None:
-    """Writes the line of the steps since the last one, if any, and the count of skipped steps
-    where it changed since the last line that wrote it (an interval of skipped steps only has
-    no line)."""
+    """Writes and prints the line of the steps since the last one (`records`), if any, and
+    writes the count of skipped steps where it changed since the last write (an interval of
+    skipped steps only has no line)."""
     nonlocal final_loss, written_skips
     if records:
-      final_loss = log()
+      mean = _summarize(records)
       records.clear()
+      steps, seconds = clock.interval(step)
+      with clock.paused():
+        rate = steps / seconds if steps and seconds > 0 else None
+        mean["steps_per_sec"] = rate
+        if skipped:
+          mean["skipped_steps"] = written_skips = skipped
+        writers.write(TRAIN, step, mean)
+        progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
+      final_loss = mean["loss"]
     if skipped != written_skips:
       with clock.paused():
         writers.write(TRAIN, step, {"skipped_steps": skipped})
