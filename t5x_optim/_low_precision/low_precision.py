@@ -773,17 +773,20 @@ def _inner_update_dtypes(
   state: LowPrecisionState,
   params: Any,
   extra_args: dict[str, Any],
+  *,
+  widened: bool,
 ) -> list[Any] | None:
   """The dtypes of ``inner``'s updates computed with its own state, leaf by leaf.
 
   None where the state it would hold is float32 wherever it is stored
-  compressed: the update computed from the float32 decoded state then has
-  them already. Otherwise (bfloat16 params, whose adam state is bfloat16)
-  the update computes in float32 and its leaves are cast to these, so that
-  ``low_precision(inner)`` gives the updates ``inner`` gives.
+  compressed and the gradients are not `widened` to float32
+  (`_in_float32_range`): the update computed from the float32 decoded state
+  then has them already. Otherwise (bfloat16 params, whose adam state is
+  bfloat16) the update computes in float32 and its leaves are cast to these,
+  so that ``low_precision(inner)`` gives the updates ``inner`` gives.
   """
   own = jax.eval_shape(inner.init, updates if params is None else params)
-  if not any(_narrow_range(x) for x in jax.tree.leaves(updates)) and all(
+  if not widened and all(
     x.dtype == jnp.float32 or kind not in LOW_PRECISION_MODES
     for x, kind in zip(jax.tree.leaves(own), state.storage, strict=True)
   ):
@@ -796,9 +799,10 @@ def _inner_update_dtypes(
 
 def _narrow_range(x: Any) -> bool:
   """Whether ``x`` is of a floating dtype of narrower range than float32's (float16, the
-  float8s), in which the squares of small gradients underflow."""
-  dtype = jnp.result_type(x)
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).maxexp < 128
+  float8s: float32 data is range-checked before it restores into one), in which the squares
+  of small gradients underflow."""
+  fit = _state_dict.leaf_fit((), jnp.float32, (), jnp.result_type(x))
+  return fit is _state_dict.Fit.IF_IN_RANGE
 
 
 def _in_float32_range(tree: Any) -> Any:
@@ -1415,8 +1419,8 @@ def low_precision(
     updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
   ) -> tuple[Any, LowPrecisionState]:
     count = optax.safe_int32_increment(state.count)
-    dtypes = _inner_update_dtypes(inner, updates, state, params, extra_args)
     widened = any(_narrow_range(x) for x in jax.tree.leaves(updates))
+    dtypes = _inner_update_dtypes(inner, updates, state, params, extra_args, widened=widened)
     if widened:
       updates, params = _in_float32_range(updates), _in_float32_range(params)
     new_updates, inner_state = _stored_update(updates, state, params, count, dtypes, extra_args)
