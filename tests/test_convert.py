@@ -916,6 +916,23 @@ def test_a_multi_optimizer_in_t5xs_layout_behaves_the_same_after_a_state_dict_ro
     _assert_close(optimizer.apply_gradient(M).target, expected)
 
 
+def test_a_triples_moments_are_neither_zeroed_nor_dropped_without_a_word():
+  """A `jax.example_libraries` state is plain dicts of arrays: no state type converts it.
+
+  Into such a target, its moments are refused (or reported initialised with
+  ``missing='init'``); out of such a source, they are reported dropped.
+  """
+  source = _optimizer(BY_NAME["adam"])
+  with pytest.raises(ValueError, match=r"dense/bias/m, dense/bias/v, dense/kernel/m"):
+    t5x_optim.convert_state(source, optimizers.example_lib_adam(0.01))
+  new, report = t5x_optim.convert_state(source, optimizers.example_lib_adam(0.01), missing="init")
+  assert int(new.state.step) == T
+  assert [entry.split(":")[0] for entry in report.initialised] == ["<root>"], report
+  triple = optimizers.example_lib_adam(0.01).create(PARAMS).apply_gradient(M)
+  _, report = t5x_optim.convert_state(triple, optimizers.adam(0.01), missing="init")
+  assert len(report.dropped) == 1 and "dense/kernel/m" in report.dropped[0], report
+
+
 @pytest.mark.parametrize(
   ("param", "grad", "match"),
   [

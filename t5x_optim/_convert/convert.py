@@ -152,6 +152,22 @@ def _has_tensors(tree: Any) -> bool:
 _FRESH_FIELDS = {(optax.MultiStepsState, "acc_grads")}
 
 
+def _loose_arrays(node: Any, where: str) -> str | None:
+  """What a plain container holding per-param arrays and no state type holds (a
+  `jax.example_libraries` triple's parts), in a report's words; None for other nodes.
+
+  No converter reads or writes such arrays: a converted state would drop them, or
+  keep their initial values, without a word.
+  """
+  if is_namedtuple(node) or dataclasses.is_dataclass(node) or _children(node) is None:
+    return None
+  if _has_state_nodes(node) or not _has_tensors(node):
+    return None
+  paths = [key_path_str(path) for path, leaf in jax.tree.leaves_with_path(node) if jnp.ndim(leaf)]
+  shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+  return f"{where}: {len(paths)} arrays outside any optimizer state type ({shown})"
+
+
 def _param_suffix(path: tuple[str, ...], params: Mapping[str, Any]) -> str | None:
   for start in range(len(path)):
     candidate = "/".join(path[start:])
@@ -297,6 +313,10 @@ def _read_source(
           entry[quantity] = value
           entry.setdefault("count", _count_of(node, clock))
           source.origin[(param, quantity)] = f"{where} ({type(node).__name__})"
+      return
+    loose = _loose_arrays(node, where)
+    if loose is not None:
+      source.dropped.append(loose)
       return
     children = _children(node)
     if children is None:
@@ -513,6 +533,10 @@ def _write_target(
       ctx = ConversionContext(where, clock, params, hparams, own, chain)
       written = converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
       return optax.ScaleByAdamState(*written) if path in adamax else written
+    loose = _loose_arrays(node, where)
+    if loose is not None:
+      no_converter.append(loose)
+      return node
     node, clock = _with_clock(node, clock, counts)
     children = _children(node)
     if children is None:
@@ -524,13 +548,9 @@ def _write_target(
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(_as_count(clock, child))
-      elif (
-        state_node
-        and not _has_state_nodes(child)
-        and _has_tensors(child)
-        and (type(node), key) not in _FRESH_FIELDS
-      ):
-        no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
+      elif state_node and not _has_state_nodes(child) and _has_tensors(child):
+        if (type(node), key) not in _FRESH_FIELDS:
+          no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         new.append(child)
       else:
         new.append(visit(child, (*path, key), hparams, _chained(node, children, i), clock))
