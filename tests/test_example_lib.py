@@ -20,6 +20,7 @@ from t5x_optim import (
   Optimizer,
   TrainState,
   example_lib_optimizer_makers,
+  optimizers,
   wrap_example_lib_optimizer,
 )
 from t5x_optim._adapters.example_lib import EXAMPLE_LIB_OPTIMIZERS
@@ -308,6 +309,41 @@ def test_param_read_from_two_arrays_raises() -> None:
 
 
 @example_lib.optimizer
+def _stored_at_half_scale(step_size: float) -> tuple[Any, Any, Any]:
+  return (lambda x: 0.5 * x, lambda i, g, s: s - 0.5 * step_size * g, lambda s: 2.0 * s)
+
+
+@example_lib.optimizer
+def _stored_transposed(step_size: float) -> tuple[Any, Any, Any]:
+  return (lambda x: x.T, lambda i, g, s: s - step_size * g.T, lambda s: s.T)
+
+
+@pytest.mark.parametrize(
+  ("maker", "ops"), [(_stored_at_half_scale, "mul"), (_stored_transposed, "transpose")]
+)
+def test_a_param_computed_from_its_state_array_raises(maker, ops) -> None:
+  """The adapter rebuilds the state array from the param by a reshape: any other
+  computation in get_params would be undone wrongly at every step."""
+  with pytest.raises(ValueError, match=rf"param 'w' from its state array by {ops}"):
+    ExampleLibOptimizerDef(maker(0.1)).create({"w": jnp.ones((2, 3))})
+
+
+def test_a_param_stored_reshaped_steps_as_the_triple() -> None:
+  stored_flat = example_lib.optimizer(
+    lambda step_size: (
+      lambda x: x.reshape(-1),
+      lambda i, g, s: s - step_size * g.reshape(-1),
+      lambda s: s.reshape(2, 3),
+    )
+  )
+  init, update, get_params = stored_flat(0.1)
+  grads = {"w": jnp.arange(6.0).reshape(2, 3)}
+  opt = ExampleLibOptimizerDef(stored_flat(0.1)).create({"w": jnp.ones((2, 3))})
+  expected = get_params(update(0, grads, init({"w": jnp.ones((2, 3))})))
+  np.testing.assert_array_equal(opt.apply_gradient(grads).target["w"], expected["w"])
+
+
+@example_lib.optimizer
 def _python_counter(step_size: float) -> tuple[Any, Any, Any]:
   return (lambda x: (x, 0), lambda i, g, s: (s[0] - step_size * g, s[1] + 1), lambda s: s[0])
 
@@ -452,3 +488,4 @@ def test_train_state_with_partitioner_and_zero(maker: str) -> None:
     jax.device_get(sharded),
     jax.device_get(expected),
   )
+

@@ -124,10 +124,12 @@ class ExampleLibOptimizerDef(OptimizerDef):
   holds, per param, a dict of the state parts other than the param (named by
   `slot_names` for positions of a tuple state, else by position), so a state
   dict reads `state/param_states/dense/kernel/m`. New params and parts are
-  cast back to their dtypes, so the state is dtype-stable. (The step is an
-  int32 array where the native loop passes a Python int, so with bfloat16
-  params a step-dependent schedule computes in float32 before that cast; with
-  float32 params the result is bit-identical.)
+  cast back to their dtypes, so the state is dtype-stable. The step is an
+  int32 array, as in the triple's own loop under `jax.jit` with a traced step:
+  with float32 params the result is bit-identical to that loop. An eager loop
+  passing a Python int computes a step-dependent schedule such as
+  `exponential_decay` in float64 (about 1 ulp apart), and with bfloat16 params
+  the schedule computes in float32 before the cast.
 
   Args:
     triple: the `(init_fn, update_fn, params_fn)` triple.

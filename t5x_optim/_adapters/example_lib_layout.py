@@ -187,14 +187,29 @@ def _merge(statics: Sequence[Any], arrays: Sequence[Any]) -> list[Any]:
   return [next(it) if v is None else v for v in statics]
 
 
+_RESHAPES = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+"""Primitives that only lay the same values out again: undone by a reshape of the param."""
+
+
+def _op_names(eqn: Any) -> frozenset[str]:
+  """The primitive of `eqn` unless it only lays its operand out again (same values)."""
+  name = eqn.primitive.name
+  if name in _RESHAPES:
+    return frozenset()
+  if name == "broadcast_in_dim" and eqn.outvars[0].aval.size == eqn.invars[0].aval.size:
+    return frozenset()
+  return frozenset({name})
+
+
 def _param_sources(
   triple: example_lib.Optimizer,
   params_def: Any,
   shapes: list[list[Any]],
   statics: list[list[Any]],
   treedefs: list[Any],
-) -> list[set[tuple[int, int]]]:
-  """For each param, the `(param index, array index)` state arrays `get_params` reads."""
+) -> list[tuple[set[tuple[int, int]], frozenset[str]]]:
+  """For each param, the `(param index, array index)` state arrays `get_params` reads, and
+  the primitives other than reshapes it computes the param with."""
   owners = [(i, j) for i, row in enumerate(shapes) for j in range(len(row))]
 
   def params_from(arrays: list[list[Any]]) -> list[Any]:
@@ -205,13 +220,17 @@ def _param_sources(
 
   jaxpr = jax.make_jaxpr(params_from)(shapes).jaxpr
   deps: dict[Any, frozenset[int]] = {v: frozenset({k}) for k, v in enumerate(jaxpr.invars)}
+  ops: dict[Any, frozenset[str]] = {}
   for eqn in jaxpr.eqns:
-    used = frozenset().union(
-      *(deps.get(v, frozenset()) for v in eqn.invars if isinstance(v, jax_core.Var))
-    )
+    inputs = [v for v in eqn.invars if isinstance(v, jax_core.Var)]
+    used = frozenset().union(*(deps.get(v, frozenset()) for v in inputs))
+    applied = frozenset().union(_op_names(eqn), *(ops.get(v, frozenset()) for v in inputs))
     deps.update((v, used) for v in eqn.outvars)
+    ops.update((v, applied) for v in eqn.outvars)
   return [
-    {owners[k] for k in deps.get(v, ())} if isinstance(v, jax_core.Var) else set()
+    ({owners[k] for k in deps.get(v, ())}, ops.get(v, frozenset()))
+    if isinstance(v, jax_core.Var)
+    else (set(), frozenset())
     for v in jaxpr.outvars
   ]
 
@@ -223,15 +242,24 @@ def _leaf_layout(
   shapes: Sequence[Any],
   statics: Sequence[Any],
   treedef: Any,
-  sources: set[tuple[int, int]],
+  read: tuple[set[tuple[int, int]], frozenset[str]],
   slot_names: Sequence[str] | None,
 ) -> _LeafLayout:
-  """The layout of one param's state; raises unless it holds the param once."""
+  """The layout of one param's state; raises unless it holds the param once, as it is or
+  reshaped."""
+  sources, ops = read
   if len(sources) != 1 or next(iter(sources))[0] != index:
     raise ValueError(
       f"The triple's get_params reads param '{path}' from state arrays "
       f"{sorted(sources)} (param, array); ExampleLibOptimizerDef needs each "
       "param kept once in its own per-param state, as every "
+      "jax.example_libraries optimizer keeps it."
+    )
+  if ops:
+    raise ValueError(
+      f"The triple's get_params computes param '{path}' from its state array by "
+      f"{', '.join(sorted(ops))}; ExampleLibOptimizerDef rebuilds that array from the "
+      "param, so it needs the param kept as it is or reshaped, as every "
       "jax.example_libraries optimizer keeps it."
     )
   [(_, param_array)] = sources
