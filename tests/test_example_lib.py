@@ -489,3 +489,8 @@ def test_train_state_with_partitioner_and_zero(maker: str) -> None:
     jax.device_get(expected),
   )
 
+
+def test_low_precision_refuses_a_triple_without_pointing_to_a_transformation_it_lacks() -> None:
+  with pytest.raises(TypeError, match=r"holds no optax transformation") as raised:
+    optimizers.low_precision(EXAMPLE_LIB_OPTIMIZERS["example_lib_adam"](1e-3), "8bit")
+  assert "optax_optimizer" not in str(raised.value)

@@ -177,11 +177,13 @@ def checked_transformation(value: Any, where: str) -> Any:
   """
   if is_transformation(value):
     return value
-  if isinstance(value, OptimizerDef):
+  if isinstance(value, OptimizerDef) and hasattr(value, "optax_optimizer"):
     got = (
       f"an {type(value).__name__}, an optimizer definition already: give its transformation "
       "(optax_optimizer), or give the definition where one is taken"
     )
+  elif isinstance(value, OptimizerDef):
+    got = f"an {type(value).__name__}, an optimizer definition that holds no optax transformation"
   elif callable(value):
     name = _public_name(value)
     got = (
