@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _subprocesses import communicate_all
+from _subprocesses import communicate_all, free_port
 from tensorboard.backend.event_processing import event_accumulator
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run, _scalars
 
@@ -691,6 +691,38 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   assert steps_of(model_dir)[-1] == stopped and not _tmp_steps(model_dir)
   assert took < 30, took
   print(f"2 processes, SIGTERM to process 1 to both exited 143: {took:.2f} s")
+
+
+_PREEMPTED_BEFORE_THE_FIRST_CALL = """
+import os, signal, sys, time
+from t5x_optim import Checkpointer, distributed
+process, address, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+distributed.initialize(address, num_processes=2, process_id=process)
+with Checkpointer(directory) as ckpt:
+  if process == 1:
+    os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(3)  # the notice reaches every process before any step is done
+  print(next((step for step in range(41, 51) if ckpt.reached_preemption(step)), None))
+"""
+
+
+@pytest.mark.slow
+def test_a_preemption_before_a_resumed_jobs_first_step_stops_it_at_that_step(tmp_path):
+  """A job resumed at step 40 and preempted during its restore, before any call, trained on
+  to the end: jax's sync point was the first call's number, which absolute steps never hit."""
+  address = f"127.0.0.1:{free_port()}"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _PREEMPTED_BEFORE_THE_FIRST_CALL, str(i), address, str(tmp_path)],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  results = communicate_all(procs, TIMEOUT)
+  assert [out.split()[-1] for _, out, _ in results] == ["41", "41"], results
 
 
 @pytest.mark.slow

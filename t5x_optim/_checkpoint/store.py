@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import numbers
@@ -80,6 +81,9 @@ _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 """Files of a committed step: where orbax renames a complete step into place, either one; on
 ``gs://`` it writes the step in place, ``_CHECKPOINT_METADATA`` first, so only `_GCS_COMMIT`."""
 _GCS_COMMIT = ("commit_success.txt",)
+_SYNC_CALLS = itertools.count(1)
+"""The number of each `Checkpointer.reached_preemption` call in this process, from 1: jax's
+preemption sync point counts calls, not steps."""
 
 
 class CheckpointState(Protocol):
@@ -416,7 +420,10 @@ class Checkpointer:
     receives SIGTERM, the coordination service tells all of them, and this is
     True in every process at one and the same step, a step or a few after
     the signal (so all save the same step). It needs the processes to call it
-    with the same steps. It is never True when jax's preemption service is
+    with the same steps. jax's sync point counts calls from the process's first
+    (a notice before any call names the first), so the calls are numbered from
+    1 whatever the step: a job resumed at step 40 and preempted during its
+    restore stops at step 41. It is never True when jax's preemption service is
     disabled (``jax_enable_preemption_service``).
 
     In a single process the first call installs a SIGTERM handler (in the
@@ -443,7 +450,7 @@ class Checkpointer:
     step = checked_step(step)
     if jax.process_count() > 1:
       try:
-        return bool(multihost_utils.reached_preemption_sync_point(step))
+        return bool(multihost_utils.reached_preemption_sync_point(next(_SYNC_CALLS)))
       except RuntimeError:  # The preemption service is disabled.
         return False
     self._open.sigterm.install()
