@@ -363,6 +363,50 @@ def test_sharded_stacked_steps_match_unsharded(zero):
   assert mu_specs == (zero_specs if zero else specs)
 
 
+def _grouped(params: dict[str, Any], axes: dict[str, str]) -> StackedParams:
+  """`params` stacked with the leaves of one logical axis (``axes``, per leaf) together."""
+  return stack_params(params, logical_axes={k: P(axis) for k, axis in axes.items()})
+
+
+@pytest.mark.slow
+def test_conversion_between_stacked_layouts_matches_params_by_path():
+  """Between two stacked optimizers whose layouts group the leaves otherwise (groups
+  ((a, b), (c,)) into ((a, c), (b,)), buffers of equal shapes), the buffers were matched by
+  their index: the converted params and moments of b and c were swapped, unreported. Each
+  leaf takes its own params and moments, as between the same optimizers unstacked; buffers of
+  other shapes (all three leaves in one) convert as well."""
+  params = {k: jnp.full((4, 8), v) for k, v in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+  grads = {k: jnp.full((4, 8), v) for k, v in (("a", 0.1), ("b", 0.2), ("c", 0.3))}
+  adam, lion = OptaxWrapper(optax.adam(1e-2)), OptaxWrapper(optax.lion(1e-3, b2=0.999))
+  expected, expected_report = t5x_optim.convert_state(
+    adam.create(params).apply_gradient(grads), lion.create(params)
+  )
+  source = adam.create(_grouped(params, {"a": "embed", "b": "embed", "c": "mlp"}))
+  source = source.apply_gradient(grads)
+  for axes in ({"a": "embed", "b": "mlp", "c": "embed"}, dict.fromkeys(params, "embed")):
+    target = lion.create(_grouped(params, axes))
+    converted, report = t5x_optim.convert_state(source, target)
+    assert converted.target.layout == target.target.layout
+    assert tree_equal(converted.state_dict(), expected.state_dict())
+    assert report == expected_report
+
+
+def test_conversion_between_stacked_layouts_names_the_params_that_differ():
+  """Stacked params whose leaf c has another shape in the target were refused naming the
+  buffers ('buffers/1: the source's params have shape (1, 4, 8), the target's (1, 5, 8)'),
+  not the param."""
+  params = {"a": jnp.ones((4, 8)), "c": jnp.ones((4, 8))}
+  adam = OptaxWrapper(optax.adam(1e-2))
+  source = adam.create(_grouped(params, {"a": "embed", "c": "mlp"}))
+  target = adam.create(_grouped({**params, "c": jnp.ones((5, 8))}, {"a": "embed", "c": "mlp"}))
+  with pytest.raises(
+    ValueError,
+    match=r"params do not fit .*: c: the source's params have shape "
+    r"\(4, 8\), the target's \(5, 8\)\.$",
+  ):
+    t5x_optim.convert_state(source, target)
+
+
 def _layers(n: int = 3) -> dict[str, Any]:
   return {f"layer_{i}": {"kernel": jnp.full((4, 32), 0.5 * (i + 1))} for i in range(n)}
 

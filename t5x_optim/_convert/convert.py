@@ -78,7 +78,7 @@ from t5x_optim._convert.registry import (
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._layouts.stacked import StackedParams, per_leaf, stacked_like
+from t5x_optim._layouts.stacked import StackedLayout, StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (
   QUANTIZED_LEAF_TYPES,
   LowPrecisionState,
@@ -876,6 +876,11 @@ def _stacked(optimizer: Any) -> bool:
   return isinstance(optimizer, Optimizer) and isinstance(optimizer.target, StackedParams)
 
 
+def _layout(optimizer: Any) -> StackedLayout | None:
+  """How `optimizer` stacks its params; None where it keeps them per leaf."""
+  return optimizer.target.layout if _stacked(optimizer) else None
+
+
 def convert_state(
   source: Optimizer | Mapping[str, Any],
   target: Optimizer | OptimizerDef,
@@ -935,8 +940,9 @@ def convert_state(
     ``dropped`` names the fast one), or both copies are the source's params.
     Stacked params (`t5x_optim.stack_params`) with a definition `target` get
     the stacked layer its ``create`` would put around it; between an optimizer
-    of stacked params and an `Optimizer` target of per-leaf ones (or back),
-    the states are converted per leaf and the result has the target's layout.
+    of stacked params and an `Optimizer` target of per-leaf ones (or back), or
+    of params stacked in other buffers, the states are converted per leaf and
+    the result has the target's layout.
 
   Raises:
     TypeError: `source` is neither an Optimizer nor a state dict.
@@ -969,8 +975,9 @@ def convert_state(
   """
   if missing not in _MISSING_POLICIES:
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
-  if _stacked(source) != _stacked(target) and isinstance(target, Optimizer):
-    # One side keeps its params stacked: converted per leaf, as checkpoints hold both layouts.
+  if isinstance(target, Optimizer) and _layout(source) != _layout(target):
+    # The sides stack their params otherwise (or one keeps them per leaf): converted per leaf,
+    # as checkpoints hold both layouts, so params and moments are matched by path.
     converted, report = convert_state(
       per_leaf(source) if _stacked(source) else source,
       per_leaf(target) if _stacked(target) else target,
