@@ -725,6 +725,37 @@ def test_a_preemption_before_a_resumed_jobs_first_step_stops_it_at_that_step(tmp
   assert [out.split()[-1] for _, out, _ in results] == ["41", "41"], results
 
 
+_CTRL_C_IN_ONE_PROCESS_AT_START_UP = """
+import signal, sys
+from t5x_optim import distributed
+from t5x_optim.cli.loop import train
+from t5x_optim.cli.loop.interrupt import Interrupt
+process, address = int(sys.argv[1]), sys.argv[2]
+distributed.initialize(address, num_processes=2, process_id=process)
+interrupt = Interrupt([signal.SIGINT] if process == 1 else [], quiet=True)
+print(train.agreed_stop(interrupt), interrupt.exit_status)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_one_process_at_start_up_stops_every_process():
+  """Each process checked its own Ctrl-C before the first step: the one interrupted left, and
+  the other failed in its next collective with a raw traceback."""
+  address = f"127.0.0.1:{free_port()}"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _CTRL_C_IN_ONE_PROCESS_AT_START_UP, str(i), address],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  results = communicate_all(procs, TIMEOUT)
+  assert [out.splitlines()[-1] for _, out, _ in results] == ["True 130"] * 2, results
+
+
 @pytest.mark.slow
 def test_a_second_run_in_a_model_dir_being_trained_is_refused_at_once(tmp_path):
   model_dir = tmp_path / "run"

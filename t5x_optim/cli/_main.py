@@ -641,7 +641,7 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       model_dir = _train.prepare_model_dir(_train.default_model_dir())
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     return _fail(args, error)
-  if interrupt.requested:
+  if _train.agreed_stop(interrupt):
     return _interrupted(args.command, interrupt)
   if args.command == "plan":
     return _run_plan(args, setup)

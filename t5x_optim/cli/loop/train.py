@@ -91,6 +91,7 @@ __all__ = [
   "Setup",
   "TrainSummary",
   "UsageError",
+  "agreed_stop",
   "default_model_dir",
   "describe_setup",
   "injected_learning_rates",
@@ -1192,7 +1193,7 @@ def _train(
     stream.write("".join(f"{line}\n" for line in changes if line))
   stream.write("".join(f"{line}\n" for line in about))
   stream.flush()
-  if interrupt.requested:
+  if agreed_stop(interrupt):
     raise Interrupted
   if write_events:
     for step, why in resume.skipped:
@@ -1264,6 +1265,18 @@ def _stop(
     return True
   if step % every and not first:
     return False
+  return agreed_stop(interrupt)
+
+
+def agreed_stop(interrupt: Interrupt) -> bool:
+  """Whether any process of the job was interrupted; the same answer in every process.
+
+  Every process must call it at the same point. With several, they exchange what each
+  received (a peer's SIGTERM starts this process's grace, so it exits 143 too); a
+  process that stopped alone would leave the others failing in their next collective.
+  """
+  if jax.process_count() == 1:
+    return interrupt.requested
   code = 2 if interrupt.preempted else int(interrupt.requested)
   codes = multihost_utils.process_allgather(np.int32(code))
   if np.max(codes) == 2:
