@@ -1548,3 +1548,110 @@ def test_a_converting_restore_leaves_the_callers_source_definition_as_it_was(
     with pytest.raises(FileNotFoundError):
       t5x_optim.restore_converted(tmp_path, target, source=source, step=step, missing="init")
   assert not bound(source)
+
+
+# A scanned attention kernel under T5X's standard_logical_factor_rules: 'embed' is a row
+# dim, 'heads' and 'kv' column dims, 'layers' a batch dim. With 'layers' of the size of a
+# factored dim (T5.1.1-base scanned: 12 layers, 12 heads) the shapes of v_row and v_col
+# fit two factorings.
+SCANNED = {
+  "axis_1": (("embed", "layers", "heads", "kv"), (16, 3, 3, 4), ((0,), (2, 3))),
+  "layers_first": (("layers", "embed", "heads", "kv"), (6, 6, 2, 4), ((1,), (2, 3))),
+}
+
+
+def _t5x_estimate(v_row, v_col, d1, d0):
+  """T5X's ``apply_param_gradient``: the second moment its update divides by."""
+  reduced_d1 = tuple(d - len([e for e in d0 if e < d]) for d in d1)
+  row_col_mean = np.mean(v_row, axis=reduced_d1, keepdims=True)
+  return np.expand_dims(v_row / row_col_mean, d0) * np.expand_dims(v_col, d1)
+
+
+def _scanned_t5x_source(shape, d1, d0):
+  """A T5X legacy Adafactor state dict of one scanned kernel ``q``, factored over (d1, d0)."""
+  g2 = np.random.default_rng(0).uniform(0.1, 10.0, shape) ** 2
+  v_row, v_col = g2.mean(axis=d0), g2.mean(axis=d1)
+  empty = jnp.zeros((1,))
+  states = {"v_row": jnp.asarray(v_row), "v_col": jnp.asarray(v_col), "v": empty, "m": empty}
+  source = {"target": {"q": jnp.ones(shape)}, "state": {"step": T, "param_states": {"q": states}}}
+  return source, v_row, v_col
+
+
+@pytest.mark.parametrize("layout", SCANNED)
+def test_t5x_adafactor_of_a_scanned_kernel_is_read_over_its_logical_axes(layout):
+  axes, shape, (d1, d0) = SCANNED[layout]
+  source, v_row, v_col = _scanned_t5x_source(shape, d1, d0)
+  adam, _ = t5x_optim.convert_state(
+    source, OptaxWrapper(optax.adam(1e-3)), param_axes={"q": axes}, missing="init"
+  )
+  nu = adam.state.param_states[0].nu["q"]
+  _assert_close(nu / _decay(0.999, T), _t5x_estimate(v_row, v_col, d1, d0))
+
+
+@pytest.mark.parametrize("layout", SCANNED)
+def test_t5x_adafactor_of_a_scanned_kernel_is_written_over_its_logical_axes(layout):
+  axes, shape, (d1, d0) = SCANNED[layout]
+  _, v_row, v_col = _scanned_t5x_source(shape, d1, d0)
+  nu = np.random.default_rng(1).uniform(0.5, 2.0, shape).astype(np.float32)
+  params = {"q": jnp.ones(shape)}
+  adam = OptaxWrapper(optax.adam(1e-3)).create(params)
+  stored = optax.ScaleByAdamState(
+    jnp.int32(T), {"q": jnp.zeros(shape)}, _scaled({"q": nu}, _decay(0.999, T))
+  )
+  adam = adam.replace(
+    state=adam.state.replace(step=jnp.int32(T), param_states=(stored, optax.EmptyState()))
+  )
+  empty = np.zeros((1,), np.float32)
+  layout_def = _T5XAdafactorLayout({
+    ("state", "param_states", "q", name): x
+    for name, x in {"v_row": v_row, "v_col": v_col, "v": empty, "m": empty}.items()
+  })  # fmt: skip
+  back, _ = t5x_optim.convert_state(adam, layout_def, param_axes={"q": axes})
+  state = back.state.param_states["q"]
+  # T5X's statistics: the squared gradients averaged over the column dims, the row dims.
+  _assert_close(state.v_row, nu.mean(axis=d0))
+  _assert_close(state.v_col, nu.mean(axis=d1))
+
+
+@pytest.mark.parametrize("layout", SCANNED)
+def test_t5x_adafactor_factors_that_fit_two_factorings_are_refused_without_axes(layout):
+  axes, shape, (d1, d0) = SCANNED[layout]
+  source, _, _ = _scanned_t5x_source(shape, d1, d0)
+  with pytest.raises(ValueError, match=r"Param 'q'.*fit 2 factorings.*param_axes=") as raised:
+    t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-3)), missing="init")
+  assert str((d1, d0)) in str(raised.value)
+  unknown = ("embed", "layers", "heads", "my_kv") if layout == "axis_1" else ("a", "b", "c", "d")
+  with pytest.raises(ValueError, match=r"Param 'q'.*standard_logical_factor_rules"):
+    t5x_optim.convert_state(
+      source, OptaxWrapper(optax.adam(1e-3)), param_axes={"q": unknown}, missing="init"
+    )
+
+
+class _StateDict:
+  def __init__(self, state_dict):
+    self._state_dict = state_dict
+
+  def state_dict(self):
+    return self._state_dict
+
+
+@pytest.mark.slow
+def test_a_t5x_checkpoint_of_a_scanned_kernel_restores_over_the_train_states_axes(tmp_path):
+  """`restore_converted` (and so ``--init_from``) gives the conversion the target's axes."""
+  axes, shape, (d1, d0) = SCANNED["axis_1"]
+  source, v_row, v_col = _scanned_t5x_source(shape, d1, d0)
+  t5x_optim.save_t5x_checkpoint(tmp_path, _StateDict(source), step=T)
+  boxed = nn.LogicallyPartitioned(jnp.ones(shape), axes)
+  target = t5x_optim.TrainState.create(optimizers.adamw(1e-3), {"params": {"q": boxed}})
+  state, _ = t5x_optim.restore_converted(tmp_path, target, missing="init")
+  nu = state.param_states[0].nu["q"]
+  _assert_close(nu / _decay(0.999, T), _t5x_estimate(v_row, v_col, d1, d0))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
+def test_t5xs_own_adafactor_of_a_scanned_kernel_converts_over_its_axes():
+  """data/t5x_adafactor/scanned_with_t5x.py, in a fresh process with T5X's own code."""
+  script = T5X_DATA / "scanned_with_t5x.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

@@ -114,7 +114,9 @@ def restore_converted(
   `Checkpointer` directory) is restored into a state of the old optimizer,
   then `convert_state` turns that optimizer's state into `target`'s: the
   params (and step, and ``flax_mutables``) are exact, the new optimizer's
-  state is converted and placed in `target`'s shardings.
+  state is converted and placed in `target`'s shardings. A `TrainState`
+  target's logical axes of its params are the conversion's ``param_axes``
+  (T5X's legacy Adafactor is factored by them).
 
   Args:
     path: the model directory (or a T5X step directory).
@@ -153,6 +155,7 @@ def restore_converted(
     (1, (2, 3))
   """
   hparams = {"source_hparams": source_hparams, "target_hparams": target_hparams}
+  hparams["param_axes"] = target.params_axes if isinstance(target, TrainState) else None
   t5x = _holds_t5x(path)
   if source is None:
     if not t5x:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,27 +54,28 @@ def _corrected(b: float, count: Any) -> Callable[[Any], jax.Array]:
   return lambda x: jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0)
 
 
-def factored_dims(shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape: tuple[int, ...]):
-  """The (row dims, column dims) that Adafactor's ``v_row``/``v_col`` shapes imply.
+Dims = tuple[tuple[int, ...], tuple[int, ...]]
+"""Adafactor's factored dims: (row dims ``d1``, column dims ``d0``)."""
+
+
+def factorings(
+  shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape: tuple[int, ...]
+) -> list[Dims]:
+  """Every (row dims, column dims) whose Adafactor ``v_row``/``v_col`` have these shapes.
 
   ``v_row`` is the second moment averaged over the column dims ``d0``,
   ``v_col`` averaged over the row dims ``d1``: one dim each in optax, one or
   more each in T5X's Adafactor under logical factor rules (a
   ``('embed', 'heads', 'kv')`` kernel: rows ``(0,)``, columns ``(1, 2)``).
-  Where the shapes allow several choices (two factored dims of equal size),
-  Adafactor's own heuristic wins: the largest dim is the column, the second
-  largest the row; then single dims before several.
-
-  Raises:
-    ValueError: when no choice of dims gives both shapes.
+  Adafactor's own heuristic comes first where it fits (the largest dim is the
+  column, the second largest the row), then fewer dims before more. Several
+  fit where factored dims have the size of other dims.
 
   Example:
-    >>> factored_dims((4, 8), (4,), (8,))
-    ((0,), (1,))
-    >>> factored_dims((16, 4), (4,), (16,))
-    ((1,), (0,))
-    >>> factored_dims((6, 2, 4), (6,), (2, 4))
-    ((0,), (1, 2))
+    >>> factorings((6, 2, 4), (6,), (2, 4))
+    [((0,), (1, 2))]
+    >>> factorings((8, 3, 3, 4), (8, 3), (3, 3, 4))
+    [((0,), (1, 3)), ((0,), (2, 3))]
   """
   order = [int(d) for d in np.argsort(shape, kind="stable")]
   candidates = [((order[-2],), (order[-1],))] if len(shape) > 1 else []
@@ -83,15 +85,104 @@ def factored_dims(shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape:
     for dims in itertools.combinations(range(len(shape)), size)
   ]
   candidates += [(d1, d0) for d1 in subsets for d0 in subsets if not set(d1) & set(d0)]
+  found = []
   for d1, d0 in sorted(candidates, key=lambda dims: len(dims[0]) + len(dims[1])):
-    if tuple(np.delete(shape, d0)) == tuple(row_shape) and tuple(np.delete(shape, d1)) == tuple(
-      col_shape
-    ):
-      return d1, d0
-  raise ValueError(
+    fits = tuple(np.delete(shape, d0)) == tuple(row_shape)
+    if fits and tuple(np.delete(shape, d1)) == tuple(col_shape) and (d1, d0) not in found:
+      found.append((d1, d0))
+  return found
+
+
+def factored_dims(
+  shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape: tuple[int, ...]
+) -> Dims:
+  """The (row dims, column dims) that optax Adafactor's ``v_row``/``v_col`` shapes imply.
+
+  The first of `factorings`: optax factors the two largest dims (the largest
+  is the column, the second largest the row), which always fit its own
+  shapes.
+
+  Raises:
+    ValueError: when no choice of dims gives both shapes.
+
+  Example:
+    >>> factored_dims((4, 8), (4,), (8,))
+    ((0,), (1,))
+    >>> factored_dims((16, 4), (4,), (16,))
+    ((1,), (0,))
+  """
+  found = factorings(shape, row_shape, col_shape)
+  if not found:
+    raise ValueError(_no_factoring(shape, row_shape, col_shape))
+  return found[0]
+
+
+def _no_factoring(
+  shape: tuple[int, ...], row_shape: tuple[int, ...], col_shape: tuple[int, ...]
+) -> str:
+  return (
     f"v_row {tuple(row_shape)} and v_col {tuple(col_shape)} are not a factoring of a "
     f"param of shape {tuple(shape)}"
   )
+
+
+T5X_FACTOR_RULES = types.MappingProxyType(
+  {
+    "vocab": "column",
+    "embed": "row",
+    "mlp": "column",
+    "heads": "column",
+    "kv": "column",
+    "joined_kv": "column",
+    "relpos_buckets": None,
+    "layers": "batch",
+    "stack": "batch",
+    "q_wi_fused": "column",
+    "o_wo_fused": "column",
+    "multiquery_heads": "column",
+    "kv_fused": "column",
+    "layer_norm_scale": None,
+    "mlp_activations": "column",
+  }
+)
+"""T5X's ``adafactor.standard_logical_factor_rules()``: each logical axis name's part in
+the factoring (``'row'``, ``'column'``, ``'batch'``: averaged over neither, or None)."""
+
+
+def t5x_factored_dims(shape: tuple[int, ...], axes: Any) -> Dims | None:
+  """The (row dims, column dims) T5X's legacy Adafactor factors a param over by its axes.
+
+  As T5X's ``Adafactor.set_param_axes`` and ``_parse_rule`` apply
+  `T5X_FACTOR_RULES`: the row dims are those of ``'row'`` names, the column
+  dims those of ``'column'`` names; a param of rank 2 or less without a
+  batch dim is factored by Adafactor's heuristic instead (the larger dim the
+  column, the smaller the row).
+
+  Returns:
+    The dims, or None where the rules factor no dims of a param of these
+    `axes` (no row or no column dim), or `axes` (a name per dim) are not
+    all names of the rules.
+
+  Example:
+    >>> t5x_factored_dims((768, 12, 12, 64), ("embed", "layers", "heads", "kv"))
+    ((0,), (2, 3))
+    >>> t5x_factored_dims((2048, 768), ("mlp", "embed"))
+    ((1,), (0,))
+  """
+  names = tuple(axes) if axes is not None else ()
+  if len(names) != len(shape) or not all(
+    isinstance(name, str) and name in T5X_FACTOR_RULES for name in names
+  ):
+    return None
+  kinds = [T5X_FACTOR_RULES[name] for name in names]
+  if len(shape) <= 2 and "batch" not in kinds:
+    order = [int(d) for d in np.argsort(shape, kind="stable")]
+    return ((order[-2],), (order[-1],)) if len(shape) == 2 else None
+  rows = tuple(d for d, kind in enumerate(kinds) if kind == "row")
+  cols = tuple(d for d, kind in enumerate(kinds) if kind == "column")
+  if not rows or not cols or None in kinds:
+    return None
+  return rows, cols
 
 
 def reconstruct_second_moment(v_row: Any, v_col: Any, d1: tuple[int, ...], d0: tuple[int, ...]):
@@ -282,36 +373,76 @@ def _is_factored(v_row: Any) -> bool:
   return jnp.shape(v_row) != (1,)
 
 
-def _dims(param: str, shape: tuple[int, ...], v_row: Any, v_col: Any) -> tuple[tuple, tuple]:
-  """`factored_dims` of param `param`, named where the factors fit none of its dims."""
+def _dims(param: str, shape: tuple[int, ...], v_row: Any, v_col: Any) -> Dims | None:
+  """optax's `factored_dims` of param `param` (None where `v_row` is a placeholder: not
+  factored), named where the factors fit none of its dims."""
+  if not _is_factored(v_row):
+    return None
   try:
     return factored_dims(shape, jnp.shape(v_row), jnp.shape(v_col))
   except ValueError as e:
     raise ValueError(f"Param '{param}': {e}.") from None
 
 
-def _second_moment(param: str, shape: tuple[int, ...], v_row: Any, v_col: Any, v: Any) -> Any:
-  """The full second moment of a param of `shape`: `v`, or reconstructed from its factors."""
+def _t5x_dims(
+  ctx: ConversionContext, shape: tuple[int, ...], v_row: Any, v_col: Any
+) -> Dims | None:
+  """The dims T5X's legacy Adafactor factored `ctx.param` over (None where not factored).
+
+  Those `t5x_factored_dims` gives the param's logical axes (`ctx.axes`) where
+  they fit the shapes of `v_row` and `v_col`; else the one factoring those
+  shapes fit (of a param of rank 2 or less, Adafactor's heuristic first: T5X
+  factors it so).
+
+  Raises:
+    ValueError: the shapes fit no factoring, or several and the axes choose
+      none, naming the param, the factorings and how to give its axes.
+  """
   if not _is_factored(v_row):
+    return None
+  param, row_shape, col_shape = ctx.param, jnp.shape(v_row), jnp.shape(v_col)
+  axes = ctx.axes.get(param)
+  ruled = t5x_factored_dims(shape, axes)
+  found = factorings(shape, row_shape, col_shape)
+  if ruled in found:
+    return ruled
+  if len(shape) <= 2:
+    found = found[:1]
+  if not found:
+    raise ValueError(f"Param '{param}': {_no_factoring(shape, row_shape, col_shape)}.")
+  if len(found) > 1:
+    given = (
+      "no logical axes were given for it"
+      if axes is None
+      else f"its logical axes {tuple(axes)} choose none of them under T5X's "
+      "standard_logical_factor_rules"
+    )
+    raise ValueError(
+      f"Param '{param}' of shape {tuple(shape)}: T5X Adafactor's v_row {tuple(row_shape)} "
+      f"and v_col {tuple(col_shape)} fit {len(found)} factorings (row dims, column dims) "
+      f"{', '.join(map(str, found))}, and {given}. Pass param_axes= (the params' logical "
+      "axes, names of T5X's standard_logical_factor_rules) to convert_state, or restore "
+      "into a TrainState whose params have axes."
+    )
+  return found[0]
+
+
+def _second_moment(v_row: Any, v_col: Any, v: Any, dims: Dims | None) -> Any:
+  """The full second moment: `v` where not factored (`dims` None), else reconstructed."""
+  if dims is None:
     return v
-  return reconstruct_second_moment(v_row, v_col, *_dims(param, shape, v_row, v_col))
+  return reconstruct_second_moment(v_row, v_col, *dims)
 
 
-def _factors(param: str, nu: Any, v_row: Any, v_col: Any) -> tuple[Any, Any]:
-  """`factor_second_moment` of `nu` on the dims that factors shaped as `v_row`, `v_col` imply."""
-  return factor_second_moment(nu, *_dims(param, jnp.shape(nu), v_row, v_col))
-
-
-def _as_factored(param: str, nu: Any, v_row: Any, v_col: Any) -> Any:
-  """`nu` as an Adafactor whose factors have the shapes of `v_row`, `v_col` stores it back.
+def _as_factored(nu: Any, dims: Dims | None) -> Any:
+  """`nu` as an Adafactor factored over `dims` stores it back.
 
   Factored and reconstructed (`factor_second_moment`, then
   `reconstruct_second_moment`); `nu` itself for an unfactored param.
   """
-  if not _is_factored(v_row):
+  if dims is None:
     return nu
-  d1, d0 = _dims(param, jnp.shape(nu), v_row, v_col)
-  return reconstruct_second_moment(*factor_second_moment(nu, d1, d0), d1, d0)
+  return reconstruct_second_moment(*factor_second_moment(nu, *dims), *dims)
 
 
 def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[str, Any]:
@@ -324,7 +455,8 @@ def _read_factored(state: optax.FactoredState, ctx: ConversionContext) -> dict[s
 
   def nu(path: Any, v_row: Any) -> Any:
     param = _state_dict.key_path_str(path)
-    return _second_moment(param, jnp.shape(ctx.params[param]), v_row, cols[param], full[param])
+    dims = _dims(param, jnp.shape(ctx.params[param]), v_row, cols[param])
+    return _second_moment(v_row, cols[param], full[param], dims)
 
   return {NU: jax.tree.map_with_path(nu, state.v_row), "count": state.count}
 
@@ -334,7 +466,10 @@ def _write_factored(template: optax.FactoredState, moments: Moments, ctx: Conver
   rows, cols = by_param(template.v_row), by_param(template.v_col)
 
   def factor(which: int) -> Callable[[Any, Any, str], Any]:
-    return lambda nu, leaf, param: _factors(param, nu, rows[param], cols[param])[which]
+    def one(nu: Any, leaf: Any, param: str) -> Any:
+      return factor_second_moment(nu, *_dims(param, jnp.shape(nu), rows[param], cols[param]))[which]
+
+    return one
 
   def factored(param: str) -> bool:
     return _is_factored(rows[param])
@@ -384,7 +519,8 @@ def _read_t5x_adafactor(state: T5XAdafactorParamState, ctx: ConversionContext) -
   step); without it ``m`` is not read.
   """
   param = ctx.params[ctx.param]
-  nu = _second_moment(ctx.param, jnp.shape(param), state.v_row, state.v_col, state.v)
+  dims = _t5x_dims(ctx, jnp.shape(param), state.v_row, state.v_col)
+  nu = _second_moment(state.v_row, state.v_col, state.v, dims)
   read = {NU: nu}
   if _has_momentum(state, param) and ctx.rate() is not None:
     scale = _update_scale(ctx, ctx.param)
@@ -407,12 +543,16 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
   each step, the state does not hold it). Placeholders stay as they are.
   """
   param = ctx.param
+
+  def dims() -> Dims | None:
+    return _t5x_dims(ctx, jnp.shape(ctx.params[param]), template.v_row, template.v_col)
+
   fields = {}
   if _is_factored(template.v_row):
     for which, name in enumerate(("v_row", "v_col")):
       fields[name] = moments.fill(
         getattr(template, name), NU,
-        lambda nu, leaf, p, which=which: _factors(p, nu, template.v_row, template.v_col)[which],
+        lambda nu, leaf, p, which=which: factor_second_moment(nu, *dims())[which],
         field=name, param=param,
       )  # fmt: skip
   else:
@@ -427,8 +567,7 @@ def _write_t5x_adafactor(template: Any, moments: Moments, ctx: ConversionContext
       fields["m"] = moments.fill(
         template.m, MU,
         lambda mu, leaf, p: _update_average(
-          mu, _as_factored(p, moments.value(p, NU), template.v_row, template.v_col), scale, beta1,
-          ctx.step,
+          mu, _as_factored(moments.value(p, NU), dims()), scale, beta1, ctx.step
         ),
         field="m", needs=(NU,), param=param,
       )  # fmt: skip
@@ -485,7 +624,8 @@ def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: C
   count = moments.count(template.ema, template.count, (MU,), needs=(NU,))
 
   def ema(mu: Any, leaf: Any, param: str) -> Any:
-    nu = _as_factored(param, moments.value(param, NU), rows[param], cols[param])
+    nu = moments.value(param, NU)
+    nu = _as_factored(nu, _dims(param, jnp.shape(nu), rows[param], cols[param]))
     return _update_average(mu, nu, _update_scale(ctx, param), momentum, count)
 
   return template._replace(

@@ -56,6 +56,7 @@ import optax
 from flax import serialization, traverse_util
 
 from t5x_optim._adapters.optax_wrapper import loss_extra_args, trained_params
+from t5x_optim._axes.kernel_axes import specs_by_path
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
 from t5x_optim._convert.registry import (
@@ -275,6 +276,7 @@ def _read_source(
   params: Mapping[str, Any],
   hparams: ReadHparams,
   adamax: frozenset[tuple[str, ...]],
+  axes: Mapping[str, tuple[Any, ...] | None],
 ) -> _Source:
   source = _Source()
   converters = registered_converters()
@@ -294,7 +296,7 @@ def _read_source(
       _refuse_quantized(node, path, "source")
     if converter is not None and converter.read is not None:
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, clock, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
       read = converter.read(node, ctx)
       if "unread" in read:
         source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
@@ -500,9 +502,11 @@ def _write_target(
   missing: str,
   adamax: frozenset[tuple[str, ...]],
   held: Mapping[str, tuple[str, ...]],
+  axes: Mapping[str, tuple[Any, ...] | None],
 ) -> tuple[Any, ConversionReport]:
   """`template` written from `source`, and the report; `held` names the params a stacked
-  buffer's path holds, so that the report counts and names params."""
+  buffer's path holds, so that the report counts and names params; `axes` are the params'
+  logical axes (`ConversionContext.axes`)."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -530,7 +534,7 @@ def _write_target(
         return node
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, clock, params, hparams, own, chain)
+      ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
       written = converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
@@ -872,6 +876,15 @@ def _placed(value: Any, like: Any) -> Any:
   return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
+def _axes_by_path(param_axes: Any) -> dict[str, tuple[Any, ...] | None]:
+  """`param_axes` (a tree over the params, of the fast copy's for `optax.LookaheadParams`)
+  as '/'-joined param path to a tuple of axis names, or None."""
+  if param_axes is None:
+    return {}
+  specs = specs_by_path(trained_params(param_axes))
+  return {path: None if spec is None else tuple(spec) for path, spec in specs.items()}
+
+
 def _stacked(optimizer: Any) -> bool:
   return isinstance(optimizer, Optimizer) and isinstance(optimizer.target, StackedParams)
 
@@ -889,6 +902,7 @@ def convert_state(
   source_hparams: Mapping[str, Any] | None = None,
   target_hparams: Mapping[str, Any] | None = None,
   missing: str = "raise",
+  param_axes: Any = None,
 ) -> tuple[Optimizer, ConversionReport]:
   """Converts an optimizer's state into another optimizer's, over the same params.
 
@@ -930,6 +944,13 @@ def convert_state(
       keep its initial value (no source value for a param's moment, or a
       state type without a converter), naming each; ``"init"`` to let it
       start fresh. Either way the report lists what was initialised.
+    param_axes: the params' logical axes (a tree over the params of
+      `PartitionSpec`s or tuples of names, or None; `TrainState.params_axes`).
+      T5X's legacy Adafactor state of a param, read or written, is factored
+      over the dims T5X's ``standard_logical_factor_rules`` give its axes
+      (a scanned ``('embed', 'layers', 'heads', 'kv')`` kernel: rows
+      ``(0,)``, columns ``(2, 3)``); without them, over the one factoring
+      its ``v_row`` and ``v_col`` shapes fit.
 
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
@@ -958,7 +979,10 @@ def convert_state(
       alone, so adamax's cannot be told from Adam's (naming its path); with
       ``missing="raise"``, anything the conversion would initialise; a
       ``source_hparams`` or ``target_hparams`` name that no converter read
-      and none of `BUILTIN_HPARAMS` is (a typo: ``beta_1`` for ``b1``).
+      and none of `BUILTIN_HPARAMS` is (a typo: ``beta_1`` for ``b1``); T5X
+      legacy Adafactor factors whose shapes fit several factorings of their
+      param, and the param's axes (none given, or not of T5X's rules) choose
+      none, naming the param and the factorings.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -985,6 +1009,7 @@ def convert_state(
       source_hparams=source_hparams,
       target_hparams=target_hparams,
       missing=missing,
+      param_axes=param_axes,
     )
     return (stacked_like(converted, target) if _stacked(target) else converted), report
   params, step, param_states = _source_parts(source, source_def)
@@ -1008,6 +1033,7 @@ def convert_state(
   template = _fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
   flat_params = _flat_params(trained)
+  axes = _axes_by_path(param_axes)
   given = {
     "source_hparams": ReadHparams(source_hparams or {}),
     "target_hparams": ReadHparams(target_hparams or {}),
@@ -1018,6 +1044,7 @@ def convert_state(
     flat_params,
     given["source_hparams"],
     source_adamax,
+    axes,
   )
   source_stats.dropped.extend(notes)
   written, report = _write_target(
@@ -1029,6 +1056,7 @@ def convert_state(
     missing,
     _adamax_paths(optimizer_def, params, template.param_states, "target"),
     _held_params(trained),
+    axes,
   )
   _refuse_unread(given)
   written, carried = _carry_sync_count(param_states, written)

@@ -140,6 +140,9 @@ class ConversionContext:
       state whose meaning depends on them: optax Adafactor's momentum is an
       ``EmaState`` of updates already divided by the ``FactoredState``'s
       second moment.
+    axes: the params' logical axes where given (``param_axes`` of
+      `convert_state`): '/'-joined param path to a tuple of axis names, or
+      None. T5X's legacy Adafactor factors a param by them.
   """
 
   path: str
@@ -148,6 +151,7 @@ class ConversionContext:
   hparams: Mapping[str, Any]
   param: str | None = None
   chain: tuple[Any, ...] = ()
+  axes: Mapping[str, tuple[Any, ...] | None] = dataclasses.field(default_factory=dict)
 
   def hparam(self, name: str, default: Any) -> Any:
     """``hparams[name]``, or `default` (optax's default for the state's factory)."""
