@@ -397,6 +397,17 @@ def test_an_optimizer_that_takes_the_loss_trains(bindings, scale, tmp_path, caps
     assert float(plateau.scale) == scale
 
 
+def test_a_learning_rate_injected_in_a_multi_optimizers_sub_optimizer_is_found():
+  """A MultiOptimizer keeps one OptimizerState per sub-optimizer: the rate injected in one
+  of them is the state's, as in a plain OptaxWrapper's state."""
+  params = {"w": jax.numpy.ones((2, 2)), "scale": jax.numpy.ones(2)}
+  injected = t5x_optim.OptaxWrapper(optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3))
+  plain = t5x_optim.OptaxWrapper(optax.sgd(0.1))
+  multi = t5x_optim.optimizers.MultiOptimizer([("^w$", injected), ("scale", plain)])
+  rates = _train.injected_learning_rates(multi.create(params).state.param_states)
+  assert [float(rate) for rate in rates] == pytest.approx([3e-3])
+
+
 def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest():
   """reduce_on_plateau halving its scale at every step: the line of step 3 with
   ``log_every = 3`` showed the scales' mean (0.583), where ``log_every = 1`` showed 0.25 at

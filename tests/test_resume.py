@@ -757,6 +757,53 @@ def test_a_learning_rate_in_the_optimizer_state_is_read_from_it(tmp_path, capsys
   assert re.search(r"^step 5/5  loss \S+  lr 0.25  ", out, re.M), out
 
 
+_INJECTED_MULTI = """
+from __gin__ import dynamic_registration
+import optax
+from t5x_optim import optimizers
+
+OPTIMIZER = @optimizers.MultiOptimizer()
+matrices/optimizers.PathFilter:
+  patterns = 'scale$'
+  invert = True
+scales/optimizers.PathFilter.patterns = 'scale$'
+fast/optimizers.OptaxWrapper.optax_optimizer = @fast/optimizers.inject_hyperparams()
+slow/optimizers.OptaxWrapper.optax_optimizer = @slow/optimizers.inject_hyperparams()
+optimizers.inject_hyperparams.inner_factory = @optax.adamw
+fast/optimizers.inject_hyperparams.hyperparams = {'learning_rate': 3e-3}
+slow/optimizers.inject_hyperparams.hyperparams = {'learning_rate': 1e-4}
+"""
+
+
+@pytest.mark.parametrize("scales", ["frozen", "injected"])
+def test_a_multi_optimizers_injected_learning_rates_are_the_ones_logged(scales, tmp_path, capsys):
+  """The rates injected in a MultiOptimizer's sub-optimizers: one (the norm scales frozen)
+  is read from the state, two log none; both logged the default config's adamw schedule."""
+  pairs = "(@matrices/optimizers.PathFilter(), @fast/optimizers.OptaxWrapper())"
+  if scales == "injected":
+    pairs += ", (@scales/optimizers.PathFilter(), @slow/optimizers.OptaxWrapper())"
+  gin_file = tmp_path / "multi.gin"
+  gin_file.write_text(
+    _INJECTED_MULTI + f"optimizers.MultiOptimizer.traversals_and_optimizers = [{pairs}]\n"
+  )
+  model_dir = tmp_path / "run"
+  flags = [*_steps(2), "--gin_file", str(gin_file), "--metrics_every", "0"]
+  flags += ["--gin_bindings", "cli.TrainJob.log_every = 1"]
+  code, out, err = _train_run(model_dir, *flags, capsys=capsys)
+  assert code == 0, err
+  rate_line = re.search(r"^learning rate: +(.*)$", out, re.M).group(1)
+  step_lines = re.findall(r"^step \d/2 .*$", out, re.M)
+  rates = _scalars(model_dir / "train").get("learning_rate", [])
+  if scales == "frozen":
+    assert rate_line.startswith("read from the optimizer state"), out
+    assert all("  lr 0.003  " in line for line in step_lines), out
+    assert [rate for _, rate in rates] == pytest.approx([3e-3, 3e-3])
+  else:
+    assert rate_line.startswith("not logged"), out
+    assert not any(" lr " in line for line in step_lines), out
+    assert rates == []
+
+
 def test_init_from_builds_only_the_sources_optimizer(tmp_path, capsys):
   """The source ran on 8 devices with --data at a path that is gone: neither matters."""
   text = tmp_path / "moved.txt"

@@ -361,7 +361,8 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def injected_learning_rates(param_states: Any) -> list[Any]:
-  """The ``learning_rate`` of every ``inject_hyperparams`` state in an optimizer state.
+  """The ``learning_rate`` of every ``inject_hyperparams`` state in an optimizer state,
+  those of a `MultiOptimizer`'s sub-optimizers included.
 
   Such a state holds the value its optimizer used in the last update.
 
@@ -383,6 +384,9 @@ def injected_learning_rates(param_states: Any) -> list[Any]:
     elif isinstance(node, dict):
       for child in node.values():
         visit(child)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+      for field in dataclasses.fields(node):  # a MultiOptimizer's state per sub-optimizer
+        visit(getattr(node, field.name))
 
   visit(param_states)
   return found
@@ -444,8 +448,9 @@ class Setup:
     abstract_state: the train state as sharded `jax.ShapeDtypeStruct`s.
     step_fn: `(state, batch) -> (state, metrics)`, jitted; the metrics are
       ``loss``, ``grad_norm``, ``finite`` (of those and of the updated params),
-      ``learning_rate`` (when the job names one) and ``lr_scale`` (reduce_on_plateau's,
-      when the optimizer holds one). A step that is not finite leaves the state as it
+      ``learning_rate`` (the one the optimizer state holds, else the job's when it names
+      one; none where the state holds several) and ``lr_scale`` (reduce_on_plateau's, when
+      the optimizer holds one). A step that is not finite leaves the state as it
       was (see `_train_step`).
     eval_fn: `(params, batch) -> loss`, jitted (params: the trained copy).
     batch_sharding: how a batch's rows shard over the mesh.
@@ -546,12 +551,14 @@ def prepare(job: TrainJob) -> Setup:
   abstract = _abstract(job, create_fn, init_args)
   shardings = jax.tree.map(lambda x: x.sharding, abstract)
   partitioner = job.partitioner
+  # Rates the optimizer state holds are the ones used: one is logged, several none.
+  rate = None if injected_learning_rates(abstract.param_states) else job.learning_rate
 
   def partitioned_step(weights: bool) -> Any:
     step = functools.partial(
       _train_step,
       model,
-      job.learning_rate,
+      rate,
       weights=weights,
       shardings=shardings,
       skip=job.on_nonfinite == "skip",
@@ -664,6 +671,8 @@ def _rate_source(setup: Setup, where: str | None) -> str:
   injected = len(injected_learning_rates(setup.abstract_state.param_states))
   if injected == 1:
     return "read from the optimizer state (inject_hyperparams' learning_rate) after each step"
+  if injected:
+    return f"not logged (the optimizer state holds {injected} inject_hyperparams' learning rates)"
   if setup.job.learning_rate is None:
     return "not logged (the optimizer binds no single learning rate)"
   kind = (
