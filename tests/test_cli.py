@@ -408,6 +408,38 @@ def test_a_learning_rate_injected_in_a_multi_optimizers_sub_optimizer_is_found()
   assert [float(rate) for rate in rates] == pytest.approx([3e-3])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("guard", ["accumulation", "plateau"])
+def test_the_resume_guards_read_a_multi_optimizers_sub_optimizers(guard, nested):
+  """A saved MultiSteps accumulation or reduce_on_plateau count that a sub-optimizer's setting
+  now drops is named, as a plain OptaxWrapper's is; inside a MultiOptimizer, nested too, the
+  guards found no optax transformation and let the resume go on."""
+  params = {"w": jax.numpy.ones((2, 2)), "scale": jax.numpy.ones(2)}
+  grads = jax.tree.map(jax.numpy.ones_like, params)
+  MultiOptimizer = t5x_optim.optimizers.MultiOptimizer  # noqa: N806 - a class
+
+  def optimizer(size: int) -> t5x_optim.OptimizerDef:
+    if guard == "accumulation":
+      tx = optax.MultiSteps(optax.adam(1e-3), size)
+    else:
+      tx = optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau(accumulation_size=size))
+    multi = MultiOptimizer([("^w$", t5x_optim.OptaxWrapper(tx))])
+    return MultiOptimizer([(".", multi)]) if nested else multi
+
+  extra = {"value": jax.numpy.float32(1.0)} if guard == "plateau" else {}
+  saved = optimizer(4).create(params)
+  for _ in range(3):
+    saved = saved.apply_gradient(grads, **extra)
+  check = _train._dropped_accumulation if guard == "accumulation" else _train._stalled_plateau
+  assert check(optimizer(4), saved.state) is None
+  found = check(optimizer(2), saved.state)
+  assert found is not None and found[1] == (
+    "every_k_schedule" if guard == "accumulation" else "accumulation_size"
+  )
+  assert found[0].startswith("holds 3 gradients" if guard == "accumulation" else "holds the ")
+
+
 def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest():
   """reduce_on_plateau halving its scale at every step: the line of step 3 with
   ``log_every = 3`` showed the scales' mean (0.583), where ``log_every = 1`` showed 0.25 at

@@ -52,6 +52,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from t5x_optim import (
+  MultiOptimizer,
   TrainState,
   leaf_storage,
   loss_extra_args,
@@ -829,50 +830,71 @@ def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _R
   return resume
 
 
+def _optax_parts(optimizer: Any, param_states: Any) -> list[tuple[Any, Any]]:
+  """`optimizer`'s optax transformation (None without one) and its `param_states`; for a
+  `MultiOptimizer`, each sub-optimizer's, nested ones included."""
+  if not isinstance(optimizer, MultiOptimizer):
+    return [(getattr(optimizer, "optax_optimizer", None), param_states)]
+  return [
+    part
+    for sub, sub_state in zip(optimizer.sub_optimizers, param_states, strict=True)
+    for part in _optax_parts(sub, sub_state.param_states)
+  ]
+
+
 def _dropped_accumulation(optimizer: Any, state: TrainState) -> tuple[str, str] | None:
-  """What a restored `optax.MultiSteps` state accumulated that `optimizer` would drop, and the
-  setting that drops it, or None.
+  """What a restored `optax.MultiSteps` state accumulated that `optimizer` (or one of a
+  `MultiOptimizer`'s sub-optimizers) would drop, and the setting that drops it, or None.
 
   A step saved between two updates holds ``mini_step`` gradients accumulated
   towards the next. optax counts mini-steps modulo the current
   ``every_k_schedule``, so a schedule now at or below that count never
   applies them: the next update starts afresh, or weighs them as one.
   """
-  transformation = getattr(optimizer, "optax_optimizer", None)
-  multi_steps = getattr(getattr(transformation, "update", None), "__self__", None)
-  if not isinstance(multi_steps, optax.MultiSteps):
-    return None
-  nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
-  node = next((n for n in nodes if isinstance(n, optax.MultiStepsState)), None)
-  if node is None:
-    return None
-  accumulated = int(node.mini_step)
-  # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
-  every = int(multi_steps._every_k_schedule(int(node.gradient_step)))
-  if accumulated < every:
-    return None
-  return (
-    f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
-    f"update, which every_k_schedule {every} now would never apply",
-    "every_k_schedule",
-  )
+  for transformation, param_states in _optax_parts(optimizer, state.param_states):
+    multi_steps = getattr(getattr(transformation, "update", None), "__self__", None)
+    nodes = _nodes(param_states, optax.MultiStepsState)
+    if not isinstance(multi_steps, optax.MultiSteps) or not nodes:
+      continue
+    accumulated = int(nodes[0].mini_step)
+    # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
+    every = int(multi_steps._every_k_schedule(int(nodes[0].gradient_step)))
+    if accumulated >= every:
+      return (
+        f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
+        f"update, which every_k_schedule {every} now would never apply",
+        "every_k_schedule",
+      )
+  return None
 
 
 def _stalled_plateau(optimizer: Any, state: TrainState) -> tuple[str, str] | None:
-  """What a restored ``optax.contrib.reduce_on_plateau`` state counted that `optimizer` would
-  never act on, and the setting that stalls it, or None.
+  """What a restored ``optax.contrib.reduce_on_plateau`` state counted that `optimizer` (or
+  one of a `MultiOptimizer`'s sub-optimizers) would never act on, and the setting that
+  stalls it, or None.
 
   reduce_on_plateau checks the loss when its ``count`` of losses equals
   ``accumulation_size``, and reduces the scale when its ``plateau_count``
   equals ``patience``; a setting now at or below the count saved is never
-  met (until an improvement resets ``plateau_count``). Checked where the
-  optimizer holds one reduce_on_plateau and its state one such state.
+  met (until an improvement resets ``plateau_count``). Checked where an
+  optimizer (a sub-optimizer) holds one reduce_on_plateau and its state one
+  such state.
   """
-  settings = _plateau_settings(getattr(optimizer, "optax_optimizer", None))
-  nodes = _plateau_states(state.param_states)
-  if len(settings) != 1 or len(nodes) != 1:
-    return None
-  (setting,), (node,) = settings, nodes
+  for transformation, param_states in _optax_parts(optimizer, state.param_states):
+    settings = _plateau_settings(transformation)
+    nodes = _plateau_states(param_states)
+    if len(settings) == 1 and len(nodes) == 1:
+      stalled = _plateau_stall(settings[0], nodes[0])
+      if stalled:
+        return stalled
+  return None
+
+
+def _plateau_stall(
+  setting: dict[str, Any], node: optax.contrib.ReduceLROnPlateauState
+) -> tuple[str, str] | None:
+  """What `node` counted that reduce_on_plateau's `setting` would never act on, and the
+  setting's name, or None."""
   checks = (
     (
       "accumulation_size",
