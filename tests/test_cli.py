@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -438,6 +439,26 @@ def test_the_resume_guards_read_a_multi_optimizers_sub_optimizers(guard, nested)
     "every_k_schedule" if guard == "accumulation" else "accumulation_size"
   )
   assert found[0].startswith("holds 3 gradients" if guard == "accumulation" else "holds the ")
+
+
+def test_plan_lists_the_update_rule_of_muon_inside_a_nested_multi_optimizer():
+  """Muon in a MultiOptimizer inside a MultiOptimizer places its params by their axes: the
+  plan lists every param's rule (a frozen one too), where it listed none."""
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  optimizers = t5x_optim.optimizers
+  params = {"body": {"kernel": jax.numpy.ones((4, 6))}, "scale": jax.numpy.ones(4)}
+  inner = optimizers.MultiOptimizer([("kernel$", optimizers.muon(learning_rate=0.02))])
+  opt_def = optimizers.MultiOptimizer([("^body/", inner)])
+  opt_def.set_param_axes({"body": {"kernel": jax.P("embed", "mlp")}, "scale": jax.P("embed")})
+  state = types.SimpleNamespace(
+    optimizer=types.SimpleNamespace(optimizer_def=opt_def), params=params
+  )
+  assert _main._param_routes(state) == [
+    "body/kernel ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',) "
+    "[filter 0 PathFilter('kernel$')] [filter 0 PathFilter('^body/')]",
+    "scale: frozen [no filter]",
+  ]
 
 
 def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest():

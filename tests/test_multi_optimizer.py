@@ -789,3 +789,33 @@ def test_describe_params_names_each_params_sub_optimizer_and_muon_placement():
     "embed/embedding ('vocab', 'embed'): adam [filter 0 PathFilter('^(body|embed)/')]",
     "head/kernel: OptaxWrapper [filter 1 PathFilter('^head/')]",
   ]
+
+
+def test_describe_params_lists_frozen_params_and_those_of_a_nested_multi_optimizer():
+  """One line per param: a param no filter selects is frozen, and a nested MultiOptimizer's
+  params are named by its own filters and sub-optimizers (Muon's placement included); the
+  frozen ones were left out and a nested MultiOptimizer was named by its class."""
+  from t5x_optim import optimizers  # noqa: PLC0415
+
+  params = {
+    "body": {"kernel": jnp.ones((4, 6))},
+    "embed": {"embedding": jnp.ones((10, 4))},
+    "head": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)},
+  }
+  axes = {
+    "body": {"kernel": P("embed", "mlp")},
+    "embed": {"embedding": P("vocab", "embed")},
+    "head": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+  }
+  head = optimizers.MultiOptimizer([("kernel$", optimizers.muon(learning_rate=0.02))])
+  opt_def = optimizers.MultiOptimizer(
+    [("^body/", optimizers.OptaxWrapper(optax.sgd(0.1))), ("^head/", head)]
+  )
+  opt_def.set_param_axes(axes)
+  assert opt_def.describe_params(params) == [
+    "body/kernel: OptaxWrapper [filter 0 PathFilter('^body/')]",
+    "embed/embedding: frozen [no filter]",
+    "head/bias: frozen [no filter] [filter 1 PathFilter('^head/')]",
+    "head/kernel ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',) "
+    "[filter 0 PathFilter('kernel$')] [filter 1 PathFilter('^head/')]",
+  ]

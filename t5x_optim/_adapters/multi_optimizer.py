@@ -492,10 +492,12 @@ class MultiOptimizer(OptimizerDef):
     return overridden
 
   def describe_params(self, params: Any) -> list[str]:
-    """One line per param: the filter and sub-optimizer that update it.
+    """One line per param: the filter and sub-optimizer that update it, or ``frozen [no
+    filter]``.
 
     A sub-optimizer that places its params by their logical axes (``muon``
-    after `set_param_axes`) says where each of its params goes; the others
+    after `set_param_axes`) says where each of its params goes, and a nested
+    `MultiOptimizer` names its own filters and sub-optimizers; the others
     are named by their class.
 
     Raises:
@@ -505,11 +507,18 @@ class MultiOptimizer(OptimizerDef):
     lines = []
     for i, (opt, subtree) in enumerate(zip(self.sub_optimizers, partition.split(leaves))):
       where = describe_traversal(i, self.traversals[i])
-      if getattr(opt, "param_specs", None) is not None:
+      if isinstance(opt, MultiOptimizer) or getattr(opt, "param_specs", None) is not None:
         lines += [f"{line} [{where}]" for line in opt.describe_params(subtree)]
       else:
         paths = jax.tree.flatten_with_path(subtree, is_leaf=is_none)[0]
         lines += [f"{key_path_str(path)}: {type(opt).__name__} [{where}]" for path, _ in paths]
+    selected = {j for group in partition.groups for j in group}
+    paths = jax.tree.flatten_with_path(params, is_leaf=is_none)[0]
+    lines += [
+      f"{key_path_str(path)}: frozen [no filter]"
+      for j, (path, _) in enumerate(paths)
+      if j not in selected
+    ]
     return sorted(lines)
 
   def _set_param_axes(self, param_logical_axes: Any) -> None:

@@ -404,12 +404,20 @@ def _keep_edited_config(model_dir: Path, gin_files: Sequence[str]) -> Path | Non
 
 def _param_routes(abstract_state) -> list[str]:
   """Where each param goes, for optimizers that decide it from the axes (muon: muon or adam),
-  alone or inside a MultiOptimizer."""
+  alone or inside a MultiOptimizer (nested ones included)."""
   optimizer_def = abstract_state.optimizer.optimizer_def
-  placing = getattr(optimizer_def, "sub_optimizers", [optimizer_def])
-  if all(getattr(opt, "param_specs", None) is None for opt in placing):
+  if not _places_by_axes(optimizer_def):
     return []
   return optimizer_def.describe_params(abstract_state.params)
+
+
+def _places_by_axes(optimizer_def) -> bool:
+  """Whether `optimizer_def`, or a sub-optimizer of a MultiOptimizer at any depth, decides
+  where its params go from their axes."""
+  subs = getattr(optimizer_def, "sub_optimizers", None)
+  if subs is not None:
+    return any(map(_places_by_axes, subs))
+  return getattr(optimizer_def, "param_specs", None) is not None
 
 
 def _run_plan(args: argparse.Namespace, setup) -> int:
