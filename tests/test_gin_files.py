@@ -364,6 +364,34 @@ def test_a_reference_with_a_scope_of_its_own_is_read_in_that_scope():
   assert (float(rate(0)), float(rate(10))) == (0.5, pytest.approx(0.1))
 
 
+MULTI_TRANSFORM = [
+  "OPTIMIZER = @optimizers.OptaxWrapper()",
+  "optimizers.OptaxWrapper.optax_optimizer = @optax.multi_transform()",
+  "optax.multi_transform.transforms = {'y': @optax.sgd(), 'x': @a/optax.adam()}",
+  "optax.multi_transform.param_labels = {'dense': {'kernel': 'x'}, 'norm': {'scale': 'y'}}",
+  "a/optax.adam.learning_rate = 0.003",
+  "a/optax.adam.b2 = 0.95",
+  "optax.sgd.learning_rate = 0.003",
+  "optax.sgd.momentum = 0.5",
+]
+"""``optax.multi_transform``, whose optimizers are the values of its ``transforms`` dict."""
+
+
+def test_the_optimizers_in_a_dict_are_described_and_are_the_optimizers_identity():
+  """A dict's values are walked as a list's items are (its keys in order): the description
+  and the identity a resume compares named ``optax.multi_transform`` alone, so a resume with
+  nadam in the place of adam was not refused."""
+  described, identity, _, built = _optimizer_report(MULTI_TRANSFORM)
+  expected = (
+    "optimizers.OptaxWrapper(optax_optimizer=optax.multi_transform("
+    "transforms={'x': optax.adam, 'y': optax.sgd}))"
+  )
+  assert (described, identity) == (expected, expected)
+  assert set(built.create(PARAMS).state.param_states.inner_states) == {"x", "y"}
+  nadam = [binding.replace("adam", "nadam") for binding in MULTI_TRANSFORM]
+  assert _optimizer_report(nadam)[1] == expected.replace("adam", "nadam")
+
+
 def test_the_default_optimizer_reports_its_unscoped_bindings():
   described, identity, (_, where), _ = _optimizer_report([])
   assert described == (

@@ -201,6 +201,25 @@ def test_bound_hparams_are_those_gin_builds_the_optimizer_with():
   assert callable(_init_from.bound_hparams()["learning_rate"])
 
 
+def test_bound_hparams_read_the_optimizers_in_a_dict():
+  """``optax.multi_transform.transforms = {...}``: the optimizers' bindings were not read, so
+  a conversion into it used optax's defaults (b2 0.999, momentum 0.9)."""
+  _config.parse_config(
+    gin_bindings=[
+      "OPTIMIZER = @optimizers.OptaxWrapper()",
+      "optimizers.OptaxWrapper.optax_optimizer = @optax.multi_transform()",
+      "optax.multi_transform.transforms = {'x': @a/optax.adam(), 'y': @optax.sgd()}",
+      "optax.multi_transform.param_labels = {'w': 'x'}",
+      "a/optax.adam.b2 = 0.95",
+      "optax.adam.learning_rate = 1e-3",
+      "optax.sgd.learning_rate = 1e-3",
+      "optax.sgd.momentum = 0.5",
+    ],
+    macros=_config.device_macros(8),
+  )
+  assert _init_from.bound_hparams() == {"b2": 0.95, "learning_rate": 1e-3, "momentum": 0.5}
+
+
 def test_bound_hparams_read_muons_beta_and_the_b1_and_b2_of_its_adam():
   """muon.gin binds beta and adam_b2 = 0.98: a conversion from a muon run read its Adam's
   second moment with optax's b2 0.999 and its momentum with the default beta."""

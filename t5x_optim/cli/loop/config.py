@@ -837,17 +837,37 @@ def _called_identity(value: Any, scope: Sequence[str]) -> tuple[str, tuple[str, 
   return value.selector, tuple(scope)
 
 
+def _items(value: Any) -> list[tuple[Any, Any]] | None:
+  """The ``(key, item)`` pairs of a bound list, tuple or dict (a dict's in the order of its
+  keys, which optax's state keeps too), the indices as keys; None for any other value.
+
+  Example:
+    >>> _items({'y': 1, 'x': 2}), _items(('a',)), _items('a')
+    ([('x', 2), ('y', 1)], [(0, 'a')], None)
+  """
+  if isinstance(value, (list, tuple)):
+    return list(enumerate(value))
+  if isinstance(value, Mapping):
+    return sorted(value.items(), key=lambda item: repr(item[0]))
+  return None
+
+
 def _reference_text(
   value: Any, depth: int, skip: frozenset[str] = frozenset(), scope: Sequence[str] = ()
 ) -> str | None:
-  """`value` as ``name(arg=...)`` when it is a gin reference (or a list of them).
+  """`value` as ``name(arg=...)`` when it is a gin reference (or a list or dict of them).
 
   Its arguments are those gin binds when it calls `value` from `scope`;
   those named in `skip` are left out.
   """
-  if isinstance(value, (list, tuple)):
-    parts = [_reference_text(v, depth, skip, scope) for v in value]
-    return f"[{', '.join(parts)}]" if all(parts) else None
+  items = _items(value)
+  if items is not None:
+    parts = [(key, _reference_text(item, depth, skip, scope)) for key, item in items]
+    if not all(text for _, text in parts):
+      return None
+    if isinstance(value, Mapping):
+      return f"{{{', '.join(f'{key!r}: {text}' for key, text in parts)}}}"
+    return f"[{', '.join(text for _, text in parts)}]"
   if not isinstance(value, gin.config.ConfigurableReference):
     return None
   scope = _called_in(value, scope)
@@ -906,7 +926,9 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
   A configurable is read in the scope gin calls it in: ``OPTIMIZER`` for
   ``%OPTIMIZER``'s value and what it reaches, a reference's own scope
   (``@fast/optax.adamw()``) for it, where a scoped binding wins over an
-  unscoped one. Arguments named in `stop` are yielded but not looked into.
+  unscoped one. Lists, tuples and dicts (``optax.multi_transform``'s
+  ``transforms``) are looked into item by item. Arguments named in `stop`
+  are yielded but not looked into.
 
   Example:
     >>> parse_config(gin_bindings=['OPTIMIZER/optax.adamw.b1 = 0.8'])
@@ -917,8 +939,9 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
   def visit(value: Any, depth: int, scope: Sequence[str]) -> Iterator[OptimizerArgument]:
     if depth == 0:
       return
-    if isinstance(value, (list, tuple)):
-      for item in value:
+    items = _items(value)
+    if items is not None:
+      for _, item in items:
         yield from visit(item, depth, scope)
       return
     if not isinstance(value, gin.config.ConfigurableReference):
