@@ -392,6 +392,20 @@ def test_the_optimizers_in_a_dict_are_described_and_are_the_optimizers_identity(
   assert _optimizer_report(nadam)[1] == expected.replace("adam", "nadam")
 
 
+def test_a_configurable_named_by_another_name_of_its_function_is_read():
+  """``optax.partition`` is ``optax.multi_transform``: gin registers the function once, under
+  the name it meets first, and the walk looked a reference's bindings up under the name it
+  was written with, which gin then did not know (an ``--init_from`` between a run of one name
+  and a config of the other stopped on ``Could not find OPTIMIZER/optax.partition``)."""
+  described, identity, _, _ = _optimizer_report(MULTI_TRANSFORM)
+  partition = [binding.replace("multi_transform", "partition") for binding in MULTI_TRANSFORM]
+  renamed = (described.replace("multi_transform", "partition"),) * 2
+  assert _optimizer_report(partition)[:2] == renamed
+  assert [a.binding for a in _config.optimizer_arguments() if a.name == "b2"] == ["a/optax.adam.b2"]
+  _optimizer_report(MULTI_TRANSFORM)
+  assert _config.optimizer_identity() == identity
+
+
 def test_the_default_optimizer_reports_its_unscoped_bindings():
   described, identity, (_, where), _ = _optimizer_report([])
   assert described == (

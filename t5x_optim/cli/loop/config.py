@@ -803,18 +803,25 @@ def _called_in(reference: Any, scope: Sequence[str]) -> list[str]:
 
 
 def _bound(reference: Any, scope: Sequence[str]) -> dict[str, Any]:
-  """The bindings gin gives `reference` in `scope`: a scoped binding over an unscoped one."""
-  key = "/".join([*scope, reference.selector])
+  """The bindings gin gives `reference` in `scope`: a scoped binding over an unscoped one.
+
+  They are looked up under the name gin registered the configurable with, which is not the
+  name the reference is written with where a function has two (``optax.partition`` is
+  ``optax.multi_transform``: gin knows it by the name it met first).
+  """
+  key = "/".join([*scope, reference.configurable.selector])
   return gin.get_bindings(key, resolve_references=False)
 
 
 def _binding_name(reference: Any, scope: Sequence[str], arg: str) -> str:
-  """The binding that gives `reference`'s `arg` its value in `scope`, e.g. ``optax.adamw.b1``."""
+  """The binding that gives `reference`'s `arg` its value in `scope`, e.g. ``optax.adamw.b1``,
+  named as the operative config names it (by the configurable's registered name)."""
+  registered = reference.configurable.selector
   for end in range(len(scope), -1, -1):
-    selector = "/".join([*scope[:end], reference.selector])
+    selector = "/".join([*scope[:end], registered])
     if arg in gin.get_bindings(selector, resolve_references=False, inherit_scopes=False):
       return f"{selector}.{arg}"
-  return f"{reference.selector}.{arg}"
+  return f"{registered}.{arg}"
 
 
 def _past_macros(value: Any, scope: Sequence[str]) -> tuple[Any, list[str]]:
