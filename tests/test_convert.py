@@ -761,6 +761,53 @@ def test_schedule_counts_go_on_from_the_source_step():
   assert int(new.state.param_states[-1].count) == T  # scale_by_schedule's count
 
 
+def _of_type(states: Any, kind: type) -> list[Any]:
+  return [
+    n for n in jax.tree.leaves(states, is_leaf=lambda x: isinstance(x, kind)) if isinstance(n, kind)
+  ]
+
+
+@pytest.mark.parametrize(
+  ("make", "kind"),
+  [
+    (
+      lambda: optax.contrib.reduce_on_plateau(accumulation_size=2),
+      optax.contrib.ReduceLROnPlateauState,
+    ),
+    (lambda: optax.apply_every(3), optax.ApplyEvery),
+    (lambda: optax.contrib.galore(1e-3, rank=2, update_proj_gap=4), optax.contrib.GaLoreState),
+    (lambda: optax.contrib.sophia(1e-3), optax.contrib.SophiaState),
+    (lambda: optax.novograd(1e-3), optax.ScaleByNovogradState),
+    (lambda: optax.scale_by_lbfgs(), optax.ScaleByLBFGSState),
+  ],
+  ids=["reduce_on_plateau", "apply_every", "galore", "sophia", "novograd", "lbfgs"],
+)
+def test_counts_that_time_an_event_of_their_fresh_state_start_at_0(make, kind):
+  """Such a count is compared with a setting or taken modulo one (the next check, emit,
+  refresh or memory slot) or with 0 (a first step), over fields that start fresh: set to the
+  old step, the event would fall out of step with them, or never come."""
+  schedule = optax.linear_schedule(1.0, 0.0, 100)
+  target = OptaxWrapper(optax.chain(make(), optax.scale_by_schedule(schedule)))
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), target, missing="init")
+  (node,) = _of_type(new.state.param_states, kind)
+  assert int(node.count) == 0
+  (scheduled,) = _of_type(new.state.param_states, optax.ScaleByScheduleState)
+  assert int(scheduled.count) == T
+
+
+@pytest.mark.slow
+def test_reduce_on_plateau_converted_still_reduces_its_scale():
+  tx = optax.chain(
+    optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, accumulation_size=2)
+  )
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(tx), missing="init")
+  state = new.state.param_states
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  for _ in range(6):  # a loss that never improves: the scale falls every 2 losses
+    _, state = tx.update(grads, state, PARAMS, value=jnp.asarray(1.0))
+  assert float(state[1].scale) < 1.0
+
+
 def test_multi_optimizer_sub_states_are_converted():
   filters = [t5x_optim.PathFilter("kernel"), t5x_optim.PathFilter("bias")]
   target = t5x_optim.MultiOptimizer(

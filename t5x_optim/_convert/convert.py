@@ -34,7 +34,12 @@ goes on from as many updates as its moments were gathered over), with
 else 0 (one copy: just synced). Every other ``count``
 field (learning-rate schedules, injected hyper-parameters) is set to its clock,
 so schedules go on where the old run was instead of warming up again; a node
-that gets none of its moments starts fresh with count 0.
+that gets none of its moments starts fresh with count 0. A count that times an
+event of its own state, which starts fresh (`_EVENT_COUNTS`: reduce_on_plateau's
+losses towards its next check, apply_every's accumulated gradients, GaLore's
+projector and Sophia's Hessian refreshes, Novograd's first step, L-BFGS's memory
+slot), starts at 0 with it: set to the clock, the event would fall out of step
+with that state or, compared for equality, never come.
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -151,6 +156,19 @@ def _has_tensors(tree: Any) -> bool:
 
 # Fields that hold no statistics of the gradients and start at their initial value.
 _FRESH_FIELDS = {(optax.MultiStepsState, "acc_grads")}
+
+_EVENT_COUNTS = frozenset(
+  {
+    optax.contrib.ReduceLROnPlateauState,  # losses averaged towards the next check (== size)
+    optax.ApplyEvery,  # gradients in its accumulator (modulo k), which starts empty
+    optax.contrib.GaLoreState,  # its projectors are computed when count % update_proj_gap == 0
+    optax.contrib.SophiaState,  # its Hessian estimate when count % update_interval == 0
+    optax.ScaleByNovogradState,  # count 0 sets its moments from the first gradient
+    optax.ScaleByLBFGSState,  # count % memory_size is the slot of its memory of updates
+  }
+)
+"""States whose ``count`` times an event of their own state, which starts fresh, rather
+than feed a schedule: converted, it starts at 0 with that state (see the module docstring)."""
 
 
 def _loose_arrays(node: Any, where: str) -> str | None:
@@ -551,7 +569,7 @@ def _write_target(
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
       if state_node and key == "count" and _is_integer_scalar(child):
-        new.append(_as_count(clock, child))
+        new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
       elif state_node and not _has_state_nodes(child) and _has_tensors(child):
         if (type(node), key) not in _FRESH_FIELDS:
           no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
