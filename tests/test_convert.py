@@ -808,6 +808,19 @@ def test_reduce_on_plateau_converted_still_reduces_its_scale():
   assert float(state[1].scale) < 1.0
 
 
+@pytest.mark.slow
+def test_schedule_free_step_count_goes_on_from_the_source_step():
+  """optax's schedule-free counts from 1, one ahead of its base optimizer's counts."""
+  tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=100)
+  new, _ = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(tx), missing="init")
+  state = new.state.param_states
+  native = tx.init(PARAMS)
+  for _ in range(T):
+    _, native = tx.update(jax.tree.map(jnp.ones_like, PARAMS), native, PARAMS)
+  assert int(state.step_count) == int(native.step_count) == T + 1
+  assert int(state.base_optimizer_state[0].count) == int(native.base_optimizer_state[0].count)
+
+
 def test_multi_optimizer_sub_states_are_converted():
   filters = [t5x_optim.PathFilter("kernel"), t5x_optim.PathFilter("bias")]
   target = t5x_optim.MultiOptimizer(

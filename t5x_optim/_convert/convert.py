@@ -31,7 +31,8 @@ passes its own step to its sub-optimizers); a ``MultiSteps``'
 goes on from as many updates as its moments were gathered over), with
 ``mini_step`` 0 and no accumulated gradient; an ``optax.lookahead`` state's
 ``steps_since_sync`` is a lookahead source's (both copies of the params are the source's),
-else 0 (one copy: just synced). Every other ``count``
+else 0 (one copy: just synced); an ``optax.contrib.schedule_free`` state's
+``step_count``, which counts from 1, is its clock + 1. Every other ``count``
 field (learning-rate schedules, injected hyper-parameters) is set to its clock,
 so schedules go on where the old run was instead of warming up again; a node
 that gets none of its moments starts fresh with count 0. A count that times an
@@ -216,13 +217,17 @@ def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
   ``MultiSteps`` state's inner optimizer has made as many updates as the
   source's moments for its params were gathered over (the parent's clock
   when the source has none); ``mini_step`` stays 0, as the accumulated
-  gradient starts empty.
+  gradient starts empty. A schedule-free state's ``step_count`` (read by its
+  own learning-rate schedule) counts from 1, one ahead of its base optimizer's
+  counts.
   """
   if isinstance(node, optax.MultiStepsState):
     inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
     return node._replace(gradient_step=inner), inner
   if isinstance(node, OptimizerState):
     return node.replace(step=_as_count(clock, node.step)), clock
+  if isinstance(node, optax.contrib.ScheduleFreeState):
+    return node._replace(step_count=_as_count(clock + 1, node.step_count)), clock
   return node, clock
 
 
