@@ -409,6 +409,31 @@ def test_a_learning_rate_injected_in_a_multi_optimizers_sub_optimizer_is_found()
   assert [float(rate) for rate in rates] == pytest.approx([3e-3])
 
 
+@pytest.mark.parametrize(
+  "make",
+  [
+    optax.contrib.prodigy,
+    optax.contrib.dadapt_adamw,
+    optax.contrib.momo,
+    optax.contrib.momo_adam,
+    optax.contrib.madgrad,
+  ],
+)
+def test_a_schedule_read_at_an_optimizers_own_count_is_read_there(make):
+  """These optimizers call their learning-rate schedule at their own state's count, not at a
+  ``scale_by_schedule`` state's: under MultiSteps that count is behind the step."""
+  tx = optax.MultiSteps(make(optax.linear_schedule(1.0, 0.0, 4)), 4)
+  state = tx.init({"w": jax.numpy.ones(3)})
+  counted = lambda node: "count" in getattr(node, "_fields", ())  # noqa: E731
+  inner = jax.tree.map(
+    lambda node: node._replace(count=jax.numpy.int32(3)) if counted(node) else node,
+    state.inner_opt_state,
+    is_leaf=counted,
+  )
+  state = state._replace(inner_opt_state=inner)
+  assert [int(count) for count in _train.schedule_counts(state)] == [3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("guard", ["accumulation", "plateau"])

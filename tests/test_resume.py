@@ -736,6 +736,36 @@ def test_the_logged_scheduled_rate_is_the_one_the_accumulating_optimizer_uses(tm
   assert re.search(r"^step 40/40  loss \S+  lr 0.00775  ", out, re.M), out
 
 
+_PRODIGY_EVERY_2 = """
+from __gin__ import dynamic_registration
+import optax
+import optax.contrib
+from t5x_optim import optimizers
+
+OPTIMIZER = @optimizers.OptaxWrapper()
+optimizers.OptaxWrapper.optax_optimizer = @optax.MultiSteps()
+optax.MultiSteps.opt = @optax.contrib.prodigy()
+optax.MultiSteps.every_k_schedule = 2
+optax.contrib.prodigy.learning_rate = @optax.linear_schedule()
+optax.linear_schedule.init_value = 1.0
+optax.linear_schedule.end_value = 0.0
+optax.linear_schedule.transition_steps = 4
+"""
+
+
+@pytest.mark.slow
+def test_the_logged_rate_of_a_schedule_read_at_the_optimizers_own_count(tmp_path, capsys):
+  """prodigy keeps the count its schedule is read at in its own state; under MultiSteps it
+  counts updates, not steps."""
+  gin_file = tmp_path / "prodigy.gin"
+  gin_file.write_text(_PRODIGY_EVERY_2)
+  flags = [*_steps(6), "--gin_file", str(gin_file), "--gin_bindings", "cli.TrainJob.log_every = 1"]
+  code, out, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
+  assert code == 0, err
+  logged = [float(rate) for rate in re.findall(r"^step \d+/6  loss \S+  lr (\S+)  ", out, re.M)]
+  assert logged == pytest.approx([1.0, 1.0, 0.75, 0.75, 0.5, 0.5]), out
+
+
 def test_the_logged_learning_rate_is_the_optimizers(tmp_path, capsys):
   model_dir = tmp_path / "run"
   flags = [*_steps(10), "--gin_bindings", "optax.adamw.learning_rate = 1e-5"]

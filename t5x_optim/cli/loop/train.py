@@ -393,9 +393,22 @@ def injected_learning_rates(param_states: Any) -> list[Any]:
   return found
 
 
+_SCHEDULE_STATES = (
+  optax.ScaleByScheduleState,
+  optax.contrib.ProdigyState,
+  optax.contrib.DAdaptAdamWState,
+  optax.contrib.MomoState,
+  optax.contrib.MomoAdamState,
+  optax.contrib.MadgradState,
+)
+"""The optax states whose ``count`` their optimizer calls its learning-rate schedule at:
+``scale_by_schedule``'s, and those of the optimizers that call it in their own update."""
+
+
 def schedule_counts(param_states: Any) -> list[Any]:
-  """The ``count`` of every ``optax.scale_by_schedule`` state in an optimizer state: where
-  its schedule is read for the next update.
+  """The ``count`` of every state in an optimizer state that its learning-rate schedule is
+  read at for the next update (``optax.scale_by_schedule``'s, and prodigy's, dadapt_adamw's,
+  momo's and madgrad's own state's).
 
   Example:
     >>> import jax.numpy as jnp
@@ -403,7 +416,7 @@ def schedule_counts(param_states: Any) -> list[Any]:
     >>> schedule_counts(tx.init({'w': jnp.ones(2)}))
     [Array(0, dtype=int32)]
   """
-  return [node.count for node in _nodes(param_states, optax.ScaleByScheduleState)]
+  return [node.count for node in _nodes(param_states, _SCHEDULE_STATES)]
 
 
 def plateau_scales(param_states: Any) -> list[Any]:
@@ -424,8 +437,9 @@ def _plateau_states(param_states: Any) -> list[optax.contrib.ReduceLROnPlateauSt
   return _nodes(param_states, optax.contrib.ReduceLROnPlateauState)
 
 
-def _nodes(param_states: Any, kind: type) -> list[Any]:
-  """Every node of class `kind` in an optimizer state, in tree order."""
+def _nodes(param_states: Any, kind: type | tuple[type, ...]) -> list[Any]:
+  """Every node of class `kind` (or of one of the classes) in an optimizer state, in tree
+  order."""
   return [
     node
     for node in jax.tree.leaves(param_states, is_leaf=lambda x: isinstance(x, kind))
