@@ -1004,6 +1004,24 @@ def test_an_update_that_needs_an_argument_the_step_does_not_give_is_named():
   ), e.value
 
 
+@pytest.mark.parametrize(
+  "factory", ["optax.contrib.schedule_free_adamw", "optimizers.schedule_free_sgd"]
+)
+def test_a_schedule_free_warmup_is_part_of_the_rate_logged(clean_gin, factory):
+  """optax's schedule-free AdamW and SGD warm their learning rate up from 0 over
+  ``warmup_steps`` (``warmup_constant_schedule``): the rate logged is that schedule."""
+  bindings = [f"OPTIMIZER = @{factory}()", f"{factory}.learning_rate = 0.01"]
+  _config.parse_config(gin_bindings=[*bindings, f"{factory}.warmup_steps = 4"])
+  rate, where = _config.optimizer_learning_rate()
+  assert [float(rate(step)) for step in range(6)] == pytest.approx(
+    [0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01]
+  )
+  assert where == (
+    f"{factory}.learning_rate = 0.01, warmed up by optax.warmup_constant_schedule over "
+    f"{factory}.warmup_steps = 4"
+  )
+
+
 def test_a_binding_that_every_caller_overrides_is_unread(clean_gin):
   """gin gives a call's own argument precedence over a binding, without a word; the binding
   is then unread, as one for a configurable nothing calls."""

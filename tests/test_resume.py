@@ -766,6 +766,23 @@ def test_the_logged_rate_of_a_schedule_read_at_the_optimizers_own_count(tmp_path
   assert logged == pytest.approx([1.0, 1.0, 0.75, 0.75, 0.5, 0.5]), out
 
 
+@pytest.mark.slow
+def test_the_logged_rate_of_schedule_free_adamw_is_its_warmup(tmp_path, capsys):
+  flags = [*_steps(5), "--gin_bindings", "cli.TrainJob.log_every = 1", "--gin_bindings"]
+  flags.append("OPTIMIZER = @optimizers.schedule_free_adamw()")
+  for binding in ("learning_rate = 0.01", "warmup_steps = 4"):
+    flags += ["--gin_bindings", f"optimizers.schedule_free_adamw.{binding}"]
+  code, out, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
+  assert code == 0, err
+  assert (
+    "learning rate:   optimizers.schedule_free_adamw.learning_rate = 0.01, warmed up by "
+    "optax.warmup_constant_schedule over optimizers.schedule_free_adamw.warmup_steps = 4 "
+    "(a schedule, at its optimizer's count)\n"
+  ) in out, out
+  logged = [float(rate) for rate in re.findall(r"^step \d+/5  loss \S+  lr (\S+)  ", out, re.M)]
+  assert logged == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01]), out
+
+
 def test_the_logged_learning_rate_is_the_optimizers(tmp_path, capsys):
   model_dir = tmp_path / "run"
   flags = [*_steps(10), "--gin_bindings", "optax.adamw.learning_rate = 1e-5"]

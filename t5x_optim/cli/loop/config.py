@@ -982,12 +982,26 @@ def evaluated_argument(argument: OptimizerArgument) -> Any:
     return _evaluated(argument.value)
 
 
+_WARMED_UP = frozenset({"schedule_free_adamw", "schedule_free_sgd"})
+"""The factories (optax's and their wrapped ones) that warm a constant ``learning_rate`` up
+from 0 over their ``warmup_steps`` (``optax.warmup_constant_schedule``)."""
+
+
+def _call_of(argument: OptimizerArgument) -> tuple[str, tuple[str, ...]]:
+  """The configurable `argument` is bound for, as its binding names it, and the scope gin
+  calls it in: two arguments of one call have the same."""
+  selector = argument.binding[: -len(argument.name) - 1]
+  return selector.rsplit("/", 1)[-1], argument.scope
+
+
 def optimizer_learning_rate() -> tuple[Any, str] | None:
   """The learning rate the parsed config binds in the configurables ``%OPTIMIZER`` reaches.
 
   Returns ``(value, where)``: a number or a schedule (a function of the
   step), and the binding it comes from; None when no binding, or more than
-  one value, is found (an optimizer of several learning rates).
+  one value, is found (an optimizer of several learning rates). A rate bound
+  with ``warmup_steps`` in a schedule-free factory (`_WARMED_UP`) is the
+  warmup schedule the factory applies.
 
   Example:
     >>> parse_config(gin_bindings=['optax.adamw.learning_rate = 1e-5'])
@@ -995,7 +1009,9 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
     (1e-05, 'optax.adamw.learning_rate = 1e-05')
   """
   found: dict[Any, tuple[Any, str]] = {}
-  for argument in optimizer_arguments(stop=_RATES):
+  arguments = list(optimizer_arguments(stop=_RATES))
+  warmups = {_call_of(a): a for a in arguments if a.name == "warmup_steps"}
+  for argument in arguments:
     if argument.name not in _RATES:
       continue
     rate = evaluated_argument(argument)
@@ -1009,7 +1025,14 @@ def optimizer_learning_rate() -> tuple[Any, str] | None:
         shown = f"%{bound.scopes[-1]} = {shown}"
     # One configurable called in two scopes gives two rates (``@fast/...``, ``@slow/...``).
     key = _called_identity(bound, argument.scope) or repr(rate)
-    found[key] = (rate, f"{argument.binding} = {shown}")
+    where = f"{argument.binding} = {shown}"
+    warmup = warmups.get(_call_of(argument))
+    steps = None if warmup is None else evaluated_argument(warmup)
+    factory = _call_of(argument)[0].rsplit(".", 1)[-1]
+    if factory in _WARMED_UP and steps is not None and isinstance(rate, int | float):
+      rate = optax.warmup_constant_schedule(0.0, rate, steps)
+      where += f", warmed up by optax.warmup_constant_schedule over {warmup.binding} = {steps}"
+    found[key] = (rate, where)
   if len(found) != 1:
     return None
   rate, where = next(iter(found.values()))
