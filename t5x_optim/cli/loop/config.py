@@ -814,14 +814,16 @@ def _bound(reference: Any, scope: Sequence[str]) -> dict[str, Any]:
 
 
 def _binding_name(reference: Any, scope: Sequence[str], arg: str) -> str:
-  """The binding that gives `reference`'s `arg` its value in `scope`, e.g. ``optax.adamw.b1``,
-  named as the operative config names it (by the configurable's registered name)."""
+  """The binding that gives `reference`'s `arg` its value in `scope`, e.g. ``optax.adamw.b1``:
+  looked up under the configurable's registered name (a function of two names is registered
+  under one), named as the reference is written."""
   registered = reference.configurable.selector
   for end in range(len(scope), -1, -1):
-    selector = "/".join([*scope[:end], registered])
-    if arg in gin.get_bindings(selector, resolve_references=False, inherit_scopes=False):
-      return f"{selector}.{arg}"
-  return f"{registered}.{arg}"
+    if arg in gin.get_bindings(
+      "/".join([*scope[:end], registered]), resolve_references=False, inherit_scopes=False
+    ):
+      return f"{'/'.join([*scope[:end], reference.selector])}.{arg}"
+  return f"{reference.selector}.{arg}"
 
 
 def _past_macros(value: Any, scope: Sequence[str]) -> tuple[Any, list[str]]:
