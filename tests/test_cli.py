@@ -466,6 +466,47 @@ def test_the_resume_guards_read_a_multi_optimizers_sub_optimizers(guard, nested)
   assert found[0].startswith("holds 3 gradients" if guard == "accumulation" else "holds the ")
 
 
+_CLIP = optax.clip_by_global_norm(1.0)
+_AROUND_MULTI_STEPS = {
+  "chain": lambda ms: optax.chain(_CLIP, ms),
+  "chain of its transformation": lambda ms: optax.chain(_CLIP, ms.gradient_transformation()),
+  "named_chain": lambda ms: optax.named_chain(("clip", _CLIP), ("accumulate", ms)),
+  "masked": lambda ms: optax.masked(ms, {"w": True, "scale": False}),
+  "multi_transform": lambda ms: optax.multi_transform(
+    {"a": ms, "b": optax.sgd(0.1)}, {"w": "a", "scale": "b"}
+  ),
+  "apply_if_finite": lambda ms: optax.apply_if_finite(ms, 3),
+  "low_precision": lambda ms: t5x_optim.optimizers.low_precision(
+    optax.chain(_CLIP, ms), state_dtype="bfloat16", min_size=0
+  ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("around", list(_AROUND_MULTI_STEPS))
+def test_the_accumulation_guard_finds_multi_steps_inside_other_transformations(around):
+  """A MultiSteps inside a chain, a mask, a multi_transform or a wrapper, saved with 3 of 4
+  gradients accumulated: every_k_schedule 2 drops them, as at the top of OptaxWrapper; the
+  guard read only a MultiSteps at the top and let the resume go on."""
+  params = {"w": jax.numpy.ones((2, 2)), "scale": jax.numpy.ones(2)}
+  grads = jax.tree.map(jax.numpy.ones_like, params)
+
+  def optimizer(every: int) -> t5x_optim.OptaxWrapper:
+    return t5x_optim.OptaxWrapper(
+      _AROUND_MULTI_STEPS[around](optax.MultiSteps(optax.adam(1e-3), every))
+    )
+
+  saved = optimizer(4).create(params)
+  for _ in range(3):
+    saved = saved.apply_gradient(grads)
+  assert _train._dropped_accumulation(optimizer(4), saved.state) is None
+  assert _train._dropped_accumulation(optimizer(2), saved.state) == (
+    "holds 3 gradients that optax.MultiSteps accumulated towards its next update, which "
+    "every_k_schedule 2 now would never apply",
+    "every_k_schedule",
+  )
+
+
 def test_plan_lists_the_update_rule_of_muon_inside_a_nested_multi_optimizer():
   """Muon in a MultiOptimizer inside a MultiOptimizer places its params by their axes: the
   plan lists every param's rule (a frozen one too), where it listed none."""

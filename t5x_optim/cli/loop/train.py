@@ -863,22 +863,27 @@ def _dropped_accumulation(optimizer: Any, state: TrainState) -> tuple[str, str] 
   A step saved between two updates holds ``mini_step`` gradients accumulated
   towards the next. optax counts mini-steps modulo the current
   ``every_k_schedule``, so a schedule now at or below that count never
-  applies them: the next update starts afresh, or weighs them as one.
+  applies them: the next update starts afresh, or weighs them as one. The
+  MultiSteps is found at any depth of the transformation (`_reachable`);
+  checked where an optimizer (a sub-optimizer) holds one, against each
+  MultiSteps state of its state.
   """
   for transformation, param_states in _optax_parts(optimizer, state.param_states):
-    multi_steps = getattr(getattr(transformation, "update", None), "__self__", None)
-    nodes = _nodes(param_states, optax.MultiStepsState)
-    if not isinstance(multi_steps, optax.MultiSteps) or not nodes:
+    multi_steps = [
+      node for node in _reachable(transformation) if isinstance(node, optax.MultiSteps)
+    ]
+    if len(multi_steps) != 1:
       continue
-    accumulated = int(nodes[0].mini_step)
-    # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
-    every = int(multi_steps._every_k_schedule(int(nodes[0].gradient_step)))
-    if accumulated >= every:
-      return (
-        f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
-        f"update, which every_k_schedule {every} now would never apply",
-        "every_k_schedule",
-      )
+    for node in _nodes(param_states, optax.MultiStepsState):
+      accumulated = int(node.mini_step)
+      # MultiSteps exposes no accessor for its schedule (an int is kept as a constant function).
+      every = int(multi_steps[0]._every_k_schedule(int(node.gradient_step)))
+      if accumulated >= every:
+        return (
+          f"holds {accumulated} gradients that optax.MultiSteps accumulated towards its next "
+          f"update, which every_k_schedule {every} now would never apply",
+          "every_k_schedule",
+        )
   return None
 
 
@@ -934,42 +939,61 @@ def _plateau_stall(
 
 def _plateau_settings(transformation: Any) -> list[dict[str, Any]]:
   """The ``accumulation_size`` and ``patience`` of each ``optax.contrib.reduce_on_plateau``
-  in `transformation`, through its combinators (chain, MultiSteps, wrappers).
+  in `transformation`, at any depth (`_reachable`).
 
   optax keeps them nowhere but in the closures of reduce_on_plateau's functions (the
   patience in those of its ``_update_scale``), so they are read from there.
   """
-  found: list[dict[str, Any]] = []
-  seen: set[int] = set()
+  found = []
+  for node in _reachable(transformation):
+    if getattr(node, "__qualname__", None) == "reduce_on_plateau.<locals>.update_fn":
+      values = _closure(node)
+      scale = values.get("_update_scale")
+      patience = _closure(scale).get("patience") if scale is not None else None
+      found.append({"accumulation_size": values.get("accumulation_size"), "patience": patience})
+  return found
 
-  def closure(fn: Any) -> dict[str, Any]:
-    cells = getattr(fn, "__closure__", None) or ()
-    return {
-      name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells, strict=True)
-    }
+
+def _closure(fn: Any) -> dict[str, Any]:
+  """The variables that function `fn` closes over, by name."""
+  cells = getattr(fn, "__closure__", None) or ()
+  return {
+    name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells, strict=True)
+  }
+
+
+def _reachable(transformation: Any) -> list[Any]:
+  """Every object that optax `transformation` holds, itself included, to a depth of 16.
+
+  optax's combinators (chain, named_chain, masked, multi_transform, MultiSteps,
+  apply_if_finite, inject_hyperparams, ...) keep the transformations they combine in
+  the closures of their functions, in tuples and dicts there, or as attributes of an
+  instance (``optax.MultiSteps``) that they hold or whose bound methods they hold.
+  """
+  reached: list[Any] = []
+  seen: set[int] = set()
 
   def visit(node: Any, depth: int) -> None:
     if depth > 16 or id(node) in seen:
       return
     seen.add(id(node))
+    reached.append(node)
     children: Any = ()
     if isinstance(node, tuple | list):
       children = node
-    elif hasattr(node, "__self__") and hasattr(node, "__func__"):  # a bound method (MultiSteps)
-      children = vars(node.__self__).values()
+    elif isinstance(node, dict):
+      children = node.values()
+    elif hasattr(node, "__self__") and hasattr(node, "__func__"):  # a bound method
+      children = (node.__self__, *getattr(node.__self__, "__dict__", {}).values())
     elif callable(node) and hasattr(node, "__code__"):
-      values = closure(node)
-      if node.__qualname__ == "reduce_on_plateau.<locals>.update_fn":
-        scale = values.get("_update_scale")
-        patience = closure(scale).get("patience") if scale is not None else None
-        found.append({"accumulation_size": values.get("accumulation_size"), "patience": patience})
-        return
-      children = values.values()
+      children = _closure(node).values()
+    elif type(node).__module__.startswith("optax.") and hasattr(node, "__dict__"):
+      children = vars(node).values()
     for child in children:
       visit(child, depth + 1)
 
   visit(transformation, 0)
-  return found
+  return reached
 
 
 def _set_aside(model_dir: Path, step: int, why: str) -> Path:
