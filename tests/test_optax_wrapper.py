@@ -465,3 +465,43 @@ def test_reapply_config_resets_only_the_leaves_the_config_alone_sets(case: Case)
     CONFIGURED.get(case.name, [])
   )
   assert tree_equal(t5x_optim.reapply_config(opt, grads, **extras).state, opt.state)
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
+    lambda tx: optax.MultiSteps(
+      tx, every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
+    ),
+    lambda tx: optax.chain(optax.clip_by_global_norm(1.0), optax.MultiSteps(tx, 2)),
+  ],
+  ids=["MultiSteps", "MultiSteps skipping", "chain(clip, MultiSteps)"],
+)
+def test_reapply_config_sets_the_settings_kept_inside_multi_steps(wrap):
+  """MultiSteps returns its inner state through ``where(emit, new, old)``, and through a cond
+  where it may skip a step: the constants of inject_hyperparams and schedule-free's b1 in it
+  were not found, and a resume kept the old ones."""
+  params = {"w": jnp.ones(3)}
+
+  def injected(learning_rate: float) -> optax.GradientTransformation:
+    return optimizers.inject_hyperparams(
+      optax.adamw, hyperparams={"learning_rate": learning_rate, "b1": 0.9}
+    )
+
+  saved = OptaxWrapper(wrap(injected(1e-2))).create(params)
+  now = t5x_optim.reapply_config(saved.replace(optimizer_def=OptaxWrapper(wrap(injected(1e-3)))))
+  states = [
+    node
+    for node in jax.tree.leaves(now.state.param_states, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    if hasattr(node, "hyperparams")
+  ]
+  assert [float(state.hyperparams["learning_rate"]) for state in states] == pytest.approx([1e-3])
+  schedule_free = optax.contrib.schedule_free_adamw
+  saved = OptaxWrapper(wrap(schedule_free(1e-3, b1=0.9))).create(params)
+  now = t5x_optim.reapply_config(
+    saved.replace(optimizer_def=OptaxWrapper(wrap(schedule_free(1e-3, b1=0.5))))
+  )
+  kind = optax.contrib.ScheduleFreeState
+  states = jax.tree.leaves(now.state.param_states, is_leaf=lambda x: isinstance(x, kind))
+  assert [float(state.b1) for state in states if isinstance(state, kind)] == [0.5]

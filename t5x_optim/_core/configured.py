@@ -9,6 +9,7 @@ with the old values. `reapply_config` sets them anew.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,12 +29,52 @@ def _dependents(jaxpr: Any) -> set:
   return reached
 
 
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint"})
+"""Primitives that call a jaxpr with their operands and return its results."""
+
+
+def _forwarded(jaxpr: Any, inputs: Sequence[int | None]) -> list[int | None]:
+  """For each output of `jaxpr`, the index in `inputs` of the input it returns as it got it,
+  or None; ``inputs`` gives each of `jaxpr`'s inputs its index (None: none).
+
+  An output is its input through equations that return an operand unchanged: a
+  ``select_n`` whose cases are one value (``where(emit, new, old)`` where the new is the
+  old), a ``convert_element_type`` or ``copy`` to the operand's own dtype, a call whose
+  jaxpr forwards it, and a ``cond`` whose every branch forwards it.
+  """
+  origin = {var: index for var, index in zip(jaxpr.invars, inputs, strict=True)}
+
+  def of(var: Any) -> int | None:
+    return origin.get(var) if isinstance(var, jax.extend.core.Var) else None
+
+  for eqn in jaxpr.eqns:
+    name, operands = eqn.primitive.name, [of(var) for var in eqn.invars]
+    outs: list[int | None] = [None] * len(eqn.outvars)
+    if name == "select_n" and len(set(operands[1:])) == 1:
+      outs = operands[1:2]
+    elif name in ("convert_element_type", "copy", "copy_p"):
+      if eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+        outs = operands[:1]
+    elif name == "cond":
+      branches = [_forwarded(branch.jaxpr, operands[1:]) for branch in eqn.params["branches"]]
+      outs = [found[0] if len(set(found)) == 1 else None for found in zip(*branches, strict=True)]
+    elif name in _CALLS:
+      called = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      called = getattr(called, "jaxpr", called)
+      if called is not None and len(called.invars) == len(operands):
+        outs = _forwarded(called, operands)
+    origin.update((var, index) for var, index in zip(eqn.outvars, outs, strict=True))
+  return [of(var) for var in jaxpr.outvars]
+
+
 def configured_leaves(optimizer: Optimizer, grads: Any = None, **extra: Any) -> list[bool]:
   """For each leaf of ``optimizer.state.param_states``, whether only the config sets it.
 
   Such a leaf is one that the definition's ``init_state`` computes without
-  reading the params' values and that ``apply_gradient`` returns as it got it,
-  both read from the traced functions (no values computed).
+  reading the params' values and that ``apply_gradient`` returns as it got it
+  (`_forwarded`: through ``optax.MultiSteps``' choice between its new and its
+  old inner state too), both read from the traced functions (no values
+  computed).
 
   Args:
     optimizer: the optimizer whose state to read.
@@ -60,12 +101,10 @@ def configured_leaves(optimizer: Optimizer, grads: Any = None, **extra: Any) -> 
     updated = optimizer.replace(state=state).apply_gradient(grads, **extra)
     return jax.tree.leaves(updated.state.param_states)
 
-  update_jaxpr = jax.make_jaxpr(update)(leaves).jaxpr
+  kept = _forwarded(jax.make_jaxpr(update)(leaves).jaxpr, range(len(leaves)))
   return [
-    kept is given and not (isinstance(made, jax.extend.core.Var) and made in reached)
-    for made, given, kept in zip(
-      init_jaxpr.outvars, update_jaxpr.invars, update_jaxpr.outvars, strict=True
-    )
+    index == leaf and not (isinstance(made, jax.extend.core.Var) and made in reached)
+    for leaf, (made, index) in enumerate(zip(init_jaxpr.outvars, kept, strict=True))
   ]
 
 
