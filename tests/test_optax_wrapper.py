@@ -375,6 +375,20 @@ def test_multisteps_object_is_accepted():
   assert isinstance(opt.state.param_states, optax.MultiStepsState)
 
 
+def test_a_multisteps_object_takes_optaxs_extra_arguments():
+  """optax.MultiSteps.update passes extra arguments on to its inner optimizer, but its
+  gradient_transformation() is a plain GradientTransformation: the wrapper took none, and
+  reduce_on_plateau inside MultiSteps could not get its value=."""
+  inner = optax.chain(optax.adam(0.1), optax.contrib.reduce_on_plateau(accumulation_size=1))
+  opt_def = OptaxWrapper(optax.MultiSteps(inner, every_k_schedule=2))
+  assert opt_def.extra_arg_names == {"grad", "obj_fn", "value", "value_fn"}
+  opt = opt_def.create(_params())
+  for _ in range(2):
+    opt = opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()), value=jnp.float32(1.0))
+  assert int(opt.state.param_states.inner_opt_state[1].count) == 0
+  assert float(opt.state.param_states.inner_opt_state[1].best_value) == 1.0
+
+
 def test_update_hyper_params():
   opt_def = optimizers.sgd(0.1)
   assert opt_def.update_hyper_params(learning_rate=0.3).learning_rate == 0.3

@@ -302,7 +302,8 @@ class OptaxWrapper(OptimizerDef):
 
   The state is `OptimizerState(step, param_states)` where `step` is an int32
   array and `param_states` the optax state (an `optax.MultiSteps` is taken
-  through its `gradient_transformation()`). Extra keyword arguments of
+  through its ``init`` and ``update``, which passes extra arguments on to
+  its inner optimizer). Extra keyword arguments of
   `Optimizer.apply_gradient` (e.g. `value=` for `reduce_on_plateau`) are
   passed on to `update`. `fallback` (keyword-only) is `OptimizerDef`'s.
 
@@ -350,7 +351,10 @@ class OptaxWrapper(OptimizerDef):
     super().__init__(hyper_params=OptaxHyperParams(), fallback=fallback)
     self.fused = FusedUpdate.of(fused)
     if isinstance(optax_optimizer, optax.MultiSteps):
-      optax_optimizer = optax_optimizer.gradient_transformation()
+      # Its update passes extra arguments on; its gradient_transformation() does not say so.
+      optax_optimizer = optax.GradientTransformationExtraArgs(
+        optax_optimizer.init, optax_optimizer.update
+      )
     self.optax_optimizer = checked_transformation(optax_optimizer, "OptaxWrapper")
     if isinstance(extra_args, str):
       raise TypeError(
