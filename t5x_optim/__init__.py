@@ -28,7 +28,6 @@ from t5x_optim._adapters.optax_wrapper import (
   chain,
   inject_hyperparams,
   loss_extra_args,
-  trained_params,
   trains_lookahead_params,
 )
 from t5x_optim._axes.kernel_axes import KernelAxesRule, UnplaceableParamsError
@@ -47,7 +46,7 @@ from t5x_optim._convert.convert import (
   schedule_free_evaluation_params,
 )
 from t5x_optim._core.configured import configured_leaves, reapply_config
-from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
 from t5x_optim._layouts.fused import FusedUpdate, FusionReport, fusion_report
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, stack_params
 from t5x_optim._low_precision.low_precision import (

@@ -519,3 +519,16 @@ def test_reapply_config_sets_the_settings_kept_inside_multi_steps(wrap):
   kind = optax.contrib.ScheduleFreeState
   states = jax.tree.leaves(now.state.param_states, is_leaf=lambda x: isinstance(x, kind))
   assert [float(state.b1) for state in states if isinstance(state, kind)] == [0.5]
+
+
+def test_reapply_config_makes_its_grads_for_a_lookahead_optimizer():
+  """Without grads, reapply_config made zeros like the target, which for optax.lookahead holds
+  the fast and the slow copy: the grads did not fit the params the update trains."""
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones(3)})
+
+  def lookahead(b1: float) -> OptaxWrapper:
+    return OptaxWrapper(optax.lookahead(optax.contrib.schedule_free_adamw(1e-3, b1=b1), 2, 0.5))
+
+  saved = lookahead(0.9).create(params)
+  now = t5x_optim.reapply_config(saved.replace(optimizer_def=lookahead(0.5)))
+  assert float(now.state.param_states.fast_state.b1) == 0.5

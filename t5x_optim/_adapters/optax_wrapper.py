@@ -14,7 +14,7 @@ from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
-from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.fused import FusedUpdate
 from t5x_optim._layouts.stacked import StackedOptimizerDef, StackedParams
@@ -31,7 +31,6 @@ __all__ = [
   "inject_hyperparams",
   "is_transformation",
   "takes_param_axes",
-  "trained_params",
   "trains_lookahead_params",
 ]
 
@@ -209,18 +208,6 @@ def trains_lookahead_params(optimizer_def: Any) -> bool:
   """
   init = getattr(getattr(optimizer_def, "optax_optimizer", None), "init", None)
   return getattr(init, "__qualname__", "").startswith("lookahead.")
-
-
-def trained_params(params: Any) -> Any:
-  """The params a loss is computed with: the fast copy of `optax.LookaheadParams`, else ``params``.
-
-  Example:
-    >>> trained_params(optax.LookaheadParams(fast={'w': 1.0}, slow={'w': 0.0}))
-    {'w': 1.0}
-    >>> trained_params({'w': 1.0})
-    {'w': 1.0}
-  """
-  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 @struct.dataclass

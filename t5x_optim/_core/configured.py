@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from t5x_optim._core.interface import Optimizer
+from t5x_optim._core.interface import Optimizer, trained_params
 
 __all__ = ["configured_leaves", "reapply_config"]
 
@@ -78,7 +78,8 @@ def configured_leaves(optimizer: Optimizer, grads: Any = None, **extra: Any) -> 
 
   Args:
     optimizer: the optimizer whose state to read.
-    grads: gradients of the update's structure; zeros like the target if None.
+    grads: gradients of the update's structure; if None, zeros like the
+      params it trains (`trained_params`: the fast ones of optax.lookahead).
     **extra: the update's extra arguments (optax's ``value=``, ...).
 
   Example:
@@ -89,7 +90,8 @@ def configured_leaves(optimizer: Optimizer, grads: Any = None, **extra: Any) -> 
     >>> [jax.tree_util.keystr(p) for (p, _), c in zip(paths, configured_leaves(opt)) if c]
     ['.b1']
   """
-  grads = jax.tree.map(jnp.zeros_like, optimizer.target) if grads is None else grads
+  if grads is None:
+    grads = jax.tree.map(jnp.zeros_like, trained_params(optimizer.target))
   definition = optimizer.optimizer_def
   init = jax.make_jaxpr(lambda target: jax.tree.leaves(definition.init_state(target).param_states))
   init_jaxpr = init(optimizer.target).jaxpr
@@ -117,7 +119,8 @@ def reapply_config(optimizer: Optimizer, grads: Any = None, **extra: Any) -> Opt
 
   Args:
     optimizer: the optimizer, e.g. just restored.
-    grads: gradients of the update's structure; zeros like the target if None.
+    grads: gradients of the update's structure; if None, zeros like the
+      params it trains (`trained_params`: the fast ones of optax.lookahead).
     **extra: the update's extra arguments (optax's ``value=``, ...).
 
   Example:

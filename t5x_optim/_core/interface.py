@@ -9,13 +9,14 @@ from typing import Any
 
 import flax
 import jax
+import optax
 from flax import struct
 
 from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["Optimizer", "OptimizerDef", "OptimizerState"]
+__all__ = ["Optimizer", "OptimizerDef", "OptimizerState", "trained_params"]
 
 
 @struct.dataclass
@@ -393,3 +394,15 @@ def check_grads(grads: Any, params: Any) -> None:
   if bad:
     leaves = "leaf" if len(bad) == 1 else "leaves"
     raise ValueError(f"The grads do not fit the params at {len(bad)} {leaves}: {'; '.join(bad)}.")
+
+
+def trained_params(params: Any) -> Any:
+  """The params a loss is computed with: the fast copy of `optax.LookaheadParams`, else ``params``.
+
+  Example:
+    >>> trained_params(optax.LookaheadParams(fast={'w': 1.0}, slow={'w': 0.0}))
+    {'w': 1.0}
+    >>> trained_params({'w': 1.0})
+    {'w': 1.0}
+  """
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
