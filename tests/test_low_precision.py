@@ -805,3 +805,39 @@ def test_t5x_checkpoint_round_trip(tmp_path, mode):
   restored = restore_t5x_checkpoint(tmp_path, opt_def.create(params))
   assert_same_bits(restored.state, optimizer.state)
   assert_same_bits(restored.target, optimizer.target)
+
+
+def _masked(mask):
+  return optax.masked(optax.adam(0.1), mask)
+
+
+def _relabelled(mask):
+  labels = jax.tree.map(lambda m: "adam" if m else "frozen", mask)
+  return optax.multi_transform({"adam": optax.adam(0.1), "frozen": optax.set_to_zero()}, labels)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_masked, _relabelled], ids=["masked", "multi_transform"])
+def test_a_prefix_mask_compresses_as_the_full_mask(make):
+  """A mask (or labels) that is a prefix of the params, as optax allows, selects whole
+  subtrees: their state is a MaskedNode hole in place of a subtree. The state still mirrors
+  the params, and is stored and updated as the same selection spelled out leaf by leaf."""
+  params = {
+    "enc": {"wi": jnp.ones((16, 32)), "scale": jnp.ones(16)},
+    "dec": {"wi": jnp.linspace(-1.0, 1.0, 512).reshape(32, 16), "scale": jnp.ones(32)},
+  }
+  full = {"enc": {"wi": False, "scale": False}, "dec": {"wi": True, "scale": True}}
+  prefix = {"enc": False, "dec": True}
+  txs = [low_precision(make(mask), "8bit", min_size=0) for mask in (full, prefix)]
+  states = [tx.init(params) for tx in txs]
+  assert states[1].storage == states[0].storage
+  assert "8bit" in states[1].storage
+  assert leaf_storage(states[1]) == leaf_storage(states[0])
+  results = []
+  for tx, state in zip(txs, states, strict=True):
+    step = jax.jit(tx.update)
+    for i in range(STEPS):
+      grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0)), params)
+      updates, state = step(grads, state, params)
+    results.append((jax.tree.leaves(updates), jax.tree.leaves(state)))
+  assert_same_bits(results[1], results[0])

@@ -383,3 +383,53 @@ def test_t5x_partitioner_shards_low_precision_states_as_their_params():
     "OK   bfloat16 scalable_t5: 22 params bfloat16, 7 params float32",
   ):
     assert line in output
+
+
+@pytest.mark.slow
+def test_a_prefix_mask_shards_restores_and_converts_as_the_full_mask(tmp_path):
+  """`optax.masked` with a mask that is a prefix of the params ({'enc': False, 'dec': True}):
+  stored, laid out, planned, checkpointed, converted and summed as the full mask, leaf for leaf."""
+  one = st._variables("axes")
+  variables = {name: {"enc": one[name], "dec": one[name]} for name in one}
+  full = {"enc": dict.fromkeys(one["params"], False), "dec": dict.fromkeys(one["params"], True)}
+  partitioner = st._partitioner(2, 4, zero=True)
+
+  def run(name, mask):
+    tx = low_precision(optax.masked(optax.adamw(1e-2), mask), "8bit", block_size=4, min_size=0)
+    opt_def = OptaxWrapper(tx)
+    fresh = TrainState.create(opt_def, variables)
+    shardings = partitioner.get_shardings(fresh)
+    state, grads = jax.device_put((fresh, st._grads(fresh.params)), (shardings, shardings.params))
+    step = jax.jit(lambda s, g: s.apply_gradient(g), out_shardings=shardings)
+    for _ in range(2):
+      state = step(state, grads)
+    with Checkpointer(tmp_path / name) as ckpt:
+      ckpt.save(2, state)
+      restored = ckpt.restore(jax.device_put(fresh, shardings))
+    abstract = abstract_train_state(partitioner, opt_def, lambda: variables)
+    plan = plan_lib.build_plan(abstract, logical=abstract.as_logical_axes())
+    param_states = state.param_states
+    float32 = low_precision_to_float32(param_states)
+    return {
+      "storage": param_states.storage,
+      "specs": [x.sharding for x in jax.tree.leaves(state)],
+      "state": jax.tree.leaves(state),
+      "restored": jax.tree.leaves(restored),
+      "state_dict": jax.tree.leaves(fresh.restore_state(state.state_dict())),
+      "plan": [(row.path, row.storage, row.param, row.bytes_per_device) for row in plan.rows],
+      "float32": jax.tree.leaves(float32),
+      "back": jax.tree.leaves(float32_to_low_precision(float32, param_states)),
+      "sum_squares": jax.tree.leaves(low_precision_sum_squares(param_states)),
+    }
+
+  want, got = run("full", full), run("prefix", {"enc": False, "dec": True})
+  assert "8bit" in got["storage"]
+  assert got.keys() == want.keys()
+  for key in want:
+    if key in ("storage", "specs", "plan"):
+      assert got[key] == want[key], key
+    else:
+      assert len(got[key]) == len(want[key]), key
+      for x, y in zip(got[key], want[key], strict=True):
+        assert x.dtype == y.dtype, key
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=key)

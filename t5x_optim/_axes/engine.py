@@ -263,7 +263,7 @@ def _same_node(a: Any, b: Any) -> bool:
   return a == b
 
 
-def _holey_mirror(
+def holey_mirror(
   node: jax.tree_util.PyTreeDef, params_def: jax.tree_util.PyTreeDef
 ) -> list[int] | None:
   """Param index of each leaf if ``node`` is the params with MaskedNode holes.
@@ -314,7 +314,7 @@ def _scan(state_def: jax.tree_util.PyTreeDef, index: _ParamIndex, rule_types: Se
       continue
     data = node.node_data()
     holey = (
-      _holey_mirror(node, index.params_def)
+      holey_mirror(node, index.params_def)
       if data is not None and _same_node(data, root_data)
       else None
     )

@@ -111,7 +111,7 @@ from t5x_optim._adapters.param_subsets import format_paths
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
-from t5x_optim._axes.engine import logical_axes_from
+from t5x_optim._axes.engine import holey_mirror, logical_axes_from
 from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
 from t5x_optim._axes.rules import drop_indivisible_axes, is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
@@ -336,25 +336,23 @@ QUANTIZED_LEAF_TYPES = tuple(t for codec in _CODECS.values() for t in codec.leaf
 def _mirror_params(inner_state: Any, params: Any) -> list[int]:
   """For each leaf of ``inner_state``, the index of the param it mirrors, or -1.
 
-  A mirror is a subtree with the params' structure (``MaskedNode`` holes
-  allowed); its leaves mirror the params at the same positions.
+  A mirror is a subtree with the params' structure, where a ``MaskedNode``
+  hole may stand for a param or a whole subtree of them (`optax.masked` with
+  a mask that is a prefix of the params); its leaves mirror the params at
+  the same positions.
   """
   reference = trained_params(params)
   param_def = jax.tree.structure(reference, is_leaf=_is_masked)
   if param_def.num_nodes == 1:
     return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
 
-  def is_mirror(node: Any) -> bool:
-    return jax.tree.structure(node, is_leaf=_is_masked) == param_def
+  def mirrored(node: Any) -> list[int] | None:
+    return holey_mirror(jax.tree.structure(node), param_def)
 
   out: list[int] = []
-  for node in jax.tree.leaves(inner_state, is_leaf=is_mirror):
-    if not is_mirror(node):
-      out.append(-1)
-      continue
-    for j, leaf in enumerate(jax.tree.leaves(node, is_leaf=_is_masked)):
-      if not _is_masked(leaf):
-        out.append(j)
+  for node in jax.tree.leaves(inner_state, is_leaf=lambda x: mirrored(x) is not None):
+    indices = mirrored(node)
+    out.extend([-1] if indices is None else indices)
   return out
 
 
