@@ -241,6 +241,37 @@ def test_bad_restore_names_path_and_leaves_optimizer_unchanged(adamw_opt, edit, 
   assert tree_equal(adamw_opt, before)
 
 
+def test_a_restore_into_another_mask_names_every_masked_out_slot():
+  """A state dict of ``optax.masked`` with another mask: each slot the optimizer's mask leaves
+  out (a MaskedNode, one param or a whole subtree) is named as masked out, and every mismatch
+  is listed in one message."""
+  params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": {"d": jnp.ones(4)}}
+
+  def masked(mask):
+    return OptaxWrapper(optax.masked(optax.adam(0.1), mask)).create(params)
+
+  old = masked({"a": True, "b": False, "c": True}).apply_gradient(params)
+  new = masked({"a": False, "b": True, "c": False})
+  with pytest.raises(ValueError) as info:
+    new.restore_state(old.state_dict())
+  lines = str(info.value).splitlines()
+  assert lines[0] == "The state dict does not fit the optimizer in 6 places:"
+  for moment in ("mu", "nu"):
+    where = f"'state/param_states/inner_state/0/{moment}"
+    assert (
+      f"- State dict mismatch at {where}/a': the optimizer's mask leaves this param out "
+      f"(its state there is a MaskedNode), the state dict has shape (4, 4) dtype float32."
+    ) in lines
+    assert (
+      f"- State dict mismatch at {where}/c': the optimizer's mask leaves these params out "
+      f"(its state there is a MaskedNode), the state dict has a subtree with keys ['d']."
+    ) in lines
+    assert (
+      f"- Missing key {where}/b' in the state dict: the optimizer has shape (4, 4) dtype "
+      f"float32 there."
+    ) in lines
+
+
 def test_restore_dtype_rule(adamw_opt):
   state_dict = to_numpy(adamw_opt.state_dict())
   state_dict = _edit(state_dict, "state/step", np.asarray(1, np.int64))

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
@@ -126,6 +127,10 @@ def _is_placeholder(value: Any) -> bool:
     or isinstance(value, PartitionSpec | jax.sharding.Sharding | jax.ShapeDtypeStruct)
     or _is_lazy_array(value)
   )
+
+
+def _is_masked(node: Any) -> bool:
+  return isinstance(node, optax.MaskedNode)
 
 
 def _shape_of(value: Any) -> tuple[int, ...] | None:
@@ -491,29 +496,48 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   return _convert_array(reference, value, path)
 
 
-def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
-  """Validates `given` against the full `reference` state dict.
+def _check_and_fill(
+  reference: Any,
+  given: Any,
+  path: tuple[str, ...],
+  *,
+  holes: frozenset[tuple[str, ...]],
+  problems: list[str],
+) -> Any:
+  """Checks `given` against the full `reference` state dict, adding mismatches to `problems`.
 
   Keys whose reference subtree is empty may be absent from `given` (T5X drops
   them) and are taken from the reference; keys of `given` that hold nothing
-  (empty subtrees, `traverse_util.empty_node`, None) may be extra.
+  (empty subtrees, `traverse_util.empty_node`, None) may be extra. `holes`
+  are the paths where the reference holds an ``optax.MaskedNode``.
   """
   if given is traverse_util.empty_node:
     given = {}
-  if not isinstance(reference, Mapping):
-    return _convert_leaf(reference, given, path)
-  if not isinstance(given, Mapping):
-    if given is None and holds_no_data(reference):
-      return reference
-    raise ValueError(
-      f"State dict mismatch at '{key_path_str(path)}': expected "
-      f"{_describe(prune_empty(reference))}, got {_describe(given)}."
+  if path in holes and not holds_no_data(given):
+    these = "these params" if isinstance(given, Mapping) else "this param"
+    problems.append(
+      f"State dict mismatch at '{key_path_str(path)}': the optimizer's mask leaves {these} out "
+      f"(its state there is a MaskedNode), the state dict has {_describe(given)}."
     )
+    return reference
+  if not isinstance(reference, Mapping):
+    try:
+      return _convert_leaf(reference, given, path)
+    except ValueError as e:
+      problems.append(str(e))
+      return reference
+  if not isinstance(given, Mapping):
+    if not (given is None and holds_no_data(reference)):
+      problems.append(
+        f"State dict mismatch at '{key_path_str(path)}': expected "
+        f"{_describe(prune_empty(reference))}, got {_describe(given)}."
+      )
+    return reference
   unexpected = sorted(
     str(key) for key, value in given.items() if key not in reference and not holds_no_data(value)
   )
   if unexpected:
-    raise ValueError(
+    problems.append(
       f"Unexpected keys {unexpected} at '{key_path_str(path)}' in the state dict; the "
       f"optimizer has keys {sorted(prune_empty(reference))} there."
     )
@@ -522,13 +546,13 @@ def _check_and_fill(reference: Any, given: Any, path: tuple[str, ...]) -> Any:
     sub_path = (*path, str(key))
     if key not in given:
       if not holds_no_data(ref_value):
-        raise ValueError(
+        problems.append(
           f"Missing key '{key_path_str(sub_path)}' in the state dict: the optimizer "
           f"has {_describe(prune_empty(ref_value))} there."
         )
       filled[key] = ref_value
       continue
-    filled[key] = _check_and_fill(ref_value, given[key], sub_path)
+    filled[key] = _check_and_fill(ref_value, given[key], sub_path, holes=holes, problems=problems)
   return filled
 
 
@@ -584,15 +608,31 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     ValueError: on a missing or unexpected key, a subtree where a leaf
       belongs (or the reverse), a value that is neither array data nor a
       placeholder, a shape mismatch or a dtype that cannot be cast safely;
-      the message names the full path and both sides.
+      the message names the full path and both sides of every mismatch, one
+      per line when there are several, and a slot that `reference` holds as
+      an ``optax.MaskedNode`` as one its mask leaves out.
 
   Example:
     >>> import numpy as np
     >>> restore_into({'w': np.zeros(2)}, {'w': np.ones(2)})
     {'w': array([1., 1.])}
   """
-  full_reference = serialization.to_state_dict(reference)
-  filled = _check_and_fill(full_reference, state_dict, ())
+  holes = frozenset(
+    key_path_parts(path)
+    for path, node in jax.tree.leaves_with_path(reference, is_leaf=_is_masked)
+    if _is_masked(node)
+  )
+  problems: list[str] = []
+  filled = _check_and_fill(
+    serialization.to_state_dict(reference), state_dict, (), holes=holes, problems=problems
+  )
+  if len(problems) == 1:
+    raise ValueError(problems[0])
+  if problems:
+    listed = "\n".join(f"- {problem}" for problem in problems)
+    raise ValueError(
+      f"The state dict does not fit the optimizer in {len(problems)} places:\n{listed}"
+    )
   return serialization.from_state_dict(reference, filled)
 
 
