@@ -15,7 +15,7 @@ from flax.linen import partitioning as flax_partitioning
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from t5x_optim import OptaxWrapper, TrainState, low_precision
+from t5x_optim import OptaxWrapper, QuantizedLeaf, TrainState, low_precision
 from t5x_optim._axes.auto import auto_axes_like, update_layouts
 from t5x_optim.optimizers import example_lib_adam, example_lib_sm3
 from t5x_optim.partitioning import (
@@ -355,6 +355,22 @@ def test_update_layouts_take_the_most_sharded_mirror_of_each_param():
   assert update_layouts(params, state) == [P(("model", "data")), P(None, "model")]
   assert update_layouts(params["w"], state) == [P(("data", "model"), None)]
   assert update_layouts(jax.device_get(params), jax.device_get(state)) is None
+
+
+def test_update_layouts_find_a_mirror_with_a_whole_subtree_masked_out():
+  """optax.masked with a mask that is a prefix of the params: a MaskedNode stands for the
+  whole 'enc' subtree, and the moments still mirror 'dec', plain or compressed."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+  def put(shape, spec):
+    return jax.device_put(jnp.zeros(shape), jax.NamedSharding(mesh, spec))
+
+  params = {"dec": {"w": put((8, 16), P())}, "enc": {"w": put((8, 16), P())}}
+  zero = {"w": put((8, 16), P("data", "model"))}
+  compressed = {"w": QuantizedLeaf(put((8, 16), P("data", "model")), put((8, 1), P("data")))}
+  for moment in (zero, compressed):
+    state = (optax.MaskedNode(), {"dec": moment, "enc": optax.MaskedNode()})
+    assert update_layouts(params, state) == [P("data", "model"), P(None, None)]
 
 
 def test_an_update_that_returns_other_leaves_than_it_replaces_is_refused():

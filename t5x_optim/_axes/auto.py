@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from t5x_optim._axes.engine import holey_mirror
+
 __all__ = [
   "auto_axes_call",
   "auto_axes_like",
@@ -56,7 +58,8 @@ def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
   """Per param leaf, the spec of the most sharded of the param and its state's mirrors.
 
   A mirror is a subtree of ``state`` with the params' structure at its top
-  (optax's moments; a compressed moment holds a subtree per param); its
+  (optax's moments; a compressed moment holds a subtree per param; a
+  ``MaskedNode`` hole stands for a param or a whole subtree of them); its
   arrays of a param's shape at that param's position mirror it. With ZeRO a
   moment is sharded over ``data`` as well as its param. The param read in
   that layout, the update and the new param are computed there and only the
@@ -77,31 +80,25 @@ def update_layouts(params: Any, state: Any) -> list[PartitionSpec] | None:
 
   one_array = param_def.num_nodes == 1  # every state array of its shape mirrors it
 
-  def is_mirror(node: Any) -> bool:
+  def mirrored(node: Any) -> list[int] | None:
     if one_array:
-      return False
-    try:
-      param_def.flatten_up_to(node)
-    except (TypeError, ValueError):
-      return False
-    return True
+      return None
+    return holey_mirror(jax.tree.structure(node), param_def, subtrees=True)
 
   def shard_size(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
     return math.prod(sharding.shard_shape(shape))
 
-  for node in jax.tree.leaves(state, is_leaf=is_mirror):
-    if is_mirror(node):
-      subtrees = param_def.flatten_up_to(node)
-    elif one_array:
-      subtrees = [node]
-    else:
+  for node in jax.tree.leaves(state, is_leaf=lambda x: mirrored(x) is not None):
+    leaves = jax.tree.leaves(node)
+    indices = [0] * len(leaves) if one_array else mirrored(node)
+    if indices is None:
       continue
-    for j, (param, subtree) in enumerate(zip(param_leaves, subtrees, strict=True)):
-      for x in jax.tree.leaves(subtree):
-        if isinstance(x, jax.Array) and x.shape == param.shape and x.ndim:
-          sharding = NamedSharding(mesh, _spec(x))
-          if shard_size(sharding, x.shape) < shard_size(best[j], x.shape):
-            best[j] = sharding
+    for j, x in zip(indices, leaves, strict=True):
+      param = param_leaves[j]
+      if isinstance(x, jax.Array) and x.shape == param.shape and x.ndim:
+        sharding = NamedSharding(mesh, _spec(x))
+        if shard_size(sharding, x.shape) < shard_size(best[j], x.shape):
+          best[j] = sharding
   return [sharding.spec for sharding in best]
 
 

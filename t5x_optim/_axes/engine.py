@@ -264,12 +264,15 @@ def _same_node(a: Any, b: Any) -> bool:
 
 
 def holey_mirror(
-  node: jax.tree_util.PyTreeDef, params_def: jax.tree_util.PyTreeDef
+  node: jax.tree_util.PyTreeDef, params_def: jax.tree_util.PyTreeDef, *, subtrees: bool = False
 ) -> list[int] | None:
   """Param index of each leaf if ``node`` is the params with MaskedNode holes.
 
-  Dicts and FrozenDicts of the same keys match each other, as the exact
-  mirrors of params given only by their axes do.
+  A hole stands for a param or a whole subtree of them. Dicts and
+  FrozenDicts of the same keys match each other, as the exact mirrors of
+  params given only by their axes do. With ``subtrees``, a param's
+  position may hold a subtree (a compressed moment's), whose leaves all
+  have that param's index.
   """
   indices: list[int] = []
   stack = [(node, params_def)]
@@ -280,6 +283,8 @@ def holey_mirror(
       data = s.node_data()
       if data is None:
         indices.append(next_param)
+      elif subtrees:
+        indices.extend([next_param] * s.num_leaves)
       elif data[0] is not optax.MaskedNode:
         return None
       next_param += 1
