@@ -46,8 +46,9 @@ TARGETS = {
 }
 # The codec's error, as a fraction of a leaf's largest magnitude: 8 bits with a block's
 # absolute maximum for scale, bfloat16's 8-bit significand rounded stochastically, 4 bits:
-# half the widest gap of the signed map (0.6625 to 0.8875) or a linear step (1/15).
-CODEC_ERROR = {"float32": 0.0, "bfloat16": 2.0**-7, "8bit": 2e-2, "4bit": 0.1125 + 1e-6}
+# half the widest gap of the signed map (0.6625 to 0.8875) of a block's scale, which is its
+# largest magnitude over 0.8875 where a negative element holds that, or a linear step (1/15).
+CODEC_ERROR = {"float32": 0.0, "bfloat16": 2.0**-7, "8bit": 2e-2, "4bit": 0.1125 / 0.8875 + 1e-6}
 
 
 def _stored(inner: optax.GradientTransformation, storage: str) -> optax.GradientTransformation:

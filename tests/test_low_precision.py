@@ -38,10 +38,12 @@ from t5x_optim._low_precision.quantize import _codes as quantize_codes
 from t5x_optim._low_precision.quantize import (
   dequantize,
   dynamic_map,
+  extreme_scale,
   quantize,
   rounding_bits,
   to_bfloat16,
 )
+from t5x_optim._low_precision.quantize4 import signed_map4
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
@@ -83,6 +85,17 @@ def ref_thresholds(signed: bool) -> np.ndarray:
   return out
 
 
+def ref_extreme_scale(absmax: np.float32, most_negative: np.float32) -> np.float32:
+  """The smallest float32 whose product with the map's most negative magnitude (float32) is
+  at least ``absmax``: the scale of a block whose largest magnitude is negative."""
+  scale = np.float32(absmax / np.float64(most_negative))
+  while most_negative * scale < absmax:
+    scale = np.nextafter(scale, np.float32(np.inf))
+  while most_negative * np.nextafter(scale, np.float32(0)) >= absmax:
+    scale = np.nextafter(scale, np.float32(0))
+  return scale
+
+
 def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
   """Block-wise dynamic 8-bit quantization, written out element by element over blocks."""
   flat = x.reshape(-1, block)
@@ -91,6 +104,8 @@ def ref_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
   for b, values in enumerate(flat):
     absmax = np.max(np.abs(values))
     signed = bool(np.min(values) < 0)
+    if absmax > 0 and np.min(values) == -absmax:
+      absmax = ref_extreme_scale(absmax, -dynamic_map(True)[0])
     middles = ref_thresholds(signed)
     scaled = values / (absmax if absmax > 0 else np.float32(1))
     codes[b] = np.searchsorted(middles, scaled, side="left")
@@ -248,6 +263,99 @@ def test_codes_match_the_thresholds_at_ties_and_every_decade(signed):
   got = jax.jit(quantize_codes)(jnp.asarray(values), jnp.full(values.shape, signed))
   flushed = np.where(np.abs(values) < np.finfo(np.float32).tiny, 0, values)  # as XLA does
   np.testing.assert_array_equal(np.asarray(got), np.searchsorted(thresholds, flushed, side="left"))
+
+
+def _extreme_blocks(block: int) -> np.ndarray:
+  """Blocks whose extremes the codecs' scales must survive decoding: a negative extreme at
+  every magnitude and at the edges of its binade, a tie, all negative, all 0, non-finite."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(96, block)) * 10.0 ** rng.integers(-8, 4, size=(96, 1))
+  x[:48, 0] = -np.abs(x[:48]).max(axis=1) * 1.5  # a negative extreme
+  one = np.float32(1)
+  edges = [np.nextafter(one, np.float32(0)), one, np.nextafter(one, np.float32(2))]
+  edges += [np.float32(2) - np.float32(2**-23) * k for k in range(1, 40)]
+  edges += [np.float32(1) + np.float32(2**-23) * k for k in range(1, 40)]
+  near = rng.uniform(-0.5, 0.5, size=(len(edges), block))
+  near[:, 1] = -np.asarray(edges)
+  tie = rng.uniform(-1, 1, size=(1, block))
+  tie[0, :2] = 1.25, -1.25
+  non_finite = rng.uniform(-1, 1, size=(3, block))
+  non_finite[:, 0] = -2.0
+  non_finite[0, 1], non_finite[1, 1], non_finite[2, 1] = np.inf, -np.inf, np.nan
+  rows = [x, near, tie, -np.abs(rng.normal(size=(1, block))), np.zeros((1, block)), non_finite]
+  return np.concatenate(rows).astype(np.float32)
+
+
+def test_decode_and_encode_again_is_the_identity_for_signed_blocks():
+  """A block whose largest magnitude is negative decodes it as that magnitude (to an ulp),
+  so encoding the decoded values gives the same codes and scales, round trip after round
+  trip; a tie decodes both extremes alike."""
+  x = _extreme_blocks(16)
+  first = quantize(jnp.asarray(x), 16)
+  back = np.asarray(dequantize(first))
+  finite = np.isfinite(x)
+  absmax = np.where(finite, np.abs(x), 0).max(axis=1)
+  extreme = np.argmax(np.where(finite, np.abs(x), 0), axis=1)
+  rows = np.arange(len(x))
+  negative = x[rows, extreme] < 0
+  decoded = back[rows, extreme][negative]
+  assert (np.abs(-decoded - absmax[negative]) <= np.spacing(absmax[negative])).all()
+  tie = np.flatnonzero((x[:, 0] == 1.25) & (x[:, 1] == -1.25))[0]
+  assert back[tie, 0] == -back[tie, 1]
+  stored = first
+  for _ in range(100):
+    stored = quantize(dequantize(stored), 16)
+    np.testing.assert_array_equal(np.asarray(stored.codes), np.asarray(first.codes))
+    np.testing.assert_array_equal(np.asarray(stored.scales), np.asarray(first.scales))
+
+
+@pytest.mark.parametrize("most_negative", [dynamic_map(True)[0], signed_map4()[0]], ids=["8", "4"])
+def test_the_scale_of_a_negative_extreme_is_the_smallest_that_decodes_it(most_negative):
+  """Over every float32 mantissa: the scale's product with the map's least value's magnitude
+  reaches the largest magnitude, and the float below's does not (the search looks at the
+  quotient and the floats next to it)."""
+  m = np.float32(-most_negative)
+  largest = (np.arange(2**23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+  key = jnp.ones(largest.shape, jnp.uint32)
+  scale = np.asarray(jax.jit(extreme_scale, static_argnums=2)(largest, key, float(m)))
+  assert (m * scale >= largest).all()
+  assert (m * np.nextafter(scale, np.float32(0)) < largest).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_multisteps_mini_steps_leave_the_stored_moments_as_they_are(mode):
+  """MultiSteps returns adam's moments unchanged on its mini-steps; stored, they decode and
+  encode again, and stay bit for bit what they were."""
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 256))}
+  inner = optax.MultiSteps(optax.adam(1e-2), 4).gradient_transformation()
+  opt = OptaxWrapper(low_precision(inner, mode, min_size=0)).create(params)
+  step = jax.jit(lambda o, g: o.apply_gradient(g))
+  moments = []
+  for i in range(7):
+    opt = step(opt, {"w": jax.random.normal(jax.random.key(i + 7), (16, 256)) * (1 + i)})
+    adam = opt.state.param_states.inner_state.inner_opt_state[0]
+    moments.append(to_numpy((adam.mu, adam.nu)))
+  for later in moments[4:]:
+    assert_same_bits(later, moments[3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_a_steady_negative_gradient_moves_a_param_as_a_positive_one_does(mode):
+  """The signed maps hold +1 but not -1: a block whose largest magnitude is negative is
+  scaled so that the map's most negative value decodes as it, and adam moves a param under
+  a gradient of -1 as far as under +1, and as far as in float32."""
+  params = {"w": jnp.zeros((16, 256))}
+  moved = {}
+  for sign in (-1.0, 1.0):
+    opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode, min_size=0)).create(params)
+    step = jax.jit(lambda o, g: o.apply_gradient(g))
+    for _ in range(20):
+      opt = step(opt, {"w": jnp.full((16, 256), sign)})
+    moved[sign] = np.asarray(opt.target["w"])
+  np.testing.assert_allclose(moved[-1.0], -moved[1.0], rtol=1e-6)
+  np.testing.assert_allclose(moved[1.0], -0.2, rtol=1e-5)
 
 
 def _stablehlo_ops(f, *args):

@@ -7,12 +7,16 @@
 * 8 bits: `quantize` scales each block of the last dimension by its absolute
   maximum and stores each value as the index (``uint8``) of the nearest of
   256 values of bitsandbytes' dynamic map (`dynamic_map`), signed for a block
-  with a negative value; `dequantize` inverts it. "Nearest" is decided by 255
+  with a negative value; `dequantize` inverts it. The signed map holds +1 but
+  not -1 (its least value is -0.99297): a block whose largest magnitude is a
+  negative element's is scaled so that that value decodes as it
+  (`extreme_scale`), so decoding and encoding again changes nothing and the
+  codec has no bias by sign. "Nearest" is decided by 255
   thresholds (`_decade_constants`) within 2 float32 ulps of the midpoints between
   map values, defined so that encoding computes them instead of looking
   them up; in the unsigned map only 0 encodes as 0 (a positive second
-  moment never decodes as 0). A non-finite value saturates (+/-inf to +/-
-  its block's largest finite magnitude, NaN to 0) and leaves the rest of
+  moment never decodes as 0). A non-finite value saturates (+/-inf to about
+  +/- its block's largest finite magnitude, NaN to 0) and leaves the rest of
   its block as it would be. `leaf_block` chooses a leaf's block so that the
   scales shard wherever the codes do, and none (float32) where every block
   would cost more than 2 bytes per value.
@@ -53,7 +57,9 @@ class QuantizedLeaf(NamedTuple):
     codes: ``uint8``, the leaf's shape: the index of each value in its
       block's map (`dynamic_map`).
     scales: float32, ``(*shape[:-1], shape[-1] // block)``: each block's
-      absolute maximum, negated when the block uses the signed map.
+      absolute maximum (divided by the signed map's least value's magnitude,
+      0.99297, and rounded up, where a negative element holds it:
+      `extreme_scale`), negated when the block uses the signed map.
   """
 
   codes: Any
@@ -252,31 +258,73 @@ MAGNITUDE_BITS = 0x7FFFFFFF
 INF_BITS = 0x7F800000
 
 
-def _block_scales(blocks: jax.Array, *, finite: bool) -> jax.Array:
-  """Each block's stored scale: its absolute maximum, negated if it holds a negative value.
+def extreme_scale(largest: jax.Array, key: jax.Array, most_negative: float) -> jax.Array:
+  """The magnitude of each block's scale, from its largest magnitude and its reduced ``key``.
+
+  ``key`` is the block's maximum of `extreme_keys`: its low bit says that a negative element
+  holds the largest magnitude (a tie of ``+a`` and ``-a`` included). The signed maps hold
+  +1 but not -1, so such a block's scale is the smallest float32 ``s`` whose product with
+  the map's ``most_negative`` magnitude is at least ``largest``: the map's most negative
+  value decodes as ``-largest`` (where no product equals it, an ulp beyond), and the
+  positive elements, none larger, still fit. Every block then decodes its extreme as
+  itself, and decoding and encoding again gives the same scales and codes. Elsewhere (the
+  extreme positive, 0, inf or NaN) the scale is ``largest``.
+  """
+  lax, ops = jax.lax, _Ops(largest)
+  m, one = ops.full(most_negative, jnp.float32), ops.full(1, jnp.uint32)
+  # The smallest scale that fits is the quotient or a float next to it, whether XLA divides
+  # or multiplies by the reciprocal (as it does by a constant): so for every float32 mantissa.
+  # The walk down starts 2 floats above: from 1 above, XLA folds its first step back into the
+  # quotient, and ``m`` times ``largest / m`` into ``largest``, unrounded.
+  raw = lax.add(lax.bitcast_convert_type(lax.div(largest, m), jnp.uint32), ops.full(2, jnp.uint32))
+  for _ in range(3):
+    lower = lax.sub(raw, one)
+    fits = lax.ge(lax.mul(m, lax.bitcast_convert_type(lower, jnp.float32)), largest)
+    raw = lax.select(fits, lower, raw)
+  scale = lax.bitcast_convert_type(raw, jnp.float32)
+  # A largest magnitude of 0 keeps its scale; an infinite or NaN one, or one whose scale would
+  # overflow, ends not below inf.
+  flagged = lax.eq(lax.bitwise_and(key, one), one) & lax.lt(scale, ops.full(np.inf, jnp.float32))
+  return lax.select(flagged, scale, largest)
+
+
+def extreme_keys(magnitude: jax.Array, negative: jax.Array) -> jax.Array:
+  """``magnitude << 1 | negative``: its maximum over a block is the block's largest
+  magnitude (``>> 1``, magnitudes' bits being below ``2**31``) and whether a negative element
+  holds it (the low bit), a standard reduction that a mesh splitting a block all-reduces."""
+  return (magnitude << 1) | negative.astype(jnp.uint32)
+
+
+def _block_scales(blocks: jax.Array, *, finite: bool) -> tuple[jax.Array, jax.Array]:
+  """Each block's stored scale and the reciprocal of its magnitude.
 
   One reduction over the float32 bits with a standard combination per
-  operand (the largest magnitude, whether any element is negative (-0.0 and
-  NaN are not), the smallest reciprocal of a magnitude), so that a mesh
-  splitting a block over devices all-reduces it (a custom combination cannot
-  be all-reduced); the stored scale is the largest magnitude with the sign
-  bit set where a value is negative. ``finite``: non-finite elements count
-  as magnitude 0 (-inf still makes its block signed), with selects that fuse
-  into the reduction: no branch, no second pass over the leaf.
+  operand (`extreme_keys`: the largest magnitude and whether a negative element holds it;
+  whether any element is negative (-0.0 and NaN are not); the smallest reciprocal of a
+  magnitude), so that a mesh splitting a block over devices all-reduces it (a custom
+  combination cannot be all-reduced). The stored scale is `extreme_scale` of the largest
+  magnitude, with the sign bit set where a value is negative. ``finite``: non-finite
+  elements count as magnitude 0 (-inf still makes its block signed, and its key is 1,
+  below any other's but 0's: it decides no extreme), with selects that fuse into the
+  reduction: no branch, no second pass over the leaf.
   """
   bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
   magnitude = bits & jnp.uint32(MAGNITUDE_BITS)
   if finite:
     magnitude = jnp.where(magnitude < jnp.uint32(INF_BITS), magnitude, jnp.uint32(0))
-  negative = (blocks < 0).astype(jnp.uint32)
+  negative = blocks < 0
   reciprocal = 1.0 / jax.lax.bitcast_convert_type(magnitude, jnp.float32)
-  largest, signed, reciprocal = jax.lax.reduce(
-    (magnitude, negative, reciprocal),
+  key, signed, reciprocal = jax.lax.reduce(
+    (extreme_keys(magnitude, negative), negative.astype(jnp.uint32), reciprocal),
     (jnp.uint32(0), jnp.uint32(0), jnp.float32(jnp.inf)),
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1]), jax.lax.min(a[2], b[2])),
     (blocks.ndim - 1,),
   )
-  return jax.lax.bitcast_convert_type(largest | (signed << 31), jnp.float32), reciprocal
+  largest = jax.lax.bitcast_convert_type(key >> 1, jnp.float32)
+  scale = extreme_scale(largest, key, -float(dynamic_map(True)[0]))
+  reciprocal = jax.lax.select(scale > largest, 1.0 / scale, reciprocal)
+  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+  return jax.lax.bitcast_convert_type(scale_bits | (signed << 31), jnp.float32), reciprocal
 
 
 def quantize_stats(
@@ -297,17 +345,20 @@ def quantize(
   """Block-wise dynamic 8-bit quantization of a float32 array, blocks of ``block`` along the last axis.
 
   Each block is scaled by its largest finite magnitude and uses the signed
-  map if it holds a negative value, else the unsigned one (`dynamic_map`).
+  map if it holds a negative value, else the unsigned one (`dynamic_map`);
+  where a negative element holds that magnitude, the scale is such that the
+  signed map's least value (-0.99297) decodes as it (`extreme_scale`).
   Each value is stored as the code of the nearest map value, except that in
   the unsigned map a positive value never rounds to 0: below the map's
   smallest positive value (``3.25e-7`` of the block's largest) it stores
   that value, so a small positive second moment never decodes as 0 (a
   subnormal float32 value counts as 0: XLA flushes it to 0 anyway). A
-  non-finite value damages only its own element: ``+/-inf`` stores +/- the
-  block's largest finite magnitude (0 in a block without one) and NaN
-  stores 0; the other values are stored exactly as with that finite value
-  in its place. Each block depends on its own values only: quantizing some
-  rows of ``x`` gives those rows of quantizing all of it.
+  non-finite value damages only its own element: ``+/-inf`` stores the map's
+  extreme of its sign (about +/- the block's largest finite magnitude; 0 in
+  a block without one) and NaN stores 0; the other values are stored exactly
+  as with 0 in its place (-inf makes its block signed). Each block depends
+  on its own values only: quantizing some rows of ``x`` gives those rows of
+  quantizing all of it.
 
   ``guard_nonfinite=False`` lets non-finite values into the block scales:
   an inf or NaN then damages its whole block, for callers that refuse such

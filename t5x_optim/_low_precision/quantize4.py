@@ -11,8 +11,12 @@ After Li et al. (2023), "Memory Efficient Optimizers with 4-bit States":
   finite magnitude, stored negated when the block holds a negative value.
 * A block with a negative value (a first moment) uses the signed
   dynamic-exponent map (`signed_map4`: bitsandbytes' dynamic map with 3
-  decades in 4 bits, 0 and 1 included, -1 not: a block's largest magnitude,
-  if negative, decodes as 0.8875 of it): scaled by the block's scale.
+  decades in 4 bits, 0 and 1 included, -1 not): scaled by the block's
+  scale. Where a negative element holds the block's largest magnitude, the
+  scale is that magnitude over 0.8875 (the map's least value's magnitude),
+  rounded up (`extreme_scale`), so that the element decodes as itself:
+  decoding and encoding again changes no code or block scale, and the codec
+  has no bias by sign.
 * A block without (a second moment) uses the unsigned linear map: ``k / 15``
   for codes ``k = 1..15``, and code 0 for an exact 0 only, so no positive
   value decodes as 0 (the zero-point problem: a small second moment stored
@@ -35,7 +39,8 @@ a broadcast, each element shifting out its nibble, as the 8-bit codec spreads
 its block scales). A non-finite value damages only its own element: the
 statistics (block scales and signs, column maxima) count it as 0, so every other
 element encodes as with 0 in its place; ``+inf`` stores the element's
-scale, ``-inf`` minus it in a signed block and 0 in an unsigned one, NaN 0.
+scale, ``-inf`` the signed map's least value (-0.8875) times it in a signed
+block and 0 in an unsigned one, NaN 0.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from t5x_optim._low_precision.quantize import (
   MAGNITUDE_BITS,
   MIN_BLOCK,
   blocks_of,
+  extreme_keys,
+  extreme_scale,
   spread_blocks,
 )
 
@@ -83,8 +90,9 @@ class Quantized4Leaf(NamedTuple):
       byte, consecutive elements of the last dimension.
     scales: float32, ``(*shape[:-2], shape[-2] // rows, shape[-1] // cols)``
       for blocks of ``(rows, cols)`` (one row: ``(*shape[:-1], shape[-1] //
-      cols)``): each block's largest finite magnitude, negated when the
-      block uses the signed map.
+      cols)``): each block's largest finite magnitude (over 0.8875, rounded
+      up, where a negative element holds it: `extreme_scale`), negated when
+      the block uses the signed map.
   """
 
   codes: Any
@@ -243,8 +251,10 @@ def quantize4_stats(
   Non-finite values count as magnitude 0 and as not negative
   (``guard_nonfinite``); without the guard they enter the maxima. The block
   scales are one reduction over the float32 bits with a standard combination
-  per operand (the largest magnitude, whether any element is negative), so
-  that a mesh splitting a block over devices all-reduces it.
+  per operand (`extreme_keys`: the largest magnitude and whether a negative
+  element holds it; whether any element is negative), so that a mesh
+  splitting a block over devices all-reduces it; a block whose largest
+  magnitude is negative is then scaled by `extreme_scale`.
   """
   x = jnp.asarray(x, jnp.float32)
   magnitude = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(MAGNITUDE_BITS)
@@ -254,14 +264,17 @@ def quantize4_stats(
     magnitude = jnp.where(finite, magnitude, jnp.uint32(0))
     negative = negative & finite
   block = block_shape(block)
-  by_block, within = _blocks(magnitude, block)
-  largest, signed = jax.lax.reduce(
+  by_block, within = _blocks(extreme_keys(magnitude, negative), block)
+  key, signed = jax.lax.reduce(
     (by_block, _blocks(negative.astype(jnp.uint32), block)[0]),
     (jnp.uint32(0), jnp.uint32(0)),
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1])),
     within,
   )
-  scales = jax.lax.bitcast_convert_type(largest | (signed << 31), jnp.float32)
+  largest = jax.lax.bitcast_convert_type(key >> 1, jnp.float32)
+  scale = extreme_scale(largest, key, -float(signed_map4()[0]))
+  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+  scales = jax.lax.bitcast_convert_type(scale_bits | (signed << 31), jnp.float32)
   if not rank1:
     return (scales,)
   magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
@@ -369,7 +382,7 @@ def quantize4(
     >>> x = jnp.asarray([[2.0, 1e-9, jnp.inf, jnp.nan], [-1.0, 0.5, 0.0, 0.25]])
     >>> back = dequantize4(quantize4(x, 4, rank1=False))
     >>> [[round(float(v), 4) for v in row] for row in back]
-    [[2.0, 0.1333, 2.0, 0.0], [-0.8875, 0.4375, 0.0, 0.2125]]
+    [[2.0, 0.1333, 2.0, 0.0], [-1.0, 0.493, 0.0, 0.2394]]
   """
   return _quantize4(x, block_shape(block), rank1, guard_nonfinite, stats)
 
