@@ -782,6 +782,7 @@ def _of_type(states: Any, kind: type) -> list[Any]:
   ],
   ids=["reduce_on_plateau", "apply_every", "galore", "sophia", "novograd", "lbfgs"],
 )
+@pytest.mark.slow
 def test_counts_that_time_an_event_of_their_fresh_state_start_at_0(make, kind):
   """Such a count is compared with a setting or taken modulo one (the next check, emit,
   refresh or memory slot) or with 0 (a first step), over fields that start fresh: set to the
@@ -1638,6 +1639,7 @@ def _scanned_t5x_source(shape, d1, d0):
 
 
 @pytest.mark.parametrize("layout", SCANNED)
+@pytest.mark.slow
 def test_t5x_adafactor_of_a_scanned_kernel_is_read_over_its_logical_axes(layout):
   axes, shape, (d1, d0) = SCANNED[layout]
   source, v_row, v_col = _scanned_t5x_source(shape, d1, d0)
