@@ -1285,21 +1285,25 @@ def test_t5x_legacy_adafactor_round_trips_through_adamw_to_t5xs_own_values(
     t5x_optim.convert_state(adamw.optimizer, _T5XAdafactorLayout(t5x_expected))
 
 
+def _runs_ok(script: pathlib.Path) -> None:
+  """Runs `script` in a fresh process (with T5X's own code), which prints OK at its end."""
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+    proc.stdout[-3000:] + proc.stderr[-3000:]
+  )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_t5x_own_legacy_adafactor_is_a_conversion_target():
   """data/t5x_adafactor/convert_with_t5x.py, in a fresh process with T5X's own code."""
-  script = T5X_DATA / "convert_with_t5x.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+  _runs_ok(T5X_DATA / "convert_with_t5x.py")
 
 
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_t5x_reads_our_checkpoints_of_adafactor_states():
   """data/t5x_adafactor/read_by_t5x.py, in a fresh process with T5X's own code."""
-  script = T5X_DATA / "read_by_t5x.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:]
+  _runs_ok(T5X_DATA / "read_by_t5x.py")
 
 
 @pytest.mark.slow
@@ -1714,6 +1718,4 @@ def test_a_t5x_checkpoint_of_a_scanned_kernel_restores_over_the_train_states_axe
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_t5xs_own_adafactor_of_a_scanned_kernel_converts_over_its_axes():
   """data/t5x_adafactor/scanned_with_t5x.py, in a fresh process with T5X's own code."""
-  script = T5X_DATA / "scanned_with_t5x.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+  _runs_ok(T5X_DATA / "scanned_with_t5x.py")

@@ -693,6 +693,23 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   print(f"2 processes, SIGTERM to process 1 to both exited 143: {took:.2f} s")
 
 
+def _in_two_processes(script: str, *args: str) -> list[tuple[int, str, str]]:
+  """``(returncode, stdout, stderr)`` of `script` run as processes 0 and 1 of one job; each
+  gets its process id, the coordinator's address and `args`."""
+  address = f"127.0.0.1:{free_port()}"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", script, str(i), address, *args],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  return communicate_all(procs, TIMEOUT)
+
+
 _PREEMPTED_BEFORE_THE_FIRST_CALL = """
 import os, signal, sys, time
 from t5x_optim import Checkpointer, distributed
@@ -710,18 +727,7 @@ with Checkpointer(directory) as ckpt:
 def test_a_preemption_before_a_resumed_jobs_first_step_stops_it_at_that_step(tmp_path):
   """A job resumed at step 40 and preempted during its restore, before any call, trained on
   to the end: jax's sync point was the first call's number, which absolute steps never hit."""
-  address = f"127.0.0.1:{free_port()}"
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", _PREEMPTED_BEFORE_THE_FIRST_CALL, str(i), address, str(tmp_path)],
-      env=_env(),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  results = communicate_all(procs, TIMEOUT)
+  results = _in_two_processes(_PREEMPTED_BEFORE_THE_FIRST_CALL, str(tmp_path))
   assert [out.split()[-1] for _, out, _ in results] == ["41", "41"], results
 
 
@@ -741,18 +747,7 @@ print(train.agreed_stop(interrupt), interrupt.exit_status)
 def test_ctrl_c_in_one_process_at_start_up_stops_every_process():
   """Each process checked its own Ctrl-C before the first step: the one interrupted left, and
   the other failed in its next collective with a raw traceback."""
-  address = f"127.0.0.1:{free_port()}"
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", _CTRL_C_IN_ONE_PROCESS_AT_START_UP, str(i), address],
-      env=_env(),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  results = communicate_all(procs, TIMEOUT)
+  results = _in_two_processes(_CTRL_C_IN_ONE_PROCESS_AT_START_UP)
   assert [out.splitlines()[-1] for _, out, _ in results] == ["True 130"] * 2, results
 
 
