@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from t5x_optim import OptaxWrapper, QuantizedLeaf, low_precision
 from t5x_optim._low_precision.low_precision import leaf_storage
 from t5x_optim._low_precision.quantize import dequantize, dynamic_map, leaf_block, quantize
+from t5x_optim._low_precision.quantize4 import dequantize4, quantize4
 
 _quantize = jax.jit(quantize, static_argnums=1)
 _dequantize = jax.jit(dequantize)
@@ -250,3 +251,15 @@ def test_quantizing_rows_gives_the_rows_of_the_whole_leaf():
     part = _quantize(jnp.asarray(x[start:stop]), 16)
     np.testing.assert_array_equal(np.asarray(part.codes), np.asarray(whole.codes)[start:stop])
     np.testing.assert_array_equal(np.asarray(part.scales), np.asarray(whole.scales)[start:stop])
+
+
+@pytest.mark.parametrize("v", [8.4e37, 8.46e37, 8.5e37])
+def test_a_huge_negative_extreme_still_decodes(v):
+  """A block's scale from 2**126 on has a subnormal reciprocal, which XLA flushes to 0: the
+  scale that makes a negative extreme exact reached it below 2**126 and the block decoded
+  as zeros; there the scale stays the block's largest magnitude."""
+  x = jnp.asarray([[-v, 0.5 * v]], jnp.float32)
+  eight = np.asarray(_dequantize(_quantize(x, 2)))
+  four = np.asarray(jax.jit(dequantize4)(quantize4(x, 2, rank1=False)))
+  np.testing.assert_allclose(eight, x, rtol=0.01)
+  np.testing.assert_allclose(four, x, rtol=0.13)  # the 4-bit map's widest gap

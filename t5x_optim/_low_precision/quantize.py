@@ -268,7 +268,8 @@ def extreme_scale(largest: jax.Array, key: jax.Array, most_negative: float) -> j
   value decodes as ``-largest`` (where no product equals it, an ulp beyond), and the
   positive elements, none larger, still fit. Every block then decodes its extreme as
   itself, and decoding and encoding again gives the same scales and codes. Elsewhere (the
-  extreme positive, 0, inf or NaN) the scale is ``largest``.
+  extreme positive, 0, inf or NaN, and a scale that would reach ``2**126``, whose reciprocal
+  XLA flushes to 0) the scale is ``largest``.
   """
   lax, ops = jax.lax, _Ops(largest)
   m, one = ops.full(most_negative, jnp.float32), ops.full(1, jnp.uint32)
@@ -282,9 +283,10 @@ def extreme_scale(largest: jax.Array, key: jax.Array, most_negative: float) -> j
     fits = lax.ge(lax.mul(m, lax.bitcast_convert_type(lower, jnp.float32)), largest)
     raw = lax.select(fits, lower, raw)
   scale = lax.bitcast_convert_type(raw, jnp.float32)
-  # A largest magnitude of 0 keeps its scale; an infinite or NaN one, or one whose scale would
-  # overflow, ends not below inf.
-  flagged = lax.eq(lax.bitwise_and(key, one), one) & lax.lt(scale, ops.full(np.inf, jnp.float32))
+  # A largest magnitude of 0 keeps its scale; an infinite or NaN one ends not below inf. A
+  # scale from 2**126 on has a subnormal reciprocal, which XLA flushes to 0 (the block would
+  # decode as zeros): the block keeps its largest magnitude (its extreme decodes as the map's).
+  flagged = lax.eq(lax.bitwise_and(key, one), one) & lax.lt(scale, ops.full(2.0**126, jnp.float32))
   return lax.select(flagged, scale, largest)
 
 
