@@ -61,7 +61,7 @@ import numpy as np
 import optax
 from flax import serialization, traverse_util
 
-from t5x_optim._adapters.optax_wrapper import loss_extra_args, trained_params
+from t5x_optim._adapters.optax_wrapper import loss_extra_args
 from t5x_optim._axes.kernel_axes import specs_by_path
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
@@ -83,7 +83,7 @@ from t5x_optim._convert.registry import (
   state_field,
 )
 from t5x_optim._core import state_dict as _state_dict
-from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (

@@ -102,11 +102,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from t5x_optim._adapters.optax_wrapper import (
-  AxesAwareTransformation,
-  checked_transformation,
-  trained_params,
-)
+from t5x_optim._adapters.optax_wrapper import AxesAwareTransformation, checked_transformation
 from t5x_optim._adapters.param_subsets import format_paths
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
@@ -115,6 +111,7 @@ from t5x_optim._axes.engine import holey_mirror, logical_axes_from
 from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
 from t5x_optim._axes.rules import drop_indivisible_axes, is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._core.interface import trained_params
 from t5x_optim._layouts.fused.analysis import (
   FusedPlan,
   NotFusible,

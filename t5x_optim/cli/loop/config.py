@@ -848,7 +848,8 @@ def _called_identity(value: Any, scope: Sequence[str]) -> tuple[str, tuple[str, 
 
 def _items(value: Any) -> list[tuple[Any, Any]] | None:
   """The ``(key, item)`` pairs of a bound list, tuple or dict (a dict's in the order of its
-  keys, which optax's state keeps too), the indices as keys; None for any other value.
+  keys' reprs: one order whatever order a file binds them in), the indices as keys; None
+  for any other value.
 
   Example:
     >>> _items({'y': 1, 'x': 2}), _items(('a',)), _items('a')

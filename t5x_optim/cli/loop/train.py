@@ -864,7 +864,7 @@ def _dropped_accumulation(optimizer: Any, state: TrainState) -> tuple[str, str] 
   towards the next. optax counts mini-steps modulo the current
   ``every_k_schedule``, so a schedule now at or below that count never
   applies them: the next update starts afresh, or weighs them as one. The
-  MultiSteps is found at any depth of the transformation (`_reachable`);
+  MultiSteps is found nested in the transformation (`_reachable`);
   checked where an optimizer (a sub-optimizer) holds one, against each
   MultiSteps state of its state.
   """
@@ -939,7 +939,7 @@ def _plateau_stall(
 
 def _plateau_settings(transformation: Any) -> list[dict[str, Any]]:
   """The ``accumulation_size`` and ``patience`` of each ``optax.contrib.reduce_on_plateau``
-  in `transformation`, at any depth (`_reachable`).
+  in `transformation`, nested in it (`_reachable`).
 
   optax keeps them nowhere but in the closures of reduce_on_plateau's functions (the
   patience in those of its ``_update_scale``), so they are read from there.
@@ -966,9 +966,11 @@ def _reachable(transformation: Any) -> list[Any]:
   """Every object that optax `transformation` holds, itself included, to a depth of 16.
 
   optax's combinators (chain, named_chain, masked, multi_transform, MultiSteps,
-  apply_if_finite, inject_hyperparams, ...) keep the transformations they combine in
-  the closures of their functions, in tuples and dicts there, or as attributes of an
-  instance (``optax.MultiSteps``) that they hold or whose bound methods they hold.
+  apply_if_finite, ...) keep the transformations they combine in the closures of their
+  functions, in tuples and dicts there, or as attributes of an instance
+  (``optax.MultiSteps``) that they hold or whose bound methods they hold.
+  ``inject_hyperparams`` keeps a factory that builds its transformation at each call:
+  what that builds is not reached.
   """
   reached: list[Any] = []
   seen: set[int] = set()
