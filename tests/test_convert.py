@@ -1167,6 +1167,21 @@ def test_t5x_legacy_adafactor_checkpoint_restores_into_adamw(partitioner, t5x_ex
   _assert_target_shardings(state, target)
 
 
+@pytest.mark.slow
+def test_a_t5x_checkpoint_without_the_targets_mutables_is_refused(partitioner):
+  """T5X's legacy checkpoint holds no flax_mutables: restored into a TrainState that has
+  batch statistics, the target's own (init values, or abstract shapes) were kept."""
+
+  def with_stats():
+    return {**_variables(), "batch_stats": {"mean": jnp.full((8,), 123.0)}}
+
+  target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), with_stats)
+  with pytest.raises(ValueError, match=r"Missing key .flax_mutables/batch_stats."):
+    t5x_optim.restore_converted(
+      T5X_DATA / "legacy", target, source_hparams={"learning_rate": T5X_LEARNING_RATE}
+    )
+
+
 def _at(tree, path):
   for key in path:
     tree = tree[key]

@@ -168,9 +168,9 @@ def restore_converted(
       state_dict, _optimizer(target), missing=missing, **hparams
     )
     restored = _with_optimizer(target, optimizer)
-    if isinstance(restored, TrainState) and "flax_mutables" in state_dict:
+    if isinstance(restored, TrainState):  # a target's collection the checkpoint lacks: refused
       restored = restored.restore_state(
-        {**optimizer.state_dict(), "flax_mutables": state_dict["flax_mutables"]}
+        {**optimizer.state_dict(), "flax_mutables": state_dict.get("flax_mutables", {})}
       )
     return restored, report
   if not isinstance(source, TrainState | Optimizer):
