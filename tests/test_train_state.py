@@ -178,6 +178,18 @@ def test_replace_params_and_step():
     state.replace_params({"w": jnp.ones(2), "v": jnp.ones(2)})
 
 
+def test_replaced_params_of_another_shape_are_refused():
+  """A (1, 8) param in place of a (4, 8) one was taken: the next step broadcast it against
+  adam's (4, 8) moments and the param became (4, 8) without a word."""
+  state = TrainState.create(optimizers.adamw(1e-3), {"params": {"w": jnp.ones((4, 8))}})
+  with pytest.raises(ValueError, match=r"'w': new params \(1, 8\), the train state's \(4, 8\)"):
+    state.replace_params({"w": jnp.ones((1, 8))})
+  state = TrainState.create(optimizers.sgd(0.1), _variables(AxesModel()))
+  stats = jax.tree.map(lambda x: jnp.ones((1, *x.shape)), state.flax_mutables)
+  with pytest.raises(ValueError, match=r"new flax_mutables \(1, "):
+    state.replace_flax_mutables(stats)
+
+
 class _WantsAxes(OptaxWrapper):
   """An optimizer definition that partitions by param axes, like T5X's Adafactor."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 from flax import struct, traverse_util
 from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
@@ -133,7 +134,17 @@ def _unflatten_like(tree: Any, specs: SpecLeaves | None) -> Any:
 
 
 def _check_structure(value: Any, reference: Any, *, name: str) -> None:
+  """Raises ValueError unless `value` has `reference`'s structure and, leaf by leaf, shapes;
+  naming the paths and both sides."""
   mismatch = structure_mismatch(value, reference, name=name)
+  if mismatch is None:
+    flat = jax.tree.flatten_with_path(flax.core.unfreeze(value))[0]
+    shapes = [
+      f"'{key_path_str(path)}': {name} {jnp.shape(new)}, the train state's {jnp.shape(old)}"
+      for (path, new), old in zip(flat, jax.tree.leaves(flax.core.unfreeze(reference)))
+      if jnp.shape(new) != jnp.shape(old)
+    ]
+    mismatch = "; ".join(shapes) or None
   if mismatch is not None:
     raise ValueError(f"The {name} do not fit the train state's: {mismatch}.")
 
@@ -265,7 +276,13 @@ class TrainState(struct.PyTreeNode):
     return state if flax_mutables is None else state.replace_flax_mutables(flax_mutables)
 
   def replace_params(self, params: Any) -> TrainState:
-    """Returns the state with new params of the same structure."""
+    """Returns the state with new params of the same structure and shapes.
+
+    Raises:
+      ValueError: naming each path where the structure or a shape differs (a
+        param of another shape would broadcast against its moments at the next
+        step).
+    """
     params = flax.core.unfreeze(params)
     _check_structure(params, self.params, name="new params")
     return self.replace(_optimizer=self._optimizer.replace(target=params))
@@ -279,7 +296,8 @@ class TrainState(struct.PyTreeNode):
     """Returns the state with new mutable collections.
 
     Raises:
-      ValueError: when their axes are known and the structure changes.
+      ValueError: when their axes are known and the structure or a shape
+        changes.
     """
     flax_mutables = flax.core.unfreeze(flax_mutables)
     if self.mutable_axis_leaves is not None:
