@@ -246,3 +246,18 @@ def test_as_logical_axes_applies_the_definitions_fallback(fallback):
     with pytest.warns(UserWarning, match=r"replicating 2 optimizer state leaves.*0/nu/w \(shape"):
       logical = state.as_logical_axes()
     assert logical.param_states[0].mu == {"w": None}
+
+
+def test_a_box_and_an_axes_collection_that_disagree_are_refused():
+  """The collection's axes were taken and the box's dropped without a word."""
+  boxed = nn.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))
+  variables = {
+    "params": {"w": boxed},
+    "params_axes": {"w_axes": flax_partitioning.AxisMetadata(("mlp", "embed"))},
+  }
+  with pytest.raises(
+    ValueError, match=r"'params/w': box .*'embed', 'mlp'.*collection .*'mlp', 'embed'"
+  ):
+    TrainState.create(optimizers.adamw(0.1), variables)
+  variables["params_axes"] = {"w_axes": flax_partitioning.AxisMetadata(("embed", "mlp"))}
+  assert TrainState.create(optimizers.adamw(0.1), variables).params_axes == {"w": P("embed", "mlp")}

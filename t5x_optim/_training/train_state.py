@@ -59,8 +59,9 @@ def _split_collection(
 ) -> tuple[dict[str, Any], SpecLeaves | None]:
   """Unboxes one collection and finds the logical spec of each of its leaves.
 
-  A leaf's spec comes from its `nn.with_logical_partitioning` box, else from
-  the T5X axes collection (`param_with_axes`); unboxed leaves of a collection
+  A leaf's spec comes from the T5X axes collection (`param_with_axes`), else
+  from its `nn.with_logical_partitioning` box (a box and the collection that
+  name other axes for one leaf are refused); unboxed leaves of a collection
   without an axes collection are replicated (None).
 
   Returns:
@@ -69,7 +70,8 @@ def _split_collection(
 
   Raises:
     ValueError: when the axes collection does not cover exactly the
-      collection's unboxed variables; the message names the paths.
+      collection's unboxed variables, or names other axes than a box; the
+      message names the paths.
   """
   flat = traverse_util.flatten_dict(flax.core.unfreeze(collection), keep_empty_nodes=True)
   given = {} if axes_collection is None else _axes_by_path(axes_collection)
@@ -81,6 +83,18 @@ def _split_collection(
       f"The '{name}{_AXES_SUFFIX}' collection does not match the '{name}' "
       f"collection: axes without a variable: {unexpected}; variables without "
       f"axes: {missing}."
+    )
+  conflicts = [
+    f"'{key_path_str((name, *p))}': box {x.get_partition_spec()}, collection {given[p]}"
+    for p, x in flat.items()
+    if p in given
+    and isinstance(x, flax.linen.LogicallyPartitioned)
+    and PartitionSpec(*x.get_partition_spec()) != PartitionSpec(*given[p])
+  ]
+  if conflicts:
+    raise ValueError(
+      f"Logical axes given twice, by a box and by the '{name}{_AXES_SUFFIX}' collection, "
+      f"differ: {'; '.join(conflicts)}; give each variable's axes once."
     )
   if axes_collection is None and len(unboxed) == len(flat):
     specs_flat = None
