@@ -14,6 +14,7 @@ import pytest
 
 from t5x_optim import OptimizerDef
 from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import train as _train
 from t5x_optim.partitioning import Partitioner
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
@@ -390,6 +391,18 @@ def test_the_optimizers_in_a_dict_are_described_and_are_the_optimizers_identity(
   assert set(built.create(PARAMS).state.param_states.inner_states) == {"x", "y"}
   nadam = [binding.replace("adam", "nadam") for binding in MULTI_TRANSFORM]
   assert _optimizer_report(nadam)[1] == expected.replace("adam", "nadam")
+
+
+def test_a_record_written_before_dicts_were_read_still_names_the_job(tmp_path):
+  """Earlier versions recorded a dict of optimizers not at all (``optax.multi_transform``
+  alone): such a checkpoint of an unchanged config was refused as another job."""
+  _, identity, _, _ = _optimizer_report(MULTI_TRANSFORM)
+  earlier = "optimizers.OptaxWrapper(optax_optimizer=optax.multi_transform)"
+  assert _config.optimizer_identity(dicts=False) == earlier
+  job = {"optimizer": identity}
+  _train._refuse_another_job({"optimizer": earlier}, job, tmp_path, 4)
+  with pytest.raises(_train.UsageError, match="holds another job"):
+    _train._refuse_another_job({"optimizer": earlier.replace("multi_", "")}, job, tmp_path, 4)
 
 
 def test_a_configurable_named_by_another_name_of_its_function_is_read():

@@ -846,10 +846,10 @@ def _called_identity(value: Any, scope: Sequence[str]) -> tuple[str, tuple[str, 
   return value.selector, tuple(scope)
 
 
-def _items(value: Any) -> list[tuple[Any, Any]] | None:
+def _items(value: Any, *, dicts: bool = True) -> list[tuple[Any, Any]] | None:
   """The ``(key, item)`` pairs of a bound list, tuple or dict (a dict's in the order of its
   keys' reprs: one order whatever order a file binds them in), the indices as keys; None
-  for any other value.
+  for any other value (and for a dict without ``dicts``).
 
   Example:
     >>> _items({'y': 1, 'x': 2}), _items(('a',)), _items('a')
@@ -857,22 +857,27 @@ def _items(value: Any) -> list[tuple[Any, Any]] | None:
   """
   if isinstance(value, (list, tuple)):
     return list(enumerate(value))
-  if isinstance(value, Mapping):
+  if isinstance(value, Mapping) and dicts:
     return sorted(value.items(), key=lambda item: repr(item[0]))
   return None
 
 
 def _reference_text(
-  value: Any, depth: int, skip: frozenset[str] = frozenset(), scope: Sequence[str] = ()
+  value: Any,
+  depth: int,
+  skip: frozenset[str] = frozenset(),
+  scope: Sequence[str] = (),
+  *,
+  dicts: bool = True,
 ) -> str | None:
   """`value` as ``name(arg=...)`` when it is a gin reference (or a list or dict of them).
 
   Its arguments are those gin binds when it calls `value` from `scope`;
-  those named in `skip` are left out.
+  those named in `skip` are left out, and dicts without ``dicts``.
   """
-  items = _items(value)
+  items = _items(value, dicts=dicts)
   if items is not None:
-    parts = [(key, _reference_text(item, depth, skip, scope)) for key, item in items]
+    parts = [(key, _reference_text(item, depth, skip, scope, dicts=dicts)) for key, item in items]
     if not all(text for _, text in parts):
       return None
     if isinstance(value, Mapping):
@@ -883,14 +888,14 @@ def _reference_text(
   scope = _called_in(value, scope)
   bound = _bound(value, scope)
   if value.configurable.wrapped is gin.config.macro:
-    return _reference_text(bound.get("value"), depth, skip, scope)
+    return _reference_text(bound.get("value"), depth, skip, scope, dicts=dicts)
   if depth == 0:
     return value.selector
   inner = []
   for key, argument in bound.items():
     if key in skip:
       continue
-    text = _reference_text(argument, depth - 1, skip, scope)
+    text = _reference_text(argument, depth - 1, skip, scope, dicts=dicts)
     if text is not None:
       inner.append(f"{key}={text}")
   return f"{value.selector}({', '.join(inner)})" if inner else value.selector
@@ -914,11 +919,13 @@ _RATES = frozenset({"learning_rate", "step_size", "adam_learning_rate"})
 ``adam_learning_rate``: Muon's for the params it sends to Adam)."""
 
 
-def optimizer_identity() -> str:
+def optimizer_identity(*, dicts: bool = True) -> str:
   """What makes the parsed config's ``%OPTIMIZER`` the same optimizer on resume.
 
   The gin configurables it reaches, nested as they are bound, without the
   learning rate and its schedule (which a resume may change) or any number.
+  Without ``dicts``, as versions before this one recorded it: arguments bound
+  to a dict (``optax.multi_transform``'s ``transforms``) left out.
 
   Example:
     >>> parse_config()
@@ -926,7 +933,9 @@ def optimizer_identity() -> str:
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
   value = gin.query_parameter("%OPTIMIZER")
-  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE)
+  text = _reference_text(
+    value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE, dicts=dicts
+  )
   return text or f"(not a gin reference: {value!r})"
 
 

@@ -64,6 +64,7 @@ from t5x_optim import (
 )
 from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
+from t5x_optim.cli.loop import config as config_lib
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.input import global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
@@ -772,6 +773,8 @@ def _refuse_another_job(
     )
   if recorded is not None and job is not None:
     problem = identity_problem(recorded, job)
+    if problem and _recorded_before_dicts(recorded, job):
+      problem = identity_problem(recorded, {**job, "optimizer": recorded["optimizer"]})
     if problem:
       earlier = (
         " (this version keeps a low_precision state leaf that copies the params, such as "
@@ -785,6 +788,16 @@ def _refuse_another_job(
         f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
         f"{problem}{earlier}; {_resume_advice(model_dir)}."
       )
+
+
+def _recorded_before_dicts(recorded: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
+  """Whether `recorded` names `job`'s optimizer as versions did that left a dict of
+  optimizers out of its identity (`config.optimizer_identity` without ``dicts``); such a
+  record cannot tell what the dict held, and is taken for the job's."""
+  earlier = recorded.get("optimizer")
+  if earlier == job.get("optimizer") or "{" in str(earlier):
+    return False
+  return earlier == config_lib.optimizer_identity(dicts=False)
 
 
 def _param_copy_paths(abstract_state: TrainState) -> frozenset[str]:
