@@ -179,6 +179,39 @@ def test_state_dict_round_trip(opt_def, adapter_run):
   _assert_trees_equal(stepped.state.param_states, adapter_run[3][0].state.param_states)
 
 
+def test_adaptive_damping_restarts_from_a_fixed_damping_state(kfac, adapter_run):
+  # kfac-jax keeps a placeholder damping (-1e10) in the state of a run with fixed damping;
+  # adaptive damping restored from it starts at initial_damping instead.
+  adaptive = KfacOptimizerDef(
+    kfac_jax.Optimizer(
+      value_and_grad_func=jax.value_and_grad(_registered_loss),
+      l2_reg=0.0,
+      num_burnin_steps=0,
+      inverse_update_period=2,
+      use_adaptive_damping=True,
+      initial_damping=3e-2,
+      damping_adaptation_interval=1,
+    ),
+    init_batch=_batches()[0],
+    init_rng=jax.random.key(1),
+    learning_rate=0.5,
+    momentum=0.0,
+  )
+  state_dict = adapter_run[2][0].state_dict()
+  assert float(state_dict["state"]["param_states"]["damping"]) == np.float32(-1e10)
+  restored = adaptive.create(_copy(_params())).restore_state(state_dict)
+  assert float(restored.state.param_states.damping) == np.float32(3e-2)
+  _assert_trees_equal(restored.target, adapter_run[2][0].target)
+  stepped, stats = adaptive.apply_batch(_copy(restored), batch=_batches()[3], rng=_rngs()[3])
+  assert float(stats["damping"]) == np.float32(3e-2)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(stepped.target))
+
+  # A damping the state holds is kept.
+  state_dict["state"]["param_states"]["damping"] = np.float32(0.25)
+  restored = adaptive.create(_copy(_params())).restore_state(state_dict)
+  assert float(restored.state.param_states.damping) == np.float32(0.25)
+
+
 def test_restore_names_the_bad_path(adapter_run):
   opt = adapter_run[0][0]
   state_dict = opt.state_dict()

@@ -22,16 +22,18 @@ call inside a call) share one replacement, counted under a lock: the first
 installs it, the last to leave restores the original, also when a call
 raises.
 
-Two kfac-jax attributes are read that have no public accessor in 0.0.8: the
+kfac-jax attributes are read that have no public accessor in 0.0.8: the
 curvature estimator (`Optimizer._estimator`: its blocks and the indices of
-their params, which `derive_kfac_logical_axes` maps to param axes) and the
+their params, which `derive_kfac_logical_axes` maps to param axes), the
 constructor's `value_func_has_state` (`Optimizer._value_func_has_state`,
 refused up front because `apply_gradient` has no place to return a function
-state).
+state) and its adaptive damping settings (`Optimizer._use_adaptive_damping`
+and `Optimizer._initial_damping`, for `restore_state`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -58,6 +60,9 @@ from kfac_jax._src import tag_graph_matcher
 from t5x_optim._warn import warn
 
 __all__ = ["KfacHyperParams", "KfacOptimizerDef"]
+
+# The damping kfac-jax 0.0.8 keeps in the state of an optimizer without initial_damping.
+_NO_DAMPING = -1e10
 
 
 def _eval_jaxpr_eqn(eqn: Any, in_values: list[Any]) -> list[Any]:
@@ -401,6 +406,10 @@ class KfacOptimizerDef(OptimizerDef):
   ) -> tuple[Any, OptimizerState]:
     """Restores `(target, state)`, validating shapes and dtypes against `opt_state`.
 
+    A state saved without adaptive damping holds kfac-jax's placeholder damping
+    (-1e10) rather than a damping; restored into an optimizer with
+    `use_adaptive_damping=True`, its damping starts at `initial_damping`.
+
     Raises:
       ValueError: naming the path, on a missing or unexpected key, a shape
         mismatch or an unsafe dtype cast.
@@ -409,6 +418,13 @@ class KfacOptimizerDef(OptimizerDef):
       opt_target, opt_state.step, kfac_state_to_dict(opt_state.param_states), state_dict
     )
     kfac_state = kfac_state_from_dict(opt_state.param_states, nested)
+    kfac = self.kfac_optimizer
+    # No public accessors in kfac-jax 0.0.8 (see the module docstring).
+    if kfac._use_adaptive_damping:  # pylint: disable=protected-access
+      damping = kfac_state.damping
+      initial = jnp.asarray(kfac._initial_damping, damping.dtype)  # pylint: disable=protected-access
+      damping = jnp.where(damping == jnp.asarray(_NO_DAMPING, damping.dtype), initial, damping)
+      kfac_state = dataclasses.replace(kfac_state, damping=damping)
     return target, OptimizerState(step=step, param_states=kfac_state)
 
   def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
