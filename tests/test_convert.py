@@ -1036,6 +1036,29 @@ def test_a_state_without_converter_is_named():
   assert report.dropped == ("0/mu (ScaleByBeliefState.mu)", "0/nu (ScaleByBeliefState.nu)")
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["acc"], meta_fields=[])
+@dataclasses.dataclass
+class _PlainState:
+  """A state kept as kfac-jax keeps its own: a plain dataclass, without flax's `replace`."""
+
+  acc: Any
+
+
+def test_a_plain_dataclass_state_without_converter_is_named_or_initialised():
+  tx = optax.GradientTransformation(
+    lambda params: _PlainState(jax.tree.map(jnp.zeros_like, params)),
+    lambda updates, state, params=None: (updates, state),
+  )
+  with pytest.raises(ValueError, match=r"acc \(_PlainState\.acc\): no converter"):
+    t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(tx))
+  new, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(tx), missing="init"
+  )
+  assert report.initialised == ("acc (_PlainState.acc): no converter",)
+  assert isinstance(new.state.param_states, _PlainState)
+  _assert_close(new.state.param_states.acc, ZERO)
+
+
 def test_two_sources_for_one_moment_are_refused():
   adam = BY_NAME["adam"]
   source = OptaxWrapper(optax.chain(adam.make(), adam.make())).create(PARAMS)

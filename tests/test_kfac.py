@@ -24,7 +24,7 @@ pytestmark = [
 
 from kfac_jax._src import tag_graph_matcher  # noqa: E402
 
-from t5x_optim import KfacOptimizerDef, OptaxWrapper  # noqa: E402
+from t5x_optim import KfacOptimizerDef, OptaxWrapper, convert_state  # noqa: E402
 from t5x_optim._adapters import kfac as kfac_adapter  # noqa: E402 - the shim, on purpose
 from t5x_optim._adapters import kfac_state  # noqa: E402
 from t5x_optim.partitioning import StateRulesFallback, register_state_rule  # noqa: E402
@@ -219,6 +219,29 @@ def test_restore_names_the_bad_path(adapter_run):
   factors["factors"]["0"]["value"] = np.zeros((3, 3), np.float32)
   with pytest.raises(ValueError, match="blocks_states/0/factors/0/value"):
     opt.restore_state(state_dict)
+
+
+def test_convert_state_into_kfac_names_or_initialises_its_states(opt_def, adapter_run):
+  adam = OptaxWrapper(optax.adam(1e-2)).create(_copy(_params()))
+  adam = adam.apply_gradient(jax.grad(_plain_loss)(adam.target, _batches()[0]))
+  kfac_states = (
+    "velocities (State.velocities)",
+    "estimator_state/blocks_states/0/cache (State.cache)",
+    "estimator_state/blocks_states/0/factors/0/value (WeightedMovingAverage.value)",
+  )
+  for source in (adam, adapter_run[2][0]):
+    with pytest.raises(ValueError, match="cannot be fully converted") as raised:
+      convert_state(source, opt_def)
+    assert all(f"{state}: no converter" in str(raised.value) for state in kfac_states)
+    new, report = convert_state(source, opt_def, missing="init")
+    assert all(f"{state}: no converter" in report.initialised for state in kfac_states)
+    assert int(new.state.step) == int(source.state.step)
+    _assert_trees_equal(new.target, source.target)
+    fresh = opt_def.create(_copy(_params()))
+    _assert_trees_equal(new.state.param_states, fresh.state.param_states)
+  assert "velocities (State.velocities)" in report.dropped
+  _, stats = opt_def.apply_batch(_copy(new), batch=_batches()[3], rng=_rngs()[3])
+  assert np.isfinite(float(stats["loss"]))
 
 
 def _expected_block_specs(kfac):

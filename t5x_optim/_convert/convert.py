@@ -135,8 +135,8 @@ def _rebuild(node: Any, children: list[Any]) -> Any:
     return type(node)(children)
   if isinstance(node, Mapping):
     return type(node)(zip(node.keys(), children, strict=True))
-  return node.replace(
-    **{f.name: c for f, c in zip(dataclasses.fields(node), children, strict=True)}
+  return dataclasses.replace(
+    node, **{f.name: c for f, c in zip(dataclasses.fields(node), children, strict=True)}
   )
 
 
