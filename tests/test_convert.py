@@ -1757,3 +1757,19 @@ def test_a_t5x_checkpoint_of_a_scanned_kernel_restores_over_the_train_states_axe
 def test_t5xs_own_adafactor_of_a_scanned_kernel_converts_over_its_axes():
   """data/t5x_adafactor/scanned_with_t5x.py, in a fresh process with T5X's own code."""
   _runs_ok(T5X_DATA / "scanned_with_t5x.py")
+
+
+def test_moments_the_new_optimizer_does_not_use_are_listed_as_dropped():
+  """Adam into plain SGD keeps no moment: its mu and nu are read and then discarded, and
+  the report says so (before, every section was empty)."""
+  _, report = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.sgd(1e-3)))
+  assert report.dropped == (
+    "0 (ScaleByAdamState): mu of 2 params, not used by the new optimizer (e.g. dense/bias)",
+    "0 (ScaleByAdamState): nu of 2 params, not used by the new optimizer (e.g. dense/bias)",
+  ), report
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(optax.sgd(1e-3, momentum=0.9))
+  )
+  assert report.dropped == (
+    "0 (ScaleByAdamState): nu of 2 params, not used by the new optimizer (e.g. dense/bias)",
+  ), report

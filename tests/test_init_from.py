@@ -150,8 +150,10 @@ def test_init_from_lookahead_into_muon_and_back(tmp_path, capsys):
     r"inner_states/muon/inner_state/0 \(MuonState\)\.mu: \d+ params, from fast_state/0", out
   ), out
   assert (
-    "  dropped (1):\n    target/fast (optax.LookaheadParams.fast): the new optimizer trains one "
+    "  dropped (2):\n    target/fast (optax.LookaheadParams.fast): the new optimizer trains one "
     "copy of the params, the slow one (lookahead's params for evaluation)\n"
+    "    fast_state/0 (ScaleByAdamState): nu of 6 params, not used by the new optimizer "
+    "(e.g. layers_0/attention/key)\n"
   ) in out, out
   out = init_from(1, lookahead, 4)
   assert re.search(

@@ -532,6 +532,7 @@ def _write_target(
   logical axes (`ConversionContext.axes`)."""
   converters = registered_converters()
   recorder = _Recorder()
+  used: set[tuple[str, str]] = set()
   no_converter: list[str] = []
   counts = Moments(source.stats, lambda field, param, converted: None)
   schedules = hparams.schedules()
@@ -558,7 +559,8 @@ def _write_target(
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
-      written = converter.write(node, Moments(source.stats, recorder.record(label)), ctx)
+      moments = Moments(source.stats, recorder.record(label), used=used)
+      written = converter.write(node, moments, ctx)
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
     if loose is not None:
@@ -601,7 +603,17 @@ def _write_target(
         f"{field}: {count(by[False])} params without a source value (e.g. {example})"
       )
   initialised += [f"{entry}: no converter" for entry in no_converter]
-  report = ConversionReport(tuple(converted), tuple(initialised), tuple(source.dropped))
+  unused: dict[tuple[str, str], list[str]] = {}
+  for param, entry in source.stats.items():
+    for quantity in entry.keys() - {"count"}:
+      if (param, quantity) not in used:
+        unused.setdefault((source.origin[(param, quantity)], quantity), []).append(param)
+  dropped = [*source.dropped] + [
+    f"{origin}: {quantity} of {count(paths)} params, not used by the new optimizer "
+    f"(e.g. {held.get(min(paths), (min(paths),))[0]})"
+    for (origin, quantity), paths in sorted(unused.items())
+  ]
+  report = ConversionReport(tuple(converted), tuple(initialised), tuple(dropped))
   if initialised and missing == "raise":
     raise ValueError(
       "The new optimizer's state cannot be fully converted from the old one: "

@@ -168,11 +168,19 @@ class Moments:
 
   `fill` maps a tree of the template node (its ``mu``, say) to the converted
   values, keeping the template's leaf (the fresh initial value) where the
-  source has nothing, and records which.
+  source has nothing, and records which; each ``(param, quantity)`` a written
+  leaf is made from is added to `used`.
   """
 
-  def __init__(self, stats: Mapping[str, dict[str, Any]], record: Callable[[str, str, bool], None]):
+  def __init__(
+    self,
+    stats: Mapping[str, dict[str, Any]],
+    record: Callable[[str, str, bool], None],
+    *,
+    used: set[tuple[str, str]] | None = None,
+  ):
     self._stats, self._record = stats, record
+    self._used = set() if used is None else used
 
   def value(self, param: str, quantity: str) -> Any:
     """The source's `quantity` (``"mu"``, ``"nu"``) of `param`, or None."""
@@ -219,6 +227,7 @@ class Moments:
       self._record(name, param, value is not None and not lacking)
       if value is None or lacking:
         return leaf
+      self._used.update((param, q) for q in (quantity, *needs))
       written = fn(value, leaf, param)
       problem = _state_dict.range_problem(written, leaf.dtype)
       if problem is not None:
@@ -362,8 +371,9 @@ class ConversionReport:
       how many params got a converted value, and from which source nodes.
     initialised: one line per field (or state without a converter) that
       kept its fresh initial value for some params, with an example param.
-    dropped: the source's states that no converter reads (their content is
-      not carried).
+    dropped: the source's states that no converter reads, and the moments
+      read that no field of the new state is written from (Adam's ``nu`` into
+      SGD with momentum): their content is not carried.
   """
 
   converted: tuple[str, ...]
