@@ -376,6 +376,12 @@ def test_a_train_state_without_axes_is_refused():
     TrainState.create(optimizers.chain([_vocab_tx()]), {"params": _params(shapes=AXIS_SHAPES)})
 
 
+def test_an_empty_spec_is_a_param_without_axes():
+  """P(), what nn.get_partition_spec writes for a param without axes, names no axis."""
+  state = _vocab_tx(param_axes={**AXES, "scale": P()}).init(_params(shapes=AXIS_SHAPES))
+  assert _modes(state) == VOCAB_FLOAT32
+
+
 @pytest.mark.parametrize(
   "axes, match",
   [

@@ -307,6 +307,18 @@ def test_rank_and_path_mismatches_name_the_param():
     opt_def.dimension_numbers({"w": jnp.ones((2, 3)), "v": jnp.ones((2, 3))})
 
 
+def test_an_empty_spec_is_a_param_without_axes():
+  """P(), what nn.get_partition_spec writes for a param without axes, sends it to adam."""
+  params = {"w": jnp.ones((4, 8)), "b": jnp.zeros(8), "s": jnp.zeros(())}
+  axes = {"w": P("embed", "mlp"), "b": P(), "s": P()}
+  opt_def = optimizers.muon(**MUON_ARGS, param_axes=axes)
+  assert opt_def.describe_params(params) == [
+    "b (None,): adam",
+    "s (): adam",
+    "w ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)",
+  ]
+
+
 def test_hand_written_numbers_give_a_plain_wrapper():
   numbers = {"w": D(0, 1)}
   opt_def = optimizers.muon(**MUON_ARGS, muon_weight_dimension_numbers=numbers)

@@ -252,19 +252,21 @@ class KernelAxesRule:
 def axis_names(path: str, spec: Any, shape: Sequence[int]) -> AxisNames:
   """The logical axis names of the param at `path` with shape `shape`.
 
-  A None spec (no logical axes) gives one unnamed axis per dimension.
+  A None spec or an empty one (``P()``, what ``nn.get_partition_spec`` writes
+  for a param without axes) gives one unnamed axis per dimension, as
+  `derive_logical_axes` replicates both.
 
   Raises:
     ValueError: a spec whose rank differs from the shape's, or an entry that
       is not one name or None; naming the path and both sides.
 
   Example:
-    >>> axis_names("w", PartitionSpec("embed", None), (4, 8)), axis_names("b", None, (8,))
+    >>> axis_names("w", PartitionSpec("embed", None), (4, 8)), axis_names("b", PartitionSpec(), (8,))
     (('embed', None), (None,))
   """
-  if spec is None:
+  names = () if spec is None else tuple(spec)
+  if not names:
     return (None,) * len(shape)
-  names = tuple(spec)
   for name in names:
     if name is not None and not isinstance(name, str):
       raise ValueError(
