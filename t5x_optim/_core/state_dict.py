@@ -20,6 +20,7 @@ from flax import serialization, traverse_util
 from jax.sharding import PartitionSpec
 
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import restore_like, to_pure
 
 __all__ = [
   "Fit",
@@ -592,7 +593,10 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
       abstract values this way.
 
   Returns:
-    A new pytree of `reference`'s type; `reference` is left unchanged.
+    A new pytree of `reference`'s type; `reference` is left unchanged. A flax
+    ``nnx.State`` or ``nnx.Variable`` in `reference` is restored as its
+    ``nnx.to_pure_dict`` form, checked leaf by leaf, and handed back as an
+    NNX object of the same metadata.
 
   The structure is always checked. Shapes are checked wherever both sides
   have one; dtypes where array data is restored into an array, by
@@ -617,14 +621,15 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     >>> restore_into({'w': np.zeros(2)}, {'w': np.ones(2)})
     {'w': array([1., 1.])}
   """
+  pure = to_pure(reference)
   holes = frozenset(
     key_path_parts(path)
-    for path, node in jax.tree.leaves_with_path(reference, is_leaf=_is_masked)
+    for path, node in jax.tree.leaves_with_path(pure, is_leaf=_is_masked)
     if _is_masked(node)
   )
   problems: list[str] = []
   filled = _check_and_fill(
-    serialization.to_state_dict(reference), state_dict, (), holes=holes, problems=problems
+    serialization.to_state_dict(pure), state_dict, (), holes=holes, problems=problems
   )
   if len(problems) == 1:
     raise ValueError(problems[0])
@@ -633,7 +638,7 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     raise ValueError(
       f"The state dict does not fit the optimizer in {len(problems)} places:\n{listed}"
     )
-  return serialization.from_state_dict(reference, filled)
+  return restore_like(reference, serialization.from_state_dict(pure, filled))
 
 
 def build_state_dict(target: Any, step: Any, param_states: Any) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""Flax NNX state trees (``nnx.State``, ``nnx.Variable``) where they meet the package.
+
+An ``nnx.State`` is a pytree whose leaves sit inside ``nnx.Variable`` nodes, so
+`flax.serialization` keeps its ``Param`` objects as leaves and tree paths end
+in ``/value``. The package's edges turn such trees into plain dicts of values
+(`to_pure`), the form of ``nnx.to_pure_dict``, and back (`restore_like`).
+
+flax.nnx is never imported here: a tree holds NNX objects only once the
+caller has imported flax.nnx, so each check looks the module up in
+``sys.modules`` and costs nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+
+from t5x_optim._keypaths import key_path_str
+
+__all__ = ["first_nnx_path", "is_nnx", "restore_like", "to_pure"]
+
+
+def _nnx() -> Any:
+  return sys.modules.get("flax.nnx")
+
+
+def is_nnx(x: Any) -> bool:
+  """Whether `x` is an ``nnx.State`` or an ``nnx.Variable`` (an ``nnx.Param``, say)."""
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.State | nnx.Variable)
+
+
+def first_nnx_path(tree: Any) -> str | None:
+  """The '/'-joined path of the outermost NNX object in `tree` (``'<root>'`` for the
+  tree itself), or None when it holds none.
+
+  Example:
+    >>> first_nnx_path({"w": 1.0}) is None
+    True
+  """
+  if _nnx() is None:
+    return None
+  found = jax.tree.flatten_with_path(tree, is_leaf=is_nnx)[0]
+  return next((key_path_str(path) for path, leaf in found if is_nnx(leaf)), None)
+
+
+def _pure(x: Any) -> Any:
+  if isinstance(x, _nnx().State):
+    return x.to_pure_dict()
+  return x.get_value()
+
+
+def to_pure(tree: Any) -> Any:
+  """`tree` with each ``nnx.State`` as its ``to_pure_dict()`` and each ``nnx.Variable``
+  as its value; a tree without NNX objects is returned as it is.
+
+  Example:
+    >>> to_pure({"w": 1.0})
+    {'w': 1.0}
+  """
+  if first_nnx_path(tree) is None:
+    return tree
+  return jax.tree.map(lambda x: _pure(x) if is_nnx(x) else x, tree, is_leaf=is_nnx)
+
+
+def _rebuilt(reference: Any, pure: Any) -> Any:
+  if isinstance(reference, _nnx().State):
+    state = jax.tree.map(lambda x: x, reference)
+    _nnx().replace_by_pure_dict(state, pure)
+    return state
+  return reference.replace(pure)
+
+
+def restore_like(reference: Any, pure: Any) -> Any:
+  """`pure`, a tree shaped like ``to_pure(reference)``, with the NNX objects of
+  `reference` put back: each ``nnx.State`` and ``nnx.Variable`` of `reference`
+  (its metadata kept) holds the values of `pure` at its place.
+
+  Example:
+    >>> restore_like({"w": 1.0}, {"w": 2.0})
+    {'w': 2.0}
+  """
+  if first_nnx_path(reference) is None:
+    return pure
+  treedef = jax.tree.structure(reference, is_leaf=is_nnx)
+  references = treedef.flatten_up_to(reference)
+  parts = treedef.flatten_up_to(pure)
+  return treedef.unflatten(
+    _rebuilt(ref, part) if is_nnx(ref) else part for ref, part in zip(references, parts)
+  )

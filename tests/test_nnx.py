@@ -1,0 +1,48 @@
+"""Flax NNX state trees (nnx.State of nnx.Param) as an optimizer's params."""
+
+from __future__ import annotations
+
+import flax
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from t5x_optim import optimizers
+
+
+@pytest.fixture(autouse=True)
+def _no_eager_sharding():
+  """Models built with sharding metadata and no mesh (flax shards variables eagerly by
+  default)."""
+  with flax.config.temp_flip_flag("always_shard_variable", False):
+    yield
+
+
+def _linear(features: int = 8) -> nnx.State:
+  return nnx.state(nnx.Linear(4, features, rngs=nnx.Rngs(0)), nnx.Param)
+
+
+def _state_dict(params: dict, step: int = 7) -> dict:
+  """An adamw state dict in T5X's layout over the plain dict `params`."""
+  moments = {"count": np.int32(step), "mu": params, "nu": params}
+  return {"target": params, "state": {"step": np.int32(step), "param_states": {"0": moments}}}
+
+
+def test_restore_state_into_an_nnx_target_checks_every_leaf_and_keeps_the_state():
+  opt = optimizers.adamw(1e-2).create(_linear(16))
+  with pytest.raises(ValueError, match=r"Shape mismatch at 'target/kernel'.*\(4, 16\)"):
+    opt.restore_state(_state_dict(_linear(8).to_pure_dict()))
+  params = jax.tree.map(lambda a: np.asarray(a) + 1, _linear(16).to_pure_dict())
+  restored = opt.restore_state(_state_dict(params))
+  assert isinstance(restored.target, nnx.State)
+  assert isinstance(restored.target["kernel"], nnx.Param)
+  np.testing.assert_array_equal(restored.target["kernel"].get_value(), params["kernel"])
+  assert isinstance(restored.state.param_states[0].mu, nnx.State)
+  assert int(restored.state.step) == 7
+  complex_mu = _state_dict(params)
+  complex_mu["state"]["param_states"]["0"]["mu"] = jax.tree.map(
+    lambda a: np.asarray(a, np.complex64), params
+  )
+  with pytest.raises(ValueError, match="param_states/0/mu/kernel"):
+    opt.restore_state(complex_mu)
