@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from optimizer_table import assert_same_bits
 
-from t5x_optim import optimizers
+from t5x_optim import Checkpointer, optimizers
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +47,23 @@ def test_restore_state_into_an_nnx_target_checks_every_leaf_and_keeps_the_state(
   )
   with pytest.raises(ValueError, match="param_states/0/mu/kernel"):
     opt.restore_state(complex_mu)
+
+
+def test_state_dict_holds_values_and_restores_through_the_checkpointer(tmp_path):
+  opt = optimizers.adamw(1e-2).create(_linear())
+  opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+  state_dict = opt.state_dict()
+  mu = state_dict["state"]["param_states"]["0"]["mu"]
+  for part in state_dict["target"], mu:
+    assert type(part) is dict and sorted(part) == ["bias", "kernel"]
+    assert isinstance(part["kernel"], jax.Array)
+  fresh = optimizers.adamw(1e-2).create(_linear())
+  restored = fresh.restore_state(state_dict)
+  assert isinstance(restored.state.param_states[0].nu, nnx.State)
+  assert_same_bits((restored.target, restored.state), (opt.target, opt.state))
+  with Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, opt)
+    checkpointer.wait_until_finished()
+    from_disk = checkpointer.restore(fresh)
+  assert isinstance(from_disk.target, nnx.State)
+  assert_same_bits((from_disk.target, from_disk.state), (opt.target, opt.state))

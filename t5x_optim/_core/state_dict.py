@@ -61,8 +61,9 @@ def prune_empty(tree: Any) -> Any:
 
 
 def to_pruned_state_dict(tree: Any) -> Any:
-  """`flax.serialization.to_state_dict` with empty containers removed."""
-  return prune_empty(serialization.to_state_dict(tree))
+  """`flax.serialization.to_state_dict` with empty containers removed, a flax
+  ``nnx.State`` or ``nnx.Variable`` written as its values (``nnx.to_pure_dict``)."""
+  return prune_empty(serialization.to_state_dict(to_pure(tree)))
 
 
 def _is_empty(tree: Any) -> bool:
@@ -645,7 +646,8 @@ def build_state_dict(target: Any, step: Any, param_states: Any) -> dict[str, Any
   """The T5X layout of an optimizer: ``{'target': ..., 'state': {'step', 'param_states'}}``.
 
   Every optimizer definition builds its state dict here. `target` (the
-  params) is converted with `flax.serialization.to_state_dict`; `step` is
+  params) is converted with `flax.serialization.to_state_dict`, a flax
+  ``nnx.State`` written as its ``nnx.to_pure_dict`` values; `step` is
   placed as given; `param_states` must already be in state-dict form (nested
   dicts with string keys): each definition chooses its own layout of them,
   typically `to_pruned_state_dict` of its state. As in T5X's `OptaxWrapper`,
@@ -659,7 +661,7 @@ def build_state_dict(target: Any, step: Any, param_states: Any) -> dict[str, Any
     {'target': {'w': 1.0}, 'state': {'step': 3}}
   """
   return {
-    "target": serialization.to_state_dict(target),
+    "target": serialization.to_state_dict(to_pure(target)),
     "state": prune_empty({"step": step, "param_states": param_states}),
   }
 
