@@ -19,7 +19,7 @@ import jax
 
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["first_nnx_path", "is_nnx", "restore_like", "to_pure"]
+__all__ = ["first_nnx_path", "is_nnx", "partition_specs", "restore_like", "to_pure"]
 
 
 def _nnx() -> Any:
@@ -90,3 +90,9 @@ def restore_like(reference: Any, pure: Any) -> Any:
   return treedef.unflatten(
     _rebuilt(ref, part) if is_nnx(ref) else part for ref, part in zip(references, parts)
   )
+
+
+def partition_specs(tree: Any) -> Any:
+  """``nnx.get_partition_spec(tree)``: each ``nnx.Variable`` holding the `PartitionSpec`
+  of its sharding metadata (``P()`` without any), its metadata kept."""
+  return _nnx().get_partition_spec(tree)

@@ -7,9 +7,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from optimizer_table import assert_same_bits
 
-from t5x_optim import Checkpointer, optimizers
+from t5x_optim import Checkpointer, optimizers, partitioning
 
 
 @pytest.fixture(autouse=True)
@@ -67,3 +68,27 @@ def test_state_dict_holds_values_and_restores_through_the_checkpointer(tmp_path)
     from_disk = checkpointer.restore(fresh)
   assert isinstance(from_disk.target, nnx.State)
   assert_same_bits((from_disk.target, from_disk.state), (opt.target, opt.state))
+
+
+class _LM(nnx.Module):
+  """A ('vocab', 'embed') embedding and an ('embed', 'mlp') kernel, by sharding metadata."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    embedding_init = nnx.with_partitioning(nnx.initializers.normal(), ("vocab", "embed"))
+    kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    self.embed = nnx.Embed(64, 8, rngs=rngs, embedding_init=embedding_init)
+    self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs, kernel_init=kernel_init)
+
+
+def test_an_nnx_state_as_axes_gives_its_sharding_metadata():
+  params = nnx.state(_LM(nnx.Rngs(0)), nnx.Param)
+  specs = nnx.get_partition_spec(params)
+  assert partitioning.logical_axes_from(params) == specs
+  opt_def = optimizers.adamw(1e-3)
+  opt = opt_def.create(params)
+  mu = opt_def.derive_logical_axes(opt, params).state.param_states[0].mu
+  assert jax.tree.leaves(mu) == [P("vocab", "embed"), P("embed", "mlp")]
+  assert optimizers.muon(learning_rate=0.02, param_axes=params).describe_params(params) == [
+    "embed/embedding/value ('vocab', 'embed'): adam",
+    "wi/kernel/value ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)",
+  ]

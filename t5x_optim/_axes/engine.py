@@ -43,6 +43,7 @@ from t5x_optim._axes import generic, registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import first_nnx_path, partition_specs
 from t5x_optim._warn import warn
 
 _MAX_PATHS_IN_WARNING = 5
@@ -169,6 +170,11 @@ def logical_axes_from(params_axes: Any) -> Any:
   * params boxed by ``nn.with_logical_partitioning`` (``LogicallyPartitioned``
     leaves become their spec; unboxed arrays become None, replicated); boxes of
     ``nn.with_partitioning``, whose names are mesh axes, are refused;
+  * a flax ``nnx.State`` of ``nnx.Param``s (or a tree holding
+    ``nnx.Variable``s): each takes the spec of its sharding metadata
+    (``nnx.with_partitioning``'s names, taken as logical axes), as
+    ``nnx.get_partition_spec`` gives it, returned with the State's structure;
+    a variable without sharding metadata is replicated;
   * a T5X-style ``params_axes`` collection written by
     ``flax.linen.partitioning.param_with_axes`` (``AxisMetadata`` leaves under
     keys ending in ``_axes``), either the collection itself or
@@ -197,6 +203,8 @@ def logical_axes_from(params_axes: Any) -> Any:
     return params_axes
   if _is_axes_collection(params_axes):
     return specs_lib.thaw(flax_partitioning.get_axis_names(params_axes))
+  if first_nnx_path(params_axes) is not None:
+    return partition_specs(params_axes)
   return jax.tree.map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
