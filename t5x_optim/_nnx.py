@@ -19,7 +19,7 @@ import jax
 
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["first_nnx_path", "is_nnx", "partition_specs", "restore_like", "to_pure"]
+__all__ = ["first_nnx_path", "is_nnx", "partition_specs", "refuse", "restore_like", "to_pure"]
 
 
 def _nnx() -> Any:
@@ -96,3 +96,32 @@ def partition_specs(tree: Any) -> Any:
   """``nnx.get_partition_spec(tree)``: each ``nnx.Variable`` holding the `PartitionSpec`
   of its sharding metadata (``P()`` without any), its metadata kept."""
   return _nnx().get_partition_spec(tree)
+
+
+_PLAIN = (
+  "pass plain dicts of arrays (nnx.to_pure_dict(state)) and give their logical axes as "
+  "nnx.get_partition_spec(state).to_pure_dict()"
+)
+
+
+def refuse(tree: Any, argument: str, where: str, *, how: str = _PLAIN) -> None:
+  """Raises a TypeError when `tree` holds an NNX object, naming `argument` and the path.
+
+  Args:
+    tree: the argument's value.
+    argument: the argument's name, as the message gives it.
+    where: the function that takes it.
+    how: what to pass instead, as the message says it.
+
+  Raises:
+    TypeError: naming `where`, `argument`, the path and `how`.
+
+  Example:
+    >>> refuse({"params": {"w": 1.0}}, "model_variables", "TrainState.create")
+  """
+  path = first_nnx_path(tree)
+  if path is None:
+    return
+  raise TypeError(
+    f"{where}: {argument} holds a flax NNX state at '{path}', which {where} does not take; {how}."
+  )

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from optimizer_table import assert_same_bits
 
-from t5x_optim import Checkpointer, optimizers, partitioning
+from t5x_optim import Checkpointer, TrainState, convert_state, optimizers, partitioning
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +92,20 @@ def test_an_nnx_state_as_axes_gives_its_sharding_metadata():
     "embed/embedding/value ('vocab', 'embed'): adam",
     "wi/kernel/value ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)",
   ]
+
+
+def test_a_train_state_and_a_conversion_refuse_an_nnx_state_naming_the_argument():
+  params = _linear()
+  with pytest.raises(TypeError, match=r"TrainState.create: model_variables .* at 'params'.*"):
+    TrainState.create(optimizers.adamw(1e-3), {"params": params})
+  mesh = partitioning.create_mesh(devices=jax.devices()[:1])
+  with pytest.raises(TypeError, match=r"model_variables .*nn.LogicallyPartitioned"):
+    partitioning.init_sharded(
+      partitioning.Partitioner(mesh), optimizers.adamw(1e-3), lambda: {"params": params}
+    )
+  optimizer = optimizers.adamw(1e-3).create(params)
+  with pytest.raises(TypeError, match=r"convert_state: source.target .* at '<root>'"):
+    convert_state(optimizer, optimizers.lion(1e-3), missing="init")
+  pure = optimizers.adamw(1e-3).create(params.to_pure_dict())
+  with pytest.raises(TypeError, match=r"convert_state: param_axes .* at '<root>'"):
+    convert_state(pure, optimizers.lion(1e-3), missing="init", param_axes=params)

@@ -93,6 +93,7 @@ from t5x_optim._low_precision.low_precision import (
   low_precision_to_float32,
   quantized_mode,
 )
+from t5x_optim._nnx import refuse
 
 __all__ = [
   "BUILTIN_HPARAMS",
@@ -1001,7 +1002,9 @@ def convert_state(
     the result has the target's layout.
 
   Raises:
-    TypeError: `source` is neither an Optimizer nor a state dict.
+    TypeError: `source` is neither an Optimizer nor a state dict; a flax
+      ``nnx.State`` or ``nnx.Variable`` in `source`, `target` or
+      `param_axes` (pass ``nnx.to_pure_dict`` dicts), naming its path.
     ValueError: a state dict that `source_def` does not fit (or, without
       it, that is not T5X's legacy Adafactor layout); source params that do
       not fit an `Optimizer` target's (a path one side lacks, or another
@@ -1034,6 +1037,10 @@ def convert_state(
   """
   if missing not in _MISSING_POLICIES:
     raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
+  for argument, tree in ("source", source), ("target", target), ("param_axes", param_axes):
+    if isinstance(tree, Optimizer):
+      argument, tree = f"{argument}.target", tree.target
+    refuse(tree, argument, "convert_state")
   if isinstance(target, Optimizer) and _layout(source) != _layout(target):
     # The sides stack their params otherwise (or one keeps them per leaf): converted per leaf,
     # as checkpoints hold both layouts, so params and moments are matched by path.

@@ -28,6 +28,7 @@ from t5x_optim._axes.engine import box_spec, unbox_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import refuse
 
 __all__ = ["TrainState"]
 
@@ -214,8 +215,17 @@ class TrainState(struct.PyTreeNode):
         match its collection (naming the paths); or an optimizer with
         `set_param_axes` and params without axes.
       TypeError: a `nn.with_partitioning` box (its names are mesh axes, not
-        logical ones), naming its path.
+        logical ones), naming its path; a flax ``nnx.State`` or
+        ``nnx.Variable`` (pass ``nnx.to_pure_dict`` dicts), naming its path.
     """
+    refuse(
+      model_variables,
+      "model_variables",
+      "TrainState.create",
+      how="pass {'params': nnx.to_pure_dict(state)}, each array boxed as "
+      "nn.LogicallyPartitioned(array, names) where it has logical axes (the names of "
+      "nnx.get_partition_spec(state))",
+    )
     params, param_specs, mutables, mutable_specs = _split_variables(model_variables)
     if hasattr(optimizer_def, "set_param_axes"):
       if param_specs is None:
