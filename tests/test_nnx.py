@@ -31,6 +31,7 @@ def _state_dict(params: dict, step: int = 7) -> dict:
   return {"target": params, "state": {"step": np.int32(step), "param_states": {"0": moments}}}
 
 
+@pytest.mark.slow
 def test_restore_state_into_an_nnx_target_checks_every_leaf_and_keeps_the_state():
   opt = optimizers.adamw(1e-2).create(_linear(16))
   with pytest.raises(ValueError, match=r"Shape mismatch at 'target/kernel'.*\(4, 16\)"):
@@ -50,6 +51,7 @@ def test_restore_state_into_an_nnx_target_checks_every_leaf_and_keeps_the_state(
     opt.restore_state(complex_mu)
 
 
+@pytest.mark.slow
 def test_state_dict_holds_values_and_restores_through_the_checkpointer(tmp_path):
   opt = optimizers.adamw(1e-2).create(_linear())
   opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
@@ -80,6 +82,7 @@ class _LM(nnx.Module):
     self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs, kernel_init=kernel_init)
 
 
+@pytest.mark.slow
 def test_an_nnx_state_as_axes_gives_its_sharding_metadata():
   params = nnx.state(_LM(nnx.Rngs(0)), nnx.Param)
   specs = nnx.get_partition_spec(params)
