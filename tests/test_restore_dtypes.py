@@ -12,6 +12,9 @@ from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 W, COUNT = "target/w", "state/param_states/0/count"
 MU = "state/param_states/0/mu/w"
+# bfloat16's exponent range is float32's, its largest finite value (2 - 2**-7) * 2**127 is not:
+# from here a float32 rounds to inf in bfloat16.
+BF16_HALF_ULP_BEYOND = np.float32((2 - 2**-8) * 2.0**127)
 
 # name: (path of the leaf, the value saved there, the target's dtype there, restores?)
 CASES = {
@@ -48,6 +51,30 @@ CASES = {
   "f32 mu into f16, beyond its range": (MU, jnp.array([0.0, 1.0, 7e4, 2.0]), jnp.float16, False),
   "bf16 mu into f16, beyond its range": (MU, jnp.full(4, -1e5, jnp.bfloat16), jnp.float16, False),
   "f32 mu into bf16, large": (MU, jnp.full(4, 3e38, jnp.float32), jnp.bfloat16, True),
+  "f32 mu into bf16, just below half an ulp beyond": (
+    MU,
+    jnp.array([np.nextafter(BF16_HALF_ULP_BEYOND, 0), -1.0, 0.0, 2.0], jnp.float32),
+    jnp.bfloat16,
+    True,
+  ),
+  "f32 mu into bf16, half an ulp beyond": (
+    MU,
+    jnp.array([0.0, -BF16_HALF_ULP_BEYOND, 1.0, 2.0], jnp.float32),
+    jnp.bfloat16,
+    False,
+  ),
+  "f32 mu into bf16, beyond its range": (
+    MU,
+    jnp.array([0.0, 3.4e38, 1.0, 2.0]),
+    jnp.bfloat16,
+    False,
+  ),
+  "f16 mu into f8 e5m2, beyond": (
+    MU,
+    jnp.array([0.0, 6.3e4, 1.0, 2.0], jnp.float16),
+    jnp.float8_e5m2,
+    False,
+  ),
 }
 
 

@@ -172,14 +172,15 @@ class Fit(enum.Enum):
   EXACT = "exact"
   """Same shape; the same dtype or one numpy casts to "safely" (every value exactly)."""
   ROUNDS = "rounds"
-  """Same shape; floating data into another floating dtype with as many
-  exponent bits: allowed, and may round, as T5X casts params to its
-  ``restore_dtype``."""
+  """Same shape; floating data into another floating dtype whose largest
+  finite value is at least the data's dtype's (float16 into bfloat16):
+  allowed, and may round, as T5X casts params to its ``restore_dtype``."""
   IF_IN_RANGE = "if_in_range"
-  """Same shape; floating data into a floating dtype with fewer exponent
-  bits (float32 into float16 or a float8 type): allowed only when every
-  finite value is within the target's range (`values_fit`), since a cast
-  would turn the others into infinities."""
+  """Same shape; floating data into a floating dtype whose largest finite
+  value is smaller (float32 into float16, a float8 type or bfloat16, whose
+  largest is 3.39e38 to float32's 3.40e38): allowed only when every finite
+  value is within the target's range (`values_fit`), since a cast would
+  turn the others into infinities."""
   IF_VALUES_FIT = "if_values_fit"
   """Same shape; integer data into a narrower integer dtype, or floating
   data into an integer dtype: allowed only when every value is a whole
@@ -219,7 +220,8 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
   The one rule for every restore (state dicts and checkpoints alike). It
   follows T5X: floating data restores into any floating dtype (T5X casts
   params to ``restore_dtype``; optimizer-state leaves keep their own
-  dtype, so stored data is cast to it); an integer restores into a
+  dtype, so stored data is cast to it), when every finite value is within
+  the target's range if its largest finite value is smaller; an integer restores into a
   narrower integer, and floating data into an integer (a step counter
   that T5X's checkpointer saved as float32), only when every value is a
   whole number that fits; any other change of kind is refused, so a
@@ -228,11 +230,11 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
   Example:
     >>> import numpy as np, jax.numpy as jnp
     >>> [leaf_fit((2,), src, (2,), dst).name for src, dst in [
-    ...   (np.float32, jnp.bfloat16), (np.int32, np.int8), (np.float32, np.int32),
+    ...   (np.float16, jnp.bfloat16), (np.int32, np.int8), (np.float32, np.int32),
     ...   (np.complex64, np.float32)]]
     ['ROUNDS', 'IF_VALUES_FIT', 'IF_VALUES_FIT', 'OTHER_DTYPE']
-    >>> leaf_fit((2,), np.float32, (2,), np.float16).name
-    'IF_IN_RANGE'
+    >>> [leaf_fit((2,), np.float32, (2,), dst).name for dst in (np.float16, jnp.bfloat16)]
+    ['IF_IN_RANGE', 'IF_IN_RANGE']
   """
   if tuple(shape) != tuple(ref_shape):
     return Fit.OTHER_SHAPE
@@ -240,7 +242,7 @@ def leaf_fit(shape: Sequence[int], dtype: Any, ref_shape: Sequence[int], ref_dty
   if src == dst or np.can_cast(src, dst, casting="safe"):
     return Fit.EXACT
   if _is_float(src) and _is_float(dst):
-    if jax.numpy.finfo(dst).maxexp < jax.numpy.finfo(src).maxexp:
+    if jax.numpy.finfo(dst).max < jax.numpy.finfo(src).max:
       return Fit.IF_IN_RANGE
     return Fit.ROUNDS
   if _is_int(dst) and (_is_int(src) or _is_float(src)):

@@ -793,11 +793,12 @@ def _inner_update_dtypes(
 
 
 def _narrow_range(x: Any) -> bool:
-  """Whether ``x`` is of a floating dtype of narrower range than float32's (float16, the
-  float8s: float32 data is range-checked before it restores into one), in which the squares
-  of small gradients underflow."""
-  fit = _state_dict.leaf_fit((), jnp.float32, (), jnp.result_type(x))
-  return fit is _state_dict.Fit.IF_IN_RANGE
+  """Whether ``x`` is of a floating dtype with fewer exponent bits than float32 (float16, the
+  float8s; not bfloat16), in which the squares of small gradients underflow."""
+  dtype = jnp.result_type(x)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and (
+    jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+  )
 
 
 def _in_float32_range(tree: Any) -> Any:
