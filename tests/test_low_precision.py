@@ -875,6 +875,39 @@ def test_float32_state_of_another_shape_is_refused_naming_the_path(mode, shape):
     float32_to_low_precision(wrong, like)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_float32_state_is_stored_in_the_dtypes_of_like(mode):
+  """A leaf the state keeps uncompressed (a bfloat16 param's moments, too small for a block)
+  comes back in ``like``'s dtype, not float32, and stays so after a step."""
+  params = {"b": jnp.ones((4, 3), jnp.bfloat16), "w": jnp.ones((4, 256))}
+  tx = low_precision(optax.adam(1e-3), mode, min_size=0)
+  like = tx.init(params)
+  assert like.inner_state[0].nu["b"].dtype == jnp.bfloat16
+  full = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), low_precision_to_float32(like))
+  back = float32_to_low_precision(full, like)
+  dtypes = lambda tree: [x.dtype for x in jax.tree.leaves(tree)]  # noqa: E731
+  assert dtypes(back) == dtypes(like)
+  _, after = tx.update(jax.tree.map(jnp.ones_like, params), back, params)
+  assert dtypes(after) == dtypes(like)
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("param", ["w", "b"])
+def test_complex_values_for_a_real_state_are_refused_naming_the_path(mode, param):
+  """Both dtypes are named: float32 where the leaf is stored compressed, bfloat16 where it is
+  kept (a bfloat16 param's moments, too small for an 8- or 4-bit block)."""
+  params = {"b": jnp.ones((4, 3), jnp.bfloat16), "w": jnp.ones((4, 256))}
+  dtype = "bfloat16" if param == "b" and mode != "bfloat16" else "float32"
+  like = low_precision(optax.adam(1e-3), mode, min_size=0).init(params)
+  full = low_precision_to_float32(like)
+  mu = {**full[0].mu, param: jnp.full(params[param].shape, 1 + 1j, jnp.complex64)}
+  with pytest.raises(
+    ValueError, match=rf"at '0/mu/{param}': complex64\[.*\] in the float32 state, .* {dtype}\["
+  ):
+    float32_to_low_precision((full[0]._replace(mu=mu), *full[1:]), like)
+
+
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_logical_axes_are_derived(mode):
   """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""

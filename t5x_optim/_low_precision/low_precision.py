@@ -1631,11 +1631,14 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
 
   Returns:
     ``like``'s structure holding ``param_states``' values, compressed; the
-    step counts of ``like`` are kept.
+    leaves ``like`` keeps uncompressed (step counters, a bfloat16 param's
+    moments too small for a block) in ``like``'s dtypes; the step counts of
+    ``like`` are kept.
 
   Raises:
-    ValueError: naming the path, when ``param_states`` does not have the
-      structure of ``like``'s float32 state.
+    ValueError: naming the path and both sides, when ``param_states`` does
+      not have the structure or shapes of ``like``'s float32 state, or holds
+      a leaf of a kind a restore refuses (complex data for a real leaf).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -1669,15 +1672,22 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
         f"float32_to_low_precision: the float32 inner state has structure "
         f"{jax.tree.structure(value)}, the low-precision state expects {expected}."
       )
+    cast = []
     for (path, got), want in zip(
       jax.tree.leaves_with_path(value), jax.tree.leaves(shapes), strict=True
     ):
-      if jnp.shape(got) != want.shape:
+      dtype = jnp.result_type(got)
+      if jnp.shape(got) != want.shape or (
+        dtype != want.dtype
+        and _state_dict.leaf_fit((), dtype, (), want.dtype) is _state_dict.Fit.OTHER_DTYPE
+      ):
         raise ValueError(
           f"float32_to_low_precision: at '{_state_dict.key_path_str(path)}': "
-          f"{jnp.result_type(got)}{list(jnp.shape(got))} in the float32 state, "
-          f"the low-precision state holds float32{list(want.shape)} there."
+          f"{dtype}{list(jnp.shape(got))} in the float32 state, "
+          f"the low-precision state holds {want.dtype}{list(want.shape)} there."
         )
+      cast.append(got if dtype == want.dtype else jnp.asarray(got, want.dtype))
+    value = jax.tree.unflatten(expected, cast)
     blocks = {}
     for leaf, kind in zip(
       jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
