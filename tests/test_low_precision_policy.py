@@ -127,6 +127,29 @@ def test_bad_param_modes_are_refused(param_modes, match):
     low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes)
 
 
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("pattern", ["c", "axis:embed"])
+def test_a_pattern_giving_a_mode_to_a_complex_param_is_refused(mode, pattern):
+  """As ``states=`` refuses a leaf it selects that no mode applies to: the complex param's
+  state was kept without a word though the pattern named it."""
+  params = {"c": jnp.ones((64, 256), jnp.complex64), "w": jnp.ones((64, 256))}
+  axes = {"c": P("embed", "mlp"), "w": P("embed", "mlp")}
+  tx = low_precision(optax.adam(1e-3), "8bit", param_modes=[(pattern, mode)], param_axes=axes)
+  with pytest.raises(
+    ValueError,
+    match=re.escape(f"pattern '{pattern}' gives '{mode}' to the param 'c', whose state leaf ")
+    + r"'0/mu/c' \(shape \(64, 256\), dtype complex64\) it does not apply to: .*its dtype "
+    r"complex64 is not floating",
+  ):
+    tx.init(params)
+
+
+def test_a_pattern_keeping_a_complex_param_in_float32_is_taken():
+  params = {"c": jnp.ones((64, 256), jnp.complex64), "w": jnp.ones((64, 256))}
+  state = low_precision(optax.adam(1e-3), "8bit", param_modes=[(".", "float32")]).init(params)
+  assert leaf_storage(state)[("inner_state", "0", "mu", "c")] == "kept: not floating"
+
+
 @pytest.mark.parametrize(
   "param_modes, warned",
   [

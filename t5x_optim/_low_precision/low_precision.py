@@ -579,7 +579,10 @@ def _plan_storage(
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
-      floating param-shaped mirror, or selects no leaf at all.
+      floating param-shaped mirror, or selects no leaf at all; naming the
+      pattern, the param and the leaf, when a pattern of ``param_modes``
+      gives a mode other than ``"float32"`` to a param whose state leaves
+      are not floating (a complex param's).
   """
   flat = jax.tree.flatten_with_path(inner_state)[0]
   indices = _mirror_params(inner_state, params)
@@ -592,6 +595,11 @@ def _plan_storage(
   ]
   storage, rules = [], []
   matched = False
+
+  def rule_of(j: int) -> _ParamRule | None:
+    names = axes.get(param_paths[j], ()) if axes else ()
+    return next((r for r in param_modes if r.matches(param_paths[j], names)), None)
+
   for (path, leaf), j, copy in zip(flat, indices, copies, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
@@ -605,6 +613,14 @@ def _plan_storage(
         f"the mode compresses floating param-shaped state leaves that are not copies of the "
         f"params, and {kept[1]}."
       )
+    chosen = rule_of(j) if kept is not None and kept[0] == _KEPT_NOT_FLOAT else None
+    if chosen is not None and chosen.mode != _FLOAT32:
+      raise ValueError(
+        f"low_precision: the param_modes pattern {chosen.pattern!r} gives {chosen.mode!r} to "
+        f"the param '{param_paths[j]}', whose state leaf '{where}' (shape "
+        f"{jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}) it does not apply to: the "
+        f"modes compress floating state leaves, and {kept[1]}."
+      )
     if kept is not None:
       storage.append(kept[0])
     elif not selected:
@@ -612,9 +628,7 @@ def _plan_storage(
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
       storage.append(_in_own_dtype(_KEPT_SMALL, leaf))
     else:
-      where_param = param_paths[j]
-      names = axes.get(where_param, ()) if axes else ()
-      rule = next((r for r in param_modes if r.matches(where_param, names)), None)
+      rule = rule_of(j)
       leaf_mode = mode if rule is None else rule.mode
       if leaf_mode == _FLOAT32:
         storage.append(_in_own_dtype(f"float32: param_modes {rule.pattern!r}", leaf))
@@ -1300,7 +1314,9 @@ def low_precision(
       that selects a param sets the mode of its state leaves, and the others
       take ``state_dtype`` (e.g. ``(("axis:vocab", "float32"), ("mlp",
       "4bit"))`` with ``state_dtype="8bit"``). A pattern that decides no
-      param's mode is a warning at ``init``. ``leaf_storage`` and
+      param's mode is a warning at ``init``; one that gives a mode other
+      than ``"float32"`` to a param whose state is not floating (complex)
+      is refused there. ``leaf_storage`` and
       ``t5x-optim plan`` show each leaf's mode and the pattern that chose it.
     param_axes: the params' logical axes, which ``axis:`` patterns read: a
       tree of `PartitionSpec`s or name tuples (None: no axes), params boxed
