@@ -15,13 +15,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from _subprocesses import free_port
 
 from t5x_optim import optimizers
 from t5x_optim._checkpoint import headers as checkpoint_headers
 from t5x_optim._checkpoint import store as checkpoints_impl
 from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
-from t5x_optim._checkpoint.leaves import flatten, saveable
+from t5x_optim._checkpoint.leaves import array_key, flatten, saveable
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 
@@ -325,6 +326,46 @@ def test_keys_that_two_paths_would_share_are_refused_before_anything_is_written(
   with Checkpointer(tmp_path) as ckpt:
     assert ckpt.all_steps() == [0]
     w.assert_same_state(ckpt.restore(good), good)  # the previous step is intact
+
+
+@pytest.mark.parametrize("keys, shapes", [(("a", "a/"), (3, 3)), (("", "/"), (3, 2))])
+def test_keys_that_differ_by_a_trailing_slash_are_refused_before_anything_is_written(
+  tmp_path, keys, shapes
+):
+  """tensorstore keeps an array in the directory of its name, so ``a`` and ``a/`` were written to
+  one array: the restore called the step corrupt (and ``verify=False`` gave both one value), or,
+  with other shapes, the save failed in tensorstore naming no param."""
+  params = {key: jnp.full(shape, float(i)) for i, (key, shape) in enumerate(zip(keys, shapes))}
+  shared = re.escape(
+    f"('target', '{keys[0]}') and ('target', '{keys[1]}') would share the array file "
+    f"target.{keys[0]}"
+  )
+  with pytest.raises(ValueError, match=rf"{shared}\. Nothing was written"):
+    _save(tmp_path, 1, w.OptaxWrapper(optax.sgd(0.1)).create(params))
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.all_steps() == []
+
+
+OCDBT_NAMES = ["t.a", "t.a/", "t.a//", "t.a/b", "t.a//b", "t.a/./b", "t.a/../b", "t.a\\b", "t."]
+
+
+def test_array_key_is_where_orbax_stores_an_array(tmp_path):
+  """orbax's OCDBT store keeps each array's zarr key as the name with one ``/`` appended unless it
+  ends in one: asked of tensorstore itself."""
+  base = {"driver": "file", "path": str(tmp_path)}
+  for name in OCDBT_NAMES:
+    kvstore = {"driver": "ocdbt", "base": base, "path": name}
+    spec = {"driver": "zarr", "kvstore": kvstore, "dtype": "float32", "metadata": {"shape": [2]}}
+    assert ts.open(spec, create=True, open=True).result().kvstore.path == array_key(name), name
+
+
+def test_names_orbax_keeps_apart_still_round_trip(tmp_path):
+  params = {key: jnp.full(2, float(i)) for i, key in enumerate(["a/b", "a//b", "a/./b", "a\\b"])}
+  opt = w.OptaxWrapper(optax.sgd(0.1)).create(params)
+  _save(tmp_path, 1, opt)
+  w.assert_same_state(
+    _restore(tmp_path, opt.replace(target=jax.tree.map(jnp.zeros_like, params))), opt
+  )
 
 
 def test_saves_from_several_threads_take_turns(tmp_path):

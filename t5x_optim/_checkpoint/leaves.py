@@ -33,6 +33,7 @@ __all__ = [
   "CheckpointError",
   "HostRead",
   "Path",
+  "array_key",
   "as_read",
   "as_stored",
   "checked_step",
@@ -279,23 +280,39 @@ def fit_read(
   return cast, problems
 
 
+def array_key(name: str) -> str:
+  """The key under which tensorstore keeps the array named `name`: its zarr directory.
+
+  tensorstore's zarr driver appends one ``/`` to an array's name unless it
+  ends in one, so ``a`` and ``a/`` name one array; orbax's store (OCDBT)
+  keeps that key as it is (``a//b/`` and ``a/b/`` are two).
+
+  Example:
+    >>> array_key('target.a'), array_key('target.a/'), array_key('target.a//b')
+    ('target.a/', 'target.a/', 'target.a//b/')
+  """
+  return name if name.endswith("/") else f"{name}/"
+
+
 def shared_names(arrays: Mapping[Path, Any]) -> list[str]:
   """The pairs of paths that would share a name on disk, each said once.
 
-  orbax names an array by its keys joined with ``.`` and a checksum is
-  recorded under the path joined with ``/``: ``('a.b',)`` and ``('a', 'b')``
-  would be written to one file, ``('a/b',)`` and ``('a', 'b')`` would share
-  one checksum.
+  orbax names an array by its keys joined with ``.``, kept under its
+  `array_key`, and a checksum is recorded under the path joined with ``/``:
+  ``('a.b',)`` and ``('a', 'b')``, or ``('a',)`` and ``('a/',)``, would be
+  written to one array, ``('a/b',)`` and ``('a', 'b')`` would share one
+  checksum.
 
   Example:
-    >>> shared_names({('a.b',): 1, ('a', 'b'): 2, ('c',): 3})
-    ["the paths ('a.b',) and ('a', 'b') would share the array file a.b"]
+    >>> shared_names({('a.b',): 1, ('a', 'b'): 2, ('c',): 3, ('c/',): 4})
+    ["the paths ('a.b',) and ('a', 'b') would share the array file a.b", "the paths ('c',) and ('c/',) would share the array file c"]
   """
+  names_of = {"array file": lambda path: array_key(".".join(path))[:-1], "checksum": "/".join}
   problems = []
-  for separator, what in ((".", "array file"), ("/", "checksum")):
+  for what, join in names_of.items():
     seen: dict[str, Path] = {}
     for path in arrays:
-      name = separator.join(path)
+      name = join(path)
       if name in seen:
         problems.append(f"the paths {seen[name]} and {path} would share the {what} {name}")
       seen.setdefault(name, path)
