@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import types
 
@@ -26,6 +27,7 @@ from flax import serialization, traverse_util
 import t5x_optim
 from t5x_optim import partitioning
 from t5x_optim._checkpoint import t5x_write as t5x_checkpoint_writer
+from t5x_optim._checkpoint.leaves import array_key
 from t5x_optim.partitioning import Partitioner
 
 DATA = pathlib.Path(__file__).parent / "data" / "t5x_checkpoints"
@@ -302,6 +304,32 @@ def test_io_error_mid_save_leaves_earlier_steps_and_no_partial_one(
   assert sorted(os.listdir(tmp_path)) == ["checkpoint_2"]
   monkeypatch.undo()
   _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, restored["legacy"]), expected)
+
+
+@pytest.mark.parametrize(
+  "keys, file", [(("a", "a/"), "target.a"), (("a/b", "a\\b"), "target.a/b"), (("", "/"), "target.")]
+)
+def test_keys_whose_files_coincide_are_refused_before_anything_is_written(tmp_path, keys, file):
+  """tensorstore's file store keeps an array in the directory of its name and reads '\\' as '/':
+  ``a`` and ``a/`` were written to one file, and the restore gave both the second one's values."""
+  params = {key: jnp.full((4, 4), float(i)) for i, key in enumerate(keys)}
+  optimizer = t5x_optim.OptaxWrapper(optax.sgd(1.0)).create(params)
+  message = f"'target/{keys[1]}' and 'target/{keys[0]}' would share the file {file}."
+  with pytest.raises(ValueError, match=re.escape(message)):
+    t5x_optim.save_t5x_checkpoint(tmp_path, optimizer, step=0)
+  assert os.listdir(tmp_path) == []
+
+
+FILE_NAMES = ["t.a", "t.a/", "t.a\\", "t.a/b", "t.a\\b", "t.", "t./"]
+
+
+def test_array_key_on_files_is_where_tensorstore_writes_an_array(tmp_path):
+  """Asked of tensorstore's file store itself."""
+  for name in FILE_NAMES:
+    kvstore = {"driver": "file", "path": f"{tmp_path}/{name}"}
+    spec = {"driver": "zarr", "kvstore": kvstore, "dtype": "float32", "metadata": {"shape": [2]}}
+    path = ts.open(spec, create=True, open=True).result().kvstore.path
+    assert path == f"{tmp_path}/{array_key(name, files=True)}", name
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])

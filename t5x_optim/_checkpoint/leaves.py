@@ -280,17 +280,23 @@ def fit_read(
   return cast, problems
 
 
-def array_key(name: str) -> str:
-  """The key under which tensorstore keeps the array named `name`: its zarr directory.
+def array_key(name: str, *, files: bool = False) -> str:
+  r"""The key under which tensorstore keeps the array named `name`: its zarr directory.
 
   tensorstore's zarr driver appends one ``/`` to an array's name unless it
   ends in one, so ``a`` and ``a/`` name one array; orbax's store (OCDBT)
-  keeps that key as it is (``a//b/`` and ``a/b/`` are two).
+  keeps that key as it is (``a//b/`` and ``a/b/`` are two). Its ``file``
+  store (`files`: `save_t5x_checkpoint`'s arrays) reads ``\`` as ``/``
+  first.
 
   Example:
     >>> array_key('target.a'), array_key('target.a/'), array_key('target.a//b')
     ('target.a/', 'target.a/', 'target.a//b/')
+    >>> array_key('target.a\\b', files=True)
+    'target.a/b/'
   """
+  if files:
+    name = name.replace("\\", "/")
   return name if name.endswith("/") else f"{name}/"
 
 

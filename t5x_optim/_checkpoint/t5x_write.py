@@ -26,7 +26,7 @@ from etils import epath
 from flax import serialization, traverse_util
 
 from t5x_optim._checkpoint import storage
-from t5x_optim._checkpoint.leaves import checked_step, optimizer_state_classes
+from t5x_optim._checkpoint.leaves import array_key, checked_step, optimizer_state_classes
 from t5x_optim._checkpoint.t5x_read import (
   MSGPACK_FILE,
   STATE_CLASSES_FILE,
@@ -113,11 +113,12 @@ def _plan_writes(
       written[path] = np.asarray(leaf)
       continue
     name = ".".join(path)
-    if name in names:
+    key = array_key(name, files=True)
+    if key in names:
       raise ValueError(
-        f"'{key_path_str(path)}' and '{key_path_str(names[name])}' would share the file {name}."
+        f"'{key_path_str(path)}' and '{key_path_str(names[key])}' would share the file {key[:-1]}."
       )
-    names[name] = path
+    names[key] = path
     write_shape, pieces[path] = _pieces(leaf)
     written[path] = _spec(name, tuple(np.shape(leaf)), np.dtype(leaf.dtype), tuple(write_shape))
   return written, pieces
@@ -186,7 +187,8 @@ def save_t5x_checkpoint(
   Raises:
     FileExistsError: the step directory exists already.
     ValueError: a step that is not a non-negative integer (nothing is
-      written), a multi-process job, or abstract leaves; `storage.StorageError`
+      written), a multi-process job, abstract leaves, or two leaves whose
+      files would coincide (`leaves.array_key`); `storage.StorageError`
       (a `ValueError`): a missing bucket, credentials or package for the
       path's scheme.
 
