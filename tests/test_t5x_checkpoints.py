@@ -320,16 +320,55 @@ def test_keys_whose_files_coincide_are_refused_before_anything_is_written(tmp_pa
   assert os.listdir(tmp_path) == []
 
 
-FILE_NAMES = ["t.a", "t.a/", "t.a\\", "t.a/b", "t.a\\b", "t.", "t./"]
+@pytest.mark.parametrize(
+  "params, why",
+  [
+    ({"a": {"/": {"": 1}}}, "a part '.'"),
+    ({"a//b": 1}, "an empty part"),
+    ({"a/./b": 1}, "a part '.'"),
+    ({"a/../b": 1}, "a part '..'"),
+    ({"a\\\\b": 1}, "an empty part"),
+    ({"a": {"__lock": 1}}, "a part ending in '.__lock'"),
+  ],
+)
+def test_keys_the_file_store_refuses_are_refused_before_anything_is_written(tmp_path, params, why):
+  """tensorstore's file store refuses a file name with an empty, '.' or '..' part or one ending in
+  its lock files' suffix: the save failed with tensorstore's "Invalid file path", naming a file in
+  a temporary directory and not the param."""
+  params = jax.tree.map(lambda _: jnp.ones((4, 4)), params)
+  (path, _), *_ = jax.tree.flatten_with_path(params)[0]
+  keys = ("target", *(entry.key for entry in path))
+  optimizer = t5x_optim.OptaxWrapper(optax.sgd(1.0)).create(params)
+  message = (
+    f"Cannot save the array at '{'/'.join(keys)}' (keys {keys}): "
+    f"tensorstore's file store refuses the name {'.'.join(keys)!r}, which has {why}"
+  )
+  with pytest.raises(ValueError, match=re.escape(message) + r".*Nothing was written"):
+    t5x_optim.save_t5x_checkpoint(tmp_path, optimizer, step=0)
+  assert os.listdir(tmp_path) == []
+
+
+FILE_NAMES = ["t.a", "t.a/", "t.a\\", "t.a/b", "t.a\\b", "t.", "t./", "t.a/ /b"]
+REFUSED_FILE_NAMES = ["t.a//", "t.a//b", "t.a/./b", "t.a/../b", "t.a/.", "t.a/..", "t.a\\\\b"]
+REFUSED_FILE_NAMES += ["t.a/\\b", "t.a.__lock", "t.a.__lock/b", "t.a/\0"]
 
 
 def test_array_key_on_files_is_where_tensorstore_writes_an_array(tmp_path):
-  """Asked of tensorstore's file store itself."""
-  for name in FILE_NAMES:
+  """Asked of tensorstore's file store itself: where it keeps each array, and which names it
+  refuses."""
+  for name in FILE_NAMES + REFUSED_FILE_NAMES:
     kvstore = {"driver": "file", "path": f"{tmp_path}/{name}"}
     spec = {"driver": "zarr", "kvstore": kvstore, "dtype": "float32", "metadata": {"shape": [2]}}
-    path = ts.open(spec, create=True, open=True).result().kvstore.path
-    assert path == f"{tmp_path}/{array_key(name, files=True)}", name
+    try:
+      path = ts.open(spec, create=True, open=True).result().kvstore.path
+    except ValueError:
+      path = None
+    try:
+      key = f"{tmp_path}/{array_key(name, files=True)}"
+    except ValueError:
+      key = None
+    assert path == key, name
+    assert (path is None) == (name in REFUSED_FILE_NAMES), name
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])

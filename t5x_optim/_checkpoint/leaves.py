@@ -287,17 +287,38 @@ def array_key(name: str, *, files: bool = False) -> str:
   ends in one, so ``a`` and ``a/`` name one array; orbax's store (OCDBT)
   keeps that key as it is (``a//b/`` and ``a/b/`` are two). Its ``file``
   store (`files`: `save_t5x_checkpoint`'s arrays) reads ``\`` as ``/``
-  first.
+  first, and refuses a key with an empty, ``.`` or ``..`` part between its
+  ``/``s, a part ending in ``.__lock`` (the suffix of its lock files) or a
+  NUL.
+
+  Raises:
+    ValueError: with `files`, a name the file store refuses, saying why.
 
   Example:
     >>> array_key('target.a'), array_key('target.a/'), array_key('target.a//b')
     ('target.a/', 'target.a/', 'target.a//b/')
     >>> array_key('target.a\\b', files=True)
     'target.a/b/'
+    >>> array_key('target.a//b', files=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: tensorstore's file store refuses the name 'target.a//b', which has an empty part
   """
-  if files:
-    name = name.replace("\\", "/")
-  return name if name.endswith("/") else f"{name}/"
+  key = name.replace("\\", "/") if files else name
+  key = key if key.endswith("/") else f"{key}/"
+  if not files:
+    return key
+  for part in key[:-1].split("/"):
+    if part in ("", ".", ".."):
+      why = f"a part {part!r}" if part else "an empty part"
+    elif part.endswith(".__lock"):
+      why = "a part ending in '.__lock'"
+    elif "\0" in part:
+      why = "a NUL"
+    else:
+      continue
+    raise ValueError(f"tensorstore's file store refuses the name {name!r}, which has {why}")
+  return key
 
 
 def shared_names(arrays: Mapping[Path, Any]) -> list[str]:

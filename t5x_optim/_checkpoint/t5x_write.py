@@ -113,10 +113,17 @@ def _plan_writes(
       written[path] = np.asarray(leaf)
       continue
     name = ".".join(path)
-    key = array_key(name, files=True)
+    try:
+      key = array_key(name, files=True)
+    except ValueError as e:
+      raise ValueError(
+        f"Cannot save the array at '{key_path_str(path)}' (keys {path}): {e} ('\\' counts as "
+        "'/'). Nothing was written: rename a key."
+      ) from None
     if key in names:
       raise ValueError(
-        f"'{key_path_str(path)}' and '{key_path_str(names[key])}' would share the file {key[:-1]}."
+        f"'{key_path_str(path)}' and '{key_path_str(names[key])}' would share the file "
+        f"{key[:-1]}. Nothing was written: rename one of them."
       )
     names[key] = path
     write_shape, pieces[path] = _pieces(leaf)
@@ -124,13 +131,14 @@ def _plan_writes(
   return written, pieces
 
 
-def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, Any]:
-  """Writes every non-scalar leaf as zarr; returns the msgpack leaves.
+def _write_arrays(
+  step_dir: epath.Path, written: Mapping[Path, Any], pieces: Mapping[Path, list[tuple[Any, Any]]]
+) -> None:
+  """Writes the `pieces` of each zarr array `_plan_writes` planned into `step_dir`.
 
   On an error, every I/O already started is waited for before raising, so
   nothing is written into `step_dir` afterwards.
   """
-  written, pieces = _plan_writes(flat)
   started = []
   try:
     opening = {}
@@ -152,7 +160,6 @@ def _write_arrays(step_dir: epath.Path, flat: Mapping[Path, Any]) -> dict[Path, 
     for future in started:
       future.exception()  # Waits; the first error is the one raised.
     raise
-  return written
 
 
 def save_t5x_checkpoint(
@@ -186,8 +193,9 @@ def save_t5x_checkpoint(
 
   Raises:
     FileExistsError: the step directory exists already.
-    ValueError: a step that is not a non-negative integer (nothing is
-      written), a multi-process job, abstract leaves, or two leaves whose
+    ValueError: before anything is written: a step that is not a
+      non-negative integer, a multi-process job, abstract leaves, a leaf
+      whose file name tensorstore's file store refuses, or two leaves whose
       files would coincide (`leaves.array_key`); `storage.StorageError`
       (a `ValueError`): a missing bucket, credentials or package for the
       path's scheme.
@@ -206,17 +214,19 @@ def save_t5x_checkpoint(
   state_dict = state.state_dict()
   step = _state_step(state_dict) if step is None else checked_step(step)
   flat = traverse_util.flatten_dict(_state_dict.prune_empty(state_dict))
+  written, pieces = _plan_writes(flat)
   root = storage.check_reachable(model_dir)
   final = root / f"checkpoint_{step}"
   if (final / MSGPACK_FILE).exists() or (final.exists() and not storage.is_object_store(root)):
     raise FileExistsError(f"Cannot save step {step}: {final} exists already.")
   classes = optimizer_state_classes(state)
   if storage.is_object_store(root):
-    return _save_committed_last(final, flat, classes)
+    return _save_committed_last(final, written, pieces, classes)
   tmp = root / f"{final.name}.tmp-{time.time_ns()}"
   tmp.mkdir(parents=True)
   try:
-    payload = _payload(_write_arrays(tmp, flat))
+    _write_arrays(tmp, written, pieces)
+    payload = _payload(written)
     _write_classes(tmp, classes)
     with open(tmp / MSGPACK_FILE, "wb") as f:
       f.write(payload)
@@ -256,7 +266,10 @@ def _write_classes(step_dir: epath.Path, classes: Mapping[str, str] | None) -> N
 
 
 def _save_committed_last(
-  final: epath.Path, flat: Mapping[Path, Any], classes: Mapping[str, str] | None
+  final: epath.Path,
+  written: Mapping[Path, Any],
+  pieces: Mapping[Path, list[tuple[Any, Any]]],
+  classes: Mapping[str, str] | None,
 ) -> str:
   """Writes a step on an object store: arrays into `final`, then the msgpack as its commit.
 
@@ -265,7 +278,8 @@ def _save_committed_last(
   """
   if final.exists():
     final.rmtree()
-  payload = _payload(_write_arrays(final, flat))
+  _write_arrays(final, written, pieces)
+  payload = _payload(written)
   _write_classes(final, classes)
   (final / MSGPACK_FILE).write_bytes(payload)
   return os.fspath(final)
