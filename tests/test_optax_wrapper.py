@@ -475,6 +475,18 @@ def test_derive_logical_axes_on_abstract_params():
   assert factored.v == {"dense": {"kernel": None, "bias": P("mlp")}}
 
 
+def test_derive_logical_axes_of_params_with_a_none_leaf():
+  """A None param holds no array (create and apply_gradient keep it, as optax does), so it has no
+  axes: axes made from the params by jax.tree.map, None there, were refused as another
+  structure."""
+  params = {"w": jnp.ones((4, 8)), "unused": None}
+  opt = optimizers.adam(1e-2).create(params).apply_gradient({"w": jnp.ones((4, 8)), "unused": None})
+  axes = jax.tree.map(lambda p: P("embed", "mlp"), params)
+  derived = opt.optimizer_def.derive_logical_axes(opt, axes)
+  assert derived.target == axes == {"w": P("embed", "mlp"), "unused": None}
+  assert derived.state.param_states[0] == optax.ScaleByAdamState(count=None, mu=axes, nu=axes)
+
+
 CONFIGURED = {
   "galore": ["[0].projector['dense']['bias']"],
   "momo": [".lb"],

@@ -245,7 +245,12 @@ class _ParamIndex:
       leaves, params_def = jax.tree.flatten(self.params)
     if params_def != self.params_def:
       spec_def = jax.tree.structure(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
-      if jax.tree.structure(specs_lib.thaw(self.params)) != spec_def:
+      thawed = specs_lib.thaw(self.params)
+      with_nones, nones_def = jax.tree.flatten(thawed, is_leaf=lambda x: x is None)
+      if nones_def == spec_def:
+        # A None param holds no array, so it has no axes: what params_axes has there is unused.
+        self.specs = [s for s, p in zip(self.specs, with_nones) if p is not None]
+      elif jax.tree.structure(thawed) != spec_def:
         raise ValueError(
           f"params_axes does not have the structure of params: {spec_def} vs {params_def}"
         )
@@ -628,7 +633,9 @@ class OptaxStatePartitionRules:
       transformation: the transformation that built ``optax_state``; with
         ``params``, enables exact generic derivation for any state.
       params: the params (arrays, ``jax.ShapeDtypeStruct``s or flax boxes) the
-        state was initialised with.
+        state was initialised with. A None param holds no array and has no
+        axes: ``params_axes`` may have a leaf there (None, as ``jax.tree.map``
+        over the params gives), which is not used.
       fallback: what to do with leaves that cannot be given a valid spec (or its
         name, e.g. ``"raise"``).
 
