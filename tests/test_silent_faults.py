@@ -12,6 +12,7 @@ run on the 8 simulated CPU devices of conftest.py.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, NamedTuple
 
 import flax
@@ -28,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_optim import (
+  CheckpointError,
   MultiOptimizer,
   OptaxWrapper,
   OptimizerDef,
@@ -36,7 +38,7 @@ from t5x_optim import (
   save_t5x_checkpoint,
   stack_params,
 )
-from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
+from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch, x64_words
 from t5x_optim.checkpoints import Checkpointer
 from t5x_optim.partitioning import (
   Partitioner,
@@ -462,3 +464,48 @@ def test_params_only_restores_into_a_stacked_target(tmp_path, abstract):
     restored = ckpt.restore(_abstract(sgd) if abstract else sgd, params_only=True)
   assert _same(restored.target, opt.target)
   assert [b.sharding for b in restored.target.buffers] == [b.sharding for b in sgd.target.buffers]
+
+
+def _saved_with_x64(tmp_path, params, step):
+  """A checkpoint of sgd with `params` and `step`, saved with ``jax_enable_x64`` on."""
+  with jax.enable_x64(True), Checkpointer(tmp_path, async_save=False) as ckpt:
+    opt = OptaxWrapper(optax.sgd(0.1)).create(jax.tree.map(jnp.asarray, params))
+    ckpt.save(1, _with_step(opt, jnp.asarray(step, jnp.int64)))
+
+
+def test_a_64_bit_checkpoint_restores_with_x64_off(tmp_path):
+  """Read on the host, 64-bit arrays are verified as stored, then cast by the restore rules."""
+  w = np.array([0.5, 1.0 + 1e-12, np.nan, 1e-300])
+  _saved_with_x64(tmp_path, {"w": w}, 7)
+  target = OptaxWrapper(optax.sgd(0.1)).create({"w": jnp.zeros(4)})
+  with Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(target, fallback=True)
+    assert ckpt.restored_step == 1
+  assert restored.target["w"].dtype == jnp.float32 and int(restored.state.step) == 7
+  np.testing.assert_array_equal(restored.target["w"], w.astype(np.float32))
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_64_bit_value_beyond_a_32_bit_target_is_refused_not_corrupt(tmp_path, fallback):
+  _saved_with_x64(tmp_path, {"w": np.array([1e300, 1.0])}, 7)
+  target = OptaxWrapper(optax.sgd(0.1)).create({"w": jnp.zeros(2)})
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError) as e:
+    ckpt.restore(target, fallback=fallback)
+  assert not isinstance(e.value, CheckpointError)
+  assert re.search(r"'target/w'.*float64.*float32", str(e.value))
+
+
+def test_64_bit_host_data_has_the_checksums_of_either_x64_setting(tmp_path):
+  """As a device without x64 narrows it (saved with x64 off), or by its words (with x64 on)."""
+
+  def checksums(leaves):
+    return fetch(dispatch_checksums(leaves))
+
+  leaves = {("f",): np.array([0.25, -3.5, np.nan, 1e300]), ("i",): np.array([2**40, -3])}
+  with jax.enable_x64(True):
+    on_devices = checksums({path: jnp.asarray(x) for path, x in leaves.items()})
+  assert checksums(x64_words(leaves)) == on_devices
+  step = np.int64(7)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, _with_step(optax_opt(), step))
+    assert int(ckpt.restore(optax_opt()).state.step) == 7

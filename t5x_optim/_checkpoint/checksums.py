@@ -29,7 +29,14 @@ from etils import epath
 from t5x_optim._checkpoint.leaves import Path
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["CHECKSUMS_FILE", "ChecksumsArgs", "ChecksumsHandler", "dispatch_checksums", "fetch"]
+__all__ = [
+  "CHECKSUMS_FILE",
+  "ChecksumsArgs",
+  "ChecksumsHandler",
+  "dispatch_checksums",
+  "fetch",
+  "x64_words",
+]
 
 
 # The file of a step's checksums, in its "checksums" item.
@@ -113,6 +120,36 @@ def _exact(leaf: Any) -> Any:
   return value.view(np.uint32).reshape(*value.shape, value.dtype.itemsize // 4)
 
 
+def x64_words(leaves: Mapping[Path, Any]) -> dict[Path, np.ndarray]:
+  """The host arrays among `leaves` that the devices cannot hold, as the words x64 checksums.
+
+  Without ``jax_enable_x64``, 64-bit data read onto the host (float64,
+  int64, complex128) is checksummed as a device would narrow it
+  (`_exact`), which is what a step saved with x64 off recorded; a step
+  saved with x64 on recorded the checksum of its uint32 words (`_words`).
+  These are those words, NaNs made canonical first, for the checksum to
+  compare a step saved with x64 on against.
+
+  Example:
+    >>> x64_words({('w',): np.array([1.0]), ('b',): np.float32(2)})[('w',)].tolist()
+    [[0, 1072693248]]
+  """
+  words = {}
+  for path, leaf in leaves.items():
+    if not isinstance(leaf, np.ndarray | np.generic):
+      continue
+    value = np.asarray(leaf)
+    if jax.dtypes.canonicalize_dtype(value.dtype) == value.dtype:
+      continue
+    if np.issubdtype(value.dtype, np.complexfloating):
+      value = np.stack([value.real, value.imag], axis=-1)
+    if np.issubdtype(value.dtype, np.floating):
+      value = np.where(np.isnan(value), np.array(np.nan, value.dtype), value)
+    value = np.ascontiguousarray(value)
+    words[path] = value.view(np.uint32).reshape(*value.shape, value.dtype.itemsize // 4)
+  return words
+
+
 def dispatch_checksums(
   leaves: Mapping[Path, Any], dtypes: Mapping[Path, np.dtype] | None = None
 ) -> dict[str, jax.Array]:
@@ -126,7 +163,9 @@ def dispatch_checksums(
   for i, (path, leaf) in enumerate(leaves.items()):
     if i and i % _IN_FLIGHT == 0:
       jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
-    pending[key_path_str(path)] = _checksum(_exact(leaf), dtypes.get(path))
+    # Host float64 data beyond float32's range narrows to inf, as on a device.
+    with np.errstate(over="ignore"):
+      pending[key_path_str(path)] = _checksum(_exact(leaf), dtypes.get(path))
   return pending
 
 

@@ -28,6 +28,7 @@ from t5x_optim._checkpoint.checksums import (
   ChecksumsHandler,
   dispatch_checksums,
   fetch,
+  x64_words,
 )
 from t5x_optim._checkpoint.headers import open_stored
 from t5x_optim._checkpoint.leaves import (
@@ -614,14 +615,22 @@ class Checkpointer:
     return traverse_util.flatten_dict(dict(restored[_ARRAYS]))
 
   def _verify(
-    self, step: int, pending: Mapping[str, jax.Array], recorded: Mapping[str, int]
+    self,
+    step: int,
+    pending: Mapping[str, jax.Array],
+    with_x64: Mapping[str, jax.Array],
+    recorded: Mapping[str, int],
   ) -> None:
-    """Raises `CheckpointError` naming every array whose checksum differs."""
-    actual = fetch(pending)
+    """Raises `CheckpointError` naming every array whose checksum differs.
+
+    An array in `with_x64` (`x64_words`) may match either checksum: the one
+    its step recorded depends on whether it was saved with x64 on.
+    """
+    actual, words = fetch(pending), fetch(with_x64)
     wrong = [
       f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
       for path, value in actual.items()
-      if recorded[path] != value
+      if recorded[path] not in (value, words.get(path))
     ]
     if wrong:
       raise CheckpointError(
@@ -663,18 +672,19 @@ class Checkpointer:
       # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
       dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
       pending = dispatch_checksums(restored, dtypes)
+      with_x64 = dispatch_checksums(x64_words(restored))
     restored, unfit = fit_read(restored, expected)
     restored.update({path: empty_leaf(expected[path]) for path in empty})
     if unfit:
       if verify:
-        self._verify(step, pending, recorded)  # Corrupt data is not the target's fault.
+        self._verify(step, pending, with_x64, recorded)  # Corrupt data is not the target's fault.
       self._refuse(step, unfit)
     state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _fresh_param_states(target, state_dict[_TARGET])
     state = target.restore_state(state_dict)
     if verify:
-      self._verify(step, pending, recorded)
+      self._verify(step, pending, with_x64, recorded)
     return state
 
   @_taking_turns
