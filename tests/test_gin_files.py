@@ -405,6 +405,14 @@ def test_a_record_written_before_dicts_were_read_still_names_the_job(tmp_path):
     _train._refuse_another_job({"optimizer": earlier.replace("multi_", "")}, job, tmp_path, 4)
 
 
+def test_a_record_without_jax_enable_x64_is_not_refused_for_it(tmp_path):
+  """Job records name the run's jax_enable_x64; one written before they did is not refused."""
+  job = {"optimizer": "optax.sgd", "jax_enable_x64": True}
+  _train._refuse_another_job({"optimizer": "optax.sgd"}, job, tmp_path, 4)
+  with pytest.raises(_train.UsageError, match="jax_enable_x64 False, this run has True"):
+    _train._refuse_another_job({**job, "jax_enable_x64": False}, job, tmp_path, 4)
+
+
 def test_a_configurable_named_by_another_name_of_its_function_is_read():
   """``optax.partition`` is ``optax.multi_transform``: gin registers the function once, under
   the name it meets first, and the walk looked a reference's bindings up under the name it

@@ -110,6 +110,18 @@ def test_resume_with_same_shapes_of_another_model_is_refused(four_steps, tmp_pat
   assert (model_dir / "config.gin").read_text() == config  # nothing half-written
 
 
+def test_resume_with_another_jax_enable_x64_is_refused_naming_it(four_steps, tmp_path, capsys):
+  """A resume that differed only in JAX_ENABLE_X64 was refused as another job, naming leaf
+  dtypes, or (with a state that does not mirror the params) trained on in float64."""
+  model_dir = _copy(four_steps, tmp_path)
+  with jax.enable_x64(True):
+    code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "checkpoint step 4 was written with jax_enable_x64 False, this run has True" in err
+  assert "JAX_ENABLE_X64=0" in err and "another job" not in err, err
+  assert _checkpoint_steps(model_dir) == [2, 4]
+
+
 def test_a_checkpoint_of_a_newer_version_is_refused_and_kept(four_steps, tmp_path, capsys):
   """A job record of a format this version does not know was compared field by field as if
   it were its own: a newer version's record, read as this one's, resumed without a word.

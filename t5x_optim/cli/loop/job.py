@@ -5,7 +5,8 @@ with the step by `Checkpointer(job=...)`): the model's sizes, the optimizer
 (the gin configurables ``%OPTIMIZER`` reaches, its learning rate and schedule
 left out), the optimizer state's layout (the class of each state node, each
 leaf's dtype and shape), the config file of the start that wrote it, the
-text data's summary and the versions of the libraries that ran it. A
+text data's summary, the versions of the libraries that ran it and
+``jax_enable_x64`` (a resume with another is refused: `x64_problem`). A
 resume compares the checkpoint's record with the new run's (`identity_problem`):
 another model, optimizer or layout is refused, since the state would be read
 as another's (adam's E[g^2] as adabelief's variance; 4 heads of 8 read from 2
@@ -52,6 +53,7 @@ __all__ = [
   "recorded_config",
   "state_layout",
   "version_changes",
+  "x64_problem",
 ]
 
 CONFIG_FILE = "config.gin"
@@ -138,6 +140,7 @@ def job_record(
     "state": state_layout(abstract_state),
     "config_sha256": config_digest(config_text),
     "versions": package_versions(),
+    "jax_enable_x64": bool(jax.config.values["jax_enable_x64"]),
   }
   if data is not None:
     record["data"] = data
@@ -240,6 +243,25 @@ def format_problem(recorded: Mapping[str, Any]) -> str | None:
   if type(written) is int:
     return f"a newer t5x-optim (job record format {written}; this version reads format {FORMAT})"
   return f"another t5x-optim (job record format {written!r}; this version reads format {FORMAT})"
+
+
+def x64_problem(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+  """How `current`'s ``jax_enable_x64`` differs from `recorded`'s (both from `job_record`), or
+  None (also for a record of an earlier version, which has none).
+
+  With it on, jax makes params, counters and state float64 and int64: the checkpoint's leaves
+  would be read in other dtypes, or trained on in another precision.
+
+  Example:
+    >>> x64_problem({'jax_enable_x64': False}, {'jax_enable_x64': True})
+    'was written with jax_enable_x64 False, this run has True'
+    >>> x64_problem({}, {'jax_enable_x64': True}) is None
+    True
+  """
+  there, now = recorded.get("jax_enable_x64"), current.get("jax_enable_x64")
+  if there is None or now is None or there == now:
+    return None
+  return f"was written with jax_enable_x64 {there}, this run has {now}"
 
 
 def model_changes(there: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

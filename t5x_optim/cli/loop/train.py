@@ -78,6 +78,7 @@ from t5x_optim.cli.loop.job import (
   identity_problem,
   recorded_config,
   version_changes,
+  x64_problem,
 )
 from t5x_optim.cli.loop.metrics import EVAL, TRAIN, MetricWriters
 from t5x_optim.cli.loop.progress import Clock, Progress, format_metrics
@@ -758,8 +759,9 @@ def _refuse_another_job(
   step: int,
   abstract_state: TrainState | None = None,
 ) -> None:
-  """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it
-  or it is another job than `job` (`job.identity_problem`); a refusal over a low_precision
+  """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it,
+  another ``jax_enable_x64`` did (`job.x64_problem`) or it is another job than `job`
+  (`job.identity_problem`); a refusal over a low_precision
   leaf of `abstract_state` that copies the params (`_param_copy_paths`) says why.
 
   Raises:
@@ -770,6 +772,12 @@ def _refuse_another_job(
     raise UsageError(
       f"--model_dir {model_dir}: its checkpoint step {step} was written by {written_by}; "
       "nothing was changed: resume it with that version, or use another --model_dir."
+    )
+  x64 = recorded and job and x64_problem(recorded, job)
+  if x64:
+    raise UsageError(
+      f"--model_dir {model_dir}: its checkpoint step {step} {x64}; nothing was changed: set "
+      f"it as the run had it (JAX_ENABLE_X64={int(recorded['jax_enable_x64'])})."
     )
   if recorded is not None and job is not None:
     problem = identity_problem(recorded, job)
