@@ -509,3 +509,20 @@ def test_64_bit_host_data_has_the_checksums_of_either_x64_setting(tmp_path):
   with Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(1, _with_step(optax_opt(), step))
     assert int(ckpt.restore(optax_opt()).state.step) == 7
+
+
+@pytest.mark.parametrize("step", [-1, np.int32(-1), jnp.asarray(-1), np.float32(-1.0)], ids=str)
+def test_a_negative_step_counter_is_refused(step):
+  opt = optax_opt()
+  state_dict = opt.state_dict()
+  with pytest.raises(ValueError, match=r"'state/step'.* -1"):
+    opt.restore_state({**state_dict, "state": {**state_dict["state"], "step": step}})
+
+
+def test_a_checkpoint_with_a_negative_step_counter_is_refused_not_retried(tmp_path):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, optax_opt())
+    ckpt.save(2, _with_step(optax_opt(), jnp.asarray(-1)))
+    with pytest.raises(ValueError, match=r"'state/step'.* -1") as e:
+      ckpt.restore(optax_opt(), fallback=True)
+  assert not isinstance(e.value, CheckpointError)

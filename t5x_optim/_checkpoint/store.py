@@ -682,7 +682,12 @@ class Checkpointer:
     state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _fresh_param_states(target, state_dict[_TARGET])
-    state = target.restore_state(state_dict)
+    try:
+      state = target.restore_state(state_dict)
+    except ValueError:
+      if verify:
+        self._verify(step, pending, with_x64, recorded)  # A corrupt step counter, say.
+      raise
     if verify:
       self._verify(step, pending, with_x64, recorded)
     return state

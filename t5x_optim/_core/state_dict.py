@@ -689,7 +689,8 @@ def restore_state_dict(
 
   Raises:
     ValueError: naming the full path and both sides, on any missing or
-      unexpected key, shape mismatch or dtype that may not restore.
+      unexpected key, shape mismatch or dtype that may not restore; or
+      naming ``state/step``, on a negative step counter (it counts updates).
 
   Example:
     >>> import numpy as np
@@ -700,4 +701,20 @@ def restore_state_dict(
   """
   reference = {"target": target, "state": {"step": step, "param_states": param_states}}
   restored = restore_into(reference, optimizer_part(state_dict))
-  return restored["target"], restored["state"]["step"], restored["state"]["param_states"]
+  step = restored["state"]["step"]
+  least = _least(step)
+  if least is not None and least < 0:
+    raise ValueError(
+      f"Value mismatch at 'state/step': the step counter counts updates, and the state dict's "
+      f"is {least}"
+    )
+  return restored["target"], step, restored["state"]["param_states"]
+
+
+def _least(value: Any) -> int | float | None:
+  """The least value of numeric data `value`, reduced where it lives; None for placeholders
+  (None, `PartitionSpec`s, `jax.ShapeDtypeStruct`s, lazy arrays) and traced values."""
+  numeric = isinstance(value, int | float | np.ndarray | np.generic | jax.Array)
+  if not numeric or isinstance(value, bool | jax.core.Tracer) or np.size(value) == 0:
+    return None
+  return (jax.numpy if isinstance(value, jax.Array) else np).min(value).item()
