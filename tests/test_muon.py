@@ -480,6 +480,23 @@ def test_convert_adamw_to_muon_and_back():
     convert_state(muon, optimizers.adamw(1e-3))
 
 
+@pytest.mark.slow
+def test_convert_state_gives_param_axes_to_a_definition_target():
+  params = {"emb": jnp.ones((7, 5)), "wi": jnp.ones((2, 5, 7)), "scale": jnp.ones(5)}
+  axes = {"emb": P("vocab", "embed"), "wi": P("layers", "embed", "mlp"), "scale": P("embed")}
+  adamw = optimizers.adamw(1e-3).create(params)
+  muon = optimizers.muon(learning_rate=0.02)
+  multi = optimizers.MultiOptimizer([("^scale$", optimizers.adamw(1e-3)), ("^(emb|wi)$", muon)])
+  for target, muon_state in [
+    (muon, lambda state: state),
+    (multi, lambda states: states[1].param_states),
+  ]:
+    new, _ = convert_state(adamw, target, missing="init", param_axes=axes)
+    mu = muon_state(new.state.param_states).inner_states["muon"].inner_state[0].mu
+    assert sorted(name for name, leaf in mu.items() if hasattr(leaf, "shape")) == ["wi"]
+    assert muon.param_specs is None  # the caller's definition keeps its own axes
+
+
 @pytest.mark.usefixtures("clean_gin")
 def test_gin_file_configures_the_rule():
   gin.add_config_file_search_path(str(_config.GIN_DIR))

@@ -536,6 +536,34 @@ class MultiOptimizer(OptimizerDef):
         opt.set_param_axes(sub_axes)
 
 
+def with_param_axes(opt_def: OptimizerDef, param_logical_axes: Any) -> OptimizerDef:
+  """A copy of `opt_def` given the params' logical axes, or `opt_def` if it takes none.
+
+  A definition that places its params by their axes (``set_param_axes``:
+  Muon's, or a `MultiOptimizer` with such a sub-optimizer) gets them on a
+  copy, a `MultiOptimizer`'s sub-optimizers copied too (one shared by two
+  filters stays shared), so the caller's definitions keep their own axes.
+  """
+  if not hasattr(opt_def, "set_param_axes"):
+    return opt_def
+  copied = _copied_def(opt_def, {})
+  copied.set_param_axes(param_logical_axes)
+  return copied
+
+
+def _copied_def(opt_def: OptimizerDef, copies: dict[int, OptimizerDef]) -> OptimizerDef:
+  """A shallow copy of `opt_def`; a `MultiOptimizer`'s own copies its sub-optimizers
+  (`copies`: those copied so far, by id) and takes its axes itself."""
+  if id(opt_def) in copies:
+    return copies[id(opt_def)]
+  copied = copies[id(opt_def)] = copy.copy(opt_def)
+  if isinstance(opt_def, MultiOptimizer):
+    copied.sub_optimizers = tuple(_copied_def(opt, copies) for opt in opt_def.sub_optimizers)
+    if hasattr(opt_def, "set_param_axes"):
+      copied.set_param_axes = copied._set_param_axes
+  return copied
+
+
 def _is_param_subtree_prefix(target: Any, param_states: Any) -> bool:
   """Whether `param_states` has `target`'s tree structure down to its leaves.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -12,6 +11,7 @@ import jax
 import optax
 from flax import traverse_util
 
+from t5x_optim._adapters.multi_optimizer import with_param_axes
 from t5x_optim._adapters.optax_wrapper import is_transformation, trains_lookahead_params
 from t5x_optim._checkpoint import store as _checkpoints
 from t5x_optim._checkpoint import t5x_read as _t5x
@@ -78,9 +78,8 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
     params, axes = params.fast, None if axes is None else axes[: len(axes) // 2]
   elif not two and trains_lookahead_params(source_def):
     params, axes = optax.LookaheadParams.init_synced(params), None if axes is None else axes * 2
-  if axes is not None and hasattr(source_def, "set_param_axes"):
-    source_def = copy.copy(source_def)  # the caller's definition keeps its own axes
-    source_def.set_param_axes(jax.tree.structure(params).unflatten(axes))
+  if axes is not None:
+    source_def = with_param_axes(source_def, jax.tree.structure(params).unflatten(axes))
   old = jax.eval_shape(source_def.create, params)
   if isinstance(target, TrainState):
     return target.replace(_optimizer=old, param_axis_leaves=axes)

@@ -61,6 +61,7 @@ import numpy as np
 import optax
 from flax import serialization, traverse_util
 
+from t5x_optim._adapters.multi_optimizer import with_param_axes
 from t5x_optim._adapters.optax_wrapper import loss_extra_args
 from t5x_optim._axes.kernel_axes import specs_by_path
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
@@ -986,7 +987,10 @@ def convert_state(
       over the dims T5X's ``standard_logical_factor_rules`` give its axes
       (a scanned ``('embed', 'layers', 'heads', 'kv')`` kernel: rows
       ``(0,)``, columns ``(2, 3)``); without them, over the one factoring
-      its ``v_row`` and ``v_col`` shapes fit.
+      its ``v_row`` and ``v_col`` shapes fit. A definition `target` that
+      places its params by their axes (``set_param_axes``: Muon's, alone or
+      in a `MultiOptimizer`) gets them on a copy, as `TrainState.create`
+      gives them; without them it places them as it does without axes.
 
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
@@ -1070,8 +1074,10 @@ def convert_state(
     params = _params_like(params, like_params)
   else:
     optimizer_def, like_state = target, None
+    if param_axes is not None:  # A definition that places its params by their axes: Muon's.
+      optimizer_def = with_param_axes(target, param_axes)
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
-      optimizer_def = jax.eval_shape(target.create, params).optimizer_def
+      optimizer_def = jax.eval_shape(optimizer_def.create, params).optimizer_def
   template = _fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
   flat_params = _flat_params(trained)
