@@ -820,6 +820,24 @@ def test_an_init_that_reads_values_still_finds_the_copies_of_the_params():
   assert storage == ("kept: a copy of its param", "bfloat16")
 
 
+@pytest.mark.slow
+def test_a_constant_of_a_single_params_shape_is_not_its_mirror():
+  """Muon's ns_coeffs ('dion': (5, 3)) beside a (5, 3) param: a setting of the transformation,
+  kept as it is, as beside the same param in a dict; the momentum is compressed."""
+  param = jnp.sin(jnp.arange(15.0).reshape(5, 3))
+  tx = low_precision(optax.contrib.muon(0.02, ns_coeffs="dion"), "bfloat16", min_size=0)
+  state = tx.init(param)
+  storage = leaf_storage(state)
+  muon = ("inner_state", "inner_states", "muon", "inner_state", "0")
+  assert storage[(*muon, "ns_coeffs")] == "kept: not param-shaped"
+  assert storage[(*muon, "mu")] == "bfloat16"
+  assert state.storage == tx.init({"w": param}).storage
+  _, state = tx.update(jnp.cos(param), state, param)
+  coeffs = low_precision_to_float32(state).inner_states["muon"].inner_state[0].ns_coeffs
+  want = optax.contrib.muon(0.02, ns_coeffs="dion").init(param)
+  np.testing.assert_array_equal(coeffs, want.inner_states["muon"].inner_state[0].ns_coeffs)
+
+
 def test_a_copy_behind_stop_gradient_is_a_copy():
   def init(params):
     return {"copy": jax.lax.stop_gradient(params), "trace": jax.tree.map(jnp.zeros_like, params)}

@@ -330,18 +330,31 @@ QUANTIZED_LEAF_TYPES = tuple(t for codec in _CODECS.values() for t in codec.leaf
 """The classes of the quantized modes' stored leaves."""
 
 
-def _mirror_params(inner_state: Any, params: Any) -> list[int]:
-  """For each leaf of ``inner_state``, the index of the param it mirrors, or -1.
+def _mirror_params(init: Callable[[Any], Any], inner_state: Any, params: Any) -> list[int]:
+  """For each leaf of ``inner_state`` (``init(params)``), the index of the param it mirrors,
+  or -1.
 
   A mirror is a subtree with the params' structure, where a ``MaskedNode``
   hole may stand for a param or a whole subtree of them (`optax.masked` with
   a mask that is a prefix of the params); its leaves mirror the params at
-  the same positions.
+  the same positions. Every leaf has the structure of params that are one
+  array: a leaf mirrors them where it has their shape and still has it when
+  `init` is traced for params one longer in each dim, so a setting that has
+  their shape (Muon's ``ns_coeffs``) is not taken for a mirror.
   """
   reference = trained_params(params)
   param_def = jax.tree.structure(reference, is_leaf=_is_masked)
   if param_def.num_nodes == 1:
-    return [0 if jnp.shape(x) == jnp.shape(reference) else -1 for x in jax.tree.leaves(inner_state)]
+    shape = jnp.shape(reference)
+    leaves = jax.tree.leaves(inner_state)
+    longer = tuple(n + 1 for n in shape)
+    grown = _grown_shapes(init, params, longer) if shape else None
+    if grown is None or len(grown) != len(leaves):  # by the shape alone
+      grown = [longer] * len(leaves)
+    return [
+      0 if jnp.shape(x) == shape and grown_shape == longer else -1
+      for x, grown_shape in zip(leaves, grown, strict=True)
+    ]
 
   def mirrored(node: Any) -> list[int] | None:
     return holey_mirror(jax.tree.structure(node), param_def)
@@ -351,6 +364,18 @@ def _mirror_params(inner_state: Any, params: Any) -> list[int]:
     indices = mirrored(node)
     out.extend([-1] if indices is None else indices)
   return out
+
+
+def _grown_shapes(
+  init: Callable[[Any], Any], params: Any, shape: tuple[int, ...]
+) -> list[tuple[int, ...]] | None:
+  """The shapes of the leaves of `init` traced for `params` (one array) of `shape`; None
+  where it cannot be traced for them (it reads their values, or refuses the shape)."""
+  grown = jax.tree.map(lambda x: jax.ShapeDtypeStruct(shape, jnp.result_type(x)), params)
+  try:
+    return [x.shape for x in jax.tree.leaves(jax.eval_shape(init, grown))]
+  except (jax.errors.JAXTypeError, TypeError, ValueError):
+    return None
 
 
 _COPYING = frozenset(
@@ -563,6 +588,7 @@ def _plan_storage(
   min_size: int,
   states: str | None,
   block: Callable[[str, tuple[int, ...]], Any],
+  mirrors: Sequence[int],
   copies: Sequence[bool],
   param_modes: Sequence[_ParamRule] = (),
   axes: Mapping[str, tuple[str | None, ...]] | None = None,
@@ -574,8 +600,9 @@ def _plan_storage(
   path), else ``mode``; ``"float32"`` keeps it, saying which pattern. In a
   quantized mode a leaf without a block (``block(mode, shape)``, the mode's
   `leaf_block` with its arguments, returns None) stays float32: the mode
-  would cost it more bytes. A leaf that ``copies`` marks as a copy of its
-  param keeps its dtype.
+  would cost it more bytes. ``mirrors`` is each leaf's param index
+  (`_mirror_params`, -1: none); a leaf that ``copies`` marks as a copy of
+  its param keeps its dtype.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -585,7 +612,6 @@ def _plan_storage(
       are not floating (a complex param's).
   """
   flat = jax.tree.flatten_with_path(inner_state)[0]
-  indices = _mirror_params(inner_state, params)
   reference = trained_params(params)
   param_leaves = jax.tree.leaves(reference, is_leaf=_is_masked)
   pattern = None if states is None else re.compile(states)
@@ -600,7 +626,7 @@ def _plan_storage(
     names = axes.get(param_paths[j], ()) if axes else ()
     return next((r for r in param_modes if r.matches(param_paths[j], names)), None)
 
-  for (path, leaf), j, copy in zip(flat, indices, copies, strict=True):
+  for (path, leaf), j, copy in zip(flat, mirrors, copies, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
@@ -642,7 +668,7 @@ def _plan_storage(
       f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
       f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
     )
-  return tuple(storage), tuple(indices), tuple(rules)
+  return tuple(storage), tuple(mirrors), tuple(rules)
 
 
 def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
@@ -1391,6 +1417,7 @@ def low_precision(
       min_size=min_size,
       states=states,
       block=block,
+      mirrors=_mirror_params(inner.init, inner_state, params),
       copies=_param_copies(inner.init, params, inner_state),
       param_modes=rules,
       axes=axes,
