@@ -27,6 +27,7 @@ from t5x_optim import (
   OptimizerState,
   PathFilter,
   TrainState,
+  optimizers,
 )
 from t5x_optim.partitioning import Partitioner, create_mesh
 
@@ -651,6 +652,27 @@ def test_set_param_axes_forwarded_only_where_defined() -> None:
   outer = MultiOptimizer([("^dense/", inner), ("^out/", OptaxWrapper(optax.sgd(0.1)))])
   outer.set_param_axes(AXES)
   assert plain.param_axes == [{"dense": {"kernel": P("embed", "mlp")}}]
+
+
+def test_a_definition_that_takes_axes_shared_by_two_filters_is_refused() -> None:
+  """Each filter's axes would replace the other's in the one definition."""
+  muon = optimizers.muon(learning_rate=0.02)
+  flat = MultiOptimizer(
+    [(KERNELS, muon), (BIASES, OptaxWrapper(optax.sgd(0.1))), ("^embed/", muon)]
+  )
+  nested = MultiOptimizer([("^dense/", MultiOptimizer([(KERNELS, muon)])), ("^out/", muon)])
+  for multi, first, second in [
+    (flat, "filter 0 PathFilter('kernel$')", "filter 2 PathFilter('^embed/')"),
+    (
+      nested,
+      "filter 0 PathFilter('^dense/') / filter 0 PathFilter('kernel$')",
+      "filter 1 PathFilter('^out/')",
+    ),
+  ]:
+    with pytest.raises(ValueError, match=re.escape(f"{first} and {second} share one")):
+      multi.set_param_axes(AXES)
+    with pytest.raises(ValueError, match="one definition per filter"):
+      multi.set_param_axes(AXES)
 
 
 GIN_CONFIG = """

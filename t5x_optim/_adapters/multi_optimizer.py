@@ -521,12 +521,38 @@ class MultiOptimizer(OptimizerDef):
     ]
     return sorted(lines)
 
+  def _takers_of_axes(self, within: str = "") -> list[tuple[str, OptimizerDef]]:
+    """``(filters, definition)`` of each sub-optimizer, a nested `MultiOptimizer`'s
+    included, that defines `set_param_axes`; a nested one's filters after its own."""
+    found = []
+    for i, (traversal, opt) in enumerate(zip(self.traversals, self.sub_optimizers)):
+      where = within + describe_traversal(i, traversal)
+      if isinstance(opt, MultiOptimizer):
+        found += opt._takers_of_axes(f"{where} / ")
+      elif hasattr(opt, "set_param_axes"):
+        found.append((where, opt))
+    return found
+
   def _set_param_axes(self, param_logical_axes: Any) -> None:
     """Gives each sub-optimizer that defines `set_param_axes` its axes.
 
     The split is computed on the axes tree itself; filters of flax
     traversals see the `PartitionSpec` as the value (an empty one for None).
+
+    Raises:
+      ValueError: one such definition under two filters (nested ones'
+        included), whose axes would replace each other's, naming both.
     """
+    taken: dict[int, str] = {}
+    for where, opt in self._takers_of_axes():
+      first = taken.setdefault(id(opt), where)
+      if first != where:
+        raise ValueError(
+          f"MultiOptimizer: {first} and {where} share one {type(opt).__name__}, which places "
+          "its params by their logical axes: each filter's axes would replace the other's. "
+          "Build one definition per filter (call its factory, optimizers.muon(...) say, once for "
+          "each)."
+        )
     axes = logical_axes_from(param_logical_axes)
     specs = jax.tree.map(_spec_or_replicated, axes, is_leaf=is_spec_leaf)
     partition = self._compute_partition(specs)
