@@ -291,6 +291,35 @@ def test_steps_keep_and_order(tmp_path, part_2x4):
     _restore(tmp_path / "empty", state)
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_save_that_fails_keeps_the_steps_on_disk_listed_and_rotated(
+  tmp_path, monkeypatch, async_save
+):
+  """With keep=1, orbax drops the step a save will rotate away from its list when the save
+  starts: a save that failed (a full disk) left step 1 intact on disk but unlisted, so the
+  run named no checkpoint, and the next save never rotated step 1 away (two kept)."""
+  from t5x_optim._checkpoint.checksums import ChecksumsHandler  # noqa: PLC0415
+
+  opt = optimizers.sgd(0.1).create({"w": jnp.ones(2)})
+
+  def disk_full(self, directory, pending):
+    raise OSError(28, "No space left on device")
+
+  with Checkpointer(tmp_path, keep=1, async_save=async_save) as ckpt:
+    ckpt.save(1, opt)
+    ckpt.wait_until_finished()
+    with monkeypatch.context() as patch:
+      patch.setattr(ChecksumsHandler, "_write", disk_full)
+      with pytest.raises(OSError, match="No space left"):
+        ckpt.save(2, opt)
+        ckpt.wait_until_finished()
+    assert (ckpt.all_steps(), ckpt.latest_step()) == ([1], 1)
+    ckpt.save(3, opt)
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [3]
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3"]
+
+
 def test_a_relative_directory_is_the_one_below_the_working_directory_when_opened(
   tmp_path, monkeypatch
 ):

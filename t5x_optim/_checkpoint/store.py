@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -11,7 +12,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, Protocol, Self
 
 import jax
@@ -394,7 +395,23 @@ class Checkpointer:
       items[_STATE_CLASSES] = ocp.args.JsonSave(classes)
     if self._job is not None:
       items[_JOB] = ocp.args.JsonSave(self._job)
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with self._listed_again_on_failure():
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  @contextlib.contextmanager
+  def _listed_again_on_failure(self) -> Iterator[None]:
+    """Lists the committed steps from the directory again when a save fails.
+
+    orbax takes the steps a save rotates away off its list when the save starts; they stay
+    on disk until it commits, so after a failed save (a full disk) they are still the
+    checkpoints, and the next save rotates them away.
+    """
+    try:
+      yield
+    except BaseException:
+      with contextlib.suppress(Exception):  # the save's error is the one to report
+        self._manager.reload()
+      raise
 
   def _become_writer(self, step: int) -> None:
     """Locks the directory, then reopens it as its writer (removing partial steps)."""
@@ -405,7 +422,8 @@ class Checkpointer:
   @_taking_turns
   def wait_until_finished(self) -> None:
     """Blocks until every pending asynchronous save is complete."""
-    self._manager.wait_until_finished()
+    with self._listed_again_on_failure():
+      self._manager.wait_until_finished()
 
   def reached_preemption(self, step: int) -> bool:
     """Whether the job is being preempted and `step` is the one to save before exiting.
