@@ -32,6 +32,7 @@ from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _ru
 from t5x_optim import Checkpointer, optimizers, partitioning
 from t5x_optim.cli import SyntheticTask, TransformerConfig, main
 from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import job as _job
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.interrupt import EXIT_PREEMPTED, Interrupt
 from t5x_optim.cli.loop.metrics import MetricWriters
@@ -497,6 +498,33 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path, keep):
   assert "File too large" in line, line
   assert f"the latest checkpoint is step 2 in {model_dir}/checkpoints (not the last state" in line
   assert _checkpoint_steps(model_dir) == [2]
+
+
+@pytest.mark.slow
+def test_a_config_that_cannot_be_written_keeps_the_old_one_and_stops_in_one_line(tmp_path):
+  """Files capped at 4 KiB (a full disk) as a resumed start rewrote config.gin: a traceback
+  without the file's name, config.gin cut to 4 KiB, and the next start took it for one
+  edited by hand."""
+  pytest.importorskip("resource")  # POSIX only
+  model_dir = tmp_path / "run"
+  args = [*TINY, "--model_dir", str(model_dir), "--compilation_cache", "none"]
+  args += ["--gin_bindings", "cli.TrainJob.checkpoint_every = 2"]
+  assert main(["train", *args, "--gin_bindings", "TOTAL_STEPS = 2"]) == 0
+  config = (model_dir / "config.gin").read_text()
+  assert len(config) > 4096
+  capped = _run("train", *args, "--gin_bindings", "TOTAL_STEPS = 4", max_file_bytes=4096)
+  assert capped.returncode == 1, capped.stderr[-3000:]
+  assert "Traceback" not in capped.stderr, capped.stderr[-3000:]
+  errors = [x for x in capped.stderr.splitlines() if x.startswith("t5x-optim train: error")]
+  assert len(errors) == 1, capped.stderr[-3000:]
+  assert f"File too large: '{model_dir}/config_2.gin'" in errors[0], errors[0]
+  assert f"the latest checkpoint is step 2 in {model_dir}/checkpoints" in errors[0], errors[0]
+  assert (model_dir / "config.gin").read_text() == config
+  assert sorted(p.name for p in model_dir.iterdir() if p.suffix == ".gin") == [
+    "config.gin",
+    "config_0.gin",
+  ]
+  assert _job.keep_edited_config(model_dir) is None
 
 
 @pytest.mark.slow

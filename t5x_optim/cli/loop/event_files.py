@@ -12,6 +12,7 @@ event files of scalars stay small.
 (those of steps it never saved) from the files themselves, where a purge
 step (a ``SessionLog.START`` event) hides them from TensorBoard's Python
 loader only: its default loader, the Rust data server, ignores purge steps.
+It rewrites a file with `write_at_once`, as a run writes its config files.
 
 Example:
   >>> event_dir('/tmp/run', 'train')
@@ -31,7 +32,7 @@ from tensorboardX.proto.event_pb2 import Event
 
 from t5x_optim import storage
 
-__all__ = ["drop_events_after", "event_dir"]
+__all__ = ["drop_events_after", "event_dir", "write_at_once"]
 
 _HEADER = struct.Struct("<QI")
 """A record's length and the masked CRC-32C of those 8 bytes; its data and their CRC follow."""
@@ -122,15 +123,31 @@ def drop_events_after(directory: str, step: int) -> None:
     if not any(event.HasField("summary") for _, event in kept):
       path.unlink()
     elif len(kept) < len(records) or sum(len(record) for record, _ in records) < len(data):
-      _replace(path, b"".join(record for record, _ in kept))
+      write_at_once(path, b"".join(record for record, _ in kept))
 
 
-def _replace(path: storage.AnyPath, data: bytes) -> None:
+def write_at_once(path: storage.AnyPath, data: bytes) -> None:
   """Writes `data` as `path` at once: a renamed copy (named so no reader takes it for an event
-  file) on a local disk, one upload on an object store."""
+  file) on a local disk, one upload on an object store. A write that fails (a full disk)
+  leaves `path` as it was.
+
+  Raises:
+    OSError: the copy could not be written or renamed; it names `path`.
+
+  Example:
+    >>> import tempfile
+    >>> path = storage.as_path(tempfile.mkdtemp()) / 'config.gin'
+    >>> write_at_once(path, b'A = 1')
+    >>> path.read_text()
+    'A = 1'
+  """
   if storage.is_object_store(path):
     path.write_bytes(data)
     return
-  copy = path.with_name(".events-rewrite.tmp")
-  copy.write_bytes(data)
-  os.replace(copy, path)
+  copy = path.with_name(".rewrite.tmp")
+  try:
+    copy.write_bytes(data)
+    os.replace(copy, path)
+  except OSError as error:
+    copy.unlink(missing_ok=True)
+    raise OSError(error.errno, error.strerror, os.fspath(path)) from error

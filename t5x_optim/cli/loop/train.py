@@ -66,6 +66,7 @@ from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop import config as config_lib
 from t5x_optim.cli.loop.config import TrainJob
+from t5x_optim.cli.loop.event_files import write_at_once
 from t5x_optim.cli.loop.input import global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
 from t5x_optim.cli.loop.job import (
@@ -1302,16 +1303,14 @@ def _train(
   else:
     state = _configured_constants(resume.state)
   start = int(state.step)
-  record = None
-  if config_text is not None:
-    name = config_file_name(model_dir, start, config_text)
-    if write_events:
-      (model_dir / CONFIG_FILE).write_text(config_text)
-      (model_dir / name).write_text(config_text)
-    if job is not None:
-      record = {**job, "config_file": name}
+  name = None if config_text is None else config_file_name(model_dir, start, config_text)
+  record = None if name is None or job is None else {**job, "config_file": name}
   with contextlib.ExitStack() as stack:
     try:
+      if name is not None and write_events:
+        # The start's copy first: config.gin stays one of the copies if either write fails.
+        for path in (model_dir / name, model_dir / CONFIG_FILE):
+          write_at_once(path, config_text.encode())
       checkpointer = stack.enter_context(
         Checkpointer(directory, keep=train_job.keep_checkpoints, job=record)
       )
