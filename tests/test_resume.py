@@ -6,6 +6,7 @@ subprocess where the device count must differ) on a run of examples/tiny.gin.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -597,6 +598,45 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four_steps, tmp_path, c
   assert sorted(p.name for p in kept.iterdir()) == ["4", "4.txt"]
   assert (kept / "4" / "default").is_dir()
   assert "was skipped on resume" in (kept / "4.txt").read_text()
+
+
+def test_a_skipped_checkpoint_is_moved_aside_from_another_file_system(
+  four_steps, tmp_path, capsys, monkeypatch
+):
+  """checkpoints/ a link to another file system: the rename of a skipped step into
+  skipped_checkpoints/ failed (EXDEV) in a traceback after the line saying where it was
+  kept, and every later start failed the same way."""
+  model_dir = _copy(four_steps, tmp_path)
+  flip_bytes(model_dir / "checkpoints" / "4", 1)
+  kept = model_dir / "skipped_checkpoints"
+  rename = Path.rename
+
+  def across_devices(self, target):
+    if self.parent == model_dir / "checkpoints" and Path(target).parent == kept:
+      raise OSError(errno.EXDEV, "Invalid cross-device link")
+    return rename(self, target)
+
+  def disk_full(source, target, **kwargs):
+    Path(target).mkdir()
+    (Path(target) / "part").write_text("cut short")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(Path, "rename", across_devices)
+  with monkeypatch.context() as patch:
+    patch.setattr(shutil, "copytree", disk_full)
+    code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert f"checkpoint step 4 is skipped, but it could not be moved to {kept}/4: " in err, err
+  assert "No space left on device" in err and "kept in" not in out, out
+  assert _checkpoint_steps(model_dir) == [2, 4] and list(kept.iterdir()) == []
+  code, out, err = _train_run(model_dir, *_steps(6), *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert out.splitlines()[1].startswith(
+    f"skipped:         checkpoint step 4, kept in {kept}/4: Checkpoint step 4 in "
+  ), out
+  assert _checkpoint_steps(model_dir) == [2, 4, 6]
+  assert sorted(p.name for p in kept.iterdir()) == ["4", "4.txt"]
+  assert (kept / "4" / "default").is_dir()
 
 
 def test_a_finished_run_whose_last_checkpoint_is_corrupt_trains_it_again(

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1025,6 +1027,9 @@ def _set_aside(model_dir: Path, step: int, why: str) -> Path:
 
   It is kept for inspection (with the reason next to it), out of reach of the
   rotation of old steps and of a new save of the same step.
+
+  Raises:
+    UsageError: the step could not be moved (one line naming where it went).
   """
   aside = model_dir / SKIPPED
   aside.mkdir(parents=True, exist_ok=True)
@@ -1032,9 +1037,34 @@ def _set_aside(model_dir: Path, step: int, why: str) -> Path:
   while (aside / name).exists():
     n += 1
     name = f"{step}-{n}"
-  (model_dir / CHECKPOINTS / str(step)).rename(aside / name)
+  try:
+    _move(model_dir / CHECKPOINTS / str(step), aside / name)
+  except OSError as error:
+    raise UsageError(
+      f"--model_dir {model_dir}: checkpoint step {step} is skipped, but it could not be moved "
+      f"to {aside / name}: {error}"
+    ) from error
   (aside / f"{name}.txt").write_text(f"checkpoint step {step} was skipped on resume: {why}\n")
   return aside / name
+
+
+def _move(source: Path, target: Path) -> None:
+  """Renames `source` to `target`; from another file system (``checkpoints`` a link to
+  one), copies it whole under a temporary name, renames the copy, then deletes `source`."""
+  try:
+    source.rename(target)
+  except OSError as error:
+    if error.errno != errno.EXDEV:
+      raise
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+      shutil.copytree(source, partial, symlinks=True)
+    except OSError:
+      shutil.rmtree(partial, ignore_errors=True)
+      raise
+    partial.rename(target)
+    shutil.rmtree(source)
 
 
 def _sync(name: str) -> None:
@@ -1269,14 +1299,17 @@ def _train(
         finished_before=True,
       )
     resume = _resume(setup, reader, model_dir, job) if reader.all_steps() else _Resume()
+  # Only the process that writes the model directory's files moves them, and says where to.
+  skipped = resume.skipped if write_events else []
+  kept = [(step, _set_aside(model_dir, step, why), why) for step, why in skipped]
+  _sync("t5x_optim: skipped checkpoints set aside")
   status = (
     "new run" if resume.step is None else f"resuming from the checkpoint at step {resume.step}"
   )
   stream.write(f"model_dir:       {model_dir} ({status})\n")
   stream.write(ignored)
-  for step, why in resume.skipped:
-    kept = model_dir / SKIPPED / str(step)
-    stream.write(f"skipped:         checkpoint step {step}, kept in {kept}: {why}\n")
+  for step, where, why in kept:
+    stream.write(f"skipped:         checkpoint step {step}, kept in {where}: {why}\n")
   if resume.step is not None:
     changes = (
       None if config_text is None else _config_change_line(model_dir, resume, config_text),
@@ -1288,10 +1321,6 @@ def _train(
   stream.flush()
   if agreed_stop(interrupt):
     raise Interrupted
-  if write_events:
-    for step, why in resume.skipped:
-      _set_aside(model_dir, step, why)
-  _sync("t5x_optim: skipped checkpoints set aside")
   if resume.state is None:
     state = setup.create(*setup.init_args) if initial_state is None else initial_state()
     if initial_state is not None and int(state.step) >= train_job.total_steps:
