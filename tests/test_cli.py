@@ -1084,3 +1084,50 @@ def test_a_file_included_by_a_binding_is_not_checked_as_a_binding(clean_gin, tmp
   _config.parse_config(gin_bindings=[include, "BATCH_SIZE = 8"], macros=_config.device_macros(8))
   _config.build_job()
   assert _config.unread_bindings() == [("BATCH_SIZE = 8", "nothing refers to %BATCH_SIZE")]
+
+
+def test_a_binding_that_a_more_specific_scope_shadows_is_unread(clean_gin, tmp_path):
+  """A run's config.gin binds what a macro reaches in the macro's scope
+  (``OPTIMIZER/optax.adamw.b1``), and gin takes the most specific scope's binding: given with
+  that file, ``optax.adamw.b1 = 0.5`` (or ``--data``'s path) changed nothing, yet was taken as
+  read because a call of optax.adamw took b1. The binding that shadows it is named."""
+  saved = tmp_path / "config.gin"
+  saved.write_text(
+    _config.BINDING_IMPORTS
+    + "OPTIMIZER/optax.adamw.b1 = 0.9\nTASK = @cli.TextTask()\n"
+    + f"TASK/cli.TextTask.path = {str(tmp_path / 'a.txt')!r}\nVOCAB_SIZE = 256\n"
+  )
+  (tmp_path / "a.txt").write_text("old text " * 40)
+  given = ["optax.adamw.b1 = 0.5", "optax.adamw.b2 = 0.9", "cli.TextTask.path = 'b.txt'"]
+  _config.parse_config(
+    gin_files=[*TINY[1::2], str(saved)], gin_bindings=given, macros=_config.device_macros(8)
+  )
+  _config.build_job()
+  assert _config.unread_bindings() == [
+    (
+      "optax.adamw.b1 = 0.5",
+      "every call of optax.adamw took b1 from the more specific OPTIMIZER/optax.adamw.b1",
+    ),
+    (
+      "cli.TextTask.path = 'b.txt'",
+      "every call of cli.TextTask took path from the more specific TASK/cli.TextTask.path",
+    ),
+  ]
+
+
+def test_a_scoped_binding_is_shadowed_by_one_of_a_scope_inside_it(clean_gin):
+  """``a/optax.adamw.b1`` is read only by a call in scope ``a`` or below it that no binding of
+  a scope inside ``a`` (``a/b/optax.adamw.b1``) overrides."""
+  bindings = ["a/optax.adamw.b1 = 0.8", "a/b/optax.adamw.b1 = 0.7"]
+  _config.parse_config(gin_bindings=bindings)
+  with gin.config_scope("a/b"):
+    gin.get_configurable(optax.adamw)(learning_rate=0.1)
+  assert _config.unread_bindings() == [
+    (
+      "a/optax.adamw.b1 = 0.8",
+      "every call of optax.adamw took b1 from the more specific a/b/optax.adamw.b1",
+    )
+  ]
+  with gin.config_scope("a/c"):
+    gin.get_configurable(optax.adamw)(learning_rate=0.1)
+  assert _config.unread_bindings() == []

@@ -601,8 +601,9 @@ def unread_bindings() -> list[tuple[str, str]]:
   with why (``(binding, reason)``).
 
   A binding is read when a call of its configurable took the parameter from
-  the bindings (not from the caller), or, for a macro, when something referred
-  to it. Ask once the job is built: `build_job` and `train.prepare` call every
+  it: from the bindings (not from the caller), and from this one, not one of
+  a more specific scope (``OPTIMIZER/optax.adamw.b1`` over ``optax.adamw.b1``);
+  a macro, when something referred to it. Ask once the job is built: `build_job` and `train.prepare` call every
   configurable a run calls.
 
   Example:
@@ -615,10 +616,22 @@ def unread_bindings() -> list[tuple[str, str]]:
   operative = gin.config._OPERATIVE_CONFIG  # noqa: SLF001 - likewise only text otherwise
   lines = []
   for given in _GIVEN_BINDINGS:
-    unread = [key for key in given.keys if not _read(key, operative)]
-    for scope, selector, name in unread:
+    for key in given.keys:
+      scope, selector, name = key
+      sources = _sources(key, operative)
+      if scope in sources:
+        continue
       if selector == "gin.macro":
         lines.append((given.text, f"nothing refers to %{scope}"))
+        continue
+      if sources:
+        shadows = ", ".join(f"{s}/{_display(selector)}.{name}" for s in sorted(sources))
+        lines.append(
+          (
+            given.text,
+            f"every call of {_display(selector)} took {name} from the more specific {shadows}",
+          )
+        )
         continue
       line = f"no call of {_display(selector)} took {name} from the bindings"
       # What the binding may have meant: a call of the same name, or one that takes `name`.
@@ -637,17 +650,24 @@ def unread_bindings() -> list[tuple[str, str]]:
   return lines
 
 
-def _read(key: tuple[str, str, str], operative: Mapping[tuple[str, str], Any]) -> bool:
-  """Whether a call recorded in `operative` took `key`'s parameter from the bindings: a call
-  of its selector in its scope or one inside it (gin reads a scope's bindings in its
-  sub-scopes)."""
+def _sources(key: tuple[str, str, str], operative: Mapping[tuple[str, str], Any]) -> set[str]:
+  """The scopes of the bindings that the calls recorded in `operative` took `key`'s parameter
+  from, of the calls of its selector in its scope or one inside it: each takes the binding of
+  the most specific scope around it that binds the parameter (gin reads a scope's bindings in
+  its sub-scopes, and a sub-scope's binding wins). The binding `key` names was read when its
+  own scope is among them; a macro is read when anything refers to it."""
   scope, selector, name = key
-  return any(
-    called == selector
-    and name in values
-    and (not scope or where == scope or where.startswith(f"{scope}/"))
-    for (where, called), values in operative.items()
-  )
+  bound = gin.config._CONFIG  # noqa: SLF001 - see `_config_values`
+  sources = set()
+  for (where, called), values in operative.items():
+    if called != selector or name not in values:
+      continue
+    if scope and where != scope and not where.startswith(f"{scope}/"):
+      continue
+    parts = where.split("/") if where else []
+    around = ("/".join(parts[:end]) for end in range(len(parts), -1, -1))
+    sources.add(next((s for s in around if name in bound.get((s, selector), {})), scope))
+  return sources
 
 
 def resolve_gin_file(path: str | Path, directories: Sequence[Path]) -> Path:
