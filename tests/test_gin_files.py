@@ -398,7 +398,7 @@ def test_a_record_written_before_dicts_were_read_still_names_the_job(tmp_path):
   alone): such a checkpoint of an unchanged config was refused as another job."""
   _, identity, _, _ = _optimizer_report(MULTI_TRANSFORM)
   earlier = "optimizers.OptaxWrapper(optax_optimizer=optax.multi_transform)"
-  assert _config.optimizer_identity(dicts=False) == earlier
+  assert earlier in _config.earlier_optimizer_identities()
   job = {"optimizer": identity}
   _train._refuse_another_job({"optimizer": earlier}, job, tmp_path, 4)
   with pytest.raises(_train.UsageError, match="holds another job"):
@@ -435,3 +435,32 @@ def test_the_default_optimizer_reports_its_unscoped_bindings():
   )
   assert identity == "optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])"
   assert where == "optax.adamw.learning_rate = %LEARNING_RATE = @optax.cosine_onecycle_schedule()"
+
+
+DIRECT = ["cli.TrainJob.optimizer = @optimizers.adam()", "optimizers.adam.learning_rate = 0.05"]
+"""An optimizer bound to the train job itself, not through ``%OPTIMIZER``."""
+
+
+def test_an_optimizer_bound_to_the_train_job_itself_is_the_one_reported():
+  """``cli.TrainJob.optimizer = @optimizers.adam()`` trains adam, while the banner, the rate
+  logged, the arguments read and the identity a resume compares described ``%OPTIMIZER``
+  (the default chain with adamw), so a resume with yogi was not refused."""
+  described, identity, found, _ = _optimizer_report(DIRECT)
+  assert (described, identity) == ("optimizers.adam", "optimizers.adam")
+  assert found == (0.05, "optimizers.adam.learning_rate = 0.05")
+  assert [a.binding for a in _config.optimizer_arguments()] == ["optimizers.adam.learning_rate"]
+  yogi = [binding.replace("adam", "yogi") for binding in DIRECT]
+  assert _optimizer_report(yogi)[1] == "optimizers.yogi"
+
+
+def test_a_record_of_the_macro_when_the_job_bound_its_own_optimizer_still_names_it(tmp_path):
+  """Earlier versions recorded ``%OPTIMIZER`` as the optimizer of a job that bound its own:
+  such a record cannot tell what trained, and is taken for the job's (the state's layout is
+  still compared)."""
+  identity = _optimizer_report(DIRECT)[1]
+  earlier = "optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])"
+  _train._refuse_another_job({"optimizer": earlier}, {"optimizer": identity}, tmp_path, 4)
+  with pytest.raises(_train.UsageError, match="holds another job"):
+    _train._refuse_another_job(
+      {"optimizer": "optimizers.yogi"}, {"optimizer": identity}, tmp_path, 4
+    )

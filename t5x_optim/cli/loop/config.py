@@ -797,7 +797,7 @@ def learning_rate_source() -> str:
 
 
 class OptimizerArgument(NamedTuple):
-  """One argument gin binds in a configurable that ``%OPTIMIZER`` reaches.
+  """One argument gin binds in a configurable that the job's optimizer reaches.
 
   Attributes:
     binding: the binding that gives it, e.g. ``OPTIMIZER/optax.adamw.b1``.
@@ -814,6 +814,14 @@ class OptimizerArgument(NamedTuple):
 
 _OPTIMIZER_SCOPE = ("OPTIMIZER",)
 """gin evaluates a macro's value in the macro's scope: ``%OPTIMIZER``'s in ``OPTIMIZER``."""
+
+
+def _job_optimizer() -> Any:
+  """What the parsed config binds ``cli.TrainJob.optimizer`` to, unevaluated: ``%OPTIMIZER``
+  (the default config's), or a reference bound there itself (``@optimizers.adam()``); read
+  in the scope gin calls it in (`_called_in`), a macro's in its own, as `build_job` calls
+  `TrainJob` in none."""
+  return gin.get_bindings(TrainJob, resolve_references=False).get("optimizer")
 
 
 def _called_in(reference: Any, scope: Sequence[str]) -> list[str]:
@@ -922,14 +930,15 @@ def _reference_text(
 
 
 def describe_optimizer() -> str:
-  """The parsed config's ``%OPTIMIZER`` as gin names, e.g. ``optimizers.lion(...)``.
+  """The parsed config's job's optimizer (``cli.TrainJob.optimizer``, ``%OPTIMIZER`` unless
+  bound otherwise) as gin names, e.g. ``optimizers.lion(...)``.
 
   Example:
     >>> parse_config()
     >>> describe_optimizer()
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])'
   """
-  text = _reference_text(gin.query_parameter("%OPTIMIZER"), depth=3, scope=_OPTIMIZER_SCOPE)
+  text = _reference_text(_job_optimizer(), depth=3)
   return text or "(not a gin reference)"
 
 
@@ -939,28 +948,44 @@ _RATES = frozenset({"learning_rate", "step_size", "adam_learning_rate"})
 ``adam_learning_rate``: Muon's for the params it sends to Adam)."""
 
 
-def optimizer_identity(*, dicts: bool = True) -> str:
-  """What makes the parsed config's ``%OPTIMIZER`` the same optimizer on resume.
+def optimizer_identity() -> str:
+  """What makes the parsed config's job's optimizer (``cli.TrainJob.optimizer``,
+  ``%OPTIMIZER`` unless bound otherwise) the same optimizer on resume.
 
   The gin configurables it reaches, nested as they are bound, without the
   learning rate and its schedule (which a resume may change) or any number.
-  Without ``dicts``, as versions before this one recorded it: arguments bound
-  to a dict (``optax.multi_transform``'s ``transforms``) left out.
 
   Example:
     >>> parse_config()
     >>> optimizer_identity()
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
-  value = gin.query_parameter("%OPTIMIZER")
-  text = _reference_text(
-    value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE, dicts=dicts
-  )
+  value = _job_optimizer()
+  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES)
   return text or f"(not a gin reference: {value!r})"
 
 
+def earlier_optimizer_identities() -> set[str]:
+  """`optimizer_identity` as earlier versions recorded it for the parsed config: that of
+  ``%OPTIMIZER`` whatever ``cli.TrainJob.optimizer`` is bound to, with arguments bound to a
+  dict (``optax.multi_transform``'s ``transforms``) in or, before those were read, left out.
+
+  Example:
+    >>> parse_config(gin_bindings=['cli.TrainJob.optimizer = @optimizers.adam()'])
+    >>> optimizer_identity(), sorted(earlier_optimizer_identities())
+    ('optimizers.adam', ['optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'])
+  """
+  value = gin.query_parameter("%OPTIMIZER")
+  return {
+    _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE, dicts=dicts)
+    or f"(not a gin reference: {value!r})"
+    for dicts in (True, False)
+  }
+
+
 def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[OptimizerArgument]:
-  """Each argument gin binds in the configurables ``%OPTIMIZER`` reaches, as gin builds it.
+  """Each argument gin binds in the configurables the job's optimizer
+  (``cli.TrainJob.optimizer``, ``%OPTIMIZER`` unless bound otherwise) reaches, as gin builds it.
 
   A configurable is read in the scope gin calls it in: ``OPTIMIZER`` for
   ``%OPTIMIZER``'s value and what it reaches, a reference's own scope
@@ -995,16 +1020,15 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
       if key not in stop:
         yield from visit(argument, depth - 1, scope)
 
-  yield from visit(gin.query_parameter("%OPTIMIZER"), _IDENTITY_DEPTH, _OPTIMIZER_SCOPE)
+  yield from visit(_job_optimizer(), _IDENTITY_DEPTH, ())
 
 
 def binds_optimizer() -> bool:
-  """Whether the parsed config binds the macro ``OPTIMIZER``."""
+  """Whether the parsed config binds the job's optimizer (``cli.TrainJob.optimizer``)."""
   try:
-    gin.query_parameter("%OPTIMIZER")
-  except ValueError:
+    return _job_optimizer() is not None
+  except ValueError:  # gin has not met TrainJob: a config parsed without the default one
     return False
-  return True
 
 
 def evaluated_argument(argument: OptimizerArgument) -> Any:
@@ -1027,7 +1051,8 @@ def _call_of(argument: OptimizerArgument) -> tuple[str, tuple[str, ...]]:
 
 
 def optimizer_learning_rate() -> tuple[Any, str] | None:
-  """The learning rate the parsed config binds in the configurables ``%OPTIMIZER`` reaches.
+  """The learning rate the parsed config binds in the configurables the job's optimizer reaches
+  (`optimizer_arguments`).
 
   Returns ``(value, where)``: a number or a schedule (a function of the
   step), and the binding it comes from; None when no binding, or more than

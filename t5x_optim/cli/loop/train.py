@@ -784,7 +784,7 @@ def _refuse_another_job(
     )
   if recorded is not None and job is not None:
     problem = identity_problem(recorded, job)
-    if problem and _recorded_before_dicts(recorded, job):
+    if problem and _recorded_by_an_earlier_version(recorded, job):
       problem = identity_problem(recorded, {**job, "optimizer": recorded["optimizer"]})
     if problem:
       earlier = (
@@ -801,14 +801,15 @@ def _refuse_another_job(
       )
 
 
-def _recorded_before_dicts(recorded: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
-  """Whether `recorded` names `job`'s optimizer as versions did that left a dict of
-  optimizers out of its identity (`config.optimizer_identity` without ``dicts``); such a
-  record cannot tell what the dict held, and is taken for the job's."""
+def _recorded_by_an_earlier_version(recorded: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
+  """Whether `recorded` names `job`'s optimizer as an earlier version did
+  (`config.earlier_optimizer_identities`: a dict of optimizers left out, ``%OPTIMIZER`` named
+  where the job bound its own); such a record cannot tell what the dict held, or what
+  trained, and is taken for the job's."""
   earlier = recorded.get("optimizer")
-  if earlier == job.get("optimizer") or "{" in str(earlier):
+  if earlier == job.get("optimizer"):
     return False
-  return earlier == config_lib.optimizer_identity(dicts=False)
+  return earlier in config_lib.earlier_optimizer_identities()
 
 
 def _param_copy_paths(abstract_state: TrainState) -> frozenset[str]:
