@@ -387,10 +387,10 @@ def test_the_optimizers_in_a_dict_are_described_and_are_the_optimizers_identity(
     "optimizers.OptaxWrapper(optax_optimizer=optax.multi_transform("
     "transforms={'x': optax.adam, 'y': optax.sgd}))"
   )
-  assert (described, identity) == (expected, expected)
+  assert (described, identity) == (expected, expected.replace("multi_transform", "partition"))
   assert set(built.create(PARAMS).state.param_states.inner_states) == {"x", "y"}
   nadam = [binding.replace("adam", "nadam") for binding in MULTI_TRANSFORM]
-  assert _optimizer_report(nadam)[1] == expected.replace("adam", "nadam")
+  assert _optimizer_report(nadam)[1] == identity.replace("adam", "nadam")
 
 
 def test_a_record_written_before_dicts_were_read_still_names_the_job(tmp_path):
@@ -420,7 +420,7 @@ def test_a_configurable_named_by_another_name_of_its_function_is_read():
   and a config of the other stopped on ``Could not find OPTIMIZER/optax.partition``)."""
   described, identity, _, _ = _optimizer_report(MULTI_TRANSFORM)
   partition = [binding.replace("multi_transform", "partition") for binding in MULTI_TRANSFORM]
-  renamed = (described.replace("multi_transform", "partition"),) * 2
+  renamed = (described.replace("multi_transform", "partition"), identity)
   assert _optimizer_report(partition)[:2] == renamed
   assert [a.binding for a in _config.optimizer_arguments() if a.name == "b2"] == ["a/optax.adam.b2"]
   _optimizer_report(MULTI_TRANSFORM)
@@ -464,3 +464,29 @@ def test_a_record_of_the_macro_when_the_job_bound_its_own_optimizer_still_names_
     _train._refuse_another_job(
       {"optimizer": "optimizers.yogi"}, {"optimizer": identity}, tmp_path, 4
     )
+
+
+QUALIFIED = [
+  "import t5x_optim.optimizers\nOPTIMIZER = @t5x_optim.optimizers.chain()\n"
+  "t5x_optim.optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adamw()]"
+]
+"""The default optimizer written with the module's full name."""
+
+
+def test_one_optimizer_written_under_two_names_is_one_identity(tmp_path):
+  """The identity named each configurable as written: ``@t5x_optim.optimizers.chain()`` for
+  ``@optimizers.chain()`` (one module), or ``optax.partition`` for ``optax.multi_transform``
+  (one function), was another job, and its resume was refused. A record that names it as
+  written, as earlier versions did, is still taken for the job's."""
+  identity = _optimizer_report([])[1]
+  assert _optimizer_report(QUALIFIED)[1] == identity
+  written = _optimizer_report(MULTI_TRANSFORM)[:2]
+  partition = [binding.replace("multi_transform", "partition") for binding in MULTI_TRANSFORM]
+  assert _optimizer_report(partition)[1] == written[1]
+  assert "optax.partition(" in written[1] and "optax.multi_transform(" in written[0]
+  _optimizer_report(MULTI_TRANSFORM)
+  _train._refuse_another_job({"optimizer": written[0]}, {"optimizer": written[1]}, tmp_path, 4)
+  _optimizer_report(QUALIFIED)
+  _train._refuse_another_job(
+    {"optimizer": "t5x_optim." + identity}, {"optimizer": identity}, tmp_path, 4
+  )

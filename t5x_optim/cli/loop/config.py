@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 import math
 import os
+import sys
 import tokenize
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -890,6 +892,25 @@ def _items(value: Any, *, dicts: bool = True) -> list[tuple[Any, Any]] | None:
   return None
 
 
+def _own_name(reference: Any) -> str:
+  """The name of the configurable `reference` calls, however it is written: the module as
+  gin imported it (``optimizers.chain`` for ``t5x_optim.optimizers.chain``), and of a
+  function of two names the one it has itself where its module has it so (``optax.partition``
+  for ``optax.multi_transform``, whichever gin met first).
+
+  Example:
+    >>> parse_config(gin_bindings=['OPTIMIZER = @optax.multi_transform()'])
+    >>> _own_name(gin.query_parameter('OPTIMIZER/gin.macro.value'))
+    'optax.partition'
+  """
+  configurable = reference.configurable
+  own = getattr(configurable.wrapped, "__name__", None)
+  module = sys.modules.get(configurable.module or "")
+  if own and getattr(module, own, None) is configurable.wrapped:
+    return _display(f"{configurable.module}.{own}")
+  return _display(configurable.selector)
+
+
 def _reference_text(
   value: Any,
   depth: int,
@@ -897,15 +918,18 @@ def _reference_text(
   scope: Sequence[str] = (),
   *,
   dicts: bool = True,
+  written: bool = True,
 ) -> str | None:
   """`value` as ``name(arg=...)`` when it is a gin reference (or a list or dict of them).
 
   Its arguments are those gin binds when it calls `value` from `scope`;
-  those named in `skip` are left out, and dicts without ``dicts``.
+  those named in `skip` are left out, and dicts without ``dicts``. Each
+  configurable is named as written, or without ``written`` by `_own_name`.
   """
   items = _items(value, dicts=dicts)
+  recurse = functools.partial(_reference_text, skip=skip, dicts=dicts, written=written)
   if items is not None:
-    parts = [(key, _reference_text(item, depth, skip, scope, dicts=dicts)) for key, item in items]
+    parts = [(key, recurse(item, depth, scope=scope)) for key, item in items]
     if not all(text for _, text in parts):
       return None
     if isinstance(value, Mapping):
@@ -916,17 +940,18 @@ def _reference_text(
   scope = _called_in(value, scope)
   bound = _bound(value, scope)
   if value.configurable.wrapped is gin.config.macro:
-    return _reference_text(bound.get("value"), depth, skip, scope, dicts=dicts)
+    return recurse(bound.get("value"), depth, scope=scope)
+  name = value.selector if written else _own_name(value)
   if depth == 0:
-    return value.selector
+    return name
   inner = []
   for key, argument in bound.items():
     if key in skip:
       continue
-    text = _reference_text(argument, depth - 1, skip, scope, dicts=dicts)
-    if text is not None:
-      inner.append(f"{key}={text}")
-  return f"{value.selector}({', '.join(inner)})" if inner else value.selector
+    shown = recurse(argument, depth - 1, scope=scope)
+    if shown is not None:
+      inner.append(f"{key}={shown}")
+  return f"{name}({', '.join(inner)})" if inner else name
 
 
 def describe_optimizer() -> str:
@@ -953,7 +978,10 @@ def optimizer_identity() -> str:
   ``%OPTIMIZER`` unless bound otherwise) the same optimizer on resume.
 
   The gin configurables it reaches, nested as they are bound, without the
-  learning rate and its schedule (which a resume may change) or any number.
+  learning rate and its schedule (which a resume may change) or any number;
+  each named as gin imported it, one name for one function (`_own_name`), so
+  ``@t5x_optim.optimizers.chain()`` is ``optimizers.chain`` and
+  ``optax.multi_transform`` is ``optax.partition``.
 
   Example:
     >>> parse_config()
@@ -961,14 +989,15 @@ def optimizer_identity() -> str:
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
   value = _job_optimizer()
-  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES)
+  text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, written=False)
   return text or f"(not a gin reference: {value!r})"
 
 
 def earlier_optimizer_identities() -> set[str]:
   """`optimizer_identity` as earlier versions recorded it for the parsed config: that of
-  ``%OPTIMIZER`` whatever ``cli.TrainJob.optimizer`` is bound to, with arguments bound to a
-  dict (``optax.multi_transform``'s ``transforms``) in or, before those were read, left out.
+  ``%OPTIMIZER`` whatever ``cli.TrainJob.optimizer`` is bound to, its configurables named as
+  written, with arguments bound to a dict (``optax.multi_transform``'s ``transforms``) in or,
+  before those were read, left out.
 
   Example:
     >>> parse_config(gin_bindings=['cli.TrainJob.optimizer = @optimizers.adam()'])
