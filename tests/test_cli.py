@@ -936,6 +936,17 @@ BAD_CONFIGS = {
     "--gin_bindings 'BATCH_SIZE = 8' binds what this run never reads: nothing refers to "
     "%BATCH_SIZE",
   ),
+  "binding_of_the_wrong_type": (
+    ["--gin_bindings", "optax.cosine_onecycle_schedule.transition_steps = '40'"],
+    "'<=' not supported between instances of 'str' and 'int' (in the call of "
+    "optax.cosine_onecycle_schedule in scope LEARNING_RATE; its bindings: transition_steps = "
+    "'40', peak_value = 0.01,",
+  ),
+  "required_binding_left_unfilled": (
+    ["--gin_bindings", "optax.cosine_onecycle_schedule.transition_steps = %gin.REQUIRED"],
+    "(in the call of optax.cosine_onecycle_schedule in scope LEARNING_RATE; its bindings: "
+    "transition_steps = %gin.REQUIRED,",
+  ),
   "learning_rate_type": (
     ["--gin_bindings", "cli.TrainJob.learning_rate = 'high'"],
     "TrainJob.learning_rate must be a schedule, a number or None",
@@ -1131,3 +1142,18 @@ def test_a_scoped_binding_is_shadowed_by_one_of_a_scope_inside_it(clean_gin):
   with gin.config_scope("a/c"):
     gin.get_configurable(optax.adamw)(learning_rate=0.1)
   assert _config.unread_bindings() == []
+
+
+def test_gins_notes_name_the_innermost_call_and_its_bindings(clean_gin):
+  """gin notes each call an error passes through, the innermost first; a function it wraps
+  may be a functools.partial (optax.nadam), whose text holds parentheses."""
+  _config.parse_config(gin_bindings=["optax.nadam.b1 = 'x'"])
+  notes = (
+    f"In call to configurable 'nadam' ({optax.nadam}) in scope 'OPTIMIZER' "
+    f"In call to configurable 'TrainJob' ({_config.TrainJob})"
+  )
+  assert "(" in str(optax.nadam)
+  assert _config.described_gin_error(f"bad {notes}") == (
+    "bad (in the call of optax.nadam in scope OPTIMIZER; its bindings: b1 = 'x')"
+  )
+  assert _config.described_gin_error(f"bad {notes}", call=False) == "bad"

@@ -20,7 +20,6 @@ import io
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -300,12 +299,23 @@ def _error(command: str, message: str) -> int:
   return EXIT_CONFIG_ERROR
 
 
-_GIN_NOTE = re.compile(r"\s+In call to configurable '[^']*' \(.*\)( in scope '[^']*')?$")
-"""What gin appends to an error raised where it builds a configurable: not the user's to read."""
+def _raised_here(error: BaseException) -> bool:
+  """Whether this package raised `error` itself: its messages name the argument at fault,
+  where optax's or Python's (a binding of the wrong type) do not."""
+  frame = error.__traceback__
+  while frame is not None and frame.tb_next is not None:
+    frame = frame.tb_next
+  package = Path(__file__).resolve().parents[1]
+  return frame is not None and Path(frame.tb_frame.f_code.co_filename).is_relative_to(package)
 
 
 def _describe(error: BaseException) -> str:
-  text = _GIN_NOTE.sub("", " ".join(str(error).split())) or "(no message)"
+  text = " ".join(str(error).split())
+  if "In call to configurable '" in text:  # gin's note: gin and the config are loaded
+    from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
+
+    text = _config.described_gin_error(text, call=not _raised_here(error))
+  text = text or "(no message)"
   return text if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {text}"
 
 

@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import sys
 import tokenize
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ __all__ = [
   "default_num_partitions",
   "default_search_paths",
   "describe_optimizer",
+  "described_gin_error",
   "device_macros",
   "evaluated_argument",
   "mesh_devices",
@@ -596,6 +598,45 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
 
 def _display(selector: str) -> str:
   return selector.removeprefix("t5x_optim.")
+
+
+_GIN_NOTE = re.compile(
+  r"\s+In call to configurable '([^']*)' \((.*?)\)(?: in scope '([^']*)')?"
+  r"(?=\s+In call to configurable|$)"
+)
+"""What gin appends to an error raised where it calls a configurable, once for each call the
+error passes through, the innermost first: its name, its function or class, its scope."""
+
+
+def described_gin_error(text: str, *, call: bool = True) -> str:
+  """`text`, an error's message on one line, with gin's notes of the calls it passed through
+  (``In call to configurable 'name' (<function name at 0x...>) in scope 'S'``) replaced by
+  the innermost call as the config names it: the configurable, its scope and the bindings
+  gin gave it; without ``call`` (a message that names what is at fault), left out.
+
+  Example:
+    >>> parse_config(gin_bindings=["optax.cosine_onecycle_schedule.pct_start = 'x'"])
+    >>> note = f"In call to configurable 'cosine_onecycle_schedule' ({optax.cosine_onecycle_schedule})"
+    >>> described_gin_error(f"bad type {note} in scope 'LEARNING_RATE'")
+    "bad type (in the call of optax.cosine_onecycle_schedule in scope LEARNING_RATE; its bindings: transition_steps = %TOTAL_STEPS, peak_value = 0.01, pct_start = 'x', div_factor = 100.0, final_div_factor = 100.0)"
+  """
+  match = _GIN_NOTE.search(text)
+  head = _GIN_NOTE.sub("", text)
+  if match is None or not call:
+    return head
+  name, shown, scope = match.groups()
+  where = f" in scope {scope}" if scope else ""
+  registry = gin.config._REGISTRY  # noqa: SLF001 - gin names the call only as text
+  called = [
+    selector
+    for selector, configurable in registry.items()
+    if configurable.name == name and str(configurable.wrapped) == shown
+  ]
+  if len(called) != 1:
+    return f"{head} (in the call of {name}{where})"
+  bound = gin.get_bindings(f"{scope}/{called[0]}" if scope else called[0], resolve_references=False)
+  given = ", ".join(f"{key} = {value!r}" for key, value in bound.items()) or "none"
+  return f"{head} (in the call of {_display(called[0])}{where}; its bindings: {given})"
 
 
 def unread_bindings() -> list[tuple[str, str]]:
