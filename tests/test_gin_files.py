@@ -277,6 +277,31 @@ def test_a_search_paths_file_comes_before_the_shipped_one_of_the_same_name(tmp_p
       _config.parse_config(gin_files=["optimizers/adamw.gin"], search_paths=[str(missing)])
 
 
+def test_an_include_of_a_name_beside_the_including_file_that_gin_finds_elsewhere_is_refused(
+  tmp_path, monkeypatch
+):
+  """gin looks an include up in the current directory, the search paths and the package's gin
+  files, never beside the file that includes it: ``include 'optimizers/adamw.gin'`` in
+  ``my/main.gin`` beside ``my/optimizers/adamw.gin`` took the shipped file without a word when
+  run from another directory. Run from ``my``, both are one file, and it is the one parsed."""
+  mine = tmp_path / "my"
+  (mine / "optimizers").mkdir(parents=True)
+  (mine / "optimizers" / "adamw.gin").write_text("TOTAL_STEPS = 3\n")
+  (mine / "main.gin").write_text("include 'optimizers/adamw.gin'\n")
+  monkeypatch.chdir(tmp_path)
+  shipped = GIN_DIR / "optimizers" / "adamw.gin"
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      f"{mine / 'main.gin'} includes 'optimizers/adamw.gin', which gin finds as {shipped}"
+    ),
+  ):
+    _config.parse_config(gin_files=[str(mine / "main.gin")])
+  monkeypatch.chdir(mine)
+  _config.parse_config(gin_files=[str(mine / "main.gin")])
+  assert gin.query_parameter("%TOTAL_STEPS") == 3
+
+
 @pytest.fixture
 def folders_on_sys_path(tmp_path, monkeypatch):
   """The working directory on ``sys.path`` (``python -m t5x_optim``), as `tmp_path`; what it

@@ -500,7 +500,9 @@ def parse_config(
   ``num_partitions``.
 
   Relative files and ``include``s are looked up in the current directory,
-  then in `search_paths`, then in the package's gin directory (`GIN_DIR`);
+  then in `search_paths`, then in the package's gin directory (`GIN_DIR`),
+  never beside the file that includes them (one found elsewhere while that
+  folder holds a file of its name is refused, `_check_includes`);
   an ``include`` also, as gin does, in the packages on ``sys.path``, folders
   without ``__init__.py`` among them (`_package_file`).
   Gin files are code: parsing one imports modules and calls functions, so
@@ -516,6 +518,8 @@ def parse_config(
   Raises:
     NotADirectoryError: a search path is not a local directory (a mistyped one
       would leave a file to be found in the package's directory instead).
+    ValueError: a file includes a name that gin finds in another file than
+      the one of that name beside it.
     Exception: whatever gin raises for a bad config (unknown names, syntax);
       gin adds the file and line to the message.
 
@@ -533,12 +537,45 @@ def parse_config(
   for directory in directories:
     gin.add_config_file_search_path(str(directory))
   files = [str(resolve_gin_file(path, directories)) for path in gin_files]
+  _check_includes(files, directories)
   with _quiet_gin_path_probes(), _package_lookup_of_namespace_packages():
     gin.parse_config(DEFAULT_CONFIG)
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
     gin.parse_config_files_and_bindings(files, None, finalize_config=False)
     _GIVEN_BINDINGS[:] = _parse_bindings(gin_bindings)
   _give_way_to_a_pinned_mesh()
+
+
+_INCLUDE = re.compile(r"^include\s+(['\"])(.+?)\1", re.MULTILINE)
+
+
+def _check_includes(files: Sequence[str], directories: Sequence[Path]) -> None:
+  """Refuses an ``include`` in `files` (or in the local files they include) of a relative name
+  that gin finds in another file (in the current directory, `directories` or the package's
+  gin files: `resolve_gin_file`) than the one of that name beside the including file."""
+  seen: set[str] = set()
+  pending = [file for file in files if not storage.is_object_store(file)]
+  while pending:
+    file = pending.pop()
+    if file in seen:
+      continue
+    seen.add(file)
+    for _, name in _INCLUDE.findall(Path(file).read_text()):
+      if os.path.isabs(name) or storage.is_object_store(name):
+        continue
+      try:
+        found = resolve_gin_file(name, directories)
+      except FileNotFoundError:  # gin says so, or finds it in a package
+        continue
+      beside = Path(file).parent / name
+      if beside.is_file() and beside.resolve() != found:
+        raise ValueError(
+          f"{file} includes {name!r}, which gin finds as {found} (it looks in the current "
+          "directory, the search paths and the package's gin files, not beside the including "
+          f"file), not as {beside}: include one of them by a path that names it alone (e.g. "
+          "an absolute path)."
+        )
+      pending.append(str(found))
 
 
 def _give_way_to_a_pinned_mesh() -> None:
