@@ -256,6 +256,34 @@ def test_t5x_operative_config_gives_its_optimizer():
     optimizer_config("from t5x import utils\nutils.CheckpointConfig.restore = None")
 
 
+def test_the_optimizer_the_job_binds_itself_is_the_source_optimizer():
+  """A t5x-optim run whose cli.TrainJob.optimizer is bound to an optimizer itself writes no
+  OPTIMIZER into its operative config (gin leaves out the unused macro): --init_from from it
+  was refused as binding no optimizer. The job's binding is the optimizer, also over an
+  OPTIMIZER macro it does not use, as a model's optimizer_def is."""
+  run = "\n".join([
+    "from t5x_optim import optimizers",
+    "import t5x_optim.cli as cli",
+    "cli.TrainJob.optimizer = @optimizers.sgd()",
+    "optimizers.sgd.learning_rate = 0.05",
+    "cli.TrainJob.total_steps = %TOTAL_STEPS",
+  ])  # fmt: skip
+  assert optimizer_config(run).gin.splitlines() == [
+    "from __gin__ import dynamic_registration",
+    "from t5x_optim import optimizers",
+    "OPTIMIZER = @optimizers.sgd()",
+    "optimizers.sgd.learning_rate = 0.05",
+  ]
+  unused = run + "\nOPTIMIZER = @optimizers.adamw()\noptimizers.adamw.learning_rate = 0.1"
+  assert optimizer_config(unused).gin == optimizer_config(run).gin
+  through = T5X_CONFIG.read_text().replace(
+    "models.EncoderDecoderModel.optimizer_def = %OPTIMIZER",
+    "models.EncoderDecoderModel.optimizer_def = @optimizers.sgd()",
+  )
+  assert through != T5X_CONFIG.read_text()
+  assert "OPTIMIZER = @optimizers.sgd()" in optimizer_config(through).gin
+
+
 @pytest.mark.slow
 def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path, capsys):
   """A T5X model directory: T5X-format checkpoints (adamw) and T5X's operative config."""

@@ -4,8 +4,8 @@ T5X writes its operative gin config to ``<model_dir>/config.gin``. It imports T5
 modules (models, networks, tasks), which t5x_optim cannot import, but its optimizer
 is built from ``t5x.optimizers`` and optax alone. `optimizer_config` reads the config
 with gin's parser (nothing is imported or called) and writes out only what builds the
-optimizer: the binding of ``OPTIMIZER`` (or of a model's ``optimizer_def``), every
-binding and macro it reaches, with ``t5x.optimizers`` read as ``t5x_optim.optimizers``.
+optimizer: what a model's ``optimizer_def`` (or ``cli.TrainJob.optimizer``) or else
+``OPTIMIZER`` is bound to, every binding and macro it reaches, with ``t5x.optimizers`` read as ``t5x_optim.optimizers``.
 """
 
 from __future__ import annotations
@@ -121,18 +121,31 @@ def binding_statements(text: str) -> list[config_parser.BindingStatement]:
   return _parse(text)[1]
 
 
+def _takes_the_optimizer(binding: config_parser.BindingStatement) -> bool:
+  """Whether `binding` gives the job its optimizer: a T5X model's ``optimizer_def`` or a
+  t5x-optim ``cli.TrainJob.optimizer``."""
+  job = binding.arg_name == "optimizer" and binding.selector.rpartition(".")[2] == "TrainJob"
+  return job or binding.arg_name == "optimizer_def"
+
+
 def optimizer_statements(text: str) -> _Reached | None:
-  """What builds the optimizer of a gin config: its ``OPTIMIZER`` (or ``optimizer_def``) binding,
-  and every binding and macro that binding reaches; None if it binds no optimizer."""
+  """What builds the optimizer of a gin config, and every binding and macro it reaches;
+  None if it binds no optimizer.
+
+  The optimizer is what the job takes (a model's ``optimizer_def``, a
+  ``cli.TrainJob.optimizer``), a macro it names read as the macro's value, or,
+  where neither is bound, the ``OPTIMIZER`` macro.
+  """
   modules, bindings = _parse(text)
   macros = {b.selector: b for b in bindings if not b.arg_name and not b.scope}
-  root = macros.get("OPTIMIZER") or next(
-    (b for b in bindings if b.arg_name == "optimizer_def"), None
-  )
-  if root is None:
-    return None
-  reached = _Reached(root.value, [], [], modules)
+  taken = next((b.value for b in bindings if _takes_the_optimizer(b)), _Macro("OPTIMIZER"))
   seen: set[str] = set()
+  if isinstance(taken, _Macro):
+    if taken.name not in macros:
+      return None
+    seen.add(taken.name)
+    taken = macros[taken.name].value
+  reached = _Reached(taken, [], [], modules)
 
   def visit(value: Any) -> None:
     if isinstance(value, _Macro) and value.name not in seen:
@@ -151,7 +164,7 @@ def optimizer_statements(text: str) -> _Reached | None:
     for child in _children(value):
       visit(child)
 
-  visit(root.value)
+  visit(taken)
   return reached
 
 
@@ -183,7 +196,9 @@ def optimizer_config(text: str, where: str = "config.gin") -> T5XOptimizer:
   """
   reached = optimizer_statements(text)
   if reached is None:
-    raise ValueError(f"{where} binds no optimizer (no OPTIMIZER macro, no optimizer_def).")
+    raise ValueError(
+      f"{where} binds no optimizer (no OPTIMIZER macro, optimizer_def or cli.TrainJob.optimizer)."
+    )
   modules = {selector: _module_of(selector, reached.modules) for selector in reached.selectors}
   for selector, module in modules.items():
     if module not in (*_MODULES, _LEGACY_ADAFACTOR):
