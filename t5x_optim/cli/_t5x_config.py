@@ -5,7 +5,8 @@ modules (models, networks, tasks), which t5x_optim cannot import, but its optimi
 is built from ``t5x.optimizers`` and optax alone. `optimizer_config` reads the config
 with gin's parser (nothing is imported or called) and writes out only what builds the
 optimizer: what a model's ``optimizer_def`` (or ``cli.TrainJob.optimizer``) or else
-``OPTIMIZER`` is bound to, every binding and macro it reaches, with ``t5x.optimizers`` read as ``t5x_optim.optimizers``.
+``OPTIMIZER`` is bound to, every binding and macro it reaches, with ``t5x.optimizers``
+read as ``t5x_optim.optimizers``.
 """
 
 from __future__ import annotations

@@ -683,8 +683,8 @@ def unread_bindings() -> list[tuple[str, str]]:
   A binding is read when a call of its configurable took the parameter from
   it: from the bindings (not from the caller), and from this one, not one of
   a more specific scope (``OPTIMIZER/optax.adamw.b1`` over ``optax.adamw.b1``);
-  a macro, when something referred to it. Ask once the job is built: `build_job` and `train.prepare` call every
-  configurable a run calls.
+  a macro, when something referred to it. Ask once the job is built:
+  `build_job` and `train.prepare` call every configurable a run calls.
 
   Example:
     >>> parse_config(gin_bindings=['BATCH_SIZE = 8', 'optax.lbfgs.memory_size = 5'])
