@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import json
+
 import flax
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from optimizer_table import assert_same_bits
 
-from t5x_optim import Checkpointer, TrainState, convert_state, optimizers, partitioning
+from t5x_optim import (
+  Checkpointer,
+  OptaxWrapper,
+  TrainState,
+  convert_state,
+  optimizers,
+  partitioning,
+)
+from t5x_optim.t5x_checkpoints import restore_t5x_checkpoint, save_t5x_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +81,74 @@ def test_state_dict_holds_values_and_restores_through_the_checkpointer(tmp_path)
     from_disk = checkpointer.restore(fresh)
   assert isinstance(from_disk.target, nnx.State)
   assert_same_bits((from_disk.target, from_disk.state), (opt.target, opt.state))
+
+
+def _8bit() -> OptaxWrapper:
+  return OptaxWrapper(optimizers.low_precision(optax.adam(1e-2), "8bit", min_size=0))
+
+
+@pytest.mark.slow
+def test_a_low_precision_checkpoint_restores_over_an_nnx_state_or_its_pure_dict(tmp_path):
+  params = _linear()
+  pure = params.to_pure_dict()
+  for index, (source, target) in enumerate([(params, pure), (pure, params)]):
+    opt = _8bit().create(source)
+    opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+    with Checkpointer(tmp_path / str(index)) as checkpointer:
+      checkpointer.save(1, opt)
+      checkpointer.wait_until_finished()
+      restored = checkpointer.restore(_8bit().create(target))
+    assert type(restored.target) is type(target)
+    assert_same_bits(restored.state_dict(), opt.state_dict())
+    save_t5x_checkpoint(tmp_path / f"t5x{index}", opt)
+    from_t5x = restore_t5x_checkpoint(tmp_path / f"t5x{index}", _8bit().create(target))
+    assert_same_bits(from_t5x.state_dict(), opt.state_dict())
+
+
+class _Kernel(nnx.Param):
+  """A param of its own class."""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_into_params_of_another_variable_class(tmp_path):
+  opt = optimizers.adamw(1e-2).create(_linear())
+  opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+  params = _linear()
+  params["kernel"] = _Kernel(params["kernel"].get_value())
+  with Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, opt)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(optimizers.adamw(1e-2).create(params))
+  assert isinstance(restored.target["kernel"], _Kernel)
+  assert_same_bits(restored.state_dict(), opt.state_dict())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_recording_the_nnx_nodes_of_its_state_restores_into_the_same_optimizer(
+  tmp_path,
+):
+  """Earlier versions recorded the nnx.State and nnx.Variable nodes of a state over an
+  nnx.State, the class a Variable holds one level below it."""
+  opt = _8bit().create(_linear())
+  opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+  recorded = {"": "LowPrecisionState", "inner_state/0": "ScaleByAdamState"}
+  for moment in "mu", "nu":
+    recorded[f"inner_state/0/{moment}"] = "State"
+    for name in "bias", "kernel":
+      recorded[f"inner_state/0/{moment}/{name}"] = "Param"
+      recorded[f"inner_state/0/{moment}/{name}/value"] = "QuantizedLeaf"
+  with Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, opt)
+    checkpointer.wait_until_finished()
+    (tmp_path / "1" / "state_classes" / "metadata").write_text(json.dumps(recorded))
+    restored = checkpointer.restore(_8bit().create(_linear()))
+    assert_same_bits(restored.state_dict(), opt.state_dict())
+    recorded["inner_state/0/mu/kernel/value"] = "Quantized4Leaf"
+    (tmp_path / "1" / "state_classes" / "metadata").write_text(json.dumps(recorded))
+    with pytest.raises(
+      ValueError, match=r"mismatch at 'state/param_states/inner_state/0/mu/kernel'"
+    ):
+      checkpointer.restore(_8bit().create(_linear()), verify=False)
 
 
 class _LM(nnx.Module):

@@ -27,6 +27,7 @@ from flax.core import FrozenDict
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import to_pure
 from t5x_optim._training.train_state import TrainState
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
   "saveable",
   "shared_names",
   "state_classes",
+  "without_nnx_nodes",
   "zero_size_record",
   "zero_size_stored",
 ]
@@ -431,7 +433,11 @@ def state_classes(param_states: Any) -> dict[str, str]:
   Checkpoints record it: optimizers whose states have the same keys (adam's
   and adabelief's ``mu`` and ``nu``) differ in these classes. Plain
   containers (dicts, lists, tuples) and nodes without leaves (optax's
-  `EmptyState`) are not recorded.
+  `EmptyState`) are not recorded. A state over a flax NNX state is taken
+  in its pure form (``nnx.to_pure_dict``, see `_nnx.to_pure`): its
+  ``nnx.State`` and ``nnx.Variable`` nodes are not recorded, so the same
+  optimizer over an ``nnx.State`` and over its pure dict records the same
+  classes, whatever the class of each param's ``nnx.Variable``.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -450,9 +456,10 @@ def state_classes(param_states: Any) -> dict[str, str]:
         found["/".join(where)] = type(child).__qualname__
         walk(child, where)
 
-  if _is_state_class(param_states):
-    found[""] = type(param_states).__qualname__
-  walk(param_states, ())
+  pure = to_pure(param_states)
+  if _is_state_class(pure):
+    found[""] = type(pure).__qualname__
+  walk(pure, ())
   return found
 
 
@@ -477,11 +484,17 @@ def class_problems(recorded: Mapping[str, str], target: Mapping[str, str]) -> li
 
   Paths only one side has are not compared (a stacked layout's buffers
   restore into per-leaf params; their keys are checked on their own).
+  Earlier versions recorded the NNX nodes of a state over an ``nnx.State``
+  too: an ``nnx.Variable`` at a path, the class it holds at that path's
+  ``value`` (``'0/mu/w': 'Param'``, ``'0/mu/w/value': 'QuantizedLeaf'``).
+  Where `target` has no such ``value`` path, the class below the Variable is
+  taken for the path's (`without_nnx_nodes`).
 
   Example:
     >>> class_problems({'0': 'ScaleByAdamState'}, {'0': 'ScaleByBeliefState'})
     ["state class mismatch at 'state/param_states/0': the checkpoint was written by an optimizer whose state has a ScaleByAdamState there, the target's has a ScaleByBeliefState"]
   """
+  recorded = without_nnx_nodes(recorded, target)
   return [
     f"state class mismatch at '{'/'.join(('state', 'param_states', path)).rstrip('/')}': the "
     f"checkpoint was written by an optimizer whose state has a {recorded[path]} there, the "
@@ -489,6 +502,33 @@ def class_problems(recorded: Mapping[str, str], target: Mapping[str, str]) -> li
     for path in sorted(set(recorded) & set(target))
     if recorded[path] != target[path]
   ]
+
+
+def without_nnx_nodes(recorded: Mapping[str, str], target: Mapping[str, str]) -> dict[str, str]:
+  """`recorded` with the ``nnx.Variable`` nodes an earlier version recorded taken out.
+
+  A Variable is a recorded path whose ``value`` below it is recorded and is
+  not a path of `target`; the class it holds moves up to its path.
+
+  Example:
+    >>> without_nnx_nodes({'0/w': 'Param', '0/w/value': 'QuantizedLeaf'}, {'0/w': 'QuantizedLeaf'})
+    {'0/w': 'QuantizedLeaf'}
+  """
+  variables = {
+    path for path in recorded if f"{path}/value" in recorded and f"{path}/value" not in target
+  }
+  pure = {}
+  for path, name in recorded.items():
+    if path in variables:
+      continue
+    parts = path.split("/")
+    kept = (
+      part
+      for i, part in enumerate(parts)
+      if part != "value" or "/".join(parts[:i]) not in variables
+    )
+    pure["/".join(kept)] = name
+  return pure
 
 
 def rewrap_keys(restored: Mapping[Path, Any], target: Mapping[Path, Any]) -> dict[Path, Any]:
