@@ -19,7 +19,15 @@ import jax
 
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["first_nnx_path", "is_nnx", "partition_specs", "refuse", "restore_like", "to_pure"]
+__all__ = [
+  "first_nnx_path",
+  "is_nnx",
+  "partition_specs",
+  "refuse",
+  "refuse_non_params",
+  "restore_like",
+  "to_pure",
+]
 
 
 def _nnx() -> Any:
@@ -125,3 +133,35 @@ def refuse(tree: Any, argument: str, where: str, *, how: str = _PLAIN) -> None:
   raise TypeError(
     f"{where}: {argument} holds a flax NNX state at '{path}', which {where} does not take; {how}."
   )
+
+
+def refuse_non_params(params: Any, where: str) -> None:
+  """Raises a TypeError when `params` hold an ``nnx.Variable`` that is not an
+  ``nnx.Param`` (a subclass of ``nnx.Param`` is one), naming the first.
+
+  An optimizer trains every leaf of its params: given ``nnx.state(model)``,
+  it would move BatchNorm's running statistics (``nnx.BatchStat``) and the
+  model's RNG state as if they were weights.
+
+  Args:
+    params: the params an optimizer is created for.
+    where: the function that takes them.
+
+  Raises:
+    TypeError: naming `where`, the path and the Variable's class.
+
+  Example:
+    >>> refuse_non_params({"w": 1.0}, "OptaxWrapper.create")
+  """
+  nnx = _nnx()
+  if nnx is None:
+    return
+  found = jax.tree.flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  for path, leaf in found:
+    if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+      raise TypeError(
+        f"{where}: the params hold a {type(leaf).__name__} at '{key_path_str(path)}', an "
+        "nnx.Variable that is not an nnx.Param, and an optimizer trains every leaf of its "
+        "params; pass nnx.state(model, nnx.Param), or a pure dict of exactly the arrays to "
+        "train."
+      )

@@ -151,6 +151,18 @@ def test_a_checkpoint_recording_the_nnx_nodes_of_its_state_restores_into_the_sam
       checkpointer.restore(_8bit().create(_linear()), verify=False)
 
 
+@pytest.mark.slow
+def test_an_optimizer_refuses_nnx_variables_that_are_not_params():
+  model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+  with pytest.raises(
+    TypeError, match=r"create: the params hold a BatchStat at 'layers/1/mean'.*nnx.Param\)"
+  ):
+    optimizers.adamw(1e-2).create(nnx.state(model))
+  optimizers.adamw(1e-2).create(nnx.state(model, nnx.Param))
+  params = nnx.State({"w": _Kernel(np.ones(2, np.float32))})
+  assert isinstance(optimizers.adamw(1e-2).create(params).target["w"], _Kernel)
+
+
 class _LM(nnx.Module):
   """A ('vocab', 'embed') embedding and an ('embed', 'mlp') kernel, by sharding metadata."""
 

@@ -51,6 +51,7 @@ from t5x_optim._adapters.kfac_state import (
 from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._nnx import refuse_non_params
 
 # isort: split
 # After kfac_state, which turns kfac-jax's failure to import with this jax into an ImportError.
@@ -277,6 +278,7 @@ class KfacOptimizerDef(OptimizerDef):
 
   def create(self, target: Any, *, batch: Any = None, rng: jax.Array | None = None) -> Optimizer:
     """Creates an `Optimizer` for `target`; see `init_state` for the keywords."""
+    refuse_non_params(target, f"{type(self).__name__}.create")
     state = self.init_state(target, batch=batch, rng=rng)
     return Optimizer(optimizer_def=self, state=state, target=target)
 

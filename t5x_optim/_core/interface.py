@@ -15,6 +15,7 @@ from flax import struct
 from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import refuse_non_params
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState", "trained_params"]
 
@@ -190,7 +191,13 @@ class OptimizerDef(abc.ABC):
     return hyper_params
 
   def create(self, target: Any) -> Optimizer:
-    """Creates an `Optimizer` for `target` (the params)."""
+    """Creates an `Optimizer` for `target` (the params).
+
+    Raises:
+      TypeError: `target` holds an ``nnx.Variable`` that is not an ``nnx.Param``
+        (`_nnx.refuse_non_params`).
+    """
+    refuse_non_params(target, f"{type(self).__name__}.create")
     return Optimizer(optimizer_def=self, state=self.init_state(target), target=target)
 
   def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
