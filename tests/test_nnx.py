@@ -188,7 +188,8 @@ def test_an_nnx_state_as_axes_gives_its_sharding_metadata():
   ]
 
 
-def test_a_train_state_and_a_conversion_refuse_an_nnx_state_naming_the_argument():
+@pytest.mark.slow
+def test_a_train_state_a_multi_optimizer_and_a_conversion_refuse_an_nnx_state_naming_it():
   params = _linear()
   with pytest.raises(TypeError, match=r"TrainState.create: model_variables .* at 'params'.*"):
     TrainState.create(optimizers.adamw(1e-3), {"params": params})
@@ -197,6 +198,12 @@ def test_a_train_state_and_a_conversion_refuse_an_nnx_state_naming_the_argument(
     partitioning.init_sharded(
       partitioning.Partitioner(mesh), optimizers.adamw(1e-3), lambda: {"params": params}
     )
+  multi = optimizers.MultiOptimizer(
+    [("kernel", optimizers.adamw(1e-3)), ("bias", optimizers.sgd(1e-3))]
+  )
+  with pytest.raises(TypeError, match=r"MultiOptimizer: params .* at '<root>'.*nnx.to_pure_dict"):
+    multi.create(params)
+  assert sorted(multi.create(params.to_pure_dict()).target) == ["bias", "kernel"]
   optimizer = optimizers.adamw(1e-3).create(params)
   with pytest.raises(TypeError, match=r"convert_state: source.target .* at '<root>'"):
     convert_state(optimizer, optimizers.lion(1e-3), missing="init")

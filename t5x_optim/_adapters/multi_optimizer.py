@@ -77,6 +77,7 @@ from t5x_optim._core.interface import (
   missing_def_methods,
 )
 from t5x_optim._keypaths import key_path_str
+from t5x_optim._nnx import refuse
 from t5x_optim._warn import warn
 
 __all__ = ["MultiOptimizer", "PathFilter"]
@@ -149,6 +150,8 @@ class MultiOptimizer(OptimizerDef):
   Raises:
     ValueError: when a param is selected by more than one traversal (the
       message lists those paths); checked on the first params seen.
+    TypeError: when the params hold a flax NNX state: pass its
+      ``nnx.to_pure_dict``.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -287,6 +290,7 @@ class MultiOptimizer(OptimizerDef):
     return tuple(updated)
 
   def init_state(self, params: Any) -> OptimizerState:
+    refuse(params, "params", "MultiOptimizer")
     partition, leaves = self._partition(params)
     sub_states = tuple(
       opt.init_state(sub_params)
