@@ -20,6 +20,7 @@ from t5x_optim import (
   convert_state,
   optimizers,
   partitioning,
+  restore_converted,
 )
 from t5x_optim.t5x_checkpoints import restore_t5x_checkpoint, save_t5x_checkpoint
 
@@ -161,6 +162,29 @@ def test_an_optimizer_refuses_nnx_variables_that_are_not_params():
   optimizers.adamw(1e-2).create(nnx.state(model, nnx.Param))
   params = nnx.State({"w": _Kernel(np.ones(2, np.float32))})
   assert isinstance(optimizers.adamw(1e-2).create(params).target["w"], _Kernel)
+
+
+@pytest.mark.slow
+def test_a_converting_restore_refuses_an_nnx_target_naming_the_call(tmp_path):
+  opt = optimizers.adamw(1e-2).create(_linear())
+  opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+  target = optimizers.lion(1e-2).create(_linear())
+  save_t5x_checkpoint(tmp_path / "t5x", opt)
+  with Checkpointer(tmp_path / "orbax") as checkpointer:
+    checkpointer.save(1, opt)
+    checkpointer.wait_until_finished()
+    with pytest.raises(
+      TypeError,
+      match=r"^Checkpointer.restore with convert_from=: target.target .* at '<root>'.*to_pure_dict",
+    ):
+      checkpointer.restore(target, convert_from=optimizers.adamw(1e-2))
+    pure = optimizers.lion(1e-2).create(_linear().to_pure_dict())
+    restored = checkpointer.restore(pure, convert_from=optimizers.adamw(1e-2))
+  assert_same_bits(restored.target, opt.target.to_pure_dict())
+  with pytest.raises(TypeError, match=r"^restore_t5x_checkpoint with convert_from=: target.target"):
+    restore_t5x_checkpoint(tmp_path / "t5x", target, convert_from=optimizers.adamw(1e-2))
+  with pytest.raises(TypeError, match=r"^restore_converted: target.target"):
+    restore_converted(tmp_path / "t5x", target, source=optimizers.adamw(1e-2))
 
 
 class _LM(nnx.Module):

@@ -58,6 +58,7 @@ class Checkpointer(store.Checkpointer):
 
     Raises:
       ValueError: ``convert_from`` with any of the store's options.
+      TypeError: ``convert_from`` with a target over a flax NNX state.
     """
     if convert_from is None:
       return super().restore(target, step, **options)
@@ -69,7 +70,9 @@ class Checkpointer(store.Checkpointer):
     if step is None:
       only_t5x = self._holds_only_t5x_checkpoints()
       step = t5x_read.latest_t5x_step(self.directory) if only_t5x else self._resolve_step(None)
-    restored = converting.restore_with_conversion(self.directory, target, convert_from, step)
+    restored = converting.restore_with_conversion(
+      self.directory, target, convert_from, step, where="Checkpointer.restore"
+    )
     self._restored_step = step
     return restored
 
@@ -105,5 +108,7 @@ def restore_t5x_checkpoint(
     (1, [0.5, 0.5])
   """
   if convert_from is not None:
-    return converting.restore_with_conversion(path, target, convert_from, step)
+    return converting.restore_with_conversion(
+      path, target, convert_from, step, where="restore_t5x_checkpoint"
+    )
   return t5x_read.restore_t5x_checkpoint(path, target, step=step)

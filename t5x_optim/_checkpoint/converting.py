@@ -17,6 +17,7 @@ from t5x_optim._checkpoint import store as _checkpoints
 from t5x_optim._checkpoint import t5x_read as _t5x
 from t5x_optim._convert import convert as _convert
 from t5x_optim._core.interface import Optimizer, OptimizerDef
+from t5x_optim._nnx import refuse
 from t5x_optim._training.train_state import TrainState
 
 __all__ = ["restore_converted"]
@@ -86,6 +87,18 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
   return old
 
 
+def _refuse_nnx(target: State, where: str) -> None:
+  """Refuses an `Optimizer` target over a flax NNX state, which `convert_state` does not take."""
+  if isinstance(target, Optimizer):
+    refuse(
+      target.target,
+      "target.target",
+      where,
+      how="create the target over nnx.to_pure_dict(state), into which a checkpoint saved over "
+      "the nnx.State restores, and put the params back with nnx.replace_by_pure_dict",
+    )
+
+
 def _not_a_source(source: Any) -> str:
   if is_transformation(source):
     got = f"a {type(source).__name__}, an optax transformation: give OptaxWrapper(it)"
@@ -140,6 +153,7 @@ def restore_converted(
     ValueError: the checkpoint does not fit `source` (naming the paths), no
       `source` for a checkpoint that is not T5X's legacy Adafactor, or what
       `convert_state` raises.
+    TypeError: `target` is an `Optimizer` over a flax NNX state.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, t5x_optim
@@ -153,6 +167,7 @@ def restore_converted(
     >>> int(new.state.step), new.state.param_states[0].nu['w'].shape
     (1, (2, 3))
   """
+  _refuse_nnx(target, "restore_converted")
   hparams = {"source_hparams": source_hparams, "target_hparams": target_hparams}
   hparams["param_axes"] = target.params_axes if isinstance(target, TrainState) else None
   t5x = _holds_t5x(path)
@@ -194,14 +209,15 @@ def restore_converted(
 
 
 def restore_with_conversion(
-  path: str | os.PathLike[str], target: State, convert_from: Any, step: int | None
+  path: str | os.PathLike[str], target: State, convert_from: Any, step: int | None, *, where: str
 ) -> State:
   """The ``convert_from=`` keyword of `Checkpointer.restore` and `restore_t5x_checkpoint`.
 
   `restore_converted` with ``source=convert_from`` (True: T5X's legacy
   Adafactor, recognised by its layout) and its defaults; the report is
-  logged at INFO level.
+  logged at INFO level. `where` names the function called in a refusal.
   """
+  _refuse_nnx(target, f"{where} with convert_from=")
   source = None if convert_from is True else convert_from
   state, report = restore_converted(path, target, source=source, step=step)
   _log.info("Restored %s into another optimizer:\n%s", path, report)
