@@ -1773,3 +1773,16 @@ def test_moments_the_new_optimizer_does_not_use_are_listed_as_dropped():
   assert report.dropped == (
     "0 (ScaleByAdamState): nu of 2 params, not used by the new optimizer (e.g. dense/bias)",
   ), report
+
+
+def test_each_written_field_has_its_own_line():
+  """AMSGrad's nu_max, written from the source's nu, was counted under nu (4 params for 2)
+  and had no line of its own."""
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(BY_NAME["amsgrad"].make())
+  )
+  assert report.converted == (
+    "0 (ScaleByAmsgradState).mu: 2 params, from 0 (ScaleByAdamState)",
+    "0 (ScaleByAmsgradState).nu: 2 params, from 0 (ScaleByAdamState)",
+    "0 (ScaleByAmsgradState).nu_max: 2 params, from 0 (ScaleByAdamState)",
+  ), report

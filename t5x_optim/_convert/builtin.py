@@ -667,7 +667,10 @@ def _write_amsgrad(template: Any, moments: Moments, ctx: ConversionContext) -> A
   written = _write_adam(template, moments, ctx)
   return written._replace(
     nu_max=moments.fill(
-      template.nu_max, NU, lambda v, leaf, p: v * _decay(ctx.hparam("b2", 0.999), written.count)
+      template.nu_max,
+      NU,
+      lambda v, leaf, p: v * _decay(ctx.hparam("b2", 0.999), written.count),
+      field="nu_max",
     )
   )
 
