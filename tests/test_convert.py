@@ -1786,3 +1786,27 @@ def test_each_written_field_has_its_own_line():
     "0 (ScaleByAmsgradState).nu: 2 params, from 0 (ScaleByAdamState)",
     "0 (ScaleByAmsgradState).nu_max: 2 params, from 0 (ScaleByAdamState)",
   ), report
+
+
+def test_a_converted_field_names_the_states_it_was_written_from():
+  """A field's line named the source states of every moment its params had: Adafactor's
+  momentum into RMSProp's nu was 'from 0 (FactoredState), 4 (EmaState)' while dropped said
+  the EmaState's mu was not used."""
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adafactor_momentum"]),
+    OptaxWrapper(optax.rmsprop(1e-3)),
+    source_hparams=HPARAMS,
+  )
+  assert report.converted == ("0 (ScaleByRmsState).nu: 2 params, from 0 (FactoredState)",)
+  assert report.dropped == (
+    "4 (EmaState): mu of 2 params, not used by the new optimizer (e.g. dense/bias)",
+  ), report
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adafactor_momentum"]),
+    OptaxWrapper(optax.adam(1e-3)),
+    source_hparams=HPARAMS,
+  )
+  assert report.converted == (  # Adam's mu is written only with nu.
+    "0 (ScaleByAdamState).mu: 2 params, from 0 (FactoredState), 4 (EmaState)",
+    "0 (ScaleByAdamState).nu: 2 params, from 0 (FactoredState)",
+  ), report

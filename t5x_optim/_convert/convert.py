@@ -69,8 +69,6 @@ from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
 from t5x_optim._convert.registry import (
   BUILTIN_HPARAMS,
   HPARAM_ALIASES,
-  MU,
-  NU,
   ConversionContext,
   ConversionReport,
   Moments,
@@ -485,16 +483,30 @@ def _count_of(node: Any, clock: Any) -> Any:
 
 
 class _Recorder:
-  """Collects, per written field, which params were converted and which kept fresh."""
+  """Collects, per written field, which params were converted (with the quantities each was
+  written from) and which kept fresh."""
 
   def __init__(self) -> None:
-    self.fields: dict[str, dict[bool, list[str]]] = {}
+    self.fields: dict[str, tuple[list[tuple[str, tuple[str, ...]]], list[str]]] = {}
 
-  def record(self, where: str) -> Callable[[str, str, bool], None]:
-    def add(field: str, param: str, converted: bool) -> None:
-      self.fields.setdefault(f"{where}.{field}", {True: [], False: []})[converted].append(param)
+  def record(self, where: str) -> Callable[[str, str, tuple[str, ...]], None]:
+    def add(field: str, param: str, quantities: tuple[str, ...]) -> None:
+      written, kept = self.fields.setdefault(f"{where}.{field}", ([], []))
+      if quantities:
+        written.append((param, quantities))
+      else:
+        kept.append(param)
 
     return add
+
+  def used(self) -> set[tuple[str, str]]:
+    """Every ``(param, quantity)`` some field was written from."""
+    return {
+      (param, quantity)
+      for written, _ in self.fields.values()
+      for param, quantities in written
+      for quantity in quantities
+    }
 
 
 def _flat_params(params: Any) -> dict[str, Any]:
@@ -534,9 +546,8 @@ def _write_target(
   logical axes (`ConversionContext.axes`)."""
   converters = registered_converters()
   recorder = _Recorder()
-  used: set[tuple[str, str]] = set()
   no_converter: list[str] = []
-  counts = Moments(source.stats, lambda field, param, converted: None)
+  counts = Moments(source.stats, lambda field, param, quantities: None)
   schedules = hparams.schedules()
 
   def visit(
@@ -561,7 +572,7 @@ def _write_target(
       label = f"{where} ({type(node).__name__})"
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
-      moments = Moments(source.stats, recorder.record(label), used=used)
+      moments = Moments(source.stats, recorder.record(label))
       written = converter.write(node, moments, ctx)
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
@@ -593,19 +604,18 @@ def _write_target(
   def count(paths: list[str]) -> int:
     return sum(len(held.get(path, (path,))) for path in paths)
 
-  for field, by in recorder.fields.items():
-    if by[True]:
-      origins = sorted(
-        {source.origin[(p, q)] for p in by[True] for q in (MU, NU) if (p, q) in source.origin}
+  for field, (filled, kept) in recorder.fields.items():
+    if filled:
+      origins = sorted({source.origin[(p, q)] for p, quantities in filled for q in quantities})
+      converted.append(
+        f"{field}: {count([p for p, _ in filled])} params, from {', '.join(origins)}"
       )
-      converted.append(f"{field}: {count(by[True])} params, from {', '.join(origins)}")
-    if by[False]:
-      example = held.get(by[False][0], by[False])[0]
-      initialised.append(
-        f"{field}: {count(by[False])} params without a source value (e.g. {example})"
-      )
+    if kept:
+      example = held.get(kept[0], kept)[0]
+      initialised.append(f"{field}: {count(kept)} params without a source value (e.g. {example})")
   initialised += [f"{entry}: no converter" for entry in no_converter]
   unused: dict[tuple[str, str], list[str]] = {}
+  used = recorder.used()
   for param, entry in source.stats.items():
     for quantity in entry.keys() - {"count"}:
       if (param, quantity) not in used:

@@ -168,19 +168,17 @@ class Moments:
 
   `fill` maps a tree of the template node (its ``mu``, say) to the converted
   values, keeping the template's leaf (the fresh initial value) where the
-  source has nothing, and records which; each ``(param, quantity)`` a written
-  leaf is made from is added to `used`.
+  source has nothing, and records each param's leaf with ``record(field,
+  param, quantities)``: the quantities it was written from (its `quantity`
+  and `needs`), none where it kept its initial value.
   """
 
   def __init__(
     self,
     stats: Mapping[str, dict[str, Any]],
-    record: Callable[[str, str, bool], None],
-    *,
-    used: set[tuple[str, str]] | None = None,
+    record: Callable[[str, str, tuple[str, ...]], None],
   ):
     self._stats, self._record = stats, record
-    self._used = set() if used is None else used
 
   def value(self, param: str, quantity: str) -> Any:
     """The source's `quantity` (``"mu"``, ``"nu"``) of `param`, or None."""
@@ -224,10 +222,10 @@ class Moments:
       name = field or quantity
       if value is not None and lacking:
         name = f"{name} (carried only with {', '.join(needs)})"
-      self._record(name, param, value is not None and not lacking)
       if value is None or lacking:
+        self._record(name, param, ())
         return leaf
-      self._used.update((param, q) for q in (quantity, *needs))
+      self._record(name, param, (quantity, *needs))
       written = fn(value, leaf, param)
       problem = _state_dict.range_problem(written, leaf.dtype)
       if problem is not None:
@@ -243,10 +241,10 @@ class Moments:
   def keep(self, tree: Any, field: str, *, param: str | None = None) -> Any:
     """`tree` unchanged, every param of it (or `param`) recorded as initialised under `field`."""
     if param is not None:
-      self._record(field, param, False)
+      self._record(field, param, ())
       return tree
     for path, _ in jax.tree.flatten_with_path(tree)[0]:
-      self._record(field, _state_dict.key_path_str(path), False)
+      self._record(field, _state_dict.key_path_str(path), ())
     return tree
 
   def count(
@@ -368,7 +366,9 @@ class ConversionReport:
 
   Attributes:
     converted: one line per written state field: its path, type and field,
-      how many params got a converted value, and from which source nodes.
+      how many params got a converted value, and the source nodes of the
+      moments it was written from (Adam's ``mu`` from those of ``mu`` and
+      ``nu``: it is written only with ``nu``).
     initialised: one line per field (or state without a converter) that
       kept its fresh initial value for some params, with an example param.
     dropped: the source's states that no converter reads, and the moments
