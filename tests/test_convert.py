@@ -387,7 +387,7 @@ def test_adamax_state_is_told_from_adams_by_one_update(direction):
   converted, report = t5x_optim.convert_state(
     _trained(old, NOISY_PARAMS), OptaxWrapper(new).create(NOISY_PARAMS)
   )
-  assert any("(AdamaxState)" in line for line in report.converted), report
+  assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
   ratio = _largest_step(converted) / _largest_step(_trained(new, NOISY_PARAMS))
   assert 0.2 < ratio < 3, ratio
 
@@ -421,7 +421,7 @@ def test_adamax_inside_multisteps_is_told_from_adam(direction):
     want, _ = t5x_optim.convert_state(as_adamax, OptaxWrapper(adam).create(NOISY_PARAMS))
     got, report = t5x_optim.convert_state(source, OptaxWrapper(adam).create(NOISY_PARAMS))
     _assert_close(got.state.param_states[0].nu, want.state.param_states[0].nu)
-  assert any("(AdamaxState)" in line for line in report.converted), report
+  assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
 
 
 def _on_plateau(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -449,7 +449,7 @@ def test_adamax_before_a_transformation_that_takes_the_loss_is_told_from_adam(di
     want, _ = t5x_optim.convert_state(trained, OptaxWrapper(adam).create(NOISY_PARAMS))
     got, report = t5x_optim.convert_state(source, OptaxWrapper(adam).create(NOISY_PARAMS))
     _assert_close(got.state.param_states[0].nu, want.state.param_states[0].nu)
-  assert any("(AdamaxState)" in line for line in report.converted), report
+  assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
 
 
 def _weighted() -> optax.GradientTransformationExtraArgs:
@@ -505,7 +505,7 @@ def test_adamax_is_told_from_adam_inside_low_precision_and_multisteps(wrap):
   source = _trained(optax.adam(1e-3), NOISY_PARAMS)
   target = OptaxWrapper(wrap(optax.adamax(1e-3))).create(NOISY_PARAMS)
   _, report = t5x_optim.convert_state(source, target)
-  assert any("(AdamaxState)" in line for line in report.converted), report
+  assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
 
 
 def test_a_trace_after_a_stateful_transformation_is_not_a_gradient_momentum():
@@ -1809,4 +1809,22 @@ def test_a_converted_field_names_the_states_it_was_written_from():
   assert report.converted == (  # Adam's mu is written only with nu.
     "0 (ScaleByAdamState).mu: 2 params, from 0 (FactoredState), 4 (EmaState)",
     "0 (ScaleByAdamState).nu: 2 params, from 0 (FactoredState)",
+  ), report
+
+
+def test_the_report_names_the_states_types_and_fields():
+  """SGD's trace was reported as its '.mu', and adamax's state, optax's ScaleByAdamState, as
+  'AdamaxState', the type the conversion reads it as."""
+  _, report = t5x_optim.convert_state(
+    _optimizer(BY_NAME["adam"]), OptaxWrapper(optax.sgd(1e-3, momentum=0.9)), missing="init"
+  )
+  assert report.converted == ("0 (TraceState).trace: 2 params, from 0 (ScaleByAdamState)",)
+  _, report = t5x_optim.convert_state(_optimizer(BY_NAME["adam"]), OptaxWrapper(optax.adamax(1e-3)))
+  assert report.converted == (
+    "0 (ScaleByAdamState of adamax).mu: 2 params, from 0 (ScaleByAdamState)",
+    "0 (ScaleByAdamState of adamax).nu: 2 params, from 0 (ScaleByAdamState)",
+  ), report
+  _, report = t5x_optim.convert_state(_optimizer(BY_NAME["adamax"]), OptaxWrapper(optax.lion(1e-3)))
+  assert report.converted == (
+    "0 (ScaleByLionState).mu: 2 params, from 0 (ScaleByAdamState of adamax)",
   ), report

@@ -351,7 +351,8 @@ def _write_trace(template: Any, moments: Moments, ctx: ConversionContext) -> Any
     return template._replace(trace=moments.keep(template.trace, f"trace ({why})"))
   m = ctx.hparam("momentum", 0.9)
   scale = _decay(m, ctx.step) / (1.0 - m)
-  return template._replace(trace=moments.fill(template.trace, MU, lambda v, leaf, p: v * scale))
+  trace = moments.fill(template.trace, MU, lambda v, leaf, p: v * scale, field="trace")
+  return template._replace(trace=trace)
 
 
 def _read_rms(state: Any, ctx: ConversionContext) -> dict[str, Any]:

@@ -322,7 +322,7 @@ def _read_source(
       ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
       read = converter.read(node, ctx)
       if "unread" in read:
-        source.dropped.append(f"{where} ({type(node).__name__}: {read['unread']})")
+        source.dropped.append(f"{where} ({_type_label(node)}: {read['unread']})")
         return
       for quantity, tree in read.items():
         if quantity == "count":
@@ -332,12 +332,12 @@ def _read_source(
           if quantity in entry:
             raise ValueError(
               f"Param '{param}' has a {quantity} in two source states: "
-              f"'{source.origin[(param, quantity)]}' and '{where}' ({type(node).__name__}); "
+              f"'{source.origin[(param, quantity)]}' and '{where}' ({_type_label(node)}); "
               "the conversion would have to choose."
             )
           entry[quantity] = value
           entry.setdefault("count", _count_of(node, clock))
-          source.origin[(param, quantity)] = f"{where} ({type(node).__name__})"
+          source.origin[(param, quantity)] = f"{where} ({_type_label(node)})"
       return
     loose = _loose_arrays(node, where)
     if loose is not None:
@@ -360,6 +360,12 @@ def _read_source(
 
   visit(param_states, (), hparams, (), step)
   return source
+
+
+def _type_label(node: Any) -> str:
+  """A state node's type as the report names it: adamax's state, read and written as
+  `AdamaxState`, is the ``optax.ScaleByAdamState`` it is stored as."""
+  return "ScaleByAdamState of adamax" if isinstance(node, AdamaxState) else type(node).__name__
 
 
 def _fields(node: Any) -> tuple[str, ...]:
@@ -567,9 +573,9 @@ def _write_target(
       _refuse_quantized(node, path, "target")
     if converter is not None:
       if converter.write is None:
-        no_converter.append(f"{where} ({type(node).__name__}: its converter only reads)")
+        no_converter.append(f"{where} ({_type_label(node)}: its converter only reads)")
         return node
-      label = f"{where} ({type(node).__name__})"
+      label = f"{where} ({_type_label(node)})"
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
       moments = Moments(source.stats, recorder.record(label))
