@@ -635,18 +635,22 @@ def _write_adafactor_momentum(template: optax.EmaState, moments: Moments, ctx: C
 
 
 def _read_adan(state: Any, ctx: ConversionContext) -> dict[str, Any]:
-  """mu = m / (1 - b1^t), nu = n / (1 - b3^t) (Adan's n averages (g + (1-b2) diff)^2)."""
+  """mu = m / (1 - b1^t), nu = n / (1 - b3^t) (Adan's n averages (g + (1-b2) diff)^2).
+
+  v (gradient differences) and g (the last gradient) are not read.
+  """
   b1, b3 = ctx.hparam("b1", 0.98), ctx.hparam("b3", 0.99)
-  return _read_two_averages(state.m, b1, state.n, b3, state.t)
+  read = _read_two_averages(state.m, b1, state.n, b3, state.t)
+  return {**read, "unread_fields": ("v", "g")}
 
 
 def _write_adan(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
   """m = mu (1 - b1^t), n = nu (1 - b3^t), g (the previous gradient) = mu.
 
-  v, Adan's average of gradient differences, keeps its initial zero: the
-  expected difference of two gradients from a steady distribution. Adan
-  divides by the square root of n, so m and g are written only with n (see
-  `_write_adam`).
+  v, Adan's average of gradient differences, keeps its initial zero (reported
+  as initialised): the expected difference of two gradients from a steady
+  distribution. Adan divides by the square root of n, so m and g are written
+  only with n (see `_write_adam`).
   """
   b1, b3 = ctx.hparam("b1", 0.98), ctx.hparam("b3", 0.99)
   t = moments.count(template.m, template.t, (NU,))
@@ -655,12 +659,13 @@ def _write_adan(template: Any, moments: Moments, ctx: ConversionContext) -> Any:
     m=moments.fill(template.m, MU, lambda v, leaf, p: v * _decay(b1, t), field="m", needs=(NU,)),
     n=moments.fill(template.n, NU, lambda v, leaf, p: v * _decay(b3, t), field="n"),
     g=moments.fill(template.g, MU, lambda v, leaf, p: v, field="g", needs=(NU,)),
+    v=moments.keep(template.v, "v (gradient differences: their expectation, 0)", by_design=True),
   )
 
 
 def _read_amsgrad(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   """As Adam (nu_max, a running maximum, is not an estimate and is not read)."""
-  return _read_adam(state, ctx)
+  return {**_read_adam(state, ctx), "unread_fields": ("nu_max",)}
 
 
 def _write_amsgrad(template: Any, moments: Moments, ctx: ConversionContext) -> Any:

@@ -324,8 +324,11 @@ def _read_source(
       if "unread" in read:
         source.dropped.append(f"{where} ({_type_label(node)}: {read['unread']})")
         return
+      source.dropped += [
+        f"{where}/{field} ({_type_label(node)}.{field})" for field in read.get("unread_fields", ())
+      ]
       for quantity, tree in read.items():
-        if quantity == "count":
+        if quantity in ("count", "unread_fields"):
           continue
         for param, value in {own: tree}.items() if own else by_param(tree).items():
           entry = source.stats.setdefault(param, {})
@@ -488,20 +491,29 @@ def _count_of(node: Any, clock: Any) -> Any:
   return clock
 
 
+@dataclasses.dataclass
+class _Field:
+  """One written field's params: converted (with the quantities each was written from), kept
+  fresh for want of a source value, and kept fresh by its converter's design."""
+
+  filled: list[tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=list)
+  lacking: list[str] = dataclasses.field(default_factory=list)
+  by_design: list[str] = dataclasses.field(default_factory=list)
+
+
 class _Recorder:
-  """Collects, per written field, which params were converted (with the quantities each was
-  written from) and which kept fresh."""
+  """Collects what `Moments` records, per written field."""
 
   def __init__(self) -> None:
-    self.fields: dict[str, tuple[list[tuple[str, tuple[str, ...]]], list[str]]] = {}
+    self.fields: dict[str, _Field] = {}
 
-  def record(self, where: str) -> Callable[[str, str, tuple[str, ...]], None]:
-    def add(field: str, param: str, quantities: tuple[str, ...]) -> None:
-      written, kept = self.fields.setdefault(f"{where}.{field}", ([], []))
+  def record(self, where: str) -> Callable[[str, str, tuple[str, ...], bool], None]:
+    def add(field: str, param: str, quantities: tuple[str, ...], by_design: bool) -> None:
+      record = self.fields.setdefault(f"{where}.{field}", _Field())
       if quantities:
-        written.append((param, quantities))
+        record.filled.append((param, quantities))
       else:
-        kept.append(param)
+        (record.by_design if by_design else record.lacking).append(param)
 
     return add
 
@@ -509,8 +521,8 @@ class _Recorder:
     """Every ``(param, quantity)`` some field was written from."""
     return {
       (param, quantity)
-      for written, _ in self.fields.values()
-      for param, quantities in written
+      for record in self.fields.values()
+      for param, quantities in record.filled
       for quantity in quantities
     }
 
@@ -553,7 +565,7 @@ def _write_target(
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
-  counts = Moments(source.stats, lambda field, param, quantities: None)
+  counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
 
   def visit(
@@ -605,21 +617,27 @@ def _write_target(
     return _rebuild(node, new)
 
   written = visit(template, (), hparams, (), step)
-  converted, initialised = [], []
+  converted, initialised, refused = [], [], []
 
   def count(paths: list[str]) -> int:
     return sum(len(held.get(path, (path,))) for path in paths)
 
-  for field, (filled, kept) in recorder.fields.items():
-    if filled:
-      origins = sorted({source.origin[(p, q)] for p, quantities in filled for q in quantities})
-      converted.append(
-        f"{field}: {count([p for p, _ in filled])} params, from {', '.join(origins)}"
-      )
-    if kept:
-      example = held.get(kept[0], kept)[0]
-      initialised.append(f"{field}: {count(kept)} params without a source value (e.g. {example})")
-  initialised += [f"{entry}: no converter" for entry in no_converter]
+  def kept(field: str, paths: list[str], how: str) -> str:
+    return f"{field}: {count(paths)} params {how} (e.g. {held.get(paths[0], paths)[0]})"
+
+  for field, record in recorder.fields.items():
+    if record.filled:
+      origins = sorted({source.origin[(p, q)] for p, qs in record.filled for q in qs})
+      filled = count([param for param, _ in record.filled])
+      converted.append(f"{field}: {filled} params, from {', '.join(origins)}")
+    if record.lacking:
+      refused.append(kept(field, record.lacking, "without a source value"))
+      initialised.append(refused[-1])
+    if record.by_design:
+      initialised.append(kept(field, record.by_design, "at the initial value by design"))
+  unconverted = [f"{entry}: no converter" for entry in no_converter]
+  refused += unconverted
+  initialised += unconverted
   unused: dict[tuple[str, str], list[str]] = {}
   used = recorder.used()
   for param, entry in source.stats.items():
@@ -632,10 +650,10 @@ def _write_target(
     for (origin, quantity), paths in sorted(unused.items())
   ]
   report = ConversionReport(tuple(converted), tuple(initialised), tuple(dropped))
-  if initialised and missing == "raise":
+  if refused and missing == "raise":
     raise ValueError(
       "The new optimizer's state cannot be fully converted from the old one: "
-      + "; ".join(initialised)
+      + "; ".join(refused)
       + ". Pass missing='init' to start these from their initial values."
     )
   return written, report
@@ -996,7 +1014,9 @@ def convert_state(
     missing: ``"raise"`` (default) when some state of the new optimizer would
       keep its initial value (no source value for a param's moment, or a
       state type without a converter), naming each; ``"init"`` to let it
-      start fresh. Either way the report lists what was initialised.
+      start fresh. Either way the report lists what was initialised (with
+      a field its converter keeps fresh by design, Adan's ``v``, which is
+      not refused).
     param_axes: the params' logical axes (a tree over the params of
       `PartitionSpec`s or tuples of names, or None; `TrainState.params_axes`).
       T5X's legacy Adafactor state of a param, read or written, is factored

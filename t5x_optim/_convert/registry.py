@@ -169,14 +169,15 @@ class Moments:
   `fill` maps a tree of the template node (its ``mu``, say) to the converted
   values, keeping the template's leaf (the fresh initial value) where the
   source has nothing, and records each param's leaf with ``record(field,
-  param, quantities)``: the quantities it was written from (its `quantity`
-  and `needs`), none where it kept its initial value.
+  param, quantities, by_design)``: the quantities it was written from (its
+  `quantity` and `needs`), none where it kept its initial value; `keep`
+  records a field kept at it, ``by_design`` where the converter chose to.
   """
 
   def __init__(
     self,
     stats: Mapping[str, dict[str, Any]],
-    record: Callable[[str, str, tuple[str, ...]], None],
+    record: Callable[[str, str, tuple[str, ...], bool], None],
   ):
     self._stats, self._record = stats, record
 
@@ -223,9 +224,9 @@ class Moments:
       if value is not None and lacking:
         name = f"{name} (carried only with {', '.join(needs)})"
       if value is None or lacking:
-        self._record(name, param, ())
+        self._record(name, param, (), False)
         return leaf
-      self._record(name, param, (quantity, *needs))
+      self._record(name, param, (quantity, *needs), False)
       written = fn(value, leaf, param)
       problem = _state_dict.range_problem(written, leaf.dtype)
       if problem is not None:
@@ -238,13 +239,24 @@ class Moments:
       lambda path, leaf: one(_state_dict.key_path_str(path), leaf), tree
     )
 
-  def keep(self, tree: Any, field: str, *, param: str | None = None) -> Any:
-    """`tree` unchanged, every param of it (or `param`) recorded as initialised under `field`."""
+  def keep(
+    self, tree: Any, field: str, *, param: str | None = None, by_design: bool = False
+  ) -> Any:
+    """`tree` unchanged, every param of it (or `param`) recorded as initialised under `field`.
+
+    Args:
+      tree: the template's tree over the params.
+      field: the node's field name and why it starts fresh, for the report.
+      param: for a ``per_param`` node: `tree` is this param's array.
+      by_design: the initial value is the converter's value for the field
+        (Adan's ``v``: 0, the expected difference of two gradients), not a
+        value it lacks: reported so, and not refused by ``missing='raise'``.
+    """
     if param is not None:
-      self._record(field, param, ())
+      self._record(field, param, (), by_design)
       return tree
     for path, _ in jax.tree.flatten_with_path(tree)[0]:
-      self._record(field, _state_dict.key_path_str(path), ())
+      self._record(field, _state_dict.key_path_str(path), (), by_design)
     return tree
 
   def count(
@@ -272,7 +284,9 @@ Reader = Callable[[Any, ConversionContext], Mapping[str, Any]]
 """``read(node, context) -> {'mu': tree, 'nu': tree, 'count': scalar}`` (any subset).
 
 A reader that cannot read its node in its context returns ``{'unread': why}``
-instead; the node is then listed as dropped, with the reason.
+instead; the node is then listed as dropped, with the reason. A reader may add
+``'unread_fields'``: the names of the node's fields it does not read (Adan's
+``v``), each listed as dropped.
 
 Trees mirror the params below the node (param paths relative to the node's
 param tree, as optax states hold them); for a ``per_param`` converter they are
@@ -370,10 +384,13 @@ class ConversionReport:
       moments it was written from (Adam's ``mu`` from those of ``mu`` and
       ``nu``: it is written only with ``nu``).
     initialised: one line per field (or state without a converter) that
-      kept its fresh initial value for some params, with an example param.
-    dropped: the source's states that no converter reads, and the moments
-      read that no field of the new state is written from (Adam's ``nu`` into
-      SGD with momentum): their content is not carried.
+      kept its fresh initial value for some params, with an example param;
+      a field its converter keeps at that value by design (Adan's ``v``) says
+      so, and is not refused by ``missing='raise'``.
+    dropped: the source's states, and fields of them, that no converter
+      reads, and the moments read that no field of the new state is written
+      from (Adam's ``nu`` into SGD with momentum): their content is not
+      carried.
   """
 
   converted: tuple[str, ...]
