@@ -926,6 +926,38 @@ def test_complex_values_for_a_real_state_are_refused_naming_the_path(mode, param
     float32_to_low_precision((full[0]._replace(mu=mu), *full[1:]), like)
 
 
+@pytest.mark.parametrize(
+  ("dtype", "value", "largest"),
+  [(jnp.float16, 7e4, r"6\.55e\+04"), (jnp.bfloat16, 3.4e38, r"3\.39e\+38")],
+)
+def test_values_beyond_a_kept_leafs_range_are_refused_naming_the_path(dtype, value, largest):
+  """A kept leaf (a float16 or bfloat16 param's moment, too small for a block) refuses float32
+  values beyond its dtype's range, as a restore does, in place of turning them into inf."""
+  like = low_precision(optax.adam(1e-3), "8bit").init({"w": jnp.ones((4,), dtype)})
+  full = low_precision_to_float32(like)
+  big = (full[0]._replace(mu={"w": jnp.full((4,), value, jnp.float32)}), *full[1:])
+  name = jnp.dtype(dtype).name
+  with pytest.raises(
+    ValueError,
+    match=rf"at '0/mu/w': float32\[4\] .* {name}\[4\] .*beyond {name}'s largest, {largest}",
+  ):
+    float32_to_low_precision(big, like)
+  fits = (full[0]._replace(mu={"w": jnp.full((4,), 6e4, jnp.float32)}), *full[1:])
+  assert low_precision_to_float32(float32_to_low_precision(fits, like))[0].mu["w"].dtype == dtype
+  # Traced values hold no numbers to check: under jit they are cast unchecked, as documented.
+  traced = jax.jit(float32_to_low_precision)(big, like)
+  assert bool(jnp.all(jnp.isinf(low_precision_to_float32(traced)[0].mu["w"])))
+
+
+def test_a_step_count_that_is_not_a_whole_number_is_refused_naming_the_path():
+  like = low_precision(optax.adam(1e-3), "8bit").init({"w": jnp.ones((4,))})
+  full = low_precision_to_float32(like)
+  with pytest.raises(ValueError, match=r"at '0/count': float32\[\] .* int32\[\] .*whole numbers"):
+    float32_to_low_precision((full[0]._replace(count=jnp.float32(2.5)), *full[1:]), like)
+  back = float32_to_low_precision((full[0]._replace(count=jnp.float32(2.0)), *full[1:]), like)
+  assert back.inner_state[0].count.dtype == jnp.int32 and int(back.inner_state[0].count) == 2
+
+
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 def test_logical_axes_are_derived(mode):
   """Exact spec trees: compressed leaves take their param's axes, factored ones keep theirs."""

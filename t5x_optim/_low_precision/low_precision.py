@@ -1681,7 +1681,12 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
   Raises:
     ValueError: naming the path and both sides, when ``param_states`` does
       not have the structure or shapes of ``like``'s float32 state, or holds
-      a leaf of a kind a restore refuses (complex data for a real leaf).
+      a leaf a restore refuses: data of another kind (complex data for a
+      real leaf), or values that do not fit a leaf ``like`` keeps in a
+      narrower dtype (beyond a float16 or bfloat16 leaf's range, a step
+      count that is not a whole number). Values are checked only where
+      they are concrete: under ``jax.jit`` they are cast unchecked (a value
+      beyond a float16 leaf's range becomes inf).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -1720,14 +1725,18 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
       jax.tree.leaves_with_path(value), jax.tree.leaves(shapes), strict=True
     ):
       dtype = jnp.result_type(got)
-      if jnp.shape(got) != want.shape or (
-        dtype != want.dtype
-        and _state_dict.leaf_fit((), dtype, (), want.dtype) is _state_dict.Fit.OTHER_DTYPE
-      ):
+      fit = _state_dict.leaf_fit(jnp.shape(got), dtype, want.shape, want.dtype)
+      misfit = ""
+      if fit.values_decide and not isinstance(got, jax.core.Tracer):
+        misfit = _state_dict.range_problem(got, want.dtype) or (
+          "" if _state_dict.values_fit(got, want.dtype) else f"not all {fit.misfit} {want.dtype}"
+        )
+      if fit in (_state_dict.Fit.OTHER_SHAPE, _state_dict.Fit.OTHER_DTYPE) or misfit:
         raise ValueError(
           f"float32_to_low_precision: at '{_state_dict.key_path_str(path)}': "
           f"{dtype}{list(jnp.shape(got))} in the float32 state, "
-          f"the low-precision state holds {want.dtype}{list(want.shape)} there."
+          f"the low-precision state holds {want.dtype}{list(want.shape)} there"
+          + (f": {misfit}." if misfit else ".")
         )
       cast.append(got if dtype == want.dtype else jnp.asarray(got, want.dtype))
     value = jax.tree.unflatten(expected, cast)
