@@ -150,6 +150,17 @@ def test_a_pattern_keeping_a_complex_param_in_float32_is_taken():
   assert leaf_storage(state)[("inner_state", "0", "mu", "c")] == "kept: not floating"
 
 
+def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():
+  """zero_nans keeps a bool per param: the mode compresses the param's floating leaves and
+  keeps the bool, for the param is real; only a param that is not real is refused."""
+  params = {"w": jnp.ones((64, 64)), "scale": jnp.ones(())}
+  inner = optax.chain(optax.zero_nans(), optax.adam(1e-3))
+  tx = low_precision(inner, "8bit", param_modes=((".*", "4bit"),))
+  storage = leaf_storage(tx.init(params))
+  assert storage[("inner_state", "0", "found_nan", "scale")] == "kept: not floating"
+  assert storage[("inner_state", "1", "0", "mu", "w", "codes")].startswith("4bit codes")
+
+
 @pytest.mark.parametrize(
   "param_modes, warned",
   [

@@ -608,8 +608,10 @@ def _plan_storage(
     ValueError: naming the path, when ``states`` selects a leaf that is not a
       floating param-shaped mirror, or selects no leaf at all; naming the
       pattern, the param and the leaf, when a pattern of ``param_modes``
-      gives a mode other than ``"float32"`` to a param whose state leaves
-      are not floating (a complex param's).
+      gives a mode other than ``"float32"`` to a param that is not real
+      floating (a complex param, whose state leaves are complex); a real
+      param's leaves that are not floating (`optax.zero_nans`'s bool) are
+      kept.
   """
   flat = jax.tree.flatten_with_path(inner_state)[0]
   reference = trained_params(params)
@@ -639,7 +641,12 @@ def _plan_storage(
         f"the mode compresses floating param-shaped state leaves that are not copies of the "
         f"params, and {kept[1]}."
       )
-    chosen = rule_of(j) if kept is not None and kept[0] == _KEPT_NOT_FLOAT else None
+    unreal = (
+      kept is not None
+      and kept[0] == _KEPT_NOT_FLOAT
+      and not jnp.issubdtype(jnp.result_type(param_leaves[j]), jnp.floating)
+    )
+    chosen = rule_of(j) if unreal else None
     if chosen is not None and chosen.mode != _FLOAT32:
       raise ValueError(
         f"low_precision: the param_modes pattern {chosen.pattern!r} gives {chosen.mode!r} to "
