@@ -838,6 +838,33 @@ def test_a_constant_of_a_single_params_shape_is_not_its_mirror():
   np.testing.assert_array_equal(coeffs, want.inner_states["muon"].inner_state[0].ns_coeffs)
 
 
+@pytest.mark.parametrize("rows", [126, 127, 128])
+def test_a_single_params_state_is_stored_as_in_a_dict_at_the_factoring_boundary(rows):
+  """Adafactor factors v from min_dim_size_to_factor on: the state of a (127, 300) param is
+  stored as that of the same param in a dict, though a param one longer in each dim is
+  factored."""
+  inner = optax.adafactor(1e-3, min_dim_size_to_factor=128, factored=True)
+  tx = low_precision(inner, "bfloat16")
+  param = jnp.ones((rows, 300))
+  single, in_a_dict = tx.init(param).storage, tx.init({"w": param}).storage
+  assert single == in_a_dict
+  assert ("bfloat16" in single) == (rows < 128)
+
+
+def test_a_single_params_state_from_an_init_that_takes_only_an_array_is_read_by_its_shape():
+  """An init that cannot be traced for the param in a dict: a leaf of the param's shape
+  mirrors it."""
+
+  def init(param):
+    return {"m": jnp.zeros(param.shape, param.dtype), "n": jnp.zeros(param.size)}
+
+  tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+  assert low_precision(tx, "bfloat16", min_size=0).init(jnp.ones((4, 8))).storage == (
+    "bfloat16",
+    "kept: not param-shaped",
+  )
+
+
 def test_a_copy_behind_stop_gradient_is_a_copy():
   def init(params):
     return {"copy": jax.lax.stop_gradient(params), "trace": jax.tree.map(jnp.zeros_like, params)}

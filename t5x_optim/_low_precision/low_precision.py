@@ -338,44 +338,55 @@ def _mirror_params(init: Callable[[Any], Any], inner_state: Any, params: Any) ->
   hole may stand for a param or a whole subtree of them (`optax.masked` with
   a mask that is a prefix of the params); its leaves mirror the params at
   the same positions. Every leaf has the structure of params that are one
-  array: a leaf mirrors them where it has their shape and still has it when
-  `init` is traced for params one longer in each dim, so a setting that has
-  their shape (Muon's ``ns_coeffs``) is not taken for a mirror.
+  array: a leaf mirrors them where the state `init` gives the same param in
+  a dict (traced, ``{'p': params}``) has a mirror, so a setting that has
+  their shape (Muon's ``ns_coeffs``) is not taken for one; by the shape
+  alone where that state cannot be traced or does not map onto
+  ``inner_state`` leaf by leaf.
   """
   reference = trained_params(params)
-  param_def = jax.tree.structure(reference, is_leaf=_is_masked)
-  if param_def.num_nodes == 1:
+  if jax.tree.structure(reference, is_leaf=_is_masked).num_nodes == 1:
+    in_a_dict = _mirrors_in_a_dict(init, inner_state, params)
+    if in_a_dict is not None:
+      return in_a_dict
     shape = jnp.shape(reference)
-    leaves = jax.tree.leaves(inner_state)
-    longer = tuple(n + 1 for n in shape)
-    grown = _grown_shapes(init, params, longer) if shape else None
-    if grown is None or len(grown) != len(leaves):  # by the shape alone
-      grown = [longer] * len(leaves)
-    return [
-      0 if jnp.shape(x) == shape and grown_shape == longer else -1
-      for x, grown_shape in zip(leaves, grown, strict=True)
-    ]
+    return [0 if jnp.shape(x) == shape else -1 for x in jax.tree.leaves(inner_state)]
+  return [i for _, indices in _mirrors(inner_state, params)[0] for i in indices]
+
+
+def _mirrors(state: Any, params: Any) -> tuple[list[tuple[Any, list[int]]], Any]:
+  """Each mirror of ``params`` in ``state`` with its leaves' param indices, and each other
+  leaf with ``[-1]``, in order; and the treedef they are the leaves of."""
+  param_def = jax.tree.structure(trained_params(params), is_leaf=_is_masked)
 
   def mirrored(node: Any) -> list[int] | None:
     return holey_mirror(jax.tree.structure(node), param_def)
 
-  out: list[int] = []
-  for node in jax.tree.leaves(inner_state, is_leaf=lambda x: mirrored(x) is not None):
-    indices = mirrored(node)
-    out.extend([-1] if indices is None else indices)
-  return out
+  nodes, treedef = jax.tree.flatten(state, is_leaf=lambda x: mirrored(x) is not None)
+  return [(node, [-1] if mirrored(node) is None else mirrored(node)) for node in nodes], treedef
 
 
-def _grown_shapes(
-  init: Callable[[Any], Any], params: Any, shape: tuple[int, ...]
-) -> list[tuple[int, ...]] | None:
-  """The shapes of the leaves of `init` traced for `params` (one array) of `shape`; None
-  where it cannot be traced for them (it reads their values, or refuses the shape)."""
-  grown = jax.tree.map(lambda x: jax.ShapeDtypeStruct(shape, jnp.result_type(x)), params)
+def _mirrors_in_a_dict(
+  init: Callable[[Any], Any], inner_state: Any, params: Any
+) -> list[int] | None:
+  """`_mirror_params` of params that are one array, read from the state `init` gives them in
+  a dict; None where it cannot be traced for them or does not map onto ``inner_state``."""
+  wrapped = jax.tree.map(
+    lambda x: {"p": jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))}, params
+  )
   try:
-    return [x.shape for x in jax.tree.leaves(jax.eval_shape(init, grown))]
-  except (jax.errors.JAXTypeError, TypeError, ValueError):
+    mirrors, treedef = _mirrors(jax.eval_shape(init, wrapped), wrapped)
+  except Exception:  # noqa: BLE001 - an init may take only an array, or read its values
     return None
+  # Each mirror {'p': x} stands for the leaf x of inner_state, each other leaf for itself.
+  unwrapped = treedef.unflatten(
+    [node["p"] if isinstance(node, Mapping) and ix != [-1] else node for node, ix in mirrors]
+  )
+  if jax.tree.structure(unwrapped) != jax.tree.structure(inner_state) or [
+    x.shape for x in jax.tree.leaves(unwrapped)
+  ] != [jnp.shape(x) for x in jax.tree.leaves(inner_state)]:
+    return None
+  return [i for _, indices in mirrors for i in indices]
 
 
 _COPYING = frozenset(
