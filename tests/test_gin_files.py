@@ -14,6 +14,7 @@ import pytest
 
 from t5x_optim import OptimizerDef
 from t5x_optim.cli.loop import config as _config
+from t5x_optim.cli.loop import job as _job
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.partitioning import Partitioner
 
@@ -481,10 +482,13 @@ def test_an_optimizer_bound_to_the_train_job_itself_is_the_one_reported():
 def test_a_record_of_the_macro_when_the_job_bound_its_own_optimizer_still_names_it(tmp_path):
   """Earlier versions recorded ``%OPTIMIZER`` as the optimizer of a job that bound its own:
   such a record cannot tell what trained, and is taken for the job's (the state's layout is
-  still compared)."""
+  still compared). One that this version wrote (``optimizer_naming``) names what trained."""
   identity = _optimizer_report(DIRECT)[1]
   earlier = "optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])"
   _train._refuse_another_job({"optimizer": earlier}, {"optimizer": identity}, tmp_path, 4)
+  ours = {"optimizer": earlier, "optimizer_naming": _job.OPTIMIZER_NAMING}
+  with pytest.raises(_train.UsageError, match="holds another job"):
+    _train._refuse_another_job(ours, {"optimizer": identity}, tmp_path, 4)
   with pytest.raises(_train.UsageError, match="holds another job"):
     _train._refuse_another_job(
       {"optimizer": "optimizers.yogi"}, {"optimizer": identity}, tmp_path, 4

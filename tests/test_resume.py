@@ -96,6 +96,39 @@ def test_resume_with_another_optimizer_is_refused_naming_both(tmp_path, capsys):
   assert _checkpoint_steps(model_dir) == [2]
 
 
+ADAMAXW_OF_THE_JOB = [
+  "--gin_bindings",
+  "cli.TrainJob.optimizer = @other/optimizers.chain()",
+  "--gin_bindings",
+  "other/optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adamaxw()]",
+  "--gin_bindings",
+  "optax.adamaxw.learning_rate = %LEARNING_RATE",
+]
+"""A chain with adamaxw bound to the train job itself, ``%OPTIMIZER`` left the default's."""
+
+
+def test_resume_with_another_optimizer_bound_to_the_job_is_refused(four_steps, tmp_path, capsys):
+  """A record that names ``%OPTIMIZER``'s optimizer was taken for one an earlier version wrote
+  (they named it whatever the job bound), also when this version wrote it: a resume of a run
+  of the default chain with adamw, with ``cli.TrainJob.optimizer`` bound to a chain with
+  adamaxw, trained adamaxw on adamw's state. A record without ``optimizer_naming``, as earlier
+  versions wrote it, is still taken for the job's (the state's layout is still compared)."""
+  model_dir = _copy(four_steps, tmp_path)
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, *ADAMAXW_OF_THE_JOB, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "holds another job: at its checkpoint step 4 the optimizer is " in err, err
+  assert "optax.adamw]) there, " in err and "optax.adamaxw]) now" in err, err
+  assert _checkpoint_steps(model_dir) == [2, 4]
+  for step in (2, 4):
+    record = model_dir / "checkpoints" / str(step) / "job" / "metadata"
+    earlier = json.loads(record.read_text())
+    del earlier["optimizer_naming"]
+    record.write_text(json.dumps(earlier))
+  code, _, err = _train_run(model_dir, *_steps(6), *EVERY_2, *ADAMAXW_OF_THE_JOB, capsys=capsys)
+  assert code == 0, err
+  assert _checkpoint_steps(model_dir) == [2, 4, 6]
+
+
 def test_resume_with_same_shapes_of_another_model_is_refused(four_steps, tmp_path, capsys):
   """2 heads of 16 and 4 heads of 8 give kernels of the same shapes."""
   model_dir = _copy(four_steps, tmp_path)

@@ -2,8 +2,8 @@
 
 Every checkpoint of `t5x-optim train` records its job (`job_record`, saved
 with the step by `Checkpointer(job=...)`): the model's sizes, the optimizer
-(the gin configurables ``%OPTIMIZER`` reaches, its learning rate and schedule
-left out), the optimizer state's layout (the class of each state node, each
+(the gin configurables ``cli.TrainJob.optimizer`` reaches, its learning rate and
+schedule left out, and how they are named), the optimizer state's layout (the class of each state node, each
 leaf's dtype and shape), the config file of the start that wrote it, the
 text data's summary, the versions of the libraries that ran it and
 ``jax_enable_x64`` (a resume with another is refused: `x64_problem`). A
@@ -41,6 +41,7 @@ __all__ = [
   "CONFIG_FILE",
   "FORMAT",
   "LostConfig",
+  "OPTIMIZER_NAMING",
   "config_changes",
   "config_digest",
   "config_file_name",
@@ -61,6 +62,12 @@ CONFIG_FILE = "config.gin"
 
 FORMAT = 1
 """The version of the record's format."""
+OPTIMIZER_NAMING = 2
+"""How a record's ``optimizer`` names the job's optimizer (its ``optimizer_naming``): 2, what
+``cli.TrainJob.optimizer`` is bound to, each configurable as gin imported it
+(`config.optimizer_identity`). Records of earlier versions have none: they named
+``%OPTIMIZER`` whatever the job bound, each configurable as written
+(`config.earlier_optimizer_identities`)."""
 _SHOWN = 4
 _PACKAGES = ("t5x-optim", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
@@ -137,6 +144,7 @@ def job_record(
     "format": FORMAT,
     "model": dataclasses.asdict(model),
     "optimizer": optimizer,
+    "optimizer_naming": OPTIMIZER_NAMING,
     "state": state_layout(abstract_state),
     "config_sha256": config_digest(config_text),
     "versions": package_versions(),

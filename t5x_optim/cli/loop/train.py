@@ -802,12 +802,12 @@ def _refuse_another_job(
 
 
 def _recorded_by_an_earlier_version(recorded: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
-  """Whether `recorded` names `job`'s optimizer as an earlier version did
-  (`config.earlier_optimizer_identities`: a dict of optimizers left out, ``%OPTIMIZER`` named
-  where the job bound its own); such a record cannot tell what the dict held, or what
-  trained, and is taken for the job's."""
+  """Whether `recorded`, a record without ``optimizer_naming`` (`job.OPTIMIZER_NAMING`),
+  names `job`'s optimizer as an earlier version did (`config.earlier_optimizer_identities`:
+  a dict of optimizers left out, ``%OPTIMIZER`` named where the job bound its own); such a
+  record cannot tell what the dict held, or what trained, and is taken for the job's."""
   earlier = recorded.get("optimizer")
-  if earlier == job.get("optimizer"):
+  if "optimizer_naming" in recorded or earlier == job.get("optimizer"):
     return False
   return earlier in config_lib.earlier_optimizer_identities()
 
