@@ -7,6 +7,7 @@ import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -282,6 +283,32 @@ def test_the_optimizer_the_job_binds_itself_is_the_source_optimizer():
   )
   assert through != T5X_CONFIG.read_text()
   assert "OPTIMIZER = @optimizers.sgd()" in optimizer_config(through).gin
+
+
+def test_init_from_gin_that_binds_the_job_optimizer_builds_that_optimizer(tmp_path):
+  """--init_from_gin with a file that binds cli.TrainJob.optimizer itself (as a run's own gin
+  file may): the identity compared with the step's record was that optimizer's, while the
+  source definition the state was converted with was %OPTIMIZER's, the default chain with
+  adamw. It is built as gin calls it, in its own scope."""
+  gin_file = tmp_path / "run.gin"
+  gin_file.write_text(
+    "from __gin__ import dynamic_registration\n"
+    "from t5x_optim import cli\n"
+    "from t5x_optim import optimizers\n"
+    "cli.TrainJob.optimizer = @fast/optimizers.lion()\n"
+    "fast/optimizers.lion.learning_rate = 1e-3\n"
+    "fast/optimizers.lion.b1 = 0.5\n"
+  )
+  where = f"--init_from {tmp_path}: --init_from_gin {gin_file}"
+  built, hparams, identity = _init_from._parsed(
+    tmp_path / "config.gin", [str(gin_file)], [], {}, where
+  )
+  assert (identity, hparams["b1"]) == ("optimizers.lion", 0.5)
+  params = {"w": jnp.ones(2)}
+  lion = t5x_optim.optimizers.lion(learning_rate=1e-3)
+  assert jax.tree.structure(built.create(params).state.param_states) == jax.tree.structure(
+    lion.create(params).state.param_states
+  )
 
 
 @pytest.mark.slow

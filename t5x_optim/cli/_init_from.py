@@ -112,10 +112,11 @@ def bound_hparams() -> dict[str, Any]:
 
   Muon's ``adam_b1`` and ``adam_b2`` count as the ``b1`` and ``b2`` of its Adam.
 
-  They are read as gin builds ``%OPTIMIZER`` (`config.optimizer_arguments`):
-  only the configurables it reaches count, each in the scope gin calls it
-  in, so ``OPTIMIZER/optax.adamw.b2`` wins over ``optax.adamw.b2``. In a
-  config without ``OPTIMIZER``, every binding counts.
+  They are read as gin builds the job's optimizer (``cli.TrainJob.optimizer``,
+  ``%OPTIMIZER`` unless bound otherwise; `config.optimizer_arguments`): only
+  the configurables it reaches count, each in the scope gin calls it in, so
+  ``OPTIMIZER/optax.adamw.b2`` wins over ``optax.adamw.b2``. In a config
+  without ``cli.TrainJob``, every binding counts.
 
   A binding to a macro (``%LEARNING_RATE``) or to a configurable's call
   (``@optax.linear_schedule()``) is evaluated as gin would evaluate it. A
@@ -293,16 +294,16 @@ def _flag_names(gin_files: Sequence[str]) -> str:
 
 
 def _build_optimizer(where: str) -> Any:
-  """Evaluates the parsed config's ``%OPTIMIZER`` alone: no mesh, model or data is built."""
-  try:
-    value = gin.query_parameter("%OPTIMIZER")
-  except ValueError as error:
-    raise UsageError(f"{where} binds no OPTIMIZER.") from error
+  """Evaluates the parsed config's job's optimizer alone (``cli.TrainJob.optimizer``:
+  ``%OPTIMIZER``, or what the config binds there itself): no mesh, model or data is built."""
+  value = _config.job_optimizer()
+  if value is None:
+    raise UsageError(f"{where} binds no optimizer (cli.TrainJob.optimizer is None).")
   if not isinstance(value, gin.config.ConfigurableReference):
     return value
-  # As gin evaluates ``%OPTIMIZER``: in the macro's scope, where an operative config binds.
-  with gin.config_scope("OPTIMIZER"):
-    return value.scoped_configurable_fn()
+  # As gin calls it for TrainJob (in no scope): in the reference's own scope, a macro's name
+  # (``OPTIMIZER``, where an operative config binds) or ``@fast/optimizers.lion()``'s.
+  return value.scoped_configurable_fn()
 
 
 def source_optimizer(
@@ -313,8 +314,9 @@ def source_optimizer(
   Built from `gin_files` when given (``--init_from_gin``, e.g.
   ``optimizers/adafactor.gin``), else from the optimizer bindings of the
   directory's ``config.gin`` (a t5x-optim run's operative config, or the one
-  T5X's train.py wrote; `t5x_config.optimizer_config`). Only ``%OPTIMIZER``
-  is evaluated: the source run's mesh, model and data are never built, so
+  T5X's train.py wrote; `t5x_config.optimizer_config`). Only the job's
+  optimizer is evaluated (``cli.TrainJob.optimizer``, ``%OPTIMIZER`` unless
+  bound otherwise): the source run's mesh, model and data are never built, so
   neither its device count nor its data need to exist here. The optimizer is
   None for T5X's legacy Adafactor, recognised by its state's layout, and for
   a directory without a config. Of a t5x-optim run resumed with other numbers

@@ -57,6 +57,7 @@ __all__ = [
   "described_gin_error",
   "device_macros",
   "evaluated_argument",
+  "job_optimizer",
   "mesh_devices",
   "optimizer_arguments",
   "optimizer_identity",
@@ -896,11 +897,15 @@ _OPTIMIZER_SCOPE = ("OPTIMIZER",)
 """gin evaluates a macro's value in the macro's scope: ``%OPTIMIZER``'s in ``OPTIMIZER``."""
 
 
-def _job_optimizer() -> Any:
+def job_optimizer() -> Any:
   """What the parsed config binds ``cli.TrainJob.optimizer`` to, unevaluated: ``%OPTIMIZER``
-  (the default config's), or a reference bound there itself (``@optimizers.adam()``); read
-  in the scope gin calls it in (`_called_in`), a macro's in its own, as `build_job` calls
-  `TrainJob` in none."""
+  (the default config's), or a reference bound there itself (``@optimizers.adam()``). As
+  `build_job` calls `TrainJob` in no scope, gin calls it in its own scope: a macro's name
+  (``OPTIMIZER``), or that of a scoped reference (``@fast/optimizers.adam()``).
+
+  Raises:
+    ValueError: gin has not met `TrainJob` (a config parsed without the default one).
+  """
   return gin.get_bindings(TrainJob, resolve_references=False).get("optimizer")
 
 
@@ -1041,7 +1046,7 @@ def describe_optimizer() -> str:
     >>> describe_optimizer()
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw(learning_rate=optax.cosine_onecycle_schedule)])'
   """
-  text = _reference_text(_job_optimizer(), depth=3)
+  text = _reference_text(job_optimizer(), depth=3)
   return text or "(not a gin reference)"
 
 
@@ -1066,7 +1071,7 @@ def optimizer_identity() -> str:
     >>> optimizer_identity()
     'optimizers.chain(transformations=[optax.clip_by_global_norm, optax.adamw])'
   """
-  value = _job_optimizer()
+  value = job_optimizer()
   text = _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, written=False)
   return text or f"(not a gin reference: {value!r})"
 
@@ -1127,13 +1132,13 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
       if key not in stop:
         yield from visit(argument, depth - 1, scope)
 
-  yield from visit(_job_optimizer(), _IDENTITY_DEPTH, ())
+  yield from visit(job_optimizer(), _IDENTITY_DEPTH, ())
 
 
 def binds_optimizer() -> bool:
   """Whether the parsed config binds the job's optimizer (``cli.TrainJob.optimizer``)."""
   try:
-    return _job_optimizer() is not None
+    return job_optimizer() is not None
   except ValueError:  # gin has not met TrainJob: a config parsed without the default one
     return False
 
