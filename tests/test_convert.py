@@ -378,6 +378,7 @@ def test_a_converted_states_first_step_is_of_the_size_the_target_takes(source, t
   assert 0.02 < ratio < 5, ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["into", "from"])
 def test_adamax_state_is_told_from_adams_by_one_update(direction):
   """Adamax stores Adam's state type, its nu a running maximum of |g|. Read as Adam's E[g^2],
@@ -1569,6 +1570,7 @@ def test_stacked_params_convert_into_a_definition_as_into_its_optimizer():
   _assert_close(moved[1], moved[0])
 
 
+@pytest.mark.slow
 def test_the_report_of_stacked_params_counts_and_names_params_not_buffers():
   """Params kept stacked: the report counted the stacked buffers as params ("2 params" for
   three leaves in two buffers) and named a buffer as the example ("e.g. buffers/0"). It reads

@@ -441,6 +441,7 @@ SUM_SQUARES_SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_sum_squares_equal_those_of_the_float32_values(mode):
   """A chunk of 512 values: the (96, 40) and (12, 8, 16) leaves are walked a chunk of rows at
