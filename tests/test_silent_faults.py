@@ -485,6 +485,21 @@ def test_a_64_bit_checkpoint_restores_with_x64_off(tmp_path):
   np.testing.assert_array_equal(restored.target["w"], w.astype(np.float32))
 
 
+def test_64_bit_host_params_saved_with_x64_off_restore_with_x64_on(tmp_path):
+  """Host float64 and int64 params (numpy arrays the optimizer keeps) are stored in their own
+  dtypes, their checksums taken as a device without x64 narrows them; restored with x64 on
+  they were read as 64-bit and the step was called corrupt. Either checksum verifies."""
+  params = {"w": np.array([0.5, 1.0 + 1e-12, np.nan, 1e-300]), "n": np.arange(3, dtype=np.int64)}
+  opt = OptaxWrapper(optax.masked(optax.sgd(0.1), {"w": True, "n": False})).create(params)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, opt)
+  with jax.enable_x64(True), Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(opt)
+    assert restored.target["w"].dtype == np.float64
+    np.testing.assert_array_equal(restored.target["w"], params["w"])
+    np.testing.assert_array_equal(restored.target["n"], params["n"])
+
+
 @pytest.mark.parametrize("fallback", [False, True])
 def test_a_64_bit_value_beyond_a_32_bit_target_is_refused_not_corrupt(tmp_path, fallback):
   _saved_with_x64(tmp_path, {"w": np.array([1e300, 1.0])}, 7)

@@ -35,6 +35,7 @@ __all__ = [
   "ChecksumsHandler",
   "dispatch_checksums",
   "fetch",
+  "x32_values",
   "x64_words",
 ]
 
@@ -148,6 +149,42 @@ def x64_words(leaves: Mapping[Path, Any]) -> dict[Path, np.ndarray]:
     value = np.ascontiguousarray(value)
     words[path] = value.view(np.uint32).reshape(*value.shape, value.dtype.itemsize // 4)
   return words
+
+
+_NARROWER = {
+  np.dtype(np.float64): np.float32,
+  np.dtype(np.complex128): np.complex64,
+  np.dtype(np.int64): np.int32,
+  np.dtype(np.uint64): np.uint32,
+}
+
+
+def x32_values(leaves: Mapping[Path, Any]) -> dict[Path, Any]:
+  """With ``jax_enable_x64`` on, the 64-bit leaves as a device without it holds them.
+
+  A step saved with x64 off recorded the checksum of its host 64-bit arrays
+  (numpy params an optimizer keeps) as a device narrows them (`_exact`);
+  read with x64 on, they are 64-bit. These are the narrowed values to
+  compare that checksum against: floats rounded, integers only where every
+  value fits (otherwise their words were recorded, which the 64-bit
+  checksum is).
+
+  Example:
+    >>> x32_values({('w',): np.array([1.0])})  # x64 off: nothing to narrow
+    {}
+  """
+  if not jax.config.jax_enable_x64:
+    return {}
+  narrowed = {}
+  for path, leaf in leaves.items():
+    narrow = _NARROWER.get(np.dtype(getattr(leaf, "dtype", None) or np.float32))
+    if narrow is None:
+      continue
+    value = jnp.asarray(leaf).astype(narrow)
+    if np.issubdtype(narrow, np.integer) and not jnp.array_equal(value.astype(leaf.dtype), leaf):
+      continue
+    narrowed[path] = value
+  return narrowed
 
 
 def dispatch_checksums(

@@ -29,6 +29,7 @@ from t5x_optim._checkpoint.checksums import (
   ChecksumsHandler,
   dispatch_checksums,
   fetch,
+  x32_values,
   x64_words,
 )
 from t5x_optim._checkpoint.headers import open_stored
@@ -636,15 +637,16 @@ class Checkpointer:
     self,
     step: int,
     pending: Mapping[str, jax.Array],
-    with_x64: Mapping[str, jax.Array],
+    other_x64: Mapping[str, jax.Array],
     recorded: Mapping[str, int],
   ) -> None:
     """Raises `CheckpointError` naming every array whose checksum differs.
 
-    An array in `with_x64` (`x64_words`) may match either checksum: the one
-    its step recorded depends on whether it was saved with x64 on.
+    An array in `other_x64` (its `x64_words` with x64 off, its `x32_values`
+    with x64 on) may match either checksum: the one its step recorded
+    depends on whether it was saved with x64 on.
     """
-    actual, words = fetch(pending), fetch(with_x64)
+    actual, words = fetch(pending), fetch(other_x64)
     wrong = [
       f"'{path}' (recorded {recorded[path]:#010x}, read {value:#010x})"
       for path, value in actual.items()
@@ -690,12 +692,12 @@ class Checkpointer:
       # Checked in the stored dtype: the exact casts read in the target's dtype reverse exactly.
       dtypes = {p: stored[p].dtype for p, x in restored.items() if x.dtype != stored[p].dtype}
       pending = dispatch_checksums(restored, dtypes)
-      with_x64 = dispatch_checksums(x64_words(restored))
+      other_x64 = dispatch_checksums({**x64_words(restored), **x32_values(restored)})
     restored, unfit = fit_read(restored, expected)
     restored.update({path: empty_leaf(expected[path]) for path in empty})
     if unfit:
       if verify:
-        self._verify(step, pending, with_x64, recorded)  # Corrupt data is not the target's fault.
+        self._verify(step, pending, other_x64, recorded)  # Corrupt data is not the target's fault.
       self._refuse(step, unfit)
     state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
@@ -704,10 +706,10 @@ class Checkpointer:
       state = target.restore_state(state_dict)
     except ValueError:
       if verify:
-        self._verify(step, pending, with_x64, recorded)  # A corrupt step counter, say.
+        self._verify(step, pending, other_x64, recorded)  # A corrupt step counter, say.
       raise
     if verify:
-      self._verify(step, pending, with_x64, recorded)
+      self._verify(step, pending, other_x64, recorded)
     return state
 
   @_taking_turns
