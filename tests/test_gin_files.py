@@ -495,6 +495,22 @@ def test_a_record_of_the_macro_when_the_job_bound_its_own_optimizer_still_names_
     )
 
 
+def test_an_empty_list_bound_to_an_argument_is_not_part_of_the_identity(tmp_path):
+  """A run's config.gin writes the defaults it read (``low_precision.param_modes = ()``):
+  resumed with its own config.gin, an 8-bit run's optimizer was 'low_precision(inner=...,
+  param_modes=[])' where the run recorded 'low_precision(inner=...)', another job. An empty
+  list holds no optimizer, so it is left out; a record from an earlier version that shows it
+  is still taken for the job's."""
+  include = ["include 'optimizers/adamw_8bit.gin'"]
+  shown = _optimizer_report([*include, "optimizers.low_precision.param_modes = ()"])[1]
+  earlier = _config.earlier_optimizer_identities()
+  assert _optimizer_report(include)[1] == shown and "param_modes" not in shown
+  assert any("param_modes=[]" in text for text in earlier), earlier
+  record = next(text for text in earlier if "param_modes=[]" in text)
+  _optimizer_report([*include, "optimizers.low_precision.param_modes = ()"])
+  _train._refuse_another_job({"optimizer": record}, {"optimizer": shown}, tmp_path, 4)
+
+
 QUALIFIED = [
   "import t5x_optim.optimizers\nOPTIMIZER = @t5x_optim.optimizers.chain()\n"
   "t5x_optim.optimizers.chain.transformations = [@optax.clip_by_global_norm(), @optax.adamw()]"

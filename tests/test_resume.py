@@ -984,3 +984,16 @@ def test_init_from_gin_that_builds_no_optimizer_names_the_flag(four_steps, tmp_p
   code, _, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
   err = _one_line_error(code, err)
   assert f"--init_from {four_steps}: --init_from_gin {bad}" in err, err
+
+
+def test_an_8_bit_run_resumes_with_its_own_config_gin(tmp_path, capsys):
+  """Its config.gin binds the defaults the run read (``low_precision.param_modes = ()``),
+  which made the optimizer 'another job' than the one the run recorded; both ways resume."""
+  shipped = ["--gin_file", "optimizers/adamw_8bit.gin"]
+  assert _train_run(tmp_path / "a", *shipped, *_steps(1), capsys=capsys)[0] == 0
+  own = ["--gin_file", str(tmp_path / "a" / "config.gin")]
+  code, _, err = _train_run(tmp_path / "a", *own, *_steps(2), capsys=capsys)
+  assert code == 0, err
+  assert _train_run(tmp_path / "b", *own, *_steps(1), capsys=capsys)[0] == 0
+  code, _, err = _train_run(tmp_path / "b", *shipped, *_steps(2), capsys=capsys)
+  assert code == 0, err

@@ -1002,18 +1002,21 @@ def _reference_text(
   *,
   dicts: bool = True,
   written: bool = True,
+  empty: bool = False,
 ) -> str | None:
   """`value` as ``name(arg=...)`` when it is a gin reference (or a list or dict of them).
 
   Its arguments are those gin binds when it calls `value` from `scope`;
   those named in `skip` are left out, and dicts without ``dicts``. Each
   configurable is named as written, or without ``written`` by `_own_name`.
+  An empty list or dict holds no reference and is left out, or with
+  `empty` shown as ``[]`` (as earlier versions recorded it).
   """
   items = _items(value, dicts=dicts)
-  recurse = functools.partial(_reference_text, skip=skip, dicts=dicts, written=written)
+  recurse = functools.partial(_reference_text, skip=skip, dicts=dicts, written=written, empty=empty)
   if items is not None:
     parts = [(key, recurse(item, depth, scope=scope)) for key, item in items]
-    if not all(text for _, text in parts):
+    if not all(text for _, text in parts) or not (parts or empty):
       return None
     if isinstance(value, Mapping):
       return f"{{{', '.join(f'{key!r}: {text}' for key, text in parts)}}}"
@@ -1079,8 +1082,9 @@ def optimizer_identity() -> str:
 def earlier_optimizer_identities() -> set[str]:
   """`optimizer_identity` as earlier versions recorded it for the parsed config: that of
   ``%OPTIMIZER`` whatever ``cli.TrainJob.optimizer`` is bound to, its configurables named as
-  written, with arguments bound to a dict (``optax.multi_transform``'s ``transforms``) in or,
-  before those were read, left out.
+  written, arguments bound to an empty list shown (``param_modes=[]``), with arguments bound
+  to a dict (``optax.multi_transform``'s ``transforms``) in or, before those were read, left
+  out.
 
   Example:
     >>> parse_config(gin_bindings=['cli.TrainJob.optimizer = @optimizers.adam()'])
@@ -1089,7 +1093,9 @@ def earlier_optimizer_identities() -> set[str]:
   """
   value = gin.query_parameter("%OPTIMIZER")
   return {
-    _reference_text(value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE, dicts=dicts)
+    _reference_text(
+      value, depth=_IDENTITY_DEPTH, skip=_RATES, scope=_OPTIMIZER_SCOPE, dicts=dicts, empty=True
+    )
     or f"(not a gin reference: {value!r})"
     for dicts in (True, False)
   }
