@@ -926,6 +926,11 @@ BAD_CONFIGS = {
     "optax.lbfgs took memory_size from the bindings (did you mean "
     "optimizers.lbfgs?)",
   ),
+  "data_shadowed": (
+    [*TINY, "--data", "hamlet.txt", "--gin_bindings", "TASK/cli.TextTask.path = 'hamlet.txt'"],
+    "--data hamlet.txt binds what this run never reads: every call of cli.TextTask took path "
+    "from the more specific TASK/cli.TextTask.path",
+  ),
   "binding_of_another_optimizer": (
     ["--gin_bindings", "optax.adam.b1 = 0.8"],
     "--gin_bindings 'optax.adam.b1 = 0.8' binds what this run never reads: no call of "

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -467,13 +467,15 @@ def _fail(args: argparse.Namespace, error: Exception) -> int:
   return _error(args.command, _describe(error))
 
 
-def _refuse_unread(unread: Sequence[tuple[str, str]]) -> None:
+def _refuse_unread(unread: Sequence[tuple[str, str]], flags: Mapping[str, str]) -> None:
   """Refuses the bindings the built job never read (`config.unread_bindings`): a binding that
-  changes nothing is a mistake (a configurable the run does not call, a mistyped macro)."""
+  changes nothing is a mistake (a configurable the run does not call, a mistyped macro). A
+  binding a flag made is named as that flag (`flags`: ``--data hamlet.txt``)."""
   if unread:
     raise ValueError(
       "; ".join(
-        f"--gin_bindings {binding!r} binds what this run never reads: {reason}"
+        f"{flags.get(binding) or f'--gin_bindings {binding!r}'} binds what this run never "
+        f"reads: {reason}"
         for binding, reason in unread
       )
       + ". Nothing was trained or saved: remove it, or bind what the run calls."
@@ -586,6 +588,11 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       _text.scan_text(args.data, label="--data")
     # The flag's count beats a gin file's (a resumed run's config.gin binds one).
     flag_count = [] if args.num_devices is None else [f"NUM_DEVICES = {args.num_devices}"]
+    flags = {binding: f"--data {args.data}" for binding in data}
+    flags.update({binding: f"--num_devices {args.num_devices}" for binding in flag_count})
+    for binding in _flag_bindings(args):
+      name = binding.partition(" = ")[0].rpartition(".")[2]
+      flags[binding] = f"--{name} {getattr(args, name)}"
     parse = functools.partial(
       _config.parse_config,
       gin_files=args.gin_file,
@@ -645,7 +652,7 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
     job = _config.build_job()
     rate_from = _config.learning_rate_source()
     setup = _train.prepare(job)
-    _refuse_unread(_config.unread_bindings())
+    _refuse_unread(_config.unread_bindings(), flags)
     initial_state = None
     if train and args.init_from:
       initial_state = _init_from.initial_state_fn(
