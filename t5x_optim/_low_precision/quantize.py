@@ -297,6 +297,19 @@ def extreme_keys(magnitude: jax.Array, negative: jax.Array) -> jax.Array:
   return (magnitude << 1) | negative.astype(jnp.uint32)
 
 
+def stored_scales(
+  key: jax.Array, signed: jax.Array, most_negative: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """From each block's reduced `extreme_keys` and whether it holds a negative value (1 or 0):
+  its largest magnitude, the magnitude of its scale (`extreme_scale`, for the map whose most
+  negative value's magnitude is ``most_negative``) and the stored scale, that magnitude with
+  the sign bit set where the block is signed."""
+  largest = jax.lax.bitcast_convert_type(key >> 1, jnp.float32)
+  scale = extreme_scale(largest, key, most_negative)
+  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+  return largest, scale, jax.lax.bitcast_convert_type(scale_bits | (signed << 31), jnp.float32)
+
+
 def _block_scales(blocks: jax.Array, *, finite: bool) -> tuple[jax.Array, jax.Array]:
   """Each block's stored scale and the reciprocal of its magnitude.
 
@@ -322,11 +335,8 @@ def _block_scales(blocks: jax.Array, *, finite: bool) -> tuple[jax.Array, jax.Ar
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1]), jax.lax.min(a[2], b[2])),
     (blocks.ndim - 1,),
   )
-  largest = jax.lax.bitcast_convert_type(key >> 1, jnp.float32)
-  scale = extreme_scale(largest, key, -float(dynamic_map(True)[0]))
-  reciprocal = jax.lax.select(scale > largest, 1.0 / scale, reciprocal)
-  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-  return jax.lax.bitcast_convert_type(scale_bits | (signed << 31), jnp.float32), reciprocal
+  largest, scale, stored = stored_scales(key, signed, -float(dynamic_map(True)[0]))
+  return stored, jax.lax.select(scale > largest, 1.0 / scale, reciprocal)
 
 
 def quantize_stats(

@@ -59,8 +59,8 @@ from t5x_optim._low_precision.quantize import (
   MIN_BLOCK,
   blocks_of,
   extreme_keys,
-  extreme_scale,
   spread_blocks,
+  stored_scales,
 )
 
 __all__ = [
@@ -271,10 +271,7 @@ def quantize4_stats(
     lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.max(a[1], b[1])),
     within,
   )
-  largest = jax.lax.bitcast_convert_type(key >> 1, jnp.float32)
-  scale = extreme_scale(largest, key, -float(signed_map4()[0]))
-  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-  scales = jax.lax.bitcast_convert_type(scale_bits | (signed << 31), jnp.float32)
+  scales = stored_scales(key, signed, -float(signed_map4()[0]))[2]
   if not rank1:
     return (scales,)
   magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
