@@ -177,7 +177,7 @@ def x32_values(leaves: Mapping[Path, Any]) -> dict[Path, Any]:
     return {}
   narrowed = {}
   for path, leaf in leaves.items():
-    narrow = _NARROWER.get(np.dtype(getattr(leaf, "dtype", None) or np.float32))
+    narrow = _NARROWER.get(np.dtype(leaf.dtype)) if hasattr(leaf, "dtype") else None
     if narrow is None:
       continue
     value = jnp.asarray(leaf).astype(narrow)
