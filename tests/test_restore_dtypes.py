@@ -172,3 +172,15 @@ def test_params_beyond_a_narrower_float_range_are_refused_where_they_would_be_ca
       ValueError, match=f"mismatch at '{W}'.*float32 values .* range of the target's float16"
     ):
       ckpt.restore(target)
+
+
+@pytest.mark.parametrize(
+  ("dtype", "value"), [(np.float16, 2049), (np.float32, 2**24 + 1), (jnp.bfloat16, 257)]
+)
+def test_a_python_int_that_a_float_leaf_would_round_is_refused(dtype, value):
+  from t5x_optim._core.state_dict import restore_into
+
+  with pytest.raises(ValueError, match="Dtype mismatch at 'x'"):
+    restore_into({"x": np.zeros((), dtype)}, {"x": value})
+  exact = restore_into({"x": np.zeros((), dtype)}, {"x": value - 1})["x"]
+  assert float(exact) == value - 1

@@ -386,10 +386,18 @@ def _castable(value: Any, fit: Fit, dst: np.dtype) -> bool:
   if fit.values_decide:
     return values_fit(value, dst)
   if fit is Fit.OTHER_DTYPE:
-    return isinstance(value, bool | int | float | complex) and bool(
-      np.asarray(value).astype(dst) == value
+    return (
+      isinstance(value, bool | int | float | complex)
+      and _as_python_number(np.asarray(value).astype(dst)) == value
     )
   return True
+
+
+def _as_python_number(value: np.ndarray) -> bool | int | float | complex:
+  """The Python number a 0-d array holds (ml_dtypes' scalars read as a float), compared exactly
+  with another Python number where numpy would first cast the other to the array's dtype."""
+  item = value.item()
+  return item if isinstance(item, bool | int | float | complex) else float(item)
 
 
 def is_prng_key(value: Any) -> bool:
