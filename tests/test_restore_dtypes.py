@@ -184,3 +184,27 @@ def test_a_python_int_that_a_float_leaf_would_round_is_refused(dtype, value):
     restore_into({"x": np.zeros((), dtype)}, {"x": value})
   exact = restore_into({"x": np.zeros((), dtype)}, {"x": value - 1})["x"]
   assert float(exact) == value - 1
+
+
+@pytest.mark.parametrize(
+  "data",
+  [
+    np.array([0.0, 1.0], np.float32),
+    np.array([1.5, 2.7], np.float32),
+    np.array([2**40 + 5, 7], np.int64),
+    np.array([-1, 7], np.int32),
+  ],
+  ids=["whole-floats", "fractions", "beyond-uint32", "negative"],
+)
+def test_raw_prng_key_data_restores_only_as_uint32_values(data):
+  import optax
+
+  tx = optax.chain(optax.add_noise(0.1, 0.5, jax.random.key(0)), optax.sgd(0.1))
+  opt = optimizers.OptaxWrapper(tx).create({"w": jnp.zeros(2)})
+  state = opt.state_dict()
+  state["state"]["param_states"]["0"]["rng_key"] = data
+  with pytest.raises(ValueError, match="state/param_states/0/rng_key"):
+    opt.restore_state(state)
+  state["state"]["param_states"]["0"]["rng_key"] = data.astype(np.int64) * 0 + np.array([3, 9])
+  restored = opt.restore_state(state).state.param_states[0].rng_key
+  np.testing.assert_array_equal(jax.random.key_data(restored), [3, 9])

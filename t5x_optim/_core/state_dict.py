@@ -420,9 +420,7 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
         f"Shape mismatch at '{where}': the optimizer's PRNG key data has shape "
         f"{data_shape}, the state dict has shape {np.shape(value)}."
       )
-    value = jax.random.wrap_key_data(
-      np.asarray(value, np.uint32), impl=jax.random.key_impl(reference)
-    )
+    value = jax.random.wrap_key_data(_key_data(value, where), impl=jax.random.key_impl(reference))
   if value.dtype != reference.dtype or value.shape != reference.shape:
     raise ValueError(
       f"PRNG key mismatch at '{where}': the optimizer has {reference.dtype} "
@@ -430,6 +428,19 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
     )
   sharding = getattr(reference, "sharding", None)
   return jax.device_put(value, sharding) if sharding is not None else value
+
+
+def _key_data(value: Any, where: str) -> np.ndarray:
+  """Raw PRNG key data `value` as uint32, refused unless it holds integers that fit exactly
+  (key bits stored as floats may have rounded, and wider integers would wrap)."""
+  data = np.asarray(value)
+  if not _is_int(data.dtype) or not values_fit(data, np.uint32):
+    span = f", from {data.min()} to {data.max()}" if data.size and data.dtype.kind in "iuf" else ""
+    raise ValueError(
+      f"Dtype mismatch at '{where}': PRNG key data restores from integers within uint32; the "
+      f"state dict has {data.dtype}{span}."
+    )
+  return data.astype(np.uint32)
 
 
 def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
