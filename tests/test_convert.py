@@ -395,6 +395,27 @@ def test_adamax_state_is_told_from_adams_by_one_update(direction):
   assert 0.2 < ratio < 3, ratio
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["into", "from"])
+def test_adamax_state_of_scalar_params_only_is_told_from_adams(direction):
+  """The probe compared two values of each leaf; over scalar params alone it had none, so
+  adamax's running maximum of |g| converted into Adam's E[g^2] (670 times too large) and the
+  report named Adam's state. A scalar converts as the same value in a one-element array does."""
+  old, new = optax.adamax(1e-3), optax.adam(1e-3)
+  if direction == "into":
+    old, new = new, old
+  got = {}
+  for shape in [(), (1,)]:
+    params = {"w": np.zeros(shape, np.float32)}
+    source = OptaxWrapper(old).create(params)
+    for g in (0.5, 0.25, 0.5):
+      source = source.apply_gradient({"w": np.full(shape, g, np.float32)})
+    converted, report = t5x_optim.convert_state(source, OptaxWrapper(new).create(params))
+    assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
+    got[shape] = np.ravel(converted.state.param_states[0].nu["w"])
+  np.testing.assert_array_equal(got[()], got[(1,)])
+
+
 def _accumulating(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   return optax.MultiSteps(inner, every_k_schedule=3).gradient_transformation()
 

@@ -750,7 +750,8 @@ def _adamax_paths(
   ``nu``. Updates of a copy of the params with two values per dimension, on
   gradients alternating 2e-3 and 3e-3 (small, for element-wise clipping),
   tell them apart: Adam's ``nu`` grows as ``g^2`` (ratio 2.25), adamax's as
-  ``|g|`` (1.5). Only a ratio near 1.5 in every leaf marks a state as
+  ``|g|`` (1.5); a scalar's one value is told by its size
+  (`_adamax_ratio`). Only a ratio near 1.5 in every leaf marks a state as
   adamax's. The probe runs only where `param_states` (the `side`
   optimizer's) holds Adam's state type, with the extra arguments the update
   takes (`loss_extra_args` of a linear loss whose gradient is the probe's),
@@ -795,10 +796,19 @@ def _adamax_paths(
   found = set()
   for path, node in _adam_states(opt.state.param_states):
     nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
-    ratios = [v[1] / v[0] for v in nus if v.size >= 2 and v[0] > 0]
+    ratios = [_adamax_ratio(v) for v in nus if v.size and v[0] > 0]
     if ratios and all(abs(ratio - 1.5) < 0.15 for ratio in ratios):
       found.add(path)
   return frozenset(found)
+
+
+def _adamax_ratio(nu: np.ndarray) -> float:
+  """The probe's ratio of the second to the first value of `nu` (1.5 for adamax's, 2.25 for
+  Adam's). A one-value leaf (a scalar param) has only the first, from a gradient of 2e-3:
+  adamax's is about 2e-3 (ratio taken as 1.5), Adam's at most (2e-3)^2 (taken as 2.25)."""
+  if nu.size >= 2:
+    return float(nu[1] / nu[0])
+  return 1.5 if nu[0] > 1e-3 else 2.25
 
 
 def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | None:
