@@ -341,6 +341,24 @@ def test_learning_rate_override_reaches_nested_injected_state():
   assert float(stepped.state.param_states[1].hyperparams["learning_rate"]) == 0.25
 
 
+def test_learning_rate_override_reaches_a_rate_injected_inside_another_injected_state():
+  """An outer inject_hyperparams of the weight decay alone stopped the walk, so the inner
+  injected learning rate kept 1.0 and the override was called ignored."""
+
+  def decayed_sgd(weight_decay):
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
+    return optax.chain(optax.add_decayed_weights(weight_decay), inner)
+
+  tx = optax.inject_hyperparams(decayed_sgd)(weight_decay=0.0)
+  opt = OptaxWrapper(tx).create(_params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    stepped = opt.apply_gradient(jax.tree.map(jnp.ones_like, _params()), learning_rate=100.0)
+  np.testing.assert_array_equal(stepped.target["dense"]["bias"], -100.0 * np.ones(3))
+  inner = stepped.state.param_states.inner_state[1]
+  assert float(inner.hyperparams["learning_rate"]) == 100.0
+
+
 def test_learning_rate_override_of_several_injected_rates_warns_with_their_paths():
   labels = {"dense": {"kernel": "k", "bias": "b"}}
   tx = optax.multi_transform(

@@ -244,12 +244,22 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
   then ignored: when no state of the tree has an injectable constant
   learning rate (none was injected, or `inject_hyperparams` got a schedule)
   the states come back unchanged, with a warning that says so. Several
-  injected rates all take the one value, with a warning naming them.
+  injected rates all take the one value, with a warning naming them, those
+  injected inside another injected state's transformation too.
   """
   found = []
 
+  def set_rates(tree: Any, prefix: jax.tree_util.KeyPath) -> Any:
+    return jax.tree.map_with_path(
+      lambda path, node: set_rate(prefix + path, node), tree, is_leaf=_is_injected_state
+    )
+
   def set_rate(path: jax.tree_util.KeyPath, node: Any) -> Any:
-    if not (_is_injected_state(node) and _LEARNING_RATE in _constants(node)):
+    if not _is_injected_state(node):
+      return node
+    inner = set_rates(node.inner_state, (*path, jax.tree_util.GetAttrKey("inner_state")))
+    node = node._replace(inner_state=inner)
+    if _LEARNING_RATE not in _constants(node):
       return node
     found.append(key_path_str(path))
     old = node.hyperparams[_LEARNING_RATE]
@@ -264,7 +274,7 @@ def override_learning_rate(param_states: Any, learning_rate: Any) -> Any:
     hyperparams[_LEARNING_RATE] = jnp.asarray(learning_rate, dtype=dtype)
     return node._replace(hyperparams=hyperparams)
 
-  new_states = jax.tree.map_with_path(set_rate, param_states, is_leaf=_is_injected_state)
+  new_states = set_rates(param_states, ())
   if len(found) > 1:
     warn(
       f"learning_rate= sets the {len(found)} injected learning rates of the optax state to "
