@@ -27,6 +27,7 @@ from t5x_optim import (
   OptimizerState,
   PathFilter,
   TrainState,
+  low_precision,
   optimizers,
 )
 from t5x_optim.partitioning import Partitioner, create_mesh
@@ -509,6 +510,21 @@ def test_filter_matching_nothing_is_allowed_with_a_warning() -> None:
   ):
     opt = run_multi(opt_def, make_params())
   assert opt.state.param_states[1].param_states[0].mu == {}
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("container", [dict, flax.core.FrozenDict], ids=["dict", "frozen"])
+def test_a_low_precision_optimizer_of_a_filter_matching_nothing_gets_an_empty_state(
+  mode, container
+) -> None:
+  """Its empty tree was taken for params that are one array: `create` failed with a bare
+  KeyError 'p' after the warning that promised an empty tree."""
+  compressed = OptaxWrapper(low_precision(optax.adam(1e-2), mode, min_size=0))
+  opt_def = MultiOptimizer([(KERNELS, OptaxWrapper(optax.adam(1e-2))), ("nothing", compressed)])
+  with pytest.warns(UserWarning, match="selects no params"):
+    opt = run_multi(opt_def, container(make_params()))
+  adam = opt.state.param_states[1].param_states.inner_state[0]
+  assert jax.tree.leaves((adam.mu, adam.nu)) == []
 
 
 @pytest.mark.parametrize(

@@ -345,7 +345,8 @@ def _mirror_params(init: Callable[[Any], Any], inner_state: Any, params: Any) ->
   ``inner_state`` leaf by leaf.
   """
   reference = trained_params(params)
-  if jax.tree.structure(reference, is_leaf=_is_masked).num_nodes == 1:
+  structure = jax.tree.structure(reference, is_leaf=_is_masked)
+  if structure.num_nodes == 1 == structure.num_leaves:  # One array: not an empty tree.
     in_a_dict = _mirrors_in_a_dict(init, inner_state, params)
     if in_a_dict is not None:
       return in_a_dict
