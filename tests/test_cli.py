@@ -888,7 +888,13 @@ BAD_CONFIGS = {
   "unknown_parameter": (["--gin_bindings", "cli.TrainJob.total_stepz = 3"], "total_stepz"),
   "wrong_type": (
     ["--gin_bindings", "cli.TrainJob.total_steps = 'ten'"],
-    "TrainJob.total_steps must be an int >= 1, got 'ten' (str)",
+    "TrainJob.total_steps must be an int >= 1 and <= 2147483647 (the int32 step counter's "
+    "largest), got 'ten' (str)",
+  ),
+  "steps_beyond_the_int32_counter": (
+    ["--gin_bindings", "TOTAL_STEPS = 2147483648"],
+    "TrainJob.total_steps must be an int >= 1 and <= 2147483647 (the int32 step counter's "
+    "largest), got 2147483648 (int)",
   ),
   "optax_not_optimizer_def": (
     [

@@ -145,10 +145,21 @@ GIN_DIR = Path(__file__).resolve().parents[2] / "gin"
 _MESH_OPTIONS = ("num_partitions", "model_parallel_submesh", "shape")
 
 
-def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+_LARGEST_STEP = 2**31 - 1  # The int32 step counter's largest.
+
+
+def _check_int(
+  owner: str, name: str, value: Any, *, minimum: int, maximum: int | None = None
+) -> None:
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, int)
+    or value < minimum
+    or (maximum is not None and value > maximum)
+  ):
+    bound = "" if maximum is None else f" and <= {maximum} (the int32 step counter's largest)"
     raise ValueError(
-      f"{owner}.{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})."
+      f"{owner}.{name} must be an int >= {minimum}{bound}, got {value!r} ({type(value).__name__})."
     )
 
 
@@ -364,8 +375,8 @@ class TrainJob:
         f"({type(self.task).__name__}). Use @cli.SyntheticTask() or @cli.TextTask()."
       )
     task = type(self.task).__name__
+    _check_int(owner, "total_steps", self.total_steps, minimum=1, maximum=_LARGEST_STEP)
     for name in (
-      "total_steps",
       "checkpoint_every",
       "keep_checkpoints",
       "log_every",
