@@ -208,3 +208,15 @@ def test_raw_prng_key_data_restores_only_as_uint32_values(data):
   state["state"]["param_states"]["0"]["rng_key"] = data.astype(np.int64) * 0 + np.array([3, 9])
   restored = opt.restore_state(state).state.param_states[0].rng_key
   np.testing.assert_array_equal(jax.random.key_data(restored), [3, 9])
+
+
+def test_a_restore_into_arrays_on_no_particular_device_leaves_them_so():
+  """A restored state was committed to its device where the optimizer's arrays were not, so a
+  step jitted before the restore compiled again for it."""
+  opt = optimizers.adamw(1e-3).create({"w": jnp.zeros(3)})
+  step = jax.jit(lambda o: o.apply_gradient({"w": jnp.ones(3)}))
+  opt = step(opt)
+  restored = opt.restore_state(opt.state_dict())
+  assert not any(leaf.committed for leaf in jax.tree.leaves(restored))
+  step(restored)
+  assert step._cache_size() == 1

@@ -426,8 +426,7 @@ def _convert_key(reference: Any, value: Any, where: str) -> jax.Array:
       f"PRNG key mismatch at '{where}': the optimizer has {reference.dtype} "
       f"{reference.shape}, the state dict has {value.dtype} {value.shape}."
     )
-  sharding = getattr(reference, "sharding", None)
-  return jax.device_put(value, sharding) if sharding is not None else value
+  return _placed_like(reference, value)
 
 
 def _key_data(value: Any, where: str) -> np.ndarray:
@@ -441,6 +440,16 @@ def _key_data(value: Any, where: str) -> np.ndarray:
       f"state dict has {data.dtype}{span}."
     )
   return data.astype(np.uint32)
+
+
+def _placed_like(reference: Any, value: jax.Array) -> jax.Array:
+  """`value` on `reference`'s sharding; left where it is when neither is committed to a device
+  (a step jitted for the reference then takes it without compiling again)."""
+  sharding = getattr(reference, "sharding", None)
+  loose = not getattr(reference, "committed", True) and not getattr(value, "committed", False)
+  if sharding is None or loose:
+    return value
+  return jax.device_put(value, sharding)
 
 
 def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
@@ -482,8 +491,7 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
     return np.asarray(value, dtype=out_dtype)
   if isinstance(reference, jax.Array | jax.ShapeDtypeStruct):
     array = jax.numpy.asarray(value, dtype=out_dtype)
-    sharding = getattr(reference, "sharding", None)
-    return jax.device_put(array, sharding) if sharding is not None else array
+    return _placed_like(reference, array)
   return type(reference)(np.asarray(value).item())
 
 
