@@ -91,19 +91,13 @@ def check_divisible(values: Any, shardings: Any, *, name: str = "") -> None:
     _axis_rules.check_leaf_spec(where, np.shape(value), sharding.spec, sharding.mesh.shape)
 
 
-def _signature(args: Any) -> tuple[Any, ...]:
-  leaves, treedef = jax.tree.flatten(args)
-  return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
-
-
 class PartitionedFunction:
   """A jitted function that checks shardings and runs under its mesh and rules.
 
-  Before the first call for each argument signature it checks that every
-  sharded dimension of the inputs divides its mesh axes, raising a
-  ``ValueError`` that names the leaf before anything is compiled. When jit
-  rejects an output sharding, the outputs are checked the same way (with
-  ``jax.eval_shape``) so the error names the output leaf. Calls run inside
+  When jit rejects a call's shardings (before anything is compiled), the
+  inputs are checked for a sharded dimension that does not divide its mesh
+  axes, then the outputs the same way (with ``jax.eval_shape``), so the
+  ``ValueError`` names the leaf; a call that jit takes costs no check. Calls run inside
   ``jax.set_mesh`` and ``flax.linen.logical_axis_rules``, so
   ``nn.with_logical_constraint`` inside ``fn`` uses the partitioner's rules.
 
@@ -139,25 +133,20 @@ class PartitionedFunction:
     self._static_argnums = static_argnums
     self._mesh = mesh
     self._rules = rules
-    self._checked: set[Any] = set()
 
   def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[int, Any]]:
     dynamic = tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
     static = {i: a for i, a in enumerate(args) if i in self._static_argnums}
     return dynamic, static
 
-  def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+  def _check_inputs(self, args: tuple[Any, ...]) -> None:
     dynamic, static = self._split(args)
-    key = (_signature((dynamic, kwargs)), tuple(static.items()))
-    if key in self._checked:
-      return
     in_shardings = self.in_shardings
     if not isinstance(in_shardings, tuple):
       in_shardings = (in_shardings,) * len(dynamic)
     positions = [i for i in range(len(args)) if i not in static]
     for position, value, sharding in zip(positions, dynamic, in_shardings):
       check_divisible(value, sharding, name=f"args/{position}")
-    self._checked.add(key)
 
   def _check_outputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     dynamic, static = self._split(args)
@@ -173,11 +162,11 @@ class PartitionedFunction:
 
   def _run(self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with jax.set_mesh(self._mesh), nn.logical_axis_rules(tuple(self._rules)):
-      self._check_inputs(args, kwargs)
       try:
         return method(*args, **kwargs)
       except ValueError as e:
         try:
+          self._check_inputs(args)
           self._check_outputs(args, kwargs)
         except ValueError as named:
           raise named from e
