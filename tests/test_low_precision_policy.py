@@ -127,6 +127,27 @@ def test_bad_param_modes_are_refused(param_modes, match):
     low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes)
 
 
+@pytest.mark.parametrize(
+  "once", [iter, lambda pairs: (pair for pair in pairs)], ids=["iterator", "generator"]
+)
+@pytest.mark.parametrize("pattern", ["token_embedding", "axis:vocab"])
+def test_param_modes_read_once_decide_as_a_list_does(once, pattern):
+  """The pairs were checked by iterating them, so rules given as a zip or a generator came
+  out empty: the embedding meant to stay float32 was stored in 8 bits without a word."""
+  params = {"token_embedding": jnp.ones((256, 64)), "mlp": {"wi": jnp.ones((64, 256))}}
+  axes = {"token_embedding": P("vocab", "embed"), "mlp": {"wi": P("embed", "mlp")}}
+  pairs = [(pattern, "float32"), ("mlp", "bfloat16")]
+
+  def storage(param_modes):
+    tx = low_precision(
+      optax.adam(1e-3), "8bit", min_size=0, param_modes=param_modes, param_axes=axes
+    )
+    return tx.init(params).storage
+
+  assert storage(once(pairs)) == storage(pairs)
+  assert storage(pairs)[1:3] == ("bfloat16", f"float32: param_modes {pattern!r}")
+
+
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
 @pytest.mark.parametrize("pattern", ["c", "axis:embed"])
 def test_a_pattern_giving_a_mode_to_a_complex_param_is_refused(mode, pattern):

@@ -92,7 +92,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -1402,6 +1402,8 @@ def low_precision(
     >>> tx.init(params).storage
     ('kept: not param-shaped', "float32: param_modes 'axis:vocab'", '4bit', "float32: param_modes 'axis:vocab'", '4bit')
   """
+  if isinstance(param_modes, Iterator):  # Read twice below (checked, then made rules).
+    param_modes = tuple(param_modes)
   # Every argument as given, before any other local exists: an axis rule rebuilds with them.
   arguments = dict(locals())
   if state_dtype not in LOW_PRECISION_MODES:
