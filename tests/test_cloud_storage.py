@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from _gcs_emulator import Emulator  # Before gcsfs loads: it configures it.
+from _ocdbt import flip_bytes
 from etils import epath
 from tensorboard.backend.event_processing import event_accumulator
 from test_readme import _expected
@@ -41,6 +42,7 @@ from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint.lease import LEASE_FILE, Lease
 from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
 from t5x_optim.cli import main
+from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.metrics import MetricWriters
 
 pytest.importorskip("gcsfs")
@@ -345,6 +347,53 @@ def test_an_event_file_upload_refused_at_the_start_is_one_line(where, monkeypatc
   line = capsys.readouterr().err.strip().splitlines()[-1]
   assert line.startswith("t5x-optim train: error at step 0: "), line
   assert f"{model_dir}/train/events" in line and "injected, 503" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_a_corrupt_newest_checkpoint_on_gs_is_set_aside(where, tmp_path, capsys):
+  """GCS has no folders: the rename of the corrupt step into an empty skipped_checkpoints/
+  was refused ('folder ... does not exist'), and every start stopped on it."""
+  local, model_dir = tmp_path / "run", f"{where}/run"
+  flags = [*TINY, "--gin_bindings", "cli.TrainJob.checkpoint_every = 2", "--gin_bindings"]
+  assert main(["train", *flags, "TOTAL_STEPS = 4", "--model_dir", str(local)]) == 0
+  flip_bytes(local / "checkpoints" / "4", 1)
+  _upload(local, model_dir)
+  step = local / "checkpoints" / "4"
+  corrupt = {p.relative_to(step).as_posix(): p.read_bytes() for p in step.rglob("*") if p.is_file()}
+  capsys.readouterr()
+  assert main(["train", *flags, "TOTAL_STEPS = 4", "--model_dir", model_dir]) == 0
+  out = capsys.readouterr().out
+  assert f"model_dir:       {model_dir} (resuming from the checkpoint at step 2)" in out, out
+  kept = f"{model_dir}/skipped_checkpoints"
+  assert f"skipped:         checkpoint step 4, kept in {kept}/4: " in out, out
+  assert _names(kept) == ["4", "4.txt"]
+  moved = storage.files_under(f"{kept}/4")
+  assert {os.fspath(p).removeprefix(f"{kept}/4/"): p.read_bytes() for p in moved} == corrupt
+  assert "was skipped on resume" in (epath.Path(kept) / "4.txt").read_text()
+  assert [name for name in _names(f"{model_dir}/checkpoints") if name.isdigit()] == ["2", "4"]
+
+
+def test_a_failed_copy_aside_on_gs_leaves_the_step_where_it_was(where, monkeypatch):
+  """A step set aside on GCS is copied object by object: one copy refused (gcsfs's HttpError,
+  no OSError) removes the copies made, keeps the step, and is an OSError for the one line."""
+  from gcsfs.retry import HttpError  # noqa: PLC0415 - after the emulator's settings (module top)
+
+  step, target = epath.Path(where, "checkpoints", "4"), epath.Path(where, "aside", "4")
+  for name in ("a", "d/b", "d/c"):
+    (step / name).write_text(name)
+  gpath, copy = type(step), type(step).copy
+
+  def refuse_c(self, dst, **kwargs):
+    if self.name == "c":
+      raise HttpError({"code": 503, "message": "injected"})
+    return copy(self, dst, **kwargs)
+
+  monkeypatch.setattr(gpath, "copy", refuse_c)
+  with pytest.raises(OSError, match="injected, 503"):
+    _train._move(step, target)
+  assert not target.exists()
+  assert [p.read_text() for p in storage.files_under(step)] == ["a", "d/b", "d/c"]
 
 
 def _readme_commands() -> list[list[str]]:

@@ -1051,7 +1051,18 @@ def _set_aside(model_dir: Path, step: int, why: str) -> Path:
 
 def _move(source: Path, target: Path) -> None:
   """Renames `source` to `target`; from another file system (``checkpoints`` a link to
-  one), copies it whole under a temporary name, renames the copy, then deletes `source`."""
+  one), copies it whole under a temporary name, renames the copy, then deletes `source`.
+  An object store has no folders to rename into: it copies each object under `target`
+  (removing the copies if one fails), then deletes `source`."""
+  if storage.is_object_store(source):
+    try:
+      for file in storage.files_under(source):
+        file.copy(target / file.relative_to(source))
+    except Exception as error:  # noqa: BLE001 - gcsfs's HttpError is no OSError
+      target.rmtree(missing_ok=True)
+      raise OSError(str(error)) from error
+    source.rmtree()
+    return
   try:
     source.rename(target)
   except OSError as error:
