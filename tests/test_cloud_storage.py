@@ -351,6 +351,29 @@ def test_an_event_file_upload_refused_at_the_start_is_one_line(where, monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("clean_gin")
+def test_a_config_upload_refused_at_the_start_names_the_file(where, monkeypatch, capsys):
+  """gcsfs's HttpError is no OSError and names no object: the line said only 'injected, 503'."""
+  from gcsfs.retry import HttpError  # noqa: PLC0415 - after the emulator's settings (module top)
+
+  model_dir = f"{where}/run"
+  gpath = type(epath.Path(model_dir))
+  write_bytes = gpath.write_bytes
+
+  def refuse_config(self, data):
+    if os.fspath(self) == f"{model_dir}/config.gin":
+      raise HttpError({"code": 503, "message": "injected"})
+    return write_bytes(self, data)
+
+  monkeypatch.setattr(gpath, "write_bytes", refuse_config)
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", model_dir]) == 1
+  line = capsys.readouterr().err.strip().splitlines()[-1]
+  assert line.startswith("t5x-optim train: error at step 0: "), line
+  assert f"{model_dir}/config.gin: injected, 503" in line, line
+  assert [name for name in _names(model_dir) if name.endswith(".gin")] == ["config_0.gin"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
 def test_a_corrupt_newest_checkpoint_on_gs_is_set_aside(where, tmp_path, capsys):
   """GCS has no folders: the rename of the corrupt step into an empty skipped_checkpoints/
   was refused ('folder ... does not exist'), and every start stopped on it."""

@@ -132,7 +132,7 @@ def write_at_once(path: storage.AnyPath, data: bytes) -> None:
   leaves `path` as it was.
 
   Raises:
-    OSError: the copy could not be written or renamed; it names `path`.
+    OSError: the copy could not be written or renamed, or the upload failed; it names `path`.
 
   Example:
     >>> import tempfile
@@ -142,7 +142,10 @@ def write_at_once(path: storage.AnyPath, data: bytes) -> None:
     'A = 1'
   """
   if storage.is_object_store(path):
-    path.write_bytes(data)
+    try:
+      path.write_bytes(data)
+    except Exception as error:  # noqa: BLE001 - gcsfs's HttpError is no OSError
+      raise OSError(f"writing {path}: {error}") from error
     return
   copy = path.with_name(".rewrite.tmp")
   try:
