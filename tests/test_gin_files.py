@@ -439,6 +439,18 @@ def test_a_record_without_jax_enable_x64_is_not_refused_for_it(tmp_path):
     _train._refuse_another_job({**job, "jax_enable_x64": False}, job, tmp_path, 4)
 
 
+def test_the_jax_settings_the_processes_compare_include_the_seed_offset():
+  """``JAX_RANDOM_SEED_OFFSET`` shifts every random key a process makes (the params' init), so a
+  host with another offset trained other params beside its peers without a word."""
+  before = _job.jax_settings()
+  jax.config.update("jax_random_seed_offset", 1)
+  try:
+    after = _job.jax_settings()
+  finally:
+    jax.config.update("jax_random_seed_offset", 0)
+  assert (before["jax_random_seed_offset"], after["jax_random_seed_offset"]) == ("0", "1")
+
+
 def test_a_configurable_named_by_another_name_of_its_function_is_read():
   """``optax.partition`` is ``optax.multi_transform``: gin registers the function once, under
   the name it meets first, and the walk looked a reference's bindings up under the name it

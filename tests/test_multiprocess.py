@@ -362,8 +362,9 @@ def test_processes_that_run_other_library_versions_stop_before_the_first_step(tm
       "jax_default_matmul_precision",
       "None on process 0, 'highest' on process 1",
     ),
+    ({"JAX_RANDOM_SEED_OFFSET": "1"}, "jax_random_seed_offset", "0 on process 0, 1 on process 1"),
   ],
-  ids=["x64", "matmul_precision"],
+  ids=["x64", "matmul_precision", "seed_offset"],
 )
 def test_processes_with_other_jax_settings_stop_before_the_first_step(
   tmp_path, env, setting, values
