@@ -311,6 +311,35 @@ def test_init_from_gin_that_binds_the_job_optimizer_builds_that_optimizer(tmp_pa
   )
 
 
+def _saved_run(model_dir: pathlib.Path, w: list[float]) -> None:
+  opt = t5x_optim.optimizers.sgd(0.1).create({"w": jnp.asarray(w)})
+  with Checkpointer(model_dir / "checkpoints", async_save=False) as checkpointer:
+    for step in (2, 4):
+      checkpointer.save(step, opt)
+
+
+@pytest.mark.slow
+def test_the_checkpoint_init_from_restores_is_told_by_its_checksums(tmp_path):
+  """Each host reads its own view of --init_from (a host-local copy, a relative path): copies
+  of two runs with the same steps had the same checkpoint list, and the processes of a job
+  restored their shards from different runs without a word. The step restored and a digest
+  of its recorded checksums tell them apart; a copy of the same run has the same."""
+  _saved_run(tmp_path / "a", [1.0, 2.0])
+  _saved_run(tmp_path / "b", [1.0, 3.0])
+  shutil.copytree(tmp_path / "a", tmp_path / "copy")
+
+  def seen(path: pathlib.Path) -> tuple[str, str]:
+    source = _init_from.source_optimizer(path, [], [], {})
+    return _init_from.checkpoints_seen(source), _init_from.restored_seen(source)
+
+  a, b, copy = seen(tmp_path / "a"), seen(tmp_path / "b"), seen(tmp_path / "copy")
+  assert a[0] == b[0] == "steps 2, 4"
+  assert re.fullmatch(r"step 4 \(checksums digest [0-9a-f]{12}\)", a[1]), a
+  assert a[1] != b[1] and copy == a
+  named = [seen(tmp_path / run / "checkpoints" / "2")[1] for run in ("a", "b")]
+  assert named[0].startswith("step 2 (") and named[0] != named[1]
+
+
 @pytest.mark.slow
 def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path, capsys):
   """A T5X model directory: T5X-format checkpoints (adamw) and T5X's operative config."""

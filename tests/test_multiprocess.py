@@ -5,6 +5,7 @@ Every test starts real processes on 127.0.0.1, as the manual's recipe does (docs
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -461,6 +462,36 @@ def test_processes_that_see_other_checkpoints_stop_before_the_first_step(tmp_pat
     assert "step 1" not in out
   assert _checkpoint_steps(first / "run") == [2, 4]
   assert not next_dir.exists() or not (next_dir / "checkpoints").exists()
+
+
+def test_processes_that_init_from_other_runs_stop_before_the_first_step(tmp_path):
+  """--init_from run, each host's own copy: two runs with the same steps (trained on other data
+  orders) had the same checkpoint list, and each process restored its shards from its own run
+  without a word. The step restored and the digest of its checksums name both sides."""
+  cwds = [tmp_path / "host0", tmp_path / "host1"]
+  for seed, cwd in enumerate(cwds):
+    cwd.mkdir()
+    steps = ["--gin_bindings", "TOTAL_STEPS = 2", "--gin_bindings", f"cli.TextTask.seed = {seed}"]
+    _train([*TINY_TEXT, "--model_dir", "run", *steps], processes=1, cwd=cwd)
+  digests = [
+    hashlib.sha256((cwd / "run/checkpoints/2/checksums/checksums.json").read_bytes()).hexdigest()
+    for cwd in cwds
+  ]
+  assert digests[0] != digests[1]
+  job = [*TINY_TEXT, "--gin_bindings", "TOTAL_STEPS = 4"]
+  next_dir = tmp_path / "next"
+  results = _two_processes(
+    tmp_path, [["--init_from", "run"]] * 2, args=job, model_dir=str(next_dir), cwds=cwds
+  )
+  sides = ", ".join(
+    f"step 2 (checksums digest {digest[:12]}) on process {i}" for i, digest in enumerate(digests)
+  )
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1, err
+    assert f"different jobs: the checkpoint that --init_from run restores is {sides}; " in err
+    assert "step 1" not in out
+  assert not (next_dir / "checkpoints").exists() or not any((next_dir / "checkpoints").iterdir())
 
 
 def test_processes_that_write_to_other_directories_stop_before_the_first_step(tmp_path):

@@ -21,6 +21,7 @@ schedule is kept as one); the others are optax's defaults.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -65,11 +66,15 @@ __all__ = [
   "bound_hparams",
   "checkpoints_seen",
   "initial_state_fn",
+  "restored_seen",
   "source_optimizer",
 ]
 
 CONVERSION_HPARAMS = BUILTIN_HPARAMS
 """The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
+
+_CHECKSUMS = Path("checksums") / "checksums.json"
+"""Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 
 
 class Source(NamedTuple):
@@ -229,6 +234,38 @@ def checkpoints_seen(source: Source) -> str:
   if _is_ours(source.directory):
     return steps_seen(source.directory / CHECKPOINTS)
   return steps_line(t5x_checkpoint_steps(source.directory))
+
+
+def restored_seen(source: Source) -> str:
+  """The checkpoint step `source` restores and a digest of the checksums it records, as one
+  line: what the processes of a job compare besides `checkpoints_seen`, since a host's own
+  copy may be another run with the same steps.
+
+  The step is the one ``--init_from`` named, else the newest that records checksums (a
+  restore skips one that does not). T5X's checkpoints record none: their line is the step.
+
+  Example:
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / 'checkpoints' / '4' / 'checksums').mkdir(parents=True)
+    >>> (run / 'checkpoints' / '4' / _CHECKSUMS).write_text('{"target/w": 7}')
+    15
+    >>> restored_seen(Source(run, None, {}))
+    'step 4 (checksums digest 4e5cb25822a3)'
+  """
+  if not _is_ours(source.directory):
+    steps = t5x_checkpoint_steps(source.directory)
+    return steps_line([source.step] if source.step is not None else steps[-1:])
+  directory = source.directory / CHECKPOINTS
+  names = [path.name for path in directory.iterdir() if path.name.isdigit()]
+  for name in sorted(names, key=int, reverse=True):
+    if source.step is not None and int(name) != source.step:
+      continue
+    path = directory / name / _CHECKSUMS
+    if path.is_file():
+      digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+      return f"step {int(name)} (checksums digest {digest})"
+  return "no step that records checksums"
 
 
 def _refuse_newer(init_from: Path, step: int) -> dict[str, Any] | None:

@@ -631,6 +631,8 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       if source is not None:
         checkpoints = _init_from.checkpoints_seen(source)
         same_data[f"the checkpoint list of --init_from {args.init_from}"] = checkpoints
+        restored = _init_from.restored_seen(source)
+        same_data[f"the checkpoint that --init_from {args.init_from} restores"] = restored
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():
