@@ -300,7 +300,7 @@ def test_init_from_gin_that_binds_the_job_optimizer_builds_that_optimizer(tmp_pa
     "fast/optimizers.lion.b1 = 0.5\n"
   )
   where = f"--init_from {tmp_path}: --init_from_gin {gin_file}"
-  built, hparams, identity = _init_from._parsed(
+  built, hparams, identity, _ = _init_from._parsed(
     tmp_path / "config.gin", [str(gin_file)], [], {}, where
   )
   assert (identity, hparams["b1"]) == ("optimizers.lion", 0.5)
@@ -338,6 +338,26 @@ def test_the_checkpoint_init_from_restores_is_told_by_its_checksums(tmp_path):
   assert a[1] != b[1] and copy == a
   named = [seen(tmp_path / run / "checkpoints" / "2")[1] for run in ("a", "b")]
   assert named[0].startswith("step 2 (") and named[0] != named[1]
+
+
+def test_the_source_optimizer_is_told_by_its_numbers_and_config(tmp_path):
+  """--init_from_gin src.gin, a relative path that is another file on each host: the source's
+  config was never compared (`source_optimizer` leaves gin cleared), and each process
+  converted the state with its own b2. Its conversion numbers and a digest of its config
+  tell the files apart, a number no converter reads (weight_decay) included."""
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  seen = []
+  for i, binding in enumerate(["b2 = 0.98", "b2 = 0.5", "b2 = 0.98", "weight_decay = 0.2"]):
+    gin_file = tmp_path / f"host{i}" / "src.gin"
+    gin_file.parent.mkdir()
+    gin_file.write_text(f"include 'optimizers/adamw.gin'\noptax.adamw.{binding}\n")
+    source = _init_from.source_optimizer(
+      tmp_path / "run", [str(gin_file)], [], _config.device_macros(8)
+    )
+    seen.append(_init_from.source_seen(source))
+  assert "b2=0.98" in seen[0] and "b2=0.5" in seen[1], seen
+  assert re.search(r" \(gin config digest [0-9a-f]{12}\)$", seen[0]), seen
+  assert seen[0] == seen[2] and len({seen[0], seen[1], seen[3]}) == 3, seen
 
 
 @pytest.mark.slow

@@ -464,10 +464,12 @@ def test_processes_that_see_other_checkpoints_stop_before_the_first_step(tmp_pat
   assert not next_dir.exists() or not (next_dir / "checkpoints").exists()
 
 
-def test_processes_that_init_from_other_runs_stop_before_the_first_step(tmp_path):
+def test_processes_that_init_from_other_sources_stop_before_the_first_step(tmp_path):
   """--init_from run, each host's own copy: two runs with the same steps (trained on other data
   orders) had the same checkpoint list, and each process restored its shards from its own run
-  without a word. The step restored and the digest of its checksums name both sides."""
+  without a word. The step restored and the digest of its checksums name both sides. Then
+  --init_from_gin src.gin, another file on each host (b2 0.98 and 0.5): each process converted
+  the state with its own b2; the source optimizer's numbers name both sides."""
   cwds = [tmp_path / "host0", tmp_path / "host1"]
   for seed, cwd in enumerate(cwds):
     cwd.mkdir()
@@ -490,6 +492,19 @@ def test_processes_that_init_from_other_runs_stop_before_the_first_step(tmp_path
     assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
     assert len(err.splitlines()) == 1, err
     assert f"different jobs: the checkpoint that --init_from run restores is {sides}; " in err
+    assert "step 1" not in out
+  source = cwds[0] / "run"
+  for b2, cwd in zip(("0.98", "0.5"), cwds, strict=True):
+    (cwd / "src.gin").write_text(f"include 'optimizers/adamw.gin'\noptax.adamw.b2 = {b2}\n")
+  flags = ["--init_from", str(source), "--init_from_gin", "src.gin"]
+  results = _two_processes(tmp_path, [flags] * 2, args=job, model_dir=str(next_dir), cwds=cwds)
+  seen = (
+    f"different jobs: the source optimizer of --init_from {re.escape(str(source))} is "
+    r"[^;]*b2=0\.98[^;]* on process 0, [^;]*b2=0\.5[^;]* on process 1; "
+  )
+  for code, out, err in results:
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert len(err.splitlines()) == 1 and re.search(seen, err), err
     assert "step 1" not in out
   assert not (next_dir / "checkpoints").exists() or not any((next_dir / "checkpoints").iterdir())
 

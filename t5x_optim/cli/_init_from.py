@@ -47,6 +47,7 @@ from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop.job import (
   CONFIG_FILE,
   LostConfig,
+  config_digest,
   format_problem,
   model_changes,
   recorded_config,
@@ -68,6 +69,7 @@ __all__ = [
   "initial_state_fn",
   "restored_seen",
   "source_optimizer",
+  "source_seen",
 ]
 
 CONVERSION_HPARAMS = BUILTIN_HPARAMS
@@ -91,6 +93,10 @@ class Source(NamedTuple):
       build, raised only if that step is restored.
     given_gin: with ``--init_from_gin``, the flag as given and the identity
       (`config.optimizer_identity`) of the optimizer its files build.
+    config_sha256: the digest of the gin config the optimizer is built from
+      (``gin.config_str()`` of ``--init_from_gin`` or of the directory's
+      optimizer bindings; the text of T5X's config for its legacy Adafactor),
+      or None for a directory without a config.
   """
 
   directory: Path
@@ -99,6 +105,7 @@ class Source(NamedTuple):
   step: int | None = None
   step_hparams: Mapping[int, Mapping[str, Any] | UsageError] = {}
   given_gin: tuple[str, str | None] | None = None
+  config_sha256: str | None = None
 
   def hparams_of(self, step: int | None) -> Mapping[str, Any]:
     """The hyper-parameters that wrote checkpoint `step` (None: the newest).
@@ -268,6 +275,21 @@ def restored_seen(source: Source) -> str:
   return "no step that records checksums"
 
 
+def source_seen(source: Source) -> str:
+  """The hyper-parameters `source`'s optimizer converts with and a digest of the gin config
+  it is built from, as one line: what the processes of a job compare, since each host parses
+  its own ``--init_from_gin`` files (a relative path may be another file on one host).
+
+  Example:
+    >>> source_seen(Source(Path('run'), None, {'b2': 0.98}, config_sha256='0123456789abcdef'))
+    'b2=0.98 (gin config digest 0123456789ab)'
+  """
+  shown = _describe(source.hparams)
+  if source.config_sha256 is None:
+    return shown
+  return f"{shown} (gin config digest {source.config_sha256[:12]})"
+
+
 def _refuse_newer(init_from: Path, step: int) -> dict[str, Any] | None:
   """Refuses checkpoint `step` of a t5x-optim run if a newer version wrote it (its job record's
   format, `job.format_problem`): its state may be laid out otherwise under the same names.
@@ -381,7 +403,7 @@ def source_optimizer(
     )
   where = f"--init_from {init_from}: {_flag_names(gin_files)}"
   config = init_from / CONFIG_FILE
-  optimizer, hparams, identity = _parsed(config, gin_files, search_paths, macros, where)
+  optimizer, hparams, identity, digest = _parsed(config, gin_files, search_paths, macros, where)
   step_hparams = {}
   if not gin_files and config.is_file() and _is_ours(init_from):
     by_text = {config.read_text(): hparams}
@@ -398,7 +420,7 @@ def source_optimizer(
       if by_text[text] != hparams:
         step_hparams[number] = by_text[text]
   given = (_flag_names(gin_files), identity) if gin_files else None
-  return Source(init_from, optimizer, hparams, step, step_hparams, given)
+  return Source(init_from, optimizer, hparams, step, step_hparams, given, digest)
 
 
 def _step_configs(init_from: Path, only: int | None) -> dict[int, tuple[Path, str] | UsageError]:
@@ -449,9 +471,10 @@ def _parsed(
   search_paths: Sequence[str],
   macros: dict[str, Any],
   where: str,
-) -> tuple[Any, dict[str, Any], str | None]:
-  """``(optimizer, hparams, identity)`` built from `gin_files`, else from `config`'s optimizer
-  bindings; the identity is `config.optimizer_identity`'s.
+) -> tuple[Any, dict[str, Any], str | None, str | None]:
+  """``(optimizer, hparams, identity, digest)`` built from `gin_files`, else from `config`'s
+  optimizer bindings; the identity is `config.optimizer_identity`'s, the digest that of the
+  parsed config (``gin.config_str()``; of `config`'s text for T5X's legacy Adafactor).
 
   The optimizer is None, and the hparams are those T5X's config gives, for
   T5X's legacy Adafactor; both are empty for a directory without a config.
@@ -469,18 +492,20 @@ def _parsed(
         f"--init_from {config.parent}: {config} does not parse: {detail} (line {line})"
       ) from error
     if found.gin is None:
-      return None, {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}, None
+      hparams = {k: v for k, v in found.hparams.items() if k in CONVERSION_HPARAMS}
+      return None, hparams, None, config_digest(config.read_text())
     # Bindings follow _config.BINDING_IMPORTS, which enables dynamic registration already;
     # one entry, parsed at once as the config it comes from.
     lines = [line for line in found.gin.splitlines() if not line.startswith("from __gin__")]
     bindings = ["\n".join(lines)]
   if not gin_files and not bindings:
-    return None, {}, None
+    return None, {}, None, None
   try:
     _config.parse_config(
       gin_files=gin_files, gin_bindings=bindings, search_paths=search_paths, macros=macros
     )
-    return _build_optimizer(where), bound_hparams(), _config.optimizer_identity()
+    digest = config_digest(gin.config_str())
+    return _build_optimizer(where), bound_hparams(), _config.optimizer_identity(), digest
   except UsageError:
     raise
   except Exception as error:  # noqa: BLE001 - gin raises what the configurables raise

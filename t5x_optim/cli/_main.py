@@ -633,6 +633,8 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
         same_data[f"the checkpoint list of --init_from {args.init_from}"] = checkpoints
         restored = _init_from.restored_seen(source)
         same_data[f"the checkpoint that --init_from {args.init_from} restores"] = restored
+        optimizer = _init_from.source_seen(source)
+        same_data[f"the source optimizer of --init_from {args.init_from}"] = optimizer
   except Exception as error:  # noqa: BLE001 - every configuration error gets one line
     failure = error
   if _processes.several():
