@@ -439,16 +439,31 @@ def test_a_record_without_jax_enable_x64_is_not_refused_for_it(tmp_path):
     _train._refuse_another_job({**job, "jax_enable_x64": False}, job, tmp_path, 4)
 
 
-def test_the_jax_settings_the_processes_compare_include_the_seed_offset():
-  """``JAX_RANDOM_SEED_OFFSET`` shifts every random key a process makes (the params' init), so a
-  host with another offset trained other params beside its peers without a word."""
+@pytest.mark.parametrize(
+  ("setting", "value", "shown"),
+  [
+    ("jax_random_seed_offset", 1, ("0", "1")),
+    ("jax_softmax_custom_jvp", True, ("False", "True")),
+    ("jax_disable_most_optimizations", True, ("False", "True")),
+  ],
+  ids=["seed_offset", "softmax_custom_jvp", "disable_most_optimizations"],
+)
+def test_the_jax_settings_the_processes_compare_include_those_that_change_the_numbers(
+  setting, value, shown
+):
+  """A host whose environment sets one of these trained other numbers beside its peers without
+  a word: ``JAX_RANDOM_SEED_OFFSET`` shifts every random key it makes (the params' init),
+  ``JAX_SOFTMAX_CUSTOM_JVP`` differentiates the attention's softmax otherwise and
+  ``JAX_DISABLE_MOST_OPTIMIZATIONS`` compiles the step otherwise (3 steps of examples/tiny.gin
+  end in other params with either)."""
   before = _job.jax_settings()
-  jax.config.update("jax_random_seed_offset", 1)
+  default = jax.config.values[setting]
+  jax.config.update(setting, value)
   try:
     after = _job.jax_settings()
   finally:
-    jax.config.update("jax_random_seed_offset", 0)
-  assert (before["jax_random_seed_offset"], after["jax_random_seed_offset"]) == ("0", "1")
+    jax.config.update(setting, default)
+  assert (before[setting], after[setting]) == shown
 
 
 def test_a_configurable_named_by_another_name_of_its_function_is_read():

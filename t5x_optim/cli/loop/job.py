@@ -179,12 +179,14 @@ _JAX_SETTINGS = (
   "jax_default_prng_impl",
   "jax_threefry_partitionable",
   "jax_random_seed_offset",
+  "jax_softmax_custom_jvp",
+  "jax_disable_most_optimizations",
   "jax_debug_nans",
   "jax_debug_infs",
   "jax_disable_jit",
 )
-"""jax's settings that change the program a step traces, the random keys it makes, or what it
-does on a bad value."""
+"""jax's settings that change the program a step traces or compiles, the random keys it makes,
+or what it does on a bad value."""
 
 
 def jax_settings() -> dict[str, str]:
