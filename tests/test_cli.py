@@ -280,7 +280,8 @@ def test_resume_into_another_model_is_a_bounded_error(tiny_run, tmp_path, capsys
     "step 40 cli.TransformerConfig.num_layers is 1 there, 2 now; a run resumes only with the "
     "model, optimizer and optimizer-state layout it started with"
   ), err
-  assert f"pass --init_from {model_dir} and a new --model_dir" in err
+  assert "its checkpoint cannot start a run of another model" in err, err
+  assert "--init_from" not in err, err
 
 
 @pytest.mark.slow

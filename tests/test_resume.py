@@ -27,7 +27,7 @@ from t5x_optim.cli import main
 from t5x_optim.cli.demo import text as _text
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import train as _train
-from t5x_optim.cli.loop.job import config_digest
+from t5x_optim.cli.loop.job import OPTIMIZER_NAMING, config_digest
 
 pytestmark = [pytest.mark.usefixtures("clean_gin", "run_compilation_cache"), pytest.mark.slow]
 
@@ -94,6 +94,31 @@ def test_resume_with_another_optimizer_is_refused_naming_both(tmp_path, capsys):
   assert "optax.adam]) there, " in err and "optax.adabelief]) now" in err, err
   assert f"--init_from {model_dir} and a new --model_dir" in err, err
   assert _checkpoint_steps(model_dir) == [2]
+
+
+def test_a_resume_refused_for_another_model_offers_no_init_from(tmp_path):
+  """--init_from starts a run of the same model with another optimizer: a resume refused over
+  a model change advised --init_from and a new --model_dir, which refused the same change."""
+  model = {"num_layers": 2, "vocab_size": 256}
+  job = {"model": model, "optimizer": "optax.adam", "optimizer_naming": OPTIMIZER_NAMING}
+  with pytest.raises(_train.UsageError) as refused:
+    _train._refuse_another_job(job, {**job, "model": {**model, "num_layers": 1}}, tmp_path, 4)
+  assert "cli.TransformerConfig.num_layers is 2 there, 1 now" in str(refused.value)
+  assert "its checkpoint cannot start a run of another model" in str(refused.value)
+  assert "--init_from" not in str(refused.value)
+  with pytest.raises(_train.UsageError, match=f"pass --init_from {tmp_path} and a new"):
+    _train._refuse_another_job(job, {**job, "optimizer": "optax.lion"}, tmp_path, 4)
+
+
+def test_a_checkpoint_whose_params_do_not_fit_offers_no_init_from(tmp_path):
+  """A restore that fails over the params (``target/``) is another model: --init_from would
+  refuse it too; one that fails over the optimizer state alone may start from --init_from."""
+  params = ValueError("shape mismatch at 'target/decoder/kernel': the target has ...")
+  message = _train._mismatch_message(params, 4, tmp_path)
+  assert "its checkpoint cannot start a run of another model" in message, message
+  assert "--init_from" not in message, message
+  state = ValueError("missing key 'state/param_states/0/mu/decoder/kernel' (the target ...)")
+  assert f"pass --init_from {tmp_path} and a new" in _train._mismatch_message(state, 4, tmp_path)
 
 
 ADAMAXW_OF_THE_JOB = [

@@ -79,6 +79,7 @@ from t5x_optim.cli.loop.job import (
   config_file_name,
   format_problem,
   identity_problem,
+  model_changes,
   recorded_config,
   version_changes,
   x64_problem,
@@ -124,6 +125,8 @@ INCOMPLETE = "incomplete: its save or copy never completed"
 _PATH_PROBLEM = re.compile(
   r"(missing key|unexpected key|shape mismatch at|dtype mismatch at) '([^']+)'"
 )
+_MODEL_PATHS = ("target/", "flax_mutables/")
+"""Where a train state's checkpoint holds the model (its params and mutables), not its optimizer."""
 
 
 class UsageError(ValueError):
@@ -701,11 +704,22 @@ def _rate_source(setup: Setup, where: str | None) -> str:
   return f"{where or 'cli.TrainJob.learning_rate'} ({kind})"
 
 
-def _resume_advice(model_dir: Path) -> str:
-  return (
+def _resume_advice(model_dir: Path, *, another_model: bool) -> str:
+  """Why a run did not resume and what may start from its checkpoint: ``--init_from`` where
+  the optimizer or its state's layout differs, nothing where the model does (`another_model`):
+  ``--init_from`` starts a run of the same model."""
+  fits = (
     f"a run resumes only with the model, optimizer and optimizer-state layout it started "
-    f"with (its config: {model_dir / CONFIG_FILE}); to start from its checkpoint with "
-    f"another, pass --init_from {model_dir} and a new --model_dir"
+    f"with (its config: {model_dir / CONFIG_FILE})"
+  )
+  if another_model:
+    return (
+      f"{fits}; its checkpoint cannot start a run of another model: give the model it has, "
+      "or train this one in another --model_dir"
+    )
+  return (
+    f"{fits}; to start from its checkpoint with another, pass --init_from {model_dir} and a "
+    "new --model_dir"
   )
 
 
@@ -713,7 +727,9 @@ def _mismatch_message(error: Exception, step: int, model_dir: Path) -> str:
   """A bounded description of a checkpoint that does not fit the model."""
   text = " ".join(str(error).split())
   paths = _PATH_PROBLEM.findall(text)
-  advice = _resume_advice(model_dir)
+  advice = _resume_advice(
+    model_dir, another_model=any(path.startswith(_MODEL_PATHS) for _, path in paths)
+  )
   if not paths:
     short = text if len(text) <= 300 else text[:300] + "..."
     return f"the checkpoint at step {step} cannot be restored: {short}; {advice}."
@@ -787,6 +803,7 @@ def _refuse_another_job(
     if problem and _recorded_by_an_earlier_version(recorded, job):
       problem = identity_problem(recorded, {**job, "optimizer": recorded["optimizer"]})
     if problem:
+      another_model = bool(model_changes(recorded.get("model", {}), job.get("model", {})))
       earlier = (
         " (this version keeps a low_precision state leaf that copies the params, such as "
         "schedule-free's z, in its own dtype; earlier versions compressed it, and their "
@@ -797,7 +814,7 @@ def _refuse_another_job(
       )
       raise UsageError(
         f"--model_dir {model_dir} holds another job: at its checkpoint step {step} "
-        f"{problem}{earlier}; {_resume_advice(model_dir)}."
+        f"{problem}{earlier}; {_resume_advice(model_dir, another_model=another_model)}."
       )
 
 
