@@ -1624,6 +1624,35 @@ def test_a_converting_restore_says_which_checkpoint_step_it_read(tmp_path):
       assert checkpointer.restored_step == 100
 
 
+@pytest.mark.slow
+def test_a_converting_restore_takes_missing_as_its_refusal_asks(tmp_path):
+  """adam into adabelief leaves adabelief's state without a source value, refused with "Pass
+  missing='init'": `Checkpointer.restore` refused ``missing=`` (a converting restore "reads one
+  step whole") and `restore_t5x_checkpoint` did not take it."""
+  params = {"w": jnp.ones((4, 8))}
+  adam = optimizers.adam(1e-3).create(params).apply_gradient({"w": jnp.ones((4, 8))})
+  target = optimizers.adabelief(1e-3).create(params)
+  with t5x_optim.Checkpointer(tmp_path / "ours", async_save=False) as checkpointer:
+    checkpointer.save(1, adam)
+    with pytest.raises(ValueError, match="Pass missing='init'"):
+      checkpointer.restore(target, convert_from=optimizers.adam(1e-3))
+    ours = checkpointer.restore(target, convert_from=optimizers.adam(1e-3), missing="init")
+    with pytest.raises(ValueError, match=r"^missing= is for a converting restore"):
+      checkpointer.restore(adam, missing="init")
+  t5x_optim.save_t5x_checkpoint(tmp_path / "t5x", adam)
+  theirs = t5x_optim.restore_t5x_checkpoint(
+    tmp_path / "t5x", target, convert_from=optimizers.adam(1e-3), missing="init"
+  )
+  with pytest.raises(ValueError, match=r"^missing= is for a converting restore"):
+    t5x_optim.restore_t5x_checkpoint(tmp_path / "t5x", adam, missing="init")
+  for restored in (ours, theirs):
+    assert int(restored.state.step) == 1
+    _assert_close(restored.target, adam.target)
+    belief, initial = restored.state.param_states[0], target.state.param_states[0]
+    assert int(belief.count) == 1
+    _assert_close((belief.mu, belief.nu), (initial.mu, initial.nu))
+
+
 def _kernel_axes_variables() -> dict[str, Any]:
   return {
     "params": {

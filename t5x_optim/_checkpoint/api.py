@@ -17,11 +17,21 @@ from t5x_optim._checkpoint.store import CheckpointState
 __all__ = ["Checkpointer", "restore_t5x_checkpoint"]
 
 
+def _refuse_missing_alone(missing: str, where: str) -> None:
+  """Refuses ``missing=`` other than ``'raise'`` in a restore without ``convert_from=``."""
+  if missing != "raise":
+    raise ValueError(
+      f"missing= is for a converting restore: {where}(..., convert_from=<the optimizer that "
+      f"wrote the checkpoint>, missing={missing!r}) starts the state it gives no value for "
+      "from its initial values."
+    )
+
+
 class Checkpointer(store.Checkpointer):
   """Saves and restores train states in a directory; see `store.Checkpointer`.
 
   Its `restore` also takes ``convert_from=``: the optimizer that wrote the
-  checkpoint, when the target has another.
+  checkpoint, when the target has another, and with it ``missing=``.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -42,6 +52,7 @@ class Checkpointer(store.Checkpointer):
     step: int | None = None,
     *,
     convert_from: Any = None,
+    missing: str = "raise",
     **options: Any,
   ) -> CheckpointState:
     """Restores checkpoint `step` into `target`; see `store.Checkpointer.restore`.
@@ -53,14 +64,20 @@ class Checkpointer(store.Checkpointer):
         has another (its definition or an abstract state of it; True: T5X's
         legacy Adafactor): params restored exactly, the optimizer state
         converted, see `t5x_optim.restore_converted`.
+      missing: with ``convert_from``, what to do with the state of `target`'s
+        optimizer that the checkpoint gives no value for: ``'raise'`` or
+        ``'init'`` (start it from its initial values); see
+        `t5x_optim.convert_state`.
       **options: the store's ``params_only``, ``fallback`` and ``verify``,
         for a restore without conversion.
 
     Raises:
-      ValueError: ``convert_from`` with any of the store's options.
+      ValueError: ``convert_from`` with any of the store's options, or
+        ``missing`` without ``convert_from``.
       TypeError: ``convert_from`` with a target over a flax NNX state.
     """
     if convert_from is None:
+      _refuse_missing_alone(missing, "Checkpointer.restore")
       return super().restore(target, step, **options)
     if options:
       raise ValueError(
@@ -71,7 +88,7 @@ class Checkpointer(store.Checkpointer):
       only_t5x = self._holds_only_t5x_checkpoints()
       step = t5x_read.latest_t5x_step(self.directory) if only_t5x else self._resolve_step(None)
     restored = converting.restore_with_conversion(
-      self.directory, target, convert_from, step, where="Checkpointer.restore"
+      self.directory, target, convert_from, step, missing=missing, where="Checkpointer.restore"
     )
     self._restored_step = step
     return restored
@@ -83,6 +100,7 @@ def restore_t5x_checkpoint(
   *,
   step: int | None = None,
   convert_from: Any = None,
+  missing: str = "raise",
 ) -> Any:
   """Restores a T5X checkpoint into `target`; see `t5x_read.restore_t5x_checkpoint`.
 
@@ -96,6 +114,13 @@ def restore_t5x_checkpoint(
       another: its definition or an abstract state of it (True: T5X's legacy
       Adafactor). Its state is converted into `target`'s optimizer, see
       `t5x_optim.restore_converted` (which also returns the report).
+    missing: with ``convert_from``, what to do with the state of `target`'s
+      optimizer that the checkpoint gives no value for: ``'raise'`` or
+      ``'init'`` (start it from its initial values); see
+      `t5x_optim.convert_state`.
+
+  Raises:
+    ValueError: ``missing`` without ``convert_from``.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -109,6 +134,7 @@ def restore_t5x_checkpoint(
   """
   if convert_from is not None:
     return converting.restore_with_conversion(
-      path, target, convert_from, step, where="restore_t5x_checkpoint"
+      path, target, convert_from, step, missing=missing, where="restore_t5x_checkpoint"
     )
+  _refuse_missing_alone(missing, "restore_t5x_checkpoint")
   return t5x_read.restore_t5x_checkpoint(path, target, step=step)

@@ -209,16 +209,23 @@ def restore_converted(
 
 
 def restore_with_conversion(
-  path: str | os.PathLike[str], target: State, convert_from: Any, step: int | None, *, where: str
+  path: str | os.PathLike[str],
+  target: State,
+  convert_from: Any,
+  step: int | None,
+  *,
+  missing: str,
+  where: str,
 ) -> State:
   """The ``convert_from=`` keyword of `Checkpointer.restore` and `restore_t5x_checkpoint`.
 
   `restore_converted` with ``source=convert_from`` (True: T5X's legacy
-  Adafactor, recognised by its layout) and its defaults; the report is
-  logged at INFO level. `where` names the function called in a refusal.
+  Adafactor, recognised by its layout), `missing` and its other defaults;
+  the report is logged at INFO level. `where` names the function called in
+  a refusal.
   """
   _refuse_nnx(target, f"{where} with convert_from=")
   source = None if convert_from is True else convert_from
-  state, report = restore_converted(path, target, source=source, step=step)
+  state, report = restore_converted(path, target, source=source, step=step, missing=missing)
   _log.info("Restored %s into another optimizer:\n%s", path, report)
   return state
