@@ -1136,6 +1136,36 @@ def test_the_source_of_a_restore_converted_is_a_definition_or_a_state(tmp_path, 
     checkpointer.restore(sgd, convert_from=source)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_another_optimizer_wrote_is_said_not_to_fit_the_source(tmp_path):
+  """A checkpoint adam wrote, restored into sgd with adabelief given as the optimizer that
+  wrote it, was said not to fit "the target", whose state had adabelief's ScaleByBeliefState
+  (the source's), with the advice to restore it with convert_from=, which was given."""
+  params = {"w": jnp.ones((4, 8))}
+  sgd, belief = optimizers.sgd(1e-3).create(params), optimizers.adabelief(1e-3)
+  with t5x_optim.Checkpointer(tmp_path / "ours", async_save=False) as checkpointer:
+    checkpointer.save(1, optimizers.adam(1e-3).create(params))
+  t5x_optim.save_t5x_checkpoint(tmp_path / "t5x", optimizers.adam(1e-3).create(params))
+  refusals = []
+  for restore in (
+    lambda: t5x_optim.Checkpointer(tmp_path / "ours").restore(sgd, convert_from=belief),
+    lambda: t5x_optim.restore_converted(tmp_path / "ours", sgd, source=belief),
+    lambda: t5x_optim.restore_t5x_checkpoint(tmp_path / "t5x", sgd, convert_from=belief),
+  ):
+    with pytest.raises(ValueError, match="does not fit the source: ") as refused:
+      restore()
+    refusals.append(str(refused.value))
+  for message in refusals:
+    assert "whose state has a ScaleByAdamState there, the source's has a ScaleByBeliefState" in (
+      message
+    ), message
+    assert message.endswith(
+      "Nothing was restored. The source is the optimizer given as convert_from= / source=, "
+      "over the target's params: give the one that wrote the checkpoint."
+    ), message
+    assert "target's has" not in message and "convert_from= to convert" not in message, message
+
+
 def test_state_dict_source_needs_its_definition():
   state_dict = _optimizer(BY_NAME["adam"]).state_dict()
   with pytest.raises(ValueError, match="pass source_def="):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,6 +111,34 @@ def _not_a_source(source: Any) -> str:
   )
 
 
+def _read_source(
+  path: str | os.PathLike[str], source: State, step: int | None, *, t5x: bool
+) -> State:
+  """Checkpoint `step` at `path` restored into `source`, a state of the optimizer that wrote it.
+
+  Raises:
+    ValueError: the checkpoint does not fit `source`: the refusal of the
+      restore, which names the state it reads into as the target, names it as
+      the source and asks for the optimizer that wrote the checkpoint.
+    CheckpointError: the step's data are missing, unreadable or corrupt.
+  """
+  try:
+    if t5x:
+      return _t5x.restore_t5x_checkpoint(path, source, step=step)
+    with _checkpoints.Checkpointer(path) as checkpointer:
+      return checkpointer.restore(source, step)
+  except _checkpoints.CheckpointError:
+    raise
+  except ValueError as e:
+    text = re.sub(
+      r"\bthe target\b", "the source", str(e).replace(_checkpoints.ANOTHER_OPTIMIZER, "")
+    )
+    raise ValueError(
+      f"{text} The source is the optimizer given as convert_from= / source=, over the target's "
+      "params: give the one that wrote the checkpoint."
+    ) from e
+
+
 def restore_converted(
   path: str | os.PathLike[str],
   target: State,
@@ -150,7 +179,8 @@ def restore_converted(
 
   Raises:
     FileNotFoundError: no checkpoint (for `step`) at `path`.
-    ValueError: the checkpoint does not fit `source` (naming the paths), no
+    ValueError: the checkpoint does not fit `source` (naming the paths, and
+      `source` as the side that does not fit), no
       `source` for a checkpoint that is not T5X's legacy Adafactor, or what
       `convert_state` raises.
     TypeError: `target` is an `Optimizer` over a flax NNX state.
@@ -191,11 +221,7 @@ def restore_converted(
     if not callable(getattr(source, "create", None)):
       raise TypeError(_not_a_source(source))
     source = _source_state(source, target)
-  if t5x:
-    old_state = _t5x.restore_t5x_checkpoint(path, source, step=step)
-  else:
-    with _checkpoints.Checkpointer(path) as checkpointer:
-      old_state = checkpointer.restore(source, step)
+  old_state = _read_source(path, source, step, t5x=t5x)
   optimizer, report = _convert.convert_state(
     _optimizer(old_state), _optimizer(target), missing=missing, **hparams
   )

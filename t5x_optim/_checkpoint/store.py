@@ -60,6 +60,12 @@ from t5x_optim._training.train_state import TrainState
 
 __all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]
 
+ANOTHER_OPTIMIZER = (
+  " (another optimizer: restore with params_only=True to start its state afresh, "
+  "or with convert_from= to convert it)"
+)
+"""The advice on a state-class mismatch, which a restore with ``convert_from=`` leaves out."""
+
 _log = logging.getLogger("t5x_optim.checkpoints")
 
 _TARGET = "target"
@@ -605,10 +611,7 @@ class Checkpointer:
     if classes is not None:
       other = class_problems(self._recorded_classes(step), classes)
       if other:
-        other[-1] += (
-          " (another optimizer: restore with params_only=True to start its state afresh, "
-          "or with convert_from= to convert it)"
-        )
+        other[-1] += ANOTHER_OPTIMIZER
       problems += other
     if problems:
       self._refuse(step, problems)
