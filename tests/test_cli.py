@@ -756,6 +756,26 @@ def test_a_binding_that_does_not_parse_is_named(binding, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+  "binding, message",
+  [
+    ("optax.adamw.b11 = 0.5", "Configurable 'optax.adamw' doesn't have a parameter named 'b11'."),
+    ("optax.adamz.b1 = 0.5", "Couldn't resolve selector optax.adamz; "),
+    ("optax.adamw.b1 = @nosuch()", "'nosuch' was not provided by an import statement."),
+  ],
+)
+def test_a_binding_gin_refuses_is_named(binding, message, tmp_path, capsys):
+  """gin's refusal of a binding that parses (an unknown parameter or name) ended "In bindings
+  string line 8 <binding>", the line counted after the imports put before each entry, and did
+  not name the flag, as the refusal of one that does not parse does."""
+  argv = ["train", *TINY, "--gin_bindings", "BATCH_SIZE = 8", "--gin_bindings", binding]
+  assert main([*argv, "--model_dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith(f"t5x-optim train: error: --gin_bindings {binding!r}: {message}"), err
+  assert "In bindings string" not in err and not (tmp_path / "run").exists(), err
+
+
+@pytest.mark.parametrize(
   "flag, value, message",
   [
     ("--metrics_every", "-1", "argument --metrics_every: must be at least 0, got -1"),

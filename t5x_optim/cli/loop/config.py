@@ -487,6 +487,15 @@ PARSE_ERRORS = (SyntaxError, tokenize.TokenError)
 """What gin's parser raises for text that is not gin."""
 
 
+_BINDING_NOTE = re.compile(r"\n\s*In bindings string line \d+\n.*", re.DOTALL)
+"""What gin appends to an error in a bindings string: the line, counted after the imports put
+before each ``--gin_bindings`` entry, the line's text and a caret under the fault."""
+
+_BINDING_ERRORS = (ValueError, AttributeError, NameError, ImportError)
+"""What gin raises for a binding that parses but names what it cannot bind (an unknown
+parameter, configurable or module)."""
+
+
 def parse_problem(error: SyntaxError | tokenize.TokenError) -> tuple[str, int | None]:
   """What is wrong in text gin could not parse (one of `PARSE_ERRORS`), and on which line.
 
@@ -531,9 +540,11 @@ def parse_config(
     NotADirectoryError: a search path is not a local directory (a mistyped one
       would leave a file to be found in the package's directory instead).
     ValueError: a file includes a name that gin finds in another file than
-      the one of that name beside it.
-    Exception: whatever gin raises for a bad config (unknown names, syntax);
-      gin adds the file and line to the message.
+      the one of that name beside it; a `gin_bindings` entry does not parse,
+      or names a parameter, configurable or module gin cannot bind (the entry
+      named with gin's reason).
+    Exception: whatever gin raises for a bad config file (unknown names,
+      syntax); gin adds the file and line to the message.
 
   Example:
     >>> parse_config(gin_bindings=['TOTAL_STEPS = 7'], macros={'NUM_PARTITIONS': 1})
@@ -632,6 +643,11 @@ def _parse_bindings(bindings: Sequence[str]) -> list[_GivenBinding]:
       # gin's line numbers count the imports put before the binding.
       detail, _ = parse_problem(error)
       raise ValueError(f"--gin_bindings {text!r} does not parse: {detail}") from error
+    except _BINDING_ERRORS as error:
+      note = _BINDING_NOTE.search(str(error))
+      if note is None:
+        raise
+      raise ValueError(f"--gin_bindings {text!r}: {str(error)[: note.start()]}") from error
     after = _config_values()
     keys = tuple(
       key for key, value in after.items() if key not in before or before[key] is not value
