@@ -417,8 +417,8 @@ def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
   if problems:
     raise ValueError(
       f"convert_state: {'; '.join(problems)} read by no converter; the built-in converters "
-      f"read {', '.join(sorted(BUILTIN_HPARAMS))}, a registered one the names it asks its "
-      "ConversionContext for."
+      f"read {', '.join(sorted(BUILTIN_HPARAMS))}, and a registered one reads the names it "
+      "asks its ConversionContext for."
     )
 
 
