@@ -1161,10 +1161,28 @@ def test_a_checkpoint_another_optimizer_wrote_is_said_not_to_fit_the_source(tmp_
       message
     ), message
     assert message.endswith(
-      "Nothing was restored. The source is the optimizer given as convert_from= / source=, "
-      "over the target's params: give the one that wrote the checkpoint."
+      "Nothing was restored. The source is the optimizer said to have written the checkpoint, "
+      "built over the target's params: give the one that did."
     ), message
     assert "target's has" not in message and "convert_from= to convert" not in message, message
+
+
+def test_a_converting_restore_into_other_params_is_said_not_to_fit_the_target(tmp_path):
+  """The source optimizer is built over the target's params: a checkpoint of other params
+  (another model) was said not to fit the source, with the advice to give the optimizer that
+  wrote it, which was given."""
+  with t5x_optim.Checkpointer(tmp_path / "ours", async_save=False) as checkpointer:
+    checkpointer.save(1, optimizers.adam(1e-3).create({"w": jnp.ones(3)}))
+  t5x_optim.save_t5x_checkpoint(tmp_path / "t5x", optimizers.adam(1e-3).create({"w": jnp.ones(3)}))
+  target, adam = optimizers.adamw(1e-3).create({"w": jnp.ones(4)}), optimizers.adam(1e-3)
+  for restore in (
+    lambda: t5x_optim.Checkpointer(tmp_path / "ours").restore(target, convert_from=adam),
+    lambda: t5x_optim.restore_t5x_checkpoint(tmp_path / "t5x", target, convert_from=adam),
+  ):
+    with pytest.raises(ValueError, match="does not fit the target: ") as refused:
+      restore()
+    assert "the target has float32[4]" in str(refused.value), refused.value
+    assert "source" not in str(refused.value), refused.value
 
 
 def test_state_dict_source_needs_its_definition():

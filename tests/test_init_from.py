@@ -441,3 +441,29 @@ def test_init_from_a_t5x_directory_whose_config_does_not_parse_names_the_flag_an
   assert err.startswith(
     f"t5x-optim train: error: --init_from {t5x_dir}: {t5x_dir}/config.gin does not parse: "
   ), err
+
+
+@pytest.mark.slow
+def test_init_from_a_t5x_directory_another_optimizer_wrote_asks_for_its_gin_files(tmp_path, capsys):
+  """The refusal ended with the Python API's advice ("the optimizer given as convert_from= /
+  source="), flags the command line has not."""
+  t5x_dir = tmp_path / "t5x"
+  _config.parse_config(
+    gin_files=["examples/tiny.gin"],
+    gin_bindings=["OPTIMIZER = @optimizers.adamw()", "optimizers.adamw.learning_rate = 0.01"],
+    macros=_config.device_macros(8),
+  )
+  setup = _train.prepare(_config.build_job())
+  t5x_optim.save_t5x_checkpoint(t5x_dir, setup.create(*setup.init_args))
+  shutil.copy(T5X_CONFIG, t5x_dir / "config.gin")
+  flags = ["--init_from", str(t5x_dir), "--init_from_gin", "optimizers/lion.gin"]
+  flags += ["--model_dir", str(tmp_path / "new")]
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1, err
+  assert "the source's has a ScaleByLionState" in err, err
+  assert err.rstrip().endswith(
+    "The source is the optimizer said to have written the checkpoint, built over the target's "
+    "params: give the one that did."
+  ), err
+  assert "convert_from=" not in err and "source=" not in err, err

@@ -111,15 +111,24 @@ def _not_a_source(source: Any) -> str:
   )
 
 
+SOURCE_ADVICE = (
+  "The source is the optimizer said to have written the checkpoint, built over the target's "
+  "params: give the one that did."
+)
+"""What a refusal of the source's state asks for, ending its message."""
+
+
 def _read_source(
   path: str | os.PathLike[str], source: State, step: int | None, *, t5x: bool
 ) -> State:
   """Checkpoint `step` at `path` restored into `source`, a state of the optimizer that wrote it.
 
   Raises:
-    ValueError: the checkpoint does not fit `source`: the refusal of the
-      restore, which names the state it reads into as the target, names it as
-      the source and asks for the optimizer that wrote the checkpoint.
+    ValueError: the checkpoint does not fit `source`: where only its
+      optimizer state does not fit, the refusal of the restore (which names
+      the state it reads into as the target) names it as the source and ends
+      with `SOURCE_ADVICE`; where params do not fit, it is the target's
+      (another model) and says so.
     CheckpointError: the step's data are missing, unreadable or corrupt.
   """
   try:
@@ -130,13 +139,13 @@ def _read_source(
   except _checkpoints.CheckpointError:
     raise
   except ValueError as e:
+    paths = re.findall(r"(?:at|key) '([^']*)'", str(e))
+    if not paths or any(not path.startswith("state/") for path in paths):
+      raise  # The target's params (another model), or no path: the refusal says which.
     text = re.sub(
       r"\bthe target\b", "the source", str(e).replace(_checkpoints.ANOTHER_OPTIMIZER, "")
     )
-    raise ValueError(
-      f"{text} The source is the optimizer given as convert_from= / source=, over the target's "
-      "params: give the one that wrote the checkpoint."
-    ) from e
+    raise ValueError(f"{text} {SOURCE_ADVICE}") from e
 
 
 def restore_converted(
