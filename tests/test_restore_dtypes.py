@@ -220,3 +220,14 @@ def test_a_restore_into_arrays_on_no_particular_device_leaves_them_so():
   assert not any(leaf.committed for leaf in jax.tree.leaves(restored))
   step(restored)
   assert step._cache_size() == 1
+
+
+def test_a_restore_into_arrays_on_no_particular_device_keeps_their_device():
+  """Made under jax.default_device, the state came back on the default device: a state kept
+  on one device (the host's, beside accelerators) moved wholly to another."""
+  device = jax.devices()[3]
+  with jax.default_device(device):
+    opt = optimizers.adamw(1e-3).create({"w": jnp.zeros(3)})
+  restored = opt.restore_state(jax.tree.map(np.asarray, opt.state_dict()))
+  for leaf in jax.tree.leaves(restored):
+    assert leaf.devices() == {device} and not leaf.committed

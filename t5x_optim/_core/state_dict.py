@@ -443,13 +443,17 @@ def _key_data(value: Any, where: str) -> np.ndarray:
 
 
 def _placed_like(reference: Any, value: jax.Array) -> jax.Array:
-  """`value` on `reference`'s sharding; left where it is when neither is committed to a device
-  (a step jitted for the reference then takes it without compiling again)."""
+  """`value` on `reference`'s sharding; on its device but not committed to it when neither is
+  committed (a step jitted for the reference then takes it without compiling again)."""
   sharding = getattr(reference, "sharding", None)
-  loose = not getattr(reference, "committed", True) and not getattr(value, "committed", False)
-  if sharding is None or loose:
+  if sharding is None:
     return value
-  return jax.device_put(value, sharding)
+  if getattr(reference, "committed", True) or getattr(value, "committed", False):
+    return jax.device_put(value, sharding)
+  if value.devices() == reference.devices():
+    return value
+  with jax.default_device(next(iter(reference.devices()))):
+    return jax.numpy.array(value)  # An uncommitted array moves to the default device.
 
 
 def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
