@@ -17,7 +17,7 @@ import pytest
 from _ocdbt import array_chunks, flip_bytes
 from _subprocesses import free_port
 
-from t5x_optim import CheckpointError, distributed
+from t5x_optim import CheckpointError, distributed, optimizers
 from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
 from t5x_optim.checkpoints import Checkpointer
 
@@ -276,3 +276,32 @@ def test_survivor_exits_soon_after_a_peer_dies(tmp_path):
     "errors|tasks are unhealthy",
     output,
   ), output
+
+
+_SAVE_AND_END = """
+import sys, jax.numpy as jnp
+from t5x_optim import optimizers
+from t5x_optim.checkpoints import Checkpointer
+checkpointer = Checkpointer(sys.argv[1])
+checkpointer.save(1, optimizers.sgd(0.1).create({"w": jnp.arange(64.0)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_save_pending_when_the_script_ends_is_finished(tmp_path):
+  """A script that saved and ended without close() exited 0 with the step lost: the finalizer
+  meant to finish it ran after Python had shut down the threads orbax commits with."""
+  import subprocess
+
+  done = subprocess.run(
+    [sys.executable, "-c", _SAVE_AND_END, str(tmp_path / "ckpt")],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+  with Checkpointer(tmp_path / "ckpt") as checkpointer:
+    assert checkpointer.all_steps() == [1]
+    restored = checkpointer.restore(optimizers.sgd(0.1).create({"w": jnp.zeros(64)}), step=1)
+  np.testing.assert_array_equal(restored.target["w"], np.arange(64.0))

@@ -229,6 +229,24 @@ def _arrays_handler() -> ocp.PyTreeCheckpointHandler:
   return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+def _close_before_threads_stop(close: Callable[[], Any]) -> None:
+  """Runs `close` when the interpreter exits, before it stops the thread pools.
+
+  ``weakref.finalize`` runs at ``atexit``, after Python has shut down the
+  ``concurrent.futures`` pools that orbax commits an asynchronous save with:
+  a save still pending then failed (or hung) and the script exited 0 with the
+  step lost. Python runs the calls registered with ``threading``'s exit hook
+  (where ``concurrent.futures`` registers its own shutdown) last first, so one
+  registered after that module was imported runs while the pools still work.
+  Where the hook is missing (another Python), ``atexit`` alone remains.
+  """
+  register = getattr(threading, "_register_atexit", None)
+  if register is None:
+    return
+  with contextlib.suppress(RuntimeError):  # The interpreter is exiting already.
+    register(close)
+
+
 class Checkpointer:
   """Saves and restores train states or optimizers as sharded orbax checkpoints.
 
@@ -305,6 +323,7 @@ class Checkpointer:
     # Closes a checkpointer that was never closed when it is collected or at
     # interpreter exit: pending saves finish, then the lock is released.
     self._finalizer = weakref.finalize(self, self._open.close)
+    _close_before_threads_stop(self._finalizer)
 
   def _new_manager(self, *, writer: bool) -> ocp.CheckpointManager:
     """An orbax manager of the directory; only a writer's removes partial steps."""
