@@ -21,7 +21,7 @@ from t5x_optim._adapters.example_lib import (
   wrap_example_lib_optimizer,
 )
 from t5x_optim._adapters.kernel_axes import KernelAxesOptaxWrapper, wrap_optax_optimizer
-from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter
+from t5x_optim._adapters.multi_optimizer import MultiOptimizer, PathFilter, with_param_axes
 from t5x_optim._adapters.optax_wrapper import (
   OptaxHyperParams,
   OptaxWrapper,
@@ -131,6 +131,7 @@ __all__ = [
   "t5x_checkpoints",
   "trained_params",
   "trains_lookahead_params",
+  "with_param_axes",
   "wrap_example_lib_optimizer",
   "wrap_optax_optimizer",
 ]

@@ -390,6 +390,26 @@ def test_set_param_axes_gives_the_axes_to_the_rule(make):
   assert modes == VOCAB_FLOAT32
 
 
+@pytest.mark.parametrize(
+  "make",
+  [lambda: OptaxWrapper(_vocab_tx()), _muon_with_vocab_rule],
+  ids=["OptaxWrapper", "muon"],
+)
+def test_set_param_axes_after_create_refuses_other_axes(make):
+  """The definition's transformation was built again under an optimizer created with it: a
+  step jitted before kept the modes the axes no longer gave."""
+  opt_def = make()
+  opt_def.set_param_axes(AXES)
+  tx = opt_def.optax_optimizer
+  opt_def.create(_params(shapes=AXIS_SHAPES))
+  opt_def.set_param_axes(flax.core.freeze(AXES))
+  assert opt_def.optax_optimizer is tx
+  swapped = {**AXES, "logits": P("embed", "mlp")}
+  with pytest.raises(ValueError, match=r"created an optimizer.*with_param_axes"):
+    opt_def.set_param_axes(swapped)
+  assert opt_def.optax_optimizer is tx
+
+
 def test_a_flax_models_axes_reach_the_rule_through_the_train_state():
   """`TrainState.create` and `partitioning.init_sharded` of a model whose params are boxed."""
   variables = {"params": _boxed(_params(shapes=AXIS_SHAPES))}

@@ -20,6 +20,7 @@ from _t5x import run_t5x_check, t5x_at_hand
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec as P
 
+import t5x_optim
 from t5x_optim import TrainState, convert_state, optimizers
 from t5x_optim._axes.kernel_axes import KernelAxes, KernelAxesRule, UnplaceableParamsError
 from t5x_optim.cli.loop import config as _config
@@ -210,6 +211,48 @@ def test_dimension_numbers_of_a_scanned_t5_tree():
   assert opt_def.dimension_numbers(params) == numbers
 
 
+def test_set_param_axes_after_create_refuses_other_axes():
+  """set_param_axes rebuilt the transformation of a definition that had created an
+  optimizer: a step jitted before kept Adam on a kernel describe_params called Muon, and the
+  eager step failed with a TypeError."""
+  params = {"wi": jnp.ones((LAYERS, EMBED, MLP))}
+  opt_def = optimizers.muon(**MUON_ARGS)
+  tx = opt_def.optax_optimizer
+  opt_def.create(params)
+  with pytest.raises(ValueError, match=r"created an optimizer.*with_param_axes"):
+    opt_def.set_param_axes({"wi": P("layers", "embed", "mlp")})
+  assert opt_def.optax_optimizer is tx and opt_def.param_specs is None
+
+
+def test_set_param_axes_after_create_takes_the_same_axes_again():
+  """T5X's train state gives the definition the model's axes each time it creates a state."""
+  params = {"wi": jnp.ones((LAYERS, EMBED, MLP))}
+  axes = {"wi": P("layers", "embed", "mlp")}
+  opt_def = optimizers.muon(**MUON_ARGS)
+  opt_def.set_param_axes(flax.core.freeze(axes))
+  tx = opt_def.optax_optimizer
+  opt_def.create(params)
+  opt_def.set_param_axes(axes)
+  assert opt_def.optax_optimizer is tx
+  other = t5x_optim.with_param_axes(opt_def, {"wi": P("layers", "vocab", "mlp")})
+  assert other is not opt_def
+  assert other.dimension_numbers(params) == {"wi": None}
+  assert opt_def.dimension_numbers(params) == {"wi": D((1,), (2,))}
+
+
+def test_a_copy_given_its_originals_axes_builds_its_own_transformation():
+  """A copy keeps no transformation of its original's, whose dimension numbers read the
+  original's axes when the state is built: axes given to the original later reached it."""
+  params = {"wi": jnp.ones((LAYERS, EMBED, MLP))}
+  axes = {"wi": P("layers", "embed", "mlp")}
+  opt_def = optimizers.muon(**MUON_ARGS)
+  opt_def.set_param_axes(axes)
+  copied = t5x_optim.with_param_axes(opt_def, axes)
+  opt_def.set_param_axes({"wi": P("layers", "vocab", "mlp")})
+  state = copied.create(params).state.param_states
+  assert state.inner_states["muon"].inner_state[0].mu["wi"].shape == (LAYERS, EMBED, MLP)
+
+
 @pytest.mark.slow
 def test_same_params_as_optax_with_hand_written_numbers():
   params, axes, numbers = _scanned_t5()
@@ -379,7 +422,7 @@ def test_train_state_gives_the_axes():
   variables = ScannedAxesModel().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
   opt_def = optimizers.muon(**MUON_ARGS)
   state = TrainState.create(opt_def, variables)
-  assert opt_def.dimension_numbers(state.params) == {
+  assert state.optimizer.optimizer_def.dimension_numbers(state.params) == {
     "embedding": None,
     "scale": None,
     "wi": D((1,), (2,)),

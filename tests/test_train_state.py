@@ -226,10 +226,15 @@ def test_create_refuses_mesh_axis_boxes_naming_the_variable():
     TrainState.create(optimizers.adam(1e-3), {"params": {"w": boxed}})
 
 
-def test_set_param_axes_gets_the_axes():
+def test_set_param_axes_gets_the_axes_on_a_copy():
+  """The caller's definition took the axes in place, so it placed its params by the last
+  model's axes wherever else it was used."""
   opt_def = _WantsAxes(optax.sgd(0.1))
-  TrainState.create(opt_def, _variables(BoxedModel()))
-  assert opt_def.seen_axes == {"dense": {"kernel": KERNEL_AXES}}
+  state = TrainState.create(opt_def, _variables(BoxedModel()))
+  assert state.optimizer.optimizer_def.seen_axes == {"dense": {"kernel": KERNEL_AXES}}
+  assert not hasattr(opt_def, "seen_axes")
+  again = TrainState.create(opt_def, _variables(BoxedModel()))
+  assert again.optimizer.optimizer_def is state.optimizer.optimizer_def
 
 
 @pytest.mark.parametrize("fallback", list(StateRulesFallback))

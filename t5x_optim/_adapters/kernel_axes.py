@@ -34,6 +34,7 @@ from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.kernel_axes import (
   KernelAxes,
   KernelAxesRule,
+  axes_key,
   axis_names,
   describe,
   specs_by_path,
@@ -89,9 +90,11 @@ KERNEL_AXES_FACTORIES: dict[Callable[..., Any], KernelAxesTarget] = {
 class KernelAxesOptaxWrapper(OptaxWrapper):
   """An `OptaxWrapper` whose weight dimension numbers come from the params' logical axes.
 
-  It has T5X's ``set_param_axes``, so T5X's train state (and this package's
-  `TrainState.create`, which `partitioning.init_sharded` and the partitioner
-  use) gives it the params' axes; ``param_axes=`` gives them up front. Each
+  It has T5X's ``set_param_axes``, so T5X's train state gives it the params'
+  axes (this package's `TrainState.create`, which `partitioning.init_sharded`
+  and the partitioner use, gives them to a copy, `with_param_axes`);
+  ``param_axes=`` gives them up front. Once it has created an optimizer it
+  keeps its axes: the same again are taken, others refused. Each
   param is then placed by `rule` (`KernelAxesRule`): a batch of matrices
   (Muon; GaLore when it has no batch axes) or None (Adam; GaLore's plain
   update). Until the axes are set it is optax's factory as called, whose
@@ -172,13 +175,19 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     """Takes the params' logical axes (T5X's hook) and rebuilds the transformation.
 
     Every param with logical axes is placed now, so a param the rule cannot
-    place fails here, all of them in one error.
+    place fails here, all of them in one error. The axes it has already
+    leave it as it is.
 
     Raises:
       UnplaceableParamsError: naming each such param and its axes.
+      ValueError: other axes once the definition has created an optimizer
+        (`with_param_axes` gives them to a copy).
     """
     axes = _state_rules.logical_axes_from(param_logical_axes)
     specs = specs_by_path(axes)
+    key = axes_key(axes)
+    if not self.new_axes(key):
+      return
     self.rule.place_all({path: tuple(spec) for path, spec in specs.items() if spec is not None})
     for pattern, why in self.rule.unused_overrides(list(specs)):
       warn(
@@ -188,6 +197,7 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     self.param_axes = axes
     self.param_specs = specs
     self.optax_optimizer = self._build(with_axes=True)
+    self._axes = key
 
   def _axis_names(self, params: Any) -> dict[str, tuple[str | None, ...]]:
     if self.param_specs is None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,6 +68,7 @@ from t5x_optim._adapters.param_subsets import (
   traversal_mask,
 )
 from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
+from t5x_optim._axes.kernel_axes import AxesKey, axes_key
 from t5x_optim._axes.rules import is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import (
@@ -566,6 +568,12 @@ class MultiOptimizer(OptimizerDef):
         opt.set_param_axes(sub_axes)
 
 
+_AXES_COPIES: weakref.WeakKeyDictionary[OptimizerDef, dict[AxesKey, OptimizerDef]] = (
+  weakref.WeakKeyDictionary()
+)
+"""`with_param_axes`'s copies: ``{definition: {axes_key: copy}}``."""
+
+
 def with_param_axes(opt_def: OptimizerDef, param_logical_axes: Any) -> OptimizerDef:
   """A copy of `opt_def` given the params' logical axes, or `opt_def` if it takes none.
 
@@ -573,10 +581,17 @@ def with_param_axes(opt_def: OptimizerDef, param_logical_axes: Any) -> Optimizer
   Muon's, or a `MultiOptimizer` with such a sub-optimizer) gets them on a
   copy, a `MultiOptimizer`'s sub-optimizers copied too (one shared by two
   filters stays shared), so the caller's definitions keep their own axes.
+  The same definition and axes give the same copy: an optimizer's definition
+  is a static field, so the states made from it are one pytree structure
+  (the shardings of one fit another, a step jitted for one runs the other).
   """
   if not hasattr(opt_def, "set_param_axes"):
     return opt_def
-  copied = _copied_def(opt_def, {})
+  copies = _AXES_COPIES.setdefault(opt_def, {})
+  key = axes_key(param_logical_axes)
+  copied = copies.get(key)
+  if copied is None:
+    copied = copies[key] = _copied_def(opt_def, {})
   copied.set_param_axes(param_logical_axes)
   return copied
 

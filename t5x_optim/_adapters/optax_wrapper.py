@@ -14,6 +14,7 @@ from flax import struct
 
 from t5x_optim._axes import engine as _state_rules
 from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
+from t5x_optim._axes.kernel_axes import AxesKey, axes_key
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.fused import FusedUpdate
@@ -361,6 +362,8 @@ class OptaxWrapper(OptimizerDef):
     takes_extra_args = isinstance(optax_optimizer, optax.GradientTransformationExtraArgs)
     self.extra_arg_names = frozenset(extra_args) if takes_extra_args else frozenset()
     self._axes_aware = optax_optimizer if takes_param_axes(optax_optimizer) else None
+    self._axes: AxesKey | None = None
+    self._created = False
 
   @property
   def set_param_axes(self) -> Callable[[Any], None]:
@@ -374,10 +377,42 @@ class OptaxWrapper(OptimizerDef):
     return self._set_param_axes
 
   def _set_param_axes(self, param_logical_axes: Any) -> None:
-    self.optax_optimizer = self._axes_aware.with_param_axes(param_logical_axes)
+    axes = axes_key(param_logical_axes)
+    if self.new_axes(axes):
+      self.optax_optimizer = self._axes_aware.with_param_axes(param_logical_axes)
+      self._axes = axes
+
+  def new_axes(self, axes: AxesKey) -> bool:
+    """Whether `axes` (`axes_key`'s) differ from those the transformation was built for (the
+    same axes again leave it as it is).
+
+    Raises:
+      ValueError: other axes once the definition has created an optimizer, whose
+        state and jitted steps keep the placement of the axes it was created with.
+    """
+    if axes == self._axes:
+      return False
+    if self._created:
+      raise ValueError(
+        f"{type(self).__name__}: set_param_axes got logical axes other than those it had "
+        "when it created an optimizer, which keeps the old placement (a step jitted for it "
+        "too). Give the axes to a new definition: t5x_optim.with_param_axes(opt_def, axes) "
+        "copies it, as TrainState.create does."
+      )
+    return True
+
+  def __copy__(self) -> OptaxWrapper:
+    """A shallow copy that has created no optimizer and builds its transformation again when
+    given axes, the same too (a transformation built for the original may read its axes)."""
+    copied = object.__new__(type(self))
+    copied.__dict__.update(self.__dict__)
+    copied._created = False
+    copied._axes = None
+    return copied
 
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
+    self._created = True
     if isinstance(target, StackedParams):
       plain = OptaxWrapper(
         self.optax_optimizer, extra_args=self.extra_arg_names, fallback=self.fallback
@@ -390,6 +425,7 @@ class OptaxWrapper(OptimizerDef):
     return super().prepare_grads(trained_params(params), grads)
 
   def init_state(self, params: Any) -> OptimizerState:
+    self._created = True
     if trains_lookahead_params(self) and not isinstance(params, optax.LookaheadParams):
       raise TypeError(
         "optax.lookahead trains a fast and a slow copy of the params: create the optimizer "

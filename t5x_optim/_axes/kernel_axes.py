@@ -45,13 +45,16 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec
 
+from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._keypaths import key_path_str
 
 __all__ = [
   "ADAM",
+  "AxesKey",
   "KernelAxes",
   "KernelAxesRule",
   "UnplaceableParamsError",
+  "axes_key",
   "axis_names",
   "describe",
   "specs_by_path",
@@ -59,6 +62,9 @@ __all__ = [
 
 ADAM = "adam"
 """An override value: the param goes to Adam."""
+
+AxesKey = tuple[tuple[str, PartitionSpec | None], ...]
+"""The params' logical axes as `axes_key` gives them."""
 
 AxisNames = tuple[str | None, ...]
 
@@ -290,6 +296,18 @@ def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
   is_leaf = lambda x: x is None or isinstance(x, PartitionSpec | tuple)  # noqa: E731
   flat = jax.tree.flatten_with_path(param_axes, is_leaf=is_leaf)[0]
   return {key_path_str(path): None if spec is None else PartitionSpec(*spec) for path, spec in flat}
+
+
+def axes_key(param_axes: Any) -> AxesKey:
+  """The params' logical axes, in any form `logical_axes_from` accepts, as sorted
+  ``('/'-joined path, spec)`` pairs: equal for the same axes in any form, and hashable.
+
+  Example:
+    >>> same = {"b": None, "w": PartitionSpec("embed", "mlp")}
+    >>> axes_key({"w": ("embed", "mlp"), "b": None}) == axes_key(same)
+    True
+  """
+  return tuple(sorted(specs_by_path(logical_axes_from(param_axes)).items(), key=lambda kv: kv[0]))
 
 
 def describe(

@@ -24,6 +24,7 @@ from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
+from t5x_optim._adapters.multi_optimizer import with_param_axes
 from t5x_optim._axes.engine import box_spec, unbox_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
@@ -201,7 +202,10 @@ class TrainState(struct.PyTreeNode):
     `flax.linen.partitioning.param_with_axes`) gives the params' axes; a
     `<collection>_axes` collection those of another collection. All other
     collections become `flax_mutables`. As in T5X, an optimizer definition
-    with `set_param_axes` gets the params' axes and then requires them.
+    with `set_param_axes` gets the params' axes and then requires them; they
+    go to a copy (`with_param_axes`: the same copy for the same definition
+    and axes), the state's ``optimizer.optimizer_def``, so the definition
+    passed keeps its own.
 
     Args:
       optimizer_def: the optimizer definition.
@@ -234,7 +238,7 @@ class TrainState(struct.PyTreeNode):
           "(it has set_param_axes), but the model emits none: use "
           "param_with_axes or nn.with_logical_partitioning."
         )
-      optimizer_def.set_param_axes(_unflatten_like(params, param_specs))
+      optimizer_def = with_param_axes(optimizer_def, _unflatten_like(params, param_specs))
     return cls(
       _optimizer=optimizer_def.create(params),
       flax_mutables=mutables,
