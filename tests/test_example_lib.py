@@ -282,6 +282,19 @@ def test_learning_rate_override_errors(opt_def: ExampleLibOptimizerDef, match: s
   assert opt.apply_gradient(grads_at(make_params(), 0), learning_rate=None).state.step == 1
 
 
+@pytest.mark.parametrize(
+  "learning_rate, match",
+  [(True, r"got a bool: True"), (jnp.linspace(0.1, 0.8, 8), r"got an array of shape \(8,\)")],
+  ids=["bool", "vector"],
+)
+def test_learning_rate_override_must_be_a_real_scalar(learning_rate: Any, match: str) -> None:
+  """A bool was taken as a step size of 1.0, and a vector failed inside
+  jax.example_libraries with a TypeError naming neither learning_rate= nor the problem."""
+  opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_sgd"](0.1).create(make_params())
+  with pytest.raises(TypeError, match=r"learning_rate= must be a real scalar.*" + match):
+    opt.apply_gradient(grads_at(make_params(), 0), learning_rate=learning_rate)
+
+
 def test_unknown_keyword_raises() -> None:
   opt = EXAMPLE_LIB_OPTIMIZERS["example_lib_sgd"](0.1).create(make_params())
   with pytest.raises(TypeError, match=r"unknown keyword arguments \['batch'\]"):

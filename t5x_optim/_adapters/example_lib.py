@@ -23,6 +23,7 @@ from flax import struct
 from jax.example_libraries import optimizers as example_lib
 
 from t5x_optim._adapters.example_lib_layout import Layout, PartsNode, leaf_name, trace_layout
+from t5x_optim._adapters.optax_wrapper import check_learning_rate
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_like, in_update_layouts
 from t5x_optim._axes.engine import StateRulesFallback, derive_state_specs, logical_axes_from
@@ -81,7 +82,8 @@ class ExampleLibHyperParams:
   The triple keeps its step size (or schedule) in its closures; a non-None
   `learning_rate` rebuilds the triple with that constant step size for the
   step, which needs a definition made by `wrap_example_lib_optimizer` (or
-  `ExampleLibOptimizerDef.from_maker`) from a constant step size.
+  `ExampleLibOptimizerDef.from_maker`) from a constant step size. It must be
+  a real scalar, as `OptaxWrapper`'s (a TypeError otherwise).
   """
 
   learning_rate: Any = None
@@ -215,6 +217,7 @@ class ExampleLibOptimizerDef(OptimizerDef):
     del extra_args
     triple = self.triple
     if hyper_params.learning_rate is not None:
+      check_learning_rate(hyper_params.learning_rate)
       triple = example_lib.Optimizer(*self.with_step_size(hyper_params.learning_rate))
     grads = tree_like(grads, params)
     layout = self._layout(params)
