@@ -227,6 +227,26 @@ def test_failed_restore_names_the_per_leaf_path_and_changes_nothing():
   assert tree_equal(opt, before)
 
 
+def test_a_restore_of_params_one_buffer_holds_in_two_dtypes_is_refused_naming_them():
+  """A restore keeps a state dict's floating param dtype; the stacked layer refused params of
+  one buffer in bfloat16 and float32 with an error about stacking that named no restore."""
+  params = {"a": {"kernel": jnp.ones((4, 8))}, "b": {"kernel": jnp.ones((4, 8))}}
+  opt = OptaxWrapper(optax.adam(0.1)).create(stack_params(params))
+  state_dict = opt.state_dict()
+  state_dict["target"]["a"]["kernel"] = np.asarray(state_dict["target"]["a"]["kernel"]).astype(
+    jnp.bfloat16
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"restore keeps the state dict's floating param dtypes.*'a/kernel': bfloat16, "
+    r"'b/kernel': float32",
+  ):
+    opt.restore_state(state_dict)
+  state_dict["target"]["b"]["kernel"] = state_dict["target"]["a"]["kernel"]
+  restored = opt.restore_state(state_dict).target.unstack()
+  assert {leaf.dtype for leaf in jax.tree.leaves(restored)} == {jnp.dtype(jnp.bfloat16)}
+
+
 def test_wrong_grads_name_the_paths():
   opt = OptaxWrapper(optax.adam(1e-2)).create(stack_params(make_params()))
   grads = jax.grad(loss)(opt.target.unstack())

@@ -545,8 +545,34 @@ def _restacked(
       for node, value in zip(nodes, restored, strict=True)
     ],
   )
+  _refuse_restored_dtypes(reference_target.layout, target)
   stacked_target = _placed_like(reference_target.layout.stack(target), reference_target)
   return stacked_target, state.replace(param_states=param_states)
+
+
+def _refuse_restored_dtypes(layout: StackedLayout, target: Any) -> None:
+  """Refuses restored per-leaf params that one buffer would hold in more than one dtype.
+
+  A restore keeps the state dict's floating param dtypes (`leaf_fit`'s rule,
+  T5X's ``restore_dtype``), and a buffer has one; casting some of them would
+  break that rule for this layout alone.
+
+  Raises:
+    ValueError: naming the restore, each such param and its dtype.
+  """
+  leaves = _flatten(target, layout.treedef, "params")
+  for group in layout.groups:
+    dtypes = {
+      layout.paths[i]: np.dtype(leaves[i].dtype) for i in group if hasattr(leaves[i], "dtype")
+    }
+    if len(set(dtypes.values())) > 1:
+      described = ", ".join(f"'{path}': {dtype.name}" for path, dtype in dtypes.items())
+      raise ValueError(
+        "The restore keeps the state dict's floating param dtypes (T5X's restore_dtype), "
+        f"and the params of one stacked buffer have one dtype; the state dict gives them "
+        f"{described}. Give them one dtype in the state dict, or restore into per-leaf "
+        "params (an optimizer created over params.unstack())."
+      )
 
 
 def _placed_like(stacked: StackedParams, reference: Any) -> StackedParams:
