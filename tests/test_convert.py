@@ -30,6 +30,7 @@ from flax.core import FrozenDict
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
+from t5x_optim._checkpoint import converting
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
@@ -1444,6 +1445,43 @@ def test_our_checkpoint_restores_into_another_optimizer_sharded(tmp_path, partit
   assert state.param_states[0].nu["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
     "data", "model"
   )
+
+
+@pytest.mark.slow
+def test_a_restore_from_a_definition_reads_the_source_sharded_by_its_params(
+  tmp_path, partitioner, monkeypatch
+):
+  """The source state built from a definition was abstract without shardings, so the whole
+  old optimizer state was read onto the default device: each leaf now spans the target's
+  mesh, a moment sharded as its param, the rest replicated."""
+  source_def = optimizers.adamw(1e-3)
+  old = partitioning.init_sharded(partitioner, source_def, lambda key: _variables(), None)
+  old = old.apply_gradient(jax.tree.map(lambda p: jnp.full(p.shape, 0.5), old.params))
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(1, old)
+  read = []
+  read_source = converting._read_source
+
+  def spy(*args, **kwargs):
+    read.append(read_source(*args, **kwargs))
+    return read[-1]
+
+  monkeypatch.setattr(converting, "_read_source", spy)
+  target = partitioning.abstract_train_state(partitioner, optimizers.lion(1e-3), _variables)
+  state, _ = t5x_optim.restore_converted(tmp_path, target, source=source_def, missing="init")
+  (source,) = read
+  for path, leaf in jax.tree.flatten_with_path(source)[0]:
+    assert len(leaf.sharding.device_set) == 8, (path, leaf.sharding)
+  for moment in source.param_states[0].mu, source.param_states[0].nu:
+    for got, param in zip(jax.tree.leaves(moment), jax.tree.leaves(target.params), strict=True):
+      assert got.sharding.is_equivalent_to(param.sharding, got.ndim), got.sharding
+  assert source.param_states[0].count.sharding.is_fully_replicated
+  _assert_close(source.param_states, old.param_states)
+  unsharded, _ = t5x_optim.convert_state(
+    jax.device_get(old.optimizer), optimizers.lion(1e-3), missing="init"
+  )
+  _assert_close(state.param_states, unsharded.state.param_states)
+  _assert_target_shardings(state, target)
 
 
 def _lookahead(params):

@@ -65,13 +65,20 @@ def _with_optimizer(state: State, optimizer: Optimizer) -> State:
   return state.replace(_optimizer=optimizer) if isinstance(state, TrainState) else optimizer
 
 
+def _abstract(leaf: jax.ShapeDtypeStruct, like: Any) -> jax.ShapeDtypeStruct:
+  """`leaf` with `like`'s sharding, if it has one."""
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(like, "sharding", None))
+
+
 def _source_state(source_def: OptimizerDef, target: State) -> State:
   """An abstract state of `source_def` over `target`'s params, as its checkpoint holds them.
 
   Lookahead trains two copies of the params (`optax.LookaheadParams`), every
   other optimizer one. A definition that places its params by their logical
   axes (``set_param_axes``: Muon's) gets the target's axes, as
-  `TrainState.create` gives them.
+  `TrainState.create` gives them. Over params that carry `NamedSharding`s,
+  its state is placed by them (`sharded_by_params`), so each device reads
+  its shards of the old optimizer's state.
   """
   params = _optimizer(target).target
   axes = target.param_axis_leaves if isinstance(target, TrainState) else None
@@ -83,6 +90,10 @@ def _source_state(source_def: OptimizerDef, target: State) -> State:
   if axes is not None:
     source_def = with_param_axes(source_def, jax.tree.structure(params).unflatten(axes))
   old = jax.eval_shape(source_def.create, params)
+  if jax.tree.structure(old.target) == jax.tree.structure(params):
+    old = _convert.sharded_by_params(
+      old.replace(target=jax.tree.map(_abstract, old.target, params))
+    )
   if isinstance(target, TrainState):
     return target.replace(_optimizer=old, param_axis_leaves=axes)
   return old

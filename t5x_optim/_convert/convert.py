@@ -60,10 +60,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import serialization, traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_optim._adapters.multi_optimizer import with_param_axes
 from t5x_optim._adapters.optax_wrapper import loss_extra_args
 from t5x_optim._axes.kernel_axes import specs_by_path
+from t5x_optim._axes.rules import fit_state_spec, is_spec_leaf
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
 from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
 from t5x_optim._convert.registry import (
@@ -889,6 +891,34 @@ def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
   if wanted and not two:
     return optax.LookaheadParams.init_synced(params), ()
   return params, ()
+
+
+def sharded_by_params(optimizer: Optimizer) -> Optimizer:
+  """`optimizer`, an abstract one, with its state leaves placed as its params are.
+
+  Where every param (``optimizer.target``) carries a `NamedSharding`, each
+  state leaf becomes a `jax.ShapeDtypeStruct` on the params' mesh with the
+  spec its definition's `derive_logical_axes` gives it over the params' mesh
+  specs (a moment shaped as its param is sharded as it is), the mesh axes its
+  shape does not divide dropped; a leaf given no spec is replicated. Otherwise
+  `optimizer` is returned as it is.
+  """
+  shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(optimizer.target)]
+  if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+    return optimizer
+  mesh = shardings[0].mesh
+  specs = jax.tree.map(lambda leaf: leaf.sharding.spec, optimizer.target)
+  axes = optimizer.optimizer_def.derive_logical_axes(optimizer, specs).state
+
+  def place(path: Any, spec: PartitionSpec | None, leaf: Any) -> jax.ShapeDtypeStruct:
+    spec = fit_state_spec(
+      key_path_str(path), spec, jnp.shape(leaf), mesh_shape=mesh.shape, axis=None
+    )
+    sharding = NamedSharding(mesh, spec or PartitionSpec())
+    return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype, sharding=sharding)
+
+  state = jax.tree.map_with_path(place, axes, optimizer.state, is_leaf=is_spec_leaf)
+  return optimizer.replace(state=state)
 
 
 def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
