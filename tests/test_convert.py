@@ -1484,6 +1484,20 @@ def test_a_restore_from_a_definition_reads_the_source_sharded_by_its_params(
   _assert_target_shardings(state, target)
 
 
+def test_a_sharded_state_converts_into_a_definition_sharded_as_create_gives_it(partitioner):
+  """The converted state was committed to the default device while its params stayed
+  sharded, so a jitted step refused the mix of devices; it is placed as `create` places it."""
+  old = partitioning.init_sharded(partitioner, optimizers.adamw(1e-3), lambda: _variables())
+  new, _ = t5x_optim.convert_state(old.optimizer, optimizers.lion(1e-3), missing="init")
+  created = optimizers.lion(1e-3).create(old.params)
+  for got, want in zip(jax.tree.leaves(new.state), jax.tree.leaves(created.state), strict=True):
+    assert got.ndim == 0 or got.sharding.is_equivalent_to(want.sharding, got.ndim), (
+      got.sharding,
+      want.sharding,
+    )
+  jax.jit(lambda o, g: o.apply_gradient(g))(new, jax.tree.map(jnp.ones_like, new.target))
+
+
 def _lookahead(params):
   la = OptaxWrapper(optax.lookahead(optax.adam(0.1), sync_period=3, slow_step_size=0.5))
   old = la.create(optax.LookaheadParams.init_synced(params))

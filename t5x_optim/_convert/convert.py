@@ -901,10 +901,15 @@ def sharded_by_params(optimizer: Optimizer) -> Optimizer:
   spec its definition's `derive_logical_axes` gives it over the params' mesh
   specs (a moment shaped as its param is sharded as it is), the mesh axes its
   shape does not divide dropped; a leaf given no spec is replicated. Otherwise
-  `optimizer` is returned as it is.
+  (or for a definition without `derive_logical_axes`) `optimizer` is returned
+  as it is.
   """
   shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(optimizer.target)]
-  if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+  if (
+    not shardings
+    or not all(isinstance(s, NamedSharding) for s in shardings)
+    or not hasattr(optimizer.optimizer_def, "derive_logical_axes")
+  ):
     return optimizer
   mesh = shardings[0].mesh
   specs = jax.tree.map(lambda leaf: leaf.sharding.spec, optimizer.target)
@@ -922,10 +927,14 @@ def sharded_by_params(optimizer: Optimizer) -> Optimizer:
 
 
 def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
-  """The definition's initial state for `params`, placed in `like`'s shardings if it has them."""
+  """The definition's initial state for `params`, placed in `like`'s shardings if it has
+  them; without `like`, placed by the params' shardings (`sharded_by_params`)."""
+  if like is None:
+    abstract = jax.eval_shape(optimizer_def.init_state, params)
+    like = sharded_by_params(Optimizer(optimizer_def, abstract, params)).state
   leaves, treedef = jax.tree.flatten(like)
   shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-  out = None if like is None or None in shardings else treedef.unflatten(shardings)
+  out = None if None in shardings else treedef.unflatten(shardings)
   return jax.jit(optimizer_def.init_state, out_shardings=out)(params)
 
 
@@ -1037,9 +1046,10 @@ def convert_state(
     source: the old optimizer, or its T5X-layout state dict (ours, or a T5X
       checkpoint's). A state dict is read with `source_def`, or without it
       when it has T5X's legacy Adafactor layout.
-    target: the new optimizer: an `OptimizerDef`, or an `Optimizer` (real or
-      abstract, e.g. `jax.eval_shape` of ``create`` with sharded leaves)
-      whose state structure, dtypes and shardings the result takes.
+    target: the new optimizer: an `OptimizerDef`, whose state is placed by
+      the source's param shardings (`sharded_by_params`), or an `Optimizer`
+      (real or abstract, e.g. `jax.eval_shape` of ``create`` with sharded
+      leaves) whose state structure, dtypes and shardings the result takes.
     source_def: the definition that wrote a state-dict `source`.
     source_hparams: hyper-parameters of the old optimizer that its state
       does not hold (defaults: optax's): ``b1``/``b2`` (Adam 0.9/0.999, Lion
