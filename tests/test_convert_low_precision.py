@@ -302,6 +302,36 @@ def test_conversion_on_explicit_mesh_axes_as_on_auto(source_storage, target_stor
   assert_same_bits(converted[AxisType.Explicit], converted[AxisType.Auto])
 
 
+def test_a_sharded_state_converts_into_a_sharded_four_bit_state_on_its_devices(monkeypatch):
+  """ZeRO moments sharded otherwise than the 4-bit target's float32 view of them (its
+  decoder's layout: a (256, 1024) kernel's over both axes on its second dimension) were
+  copied whole to the host to be placed; they are resharded on the devices."""
+
+  def variables():
+    return {
+      "params": {"kernel": nn.LogicallyPartitioned(jnp.ones((256, 1024)), AXES["dense"]["kernel"])}
+    }
+
+  partitioner = _partitioner(zero=True)
+  source = partitioning.init_sharded(partitioner, OptaxWrapper(optax.adam(1e-3)), variables)
+  target_def = OptaxWrapper(t5x_optim.low_precision(optax.adam(1e-3), "4bit", min_size=0))
+  target = partitioning.abstract_train_state(partitioner, target_def, variables).optimizer
+  array_type = type(source.params["kernel"])
+  value = array_type._value
+  read = []
+
+  def spy(self):
+    if len(self.sharding.device_set) > 1:
+      read.append(self.shape)
+    return value.fget(self)
+
+  monkeypatch.setattr(array_type, "_value", property(spy))
+  new, _ = t5x_optim.convert_state(source.optimizer, target)
+  assert not read
+  for leaf, like in zip(jax.tree.leaves(new.state), jax.tree.leaves(target.state), strict=True):
+    assert leaf.sharding == like.sharding
+
+
 @pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
 def test_schedule_free_evaluation_params_decode_nothing_of_another_optimizers_state(mode):
   """`t5x-optim train` asks at every eval whether the state is schedule-free's: it decoded

@@ -52,6 +52,7 @@ An 8-bit or 4-bit leaf anywhere else cannot be decoded and is refused, with its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -977,6 +978,13 @@ def _params_like(params: Any, like: Any) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
+@functools.lru_cache(maxsize=64)
+def _resharding(dtype: Any, sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
+  """A jitted copy into `dtype` and `sharding`, on the devices (`jax.device_put` between
+  two shardings of the same devices may go through the host)."""
+  return jax.jit(functools.partial(jnp.array, dtype=dtype, copy=True), out_shardings=sharding)
+
+
 def _placed(value: Any, like: Any) -> Any:
   """`value` as a new array in `like`'s dtype and sharding.
 
@@ -987,10 +995,13 @@ def _placed(value: Any, like: Any) -> Any:
   dtype = getattr(like, "dtype", None)
   if sharding is None:
     return jnp.array(value, dtype, copy=True)
+  concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+  if concrete and (
+    not value.is_fully_addressable or value.sharding.device_set == sharding.device_set
+  ):
+    return _resharding(dtype, sharding)(value)
   if sharding.is_fully_addressable:
     return jax.device_put(jnp.array(value, dtype, copy=True), sharding)
-  if isinstance(value, jax.Array) and not value.is_fully_addressable:
-    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)(value)
   # A multi-process target: each process holds the whole value and places its own shards.
   local = np.asarray(value, dtype)
   return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
