@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import pathlib
@@ -251,6 +252,40 @@ def test_a_copy_given_its_originals_axes_builds_its_own_transformation():
   opt_def.set_param_axes({"wi": P("layers", "vocab", "mlp")})
   state = copied.create(params).state.param_states
   assert state.inner_states["muon"].inner_state[0].mu["wi"].shape == (LAYERS, EMBED, MLP)
+
+
+def test_a_deep_copy_given_its_originals_axes_builds_its_own_transformation():
+  """A deep copy shares its original's transformation (functions are not copied), which reads
+  the original's axes: axes given to the original later sent the copy's kernel to Adam while
+  describe_params called it Muon."""
+  params = {"wi": jnp.ones((LAYERS, EMBED, MLP))}
+  axes = {"wi": P("layers", "embed", "mlp")}
+  opt_def = optimizers.muon(**MUON_ARGS)
+  opt_def.set_param_axes(axes)
+  copied = copy.deepcopy(opt_def)
+  opt_def.set_param_axes({"wi": P("layers", "vocab", "mlp")})
+  copied.set_param_axes(axes)
+  state = copied.create(params).state.param_states
+  assert state.inner_states["muon"].inner_state[0].mu["wi"].shape == (LAYERS, EMBED, MLP)
+  assert isinstance(state.inner_states["adam"].inner_state[0].mu["wi"], optax.MaskedNode)
+
+
+def test_train_state_gives_axes_to_a_definition_that_compares_by_value():
+  """A definition with __eq__ and no __hash__ (a user's subclass) could not key the copies
+  TrainState.create keeps: TypeError 'unhashable type'."""
+
+  class ByValue(t5x_optim.OptaxWrapper):
+    def set_param_axes(self, param_logical_axes):
+      self.seen = param_logical_axes
+
+    def __eq__(self, other):
+      return type(other) is type(self)
+
+  opt_def = ByValue(optax.sgd(0.1))
+  names = flax.linen.partitioning.AxisMetadata(names=("embed", "mlp"))
+  variables = {"params": {"w": jnp.ones((2, 3))}, "params_axes": {"w_axes": names}}
+  state = t5x_optim.TrainState.create(opt_def, variables)
+  assert isinstance(state.optimizer.optimizer_def, ByValue)
 
 
 @pytest.mark.slow

@@ -568,10 +568,20 @@ class MultiOptimizer(OptimizerDef):
         opt.set_param_axes(sub_axes)
 
 
-_AXES_COPIES: weakref.WeakKeyDictionary[OptimizerDef, dict[AxesKey, OptimizerDef]] = (
-  weakref.WeakKeyDictionary()
-)
-"""`with_param_axes`'s copies: ``{definition: {axes_key: copy}}``."""
+_AXES_COPIES: dict[int, tuple[weakref.ref[OptimizerDef], dict[AxesKey, OptimizerDef]]] = {}
+"""`with_param_axes`'s copies by the identity of their definition (one may compare by value
+and be unhashable): ``{id(definition): (weak reference to it, {axes_key: copy})}``, an entry
+dropped when its definition is collected."""
+
+
+def _copies_of(opt_def: OptimizerDef) -> dict[AxesKey, OptimizerDef]:
+  """`with_param_axes`'s copies of `opt_def` by their axes."""
+  key = id(opt_def)
+  entry = _AXES_COPIES.get(key)
+  if entry is None or entry[0]() is not opt_def:
+    ref = weakref.ref(opt_def, lambda _: _AXES_COPIES.pop(key, None))
+    entry = _AXES_COPIES[key] = (ref, {})
+  return entry[1]
 
 
 def with_param_axes(opt_def: OptimizerDef, param_logical_axes: Any) -> OptimizerDef:
@@ -587,7 +597,7 @@ def with_param_axes(opt_def: OptimizerDef, param_logical_axes: Any) -> Optimizer
   """
   if not hasattr(opt_def, "set_param_axes"):
     return opt_def
-  copies = _AXES_COPIES.setdefault(opt_def, {})
+  copies = _copies_of(opt_def)
   key = axes_key(param_logical_axes)
   copied = copies.get(key)
   if copied is None:

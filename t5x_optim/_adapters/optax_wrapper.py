@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -406,6 +407,16 @@ class OptaxWrapper(OptimizerDef):
     given axes, the same too (a transformation built for the original may read its axes)."""
     copied = object.__new__(type(self))
     copied.__dict__.update(self.__dict__)
+    copied._created = False
+    copied._axes = None
+    return copied
+
+  def __deepcopy__(self, memo: dict[int, Any]) -> OptaxWrapper:
+    """A deep copy, as `__copy__`'s: its transformation is its original's (functions are not
+    copied), which may read the original's axes, so it is built again when given axes."""
+    copied = object.__new__(type(self))
+    memo[id(self)] = copied
+    copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
     copied._created = False
     copied._axes = None
     return copied
