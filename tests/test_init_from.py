@@ -360,10 +360,8 @@ def test_the_source_optimizer_is_told_by_its_numbers_and_config(tmp_path):
   assert seen[0] == seen[2] and len({seen[0], seen[1], seen[3]}) == 3, seen
 
 
-@pytest.mark.slow
-def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path, capsys):
-  """A T5X model directory: T5X-format checkpoints (adamw) and T5X's operative config."""
-  t5x_dir = tmp_path / "t5x"
+def _t5x_adamw_directory(t5x_dir: pathlib.Path, *, steps: int) -> pathlib.Path:
+  """A T5X model directory: the tiny model's adamw state after `steps` steps, T5X's config."""
   _config.parse_config(
     gin_files=["examples/tiny.gin"],
     gin_bindings=["OPTIMIZER = @optimizers.adamw()", "optimizers.adamw.learning_rate = 0.01"],
@@ -371,10 +369,17 @@ def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path
   )
   setup = _train.prepare(_config.build_job())
   state = setup.create(*setup.init_args)
-  for step in range(2):
+  for step in range(steps):
     state, _ = setup.step_fn(state, setup.train_batch(step))
   t5x_optim.save_t5x_checkpoint(t5x_dir, state)
   shutil.copy(T5X_CONFIG, t5x_dir / "config.gin")
+  return t5x_dir
+
+
+@pytest.mark.slow
+def test_init_from_a_t5x_directory_reads_its_optimizer_from_t5xs_config(tmp_path, capsys):
+  """A T5X model directory: T5X-format checkpoints (adamw) and T5X's operative config."""
+  t5x_dir = _t5x_adamw_directory(tmp_path / "t5x", steps=2)
   adafactor = [*TINY, "--gin_file", "optimizers/adafactor.gin", "--gin_bindings", "TOTAL_STEPS = 4"]
   flags = ["--init_from", str(t5x_dir), "--model_dir", str(tmp_path / "new")]
   assert main(["train", *adafactor, *flags]) == 0
@@ -444,18 +449,12 @@ def test_init_from_a_t5x_directory_whose_config_does_not_parse_names_the_flag_an
 
 
 @pytest.mark.slow
-def test_init_from_a_t5x_directory_another_optimizer_wrote_asks_for_its_gin_files(tmp_path, capsys):
+def test_init_from_a_t5x_directory_another_optimizer_wrote_names_no_python_argument(
+  tmp_path, capsys
+):
   """The refusal ended with the Python API's advice ("the optimizer given as convert_from= /
   source="), flags the command line has not."""
-  t5x_dir = tmp_path / "t5x"
-  _config.parse_config(
-    gin_files=["examples/tiny.gin"],
-    gin_bindings=["OPTIMIZER = @optimizers.adamw()", "optimizers.adamw.learning_rate = 0.01"],
-    macros=_config.device_macros(8),
-  )
-  setup = _train.prepare(_config.build_job())
-  t5x_optim.save_t5x_checkpoint(t5x_dir, setup.create(*setup.init_args))
-  shutil.copy(T5X_CONFIG, t5x_dir / "config.gin")
+  t5x_dir = _t5x_adamw_directory(tmp_path / "t5x", steps=0)
   flags = ["--init_from", str(t5x_dir), "--init_from_gin", "optimizers/lion.gin"]
   flags += ["--model_dir", str(tmp_path / "new")]
   assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 2
