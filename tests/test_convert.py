@@ -1484,6 +1484,7 @@ def test_a_restore_from_a_definition_reads_the_source_sharded_by_its_params(
   _assert_target_shardings(state, target)
 
 
+@pytest.mark.slow
 def test_a_sharded_state_converts_into_a_definition_sharded_as_create_gives_it(partitioner):
   """The converted state was committed to the default device while its params stayed
   sharded, so a jitted step refused the mix of devices; it is placed as `create` places it."""

@@ -302,6 +302,7 @@ def test_conversion_on_explicit_mesh_axes_as_on_auto(source_storage, target_stor
   assert_same_bits(converted[AxisType.Explicit], converted[AxisType.Auto])
 
 
+@pytest.mark.slow
 def test_a_sharded_state_converts_into_a_sharded_four_bit_state_on_its_devices(monkeypatch):
   """ZeRO moments sharded otherwise than the 4-bit target's float32 view of them (its
   decoder's layout: a (256, 1024) kernel's over both axes on its second dimension) were
