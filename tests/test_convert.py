@@ -1485,6 +1485,29 @@ def test_a_restore_from_a_definition_reads_the_source_sharded_by_its_params(
 
 
 @pytest.mark.slow
+def test_params_on_two_meshes_convert_into_a_definition():
+  """The new state was placed on the first param's mesh: a param's spec on another mesh was
+  refused as naming axes that mesh lacks (and over other devices, placed on the wrong ones)."""
+  devices = np.array(jax.devices())
+  grid = jax.sharding.Mesh(devices.reshape(2, 4), ("data", "model"))
+  for line in (jax.sharding.Mesh(devices, ("x",)), jax.sharding.Mesh(devices[4:], ("data",))):
+    params = {
+      "a": jax.device_put(
+        jnp.ones((8, 8)),
+        jax.sharding.NamedSharding(grid, jax.sharding.PartitionSpec("data", "model")),
+      ),
+      "b": jax.device_put(
+        jnp.ones(8),
+        jax.sharding.NamedSharding(line, jax.sharding.PartitionSpec(line.axis_names[0])),
+      ),
+    }
+    old = OptaxWrapper(optax.adam(0.1)).create(params)
+    new, _ = t5x_optim.convert_state(old, optimizers.lion(1e-3), missing="init")
+    want, _ = t5x_optim.convert_state(jax.device_get(old), optimizers.lion(1e-3), missing="init")
+    _assert_close(new.state.param_states[0].mu, want.state.param_states[0].mu)
+
+
+@pytest.mark.slow
 def test_a_sharded_state_converts_into_a_definition_sharded_as_create_gives_it(partitioner):
   """The converted state was committed to the default device while its params stayed
   sharded, so a jitted step refused the mix of devices; it is placed as `create` places it."""

@@ -466,3 +466,22 @@ def test_overlapping_adapter_calls_share_one_shim():
       assert tag_graph_matcher.eval_jaxpr_eqn is kfac_adapter._eval_jaxpr_eqn
     assert tag_graph_matcher.eval_jaxpr_eqn is kfac_adapter._eval_jaxpr_eqn
   assert not other.is_alive() and _kfac_jax_own_eval_jaxpr_eqn_in_place()
+
+
+@pytest.mark.slow
+def test_convert_state_of_sharded_params_into_a_strict_kfac_places_quietly(kfac):
+  """Placing the new state by the params' shardings ran the definition's own fallback: a
+  strict one refused the conversion, the default one warned of leaves no axes were asked for."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  shardings = _mesh_shardings(_AXES, mesh)
+  params = jax.tree.map(jax.device_put, _copy(_params()), shardings)
+  adam = OptaxWrapper(optax.adam(1e-2)).create(params)
+  for fallback in (StateRulesFallback.RAISE, StateRulesFallback.REPLICATE_WITH_WARNING):
+    strict = KfacOptimizerDef(
+      kfac, init_batch=_batches()[0], init_rng=jax.random.key(1), fallback=fallback, **_HYPER
+    )
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", UserWarning)
+      new, _ = convert_state(adam, strict, missing="init")
+    unsharded, _ = convert_state(jax.device_get(adam), strict, missing="init")
+    _assert_trees_equal(new.state.param_states, unsharded.state.param_states)

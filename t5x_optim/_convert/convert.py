@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -897,24 +898,31 @@ def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
 def sharded_by_params(optimizer: Optimizer) -> Optimizer:
   """`optimizer`, an abstract one, with its state leaves placed as its params are.
 
-  Where every param (``optimizer.target``) carries a `NamedSharding`, each
-  state leaf becomes a `jax.ShapeDtypeStruct` on the params' mesh with the
+  Where every param (``optimizer.target``) carries a `NamedSharding` of one
+  mesh, each state leaf becomes a `jax.ShapeDtypeStruct` on that mesh with the
   spec its definition's `derive_logical_axes` gives it over the params' mesh
   specs (a moment shaped as its param is sharded as it is), the mesh axes its
-  shape does not divide dropped; a leaf given no spec is replicated. Otherwise
-  (or for a definition without `derive_logical_axes`) `optimizer` is returned
-  as it is.
+  shape does not divide dropped; a leaf given no spec is replicated, without
+  the definition's warning. Otherwise (params on several meshes, a definition
+  without `derive_logical_axes` or whose fallback refuses a leaf) `optimizer`
+  is returned as it is.
   """
   shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(optimizer.target)]
   if (
     not shardings
     or not all(isinstance(s, NamedSharding) for s in shardings)
+    or len({s.mesh for s in shardings}) > 1
     or not hasattr(optimizer.optimizer_def, "derive_logical_axes")
   ):
     return optimizer
   mesh = shardings[0].mesh
   specs = jax.tree.map(lambda leaf: leaf.sharding.spec, optimizer.target)
-  axes = optimizer.optimizer_def.derive_logical_axes(optimizer, specs).state
+  try:
+    with warnings.catch_warnings():  # A leaf without a spec is replicated, as asked for none.
+      warnings.simplefilter("ignore", UserWarning)
+      axes = optimizer.optimizer_def.derive_logical_axes(optimizer, specs).state
+  except ValueError:  # The definition's fallback refuses a leaf: placed as before.
+    return optimizer
 
   def place(path: Any, spec: PartitionSpec | None, leaf: Any) -> jax.ShapeDtypeStruct:
     spec = fit_state_spec(
