@@ -397,6 +397,7 @@ def test_names_orbax_keeps_apart_still_round_trip(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_saves_from_several_threads_take_turns(tmp_path):
   """One checkpointer saving from three threads at once: steps were lost without an error, a
   listed step could not be read, and the checkpointer took itself for another writer."""

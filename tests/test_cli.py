@@ -1042,6 +1042,7 @@ def test_bad_gin_in_a_subprocess_exits_without_traceback(tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_another_state_layout_names_what_each_side_holds_at_the_node():
   """An 8-bit run resumed with bfloat16 states: the node was said to hold "nothing now", where
   it holds a bfloat16 array."""

@@ -170,6 +170,7 @@ def test_one_writer_by_lease_and_a_stale_lease_is_taken_over(where, monkeypatch)
     assert holder == f"pid {os.getpid()} on {os.uname().nodename}"
 
 
+@pytest.mark.slow
 def test_a_writer_whose_lease_was_taken_over_refuses_to_save(where, monkeypatch):
   monkeypatch.setattr(Lease, "seconds", 0.3)  # Renewed every 0.1 s.
   with Checkpointer(where, async_save=False) as writer:

@@ -533,6 +533,7 @@ def test_adamax_is_told_from_adam_inside_low_precision_and_multisteps(wrap):
   assert any("(ScaleByAdamState of adamax)" in line for line in report.converted), report
 
 
+@pytest.mark.slow
 def test_a_trace_after_a_stateful_transformation_is_not_a_gradient_momentum():
   """RMSProp's momentum sums updates already divided by its second moment and scaled by -lr:
   written from Adam's mu, its first step went against the gradient (+0.027 on gradients of
@@ -734,6 +735,7 @@ def test_a_schedule_given_for_an_injected_target_is_called_at_the_step():
   assert float(jnp.abs(ema[1].state.param_states[4].ema["w"]).mean()) > 0
 
 
+@pytest.mark.slow
 def test_schedule_free_over_rmsprop_keeps_rmsprops_decay():
   """rmsprop's scale_by_rms(decay=0.9) keeps no count: b2 is schedule_free_adamw's only."""
   params, grads = {"w": jnp.zeros(3)}, {"w": jnp.array([1.0, 2.0, 3.0])}
@@ -979,6 +981,7 @@ def test_conversion_into_a_multi_optimizer_gives_its_sub_optimizers_the_step(tmp
   _assert_close(restored.apply_gradient(M).target, expected)
 
 
+@pytest.mark.slow
 def test_a_multi_optimizer_in_t5xs_layout_behaves_the_same_after_a_state_dict_round_trip():
   """T5X's layout (per-param sub-states) stores no sub step: restored, each is the outer step.
 
@@ -1036,6 +1039,7 @@ def test_values_beyond_a_float16_targets_range_are_refused(param, grad, match):
     t5x_optim.convert_state(source, target)
 
 
+@pytest.mark.slow
 def test_the_report_counts_each_adafactor_field_for_the_params_it_holds():
   """A factored kernel's v and an unfactored bias's v_row and v_col are (1,) placeholders."""
   params = {"kernel": jnp.ones((4, 8)), "bias": jnp.ones((8,))}
@@ -1285,6 +1289,7 @@ def _at(tree, path):
   return np.asarray(tree)
 
 
+@pytest.mark.slow
 def test_t5x_legacy_adafactor_without_learning_rate_leaves_mu_fresh(partitioner):
   target = partitioning.abstract_train_state(partitioner, optimizers.adamw(1e-3), _variables)
   with pytest.raises(ValueError, match=r"ScaleByAdamState\)\.mu: 3 params without"):
@@ -1530,6 +1535,7 @@ def _lookahead(params):
   return la, old
 
 
+@pytest.mark.slow
 def test_lookahead_params_convert_to_and_from_one_copy():
   """A lookahead source gives its slow copy (the one for evaluation) and says it dropped the
   fast one; a lookahead target starts with both copies at the source's params."""
@@ -1549,6 +1555,7 @@ def test_lookahead_params_convert_to_and_from_one_copy():
   assert not report.initialised and not report.dropped
 
 
+@pytest.mark.slow
 def test_lookahead_into_lookahead_keeps_the_steps_since_the_last_sync():
   """Lookahead into lookahead carried both copies of the params but restarted the count of fast
   steps since the last sync at 0, without a word: the next sync came late, and the run

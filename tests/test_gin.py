@@ -36,6 +36,7 @@ def _build_optimizer(snippet: str) -> OptaxWrapper:
     return gin.query_parameter("%BUILT").scoped_configurable_fn()
 
 
+@pytest.mark.slow
 def test_t5x_snippet_builds_a_working_optimizer():
   opt_def = _build_optimizer(T5X_SNIPPET)
   assert isinstance(opt_def, OptaxWrapper)

@@ -166,6 +166,7 @@ def test_a_fractional_learning_rate_is_refused_where_an_integer_one_was_injected
   np.testing.assert_array_equal(stepped.target["dense"]["kernel"], -np.ones((3, 4)))
 
 
+@pytest.mark.slow
 def test_lookahead_over_plain_params_is_refused_at_create():
   """optax.lookahead trains `optax.LookaheadParams`: plain params were accepted by ``create``
   and failed at the first step with ``AttributeError: 'dict' object has no attribute 'fast'``."""

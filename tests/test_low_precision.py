@@ -180,6 +180,7 @@ def ref_expand(compressed, storage):
   return treedef.unflatten(out)
 
 
+@pytest.mark.slow
 def test_quantize_matches_reference_bit_for_bit():
   rng = np.random.default_rng(0)
   x = np.concatenate(

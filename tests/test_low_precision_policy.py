@@ -321,6 +321,7 @@ def _vocab_tx(**kwargs):
   return low_precision(optax.adamw(1e-2), "4bit", min_size=0, param_modes=VOCAB, **kwargs)
 
 
+@pytest.mark.slow
 def test_the_axes_rebuild_keeps_every_other_setting():
   """set_param_axes's rebuild (`with_param_axes`) equals the transformation given the same
   axes up front, settings that are not defaults included: block, shard multiple, seed."""
@@ -338,6 +339,7 @@ def test_the_axes_rebuild_keeps_every_other_setting():
   assert_same_bits(rebuilt, given)
 
 
+@pytest.mark.slow
 def test_an_axis_rule_keeps_every_vocab_param_in_float32_and_says_why():
   """A ('vocab', 'embed') embedding and an ('embed', 'vocab') logits kernel, given by
   param_axes=; the ('embed', 'mlp') kernels take state_dtype."""
@@ -410,6 +412,7 @@ def test_set_param_axes_after_create_refuses_other_axes(make):
   assert opt_def.optax_optimizer is tx
 
 
+@pytest.mark.slow
 def test_a_flax_models_axes_reach_the_rule_through_the_train_state():
   """`TrainState.create` and `partitioning.init_sharded` of a model whose params are boxed."""
   variables = {"params": _boxed(_params(shapes=AXIS_SHAPES))}

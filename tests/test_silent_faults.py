@@ -485,6 +485,7 @@ def test_a_64_bit_checkpoint_restores_with_x64_off(tmp_path):
   np.testing.assert_array_equal(restored.target["w"], w.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_64_bit_host_params_saved_with_x64_off_restore_with_x64_on(tmp_path):
   """Host float64 and int64 params (numpy arrays the optimizer keeps) are stored in their own
   dtypes, their checksums taken as a device without x64 narrows them; restored with x64 on

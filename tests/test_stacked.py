@@ -247,6 +247,7 @@ def test_a_restore_of_params_one_buffer_holds_in_two_dtypes_is_refused_naming_th
   assert {leaf.dtype for leaf in jax.tree.leaves(restored)} == {jnp.dtype(jnp.bfloat16)}
 
 
+@pytest.mark.slow
 def test_wrong_grads_name_the_paths():
   opt = OptaxWrapper(optax.adam(1e-2)).create(stack_params(make_params()))
   grads = jax.grad(loss)(opt.target.unstack())

@@ -257,6 +257,7 @@ def test_legacy_definition_on_our_base_classes():
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), restored, state))
 
 
+@pytest.mark.slow
 def test_whole_train_state_dict_passed_to_optimizer_restore_state():
   """T5X train_state.py:209: Optimizer.restore_state gets flax_mutables too."""
   opt = adamw_opt()

@@ -161,6 +161,7 @@ def test_state_dict_layout_and_round_trip():
   assert set(no_mutables.state_dict()) == {"target", "state"}
 
 
+@pytest.mark.slow
 def test_restore_state_names_missing_mutables():
   state = TrainState.create(optimizers.adamw(1e-3), _variables(AxesModel()))
   state_dict = state.state_dict()
