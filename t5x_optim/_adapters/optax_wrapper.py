@@ -407,19 +407,20 @@ class OptaxWrapper(OptimizerDef):
     given axes, the same too (a transformation built for the original may read its axes)."""
     copied = object.__new__(type(self))
     copied.__dict__.update(self.__dict__)
-    copied._created = False
-    copied._axes = None
-    return copied
+    return copied._uncreated()
 
   def __deepcopy__(self, memo: dict[int, Any]) -> OptaxWrapper:
     """A deep copy, as `__copy__`'s: its transformation is its original's (functions are not
     copied), which may read the original's axes, so it is built again when given axes."""
-    copied = object.__new__(type(self))
-    memo[id(self)] = copied
+    copied = memo[id(self)] = object.__new__(type(self))
     copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-    copied._created = False
-    copied._axes = None
-    return copied
+    return copied._uncreated()
+
+  def _uncreated(self) -> OptaxWrapper:
+    """This copy as a definition that has created no optimizer and was given no axes."""
+    self._created = False
+    self._axes = None
+    return self
 
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target`; `StackedParams` get the stacked layer."""
