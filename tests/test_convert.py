@@ -27,6 +27,7 @@ import pytest
 from _t5x import t5x_at_hand
 from flax import traverse_util
 from flax.core import FrozenDict
+from jax.sharding import PartitionSpec
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
@@ -2036,3 +2037,26 @@ def test_fields_neither_read_nor_written_are_listed():
     "0/nu_max (ScaleByAmsgradState.nu_max)",
     "0 (ScaleByAmsgradState): nu of 2 params, not used by the new optimizer (e.g. dense/bias)",
   ), report
+
+
+@pytest.mark.slow
+def test_moments_the_new_state_keeps_in_another_shape_start_fresh():
+  """GaLore keeps a projected kernel's moments in the projected shape: the param-shaped
+  Adam moments cannot be written there, so they start fresh, reported (refused by default),
+  and the converted optimizer steps."""
+  params = {"wi": jnp.ones((16, 8)), "b": jnp.ones(8)}
+  axes = {"wi": PartitionSpec("embed", "mlp"), "b": PartitionSpec("mlp")}
+  old = OptaxWrapper(optax.adam(0.1)).create(params)
+  old = old.apply_gradient(jax.tree.map(jnp.ones_like, params))
+  target = optimizers.galore(0.01, rank=8)
+  with pytest.raises(ValueError, match=r"mu \(kept in another shape than its param's\): 1 params"):
+    t5x_optim.convert_state(old, target, param_axes=axes)
+  new, report = t5x_optim.convert_state(old, target, missing="init", param_axes=axes)
+  base = new.state.param_states[0].base_optimizer_state
+  assert base.mu["wi"].shape == base.nu["wi"].shape == (8, 8)
+  assert float(jnp.abs(base.mu["wi"]).max()) == 0.0
+  np.testing.assert_allclose(base.mu["b"], old.state.param_states[0].mu["b"], rtol=1e-6)
+  assert any("kept in another shape" in entry and "wi" in entry for entry in report.initialised)
+  assert not any("kept in another shape" in entry for entry in report.converted)
+  stepped = new.apply_gradient(jax.tree.map(jnp.ones_like, params))
+  assert stepped.target["wi"].shape == (16, 8)

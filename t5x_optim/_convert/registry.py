@@ -209,6 +209,9 @@ class Moments:
         reads them, or the update pairs them: Adam divides ``mu`` by the
         square root of ``nu``); a param without all of them keeps its leaf,
         as one without `quantity` does, reported as carried only with them.
+        So does a param whose formula gives another shape than its leaf's
+        (the new state keeps that moment otherwise: GaLore's of a projected
+        kernel), reported as kept in another shape.
       param: for a ``per_param`` node: `tree` is one array, this param's.
       holds: whether the field holds a value of this param; a param's leaf
         where it does not (Adafactor's ``(1,)`` placeholders) stays as it is,
@@ -226,8 +229,13 @@ class Moments:
       if value is None or lacking:
         self._record(name, param, (), False)
         return leaf
-      self._record(name, param, (quantity, *needs), False)
       written = fn(value, leaf, param)
+      if jnp.shape(written) != tuple(leaf.shape):  # GaLore's moments of a projected kernel
+        self._record(
+          f"{field or quantity} (kept in another shape than its param's)", param, (), False
+        )
+        return leaf
+      self._record(name, param, (quantity, *needs), False)
       problem = _state_dict.range_problem(written, leaf.dtype)
       if problem is not None:
         raise ValueError(f"The converted {name} of param '{param}' does not fit: {problem}.")
