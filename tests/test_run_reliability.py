@@ -682,6 +682,55 @@ def test_checkpointer_reached_preemption_in_one_process(tmp_path):
     signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.parametrize("first_closed", ["first_asked", "last_asked"])
+@pytest.mark.parametrize("original", ["default", "python"])
+def test_checkpointers_asked_about_preemption_put_the_handler_back_in_any_order(
+  tmp_path, first_closed, original
+):
+  """Two checkpointers asked, then closed first-asked-first, left a closed one's handler
+  installed, which passed SIGTERM on only to a Python handler: the process outlived SIGTERM."""
+  before = signal.getsignal(signal.SIGTERM)
+  seen = []
+  handler = signal.SIG_DFL if original == "default" else lambda signum, frame: seen.append(signum)
+  signal.signal(signal.SIGTERM, handler)
+  try:
+    a, b = Checkpointer(tmp_path / "a"), Checkpointer(tmp_path / "b")
+    assert not a.reached_preemption(1) and not b.reached_preemption(1)
+    if original == "python":
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert a.reached_preemption(2) and b.reached_preemption(2)
+      assert seen == [signal.SIGTERM]
+    for ckpt in (a, b) if first_closed == "first_asked" else (b, a):
+      ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) is handler
+    with Checkpointer(tmp_path / "c") as c:
+      assert not c.reached_preemption(1), "a SIGTERM heard before does not count again"
+    assert signal.getsignal(signal.SIGTERM) is handler
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_checkpointer_closed_outside_the_main_thread_passes_the_next_sigterm_back(tmp_path):
+  before = signal.getsignal(signal.SIGTERM)
+  seen = []
+
+  def handler(signum, frame):
+    seen.append(signum)
+
+  signal.signal(signal.SIGTERM, handler)
+  try:
+    ckpt = Checkpointer(tmp_path)
+    assert not ckpt.reached_preemption(1)
+    closing = threading.Thread(target=ckpt.close)
+    closing.start()
+    closing.join()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+    assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is handler
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.parametrize(
   "binding, message",
   [

@@ -148,32 +148,58 @@ def _any_path(path: Path) -> bool:
 
 
 class _SigtermFlag:
-  """Records SIGTERM in a single process; the handler it replaced still runs."""
+  """Records SIGTERM in a single process for the checkpointers that listen for it.
+
+  One handler serves them all: the first to listen installs it, and the last to
+  stop puts back the handler it replaced (whatever order they stop in), which
+  still runs meanwhile. A SIGTERM while any listens is `received` by every listener
+  until the last stops.
+  """
 
   def __init__(self) -> None:
     self.received = False
     self._previous: Any = None
-    self._installed = False
+    self._listeners = 0
+    # Reentrant: a checkpointer collected while another starts listening stops in between.
+    self._count = threading.RLock()
 
-  def install(self) -> None:
-    """Installs the handler once; a no-op outside the main thread (signals go there only)."""
-    if self._installed or threading.current_thread() is not threading.main_thread():
-      return
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-    self._installed = True
+  def listen(self) -> bool:
+    """Counts one more listener; False outside the main thread (signals go there only)."""
+    if threading.current_thread() is not threading.main_thread():
+      return False
+    with self._count:
+      if not self._listeners:
+        self.received = False
+        if signal.getsignal(signal.SIGTERM) != self._handle:
+          self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._listeners += 1
+    return True
 
   def _handle(self, signum: int, frame: Any) -> None:
+    if not self._listeners:  # The last stopped outside the main thread.
+      signal.signal(signum, self._previous)
+      signal.raise_signal(signum)
+      return
     self.received = True
     if callable(self._previous):
       self._previous(signum, frame)
 
-  def uninstall(self) -> None:
-    """Puts the replaced handler back, if this one is still the process's."""
-    if not self._installed or threading.current_thread() is not threading.main_thread():
-      return
-    if signal.getsignal(signal.SIGTERM) == self._handle:
-      signal.signal(signal.SIGTERM, self._previous)
-    self._installed = False
+  def stop_listening(self) -> None:
+    """Counts one listener fewer; the last puts the replaced handler back, if this one is
+    still the process's (outside the main thread, the next SIGTERM does so, then goes to it)."""
+    with self._count:
+      self._listeners -= 1
+      if self._listeners:
+        return
+      if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == self._handle
+      ):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+_SIGTERM = _SigtermFlag()
+"""The process's SIGTERM flag, shared by its checkpointers (`Checkpointer.reached_preemption`)."""
 
 
 def _taking_turns(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,11 +214,11 @@ def _taking_turns(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Open:
-  """A checkpointer's orbax manager, writer lock and SIGTERM flag: what closing releases."""
+  """A checkpointer's orbax manager, writer lock and SIGTERM listening: what closing releases."""
 
   def __init__(self, manager: ocp.CheckpointManager, lock: WriterLock):
     self.manager, self.lock = manager, lock
-    self.sigterm = _SigtermFlag()
+    self.hears_sigterm = False
     # One call at a time into the manager: saves from several threads take turns.
     self.turn = threading.RLock()
 
@@ -202,7 +228,9 @@ class _Open:
       self.manager.close()
     finally:
       self.lock.release()
-      self.sigterm.uninstall()
+      if self.hears_sigterm:
+        self.hears_sigterm = False
+        _SIGTERM.stop_listening()
 
 
 def _arrays_handler() -> ocp.PyTreeCheckpointHandler:
@@ -472,9 +500,12 @@ class Checkpointer:
     disabled (``jax_enable_preemption_service``).
 
     In a single process the first call installs a SIGTERM handler (in the
-    main thread; the Python handler it replaces still runs, and `close` puts
-    it back), and from then on this is True at every call after a SIGTERM.
-    A SIGTERM before the first call ends the process as it would have.
+    main thread; the Python handler it replaces still runs), and from then on
+    this is True at every call after a SIGTERM. The checkpointers of a process
+    share that handler: after a SIGTERM this is True in each of them until
+    the last one asked is closed, and that `close` puts the replaced handler
+    back, whichever of them closes first. A SIGTERM before the first call
+    ends the process as it would have.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -498,8 +529,9 @@ class Checkpointer:
         return bool(multihost_utils.reached_preemption_sync_point(next(_SYNC_CALLS)))
       except RuntimeError:  # The preemption service is disabled.
         return False
-    self._open.sigterm.install()
-    return self._open.sigterm.received
+    if not self._open.hears_sigterm:
+      self._open.hears_sigterm = _SIGTERM.listen()
+    return self._open.hears_sigterm and _SIGTERM.received
 
   def close(self) -> None:
     """Finishes pending saves, releases the manager's resources and the lock."""
