@@ -534,6 +534,25 @@ def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monke
     ckpt.close()
 
 
+def test_a_reader_lists_the_steps_on_disk_at_each_call(tmp_path):
+  """A checkpointer made before another saved into its directory listed none of those steps
+  (all_steps() [], latest_step() None) until a restore: it kept the list it was made with."""
+  opt = optimizers.sgd(0.1).create({"w": jnp.ones(2)})
+  reader = Checkpointer(tmp_path)
+  assert (reader.all_steps(), reader.latest_step()) == ([], None)
+  with Checkpointer(tmp_path) as writer:
+    for step in (1, 2):
+      writer.save(step, opt)
+      assert writer.all_steps()[-1] == step, "its own save in flight"
+      writer.wait_until_finished()
+      assert (reader.all_steps(), reader.latest_step()) == (list(range(1, step + 1)), step)
+    shutil.rmtree(tmp_path / "2")
+    (tmp_path / "3.orbax-checkpoint-tmp-1").mkdir()
+    assert (reader.all_steps(), reader.latest_step()) == ([1], 1)
+  w.assert_same_state(reader.restore(opt), opt)
+  reader.close()
+
+
 ERROR_CASES = {
   "another optimizer's state": (
     dict(opt_name="sgd_momentum"),

@@ -390,13 +390,22 @@ class Checkpointer:
 
     These are the complete checkpoints found on disk (partial ones from a
     crash never count) plus this checkpointer's own saves still in flight;
-    call `wait_until_finished` first to list only complete ones.
+    call `wait_until_finished` first to list only complete ones. Until its
+    first `save`, a checkpointer lists the directory at every call, so it sees
+    the steps that others commit and remove (an evaluator polling
+    `latest_step`); its writer, which no other may write beside, keeps the
+    list of its own saves. In a multi-process job each process lists the
+    directory itself: a step committed meanwhile may be listed in one process
+    and not yet in another.
     """
-    return sorted(self._manager.all_steps())
+    if self._open.lock.held:
+      return sorted(self._manager.all_steps())
+    return sorted(found.step for found in self._step_names.find_all(self._directory))
 
   def latest_step(self) -> int | None:
     """The newest of `all_steps`, or None when there is none."""
-    return self._manager.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   @_taking_turns
   def save(self, step: int, state: CheckpointState) -> None:
@@ -567,10 +576,12 @@ class Checkpointer:
   def _holds_only_t5x_checkpoints(self) -> bool:
     """Whether the directory has T5X's checkpoints and none of ours."""
     self._manager.wait_until_finished()
-    if self.all_steps():
+    if self._manager.all_steps():
       return False
     self._manager.reload()
-    return not self.all_steps() and bool(t5x_checkpoints.t5x_checkpoint_steps(self._directory))
+    return not self._manager.all_steps() and bool(
+      t5x_checkpoints.t5x_checkpoint_steps(self._directory)
+    )
 
   def _resolve_step(self, step: int | None) -> int:
     """The step to restore, from complete checkpoints only.
@@ -585,7 +596,7 @@ class Checkpointer:
       step = checked_step(step)
     if step is None or step not in self._manager.all_steps() or not self._item(step).exists():
       self._manager.reload()
-    steps = self.all_steps()
+    steps = sorted(self._manager.all_steps())
     if step is None:
       if not steps:
         raise FileNotFoundError(f"No complete checkpoint in {self._directory}.")
