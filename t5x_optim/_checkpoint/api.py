@@ -58,7 +58,9 @@ class Checkpointer(store.Checkpointer):
     """Restores checkpoint `step` into `target`; see `store.Checkpointer.restore`.
 
     Args:
-      target: gives the structure, shapes, dtypes and shardings.
+      target: gives the structure, shapes, dtypes and shardings (but from a
+        directory of T5X checkpoints, a floating param keeps the checkpoint's
+        dtype, unless ``convert_from`` is given).
       step: the step to restore (None: the latest).
       convert_from: the optimizer that wrote the checkpoint, when `target`
         has another (its definition or an abstract state of it; True: T5X's
@@ -108,7 +110,10 @@ def restore_t5x_checkpoint(
     path: a T5X model directory, one step's ``checkpoint_<step>`` directory,
       or a legacy checkpoint's ``checkpoint`` file; local or with a scheme
       (``gs://``).
-    target: gives the structure, shapes, dtypes and shardings.
+    target: gives the structure, shapes, shardings and dtypes, except that
+      a floating param keeps the checkpoint's dtype (as T5X restores
+      it without a ``restore_dtype``), unless ``convert_from`` is given, which
+      gives every leaf the target's dtype.
     step: with a model directory, the step to restore (None: the latest).
     convert_from: the optimizer that wrote the checkpoint, when `target` has
       another: its definition or an abstract state of it (True: T5X's legacy

@@ -502,7 +502,9 @@ def restore_t5x_checkpoint(
     path: a T5X model directory, one step's ``checkpoint_<step>`` directory,
       or a legacy checkpoint's ``checkpoint`` file; local or with a scheme
       (``gs://``, see `storage`).
-    target: gives the structure, shapes, dtypes and shardings.
+    target: gives the structure, shapes, shardings and dtypes, except that
+      a floating param keeps the checkpoint's dtype, as the target's
+      `restore_state` keeps it.
     step: with a model directory, the step to restore (None: the latest).
 
   Returns:
