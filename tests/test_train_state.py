@@ -191,6 +191,23 @@ def test_replaced_params_of_another_shape_are_refused():
     state.replace_flax_mutables(stats)
 
 
+def test_mutables_of_another_structure_are_named_as_the_train_states_mutables():
+  """The reference side of a flax_mutables mismatch was called the params."""
+  state = TrainState.create(optimizers.sgd(0.1), _variables(AxesModel()))
+  other = {"stats": {"count": jnp.ones(MLP)}}
+  with pytest.raises(ValueError) as raised:
+    state.apply_gradient(jax.tree.map(jnp.ones_like, state.params), flax_mutables=other)
+  message = str(raised.value)
+  assert "paths only in the train state's flax_mutables: ['stats/total']" in message
+  assert "train state's flax_mutables tree: PyTreeDef" in message
+  assert "params" not in message
+  empty = {"stats": {"total": jnp.ones(MLP), "more": {}}}
+  with pytest.raises(ValueError, match=r"have an empty dict, the train state's flax_mutables no"):
+    state.replace_flax_mutables(empty)
+  with pytest.raises(ValueError, match=r"paths only in the train state's params: \['bias'\]"):
+    state.replace_params({"kernel": state.params["kernel"]})
+
+
 class _WantsAxes(OptaxWrapper):
   """An optimizer definition that partitions by param axes, like T5X's Adafactor."""
 

@@ -306,11 +306,14 @@ def tree_like(value: Any, reference: Any) -> Any:
   return jax.tree.unflatten(ref_def, jax.tree.leaves(value))
 
 
-def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
+def structure_mismatch(
+  value: Any, reference: Any, *, name: str, reference_name: str = "params"
+) -> str | None:
   """Describes how `value`'s structure differs from `reference`'s, or None.
 
   The leaf paths only one side has; where both have the same leaves, the
-  first container that differs (an empty dict, a list for a tuple).
+  first container that differs (an empty dict, a list for a tuple). `name`
+  and `reference_name` call the two sides in the description.
 
   Example:
     >>> structure_mismatch({'w': 1, 'e': {}}, {'w': 1}, name='grads')
@@ -324,11 +327,11 @@ def structure_mismatch(value: Any, reference: Any, *, name: str) -> str | None:
   if value_paths != ref_paths:
     return (
       f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "
-      f"the params: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
-      f"params tree: {ref_def}"
+      f"the {reference_name}: {sorted(ref_paths - value_paths)}; {name} tree: {value_def}; "
+      f"{reference_name} tree: {ref_def}"
     )
   where, have, want = _first_container_difference(value, reference, ())
-  return f"at {where}: the {name} have {have}, the params {want}"
+  return f"at {where}: the {name} have {have}, the {reference_name} {want}"
 
 
 def _container(x: Any) -> str:

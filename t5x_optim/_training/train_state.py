@@ -149,10 +149,10 @@ def _unflatten_like(tree: Any, specs: SpecLeaves | None) -> Any:
   return treedef.unflatten(specs if specs is not None else (None,) * treedef.num_leaves)
 
 
-def _check_structure(value: Any, reference: Any, *, name: str) -> None:
+def _check_structure(value: Any, reference: Any, *, name: str, reference_name: str) -> None:
   """Raises ValueError unless `value` has `reference`'s structure and, leaf by leaf, shapes;
   naming the paths and both sides."""
-  mismatch = structure_mismatch(value, reference, name=name)
+  mismatch = structure_mismatch(value, reference, name=name, reference_name=reference_name)
   if mismatch is None:
     flat = jax.tree.flatten_with_path(flax.core.unfreeze(value))[0]
     shapes = [
@@ -312,7 +312,7 @@ class TrainState(struct.PyTreeNode):
         step).
     """
     params = flax.core.unfreeze(params)
-    _check_structure(params, self.params, name="new params")
+    _check_structure(params, self.params, name="new params", reference_name="train state's params")
     return self.replace(_optimizer=self._optimizer.replace(target=params))
 
   def replace_step(self, step: Any) -> TrainState:
@@ -329,7 +329,12 @@ class TrainState(struct.PyTreeNode):
     """
     flax_mutables = flax.core.unfreeze(flax_mutables)
     if self.mutable_axis_leaves is not None:
-      _check_structure(flax_mutables, self.flax_mutables, name="new flax_mutables")
+      _check_structure(
+        flax_mutables,
+        self.flax_mutables,
+        name="new flax_mutables",
+        reference_name="train state's flax_mutables",
+      )
     return self.replace(flax_mutables=flax_mutables)
 
   def state_dict(self) -> dict[str, Any]:
