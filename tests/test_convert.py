@@ -1786,6 +1786,22 @@ def test_a_converting_restore_takes_missing_as_its_refusal_asks(tmp_path):
     _assert_close((belief.mu, belief.nu), (initial.mu, initial.nu))
 
 
+def test_a_restore_refuses_an_unknown_missing_before_reading(tmp_path):
+  """missing='bogus' without convert_from= was called a converting restore's option, and with
+  it the checkpoint was read (or found absent) before convert_state refused the value."""
+  opt = optimizers.sgd(0.5).create({"w": jnp.ones(2)})
+  nowhere = tmp_path / "nowhere"
+  refused = r"^missing must be one of \('raise', 'init'\), got 'bogus'\.$"
+  for convert_from in (None, optimizers.adam(1e-3)):
+    with pytest.raises(ValueError, match=refused):
+      t5x_optim.restore_t5x_checkpoint(nowhere, opt, convert_from=convert_from, missing="bogus")
+    with t5x_optim.Checkpointer(tmp_path / "empty") as checkpointer:
+      with pytest.raises(ValueError, match=refused):
+        checkpointer.restore(opt, convert_from=convert_from, missing="bogus")
+  with pytest.raises(ValueError, match=refused):
+    t5x_optim.restore_converted(nowhere, opt, source=optimizers.adam(1e-3), missing="bogus")
+
+
 def _kernel_axes_variables() -> dict[str, Any]:
   return {
     "params": {

@@ -13,6 +13,7 @@ from typing import Any
 
 from t5x_optim._checkpoint import converting, store, t5x_read
 from t5x_optim._checkpoint.store import CheckpointState
+from t5x_optim._convert.convert import check_missing
 
 __all__ = ["Checkpointer", "restore_t5x_checkpoint"]
 
@@ -74,10 +75,12 @@ class Checkpointer(store.Checkpointer):
         for a restore without conversion.
 
     Raises:
-      ValueError: ``convert_from`` with any of the store's options, or
-        ``missing`` without ``convert_from``.
+      ValueError: ``missing`` other than ``'raise'`` or ``'init'``;
+        ``convert_from`` with any of the store's options, or ``missing``
+        without ``convert_from``.
       TypeError: ``convert_from`` with a target over a flax NNX state.
     """
+    check_missing(missing)
     if convert_from is None:
       _refuse_missing_alone(missing, "Checkpointer.restore")
       return super().restore(target, step, **options)
@@ -125,7 +128,8 @@ def restore_t5x_checkpoint(
       `t5x_optim.convert_state`.
 
   Raises:
-    ValueError: ``missing`` without ``convert_from``.
+    ValueError: ``missing`` other than ``'raise'`` or ``'init'``, or
+      ``missing`` without ``convert_from``.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -137,6 +141,7 @@ def restore_t5x_checkpoint(
     >>> int(restored.state.step), restored.target['w'].tolist()
     (1, [0.5, 0.5])
   """
+  check_missing(missing)
   if convert_from is not None:
     return converting.restore_with_conversion(
       path, target, convert_from, step, missing=missing, where="restore_t5x_checkpoint"

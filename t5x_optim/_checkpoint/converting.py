@@ -217,6 +217,7 @@ def restore_converted(
     >>> int(new.state.step), new.state.param_states[0].nu['w'].shape
     (1, (2, 3))
   """
+  _convert.check_missing(missing)
   _refuse_nnx(target, "restore_converted")
   hparams = {"source_hparams": source_hparams, "target_hparams": target_hparams}
   hparams["param_axes"] = target.params_axes if isinstance(target, TrainState) else None

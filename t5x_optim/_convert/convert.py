@@ -106,6 +106,7 @@ __all__ = [
   "Moments",
   "StateConverter",
   "T5XAdafactorParamState",
+  "check_missing",
   "convert_state",
   "register_state_converter",
   "registered_converters",
@@ -113,6 +114,13 @@ __all__ = [
 ]
 
 _MISSING_POLICIES = ("raise", "init")
+
+
+def check_missing(missing: str) -> None:
+  """Raises ValueError unless `missing` is one of `convert_state`'s ``missing=`` policies."""
+  if missing not in _MISSING_POLICIES:
+    raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
+
 
 # ------------------------------------------------------------------ engine
 
@@ -1144,8 +1152,7 @@ def convert_state(
     >>> report.initialised
     ('0 (ScaleByAdamState).mu: 1 params without a source value (e.g. w)',)
   """
-  if missing not in _MISSING_POLICIES:
-    raise ValueError(f"missing must be one of {_MISSING_POLICIES}, got {missing!r}.")
+  check_missing(missing)
   for argument, tree in ("source", source), ("target", target), ("param_axes", param_axes):
     if isinstance(tree, Optimizer):
       argument, tree = f"{argument}.target", tree.target
