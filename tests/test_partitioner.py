@@ -21,6 +21,7 @@ from t5x_optim.partitioning import (
   abstract_train_state,
   build_plan,
   create_mesh,
+  format_bytes,
   format_table,
   init_sharded,
   logical_to_mesh_axes_tree,
@@ -409,6 +410,24 @@ def test_plan_calls_replicated_every_leaf_each_device_holds_whole(data, model):
     assert "its mesh axes (-, model) span one device each" in warned["0/mu/wi"]
   wi = next(line for line in format_table(plan).splitlines() if "0/mu/wi " in line)
   assert ("replicated" in wi.split("(embed, mlp)")[1]) == (model == 1), wi
+
+
+@pytest.mark.parametrize(
+  "count, text",
+  [
+    (1023, "1023 B"),
+    (1023.6, "1.0 KiB"),
+    (2**20 - 1, "1.0 MiB"),
+    (2**20 - 52, "1023.9 KiB"),
+    (2**30 - 1, "1.0 GiB"),
+    (1.5 * 2**40, "1.5 TiB"),
+    (2**50, "1.0 PiB"),
+    (2**60, "1024.0 PiB"),
+  ],
+)
+def test_format_bytes_picks_its_unit_after_rounding(count, text):
+  """Just under a unit read '1024.0 KiB', and a TiB '1024.0 GiB'."""
+  assert format_bytes(count) == text
 
 
 def test_plan_counts_the_bytes_of_a_typed_prng_key():

@@ -39,6 +39,7 @@ from t5x_optim._low_precision import low_precision as _low_precision
 __all__ = ["LeafRow", "Plan", "build_plan", "format_bytes", "format_table", "plan_to_json"]
 
 _ROOT = "(root)"
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,15 +241,19 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
 
 
 def format_bytes(count: float) -> str:
-  """Human-readable bytes.
+  """Human-readable bytes: whole bytes, or KiB to PiB with one decimal.
+
+  The unit is the first, from bytes up, in which the rounded count is below
+  1024 (PiB has no bound), so a count just under a unit reads as one of it.
 
   Example:
-    >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**20)
-    ('512 B', '1.5 KiB', '3.0 MiB')
+    >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**20), format_bytes(2**20 - 1)
+    ('512 B', '1.5 KiB', '3.0 MiB', '1.0 MiB')
   """
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if count < 1024 or unit == "GiB":
-      return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+  for unit in _BYTE_UNITS:
+    text = f"{count:.0f}" if unit == "B" else f"{count:.1f}"
+    if float(text) < 1024 or unit == _BYTE_UNITS[-1]:
+      return f"{text} {unit}"
     count /= 1024
   raise AssertionError("unreachable")
 
