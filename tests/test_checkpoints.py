@@ -18,7 +18,7 @@ import pytest
 import tensorstore as ts
 from _subprocesses import free_port
 
-from t5x_optim import optimizers
+from t5x_optim import optimizers, storage
 from t5x_optim._checkpoint import headers as checkpoint_headers
 from t5x_optim._checkpoint import store as checkpoints_impl
 from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
@@ -34,6 +34,18 @@ def _save(directory, step, state):
 def _restore(directory, target, **kwargs):
   with Checkpointer(directory) as ckpt:
     return ckpt.restore(target, **kwargs)
+
+
+@pytest.mark.parametrize("base", ["/run", "run/", "gs://b/run", "gs://b/run/"])
+def test_storage_join_is_alike_on_every_storage_and_refuses_an_absolute_name(base):
+  """A name starting with '/' dropped a local base ('/ckpt') and doubled a slash on gs://
+  ('gs://b/run//ckpt')."""
+  assert (
+    storage.join(base, "checkpoint_3", "target.w") == f"{base.rstrip('/')}/checkpoint_3/target.w"
+  )
+  message = f"storage.join takes names relative to {base!r}: '/ckpt' is absolute."
+  with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    storage.join(base, "checkpoint_3", "/ckpt")
 
 
 @pytest.fixture(scope="module")

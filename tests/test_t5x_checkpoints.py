@@ -264,6 +264,23 @@ def test_single_element_arrays_are_written_inline_as_t5x_writes_them(tmp_path):
   _assert_bit_for_bit(t5x_optim.restore_t5x_checkpoint(tmp_path, opt), expected)
 
 
+def test_a_spec_with_an_absolute_path_is_refused_naming_the_leaf(tmp_path):
+  """T5X writes each array's path relative to its step directory; an absolute one was read
+  from elsewhere on local disk and under a doubled '/' on gs://."""
+  opt = t5x_optim.optimizers.sgd(0.1).create({"w": jnp.ones((4, 8))})
+  checkpoint = pathlib.Path(t5x_optim.save_t5x_checkpoint(tmp_path, opt, step=1)) / "checkpoint"
+  contents = serialization.msgpack_restore(checkpoint.read_bytes())
+  kernel = contents["optimizer"]["target"]["w"]
+  kernel["kvstore"]["path"] = f"{checkpoint.parent}/target.w"
+  checkpoint.write_bytes(serialization.msgpack_serialize(contents))
+  message = (
+    f"The T5X checkpoint in {checkpoint.parent} has a spec with an absolute path at 'target/w': "
+    f"'{checkpoint.parent}/target.w'; T5X writes each path relative to the step directory."
+  )
+  with pytest.raises(ValueError, match=re.escape(message)):
+    t5x_optim.restore_t5x_checkpoint(tmp_path, opt)
+
+
 def test_save_refuses_an_existing_step_and_keeps_it(restored, expected, tmp_path):
   t5x_optim.save_t5x_checkpoint(tmp_path, restored["legacy"])
   with pytest.raises(FileExistsError, match="checkpoint_2 exists already"):

@@ -148,11 +148,19 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
 def join(path: str | os.PathLike[str], *names: str) -> str:
   """`path` joined with `names` by ``/``, keeping a scheme's ``//``.
 
+  Each name is relative to `path`, alike on every storage.
+
+  Raises:
+    ValueError: a name starts with ``/``.
+
   Example:
     >>> join('gs://bkt/run/', 'checkpoint_3', 'target.w')
     'gs://bkt/run/checkpoint_3/target.w'
   """
   text = os.fspath(path)
+  for name in names:
+    if name.startswith("/"):
+      raise ValueError(f"storage.join takes names relative to {text!r}: {name!r} is absolute.")
   if scheme_of(text) is None:
     return os.path.join(text, *names)
   return "/".join([text.rstrip("/"), *names])

@@ -182,7 +182,8 @@ def _flatten_stored(tree: Any, path: Path = ()) -> dict[Path, Any]:
 
 
 def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any:
-  """Opens a stored array (a future) from its spec's path, relative to `step_dir`.
+  """Opens a stored array (a future) from its spec's path, relative to `step_dir` (an absolute
+  path is refused).
 
   As T5X does, only the path is taken from the spec (chunks and compressor
   come from the stored ``.zarray``); a path written for GCS is read from
@@ -196,6 +197,11 @@ def _open_spec(step_dir: epath.Path, spec: Mapping[str, Any], where: str) -> Any
   if not isinstance(relative, str) or not relative:
     raise ValueError(
       f"The T5X checkpoint in {step_dir} has a spec without a path at '{where}': {spec}."
+    )
+  if relative.startswith("/"):
+    raise ValueError(
+      f"The T5X checkpoint in {step_dir} has a spec with an absolute path at '{where}': "
+      f"{relative!r}; T5X writes each path relative to the step directory."
     )
   return ts.open(
     _full_spec(step_dir, spec["driver"], relative), open=True, read=True, context=TS_CONTEXT
