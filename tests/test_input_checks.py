@@ -310,6 +310,13 @@ def _warn_unused_param_mode_in_a_wrapper_under_jit() -> None:
   jax.jit(OptaxWrapper(optax.chain(tx)).create)(PARAMS)
 
 
+def _warn_counter_restored_from_bfloat16() -> None:
+  opt = OptaxWrapper(optax.adam(0.1)).create(PARAMS)
+  state_dict = opt.state_dict()
+  state_dict["state"]["step"] = np.asarray(1000, jnp.bfloat16)
+  opt.restore_state(state_dict)
+
+
 @pytest.mark.parametrize(
   "warn",
   [
@@ -320,6 +327,7 @@ def _warn_unused_param_mode_in_a_wrapper_under_jit() -> None:
     _warn_unused_kernel_axes_override,
     _warn_unused_param_mode,
     _warn_unused_param_mode_in_a_wrapper_under_jit,
+    _warn_counter_restored_from_bfloat16,
   ],
 )
 def test_each_warning_points_at_the_callers_line(warn):

@@ -1,13 +1,15 @@
 """One dtype rule for every restore: `Optimizer.restore_state` and `Checkpointer.restore` agree."""
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from t5x_optim import optimizers
+from t5x_optim import OptaxWrapper, low_precision, optimizers, reapply_config
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 W, COUNT = "target/w", "state/param_states/0/count"
@@ -197,8 +199,6 @@ def test_a_python_int_that_a_float_leaf_would_round_is_refused(dtype, value):
   ids=["whole-floats", "fractions", "beyond-uint32", "negative"],
 )
 def test_raw_prng_key_data_restores_only_as_uint32_values(data):
-  import optax
-
   tx = optax.chain(optax.add_noise(0.1, 0.5, jax.random.key(0)), optax.sgd(0.1))
   opt = optimizers.OptaxWrapper(tx).create({"w": jnp.zeros(2)})
   state = opt.state_dict()
@@ -231,3 +231,83 @@ def test_a_restore_into_arrays_on_no_particular_device_keeps_their_device():
   restored = opt.restore_state(jax.tree.map(np.asarray, opt.state_dict()))
   for leaf in jax.tree.leaves(restored):
     assert leaf.devices() == {device} and not leaf.committed
+
+
+def _cast_unpartitioned(state_dict, dtype):
+  """`state_dict` as T5X's ``RestoreCheckpointConfig.dtype`` hands it to ``restore_state``:
+  the params and the arrays it has no partitioning for (the scalars here) cast to `dtype`."""
+  return jax.tree.map_with_path(
+    lambda path, x: (
+      np.asarray(x).astype(dtype) if path[0].key == "target" or np.ndim(x) == 0 else x
+    ),
+    state_dict,
+  )
+
+
+@pytest.mark.parametrize(
+  ("dtype", "saved", "restored"),
+  [(jnp.bfloat16, 1001, 1000), (jnp.bfloat16, 1_000_000, 999_424), (np.float16, 3001, 3000)],
+)
+def test_counters_beyond_the_whole_numbers_a_float_holds_warn_and_restore_as_given(
+  dtype, saved, restored
+):
+  opt = optimizers.adam(0.1).create({"w": jnp.zeros(4)})
+  state_dict = opt.state_dict()
+  state_dict["state"]["step"] = saved
+  state_dict["state"]["param_states"]["0"]["count"] = saved
+  with pytest.warns(UserWarning) as caught:
+    back = opt.restore_state(_cast_unpartitioned(state_dict, dtype))
+  [message] = [str(w.message) for w in caught]
+  name, exact = jnp.dtype(dtype).name, {jnp.bfloat16: 256, np.float16: 2048}[dtype]
+  assert f"state/step ({name} {restored})" in message and f"{COUNT} ({name}" in message
+  assert f"{name} holds every whole number only up to {exact}, to which it rounds" in message
+  assert "RestoreCheckpointConfig.dtype" in message and "taken as they are" in message
+  assert "reapply_config" not in message
+  assert int(back.state.step) == int(back.state.param_states[0].count) == restored
+  assert back.state.step.dtype == jnp.int32
+
+
+@pytest.mark.parametrize(
+  ("dtype", "value", "warns"),
+  [(jnp.bfloat16, 255, False), (jnp.bfloat16, 256, True), (np.float16, 2047, False)],
+)
+def test_a_counter_warns_from_the_first_whole_number_its_float_may_have_rounded_to(
+  dtype, value, warns
+):
+  # 257 becomes 256 in bfloat16, so a 256 received may have been 257.
+  opt = optimizers.adam(0.1).create({"w": jnp.zeros(4)})
+  state_dict = opt.state_dict()
+  state_dict["state"]["step"] = np.asarray(value, dtype)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.restore_state(state_dict)
+  assert bool(caught) is warns
+
+
+def test_config_set_state_leaves_from_a_narrower_float_warn_and_reapply_config_resets_them():
+  # Without hyperparam_dtype, inject_hyperparams would init them in the bfloat16 params' dtype.
+  tx = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)
+  opt = OptaxWrapper(tx(learning_rate=0.1, b2=0.999)).create({"w": jnp.zeros(4)})
+  with pytest.warns(UserWarning) as caught:
+    back = opt.restore_state(_cast_unpartitioned(opt.state_dict(), jnp.bfloat16))
+  [message] = [str(w.message) for w in caught]
+  assert "state/param_states/hyperparams/b1 (bfloat16 into float32)" in message
+  assert message.count("(bfloat16 into float32)") == 4 and "and 1 more" in message
+  assert "target/" not in message and "state/step" not in message
+  assert "t5x_optim.reapply_config" in message
+  assert float(back.state.param_states.hyperparams["b2"]) == 1.0  # 0.999 rounded
+  np.testing.assert_allclose(reapply_config(back).state.param_states.hyperparams["b2"], 0.999)
+
+
+@pytest.mark.parametrize("state", ["bf16 moments", "8bit"])
+def test_states_whose_leaves_are_narrow_themselves_restore_from_narrow_floats_quietly(state):
+  if state == "bf16 moments":
+    opt = optimizers.adam(0.1).create({"w": jnp.zeros(64, jnp.bfloat16)})
+  else:
+    opt = OptaxWrapper(low_precision(optax.adam(0.1), "8bit", min_size=0)).create(
+      {"w": jnp.zeros(64)}
+    )
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    back = opt.restore_state(_cast_unpartitioned(opt.state_dict(), jnp.bfloat16))
+  assert back.target["w"].dtype == jnp.bfloat16

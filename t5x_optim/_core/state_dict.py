@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._nnx import restore_like, to_pure
+from t5x_optim._warn import warn
 
 __all__ = [
   "Fit",
@@ -456,7 +457,87 @@ def _placed_like(reference: Any, value: jax.Array) -> jax.Array:
     return jax.numpy.array(value)  # An uncommitted array moves to the default device.
 
 
-def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
+_LISTED = 4
+"""How many leaves a warning of narrowed data names of each kind before counting the rest."""
+
+
+class _Narrowed(NamedTuple):
+  """Data that a restore took and that may have been rounded before it (`_narrowing`)."""
+
+  note: str
+  """The leaf's path and what it got, as the warning names it."""
+  dtype: np.dtype
+  """The data's floating dtype."""
+  integer: bool
+  """Whether the leaf is an integer (else floating) one."""
+
+
+def _whole_up_to(dtype: np.dtype) -> int:
+  """The whole number up to which floating `dtype` holds every whole number exactly (256 for
+  bfloat16, 2048 for float16): the next one rounds to it or beyond."""
+  return 2 ** (int(jax.numpy.finfo(dtype).nmant) + 1)
+
+
+def _narrowing(
+  value: Any, dtype: np.dtype, ref_dtype: np.dtype, path: tuple[str, ...]
+) -> _Narrowed | None:
+  """Whether data `value` of `dtype`, taken into a leaf of `ref_dtype` at `path`, may have
+  been rounded before the restore: whole floats into an integer leaf, from the first whole
+  number that their dtype may have rounded another to (`_whole_up_to`); optimizer-state data
+  of a floating dtype that cannot hold every value of the leaf's (bfloat16 into float32).
+  Params are left out: they keep the dtype they are given, on purpose."""
+  if not _is_float(dtype) or isinstance(value, jax.core.Tracer) or np.size(value) == 0:
+    return None
+  where = key_path_str(path)
+  if _is_int(ref_dtype):
+    largest = _largest_finite(value)
+    if largest < _whole_up_to(dtype):
+      return None
+    shown = f"{largest:.0f}" if np.size(value) == 1 else f"up to {largest:.0f}"
+    return _Narrowed(f"{where} ({dtype} {shown})", dtype, integer=True)
+  if path[:1] == ("state",) and not np.can_cast(ref_dtype, dtype, casting="safe"):
+    return _Narrowed(f"{where} ({dtype} into {ref_dtype})", dtype, integer=False)
+  return None
+
+
+def _warn_of_narrowed(narrowed: Sequence[_Narrowed]) -> None:
+  """Warns once of the data a restore took that may have been rounded before it, naming the
+  first few leaves of each kind (`_narrowing`)."""
+
+  def named(integer: bool) -> str:
+    notes = [each.note for each in narrowed if each.integer is integer]
+    more = len(notes) - _LISTED
+    return ", ".join(notes[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+  kinds = []
+  integers = sorted({each.dtype for each in narrowed if each.integer}, key=str)
+  if integers:
+    holds = ", ".join(
+      f"{dtype} holds every whole number only up to {(n := _whole_up_to(dtype))}, to which it "
+      f"rounds {n + 1}"
+      for dtype in integers
+    )
+    kinds.append(f"integer leaves from whole floats ({holds}): {named(True)}")
+  floats = any(not each.integer for each in narrowed)
+  if floats:
+    kinds.append(f"optimizer-state leaves from a narrower floating dtype: {named(False)}")
+  advice = (
+    " Where the config sets such a leaf (Muon's ns_coeffs, inject_hyperparams' "
+    "hyper-parameters), t5x_optim.reapply_config(optimizer) sets the config's values again."
+    if floats
+    else ""
+  )
+  warn(
+    f"The restore took {'; and '.join(kinds)}. Their values may have been rounded before the "
+    "restore, e.g. by T5X's RestoreCheckpointConfig.dtype, which casts the arrays it has no "
+    "partitioning for (the step, counters and hyper-parameters), as it does for T5X's own "
+    f"optimizers; they are taken as they are.{advice}"
+  )
+
+
+def _convert_array(
+  reference: Any, value: Any, path: tuple[str, ...], *, narrowed: list[_Narrowed]
+) -> Any:
   """Checks array data `value` against the array `reference` and converts it.
 
   The dtype rule is `leaf_fit`'s: floating data may restore into any
@@ -466,7 +547,8 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   into a narrower integer, or a float into an integer, only when every
   value is a whole number that fits (it comes back in the optimizer's
   integer dtype); no other change of kind, except for a Python scalar
-  that converts exactly.
+  that converts exactly. Data that may have been rounded before the restore
+  (`_narrowing`) is noted in `narrowed`.
   """
   where = key_path_str(path)
   if is_prng_key(reference):
@@ -491,6 +573,9 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
       f"be cast safely to the optimizer's {ref_dtype}{why}."
     )
   out_dtype = dtype if keeps_dtype else ref_dtype
+  note = None if keeps_dtype else _narrowing(value, dtype, ref_dtype, path)
+  if note is not None:
+    narrowed.append(note)
   if isinstance(reference, np.ndarray | np.generic) or _is_lazy_array(reference):
     return np.asarray(value, dtype=out_dtype)
   if isinstance(reference, jax.Array | jax.ShapeDtypeStruct):
@@ -499,7 +584,9 @@ def _convert_array(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
   return type(reference)(np.asarray(value).item())
 
 
-def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
+def _convert_leaf(
+  reference: Any, value: Any, path: tuple[str, ...], *, narrowed: list[_Narrowed]
+) -> Any:
   """Returns `value` for the reference leaf `reference`, checked.
 
   Array data restored into an array is checked (`_convert_array`); a
@@ -528,7 +615,7 @@ def _convert_leaf(reference: Any, value: Any, path: tuple[str, ...]) -> Any:
     )
   if _shape_of(reference) is None:
     return value
-  return _convert_array(reference, value, path)
+  return _convert_array(reference, value, path, narrowed=narrowed)
 
 
 def _check_and_fill(
@@ -538,8 +625,10 @@ def _check_and_fill(
   *,
   holes: frozenset[tuple[str, ...]],
   problems: list[str],
+  narrowed: list[_Narrowed],
 ) -> Any:
-  """Checks `given` against the full `reference` state dict, adding mismatches to `problems`.
+  """Checks `given` against the full `reference` state dict, adding mismatches to `problems`
+  and data that may have been rounded before the restore to `narrowed` (`_narrowing`).
 
   Keys whose reference subtree is empty may be absent from `given` (T5X drops
   them) and are taken from the reference; keys of `given` that hold nothing
@@ -557,7 +646,7 @@ def _check_and_fill(
     return reference
   if not isinstance(reference, Mapping):
     try:
-      return _convert_leaf(reference, given, path)
+      return _convert_leaf(reference, given, path, narrowed=narrowed)
     except ValueError as e:
       problems.append(str(e))
       return reference
@@ -587,7 +676,9 @@ def _check_and_fill(
         )
       filled[key] = ref_value
       continue
-    filled[key] = _check_and_fill(ref_value, given[key], sub_path, holes=holes, problems=problems)
+    filled[key] = _check_and_fill(
+      ref_value, given[key], sub_path, holes=holes, problems=problems, narrowed=narrowed
+    )
   return filled
 
 
@@ -640,7 +731,13 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
   narrower integer, and a float into an integer (T5X's float32 step
   counters), when every value is a whole number that fits; other changes
   of kind (complex to real, an integer into a float that cannot hold it)
-  are refused, except for Python scalars that convert exactly.
+  are refused, except for Python scalars that convert exactly. Data that may
+  have been rounded before the restore is taken as it is, with one warning
+  naming the leaves: whole floats into an integer leaf from the first whole
+  number their dtype may have rounded another to (256 in bfloat16, into which
+  T5X's ``RestoreCheckpointConfig.dtype`` casts the step and counters), and
+  optimizer-state data of a floating dtype narrower than its leaf's (bfloat16
+  into float32).
 
   Raises:
     ValueError: on a missing or unexpected key, a subtree where a leaf
@@ -662,8 +759,14 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     if _is_masked(node)
   )
   problems: list[str] = []
+  narrowed: list[_Narrowed] = []
   filled = _check_and_fill(
-    serialization.to_state_dict(pure), state_dict, (), holes=holes, problems=problems
+    serialization.to_state_dict(pure),
+    state_dict,
+    (),
+    holes=holes,
+    problems=problems,
+    narrowed=narrowed,
   )
   if len(problems) == 1:
     raise ValueError(problems[0])
@@ -672,6 +775,8 @@ def restore_into(reference: Any, state_dict: Mapping[str, Any]) -> Any:
     raise ValueError(
       f"The state dict does not fit the optimizer in {len(problems)} places:\n{listed}"
     )
+  if narrowed:
+    _warn_of_narrowed(narrowed)
   return restore_like(reference, serialization.from_state_dict(pure, filled))
 
 
