@@ -1190,3 +1190,41 @@ def test_gins_notes_name_the_innermost_call_and_its_bindings(clean_gin):
     "bad (in the call of optax.nadam in scope OPTIMIZER; its bindings: b1 = 'x')"
   )
   assert _config.described_gin_error(f"bad {notes}", call=False) == "bad"
+
+
+def _gin_prefixes() -> list[str]:
+  return list(gin.config._LOCATION_PREFIXES)  # noqa: SLF001 - gin offers no reader
+
+
+def test_each_parse_searches_its_own_search_paths_and_leaves_gins_as_they_were(
+  tmp_path, monkeypatch
+):
+  """gin keeps its search paths for the process and clearing the config keeps them: each
+  parse added its own, so a later command without them found an ``include`` in an earlier
+  command's directory. A parse searches the current directory, its own search paths and the
+  package's gin files, and leaves gin's search paths as it found them, after a failure too."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "shared.gin").write_text("TOTAL_STEPS = 3\n")
+  (tmp_path / "top.gin").write_text("include 'shared.gin'\n")
+  before = _gin_prefixes()
+  _config.parse_config(gin_files=["top.gin"], search_paths=[tmp_path / "elsewhere"])
+  assert gin.query_parameter("%TOTAL_STEPS") == 3
+  assert _gin_prefixes() == before
+  with pytest.raises(OSError, match="shared.gin"):
+    _config.parse_config(gin_files=["top.gin"])
+  assert _gin_prefixes() == before
+
+
+def test_a_command_leaves_gins_search_paths_as_it_found_them(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "shared.gin").write_text("TOTAL_STEPS = 3\n")
+  (tmp_path / "top.gin").write_text("include 'shared.gin'\n")
+  before = _gin_prefixes()
+  bad = ["--gin_bindings", "cli.TrainJob.total_steps = 'ten'"]
+  assert main(["plan", "--gin_file", "top.gin", "--gin_search_paths", "elsewhere", *bad]) == 2
+  assert "got 'ten'" in capsys.readouterr().err
+  assert _gin_prefixes() == before
+  assert main(["plan", "--gin_file", "top.gin", *bad]) == 2
+  assert "shared.gin" in capsys.readouterr().err

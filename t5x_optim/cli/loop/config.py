@@ -523,7 +523,9 @@ def parse_config(
   Relative files and ``include``s are looked up in the current directory,
   then in `search_paths`, then in the package's gin directory (`GIN_DIR`),
   never beside the file that includes them (one found elsewhere while that
-  folder holds a file of its name is refused, `_check_includes`);
+  folder holds a file of its name is refused, `_check_includes`), nor in other
+  search paths given to gin (earlier parses' among them: gin's list is left as
+  it was);
   an ``include`` also, as gin does, in the packages on ``sys.path``, folders
   without ``__init__.py`` among them (`_package_file`).
   Gin files are code: parsing one imports modules and calls functions, so
@@ -557,11 +559,13 @@ def parse_config(
   directories = [Path(path) for path in [*search_paths, *default_search_paths()]]
   _GIVEN_BINDINGS.clear()
   gin.clear_config()
-  for directory in directories:
-    gin.add_config_file_search_path(str(directory))
   files = [str(resolve_gin_file(path, directories)) for path in gin_files]
   _check_includes(files, directories)
-  with _quiet_gin_path_probes(), _package_lookup_of_namespace_packages():
+  with (
+    _gin_search_paths(directories),
+    _quiet_gin_path_probes(),
+    _package_lookup_of_namespace_packages(),
+  ):
     gin.parse_config(DEFAULT_CONFIG)
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
     gin.parse_config_files_and_bindings(files, None, finalize_config=False)
@@ -872,6 +876,25 @@ def _package_lookup_of_namespace_packages() -> Iterator[None]:
 class _DropPathProbes(logging.Filter):
   def filter(self, record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_GIN_PROBE_MESSAGE)
+
+
+@contextlib.contextmanager
+def _gin_search_paths(directories: Sequence[Path]) -> Iterator[None]:
+  """gin's search paths for files and ``include``s: the current directory, then
+  `directories`, inside; those gin had before, after. gin keeps them for the process (clearing
+  its config keeps them too), so one parse's would be searched by every later one."""
+  prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)  # gin can only append to them
+  if not isinstance(prefixes, list):  # another gin: its own search paths, added to
+    for directory in directories:
+      gin.add_config_file_search_path(str(directory))
+    yield
+    return
+  before = prefixes[:]
+  prefixes[:] = ["", *map(str, directories)]
+  try:
+    yield
+  finally:
+    prefixes[:] = before
 
 
 @contextlib.contextmanager
