@@ -37,7 +37,7 @@ def _record(signum, frame):
 
 def main() -> None:
   """Entry point: records Ctrl-C, SIGTERM and SIGHUP (unless ``nohup`` ignores it), then runs
-  `t5x_optim.cli.main`."""
+  the command as the process (`t5x_optim.cli.console_main`)."""
   signal.signal(signal.SIGINT, _record)
   signal.signal(signal.SIGTERM, _record)
   if _SIGHUP is not None and signal.getsignal(_SIGHUP) == signal.SIG_DFL:
@@ -45,7 +45,7 @@ def main() -> None:
     signal.signal(_SIGHUP, _record)
   from t5x_optim.cli import _main  # noqa: PLC0415 - imported after the handlers on purpose
 
-  _main.exit_process(_main.main(pending_signals=_PENDING))
+  _main.console_main(_PENDING)
 
 
 if __name__ == "__main__":

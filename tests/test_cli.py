@@ -30,6 +30,7 @@ from t5x_optim.cli import main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
 from t5x_optim.cli.loop import train as _train
+from t5x_optim.cli.loop.interrupt import Interrupt
 from t5x_optim.cli.loop.job import config_changes, identity_problem, state_layout
 from t5x_optim.partitioning import format_bytes, init_sharded
 
@@ -1228,3 +1229,61 @@ def test_a_command_leaves_gins_search_paths_as_it_found_them(tmp_path, monkeypat
   assert _gin_prefixes() == before
   assert main(["plan", "--gin_file", "top.gin", *bad]) == 2
   assert "shared.gin" in capsys.readouterr().err
+
+
+_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+
+@pytest.fixture
+def own_signal_handlers():
+  """A handler of the test's own for SIGINT, SIGTERM and SIGHUP; pytest's put back after."""
+
+  def mine(signum, frame):
+    del signum, frame
+
+  previous = {signum: signal.signal(signum, mine) for signum in _SIGNALS}
+  yield mine
+  for signum, handler in previous.items():
+    signal.signal(signum, handler)
+
+
+def test_a_command_puts_back_the_callers_signal_handlers(own_signal_handlers, monkeypatch, capsys):
+  """A call given pending_signals installs the Ctrl-C, SIGTERM and SIGHUP handlers the
+  command checks between steps; they stayed after it returned, so a later Ctrl-C was
+  swallowed and a SIGTERM never reached the caller's handler. The caller's come back when
+  the command returns, is interrupted before it starts, or raises."""
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  bad = ["--gin_bindings", "cli.TrainJob.total_steps = 'ten'"]
+  assert main(["plan", *bad], pending_signals=[]) == 2
+  assert [signal.getsignal(signum) for signum in _SIGNALS] == [own_signal_handlers] * 3
+  assert main(["plan"], pending_signals=[signal.SIGINT]) == 130
+  assert [signal.getsignal(signum) for signum in _SIGNALS] == [own_signal_handlers] * 3
+
+  def fail(args, interrupt):
+    raise RuntimeError("inside the command")
+
+  monkeypatch.setattr(_main, "_run", fail)
+  with pytest.raises(RuntimeError, match="inside the command"):
+    main(["plan"], pending_signals=[])
+  assert [signal.getsignal(signum) for signum in _SIGNALS] == [own_signal_handlers] * 3
+  assert "before the first step" in capsys.readouterr().err
+
+
+def test_the_commands_process_keeps_its_signal_handlers_until_it_exits(
+  own_signal_handlers, monkeypatch
+):
+  """As the process (the `t5x-optim` script, ``python -m t5x_optim``) the command's handlers
+  stay while the process ends: a second Ctrl-C then still quits at once."""
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  ended = []
+
+  def exit_process(status):
+    handlers = [getattr(signal.getsignal(signum), "__self__", None) for signum in _SIGNALS]
+    ended.append((status, [type(handler) for handler in handlers]))
+
+  monkeypatch.setattr(_main, "exit_process", exit_process)
+  monkeypatch.setattr(sys, "argv", ["t5x-optim", "plan", "--gin_bindings", "TOTAL_STEPS = 0"])
+  _main.console_main([])
+  assert ended == [(2, [Interrupt] * 3)]

@@ -759,22 +759,35 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
   Args:
     argv: the arguments (default: ``sys.argv[1:]``).
     pending_signals: SIGINTs and SIGTERMs recorded before this call (by the
-      launcher); when given, this call installs the Ctrl-C and SIGTERM
-      handlers that the command checks between steps.
+      launcher); when given, this call installs the Ctrl-C, SIGTERM and
+      SIGHUP handlers that the command checks between steps, and puts the
+      caller's back when it returns or raises.
 
   Example:
     >>> main(['plan', '--gin_bindings', "cli.TrainJob.total_steps = 'ten'"])
     2
   """
+  return _main(argv, pending_signals, keep_handlers=False)
+
+
+def _main(
+  argv: Sequence[str] | None, pending_signals: list[int] | None, *, keep_handlers: bool
+) -> int:
+  """`main`; with `keep_handlers`, the command's signal handlers stay installed after it."""
   args = _parser().parse_args(argv)
   simulate_cpu_devices(args.num_devices or DEFAULT_SIMULATED_DEVICES)
   grace = getattr(args, "preemption_grace_seconds", None) or DEFAULT_GRACE_SECONDS
   interrupt = Interrupt(pending_signals, grace_seconds=grace)
-  if pending_signals is not None:
-    interrupt.install()
+  if pending_signals is None:
+    return _run(args, interrupt)
+  interrupt.install()
+  try:
     if interrupt.requested:
       return _interrupted(args.command, interrupt)
-  return _run(args, interrupt)
+    return _run(args, interrupt)
+  finally:
+    if not keep_handlers:
+      interrupt.uninstall()
 
 
 _STRAGGLER_WAIT_S = 10.0
@@ -808,7 +821,9 @@ def exit_process(status: int) -> NoReturn:
   sys.exit(status)
 
 
-def console_main() -> None:
-  """The command as ``python -m t5x_optim``; the `t5x-optim` script also catches
-  Ctrl-C while the package is imported (see ``t5x_optim_launcher``)."""
-  exit_process(main(pending_signals=[]))
+def console_main(pending_signals: list[int] | None = None) -> None:
+  """The command of ``sys.argv`` as the process, ended by `exit_process`: ``python -m
+  t5x_optim``, and the `t5x-optim` script, which passes the signals it recorded while the
+  package was imported (see ``t5x_optim_launcher``). The command's signal handlers stay until
+  the process ends: a second Ctrl-C while it shuts down quits at once."""
+  exit_process(_main(None, [] if pending_signals is None else pending_signals, keep_handlers=True))

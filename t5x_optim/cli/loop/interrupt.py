@@ -100,6 +100,7 @@ class Interrupt:
     self._since: float | None = None
     self._timer: threading.Timer | None = None
     self._terminal: list[int] = []
+    self._replaced: dict[int, Any] = {}
     if self.preempted:
       self.start_grace()
 
@@ -180,9 +181,17 @@ class Interrupt:
 
   def install(self) -> None:
     """Makes this the process's SIGINT and SIGTERM handler, and its SIGHUP handler unless
-    SIGHUP is ignored (``nohup``) (main thread only)."""
+    SIGHUP is ignored (``nohup``) (main thread only); `uninstall` puts back those it replaced."""
     if _SIGHUP is not None and signal.getsignal(_SIGHUP) not in (signal.SIG_IGN, None):
       self._terminal = _terminal_outputs()
-      signal.signal(_SIGHUP, self.handle)
-    signal.signal(signal.SIGINT, self.handle)
-    signal.signal(signal.SIGTERM, self.handle)
+      self._replaced.setdefault(_SIGHUP, signal.signal(_SIGHUP, self.handle))
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      self._replaced.setdefault(signum, signal.signal(signum, self.handle))
+
+  def uninstall(self) -> None:
+    """Stops the watchdog and puts back the handlers `install` replaced (the default one where
+    the replaced one was not installed from Python) (main thread only)."""
+    self.cancel()
+    for signum, handler in self._replaced.items():
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    self._replaced.clear()
