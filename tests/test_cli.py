@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -1287,3 +1288,26 @@ def test_the_commands_process_keeps_its_signal_handlers_until_it_exits(
   monkeypatch.setattr(sys, "argv", ["t5x-optim", "plan", "--gin_bindings", "TOTAL_STEPS = 0"])
   _main.console_main([])
   assert ended == [(2, [Interrupt] * 3)]
+
+
+def test_each_command_shows_its_warnings_as_a_process_of_its_own(monkeypatch):
+  """The package's warnings name the caller's line, and Python shows a warning once per line
+  of a process: the next command of a sweep in the same process showed none of those the
+  first had shown. Each command shows its warnings as a process of its own does, each line's
+  once."""
+  from t5x_optim import _warn  # noqa: PLC0415
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  def warn_twice(args, interrupt):
+    for _ in range(2):
+      _warn.warn("a configuration that deserves a word")
+    return 0
+
+  monkeypatch.setattr(_main, "_run", warn_twice)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.resetwarnings()  # no filters: Python's default, once per line
+    assert main(["plan"]) == 0
+    assert main(["plan"]) == 0
+  assert [str(warning.message) for warning in caught] == [
+    "a configuration that deserves a word"
+  ] * 2

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -756,6 +757,11 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
 def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None = None) -> int:
   """Runs the command line; returns the exit status.
 
+  Each call shows its warnings as a process of its own would: a warning the
+  package raises names the caller's line, which Python would otherwise show
+  once per process, at the first call only. The warnings filters are the
+  caller's.
+
   Args:
     argv: the arguments (default: ``sys.argv[1:]``).
     pending_signals: SIGINTs and SIGTERMs recorded before this call (by the
@@ -767,7 +773,8 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
     >>> main(['plan', '--gin_bindings', "cli.TrainJob.total_steps = 'ten'"])
     2
   """
-  return _main(argv, pending_signals, keep_handlers=False)
+  with warnings.catch_warnings():  # Python forgets the warnings it showed when filters change
+    return _main(argv, pending_signals, keep_handlers=False)
 
 
 def _main(
