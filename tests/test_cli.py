@@ -1311,3 +1311,16 @@ def test_each_command_shows_its_warnings_as_a_process_of_its_own(monkeypatch):
   assert [str(warning.message) for warning in caught] == [
     "a configuration that deserves a word"
   ] * 2
+
+
+def test_a_command_replaces_the_callers_gin_config(clean_gin, capsys):
+  """gin keeps one config per process, with no way to set one aside: a command clears the
+  caller's bindings, a finalized config's too, and leaves its own parsed (docs/cli.md)."""
+  gin.parse_config("MINE = 0.5")
+  gin.finalize()
+  assert main(["plan", "--gin_bindings", "cli.TrainJob.total_steps = 'ten'"]) == 2
+  assert "got 'ten'" in capsys.readouterr().err
+  assert not gin.config_is_locked()
+  with pytest.raises(ValueError, match="no bound parameters"):
+    gin.query_parameter("%MINE")
+  assert gin.query_parameter("%VOCAB_SIZE") == 32

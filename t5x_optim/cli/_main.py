@@ -760,7 +760,9 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
   Each call shows its warnings as a process of its own would: a warning the
   package raises names the caller's line, which Python would otherwise show
   once per process, at the first call only. The warnings filters are the
-  caller's.
+  caller's. A call replaces the process's gin config (gin keeps one, and
+  offers no way to set it aside): the caller's bindings are cleared, and the
+  command's stay parsed after it returns.
 
   Args:
     argv: the arguments (default: ``sys.argv[1:]``).
