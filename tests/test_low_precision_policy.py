@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import flax
 import flax.linen as nn
@@ -32,6 +33,7 @@ from t5x_optim import (
 from t5x_optim._low_precision.low_precision import leaf_storage
 from t5x_optim._training import plan as plan_lib
 from t5x_optim.checkpoints import Checkpointer
+from t5x_optim.optimizers import OptaxStatePartitionRules
 from t5x_optim.partitioning import abstract_train_state
 
 RULES = (("embed", "float32"), ("mlp", "4bit"), ("bias$", "bfloat16"))
@@ -530,3 +532,18 @@ def test_the_train_banner_names_each_choice_and_its_rule():
     "state precision: 4bit for 10 params; "
     "float32: param_modes 'axis:vocab' for 2 params: logits, token_embedding"
   )
+
+
+def test_deriving_the_state_specs_adds_no_warning_about_stand_in_params():
+  """The spec derivation traces init on one stand-in param per shape: init's own warnings
+  there named the stand-ins (' t5x_optim_probe_0000000') after the real params' warning."""
+  params = {f"w{i}": jnp.ones((64, 64)) for i in range(3)}
+  axes = {name: P("embed", "mlp") for name in params}
+  tx = low_precision(optax.adam(1e-3), "8bit", param_modes=[("no_such_param", "float32")])
+  state = jax.eval_shape(tx.init, params)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    OptaxStatePartitionRules.derive_optax_logical_axes(
+      state, axes, transformation=tx, params=params
+    )
+  assert [str(w.message) for w in caught if "probe" in str(w.message)] == []

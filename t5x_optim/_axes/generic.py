@@ -20,6 +20,7 @@ whole from the start.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,7 +67,11 @@ def _sharded(cls: tuple[Any, ...], mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
 def _trace_init(
   transformation: optax.GradientTransformation, params: Any, mesh: AbstractMesh
 ) -> Any:
-  with jax.sharding.use_abstract_mesh(mesh):
+  """The abstract state ``init`` gives `params`, without ``init``'s warnings: they are about
+  the params ``init`` is given, here stand-ins (the probe's one per class), and the state's
+  own ``init`` gives them about the real params."""
+  with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
     return jax.eval_shape(transformation.init, params)
 
 
