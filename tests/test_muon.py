@@ -270,6 +270,21 @@ def test_a_deep_copy_given_its_originals_axes_builds_its_own_transformation():
   assert isinstance(state.inner_states["adam"].inner_state[0].mu["wi"], optax.MaskedNode)
 
 
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_a_copy_trains_by_its_own_axes_when_its_original_gets_others(copier):
+  """A copy kept its original's transformation, whose dimension numbers read the original's
+  axes: axes given to the original after the copy sent the copy's kernels by them while its
+  describe_params reported its own."""
+  params = {"a": jnp.ones((EMBED, MLP)), "b": jnp.ones((MLP, EMBED))}
+  axes = {"a": P("embed", "mlp"), "b": P("vocab", "embed")}
+  opt_def = optimizers.muon(**MUON_ARGS, param_axes=axes)
+  copied = copier(opt_def)
+  opt_def.set_param_axes({"a": P("vocab", "embed"), "b": P("embed", "mlp")})
+  muon_mu = copied.create(params).state.param_states.inner_states["muon"].inner_state[0].mu
+  assert muon_mu["a"].shape == (EMBED, MLP)
+  assert isinstance(muon_mu["b"], optax.MaskedNode)
+
+
 def test_train_state_gives_axes_to_a_definition_that_compares_by_value():
   """A definition with __eq__ and no __hash__ (a user's subclass) could not key the copies
   TrainState.create keeps: TypeError 'unhashable type'."""

@@ -171,6 +171,13 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
       tx = tx.with_param_axes(self.param_axes)
     return tx
 
+  def _uncreated(self) -> KernelAxesOptaxWrapper:
+    """This copy, with a transformation of its own built for its own axes: its original's
+    dimension numbers read the original's axes, which may change after the copy."""
+    super()._uncreated()
+    self.optax_optimizer = self._build(with_axes=self.param_specs is not None)
+    return self
+
   def set_param_axes(self, param_logical_axes: Any) -> None:
     """Takes the params' logical axes (T5X's hook) and rebuilds the transformation.
 
