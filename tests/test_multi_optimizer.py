@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any
@@ -689,6 +690,28 @@ def test_a_definition_that_takes_axes_shared_by_two_filters_is_refused() -> None
       multi.set_param_axes(AXES)
     with pytest.raises(ValueError, match="one definition per filter"):
       multi.set_param_axes(AXES)
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_a_copy_takes_axes_without_changing_its_original(copier) -> None:
+  """A shallow copy shared its original's sub-optimizers (and its set_param_axes was the
+  original's): axes given to the copy placed the original's Muon params."""
+  params = {"enc": {"a": jnp.ones((8, 4)), "b": jnp.ones((4, 8))}}
+  axes = {"enc": {"a": P("embed", "mlp"), "b": P("vocab", "embed")}, "dec": {"w": P("embed")}}
+  other = {"enc": {"a": P("vocab", "embed"), "b": P("embed", "mlp")}, "dec": {"w": P("embed")}}
+  muon = optimizers.muon(learning_rate=0.02)
+  inner = MultiOptimizer([("^enc/", muon)])
+  multi = MultiOptimizer([("^enc/", inner), ("^dec/", optimizers.adamw(1e-3))])
+  multi.set_param_axes(axes)
+  placed = muon.describe_params(params)
+  copied = copier(multi)
+  copied.set_param_axes(other)
+  assert muon.describe_params(params) == placed
+  copied_muon = copied.sub_optimizers[0].sub_optimizers[0]
+  assert copied_muon is not muon
+  assert copied_muon.describe_params(params)[0] == "enc/a ('vocab', 'embed'): adam"
+  multi.create({**params, "dec": {"w": jnp.ones(4)}})
+  copied.set_param_axes(axes)
 
 
 GIN_CONFIG = """

@@ -196,6 +196,11 @@ class MultiOptimizer(OptimizerDef):
     super().__init__(hyper_params=tuple(opt.hyper_params for opt in self.sub_optimizers))
     self.fallback = None if fallback is None else StateRulesFallback(fallback)
 
+  def __copy__(self) -> MultiOptimizer:
+    """A copy whose sub-optimizers are copies too (one shared by two filters stays shared),
+    so axes given to it leave this definition's as they are."""
+    return _copied_def(self, {})
+
   def __repr__(self) -> str:
     pairs = ", ".join(
       f"({describe_traversal(i, t)}, {type(o).__name__})"
@@ -611,11 +616,14 @@ def _copied_def(opt_def: OptimizerDef, copies: dict[int, OptimizerDef]) -> Optim
   (`copies`: those copied so far, by id) and takes its axes itself."""
   if id(opt_def) in copies:
     return copies[id(opt_def)]
-  copied = copies[id(opt_def)] = copy.copy(opt_def)
-  if isinstance(opt_def, MultiOptimizer):
-    copied.sub_optimizers = tuple(_copied_def(opt, copies) for opt in opt_def.sub_optimizers)
-    if hasattr(opt_def, "set_param_axes"):
-      copied.set_param_axes = copied._set_param_axes
+  if not isinstance(opt_def, MultiOptimizer):
+    copied = copies[id(opt_def)] = copy.copy(opt_def)
+    return copied
+  copied = copies[id(opt_def)] = object.__new__(type(opt_def))
+  copied.__dict__.update(opt_def.__dict__)
+  copied.sub_optimizers = tuple(_copied_def(opt, copies) for opt in opt_def.sub_optimizers)
+  if hasattr(opt_def, "set_param_axes"):
+    copied.set_param_axes = copied._set_param_axes
   return copied
 
 
