@@ -412,6 +412,26 @@ def test_an_empty_spec_is_a_param_without_axes():
   ]
 
 
+def test_axes_naming_no_axis_in_any_form_are_the_same_axes():
+  """None, P(), P(None) and (None,) for a replicated param were other axes: refused after
+  create, and with_param_axes gave each its own copy, whose states differed in structure."""
+  params = {"w": jnp.ones((EMBED, MLP)), "b": jnp.ones(MLP)}
+  forms = [None, P(), P(None), (None,), P(None, None)]
+  opt_def = optimizers.muon(**MUON_ARGS, param_axes={"w": P("embed", "mlp"), "b": forms[0]})
+  opt_def.create(params)
+  for form in forms:
+    opt_def.set_param_axes({"w": ("embed", "mlp"), "b": form})
+  base = optimizers.muon(**MUON_ARGS)
+  copies = {id(t5x_optim.with_param_axes(base, {"w": P("embed", "mlp"), "b": f})) for f in forms}
+  assert len(copies) == 1
+  assert id(t5x_optim.with_param_axes(base, {"w": P("embed", None), "b": None})) not in copies
+  with pytest.raises(ValueError, match="other than those it had"):
+    opt_def.set_param_axes({"w": P("embed", "mlp"), "b": P("mlp")})
+  replicated = optimizers.muon(**MUON_ARGS, param_axes={"w": P(None), "b": P(None)})
+  empty = optimizers.muon(**MUON_ARGS, param_axes={"w": P(), "b": P()})
+  assert replicated.describe_params(params) == empty.describe_params(params)
+
+
 def test_hand_written_numbers_give_a_plain_wrapper():
   numbers = {"w": D(0, 1)}
   opt_def = optimizers.muon(**MUON_ARGS, muon_weight_dimension_numbers=numbers)

@@ -258,9 +258,9 @@ class KernelAxesRule:
 def axis_names(path: str, spec: Any, shape: Sequence[int]) -> AxisNames:
   """The logical axis names of the param at `path` with shape `shape`.
 
-  A None spec or an empty one (``P()``, what ``nn.get_partition_spec`` writes
-  for a param without axes) gives one unnamed axis per dimension, as
-  `derive_logical_axes` replicates both.
+  A spec that names no axis (None, ``P()``, what ``nn.get_partition_spec``
+  writes for a param without axes, or ``P(None, ...)`` of any length) gives one
+  unnamed axis per dimension, as `derive_logical_axes` replicates each.
 
   Raises:
     ValueError: a spec whose rank differs from the shape's, or an entry that
@@ -271,7 +271,7 @@ def axis_names(path: str, spec: Any, shape: Sequence[int]) -> AxisNames:
     (('embed', None), (None,))
   """
   names = () if spec is None else tuple(spec)
-  if not names:
+  if all(name is None for name in names):
     return (None,) * len(shape)
   for name in names:
     if name is not None and not isinstance(name, str):
@@ -302,12 +302,20 @@ def axes_key(param_axes: Any) -> AxesKey:
   """The params' logical axes, in any form `logical_axes_from` accepts, as sorted
   ``('/'-joined path, spec)`` pairs: equal for the same axes in any form, and hashable.
 
+  A spec that names no axis (``P()``, ``P(None)``, ``(None,)``, ...) is None
+  there, as `axis_names` leaves every dimension of its param unnamed.
+
   Example:
-    >>> same = {"b": None, "w": PartitionSpec("embed", "mlp")}
+    >>> same = {"b": PartitionSpec(None), "w": PartitionSpec("embed", "mlp")}
     >>> axes_key({"w": ("embed", "mlp"), "b": None}) == axes_key(same)
     True
   """
-  return tuple(sorted(specs_by_path(logical_axes_from(param_axes)).items(), key=lambda kv: kv[0]))
+  specs = specs_by_path(logical_axes_from(param_axes))
+  named = {
+    path: None if spec is None or all(name is None for name in spec) else spec
+    for path, spec in specs.items()
+  }
+  return tuple(sorted(named.items(), key=lambda kv: kv[0]))
 
 
 def describe(
