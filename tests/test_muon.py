@@ -359,6 +359,33 @@ def test_param_axes_argument_and_boxed_forms():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("factory", ["muon", "galore"])
+def test_boxed_params_are_placed_by_their_boxes(factory):
+  """Params boxed by nn.with_logical_partitioning (adamw takes them) were looked up under the
+  box's value ('wi/value'), which has no logical axes; they train as the unboxed params."""
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed", "mlp"))
+      scale = nn.with_logical_partitioning(nn.initializers.ones, ("mlp",))
+      return x @ self.param("wi", init, (EMBED, MLP)) * self.param("scale", scale, (MLP,))
+
+  boxed = Mlp().init(jax.random.key(0), jnp.ones((2, EMBED)))["params"]
+  make = functools.partial(getattr(optimizers, factory), learning_rate=0.02, param_axes=boxed)
+  matrix = "muon" if factory == "muon" else "galore"
+  assert make().describe_params(boxed)[1] == (
+    f"wi ('embed', 'mlp'): {matrix}, inputs ('embed',), outputs ('mlp',)"
+  )
+  grads = jax.tree.map(jnp.ones_like, boxed)
+  trained = make().create(boxed).apply_gradient(grads)
+  assert isinstance(trained.target["wi"], nn.LogicallyPartitioned)
+  unboxed = make().create(nn.meta.unbox(boxed)).apply_gradient(nn.meta.unbox(grads))
+  jax.tree.map(np.testing.assert_allclose, nn.meta.unbox(trained.target), unboxed.target)
+  assert jax.tree.structure(nn.meta.unbox(trained.state)) == jax.tree.structure(unboxed.state)
+
+
+@pytest.mark.slow
 def test_frozen_dict_params_train():
   """Older T5X keeps FrozenDict params: a step runs Muon on them (seconds: Muon's first step)."""
   params, axes, _ = _scanned_t5()

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import optax
 import optax.contrib
+from flax.core import meta
 
 from t5x_optim._adapters.optax_wrapper import FusedOption, OptaxWrapper, takes_param_axes
 from t5x_optim._adapters.param_subsets import format_paths
@@ -85,6 +86,22 @@ KERNEL_AXES_FACTORIES: dict[Callable[..., Any], KernelAxesTarget] = {
   ),
 }
 """The optax factories that take weight dimension numbers, and how."""
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, meta.AxisMetadata)
+
+
+def _params_by_path(params: Any) -> list[tuple[Any, Any]]:
+  """``(tree path, param)`` of each param; a flax box (``nn.with_logical_partitioning``'s)
+  is one param at the box's path, its value, and one that holds no array (a param optax
+  masked out) none."""
+  found = []
+  for path, param in jax.tree.flatten_with_path(params, is_leaf=_is_box)[0]:
+    value = _state_rules.unbox_leaf(param)
+    if not _is_box(param) or jax.tree.leaves(value):
+      found.append((path, value))
+  return found
 
 
 class KernelAxesOptaxWrapper(OptaxWrapper):
@@ -213,7 +230,7 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
         "param_axes=)."
       )
     names = {}
-    for path, param in jax.tree.flatten_with_path(params)[0]:
+    for path, param in _params_by_path(params):
       where = key_path_str(path)
       if where not in self.param_specs:
         raise ValueError(
@@ -233,16 +250,21 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     return self.rule.place_all(self._axis_names(params))
 
   def dimension_numbers(self, params: Any) -> Any:
-    """The tree of dimension numbers (None: not a matrix) the factory gets for `params`."""
+    """The tree of dimension numbers (None: not a matrix) the factory gets for `params`; a
+    flax box's are boxed as its param."""
     placed = self.placements(params)
 
-    def numbers(path: Any, _: Any) -> Any:
-      kernel = placed[key_path_str(path)]
-      if kernel is None or (kernel.batch and not self.target.batches):
-        return None
-      return self.target.make(kernel)
+    def numbers(path: Any, param: Any) -> Any:
+      where = key_path_str(path)
+      if where not in placed:
+        return param
+      kernel = placed[where]
+      made = None
+      if kernel is not None and (self.target.batches or not kernel.batch):
+        made = self.target.make(kernel)
+      return param.replace_boxed(made) if _is_box(param) else made
 
-    return jax.tree.map_with_path(numbers, params)
+    return jax.tree.map_with_path(numbers, params, is_leaf=_is_box)
 
   def describe_params(self, params: Any) -> list[str]:
     """One line per param: where it goes (``muon`` or ``adam`` for muon) and by which axes.
