@@ -543,13 +543,34 @@ def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest(
   )
 
 
+_SCHEDULE_FREE = {
+  "alone": (
+    ["OPTIMIZER = @optimizers.schedule_free_adamw()"],
+    "optimizers.schedule_free_adamw",
+    lambda states: states,
+  ),
+  "in MultiSteps": (
+    [
+      "OPTIMIZER = @optimizers.OptaxWrapper()",
+      "optimizers.OptaxWrapper.optax_optimizer = @optax.MultiSteps()",
+      "optax.MultiSteps.opt = @optax.contrib.schedule_free_adamw()",
+      "optax.MultiSteps.every_k_schedule = 2",
+    ],
+    "optax.contrib.schedule_free_adamw",
+    lambda states: states.inner_opt_state,
+  ),
+}
+
+
 @pytest.mark.slow
-def test_schedule_free_is_evaluated_at_its_evaluation_params_too(tmp_path, capsys):
+@pytest.mark.parametrize("case", sorted(_SCHEDULE_FREE))
+def test_schedule_free_is_evaluated_at_its_evaluation_params_too(case, tmp_path, capsys):
   """Schedule-free takes gradients at y and is evaluated at its average x (optax's
-  ``schedule_free_eval_params``): the eval line showed y's loss alone. It shows x's as
-  ``loss_x``, the loss of x computed from the checkpoint."""
-  bindings = ["OPTIMIZER = @optimizers.schedule_free_adamw()", "TOTAL_STEPS = 4"]
-  bindings.append("optimizers.schedule_free_adamw.learning_rate = 0.01")
+  ``schedule_free_eval_params``): the eval line showed y's loss alone, and nothing else
+  where schedule-free was wrapped (in optax.MultiSteps). It shows x's as ``loss_x``, the
+  loss of x computed from the checkpoint."""
+  bindings, factory, inner = _SCHEDULE_FREE[case]
+  bindings = [*bindings, "TOTAL_STEPS = 4", f"{factory}.learning_rate = 0.01"]
   flags = [f for binding in bindings for f in ("--gin_bindings", binding)]
   assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0
   out = capsys.readouterr().out
@@ -557,7 +578,7 @@ def test_schedule_free_is_evaluated_at_its_evaluation_params_too(tmp_path, capsy
     float, re.search(r"^eval step 4  loss (\S+)  loss_x (\S+)$", out, re.M).groups()
   )
   setup, state = _restored(tmp_path, TINY[1::2], bindings)
-  x = optax.contrib.schedule_free_eval_params(state.param_states, state.params)
+  x = optax.contrib.schedule_free_eval_params(inner(state.param_states), state.params)
   losses = [setup.eval_fn(x, setup.eval_batch(i)) for i in range(setup.job.eval_batches)]
   assert loss_x == pytest.approx(float(np.mean(jax.device_get(losses))), abs=1e-4)
   assert loss_x != loss

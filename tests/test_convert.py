@@ -1633,6 +1633,52 @@ def test_a_schedule_free_source_gives_its_evaluation_params(mode):
   )
 
 
+_SCHEDULE_FREE_WRAPPERS = {
+  "MultiSteps": (
+    lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
+    lambda state: state.inner_opt_state,
+  ),
+  "inject_hyperparams": (
+    lambda tx: optimizers.inject_hyperparams(
+      optax.contrib.schedule_free_adamw, hyperparams={"learning_rate": 0.1}
+    ),
+    lambda state: state.inner_state,
+  ),
+  "apply_if_finite": (
+    lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=3),
+    lambda state: state.inner_state,
+  ),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(_SCHEDULE_FREE_WRAPPERS))
+def test_schedule_free_evaluation_params_are_found_inside_a_wrapper(wrapper):
+  """Schedule-free wrapped in optax.MultiSteps, inject_hyperparams or apply_if_finite (in a
+  chain, after clipping) was not looked for inside the wrapper: no evaluation params (the
+  eval line had no loss_x). They are optax's of the wrapped state."""
+  wrap, inner = _SCHEDULE_FREE_WRAPPERS[wrapper]
+  old = OptaxWrapper(
+    optax.chain(optax.clip_by_global_norm(1.0), wrap(optax.contrib.schedule_free_adamw(0.1)))
+  ).create(PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5):
+    old = old.apply_gradient(_scaled(M, scale))
+  x = optax.contrib.schedule_free_eval_params(inner(old.state.param_states[-1]), old.target)
+  assert not np.allclose(x["dense"]["bias"], old.target["dense"]["bias"])
+  _assert_close(t5x_optim.schedule_free_evaluation_params(old.state.param_states, old.target), x)
+  if wrapper == "MultiSteps":  # Converted, it starts from x too.
+    new, report = t5x_optim.convert_state(old, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+    _assert_close(new.target, x)
+    assert "evaluation params x = (y - (1 - b1) z) / b1" in report.dropped[-1]
+
+
+def test_schedule_free_evaluation_params_are_not_taken_of_part_of_the_params():
+  """Schedule-free under optax.masked trains some params only: it has no evaluation params
+  of all of them."""
+  tx = optax.masked(optax.contrib.schedule_free_sgd(1.0), {"w": True, "b": False})
+  params = {"w": jnp.ones(2), "b": jnp.ones(2)}
+  assert t5x_optim.schedule_free_evaluation_params(tx.init(params), params) is None
+
+
 @pytest.mark.slow
 def test_lookahead_and_muon_checkpoints_restore_from_their_definitions(tmp_path, partitioner):
   """Each source is given as a fresh definition, as `--init_from` builds it from gin: Muon's

@@ -830,9 +830,12 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
   evaluated at its average ``x = (y - (1 - b1) z) / b1``
   (``optax.contrib.schedule_free_eval_params``). Its state is the optimizer's
   whole state or the last of a chain's (``chain(clip_by_global_norm,
-  schedule_free_adamw)``), so that its updates are the ones applied, inside
-  `low_precision` too (decoded only once found); one elsewhere is not looked
-  for.
+  schedule_free_adamw)``), so that its updates are the ones applied, also
+  inside a transformation that wraps one optimizer and keeps its state as its
+  own state's ``inner_state`` or ``inner_opt_state`` (`low_precision`, decoded
+  only once found; ``optax.MultiSteps``, ``inject_hyperparams``,
+  ``apply_if_finite``). One elsewhere, or one whose state holds part of the
+  params only (under ``optax.masked``), gives None.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -849,6 +852,8 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
     >>> compressed = optax.chain(optax.clip_by_global_norm(1.0), low_precision(tx, 'bfloat16'))
     >>> schedule_free_evaluation_params(compressed.init(params), params)
     {'w': Array([0., 0.], dtype=float32)}
+    >>> schedule_free_evaluation_params(optax.MultiSteps(tx, 2).init(params), params)
+    {'w': Array([0., 0.], dtype=float32)}
     >>> schedule_free_evaluation_params(optax.sgd(1.0).init(params), params) is None
     True
   """
@@ -856,19 +861,29 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
   if not isinstance(_last_of_chain(param_states), optax.contrib.ScheduleFreeState):
     return None
   states = _last_of_chain(low_precision_to_float32(param_states))
+  if jax.tree.structure(states.z) != jax.tree.structure(params):
+    return None
   return optax.contrib.schedule_free_eval_params(states, params)
 
 
+_WRAPPED_STATE_FIELDS = ("inner_state", "inner_opt_state")
+"""The fields in which a transformation that wraps one optimizer keeps that optimizer's state:
+`LowPrecisionState`'s, optax's inject_hyperparams', apply_if_finite's, masked's and
+conditionally_transform's ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``."""
+
+
 def _last_of_chain(states: Any) -> Any:
-  """The state of a chain's last transformation, through nested chains and `low_precision`
-  (its inner state, still compressed); another state as given."""
+  """The state of the transformation whose updates are applied: a chain's last, through
+  nested chains and the transformations that wrap one optimizer (its state in one of
+  `_WRAPPED_STATE_FIELDS`; `low_precision`'s still compressed); another state as given."""
   while True:
-    if isinstance(states, LowPrecisionState):
-      states = states.inner_state
-    elif type(states) is tuple and states:
+    if type(states) is tuple and states:
       states = states[-1]
-    else:
+      continue
+    inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(states, f)), None)
+    if inner is None:
       return states
+    states = getattr(states, inner)
 
 
 def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
