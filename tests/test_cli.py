@@ -352,7 +352,8 @@ def test_every_optimizer_file_trains(name, tmp_path, capsys):
   assert _steps(out) == (0, 2) and _checkpoint_steps(tmp_path) == [2]
   assert re.search(r"^eval step 2  loss [\d.]+", out, re.M)
   if name == "lookahead.gin":
-    assert re.search(r"^eval step 2  loss [\d.]+  loss_slow [\d.]+$", out, re.M)
+    loss, slow = re.search(r"^eval step 2  loss ([\d.]+)  loss_slow ([\d.]+)$", out, re.M).groups()
+    assert f"eval loss {loss}, loss_slow {slow}\n" in out
     assert "(lookahead: fast and slow copies)" in out
 
 
@@ -582,6 +583,7 @@ def test_schedule_free_is_evaluated_at_its_evaluation_params_too(case, tmp_path,
   losses = [setup.eval_fn(x, setup.eval_batch(i)) for i in range(setup.job.eval_batches)]
   assert loss_x == pytest.approx(float(np.mean(jax.device_get(losses))), abs=1e-4)
   assert loss_x != loss
+  assert f"eval loss {loss:.4f}, loss_x {loss_x:.4f}\n" in out
 
 
 @pytest.mark.slow

@@ -887,3 +887,14 @@ def test_the_summary_says_when_its_eval_loss_is_from_an_earlier_step():
   assert "loss 5.8700 -> 2.5800, eval loss 2.5600 (step 100)\n" in summary.format()
   at_end = dataclasses.replace(summary, eval_step=142)
   assert "eval loss 2.5600\n" in at_end.format()
+
+
+def test_the_summary_gives_the_loss_where_the_optimizer_is_evaluated_too():
+  """Schedule-free's summary gave the loss of the params it takes gradients at (y) alone,
+  where its eval lines gave that of its average x as loss_x too; both are given."""
+  summary = TrainSummary(
+    0, 8, 3.11, 2.69, 2.7193, 7, 1.0, "/tmp/c", 8, False, False, eval_others=(("loss_x", 2.7284),)
+  )
+  assert "loss 3.1100 -> 2.6900, eval loss 2.7193, loss_x 2.7284\n" in summary.format()
+  earlier = dataclasses.replace(summary, end_step=9, eval_step=8)
+  assert "eval loss 2.7193, loss_x 2.7284 (step 8)\n" in earlier.format()

@@ -16,7 +16,7 @@ class TrainSummary:
     end_step: the step it stopped at.
     first_loss: train loss of its first step (None if it ran none).
     final_loss: train loss of its last step.
-    eval_loss: the last held-out loss.
+    eval_loss: the last held-out loss of the trained params.
     timed_steps: steps timed for the rate (all but the first, compiling one).
     timed_seconds: their wall time, evaluations and checkpoint saves excluded.
     checkpoint_dir: where the checkpoints are.
@@ -27,6 +27,8 @@ class TrainSummary:
     preempted: stopped by SIGTERM (a preemption).
     skipped_steps: non-finite steps skipped (``on_nonfinite = 'skip'``).
     eval_step: the step `eval_loss` is of (None: the end step).
+    eval_others: the other losses of that eval line, by name: at the params the optimizer
+      is evaluated at where those are others (``loss_slow``, ``loss_x``).
 
   Example:
     >>> print(TrainSummary(0, 10, 3.5, 1.25, 1.5, 9, 2.0, '/tmp/c', 10, False, False).format())
@@ -50,6 +52,7 @@ class TrainSummary:
   preempted: bool = False
   skipped_steps: int = 0
   eval_step: int | None = None
+  eval_others: tuple[tuple[str, float], ...] = ()
 
   def format(self) -> str:
     lines = []
@@ -73,6 +76,8 @@ class TrainSummary:
       lines.append(f"skipped {self.skipped_steps} non-finite steps")
     if self.final_loss is not None:
       evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
+      if self.eval_loss is not None:
+        evaluated += "".join(f", {name} {value:.4f}" for name, value in self.eval_others)
       if self.eval_loss is not None and self.eval_step not in (None, self.end_step):
         evaluated += f" (step {self.eval_step})"
       lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")

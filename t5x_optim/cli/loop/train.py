@@ -1529,6 +1529,7 @@ def _steps(
   clock = Clock()
   records: list[dict[str, Any]] = []
   first_loss = final_loss = eval_loss = eval_step = None
+  eval_others: tuple[tuple[str, float], ...] = ()
   compiled_weights = False
   skipped = in_a_row = written_skips = 0
 
@@ -1603,6 +1604,7 @@ def _steps(
           evaluated = _evaluate(setup, state)
           writers.write(EVAL, step, evaluated)
           eval_loss, eval_step = evaluated["loss"], step
+          eval_others = tuple((k, v) for k, v in evaluated.items() if k != "loss")
           progress.log(
             f"eval step {step}  "
             + "  ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
@@ -1627,6 +1629,7 @@ def _steps(
     final_loss=final_loss,
     eval_loss=eval_loss,
     eval_step=eval_step,
+    eval_others=eval_others,
     timed_steps=clock.total_steps,
     timed_seconds=clock.total_seconds,
     checkpoint_dir=str(checkpointer.directory),
