@@ -544,6 +544,24 @@ def test_a_log_line_takes_the_rates_in_effect_at_its_step_and_averages_the_rest(
   )
 
 
+@pytest.mark.slow
+def test_the_summary_gives_the_train_loss_of_the_first_and_the_last_step(tmp_path, capsys):
+  """``loss A -> B``: B was the mean of the last log line's steps (steps 1 to 4 with
+  ``log_every = 4``), A step 1's loss alone. Both are one step's, as a line every step
+  shows them."""
+  lines = {}
+  for log_every in (4, 1):
+    flags = ["--gin_bindings", "TOTAL_STEPS = 4", "--gin_bindings"]
+    flags.append(f"cli.TrainJob.log_every = {log_every}")
+    assert main(["train", *TINY, "--model_dir", str(tmp_path / str(log_every)), *flags]) == 0
+    lines[log_every] = capsys.readouterr().out
+  every = dict(re.findall(r"^step (\d+)/4  loss (\S+)  ", lines[1], re.M))
+  summary = re.search(r"^loss (\S+) -> (\S+), ", lines[4], re.M).groups()
+  assert [float(x) for x in summary] == pytest.approx(
+    [float(every["1"]), float(every["4"])], abs=1e-4
+  )
+
+
 _SCHEDULE_FREE = {
   "alone": (
     ["OPTIMIZER = @optimizers.schedule_free_adamw()"],

@@ -15,7 +15,7 @@ class TrainSummary:
     start_step: the step it started (or resumed) from.
     end_step: the step it stopped at.
     first_loss: train loss of its first step (None if it ran none).
-    final_loss: train loss of its last step.
+    final_loss: train loss of its last step (its last finite one: a skipped step has none).
     eval_loss: the last held-out loss of the trained params.
     timed_steps: steps timed for the rate (all but the first, compiling one).
     timed_seconds: their wall time, evaluations and checkpoint saves excluded.

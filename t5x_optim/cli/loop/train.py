@@ -1540,6 +1540,7 @@ def _steps(
     nonlocal final_loss, written_skips
     if records:
       mean = _summarize(records)
+      final_loss = float(records[-1]["loss"])  # Fetched by _summarize.
       records.clear()
       steps, seconds = clock.interval(step)
       with clock.paused():
@@ -1549,7 +1550,6 @@ def _steps(
           mean["skipped_steps"] = written_skips = skipped
         writers.write(TRAIN, step, mean)
         progress.log(format_metrics(step, job.total_steps, mean), rate=rate)
-      final_loss = mean["loss"]
     if skipped != written_skips:
       with clock.paused():
         writers.write(TRAIN, step, {"skipped_steps": skipped})
