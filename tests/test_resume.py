@@ -826,7 +826,8 @@ def test_no_intact_checkpoint_is_one_line_and_changes_nothing(four_steps, tmp_pa
 
 
 def test_the_logged_scheduled_rate_is_the_one_the_accumulating_optimizer_uses(tmp_path, capsys):
-  """optax.MultiSteps updates adamw every 4th step: its schedule counts updates, not steps."""
+  """optax.MultiSteps updates adamw every 4th step: its schedule counts updates, not steps,
+  and a step that only accumulates logs the rate of the update before it."""
   schedule = [
     "--gin_bindings",
     "LEARNING_RATE = @optax.linear_schedule()",
@@ -841,9 +842,9 @@ def test_the_logged_scheduled_rate_is_the_one_the_accumulating_optimizer_uses(tm
   code, out, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
   assert code == 0, err
   rates = dict(_scalars(tmp_path / "run" / "train")["learning_rate"])
-  # Step s (1-based) runs with adamw's count (s - 1) // 4.
+  # Step s (1-based) follows adamw's latest update, at its count s // 4 - 1 (0 before it).
   for step, rate in rates.items():
-    assert rate == pytest.approx(0.01 * (1 - ((step - 1) // 4) / 40), rel=1e-5), (step, rate)
+    assert rate == pytest.approx(0.01 * (1 - max(step // 4 - 1, 0) / 40), rel=1e-5), (step, rate)
   assert re.search(r"^step 40/40  loss \S+  lr 0.00775  ", out, re.M), out
 
 
@@ -867,14 +868,53 @@ optax.linear_schedule.transition_steps = 4
 @pytest.mark.slow
 def test_the_logged_rate_of_a_schedule_read_at_the_optimizers_own_count(tmp_path, capsys):
   """prodigy keeps the count its schedule is read at in its own state; under MultiSteps it
-  counts updates, not steps."""
+  counts updates, not steps. A step that only accumulates shows the rate of the update
+  before it (before the first update, the first's)."""
   gin_file = tmp_path / "prodigy.gin"
   gin_file.write_text(_PRODIGY_EVERY_2)
   flags = [*_steps(6), "--gin_file", str(gin_file), "--gin_bindings", "cli.TrainJob.log_every = 1"]
   code, out, err = _train_run(tmp_path / "run", *flags, capsys=capsys)
   assert code == 0, err
   logged = [float(rate) for rate in re.findall(r"^step \d+/6  loss \S+  lr (\S+)  ", out, re.M)]
-  assert logged == pytest.approx([1.0, 1.0, 0.75, 0.75, 0.5, 0.5]), out
+  assert logged == pytest.approx([1.0, 1.0, 1.0, 0.75, 0.75, 0.5]), out
+
+
+_MULTI_STEPS_RATES = {
+  "bound": [
+    "optax.MultiSteps.opt = @optax.adamw()",
+    "optax.adamw.learning_rate = @optax.linear_schedule()",
+  ],
+  "injected": [
+    "optax.MultiSteps.opt = @optimizers.inject_hyperparams()",
+    "optimizers.inject_hyperparams.inner_factory = @optax.adamw",
+    "optimizers.inject_hyperparams.hyperparams = {'learning_rate': @optax.linear_schedule()}",
+  ],
+}
+
+
+@pytest.mark.slow
+def test_the_logged_rate_under_multi_steps_is_the_same_bound_or_injected(tmp_path, capsys):
+  """Under optax.MultiSteps, a step that only accumulated logged the schedule at the next
+  update's count when bound as adamw's learning_rate, the last update's when injected (read
+  from the optimizer state). Both log the rate of the latest update."""
+  logged = {}
+  for how, bindings in _MULTI_STEPS_RATES.items():
+    bindings = [
+      "OPTIMIZER = @optimizers.OptaxWrapper()",
+      "optimizers.OptaxWrapper.optax_optimizer = @optax.MultiSteps()",
+      "optax.MultiSteps.every_k_schedule = 2",
+      *bindings,
+      "optax.linear_schedule.init_value = 0.008",
+      "optax.linear_schedule.end_value = 0.0",
+      "optax.linear_schedule.transition_steps = 4",
+      "cli.TrainJob.log_every = 1",
+    ]
+    flags = [f for binding in bindings for f in ("--gin_bindings", binding)]
+    code, out, err = _train_run(tmp_path / how, *_steps(6), *flags, capsys=capsys)
+    assert code == 0, err
+    logged[how] = [float(r) for r in re.findall(r"^step \d+/6  loss \S+  lr (\S+)  ", out, re.M)]
+  want = [0.008, 0.008, 0.008, 0.006, 0.006, 0.004]
+  assert logged == {"bound": pytest.approx(want), "injected": pytest.approx(want)}
 
 
 @pytest.mark.slow

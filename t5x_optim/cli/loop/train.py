@@ -312,12 +312,17 @@ def _train_step(
   shardings: TrainState | None = None,
   skip: bool = False,
 ) -> Any:
-  """One update; the metrics are the loss, the gradient norm, the step's learning rate
-  (and reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient
+  """One update; the metrics are the loss, the gradient norm, the learning rate (and
+  reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient
   norm and the updated params are), and with `weights` the per-parameter metrics
   (`metric_vector`, reduced with one all-reduce given the state's `shardings`) under
   ``weights``. An optimizer that takes optax's extra arguments gets them of the batch's
   loss (`loss_extra_args`).
+
+  The learning rate is that of the optimizer's latest update: this step's, or where
+  the step only accumulates a gradient (``optax.MultiSteps``) the update's before it
+  (before the first update, the first's), whether the optimizer state holds it
+  (``inject_hyperparams``) or `learning_rate` gives it.
 
   A step that is not finite returns the state it was given: its step counter
   advanced when `skip`, else unchanged. A non-finite update never reaches the
@@ -330,21 +335,22 @@ def _train_step(
   loss, grads = jax.value_and_grad(loss_fn)(trained_params(state.params))
   grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss, "grad_norm": grad_norm}
-  if learning_rate is not None:
-    # The schedule's own count: behind the step under optax.MultiSteps or after skipped steps.
-    counts = schedule_counts(state.param_states)
-    at = counts[0] if counts else state.step
-    rate = learning_rate(at) if callable(learning_rate) else learning_rate
-    metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
   names = getattr(state.optimizer.optimizer_def, "extra_arg_names", ())
   updated = state.apply_gradient(grads, **loss_extra_args(names, loss, grads, loss_fn))
+  if learning_rate is not None:
+    # The schedule's own count of updates made (behind the step under optax.MultiSteps or
+    # after skipped steps): the latest update read it one before, the first at 0.
+    counts = schedule_counts(updated.param_states)
+    at = jnp.maximum(counts[0] - 1, 0) if counts else state.step
+    rate = learning_rate(at) if callable(learning_rate) else learning_rate
+    metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
   metrics["finite"] = finite
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
   if skip:
     new_state = new_state.replace_step(updated.step)
   injected = injected_learning_rates(updated.param_states)
-  if len(injected) == 1:  # What the optimizer used in this step.
+  if len(injected) == 1:  # What the optimizer used in its latest update.
     metrics["learning_rate"] = jnp.asarray(injected[0], jnp.float32)
   scales = plateau_scales(updated.param_states)
   if len(scales) == 1:  # reduce_on_plateau's scale of this step's updates.
