@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -29,7 +30,7 @@ from _subprocesses import communicate_all, free_port
 from tensorboard.backend.event_processing import event_accumulator
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run, _scalars
 
-from t5x_optim import Checkpointer, optimizers, partitioning
+from t5x_optim import Checkpointer, OptaxWrapper, optimizers, partitioning
 from t5x_optim.cli import SyntheticTask, TransformerConfig, main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import job as _job
@@ -292,7 +293,8 @@ def test_a_diverging_run_stops_and_never_saves_a_nonfinite_state(tmp_path):
   assert len(err.splitlines()) == 1, err
   step = int(
     re.match(
-      r"t5x-optim train: error: the loss, gradient norm or updated params are not finite at "
+      r"t5x-optim train: error: the loss, gradient norm, updated params or optimizer state are "
+      r"not finite at "
       r"step (\d+) \(loss \S+, grad_norm \S+\); stopped: the latest checkpoint is step 60 in ",
       err,
     ).group(1)
@@ -438,6 +440,41 @@ def test_the_rate_logged_after_a_skipped_step_is_the_one_the_optimizer_uses():
   assert finite == [True, True, True, False, True, True]
   # Steps 1-3 use counts 0-2; step 4 would have used 3 and was skipped; steps 5 and 6 use 3, 4.
   assert rates == pytest.approx([float(schedule(c)) for c in (0, 1, 2, 3, 3, 4)])
+
+
+def _nan_in_state_at(count: int) -> optax.GradientTransformation:
+  """Passes updates on, and writes NaN into its own state at its `count`-th update."""
+
+  def init(params: Any) -> dict[str, jax.Array]:
+    del params
+    return {"count": jnp.zeros((), jnp.int32), "tracker": jnp.zeros(())}
+
+  def update(updates: Any, state: dict[str, jax.Array], params: Any = None) -> Any:
+    del params
+    tracker = jnp.where(state["count"] == count, jnp.nan, state["tracker"] + 1.0)
+    return updates, {"count": state["count"] + 1, "tracker": tracker}
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.slow
+def test_a_step_that_writes_nan_only_into_the_optimizer_state_is_not_finite():
+  """Finite loss, gradient norm and params, a NaN in the state (dadapt_adamw's estim_lr with a
+  warmup from 0): the step was taken and saved; the next steps' params became NaN. States that
+  hold an infinity by design (reduce_on_plateau's best value before its first check) are not
+  refused."""
+  poisoned = OptaxWrapper(optax.chain(optax.adamw(1e-2), _nan_in_state_at(2)))
+  plateau = OptaxWrapper(optax.chain(optax.adamw(1e-2), optax.contrib.reduce_on_plateau()))
+  for optimizer, expected in (poisoned, [True, True, False, False]), (plateau, [True] * 4):
+    job = dataclasses.replace(_poisoned_job(8, "skip"), optimizer=optimizer)
+    setup = _train.prepare(job)
+    state, finite = setup.create(*setup.init_args), []
+    for step in range(4):
+      batch = jax.device_put(job.task.batch(step), setup.batch_sharding)
+      state, metrics = setup.step_fn(state, batch)
+      finite.append(bool(metrics["finite"]))
+    assert finite == expected
+    assert not any(np.isnan(np.asarray(x)).any() for x in jax.tree.leaves(state.param_states))
 
 
 @pytest.mark.slow
@@ -748,7 +785,8 @@ def test_bad_reliability_settings_are_one_line(binding, message, capsys):
 def test_diverged_message_names_the_step_and_what_is_kept():
   error = _train.Diverged(62, 2.5, math.nan, saved=60, skipped=False)
   assert error.message("/run/checkpoints") == (
-    "the loss, gradient norm or updated params are not finite at step 62 (loss 2.5, grad_norm "
+    "the loss, gradient norm, updated params or optimizer state are not finite at step 62 (loss "
+    "2.5, grad_norm "
     "nan); stopped: the latest checkpoint is step 60 in /run/checkpoints; lower the learning "
     "rate (or skip such steps: --on_nonfinite skip)."
   )

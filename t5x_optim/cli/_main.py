@@ -242,7 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     "--on_nonfinite",
     choices=("stop", "skip"),
     default=None,
-    help="a step whose loss, gradient norm or updated params are not finite: stop the run "
+    help="a step whose loss, gradient norm or updated params are not finite, or whose "
+    "optimizer state holds a NaN: stop the run "
     "(status 3; it is never saved) or skip it (params and optimizer state unchanged, "
     "counted and logged; stops after cli.TrainJob.max_consecutive_skips in a row); binds "
     "cli.TrainJob.on_nonfinite (default stop)",

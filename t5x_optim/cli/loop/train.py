@@ -159,7 +159,7 @@ class Diverged(Exception):
     """One line: the step, its values, what was saved and what to do."""
     values = f"loss {self.loss}, grad_norm {self.grad_norm}"
     if math.isfinite(self.loss) and math.isfinite(self.grad_norm):
-      values += ", the updated params not finite"
+      values += ", the updated params or optimizer state not finite"
     where = f" in {directory}" if directory else ""
     kept = (
       "no checkpoint was written"
@@ -167,10 +167,10 @@ class Diverged(Exception):
       else f"the latest checkpoint is step {self.saved}{where}"
     )
     why = (
-      "the loss, gradient norm or updated params stayed non-finite for "
+      "the loss, gradient norm, updated params or optimizer state stayed non-finite for "
       "cli.TrainJob.max_consecutive_skips steps in a row, up to"
       if self.skipped
-      else "the loss, gradient norm or updated params are not finite at"
+      else "the loss, gradient norm, updated params or optimizer state are not finite at"
     )
     advice = "" if self.skipped else " (or skip such steps: --on_nonfinite skip)"
     return f"{why} step {self.step} ({values}); stopped: {kept}; lower the learning rate{advice}."
@@ -345,6 +345,7 @@ def _train_step(
     rate = learning_rate(at) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
+  finite &= ~_any_nan(updated.param_states)
   metrics["finite"] = finite
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
   if skip:
@@ -373,6 +374,15 @@ def _all_finite(tree: Any) -> jax.Array:
     jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
   ]
   return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
+
+
+def _any_nan(tree: Any) -> jax.Array:
+  """Whether a floating array of `tree` holds a NaN. An optimizer state may hold an infinity
+  by design (reduce_on_plateau's best loss before its first check), never a NaN."""
+  flags = [
+    jnp.any(jnp.isnan(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  return functools.reduce(jnp.logical_or, flags, jnp.bool_(False))
 
 
 def injected_learning_rates(param_states: Any) -> list[Any]:
@@ -1583,7 +1593,11 @@ def _steps(
           raise Diverged(step + 1, loss, grad_norm, saved=saved, skipped=False)
         step += 1
         skipped, in_a_row = skipped + 1, in_a_row + 1
-        updated = ", updated params not finite" if math.isfinite(loss + grad_norm) else ""
+        updated = (
+          ", updated params or optimizer state not finite"
+          if math.isfinite(loss + grad_norm)
+          else ""
+        )
         progress.log(
           f"step {step}: not finite (loss {loss}, grad_norm {grad_norm}{updated}); skipped: "
           f"params and optimizer state unchanged ({skipped} skipped in all)"
