@@ -478,6 +478,24 @@ def test_a_step_that_writes_nan_only_into_the_optimizer_state_is_not_finite():
 
 
 @pytest.mark.slow
+def test_the_summary_starts_at_the_first_trained_steps_loss(tmp_path):
+  """A run whose first step is skipped (here a resumed run's) said `loss nan -> ...`."""
+  task = _PoisonedTask(vocab_size=16, length=8, batch_size=4, poisoned=10)
+  for total_steps in 10, 20:
+    job = dataclasses.replace(_poisoned_job(total_steps, "skip"), task=task)
+    stream = io.StringIO()
+    summary = _train.train(
+      _train.prepare(job),
+      model_dir=tmp_path,
+      interrupt=Interrupt(),
+      stream=stream,
+      write_events=False,
+    )
+  assert summary.skipped_steps == 1, stream.getvalue()
+  assert math.isfinite(summary.first_loss), stream.getvalue()
+
+
+@pytest.mark.slow
 def test_a_nonfinite_step_stops_the_run_by_default(tmp_path):
   summary, _ = _train_to(tmp_path, 20, "stop")
   with pytest.raises(_train.Diverged, match=r"not finite at step 31 \(loss nan") as error:

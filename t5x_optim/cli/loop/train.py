@@ -1615,8 +1615,9 @@ def _steps(
           writers.write(TRAIN, step, dict(zip(setup.weight_tags, jax.device_get(weights).tolist())))
       progress.advance(step)
       if step == start + 1:
-        first_loss = float(metrics["loss"])
         clock.start(step)
+      if first_loss is None and records:
+        first_loss = float(records[0]["loss"])
       if step % job.log_every == 0 or step == job.total_steps:
         log_pending()
       if step % job.eval_every == 0 or step == job.total_steps:
