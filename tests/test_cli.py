@@ -1061,6 +1061,23 @@ def test_a_configuration_error_keeps_the_directories_that_were_there(tmp_path, c
   assert "total_stepz" in capsys.readouterr().err
 
 
+def test_path_flags_given_with_a_tilde_are_in_the_home_directory(tmp_path, capsys, monkeypatch):
+  """``~`` in --model_dir and --compilation_cache is the home directory, never a directory
+  named ``~`` here; those a configuration error made there go again."""
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "home").mkdir()
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  argv = ["train", *bad, "--model_dir", "~/new/run", "--compilation_cache", "~/cache/xla"]
+  assert main(argv) == 2
+  assert [p.name for p in tmp_path.rglob("*")] == ["home"]
+  assert "total_stepz" in capsys.readouterr().err
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  args = _main._parser().parse_args(["train", "--compilation_cache", "~/cache"])
+  assert args.compilation_cache == tmp_path / "home" / "cache"
+
+
 @pytest.mark.parametrize(
   ("binding", "raised_in"),
   [

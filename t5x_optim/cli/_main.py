@@ -178,15 +178,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _path_arg(text: str) -> Path | str:
   """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes.
 
-  A local path stays as given: what reads it makes it absolute, and
-  ``--data NAME`` is a shipped text where the working directory has no
-  NAME. A scheme without its package stays text; using it then fails in
-  one line.
+  A local path has ``~`` expanded and stays relative: what reads it makes
+  it absolute, and ``--data NAME`` is a shipped text where the working
+  directory has no NAME. A scheme without its package stays text; using it
+  then fails in one line.
   """
   from t5x_optim import storage  # noqa: PLC0415
 
   if storage.scheme_of(text) is None:
-    return Path(text)
+    return Path(text).expanduser()
   try:
     return storage.as_path(text)
   except storage.StorageError:
