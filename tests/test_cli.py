@@ -1078,6 +1078,16 @@ def test_path_flags_given_with_a_tilde_are_in_the_home_directory(tmp_path, capsy
   assert args.compilation_cache == tmp_path / "home" / "cache"
 
 
+def test_gin_file_flags_given_with_a_tilde_are_in_the_home_directory(tmp_path, monkeypatch):
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  monkeypatch.setenv("HOME", str(tmp_path))
+  flags = ["--gin_file", "~/a.gin", "--gin_search_paths", "~/gin", "--init_from_gin", "~/b.gin"]
+  args = _main._parser().parse_args(["train", *flags, "--gin_file", "examples/tiny.gin"])
+  assert args.gin_file == [f"{tmp_path}/a.gin", "examples/tiny.gin"]
+  assert (args.gin_search_paths, args.init_from_gin) == ([f"{tmp_path}/gin"], [f"{tmp_path}/b.gin"])
+
+
 @pytest.mark.parametrize(
   ("binding", "raised_in"),
   [

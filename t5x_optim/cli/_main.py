@@ -134,6 +134,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     "--gin_file",
     action="append",
     default=[],
+    type=os.path.expanduser,
     metavar="PATH",
     help="gin file to parse after the default config (repeatable); "
     "gin files are code: use only trusted ones",
@@ -149,6 +150,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     "--gin_search_paths",
     action="append",
     default=[],
+    type=os.path.expanduser,
     metavar="DIR",
     help="directory searched for gin files and includes (repeatable)",
   )
@@ -234,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     "--init_from_gin",
     action="append",
     default=[],
+    type=os.path.expanduser,
     metavar="PATH",
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
     "config.gin; for a T5X directory, the optimizer bindings of the config.gin T5X wrote)",
