@@ -280,6 +280,13 @@ def test_an_edited_config_gin_is_kept_and_the_resume_says_it_was_not_read(
   assert code == 0, err
   assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
   assert "TOTAL_STEPS 8 -> 10" in out, out
+  # Edited and read as --gin_file config.gin found in --gin_search_paths: the same.
+  config.write_text(config.read_text().replace("TOTAL_STEPS = 10", "TOTAL_STEPS = 12"))
+  flags = ["--gin_search_paths", str(model_dir), "--gin_file", "config.gin"]
+  code, out, err = _train_run(model_dir, *flags, *EVERY_2, capsys=capsys)
+  assert code == 0, err
+  assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
+  assert "TOTAL_STEPS 10 -> 12" in out, out
 
 
 def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(
