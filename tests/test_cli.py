@@ -787,6 +787,43 @@ def test_unusable_model_dir_is_one_line(where, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+  ("below", "source"),
+  [
+    ("checkpoints/5", "checkpoints/5"),
+    ("checkpoints/5/sub", "checkpoints/5"),
+    ("checkpoints", "."),
+    ("checkpoints/new", "."),
+  ],
+)
+@pytest.mark.parametrize("marked_by", ["config.gin", "steps"])
+def test_a_model_dir_in_another_runs_checkpoints_is_refused(
+  below, source, marked_by, tmp_path, capsys
+):
+  """A run started inside another run's checkpoints directory (a step of it meant as the
+  start) would be deleted with that step by the other run's rotation: refused in one line
+  that offers --init_from, before anything is written there."""
+  run = tmp_path / "A"
+  (run / "checkpoints" / "5" / "default").mkdir(parents=True)
+  if marked_by == "config.gin":
+    (run / "config.gin").write_text("")
+  before = sorted(tmp_path.rglob("*"))
+  assert main(["train", *TINY, "--model_dir", str(run / below)]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and err.startswith("t5x-optim train: error: --model_dir "), err
+  assert f"is inside {run / 'checkpoints'}" in err, err
+  assert f"--init_from {(run / source).resolve()} " in err, err
+  assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_model_dir_in_a_folder_of_numbered_runs_named_checkpoints_is_taken(tmp_path, capsys):
+  """A folder called checkpoints that keeps runs by number is no run's checkpoints."""
+  (tmp_path / "checkpoints" / "1" / "checkpoints" / "4").mkdir(parents=True)
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  assert main(["train", *bad, "--model_dir", str(tmp_path / "checkpoints" / "2")]) == 2
+  assert "total_stepz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
   "binding", ["cli.TrainJob.log_every = (", "cli.TrainJob.log_every = 1 2", "TOTAL_STEPS = "]
 )
 def test_a_binding_that_does_not_parse_is_named(binding, tmp_path, capsys):

@@ -251,9 +251,10 @@ def prepare_model_dir(path: Path) -> Path:
 
   Raises:
     UsageError: `path`, or a directory a run keeps in it (``checkpoints``,
-      ``train``, ``eval``, ``skipped_checkpoints``), is a file; `path` cannot
-      be created or is not writable; its bucket, credentials or scheme's
-      package are missing (one line).
+      ``train``, ``eval``, ``skipped_checkpoints``), is a file; `path` is in
+      another run's checkpoints directory (`_runs_checkpoints_around`); `path`
+      cannot be created or is not writable; its bucket, credentials or
+      scheme's package are missing (one line).
 
   Example:
     >>> import tempfile
@@ -264,6 +265,17 @@ def prepare_model_dir(path: Path) -> Path:
     path = storage.check_reachable(path)
   except storage.StorageError as error:
     raise UsageError(f"--model_dir {error}") from error
+  checkpoints = None if storage.is_object_store(path) else _runs_checkpoints_around(path)
+  if checkpoints is not None:
+    below = path.resolve().relative_to(checkpoints).parts
+    step = below[0] if below and below[0].isdigit() else None
+    source = checkpoints.parent if step is None else checkpoints / step
+    raise UsageError(
+      f"--model_dir {path} is inside {checkpoints}, the checkpoints of the run in "
+      f"{checkpoints.parent}, whose rotation would delete a run there; to start from "
+      f"{'its newest checkpoint' if step is None else f'its step {step}'}, use --init_from "
+      f"{source} with a --model_dir outside it."
+    )
   if path.exists() and not path.is_dir():
     raise UsageError(f"--model_dir {path} is a file, not a directory.")
   for name in (CHECKPOINTS, TRAIN, EVAL, SKIPPED):
@@ -277,6 +289,42 @@ def prepare_model_dir(path: Path) -> Path:
   except OSError as error:
     raise UsageError(f"--model_dir {path} is not usable: {error.strerror or error}.") from error
   return path
+
+
+def _runs_checkpoints_around(path: Path) -> Path | None:
+  """The checkpoints directory of a run that local `path` is (or is in), or None.
+
+  That is a directory named ``checkpoints`` beside a run's ``config.gin``, or
+  one holding step directories (numbered ones that hold no ``checkpoints``
+  of their own, as runs kept by number do).
+
+  Example:
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / 'checkpoints' / '5').mkdir(parents=True)
+    >>> _runs_checkpoints_around(run / 'checkpoints' / '5' / 'run') == run / 'checkpoints'
+    True
+    >>> _runs_checkpoints_around(run / 'elsewhere') is None
+    True
+  """
+  resolved = path.resolve()
+  for directory in (resolved, *resolved.parents):
+    if directory.name == CHECKPOINTS and (
+      (directory.parent / CONFIG_FILE).is_file() or _holds_steps(directory)
+    ):
+      return directory
+  return None
+
+
+def _holds_steps(directory: Path) -> bool:
+  """Whether `directory` holds numbered directories that hold no ``checkpoints`` of their own."""
+  try:
+    return any(
+      step.name.isdigit() and step.is_dir() and not (step / CHECKPOINTS).exists()
+      for step in directory.iterdir()
+    )
+  except OSError:  # absent or unreadable: no run's
+    return False
 
 
 def _is_spec(x: Any) -> bool:
