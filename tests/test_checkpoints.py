@@ -442,6 +442,25 @@ def test_saves_from_several_threads_take_turns(tmp_path):
   assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
 
 
+def test_a_symlinked_step_is_refused_where_steps_rotate_and_restored_where_not(tmp_path):
+  """orbax's rotation cannot delete a step that is a symbolic link: every later save failed
+  in the background with an OSError naming no path, and keep= stopped being kept."""
+  opt = optimizers.sgd(0.1).create({"w": jnp.arange(3.0)})
+  directory, archive = tmp_path / "run", tmp_path / "archive"
+  _save(directory, 1, opt)
+  archive.mkdir()
+  (directory / "1").rename(archive / "1")
+  (directory / "1").symlink_to(archive / "1")
+  link = f"{directory / '1'} -> {archive / '1'}"
+  with pytest.raises(
+    CheckpointError, match=re.escape(f"step 1 is a symbolic link ({link})")
+  ) as caught:
+    Checkpointer(directory, keep=2)
+  assert caught.value.step == 1 and "replace it with a copy" in str(caught.value)
+  restored = _restore(directory, opt)
+  np.testing.assert_array_equal(restored.target["w"], np.arange(3.0))
+
+
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])
 def test_keep_is_a_whole_number_of_steps(tmp_path, keep):
   with pytest.raises(ValueError, match=f"keep must be None or an int >= 1, got {keep!r}"):

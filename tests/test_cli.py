@@ -287,6 +287,28 @@ def test_resume_into_another_model_is_a_bounded_error(tiny_run, tmp_path, capsys
 
 
 @pytest.mark.slow
+def test_a_symlinked_step_is_refused_before_the_run_trains(tiny_run, tmp_path, capsys):
+  """A step archived and linked back: every save failed rotating it away (exit 1, orbax's
+  traceback), and the run kept every step after."""
+  model_dir = tmp_path / "run"
+  shutil.copytree(tiny_run[0], model_dir)
+  first = model_dir / "checkpoints" / str(_checkpoint_steps(model_dir)[0])
+  archived = tmp_path / "archive" / first.name
+  archived.parent.mkdir()
+  first.rename(archived)
+  first.symlink_to(archived)
+  argv = ["train", *TINY, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 50"]
+  assert main(argv) == 2
+  out, err = capsys.readouterr()
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith(
+    f"t5x-optim train: error: Cannot keep the newest 3 steps in {model_dir / 'checkpoints'}: "
+    f"step {first.name} is a symbolic link ({first} -> {archived})"
+  ), err
+  assert "step 41" not in out and _checkpoint_steps(model_dir)[-1] == 40, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [1.0, 5.0], ids=["1s", "5s"])
 def test_ctrl_c_exits_130_and_keeps_the_checkpoint(delay, tiny_run, tmp_path):
   model_dir = tmp_path / "run"

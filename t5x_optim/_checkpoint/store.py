@@ -275,6 +275,24 @@ def _close_before_threads_stop(close: Callable[[], Any]) -> None:
     register(close)
 
 
+def _refuse_linked_steps(directory: os.PathLike[str], keep: int) -> None:
+  """Raises `CheckpointError` for a step directory in local `directory` that is a symbolic
+  link: orbax's rotation fails on it at every save (``rmtree``) and keeps every step."""
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  links = sorted(
+    int(name) for name in names if name.isdigit() and os.path.islink(os.path.join(directory, name))
+  )
+  if links:
+    step = links[0]
+    link = os.path.join(directory, str(step))
+    raise CheckpointError(
+      f"Cannot keep the newest {keep} steps in {directory}: step {step} is a symbolic link "
+      f"({link} -> {os.readlink(link)}), which rotating it away cannot delete; replace it with "
+      "a copy of what it links to, or remove it.",
+      step=step,
+    )
+
+
 class Checkpointer:
   """Saves and restores train states or optimizers as sharded orbax checkpoints.
 
@@ -305,6 +323,8 @@ class Checkpointer:
 
   Raises:
     ValueError: ``keep`` not a whole number >= 1, or a ``job`` that is not JSON.
+    CheckpointError: with ``keep``, a local step directory that is a symbolic
+      link, which rotating it away cannot delete.
     NotADirectoryError: a local ``directory`` that is a file.
     StorageError: an unsupported scheme, or an object store whose bucket or
       credentials are missing.
@@ -341,6 +361,8 @@ class Checkpointer:
     path = storage.check_reachable(directory)
     if not storage.is_object_store(path) and path.exists() and not path.is_dir():
       raise NotADirectoryError(f"{path} is a file, not a checkpoint directory.")
+    if keep is not None and not storage.is_object_store(path):
+      _refuse_linked_steps(path, keep)
     self._directory = os.fspath(path)
     # How the manager names step directories by default (passing it as
     # `step_name_format` would make every restore list the directory).

@@ -1429,18 +1429,20 @@ def _train(
   record = None if name is None or job is None else {**job, "config_file": name}
   with contextlib.ExitStack() as stack:
     try:
+      checkpointer = stack.enter_context(
+        Checkpointer(directory, keep=train_job.keep_checkpoints, job=record)
+      )
       if name is not None and write_events:
         # The start's copy first: config.gin stays one of the copies if either write fails.
         for path in (model_dir / name, model_dir / CONFIG_FILE):
           write_at_once(path, config_text.encode())
-      checkpointer = stack.enter_context(
-        Checkpointer(directory, keep=train_job.keep_checkpoints, job=record)
-      )
       writers = stack.enter_context(
         MetricWriters(model_dir, start_step=start, fresh=resume.step is None, enabled=write_events)
       )
     except (UsageError, Interrupted):
       raise
+    except CheckpointError as error:  # a step the checkpointer cannot rotate: nothing written
+      raise UsageError(str(error)) from error
     except Exception as error:  # noqa: BLE001 - storage fails as it may: one line, as in the loop
       raise LoopFailed(start, error, saved=resume.step, note="") from error
     return _loop(setup, state, checkpointer, writers, interrupt, stream, saved=resume.step)
