@@ -47,6 +47,45 @@ def test_a_directory_is_one_stream_and_eval_reads_only_its_tail(tmp_path):
   assert task._bytes(296, 8) == b"aaaabbbb"
 
 
+def _linked_corpus(root: Path) -> Path:
+  """corpus/a.txt, and elsewhere/b.txt reached from corpus through a link to elsewhere
+  ('rest'), a hidden one ('.old') and a link to corpus itself ('loop')."""
+  (root / "corpus").mkdir()
+  (root / "corpus" / "a.txt").write_text("a" * 300)
+  (root / "elsewhere").mkdir()
+  (root / "elsewhere" / "b.txt").write_text("b" * 100)
+  os.symlink(root / "elsewhere", root / "corpus" / "rest")
+  os.symlink(root / "elsewhere", root / "corpus" / ".old")
+  os.symlink(root / "corpus", root / "corpus" / "loop")
+  return root / "corpus"
+
+
+def test_a_directory_reads_its_symlinked_directories_under_their_link_names(tmp_path):
+  """The files under a linked directory were skipped: 'rest/b.txt' was never read. A loop
+  ('loop', corpus itself) is not followed, and a hidden link is skipped as a hidden file is."""
+  corpus = _linked_corpus(tmp_path)
+  task = TextTask(path=str(corpus), length=8, batch_size=64, eval_fraction=0.25)
+  assert [f.relative_to(corpus).as_posix() for f in task._index[0]] == ["a.txt", "rest/b.txt"]
+  assert task.num_bytes == 400 and task._bytes(296, 8) == b"aaaabbbb"
+  # The digest names each file by its path under the directory, link and all: a copy
+  # with the same files at the same paths is the same text.
+  copy = tmp_path / "copy"
+  (copy / "rest").mkdir(parents=True)
+  (copy / "a.txt").write_text("a" * 300)
+  (copy / "rest" / "b.txt").write_text("b" * 100)
+  assert _text.data_summary(corpus) == _text.data_summary(copy)
+  assert _text.data_summary(corpus).startswith("2 files, 400 bytes, digest ")
+
+
+def test_a_directory_holding_only_a_symlinked_directory_is_its_files(tmp_path):
+  (tmp_path / "real").mkdir()
+  (tmp_path / "real" / "b.txt").write_text("b" * 100)
+  (tmp_path / "only").mkdir()
+  os.symlink(tmp_path / "real", tmp_path / "only" / "link")
+  files, starts = _text.scan_text(tmp_path / "only")
+  assert files == [tmp_path / "only" / "link" / "b.txt"] and starts == [0, 100]
+
+
 def test_shipped_text_is_found_by_name_and_is_plain_ascii():
   path = _text.resolve_data_path("hamlet.txt")
   assert path.parent == _text.DATA_DIR

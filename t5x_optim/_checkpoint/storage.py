@@ -170,7 +170,9 @@ def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
   """Every file below the directory `root`, recursively, sorted by path (component by
   component, on every storage alike).
 
-  `epath`'s ``rglob`` refuses object stores (a request per directory), and
+  On local disk a symbolic link is followed, to a file or a directory, and what it reaches
+  is listed under the link's path; a link to a directory that holds it (a loop) is not
+  followed. `epath`'s ``rglob`` refuses object stores (a request per directory), and
   its ``walk`` drops the scheme; this lists them one directory at a time.
 
   Example:
@@ -183,7 +185,7 @@ def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
   """
   top = as_path(root)
   if scheme_of(top) is None:
-    found = [path for path in top.rglob("*") if path.is_file()]
+    found = _local_files(top)
   else:
     found, pending = [], [top]
     while pending:
@@ -193,6 +195,21 @@ def files_under(root: str | os.PathLike[str]) -> list[AnyPath]:
   # strings, 'books.txt' would come before 'books/vol1.txt' ('.' < '/').
   prefix = len(os.fspath(top).rstrip("/")) + 1
   return sorted(found, key=lambda path: os.fspath(path)[prefix:].split("/"))
+
+
+def _local_files(top: pathlib.Path) -> list[pathlib.Path]:
+  """The files below `top`, links followed; a directory that is also one of its parents
+  (the same device and inode: a link into itself) is not listed again."""
+  found, parents = [], {}
+  for directory, subdirectories, names in os.walk(top, followlinks=True):
+    real = os.stat(directory)
+    outer = parents.get(os.path.dirname(directory), frozenset())
+    if (real.st_dev, real.st_ino) in outer:
+      subdirectories.clear()
+      continue
+    parents[directory] = outer | {(real.st_dev, real.st_ino)}
+    found += [path for name in names if (path := pathlib.Path(directory, name)).is_file()]
+  return found
 
 
 def file_size(path: str | os.PathLike[str]) -> int:
