@@ -1557,6 +1557,31 @@ def test_lookahead_params_convert_to_and_from_one_copy():
 
 
 @pytest.mark.slow
+def test_lookahead_params_convert_to_and_from_one_copy_into_a_definition():
+  """Into a definition as into an Optimizer of it: a lookahead source gives its slow copy and
+  names the fast one as dropped; a lookahead definition trains both copies at the source's
+  params. The definition target kept both copies as one optimizer's params (its state over
+  both, every step failing), and a lookahead definition refused one copy."""
+  la, old = _lookahead(PARAMS)
+  adamw = OptaxWrapper(optax.adamw(1e-3))
+  new, report = t5x_optim.convert_state(old, adamw)
+  want, want_report = t5x_optim.convert_state(old, adamw.create(PARAMS))
+  _assert_close(new.target, old.target.slow)
+  _assert_close(new.state, want.state)
+  assert report == want_report
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  _assert_close(new.apply_gradient(grads).target, want.apply_gradient(grads).target)
+  back, report = t5x_optim.convert_state(new, la)
+  want, want_report = t5x_optim.convert_state(
+    new, la.create(optax.LookaheadParams.init_synced(PARAMS))
+  )
+  _assert_close(back.target, want.target)
+  _assert_close(back.state, want.state)
+  assert report == want_report and not report.initialised and not report.dropped
+  _assert_close(back.apply_gradient(grads).target, want.apply_gradient(grads).target)
+
+
+@pytest.mark.slow
 def test_lookahead_into_lookahead_keeps_the_steps_since_the_last_sync():
   """Lookahead into lookahead carried both copies of the params but restarted the count of fast
   steps since the last sync at 0, without a word: the next sync came late, and the run

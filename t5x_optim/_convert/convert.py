@@ -65,7 +65,7 @@ from flax import serialization, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_optim._adapters.multi_optimizer import with_param_axes
-from t5x_optim._adapters.optax_wrapper import loss_extra_args
+from t5x_optim._adapters.optax_wrapper import loss_extra_args, trains_lookahead_params
 from t5x_optim._axes.kernel_axes import specs_by_path
 from t5x_optim._axes.rules import fit_state_spec, is_spec_leaf
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
@@ -900,20 +900,21 @@ def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, 
   )
 
 
-def _copies_like(params: Any, like: Any) -> tuple[Any, tuple[str, ...]]:
-  """`params` with as many copies as `like` holds, and a report line for a copy left behind.
+def _copies_for(params: Any, *, lookahead: bool) -> tuple[Any, tuple[str, ...]]:
+  """`params` as a target trains them, two copies for `lookahead`, else one, and a report line
+  for a copy left behind.
 
   ``optax.lookahead`` trains two copies (`optax.LookaheadParams`), every other
   optimizer one: a lookahead source gives its slow copy (the one lookahead
   evaluates), a lookahead target starts with both copies at the source's params.
   """
-  two, wanted = isinstance(params, optax.LookaheadParams), isinstance(like, optax.LookaheadParams)
-  if two and not wanted:
+  two = isinstance(params, optax.LookaheadParams)
+  if two and not lookahead:
     return params.slow, (
       "target/fast (optax.LookaheadParams.fast): the new optimizer trains one copy of the "
       "params, the slow one (lookahead's params for evaluation)",
     )
-  if wanted and not two:
+  if lookahead and not two:
     return optax.LookaheadParams.init_synced(params), ()
   return params, ()
 
@@ -1124,9 +1125,10 @@ def convert_state(
     ``(optimizer, report)``: the new optimizer with the source's params (in
     the target's containers, dtypes and shardings, matched by path) and
     step, and a `ConversionReport`. Between ``optax.lookahead`` (two copies
-    of the params, `optax.LookaheadParams`) and another optimizer (an
-    `Optimizer` target), the params are the slow copy (the report's
-    ``dropped`` names the fast one), or both copies are the source's params.
+    of the params, `optax.LookaheadParams`) and another optimizer (either
+    way, into an `Optimizer` or a definition), the params are the slow copy
+    (the report's ``dropped`` names the fast one), or both copies are the
+    source's params.
     Stacked params (`t5x_optim.stack_params`) with a definition `target` get
     the stacked layer its ``create`` would put around it; between an optimizer
     of stacked params and an `Optimizer` target of per-leaf ones (or back), or
@@ -1196,11 +1198,13 @@ def convert_state(
   params, notes = _evaluation_params(params, param_states)
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
-    params, lookahead = _copies_like(params, like_params)
-    notes += lookahead
+    params, copies = _copies_for(params, lookahead=isinstance(like_params, optax.LookaheadParams))
+    notes += copies
     params = _params_like(params, like_params)
   else:
     optimizer_def, like_state = target, None
+    params, copies = _copies_for(params, lookahead=trains_lookahead_params(target))
+    notes += copies
     if param_axes is not None:  # A definition that places its params by their axes: Muon's.
       optimizer_def = with_param_axes(target, param_axes)
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
