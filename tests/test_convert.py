@@ -27,6 +27,7 @@ import pytest
 from _t5x import t5x_at_hand
 from flax import traverse_util
 from flax.core import FrozenDict
+from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
 
 import t5x_optim
@@ -1964,6 +1965,36 @@ def test_t5x_adafactor_of_a_scanned_kernel_is_read_over_its_logical_axes(layout)
   )
   nu = adam.state.param_states[0].nu["q"]
   _assert_close(nu / _decay(0.999, T), _t5x_estimate(v_row, v_col, d1, d0))
+
+
+AXES_FORMS = {
+  "boxed params": lambda axes, shape: {"q": nn.LogicallyPartitioned(jnp.ones(shape), axes)},
+  "T5X params_axes collection": lambda axes, _: {"q_axes": nn_partitioning.AxisMetadata(axes)},
+  "T5X params_axes": lambda axes, _: {
+    "params_axes": {"q_axes": nn_partitioning.AxisMetadata(axes)}
+  },
+}
+
+
+@pytest.mark.parametrize("form", AXES_FORMS)
+@pytest.mark.slow
+def test_param_axes_are_taken_in_every_form_with_param_axes_takes(form):
+  """Boxed params and T5X's params_axes collection give the axes their names do: boxes failed
+  inside jax (an unhashable array), and a collection's '_axes' paths named no param, so T5X's
+  legacy Adafactor was read as if no axes were given."""
+  axes, shape, (d1, d0) = SCANNED["axis_1"]
+  source, v_row, v_col = _scanned_t5x_source(shape, d1, d0)
+  param_axes = AXES_FORMS[form](axes, shape)
+  adam, _ = t5x_optim.convert_state(
+    source, OptaxWrapper(optax.adam(1e-3)), param_axes=param_axes, missing="init"
+  )
+  nu = adam.state.param_states[0].nu["q"]
+  _assert_close(nu / _decay(0.999, T), _t5x_estimate(v_row, v_col, d1, d0))
+  muon, _ = t5x_optim.convert_state(
+    adam, optimizers.muon(learning_rate=0.02), param_axes=param_axes, missing="init"
+  )
+  want = t5x_optim.with_param_axes(optimizers.muon(learning_rate=0.02), {"q": axes})
+  assert muon.optimizer_def.describe_params(muon.target) == want.describe_params(muon.target)
 
 
 @pytest.mark.parametrize("layout", SCANNED)

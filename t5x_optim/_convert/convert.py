@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_optim._adapters.multi_optimizer import with_param_axes
 from t5x_optim._adapters.optax_wrapper import loss_extra_args, trains_lookahead_params
+from t5x_optim._axes.engine import logical_axes_from
 from t5x_optim._axes.kernel_axes import specs_by_path
 from t5x_optim._axes.rules import fit_state_spec, is_spec_leaf
 from t5x_optim._convert import builtin as convert_builtin  # noqa: F401  (registers the built-in converters)
@@ -1110,8 +1111,12 @@ def convert_state(
       start fresh. Either way the report lists what was initialised (with
       a field its converter keeps fresh by design, Adan's ``v``, which is
       not refused).
-    param_axes: the params' logical axes (a tree over the params of
-      `PartitionSpec`s or tuples of names, or None; `TrainState.params_axes`).
+    param_axes: the params' logical axes, in any form `with_param_axes`
+      takes but flax NNX's: a tree over the params of `PartitionSpec`s or
+      tuples of names (`TrainState.params_axes`), params boxed by
+      ``nn.with_logical_partitioning``, or T5X's ``params_axes`` collection
+      (``AxisMetadata`` under ``<name>_axes`` keys, alone or as
+      ``{'params_axes': collection}``); or None.
       T5X's legacy Adafactor state of a param, read or written, is factored
       over the dims T5X's ``standard_logical_factor_rules`` give its axes
       (a scanned ``('embed', 'layers', 'heads', 'kv')`` kernel: rows
@@ -1174,6 +1179,8 @@ def convert_state(
     if isinstance(tree, Optimizer):
       argument, tree = f"{argument}.target", tree.target
     refuse(tree, argument, "convert_state")
+  if param_axes is not None:
+    param_axes = logical_axes_from(param_axes)
   if isinstance(target, Optimizer) and _layout(source) != _layout(target):
     # The sides stack their params otherwise (or one keeps them per leaf): converted per leaf,
     # as checkpoints hold both layouts, so params and moments are matched by path.
