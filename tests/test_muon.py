@@ -459,6 +459,31 @@ def test_axes_naming_no_axis_in_any_form_are_the_same_axes():
   assert replicated.describe_params(params) == empty.describe_params(params)
 
 
+def test_axes_in_a_tuple_or_lookahead_params_are_a_tree_of_specs():
+  """A tuple of specs, or optax.LookaheadParams of spec trees, is a container of the params'
+  axes, as a list is: each tuple was read as one spec, so the axes covered only '<root>' (or
+  failed inside jax on a spec of dicts). Only a tuple of names (or None) is one spec."""
+  kernels = (jnp.ones((VOCAB, EMBED)), jnp.ones((EMBED, MLP)))
+  specs = [P("vocab", "embed"), P("embed", "mlp")]
+  want = optimizers.muon(**MUON_ARGS, param_axes=specs).describe_params(list(kernels))
+  assert want[1] == "1 ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)"
+  muon = optimizers.muon(**MUON_ARGS)
+  assert t5x_optim.with_param_axes(muon, tuple(specs)).describe_params(kernels) == want
+  axes = {"w": P("embed", "mlp"), "b": ("mlp",)}
+  copies = optax.LookaheadParams(fast=axes, slow=axes)
+  params = {"w": jnp.ones((EMBED, MLP)), "b": jnp.ones(MLP)}
+  assert t5x_optim.with_param_axes(muon, copies).describe_params(
+    optax.LookaheadParams.init_synced(params)
+  ) == [
+    f"{copy}/{line}"
+    for copy in ("fast", "slow")
+    for line in (
+      "b ('mlp',): adam",
+      "w ('embed', 'mlp'): muon, inputs ('embed',), outputs ('mlp',)",
+    )
+  ]
+
+
 def test_hand_written_numbers_give_a_plain_wrapper():
   numbers = {"w": D(0, 1)}
   opt_def = optimizers.muon(**MUON_ARGS, muon_weight_dimension_numbers=numbers)

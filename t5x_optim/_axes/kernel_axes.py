@@ -286,6 +286,14 @@ def axis_names(path: str, spec: Any, shape: Sequence[int]) -> AxisNames:
   return names
 
 
+def _is_spec(x: Any) -> bool:
+  """A spec: None, a `PartitionSpec` or a plain tuple of names (str or None); any other tuple
+  (of specs, or a NamedTuple such as `optax.LookaheadParams`) holds specs."""
+  if x is None or isinstance(x, PartitionSpec):
+    return True
+  return type(x) is tuple and all(n is None or isinstance(n, str) for n in x)  # pylint: disable=unidiomatic-typecheck
+
+
 def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
   """``{'/'-joined path: spec}`` of a tree of `PartitionSpec`s, name tuples or None.
 
@@ -293,8 +301,7 @@ def specs_by_path(param_axes: Any) -> dict[str, PartitionSpec | None]:
     >>> specs_by_path({"dense": {"kernel": PartitionSpec("embed", "mlp"), "bias": None}})
     {'dense/bias': None, 'dense/kernel': P('embed', 'mlp')}
   """
-  is_leaf = lambda x: x is None or isinstance(x, PartitionSpec | tuple)  # noqa: E731
-  flat = jax.tree.flatten_with_path(param_axes, is_leaf=is_leaf)[0]
+  flat = jax.tree.flatten_with_path(param_axes, is_leaf=_is_spec)[0]
   return {key_path_str(path): None if spec is None else PartitionSpec(*spec) for path, spec in flat}
 
 
