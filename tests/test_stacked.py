@@ -217,6 +217,21 @@ def test_state_dict_is_the_per_leaf_one(container):
   assert tree_equal(plain.restore_state(got).state_dict(), got)
 
 
+@pytest.mark.slow
+def test_a_none_param_holds_no_array_and_is_not_stacked():
+  """A None in the params is no leaf, as OptaxWrapper.create takes it: stack_params refused
+  such params (the None read as a leaf), with logical axes or without."""
+  params = {**make_params(), "unused": None}
+  for logical_axes in (None, {**AXES, "unused": None}):
+    stacked = stack_params(params, logical_axes=logical_axes)
+    assert stacked.layout.groups == stack_params(make_params()).layout.groups
+    assert tree_equal(stacked.unstack(), params)
+  opt = OptaxWrapper(optax.adamw(1e-2)).create(stacked)
+  plain = OptaxWrapper(optax.adamw(1e-2)).create(params)
+  grads = jax.grad(loss)(make_params()) | {"unused": None}
+  assert tree_equal(opt.apply_gradient(grads).target.unstack(), plain.apply_gradient(grads).target)
+
+
 def test_failed_restore_names_the_per_leaf_path_and_changes_nothing():
   opt = OptaxWrapper(optax.adam(1e-2)).create(stack_params(make_params()))
   before = jax.tree.map(np.asarray, opt)

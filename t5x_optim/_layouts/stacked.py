@@ -73,23 +73,28 @@ def _is_spec_or_none(x: Any) -> bool:
 
 
 def _flatten(tree: Any, treedef: Any, what: str) -> list[Any]:
-  """The leaves of `tree` (None and specs are leaves), in `treedef`'s order.
+  """What `tree` holds at each leaf of `treedef` (a None or a spec there too), in its order.
 
-  Dicts and FrozenDicts are interchangeable.
+  A None that is no leaf of `treedef` (a param None, which holds no array) is
+  None in `tree` too. Dicts and FrozenDicts are interchangeable.
 
   Raises:
     ValueError: naming both structures when `tree` does not have `treedef`'s.
   """
-  leaves, got = jax.tree.flatten(tree, is_leaf=_is_spec_or_none)
-  if got == treedef:
-    return leaves
-  leaves, got = jax.tree.flatten(flax.core.unfreeze(tree), is_leaf=_is_spec_or_none)
   reference = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
-  if got != jax.tree.structure(flax.core.unfreeze(reference)):
-    raise ValueError(
-      f"The {what} do not have the structure of the stacked params: {got} vs {treedef}."
-    )
-  return leaves
+  unfrozen = jax.tree.structure(flax.core.unfreeze(reference))
+  for given, wanted in (tree, treedef), (flax.core.unfreeze(tree), unfrozen):
+    try:
+      leaves = wanted.flatten_up_to(given)
+    except (ValueError, TypeError):
+      continue
+    leaf = jax.tree.structure(0)
+    if all(jax.tree.structure(x, is_leaf=_is_spec_or_none) == leaf for x in leaves):
+      return leaves
+  got = jax.tree.structure(tree, is_leaf=_is_spec_or_none)
+  raise ValueError(
+    f"The {what} do not have the structure of the stacked params: {got} vs {treedef}."
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +303,9 @@ def stack_params(
   """Stacks `params` by shape and dtype (and partition spec, and update program).
 
   Args:
-    params: the per-leaf params (a dict or FrozenDict of real floating arrays).
+    params: the per-leaf params (a dict or FrozenDict of real floating arrays;
+      a None among them, as ``create`` takes it, holds no array and is in no
+      buffer, and ``unstack`` gives it back).
     tx: the optax update that will run on them; leaves it treats differently
       (a weight-decay mask, `optax.multi_transform`) are then stacked apart.
       `OptaxWrapper` checks the layout against its transformation either way.
