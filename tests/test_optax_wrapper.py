@@ -593,3 +593,17 @@ def test_reapply_config_makes_its_grads_for_a_lookahead_optimizer():
   saved = lookahead(0.9).create(params)
   now = t5x_optim.reapply_config(saved.replace(optimizer_def=lookahead(0.5)))
   assert float(now.state.param_states.fast_state.b1) == 0.5
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [lambda tx: optax.MultiSteps(tx, 2), lambda tx: optax.chain(optax.clip(1.0), tx)],
+  ids=["multi_steps", "chain"],
+)
+def test_lookahead_inside_another_transformation_is_refused_at_create(wrap):
+  """Only an outermost optax.lookahead trains LookaheadParams: inside another transformation
+  it was created on plain params (optax only logged a warning) and every step failed inside
+  optax with "'dict' object has no attribute 'fast'"."""
+  tx = wrap(optax.lookahead(optax.sgd(0.1), 2, 0.5))
+  with pytest.raises(TypeError, match=r"optax.lookahead inside another transformation"):
+    OptaxWrapper(tx).create({"w": jnp.ones(3)})

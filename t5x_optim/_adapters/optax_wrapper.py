@@ -212,6 +212,14 @@ def trains_lookahead_params(optimizer_def: Any) -> bool:
   return getattr(init, "__qualname__", "").startswith("lookahead.")
 
 
+def _is_lookahead_state(node: Any) -> bool:
+  return isinstance(node, optax.LookaheadState)
+
+
+def _holds_lookahead_state(state: Any) -> bool:
+  return any(map(_is_lookahead_state, jax.tree.leaves(state, is_leaf=_is_lookahead_state)))
+
+
 @struct.dataclass
 class OptaxHyperParams:
   """Hyper-params of an `OptaxWrapper`.
@@ -444,9 +452,17 @@ class OptaxWrapper(OptimizerDef):
         "with optax.LookaheadParams.init_synced(params) (its update reads params.fast), got "
         f"{type(params).__name__}."
       )
+    param_states = self.optax_optimizer.init(params)
+    if not trains_lookahead_params(self) and _holds_lookahead_state(param_states):
+      raise TypeError(
+        "optax.lookahead inside another transformation trains the params it is given, not a "
+        "fast and a slow copy of them (its update reads params.fast): only an outermost "
+        "lookahead trains optax.LookaheadParams; put it around the other transformations, "
+        "e.g. optax.lookahead(optax.MultiSteps(...), ...)."
+      )
     # optax's updates return strongly typed states; a weakly typed initial leaf (L-BFGS's
     # line-search info) would make a jitted step compile again at the second step.
-    param_states = jax.tree.map(_strongly_typed, self.optax_optimizer.init(params))
+    param_states = jax.tree.map(_strongly_typed, param_states)
     return OptimizerState(step=jnp.zeros((), jnp.int32), param_states=param_states)
 
   def apply_gradient(
