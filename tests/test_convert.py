@@ -2158,23 +2158,37 @@ def test_fields_neither_read_nor_written_are_listed():
 
 
 @pytest.mark.slow
-def test_moments_the_new_state_keeps_in_another_shape_start_fresh():
-  """GaLore keeps a projected kernel's moments in the projected shape: the param-shaped
-  Adam moments cannot be written there, so they start fresh, reported (refused by default),
-  and the converted optimizer steps."""
-  params = {"wi": jnp.ones((16, 8)), "b": jnp.ones(8)}
-  axes = {"wi": PartitionSpec("embed", "mlp"), "b": PartitionSpec("mlp")}
-  old = OptaxWrapper(optax.adam(0.1)).create(params)
-  old = old.apply_gradient(jax.tree.map(jnp.ones_like, params))
+def test_moments_galore_keeps_projected_are_neither_written_nor_read():
+  """GaLore keeps a projected kernel's moments in its projected space, a square kernel's (rank
+  at least its size) in its param's shape too: Adam's param-space moments were written there
+  (the square's reported as converted, the other's failing the first step), and read back
+  out of it as param-space moments."""
+  rng = np.random.default_rng(0)
+  params = {
+    "square": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+    "wi": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+    "b": jnp.ones(8),
+  }
+  axes = {
+    "square": PartitionSpec("embed", "mlp"),
+    "wi": PartitionSpec("embed", "mlp"),
+    "b": PartitionSpec("mlp"),
+  }
+  grads = jax.tree.map(jnp.ones_like, params)
+  old = OptaxWrapper(optax.adam(0.1)).create(params).apply_gradient(grads)
   target = optimizers.galore(0.01, rank=8)
-  with pytest.raises(ValueError, match=r"mu \(kept in another shape than its param's\): 1 params"):
+  with pytest.raises(ValueError, match=r"mu \(kept in GaLore's projected space\): 2 params"):
     t5x_optim.convert_state(old, target, param_axes=axes)
   new, report = t5x_optim.convert_state(old, target, missing="init", param_axes=axes)
   base = new.state.param_states[0].base_optimizer_state
-  assert base.mu["wi"].shape == base.nu["wi"].shape == (8, 8)
-  assert float(jnp.abs(base.mu["wi"]).max()) == 0.0
+  assert base.mu["square"].shape == (8, 8) and base.mu["wi"].shape == (8, 8)
+  assert float(jnp.abs(base.mu["square"]).max()) == float(jnp.abs(base.mu["wi"]).max()) == 0.0
   np.testing.assert_allclose(base.mu["b"], old.state.param_states[0].mu["b"], rtol=1e-6)
-  assert any("kept in another shape" in entry and "wi" in entry for entry in report.initialised)
-  assert not any("kept in another shape" in entry for entry in report.converted)
-  stepped = new.apply_gradient(jax.tree.map(jnp.ones_like, params))
+  assert any("projected space): 2 params" in entry for entry in report.initialised)
+  assert all("1 params" in entry for entry in report.converted if ".mu" in entry)
+  stepped = new.apply_gradient(grads)
   assert stepped.target["wi"].shape == (16, 8)
+  back, report = t5x_optim.convert_state(stepped, OptaxWrapper(optax.adam(0.1)), missing="init")
+  assert any("of 2 params kept in GaLore's projected space" in e for e in report.dropped)
+  assert float(jnp.abs(back.state.param_states[0].mu["square"]).max()) == 0.0
+  assert float(jnp.abs(back.state.param_states[0].mu["b"]).max()) > 0.0

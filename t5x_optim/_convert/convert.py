@@ -74,6 +74,7 @@ from t5x_optim._convert.builtin import RMS_WITH_COUNT, AdamaxState
 from t5x_optim._convert.registry import (
   BUILTIN_HPARAMS,
   HPARAM_ALIASES,
+  PROJECTED,
   ConversionContext,
   ConversionReport,
   Moments,
@@ -81,6 +82,7 @@ from t5x_optim._convert.registry import (
   StateConverter,
   T5XAdafactorParamState,
   by_param,
+  galore_projected,
   is_namedtuple,
   register_state_converter,
   registered_converters,
@@ -318,11 +320,16 @@ def _read_source(
   converters = registered_converters()
 
   def visit(
-    node: Any, path: tuple[str, ...], hparams: ReadHparams, chain: tuple, clock: Any
+    node: Any,
+    path: tuple[str, ...],
+    hparams: ReadHparams,
+    chain: tuple,
+    clock: Any,
+    projected: frozenset[str] = frozenset(),
   ) -> None:
     if isinstance(node, LowPrecisionState):
       inner = low_precision_to_float32(node)
-      visit(inner, (*path, "inner_state"), hparams, chain, node.count)
+      visit(inner, (*path, "inner_state"), hparams, chain, node.count, projected)
       return
     if path in adamax:
       node = AdamaxState(*node)
@@ -343,7 +350,16 @@ def _read_source(
       for quantity, tree in read.items():
         if quantity in ("count", "unread_fields"):
           continue
-        for param, value in {own: tree}.items() if own else by_param(tree).items():
+        values = {own: tree} if own else by_param(tree)
+        kept = sorted(param for param in values if param in projected)
+        if kept:
+          source.dropped.append(
+            f"{where} ({_type_label(node)}): {quantity} of {len(kept)} params {PROJECTED} "
+            f"(e.g. {kept[0]})"
+          )
+        for param, value in values.items():
+          if param in projected:
+            continue
           entry = source.stats.setdefault(param, {})
           if quantity in entry:
             raise ValueError(
@@ -364,6 +380,8 @@ def _read_source(
       return
     hparams = _node_hparams(node, hparams)
     clock = _clock_of(node, clock)
+    if isinstance(node, optax.contrib.GaLoreState):
+      projected = galore_projected(node)
     for i, (key, child) in enumerate(children):
       if (
         (is_namedtuple(node) or dataclasses.is_dataclass(node))
@@ -372,7 +390,7 @@ def _read_source(
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
-      visit(child, (*path, key), hparams, _chained(node, children, i), clock)
+      visit(child, (*path, key), hparams, _chained(node, children, i), clock, projected)
 
   visit(param_states, (), hparams, (), step)
   return source
@@ -582,11 +600,16 @@ def _write_target(
   schedules = hparams.schedules()
 
   def visit(
-    node: Any, path: tuple[str, ...], hparams: ReadHparams, chain: tuple, clock: Any
+    node: Any,
+    path: tuple[str, ...],
+    hparams: ReadHparams,
+    chain: tuple,
+    clock: Any,
+    projected: frozenset[str] = frozenset(),
   ) -> Any:
     if isinstance(node, LowPrecisionState):
       decoded = low_precision_to_float32(node)
-      inner = visit(decoded, (*path, "inner_state"), hparams, chain, clock)
+      inner = visit(decoded, (*path, "inner_state"), hparams, chain, clock, projected)
       # Encoded where the template lives: the source's arrays may sit on other devices.
       inner = jax.tree.map(_placed, inner, decoded)
       return float32_to_low_precision(inner, node.replace(count=_placed(clock, node.count)))
@@ -603,7 +626,7 @@ def _write_target(
       label = f"{where} ({_type_label(node)})"
       own = _own_param(node, converter, path, params)
       ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
-      moments = Moments(source.stats, recorder.record(label))
+      moments = Moments(source.stats, recorder.record(label), projected=projected)
       written = converter.write(node, moments, ctx)
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
@@ -616,6 +639,8 @@ def _write_target(
       return node
     # A fresh state holds a schedule's value at step 0; one given is called at the step.
     hparams = _node_hparams(node, hparams).updated(schedules)
+    if isinstance(node, optax.contrib.GaLoreState):
+      projected = galore_projected(node)
     new = []
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
@@ -626,7 +651,9 @@ def _write_target(
           no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         new.append(child)
       else:
-        new.append(visit(child, (*path, key), hparams, _chained(node, children, i), clock))
+        new.append(
+          visit(child, (*path, key), hparams, _chained(node, children, i), clock, projected)
+        )
     return _rebuild(node, new)
 
   written = visit(template, (), hparams, (), step)

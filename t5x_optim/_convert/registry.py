@@ -163,6 +163,17 @@ class ConversionContext:
     return value(self.step) if callable(value) else value
 
 
+PROJECTED = "kept in GaLore's projected space"
+"""Why a param's moment is neither read nor written: ``optax.contrib.galore`` keeps the base
+optimizer's moments of the params it projects in its projected space (a square kernel's in
+its param's shape too), where no other optimizer's moments are."""
+
+
+def galore_projected(node: Any) -> frozenset[str]:
+  """The params a ``GaLoreState`` projects (a projector that is not empty), by param path."""
+  return frozenset(param for param, leaf in by_param(node.projector).items() if jnp.size(leaf))
+
+
 class Moments:
   """The moments available to a writer, looked up by param path.
 
@@ -172,14 +183,17 @@ class Moments:
   param, quantities, by_design)``: the quantities it was written from (its
   `quantity` and `needs`), none where it kept its initial value; `keep`
   records a field kept at it, ``by_design`` where the converter chose to.
+  The `projected` params' leaves are kept too (see `PROJECTED`).
   """
 
   def __init__(
     self,
     stats: Mapping[str, dict[str, Any]],
     record: Callable[[str, str, tuple[str, ...], bool], None],
+    *,
+    projected: frozenset[str] = frozenset(),
   ):
-    self._stats, self._record = stats, record
+    self._stats, self._record, self._projected = stats, record, projected
 
   def value(self, param: str, quantity: str) -> Any:
     """The source's `quantity` (``"mu"``, ``"nu"``) of `param`, or None."""
@@ -209,9 +223,8 @@ class Moments:
         reads them, or the update pairs them: Adam divides ``mu`` by the
         square root of ``nu``); a param without all of them keeps its leaf,
         as one without `quantity` does, reported as carried only with them.
-        So does a param whose formula gives another shape than its leaf's
-        (the new state keeps that moment otherwise: GaLore's of a projected
-        kernel), reported as kept in another shape.
+        So does a param GaLore projects (`projected`): its moments are in
+        GaLore's projected space, not its param's.
       param: for a ``per_param`` node: `tree` is one array, this param's.
       holds: whether the field holds a value of this param; a param's leaf
         where it does not (Adafactor's ``(1,)`` placeholders) stays as it is,
@@ -221,6 +234,9 @@ class Moments:
     def one(param: str, leaf: Any) -> Any:
       if holds is not None and not holds(param):
         return leaf
+      if param in self._projected:
+        self._record(f"{field or quantity} ({PROJECTED})", param, (), False)
+        return leaf
       value = self.value(param, quantity)
       lacking = [q for q in needs if self.value(param, q) is None]
       name = field or quantity
@@ -229,13 +245,8 @@ class Moments:
       if value is None or lacking:
         self._record(name, param, (), False)
         return leaf
-      written = fn(value, leaf, param)
-      if jnp.shape(written) != tuple(leaf.shape):  # GaLore's moments of a projected kernel
-        self._record(
-          f"{field or quantity} (kept in another shape than its param's)", param, (), False
-        )
-        return leaf
       self._record(name, param, (quantity, *needs), False)
+      written = fn(value, leaf, param)
       problem = _state_dict.range_problem(written, leaf.dtype)
       if problem is not None:
         raise ValueError(f"The converted {name} of param '{param}' does not fit: {problem}.")
