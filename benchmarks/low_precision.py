@@ -29,9 +29,10 @@ device of the job's mesh, and the median step time with its ratio to
 float32, all measured in the same process. A second table gives the bytes per
 param and per device (against the ideal, every byte once over the mesh) on a
 2x4 mesh with ZeRO, from the abstract state as ``t5x-optim plan`` computes
-them; ``--bytes_only`` prints that table alone, also for a T5-base-sized
-model (about 110M params). ``--png`` writes the eval-loss
-curves (matplotlib, imported only then). ``--json PATH`` writes each run's
+them; ``--bytes_only`` prints that table alone, for the model the runs would
+train (the same ``--larger`` and task: on text its vocabulary is the task's 256
+bytes), and also for a T5-base-sized model (about 110M params). ``--png``
+writes the eval-loss curves (matplotlib, imported only then). ``--json PATH`` writes each run's
 results; ``--merge PATH...`` prints the table and plot of several such files
 without training (e.g. one process per seed, on one accelerator).
 
@@ -344,9 +345,10 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(args.num_devices, 8)}"
   import jax  # noqa: PLC0415
 
-  model = LARGER if args.larger else []
+  model = [*(LARGER if args.larger else []), *_task_bindings(args)]
   if args.bytes_only:
-    _print_bytes(args.runs, model, args.binding, "larger" if args.larger else "default model")
+    title = f"{'larger' if args.larger else 'default'} model, {_data(args)}"
+    _print_bytes(args.runs, model, args.binding, title)
     _print_bytes(args.runs, T5_BASE, args.binding, "T5-base-sized model")
     return
   started = time.perf_counter()
@@ -366,7 +368,7 @@ def main() -> None:
     with open(args.json, "w") as f:
       json.dump({"about": about, "runs": runs}, f)
   if jax.device_count() >= 8:
-    _print_bytes(args.runs, [*model, *_task_bindings(args)], args.binding, "the same model")
+    _print_bytes(args.runs, model, args.binding, "the same model")
   else:
     print(f"\n(the 2x4 mesh table needs 8 devices, {jax.device_count()} here: --bytes_only on CPU)")
   if args.png:
