@@ -765,6 +765,38 @@ def test_checkpointers_asked_about_preemption_put_the_handler_back_in_any_order(
     signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.parametrize("chains", [False, True], ids=["replaces", "chains"])
+def test_a_checkpointer_asked_after_another_handler_was_installed_hears_sigterm(tmp_path, chains):
+  """A handler installed after one checkpointer was asked replaced the shared handler, and
+  the next checkpointer asked never heard SIGTERM: only the first to listen installed it."""
+  before = signal.getsignal(signal.SIGTERM)
+  seen = []
+  signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("original"))
+  try:
+    a, b = Checkpointer(tmp_path / "a"), Checkpointer(tmp_path / "b")
+    assert not a.reached_preemption(1)
+    replaced = signal.getsignal(signal.SIGTERM)
+
+    def later(signum, frame):
+      seen.append("later")
+      if chains:
+        replaced(signum, frame)
+
+    signal.signal(signal.SIGTERM, later)
+    assert not b.reached_preemption(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert b.reached_preemption(2) and a.reached_preemption(2)
+    assert seen == (["later", "original"] if chains else ["later"]), "each ran once"
+    a.close()
+    b.close()
+    assert signal.getsignal(signal.SIGTERM) is later, "the handler installed between stays"
+    seen.clear()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == (["later", "original"] if chains else ["later"])
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
 def test_a_checkpointer_closed_outside_the_main_thread_passes_the_next_sigterm_back(tmp_path):
   before = signal.getsignal(signal.SIGTERM)
   seen = []

@@ -150,15 +150,19 @@ def _any_path(path: Path) -> bool:
 class _SigtermFlag:
   """Records SIGTERM in a single process for the checkpointers that listen for it.
 
-  One handler serves them all: the first to listen installs it, and the last to
-  stop puts back the handler it replaced (whatever order they stop in), which
-  still runs meanwhile. A SIGTERM while any listens is `received` by every listener
-  until the last stops.
+  One handler serves them all: the first to listen installs it, and one that starts
+  listening after another handler replaced it installs it again, over that one. Each
+  install runs the handler it replaced, so a handler installed in between still runs,
+  once. The last to stop (whatever order they stop in) puts back the handler that the
+  latest install replaced, if that install is still the process's handler: the one
+  installed before the first install when no other came in between. A SIGTERM while any
+  listens is `received` by every listener until the last stops.
   """
 
   def __init__(self) -> None:
     self.received = False
-    self._previous: Any = None
+    self._installed: Any = None
+    self._replaced: Any = None
     self._listeners = 0
     # Reentrant: a checkpointer collected while another starts listening stops in between.
     self._count = threading.RLock()
@@ -170,19 +174,30 @@ class _SigtermFlag:
     with self._count:
       if not self._listeners:
         self.received = False
-        if signal.getsignal(signal.SIGTERM) != self._handle:
-          self._previous = signal.signal(signal.SIGTERM, self._handle)
+      current = signal.getsignal(signal.SIGTERM)
+      if current is not self._installed:
+        self._installed, self._replaced = self._handler(current), current
+        signal.signal(signal.SIGTERM, self._installed)
       self._listeners += 1
     return True
 
-  def _handle(self, signum: int, frame: Any) -> None:
-    if not self._listeners:  # The last stopped outside the main thread.
-      signal.signal(signum, self._previous)
-      signal.raise_signal(signum)
-      return
-    self.received = True
-    if callable(self._previous):
-      self._previous(signum, frame)
+  def _handler(self, replaced: Any) -> Callable[[int, Any], None]:
+    """A handler that sets the flag while any listens, then runs `replaced` (its default
+    action, SIG_DFL, only while none listens)."""
+
+    def handle(signum: int, frame: Any) -> None:
+      if self._listeners:
+        self.received = True
+      elif signal.getsignal(signum) is handle or replaced == signal.SIG_DFL:
+        # Nobody listens: the signal goes where it would without this install (the last
+        # stopped outside the main thread, or a later handler runs this one; SIG_DFL ends it).
+        signal.signal(signum, replaced)
+        signal.raise_signal(signum)
+        return
+      if callable(replaced):
+        replaced(signum, frame)
+
+    return handle
 
   def stop_listening(self) -> None:
     """Counts one listener fewer; the last puts the replaced handler back, if this one is
@@ -193,9 +208,9 @@ class _SigtermFlag:
         return
       if (
         threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) == self._handle
+        and signal.getsignal(signal.SIGTERM) is self._installed
       ):
-        signal.signal(signal.SIGTERM, self._previous)
+        signal.signal(signal.SIGTERM, self._replaced)
 
 
 _SIGTERM = _SigtermFlag()
@@ -535,8 +550,11 @@ class Checkpointer:
     this is True at every call after a SIGTERM. The checkpointers of a process
     share that handler: after a SIGTERM this is True in each of them until
     the last one asked is closed, and that `close` puts the replaced handler
-    back, whichever of them closes first. A SIGTERM before the first call
-    ends the process as it would have.
+    back, whichever of them closes first. A checkpointer's first call after
+    another handler replaced the shared one installs it again over that one,
+    which still runs; the last `close` then puts back the handler replaced
+    last, so a handler installed in between stays. A SIGTERM before the first
+    call ends the process as it would have.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
