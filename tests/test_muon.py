@@ -285,6 +285,26 @@ def test_a_copy_trains_by_its_own_axes_when_its_original_gets_others(copier):
   assert isinstance(muon_mu["b"], optax.MaskedNode)
 
 
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+@pytest.mark.parametrize(
+  "factory",
+  [functools.partial(optimizers.muon, **MUON_ARGS), functools.partial(optimizers.galore, rank=2)],
+  ids=["muon", "galore"],
+)
+def test_a_copy_that_created_takes_its_own_axes_again(copier, factory):
+  """A copy forgot the axes it was built with, so after create it refused them as other axes
+  while its original took them: T5X gives them at every create, so a copy failed under T5X."""
+  params = {"w": jnp.ones((EMBED, MLP)), "b": jnp.ones(MLP)}
+  axes = {"w": P("embed", "mlp"), "b": P("mlp")}
+  copied = copier(factory(learning_rate=1e-2, param_axes=axes))
+  copied.create(params)
+  tx = copied.optax_optimizer
+  copied.set_param_axes(axes)
+  assert copied.optax_optimizer is tx
+  with pytest.raises(ValueError, match="created an optimizer"):
+    copied.set_param_axes({"w": P("mlp", "embed"), "b": P("mlp")})
+
+
 def test_train_state_gives_axes_to_a_definition_that_compares_by_value():
   """A definition with __eq__ and no __hash__ (a user's subclass) could not key the copies
   TrainState.create keeps: TypeError 'unhashable type'."""

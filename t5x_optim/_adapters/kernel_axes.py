@@ -189,9 +189,12 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
     return tx
 
   def _uncreated(self) -> KernelAxesOptaxWrapper:
-    """This copy, with a transformation of its own built for its own axes: its original's
-    dimension numbers read the original's axes, which may change after the copy."""
+    """This copy, keeping its original's axes, with a transformation of its own built for
+    them: its original's dimension numbers read the original's axes, which may change after
+    the copy."""
     super()._uncreated()
+    if self.param_specs is not None:
+      self._axes = axes_key(self.param_axes)
     self.optax_optimizer = self._build(with_axes=self.param_specs is not None)
     return self
 
