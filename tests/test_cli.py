@@ -808,41 +808,55 @@ def test_unusable_model_dir_is_one_line(where, tmp_path, capsys):
   assert "step" not in out
 
 
-@pytest.mark.parametrize(
-  ("below", "source"),
-  [
-    ("checkpoints/5", "checkpoints/5"),
-    ("checkpoints/5/sub", "checkpoints/5"),
-    ("checkpoints", "."),
-    ("checkpoints/new", "."),
-  ],
-)
-@pytest.mark.parametrize("marked_by", ["config.gin", "steps"])
-def test_a_model_dir_in_another_runs_checkpoints_is_refused(
-  below, source, marked_by, tmp_path, capsys
-):
-  """A run started inside another run's checkpoints directory (a step of it meant as the
-  start) would be deleted with that step by the other run's rotation: refused in one line
-  that offers --init_from, before anything is written there."""
+@pytest.mark.parametrize("below", ["checkpoints/5", "checkpoints/5/sub"])
+@pytest.mark.parametrize("record", ["_CHECKPOINT_METADATA", "commit_success.txt"])
+def test_a_model_dir_in_another_runs_checkpoint_step_is_refused(below, record, tmp_path, capsys):
+  """A run started in a committed step of another run (meant as the start) would be deleted
+  with that step by the other run's rotation: refused in one line that offers --init_from the
+  step, before anything is written there."""
   run = tmp_path / "A"
   (run / "checkpoints" / "5" / "default").mkdir(parents=True)
-  if marked_by == "config.gin":
-    (run / "config.gin").write_text("")
+  (run / "checkpoints" / "5" / record).write_text("")
   before = sorted(tmp_path.rglob("*"))
   assert main(["train", *TINY, "--model_dir", str(run / below)]) == 2
   err = capsys.readouterr().err
   assert len(err.splitlines()) == 1 and err.startswith("t5x-optim train: error: --model_dir "), err
-  assert f"is inside {run / 'checkpoints'}" in err, err
-  assert f"--init_from {(run / source).resolve()} " in err, err
+  step = (run / "checkpoints" / "5").resolve()
+  assert f"is inside {step}, step 5 of the run in {run.resolve()}" in err, err
+  assert f"--init_from {step} " in err, err
   assert sorted(tmp_path.rglob("*")) == before
 
 
-def test_a_model_dir_in_a_folder_of_numbered_runs_named_checkpoints_is_taken(tmp_path, capsys):
-  """A folder called checkpoints that keeps runs by number is no run's checkpoints."""
-  (tmp_path / "checkpoints" / "1" / "checkpoints" / "4").mkdir(parents=True)
+@pytest.mark.parametrize(
+  "below",
+  [
+    "checkpoints",
+    "checkpoints/new",
+    "checkpoints/run1",
+    "checkpoints/7",
+    "checkpoints/2024/myrun",
+    "checkpoints/1/sub",
+  ],
+)
+def test_a_model_dir_in_no_committed_step_is_taken(below, tmp_path, capsys):
+  """Only a committed step is deleted by a run's rotation: a --model_dir in a project's
+  ``checkpoints`` folder beside its config.gin (a run kept there by name, one resumed, a new
+  one), in a numbered directory made beforehand or a folder of years, or in a folder of runs
+  kept by number, is taken."""
+  project = tmp_path / "project"
+  (project / "checkpoints" / "5").mkdir(parents=True)
+  (project / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("")
+  (project / "config.gin").write_text("")
+  (project / "checkpoints" / "run1" / "checkpoints" / "4").mkdir(parents=True)
+  (project / "checkpoints" / "run1" / "checkpoints" / "4" / "_CHECKPOINT_METADATA").write_text("")
+  (project / "checkpoints" / "7").mkdir()
+  (project / "checkpoints" / "2024").mkdir()
+  (project / "checkpoints" / "1" / "checkpoints" / "4").mkdir(parents=True)
+  (project / "checkpoints" / "1" / "checkpoints" / "4" / "commit_success.txt").write_text("")
   bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
-  assert main(["train", *bad, "--model_dir", str(tmp_path / "checkpoints" / "2")]) == 2
-  assert "total_stepz" in capsys.readouterr().err
+  assert main(["train", *bad, "--model_dir", str(project / below)]) == 2
+  err = capsys.readouterr().err
+  assert "total_stepz" in err and "is inside" not in err, err
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,9 @@ CHECKPOINTS = "checkpoints"
 SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
+_COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+"""What orbax writes into a step's directory when its save completes, either one locally
+(`t5x_optim.checkpoints`)."""
 _SHOWN_STEPS = 4
 _REASON_CHARS = 300
 INCOMPLETE = "incomplete: its save or copy never completed"
@@ -251,8 +254,8 @@ def prepare_model_dir(path: Path) -> Path:
 
   Raises:
     UsageError: `path`, or a directory a run keeps in it (``checkpoints``,
-      ``train``, ``eval``, ``skipped_checkpoints``), is a file; `path` is in
-      another run's checkpoints directory (`_runs_checkpoints_around`); `path`
+      ``train``, ``eval``, ``skipped_checkpoints``), is a file; `path` is (in)
+      a committed checkpoint step of a run (`_committed_step_around`); `path`
       cannot be created or is not writable; its bucket, credentials or
       scheme's package are missing (one line).
 
@@ -265,16 +268,12 @@ def prepare_model_dir(path: Path) -> Path:
     path = storage.check_reachable(path)
   except storage.StorageError as error:
     raise UsageError(f"--model_dir {error}") from error
-  checkpoints = None if storage.is_object_store(path) else _runs_checkpoints_around(path)
-  if checkpoints is not None:
-    below = path.resolve().relative_to(checkpoints).parts
-    step = below[0] if below and below[0].isdigit() else None
-    source = checkpoints.parent if step is None else checkpoints / step
+  step = None if storage.is_object_store(path) else _committed_step_around(path)
+  if step is not None:
     raise UsageError(
-      f"--model_dir {path} is inside {checkpoints}, the checkpoints of the run in "
-      f"{checkpoints.parent}, whose rotation would delete a run there; to start from "
-      f"{'its newest checkpoint' if step is None else f'its step {step}'}, use --init_from "
-      f"{source} with a --model_dir outside it."
+      f"--model_dir {path} is inside {step}, step {step.name} of the run in "
+      f"{step.parent.parent}, whose rotation would delete a run there; to start from that "
+      f"step, use --init_from {step} with a --model_dir outside it."
     )
   if path.exists() and not path.is_dir():
     raise UsageError(f"--model_dir {path} is a file, not a directory.")
@@ -291,40 +290,34 @@ def prepare_model_dir(path: Path) -> Path:
   return path
 
 
-def _runs_checkpoints_around(path: Path) -> Path | None:
-  """The checkpoints directory of a run that local `path` is (or is in), or None.
+def _committed_step_around(path: Path) -> Path | None:
+  """The committed checkpoint step that local `path` is (or is in), or None.
 
-  That is a directory named ``checkpoints`` beside a run's ``config.gin``, or
-  one holding step directories (numbered ones that hold no ``checkpoints``
-  of their own, as runs kept by number do).
+  That is a numbered directory in a ``checkpoints`` directory holding
+  orbax's record of a completed save (`_COMMIT_RECORDS`): what a run's
+  rotation deletes. A numbered directory without one (made beforehand, a
+  folder of years) is no step a run keeps.
 
   Example:
     >>> import tempfile
     >>> run = Path(tempfile.mkdtemp())
     >>> (run / 'checkpoints' / '5').mkdir(parents=True)
-    >>> _runs_checkpoints_around(run / 'checkpoints' / '5' / 'run') == run / 'checkpoints'
+    >>> _committed_step_around(run / 'checkpoints' / '5' / 'run') is None
     True
-    >>> _runs_checkpoints_around(run / 'elsewhere') is None
+    >>> (run / 'checkpoints' / '5' / 'commit_success.txt').write_text('')
+    0
+    >>> _committed_step_around(run / 'checkpoints' / '5' / 'run') == run / 'checkpoints' / '5'
     True
   """
   resolved = path.resolve()
   for directory in (resolved, *resolved.parents):
-    if directory.name == CHECKPOINTS and (
-      (directory.parent / CONFIG_FILE).is_file() or _holds_steps(directory)
+    if (
+      directory.name.isdigit()
+      and directory.parent.name == CHECKPOINTS
+      and any((directory / name).is_file() for name in _COMMIT_RECORDS)
     ):
       return directory
   return None
-
-
-def _holds_steps(directory: Path) -> bool:
-  """Whether `directory` holds numbered directories that hold no ``checkpoints`` of their own."""
-  try:
-    return any(
-      step.name.isdigit() and step.is_dir() and not (step / CHECKPOINTS).exists()
-      for step in directory.iterdir()
-    )
-  except OSError:  # absent or unreadable: no run's
-    return False
 
 
 def _is_spec(x: Any) -> bool:
