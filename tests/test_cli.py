@@ -1161,6 +1161,20 @@ def test_gin_file_flags_given_with_a_tilde_are_in_the_home_directory(tmp_path, m
   assert (args.gin_search_paths, args.init_from_gin) == ([f"{tmp_path}/gin"], [f"{tmp_path}/b.gin"])
 
 
+@pytest.mark.parametrize("flag", ["--data", "--model_dir"])
+def test_a_path_flag_with_the_tilde_of_no_user_is_one_line(flag, tmp_path, capsys, monkeypatch):
+  """``~name`` of no user stays as written, as the shell leaves it: pathlib's expansion
+  raised, so the flag ended in a traceback (status 1)."""
+  monkeypatch.chdir(tmp_path)
+  given = "~t5x_optim_no_such_user/x"
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  assert main(["train", *TINY, *bad, flag, given]) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1, err
+  expected = f"--data {given}: no such file or directory" if flag == "--data" else "total_stepz"
+  assert expected in err, err
+
+
 @pytest.mark.parametrize(
   ("binding", "raised_in"),
   [

@@ -116,7 +116,8 @@ def _check_backend(text: str, scheme: str) -> None:
 def as_path(path: str | os.PathLike[str]) -> AnyPath:
   """`path` as a path object: an absolute `pathlib.Path` when local, an `epath.Path` with a scheme.
 
-  A local path is made absolute (``~`` expanded) against the working
+  A local path is made absolute (``~`` expanded; ``~name`` of no user
+  left as written, as the shell leaves it) against the working
   directory of this call. `pathlib.Path('gs://b/x')` would collapse the
   ``//`` into a local ``gs:/b/x``; this keeps the scheme. The package of
   the scheme is checked.
@@ -140,7 +141,7 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   text = os.fspath(path)
   scheme = scheme_of(text)
   if scheme is None:
-    return pathlib.Path(text).expanduser().absolute()
+    return pathlib.Path(os.path.expanduser(text)).absolute()
   _check_backend(text, scheme)
   return epath.Path(text)
 

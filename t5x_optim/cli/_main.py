@@ -180,7 +180,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _path_arg(text: str) -> Path | str:
   """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes.
 
-  A local path has ``~`` expanded and stays relative: what reads it makes
+  A local path has ``~`` expanded (``~name`` of no user is left as
+  written, as the shell leaves it) and stays relative: what reads it makes
   it absolute, and ``--data NAME`` is a shipped text where the working
   directory has no NAME. A scheme without its package stays text; using it
   then fails in one line.
@@ -188,7 +189,7 @@ def _path_arg(text: str) -> Path | str:
   from t5x_optim import storage  # noqa: PLC0415
 
   if storage.scheme_of(text) is None:
-    return Path(text).expanduser()
+    return Path(os.path.expanduser(text))
   try:
     return storage.as_path(text)
   except storage.StorageError:

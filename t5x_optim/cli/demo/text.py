@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def resolve_data_path(path: str | Path, *, label: str = "text data") -> Path:
     if remote.exists():
       return remote
     raise ValueError(f"{label} {path}: no such file or directory.")
-  given = Path(path).expanduser()
+  given = Path(os.path.expanduser(path))
   if given.exists():
     return given.resolve()
   shipped = DATA_DIR / given
