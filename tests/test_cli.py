@@ -1373,6 +1373,25 @@ def test_each_parse_searches_its_own_search_paths_and_leaves_gins_as_they_were(
   assert _gin_prefixes() == before
 
 
+def test_a_parse_records_the_files_gin_read(clean_gin, tmp_path, monkeypatch):
+  """The files the last parse read, resolved: those given (found here or in the package's gin
+  files), those they include (found in a search path) and those a binding includes."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "shared.gin").write_text("TOTAL_STEPS = 3\n")
+  (tmp_path / "top.gin").write_text("include 'shared.gin'\n")
+  (tmp_path / "bound.gin").write_text("BATCH_SIZE = 8\n")
+  _config.parse_config(
+    gin_files=["top.gin"],
+    gin_bindings=["include 'bound.gin'"],
+    search_paths=[tmp_path / "elsewhere"],
+  )
+  read = [tmp_path / "top.gin", tmp_path / "elsewhere" / "shared.gin", tmp_path / "bound.gin"]
+  assert _config.files_read() == [path.resolve() for path in read]
+  _config.parse_config(gin_files=TINY[1::2])
+  assert _config.files_read() == [_config.GIN_DIR / "examples" / "tiny.gin"]
+
+
 def test_a_command_leaves_gins_search_paths_as_it_found_them(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "elsewhere").mkdir()

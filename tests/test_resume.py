@@ -256,7 +256,8 @@ def test_an_edited_config_gin_is_kept_and_the_resume_says_it_was_not_read(
   four_steps, tmp_path, capsys
 ):
   """config.gin edited by hand (b1 = 0.5), then a resume: the edit went unused and the file
-  was overwritten, without a word."""
+  was overwritten, without a word. An edited config.gin the run reads (given, found in a
+  search path, included) is no such edit."""
   model_dir = _copy(four_steps, tmp_path)
   edited = (model_dir / "config.gin").read_text().replace("b1 = 0.9", "b1 = 0.5")
   (model_dir / "config.gin").write_text(edited)
@@ -287,6 +288,16 @@ def test_an_edited_config_gin_is_kept_and_the_resume_says_it_was_not_read(
   assert code == 0, err
   assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
   assert "TOTAL_STEPS 10 -> 12" in out, out
+  # Edited and read through an include, in a --gin_file or in a binding: the same.
+  wrapper = tmp_path / "wrapper.gin"
+  wrapper.write_text(f"include '{config}'\n")
+  include = f"include '{config}'"
+  for steps, flags in [(14, ["--gin_file", str(wrapper)]), (16, ["--gin_bindings", include])]:
+    config.write_text(config.read_text().replace(f"STEPS = {steps - 2}", f"STEPS = {steps}"))
+    code, out, err = _train_run(model_dir, *flags, *EVERY_2, capsys=capsys)
+    assert code == 0, err
+    assert "config.gin:" not in out and not (model_dir / "config_edited-2.gin").exists(), out
+    assert f"TOTAL_STEPS {steps - 2} -> {steps}" in out, out
 
 
 def test_the_config_change_line_compares_with_the_config_that_wrote_the_step(

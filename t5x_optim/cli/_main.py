@@ -407,18 +407,14 @@ def _gin_devices(flag: int | None, configured: int) -> tuple[int, str]:
   return _devices(configured, label="the gin config's NUM_DEVICES")
 
 
-def _keep_edited_config(
-  model_dir: Path, gin_files: Sequence[str], search_paths: Sequence[str]
-) -> Path | None:
-  """`keep_edited_config` of `model_dir`, unless its config file is one of `gin_files` (a run
-  told to read it), each the file the run parsed (found here or in `search_paths`, as
-  `parse_config` finds it); the kept copy, or None."""
+def _keep_edited_config(model_dir: Path) -> Path | None:
+  """`keep_edited_config` of `model_dir`, unless the run's config parse (the last one) read its
+  config file (given, found in a search path, or included); the kept copy, or None."""
   from t5x_optim.cli.loop import config as _config  # noqa: PLC0415
   from t5x_optim.cli.loop import job as _job  # noqa: PLC0415
 
   config = model_dir / _job.CONFIG_FILE
-  directories = [Path(path) for path in [*search_paths, *_config.default_search_paths()]]
-  if any(_inside(_config.resolve_gin_file(name, directories), config) for name in gin_files):
+  if any(_inside(path, config) for path in _config.files_read()):
     return None
   return _job.keep_edited_config(model_dir)
 
@@ -706,7 +702,7 @@ def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
       stack.enter_context(_train.one_run_at_a_time(model_dir))
     except _train.UsageError as error:
       return _fail(args, error)
-    kept = _keep_edited_config(model_dir, args.gin_file, args.gin_search_paths) if primary else None
+    kept = _keep_edited_config(model_dir) if primary else None
     if kept is not None:
       about = [
         *about,

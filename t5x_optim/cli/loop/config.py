@@ -57,6 +57,7 @@ __all__ = [
   "described_gin_error",
   "device_macros",
   "evaluated_argument",
+  "files_read",
   "job_optimizer",
   "mesh_devices",
   "optimizer_arguments",
@@ -558,6 +559,7 @@ def parse_config(
       raise NotADirectoryError(f"gin search path {str(path)!r} is not a local directory.")
   directories = [Path(path) for path in [*search_paths, *default_search_paths()]]
   _GIVEN_BINDINGS.clear()
+  _FILES_READ.clear()
   gin.clear_config()
   files = [str(resolve_gin_file(path, directories)) for path in gin_files]
   _check_includes(files, directories)
@@ -565,6 +567,7 @@ def parse_config(
     _gin_search_paths(directories),
     _quiet_gin_path_probes(),
     _package_lookup_of_namespace_packages(),
+    _recording_files_read(),
   ):
     gin.parse_config(DEFAULT_CONFIG)
     gin.parse_config([f"{name} = {value!r}" for name, value in (macros or {}).items()])
@@ -871,6 +874,50 @@ def _package_lookup_of_namespace_packages() -> Iterator[None]:
     yield
   finally:
     readers[:] = [gins if entry == ours else entry for entry in readers]
+
+
+_FILES_READ: list[Path | str] = []
+"""The gin files the last `parse_config` read, in order (`files_read`)."""
+
+
+def files_read() -> list[Path | str]:
+  """The gin files the last `parse_config` read, in order: those given and every file they
+  or the bindings ``include``, each local one resolved (links followed), others as named.
+
+  Example:
+    >>> parse_config(gin_files=['examples/tiny.gin'])
+    >>> files_read() == [GIN_DIR / 'examples' / 'tiny.gin']
+    True
+  """
+  return list(_FILES_READ)
+
+
+@contextlib.contextmanager
+def _recording_files_read() -> Iterator[None]:
+  """Records in `_FILES_READ` each file that gin's readers open while a config is parsed."""
+  readers = getattr(gin.config, "_FILE_READERS", None)  # gin offers no way to wrap a reader
+  if not isinstance(readers, list):  # another gin: nothing recorded
+    yield
+    return
+  before = readers[:]
+  readers[:] = [(_recorded(read), exists) for read, exists in before]
+  try:
+    yield
+  finally:
+    readers[:] = before
+
+
+def _recorded(read: Callable[[str], Any]) -> Callable[[str], Any]:
+  """`read`, recording the file it opens in `_FILES_READ` (the opened file's name, which a
+  package's file has in place of the name gin looked it up by)."""
+
+  def recorded(name: str) -> Any:
+    opened = read(name)
+    path = os.fspath(getattr(opened, "name", name))
+    _FILES_READ.append(path if storage.is_object_store(path) else Path(path).resolve())
+    return opened
+
+  return recorded
 
 
 class _DropPathProbes(logging.Filter):
