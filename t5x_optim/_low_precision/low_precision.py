@@ -186,6 +186,10 @@ _BY_AXIS = "axis:"
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 _SHARD_MULTIPLE = 8
 """`low_precision`'s default ``shard_multiple``; `low_precision_sum_squares` walks as many stripes."""
+_COLUMN_CHUNKS = 16
+"""The fewest chunks of rows whose statistics a leaf that stores column maxima (4-bit, rank 1)
+computes apart, however small: XLA:CPU holds the input of a reduction over rows (the column
+maxima) whole, here the chunk's new moments in float32, 8 bytes per value for Adam's two."""
 
 
 @struct.dataclass
@@ -1232,7 +1236,8 @@ def _streamed_update(
     runs as a whole, after its predicate, so the leaves' statistics run one
     after the other whatever order the compiler's scheduler prefers
     (optimization barriers do not order work on every backend: XLA:CPU
-    removes them before scheduling); a leaf larger than ``chunk`` values
+    removes them before scheduling); a leaf larger than ``chunk`` values,
+    or one that stores column maxima (in `_COLUMN_CHUNKS` chunks at least),
     computes them a chunk of rows at a time (`_row_split`,
     `_chunked_stats`), in stripes that follow the first dimension's
     shards;
@@ -1265,7 +1270,10 @@ def _streamed_update(
     kinds = tuple(state.storage[k] for k in ks)
     rounded = tuple(_rounded(state, k) for k in ks)
     old = [new_stored[k] for k in ks]
-    split = _row_split(jnp.shape(g), _block_rows(g, old), chunk, shard_multiple)
+    limit = chunk
+    if any(isinstance(x, Rank1Quantized4Leaf) for x in old):
+      limit = min(chunk, max(1, math.prod(jnp.shape(g)) // _COLUMN_CHUNKS))
+    split = _row_split(jnp.shape(g), _block_rows(g, old), limit, shard_multiple)
     key = (id(group_of[i]), kinds, rounded, split)
     if key not in functions:
       functions[key] = _leaf_functions(program, kinds, rounded, block, guard, split)
@@ -1343,7 +1351,9 @@ def low_precision(
       update holds in float32 at once, to compute its block statistics: a
       larger leaf of 2 or more dimensions is walked in chunks of rows of
       its first dimension (an embedding of 32128 x 768 in 251 chunks of 8
-      x 16 rows with the default 2**20). The values are the same either way.
+      x 16 rows with the default 2**20). A 4-bit leaf that stores column
+      maxima walks at least 16 chunks, however small (a 768 x 768 leaf 16
+      of 8 x 6 rows). The values are the same either way.
     guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
