@@ -607,3 +607,24 @@ def test_lookahead_inside_another_transformation_is_refused_at_create(wrap):
   tx = wrap(optax.lookahead(optax.sgd(0.1), 2, 0.5))
   with pytest.raises(TypeError, match=r"optax.lookahead inside another transformation"):
     OptaxWrapper(tx).create({"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda tx: optax.chain(optax.identity(), tx),
+    lambda tx: optax.inject_hyperparams(lambda rate: tx)(rate=0.1),
+  ],
+  ids=["chain", "inject_hyperparams"],
+)
+def test_lookahead_inside_another_transformation_trains_lookahead_params(wrap):
+  """Given optax.LookaheadParams, a lookahead inside a chain or inject_hyperparams trains as
+  an outermost one does."""
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones(3)})
+  plain = OptaxWrapper(optax.lookahead(optax.sgd(0.1), 2, 0.5)).create(params)
+  wrapped = OptaxWrapper(wrap(optax.lookahead(optax.sgd(0.1), 2, 0.5))).create(params)
+  for _ in range(3):
+    plain = plain.apply_gradient({"w": jnp.ones(3)})
+    wrapped = wrapped.apply_gradient({"w": jnp.ones(3)})
+  for x, y in zip(jax.tree.leaves(plain.target), jax.tree.leaves(wrapped.target), strict=True):
+    np.testing.assert_array_equal(x, y)

@@ -453,12 +453,13 @@ class OptaxWrapper(OptimizerDef):
         f"{type(params).__name__}."
       )
     param_states = self.optax_optimizer.init(params)
-    if not trains_lookahead_params(self) and _holds_lookahead_state(param_states):
+    if not isinstance(params, optax.LookaheadParams) and _holds_lookahead_state(param_states):
       raise TypeError(
-        "optax.lookahead inside another transformation trains the params it is given, not a "
-        "fast and a slow copy of them (its update reads params.fast): only an outermost "
-        "lookahead trains optax.LookaheadParams; put it around the other transformations, "
-        "e.g. optax.lookahead(optax.MultiSteps(...), ...)."
+        "optax.lookahead inside another transformation was given plain params, not a fast and "
+        "a slow copy of them (its update reads params.fast): create the optimizer with "
+        "optax.LookaheadParams.init_synced(params), or put lookahead around the other "
+        "transformations (optax.lookahead(optax.MultiSteps(...), ...)), to which the command "
+        f"line and TrainState give both copies; got {type(params).__name__}."
       )
     # optax's updates return strongly typed states; a weakly typed initial leaf (L-BFGS's
     # line-search info) would make a jitted step compile again at the second step.
