@@ -2192,3 +2192,22 @@ def test_moments_galore_keeps_projected_are_neither_written_nor_read():
   assert any("of 2 params kept in GaLore's projected space" in e for e in report.dropped)
   assert float(jnp.abs(back.state.param_states[0].mu["square"]).max()) == 0.0
   assert float(jnp.abs(back.state.param_states[0].mu["b"]).max()) > 0.0
+
+
+@pytest.mark.slow
+def test_a_galore_base_state_of_projected_params_only_starts_at_count_0():
+  """Every moment kept fresh (all params projected): the base optimizer's count was the old
+  step's all the same, so its bias correction took the fresh moments for long averages."""
+  params = {"square": jnp.ones((8, 8))}
+  old = OptaxWrapper(optax.adam(0.1)).create(params)
+  for _ in range(3):
+    old = old.apply_gradient(jax.tree.map(jnp.ones_like, params))
+  new, report = t5x_optim.convert_state(
+    old,
+    optimizers.galore(0.01, rank=8),
+    missing="init",
+    param_axes={"square": PartitionSpec("embed", "mlp")},
+  )
+  assert report.converted == ()
+  assert int(new.state.param_states[0].base_optimizer_state.count) == 0
+  assert int(new.state.step) == 3

@@ -290,10 +290,14 @@ class Moments:
 
     The template's count (a fresh start) stays when no param of `tree` has
     any of the `quantities` the node is written from (and all its `needs`,
-    as `fill` takes them).
+    as `fill` takes them), the `projected` params aside, whose moments start
+    fresh.
     """
     for path, _ in jax.tree.flatten_with_path(tree)[0]:
-      stats = self._stats.get(_state_dict.key_path_str(path), {})
+      param = _state_dict.key_path_str(path)
+      if param in self._projected:
+        continue
+      stats = self._stats.get(param, {})
       if any(q in stats for q in quantities) and all(q in stats for q in needs):
         return jnp.asarray(stats["count"], jnp.result_type(template_count))
     return template_count
