@@ -827,6 +827,21 @@ def test_a_model_dir_in_another_runs_checkpoint_step_is_refused(below, record, t
   assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("below", ["checkpoints/4", "checkpoints/4/sub"])
+def test_a_model_dir_in_a_step_still_to_come_of_a_run_is_refused(below, tmp_path, capsys):
+  """A run started in step 4 of a run that has saved step 2 was set aside, whole, as an
+  incomplete checkpoint when that run saved step 4."""
+  run = tmp_path / "A"
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "checkpoints" / "2" / "commit_success.txt").write_text("")
+  (run / "config.gin").write_text("")
+  assert main(["train", *TINY, "--model_dir", str(run / below)]) == 2
+  err = capsys.readouterr().err
+  step = (run / "checkpoints" / "4").resolve()
+  assert f"is inside {step}, step 4 of the run in {run.resolve()}" in err, err
+  assert not step.exists()
+
+
 @pytest.mark.parametrize(
   "below",
   [
@@ -838,14 +853,13 @@ def test_a_model_dir_in_another_runs_checkpoint_step_is_refused(below, record, t
     "checkpoints/1/sub",
   ],
 )
-def test_a_model_dir_in_no_committed_step_is_taken(below, tmp_path, capsys):
+def test_a_model_dir_in_no_step_of_a_run_is_taken(below, tmp_path, capsys):
   """Only a committed step is deleted by a run's rotation: a --model_dir in a project's
   ``checkpoints`` folder beside its config.gin (a run kept there by name, one resumed, a new
   one), in a numbered directory made beforehand or a folder of years, or in a folder of runs
   kept by number, is taken."""
   project = tmp_path / "project"
-  (project / "checkpoints" / "5").mkdir(parents=True)
-  (project / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("")
+  (project / "checkpoints").mkdir(parents=True)
   (project / "config.gin").write_text("")
   (project / "checkpoints" / "run1" / "checkpoints" / "4").mkdir(parents=True)
   (project / "checkpoints" / "run1" / "checkpoints" / "4" / "_CHECKPOINT_METADATA").write_text("")

@@ -272,7 +272,8 @@ def prepare_model_dir(path: Path) -> Path:
   if step is not None:
     raise UsageError(
       f"--model_dir {path} is inside {step}, step {step.name} of the run in "
-      f"{step.parent.parent}, whose rotation would delete a run there; to start from that "
+      f"{step.parent.parent}, whose saves would set aside or delete a run there; to start from "
+      "that "
       f"step, use --init_from {step} with a --model_dir outside it."
     )
   if path.exists() and not path.is_dir():
@@ -291,12 +292,15 @@ def prepare_model_dir(path: Path) -> Path:
 
 
 def _committed_step_around(path: Path) -> Path | None:
-  """The committed checkpoint step that local `path` is (or is in), or None.
+  """The checkpoint step of a run that local `path` is (or is in), or None.
 
-  That is a numbered directory in a ``checkpoints`` directory holding
-  orbax's record of a completed save (`_COMMIT_RECORDS`): what a run's
-  rotation deletes. A numbered directory without one (made beforehand, a
-  folder of years) is no step a run keeps.
+  That is a numbered directory in a ``checkpoints`` directory that holds
+  orbax's record of a completed save (`_COMMIT_RECORDS`), what a run's
+  rotation deletes, or that is a step still to come of a run: its
+  ``checkpoints`` directory holds a committed step and its ``config.gin``
+  lies beside it (the run sets an incomplete step aside when it saves
+  there). A numbered directory elsewhere (made beforehand, a folder of
+  years) is no step a run keeps.
 
   Example:
     >>> import tempfile
@@ -311,13 +315,17 @@ def _committed_step_around(path: Path) -> Path | None:
   """
   resolved = path.resolve()
   for directory in (resolved, *resolved.parents):
-    if (
-      directory.name.isdigit()
-      and directory.parent.name == CHECKPOINTS
-      and any((directory / name).is_file() for name in _COMMIT_RECORDS)
-    ):
-      return directory
+    if directory.name.isdigit() and directory.parent.name == CHECKPOINTS:
+      if _committed(directory) or (
+        (directory.parent.parent / "config.gin").is_file()
+        and any(_committed(step) for step in directory.parent.iterdir() if step.name.isdigit())
+      ):
+        return directory
   return None
+
+
+def _committed(directory: Path) -> bool:
+  return any((directory / name).is_file() for name in _COMMIT_RECORDS)
 
 
 def _is_spec(x: Any) -> bool:
