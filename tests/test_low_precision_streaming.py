@@ -383,6 +383,40 @@ def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, gu
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("guard", [True, False])
+def test_4bit_column_maxima_of_a_whole_leaf_match_chunked_ones_with_inf_and_nan(monkeypatch, guard):
+  """Column maxima computed over a whole leaf (a large ``stream_chunk``, the 16-chunk floor
+  off) and combined over chunks of rows (``stream_chunk=128``): with inf, -inf and NaN
+  gradients, with or without the guard, the same updates and states, bit for bit. XLA:CPU's
+  float32 maximum over the 97 rows of a (97, 128) leaf drops a NaN; without the guard the
+  NaN enters the column maxima either way."""
+  rng = np.random.default_rng(0)
+  shapes = {"w": (97, 128), "small": (64, 32)}
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+  options = dict(min_size=0, guard_nonfinite=guard)
+  chunked = low_precision(optax.adamw(1e-2), "4bit", stream_chunk=128, **options)
+  update_c = jax.jit(chunked.update)
+  update_w = jax.jit(low_precision(optax.adamw(1e-2), "4bit", **options).update)
+  state_c = state_w = chunked.init(params)
+  assert all(isinstance(x, Rank1Quantized4Leaf) for x in state_c.inner_state[0].mu.values())
+  for i in range(STEPS):
+    grads = jax.tree.map(lambda x: jnp.cos(x * (i + 1)), params)
+    grads = {
+      k: g.at[5, 3].set(jnp.nan).at[40, 7].set(jnp.inf).at[60, 9].set(-jnp.inf)
+      for k, g in grads.items()
+    }
+    got, state_c = update_c(grads, state_c, params)
+    with monkeypatch.context() as m:
+      m.setattr(low_precision_module, "_COLUMN_CHUNKS", 1)
+      want, state_w = update_w(grads, state_w, params)
+    for x, y in zip(jax.tree.leaves((got, state_c)), jax.tree.leaves((want, state_w)), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if not guard:
+      assert np.isnan(np.asarray(state_w.inner_state[0].mu["w"].cols[3]))
+    params = optax.apply_updates(params, jax.tree.map(jnp.nan_to_num, want))
+
+
+@pytest.mark.slow
 def test_the_encoders_decode_the_codes_themselves():
   """8-bit: the encoders' decode of the old codes is their own, not merged with the update's.
 

@@ -1357,8 +1357,10 @@ def low_precision(
     guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
-      damages its block, for an optimizer that refuses such steps anyway
-      (``optax.apply_if_finite(low_precision(...))``).
+      damages its block, and a NaN in a 4-bit leaf that stores column
+      maxima also its column's unsigned elements, whether the statistics
+      run whole or in chunks of rows, for an optimizer that refuses such
+      steps anyway (``optax.apply_if_finite(low_precision(...))``).
     param_modes: a per-param precision policy: ``(pattern, mode)`` pairs, a
       pattern and ``"float32"`` or a ``state_dtype``. A pattern is a regular
       expression searched in the param's path (e.g.

@@ -249,7 +249,10 @@ def quantize4_stats(
   """The statistics of `quantize4`: ``(scales,)``, or ``(scales, cols)`` with ``rank1``.
 
   Non-finite values count as magnitude 0 and as not negative
-  (``guard_nonfinite``); without the guard they enter the maxima. The block
+  (``guard_nonfinite``); without the guard they enter the maxima, a NaN as
+  the largest. The column maxima are a maximum over the magnitudes' float32
+  bits, whose order is their values' and which holds a NaN on every backend
+  (XLA:CPU's float32 maximum over the rows of some shapes drops it). The block
   scales are one reduction over the float32 bits with a standard combination
   per operand (`extreme_keys`: the largest magnitude and whether a negative
   element holds it; whether any element is negative), so that a mesh
@@ -274,8 +277,8 @@ def quantize4_stats(
   scales = stored_scales(key, signed, -float(signed_map4()[0]))[2]
   if not rank1:
     return (scales,)
-  magnitude = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
-  return scales, magnitude.max(axis=tuple(range(x.ndim - 1)))
+  cols = magnitude.max(axis=tuple(range(x.ndim - 1)))
+  return scales, jax.lax.bitcast_convert_type(cols, jnp.float32)
 
 
 def _signed_codes(scaled: jax.Array) -> jax.Array:
