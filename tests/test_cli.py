@@ -832,14 +832,21 @@ def test_a_model_dir_in_a_step_still_to_come_of_a_run_is_refused(below, tmp_path
   """A run started in step 4 of a run that has saved step 2 was set aside, whole, as an
   incomplete checkpoint when that run saved step 4."""
   run = tmp_path / "A"
-  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "checkpoints" / "2" / "checksums").mkdir(parents=True)
+  (run / "checkpoints" / "2" / "checksums" / "checksums.json").write_text("{}")
   (run / "checkpoints" / "2" / "commit_success.txt").write_text("")
   (run / "config.gin").write_text("")
   assert main(["train", *TINY, "--model_dir", str(run / below)]) == 2
   err = capsys.readouterr().err
   step = (run / "checkpoints" / "4").resolve()
-  assert f"is inside {step}, step 4 of the run in {run.resolve()}" in err, err
-  assert not step.exists()
+  assert f"is inside {step}, the directory of step 4 still to come of the run in " in err, err
+  assert "--init_from" not in err and not step.exists(), err
+  # A checkpoint copied in from elsewhere (no checksums of a t5x-optim run) makes no run.
+  (run / "checkpoints" / "2" / "checksums" / "checksums.json").unlink()
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  assert main(["train", *bad, "--model_dir", str(run / below)]) == 2
+  err = capsys.readouterr().err
+  assert "total_stepz" in err and "is inside" not in err, err
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,8 @@ SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
 _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_CHECKSUMS = Path("checksums") / "checksums.json"
+"""Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 """What orbax writes into a step's directory when its save completes, either one locally
 (`t5x_optim.checkpoints`)."""
 _SHOWN_STEPS = 4
@@ -269,12 +271,17 @@ def prepare_model_dir(path: Path) -> Path:
   except storage.StorageError as error:
     raise UsageError(f"--model_dir {error}") from error
   step = None if storage.is_object_store(path) else _committed_step_around(path)
-  if step is not None:
+  if step is not None and _committed(step):
     raise UsageError(
       f"--model_dir {path} is inside {step}, step {step.name} of the run in "
-      f"{step.parent.parent}, whose saves would set aside or delete a run there; to start from "
-      "that "
+      f"{step.parent.parent}, whose rotation would delete a run there; to start from that "
       f"step, use --init_from {step} with a --model_dir outside it."
+    )
+  if step is not None:
+    raise UsageError(
+      f"--model_dir {path} is inside {step}, the directory of step {step.name} still to come "
+      f"of the run in {step.parent.parent}, which sets it aside, whole, as an incomplete "
+      f"checkpoint when it saves that step; use a --model_dir outside {step.parent}."
     )
   if path.exists() and not path.is_dir():
     raise UsageError(f"--model_dir {path} is a file, not a directory.")
@@ -296,11 +303,12 @@ def _committed_step_around(path: Path) -> Path | None:
 
   That is a numbered directory in a ``checkpoints`` directory that holds
   orbax's record of a completed save (`_COMMIT_RECORDS`), what a run's
-  rotation deletes, or that is a step still to come of a run: its
-  ``checkpoints`` directory holds a committed step and its ``config.gin``
-  lies beside it (the run sets an incomplete step aside when it saves
-  there). A numbered directory elsewhere (made beforehand, a folder of
-  years) is no step a run keeps.
+  rotation deletes, or that is a step still to come of a t5x-optim run: its
+  ``checkpoints`` directory holds a committed step that records the run's
+  checksums (`_CHECKSUMS`) and its ``config.gin`` lies beside it (the run
+  sets an incomplete step aside when it saves there). A numbered directory
+  elsewhere (made beforehand, a folder of years, beside a checkpoint
+  copied from another framework) is no step a run keeps.
 
   Example:
     >>> import tempfile
@@ -318,7 +326,11 @@ def _committed_step_around(path: Path) -> Path | None:
     if directory.name.isdigit() and directory.parent.name == CHECKPOINTS:
       if _committed(directory) or (
         (directory.parent.parent / "config.gin").is_file()
-        and any(_committed(step) for step in directory.parent.iterdir() if step.name.isdigit())
+        and any(
+          _committed(step) and (step / _CHECKSUMS).is_file()
+          for step in directory.parent.iterdir()
+          if step.name.isdigit()
+        )
       ):
         return directory
   return None
