@@ -797,6 +797,54 @@ def test_a_checkpointer_asked_after_another_handler_was_installed_hears_sigterm(
     signal.signal(signal.SIGTERM, before)
 
 
+def test_a_handler_that_chains_to_a_closed_checkpointers_keeps_the_process(tmp_path):
+  """A framework's handler installed over the shared one, calling the handler it replaced:
+  once every checkpointer had closed, the shared one acted out the default action it had
+  replaced and killed the process under the framework's handler."""
+  script = f"""
+import os, signal
+from t5x_optim import Checkpointer
+ckpt = Checkpointer({str(tmp_path)!r})
+ckpt.reached_preemption(1)
+replaced = signal.getsignal(signal.SIGTERM)
+def framework(signum, frame):
+  print("framework", flush=True)
+  if callable(replaced):
+    replaced(signum, frame)
+signal.signal(signal.SIGTERM, framework)
+ckpt.close()
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive", flush=True)
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ["framework", "alive"], done.stdout
+
+
+def test_a_sigterm_handler_not_installed_from_python_is_replaced_and_then_the_default(tmp_path):
+  """A handler installed outside Python (an embedding program's: getsignal gives None) was
+  taken for the shared one, so no checkpointer heard SIGTERM, and close raised TypeError
+  putting None back; the default action takes its place, as Python cannot put it back."""
+  script = f"""
+import os, signal
+getsignal = signal.getsignal
+def from_c(signum):
+  current = getsignal(signum)
+  return None if signum == signal.SIGTERM and current == signal.SIG_DFL else current
+signal.getsignal = from_c
+from t5x_optim import Checkpointer
+ckpt = Checkpointer({str(tmp_path)!r})
+ckpt.reached_preemption(1)
+os.kill(os.getpid(), signal.SIGTERM)
+print("heard", ckpt.reached_preemption(2), flush=True)
+ckpt.close()
+print("default", getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ["heard", "True", "default", "True"], done.stdout
+
+
 def test_a_checkpointer_closed_outside_the_main_thread_passes_the_next_sigterm_back(tmp_path):
   before = signal.getsignal(signal.SIGTERM)
   seen = []

@@ -155,7 +155,8 @@ class _SigtermFlag:
   install runs the handler it replaced, so a handler installed in between still runs,
   once. The last to stop (whatever order they stop in) puts back the handler that the
   latest install replaced, if that install is still the process's handler: the one
-  installed before the first install when no other came in between. A SIGTERM while any
+  installed before the first install when no other came in between (the default action
+  for a handler installed outside Python, which cannot be put back). A SIGTERM while any
   listens is `received` by every listener until the last stops.
   """
 
@@ -175,23 +176,23 @@ class _SigtermFlag:
       if not self._listeners:
         self.received = False
       current = signal.getsignal(signal.SIGTERM)
-      if current is not self._installed:
+      if self._installed is None or current is not self._installed:
         self._installed, self._replaced = self._handler(current), current
         signal.signal(signal.SIGTERM, self._installed)
       self._listeners += 1
     return True
 
   def _handler(self, replaced: Any) -> Callable[[int, Any], None]:
-    """A handler that sets the flag while any listens, then runs `replaced` (its default
-    action, SIG_DFL, only while none listens)."""
+    """A handler that sets the flag while any listens, then runs `replaced` if it is a
+    Python handler. While none listens it is as if it had never been installed: still the
+    process's handler (the last stopped outside the main thread), it puts `replaced` back
+    and passes the signal to it; run by a later handler, it runs `replaced` if callable."""
 
     def handle(signum: int, frame: Any) -> None:
       if self._listeners:
         self.received = True
-      elif signal.getsignal(signum) is handle or replaced == signal.SIG_DFL:
-        # Nobody listens: the signal goes where it would without this install (the last
-        # stopped outside the main thread, or a later handler runs this one; SIG_DFL ends it).
-        signal.signal(signum, replaced)
+      elif signal.getsignal(signum) is handle:
+        signal.signal(signum, _settable(replaced))
         signal.raise_signal(signum)
         return
       if callable(replaced):
@@ -210,7 +211,13 @@ class _SigtermFlag:
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGTERM) is self._installed
       ):
-        signal.signal(signal.SIGTERM, self._replaced)
+        signal.signal(signal.SIGTERM, _settable(self._replaced))
+
+
+def _settable(handler: Any) -> Any:
+  """`handler`, or the default action for one Python cannot install again (a handler
+  installed outside Python, which ``signal.getsignal`` gives as None)."""
+  return signal.SIG_DFL if handler is None else handler
 
 
 _SIGTERM = _SigtermFlag()
