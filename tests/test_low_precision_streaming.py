@@ -352,6 +352,18 @@ def test_a_small_4bit_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf():
   assert peak < 16 * n
 
 
+def _chunked_equals_whole(monkeypatch, update_c, update_w, grads, state_c, state_w, params):
+  """One step chunked (`update_c`) and whole (`update_w`, the 16-chunk floor off), checked
+  bit for bit; the whole step's updates and both new states."""
+  got, state_c = update_c(grads, state_c, params)
+  with monkeypatch.context() as m:
+    m.setattr(low_precision_module, "_COLUMN_CHUNKS", 1)
+    want, state_w = update_w(grads, state_w, params)
+  for x, y in zip(jax.tree.leaves((got, state_c)), jax.tree.leaves((want, state_w)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  return want, state_c, state_w
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, guard):
@@ -373,12 +385,9 @@ def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, gu
     grads = jax.tree.map(lambda x: jnp.cos(x * (i + 1)), params)
     grads["w"] = grads["w"].at[5, 3].set(jnp.inf).at[40, 7].set(jnp.nan)
     grads["prime"] = grads["prime"].at[50, 1].set(-jnp.inf)
-    got, state_c = update_c(grads, state_c, params)
-    with monkeypatch.context() as m:
-      m.setattr(low_precision_module, "_COLUMN_CHUNKS", 1)
-      want, state_w = update_w(grads, state_w, params)
-    for x, y in zip(jax.tree.leaves((got, state_c)), jax.tree.leaves((want, state_w)), strict=True):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    want, state_c, state_w = _chunked_equals_whole(
+      monkeypatch, update_c, update_w, grads, state_c, state_w, params
+    )
     params = optax.apply_updates(params, jax.tree.map(jnp.nan_to_num, want))
 
 
@@ -405,12 +414,9 @@ def test_4bit_column_maxima_of_a_whole_leaf_match_chunked_ones_with_inf_and_nan(
       k: g.at[5, 3].set(jnp.nan).at[40, 7].set(jnp.inf).at[60, 9].set(-jnp.inf)
       for k, g in grads.items()
     }
-    got, state_c = update_c(grads, state_c, params)
-    with monkeypatch.context() as m:
-      m.setattr(low_precision_module, "_COLUMN_CHUNKS", 1)
-      want, state_w = update_w(grads, state_w, params)
-    for x, y in zip(jax.tree.leaves((got, state_c)), jax.tree.leaves((want, state_w)), strict=True):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    want, state_c, state_w = _chunked_equals_whole(
+      monkeypatch, update_c, update_w, grads, state_c, state_w, params
+    )
     if not guard:
       assert np.isnan(np.asarray(state_w.inner_state[0].mu["w"].cols[3]))
     params = optax.apply_updates(params, jax.tree.map(jnp.nan_to_num, want))
