@@ -1677,6 +1677,7 @@ _SCHEDULE_FREE_WRAPPERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", sorted(_SCHEDULE_FREE_WRAPPERS))
 def test_schedule_free_evaluation_params_are_found_inside_a_wrapper(wrapper):
   """Schedule-free wrapped in optax.MultiSteps, inject_hyperparams or apply_if_finite (in a

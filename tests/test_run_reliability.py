@@ -797,6 +797,7 @@ def test_a_checkpointer_asked_after_another_handler_was_installed_hears_sigterm(
     signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.slow
 def test_a_handler_that_chains_to_a_closed_checkpointers_keeps_the_process(tmp_path):
   """A framework's handler installed over the shared one, calling the handler it replaced:
   once every checkpointer had closed, the shared one acted out the default action it had
@@ -821,6 +822,7 @@ print("alive", flush=True)
   assert done.stdout.split() == ["framework", "alive"], done.stdout
 
 
+@pytest.mark.slow
 def test_a_sigterm_handler_not_installed_from_python_is_replaced_and_then_the_default(tmp_path):
   """A handler installed outside Python (an embedding program's: getsignal gives None) was
   taken for the shared one, so no checkpointer heard SIGTERM, and close raised TypeError
