@@ -55,6 +55,7 @@ from t5x_optim.cli.loop.job import (
 from t5x_optim.cli.loop.train import (
   CHECKPOINTS,
   INCOMPLETE,
+  STEP_CHECKSUMS,
   UsageError,
   skip_reason,
   steps_line,
@@ -74,9 +75,6 @@ __all__ = [
 
 CONVERSION_HPARAMS = BUILTIN_HPARAMS
 """The hyper-parameters the built-in converters read (see `t5x_optim.convert_state`)."""
-
-_CHECKSUMS = Path("checksums") / "checksums.json"
-"""Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 
 
 class Source(NamedTuple):
@@ -255,7 +253,7 @@ def restored_seen(source: Source) -> str:
     >>> import tempfile
     >>> run = Path(tempfile.mkdtemp())
     >>> (run / 'checkpoints' / '4' / 'checksums').mkdir(parents=True)
-    >>> (run / 'checkpoints' / '4' / _CHECKSUMS).write_text('{"target/w": 7}')
+    >>> (run / 'checkpoints' / '4' / STEP_CHECKSUMS).write_text('{"target/w": 7}')
     15
     >>> restored_seen(Source(run, None, {}))
     'step 4 (checksums digest 4e5cb25822a3)'
@@ -268,7 +266,7 @@ def restored_seen(source: Source) -> str:
   for name in sorted(names, key=int, reverse=True):
     if source.step is not None and int(name) != source.step:
       continue
-    path = directory / name / _CHECKSUMS
+    path = directory / name / STEP_CHECKSUMS
     if path.is_file():
       digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
       return f"step {int(name)} (checksums digest {digest})"

@@ -119,10 +119,10 @@ SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
 _COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
-_CHECKSUMS = Path("checksums") / "checksums.json"
-"""Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 """What orbax writes into a step's directory when its save completes, either one locally
 (`t5x_optim.checkpoints`)."""
+STEP_CHECKSUMS = Path("checksums") / "checksums.json"
+"""Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 _SHOWN_STEPS = 4
 _REASON_CHARS = 300
 INCOMPLETE = "incomplete: its save or copy never completed"
@@ -305,7 +305,7 @@ def _committed_step_around(path: Path) -> Path | None:
   orbax's record of a completed save (`_COMMIT_RECORDS`), what a run's
   rotation deletes, or that is a step still to come of a t5x-optim run: its
   ``checkpoints`` directory holds a committed step that records the run's
-  checksums (`_CHECKSUMS`) and its ``config.gin`` lies beside it (the run
+  checksums (`STEP_CHECKSUMS`) and its ``config.gin`` lies beside it (the run
   sets an incomplete step aside when it saves there). A numbered directory
   elsewhere (made beforehand, a folder of years, beside a checkpoint
   copied from another framework) is no step a run keeps.
@@ -327,7 +327,7 @@ def _committed_step_around(path: Path) -> Path | None:
       if _committed(directory) or (
         (directory.parent.parent / "config.gin").is_file()
         and any(
-          _committed(step) and (step / _CHECKSUMS).is_file()
+          _committed(step) and (step / STEP_CHECKSUMS).is_file()
           for step in directory.parent.iterdir()
           if step.name.isdigit()
         )
