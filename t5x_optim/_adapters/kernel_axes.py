@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import optax
 import optax.contrib
-from flax.core import meta
 
 from t5x_optim._adapters.optax_wrapper import FusedOption, OptaxWrapper, takes_param_axes
 from t5x_optim._adapters.param_subsets import format_paths
@@ -88,18 +87,14 @@ KERNEL_AXES_FACTORIES: dict[Callable[..., Any], KernelAxesTarget] = {
 """The optax factories that take weight dimension numbers, and how."""
 
 
-def _is_box(x: Any) -> bool:
-  return isinstance(x, meta.AxisMetadata)
-
-
 def _params_by_path(params: Any) -> list[tuple[Any, Any]]:
   """``(tree path, param)`` of each param; a flax box (``nn.with_logical_partitioning``'s)
   is one param at the box's path, its value, and one that holds no array (a param optax
   masked out) none."""
   found = []
-  for path, param in jax.tree.flatten_with_path(params, is_leaf=_is_box)[0]:
+  for path, param in jax.tree.flatten_with_path(params, is_leaf=_state_rules.is_box)[0]:
     value = _state_rules.unbox_leaf(param)
-    if not _is_box(param) or jax.tree.leaves(value):
+    if not _state_rules.is_box(param) or jax.tree.leaves(value):
       found.append((path, value))
   return found
 
@@ -265,9 +260,9 @@ class KernelAxesOptaxWrapper(OptaxWrapper):
       made = None
       if kernel is not None and (self.target.batches or not kernel.batch):
         made = self.target.make(kernel)
-      return param.replace_boxed(made) if _is_box(param) else made
+      return param.replace_boxed(made) if _state_rules.is_box(param) else made
 
-    return jax.tree.map_with_path(numbers, params, is_leaf=_is_box)
+    return jax.tree.map_with_path(numbers, params, is_leaf=_state_rules.is_box)
 
   def describe_params(self, params: Any) -> list[str]:
     """One line per param: where it goes (``muon`` or ``adam`` for muon) and by which axes.

@@ -208,6 +208,11 @@ def logical_axes_from(params_axes: Any) -> Any:
   return jax.tree.map_with_path(_to_spec, params_axes, is_leaf=_is_axes_input_leaf)
 
 
+def is_box(x: Any) -> bool:
+  """Whether `x` is a flax box (``nn.with_logical_partitioning``'s, an ``AxisMetadata``)."""
+  return isinstance(x, meta.AxisMetadata)
+
+
 def unbox_leaf(x: Any) -> Any:
   """A flax box's value, with no sharding constraint applied; anything else as it is."""
   if isinstance(x, meta.Partitioned):

@@ -20,12 +20,11 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import struct, traverse_util
-from flax.core import meta
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
 from t5x_optim._adapters.multi_optimizer import with_param_axes
-from t5x_optim._axes.engine import box_spec, unbox_leaf
+from t5x_optim._axes.engine import box_spec, is_box, unbox_leaf
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, structure_mismatch
 from t5x_optim._keypaths import key_path_str
@@ -41,13 +40,9 @@ SpecLeaves = tuple[PartitionSpec | None, ...]
 """Logical specs aligned with `jax.tree.leaves` of a collection."""
 
 
-def _is_box(x: Any) -> bool:
-  return isinstance(x, meta.AxisMetadata)
-
-
 def _box_spec(path: tuple[str, ...], x: Any) -> PartitionSpec | None:
   """A leaf's logical spec from its box; None (replicated) for an unboxed leaf."""
-  return box_spec(x, key_path_str(path)) if _is_box(x) else None
+  return box_spec(x, key_path_str(path)) if is_box(x) else None
 
 
 def _axes_by_path(axes_collection: Any) -> dict[tuple[str, ...], PartitionSpec | None]:
@@ -78,7 +73,7 @@ def _split_collection(
   flat = traverse_util.flatten_dict(flax.core.unfreeze(collection), keep_empty_nodes=True)
   given = {} if axes_collection is None else _axes_by_path(axes_collection)
   unexpected = sorted(key_path_str(p) for p in given if p not in flat)
-  unboxed = [p for p, x in flat.items() if not _is_box(x) and x is not traverse_util.empty_node]
+  unboxed = [p for p, x in flat.items() if not is_box(x) and x is not traverse_util.empty_node]
   missing = sorted(key_path_str(p) for p in unboxed if p not in given)
   if axes_collection is not None and (unexpected or missing):
     raise ValueError(
