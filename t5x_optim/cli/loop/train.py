@@ -375,7 +375,7 @@ def _train_step(
 ) -> Any:
   """One update; the metrics are the loss, the gradient norm, the learning rate (and
   reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient
-  norm and the updated params are), and with `weights` the per-parameter metrics
+  norm and the updated params are, and the updated optimizer state holds no NaN), and with `weights` the per-parameter metrics
   (`metric_vector`, reduced with one all-reduce given the state's `shardings`) under
   ``weights``. An optimizer that takes optax's extra arguments gets them of the batch's
   loss (`loss_extra_args`).
@@ -405,8 +405,10 @@ def _train_step(
     at = jnp.maximum(counts[0] - 1, 0) if counts else state.step
     rate = learning_rate(at) if callable(learning_rate) else learning_rate
     metrics["learning_rate"] = jnp.asarray(rate, jnp.float32)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updated.params)
-  finite &= ~_any_nan(updated.param_states)
+  # An optimizer state may hold an infinity by design (reduce_on_plateau's best loss before
+  # its first check), never a NaN.
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_floats(jnp.isfinite, updated.params)
+  finite &= _all_floats(lambda x: ~jnp.isnan(x), updated.param_states)
   metrics["finite"] = finite
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
   if skip:
@@ -429,21 +431,11 @@ def _train_step(
   return new_state, metrics
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  """Whether every floating array of `tree` is finite (one fused reduction per leaf)."""
-  flags = [
-    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
+def _all_floats(holds: Callable[[jax.Array], jax.Array], tree: Any) -> jax.Array:
+  """Whether `holds` is true of every element of every floating array of `tree` (one fused
+  reduction per leaf)."""
+  flags = [jnp.all(holds(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
-
-
-def _any_nan(tree: Any) -> jax.Array:
-  """Whether a floating array of `tree` holds a NaN. An optimizer state may hold an infinity
-  by design (reduce_on_plateau's best loss before its first check), never a NaN."""
-  flags = [
-    jnp.any(jnp.isnan(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  return functools.reduce(jnp.logical_or, flags, jnp.bool_(False))
 
 
 def injected_learning_rates(param_states: Any) -> list[Any]:
