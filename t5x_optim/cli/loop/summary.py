@@ -75,11 +75,12 @@ class TrainSummary:
     if self.skipped_steps:
       lines.append(f"skipped {self.skipped_steps} non-finite steps")
     if self.final_loss is not None:
-      evaluated = "" if self.eval_loss is None else f", eval loss {self.eval_loss:.4f}"
+      evaluated = ""
       if self.eval_loss is not None:
-        evaluated += "".join(f", {name} {value:.4f}" for name, value in self.eval_others)
-      if self.eval_loss is not None and self.eval_step not in (None, self.end_step):
-        evaluated += f" (step {self.eval_step})"
+        losses = (("eval loss", self.eval_loss), *self.eval_others)
+        evaluated = "".join(f", {name} {value:.4f}" for name, value in losses)
+        if self.eval_step not in (None, self.end_step):
+          evaluated += f" (step {self.eval_step})"
       lines.append(f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}{evaluated}")
     saved = "none" if self.checkpoint_step is None else f"step {self.checkpoint_step}"
     lines.append(f"checkpoint: {saved} in {self.checkpoint_dir}")
