@@ -33,7 +33,7 @@ from t5x_optim import (
   low_precision_to_float32,
 )
 from t5x_optim._low_precision import low_precision as low_precision_module
-from t5x_optim._low_precision.low_precision import _row_split, _stream_plan
+from t5x_optim._low_precision.low_precision import _row_split, _stats_split, _stream_plan
 from t5x_optim._low_precision.quantize4 import Rank1Quantized4Leaf
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
@@ -352,6 +352,26 @@ def test_a_small_4bit_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf():
   assert peak < 16 * n
 
 
+@pytest.mark.parametrize(
+  ("shape", "column_maxima", "want"),
+  [
+    ((768, 768), True, (8, 16, 6)),  # under stream_chunk: 16 chunks of rows
+    ((768, 768), False, None),  # fits in a chunk: whole
+    ((4099, 16), True, None),  # prime rows: 4,099 chunks of one row walked, whole instead
+    ((61, 16), True, (1, 61, 1)),  # prime rows, a few more chunks than 16: walked
+    ((4096, 16), True, (8, 16, 32)),
+    ((4099, 4096), True, (1, 4099, 1)),  # over stream_chunk: a row at a time, never whole
+  ],
+)
+def test_column_maxima_walk_at_least_16_chunks_unless_their_rows_divide_poorly(
+  shape, column_maxima, want
+):
+  """A leaf under ``stream_chunk`` that stores column maxima walks 16 chunks of rows or a
+  few more; where its rows divide only into far more, thin ones (a prime row count), its
+  statistics are computed whole, as any leaf that fits in a chunk is."""
+  assert _stats_split(shape, 1, 1 << 20, 8, column_maxima=column_maxima) == want
+
+
 def _chunked_equals_whole(monkeypatch, update_c, update_w, grads, state_c, state_w, params):
   """One step chunked (`update_c`) and whole (`update_w`, the 16-chunk floor off), checked
   bit for bit; the whole step's updates and both new states."""
@@ -370,9 +390,9 @@ def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, gu
   """Leaves under ``stream_chunk`` that store column maxima walk at least 16 chunks of rows:
   with inf, -inf and NaN gradients, the same updates and states, bit for bit, as their
   statistics computed whole (at least one chunk); beside a 1-D and an empty leaf, with
-  blocks of two rows, and rows of a prime count (97 chunks of one row)."""
+  blocks of two rows, and rows of a prime count (61 chunks of one row)."""
   rng = np.random.default_rng(0)
-  shapes = {"w": (64, 32), "prime": (97, 16), "narrow": (96, 4), "vec": (48,), "empty": (0,)}
+  shapes = {"w": (64, 32), "prime": (61, 16), "narrow": (96, 4), "vec": (48,), "empty": (0,)}
   params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
   options = dict(block_size=8, shard_multiple=2, min_size=0, guard_nonfinite=guard)
   chunked = low_precision(optax.adamw(1e-2), "4bit", **options)

@@ -190,6 +190,9 @@ _COLUMN_CHUNKS = 16
 """The fewest chunks of rows whose statistics a leaf that stores column maxima (4-bit, rank 1)
 computes apart, however small: XLA:CPU holds the input of a reduction over rows (the column
 maxima) whole, here the chunk's new moments in float32, 8 bytes per value for Adam's two."""
+_COLUMN_CHUNKS_MOST = 4 * _COLUMN_CHUNKS
+"""The most chunks of rows the `_COLUMN_CHUNKS` floor walks: rows that divide only into more
+(a prime count) walk as any leaf's do (`_stats_split`)."""
 
 
 @struct.dataclass
@@ -1015,6 +1018,31 @@ def _row_split(
   return stripes, units // fits[-1], fits[-1] * unit
 
 
+def _stats_split(
+  shape: tuple[int, ...], unit: int, chunk: int, shard_multiple: int, *, column_maxima: bool
+) -> tuple[int, int, int] | None:
+  """`_row_split` of a leaf's streamed statistics: chunks of at most ``chunk`` values, and for
+  a leaf that stores column maxima at least `_COLUMN_CHUNKS` of them.
+
+  The floor holds where the rows divide into a few more chunks than it asks; where they divide
+  only into far thinner ones (a prime row count: one row per chunk), walking them costs more
+  time than the floor saves memory, and the leaf walks as any other does: whole where it fits
+  in ``chunk`` values, whose float32 statistics are then the bound on its temporaries.
+
+  Example:
+    >>> _stats_split((4096, 16), 1, 1 << 20, 8, column_maxima=True)
+    (8, 16, 32)
+    >>> _stats_split((4099, 16), 1, 1 << 20, 8, column_maxima=True) is None  # 4,099 rows
+    True
+  """
+  if column_maxima:
+    floor = min(chunk, max(1, math.prod(shape) // _COLUMN_CHUNKS))
+    split = _row_split(shape, unit, floor, shard_multiple)
+    if split is not None and split[1] <= _COLUMN_CHUNKS_MOST:
+      return split
+  return _row_split(shape, unit, chunk, shard_multiple)
+
+
 def _chunk(x: jax.Array, split: tuple[int, int, int], rows: int, b: jax.Array) -> jax.Array:
   """Chunk ``b`` of `_row_split` of an array whose first dimension holds ``rows`` leaf rows
   per row (a block's scales) or, with fewer dimensions than the leaf, all of them."""
@@ -1270,10 +1298,10 @@ def _streamed_update(
     kinds = tuple(state.storage[k] for k in ks)
     rounded = tuple(_rounded(state, k) for k in ks)
     old = [new_stored[k] for k in ks]
-    limit = chunk
-    if any(isinstance(x, Rank1Quantized4Leaf) for x in old):
-      limit = min(chunk, max(1, math.prod(jnp.shape(g)) // _COLUMN_CHUNKS))
-    split = _row_split(jnp.shape(g), _block_rows(g, old), limit, shard_multiple)
+    column_maxima = any(isinstance(x, Rank1Quantized4Leaf) for x in old)
+    split = _stats_split(
+      jnp.shape(g), _block_rows(g, old), chunk, shard_multiple, column_maxima=column_maxima
+    )
     key = (id(group_of[i]), kinds, rounded, split)
     if key not in functions:
       functions[key] = _leaf_functions(program, kinds, rounded, block, guard, split)
