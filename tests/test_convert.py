@@ -780,7 +780,9 @@ def test_nested_states_are_found(name, make, adam_of):
       if not isinstance(leaf, optax.MaskedNode):
         want = traverse_util.flatten_dict(getattr(expected, field))[path]
         np.testing.assert_allclose(leaf, want, rtol=2e-5, err_msg=f"{name} {field} {path}")
-  assert report.converted and not report.initialised, report
+  fresh = [line for line in report.initialised if "at the initial value by design" in line]
+  assert report.converted and report.initialised == tuple(fresh), report
+  assert [line.split(" ")[0] for line in fresh] == (["acc_grads"] if name == "multisteps" else [])
 
 
 def test_schedule_counts_go_on_from_the_source_step():
@@ -2193,6 +2195,26 @@ def test_moments_galore_keeps_projected_are_neither_written_nor_read():
   assert any("of 2 params kept in GaLore's projected space" in e for e in report.dropped)
   assert float(jnp.abs(back.state.param_states[0].mu["square"]).max()) == 0.0
   assert float(jnp.abs(back.state.param_states[0].mu["b"]).max()) > 0.0
+
+
+def test_galores_projectors_start_fresh_by_design_without_a_refusal():
+  """GaLore recomputes its projectors at its count 0, where a converted GaLore starts: with
+  no param projected, nothing is lost and the conversion goes through without
+  ``missing="init"``, the projectors listed as fresh by design, as MultiSteps' accumulator."""
+  params = {"bias": jnp.ones(8), "scale": jnp.ones(8)}
+  old = OptaxWrapper(optax.adam(0.1)).create(params).apply_gradient(params)
+  new, report = t5x_optim.convert_state(old, optimizers.galore(0.01, rank=8))
+  assert report.initialised == (
+    "0/projector (GaLoreState.projector): at the initial value by design (recomputed at "
+    "the state's count 0)",
+  )
+  base = new.state.param_states[0].base_optimizer_state
+  np.testing.assert_allclose(base.mu["bias"], old.state.param_states[0].mu["bias"], rtol=1e-6)
+  _, report = t5x_optim.convert_state(old, OptaxWrapper(optax.MultiSteps(optax.adam(0.1), 2)))
+  assert report.initialised == (
+    "acc_grads (MultiStepsState.acc_grads): at the initial value by design (the gradients "
+    "accumulated towards the next update)",
+  )
 
 
 @pytest.mark.slow

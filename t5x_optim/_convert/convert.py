@@ -170,8 +170,11 @@ def _has_tensors(tree: Any) -> bool:
   return any(jnp.ndim(leaf) > 0 for leaf in jax.tree.leaves(tree))
 
 
-# Fields that hold no statistics of the gradients and start at their initial value.
-_FRESH_FIELDS = {(optax.MultiStepsState, "acc_grads")}
+# Fields that hold no statistics to convert and start at their initial value, and why.
+_FRESH_FIELDS = {
+  (optax.MultiStepsState, "acc_grads"): "the gradients accumulated towards the next update",
+  (optax.contrib.GaLoreState, "projector"): "recomputed at the state's count 0",
+}
 
 _EVENT_COUNTS = frozenset(
   {
@@ -596,6 +599,7 @@ def _write_target(
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
+  fresh: list[str] = []
   counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
 
@@ -647,8 +651,12 @@ def _write_target(
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
       elif state_node and not _has_state_nodes(child) and _has_tensors(child):
-        if (type(node), key) not in _FRESH_FIELDS:
-          no_converter.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
+        label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
+        why = _FRESH_FIELDS.get((type(node), key))
+        if why is None:
+          no_converter.append(label)
+        else:
+          fresh.append(f"{label}: at the initial value by design ({why})")
         new.append(child)
       else:
         new.append(
@@ -677,7 +685,7 @@ def _write_target(
       initialised.append(kept(field, record.by_design, "at the initial value by design"))
   unconverted = [f"{entry}: no converter" for entry in no_converter]
   refused += unconverted
-  initialised += unconverted
+  initialised += unconverted + fresh
   unused: dict[tuple[str, str], list[str]] = {}
   used = recorder.used()
   for param, entry in source.stats.items():
