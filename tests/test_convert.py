@@ -2197,19 +2197,26 @@ def test_moments_galore_keeps_projected_are_neither_written_nor_read():
   assert float(jnp.abs(back.state.param_states[0].mu["b"]).max()) > 0.0
 
 
-def test_galores_projectors_start_fresh_by_design_without_a_refusal():
+@pytest.mark.parametrize("boxed", [False, True], ids=["plain", "boxed"])
+def test_galores_projectors_start_fresh_by_design_without_a_refusal(boxed):
   """GaLore recomputes its projectors at its count 0, where a converted GaLore starts: with
   no param projected, nothing is lost and the conversion goes through without
-  ``missing="init"``, the projectors listed as fresh by design, as MultiSteps' accumulator."""
+  ``missing="init"``, the projectors listed as fresh by design, as MultiSteps' accumulator;
+  with params in flax boxes too (their projectors are boxes)."""
   params = {"bias": jnp.ones(8), "scale": jnp.ones(8)}
-  old = OptaxWrapper(optax.adam(0.1)).create(params).apply_gradient(params)
+  if boxed:
+    params = {name: nn.Partitioned(x, ("mlp",)) for name, x in params.items()}
+  old = OptaxWrapper(optax.adam(0.1)).create(params)
+  old = old.apply_gradient(jax.tree.map(jnp.ones_like, old.target))
   new, report = t5x_optim.convert_state(old, optimizers.galore(0.01, rank=8))
   assert report.initialised == (
     "0/projector (GaLoreState.projector): at the initial value by design (recomputed at "
     "the state's count 0)",
   )
   base = new.state.param_states[0].base_optimizer_state
-  np.testing.assert_allclose(base.mu["bias"], old.state.param_states[0].mu["bias"], rtol=1e-6)
+  np.testing.assert_allclose(
+    jax.tree.leaves(base.mu["bias"]), jax.tree.leaves(old.state.param_states[0].mu["bias"])
+  )
   _, report = t5x_optim.convert_state(old, OptaxWrapper(optax.MultiSteps(optax.adam(0.1), 2)))
   assert report.initialised == (
     "acc_grads (MultiStepsState.acc_grads): at the initial value by design (the gradients "

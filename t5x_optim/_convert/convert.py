@@ -648,15 +648,15 @@ def _write_target(
     new = []
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
+      label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
+      elif state_node and (type(node), key) in _FRESH_FIELDS and _has_tensors(child):
+        # Whole, whatever it holds (flax boxes of a boxed params' tree, too).
+        fresh.append(f"{label}: at the initial value by design ({_FRESH_FIELDS[type(node), key]})")
+        new.append(child)
       elif state_node and not _has_state_nodes(child) and _has_tensors(child):
-        label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
-        why = _FRESH_FIELDS.get((type(node), key))
-        if why is None:
-          no_converter.append(label)
-        else:
-          fresh.append(f"{label}: at the initial value by design ({why})")
+        no_converter.append(label)
         new.append(child)
       else:
         new.append(
