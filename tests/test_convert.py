@@ -1531,6 +1531,56 @@ def test_a_sharded_state_converts_into_a_definition_sharded_as_create_gives_it(p
   jax.jit(lambda o, g: o.apply_gradient(g))(new, jax.tree.map(jnp.ones_like, new.target))
 
 
+def _buffers(tree):
+  """`(path, buffer address)` of every device buffer of the concrete arrays in `tree`."""
+  return [
+    (jax.tree_util.keystr(path), shard.data.unsafe_buffer_pointer())
+    for path, leaf in jax.tree.flatten_with_path(tree)[0]
+    if isinstance(leaf, jax.Array) and leaf.size
+    for shard in leaf.addressable_shards
+  ]
+
+
+_DEFINITION_TARGETS = [
+  pytest.param(lambda: optimizers.adam(1e-3), id="adam"),
+  pytest.param(
+    lambda: OptaxWrapper(optax.lookahead(optax.adam(1e-3), sync_period=2, slow_step_size=0.5)),
+    id="lookahead",
+  ),
+  pytest.param(
+    lambda: OptaxWrapper(t5x_optim.low_precision(optax.adam(1e-3), "8bit", min_size=0)),
+    id="8bit",
+  ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "sharded"])
+@pytest.mark.parametrize("make", _DEFINITION_TARGETS)
+def test_a_definition_target_gets_its_own_buffers(make, sharded, partitioner):
+  """Into a definition the new optimizer kept the source's param buffers (a lookahead target
+  one buffer for both copies): a jitted step that donates its state refused the buffer given
+  twice, or deleted the source's params. Every leaf is a new buffer, placed as the source's."""
+  if sharded:
+    source = partitioning.init_sharded(partitioner, optimizers.adam(0.1), _variables).optimizer
+  else:
+    source = optimizers.adam(0.1).create(PARAMS)
+  new, _ = t5x_optim.convert_state(source, make(), missing="init")
+  seen = {}
+  for path, address in _buffers(new):
+    assert address not in seen, f"{path} shares a buffer with {seen[address]}"
+    seen[address] = path
+  shared = [(path, seen[address]) for path, address in _buffers(source) if address in seen]
+  assert not shared, f"the source's leaves share buffers with the result's: {shared}"
+  for got, want in zip(
+    jax.tree.leaves(t5x_optim.trained_params(new.target)), jax.tree.leaves(source.target)
+  ):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
+  step = jax.jit(lambda o, g: o.apply_gradient(g), donate_argnums=0)
+  jax.block_until_ready(step(new, jax.tree.map(jnp.ones_like, source.target)))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(source))
+
+
 def _lookahead(params):
   la = OptaxWrapper(optax.lookahead(optax.adam(0.1), sync_period=3, slow_step_size=0.5))
   old = la.create(optax.LookaheadParams.init_synced(params))

@@ -1164,11 +1164,12 @@ def convert_state(
   Returns:
     ``(optimizer, report)``: the new optimizer with the source's params (in
     the target's containers, dtypes and shardings, matched by path) and
-    step, and a `ConversionReport`. Between ``optax.lookahead`` (two copies
-    of the params, `optax.LookaheadParams`) and another optimizer (either
-    way, into an `Optimizer` or a definition), the params are the slow copy
-    (the report's ``dropped`` names the fast one), or both copies are the
-    source's params.
+    step, and a `ConversionReport`. Every leaf is a new buffer (none the
+    source's, no two one), so a jitted step may donate it. Between
+    ``optax.lookahead`` (two copies of the params, `optax.LookaheadParams`)
+    and another optimizer (either way, into an `Optimizer` or a definition),
+    the params are the slow copy (the report's ``dropped`` names the fast
+    one), or both copies are the source's params.
     Stacked params (`t5x_optim.stack_params`) with a definition `target` get
     the stacked layer its ``create`` would put around it; between an optimizer
     of stacked params and an `Optimizer` target of per-leaf ones (or back), or
@@ -1247,6 +1248,7 @@ def convert_state(
     optimizer_def, like_state = target, None
     params, copies = _copies_for(params, lookahead=trains_lookahead_params(target))
     notes += copies
+    params = jax.tree.map(_placed, params, params)  # Each a new buffer, as the source's placed.
     if param_axes is not None:  # A definition that places its params by their axes: Muon's.
       optimizer_def = with_param_axes(target, param_axes)
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
