@@ -92,6 +92,48 @@ def test_the_created_state_has_the_types_its_update_returns(case: Case):
   assert _avals(jax.eval_shape(wrapper_step, opt)) == _avals(opt)
 
 
+def _buffer_owners(tree: Any) -> dict[int, list[str]]:
+  """Every device buffer of the concrete arrays in `tree`, with the paths of the leaves in it."""
+  owners: dict[int, list[str]] = {}
+  for path, leaf in jax.tree.flatten_with_path(tree)[0]:
+    if isinstance(leaf, jax.Array) and leaf.size:
+      for shard in leaf.addressable_shards:
+        owners.setdefault(shard.data.unsafe_buffer_pointer(), []).append(jax.tree_util.keystr(path))
+  return owners
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    case if case.name in ("lbfgs", "lookahead") else pytest.param(case, marks=pytest.mark.slow)
+    for case in TABLE
+  ],
+  ids=repr,
+)
+def test_every_leaf_of_a_created_optimizer_is_its_own_buffer(case: Case):
+  """A jitted step that donates the optimizer refused one buffer given twice: L-BFGS's
+  ``diff_params_memory`` and ``diff_updates_memory`` were one array, prodigy's ``params0``,
+  madgrad's ``x0`` and cocob's ``init_particles`` the params themselves, and lookahead's fast
+  and slow params one where created from ``optax.LookaheadParams.init_synced`` (as its error
+  at create advises). A leaf in a buffer another holds is copied; the first keeps it."""
+  params = initial_params(case)
+  opt = OptaxWrapper(case.make()).create(params)
+  shared = [paths for paths in _buffer_owners(opt).values() if len(paths) > 1]
+  assert not shared, shared
+  assert jax.tree.leaves(opt.target)[0] is jax.tree.leaves(params)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "case", [case for case in TABLE if case.name in ("lbfgs", "lookahead")], ids=repr
+)
+def test_a_created_optimizer_steps_donated(case: Case):
+  """The created L-BFGS and lookahead optimizers (two leaves in one buffer, before) go through
+  a jitted step that donates them, twice."""
+  step = jax.jit(wrapper_step, donate_argnums=0)
+  jax.block_until_ready(step(step(OptaxWrapper(case.make()).create(initial_params(case)))))
+
+
 def _distinct(tree: Any) -> Any:
   """`tree` with every numeric array leaf changed to values no other leaf holds
   (a swapped, dropped or zeroed leaf shows in a round trip, as it may not in a fresh state)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import optax
 from flax import struct
 
@@ -193,12 +194,16 @@ class OptimizerDef(abc.ABC):
   def create(self, target: Any) -> Optimizer:
     """Creates an `Optimizer` for `target` (the params).
 
+    No two of its leaves share a device buffer (`own_buffers`), so a jitted step may donate
+    it: lookahead's fast and slow params from ``optax.LookaheadParams.init_synced`` get two.
+
     Raises:
       TypeError: `target` holds an ``nnx.Variable`` that is not an ``nnx.Param``
         (`_nnx.refuse_non_params`).
     """
     refuse_non_params(target, f"{type(self).__name__}.create")
-    return Optimizer(optimizer_def=self, state=self.init_state(target), target=target)
+    target, state = own_buffers(target, self.init_state(target))
+    return Optimizer(optimizer_def=self, state=state, target=target)
 
   def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
     """The T5X-layout state dict of `target` and `state`.
@@ -243,6 +248,50 @@ _DEF_METHODS = (
   "state_dict",
   "restore_state",
 )
+
+
+def _buffers(leaf: Any) -> set[int]:
+  """The addresses of the device buffers of a concrete, live, non-empty array (else none)."""
+  if (
+    not isinstance(leaf, jax.Array)
+    or isinstance(leaf, jax.core.Tracer)
+    or leaf.is_deleted()
+    or not leaf.size
+  ):
+    return set()
+  return {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
+
+
+def own_buffers(*trees: Any) -> tuple[Any, ...]:
+  """`trees` with each array leaf that shares a device buffer with an earlier leaf (of the
+  same tree or an earlier one) copied in its sharding, so a jitted step may donate them all.
+
+  The first leaf in a buffer is kept, and a tree none of whose leaves is copied is returned
+  as given (its dicts in their order).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones(3)
+    >>> (a, b), c = own_buffers((x, x), {'w': x})
+    >>> a is x, b is x, c['w'] is x, b.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    (True, False, False, True)
+  """
+  seen: set[int] = set()
+
+  def own(leaf: Any) -> Any:
+    buffers = _buffers(leaf)
+    if not buffers.isdisjoint(seen):
+      return jnp.array(leaf, copy=True)
+    seen.update(buffers)
+    return leaf
+
+  owned = []
+  for tree in trees:
+    leaves, treedef = jax.tree.flatten(tree)
+    copies = [own(leaf) for leaf in leaves]
+    changed = any(new is not old for new, old in zip(copies, leaves, strict=True))
+    owned.append(treedef.unflatten(copies) if changed else tree)
+  return tuple(owned)
 
 
 def missing_def_methods(opt_def: Any) -> list[str]:
