@@ -233,6 +233,50 @@ def test_a_restore_into_arrays_on_no_particular_device_keeps_their_device():
     assert leaf.devices() == {device} and not leaf.committed
 
 
+def _aligned(array: np.ndarray) -> np.ndarray:
+  """A copy of `array` in memory at a 64-byte boundary, which jax on CPU may take as its own."""
+  raw = np.empty(array.nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+  out[...] = array
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placed", ["default_device", "sharded"])
+def test_a_restore_from_numpy_holds_no_memory_of_the_state_dict(placed):
+  """Restored from numpy arrays at a 64-byte boundary, the params and moments were the
+  state dict's memory (jax on CPU takes such an array without copying): refilling the state
+  dict, as a loop that reads the next checkpoint into the same buffers does, changed the
+  restored optimizer without a word. A restore from jax arrays still takes them as they are."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 64, dtype=jnp.float32).reshape(64, 64)}
+  if placed == "sharded":
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    params = jax.device_put(
+      params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    )
+  opt = optimizers.adamw(1e-3).create(params)
+  opt = opt.apply_gradient({"w": jnp.ones((64, 64))})
+  saved = jax.tree.map(lambda x: _aligned(np.asarray(x)), opt.state_dict())
+  want = jax.tree.map(np.copy, saved)
+  restored = opt.restore_state(saved)
+  jax.tree.map(lambda x: x.fill(7), saved)
+  changed = [
+    jax.tree_util.keystr(path)
+    for (path, got), kept in zip(
+      jax.tree.flatten_with_path(restored.state_dict())[0], jax.tree.leaves(want), strict=True
+    )
+    if not np.array_equal(np.asarray(got), kept)
+  ]
+  assert not changed, f"refilling the state dict changed the restored {changed}"
+  given = opt.state_dict()
+  taken = opt.restore_state(given).state_dict()
+  for got, passed in zip(jax.tree.leaves(taken), jax.tree.leaves(given), strict=True):
+    assert [shard.data.unsafe_buffer_pointer() for shard in got.addressable_shards] == [
+      shard.data.unsafe_buffer_pointer() for shard in passed.addressable_shards
+    ]
+
+
 def _cast_unpartitioned(state_dict, dtype):
   """`state_dict` as T5X's ``RestoreCheckpointConfig.dtype`` hands it to ``restore_state``:
   the params and the arrays it has no partitioning for (the scalars here) cast to `dtype`."""

@@ -443,6 +443,15 @@ def _key_data(value: Any, where: str) -> np.ndarray:
   return data.astype(np.uint32)
 
 
+def _device_array(value: Any, dtype: Any) -> jax.Array:
+  """`value` as a jax array of `dtype`: a jax array as it is where it has the dtype; host data
+  copied on the host before it goes to a device, since jax on CPU may take an aligned numpy
+  array's memory as its own, which the caller may go on to refill."""
+  if isinstance(value, jax.Array):
+    return jax.numpy.asarray(value, dtype=dtype)
+  return jax.numpy.asarray(np.array(value, copy=True), dtype=dtype)
+
+
 def _placed_like(reference: Any, value: jax.Array) -> jax.Array:
   """`value` on `reference`'s sharding; on its device but not committed to it when neither is
   committed (a step jitted for the reference then takes it without compiling again)."""
@@ -579,8 +588,7 @@ def _convert_array(
   if isinstance(reference, np.ndarray | np.generic) or _is_lazy_array(reference):
     return np.asarray(value, dtype=out_dtype)
   if isinstance(reference, jax.Array | jax.ShapeDtypeStruct):
-    array = jax.numpy.asarray(value, dtype=out_dtype)
-    return _placed_like(reference, array)
+    return _placed_like(reference, _device_array(value, out_dtype))
   return type(reference)(np.asarray(value).item())
 
 
