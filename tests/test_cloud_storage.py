@@ -514,6 +514,34 @@ def test_a_scheme_without_backend_is_one_line(flag, path, message, tmp_path, cap
   assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("path", "message"),
+  [
+    (
+      "gs://bkt/run#1",
+      "gs://bkt/run#1: a gs:// path cannot hold '#' or '?': orbax reads it as a URL, whose path "
+      "ends there, and would write the arrays of every step to gs://bkt/run",
+    ),
+    ("s3://bkt/a?b/run", "s3://bkt/a?b/run: a s3:// path cannot hold '#' or '?'"),
+  ],
+)
+@pytest.mark.parametrize("flag", ["--model_dir", "--init_from", "--data", "--compilation_cache"])
+def test_a_path_that_orbax_would_cut_short_is_one_line(flag, path, message, tmp_path, capsys):
+  """orbax parses a gs:// path as a URL: '#' or '?' started a fragment or a query, and every
+  step's arrays went to what came before, overwriting those of other steps and runs."""
+  with pytest.raises(storage.StorageError, match=re.escape(message)):
+    storage.as_path(path)
+  with pytest.raises(storage.StorageError, match=re.escape(message)):
+    Checkpointer(path)
+  flags = [flag, path] if flag == "--model_dir" else [flag, path, "--model_dir", str(tmp_path)]
+  assert main(["train", *TINY, *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"t5x-optim train: error: {flag} {message}"), err
+  assert len(err.strip().splitlines()) == 1, err
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_gs_without_gcsfs_names_the_extra(monkeypatch):
   absent = ("gcsfs", "tensorflow")
   find_spec = storage.importlib.util.find_spec

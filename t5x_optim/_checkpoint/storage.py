@@ -27,6 +27,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import urllib.parse
 from typing import Any
 
 from etils import epath
@@ -113,6 +114,19 @@ def _check_backend(text: str, scheme: str) -> None:
     )
 
 
+def _check_url_path(text: str, scheme: str) -> None:
+  """Refuses a path with a scheme that holds ``#`` or ``?``: orbax parses it as a URL, where
+  they start a fragment or a query, and would store every step's arrays in what comes before
+  (over those of the other steps, and of other runs there)."""
+  if "#" in text or "?" in text:
+    url = urllib.parse.urlsplit(text)
+    raise StorageError(
+      f"{text}: a {scheme}:// path cannot hold '#' or '?': orbax reads it as a URL, whose path "
+      f"ends there, and would write the arrays of every step to {url.scheme}://{url.netloc}"
+      f"{url.path}; choose a name without them."
+    )
+
+
 def as_path(path: str | os.PathLike[str]) -> AnyPath:
   """`path` as a path object: an absolute `pathlib.Path` when local, an `epath.Path` with a scheme.
 
@@ -123,7 +137,8 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   the scheme is checked.
 
   Raises:
-    StorageError: an unsupported scheme, or its package is not installed.
+    StorageError: an unsupported scheme, or its package is not installed;
+      a path with a scheme that holds ``#`` or ``?``.
 
   Example:
     >>> as_path('/tmp/run') / 'checkpoints'
@@ -142,6 +157,7 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   scheme = scheme_of(text)
   if scheme is None:
     return pathlib.Path(os.path.expanduser(text)).absolute()
+  _check_url_path(text, scheme)
   _check_backend(text, scheme)
   return epath.Path(text)
 

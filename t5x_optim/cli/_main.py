@@ -183,8 +183,9 @@ def _path_arg(text: str) -> Path | str:
   A local path has ``~`` expanded (``~name`` of no user is left as
   written, as the shell leaves it) and stays relative: what reads it makes
   it absolute, and ``--data NAME`` is a shipped text where the working
-  directory has no NAME. A scheme without its package stays text; using it
-  then fails in one line.
+  directory has no NAME. A path the storage layer refuses (a scheme
+  without its package, ``#`` in a ``gs://`` path) stays text, which
+  `_check_path_flags` refuses in one line.
   """
   from t5x_optim import storage  # noqa: PLC0415
 
@@ -194,6 +195,27 @@ def _path_arg(text: str) -> Path | str:
     return storage.as_path(text)
   except storage.StorageError:
     return text
+
+
+_PATH_FLAGS = ("model_dir", "init_from", "data", "compilation_cache")
+"""The flags whose values are paths (`_path_arg`)."""
+
+
+def _check_path_flags(args: argparse.Namespace) -> None:
+  """Refuses a path flag whose value `_path_arg` left as text: the storage layer refuses it.
+
+  Raises:
+    ValueError: the flag and the storage layer's reason, in one line.
+  """
+  from t5x_optim import storage  # noqa: PLC0415
+
+  for name in _PATH_FLAGS:
+    value = getattr(args, name, None)
+    if isinstance(value, str):
+      try:
+        storage.as_path(value)
+      except storage.StorageError as error:
+        raise ValueError(f"--{name} {error}") from error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -559,11 +581,12 @@ def _run(args: argparse.Namespace, interrupt: Interrupt) -> int:
 
 
 def _run_command(args: argparse.Namespace, interrupt: Interrupt) -> int:
-  if args.command == "train":
-    try:
+  try:
+    _check_path_flags(args)
+    if args.command == "train":
       _processes.start(args, interrupt)
-    except ValueError as error:
-      return _fail(args, error)
+  except ValueError as error:
+    return _fail(args, error)
   import gin  # noqa: PLC0415
 
   from t5x_optim.cli.loop import compilation_cache as _compilation_cache  # noqa: PLC0415
