@@ -542,6 +542,53 @@ def test_a_path_that_orbax_would_cut_short_is_one_line(flag, path, message, tmp_
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("path", "message"),
+  [
+    (
+      "gs:/bkt/run",
+      "gs:/bkt/run: a local path that starts with gs: is a misspelt gs:// path (did you mean "
+      "gs://bkt/run?); write ./gs:/bkt/run for a local directory of that name.",
+    ),
+    ("S3:bkt/run", "S3:bkt/run: a local path that starts with S3: is a misspelt s3:// path (did"),
+  ],
+)
+@pytest.mark.parametrize("flag", ["--model_dir", "--init_from", "--data", "--compilation_cache"])
+def test_a_scheme_with_one_slash_is_one_line(flag, path, message, tmp_path, capsys, monkeypatch):
+  """``gs:/bkt/run`` was a local directory ``./gs:/bkt/run``: a run trained there, and every
+  save failed, as orbax made a gs:// path of it again."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(storage.StorageError, match=re.escape(message)):
+    storage.as_path(path)
+  with pytest.raises(storage.StorageError, match=re.escape(message)):
+    Checkpointer(path)
+  flags = [flag, path] if flag == "--model_dir" else [flag, path, "--model_dir", "run"]
+  assert main(["train", *TINY, *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"t5x-optim train: error: {flag} {message}"), err
+  assert len(err.strip().splitlines()) == 1, err
+  assert list(tmp_path.iterdir()) == []
+  assert storage.as_path(f"./{path}") == tmp_path / path
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_gin")
+def test_an_upper_case_scheme_is_that_scheme(where, capsys):
+  """``GS://bkt/run`` was taken for gs:// by some readers while epath raised KeyError 'GS://'."""
+  upper = where.replace("gs://", "GS://")
+  assert str(storage.as_path(upper)) == where
+  with Checkpointer(upper, async_save=False) as ckpt:
+    ckpt.save(1, _opt(1.0))
+    assert ckpt.directory == where
+  with Checkpointer(where) as reader:
+    assert reader.all_steps() == [1]
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  assert main(["train", *TINY, *bad, "--model_dir", f"{upper}/run"]) == 2
+  err = capsys.readouterr().err
+  assert "total_stepz" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_gs_without_gcsfs_names_the_extra(monkeypatch):
   absent = ("gcsfs", "tensorflow")
   find_spec = storage.importlib.util.find_spec

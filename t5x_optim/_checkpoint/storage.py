@@ -52,6 +52,8 @@ AnyPath = pathlib.Path | epath.Path
 SCHEMES: dict[str, tuple[str, str]] = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_SCHEME_LIKE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/?(?!/)")
+"""A local path whose first part is a word and ``:``, the start of a scheme missing a ``/``."""
 
 
 def _no_listing_caches() -> None:
@@ -127,6 +129,19 @@ def _check_url_path(text: str, scheme: str) -> None:
     )
 
 
+def _check_local_path(text: str) -> None:
+  """Refuses a local path that starts as a supported scheme with one ``/`` or none
+  (``gs:/bkt/run``), which would be a local directory ``./gs:``; ``./gs:/bkt/run`` is one."""
+  typo = _SCHEME_LIKE.match(text)
+  if typo is not None and typo.group(1).lower() in SCHEMES:
+    head, scheme = typo.group(1), typo.group(1).lower()
+    raise StorageError(
+      f"{text}: a local path that starts with {head}: is a misspelt {scheme}:// path (did you "
+      f"mean {scheme}://{text[typo.end() :]}?); write ./{text} for a local directory of that "
+      "name."
+    )
+
+
 def as_path(path: str | os.PathLike[str]) -> AnyPath:
   """`path` as a path object: an absolute `pathlib.Path` when local, an `epath.Path` with a scheme.
 
@@ -134,11 +149,12 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   left as written, as the shell leaves it) against the working
   directory of this call. `pathlib.Path('gs://b/x')` would collapse the
   ``//`` into a local ``gs:/b/x``; this keeps the scheme. The package of
-  the scheme is checked.
+  the scheme is checked, and written in lower case (``GS://`` is ``gs://``).
 
   Raises:
     StorageError: an unsupported scheme, or its package is not installed;
-      a path with a scheme that holds ``#`` or ``?``.
+      a path with a scheme that holds ``#`` or ``?``; a local path that
+      starts as a supported scheme missing a ``/`` (``gs:/bkt/run``).
 
   Example:
     >>> as_path('/tmp/run') / 'checkpoints'
@@ -156,10 +172,11 @@ def as_path(path: str | os.PathLike[str]) -> AnyPath:
   text = os.fspath(path)
   scheme = scheme_of(text)
   if scheme is None:
+    _check_local_path(text)
     return pathlib.Path(os.path.expanduser(text)).absolute()
   _check_url_path(text, scheme)
   _check_backend(text, scheme)
-  return epath.Path(text)
+  return epath.Path(scheme + text[len(scheme) :])
 
 
 def join(path: str | os.PathLike[str], *names: str) -> str:

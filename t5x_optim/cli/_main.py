@@ -184,17 +184,16 @@ def _path_arg(text: str) -> Path | str:
   written, as the shell leaves it) and stays relative: what reads it makes
   it absolute, and ``--data NAME`` is a shipped text where the working
   directory has no NAME. A path the storage layer refuses (a scheme
-  without its package, ``#`` in a ``gs://`` path) stays text, which
-  `_check_path_flags` refuses in one line.
+  without its package, ``#`` in a ``gs://`` path, ``gs:/bkt/run``) stays
+  text, which `_check_path_flags` refuses in one line.
   """
   from t5x_optim import storage  # noqa: PLC0415
 
-  if storage.scheme_of(text) is None:
-    return Path(os.path.expanduser(text))
   try:
-    return storage.as_path(text)
+    path = storage.as_path(text)
   except storage.StorageError:
     return text
+  return Path(os.path.expanduser(text)) if storage.scheme_of(text) is None else path
 
 
 _PATH_FLAGS = ("model_dir", "init_from", "data", "compilation_cache")
