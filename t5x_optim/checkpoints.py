@@ -48,6 +48,6 @@ Example:
 
 from t5x_optim._checkpoint.api import Checkpointer
 from t5x_optim._checkpoint.lock import WriterLock
-from t5x_optim._checkpoint.store import CheckpointError, CheckpointState
+from t5x_optim._checkpoint.store import CheckpointError, CheckpointState, is_committed_step
 
-__all__ = ["CheckpointError", "CheckpointState", "Checkpointer", "WriterLock"]
+__all__ = ["CheckpointError", "CheckpointState", "Checkpointer", "WriterLock", "is_committed_step"]

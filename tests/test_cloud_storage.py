@@ -267,6 +267,37 @@ def test_a_step_whose_save_began_only_is_not_committed(where):
     assert ckpt.all_steps() == [1]
 
 
+@pytest.mark.usefixtures("clean_gin")
+@pytest.mark.parametrize(
+  ("files", "below", "message"),
+  [
+    (["5/default/x", "5/commit_success.txt"], "5/sub", "is inside {run}/checkpoints/5, step 5 of"),
+    (
+      ["2/commit_success.txt", "2/checksums/checksums.json"],
+      "4/sub",
+      "is inside {run}/checkpoints/4, the directory of step 4 still to come of the run in {run},",
+    ),
+    (["5/_CHECKPOINT_METADATA"], "5/sub", None),  # a save on gs:// that began only
+  ],
+  ids=["committed", "to_come", "begun"],
+)
+def test_a_model_dir_in_a_step_of_a_run_on_gs_is_refused(files, below, message, where, capsys):
+  """A --model_dir in a committed step of another run on gs://, or in one still to come, was
+  taken (only a local one was refused); the other run's rotation then deleted it."""
+  run = f"{where}/A"
+  for name in [*files, "../config.gin"]:
+    epath.Path(f"{run}/checkpoints/{name}".replace("checkpoints/../", "")).write_text("{}")
+  bad = ["--gin_bindings", "cli.TrainJob.total_stepz = 3"]
+  assert main(["train", *TINY, *bad, "--model_dir", f"{run}/checkpoints/{below}"]) == 2
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1, err
+  if message is None:
+    assert "total_stepz" in err and "is inside" not in err, err
+  else:
+    assert message.format(run=run) in err, err
+    assert not epath.Path(f"{run}/checkpoints/{below}").exists()
+
+
 # The quick loop reads the orbax format; the legacy one (many small objects) takes seconds.
 @pytest.mark.parametrize("fmt", [pytest.param("legacy", marks=pytest.mark.slow), "orbax"])
 def test_t5x_checkpoints_read_from_gs(fmt, where):

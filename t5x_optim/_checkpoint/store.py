@@ -58,7 +58,7 @@ from t5x_optim._core.interface import Optimizer
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._training.train_state import TrainState
 
-__all__ = ["CheckpointError", "Checkpointer", "CheckpointState"]
+__all__ = ["CheckpointError", "CheckpointState", "Checkpointer", "is_committed_step"]
 
 ANOTHER_OPTIMIZER = (
   " (another optimizer: restore with params_only=True to start its state afresh, "
@@ -93,6 +93,28 @@ _GCS_COMMIT = ("commit_success.txt",)
 _SYNC_CALLS = itertools.count(1)
 """The number of each `Checkpointer.reached_preemption` call in this process, from 1: jax's
 preemption sync point counts calls, not steps."""
+
+
+def is_committed_step(directory: str | os.PathLike[str]) -> bool:
+  """Whether `directory`, a step of a checkpoint directory, holds orbax's record of a completed
+  save: on ``gs://`` `_GCS_COMMIT`, elsewhere either of `_COMMIT_RECORDS`.
+
+  A step directory without it (an empty or partly copied ``<step>/``, or on
+  ``gs://`` a save that was cut short) is not a checkpoint, whatever its name.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> step = pathlib.Path(tempfile.mkdtemp()) / '3'
+    >>> step.mkdir()
+    >>> is_committed_step(step)
+    False
+    >>> _ = (step / 'commit_success.txt').write_text('')
+    >>> is_committed_step(step)
+    True
+  """
+  path = storage.as_path(directory)
+  records = _GCS_COMMIT if storage.scheme_of(path) == "gs" else _COMMIT_RECORDS
+  return any((path / name).exists() for name in records)
 
 
 class CheckpointState(Protocol):
@@ -698,15 +720,10 @@ class Checkpointer:
     return self._json_record(checked_step(step), _JOB, "its job")
 
   def is_committed(self, step: int) -> bool:
-    """Whether checkpoint `step` is on disk and was committed (its save completed).
-
-    A step directory without orbax's commit record (an empty or partly
-    copied ``<step>/``, or on ``gs://`` a save that was cut short) is not a
-    checkpoint, whatever its name.
-    """
-    directory = epath.Path(self._directory) / self._step_names.build_name(checked_step(step))
-    records = _GCS_COMMIT if storage.scheme_of(self._directory) == "gs" else _COMMIT_RECORDS
-    return any((directory / name).exists() for name in records)
+    """Whether checkpoint `step` is on disk and was committed (its save completed,
+    `is_committed_step`)."""
+    name = self._step_names.build_name(checked_step(step))
+    return is_committed_step(storage.join(self._directory, name))
 
   def _check(
     self,

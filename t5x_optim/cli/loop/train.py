@@ -64,7 +64,7 @@ from t5x_optim import (
   trained_params,
   trains_lookahead_params,
 )
-from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock
+from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock, is_committed_step
 from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
 from t5x_optim.cli.loop import config as config_lib
 from t5x_optim.cli.loop.config import TrainJob
@@ -118,9 +118,6 @@ CHECKPOINTS = "checkpoints"
 SKIPPED = "skipped_checkpoints"
 RUNS_DIR = "t5x_optim_runs"
 _SHOWN_PATHS = 3
-_COMMIT_RECORDS = ("_CHECKPOINT_METADATA", "commit_success.txt")
-"""What orbax writes into a step's directory when its save completes, either one locally
-(`t5x_optim.checkpoints`)."""
 STEP_CHECKSUMS = Path("checksums") / "checksums.json"
 """Where a step of a t5x-optim run records its arrays' checksums (`t5x_optim.checkpoints`)."""
 _SHOWN_STEPS = 4
@@ -270,8 +267,8 @@ def prepare_model_dir(path: Path) -> Path:
     path = storage.check_reachable(path)
   except storage.StorageError as error:
     raise UsageError(f"--model_dir {error}") from error
-  step = None if storage.is_object_store(path) else _committed_step_around(path)
-  if step is not None and _committed(step):
+  step = _committed_step_around(path)
+  if step is not None and is_committed_step(step):
     raise UsageError(
       f"--model_dir {path} is inside {step}, step {step.name} of the run in "
       f"{step.parent.parent}, whose rotation would delete a run there; to start from that "
@@ -298,17 +295,18 @@ def prepare_model_dir(path: Path) -> Path:
   return path
 
 
-def _committed_step_around(path: Path) -> Path | None:
-  """The checkpoint step of a run that local `path` is (or is in), or None.
+def _committed_step_around(path: storage.AnyPath) -> storage.AnyPath | None:
+  """The checkpoint step of a run that `path` is (or is in), local or on an object store, or None.
 
   That is a numbered directory in a ``checkpoints`` directory that holds
-  orbax's record of a completed save (`_COMMIT_RECORDS`), what a run's
+  orbax's record of a completed save (`is_committed_step`), what a run's
   rotation deletes, or that is a step still to come of a t5x-optim run: its
   ``checkpoints`` directory holds a committed step that records the run's
   checksums (`STEP_CHECKSUMS`) and its ``config.gin`` lies beside it (the run
   sets an incomplete step aside when it saves there). A numbered directory
   elsewhere (made beforehand, a folder of years, beside a checkpoint
-  copied from another framework) is no step a run keeps.
+  copied from another framework) is no step a run keeps. A local `path` is
+  resolved first (its links followed).
 
   Example:
     >>> import tempfile
@@ -321,23 +319,19 @@ def _committed_step_around(path: Path) -> Path | None:
     >>> _committed_step_around(run / 'checkpoints' / '5' / 'run') == run / 'checkpoints' / '5'
     True
   """
-  resolved = path.resolve()
+  resolved = path if storage.is_object_store(path) else path.resolve()
   for directory in (resolved, *resolved.parents):
     if directory.name.isdigit() and directory.parent.name == CHECKPOINTS:
-      if _committed(directory) or (
+      if is_committed_step(directory) or (
         (directory.parent.parent / "config.gin").is_file()
         and any(
-          _committed(step) and (step / STEP_CHECKSUMS).is_file()
+          is_committed_step(step) and (step / STEP_CHECKSUMS).is_file()
           for step in directory.parent.iterdir()
           if step.name.isdigit()
         )
       ):
         return directory
   return None
-
-
-def _committed(directory: Path) -> bool:
-  return any((directory / name).is_file() for name in _COMMIT_RECORDS)
 
 
 def _is_spec(x: Any) -> bool:
