@@ -177,6 +177,49 @@ def test_bad_process_flags_are_one_line(flags, message, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and message in err, err
 
 
+_THREE_CALLS = """
+import sys
+from t5x_optim.cli import main
+argv = sys.argv[1:]
+other = [*argv]
+other[other.index("--coordinator_address") + 1] = "127.0.0.1:1"
+statuses = [main(argv), main([*argv, "--gin_bindings", "TOTAL_STEPS = 6"]), main(other)]
+print("statuses", *statuses, flush=True)
+"""
+"""Each process of a job: `main` twice in its job (3 steps, then 3 more), then once with the
+coordinator of another job."""
+
+
+def test_a_process_runs_main_again_in_its_job_and_joins_no_other(tmp_path):
+  """A second `main` call in a process of a multi-process job failed with jax's advice to call
+  jax.distributed.initialize before any jax call, though the process had joined the job: it
+  now runs in that job, and a call with another job's flags is refused in one line."""
+  address, model_dir = f"127.0.0.1:{free_port()}", tmp_path / "run"
+  args = [*TINY_TEXT, "--model_dir", str(model_dir), "--gin_bindings", "TOTAL_STEPS = 3"]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _THREE_CALLS, *args]
+      + ["--coordinator_address", address, "--num_processes", "2", "--process_id", str(i)],
+      cwd=tmp_path,
+      env=_env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  results = communicate_all(procs, TIMEOUT)
+  for i, (code, out, err) in enumerate(results):
+    assert code == 0 and "statuses 0 0 2" in out, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert err.splitlines()[-1] == (
+      f"t5x-optim train: error: this process already joined a job of 2 processes as process {i}"
+      f" at {address}, and a process can join one job: --coordinator_address 127.0.0.1:1 (the "
+      f"job's: {address}); start another process for another job."
+    ), err
+  assert "(resuming from the checkpoint at step 3)" in results[0][1]
+  assert _checkpoint_steps(model_dir)[-1] == 6
+
+
 def _alone(tmp_path: Path, *flags: str) -> subprocess.Popen:
   """Process 1 of a job of 2 whose process 0 never starts."""
   args = [*TINY_TEXT, "--model_dir", str(tmp_path / "run"), *flags]

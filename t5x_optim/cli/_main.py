@@ -790,7 +790,11 @@ def main(argv: Sequence[str] | None = None, *, pending_signals: list[int] | None
   once per process, at the first call only. The warnings filters are the
   caller's. A call replaces the process's gin config (gin keeps one, and
   offers no way to set it aside): the caller's bindings are cleared, and the
-  command's stay parsed after it returns.
+  command's stay parsed after it returns. In a process of a multi-process job
+  (``--coordinator_address``, ``--num_processes``, ``--process_id``), the
+  first call joins the job and later calls run in it: jax connects a process
+  to one job for its lifetime, so a call whose flags name another job is
+  refused in one line.
 
   Args:
     argv: the arguments (default: ``sys.argv[1:]``).

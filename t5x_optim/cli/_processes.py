@@ -96,6 +96,31 @@ def wanted(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -
   return any(value is not None for value in given) or _cluster_size(environ) > 1
 
 
+_JOINED: dict[str, str | None] = {}
+"""The coordinator address of the job this process joined through `start` (under
+``"address"``): jax connects a process to one job, for the process's lifetime."""
+
+
+def _other_job(args: argparse.Namespace) -> str | None:
+  """Whether the flags name another job than the one this process joined: None when each
+  flag given agrees with it, else one line naming the first that does not, with both sides."""
+  import jax  # noqa: PLC0415
+
+  count, index = jax.process_count(), jax.process_index()
+  address = _JOINED.get("address")
+  joined = {"coordinator_address": address, "num_processes": count, "process_id": index}
+  for name, value in joined.items():
+    given = getattr(args, name)
+    if given is not None and value is not None and given != value:
+      at = f" at {address}" if address else ""
+      return (
+        f"this process already joined a job of {count} processes as process {index}{at}, and "
+        f"a process can join one job: --{name} {given} (the job's: {value}); start another "
+        "process for another job."
+      )
+  return None
+
+
 def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
   """Connects this process to the others when `wanted`; call before any other jax call.
 
@@ -103,11 +128,13 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
   the process when its time runs out. The wait runs in a thread instead, so
   that a Ctrl-C or SIGTERM (`interrupt`) ends it at once and the deadline
   (``--startup_timeout_seconds``) in one line; either ends the process there
-  (``os._exit``), as jax's start-up cannot be abandoned.
+  (``os._exit``), as jax's start-up cannot be abandoned. A process that
+  joined a job already (an earlier command in it) stays in that job.
 
   Raises:
     ValueError: the flags do not describe a process of a job, or no
-      ``--model_dir`` is given (one line).
+      ``--model_dir`` is given, or they name another job than the one this
+      process joined (one line).
   """
   if not wanted(args):
     return
@@ -129,6 +156,11 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
 
   from t5x_optim import distributed  # noqa: PLC0415
 
+  if jax.distributed.is_initialized():
+    problem = _other_job(args)
+    if problem is not None:
+      raise ValueError(problem)
+    return
   # CPU devices of different processes exchange collectives through gloo.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   failed: list[BaseException] = []
@@ -153,6 +185,7 @@ def start(args: argparse.Namespace, interrupt: Interrupt) -> None:
     if not isinstance(error, (RuntimeError, ValueError)):
       raise error
     raise ValueError(f"multi-process start-up failed: {' '.join(str(error).split())}") from error
+  _JOINED["address"] = args.coordinator_address
 
 
 def _wait(thread: threading.Thread, args: argparse.Namespace, interrupt: Interrupt) -> None:
