@@ -372,6 +372,49 @@ def test_column_maxima_walk_at_least_16_chunks_unless_their_rows_divide_poorly(
   assert _stats_split(shape, 1, 1 << 20, 8, column_maxima=column_maxima) == want
 
 
+def _row_split_by_every_divisor(shape, unit, limit, shard_multiple):
+  """`_row_split`, trying every candidate count of units per chunk one by one."""
+  if len(shape) < 2 or math.prod(shape) <= limit or shape[0] % unit:
+    return None
+  stripes = math.gcd(shape[0] // unit, shard_multiple)
+  units = shape[0] // unit // stripes
+  row = math.prod(shape[1:]) * stripes * unit
+  fits = [k for k in range(1, units + 1) if units % k == 0 and k * row <= limit] or [1]
+  if fits[-1] == units:
+    return None
+  return stripes, units // fits[-1], fits[-1] * unit
+
+
+def test_row_split_picks_the_largest_dividing_chunk_of_rows():
+  """Over first dimensions up to 1,000 (primes, squares, powers of two), blocks of 1, 2 and 8
+  rows, rows of 1 to 24 values and 1, 2 or 8 shards: the same split as trying every divisor."""
+  for rows in range(1, 1001):
+    for unit, width, shards, limit in [
+      (1, 1, 8, 64),
+      (2, 3, 8, 100),
+      (8, 24, 1, 4096),
+      (1, 5, 2, 1),
+    ]:
+      shape = (rows, width)
+      assert _row_split(shape, unit, limit, shards) == _row_split_by_every_divisor(
+        shape, unit, limit, shards
+      ), (shape, unit, limit, shards)
+
+
+@pytest.mark.parametrize(
+  ("shape", "want"),
+  [
+    ((2**31, 8), (8, 2**14, 2**14)),
+    ((2**28 + 2**27, 8), (8, 3 * 2**10, 2**14)),
+    ((2 * 1_000_000_007, 4), (2, 1_000_000_007, 1)),  # a prime count of rows per stripe
+  ],
+)
+def test_row_split_of_a_huge_leaf_is_quick(shape, want):
+  """Divisors are found up to the square root of the rows per stripe: a (2**31, 8) leaf's
+  split takes microseconds, not the minute that trying every count of rows takes."""
+  assert _row_split(shape, 1, 1 << 20, 8) == want
+
+
 def _chunked_equals_whole(monkeypatch, update_c, update_w, grads, state_c, state_w, params):
   """One step chunked (`update_c`) and whole (`update_w`, the 16-chunk floor off), checked
   bit for bit; the whole step's updates and both new states."""

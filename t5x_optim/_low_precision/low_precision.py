@@ -1012,10 +1012,32 @@ def _row_split(
   stripes = math.gcd(shape[0] // unit, shard_multiple)
   units = shape[0] // unit // stripes
   row = math.prod(shape[1:]) * stripes * unit
-  fits = [k for k in range(1, units + 1) if units % k == 0 and k * row <= limit] or [1]
-  if fits[-1] == units:
+  fits = _largest_divisor(units, limit // row)
+  if fits == units:
     return None
-  return stripes, units // fits[-1], fits[-1] * unit
+  return stripes, units // fits, fits * unit
+
+
+def _largest_divisor(n: int, most: int) -> int:
+  """The largest divisor of ``n`` that is at most ``most``; 1 where ``most`` is below 1.
+
+  Divisors come in pairs ``(k, n // k)`` with ``k`` up to the square root of
+  ``n``: only those ``k`` are tried.
+
+  Example:
+    >>> _largest_divisor(3 * 2**24, 2**14), _largest_divisor(1_000_000_007, 2**17)
+    (16384, 1)
+  """
+  if most >= n:
+    return n
+  best = 1
+  for k in range(1, math.isqrt(n) + 1):
+    if n % k:
+      continue
+    for d in (k, n // k):
+      if best < d <= most:
+        best = d
+  return best
 
 
 def _stats_split(
