@@ -592,6 +592,7 @@ SUM_SQUARES_SHAPES = {
   "rows": (96, 40),
   "prime": (13, 257),
   "vector": (300,),
+  "long": (2048,),
   "one": (1,),
   "empty": (0, 8),
   "cube": (12, 8, 16),
@@ -602,7 +603,8 @@ SUM_SQUARES_SHAPES = {
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_sum_squares_equal_those_of_the_float32_values(mode):
   """A chunk of 512 values: the (96, 40) and (12, 8, 16) leaves are walked a chunk of rows at
-  a time; the others are decoded whole. The third step's gradient holds a NaN."""
+  a time, the (2048,) one a run of whole blocks at a time; the others are decoded whole. The
+  third step's gradient holds a NaN."""
   tx = low_precision(optax.adam(1e-2), mode, block_size=8, min_size=0)
   params = {name: jnp.zeros(shape) for name, shape in SUM_SQUARES_SHAPES.items()}
   state = tx.init(params)
@@ -626,12 +628,13 @@ def test_sum_squares_equal_those_of_the_float32_values(mode):
       np.testing.assert_allclose(x, y, rtol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("shape", [(4096, 1024), (4096 * 1024,)])
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])
-def test_sum_squares_hold_a_chunk_not_a_float32_copy_of_the_state(mode):
-  """Jitted alone on a (4096, 1024) leaf, in chunks of 2**18 values (1 MiB in float32):
-  a reduction of the decoded state holds its 32 MiB moments in float32."""
+def test_sum_squares_hold_a_chunk_not_a_float32_copy_of_the_state(mode, shape):
+  """Jitted alone on a (4096, 1024) or a 1-D leaf of as many values, in chunks of 2**18 values
+  (1 MiB in float32): a reduction of the decoded state holds its 32 MiB moments in float32."""
   tx = low_precision(optax.adam(1e-3), mode)
-  params = {"w": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   state = jax.eval_shape(tx.init, params)
 
   def temporaries(fn) -> int:

@@ -1661,7 +1661,8 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
   Each compressed leaf is decoded at most ``chunk`` values at a time (rows of
   whole blocks, in stripes along its first dimension's shards, as the
   streamed update walks it; at least a block of rows per stripe, which for a
-  leaf with a short first dimension is more), and one leaf after another: each leaf's sum is
+  leaf with a short first dimension is more; a 1-D leaf's runs of whole
+  blocks, as many per stripe as fit), and one leaf after another: each leaf's sum is
   computed in a conditional whose predicate reads the previous one's, so the
   temporaries stay within one chunk in float32 whatever order the compiler's
   scheduler prefers. ``jnp.sum(jnp.square(...))`` of the decoded state holds
@@ -1720,8 +1721,12 @@ def _sum_squares(x: Any) -> jax.Array:
 
 
 def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
-  """The sum of squares of a compressed leaf's values, decoded a chunk of rows at a time."""
+  """The sum of squares of a compressed leaf's values, decoded a chunk of rows at a time
+  (a 1-D leaf's: runs of whole blocks, `_rows_of_blocks`)."""
   shape = _CODECS[kind].shape(stored)
+  if len(shape) == 1 and math.prod(shape) > chunk:
+    stored = _rows_of_blocks(stored)
+    shape = _CODECS[kind].shape(stored)
   rows = _block_rows(jax.ShapeDtypeStruct(shape, jnp.float32), [stored])
   split = _row_split(shape, rows, chunk, _SHARD_MULTIPLE)
   if split is None:
@@ -1733,6 +1738,20 @@ def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
 
   chunks = jnp.arange(split[1], dtype=jnp.int32)
   return jax.lax.scan(body, jnp.zeros([], jnp.float32), chunks)[0]
+
+
+def _rows_of_blocks(stored: Any) -> Any:
+  """A stored 1-D leaf as the stored matrix whose rows are its blocks: the same values, in
+  rows of one block, and each field's array reshaped to a row per block.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> leaf = quantize(jnp.arange(8.0), 4)
+    >>> [x.shape for x in _rows_of_blocks(leaf)]
+    [(2, 4), (2, 1)]
+  """
+  blocks = jnp.shape(stored.scales)[0]
+  return type(stored)(*(jnp.reshape(x, (blocks, -1)) for x in stored))
 
 
 def _expanded(state: LowPrecisionState) -> Any:
