@@ -28,6 +28,9 @@ from tensorboard.backend.event_processing import event_accumulator
 import t5x_optim
 from t5x_optim import Checkpointer, TrainState
 from t5x_optim.cli import main
+from t5x_optim.cli.demo import model as _model
+from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
+from t5x_optim.cli.demo.text import TextTask
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import progress as _progress
 from t5x_optim.cli.loop import train as _train
@@ -1008,6 +1011,75 @@ def test_plan_json_matches_a_real_init(extra, capsys):
   )
   # The state, params and batch are arguments: the peak is at least the state at rest.
   assert memory["arguments"] > per_device
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "task",
+  [
+    SyntheticTask(vocab_size=16, length=8, batch_size=4),
+    SyntheticTask(vocab_size=1 << 18, length=8, batch_size=4),
+    TextTask(path="hamlet.txt", length=8, batch_size=4),
+  ],
+  ids=["synthetic", "synthetic_large_vocabulary", "text"],
+)
+def test_the_abstract_batch_has_the_shapes_and_dtypes_of_the_real_batches(task):
+  """Plan and the traced step read the batch's shapes from the task's fields: they are those
+  of the batches train reads, train and eval, of either kind of task."""
+  model = TransformerConfig(vocab_size=task.vocab_size, num_layers=1, max_length=8, embed_dim=8)
+  partitioner = t5x_optim.partitioning.Partitioner(
+    t5x_optim.partitioning.create_mesh(devices=jax.devices()[:2])
+  )
+  job = _config.TrainJob(t5x_optim.optimizers.sgd(0.1), partitioner, model=model, task=task)
+  setup = _train.prepare(job)
+
+  def layout(batch):
+    return {k: (x.shape, x.dtype) for k, x in batch.items()}
+
+  want = layout(_train.abstract_batch(task))
+  assert layout(setup.train_batch(3)) == layout(setup.eval_batch(1)) == want
+
+
+@pytest.mark.slow
+def test_plan_samples_no_batch_even_of_a_large_vocabulary(monkeypatch, capsys):
+  """Plan allocates nothing: it sampled batch 0 for its shapes, and the synthetic task's
+  successor table for 262,144 tokens is 512 GiB (a MemoryError)."""
+
+  def refuse(self, *args, **kwargs):
+    raise AssertionError(f"plan sampled a batch of {self}")
+
+  monkeypatch.setattr(SyntheticTask, "batch", refuse)
+  monkeypatch.setattr(SyntheticTask, "eval_batch", refuse)
+  vocab = ["--gin_bindings", "VOCAB_SIZE = 262144", "--num_devices", "1"]
+  assert main(["plan", *TINY, *vocab]) == 0, capsys.readouterr().err
+  assert "train step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  ("vocab", "first"),
+  [(16, [13, 10, 14, 14, 7, 7, 9, 3]), (2048, [1742, 1304, 1086, 2012, 101, 1908, 1452, 681])],
+)
+def test_a_small_synthetic_vocabularys_successors_come_from_its_table(vocab, first):
+  """Up to `_TABLE_ENTRIES` the successors are the table's: the data, and so every loss the
+  docs show of the synthetic task, are as they were."""
+  assert SyntheticTask(vocab_size=vocab).batch(0)["inputs"][0, :8].tolist() == first
+
+
+def test_a_large_synthetic_vocabulary_hashes_its_successors(monkeypatch):
+  """262,144 tokens: no (V, V, branching) table (512 GiB); each token is one of the
+  `branching` successors of the two before it, and a batch is the same on every call."""
+  monkeypatch.setattr(_model, "_successor_table", None)
+  task = SyntheticTask(vocab_size=1 << 18, length=32, batch_size=64)
+  batch = task.batch(5)
+  tokens = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+  assert tokens.dtype == np.int32 and 0 <= tokens.min() and tokens.max() < task.vocab_size
+  np.testing.assert_array_equal(task.batch(5, slice(8, 16))["targets"], batch["targets"][8:16])
+  successors = [
+    _model._hashed_successors(task.vocab_size, task.seed, tokens[:, :-2], tokens[:, 1:-1], c)
+    for c in range(task.branching)
+  ]
+  assert (np.equal(tokens[:, 2:], successors[0]) | np.equal(tokens[:, 2:], successors[1])).all()
+  assert np.mean(successors[0] == successors[1]) < 0.01
 
 
 NOISE = [

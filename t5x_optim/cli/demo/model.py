@@ -208,10 +208,43 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.mean(picked)
 
 
+_TABLE_ENTRIES = 1 << 24
+"""The most entries (int32, 64 MiB) of a successor table `SyntheticTask` builds; a language
+whose table would hold more hashes its successors (`_hashed_successors`)."""
+
+
 @functools.cache
 def _successor_table(vocab_size: int, branching: int, seed: int) -> np.ndarray:
   rng = np.random.default_rng(seed)
   return rng.integers(vocab_size, size=(vocab_size, vocab_size, branching), dtype=np.int32)
+
+
+_GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
+"""SplitMix64's increment: 2**64 over the golden ratio."""
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+  """SplitMix64 of uint64 values: the increment added, then its finalizer (modulo 2**64)."""
+  with np.errstate(over="ignore"):
+    x = np.asarray(x, np.uint64) + _GOLDEN64
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
+
+
+def _hashed_successors(
+  vocab_size: int, seed: int, previous: np.ndarray, last: np.ndarray, choice: np.ndarray | int
+) -> np.ndarray:
+  """Successor ``choice`` of the tokens ``previous`` then ``last`` (elementwise), int32: the
+  hash of the three and ``seed``, modulo ``vocab_size``.
+
+  Example:
+    >>> _hashed_successors(1 << 18, 0, np.array([3, 3]), np.array([5, 5]), np.array([0, 1]))
+    array([200297, 220581], dtype=int32)
+  """
+  pair = np.asarray(previous, np.uint64) * np.uint64(vocab_size) + np.asarray(last, np.uint64)
+  key = _mix64(_mix64(pair ^ _mix64(seed)) ^ np.asarray(choice, np.uint64))
+  return (key % np.uint64(vocab_size)).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +259,11 @@ class SyntheticTask:
     length: tokens per example (inputs and targets each).
     batch_size: examples per batch (global, over all devices).
     branching: successors per pair of preceding tokens.
-    seed: fixes the successor table and the data stream.
+    seed: fixes the successors and the data stream.
+
+  The successors of a language of up to 2,896 tokens (``vocab_size**2 *
+  branching`` at most 2**24) are a random table of them; a larger one's are a hash of the two
+  tokens, the choice and `seed` (a table of 262,144 tokens would take 512 GiB).
 
   Example:
     >>> task = SyntheticTask(vocab_size=8, length=4, batch_size=1)
@@ -267,12 +304,20 @@ class SyntheticTask:
     """
     return self._sample(np.random.default_rng((self.seed, index, _EVAL_STREAM)), rows)
 
+  def _successors(self) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """``(previous, last, choice)`` to the chosen successors: read from the language's table
+    where it holds at most `_TABLE_ENTRIES`, else hashed (`_hashed_successors`)."""
+    if self.vocab_size**2 * self.branching <= _TABLE_ENTRIES:
+      table = _successor_table(self.vocab_size, self.branching, self.seed)
+      return lambda previous, last, choice: table[previous, last, choice]
+    return functools.partial(_hashed_successors, self.vocab_size, self.seed)
+
   def _sample(self, rng: np.random.Generator, rows: slice | None) -> dict[str, np.ndarray]:
-    table = _successor_table(self.vocab_size, self.branching, self.seed)
+    successors = self._successors()
     tokens = np.empty((self.batch_size, self.length + 1), np.int32)
     tokens[:, :2] = rng.integers(self.vocab_size, size=(self.batch_size, 2))
     choices = rng.integers(self.branching, size=(self.batch_size, self.length + 1))
     for t in range(2, self.length + 1):
-      tokens[:, t] = table[tokens[:, t - 2], tokens[:, t - 1], choices[:, t]]
+      tokens[:, t] = successors(tokens[:, t - 2], tokens[:, t - 1], choices[:, t])
     tokens = tokens if rows is None else tokens[rows]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

@@ -65,11 +65,12 @@ from t5x_optim import (
   trains_lookahead_params,
 )
 from t5x_optim.checkpoints import Checkpointer, CheckpointError, WriterLock, is_committed_step
-from t5x_optim.cli.demo.model import TransformerLM, cross_entropy_loss
+from t5x_optim.cli.demo.model import SyntheticTask, TransformerLM, cross_entropy_loss
+from t5x_optim.cli.demo.text import TextTask
 from t5x_optim.cli.loop import config as config_lib
 from t5x_optim.cli.loop.config import TrainJob
 from t5x_optim.cli.loop.event_files import write_at_once
-from t5x_optim.cli.loop.input import global_batch
+from t5x_optim.cli.loop.input import FEATURES, global_batch
 from t5x_optim.cli.loop.interrupt import Interrupt
 from t5x_optim.cli.loop.job import (
   CONFIG_FILE,
@@ -98,6 +99,7 @@ __all__ = [
   "Setup",
   "TrainSummary",
   "UsageError",
+  "abstract_batch",
   "agreed_stop",
   "default_model_dir",
   "describe_setup",
@@ -587,8 +589,17 @@ def _abstract(job: TrainJob, create: Callable[..., TrainState], args: tuple[Any,
   )
 
 
-def _abstract_batch(batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+def abstract_batch(task: SyntheticTask | TextTask) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shapes and dtypes of ``task``'s batches (`Setup.train_batch`'s and `Setup.eval_batch`'s),
+  from its fields, without reading one: every feature int32 ``(batch_size, length)``.
+
+  Example:
+    >>> from t5x_optim.cli.demo.model import SyntheticTask
+    >>> abstract_batch(SyntheticTask(vocab_size=1 << 18, length=8, batch_size=4))['targets']
+    ShapeDtypeStruct(shape=(4, 8), dtype=int32)
+  """
+  shape = (task.batch_size, task.length)
+  return {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in FEATURES}
 
 
 def step_memory(setup: Setup) -> dict[str, Any]:
@@ -601,7 +612,7 @@ def step_memory(setup: Setup) -> dict[str, Any]:
   steps), whose peak may be the larger; ``steps`` says which steps it is.
   Compiles the steps; allocates nothing.
   """
-  batch = _abstract_batch(setup.job.task.batch(0))
+  batch = abstract_batch(setup.job.task)
   largest: dict[str, Any] = {}
   steps = [(setup.step_fn, "every step")]
   every = setup.job.metrics_every
@@ -658,7 +669,7 @@ def prepare(job: TrainJob) -> Setup:
     lambda params, batch: _eval_loss(model, params, batch), (param_shardings, BATCH_AXES), None
   )
   try:
-    step_fn.lower(abstract, _abstract_batch(job.task.batch(0)))
+    step_fn.lower(abstract, abstract_batch(job.task))
   except (TypeError, ValueError) as error:
     names = getattr(job.optimizer, "extra_arg_names", ())
     given = sorted(loss_extra_args(names, None, None, lambda params: None))
