@@ -850,6 +850,11 @@ def test_a_model_dir_in_a_step_still_to_come_of_a_run_is_refused(below, tmp_path
   assert main(["train", *bad, "--model_dir", str(run / below)]) == 2
   err = capsys.readouterr().err
   assert "total_stepz" in err and "is inside" not in err, err
+  # A run that has saved nothing yet (no checkpoints directory) has no step to come.
+  shutil.rmtree(run / "checkpoints")
+  assert main(["train", *bad, "--model_dir", str(run / below)]) == 2
+  err = capsys.readouterr().err
+  assert "total_stepz" in err and "is inside" not in err, err
 
 
 @pytest.mark.parametrize(

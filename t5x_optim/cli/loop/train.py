@@ -326,6 +326,7 @@ def _committed_step_around(path: storage.AnyPath) -> storage.AnyPath | None:
     if directory.name.isdigit() and directory.parent.name == CHECKPOINTS:
       if is_committed_step(directory) or (
         (directory.parent.parent / "config.gin").is_file()
+        and directory.parent.is_dir()
         and any(
           is_committed_step(step) and (step / STEP_CHECKSUMS).is_file()
           for step in directory.parent.iterdir()
