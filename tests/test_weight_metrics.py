@@ -19,7 +19,6 @@ from t5x_optim.cli.demo.model import TransformerConfig
 from t5x_optim.cli.demo.text import TextTask
 from t5x_optim.cli.loop import train as _train
 from t5x_optim.cli.loop.config import TrainJob
-from t5x_optim.cli.loop.train import _abstract_batch
 from t5x_optim.cli.loop.weight_metrics import metric_vector
 
 pytestmark = pytest.mark.usefixtures("clean_gin", "run_compilation_cache")
@@ -87,7 +86,7 @@ def test_metrics_equal_the_rms_of_the_gathered_arrays(setup):
 
 
 def _collectives(fn, setup) -> dict[str, int]:
-  batch = _abstract_batch(setup.job.task.batch(0))
+  batch = _train.abstract_batch(setup.job.task)
   text = fn.lower(setup.abstract_state, batch).compile().as_text()
   ops = r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
   return collections.Counter(re.findall(rf"= \S+ ({ops})(?:-start)?\(", text))
