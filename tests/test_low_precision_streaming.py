@@ -360,15 +360,18 @@ def test_a_small_4bit_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf():
     ((4099, 16), True, None),  # prime rows: 4,099 chunks of one row walked, whole instead
     ((61, 16), True, (1, 61, 1)),  # prime rows, a few more chunks than 16: walked
     ((4096, 16), True, (8, 16, 32)),
+    ((769, 768), True, (1, 769, 1)),  # prime rows of a larger leaf: a row at a time
     ((4099, 4096), True, (1, 4099, 1)),  # over stream_chunk: a row at a time, never whole
   ],
 )
-def test_column_maxima_walk_at_least_16_chunks_unless_their_rows_divide_poorly(
+def test_column_maxima_walk_at_least_16_chunks_unless_a_small_leafs_rows_divide_poorly(
   shape, column_maxima, want
 ):
   """A leaf under ``stream_chunk`` that stores column maxima walks 16 chunks of rows or a
-  few more; where its rows divide only into far more, thin ones (a prime row count), its
-  statistics are computed whole, as any leaf that fits in a chunk is."""
+  few more; where its rows divide only into far more, thin ones (a prime row count), a small
+  leaf's statistics (at most 131,072 values: 1 MiB in float32) are computed whole, and a
+  larger leaf's still walk a row at a time (whole, a 769 x 768 leaf's took 8.3 bytes per
+  value)."""
   assert _stats_split(shape, 1, 1 << 20, 8, column_maxima=column_maxima) == want
 
 

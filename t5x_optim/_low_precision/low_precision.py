@@ -191,8 +191,12 @@ _COLUMN_CHUNKS = 16
 computes apart, however small: XLA:CPU holds the input of a reduction over rows (the column
 maxima) whole, here the chunk's new moments in float32, 8 bytes per value for Adam's two."""
 _COLUMN_CHUNKS_MOST = 4 * _COLUMN_CHUNKS
-"""The most chunks of rows the `_COLUMN_CHUNKS` floor walks: rows that divide only into more
-(a prime count) walk as any leaf's do (`_stats_split`)."""
+"""The most chunks of rows the `_COLUMN_CHUNKS` floor walks in a leaf of at most
+`_WHOLE_STATS_MOST` values: one whose rows divide only into more (a prime count) computes its
+statistics whole (`_stats_split`)."""
+_WHOLE_STATS_MOST = 1 << 17
+"""The most values of a leaf whose statistics `_stats_split` computes whole rather than walk
+more than `_COLUMN_CHUNKS_MOST` chunks of rows: 1 MiB of float32, for Adam's two moments."""
 
 
 @struct.dataclass
@@ -1046,10 +1050,10 @@ def _stats_split(
   """`_row_split` of a leaf's streamed statistics: chunks of at most ``chunk`` values, and for
   a leaf that stores column maxima at least `_COLUMN_CHUNKS` of them.
 
-  The floor holds where the rows divide into a few more chunks than it asks; where they divide
-  only into far thinner ones (a prime row count: one row per chunk), walking them costs more
-  time than the floor saves memory, and the leaf walks as any other does: whole where it fits
-  in ``chunk`` values, whose float32 statistics are then the bound on its temporaries.
+  A small leaf (at most `_WHOLE_STATS_MOST` values) whose rows divide only into far more,
+  thinner chunks than the floor asks (a prime row count: one row per chunk) computes them
+  whole: walking its rows costs more time than the floor saves memory. A larger one walks
+  them, whatever their count: whole, a 769 x 768 leaf's new moments took 8.3 bytes per value.
 
   Example:
     >>> _stats_split((4096, 16), 1, 1 << 20, 8, column_maxima=True)
@@ -1057,12 +1061,13 @@ def _stats_split(
     >>> _stats_split((4099, 16), 1, 1 << 20, 8, column_maxima=True) is None  # 4,099 rows
     True
   """
-  if column_maxima:
-    floor = min(chunk, max(1, math.prod(shape) // _COLUMN_CHUNKS))
-    split = _row_split(shape, unit, floor, shard_multiple)
-    if split is not None and split[1] <= _COLUMN_CHUNKS_MOST:
-      return split
-  return _row_split(shape, unit, chunk, shard_multiple)
+  if not column_maxima:
+    return _row_split(shape, unit, chunk, shard_multiple)
+  floor = min(chunk, max(1, math.prod(shape) // _COLUMN_CHUNKS))
+  split = _row_split(shape, unit, floor, shard_multiple)
+  if split is None or split[1] <= _COLUMN_CHUNKS_MOST or math.prod(shape) > _WHOLE_STATS_MOST:
+    return split
+  return None
 
 
 def _chunk(x: jax.Array, split: tuple[int, int, int], rows: int, b: jax.Array) -> jax.Array:
@@ -1287,7 +1292,8 @@ def _streamed_update(
     after the other whatever order the compiler's scheduler prefers
     (optimization barriers do not order work on every backend: XLA:CPU
     removes them before scheduling); a leaf larger than ``chunk`` values,
-    or one that stores column maxima (in `_COLUMN_CHUNKS` chunks at least),
+    or one that stores column maxima (in `_COLUMN_CHUNKS` chunks at least,
+    `_stats_split`),
     computes them a chunk of rows at a time (`_row_split`,
     `_chunked_stats`), in stripes that follow the first dimension's
     shards;
@@ -1403,7 +1409,9 @@ def low_precision(
       its first dimension (an embedding of 32128 x 768 in 251 chunks of 8
       x 16 rows with the default 2**20). A 4-bit leaf that stores column
       maxima walks at least 16 chunks, however small (a 768 x 768 leaf 16
-      of 8 x 6 rows). The values are the same either way.
+      of 8 x 6 rows), but for a leaf of at most 131,072 values whose rows
+      divide only into more than 64 (a prime count): whole. The values are
+      the same either way.
     guard_nonfinite: 8-bit and 4-bit modes: an inf or NaN in the new state damages only
       its own element (`quantize`), by selects inside the reduction that
       computes the block scales, which cost no memory. False: an inf or NaN
