@@ -250,8 +250,9 @@ _DEF_METHODS = (
 )
 
 
-def _buffers(leaf: Any) -> set[int]:
-  """The addresses of the device buffers of a concrete, live, non-empty array (else none)."""
+def _buffers(leaf: Any) -> set[tuple[int, int]]:
+  """The (device, address) of each device buffer of a concrete, live, non-empty array; none
+  for anything else, or where the runtime does not give buffer addresses."""
   if (
     not isinstance(leaf, jax.Array)
     or isinstance(leaf, jax.core.Tracer)
@@ -259,7 +260,12 @@ def _buffers(leaf: Any) -> set[int]:
     or not leaf.size
   ):
     return set()
-  return {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
+  try:
+    return {
+      (shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in leaf.addressable_shards
+    }
+  except Exception:  # noqa: BLE001 - a runtime without addresses (a proxy) has none to compare.
+    return set()
 
 
 def own_buffers(*trees: Any) -> tuple[Any, ...]:
