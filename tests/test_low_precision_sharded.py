@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -433,3 +434,79 @@ def test_a_prefix_mask_shards_restores_and_converts_as_the_full_mask(tmp_path):
       for x, y in zip(got[key], want[key], strict=True):
         assert x.dtype == y.dtype, key
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=key)
+
+
+def _split(axis):
+  """A spec per array: its dimension ``axis`` (-1: the last) over the mesh axis 'x'."""
+
+  def spec(x):
+    if jnp.ndim(x) < 2:
+      return P(*["x"] * (axis == -1 and jnp.ndim(x) == 1))
+    dims = [None] * jnp.ndim(x)
+    dims[axis] = "x"
+    return P(*dims)
+
+  return spec
+
+
+def _shard_map_step(opt, grads, spec):
+  """``opt.apply_gradient(grads)`` under `jax.shard_map` over 8 devices, each array's spec
+  ``spec(array)``, the optimizer checked or not by the caller (``check_vma=False``)."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  specs, grad_specs = jax.tree.map(spec, (opt, grads))
+  step = jax.shard_map(
+    lambda o, g: o.apply_gradient(g),
+    mesh=mesh,
+    in_specs=(specs, grad_specs),
+    out_specs=specs,
+    check_vma=False,
+  )
+  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
+  return jax.jit(step)(put(opt, specs), put(grads, grad_specs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "mode, shape", [("8bit", (64, 1024)), ("4bit", (64, 1024)), ("4bit", (512, 32))]
+)
+def test_a_shard_map_step_keeps_the_stored_blocks(mode, shape):
+  """Under `jax.shard_map`, each shard the whole blocks of a globally made state: the new state
+  keeps the stored blocks, and a global step's values. The blocks were derived again from the
+  shard's shape: 8 bits' scales (64, 8) became (64, 64), 4 bits' (64, 8) became (8, 64), so
+  the optimizer refused its own state dict; a (512, 4) shard, which has no 4-bit block of
+  its own, failed."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), shape)}
+  grads = {"w": jax.random.normal(jax.random.PRNGKey(1), shape)}
+  opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode)).create(params)
+  got, want = _shard_map_step(opt, grads, _split(-1)), opt.apply_gradient(grads)
+  state_dict = jax.tree.map(np.asarray, got.state_dict())
+  restored = opt.restore_state(state_dict).state.param_states
+  for x, y, z in zip(
+    jax.tree.leaves(got.state.param_states),
+    jax.tree.leaves(restored),
+    jax.tree.leaves(want.state.param_states),
+    strict=True,
+  ):
+    assert x.shape == y.shape == z.shape
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+
+
+@pytest.mark.parametrize(
+  "mode, shape, spec, detail",
+  [
+    ("4bit", (256, 1024), _split(0), "values of shape (32, 1024)"),
+    ("8bit", (64, 1024), lambda x: P("x") if jnp.shape(x)[-1:] == (8,) else P(), "(8, 8)"),
+  ],
+  ids=["4bit_rows_without_their_column_maxima", "8bit_scales_split_apart"],
+)
+def test_a_shard_map_step_refuses_shards_that_cannot_keep_the_stored_blocks(
+  mode, shape, spec, detail
+):
+  """A shard whose stored block does not encode it in the stored layout (a 4-bit matrix split
+  by rows, too few of them for column maxima; scales split apart from their codes) is refused,
+  naming the leaf and both layouts, rather than stored in another."""
+  params = {"w": jnp.ones(shape)}
+  opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode)).create(params)
+  with pytest.raises(ValueError, match=r"(?s)'0/mu/w'.*" + re.escape(detail) + ".*whole blocks"):
+    _shard_map_step(opt, params, spec)

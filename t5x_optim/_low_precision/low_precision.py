@@ -131,6 +131,7 @@ from t5x_optim._low_precision.quantize import (
   rounding_bits,
   step_key,
   stored_block,
+  stored_shapes,
   to_bfloat16,
 )
 from t5x_optim._low_precision.quantize4 import (
@@ -144,6 +145,7 @@ from t5x_optim._low_precision.quantize4 import (
   quantize4_lanes,
   quantize4_stats,
   stored_block4,
+  stored_shapes4,
   unpacked_shape,
   uses_rank1,
 )
@@ -252,6 +254,8 @@ class _Codec:
     leaf_block: ``(shape, block_size, shard_multiple)`` to a leaf's
       block, or None: the leaf stays float32 (``no_block`` says why).
     stored_block: a stored leaf's block, from its arrays' shapes.
+    stored_shapes: ``(shape, block)`` to the shapes of the stored arrays of
+      values of ``shape`` in ``block``, or None: the block does not tile it.
     block_size: the default largest block.
     no_block: the storage of a leaf without a block.
     stats: ``(x, block, guard, shape)`` to the block statistics of a new
@@ -273,6 +277,7 @@ class _Codec:
   leaf_types: tuple[type, ...]
   leaf_block: Callable[..., Any]
   stored_block: Callable[[Any], Any]
+  stored_shapes: Callable[[tuple[int, ...], Any], tuple[tuple[int, ...], ...] | None]
   block_size: int
   no_block: str
   stats: Callable[[jax.Array, Any, bool, tuple[int, ...]], Any]
@@ -300,6 +305,7 @@ _CODECS: dict[str, _Codec] = {
     leaf_types=(QuantizedLeaf,),
     leaf_block=lambda shape, **kwargs: leaf_block(shape[-1], **kwargs),
     stored_block=stored_block,
+    stored_shapes=stored_shapes,
     block_size=256,
     no_block=_KEPT_NO_BLOCK,
     stats=lambda x, block, guard, shape: quantize_stats(x, block, guard_nonfinite=guard),
@@ -318,6 +324,7 @@ _CODECS: dict[str, _Codec] = {
     leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
     leaf_block=leaf_block4_shape,
     stored_block=stored_block4,
+    stored_shapes=stored_shapes4,
     block_size=128,
     no_block=_KEPT_NO_BLOCK4,
     stats=_stats4,
@@ -722,13 +729,12 @@ def _encode(
   """One float32 leaf stored as ``kind`` says.
 
   ``bits`` are the stochastic-rounding bits of a bfloat16 leaf (None: round
-  to nearest); ``block`` maps the mode and the leaf's shape to a block;
-  ``guard``, ``stats`` and ``flat`` are `quantize`'s ``guard_nonfinite``,
-  ``stats`` and ``flat``.
+  to nearest); ``block`` is a quantized leaf's block; ``guard``, ``stats``
+  and ``flat`` are `quantize`'s ``guard_nonfinite``, ``stats`` and ``flat``.
   """
   if kind in _CODECS:
     x = jnp.asarray(x, jnp.float32)
-    return _CODECS[kind].encode(x, block(kind, x.shape), guard, stats, flat)
+    return _CODECS[kind].encode(x, block, guard, stats, flat)
   if kind == _BF16:
     return to_bfloat16(jnp.asarray(x, jnp.float32), bits)
   return x
@@ -743,11 +749,12 @@ def _decode_lane(kind: str, stored: Any, lane: int, lanes: int) -> jax.Array:
 
 
 def _stats(kind: str, x: Any, block: Any, guard: bool, shape: tuple[int, ...]) -> Any:
-  """The block statistics of a new quantized state leaf (`quantize_stats`); None for other kinds."""
+  """The block statistics of a new quantized state leaf (`quantize_stats`) in ``block``; None
+  for other kinds."""
   if kind not in _CODECS:
     return None
   x = jnp.asarray(x, jnp.float32)
-  return _CODECS[kind].stats(x, block(kind, shape), guard, shape)
+  return _CODECS[kind].stats(x, block, guard, shape)
 
 
 def _rounded(state: LowPrecisionState, leaf: int) -> bool:
@@ -756,9 +763,15 @@ def _rounded(state: LowPrecisionState, leaf: int) -> bool:
 
 
 def _compress(
-  inner_state: Any, state: LowPrecisionState, count: jax.Array, *, block: Any, guard: bool = True
+  inner_state: Any,
+  state: LowPrecisionState,
+  count: jax.Array,
+  *,
+  blocks: Sequence[Any],
+  guard: bool = True,
 ) -> Any:
-  """``inner_state`` (float32) stored as ``state``'s static fields say.
+  """``inner_state`` (float32) stored as ``state``'s static fields say, each quantized leaf in
+  its block of ``blocks`` (one per leaf).
 
   A `_rounded` leaf's stochastic-rounding bits (`leaf_rounding_bits`) read
   the step's key and the leaf's index from `_rounding_operands`, not as
@@ -767,7 +780,7 @@ def _compress(
   leaves, treedef = jax.tree.flatten(inner_state)
   shared_key, leaf_ids = _rounding_operands(state, count)
   out = []
-  for k, (leaf, kind) in enumerate(zip(leaves, state.storage, strict=True)):
+  for k, (leaf, kind, block) in enumerate(zip(leaves, state.storage, blocks, strict=True)):
     rounded = _rounded(state, k)
     bits = leaf_rounding_bits(jnp.shape(leaf), shared_key, leaf_ids[k]) if rounded else None
     out.append(_encode(kind, leaf, bits, block, guard))
@@ -830,6 +843,56 @@ def _expanded_shapes(state: LowPrecisionState) -> Any:
 
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
   return treedef.unflatten([shape(x, k) for x, k in zip(leaves, state.storage, strict=True)])
+
+
+def _stored_blocks(state: LowPrecisionState) -> list[Any]:
+  """Each inner leaf's block as its stored leaf holds it (None: not quantized).
+
+  A new state is encoded in the blocks of the one it replaces, so an update
+  never changes a leaf's layout: not where its arrays are shards (under
+  `jax.shard_map`), whose own shapes `leaf_block` would give other blocks.
+
+  Raises:
+    ValueError: from `_stored_block`, for a leaf whose stored block does not
+      encode its values in the arrays it has.
+  """
+  flat = jax.tree.flatten_with_path(state.inner_state, is_leaf=_is_quantized)[0]
+  return [
+    _stored_block(kind, stored, _state_dict.key_path_str(path)) if kind in _CODECS else None
+    for (path, stored), kind in zip(flat, state.storage, strict=True)
+  ]
+
+
+def _stored_block(kind: str, stored: Any, where: str) -> Any:
+  """The block of the quantized leaf ``stored`` (of mode ``kind``, at ``where``).
+
+  Raises:
+    ValueError: naming the leaf, its values' shape and both layouts, when
+      its stored block does not encode values of its shape in the arrays it
+      has (a shard that splits a block, or 4-bit rows too few for the column
+      maxima it stores).
+  """
+  codec = _CODECS[kind]
+  shape, block = codec.shape(stored), codec.stored_block(stored)
+  have = tuple(tuple(jnp.shape(x)) for x in stored)
+  want = codec.stored_shapes(shape, block)
+  if want == have:
+    return block
+  fields = stored._fields
+  encoded = "does not tile them" if want is None else f"encodes them as {_layout(fields, want)}"
+  rows = "; a leaf that stores column maxima ('cols') needs its rows whole" if len(have) > 2 else ""
+  raise ValueError(
+    f"low_precision: the {kind} state leaf '{where}' holds values of shape {shape} here, "
+    f"stored as {_layout(fields, have)}; its block {block} {encoded}. An update keeps each "
+    "leaf's stored layout: under jax.shard_map, split the state as its param so that each "
+    "shard holds whole blocks, its codes with their scales (the specs the optimizer derives "
+    f"for its state){rows}."
+  )
+
+
+def _layout(fields: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> str:
+  """A stored leaf's arrays and their shapes: ``codes (2, 8), scales (2, 1)``."""
+  return ", ".join(f"{field} {shape}" for field, shape in zip(fields, shapes))
 
 
 def _inner_update_dtypes(
@@ -1162,7 +1225,7 @@ def _leaf_functions(
   program: Program,
   kinds: tuple[str, ...],
   rounded: tuple[bool, ...],
-  block: Any,
+  blocks: tuple[Any, ...],
   guard: bool,
   split: tuple[int, int, int] | None,
 ) -> tuple[Callable, Callable, Callable]:
@@ -1178,7 +1241,8 @@ def _leaf_functions(
   (`_stats`, quantized modes; a chunk of rows at a time where ``split``
   says, `_chunked_stats`); ``encoders(operands, stats, new_param)``
   computes the new state again, from the gradient read through a select on
-  the new param (so after it), and stores it as ``kinds`` say, hashing a
+  the new param (so after it), and stores it as ``kinds`` say (a quantized
+  leaf in its block of ``blocks``), hashing a
   leaf's stochastic-rounding bits (`leaf_rounding_bits`) from the step's
   key and its index where ``rounded``. Leaves with the same program, kinds and
   shapes call the same three functions, which JAX traces and lowers once;
@@ -1218,7 +1282,10 @@ def _leaf_functions(
 
   def stats_of(p: Any, g: Any, leaves: list, residuals: list, shape: tuple[int, ...]) -> list:
     outs = new_values(p, g, leaves, residuals)
-    return [_stats(kind, x, block, guard, shape) for kind, x in zip(kinds, outs[1:], strict=True)]
+    return [
+      _stats(kind, x, block, guard, shape)
+      for kind, block, x in zip(kinds, blocks, outs[1:], strict=True)
+    ]
 
   def branch(operands: tuple) -> list:
     p, g, leaves, residuals, *_ = operands
@@ -1242,7 +1309,9 @@ def _leaf_functions(
     operands = (p, g, gated, *rest)
     by_lanes: dict[int, list] = {}
     out = []
-    for k, (kind, leaf_stats, leaf_id) in enumerate(zip(kinds, stats, leaf_ids, strict=True)):
+    for k, (kind, block, leaf_stats, leaf_id) in enumerate(
+      zip(kinds, blocks, stats, leaf_ids, strict=True)
+    ):
       lanes = _CODECS[kind].lanes if kind in _CODECS else 1
       if lanes not in by_lanes:
         by_lanes[lanes] = [
@@ -1250,7 +1319,7 @@ def _leaf_functions(
         ]
       xs = [outs[1 + k] for outs in by_lanes[lanes]]
       if kind in _CODECS:
-        out.append(_CODECS[kind].encode_lanes(xs, block(kind, shape), guard, leaf_stats))
+        out.append(_CODECS[kind].encode_lanes(xs, block, guard, leaf_stats))
         continue
       bits = leaf_rounding_bits(shape, shared_key, leaf_id) if rounded[k] else None
       out.append(_encode(kind, xs[0], bits, block, guard))
@@ -1267,7 +1336,7 @@ def _streamed_update(
   extra_args: dict[str, Any],
   count: jax.Array,
   *,
-  block: Any,
+  blocks: Sequence[Any],
   guard: bool,
   chunk: int,
   shard_multiple: int,
@@ -1325,14 +1394,15 @@ def _streamed_update(
     residuals = [jnp.asarray(values[r]) for r in group_of[i].residuals]
     kinds = tuple(state.storage[k] for k in ks)
     rounded = tuple(_rounded(state, k) for k in ks)
+    leaf_blocks = tuple(blocks[k] for k in ks)
     old = [new_stored[k] for k in ks]
     column_maxima = any(isinstance(x, Rank1Quantized4Leaf) for x in old)
     split = _stats_split(
       jnp.shape(g), _block_rows(g, old), chunk, shard_multiple, column_maxima=column_maxima
     )
-    key = (id(group_of[i]), kinds, rounded, split)
+    key = (id(group_of[i]), kinds, rounded, leaf_blocks, split)
     if key not in functions:
-      functions[key] = _leaf_functions(program, kinds, rounded, block, guard, split)
+      functions[key] = _leaf_functions(program, kinds, rounded, leaf_blocks, guard, split)
     step, branch, encoders = functions[key]
     # The param goes to the branch and the encoders only if the new state reads it: the
     # update writes the new param over it first.
@@ -1532,8 +1602,13 @@ def low_precision(
       inner_state,
     )
 
+    blocks = [
+      block(kind, jnp.shape(leaf)) if kind in _CODECS else None
+      for leaf, kind in zip(jax.tree.leaves(inner_state), storage, strict=True)
+    ]
+
     def encode(fresh: Any, count: jax.Array) -> Any:
-      return _compress(fresh, state, count, block=block)
+      return _compress(fresh, state, count, blocks=blocks)
 
     return state.replace(inner_state=_in_stored_layouts(encode, fresh, count))
 
@@ -1566,7 +1641,9 @@ def low_precision(
     dtypes: list[Any] | None,
     extra_args: dict[str, Any],
   ) -> tuple[Any, Any]:
-    """The updates (in `dtypes` where given) and the new stored inner state."""
+    """The updates (in `dtypes` where given) and the new stored inner state, in the blocks
+    of the stored one (`_stored_blocks`)."""
+    blocks = _stored_blocks(state)
     plan = _stream_plan(inner, updates, state, params, extra_args) if stream else None
     if plan is not None:
       return _streamed_update(
@@ -1576,7 +1653,7 @@ def low_precision(
         params,
         extra_args,
         count,
-        block=block,
+        blocks=blocks,
         guard=guard_nonfinite,
         chunk=stream_chunk,
         shard_multiple=shard_multiple,
@@ -1586,7 +1663,7 @@ def low_precision(
     if dtypes is not None:
       leaves, treedef = jax.tree.flatten(new_updates)
       new_updates = treedef.unflatten([u.astype(d) for u, d in zip(leaves, dtypes, strict=True)])
-    return new_updates, _compress(inner_state, state, count, block=block, guard=guard_nonfinite)
+    return new_updates, _compress(inner_state, state, count, blocks=blocks, guard=guard_nonfinite)
 
   tx = optax.GradientTransformationExtraArgs(init, update)
   if not any(rule.by_axis for rule in rules):
@@ -1850,18 +1927,9 @@ def float32_to_low_precision(param_states: Any, like: Any) -> Any:
         )
       cast.append(got if dtype == want.dtype else jnp.asarray(got, want.dtype))
     value = jax.tree.unflatten(expected, cast)
-    blocks = {}
-    for leaf, kind in zip(
-      jax.tree.leaves(node.inner_state, is_leaf=_is_quantized), node.storage, strict=True
-    ):
-      if kind in _CODECS:
-        blocks[kind, _CODECS[kind].shape(leaf)] = _CODECS[kind].stored_block(leaf)
 
-    def block(kind: str, shape: tuple[int, ...], blocks: dict = blocks) -> Any:
-      return blocks.get((kind, tuple(shape)))
-
-    def compress(value: Any, node: LowPrecisionState, block: Callable = block) -> Any:
-      return _compress(value, node, node.count, block=block)
+    def compress(value: Any, node: LowPrecisionState, blocks: list = _stored_blocks(node)) -> Any:
+      return _compress(value, node, node.count, blocks=blocks)
 
     # With Explicit mesh axes Auto: each stored leaf in the layout of the one it replaces.
     out.append(node.replace(inner_state=auto_axes_like(compress, node.inner_state)(value, node)))

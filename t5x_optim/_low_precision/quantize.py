@@ -46,6 +46,7 @@ __all__ = [
   "rounding_bits",
   "step_key",
   "stored_block",
+  "stored_shapes",
   "to_bfloat16",
 ]
 
@@ -454,6 +455,19 @@ def _decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
 def stored_block(leaf: QuantizedLeaf) -> int:
   """The block of a stored 8-bit leaf, from its arrays' shapes."""
   return jnp.shape(leaf.codes)[-1] // jnp.shape(leaf.scales)[-1]
+
+
+def stored_shapes(shape: tuple[int, ...], block: int) -> tuple[tuple[int, ...], ...] | None:
+  """The shapes of the arrays (codes, scales) of an 8-bit leaf of values of ``shape`` in
+  blocks of ``block``; None where the blocks do not tile its last dimension.
+
+  Example:
+    >>> stored_shapes((2, 256), 32), stored_shapes((2, 256), 48)
+    (((2, 256), (2, 8)), None)
+  """
+  if not shape or block < 1 or shape[-1] % block:
+    return None
+  return tuple(shape), (*shape[:-1], shape[-1] // block)
 
 
 def dequantize(leaf: QuantizedLeaf, *, flat: bool = False) -> jax.Array:

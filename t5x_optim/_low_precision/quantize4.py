@@ -75,6 +75,7 @@ __all__ = [
   "quantize4_stats",
   "signed_map4",
   "stored_block4",
+  "stored_shapes4",
   "unpacked_shape",
 ]
 
@@ -235,6 +236,31 @@ def stored_block4(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, int]
   shape, scales = unpacked_shape(leaf), tuple(jnp.shape(leaf.scales))
   rows = shape[-2] // scales[-2] if len(shape) >= 2 else 1
   return rows, shape[-1] // scales[-1]
+
+
+def stored_shapes4(
+  shape: tuple[int, ...], block: int | tuple[int, int]
+) -> tuple[tuple[int, ...], ...] | None:
+  """The shapes of the arrays (codes, scales and, where `uses_rank1`, column maxima) of a
+  4-bit leaf of values of ``shape`` in blocks of ``block``; None where the blocks do not tile
+  it (or are odd: a byte's two codes share a block).
+
+  Example:
+    >>> stored_shapes4((256, 256), (2, 64)), stored_shapes4((64, 256), 128)
+    (((256, 128), (128, 4), (256,)), ((64, 128), (64, 2)))
+    >>> stored_shapes4((3, 256), (2, 64)) is None
+    True
+  """
+  rows, cols = block_shape(block)
+  if not shape or rows < 1 or cols < 2 or cols % 2 or shape[-1] % cols:
+    return None
+  if len(shape) < 2:
+    return ((shape[0] // 2,), (shape[0] // cols,)) if rows == 1 else None
+  if shape[-2] % rows:
+    return None
+  codes = (*shape[:-1], shape[-1] // 2)
+  scales = (*shape[:-2], shape[-2] // rows, shape[-1] // cols)
+  return (codes, scales, *([(shape[-1],)] if uses_rank1(shape, block) else []))
 
 
 def unpacked_shape(leaf: Quantized4Leaf | Rank1Quantized4Leaf) -> tuple[int, ...]:
