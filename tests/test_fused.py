@@ -499,3 +499,30 @@ def test_vmap_takes_the_plain_path():
 
   assert tree_equal(run("interpret").target, run("off").target)
   assert tree_equal(run("interpret").state, run("off").state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jitted"])
+def test_gradients_through_fused_steps_are_the_plain_paths(jitted):
+  """`jax.grad` through fused steps (a meta-gradient, w.r.t. the initial params): the plain
+  path's derivatives, the fused values. `custom_partitioning` has no derivative: it failed."""
+  x = jnp.linspace(-1.0, 1.0, 48).reshape(4, 12)
+  params = {"w": jnp.cos(jnp.arange(36.0)).reshape(12, 3) * 0.3, "b": jnp.zeros(3)}
+
+  def loss(p):
+    return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+  def meta(p, fused):
+    opt = OptaxWrapper(optax.adamw(1e-2), fused=fused).create(p)
+    for _ in range(2):
+      opt = opt.apply_gradient(jax.grad(loss)(opt.target))
+    return loss(opt.target), opt.target
+
+  def run(fused):
+    grad = jax.grad(meta, has_aux=True)
+    return (jax.jit(grad, static_argnums=1) if jitted else grad)(params, fused)
+
+  (got, target), (want, plain_target) = run("interpret"), run("off")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+  assert leaf_scale_ulps(target, plain_target) <= ULPS

@@ -186,22 +186,32 @@ def fused_apply(
   Under `jax.vmap` (an ensemble of optimizers) the global scalars (a step
   count per member) are no longer scalars, so the batched update takes the
   plain path: ``jax.vmap`` of ``tx.update`` + ``optax.apply_updates``.
+  Differentiated (`jax.grad` or `jax.jvp` through the step, a meta-gradient),
+  the values are the fused update's and the derivatives the plain path's:
+  the kernel's `custom_partitioning` op has no derivative of its own.
 
   Args:
     plan: from `plan_fused_update` for these trees' structure and types.
     params, grads, state, extra_args: those the plan was built for.
   """
   extra_leaves, rebuild = split_extras(dict(extra_args or {}))
-  update = jax.custom_batching.custom_vmap(lambda p, g, s, e: _fused_leaves(plan, p, g, s, e))
 
-  @update.def_vmap
+  def plain(params: Any, grads: Any, state: Any, extra_leaves: list) -> tuple[Any, Any]:
+    updates, new_state = plan.tx.update(grads, state, params, **rebuild(extra_leaves))
+    return optax.apply_updates(params, updates), new_state
+
+  batched = jax.custom_batching.custom_vmap(lambda p, g, s, e: _fused_leaves(plan, p, g, s, e))
+
+  @batched.def_vmap
   def _batched(axis_size, in_batched, params, grads, state, extra_leaves):
-    def plain(params, grads, state, extra_leaves):
-      updates, new_state = plan.tx.update(grads, state, params, **rebuild(extra_leaves))
-      return optax.apply_updates(params, updates), new_state
-
     in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
     out = jax.vmap(plain, in_axes=in_axes, axis_size=axis_size)(params, grads, state, extra_leaves)
     return out, jax.tree.map(lambda _: True, out)
+
+  update = jax.custom_jvp(batched)
+
+  @update.defjvp
+  def _differentiated(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    return update(*primals), jax.jvp(plain, primals, tangents)[1]
 
   return update(params, grads, state, extra_leaves)
