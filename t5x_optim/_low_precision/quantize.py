@@ -556,13 +556,35 @@ def leaf_rounding_bits(shape: tuple[int, ...], step: jax.Array, leaf: int | jax.
 def to_bfloat16(x: jax.Array, bits: jax.Array | None) -> jax.Array:
   """``x`` in bfloat16: to nearest (``bits`` None) or stochastically, adding 16 random ``bits``.
 
+  Either way differentiable as the cast to nearest is: a tangent passes through, in bfloat16
+  (straight through the stochastic rounding, whose bit arithmetic has no derivative).
   Compiled (as `quantize`): called eagerly, its operations would each compile on their own.
+
+  Example:
+    >>> x, bits = jnp.float32(1.0 + 2.0**-10), jnp.uint32(0xF000)  # 1/8 of a step, 15/16 up
+    >>> value, tangent = jax.jvp(lambda x: to_bfloat16(x, bits), (x,), (jnp.float32(0.5),))
+    >>> float(value), float(tangent)
+    (1.0078125, 0.5)
   """
   if bits is None:
     return x.astype(jnp.bfloat16)
+  return _stochastic_bfloat16(x, bits)
+
+
+@jax.custom_jvp
+def _stochastic_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """`to_bfloat16` with ``bits``: the dropped mantissa bits plus ``bits`` carry into the kept
+  ones with probability equal to the dropped bits' value."""
   raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
   rounded = jax.lax.bitcast_convert_type((raw + bits) & jnp.uint32(0xFFFF0000), jnp.float32)
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+
+
+@_stochastic_bfloat16.defjvp
+def _stochastic_bfloat16_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+  """The rounded values, and ``x``'s tangent cast to bfloat16 (the bits have none)."""
+  x, bits = primals
+  return _stochastic_bfloat16(x, bits), tangents[0].astype(jnp.bfloat16)
 
 
 MIN_BLOCK = 4
