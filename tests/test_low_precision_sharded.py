@@ -449,9 +449,9 @@ def _split(axis):
   return spec
 
 
-def _shard_map_step(opt, grads, spec):
+def _shard_map_step(opt, grads, spec, check_vma=False):
   """``opt.apply_gradient(grads)`` under `jax.shard_map` over 8 devices, each array's spec
-  ``spec(array)``, the optimizer checked or not by the caller (``check_vma=False``)."""
+  ``spec(array)``."""
   mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
   specs, grad_specs = jax.tree.map(spec, (opt, grads))
   step = jax.shard_map(
@@ -459,7 +459,7 @@ def _shard_map_step(opt, grads, spec):
     mesh=mesh,
     in_specs=(specs, grad_specs),
     out_specs=specs,
-    check_vma=False,
+    check_vma=check_vma,
   )
   put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
   return jax.jit(step)(put(opt, specs), put(grads, grad_specs))
@@ -510,3 +510,38 @@ def test_a_shard_map_step_refuses_shards_that_cannot_keep_the_stored_blocks(
   opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode)).create(params)
   with pytest.raises(ValueError, match=r"(?s)'0/mu/w'.*" + re.escape(detail) + ".*whole blocks"):
     _shard_map_step(opt, params, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
+def test_shards_round_bfloat16_apart_under_shard_map(stream):
+  """bfloat16 stochastic rounding under `jax.shard_map` (with ``check_vma``, JAX's default):
+  a state split over the mesh hashes each shard's position into its bits, so equal values on
+  two shards round apart (every shard hashed its local indices alike: their round-up
+  patterns agreed everywhere; the streamed update failed under ``check_vma``); a state
+  replicated over it rounds as unsharded on every device, and `jax.jit`'s sharding keeps the
+  unsharded bits."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 1024))}
+  shard = jax.random.normal(jax.random.PRNGKey(1), (64, 128)) * 1e-3
+  grads = {"w": jnp.tile(shard, (1, 8))}  # The same values on every shard.
+  opt = OptaxWrapper(low_precision(optax.adam(1e-2), "bfloat16", stream=stream)).create(params)
+  specs, grad_specs = jax.tree.map(_split(-1), (opt, grads))
+  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
+  jitted = jax.jit(lambda o, g: o.apply_gradient(g))(put(opt, specs), put(grads, grad_specs))
+
+  def nu(o):
+    return np.asarray(o.state.param_states.inner_state[0].nu["w"], np.float32)
+
+  def agreement(o):
+    """The fraction of elements that round as the first shard's do, over the other shards."""
+    up = (nu(o) > 1e-3 * np.asarray(grads["w"]) ** 2).reshape(64, 8, 128)
+    return float(np.mean(up[:, 1:] == up[:, :1]))
+
+  unsharded = opt.apply_gradient(grads)
+  split = _shard_map_step(opt, grads, _split(-1), check_vma=True)
+  replicated = _shard_map_step(opt, grads, lambda x: P(), check_vma=True)
+  assert agreement(split) < 0.75
+  assert agreement(unsharded) < 0.75
+  np.testing.assert_array_equal(nu(replicated), nu(unsharded))
+  np.testing.assert_array_equal(nu(jitted), nu(unsharded))

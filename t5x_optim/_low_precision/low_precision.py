@@ -15,7 +15,9 @@ most a chunk of one leaf's float32 state rather than the whole tree's.
   rounded up with probability equal to their value, so the stored value is
   unbiased; the random bits hash the element's index with the seed, the step
   count and the leaf's index (`rounding_bits`), so a run is reproducible,
-  sharded or not.
+  sharded by `jax.jit` or not. Under a `jax.shard_map` around the update, a
+  leaf that differs between shards hashes the shard's position too
+  (`_rounding_bits`): shards draw uncorrelated bits, not the unsharded run's.
   ``stochastic_rounding=False`` rounds to nearest (a small ``nu`` update then
   rounds away: accumulation stalls). 2 bytes per value.
 * ``"8bit"``: block-wise 8-bit quantization with the dynamic (nonlinear) maps
@@ -124,7 +126,9 @@ from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
   dynamic_map,
+  hashed_bits,
   leaf_block,
+  leaf_key,
   leaf_rounding_bits,
   quantize,
   quantize_stats,
@@ -773,7 +777,7 @@ def _compress(
   """``inner_state`` (float32) stored as ``state``'s static fields say, each quantized leaf in
   its block of ``blocks`` (one per leaf).
 
-  A `_rounded` leaf's stochastic-rounding bits (`leaf_rounding_bits`) read
+  A `_rounded` leaf's stochastic-rounding bits (`_rounding_bits`) read
   the step's key and the leaf's index from `_rounding_operands`, not as
   constants, as the streamed encoders do.
   """
@@ -782,7 +786,7 @@ def _compress(
   out = []
   for k, (leaf, kind, block) in enumerate(zip(leaves, state.storage, blocks, strict=True)):
     rounded = _rounded(state, k)
-    bits = leaf_rounding_bits(jnp.shape(leaf), shared_key, leaf_ids[k]) if rounded else None
+    bits = _rounding_bits(leaf, shared_key, leaf_ids[k]) if rounded else None
     out.append(_encode(kind, leaf, bits, block, guard))
   return treedef.unflatten(out)
 
@@ -1035,6 +1039,35 @@ def _unfoldable_operands(seed: int, count: jax.Array, n: int) -> tuple[jax.Array
   return key, list(ids)
 
 
+def _rounding_bits(x: jax.Array, shared_key: jax.Array, leaf_id: jax.Array) -> jax.Array:
+  """The stochastic-rounding bits of the new state leaf ``x`` (`leaf_rounding_bits`).
+
+  Under `jax.shard_map`, where ``x`` differs between the shards of manual mesh axes
+  (`_shard_position`), its leaf's key is hashed with the shard's position too: each shard
+  hashes its own elements' local indices, which every shard shares, and would otherwise
+  round equal values alike. A leaf that is the same on every device (replicated, or outside
+  `jax.shard_map`, sharded by `jax.jit` or not) keeps the bits of the whole leaf.
+  """
+  position = _shard_position(x)
+  if position is None:
+    return leaf_rounding_bits(jnp.shape(x), shared_key, leaf_id)
+  return hashed_bits(jnp.shape(x), leaf_key(leaf_key(shared_key, leaf_id), position))
+
+
+def _shard_position(x: jax.Array) -> jax.Array | None:
+  """The index of this shard of ``x`` among those of the manual mesh axes it varies over,
+  or None where it varies over none.
+
+  JAX says which values vary under `jax.shard_map` with ``check_vma`` (its default); with
+  ``check_vma=False`` it types every value as the same on every device.
+  """
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  if manual is None or not manual.varying:
+    return None
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.lax.axis_index(tuple(a for a in mesh.manual_axes if a in manual.varying))
+
+
 def _unchanged(shapes: Any, operands: Any) -> Any:
   """The branch of `_streamed_update`'s conditional that never runs: its operands back.
 
@@ -1243,7 +1276,7 @@ def _leaf_functions(
   computes the new state again, from the gradient read through a select on
   the new param (so after it), and stores it as ``kinds`` say (a quantized
   leaf in its block of ``blocks``), hashing a
-  leaf's stochastic-rounding bits (`leaf_rounding_bits`) from the step's
+  leaf's stochastic-rounding bits (`_rounding_bits`) from the step's
   key and its index where ``rounded``. Leaves with the same program, kinds and
   shapes call the same three functions, which JAX traces and lowers once;
   their compiled encoders are the same too, and XLA compiles one kernel for
@@ -1299,7 +1332,6 @@ def _leaf_functions(
     # and a bfloat16 leaf's decode, a convert, XLA:GPU recomputes.
     p, g, leaves, *rest = operands
     shared_key, leaf_ids = rest[-2:]
-    shape = jnp.shape(g)
     gated = [
       leaf._replace(codes=jnp.where(after, leaf.codes, jnp.zeros_like(leaf.codes)))
       if kind in _CODECS
@@ -1321,7 +1353,7 @@ def _leaf_functions(
       if kind in _CODECS:
         out.append(_CODECS[kind].encode_lanes(xs, block, guard, leaf_stats))
         continue
-      bits = leaf_rounding_bits(shape, shared_key, leaf_id) if rounded[k] else None
+      bits = _rounding_bits(xs[0], shared_key, leaf_id) if rounded[k] else None
       out.append(_encode(kind, xs[0], bits, block, guard))
     return out
 

@@ -2,7 +2,7 @@
 
 * bfloat16: `rounding_bits` gives each element 16 random bits hashed from its
   index, the seed, the step count and the leaf's index, so a run is
-  reproducible, sharded or not; `to_bfloat16` rounds up with probability equal
+  reproducible, sharded by `jax.jit` or not; `to_bfloat16` rounds up with probability equal
   to the dropped mantissa bits' value (unbiased), or to nearest without bits.
 * 8 bits: `quantize` scales each block of the last dimension by its absolute
   maximum and stores each value as the index (``uint8``) of the nearest of
@@ -525,8 +525,8 @@ def rounding_bits(
 
   Each element's bits hash its row-major index with a key hashed from
   ``seed``, ``count`` and ``leaf`` (`step_key`, `leaf_key`, then `hashed_bits`):
-  cheaper than a counter-based PRNG, the same sharded or not, and
-  reproducible. `leaf_rounding_bits` gives the same bits from the step's
+  cheaper than a counter-based PRNG, the same sharded by `jax.jit` or not,
+  and reproducible. `leaf_rounding_bits` gives the same bits from the step's
   key (`step_key`), which a step computes once for all its leaves.
 
   Example:

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -138,7 +139,7 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
     args = [read(operand) for operand in op_ins]
     if primitive.name == "select_n":
       args = _select_operands(args)
-    outs = primitive.bind(*args, **params)
+    outs = primitive.bind(*_varying_alike(args), **params)
     for out_id, out in zip(op_outs, outs if primitive.multiple_results else [outs], strict=True):
       values[out_id] = out
   results = []
@@ -146,6 +147,32 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
     value = read(operand)
     results.append(jnp.broadcast_to(value, shape) if jnp.ndim(value) == 0 else value)
   return results
+
+
+def _varying_alike(args: list) -> list:
+  """``args``, each cast to vary over every manual mesh axis that one of them varies over.
+
+  Under `jax.shard_map` with ``check_vma`` (JAX's default), a value that differs between the
+  shards of a manual axis is typed as varying over it, and a primitive refuses operands
+  typed apart (a replicated scalar beside a sharded leaf); `jax.numpy`'s operations cast
+  them, but the program binds primitives itself. Elsewhere nothing varies: ``args`` as
+  they are.
+  """
+  varying = [_varying_axes(a) for a in args]
+  every = frozenset().union(*varying)
+  if all(v == every for v in varying):
+    return args
+  order = jax.sharding.get_abstract_mesh().axis_names
+  return [
+    a if v == every else jax.lax.pcast(a, tuple(x for x in order if x in every - v), to="varying")
+    for a, v in zip(args, varying, strict=True)
+  ]
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes over which ``x`` varies (`_varying_alike`); none for a constant."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset() if manual is None else manual.varying
 
 
 def _select_operands(args: list) -> list:
