@@ -526,3 +526,27 @@ def test_gradients_through_fused_steps_are_the_plain_paths(jitted):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
   assert leaf_scale_ulps(target, plain_target) <= ULPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jitted"])
+def test_gradients_for_a_learning_rate_the_transformation_closes_over(jitted):
+  """A learning rate given to ``optax.adamw`` and differentiated (its tracer in the update's
+  closure, where a custom JVP may not reach: it escaped) takes the plain path."""
+  x = jnp.linspace(-1.0, 1.0, 48).reshape(4, 12)
+  params = {"w": jnp.cos(jnp.arange(36.0)).reshape(12, 3) * 0.3, "b": jnp.zeros(3)}
+
+  def loss(p):
+    return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+  def meta(lr, fused):
+    opt = OptaxWrapper(optax.adamw(lr), fused=fused).create(params)
+    for _ in range(2):
+      opt = opt.apply_gradient(jax.grad(loss)(opt.target))
+    return loss(opt.target)
+
+  def run(fused):
+    grad = jax.grad(meta)
+    return float((jax.jit(grad, static_argnums=1) if jitted else grad)(1e-2, fused))
+
+  np.testing.assert_allclose(run("interpret"), run("off"), rtol=1e-6)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ import jax.custom_batching
 import jax.numpy as jnp
 import optax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.interpreters import partial_eval
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from t5x_optim._axes.auto import auto_axes_like, explicit_mesh
@@ -208,10 +209,27 @@ def fused_apply(
     out = jax.vmap(plain, in_axes=in_axes, axis_size=axis_size)(params, grads, state, extra_leaves)
     return out, jax.tree.map(lambda _: True, out)
 
+  operands = (params, grads, state, extra_leaves)
+  if _closes_over_tracers(plain, operands):
+    # A hyperparameter the transformation closes over is being differentiated (or vmapped):
+    # only the plain path carries its derivative.
+    return plain(*operands)
+
   update = jax.custom_jvp(batched)
 
   @update.defjvp
   def _differentiated(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
     return update(*primals), jax.jvp(plain, primals, tangents)[1]
 
-  return update(params, grads, state, extra_leaves)
+  return update(*operands)
+
+
+def _closes_over_tracers(f: Callable, operands: tuple) -> bool:
+  """Whether `f` reads a tracer of a transformation other than `jax.jit` that it is not
+  given (a learning rate under `jax.grad`), which a `jax.custom_jvp` function may not close
+  over."""
+  _, consts = jax.closure_convert(f, *operands)
+  return any(
+    isinstance(c, jax.core.Tracer) and not isinstance(c, partial_eval.DynamicJaxprTracer)
+    for c in consts
+  )
