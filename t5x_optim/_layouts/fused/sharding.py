@@ -227,8 +227,12 @@ def fused_apply(
 def _closes_over_tracers(f: Callable, operands: tuple) -> bool:
   """Whether `f` reads a tracer of a transformation other than `jax.jit` that it is not
   given (a learning rate under `jax.grad`), which a `jax.custom_jvp` function may not close
-  over."""
-  _, consts = jax.closure_convert(f, *operands)
+  over. A plain update this trace cannot run (on Explicit mesh axes, which the fused update
+  makes Auto) is taken to close over none."""
+  try:
+    _, consts = jax.closure_convert(f, *operands)
+  except Exception:  # noqa: BLE001 - JAX's sharding-type errors have no public class.
+    return False
   return any(
     isinstance(c, jax.core.Tracer) and not isinstance(c, partial_eval.DynamicJaxprTracer)
     for c in consts
