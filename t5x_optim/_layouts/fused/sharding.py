@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -210,7 +210,7 @@ def fused_apply(
     return out, jax.tree.map(lambda _: True, out)
 
   operands = (params, grads, state, extra_leaves)
-  if _closes_over_tracers(plain, operands):
+  if _closes_over_tracers(plan):
     # A hyperparameter the transformation closes over is being differentiated (or vmapped):
     # only the plain path carries its derivative.
     return plain(*operands)
@@ -224,16 +224,11 @@ def fused_apply(
   return update(*operands)
 
 
-def _closes_over_tracers(f: Callable, operands: tuple) -> bool:
-  """Whether `f` reads a tracer of a transformation other than `jax.jit` that it is not
-  given (a learning rate under `jax.grad`), which a `jax.custom_jvp` function may not close
-  over. A plain update this trace cannot run (on Explicit mesh axes, which the fused update
-  makes Auto) is taken to close over none."""
-  try:
-    _, consts = jax.closure_convert(f, *operands)
-  except Exception:  # noqa: BLE001 - JAX's sharding-type errors have no public class.
-    return False
+def _closes_over_tracers(plan: FusedPlan) -> bool:
+  """Whether the update `plan` was traced from reads a tracer of a transformation other than
+  `jax.jit` that it is not given (a learning rate under `jax.grad`): tracing hoisted it into
+  the plan's constants, and a `jax.custom_jvp` function may not close over it."""
   return any(
     isinstance(c, jax.core.Tracer) and not isinstance(c, partial_eval.DynamicJaxprTracer)
-    for c in consts
+    for c in plan.consts
   )
