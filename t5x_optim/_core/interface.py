@@ -282,7 +282,7 @@ def own_buffers(*trees: Any) -> tuple[Any, ...]:
     >>> a is x, b is x, c['w'] is x, b.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     (True, False, False, True)
   """
-  seen: set[int] = set()
+  seen: set[tuple[int, int]] = set()
 
   def own(leaf: Any) -> Any:
     buffers = _buffers(leaf)

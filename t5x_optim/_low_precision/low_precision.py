@@ -121,7 +121,7 @@ from t5x_optim._layouts.fused.analysis import (
   plan_fused_update,
   split_extras,
 )
-from t5x_optim._layouts.fused.program import Lit, Program, run_program
+from t5x_optim._layouts.fused.program import Lit, Program, run_program, varying_axes
 from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
@@ -1055,17 +1055,13 @@ def _rounding_bits(x: jax.Array, shared_key: jax.Array, leaf_id: jax.Array) -> j
 
 
 def _shard_position(x: jax.Array) -> jax.Array | None:
-  """The index of this shard of ``x`` among those of the manual mesh axes it varies over,
-  or None where it varies over none.
-
-  JAX says which values vary under `jax.shard_map` with ``check_vma`` (its default); with
-  ``check_vma=False`` it types every value as the same on every device.
-  """
-  manual = getattr(jax.typeof(x), "manual_axis_type", None)
-  if manual is None or not manual.varying:
+  """The index of this shard of ``x`` among those of the manual mesh axes it varies over
+  (`varying_axes`), or None where it varies over none."""
+  varying = varying_axes(x)
+  if not varying:
     return None
   mesh = jax.sharding.get_abstract_mesh()
-  return jax.lax.axis_index(tuple(a for a in mesh.manual_axes if a in manual.varying))
+  return jax.lax.axis_index(tuple(a for a in mesh.manual_axes if a in varying))
 
 
 def _unchanged(shapes: Any, operands: Any) -> Any:

@@ -37,6 +37,7 @@ __all__ = [
   "program_key",
   "program_signature",
   "run_program",
+  "varying_axes",
 ]
 
 # Copies are the identity inside the kernel.
@@ -158,7 +159,7 @@ def _varying_alike(args: list) -> list:
   them, but the program binds primitives itself. Elsewhere nothing varies: ``args`` as
   they are.
   """
-  varying = [_varying_axes(a) for a in args]
+  varying = [varying_axes(a) for a in args]
   every = frozenset().union(*varying)
   if all(v == every for v in varying):
     return args
@@ -169,8 +170,10 @@ def _varying_alike(args: list) -> list:
   ]
 
 
-def _varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes over which ``x`` varies (`_varying_alike`); none for a constant."""
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes over which ``x`` varies under `jax.shard_map` (with ``check_vma``,
+  JAX's default; without it JAX types every value as the same on every device); none for a
+  constant, or outside `jax.shard_map`."""
   manual = getattr(jax.typeof(x), "manual_axis_type", None)
   return frozenset() if manual is None else manual.varying
 

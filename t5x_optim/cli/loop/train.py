@@ -372,7 +372,8 @@ def _train_step(
 ) -> Any:
   """One update; the metrics are the loss, the gradient norm, the learning rate (and
   reduce_on_plateau's ``lr_scale``) and ``finite`` (whether the loss, the gradient
-  norm and the updated params are, and the updated optimizer state holds no NaN), and with `weights` the per-parameter metrics
+  norm and the updated params are, and the updated optimizer state holds no NaN), and
+  with `weights` the per-parameter metrics
   (`metric_vector`, reduced with one all-reduce given the state's `shardings`) under
   ``weights``. An optimizer that takes optax's extra arguments gets them of the batch's
   loss (`loss_extra_args`).
