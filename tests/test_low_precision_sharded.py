@@ -465,6 +465,12 @@ def _shard_map_step(opt, grads, spec, check_vma=False):
   return jax.jit(step)(put(opt, specs), put(grads, grad_specs))
 
 
+def _codes_split(scales_width):
+  """A spec per array: split over 'x' as `_split`, but for scales (last dimension
+  ``scales_width``), replicated."""
+  return lambda x: P() if jnp.shape(x)[-1:] == (scales_width,) else _split(-1)(x)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "mode, shape", [("8bit", (64, 1024)), ("4bit", (64, 1024)), ("4bit", (512, 32))]
@@ -497,15 +503,24 @@ def test_a_shard_map_step_keeps_the_stored_blocks(mode, shape):
   [
     ("4bit", (256, 1024), _split(0), "values of shape (32, 1024)"),
     ("8bit", (64, 1024), lambda x: P("x") if jnp.shape(x)[-1:] == (8,) else P(), "(8, 8)"),
+    ("8bit", (64, 1024), _codes_split(8), "encodes them as codes (64, 128), scales (64, 1)"),
+    ("4bit", (64, 1024), _codes_split(8), "encodes them as codes (64, 64), scales (64, 1)"),
   ],
-  ids=["4bit_rows_without_their_column_maxima", "8bit_scales_split_apart"],
+  ids=[
+    "4bit_rows_without_their_column_maxima",
+    "8bit_scales_split_apart",
+    "8bit_codes_split_scales_replicated",
+    "4bit_codes_split_scales_replicated",
+  ],
 )
 def test_a_shard_map_step_refuses_shards_that_cannot_keep_the_stored_blocks(
   mode, shape, spec, detail
 ):
   """A shard whose stored block does not encode it in the stored layout (a 4-bit matrix split
   by rows, too few of them for column maxima; scales split apart from their codes) is refused,
-  naming the leaf and both layouts, rather than stored in another."""
+  naming the leaf and both layouts, rather than stored in another. Codes split with their
+  scales replicated looked like a whole leaf of a smaller block (8 bits: codes (64, 128),
+  scales (64, 8), block 16 instead of 128), and were encoded so, wrongly, without a word."""
   params = {"w": jnp.ones(shape)}
   opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode)).create(params)
   with pytest.raises(ValueError, match=r"(?s)'0/mu/w'.*" + re.escape(detail) + ".*whole blocks"):

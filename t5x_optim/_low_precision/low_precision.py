@@ -134,7 +134,6 @@ from t5x_optim._low_precision.quantize import (
   quantize_stats,
   rounding_bits,
   step_key,
-  stored_block,
   stored_shapes,
   to_bfloat16,
 )
@@ -148,7 +147,6 @@ from t5x_optim._low_precision.quantize4 import (
   quantize4,
   quantize4_lanes,
   quantize4_stats,
-  stored_block4,
   stored_shapes4,
   unpacked_shape,
   uses_rank1,
@@ -224,6 +222,10 @@ class LowPrecisionState:
     rules: static; for each leaf of the float32 inner state, the pattern of
       ``param_modes`` that set its mode (a path regex or ``axis:<regex>``), or
       "" (``state_dtype`` did).
+    blocks: static; for each leaf of the float32 inner state, the block its
+      quantized leaf is encoded in (None: not quantized), chosen by ``init``
+      for the leaf's whole shape. A step keeps it; a shard of the leaf
+      (under `jax.shard_map`) is encoded in it too.
   """
 
   count: Any
@@ -233,6 +235,7 @@ class LowPrecisionState:
   stochastic_rounding: bool = struct.field(pytree_node=False, default=True)
   seed: int = struct.field(pytree_node=False, default=0)
   rules: tuple[str, ...] = struct.field(pytree_node=False, default=())
+  blocks: tuple[Any, ...] = struct.field(pytree_node=False, default=())
 
 
 def _is_quantized(x: Any) -> bool:
@@ -257,7 +260,6 @@ class _Codec:
       are the leaf's state-dict keys).
     leaf_block: ``(shape, block_size, shard_multiple)`` to a leaf's
       block, or None: the leaf stays float32 (``no_block`` says why).
-    stored_block: a stored leaf's block, from its arrays' shapes.
     stored_shapes: ``(shape, block)`` to the shapes of the stored arrays of
       values of ``shape`` in ``block``, or None: the block does not tile it.
     block_size: the default largest block.
@@ -280,7 +282,6 @@ class _Codec:
 
   leaf_types: tuple[type, ...]
   leaf_block: Callable[..., Any]
-  stored_block: Callable[[Any], Any]
   stored_shapes: Callable[[tuple[int, ...], Any], tuple[tuple[int, ...], ...] | None]
   block_size: int
   no_block: str
@@ -308,7 +309,6 @@ _CODECS: dict[str, _Codec] = {
   _8BIT: _Codec(
     leaf_types=(QuantizedLeaf,),
     leaf_block=lambda shape, **kwargs: leaf_block(shape[-1], **kwargs),
-    stored_block=stored_block,
     stored_shapes=stored_shapes,
     block_size=256,
     no_block=_KEPT_NO_BLOCK,
@@ -327,7 +327,6 @@ _CODECS: dict[str, _Codec] = {
   _4BIT: _Codec(
     leaf_types=(Quantized4Leaf, Rank1Quantized4Leaf),
     leaf_block=leaf_block4_shape,
-    stored_block=stored_block4,
     stored_shapes=stored_shapes4,
     block_size=128,
     no_block=_KEPT_NO_BLOCK4,
@@ -850,39 +849,39 @@ def _expanded_shapes(state: LowPrecisionState) -> Any:
 
 
 def _stored_blocks(state: LowPrecisionState) -> list[Any]:
-  """Each inner leaf's block as its stored leaf holds it (None: not quantized).
+  """Each inner leaf's block (None: not quantized), as ``init`` chose it (``state.blocks``).
 
   A new state is encoded in the blocks of the one it replaces, so an update
   never changes a leaf's layout: not where its arrays are shards (under
   `jax.shard_map`), whose own shapes `leaf_block` would give other blocks.
 
   Raises:
-    ValueError: from `_stored_block`, for a leaf whose stored block does not
-      encode its values in the arrays it has.
+    ValueError: from `_stored_block`, for a leaf whose block does not encode
+      its values in the arrays it has.
   """
   flat = jax.tree.flatten_with_path(state.inner_state, is_leaf=_is_quantized)[0]
   return [
-    _stored_block(kind, stored, _state_dict.key_path_str(path)) if kind in _CODECS else None
-    for (path, stored), kind in zip(flat, state.storage, strict=True)
+    _stored_block(kind, stored, block, _state_dict.key_path_str(path)) if kind in _CODECS else None
+    for (path, stored), kind, block in zip(flat, state.storage, state.blocks, strict=True)
   ]
 
 
-def _stored_block(kind: str, stored: Any, where: str) -> Any:
-  """The block of the quantized leaf ``stored`` (of mode ``kind``, at ``where``).
+def _stored_block(kind: str, stored: Any, block: Any, where: str) -> Any:
+  """``block``, the block of the quantized leaf ``stored`` (of mode ``kind``, at ``where``).
 
   Raises:
     ValueError: naming the leaf, its values' shape and both layouts, when
-      its stored block does not encode values of its shape in the arrays it
-      has (a shard that splits a block, or 4-bit rows too few for the column
-      maxima it stores).
+      ``block`` does not encode values of its shape in the arrays it has (a
+      shard that splits a block, codes split over a mesh axis that their
+      scales are not, or 4-bit rows too few for the column maxima it stores).
   """
   codec = _CODECS[kind]
-  shape, block = codec.shape(stored), codec.stored_block(stored)
+  shape = codec.shape(stored)
   have = tuple(tuple(jnp.shape(x)) for x in stored)
   want = codec.stored_shapes(shape, block)
   if want == have:
     return block
-  fields = stored._fields
+  fields = (*stored._fields, "cols")
   encoded = "does not tile them" if want is None else f"encodes them as {_layout(fields, want)}"
   rows = "; a leaf that stores column maxima ('cols') needs its rows whole" if len(have) > 2 else ""
   raise ValueError(
@@ -1611,6 +1610,10 @@ def low_precision(
       param_modes=rules,
       axes=axes,
     )
+    blocks = tuple(
+      block(kind, jnp.shape(leaf)) if kind in _CODECS else None
+      for leaf, kind in zip(jax.tree.leaves(inner_state), storage, strict=True)
+    )
     state = LowPrecisionState(
       count=jnp.zeros([], jnp.int32),
       inner_state=inner_state,
@@ -1619,6 +1622,7 @@ def low_precision(
       stochastic_rounding=stochastic_rounding,
       seed=seed,
       rules=chosen_by,
+      blocks=blocks,
     )
     # The inner init is mostly constants (zeros): encoding them under jit lets XLA
     # constant-fold the codec, which took 100 s for 32 leaves on CPU. Multiplying by a
@@ -1629,11 +1633,6 @@ def low_precision(
       lambda x: x * one.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
       inner_state,
     )
-
-    blocks = [
-      block(kind, jnp.shape(leaf)) if kind in _CODECS else None
-      for leaf, kind in zip(jax.tree.leaves(inner_state), storage, strict=True)
-    ]
 
     def encode(fresh: Any, count: jax.Array) -> Any:
       return _compress(fresh, state, count, blocks=blocks)
