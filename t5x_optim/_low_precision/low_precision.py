@@ -1004,6 +1004,19 @@ def _after(x: jax.Array) -> jax.Array:
   return (bits >> (width - 1) <= 1).all()
 
 
+def _latest_alike(done: list[jax.Array], values: Any, first: jax.Array) -> jax.Array:
+  """The last of ``done`` that varies over no manual mesh axis that ``values`` do not
+  (`varying_axes`), or ``first``: what a leaf's update and statistics wait for (`_after`).
+
+  Under `jax.shard_map` (with ``check_vma``) a value computed from one that varies over
+  an axis varies over it too: a replicated leaf that waited for a split one would come
+  out split, which its output spec refuses. Outside `jax.shard_map` it is the last of
+  ``done``.
+  """
+  own = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(values)))
+  return next((x for x in reversed(done) if varying_axes(x) <= own), first)
+
+
 def _rounding_operands(state: LowPrecisionState, count: jax.Array) -> tuple[Any, list]:
   """``(step_key(seed, count), [0, ..., n - 1])`` for ``state``'s ``n`` inner leaves: what a
   leaf's stochastic-rounding bits hash its key from; None for all without a `_rounded` leaf.
@@ -1413,8 +1426,7 @@ def _streamed_update(
   group_of = {i: group for group in plan.groups for i in group.leaves}
   shared_key, leaf_ids = _rounding_operands(state, count)
   functions: dict[tuple, tuple[Callable, Callable, Callable]] = {}
-  new_updates = []
-  previous = g_leaves[0]
+  new_updates, done = [], []
   for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
     ks = [k for k, j in enumerate(plan.slots) if j == i]
     program = group_of[i].program
@@ -1435,7 +1447,7 @@ def _streamed_update(
     # update writes the new param over it first.
     state_param = p if _state_reads_param(program) else None
     operands = (state_param, g, old, residuals, shared_key, [leaf_ids[k] for k in ks])
-    ready = _after(previous)
+    ready = _after(_latest_alike(done, [p, g, old, residuals], g))
     # The update waits for the previous leaf's new param, as the statistics do: left free,
     # XLA may schedule it while the backward pass still reads the param, and copy the param.
     update = step(p, operands, ready)
@@ -1451,8 +1463,8 @@ def _streamed_update(
         operands,
       )
     # The caller's ``optax.apply_updates`` of the leaf, merged with this one by XLA.
-    previous = optax.apply_updates(p, update)
-    for k, encoded in zip(ks, encoders(operands, stats, previous), strict=True):
+    done.append(optax.apply_updates(p, update))
+    for k, encoded in zip(ks, encoders(operands, stats, done[-1]), strict=True):
       new_stored[k] = encoded
   return jax.tree.unflatten(params_def, new_updates), stored_def.unflatten(new_stored)
 
@@ -1812,20 +1824,26 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
 def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
   """`low_precision_sum_squares` of one state: a float32 scalar per inner leaf."""
   leaves = jax.tree.leaves(state.inner_state, is_leaf=_is_quantized)
-  previous, out = jnp.asarray(state.count), []
+  done, out = [], []
   for leaf, kind in zip(leaves, state.storage, strict=True):
     if kind not in _CODECS:
       out.append(_sum_squares(leaf))
       continue
     total = jax.lax.cond(
-      _after(previous),
+      _after(_latest_alike(done, leaf, jnp.asarray(state.count))),
       functools.partial(_streamed_sum_squares, kind, chunk),
-      lambda _: jnp.zeros([], jnp.float32),
+      _no_sum,
       leaf,
     )
     out.append(total)
-    previous = total
+    done.append(total)
   return out
+
+
+def _no_sum(stored: Any) -> jax.Array:
+  """A float32 zero that varies over the manual mesh axes the arrays of ``stored`` do: the
+  branch of `_state_sum_squares`' conditional that never runs."""
+  return sum(jnp.zeros_like(x, jnp.float32).sum() for x in stored)
 
 
 def _sum_squares(x: Any) -> jax.Array:
