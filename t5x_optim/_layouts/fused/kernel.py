@@ -36,7 +36,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from t5x_optim._layouts.fused.program import FusedPlan, Group, NotFusible, Program, run_program
+from t5x_optim._layouts.fused.program import (
+  FusedPlan,
+  Group,
+  NotFusible,
+  Program,
+  run_program,
+  varying_alike,
+  varying_axes,
+)
 
 __all__ = ["check_lowering", "local_update"]
 
@@ -57,6 +65,9 @@ def _pallas_group(
   results (the new param and state components) have their dtypes, as
   `plan_fused_update` checked, and overwrite them in place.
   """
+  # Under `jax.shard_map`, the results vary over the manual mesh axes that an operand does.
+  operands = varying_alike([*buffers, *residuals])
+  buffers, residuals = operands[: len(buffers)], operands[len(buffers) :]
   size = buffers[0].shape[0]
   block = min(_BLOCK, size)
   n_in, n_res = len(buffers), len(residuals)
@@ -79,7 +90,12 @@ def _pallas_group(
   scalar = pl.BlockSpec((1,), lambda i: (0,))
   return pl.pallas_call(
     kernel,
-    out_shape=[jax.ShapeDtypeStruct((size,), buffers[k].dtype) for k in kept],
+    out_shape=[
+      jax.ShapeDtypeStruct(
+        (size,), buffers[k].dtype, manual_axis_type=jax.typeof(buffers[k]).manual_axis_type
+      )
+      for k in kept
+    ],
     grid=(size // block,),
     in_specs=[blocked] * n_in + [scalar] * n_res,
     out_specs=[blocked] * len(kept),
@@ -102,9 +118,13 @@ def _group_buffers(group: Group, interpret: bool, args: list[list], scalars: lis
   components. The buffers are padded to a whole number of blocks. Triton
   computes a block's offsets in 32 bits, so a buffer longer than
   `_KERNEL_ELEMENTS` runs the same program as XLA's elementwise fusion.
+  So does interpret mode under `jax.shard_map` (with ``check_vma``) for
+  values that vary over its mesh axes: Pallas's interpreter slices them with
+  indices typed as the same on every device, which JAX refuses.
   """
   total = sum(math.prod(leaf[0].shape) for leaf in args)
-  if not total or total > _KERNEL_ELEMENTS:
+  varies = any(varying_axes(x) for x in [*(x for leaf in args for x in leaf), *scalars])
+  if not total or total > _KERNEL_ELEMENTS or (interpret and varies):
     return run_program(group.program, _buffers(args, total), scalars, (total,))
   block = min(_BLOCK, 1 << (total - 1).bit_length())
   buffers = _buffers(args, -(-total // block) * block)
@@ -134,17 +154,33 @@ def local_update(plan: FusedPlan, leaf_args: Sequence, residuals: Sequence) -> l
   scalar_of = dict(zip(plan.residual_ids, residuals, strict=True))
   results: list[Any] = [None] * (len(leaf_args) // width * (width - 1))
   for group in plan.groups:
-    args = [list(leaf_args[i * width : (i + 1) * width]) for i in group.leaves]
     scalars = [scalar_of[r] for r in group.residuals]
-    buffers = _group_buffers(group, interpret, args, scalars)
-    offset = 0
-    for i, leaf in zip(group.leaves, args, strict=True):
-      shape, size = leaf[0].shape, math.prod(leaf[0].shape)
-      for k, out in enumerate(buffers):
-        piece = jax.lax.slice(out, (offset,), (offset + size,))
-        results[i * (width - 1) + k] = piece.reshape(shape)
-      offset += size
+    for leaves in _alike(group.leaves, leaf_args, width):
+      args = [list(leaf_args[i * width : (i + 1) * width]) for i in leaves]
+      buffers = _group_buffers(group, interpret, args, scalars)
+      offset = 0
+      for i, leaf in zip(leaves, args, strict=True):
+        shape, size = leaf[0].shape, math.prod(leaf[0].shape)
+        for k, out in enumerate(buffers):
+          piece = jax.lax.slice(out, (offset,), (offset + size,))
+          results[i * (width - 1) + k] = piece.reshape(shape)
+        offset += size
   return results
+
+
+def _alike(leaves: Sequence[int], leaf_args: Sequence, width: int) -> list[list[int]]:
+  """A group's ``leaves``, in runs whose arrays vary over the same manual mesh axes
+  (`varying_axes`), each run concatenated into buffers of its own.
+
+  Under `jax.shard_map` (with ``check_vma``), one buffer of a leaf split over an
+  axis and one replicated over it would vary over it, and so would the replicated
+  leaf's results, which its output spec refuses. Elsewhere nothing varies: one run.
+  """
+  runs: dict[frozenset, list[int]] = {}
+  for i in leaves:
+    axes = frozenset().union(*(varying_axes(x) for x in leaf_args[i * width : (i + 1) * width]))
+    runs.setdefault(axes, []).append(i)
+  return list(runs.values())
 
 
 def _gpu_platform() -> str:

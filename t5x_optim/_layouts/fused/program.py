@@ -37,6 +37,7 @@ __all__ = [
   "program_key",
   "program_signature",
   "run_program",
+  "varying_alike",
   "varying_axes",
 ]
 
@@ -140,7 +141,7 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
     args = [read(operand) for operand in op_ins]
     if primitive.name == "select_n":
       args = _select_operands(args)
-    outs = primitive.bind(*_varying_alike(args), **params)
+    outs = primitive.bind(*varying_alike(args), **params)
     for out_id, out in zip(op_outs, outs if primitive.multiple_results else [outs], strict=True):
       values[out_id] = out
   results = []
@@ -150,7 +151,7 @@ def run_program(program: Program, ins: Sequence, residuals: Sequence, shape: tup
   return results
 
 
-def _varying_alike(args: list) -> list:
+def varying_alike(args: list) -> list:
   """``args``, each cast to vary over every manual mesh axis that one of them varies over.
 
   Under `jax.shard_map` with ``check_vma`` (JAX's default), a value that differs between the
