@@ -528,6 +528,36 @@ def test_a_shard_map_step_refuses_shards_that_cannot_keep_the_stored_blocks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+@pytest.mark.parametrize(
+  "read", [low_precision_sum_squares, low_precision_to_float32], ids=["sum_squares", "to_float32"]
+)
+def test_reading_shards_that_cannot_keep_the_stored_blocks_is_refused(mode, read):
+  """Reading a state under `jax.shard_map` with codes split and scales replicated: each shard
+  decoded as a whole leaf of a smaller block, silently wrong (8 bits' sum of squares 690 for
+  658); it is refused, as the update is."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  params = {"w": jnp.ones((64, 1024))}
+  state = low_precision(optax.adam(1e-2), mode).init(params)
+  spec = jax.tree.map(_codes_split(8), state)
+  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
+  out_specs = jax.tree.map(lambda x: P(), jax.eval_shape(read, state))
+  step = jax.shard_map(read, mesh=mesh, in_specs=(spec,), out_specs=out_specs, check_vma=False)
+  with pytest.raises(ValueError, match=r"(?s)'0/mu/w'.*encodes them as codes \(64, "):
+    jax.jit(step)(put(state, spec))
+
+
+def test_a_state_without_its_blocks_is_refused_in_words():
+  """A `LowPrecisionState` built without ``blocks`` (its default) is refused naming what is
+  missing, not with zip's "argument 3 is shorter"."""
+  tx = low_precision(optax.adam(1e-2), "8bit", min_size=0)
+  params = {"w": jnp.ones((4, 256))}
+  state = tx.init(params).replace(blocks=())
+  with pytest.raises(ValueError, match=r"records 0 blocks for its 3 inner leaves"):
+    tx.update(params, state, params)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
 def test_shards_round_bfloat16_apart_under_shard_map(stream):
   """bfloat16 stochastic rounding under `jax.shard_map` (with ``check_vma``, JAX's default):

@@ -827,7 +827,13 @@ def _in_stored_layouts(encode: Callable[[Any, jax.Array], Any], fresh: Any, coun
 
 
 def _expand(state: LowPrecisionState) -> Any:
-  """The inner state, each compressed leaf back in float32."""
+  """The inner state, each compressed leaf back in float32.
+
+  Raises:
+    ValueError: from `_stored_blocks`, for a leaf whose block does not encode
+      its values in the arrays it has.
+  """
+  _stored_blocks(state)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
   return treedef.unflatten(
     [_decode(kind, leaf) for leaf, kind in zip(leaves, state.storage, strict=True)]
@@ -860,6 +866,12 @@ def _stored_blocks(state: LowPrecisionState) -> list[Any]:
       its values in the arrays it has.
   """
   flat = jax.tree.flatten_with_path(state.inner_state, is_leaf=_is_quantized)[0]
+  if len(state.blocks) != len(flat):
+    raise ValueError(
+      f"low_precision: this LowPrecisionState records {len(state.blocks)} blocks for its "
+      f"{len(flat)} inner leaves; make a state with low_precision(...).init, which records "
+      "each leaf's block."
+    )
   return [
     _stored_block(kind, stored, block, _state_dict.key_path_str(path)) if kind in _CODECS else None
     for (path, stored), kind, block in zip(flat, state.storage, state.blocks, strict=True)
@@ -1822,7 +1834,13 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
 
 
 def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
-  """`low_precision_sum_squares` of one state: a float32 scalar per inner leaf."""
+  """`low_precision_sum_squares` of one state: a float32 scalar per inner leaf.
+
+  Raises:
+    ValueError: from `_stored_blocks`, for a leaf whose block does not encode
+      its values in the arrays it has.
+  """
+  _stored_blocks(state)
   leaves = jax.tree.leaves(state.inner_state, is_leaf=_is_quantized)
   done, out = [], []
   for leaf, kind in zip(leaves, state.storage, strict=True):
