@@ -204,6 +204,68 @@ def test_zero_size_leaves_round_trip_on_a_mesh(tmp_path, tx):
     _restore(tmp_path, other)
 
 
+@pytest.mark.slow
+def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_without(tmp_path):
+  """`jax.eval_shape` of a state on a mesh with Explicit axes gives shardings over an abstract
+  mesh: orbax failed to read onto it, which was reported as a corrupt step, and with
+  ``fallback`` every intact step was declared bad. Under `jax.set_mesh` of that mesh it
+  restores onto its devices; without, it is refused as the target's fault, never retried. Any
+  restore under `jax.set_mesh` failed where a leaf was on one device (an eagerly created
+  optimizer's step): "Received incompatible devices for jitted computation"."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+  every = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = {
+    "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), split),
+    "none": jax.device_put(jnp.zeros((0, 3)), every),
+  }
+  opt_def = w.OptaxWrapper(optax.adam(0.1))
+  state = opt_def.create(params).apply_gradient(jax.tree.map(jnp.ones_like, params))
+  _save(tmp_path, 1, state)
+  _save(tmp_path, 2, state)
+  target = jax.eval_shape(lambda s: s, state)
+  assert isinstance(target.target["w"].sharding.mesh, jax.sharding.AbstractMesh)
+  for fallback in (False, True):
+    with pytest.raises(ValueError, match=r"leaf '[^']+' is sharded over an abstract mesh") as e:
+      _restore(tmp_path, target, fallback=fallback)
+    assert not isinstance(e.value, CheckpointError)
+  assert state.state.step.sharding.device_set == {jax.devices()[0]}  # Created eagerly.
+  with jax.set_mesh(mesh):
+    restored = _restore(tmp_path, target)
+    w.assert_same_state(_restore(tmp_path, state), state)
+  w.assert_same_state(restored, state)
+  assert restored.target["w"].sharding == split
+  assert Checkpointer(tmp_path).all_steps() == [1, 2]
+
+
+@pytest.mark.slow
+def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
+  """`restore_t5x_checkpoint` and `restore_converted` under `jax.set_mesh`, into an optimizer
+  created eagerly (its step on one device): both failed ("Received incompatible devices for
+  jitted computation"); they restore as with no mesh in context."""
+  from t5x_optim import restore_converted, restore_t5x_checkpoint, save_t5x_checkpoint
+
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
+  adam = w.OptaxWrapper(optax.adam(0.1))
+  state = adam.create(params).apply_gradient(jax.tree.map(jnp.cos, params))
+  save_t5x_checkpoint(tmp_path / "t5x", state)
+  _save(tmp_path / "ours", 1, state)
+  target = w.OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
+  want = [
+    restore_t5x_checkpoint(tmp_path / "t5x", state),
+    restore_converted(tmp_path / "ours", target, source=adam, missing="init")[0],
+  ]
+  with jax.set_mesh(mesh):
+    got = [
+      restore_t5x_checkpoint(tmp_path / "t5x", state),
+      restore_converted(tmp_path / "ours", target, source=adam, missing="init")[0],
+    ]
+  for x, y in zip(got, want, strict=True):
+    w.assert_same_state(x, y)
+
+
 @pytest.mark.parametrize(
   "record, message",
   [

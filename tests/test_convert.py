@@ -10,6 +10,7 @@ the other stores for the same moments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -2291,3 +2292,30 @@ def test_a_galore_base_state_of_projected_params_only_starts_at_count_0():
   assert report.converted == ()
   assert int(new.state.param_states[0].base_optimizer_state.count) == 0
   assert int(new.state.step) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("set_mesh", [False, True], ids=["no_mesh_in_context", "under_set_mesh"])
+@pytest.mark.parametrize(
+  "axis_type",
+  [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit],
+  ids=["auto", "explicit"],
+)
+def test_converting_into_an_optimizer_with_its_step_on_one_device(axis_type, set_mesh):
+  """An optimizer created eagerly over params on a mesh holds its step on one device: one
+  program placed the converted state on both ("Received incompatible devices for jitted
+  computation"), and under `jax.set_mesh` jax refused the step beside the mesh. The state is
+  the conversion into its definition's, in the target's shardings."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+  split = jax.sharding.NamedSharding(mesh, PartitionSpec("data", "model"))
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
+  source = OptaxWrapper(optax.adam(0.1)).create(params)
+  source = source.apply_gradient(jax.tree.map(jnp.cos, params))
+  target = OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
+  assert target.state.step.sharding.device_set == {jax.devices()[0]}
+  with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+    got, _ = t5x_optim.convert_state(source, target, missing="init")
+  want, _ = t5x_optim.convert_state(source, target.optimizer_def, missing="init")
+  for x, y, like in zip(*(jax.tree.leaves(t) for t in (got, want, target)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert x.sharding == like.sharding

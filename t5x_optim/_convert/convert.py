@@ -90,6 +90,7 @@ from t5x_optim._convert.registry import (
 )
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
+from t5x_optim._core.placement import on_context_mesh
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (
@@ -1003,8 +1004,30 @@ def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> Optimiz
     like = sharded_by_params(Optimizer(optimizer_def, abstract, params)).state
   leaves, treedef = jax.tree.flatten(like)
   shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-  out = None if None in shardings else treedef.unflatten(shardings)
-  return jax.jit(optimizer_def.init_state, out_shardings=out)(params)
+  if None in shardings:
+    return jax.jit(optimizer_def.init_state)(params)
+  # One program places its outputs on the devices of its inputs: a leaf on others (an
+  # eagerly created optimizer's step on one device, beside params on a mesh) comes out
+  # replicated there and is then copied where `like` has it.
+  devices = {
+    frozenset(s.device_set)
+    for x in jax.tree.leaves(params)
+    if (s := getattr(x, "sharding", None)) is not None
+  }
+  common = next((s for s in shardings if s.device_set in devices), shardings[0])
+  odd = [s.device_set != common.device_set for s in shardings]
+  if not any(odd):
+    return jax.jit(optimizer_def.init_state, out_shardings=treedef.unflatten(shardings))(params)
+  everywhere = (
+    common if not isinstance(common, NamedSharding) else NamedSharding(common.mesh, PartitionSpec())
+  )
+  out = [everywhere if o else s for s, o in zip(shardings, odd, strict=True)]
+  state = jax.tree.leaves(
+    jax.jit(optimizer_def.init_state, out_shardings=treedef.unflatten(out))(params)
+  )
+  return treedef.unflatten(
+    [_placed(x, leaf) if o else x for x, leaf, o in zip(state, leaves, odd, strict=True)]
+  )
 
 
 def _params_like(params: Any, like: Any) -> Any:
@@ -1210,6 +1233,34 @@ def convert_state(
     >>> report.initialised
     ('0 (ScaleByAdamState).mu: 1 params without a source value (e.g. w)',)
   """
+  # Under jax.set_mesh, a target over its abstract mesh is placed on its devices; the
+  # conversion then places values by the target's shardings, whatever mesh is in context
+  # (jax refuses a leaf on one device, an eagerly created optimizer's step, under others).
+  if isinstance(target, Optimizer):
+    target = on_context_mesh(target)
+  with jax.set_mesh(None):
+    return _convert_state(
+      source,
+      target,
+      source_def=source_def,
+      source_hparams=source_hparams,
+      target_hparams=target_hparams,
+      missing=missing,
+      param_axes=param_axes,
+    )
+
+
+def _convert_state(
+  source: Optimizer | Mapping[str, Any],
+  target: Optimizer | OptimizerDef,
+  *,
+  source_def: OptimizerDef | None,
+  source_hparams: Mapping[str, Any] | None,
+  target_hparams: Mapping[str, Any] | None,
+  missing: str,
+  param_axes: Any,
+) -> tuple[Optimizer, ConversionReport]:
+  """`convert_state` with no mesh in context."""
   check_missing(missing)
   for argument, tree in ("source", source), ("target", target), ("param_axes", param_axes):
     if isinstance(tree, Optimizer):
@@ -1220,7 +1271,7 @@ def convert_state(
   if isinstance(target, Optimizer) and _layout(source) != _layout(target):
     # The sides stack their params otherwise (or one keeps them per leaf): converted per leaf,
     # as checkpoints hold both layouts, so params and moments are matched by path.
-    converted, report = convert_state(
+    converted, report = _convert_state(
       per_leaf(source) if _stacked(source) else source,
       per_leaf(target) if _stacked(target) else target,
       source_def=source_def,

@@ -6,6 +6,8 @@
   path and both sides.
 - `configured`: the state leaves that only the config sets, set anew after a
   restore under a changed config.
+- `placement`: the devices a restore or conversion reads onto, for targets
+  sharded over an abstract mesh.
 
 Imports only the axes room (`t5x_optim._axes`) and `t5x_optim._keypaths`.
 """

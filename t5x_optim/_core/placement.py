@@ -1,0 +1,52 @@
+"""Where a restore or conversion puts what it reads: the devices of its target's leaves.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> on_context_mesh({'w': jnp.ones(2)})['w'].tolist()
+  [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from t5x_optim._keypaths import key_path_str
+
+__all__ = ["on_context_mesh"]
+
+
+def on_context_mesh(target: Any) -> Any:
+  """``target`` with each leaf sharded over an abstract mesh sharded over the devices of the
+  mesh in context (`jax.set_mesh`) instead: what a restore or conversion places values on.
+
+  `jax.eval_shape` of arrays on a mesh with Explicit axes gives shardings over an abstract
+  mesh, which names no devices.
+
+  Raises:
+    ValueError: naming the leaf, where no mesh in context matches its abstract mesh.
+  """
+  concrete = jax.sharding.get_mesh()
+
+  def abstract(leaf: Any) -> bool:
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    return isinstance(mesh, jax.sharding.AbstractMesh)
+
+  def place(path: Any, leaf: Any) -> Any:
+    if not abstract(leaf):
+      return leaf
+    sharding = leaf.sharding
+    mesh = sharding.mesh
+    if concrete.axis_names and concrete.abstract_mesh == mesh:
+      return leaf.update(sharding=jax.sharding.NamedSharding(concrete, sharding.spec))
+    raise ValueError(
+      f"the target's leaf '{key_path_str(path)}' is sharded over an abstract mesh ({mesh}), "
+      "which names no devices to place values on (jax.eval_shape gives one on a mesh with "
+      "Explicit axes). Run under jax.set_mesh(mesh) of that mesh, or give the target concrete "
+      "shardings (t5x_optim.partitioning.abstract_train_state does). Nothing was read."
+    )
+
+  if not any(abstract(leaf) for leaf in jax.tree.leaves(target)):
+    return target
+  return jax.tree.map_with_path(place, target)
