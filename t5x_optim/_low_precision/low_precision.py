@@ -1804,7 +1804,8 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
   scheduler prefers. ``jnp.sum(jnp.square(...))`` of the decoded state holds
   it in float32 instead (XLA:CPU decodes a leaf whole before reducing it).
   Leaves outside a `LowPrecisionState`, and those it keeps, are summed as
-  they are.
+  they are. Called outside `jax.jit`, each state's sums are one program,
+  compiled once for its structure.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -1822,12 +1823,16 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
     if not is_node(node):
       return jax.tree.map(_sum_squares, node)
     treedef = jax.tree.structure(node.inner_state, is_leaf=_is_quantized)
+    # Called eagerly, one program, compiled once per state structure: each leaf's
+    # conditional would otherwise compile its new branches at every call.
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(node))
+    state_sums = _state_sum_squares if traced else _state_sum_squares_jitted
     mesh = explicit_mesh(node)
     if mesh is None:
-      return treedef.unflatten(_state_sum_squares(node, chunk))
+      return treedef.unflatten(state_sums(node, chunk))
     # Explicit axes refuse a decoder that reads codes and scales laid out apart.
     replicated = [NamedSharding(mesh, PartitionSpec())] * treedef.num_leaves
-    call = functools.partial(_state_sum_squares, chunk=chunk)
+    call = functools.partial(state_sums, chunk=chunk)
     return treedef.unflatten(auto_axes_call(call, replicated, node))
 
   return jax.tree.map(sums, param_states, is_leaf=is_node)
@@ -1856,6 +1861,9 @@ def _state_sum_squares(state: LowPrecisionState, chunk: int) -> list[jax.Array]:
     out.append(total)
     done.append(total)
   return out
+
+
+_state_sum_squares_jitted = jax.jit(_state_sum_squares, static_argnames="chunk")
 
 
 def _no_sum(stored: Any) -> jax.Array:
