@@ -210,8 +210,8 @@ def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_w
   mesh: orbax failed to read onto it, which was reported as a corrupt step, and with
   ``fallback`` every intact step was declared bad. Under `jax.set_mesh` of that mesh it
   restores onto its devices; without, it is refused as the target's fault, never retried. Any
-  restore under `jax.set_mesh` failed where a leaf was on one device (an eagerly created
-  optimizer's step): "Received incompatible devices for jitted computation"."""
+  restore under `jax.set_mesh` failed where a leaf was on one device (as an eagerly created
+  optimizer's step was): "Received incompatible devices for jitted computation"."""
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
   every = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -229,10 +229,12 @@ def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_w
     with pytest.raises(ValueError, match=r"leaf '[^']+' is sharded over an abstract mesh") as e:
       _restore(tmp_path, target, fallback=fallback)
     assert not isinstance(e.value, CheckpointError)
-  assert state.state.step.sharding.device_set == {jax.devices()[0]}  # Created eagerly.
+  one_device = state.replace(
+    state=state.state.replace(step=jax.device_put(state.state.step, jax.devices()[0]))
+  )
   with jax.set_mesh(mesh):
     restored = _restore(tmp_path, target)
-    w.assert_same_state(_restore(tmp_path, state), state)
+    w.assert_same_state(_restore(tmp_path, one_device), one_device)
   w.assert_same_state(restored, state)
   assert restored.target["w"].sharding == split
   assert Checkpointer(tmp_path).all_steps() == [1, 2]
@@ -241,8 +243,8 @@ def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_w
 @pytest.mark.slow
 def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
   """`restore_t5x_checkpoint` and `restore_converted` under `jax.set_mesh`, into an optimizer
-  created eagerly (its step on one device): both failed ("Received incompatible devices for
-  jitted computation"); they restore as with no mesh in context."""
+  whose step is on one device (as an eagerly created one's was): both failed ("Received
+  incompatible devices for jitted computation"); they restore as with no mesh in context."""
   from t5x_optim import restore_converted, restore_t5x_checkpoint, save_t5x_checkpoint
 
   mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -253,6 +255,9 @@ def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
   save_t5x_checkpoint(tmp_path / "t5x", state)
   _save(tmp_path / "ours", 1, state)
   target = w.OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
+  target = target.replace(
+    state=target.state.replace(step=jax.device_put(target.state.step, jax.devices()[0]))
+  )
   want = [
     restore_t5x_checkpoint(tmp_path / "t5x", state),
     restore_converted(tmp_path / "ours", target, source=adam, missing="init")[0],
@@ -264,6 +269,39 @@ def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
     ]
   for x, y in zip(got, want, strict=True):
     w.assert_same_state(x, y)
+
+
+@pytest.mark.slow
+def test_params_only_into_an_eagerly_created_optimizer_over_a_mesh(tmp_path):
+  """A params-only restore into an optimizer created eagerly over params on a mesh: its fresh
+  state's count was on one device and its moments on the mesh, which one program could not
+  place ("Received incompatible devices"); the restored optimizer then steps jitted."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
+  state = w.OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(params)
+  _save(tmp_path, 1, state)
+  target = w.OptaxWrapper(optax.adam(0.1)).create(params)
+  restored = _restore(tmp_path, target, params_only=True)
+  np.testing.assert_array_equal(restored.target["w"], state.target["w"])
+  stepped = jax.jit(lambda o: o.apply_gradient(o.target))(restored)
+  assert int(stepped.state.step) == 2
+
+
+@pytest.mark.slow
+def test_a_save_under_another_meshs_context(tmp_path):
+  """A state on one mesh saved under `jax.set_mesh` of another mesh of the same devices: the
+  checksums refused the state's mesh ("context mesh ... should match the aval mesh") and
+  nothing was saved; it saves and restores as with no mesh in context."""
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
+  other = jax.make_mesh((4, 2), ("x", "y"), axis_types=explicit)
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
+  state = w.OptaxWrapper(optax.adam(0.1)).create(params)
+  with jax.set_mesh(other):
+    _save(tmp_path, 1, state)
+  w.assert_same_state(_restore(tmp_path, state), state)
 
 
 @pytest.mark.parametrize(

@@ -2302,20 +2302,26 @@ def test_a_galore_base_state_of_projected_params_only_starts_at_count_0():
   ids=["auto", "explicit"],
 )
 def test_converting_into_an_optimizer_with_its_step_on_one_device(axis_type, set_mesh):
-  """An optimizer created eagerly over params on a mesh holds its step on one device: one
-  program placed the converted state on both ("Received incompatible devices for jitted
-  computation"), and under `jax.set_mesh` jax refused the step beside the mesh. The state is
-  the conversion into its definition's, in the target's shardings."""
+  """An optimizer over params on a mesh whose step is on one device: one program placed the
+  converted state on both ("Received incompatible devices for jitted computation"), and under
+  `jax.set_mesh` jax refused the step beside the mesh. The state is the conversion into its
+  definition's, in the target's shardings. An eagerly created optimizer held its step so, and
+  a jitted step of what was converted into it or restored into it failed the same way: its
+  step is now on the params' mesh."""
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
   split = jax.sharding.NamedSharding(mesh, PartitionSpec("data", "model"))
   params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
   source = OptaxWrapper(optax.adam(0.1)).create(params)
   source = source.apply_gradient(jax.tree.map(jnp.cos, params))
-  target = OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
-  assert target.state.step.sharding.device_set == {jax.devices()[0]}
-  with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
-    got, _ = t5x_optim.convert_state(source, target, missing="init")
-  want, _ = t5x_optim.convert_state(source, target.optimizer_def, missing="init")
-  for x, y, like in zip(*(jax.tree.leaves(t) for t in (got, want, target)), strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert x.sharding == like.sharding
+  created = OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
+  assert created.state.step.sharding == jax.sharding.NamedSharding(mesh, PartitionSpec())
+  one_device = created.state.replace(step=jax.device_put(created.state.step, jax.devices()[0]))
+  step = jax.jit(lambda o: o.apply_gradient(jax.tree.map(jnp.cos, o.target)))
+  for target in created, created.replace(state=one_device):
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+      got, _ = t5x_optim.convert_state(source, target, missing="init")
+    want, _ = t5x_optim.convert_state(source, target.optimizer_def, missing="init")
+    for x, y, like in zip(*(jax.tree.leaves(t) for t in (got, want, target)), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      assert x.sharding == like.sharding
+  assert int(step(t5x_optim.convert_state(source, created, missing="init")[0]).state.step) == 2

@@ -193,16 +193,18 @@ def dispatch_checksums(
   """`_checksum` of every leaf, keyed by joined path.
 
   At most `_IN_FLIGHT` programs run at once; the last of them are returned
-  still computing.
+  still computing. Each runs where its leaf is, whatever mesh `jax.set_mesh`
+  put in context (jax refuses a leaf on another mesh under it).
   """
   dtypes = dtypes or {}
   pending = {}
-  for i, (path, leaf) in enumerate(leaves.items()):
-    if i and i % _IN_FLIGHT == 0:
-      jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
-    # Host float64 data beyond float32's range narrows to inf, as on a device.
-    with np.errstate(over="ignore"):
-      pending[key_path_str(path)] = _checksum(_exact(leaf), dtypes.get(path))
+  with jax.set_mesh(None):
+    for i, (path, leaf) in enumerate(leaves.items()):
+      if i and i % _IN_FLIGHT == 0:
+        jax.block_until_ready(list(pending.values())[-_IN_FLIGHT:])
+      # Host float64 data beyond float32's range narrows to inf, as on a device.
+      with np.errstate(over="ignore"):
+        pending[key_path_str(path)] = _checksum(_exact(leaf), dtypes.get(path))
   return pending
 
 

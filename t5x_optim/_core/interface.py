@@ -196,6 +196,8 @@ class OptimizerDef(abc.ABC):
 
     No two of its leaves share a device buffer (`own_buffers`), so a jitted step may donate
     it: lookahead's fast and slow params from ``optax.LookaheadParams.init_synced`` get two.
+    Over params on one mesh, the state's leaves made on no particular device (a step count)
+    are replicated over that mesh (`on_params_mesh`).
 
     Raises:
       TypeError: `target` holds an ``nnx.Variable`` that is not an ``nnx.Param``
@@ -203,7 +205,7 @@ class OptimizerDef(abc.ABC):
     """
     refuse_non_params(target, f"{type(self).__name__}.create")
     target, state = own_buffers(target, self.init_state(target))
-    return Optimizer(optimizer_def=self, state=state, target=target)
+    return Optimizer(optimizer_def=self, state=on_params_mesh(state, target), target=target)
 
   def state_dict(self, target: Any, state: OptimizerState) -> dict[str, Any]:
     """The T5X-layout state dict of `target` and `state`.
@@ -266,6 +268,44 @@ def _buffers(leaf: Any) -> set[tuple[int, int]]:
     }
   except Exception:  # noqa: BLE001 - a runtime without addresses (a proxy) has none to compare.
     return set()
+
+
+def on_params_mesh(state: Any, params: Any) -> Any:
+  """``state`` with each leaf that jax placed on its default device, not asked to (an eagerly
+  made step count, `jax.Array.committed` False), replicated over the mesh of ``params``,
+  where all of their arrays are sharded over one mesh of this process's devices.
+
+  Such a leaf beside arrays on a mesh passes a jitted step, but a restore or a conversion
+  that places it where it is commits it to that one device, which jax then refuses beside
+  the mesh ("incompatible devices"). ``state`` as given where nothing moves.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ('x',))
+    >>> w = jax.device_put(jnp.ones(2), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))
+    >>> on_params_mesh({'count': jnp.zeros([])}, {'w': w})['count'].sharding.spec
+    P()
+  """
+  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  if not arrays or any(isinstance(x, jax.core.Tracer) for x in arrays):
+    return state
+  meshes = {getattr(x.sharding, "mesh", None) for x in arrays}
+  mesh = meshes.pop() if len(meshes) == 1 else None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return state
+  leaves, treedef = jax.tree.flatten(state)
+  loose = [
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed
+    for x in leaves
+  ]
+  if not any(loose):
+    return state
+  everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if not everywhere.is_fully_addressable:  # Each process would place its own value.
+    return state
+  return treedef.unflatten(
+    [jax.device_put(x, everywhere) if move else x for x, move in zip(leaves, loose, strict=True)]
+  )
 
 
 def own_buffers(*trees: Any) -> tuple[Any, ...]:
