@@ -272,13 +272,16 @@ def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
 
 
 @pytest.mark.slow
-def test_params_only_into_an_eagerly_created_optimizer_over_a_mesh(tmp_path):
-  """A params-only restore into an optimizer created eagerly over params on a mesh: its fresh
-  state's count was on one device and its moments on the mesh, which one program could not
-  place ("Received incompatible devices"); the restored optimizer then steps jitted."""
+@pytest.mark.parametrize("placed", ["mesh", "one_device"])
+def test_params_only_into_an_eagerly_created_optimizer_over_a_mesh(tmp_path, placed):
+  """A params-only restore into an optimizer created eagerly over params on a mesh (or on one
+  device that is not the default): its fresh state's count was on the default device and its
+  moments beside the params, which one program could not place ("Received incompatible
+  devices"); the restored optimizer then steps jitted."""
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
-  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), split)}
+  where = split if placed == "mesh" else jax.devices()[3]
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), where)}
   state = w.OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(params)
   _save(tmp_path, 1, state)
   target = w.OptaxWrapper(optax.adam(0.1)).create(params)

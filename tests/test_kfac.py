@@ -485,3 +485,18 @@ def test_convert_state_of_sharded_params_into_a_strict_kfac_places_quietly(kfac)
       new, _ = convert_state(adam, strict, missing="init")
     unsharded, _ = convert_state(jax.device_get(adam), strict, missing="init")
     _assert_trees_equal(new.state.param_states, unsharded.state.param_states)
+
+
+@pytest.mark.slow
+def test_an_eager_create_over_params_on_a_mesh_places_its_state_there(opt_def):
+  """K-FAC's eager ``create`` over params on a mesh left its step and statistics on one device,
+  uncommitted: a conversion into it committed them there, and its next step failed
+  ("incompatible devices"). They are replicated over the params' mesh."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = jax.device_put(_copy(_params()), NamedSharding(mesh, P()))
+  created = opt_def.create(params)
+  assert all(x.sharding.device_set == set(mesh.devices.flat) for x in jax.tree.leaves(created))
+  source = OptaxWrapper(optax.sgd(0.1, momentum=0.9)).create(params)
+  converted, _ = convert_state(source, created, missing="init")
+  stepped, _ = opt_def.apply_batch(converted, batch=_batches()[0], rng=_rngs()[0])
+  assert int(stepped.state.step) == 1

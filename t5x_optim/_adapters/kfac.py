@@ -50,7 +50,7 @@ from t5x_optim._adapters.kfac_state import (
 )
 from t5x_optim._axes.engine import StateRulesFallback, logical_axes_from
 from t5x_optim._core import state_dict as _state_dict
-from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState
+from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, on_params_mesh
 from t5x_optim._nnx import refuse_non_params
 
 # isort: split
@@ -280,7 +280,7 @@ class KfacOptimizerDef(OptimizerDef):
     """Creates an `Optimizer` for `target`; see `init_state` for the keywords."""
     refuse_non_params(target, f"{type(self).__name__}.create")
     state = self.init_state(target, batch=batch, rng=rng)
-    return Optimizer(optimizer_def=self, state=state, target=target)
+    return Optimizer(optimizer_def=self, state=on_params_mesh(state, target), target=target)
 
   def prepare_grads(self, params: Any, grads: Any) -> Any:
     """`grads` as given: K-FAC computes the gradient itself and takes no grads tree."""

@@ -196,8 +196,8 @@ class OptimizerDef(abc.ABC):
 
     No two of its leaves share a device buffer (`own_buffers`), so a jitted step may donate
     it: lookahead's fast and slow params from ``optax.LookaheadParams.init_synced`` get two.
-    Over params on one mesh, the state's leaves made on no particular device (a step count)
-    are replicated over that mesh (`on_params_mesh`).
+    Over params placed on one set of devices, the state's leaves made on no particular device
+    (a step count) are placed there too, replicated over a mesh (`on_params_mesh`).
 
     Raises:
       TypeError: `target` holds an ``nnx.Variable`` that is not an ``nnx.Param``
@@ -271,9 +271,10 @@ def _buffers(leaf: Any) -> set[tuple[int, int]]:
 
 
 def on_params_mesh(state: Any, params: Any) -> Any:
-  """``state`` with each leaf that jax placed on its default device, not asked to (an eagerly
-  made step count, `jax.Array.committed` False), replicated over the mesh of ``params``,
-  where all of their arrays are sharded over one mesh of this process's devices.
+  """``state`` with each leaf that jax placed on its default device, not asked to
+  (`jax.Array.committed` False: an eagerly made step count, a GaLore projector, moments of
+  numpy params), moved onto the devices of the params' placed arrays, where they are all on
+  one set of this process's devices: onto that device, or replicated over a mesh of theirs.
 
   Such a leaf beside arrays on a mesh passes a jitted step, but a restore or a conversion
   that places it where it is commits it to that one device, which jax then refuses beside
@@ -286,12 +287,22 @@ def on_params_mesh(state: Any, params: Any) -> Any:
     >>> on_params_mesh({'count': jnp.zeros([])}, {'w': w})['count'].sharding.spec
     P()
   """
-  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
-  if not arrays or any(isinstance(x, jax.core.Tracer) for x in arrays):
+  concrete = [
+    x
+    for x in jax.tree.leaves(params)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  ]
+  if len(concrete) != len([x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]):
     return state
-  meshes = {getattr(x.sharding, "mesh", None) for x in arrays}
-  mesh = meshes.pop() if len(meshes) == 1 else None
-  if not isinstance(mesh, jax.sharding.Mesh):
+  placed = [x.sharding for x in concrete if x.committed]
+  if not placed or len({frozenset(s.device_set) for s in placed}) != 1:
+    return state
+  meshes = [s.mesh for s in placed if isinstance(getattr(s, "mesh", None), jax.sharding.Mesh)]
+  if meshes:
+    target = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+  else:
+    target = jax.sharding.SingleDeviceSharding(next(iter(placed[0].device_set)))
+  if not target.is_fully_addressable or target.num_devices != len(placed[0].device_set):
     return state
   leaves, treedef = jax.tree.flatten(state)
   loose = [
@@ -300,11 +311,8 @@ def on_params_mesh(state: Any, params: Any) -> Any:
   ]
   if not any(loose):
     return state
-  everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  if not everywhere.is_fully_addressable:  # Each process would place its own value.
-    return state
   return treedef.unflatten(
-    [jax.device_put(x, everywhere) if move else x for x, move in zip(leaves, loose, strict=True)]
+    [jax.device_put(x, target) if move else x for x, move in zip(leaves, loose, strict=True)]
   )
 
 
