@@ -30,6 +30,7 @@ from optimizer_table import (
   tree_equal,
   wrapper_step,
 )
+from test_low_precision_sharded import split_a, split_a_step
 
 from t5x_optim import FusedUpdate, MultiOptimizer, OptaxWrapper, PathFilter, fusion_report
 from t5x_optim._layouts import fused as fused_module
@@ -319,35 +320,16 @@ def test_sharded_fused_matches_unsharded_plain(tx_name, zero, axis_type):
   assert collectives == plain_collectives
 
 
-def _split_a(tree):
-  """Specs over the mesh axis 'x': leaves under key 'a' split along their last dimension,
-  the others replicated."""
-
-  def spec(path, x):
-    split = "'a'" in jax.tree_util.keystr(path) and jnp.ndim(x)
-    return P(*[None] * (jnp.ndim(x) - 1), "x") if split else P()
-
-  return jax.tree_util.tree_map_with_path(spec, tree)
-
-
 @pytest.mark.slow
 def test_a_shard_map_step_with_check_vma_runs_fused():
   """A fused update under a `jax.shard_map` of the user's (``check_vma``, JAX's default),
   a leaf split over the mesh beside a replicated one: the kernel's outputs had no varying
   type ("manual_axis_type ... must not be None"), and one buffer of both leaves would have
   made the replicated one's results vary. It equals the unsharded plain step."""
-  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
   params = {"a": jnp.linspace(-1.0, 1.0, 64 * 256).reshape(64, 256), "b": jnp.ones((64, 256))}
   grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
   opt = OptaxWrapper(optax.adamw(1e-2), fused="interpret").create(params)
-  step = jax.shard_map(
-    lambda o, g: o.apply_gradient(g),
-    mesh=mesh,
-    in_specs=(_split_a(opt), _split_a(grads)),
-    out_specs=_split_a(opt),
-  )
-  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
-  got = jax.jit(step)(put(opt, _split_a(opt)), put(grads, _split_a(grads)))
+  got = split_a_step(opt, grads)
   plain = OptaxWrapper(optax.adamw(1e-2)).create(params).apply_gradient(grads)
   assert leaf_scale_ulps(got.target, plain.target) <= ULPS
   assert leaf_scale_ulps(got.state.param_states, plain.state.param_states) <= ULPS
@@ -365,7 +347,7 @@ def test_the_gpu_kernel_lowers_under_shard_map_with_check_vma():
   tx = optax.adam(1e-3)
   state = tx.init(params)
   plan = fused_module.plan_fused_update(tx, params, params, state, kernel="pallas", platform="cuda")
-  specs = (_split_a(params), _split_a(params), _split_a(state))
+  specs = (split_a(params), split_a(params), split_a(state))
   step = jax.shard_map(
     functools.partial(sharding.fused_apply, plan),
     mesh=mesh,

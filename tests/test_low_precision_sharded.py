@@ -592,6 +592,31 @@ def test_shards_round_bfloat16_apart_under_shard_map(stream):
   np.testing.assert_array_equal(nu(jitted), nu(unsharded))
 
 
+def split_a(tree):
+  """Specs over the mesh axis 'x': leaves under key 'a' split along their last dimension,
+  the others replicated."""
+
+  def spec(path, x):
+    split = "'a'" in jax.tree_util.keystr(path) and jnp.ndim(x)
+    return P(*[None] * (jnp.ndim(x) - 1), "x") if split else P()
+
+  return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def split_a_step(opt, grads):
+  """``opt.apply_gradient(grads)`` under `jax.shard_map` (``check_vma`` on, JAX's default) over
+  8 devices, each tree laid out by `split_a`."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  step = jax.shard_map(
+    lambda o, g: o.apply_gradient(g),
+    mesh=mesh,
+    in_specs=(split_a(opt), split_a(grads)),
+    out_specs=split_a(opt),
+  )
+  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
+  return jax.jit(step)(put(opt, split_a(opt)), put(grads, split_a(grads)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole_tree"])
@@ -599,33 +624,16 @@ def test_a_replicated_leaf_after_a_split_one_steps_under_shard_map(mode, stream)
   """Under `jax.shard_map` with ``check_vma`` (JAX's default), a leaf replicated over the mesh
   after one split over it: the streamed update made each leaf wait for the one before, so the
   replicated leaf's new state came out varying over the mesh and JAX refused its output spec
-  ("could not infer replication"). It steps as unsharded, to float32's last bit (XLA fuses the shards' programs otherwise; a
-  bfloat16 state to its last bit, and only the replicated leaf's: a split one's rounding bits
-  are its shard's)."""
-  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  ("could not infer replication"). It steps as unsharded, to float32's last bit (XLA fuses
+  the shards' programs otherwise; a bfloat16 state to its last bit, and only the replicated
+  leaf's: a split one's rounding bits are its shard's)."""
   params = {
     "a": jax.random.normal(jax.random.PRNGKey(0), (64, 1024)),
     "b": jax.random.normal(jax.random.PRNGKey(1), (64, 1024)),
   }
   grads = jax.tree.map(lambda x: 0.1 * x + 0.01, params)
   opt = OptaxWrapper(low_precision(optax.adam(1e-2), mode, stream=stream)).create(params)
-
-  def specs(tree):
-    def spec(path, x):
-      split = "'a'" in jax.tree_util.keystr(path) and jnp.ndim(x)
-      return P(*[None] * (jnp.ndim(x) - 1), "x") if split else P()
-
-    return jax.tree_util.tree_map_with_path(spec, tree)
-
-  step = jax.shard_map(
-    lambda o, g: o.apply_gradient(g),
-    mesh=mesh,
-    in_specs=(specs(opt), specs(grads)),
-    out_specs=specs(opt),
-  )
-  put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
-  got = jax.jit(step)(put(opt, specs(opt)), put(grads, specs(grads)))
-  want = opt.apply_gradient(grads)
+  got, want = split_a_step(opt, grads), opt.apply_gradient(grads)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     x, y, where = np.asarray(x, np.float32), np.asarray(y, np.float32), str(path)
     if mode != "bfloat16":
@@ -645,19 +653,12 @@ def test_sum_squares_of_a_replicated_leaf_after_a_split_one_under_shard_map():
   tx = low_precision(optax.adam(1e-2), "8bit")
   state = tx.update(params, tx.init(params), params)[1]
 
-  def specs(tree):
-    def spec(path, x):
-      split = "'a'" in jax.tree_util.keystr(path) and jnp.ndim(x)
-      return P(*[None] * (jnp.ndim(x) - 1), "x") if split else P()
-
-    return jax.tree_util.tree_map_with_path(spec, tree)
-
   def sums(s):
     mu = low_precision_sum_squares(s)[0].mu
     return jax.lax.psum(mu["a"], "x"), mu["b"]
 
   put = functools.partial(jax.tree.map, lambda x, s: jax.device_put(x, NamedSharding(mesh, s)))
-  step = jax.shard_map(sums, mesh=mesh, in_specs=(specs(state),), out_specs=(P(), P()))
-  got = jax.jit(step)(put(state, specs(state)))
+  step = jax.shard_map(sums, mesh=mesh, in_specs=(split_a(state),), out_specs=(P(), P()))
+  got = jax.jit(step)(put(state, split_a(state)))
   want = low_precision_sum_squares(state)[0].mu
   np.testing.assert_allclose(got, (want["a"], want["b"]), rtol=1e-6)

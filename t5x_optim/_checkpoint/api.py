@@ -11,12 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
-
 from t5x_optim._checkpoint import converting, store, t5x_read
 from t5x_optim._checkpoint.store import CheckpointState
 from t5x_optim._convert.convert import check_missing
-from t5x_optim._core.placement import on_context_mesh
+from t5x_optim._core.placement import placed_as_target
 
 __all__ = ["Checkpointer", "restore_t5x_checkpoint"]
 
@@ -102,6 +100,7 @@ class Checkpointer(store.Checkpointer):
     return restored
 
 
+@placed_as_target
 def restore_t5x_checkpoint(
   path: str | os.PathLike[str],
   target: Any,
@@ -150,7 +149,4 @@ def restore_t5x_checkpoint(
       path, target, convert_from, step, missing=missing, where="restore_t5x_checkpoint"
     )
   _refuse_missing_alone(missing, "restore_t5x_checkpoint")
-  # As `Checkpointer.restore`: read onto the target's devices, whatever mesh is in context.
-  target = on_context_mesh(target)
-  with jax.set_mesh(None):
-    return t5x_read.restore_t5x_checkpoint(path, target, step=step)
+  return t5x_read.restore_t5x_checkpoint(path, target, step=step)

@@ -18,7 +18,7 @@ from t5x_optim._checkpoint import store as _checkpoints
 from t5x_optim._checkpoint import t5x_read as _t5x
 from t5x_optim._convert import convert as _convert
 from t5x_optim._core.interface import Optimizer, OptimizerDef
-from t5x_optim._core.placement import on_context_mesh
+from t5x_optim._core.placement import placed_as_target
 from t5x_optim._nnx import refuse
 from t5x_optim._training.train_state import TrainState
 
@@ -160,6 +160,7 @@ def _read_source(
     raise ValueError(f"{text} {SOURCE_ADVICE}") from e
 
 
+@placed_as_target
 def restore_converted(
   path: str | os.PathLike[str],
   target: State,
@@ -218,33 +219,6 @@ def restore_converted(
     >>> int(new.state.step), new.state.param_states[0].nu['w'].shape
     (1, (2, 3))
   """
-  # As `Checkpointer.restore`: read onto the target's devices, whatever mesh is in context.
-  target = on_context_mesh(target)
-  if isinstance(source, TrainState | Optimizer):
-    source = on_context_mesh(source)
-  with jax.set_mesh(None):
-    return _restore_converted(
-      path,
-      target,
-      source=source,
-      step=step,
-      source_hparams=source_hparams,
-      target_hparams=target_hparams,
-      missing=missing,
-    )
-
-
-def _restore_converted(
-  path: str | os.PathLike[str],
-  target: State,
-  *,
-  source: OptimizerDef | State | None,
-  step: int | None,
-  source_hparams: Mapping[str, Any] | None,
-  target_hparams: Mapping[str, Any] | None,
-  missing: str,
-) -> tuple[State, _convert.ConversionReport]:
-  """`restore_converted` with no mesh in context."""
   _convert.check_missing(missing)
   _refuse_nnx(target, "restore_converted")
   hparams = {"source_hparams": source_hparams, "target_hparams": target_hparams}

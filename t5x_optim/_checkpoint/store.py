@@ -55,7 +55,7 @@ from t5x_optim._checkpoint.leaves import (
 )
 from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim._core.interface import Optimizer
-from t5x_optim._core.placement import on_context_mesh
+from t5x_optim._core.placement import placed_as_target
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._training.train_state import TrainState
 
@@ -843,6 +843,7 @@ class Checkpointer:
     return state
 
   @_taking_turns
+  @placed_as_target
   def restore(
     self,
     target: CheckpointState,
@@ -919,25 +920,8 @@ class Checkpointer:
     Under `jax.set_mesh`, a target leaf sharded over that mesh's abstract
     mesh (`jax.eval_shape` gives such leaves on a mesh with Explicit axes)
     is read onto its devices; the rest of the restore runs where the
-    target's leaves are, whatever mesh is in context (jax refuses a leaf on
-    one device, an eagerly created optimizer's step, under a mesh of others).
+    target's leaves are, whatever mesh is in context (`placed_as_target`).
     """
-    target = on_context_mesh(target)
-    with jax.set_mesh(None):
-      return self._restore_placed(
-        target, step, params_only=params_only, fallback=fallback, verify=verify
-      )
-
-  def _restore_placed(
-    self,
-    target: CheckpointState,
-    step: int | None,
-    *,
-    params_only: bool,
-    fallback: bool,
-    verify: bool,
-  ) -> CheckpointState:
-    """`restore` of a target whose leaves are all on devices, with no mesh in context."""
     if self._holds_only_t5x_checkpoints():
       if params_only or fallback:
         raise ValueError(

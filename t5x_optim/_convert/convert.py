@@ -90,7 +90,7 @@ from t5x_optim._convert.registry import (
 )
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
-from t5x_optim._core.placement import on_context_mesh
+from t5x_optim._core.placement import placed_as_target
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (
@@ -1116,6 +1116,7 @@ def _layout(optimizer: Any) -> StackedLayout | None:
   return optimizer.target.layout if _stacked(optimizer) else None
 
 
+@placed_as_target
 def convert_state(
   source: Optimizer | Mapping[str, Any],
   target: Optimizer | OptimizerDef,
@@ -1233,34 +1234,6 @@ def convert_state(
     >>> report.initialised
     ('0 (ScaleByAdamState).mu: 1 params without a source value (e.g. w)',)
   """
-  # Under jax.set_mesh, a target over its abstract mesh is placed on its devices; the
-  # conversion then places values by the target's shardings, whatever mesh is in context
-  # (jax refuses a leaf on one device, an eagerly created optimizer's step, under others).
-  if isinstance(target, Optimizer):
-    target = on_context_mesh(target)
-  with jax.set_mesh(None):
-    return _convert_state(
-      source,
-      target,
-      source_def=source_def,
-      source_hparams=source_hparams,
-      target_hparams=target_hparams,
-      missing=missing,
-      param_axes=param_axes,
-    )
-
-
-def _convert_state(
-  source: Optimizer | Mapping[str, Any],
-  target: Optimizer | OptimizerDef,
-  *,
-  source_def: OptimizerDef | None,
-  source_hparams: Mapping[str, Any] | None,
-  target_hparams: Mapping[str, Any] | None,
-  missing: str,
-  param_axes: Any,
-) -> tuple[Optimizer, ConversionReport]:
-  """`convert_state` with no mesh in context."""
   check_missing(missing)
   for argument, tree in ("source", source), ("target", target), ("param_axes", param_axes):
     if isinstance(tree, Optimizer):
@@ -1271,7 +1244,7 @@ def _convert_state(
   if isinstance(target, Optimizer) and _layout(source) != _layout(target):
     # The sides stack their params otherwise (or one keeps them per leaf): converted per leaf,
     # as checkpoints hold both layouts, so params and moments are matched by path.
-    converted, report = _convert_state(
+    converted, report = convert_state(
       per_leaf(source) if _stacked(source) else source,
       per_leaf(target) if _stacked(target) else target,
       source_def=source_def,

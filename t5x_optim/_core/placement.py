@@ -8,13 +8,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["on_context_mesh"]
+__all__ = ["on_context_mesh", "placed_as_target"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def on_context_mesh(target: Any) -> Any:
@@ -50,3 +55,31 @@ def on_context_mesh(target: Any) -> Any:
   if not any(abstract(leaf) for leaf in jax.tree.leaves(target)):
     return target
   return jax.tree.map_with_path(place, target)
+
+
+def placed_as_target(fn: _F) -> _F:
+  """``fn`` (a restore or a conversion) with its ``target`` and ``source`` arguments through
+  `on_context_mesh`, run with no mesh in context: it places what it reads by the target's
+  shardings, and jax refuses, under a mesh in context, a leaf on other devices (an
+  optimizer's step on one device beside params on the mesh) or on another mesh.
+
+  Example:
+    >>> @placed_as_target
+    ... def read(target):
+    ...   return jax.sharding.get_mesh().axis_names
+    >>> with jax.set_mesh(jax.make_mesh((1,), ('x',))):
+    ...   read({})
+    ()
+  """
+  signature = inspect.signature(fn)
+
+  @functools.wraps(fn)
+  def placed(*args: Any, **kwargs: Any) -> Any:
+    bound = signature.bind(*args, **kwargs)
+    for name in ("target", "source"):
+      if name in bound.arguments:
+        bound.arguments[name] = on_context_mesh(bound.arguments[name])
+    with jax.set_mesh(None):
+      return fn(*bound.args, **bound.kwargs)
+
+  return placed  # type: ignore[return-value]
