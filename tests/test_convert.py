@@ -2325,3 +2325,19 @@ def test_converting_into_an_optimizer_with_its_step_on_one_device(axis_type, set
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
       assert x.sharding == like.sharding
   assert int(step(t5x_optim.convert_state(source, created, missing="init")[0]).state.step) == 2
+
+
+@pytest.mark.slow
+def test_convert_state_traced_under_jit():
+  """`convert_state` under `jax.jit` or `jax.eval_shape`: its placement ran jax.set_mesh and
+  jax.sharding.get_mesh, which jax refuses under jit ("can only be used outside of jax.jit");
+  traced, it places values by their types, as before."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)}
+  source = OptaxWrapper(optax.sgd(0.1, momentum=0.5)).create(params)
+  target = OptaxWrapper(optax.lion(0.1))
+  abstract = jax.eval_shape(lambda s: t5x_optim.convert_state(s, target, missing="init")[0], source)
+  jitted = jax.jit(lambda s: t5x_optim.convert_state(s, target.create(params), missing="init")[0])
+  eager = t5x_optim.convert_state(source, target, missing="init")[0]
+  for x, y, z in zip(*(jax.tree.leaves(t) for t in (abstract, jitted(source), eager)), strict=True):
+    assert x.shape == y.shape == z.shape
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(z))

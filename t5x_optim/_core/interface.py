@@ -197,7 +197,8 @@ class OptimizerDef(abc.ABC):
     No two of its leaves share a device buffer (`own_buffers`), so a jitted step may donate
     it: lookahead's fast and slow params from ``optax.LookaheadParams.init_synced`` get two.
     Over params placed on one set of devices, the state's leaves made on no particular device
-    (a step count) are placed there too, replicated over a mesh (`on_params_mesh`).
+    (a step count, the moments of numpy params) are placed there too, replicated over a mesh
+    (`on_params_mesh`).
 
     Raises:
       TypeError: `target` holds an ``nnx.Variable`` that is not an ``nnx.Param``

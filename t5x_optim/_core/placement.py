@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -29,10 +30,11 @@ def on_context_mesh(target: Any) -> Any:
   `jax.eval_shape` of arrays on a mesh with Explicit axes gives shardings over an abstract
   mesh, which names no devices.
 
+  Under `jax.jit`, ``target`` as it is.
+
   Raises:
     ValueError: naming the leaf, where no mesh in context matches its abstract mesh.
   """
-  concrete = jax.sharding.get_mesh()
 
   def abstract(leaf: Any) -> bool:
     mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
@@ -53,6 +55,10 @@ def on_context_mesh(target: Any) -> Any:
     )
 
   if not any(abstract(leaf) for leaf in jax.tree.leaves(target)):
+    return target
+  try:
+    concrete = jax.sharding.get_mesh()
+  except ValueError:  # Under jax.jit, which places traced values by their types.
     return target
   return jax.tree.map_with_path(place, target)
 
@@ -79,7 +85,16 @@ def placed_as_target(fn: _F) -> _F:
     for name in ("target", "source"):
       if name in bound.arguments:
         bound.arguments[name] = on_context_mesh(bound.arguments[name])
-    with jax.set_mesh(None):
+    with _no_mesh():
       return fn(*bound.args, **bound.kwargs)
 
   return placed  # type: ignore[return-value]
+
+
+def _no_mesh() -> contextlib.AbstractContextManager:
+  """No mesh in context (`jax.set_mesh`); under `jax.jit`, which refuses to change it and
+  places traced values by their types, the context as it is."""
+  try:
+    return jax.set_mesh(None)
+  except ValueError:
+    return contextlib.nullcontext()
