@@ -288,14 +288,10 @@ def on_params_mesh(state: Any, params: Any) -> Any:
     >>> on_params_mesh({'count': jnp.zeros([])}, {'w': w})['count'].sharding.spec
     P()
   """
-  concrete = [
-    x
-    for x in jax.tree.leaves(params)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-  ]
-  if len(concrete) != len([x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]):
+  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  if any(isinstance(x, jax.core.Tracer) for x in arrays):
     return state
-  placed = [x.sharding for x in concrete if x.committed]
+  placed = [x.sharding for x in arrays if x.committed]
   if not placed or len({frozenset(s.device_set) for s in placed}) != 1:
     return state
   meshes = [s.mesh for s in placed if isinstance(getattr(s, "mesh", None), jax.sharding.Mesh)]

@@ -121,7 +121,13 @@ from t5x_optim._layouts.fused.analysis import (
   plan_fused_update,
   split_extras,
 )
-from t5x_optim._layouts.fused.program import Lit, Program, run_program, varying_axes
+from t5x_optim._layouts.fused.program import (
+  Lit,
+  Program,
+  run_program,
+  varying_axes,
+  varying_over,
+)
 from t5x_optim._low_precision.quantize import (
   QuantizedLeaf,
   dequantize,
@@ -1025,7 +1031,7 @@ def _latest_alike(done: list[jax.Array], values: Any, first: jax.Array) -> jax.A
   out split, which its output spec refuses. Outside `jax.shard_map` it is the last of
   ``done``.
   """
-  own = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(values)))
+  own = varying_over(values)
   return next((x for x in reversed(done) if varying_axes(x) <= own), first)
 
 

@@ -43,7 +43,7 @@ from t5x_optim._layouts.fused.program import (
   Program,
   run_program,
   varying_alike,
-  varying_axes,
+  varying_over,
 )
 
 __all__ = ["check_lowering", "local_update"]
@@ -123,8 +123,7 @@ def _group_buffers(group: Group, interpret: bool, args: list[list], scalars: lis
   indices typed as the same on every device, which JAX refuses.
   """
   total = sum(math.prod(leaf[0].shape) for leaf in args)
-  varies = any(varying_axes(x) for x in [*(x for leaf in args for x in leaf), *scalars])
-  if not total or total > _KERNEL_ELEMENTS or (interpret and varies):
+  if not total or total > _KERNEL_ELEMENTS or (interpret and varying_over((args, scalars))):
     return run_program(group.program, _buffers(args, total), scalars, (total,))
   block = min(_BLOCK, 1 << (total - 1).bit_length())
   buffers = _buffers(args, -(-total // block) * block)
@@ -170,7 +169,7 @@ def local_update(plan: FusedPlan, leaf_args: Sequence, residuals: Sequence) -> l
 
 def _alike(leaves: Sequence[int], leaf_args: Sequence, width: int) -> list[list[int]]:
   """A group's ``leaves``, in runs whose arrays vary over the same manual mesh axes
-  (`varying_axes`), each run concatenated into buffers of its own.
+  (`varying_over`), each run concatenated into buffers of its own.
 
   Under `jax.shard_map` (with ``check_vma``), one buffer of a leaf split over an
   axis and one replicated over it would vary over it, and so would the replicated
@@ -178,8 +177,7 @@ def _alike(leaves: Sequence[int], leaf_args: Sequence, width: int) -> list[list[
   """
   runs: dict[frozenset, list[int]] = {}
   for i in leaves:
-    axes = frozenset().union(*(varying_axes(x) for x in leaf_args[i * width : (i + 1) * width]))
-    runs.setdefault(axes, []).append(i)
+    runs.setdefault(varying_over(leaf_args[i * width : (i + 1) * width]), []).append(i)
   return list(runs.values())
 
 

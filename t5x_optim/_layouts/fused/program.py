@@ -39,6 +39,7 @@ __all__ = [
   "run_program",
   "varying_alike",
   "varying_axes",
+  "varying_over",
 ]
 
 # Copies are the identity inside the kernel.
@@ -177,6 +178,12 @@ def varying_axes(x: Any) -> frozenset:
   constant, or outside `jax.shard_map`."""
   manual = getattr(jax.typeof(x), "manual_axis_type", None)
   return frozenset() if manual is None else manual.varying
+
+
+def varying_over(values: Any) -> frozenset:
+  """The manual mesh axes over which any array of the tree ``values`` varies
+  (`varying_axes`)."""
+  return frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(values)))
 
 
 def _select_operands(args: list) -> list:
