@@ -272,23 +272,31 @@ def test_t5x_and_converted_restores_under_set_mesh(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placed", ["mesh", "one_device"])
+@pytest.mark.parametrize("placed", ["mesh", "one_device", "moment_on_one_device"])
 def test_params_only_into_an_eagerly_created_optimizer_over_a_mesh(tmp_path, placed):
   """A params-only restore into an optimizer created eagerly over params on a mesh (or on one
   device that is not the default): its fresh state's count was on the default device and its
   moments beside the params, which one program could not place ("Received incompatible
-  devices"); the restored optimizer then steps jitted."""
+  devices"); the restored optimizer then steps jitted. A target whose moment a user put on
+  one device beside params on the mesh failed the same way; its fresh moment is placed as the
+  target's."""
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
-  where = split if placed == "mesh" else jax.devices()[3]
+  where = jax.devices()[3] if placed == "one_device" else split
   params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), where)}
   state = w.OptaxWrapper(optax.sgd(0.1)).create(params).apply_gradient(params)
   _save(tmp_path, 1, state)
   target = w.OptaxWrapper(optax.adam(0.1)).create(params)
+  if placed == "moment_on_one_device":
+    one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), target.state.param_states)
+    target = target.replace(state=target.state.replace(param_states=one))
   restored = _restore(tmp_path, target, params_only=True)
   np.testing.assert_array_equal(restored.target["w"], state.target["w"])
-  stepped = jax.jit(lambda o: o.apply_gradient(o.target))(restored)
-  assert int(stepped.state.step) == 2
+  for got, like in zip(*(jax.tree.leaves(o.state) for o in (restored, target)), strict=True):
+    assert got.sharding == like.sharding
+  if placed != "moment_on_one_device":
+    stepped = jax.jit(lambda o: o.apply_gradient(o.target))(restored)
+    assert int(stepped.state.step) == 2
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ from t5x_optim._checkpoint.leaves import (
   zero_size_stored,
 )
 from t5x_optim._checkpoint.lock import WriterLock
+from t5x_optim._convert.convert import fresh_state
 from t5x_optim._core.interface import Optimizer
 from t5x_optim._core.placement import placed_as_target
 from t5x_optim._keypaths import key_path_str
@@ -139,24 +140,15 @@ def optimizer_of(target: CheckpointState) -> Optimizer:
 
 
 def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> Any:
-  """The state dict's ``param_states`` of the optimizer's initial state for `params`.
-
-  Runs the definition's `init_state` under `jax.jit` with the shardings of
-  the target's optimizer state as `out_shardings`, so each device only ever
-  holds its own shards; the definition's own `state_dict` lays it out (a
-  MultiOptimizer's per-param layout included).
-  """
+  """The state dict's ``param_states`` of the optimizer's initial state for `params`, in
+  the shardings of the target's optimizer state (`fresh_state`); the definition's own
+  `state_dict` lays it out (a MultiOptimizer's per-param layout included)."""
   optimizer = optimizer_of(target)
-  leaves, treedef = jax.tree.flatten(optimizer.state.param_states)
-  shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-  out_shardings = None if None in shardings else treedef.unflatten(shardings)
-  init = jax.jit(
-    lambda p: optimizer.optimizer_def.init_state(p).param_states, out_shardings=out_shardings
-  )
   # The definition lays the params out (a stacked layout stacks them); its state is kept as is.
   own_state = optimizer.state_dict()[_STATE]
   restored_params = optimizer.restore_state({_TARGET: params, _STATE: own_state}).target
-  fresh = optimizer.state.replace(param_states=init(restored_params))
+  fresh = fresh_state(optimizer.optimizer_def, restored_params, optimizer.state)
+  fresh = optimizer.state.replace(param_states=fresh.param_states)
   state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
   return state.get(_PARAM_STATES, {})
 

@@ -112,6 +112,7 @@ __all__ = [
   "T5XAdafactorParamState",
   "check_missing",
   "convert_state",
+  "fresh_state",
   "register_state_converter",
   "registered_converters",
   "schedule_free_evaluation_params",
@@ -996,9 +997,14 @@ def sharded_by_params(optimizer: Optimizer) -> Optimizer:
   return optimizer.replace(state=state)
 
 
-def _fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
+def fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> OptimizerState:
   """The definition's initial state for `params`, placed in `like`'s shardings if it has
-  them; without `like`, placed by the params' shardings (`sharded_by_params`)."""
+  them; without `like`, placed by the params' shardings (`sharded_by_params`).
+
+  Each device only ever holds its own shards. A leaf of `like` on devices other than the
+  params' (a step count on one device beside params on a mesh) is made beside the params
+  and then copied where `like` has it.
+  """
   if like is None:
     abstract = jax.eval_shape(optimizer_def.init_state, params)
     like = sharded_by_params(Optimizer(optimizer_def, abstract, params)).state
@@ -1277,7 +1283,7 @@ def convert_state(
       optimizer_def = with_param_axes(target, param_axes)
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
       optimizer_def = jax.eval_shape(optimizer_def.create, params).optimizer_def
-  template = _fresh_state(optimizer_def, params, like_state)
+  template = fresh_state(optimizer_def, params, like_state)
   trained = trained_params(params)
   flat_params = _flat_params(trained)
   axes = _axes_by_path(param_axes)
