@@ -342,6 +342,29 @@ def test_multisteps_mini_steps_leave_the_stored_moments_as_they_are(mode):
     assert_same_bits(later, moments[3])
 
 
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_multisteps_accumulator_is_kept_unless_states_selects_it(mode):
+  """MultiSteps's summed gradients were stored in the mode and encoded again at each
+  mini-step, so the applied mean drifted with the number of mini-steps (4 bits, 32
+  mini-steps: 0.61 relative error) without a word. They are kept as the inner state has them,
+  and the update is float32 MultiSteps's bit for bit; ``states=`` selecting them stores them
+  in the mode."""
+  params = {"w": jnp.zeros((16, 256))}
+  inner = optax.MultiSteps(optax.sgd(1.0), 4).gradient_transformation()
+  tx = low_precision(inner, mode, min_size=0)
+  state, want_state = tx.init(params), inner.init(params)
+  storage = leaf_storage(state)
+  assert storage[("inner_state", "acc_grads", "w")] == "float32: a gradient accumulator"
+  for i in range(4):
+    grads = {"w": jnp.sin(jnp.arange(16 * 256.0).reshape(16, 256) * (i + 1.3))}
+    got, state = tx.update(grads, state, params)
+    want, want_state = inner.update(grads, want_state, params)
+  assert_same_bits(to_numpy(got), to_numpy(want))
+  selected = leaf_storage(low_precision(inner, mode, min_size=0, states="acc").init(params))
+  kinds = [kind for path, kind in selected.items() if path[:2] == ("inner_state", "acc_grads")]
+  assert kinds and all(kind.startswith(mode) for kind in kinds), selected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])
 def test_a_steady_negative_gradient_moves_a_param_as_a_positive_one_does(mode):
@@ -523,7 +546,8 @@ def test_jitted_update_stores_the_references_state_bit_for_bit(name, mode, stoch
 
 def _check_compressed_where_param_shaped(case, state, params, mode):
   """Every floating leaf whose path ends with a param's path and whose shape is that param's
-  is compressed, unless the inner init copies the param into it; nothing else is."""
+  is compressed, unless the inner init copies the param into it or it is MultiSteps's sum of
+  gradients; nothing else is."""
   fast = params.fast if isinstance(params, optax.LookaheadParams) else params
   param_shapes = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree.leaves_with_path(fast)}
   inner = low_precision_to_float32(state)
@@ -534,7 +558,9 @@ def _check_compressed_where_param_shaped(case, state, params, mode):
     name = jax.tree_util.keystr(path)
     shape = next((s for p, s in param_shapes.items() if name.endswith(p)), None)
     floating = jnp.issubdtype(leaf.dtype, jnp.floating)
-    expected.append(mode if shape == np.shape(leaf) and floating and not copy else "kept")
+    summed = ".acc_grads" in name
+    compressed = shape == np.shape(leaf) and floating and not copy and not summed
+    expected.append(mode if compressed else "kept")
   got = [kind if kind in MODES else "kept" for kind in state.storage]
   assert got == expected, case
 

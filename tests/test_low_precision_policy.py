@@ -173,6 +173,22 @@ def test_a_pattern_keeping_a_complex_param_in_float32_is_taken():
   assert leaf_storage(state)[("inner_state", "0", "mu", "c")] == "kept: not floating"
 
 
+@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+def test_a_0d_params_state_is_kept_as_0d_and_refused_under_states(mode):
+  """A 0-d param's state was labelled "below min_size" even with ``min_size=0``, and
+  ``states=`` selecting it kept it without a word: it is kept as 0-d, and refused, named,
+  where ``states=`` selects it."""
+  params = {"temp": jnp.ones((), jnp.bfloat16), "w": jnp.ones((64, 256))}
+  state = low_precision(optax.adam(1e-3), mode, min_size=0).init(params)
+  assert leaf_storage(state)[("inner_state", "0", "mu", "temp")] == "kept: 0-d"
+  with pytest.raises(
+    ValueError,
+    match=r"selects the state leaf '0/mu/temp' \(shape \(\), dtype bfloat16\), which it does "
+    r"not apply to: .*and it is 0-d",
+  ):
+    low_precision(optax.adam(1e-3), mode, min_size=0, states="temp").init(params)
+
+
 def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():
   """zero_nans keeps a bool per param: the mode compresses the param's floating leaves and
   keeps the bool, for the param is real; only a param that is not real is refused."""

@@ -192,6 +192,8 @@ _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_PARAM_COPY = "kept: a copy of its param"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
+_KEPT_0D = "kept: 0-d"
+_KEPT_ACCUMULATOR = "float32: a gradient accumulator"
 _BY_AXIS = "axis:"
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 _SHARD_MULTIPLE = 8
@@ -459,6 +461,33 @@ def _param_copies(init: Callable[[Any], Any], params: Any, state: Any) -> list[b
   return [_in(v, copies) for v in closed.jaxpr.outvars]
 
 
+def _accumulators(inner_state: Any) -> list[bool]:
+  """Whether each leaf of `inner_state` is a sum of gradients kept between updates
+  (`optax.MultiSteps`'s ``acc_grads``): encoded again at every mini-step, its rounding
+  errors would add up over the mini-steps.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> inner = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), 4).gradient_transformation()
+    >>> _accumulators(inner.init({'w': jnp.zeros(3)}))
+    [False, False, False, True]
+  """
+
+  def is_multisteps(node: Any) -> bool:
+    return isinstance(node, optax.MultiStepsState)
+
+  def marks(tree: Any) -> Any:
+    def mark(node: Any) -> Any:
+      if not is_multisteps(node):
+        return False
+      fields = {name: marks(value) for name, value in node._asdict().items()}
+      return node._replace(**(fields | {"acc_grads": jax.tree.map(lambda _: True, node.acc_grads)}))
+
+    return jax.tree.map(mark, tree, is_leaf=is_multisteps)
+
+  return jax.tree.leaves(marks(inner_state))
+
+
 def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str] | None:
   """(storage, why) of an inner leaf (its param or None) the modes do not apply to, or None."""
   if param is None:
@@ -470,6 +499,8 @@ def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str]
   if copy:
     # A codec scaled to the weights would round away each step's small change.
     return _KEPT_PARAM_COPY, "it is a copy of its param (the inner init sets it to the param)"
+  if not jnp.shape(leaf):
+    return _KEPT_0D, "it is 0-d"
   return None
 
 
@@ -629,6 +660,7 @@ def _plan_storage(
   block: Callable[[str, tuple[int, ...]], Any],
   mirrors: Sequence[int],
   copies: Sequence[bool],
+  accumulators: Sequence[bool],
   param_modes: Sequence[_ParamRule] = (),
   axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
@@ -641,7 +673,8 @@ def _plan_storage(
   `leaf_block` with its arguments, returns None) stays float32: the mode
   would cost it more bytes. ``mirrors`` is each leaf's param index
   (`_mirror_params`, -1: none); a leaf that ``copies`` marks as a copy of
-  its param keeps its dtype.
+  its param keeps its dtype, as does a leaf that ``accumulators`` marks
+  unless ``states`` selects it.
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -667,7 +700,7 @@ def _plan_storage(
     names = axes.get(param_paths[j], ()) if axes else ()
     return next((r for r in param_modes if r.matches(param_paths[j], names)), None)
 
-  for (path, leaf), j, copy in zip(flat, mirrors, copies, strict=True):
+  for (path, leaf), j, copy, summed in zip(flat, mirrors, copies, accumulators, strict=True):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
@@ -677,8 +710,8 @@ def _plan_storage(
       raise ValueError(
         f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
         f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
-        f"the mode compresses floating param-shaped state leaves that are not copies of the "
-        f"params, and {kept[1]}."
+        f"the mode compresses floating param-shaped state leaves of one dimension or more "
+        f"that are not copies of the params, and {kept[1]}."
       )
     unreal = (
       kept is not None
@@ -697,8 +730,10 @@ def _plan_storage(
       storage.append(kept[0])
     elif not selected:
       storage.append(_KEPT_NOT_SELECTED)
-    elif math.prod(jnp.shape(leaf)) < max(min_size, 1) or not jnp.shape(leaf):
+    elif math.prod(jnp.shape(leaf)) < max(min_size, 1):
       storage.append(_in_own_dtype(_KEPT_SMALL, leaf))
+    elif summed and pattern is None:
+      storage.append(_in_own_dtype(_KEPT_ACCUMULATOR, leaf))
     else:
       rule = rule_of(j)
       leaf_mode = mode if rule is None else rule.mode
@@ -1637,6 +1672,7 @@ def low_precision(
       block=block,
       mirrors=_mirror_params(inner.init, inner_state, params),
       copies=_param_copies(inner.init, params, inner_state),
+      accumulators=_accumulators(inner_state),
       param_modes=rules,
       axes=axes,
     )
@@ -1739,7 +1775,7 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   scales"``, ``"4bit cols"``), or why a leaf is kept as it
   is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
   more values tiles the last dimension"`` (see `leaf_block` and
-  `leaf_block4`), ``"kept: not param-shaped"``, ...; an uncompressed leaf's
+  `leaf_block4`), ``"kept: not param-shaped"``, ``"kept: 0-d"``, ...; an uncompressed leaf's
   label names the dtype it keeps: ``"bfloat16: below min_size"`` for
   bfloat16 params' adam state). Leaves outside a `LowPrecisionState` are
   absent.
