@@ -2341,3 +2341,35 @@ def test_convert_state_traced_under_jit():
   for x, y, z in zip(*(jax.tree.leaves(t) for t in (abstract, jitted(source), eager)), strict=True):
     assert x.shape == y.shape == z.shape
     np.testing.assert_array_equal(np.asarray(y), np.asarray(z))
+
+
+def _nan_at(i: int, bad: bool) -> dict[str, jax.Array]:
+  grads = jnp.full((16, 16), 0.1 * (i + 1))
+  return {"w": grads.at[0, 0].set(jnp.nan if bad else 0.1)}
+
+
+@pytest.mark.slow
+def test_apply_if_finite_counts_carry_into_a_guard_and_are_reported_dropped_without():
+  """Converting into another optimizer under `optax.apply_if_finite` reset its counts of
+  non-finite updates to 0 and the report listed nothing: the consecutive-error guard started
+  over (two more NaN gradients were skipped where the source, at 2 of 3, lets the next
+  through). They carry over when source and target each have one guard, and the report
+  says so; a target without a guard reports them dropped."""
+  params = {"w": jnp.ones((16, 16))}
+  source = OptaxWrapper(optax.apply_if_finite(optax.adam(1e-2), 3)).create(params)
+  for i, bad in enumerate([0, 1, 0, 0, 1, 1]):
+    source = source.apply_gradient(_nan_at(i, bad))
+  counts = ("notfinite_count", "last_finite", "total_notfinite")
+  want = [int(getattr(source.state.param_states, name)) for name in counts]
+  assert want == [2, 0, 3]
+  for inner in (optax.adam(1e-2), t5x_optim.low_precision(optax.adam(1e-2), "8bit", min_size=0)):
+    target = OptaxWrapper(optax.apply_if_finite(inner, 3))
+    converted, report = t5x_optim.convert_state(source, target)
+    assert [int(getattr(converted.state.param_states, name)) for name in counts] == want
+    assert any(
+      "ApplyIfFiniteState" in line and "notfinite_count" in line for line in report.converted
+    ), report
+    continued = converted.apply_gradient(_nan_at(9, True)).apply_gradient(_nan_at(9, True))
+    assert not bool(jnp.isfinite(continued.target["w"]).all())
+  _, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-2)))
+  assert any("ApplyIfFiniteState" in line for line in report.dropped), report

@@ -40,7 +40,9 @@ event of its own state, which starts fresh (`_EVENT_COUNTS`: reduce_on_plateau's
 losses towards its next check, apply_every's accumulated gradients, GaLore's
 projector and Sophia's Hessian refreshes, Novograd's first step, L-BFGS's memory
 slot), starts at 0 with it: set to the clock, the event would fall out of step
-with that state or, compared for equality, never come.
+with that state or, compared for equality, never come. ``optax.apply_if_finite``'s
+counts of non-finite updates go over as they are where each side holds one such state
+(`_CARRIED_WHOLE`), so its guard does not start over.
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -311,6 +313,32 @@ class _Source:
   stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
   origin: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
   dropped: list[str] = dataclasses.field(default_factory=list)
+  guards: dict[type, list[tuple[str, Any]]] = dataclasses.field(default_factory=dict)
+
+
+_CARRIED_WHOLE = {
+  optax.ApplyIfFiniteState: (
+    ("notfinite_count", "last_finite", "total_notfinite"),
+    "its counts of non-finite updates",
+  ),
+}
+"""States whose scalar fields (not per-param moments) are the run's history, by type: each
+field goes over as it is where source and target each hold one state of the type, and is
+reported dropped where the target holds none. ``apply_if_finite`` started over would skip
+as many non-finite updates in a row again before it lets one through."""
+
+
+def _carried_whole(tree: Any) -> dict[type, list[tuple[str, Any]]]:
+  """Every state of a `_CARRIED_WHOLE` type in `tree`, with its '/'-joined path, by type."""
+  found: dict[type, list[tuple[str, Any]]] = {}
+
+  def is_carried(node: Any) -> bool:
+    return type(node) in _CARRIED_WHOLE
+
+  for path, node in jax.tree.flatten_with_path(tree, is_leaf=is_carried)[0]:
+    if is_carried(node):
+      found.setdefault(type(node), []).append((key_path_str(path), node))
+  return found
 
 
 def _read_source(
@@ -398,6 +426,7 @@ def _read_source(
       visit(child, (*path, key), hparams, _chained(node, children, i), clock, projected)
 
   visit(param_states, (), hparams, (), step)
+  source.guards = _carried_whole(param_states)
   return source
 
 
@@ -604,6 +633,24 @@ def _write_target(
   fresh: list[str] = []
   counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
+  targets = _carried_whole(template)
+  carried: list[str] = []
+
+  def carry(node: Any, where: str) -> Any:
+    """`node` with its `_CARRIED_WHOLE` fields from the source's one state of its type."""
+    fields, what = _CARRIED_WHOLE[type(node)]
+    sources, label = source.guards.get(type(node), []), f"{where} ({type(node).__name__})"
+    if len(sources) == 1 and len(targets[type(node)]) == 1:
+      origin, old = sources[0]
+      carried.append(f"{label}: {', '.join(fields)}, from {origin}")
+      return node._replace(**{f: _placed(getattr(old, f), getattr(node, f)) for f in fields})
+    if sources:
+      held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(targets[type(node)]))]
+      fresh.append(
+        f"{label}: {what} at the initial value (of its type, the old optimizer holds "
+        f"{held[0]} and the new one {held[1]}: which was whose is not known)"
+      )
+    return node
 
   def visit(
     node: Any,
@@ -640,6 +687,8 @@ def _write_target(
       no_converter.append(loose)
       return node
     node, clock = _with_clock(node, clock, counts)
+    if type(node) in _CARRIED_WHOLE:
+      node = carry(node, where)
     children = _children(node)
     if children is None:
       return node
@@ -685,6 +734,7 @@ def _write_target(
       initialised.append(refused[-1])
     if record.by_design:
       initialised.append(kept(field, record.by_design, "at the initial value by design"))
+  converted += carried
   unconverted = [f"{entry}: no converter" for entry in no_converter]
   refused += unconverted
   initialised += unconverted + fresh
@@ -698,6 +748,12 @@ def _write_target(
     f"{origin}: {quantity} of {count(paths)} params, not used by the new optimizer "
     f"(e.g. {held.get(min(paths), (min(paths),))[0]})"
     for (origin, quantity), paths in sorted(unused.items())
+  ]
+  dropped += [
+    f"{origin} ({kind.__name__}): {_CARRIED_WHOLE[kind][1]}, not used by the new optimizer"
+    for kind, states in source.guards.items()
+    if kind not in targets
+    for origin, _ in states
   ]
   report = ConversionReport(tuple(converted), tuple(initialised), tuple(dropped))
   if refused and missing == "raise":
