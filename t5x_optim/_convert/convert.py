@@ -1057,29 +1057,27 @@ def fresh_state(optimizer_def: OptimizerDef, params: Any, like: Any) -> Optimize
   """The definition's initial state for `params`, placed in `like`'s shardings if it has
   them; without `like`, placed by the params' shardings (`sharded_by_params`).
 
-  Each device only ever holds its own shards. A leaf of `like` on devices other than the
-  params' (a step count on one device beside params on a mesh) is made beside the params
-  and then copied where `like` has it.
+  Made under `jax.jit` with `like`'s shardings as its outputs', so a sharded leaf is never
+  whole on one device. A leaf of `like` without a sharding is placed as jit places it; one
+  on devices other than the params' (a step count on one device beside params on a mesh)
+  is made replicated beside the params and then copied where `like` has it.
   """
   if like is None:
     abstract = jax.eval_shape(optimizer_def.init_state, params)
     like = sharded_by_params(Optimizer(optimizer_def, abstract, params)).state
   leaves, treedef = jax.tree.flatten(like)
   shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-  if None in shardings:
+  placed = [s for s in shardings if s is not None]
+  if not placed:
     return jax.jit(optimizer_def.init_state)(params)
-  # One program places its outputs on the devices of its inputs: a leaf on others (an
-  # eagerly created optimizer's step on one device, beside params on a mesh) comes out
-  # replicated there and is then copied where `like` has it.
+  # One program places its outputs on the devices of its inputs.
   devices = {
     frozenset(s.device_set)
     for x in jax.tree.leaves(params)
     if (s := getattr(x, "sharding", None)) is not None
   }
-  common = next((s for s in shardings if s.device_set in devices), shardings[0])
-  odd = [s.device_set != common.device_set for s in shardings]
-  if not any(odd):
-    return jax.jit(optimizer_def.init_state, out_shardings=treedef.unflatten(shardings))(params)
+  common = next((s for s in placed if s.device_set in devices), placed[0])
+  odd = [s is not None and s.device_set != common.device_set for s in shardings]
   everywhere = (
     common if not isinstance(common, NamedSharding) else NamedSharding(common.mesh, PartitionSpec())
   )
