@@ -347,8 +347,8 @@ def test_multisteps_accumulator_is_kept_unless_states_selects_it(mode):
   """MultiSteps's summed gradients were stored in the mode and encoded again at each
   mini-step, so the applied mean drifted with the number of mini-steps (4 bits, 32
   mini-steps: 0.61 relative error) without a word. They are kept as the inner state has them,
-  and the update is float32 MultiSteps's bit for bit; ``states=`` selecting them stores them
-  in the mode."""
+  and the update is float32 MultiSteps's bit for bit; ``states=`` naming them stores them in
+  the mode, and one naming only their param keeps them."""
   params = {"w": jnp.zeros((16, 256))}
   inner = optax.MultiSteps(optax.sgd(1.0), 4).gradient_transformation()
   tx = low_precision(inner, mode, min_size=0)
@@ -363,6 +363,8 @@ def test_multisteps_accumulator_is_kept_unless_states_selects_it(mode):
   selected = leaf_storage(low_precision(inner, mode, min_size=0, states="acc").init(params))
   kinds = [kind for path, kind in selected.items() if path[:2] == ("inner_state", "acc_grads")]
   assert kinds and all(kind.startswith(mode) for kind in kinds), selected
+  by_param = leaf_storage(low_precision(inner, mode, min_size=0, states="w").init(params))
+  assert by_param[("inner_state", "acc_grads", "w")] == "float32: a gradient accumulator"
 
 
 @pytest.mark.slow

@@ -174,19 +174,19 @@ def test_a_pattern_keeping_a_complex_param_in_float32_is_taken():
 
 
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
-def test_a_0d_params_state_is_kept_as_0d_and_refused_under_states(mode):
-  """A 0-d param's state was labelled "below min_size" even with ``min_size=0``, and
-  ``states=`` selecting it kept it without a word: it is kept as 0-d, and refused, named,
-  where ``states=`` selects it."""
+def test_a_0d_params_state_is_labelled_0d_where_min_size_would_compress_it(mode):
+  """A 0-d param's state was labelled "below min_size" even with ``min_size=0``, also where
+  ``states=`` selected it: it is labelled 0-d, in its own dtype; a ``states=`` pattern that
+  also selects it compresses the others (a scalar param beside them is common)."""
   params = {"temp": jnp.ones((), jnp.bfloat16), "w": jnp.ones((64, 256))}
-  state = low_precision(optax.adam(1e-3), mode, min_size=0).init(params)
-  assert leaf_storage(state)[("inner_state", "0", "mu", "temp")] == "kept: 0-d"
-  with pytest.raises(
-    ValueError,
-    match=r"selects the state leaf '0/mu/temp' \(shape \(\), dtype bfloat16\), which it does "
-    r"not apply to: .*and it is 0-d",
-  ):
-    low_precision(optax.adam(1e-3), mode, min_size=0, states="temp").init(params)
+  for states in (None, "temp|w"):
+    state = low_precision(optax.adam(1e-3), mode, min_size=0, states=states).init(params)
+    storage = leaf_storage(state)
+    assert storage[("inner_state", "0", "mu", "temp")] == "bfloat16: 0-d"
+    kinds = [kind for path, kind in storage.items() if path[:4] == ("inner_state", "0", "mu", "w")]
+    assert kinds and all(kind.startswith(mode) for kind in kinds), storage
+  state = low_precision(optax.adam(1e-3), mode).init(params)
+  assert leaf_storage(state)[("inner_state", "0", "mu", "temp")] == "bfloat16: below min_size"
 
 
 def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():

@@ -816,6 +816,36 @@ def test_a_checkpoint_of_an_earlier_version_with_compressed_param_copies_says_so
   assert "earlier versions compressed it" in err, err
 
 
+def test_a_checkpoint_of_an_earlier_version_with_a_compressed_accumulator_says_so(
+  tmp_path, capsys, monkeypatch
+):
+  """Earlier versions compressed optax.MultiSteps's sum of gradients inside low_precision;
+  their checkpoints were refused as "another job" without a reason."""
+  multi_steps = [
+    "--gin_file",
+    "optimizers/adamw_8bit.gin",
+    "--gin_bindings",
+    "optimizers.low_precision.inner = @optax.MultiSteps()",
+    "--gin_bindings",
+    "optax.MultiSteps.opt = @optax.adamw()",
+    "--gin_bindings",
+    "optax.adamw.learning_rate = %LEARNING_RATE",
+    "--gin_bindings",
+    "optax.MultiSteps.every_k_schedule = 2",
+    "--gin_bindings",
+    "optimizers.low_precision.min_size = 0",
+  ]
+  earlier = lambda state: [False] * len(jax.tree.leaves(state))  # noqa: E731
+  with monkeypatch.context() as patched:
+    patched.setattr(low_precision_module, "_accumulators", earlier)
+    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *multi_steps, capsys=capsys)
+  assert code == 0, err
+  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *multi_steps, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "/acc_grads/" in err and "is QuantizedLeaf there" in err, err
+  assert "MultiSteps's sum of gradients" in err and "earlier versions compressed it" in err, err
+
+
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   (model_dir / "checkpoints" / "6").mkdir()

@@ -192,7 +192,7 @@ _KEPT_NOT_MIRROR = "kept: not param-shaped"
 _KEPT_NOT_FLOAT = "kept: not floating"
 _KEPT_PARAM_COPY = "kept: a copy of its param"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
-_KEPT_0D = "kept: 0-d"
+_KEPT_0D = "float32: 0-d"
 _KEPT_ACCUMULATOR = "float32: a gradient accumulator"
 _BY_AXIS = "axis:"
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
@@ -488,6 +488,21 @@ def _accumulators(inner_state: Any) -> list[bool]:
   return jax.tree.leaves(marks(inner_state))
 
 
+def _names_accumulator(pattern: re.Pattern[str] | None, where: str) -> bool:
+  """Whether ``states=`` (`pattern`) names the accumulator at `where`: a match that covers
+  part of its ``acc_grads`` key, not only its param's path.
+
+  Example:
+    >>> import re
+    >>> [_names_accumulator(re.compile(p), '0/acc_grads/dense/kernel') for p in ('acc', 'kernel')]
+    [True, False]
+  """
+  key = re.search(r"(?:^|/)(acc_grads)(?:/|$)", where)
+  if pattern is None or key is None:
+    return False
+  return any(m.start() < key.end(1) and m.end() > key.start(1) for m in pattern.finditer(where))
+
+
 def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str] | None:
   """(storage, why) of an inner leaf (its param or None) the modes do not apply to, or None."""
   if param is None:
@@ -499,8 +514,6 @@ def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str]
   if copy:
     # A codec scaled to the weights would round away each step's small change.
     return _KEPT_PARAM_COPY, "it is a copy of its param (the inner init sets it to the param)"
-  if not jnp.shape(leaf):
-    return _KEPT_0D, "it is 0-d"
   return None
 
 
@@ -673,8 +686,8 @@ def _plan_storage(
   `leaf_block` with its arguments, returns None) stays float32: the mode
   would cost it more bytes. ``mirrors`` is each leaf's param index
   (`_mirror_params`, -1: none); a leaf that ``copies`` marks as a copy of
-  its param keeps its dtype, as does a leaf that ``accumulators`` marks
-  unless ``states`` selects it.
+  its param keeps its dtype, as does a 0-d leaf, and a leaf that
+  ``accumulators`` marks unless ``states`` names it (`_names_accumulator`).
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -710,8 +723,8 @@ def _plan_storage(
       raise ValueError(
         f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
         f"(shape {jnp.shape(leaf)}, dtype {jnp.result_type(leaf)}), which it does not apply to: "
-        f"the mode compresses floating param-shaped state leaves of one dimension or more "
-        f"that are not copies of the params, and {kept[1]}."
+        f"the mode compresses floating param-shaped state leaves that are not copies of the "
+        f"params, and {kept[1]}."
       )
     unreal = (
       kept is not None
@@ -732,7 +745,9 @@ def _plan_storage(
       storage.append(_KEPT_NOT_SELECTED)
     elif math.prod(jnp.shape(leaf)) < max(min_size, 1):
       storage.append(_in_own_dtype(_KEPT_SMALL, leaf))
-    elif summed and pattern is None:
+    elif not jnp.shape(leaf):
+      storage.append(_in_own_dtype(_KEPT_0D, leaf))
+    elif summed and not _names_accumulator(pattern, where):
       storage.append(_in_own_dtype(_KEPT_ACCUMULATOR, leaf))
     else:
       rule = rule_of(j)
@@ -1775,7 +1790,7 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   scales"``, ``"4bit cols"``), or why a leaf is kept as it
   is (``"float32: below min_size"``, ``"float32: no 8-bit block of 4 or
   more values tiles the last dimension"`` (see `leaf_block` and
-  `leaf_block4`), ``"kept: not param-shaped"``, ``"kept: 0-d"``, ...; an uncompressed leaf's
+  `leaf_block4`), ``"kept: not param-shaped"``, ``"float32: 0-d"``, ...; an uncompressed leaf's
   label names the dtype it keeps: ``"bfloat16: below min_size"`` for
   bfloat16 params' adam state). Leaves outside a `LowPrecisionState` are
   absent.

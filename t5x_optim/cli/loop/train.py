@@ -857,7 +857,7 @@ def _refuse_another_job(
   """Refuses checkpoint `step`, whose job record is `recorded`, when a newer version wrote it,
   another ``jax_enable_x64`` did (`job.x64_problem`) or it is another job than `job`
   (`job.identity_problem`); a refusal over a low_precision
-  leaf of `abstract_state` that copies the params (`_param_copy_paths`) says why.
+  leaf of `abstract_state` that earlier versions compressed (`_kept_since_earlier_versions`) says why.
 
   Raises:
     UsageError: naming the step and what differs.
@@ -880,12 +880,12 @@ def _refuse_another_job(
       problem = identity_problem(recorded, {**job, "optimizer": recorded["optimizer"]})
     if problem:
       another_model = bool(model_changes(recorded.get("model", {}), job.get("model", {})))
+      kept = {} if abstract_state is None else _kept_since_earlier_versions(abstract_state)
+      what = next((what for path, what in kept.items() if f" {path} is " in problem), None)
       earlier = (
-        " (this version keeps a low_precision state leaf that copies the params, such as "
-        "schedule-free's z, in its own dtype; earlier versions compressed it, and their "
+        f" (this version keeps {what}; earlier versions compressed it, and their "
         "checkpoints resume only with the version that wrote them)"
-        if abstract_state is not None
-        and any(f" {path} is " in problem for path in _param_copy_paths(abstract_state))
+        if what
         else ""
       )
       raise UsageError(
@@ -905,14 +905,29 @@ def _recorded_by_an_earlier_version(recorded: Mapping[str, Any], job: Mapping[st
   return earlier in config_lib.earlier_optimizer_identities()
 
 
-def _param_copy_paths(abstract_state: TrainState) -> frozenset[str]:
-  """The state-dict paths (below ``param_states``) of the low_precision leaves that copy the
-  params (`leaf_storage`'s ``kept: a copy of its param``)."""
-  return frozenset(
-    "/".join(path)
+_KEPT_SINCE_EARLIER_VERSIONS = {
+  "kept: a copy of its param": (
+    "a low_precision state leaf that copies the params, such as schedule-free's z, in its own dtype"
+  ),
+  "a gradient accumulator": (
+    "optax.MultiSteps's sum of gradients inside low_precision in its own dtype unless "
+    "states= names it"
+  ),
+}
+"""`leaf_storage` labels (or their ends) of the leaves earlier versions compressed, and
+what they are, in a refusal's words."""
+
+
+def _kept_since_earlier_versions(abstract_state: TrainState) -> dict[str, str]:
+  """The state-dict paths (below ``param_states``) of the low_precision leaves that this
+  version keeps and earlier versions compressed, and what each is
+  (`_KEPT_SINCE_EARLIER_VERSIONS`)."""
+  return {
+    "/".join(path): what
     for path, kind in leaf_storage(abstract_state.param_states).items()
-    if kind == "kept: a copy of its param"
-  )
+    for label, what in _KEPT_SINCE_EARLIER_VERSIONS.items()
+    if kind == label or kind.endswith(f": {label}")
+  }
 
 
 def _resume(setup: Setup, reader: Checkpointer, model_dir: Path, job: Any) -> _Resume:
