@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 
 import _checkpoint_worker as w
 import flax
@@ -802,3 +803,25 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   part_1x8 = w.partitioner(1, 8)
   restored = _restore(out_dir, w.abstract_state("adamw", part_1x8))
   w.assert_same_state(restored, w.train(w.fresh_state("adamw", part_1x8), w.MP_STEPS + 1))
+
+
+def test_a_restore_that_narrows_the_optimizer_states_floats_says_so(tmp_path):
+  """bfloat16 params with float32 gradients: optax's adam holds ``mu`` in float32 after its
+  first update, and a restore into a freshly created optimizer (``mu`` in bfloat16) rounded it
+  without a word, so the resumed run drifted from the uninterrupted one. The cast is the
+  documented rule; the restore now warns, naming the leaf and both dtypes."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64, dtype=jnp.bfloat16).reshape(8, 8)}
+  opt_def = w.OptaxWrapper(optax.adam(0.1))
+  state = opt_def.create(params).apply_gradient({"w": jnp.full((8, 8), 0.3, jnp.float32)})
+  assert state.state.param_states[0].mu["w"].dtype == jnp.float32
+  _save(tmp_path, 1, state)
+  with pytest.warns(
+    UserWarning,
+    match=r"'state/param_states/0/mu/w' \(float32 in the checkpoint, bfloat16 in the target\)",
+  ):
+    _restore(tmp_path, opt_def.create(params))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    w.assert_same_state(_restore(tmp_path, state), state)
+    float32 = {"w": params["w"].astype(jnp.float32)}
+    _restore(tmp_path, state.replace(target=float32))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, Protocol, Self
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import traverse_util
@@ -55,10 +56,12 @@ from t5x_optim._checkpoint.leaves import (
 )
 from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim._convert.convert import fresh_state
+from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer
 from t5x_optim._core.placement import placed_as_target
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._training.train_state import TrainState
+from t5x_optim._warn import warn
 
 __all__ = ["CheckpointError", "CheckpointState", "Checkpointer", "is_committed_step"]
 
@@ -151,6 +154,36 @@ def _fresh_param_states(target: CheckpointState, params: Mapping[str, Any]) -> A
   fresh = optimizer.state.replace(param_states=fresh.param_states)
   state = optimizer.optimizer_def.state_dict(restored_params, fresh)[_STATE]
   return state.get(_PARAM_STATES, {})
+
+
+def _warn_of_narrowed_state(
+  step: int, expected: Mapping[Path, Any], stored: Mapping[Path, Any]
+) -> None:
+  """Warns where the target holds an optimizer-state float in a dtype that cannot hold the
+  checkpoint's exactly (float32 data, bfloat16 target): optax's adam keeps ``mu`` in float32
+  after its first update when bfloat16 params get float32 gradients, while a freshly
+  created target holds it in the params' dtype, so a resume would round it and drift."""
+  narrowed = []
+  for path, leaf in expected.items():
+    saved = stored[path].dtype
+    wanted = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+    if (
+      path[0] == _STATE
+      and jnp.issubdtype(saved, jnp.floating)
+      and jnp.issubdtype(wanted, jnp.floating)
+      and _state_dict.leaf_fit((), saved, (), wanted) is not _state_dict.Fit.EXACT
+    ):
+      narrowed.append(f"'{key_path_str(path)}' ({saved} in the checkpoint, {wanted} in the target)")
+  if narrowed:
+    more = f" and {len(narrowed) - 3} more" if len(narrowed) > 3 else ""
+    warn(
+      f"Checkpointer.restore: step {step} rounds optimizer-state floats to a narrower dtype "
+      f"at {', '.join(narrowed[:3])}{more}, so the run goes on from rounded values, not bit "
+      "for bit. optax's adam keeps mu in float32 after its first update when bfloat16 params "
+      "get float32 gradients, while a freshly created optimizer holds it in the params' "
+      "dtype: give the target the saved dtypes (those of the state after a step), or fix "
+      "the moment's dtype in the optimizer (adam's mu_dtype)."
+    )
 
 
 def _is_params_only_path(path: Path) -> bool:
@@ -796,6 +829,7 @@ class Checkpointer:
     expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
     classes = None if params_only else optimizer_state_classes(target)
     self._check(step, expected, stored, classes)
+    _warn_of_narrowed_state(step, expected, stored)
     if verify:
       recorded = self._recorded_checksums(step)
       unrecorded = [
