@@ -2373,3 +2373,17 @@ def test_apply_if_finite_counts_carry_into_a_guard_and_are_reported_dropped_with
     assert not bool(jnp.isfinite(continued.target["w"]).all())
   _, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-2)))
   assert any("ApplyIfFiniteState" in line for line in report.dropped), report
+
+
+@pytest.mark.slow
+def test_convert_state_of_adams_state_under_jit():
+  """Adam's and adamax's states are told apart by stepping a small copy of the params:
+  under `jax.jit` its counts were tracers ("Abstract tracer value encountered"), so no
+  state holding Adam's state type converted traced; it converts as eagerly."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)}
+  source = OptaxWrapper(optax.adam(0.1)).create(params).apply_gradient(params)
+  target = OptaxWrapper(optax.apply_if_finite(optax.adamax(0.1), 3)).create(params)
+  eager = t5x_optim.convert_state(source, target)[0]
+  traced = jax.jit(lambda s, t: t5x_optim.convert_state(s, t)[0])(source, target)
+  for x, y in zip(jax.tree.leaves(traced), jax.tree.leaves(eager), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -871,34 +871,38 @@ def _adamax_paths(
   """
   if optimizer_def is None or not _holds_adam_state(param_states):
     return frozenset()
-  small = jax.tree.map(lambda p: jnp.zeros((2,) * jnp.ndim(p), jnp.float32), params)
-  trained = trained_params(small)
-  grads = jax.tree.map(lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained)
-  grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
-
-  def loss(params: Any) -> Any:  # linear, its gradient the probe's everywhere
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False)
-    return sum(jnp.vdot(g, p) for g, p in pairs)
-
-  names = getattr(optimizer_def, "extra_arg_names", ())
-  extra_args = loss_extra_args(names, loss(trained), grads, loss)
-  try:
-    opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
-    step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))
-    for _ in range(_PROBE_GRADIENTS - 1):
-      if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
-        break
-      opt = step(opt)
-  except Exception as error:
-    paths = ", ".join(
-      f"{'/'.join(path) or '<root>'} (ScaleByAdamState)" for path, _ in _adam_states(param_states)
+  # The probe's own values, computed now even where the conversion is traced (jax.jit).
+  with jax.ensure_compile_time_eval():
+    small = jax.tree.map(lambda p: jnp.zeros((2,) * jnp.ndim(p), jnp.float32), params)
+    trained = trained_params(small)
+    grads = jax.tree.map(
+      lambda p: 1e-3 * (2.0 + jnp.arange(p.size, dtype=jnp.float32) % 2), trained
     )
-    raise ValueError(
-      f"Cannot convert the {side} optimizer's state at {paths}: adam and adamax both store "
-      "optax.ScaleByAdamState (nu Adam's average of g^2 or adamax's maximum of |g|), told "
-      "apart by updating a small copy of the params, and that update failed: "
-      f"{type(error).__name__}: {error}"
-    ) from error
+    grads = jax.tree.map(lambda g, p: g.reshape(p.shape), grads, trained)
+
+    def loss(params: Any) -> Any:  # linear, its gradient the probe's everywhere
+      pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False)
+      return sum(jnp.vdot(g, p) for g, p in pairs)
+
+    names = getattr(optimizer_def, "extra_arg_names", ())
+    extra_args = loss_extra_args(names, loss(trained), grads, loss)
+    try:
+      opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
+      step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))
+      for _ in range(_PROBE_GRADIENTS - 1):
+        if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
+          break
+        opt = step(opt)
+    except Exception as error:
+      paths = ", ".join(
+        f"{'/'.join(path) or '<root>'} (ScaleByAdamState)" for path, _ in _adam_states(param_states)
+      )
+      raise ValueError(
+        f"Cannot convert the {side} optimizer's state at {paths}: adam and adamax both store "
+        "optax.ScaleByAdamState (nu Adam's average of g^2 or adamax's maximum of |g|), told "
+        "apart by updating a small copy of the params, and that update failed: "
+        f"{type(error).__name__}: {error}"
+      ) from error
   found = set()
   for path, node in _adam_states(opt.state.param_states):
     nus = [np.asarray(v).ravel() for v in jax.tree.leaves(node.nu)]
