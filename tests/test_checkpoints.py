@@ -299,8 +299,11 @@ def test_params_only_into_an_eagerly_created_optimizer_over_a_mesh(tmp_path, pla
     target = target.replace(state=target.state.replace(step=step[placed]))
   restored = _restore(tmp_path, target, params_only=True)
   np.testing.assert_array_equal(restored.target["w"], state.target["w"])
-  for got, like in zip(*(jax.tree.leaves(o.state.param_states) for o in (restored, target))):
+  pairs = zip(*(jax.tree.leaves(o.state.param_states) for o in (restored, target)), strict=True)
+  for got, like in pairs:
     assert got.sharding == like.sharding
+  if placed not in step:
+    assert restored.state.step.sharding == target.state.step.sharding
   if placed not in ("moment_on_one_device", "abstract_step"):  # Placed apart by the target.
     stepped = jax.jit(lambda o: o.apply_gradient(o.target))(restored)
     assert int(stepped.state.step) == 2

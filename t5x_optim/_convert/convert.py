@@ -41,7 +41,8 @@ losses towards its next check, apply_every's accumulated gradients, GaLore's
 projector and Sophia's Hessian refreshes, Novograd's first step, L-BFGS's memory
 slot), starts at 0 with it: set to the clock, the event would fall out of step
 with that state or, compared for equality, never come. ``optax.apply_if_finite``'s
-counts of non-finite updates go over as they are where each side holds one such state
+counts of non-finite updates go over as they are from the source's guard at the same
+place, or from its one guard where each side holds one in the same sub-optimizer
 (`_CARRIED_WHOLE`), so its guard does not start over.
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
@@ -313,7 +314,7 @@ class _Source:
   stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
   origin: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
   dropped: list[str] = dataclasses.field(default_factory=list)
-  guards: dict[type, list[tuple[str, Any]]] = dataclasses.field(default_factory=dict)
+  guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
 
 
 _CARRIED_WHOLE = {
@@ -323,21 +324,41 @@ _CARRIED_WHOLE = {
   ),
 }
 """States whose scalar fields (not per-param moments) are the run's history, by type: each
-field goes over as it is where source and target each hold one state of the type, and is
-reported dropped where the target holds none. ``apply_if_finite`` started over would skip
-as many non-finite updates in a row again before it lets one through."""
+field goes over as it is from the source's state at the same place (`_Carried`), or from its
+one state where each side holds one in the same sub-optimizer, and is reported dropped where
+the target holds none. ``apply_if_finite`` started over would skip as many non-finite
+updates in a row again before it lets one through."""
 
 
-def _carried_whole(tree: Any) -> dict[type, list[tuple[str, Any]]]:
-  """Every state of a `_CARRIED_WHOLE` type in `tree`, with its '/'-joined path, by type."""
-  found: dict[type, list[tuple[str, Any]]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Carried:
+  """A `_CARRIED_WHOLE` state: its '/'-joined path as the walks name it, its place (that
+  path without a `LowPrecisionState`'s ``inner_state``: the same whatever the storage), and
+  the place of the sub-optimizer's state it is in (a `MultiOptimizer` group's; "" for none)."""
 
-  def is_carried(node: Any) -> bool:
-    return type(node) in _CARRIED_WHOLE
+  where: str
+  place: str
+  group: str
+  node: Any
 
-  for path, node in jax.tree.flatten_with_path(tree, is_leaf=is_carried)[0]:
-    if is_carried(node):
-      found.setdefault(type(node), []).append((key_path_str(path), node))
+
+def _carried_whole(tree: Any) -> dict[type, list[_Carried]]:
+  """Every state of a `_CARRIED_WHOLE` type in `tree`, by type."""
+  found: dict[type, list[_Carried]] = {}
+
+  def walk(node: Any, path: tuple[str, ...], place: tuple[str, ...], group: str) -> None:
+    if isinstance(node, LowPrecisionState):
+      walk(node.inner_state, (*path, "inner_state"), place, group)
+      return
+    if isinstance(node, OptimizerState):
+      group = "/".join(place)
+    if type(node) in _CARRIED_WHOLE:
+      where = "/".join(path) or "<root>"
+      found.setdefault(type(node), []).append(_Carried(where, "/".join(place), group, node))
+    for key, child in _children(node) or ():
+      walk(child, (*path, key), (*place, key), group)
+
+  walk(tree, (), (), "")
   return found
 
 
@@ -637,20 +658,28 @@ def _write_target(
   carried: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
-    """`node` with its `_CARRIED_WHOLE` fields from the source's one state of its type."""
+    """`node` with its `_CARRIED_WHOLE` fields from the source's state of its type at the
+    same place, or from its one state of the type where each side holds one, in the same
+    sub-optimizer (or in none)."""
     fields, what = _CARRIED_WHOLE[type(node)]
-    sources, label = source.guards.get(type(node), []), f"{where} ({type(node).__name__})"
-    if len(sources) == 1 and len(targets[type(node)]) == 1:
-      origin, old = sources[0]
-      carried.append(f"{label}: {', '.join(fields)}, from {origin}")
-      return node._replace(**{f: _placed(getattr(old, f), getattr(node, f)) for f in fields})
-    if sources:
-      held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(targets[type(node)]))]
-      fresh.append(
-        f"{label}: {what} at the initial value (of its type, the old optimizer holds "
-        f"{held[0]} and the new one {held[1]}: which was whose is not known)"
-      )
-    return node
+    sources, mine = source.guards.get(type(node), []), targets[type(node)]
+    place = next(t.place for t in mine if t.where == where)
+    label = f"{where} ({type(node).__name__})"
+    if {s.place for s in sources} == {t.place for t in mine}:
+      old = next(s for s in sources if s.place == place)
+    elif len(sources) == 1 and len(mine) == 1 and sources[0].group == mine[0].group:
+      old = sources[0]
+    else:
+      if sources:
+        held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(mine))]
+        fresh.append(
+          f"{label}: {what} at the initial value (of its type, the old optimizer holds "
+          f"{held[0]} and the new one {held[1]}, at other places or in other "
+          "sub-optimizers: which was whose is not known)"
+        )
+      return node
+    carried.append(f"{label}: {', '.join(fields)}, from {old.where}")
+    return node._replace(**{f: _placed(getattr(old.node, f), getattr(node, f)) for f in fields})
 
   def visit(
     node: Any,
@@ -750,10 +779,10 @@ def _write_target(
     for (origin, quantity), paths in sorted(unused.items())
   ]
   dropped += [
-    f"{origin} ({kind.__name__}): {_CARRIED_WHOLE[kind][1]}, not used by the new optimizer"
+    f"{old.where} ({kind.__name__}): {_CARRIED_WHOLE[kind][1]}, not used by the new optimizer"
     for kind, states in source.guards.items()
     if kind not in targets
-    for origin, _ in states
+    for old in states
   ]
   report = ConversionReport(tuple(converted), tuple(initialised), tuple(dropped))
   if refused and missing == "raise":
