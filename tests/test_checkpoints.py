@@ -820,7 +820,8 @@ def test_a_restore_that_narrows_the_optimizer_states_floats_says_so(tmp_path):
   _save(tmp_path, 1, state)
   with pytest.warns(
     UserWarning,
-    match=r"'state/param_states/0/mu/w' \(float32 in the checkpoint, bfloat16 in the target\)",
+    match=r"'state/param_states/0/mu/w' \(float32 in the checkpoint, bfloat16 in the state read "
+    r"into\)",
   ):
     _restore(tmp_path, opt_def.create(params))
   with warnings.catch_warnings():

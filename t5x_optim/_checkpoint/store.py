@@ -173,16 +173,19 @@ def _warn_of_narrowed_state(
       and jnp.issubdtype(wanted, jnp.floating)
       and _state_dict.leaf_fit((), saved, (), wanted) is not _state_dict.Fit.EXACT
     ):
-      narrowed.append(f"'{key_path_str(path)}' ({saved} in the checkpoint, {wanted} in the target)")
+      narrowed.append(
+        f"'{key_path_str(path)}' ({saved} in the checkpoint, {wanted} in the state read into)"
+      )
   if narrowed:
     more = f" and {len(narrowed) - 3} more" if len(narrowed) > 3 else ""
     warn(
-      f"Checkpointer.restore: step {step} rounds optimizer-state floats to a narrower dtype "
-      f"at {', '.join(narrowed[:3])}{more}, so the run goes on from rounded values, not bit "
-      "for bit. optax's adam keeps mu in float32 after its first update when bfloat16 params "
-      "get float32 gradients, while a freshly created optimizer holds it in the params' "
-      "dtype: give the target the saved dtypes (those of the state after a step), or fix "
-      "the moment's dtype in the optimizer (adam's mu_dtype)."
+      f"Restoring checkpoint step {step} rounds optimizer-state floats to a narrower dtype "
+      f"at {', '.join(narrowed[:3])}{more}, so what follows goes on from rounded values, not "
+      "bit for bit. optax's adam keeps mu in float32 after its first update when bfloat16 "
+      "params get float32 gradients, while a freshly created optimizer holds it in the "
+      "params' dtype: give Checkpointer.restore a target in the saved dtypes (those of the "
+      "state after a step), or fix the moment's dtype in the optimizer (adam's mu_dtype) "
+      "before the run that writes the checkpoints."
     )
 
 

@@ -41,9 +41,8 @@ losses towards its next check, apply_every's accumulated gradients, GaLore's
 projector and Sophia's Hessian refreshes, Novograd's first step, L-BFGS's memory
 slot), starts at 0 with it: set to the clock, the event would fall out of step
 with that state or, compared for equality, never come. ``optax.apply_if_finite``'s
-counts of non-finite updates go over as they are from the source's guard at the same
-place, or from its one guard where each side holds one in the same sub-optimizer
-(`_CARRIED_WHOLE`), so its guard does not start over.
+counts of non-finite updates go over as they are where each side holds one guard, in
+the same sub-optimizer (`_CARRIED_WHOLE`), so its guard does not start over.
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -324,20 +323,20 @@ _CARRIED_WHOLE = {
   ),
 }
 """States whose scalar fields (not per-param moments) are the run's history, by type: each
-field goes over as it is from the source's state at the same place (`_Carried`), or from its
-one state where each side holds one in the same sub-optimizer, and is reported dropped where
-the target holds none. ``apply_if_finite`` started over would skip as many non-finite
+field goes over as it is where each side holds one state of the type, in the same
+sub-optimizer (`_Carried`), and is reported dropped where the target holds none. With more,
+a state's place does not say which params it guards (`MultiOptimizer` groups may be listed
+in another order), so they start at their initial values, reported. ``apply_if_finite`` started over would skip as many non-finite
 updates in a row again before it lets one through."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Carried:
-  """A `_CARRIED_WHOLE` state: its '/'-joined path as the walks name it, its place (that
-  path without a `LowPrecisionState`'s ``inner_state``: the same whatever the storage), and
-  the place of the sub-optimizer's state it is in (a `MultiOptimizer` group's; "" for none)."""
+  """A `_CARRIED_WHOLE` state: its '/'-joined path as the walks name it, and the place of
+  the sub-optimizer's state it is in (a `MultiOptimizer` group's; "" for none), a
+  `LowPrecisionState`'s ``inner_state`` left out of places (the same whatever the storage)."""
 
   where: str
-  place: str
   group: str
   node: Any
 
@@ -354,7 +353,7 @@ def _carried_whole(tree: Any) -> dict[type, list[_Carried]]:
       group = "/".join(place)
     if type(node) in _CARRIED_WHOLE:
       where = "/".join(path) or "<root>"
-      found.setdefault(type(node), []).append(_Carried(where, "/".join(place), group, node))
+      found.setdefault(type(node), []).append(_Carried(where, group, node))
     for key, child in _children(node) or ():
       walk(child, (*path, key), (*place, key), group)
 
@@ -658,24 +657,20 @@ def _write_target(
   carried: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
-    """`node` with its `_CARRIED_WHOLE` fields from the source's state of its type at the
-    same place, or from its one state of the type where each side holds one, in the same
-    sub-optimizer (or in none)."""
+    """`node` with its `_CARRIED_WHOLE` fields from the source's one state of its type,
+    where each side holds one, in the same sub-optimizer (or in none)."""
     fields, what = _CARRIED_WHOLE[type(node)]
     sources, mine = source.guards.get(type(node), []), targets[type(node)]
-    place = next(t.place for t in mine if t.where == where)
     label = f"{where} ({type(node).__name__})"
-    if {s.place for s in sources} == {t.place for t in mine}:
-      old = next(s for s in sources if s.place == place)
-    elif len(sources) == 1 and len(mine) == 1 and sources[0].group == mine[0].group:
+    if len(sources) == 1 and len(mine) == 1 and sources[0].group == mine[0].group:
       old = sources[0]
     else:
       if sources:
         held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(mine))]
         fresh.append(
           f"{label}: {what} at the initial value (of its type, the old optimizer holds "
-          f"{held[0]} and the new one {held[1]}, at other places or in other "
-          "sub-optimizers: which was whose is not known)"
+          f"{held[0]} and the new one {held[1]}, or they are in other sub-optimizers: "
+          "which was whose is not known)"
         )
       return node
     carried.append(f"{label}: {', '.join(fields)}, from {old.where}")
