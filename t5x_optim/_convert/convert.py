@@ -326,8 +326,9 @@ _CARRIED_WHOLE = {
 field goes over as it is where each side holds one state of the type, in the same
 sub-optimizer (`_Carried`), and is reported dropped where the target holds none. With more,
 a state's place does not say which params it guards (`MultiOptimizer` groups may be listed
-in another order), so they start at their initial values, reported. ``apply_if_finite`` started over would skip as many non-finite
-updates in a row again before it lets one through."""
+in another order), so they start at their initial values, reported. ``apply_if_finite``
+started over would skip as many non-finite updates in a row again before it lets one
+through."""
 
 
 @dataclasses.dataclass(frozen=True)
