@@ -48,6 +48,7 @@ __all__ = [
   "place",
   "rewrap_keys",
   "root_cause",
+  "rounded_floats",
   "saveable",
   "shared_names",
   "state_classes",
@@ -202,6 +203,21 @@ def leaf_problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> l
       if problem is not None:
         problems.append(problem)
   return problems
+
+
+def rounded_floats(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
+  """Each leaf of `expected` whose stored floats its floating dtype rounds (`leaf_fit`'s
+  ``ROUNDS`` or ``IF_IN_RANGE``: float32 data into bfloat16), by path and both dtypes."""
+  rounded = []
+  for path, leaf in expected.items():
+    shape, dtype = _shape_dtype(leaf)
+    stored_dtype = _shape_dtype(stored[path])[1]
+    fit = _state_dict.leaf_fit(shape, stored_dtype, shape, dtype)
+    if fit in (_state_dict.Fit.ROUNDS, _state_dict.Fit.IF_IN_RANGE):
+      rounded.append(
+        f"'{key_path_str(path)}' ({stored_dtype} in the checkpoint, {dtype} in the state read into)"
+      )
+  return rounded
 
 
 @dataclasses.dataclass(frozen=True)

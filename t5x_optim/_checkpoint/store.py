@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, Protocol, Self
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import traverse_util
@@ -49,6 +48,7 @@ from t5x_optim._checkpoint.leaves import (
   orbax_restore_args,
   rewrap_keys,
   root_cause,
+  rounded_floats,
   saveable,
   shared_names,
   zero_size_record,
@@ -56,7 +56,6 @@ from t5x_optim._checkpoint.leaves import (
 )
 from t5x_optim._checkpoint.lock import WriterLock
 from t5x_optim._convert.convert import fresh_state
-from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._core.interface import Optimizer
 from t5x_optim._core.placement import placed_as_target
 from t5x_optim._keypaths import key_path_str
@@ -163,19 +162,7 @@ def _warn_of_narrowed_state(
   checkpoint's exactly (float32 data, bfloat16 target): optax's adam keeps ``mu`` in float32
   after its first update when bfloat16 params get float32 gradients, while a freshly
   created target holds it in the params' dtype, so a resume would round it and drift."""
-  narrowed = []
-  for path, leaf in expected.items():
-    saved = stored[path].dtype
-    wanted = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
-    if (
-      path[0] == _STATE
-      and jnp.issubdtype(saved, jnp.floating)
-      and jnp.issubdtype(wanted, jnp.floating)
-      and _state_dict.leaf_fit((), saved, (), wanted) is not _state_dict.Fit.EXACT
-    ):
-      narrowed.append(
-        f"'{key_path_str(path)}' ({saved} in the checkpoint, {wanted} in the state read into)"
-      )
+  narrowed = rounded_floats({p: x for p, x in expected.items() if p[0] == _STATE}, stored)
   if narrowed:
     more = f" and {len(narrowed) - 3} more" if len(narrowed) > 3 else ""
     warn(
