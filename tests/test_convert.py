@@ -16,6 +16,7 @@ import functools
 import pathlib
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -1175,6 +1176,34 @@ def test_a_checkpoint_another_optimizer_wrote_is_said_not_to_fit_the_source(tmp_
       "built over the target's params: give the one that did."
     ), message
     assert "target's has" not in message and "convert_from= to convert" not in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["ours", "t5x"])
+def test_a_source_built_from_its_definition_reads_the_stored_float_dtypes(tmp_path, fmt):
+  """bfloat16 params with float32 gradients: optax's adam holds ``mu`` in float32 after its
+  first update. The source state built from adam's definition held it in bfloat16, so the
+  moment was rounded on its way into a float32 target (with a warning)."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64, dtype=jnp.bfloat16).reshape(8, 8)}
+  grads = {"w": 0.3 + jnp.arange(64, dtype=jnp.float32).reshape(8, 8) * 1e-4}
+  adam = OptaxWrapper(optax.adam(0.1))
+  saved = adam.create(params).apply_gradient(grads)
+  mu = saved.state.param_states[0].mu["w"]
+  assert mu.dtype == jnp.float32 and not jnp.array_equal(mu, mu.astype(jnp.bfloat16))
+  if fmt == "ours":
+    with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+      checkpointer.save(1, saved)
+  else:
+    t5x_optim.save_t5x_checkpoint(tmp_path, saved)
+  target = OptaxWrapper(optax.adamw(0.1, mu_dtype=jnp.float32)).create(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state, _ = t5x_optim.restore_converted(tmp_path, target, source=adam)
+  converted, _ = t5x_optim.convert_state(saved, target)
+  restored = state.state.param_states[0].mu["w"]
+  assert restored.dtype == jnp.float32
+  np.testing.assert_array_equal(restored, converted.state.param_states[0].mu["w"])
+  np.testing.assert_array_equal(state.target["w"], saved.target["w"])
 
 
 def test_a_converting_restore_into_other_params_is_said_not_to_fit_the_target(tmp_path):

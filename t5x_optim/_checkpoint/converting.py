@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
@@ -37,10 +38,9 @@ class _StoredStateDict:
   """
 
   def __init__(self, path: str | os.PathLike[str], step: int | None):
-    step_dir, fmt = _t5x.locate(path, step)
-    read = _t5x.read_legacy_metadata if fmt == "legacy" else _t5x.read_orbax_metadata
+    stored = _stored_leaves(path, step, t5x=True)
     self._abstract = traverse_util.unflatten_dict(
-      {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in read(step_dir).items()}
+      {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in stored.items()}
     )
 
   def state_dict(self) -> dict[str, Any]:
@@ -48,6 +48,42 @@ class _StoredStateDict:
 
   def restore_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state_dict)
+
+
+def _stored_leaves(
+  path: str | os.PathLike[str], step: int | None, *, t5x: bool
+) -> dict[tuple[str, ...], Any]:
+  """The shape and dtype of every array of checkpoint `step` at `path`, by state-dict path."""
+  if t5x:
+    return _t5x.read_metadata(*_t5x.locate(path, step))
+  with _checkpoints.Checkpointer(path) as checkpointer:
+    return checkpointer.stored_leaves(step)
+
+
+def _in_stored_dtypes(source: State, stored: Mapping[tuple[str, ...], Any]) -> State:
+  """`source` with each floating optimizer-state leaf in the checkpoint's floating dtype.
+
+  A state created from a definition holds its moments in the params' dtype,
+  while optax's adam, say, keeps ``mu`` in float32 after an update of
+  bfloat16 params with float32 gradients: read in the created dtypes, such a
+  moment would be rounded before it is converted.
+  """
+  leaves = traverse_util.flatten_dict(source.state_dict(), keep_empty_nodes=True)
+  changed = {}
+  for path, leaf in leaves.items():
+    kept = stored.get(tuple(str(key) for key in path))
+    if (
+      path[0] == "state"
+      and kept is not None
+      and isinstance(leaf, jax.ShapeDtypeStruct)
+      and jnp.issubdtype(leaf.dtype, jnp.floating)
+      and jnp.issubdtype(kept.dtype, jnp.floating)
+      and leaf.dtype != kept.dtype
+    ):
+      changed[path] = jax.ShapeDtypeStruct(leaf.shape, kept.dtype, sharding=leaf.sharding)
+  if not changed:
+    return source
+  return source.restore_state(traverse_util.unflatten_dict({**leaves, **changed}))
 
 
 def _holds_t5x(path: str | os.PathLike[str]) -> bool:
@@ -186,7 +222,8 @@ def restore_converted(
     target: the `TrainState` or `Optimizer` to restore into, with the new
       optimizer; real or abstract (`partitioning.abstract_train_state`).
     source: the optimizer that wrote the checkpoint: its definition (its
-      state is then read with the default placement), or an abstract state
+      state is then read with the default placement, each floating leaf of
+      its optimizer state in the checkpoint's dtype), or an abstract state
       of it with shardings (each array is read straight into them). None
       only for T5X's legacy ``adafactor.Adafactor``, recognised by its
       layout.
@@ -243,7 +280,7 @@ def restore_converted(
   if not isinstance(source, TrainState | Optimizer):
     if not callable(getattr(source, "create", None)):
       raise TypeError(_not_a_source(source))
-    source = _source_state(source, target)
+    source = _in_stored_dtypes(_source_state(source, target), _stored_leaves(path, step, t5x=t5x))
   old_state = _read_source(path, source, step, t5x=t5x)
   optimizer, report = _convert.convert_state(
     _optimizer(old_state), _optimizer(target), missing=missing, **hparams

@@ -692,6 +692,25 @@ class Checkpointer:
       )
     return step
 
+  def stored_leaves(self, step: int | None = None) -> dict[Path, jax.ShapeDtypeStruct]:
+    """The shape and dtype of every array checkpoint `step` (None: the latest) holds.
+
+    Read from the step's metadata and the arrays' headers; no data are read.
+    Keys are the paths of the saved state dict's leaves.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> from t5x_optim import Checkpointer, OptaxWrapper
+      >>> state = OptaxWrapper(optax.sgd(0.1)).create({'w': jnp.ones((2, 3))})
+      >>> with Checkpointer(tempfile.mkdtemp(), async_save=False) as checkpointer:
+      ...   checkpointer.save(1, state)
+      ...   checkpointer.stored_leaves()[('target', 'w')]
+      ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    step = self._resolve_step(step)
+    stored = open_stored(self._item(step), self._where(step), step, _any_path)
+    return {**stored, **self._recorded_zero_size(step)}
+
   def _recorded_zero_size(self, step: int) -> dict[Path, Any]:
     """The zero-size arrays saved with step `step` (`zero_size_record`), as stored arrays."""
     recorded = self._json_record(step, _ZERO_SIZE, "its zero-size arrays")

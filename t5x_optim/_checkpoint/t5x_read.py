@@ -28,8 +28,7 @@ from t5x_optim._keypaths import key_path_str
 __all__ = [
   "latest_t5x_step",
   "locate",
-  "read_legacy_metadata",
-  "read_orbax_metadata",
+  "read_metadata",
   "restore_t5x_checkpoint",
   "t5x_checkpoint_steps",
 ]
@@ -227,6 +226,11 @@ def _without_fill_value_check(step_dir: epath.Path, spec: Mapping[str, Any], sto
   relative = (kvstore.get("path") if isinstance(kvstore, Mapping) else None) or spec.get("path")
   full = _full_spec(step_dir, spec["driver"], relative, strict=False)
   return ts.open(full, open=True, read=True, context=TS_CONTEXT).result()
+
+
+def read_metadata(step_dir: epath.Path, fmt: str) -> dict[Path, _Stored]:
+  """Every array of the T5X checkpoint in `step_dir` of format `fmt` (`locate`'s pair)."""
+  return read_legacy_metadata(step_dir) if fmt == "legacy" else read_orbax_metadata(step_dir)
 
 
 def read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
@@ -529,7 +533,7 @@ def restore_t5x_checkpoint(
   and has the example.
   """
   step_dir, fmt = locate(path, step)
-  stored = read_legacy_metadata(step_dir) if fmt == "legacy" else read_orbax_metadata(step_dir)
+  stored = read_metadata(step_dir, fmt)
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
   expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
   problems = _problems(expected, stored) + _class_problems(step_dir, target)
