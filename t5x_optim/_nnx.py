@@ -54,15 +54,32 @@ def first_nnx_path(tree: Any) -> str | None:
   return next((key_path_str(path) for path, leaf in found if is_nnx(leaf)), None)
 
 
+def _stored(x: Any) -> Any:
+  """The value an ``nnx.Variable`` `x` stores, its pytree leaf (a ref read out), or `x`.
+
+  Not its ``get_value()``: a Variable class may override ``get_value`` (or carry an
+  ``on_get_value`` hook) to read back a transform of what it stores, as a param stored
+  unconstrained reads back its softplus; a checkpoint of the transform would be restored
+  as the stored value.
+  """
+  if not isinstance(x, _nnx().Variable):
+    return x
+  value = x.get_raw_value()
+  return value[...] if _nnx().variablelib.is_array_ref(value) else value
+
+
 def _pure(x: Any) -> Any:
   if isinstance(x, _nnx().State):
-    return x.to_pure_dict()
-  return x.get_value()
+    return _nnx().to_pure_dict(x, extract_fn=_stored)
+  return _stored(x)
 
 
 def to_pure(tree: Any) -> Any:
-  """`tree` with each ``nnx.State`` as its ``to_pure_dict()`` and each ``nnx.Variable``
+  """`tree` with each ``nnx.State`` as its ``nnx.to_pure_dict`` and each ``nnx.Variable``
   as its value; a tree without NNX objects is returned as it is.
+
+  The values are those the Variables store (their pytree leaves, what an optimizer
+  trains), which `restore_like` stores back, not those their ``get_value()`` reads.
 
   Example:
     >>> to_pure({"w": 1.0})
@@ -74,6 +91,7 @@ def to_pure(tree: Any) -> Any:
 
 
 def _rebuilt(reference: Any, pure: Any) -> Any:
+  """`reference` holding `pure`; ``nnx.Variable.replace`` stores a value as it is given."""
   if isinstance(reference, _nnx().State):
     state = jax.tree.map(lambda x: x, reference)
     _nnx().replace_by_pure_dict(state, pure)

@@ -124,6 +124,53 @@ def test_a_checkpoint_restores_into_params_of_another_variable_class(tmp_path):
   assert_same_bits(restored.state_dict(), opt.state_dict())
 
 
+class _Positive(nnx.Param):
+  """Stores an unconstrained value and reads back its softplus, a positive scale."""
+
+  def get_value(self, **kwargs):
+    return jax.nn.softplus(super().get_value(**kwargs))
+
+
+def _positive_params() -> nnx.State:
+  return nnx.State(
+    {
+      "scale": _Positive(np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256)),
+      "w": nnx.Param(np.ones(3, np.float32)),
+    }
+  )
+
+
+def _stored(tree) -> dict:
+  """The values `tree`'s nnx.Variables store (their pytree leaves), by path."""
+  return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree.leaves_with_path(tree)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "optimizer",
+  [
+    pytest.param(lambda: optax.adam(1e-2), id="adam"),
+  ],
+)
+def test_params_of_a_class_overriding_get_value_save_and_restore_their_stored_values(
+  optimizer, tmp_path
+):
+  params = _positive_params()
+  fresh = OptaxWrapper(optimizer()).create(params)
+  grads = jax.tree.map(lambda a: np.full_like(a, 0.5), params)
+  opt = fresh.apply_gradient(grads)
+  state_dict = opt.state_dict()
+  np.testing.assert_array_equal(state_dict["target"]["scale"], opt.target["scale"].get_raw_value())
+  assert_same_bits(_stored(fresh.restore_state(state_dict)), _stored(opt))
+  with Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, opt)
+    checkpointer.wait_until_finished()
+    assert_same_bits(_stored(checkpointer.restore(fresh)), _stored(opt))
+  plain = optimizer()
+  updates, _ = plain.update(grads, plain.init(params), params)
+  assert_same_bits(_stored(opt.target), _stored(optax.apply_updates(params, updates)))
+
+
 @pytest.mark.slow
 def test_a_checkpoint_recording_the_nnx_nodes_of_its_state_restores_into_the_same_optimizer(
   tmp_path,

@@ -450,7 +450,7 @@ def state_classes(param_states: Any) -> dict[str, str]:
   and adabelief's ``mu`` and ``nu``) differ in these classes. Plain
   containers (dicts, lists, tuples) and nodes without leaves (optax's
   `EmptyState`) are not recorded. A state over a flax NNX state is taken
-  in its pure form (``nnx.to_pure_dict``, see `_nnx.to_pure`): its
+  in its pure form (the values its Variables store, see `_nnx.to_pure`): its
   ``nnx.State`` and ``nnx.Variable`` nodes are not recorded, so the same
   optimizer over an ``nnx.State`` and over its pure dict records the same
   classes, whatever the class of each param's ``nnx.Variable``.

@@ -63,7 +63,8 @@ def prune_empty(tree: Any) -> Any:
 
 def to_pruned_state_dict(tree: Any) -> Any:
   """`flax.serialization.to_state_dict` with empty containers removed, a flax
-  ``nnx.State`` or ``nnx.Variable`` written as its values (``nnx.to_pure_dict``)."""
+  ``nnx.State`` or ``nnx.Variable`` written as the values its Variables store (keyed as
+  ``nnx.to_pure_dict``), not those a ``get_value`` override reads back."""
   return prune_empty(serialization.to_state_dict(to_pure(tree)))
 
 
