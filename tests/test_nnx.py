@@ -150,6 +150,7 @@ def _stored(tree) -> dict:
   "optimizer",
   [
     pytest.param(lambda: optax.adam(1e-2), id="adam"),
+    pytest.param(lambda: optimizers.low_precision(optax.adam(1e-2), "8bit", min_size=0), id="8bit"),
   ],
 )
 def test_params_of_a_class_overriding_get_value_save_and_restore_their_stored_values(
