@@ -235,6 +235,33 @@ def test_a_converting_restore_refuses_an_nnx_target_naming_the_call(tmp_path):
     restore_converted(tmp_path / "t5x", target, source=optimizers.adamw(1e-2))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("params_form", "grads_form", "message"),
+  [
+    (
+      "state",
+      "pure",
+      r"the params are an nnx.State and the grads a pure dict of the same arrays: pass the "
+      r"grads as an nnx.State \(nnx.grad, or jax.grad with respect to the State\), or create "
+      r"the optimizer over nnx.to_pure_dict\(state\)\.$",
+    ),
+    (
+      "pure",
+      "state",
+      r"the grads are an nnx.State and the params a pure dict of the same arrays: pass "
+      r"nnx.to_pure_dict\(grads\), or create the optimizer over the nnx.State\.$",
+    ),
+  ],
+)
+def test_grads_in_the_other_form_than_an_nnx_params_say_so(params_form, grads_form, message):
+  forms = {"state": _linear(), "pure": nnx.to_pure_dict(_linear())}
+  opt = optimizers.adamw(1e-2).create(forms[params_form])
+  grads = jax.tree.map(np.ones_like, forms[grads_form])
+  with pytest.raises(ValueError, match=r"^The grads do not fit the params: " + message):
+    opt.apply_gradient(grads)
+
+
 class _LM(nnx.Module):
   """A ('vocab', 'embed') embedding and an ('embed', 'mlp') kernel, by sharding metadata."""
 

@@ -16,7 +16,7 @@ from flax import struct
 from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._nnx import refuse_non_params
+from t5x_optim._nnx import first_nnx_path, refuse_non_params, to_pure
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState", "trained_params"]
 
@@ -482,7 +482,8 @@ def check_grads(grads: Any, params: Any) -> None:
 
   Raises:
     ValueError: naming the paths only one side has, or each leaf whose shape
-      or kind differs, with both sides.
+      or kind differs, with both sides; where only one side is a flax
+      ``nnx.State`` around the same arrays, saying so and what to pass.
 
   Example:
     >>> import jax.numpy as jnp
@@ -490,7 +491,7 @@ def check_grads(grads: Any, params: Any) -> None:
   """
   mismatch = structure_mismatch(grads, params, name="grads")
   if mismatch is not None:
-    raise ValueError(f"The grads do not fit the params: {mismatch}.")
+    raise ValueError(f"The grads do not fit the params: {_nnx_form(grads, params) or mismatch}.")
   flat_params = jax.tree.flatten_with_path(flax.core.unfreeze(params))[0]
   bad = []
   for (path, param), grad in zip(flat_params, jax.tree.leaves(flax.core.unfreeze(grads))):
@@ -504,6 +505,35 @@ def check_grads(grads: Any, params: Any) -> None:
   if bad:
     leaves = "leaf" if len(bad) == 1 else "leaves"
     raise ValueError(f"The grads do not fit the params at {len(bad)} {leaves}: {'; '.join(bad)}.")
+
+
+def _nnx_form(grads: Any, params: Any) -> str | None:
+  """How `grads` and `params` differ when only one side holds flax NNX nodes around the
+  same arrays (an ``nnx.State`` and its ``nnx.to_pure_dict``), with what to pass; else None.
+
+  Example:
+    >>> _nnx_form({"w": 1.0}, {"w": 2.0}) is None
+    True
+  """
+  grads_path, params_path = first_nnx_path(grads), first_nnx_path(params)
+  if (grads_path is None) == (params_path is None):
+    return None
+  if structure_mismatch(to_pure(grads), to_pure(params), name="grads") is not None:
+    return None
+  if params_path is not None:
+    return (
+      f"the params {_nnx_at(params_path)} and the grads a pure dict of the same arrays: pass "
+      "the grads as an nnx.State (nnx.grad, or jax.grad with respect to the State), or create "
+      "the optimizer over nnx.to_pure_dict(state)"
+    )
+  return (
+    f"the grads {_nnx_at(grads_path)} and the params a pure dict of the same arrays: pass "
+    "nnx.to_pure_dict(grads), or create the optimizer over the nnx.State"
+  )
+
+
+def _nnx_at(path: str) -> str:
+  return "are an nnx.State" if path == "<root>" else f"hold flax NNX state at '{path}'"
 
 
 def trained_params(params: Any) -> Any:
