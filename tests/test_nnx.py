@@ -18,6 +18,7 @@ from t5x_optim import (
   OptaxWrapper,
   TrainState,
   convert_state,
+  leaf_storage,
   optimizers,
   partitioning,
   restore_converted,
@@ -104,6 +105,29 @@ def test_a_low_precision_checkpoint_restores_over_an_nnx_state_or_its_pure_dict(
     save_t5x_checkpoint(tmp_path / f"t5x{index}", opt)
     from_t5x = restore_t5x_checkpoint(tmp_path / f"t5x{index}", _8bit().create(target))
     assert_same_bits(from_t5x.state_dict(), opt.state_dict())
+
+
+def _paths(tree: dict, prefix: tuple = ()) -> set[tuple]:
+  """The key paths of the leaves of the nested dict `tree`."""
+  paths = set()
+  for key, value in tree.items():
+    path = (*prefix, str(key))
+    paths |= _paths(value, path) if isinstance(value, dict) else {path}
+  return paths
+
+
+@pytest.mark.slow
+def test_leaf_storage_over_an_nnx_state_is_keyed_by_state_dict_paths():
+  tx = optimizers.low_precision(
+    optax.adam(1e-2), "8bit", min_size=0, param_modes=[("bias", "float32")]
+  )
+  params = _linear()
+  opt = OptaxWrapper(tx).create(params)
+  storage = leaf_storage(opt.state.param_states)
+  assert storage == leaf_storage(tx.init(nnx.to_pure_dict(params)))
+  assert set(storage) == _paths(opt.state_dict()["state"]["param_states"])
+  assert storage[("inner_state", "0", "mu", "kernel", "codes")] == "8bit codes"
+  assert storage[("inner_state", "0", "nu", "bias")] == "float32: param_modes 'bias'"
 
 
 class _Kernel(nnx.Param):

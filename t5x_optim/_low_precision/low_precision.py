@@ -157,6 +157,7 @@ from t5x_optim._low_precision.quantize4 import (
   unpacked_shape,
   uses_rank1,
 )
+from t5x_optim._nnx import to_pure
 from t5x_optim._warn import warn
 
 __all__ = [
@@ -1784,7 +1785,8 @@ def low_precision(
 def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
   """How each leaf inside a `LowPrecisionState` of ``param_states`` is stored.
 
-  Keys are state-dict paths below ``param_states`` (as tuples of keys);
+  Keys are state-dict paths below ``param_states`` (as tuples of keys; over
+  a flax ``nnx.State`` those of its ``nnx.to_pure_dict``, without ``value``);
   values are ``"bfloat16"``, the mode and field of a quantized leaf's
   arrays (``"8bit codes"``, ``"8bit scales"``, ``"4bit codes"``, ``"4bit
   scales"``, ``"4bit cols"``), or why a leaf is kept as it
@@ -1812,7 +1814,7 @@ def leaf_storage(param_states: Any) -> dict[tuple[str, ...], str]:
       continue
     prefix = _state_dict.key_path_parts(path)
     out[(*prefix, "count")] = _KEPT_NOT_MIRROR
-    flat = jax.tree.flatten_with_path(node.inner_state, is_leaf=_is_quantized)[0]
+    flat = jax.tree.flatten_with_path(to_pure(node.inner_state), is_leaf=_is_quantized)[0]
     for i, ((leaf_path, stored), kind) in enumerate(zip(flat, node.storage, strict=True)):
       parts = (*prefix, "inner_state", *_state_dict.key_path_parts(leaf_path))
       rule = node.rules[i] if i < len(node.rules) else ""
