@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -300,6 +301,37 @@ def test_an_include_of_a_name_beside_the_including_file_that_gin_finds_elsewhere
     _config.parse_config(gin_files=[str(mine / "main.gin")])
   monkeypatch.chdir(mine)
   _config.parse_config(gin_files=[str(mine / "main.gin")])
+  assert gin.query_parameter("%TOTAL_STEPS") == 3
+
+
+@pytest.mark.parametrize("search_path", [False, True])
+def test_a_shipped_files_include_that_gin_finds_in_a_users_file_is_refused(
+  search_path, tmp_path, monkeypatch
+):
+  """The shipped ``optimizers/adamw_8bit.gin`` includes ``optimizers/adamw.gin`` from the
+  package's gin folder; a user's ``optimizers/adamw.gin`` in the current directory or a search
+  path took its place without a word, its learning rate with it. A copy of the including file
+  beside it takes it."""
+  shipped = GIN_DIR / "optimizers"
+  mine = tmp_path / "mine" if search_path else tmp_path
+  (mine / "optimizers").mkdir(parents=True)
+  (mine / "optimizers" / "adamw.gin").write_text(
+    (shipped / "adamw.gin").read_text() + "TOTAL_STEPS = 3\n"
+  )
+  monkeypatch.chdir(tmp_path)
+  search_paths = [mine] if search_path else []
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      f"{shipped / 'adamw_8bit.gin'} includes 'optimizers/adamw.gin', which gin finds as "
+      f"{mine / 'optimizers' / 'adamw.gin'}"
+    )
+    + ".*"
+    + re.escape(f"not as the shipped {shipped / 'adamw.gin'}"),
+  ):
+    _config.parse_config(gin_files=["optimizers/adamw_8bit.gin"], search_paths=search_paths)
+  shutil.copy(shipped / "adamw_8bit.gin", mine / "optimizers")
+  _config.parse_config(gin_files=["optimizers/adamw_8bit.gin"], search_paths=search_paths)
   assert gin.query_parameter("%TOTAL_STEPS") == 3
 
 

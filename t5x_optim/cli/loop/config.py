@@ -524,7 +524,8 @@ def parse_config(
   Relative files and ``include``s are looked up in the current directory,
   then in `search_paths`, then in the package's gin directory (`GIN_DIR`),
   never beside the file that includes them (one found elsewhere while that
-  folder holds a file of its name is refused, `_check_includes`), nor in other
+  folder holds a file of its name is refused, `_check_includes`; so is one of a
+  shipped file's includes found elsewhere than in `GIN_DIR`), nor in other
   search paths given to gin (earlier parses' among them: gin's list is left as
   it was);
   an ``include`` also, as gin does, in the packages on ``sys.path``, folders
@@ -543,7 +544,7 @@ def parse_config(
     NotADirectoryError: a search path is not a local directory (a mistyped one
       would leave a file to be found in the package's directory instead).
     ValueError: a file includes a name that gin finds in another file than
-      the one of that name beside it; a `gin_bindings` entry does not parse,
+      the one of that name beside it (for a shipped file, the shipped one); a `gin_bindings` entry does not parse,
       or names a parameter, configurable or module gin cannot bind (the entry
       named with gin's reason).
     Exception: whatever gin raises for a bad config file (unknown names,
@@ -582,7 +583,8 @@ _INCLUDE = re.compile(r"^include\s+(['\"])(.+?)\1", re.MULTILINE)
 def _check_includes(files: Sequence[str], directories: Sequence[Path]) -> None:
   """Refuses an ``include`` in `files` (or in the local files they include) of a relative name
   that gin finds in another file (in the current directory, `directories` or the package's
-  gin files: `resolve_gin_file`) than the one of that name beside the including file."""
+  gin files: `resolve_gin_file`) than the including file's own one of that name: the one
+  beside it, or for a shipped file the shipped one (`_own_include`)."""
   seen: set[str] = set()
   pending = [file for file in files if not storage.is_object_store(file)]
   while pending:
@@ -597,15 +599,44 @@ def _check_includes(files: Sequence[str], directories: Sequence[Path]) -> None:
         found = resolve_gin_file(name, directories)
       except FileNotFoundError:  # gin says so, or finds it in a package
         continue
-      beside = Path(file).parent / name
-      if beside.is_file() and beside.resolve() != found:
-        raise ValueError(
-          f"{file} includes {name!r}, which gin finds as {found} (it looks in the current "
-          "directory, the search paths and the package's gin files, not beside the including "
-          f"file), not as {beside}: include one of them by a path that names it alone (e.g. "
-          "an absolute path)."
-        )
+      own = _own_include(Path(file), name)
+      if own.is_file() and own.resolve() != found:
+        raise ValueError(_shadowed_include(Path(file), name, found, own))
       pending.append(str(found))
+
+
+def _own_include(file: Path, name: str) -> Path:
+  """The file that `file`'s ``include`` of the relative `name` means: the shipped one for a
+  shipped file (the package's includes are relative to its gin folder, `GIN_DIR`), else the
+  one beside `file`.
+
+  Example:
+    >>> _own_include(GIN_DIR / 'optimizers/adamw_8bit.gin', 'optimizers/adamw.gin') == (
+    ...   GIN_DIR / 'optimizers/adamw.gin')
+    True
+    >>> _own_include(Path('/my/main.gin'), 'optimizers/adamw.gin')
+    PosixPath('/my/optimizers/adamw.gin')
+  """
+  if file.is_relative_to(GIN_DIR):
+    return GIN_DIR / name
+  return file.parent / name
+
+
+def _shadowed_include(file: Path, name: str, found: Path, own: Path) -> str:
+  """Why `file`'s ``include`` of `name` is refused: gin finds it as `found`, not as `own`."""
+  where = (
+    f"{file} includes {name!r}, which gin finds as {found} (it looks in the current "
+    "directory, the search paths and the package's gin files, in that order"
+  )
+  if own.is_relative_to(GIN_DIR):
+    return (
+      f"{where}), not as the shipped {own}: rename or move {found}, or to take it in place of "
+      f"the shipped one give a copy of {file.name} of your own beside it."
+    )
+  return (
+    f"{where}, not beside the including file), not as {own}: include one of them by a path "
+    "that names it alone (e.g. an absolute path)."
+  )
 
 
 def _give_way_to_a_pinned_mesh() -> None:
