@@ -224,6 +224,44 @@ def test_patterns_that_each_set_some_params_mode_do_not_warn(recwarn):
 
 
 @pytest.mark.parametrize(
+  "mode, options, warned",
+  [
+    ("bfloat16", dict(block_size=64), "block_size=64 is unused"),
+    ("8bit", dict(stochastic_rounding=False), "stochastic_rounding=False is unused"),
+    ("4bit", dict(stochastic_rounding=False), "stochastic_rounding=False is unused"),
+    ("4bit", dict(stochastic_rounding=True), None),
+    (
+      "8bit",
+      dict(block_size=64, param_modes=(("embed", "float32"), ("mlp", "bfloat16"))),
+      None,
+    ),
+    ("8bit", dict(stochastic_rounding=False, param_modes=(("mlp", "bfloat16"),)), None),
+    ("bfloat16", dict(block_size=64, param_modes=(("mlp", "4bit"),)), None),
+    (
+      "bfloat16",
+      dict(block_size=64, param_modes=(("mlp", "float32"),)),
+      "block_size=64 is unused",
+    ),
+    ("8bit", dict(block_size=None), None),
+  ],
+)
+def test_a_setting_no_mode_in_use_reads_warns(mode, options, warned):
+  """block_size sizes 8-bit and 4-bit blocks and stochastic_rounding rounds bfloat16 leaves:
+  given where neither ``state_dtype`` nor a ``param_modes`` mode is one they apply to, they
+  changed nothing without a word (adamw_bf16_sr.gin with a block_size). A stochastic_rounding
+  of True, the default, is not told of: an 8-bit run's config.gin records it."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    low_precision(optax.adam(1e-3), mode, **options)
+  messages = [str(w.message) for w in caught if w.category is UserWarning]
+  if warned is None:
+    assert messages == []
+  else:
+    assert len(messages) == 1 and warned in messages[0], messages
+    assert f"the modes in use are {mode}" in messages[0]
+
+
+@pytest.mark.parametrize(
   "param_modes, expected",
   [
     (

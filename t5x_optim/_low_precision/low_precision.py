@@ -629,6 +629,37 @@ def _param_axis_names(
   return {path: axis_names(path, specs[path], jnp.shape(leaf)) for path, leaf in leaves}
 
 
+def _unused_settings(
+  state_dtype: str,
+  rules: Sequence[_ParamRule],
+  *,
+  block_size: int | None,
+  stochastic_rounding: bool,
+) -> list[str]:
+  """Why `block_size` given (not None) or `stochastic_rounding` given False changes nothing:
+  no mode in use (`state_dtype` and the `rules`' modes) is one it applies to. True, the
+  default, is not told of: a run's ``config.gin`` records it, whatever the mode.
+
+  Example:
+    >>> _unused_settings("bfloat16", (), block_size=64, stochastic_rounding=True)
+    ['low_precision: block_size=64 is unused: it sizes 8-bit and 4-bit blocks, and the modes in use are bfloat16 (state_dtype and param_modes).']
+    >>> _unused_settings("bfloat16", (_ParamRule("mlp", "8bit"),), block_size=64,
+    ...     stochastic_rounding=False)
+    []
+  """
+  modes = list(dict.fromkeys([state_dtype, *(rule.mode for rule in rules)]))
+  unused = []
+  if block_size is not None and not set(modes) & set(_CODECS):
+    unused.append((f"block_size={block_size}", "sizes 8-bit and 4-bit blocks"))
+  if not stochastic_rounding and _BF16 not in modes:
+    unused.append((f"stochastic_rounding={stochastic_rounding}", "rounds bfloat16 leaves"))
+  return [
+    f"low_precision: {given} is unused: it {what}, and the modes in use are "
+    f"{', '.join(modes)} (state_dtype and param_modes)."
+    for given, what in unused
+  ]
+
+
 def _warn_of_unused_rules(
   rules: Sequence[_ParamRule], params: Any, axes: Mapping[str, tuple[str | None, ...]]
 ) -> None:
@@ -1566,8 +1597,12 @@ def low_precision(
     inner: the optax transformation whose state is compressed.
     state_dtype: ``"8bit"``, ``"4bit"`` or ``"bfloat16"``.
     stochastic_rounding: bfloat16 mode: round stochastically (else to nearest).
+      False while neither ``state_dtype`` nor a ``param_modes`` mode is
+      bfloat16 is a warning: it rounds nothing.
     block_size: 8-bit and 4-bit modes: the largest block (see `leaf_block`
       and `leaf_block4`); None: the mode's own, 256 (8-bit) or 128 (4-bit).
+      Given while neither ``state_dtype`` nor a ``param_modes`` mode is 8-bit
+      or 4-bit, a warning: it sizes no block.
     shard_multiple: 8-bit and 4-bit modes: each leaf's block count is a multiple of
       ``gcd(shape[-1], shard_multiple)``, so the scales shard along the last
       dimension wherever the codes do over up to that many devices; a 4-bit
@@ -1667,6 +1702,10 @@ def low_precision(
     )
   if stream_chunk < 1:
     raise ValueError(f"low_precision: stream_chunk must be positive, got {stream_chunk}.")
+  for unused in _unused_settings(
+    state_dtype, rules, block_size=block_size, stochastic_rounding=stochastic_rounding
+  ):
+    warn(unused)
 
   def block(mode: str, shape: tuple[int, ...]) -> Any:
     codec = _CODECS[mode]
