@@ -208,18 +208,29 @@ def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():
       (("mlp|bias", "4bit"), ("bias$", "bfloat16")),
       "'bias$' selects only params an earlier pattern takes (bias)",
     ),
+    (
+      (("bias$", "bfloat16"),),
+      "'bias$' selects only params that min_size=4096 keeps as they are, as it does 0-d "
+      "ones, before param_modes (bias)",
+    ),
+    (
+      (("embed", "float32"), ("embed|bias", "4bit")),
+      "'embed|bias' selects only params an earlier pattern takes (embed) or that "
+      "min_size=4096 keeps as they are, as it does 0-d ones, before param_modes (bias)",
+    ),
   ],
 )
 def test_a_pattern_that_sets_no_params_mode_warns(param_modes, warned):
-  """A mistyped pattern, or one after a pattern that takes all it selects, changed nothing
-  without a word: the embedding's state stayed in 8 bits."""
+  """A mistyped pattern, one after a pattern that takes all it selects, or one whose params
+  are all below min_size changed nothing without a word: the embedding's state stayed in 8
+  bits, the bias's in float32."""
   with pytest.warns(UserWarning, match=re.escape(warned) + ".*the params are attn, bias, embed"):
     low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes).init(_params())
 
 
 def test_patterns_that_each_set_some_params_mode_do_not_warn(recwarn):
-  """Rules that each decide a param, also of a state too small to compress (the bias)."""
-  low_precision(optax.adam(1e-3), "8bit", param_modes=RULES).init(_params())
+  """Rules that each decide a param, the bias's too where min_size keeps none."""
+  low_precision(optax.adam(1e-3), "8bit", min_size=0, param_modes=RULES).init(_params())
   assert not [w for w in recwarn if "param_modes" in str(w.message)]
 
 

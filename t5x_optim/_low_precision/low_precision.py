@@ -661,19 +661,34 @@ def _unused_settings(
 
 
 def _warn_of_unused_rules(
-  rules: Sequence[_ParamRule], params: Any, axes: Mapping[str, tuple[str | None, ...]]
+  rules: Sequence[_ParamRule],
+  params: Any,
+  axes: Mapping[str, tuple[str | None, ...]],
+  *,
+  min_size: int,
 ) -> None:
   """Warns of each of ``param_modes`` that decides no param's mode: it selects no param, or
-  only params an earlier pattern takes (a warning, not an error: one policy may be given to
-  several transformations, each over its own params, as `MultiOptimizer`'s groups)."""
-  paths = [path for path, _ in _trained_leaves(params)]
+  only params an earlier pattern takes or that `min_size` keeps as they are (`_kept_by_size`,
+  which applies before the patterns' modes); a warning, not an error: one policy may be given
+  to several transformations, each over its own params, as `MultiOptimizer`'s groups."""
+  leaves = _trained_leaves(params)
+  paths = [path for path, _ in leaves]
+  small = {path for path, leaf in leaves if _kept_by_size(leaf, min_size)}
   taken: set[str] = set()
   for rule in rules:
     selected = [path for path in paths if rule.matches(path, axes.get(path, ()))]
+    kept = [path for path in selected if path in small and path not in taken]
     if not selected:
       why = "selects no param"
     elif taken.issuperset(selected):
       why = f"selects only params an earlier pattern takes ({format_paths(selected)})"
+    elif taken.union(kept).issuperset(selected):
+      earlier = [path for path in selected if path in taken]
+      takes = f"an earlier pattern takes ({format_paths(earlier)}) or " if earlier else ""
+      why = (
+        f"selects only params {takes}that min_size={min_size} keeps as they are, as it does "
+        f"0-d ones, before param_modes ({format_paths(kept)})"
+      )
     else:
       why = None
     if why is not None:
@@ -682,6 +697,20 @@ def _warn_of_unused_rules(
         f"param's mode; the params are {format_paths(paths)}."
       )
     taken.update(selected)
+
+
+def _kept_by_size(leaf: Any, min_size: int) -> bool:
+  """Whether the state of the param `leaf` stays as it is whatever its mode: it is below
+  `min_size` elements, or 0-d.
+
+  Example:
+    >>> _kept_by_size(jnp.ones((8, 8)), 4096), _kept_by_size(jnp.ones(()), 0)
+    (True, True)
+    >>> _kept_by_size(jnp.ones((64, 64)), 4096)
+    False
+  """
+  shape = jnp.shape(leaf)
+  return math.prod(shape) < max(min_size, 1) or not shape
 
 
 def _in_own_dtype(kept: str, leaf: Any) -> str:
@@ -1641,8 +1670,10 @@ def low_precision(
       'embed')``, and untied logits, ``('embed', 'vocab')``). The first pair
       that selects a param sets the mode of its state leaves, and the others
       take ``state_dtype`` (e.g. ``(("axis:vocab", "float32"), ("mlp",
-      "4bit"))`` with ``state_dtype="8bit"``). A pattern that decides no
-      param's mode is a warning at ``init``; one that gives a mode other
+      "4bit"))`` with ``state_dtype="8bit"``). ``min_size`` applies first: a
+      param below it, or 0-d, keeps its state whatever its mode. A pattern that
+      decides no param's mode (its params all taken by earlier patterns or kept
+      by ``min_size``) is a warning at ``init``; one that gives a mode other
       than ``"float32"`` to a param whose state is not floating (complex)
       is refused there. ``leaf_storage`` and
       ``t5x-optim plan`` show each leaf's mode and the pattern that chose it.
@@ -1716,7 +1747,7 @@ def low_precision(
 
   def init(params: Any) -> LowPrecisionState:
     axes = _param_axis_names(rules, specs, params)
-    _warn_of_unused_rules(rules, params, axes)
+    _warn_of_unused_rules(rules, params, axes, min_size=min_size)
     inner_state = inner.init(params)
     storage, param_index, chosen_by = _plan_storage(
       state_dtype,
