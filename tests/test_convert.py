@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
-from t5x_optim._checkpoint import converting
+from t5x_optim._checkpoint import converting, t5x_read
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
@@ -1204,6 +1204,58 @@ def test_a_source_built_from_its_definition_reads_the_stored_float_dtypes(tmp_pa
   assert restored.dtype == jnp.float32
   np.testing.assert_array_equal(restored, converted.state.param_states[0].mu["w"])
   np.testing.assert_array_equal(state.target["w"], saved.target["w"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1.0, 1e24])
+def test_a_64_bit_source_state_restores_with_x64_off_into_the_checked_dtype(tmp_path, scale):
+  """Saved with x64 on, a float64 moment is read with x64 off as float32: values beyond
+  float32's range are refused naming the path, not turned into inf (nor does jax warn of
+  truncating a float64 request)."""
+  with jax.enable_x64(True):
+    params = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64)}
+    adam = OptaxWrapper(optax.adam(0.1))
+    saved = adam.create(params).apply_gradient({"w": jnp.full(8, 0.3 * scale, jnp.float64)})
+    with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+      checkpointer.save(1, saved)
+  target = OptaxWrapper(optax.adamw(0.1)).create({"w": jnp.linspace(-1.0, 1.0, 8)})
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message="Explicitly requested dtype")
+    warnings.filterwarnings("ignore", message="Restoring checkpoint step 1 rounds")
+    if scale > 1:
+      with pytest.raises(ValueError, match=r"'state/param_states/0/nu/w'.*float32"):
+        t5x_optim.restore_converted(tmp_path, target, source=adam)
+      return
+    state, _ = t5x_optim.restore_converted(tmp_path, target, source=adam)
+  nu = state.state.param_states[0].nu["w"]
+  assert nu.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(nu)))
+
+
+def test_a_legacy_t5x_source_is_read_once(tmp_path, monkeypatch):
+  """Reading the stored dtypes decoded the msgpack file a second time (a version-0 file holds
+  its arrays inline, so all of its data)."""
+  params = {"w": jnp.ones((4, 8), jnp.bfloat16)}
+  adam = OptaxWrapper(optax.adam(0.1))
+  t5x_optim.save_t5x_checkpoint(tmp_path, adam.create(params).apply_gradient(params))
+  calls = []
+  decode = t5x_read.serialization.msgpack_restore
+  monkeypatch.setattr(
+    t5x_read.serialization, "msgpack_restore", lambda data: calls.append(1) or decode(data)
+  )
+  target = OptaxWrapper(optax.adamw(0.1, mu_dtype=jnp.float32)).create(params)
+  t5x_optim.restore_converted(tmp_path, target, source=adam)
+  assert len(calls) == 1
+
+
+def test_stored_leaves_of_a_directory_of_t5x_checkpoints(tmp_path):
+  """`Checkpointer.restore` reads a directory of T5X checkpoints; `stored_leaves` said it held
+  none."""
+  state = OptaxWrapper(optax.adam(0.1)).create({"w": jnp.ones((4, 8), jnp.bfloat16)})
+  t5x_optim.save_t5x_checkpoint(tmp_path, state.apply_gradient({"w": jnp.ones((4, 8))}))
+  with t5x_optim.Checkpointer(tmp_path) as checkpointer:
+    stored = checkpointer.stored_leaves()
+  assert stored[("target", "w")] == jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
+  assert stored[("state", "param_states", "0", "mu", "w")].dtype == jnp.float32
 
 
 def test_a_converting_restore_into_other_params_is_said_not_to_fit_the_target(tmp_path):

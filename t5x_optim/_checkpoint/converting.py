@@ -33,14 +33,13 @@ class _StoredStateDict:
   """A restore target that is the checkpoint's own state dict (T5X format only).
 
   Its `state_dict` lists every stored array as a `jax.ShapeDtypeStruct`, so
-  `restore_t5x_checkpoint` reads them all, and `restore_state` returns the
-  state dict it is given.
+  `restore_opened` reads them all, and `restore_state` returns the state
+  dict it is given.
   """
 
-  def __init__(self, path: str | os.PathLike[str], step: int | None):
-    stored = _stored_leaves(path, step, t5x=True)
+  def __init__(self, opened: _t5x.OpenedStep):
     self._abstract = traverse_util.unflatten_dict(
-      {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in stored.items()}
+      {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in opened.stored.items()}
     )
 
   def state_dict(self) -> dict[str, Any]:
@@ -50,37 +49,26 @@ class _StoredStateDict:
     return dict(state_dict)
 
 
-def _stored_leaves(
-  path: str | os.PathLike[str], step: int | None, *, t5x: bool
-) -> dict[tuple[str, ...], Any]:
-  """The shape and dtype of every array of checkpoint `step` at `path`, by state-dict path."""
-  if t5x:
-    return _t5x.read_metadata(*_t5x.locate(path, step))
-  with _checkpoints.Checkpointer(path) as checkpointer:
-    return checkpointer.stored_leaves(step)
-
-
 def _in_stored_dtypes(source: State, stored: Mapping[tuple[str, ...], Any]) -> State:
   """`source` with each floating optimizer-state leaf in the checkpoint's floating dtype.
 
   A state created from a definition holds its moments in the params' dtype,
   while optax's adam, say, keeps ``mu`` in float32 after an update of
   bfloat16 params with float32 gradients: read in the created dtypes, such a
-  moment would be rounded before it is converted.
+  moment would be rounded before it is converted. A dtype the devices cannot
+  hold (float64 with x64 off) is taken as the one they hold it in, so the
+  restore's range check applies.
   """
   leaves = traverse_util.flatten_dict(source.state_dict(), keep_empty_nodes=True)
   changed = {}
   for path, leaf in leaves.items():
     kept = stored.get(tuple(str(key) for key in path))
-    if (
-      path[0] == "state"
-      and kept is not None
-      and isinstance(leaf, jax.ShapeDtypeStruct)
-      and jnp.issubdtype(leaf.dtype, jnp.floating)
-      and jnp.issubdtype(kept.dtype, jnp.floating)
-      and leaf.dtype != kept.dtype
-    ):
-      changed[path] = jax.ShapeDtypeStruct(leaf.shape, kept.dtype, sharding=leaf.sharding)
+    if kept is None or path[0] != "state" or not isinstance(leaf, jax.ShapeDtypeStruct):
+      continue
+    dtype = jax.dtypes.canonicalize_dtype(kept.dtype)
+    floating = jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+    if floating and leaf.dtype != dtype:
+      changed[path] = jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
   if not changed:
     return source
   return source.restore_state(traverse_util.unflatten_dict({**leaves, **changed}))
@@ -167,9 +155,12 @@ SOURCE_ADVICE = (
 
 
 def _read_source(
-  path: str | os.PathLike[str], source: State, step: int | None, *, t5x: bool
+  path: str | os.PathLike[str], source: State, step: int | None, *, t5x: bool, built: bool
 ) -> State:
   """Checkpoint `step` at `path` restored into `source`, a state of the optimizer that wrote it.
+
+  A source `built` from its definition is read in the checkpoint's floating
+  dtypes (`_in_stored_dtypes`).
 
   Raises:
     ValueError: the checkpoint does not fit `source`: where only its
@@ -181,8 +172,13 @@ def _read_source(
   """
   try:
     if t5x:
-      return _t5x.restore_t5x_checkpoint(path, source, step=step)
+      opened = _t5x.open_step(path, step)
+      if built:
+        source = _in_stored_dtypes(source, opened.stored)
+      return _t5x.restore_opened(opened, source)
     with _checkpoints.Checkpointer(path) as checkpointer:
+      if built:
+        source = _in_stored_dtypes(source, checkpointer.stored_leaves(step))
       return checkpointer.restore(source, step)
   except _checkpoints.CheckpointError:
     raise
@@ -267,7 +263,8 @@ def restore_converted(
         f"{path} holds no T5X checkpoint; pass source= (the optimizer that wrote it) "
         "to restore it into another optimizer."
       )
-    state_dict = _t5x.restore_t5x_checkpoint(path, _StoredStateDict(path, step), step=step)
+    opened = _t5x.open_step(path, step)
+    state_dict = _t5x.restore_opened(opened, _StoredStateDict(opened))
     optimizer, report = _convert.convert_state(
       state_dict, _optimizer(target), missing=missing, **hparams
     )
@@ -280,8 +277,9 @@ def restore_converted(
   if not isinstance(source, TrainState | Optimizer):
     if not callable(getattr(source, "create", None)):
       raise TypeError(_not_a_source(source))
-    source = _in_stored_dtypes(_source_state(source, target), _stored_leaves(path, step, t5x=t5x))
-  old_state = _read_source(path, source, step, t5x=t5x)
+    old_state = _read_source(path, _source_state(source, target), step, t5x=t5x, built=True)
+  else:
+    old_state = _read_source(path, source, step, t5x=t5x, built=False)
   optimizer, report = _convert.convert_state(
     _optimizer(old_state), _optimizer(target), missing=missing, **hparams
   )

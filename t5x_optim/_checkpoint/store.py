@@ -695,7 +695,8 @@ class Checkpointer:
   def stored_leaves(self, step: int | None = None) -> dict[Path, jax.ShapeDtypeStruct]:
     """The shape and dtype of every array checkpoint `step` (None: the latest) holds.
 
-    Read from the step's metadata and the arrays' headers; no data are read.
+    Read from the step's metadata and the arrays' headers; no data are read
+    (a directory of T5X checkpoints, which `restore` reads too, included).
     Keys are the paths of the saved state dict's leaves.
 
     Example:
@@ -707,6 +708,9 @@ class Checkpointer:
       ...   checkpointer.stored_leaves()[('target', 'w')]
       ShapeDtypeStruct(shape=(2, 3), dtype=float32)
     """
+    if self._holds_only_t5x_checkpoints():
+      stored = t5x_checkpoints.open_step(self._directory, step).stored
+      return {path: jax.ShapeDtypeStruct(x.shape, x.dtype) for path, x in stored.items()}
     step = self._resolve_step(step)
     stored = open_stored(self._item(step), self._where(step), step, _any_path)
     return {**stored, **self._recorded_zero_size(step)}

@@ -28,7 +28,9 @@ from t5x_optim._keypaths import key_path_str
 __all__ = [
   "latest_t5x_step",
   "locate",
-  "read_metadata",
+  "OpenedStep",
+  "open_step",
+  "restore_opened",
   "restore_t5x_checkpoint",
   "t5x_checkpoint_steps",
 ]
@@ -226,11 +228,6 @@ def _without_fill_value_check(step_dir: epath.Path, spec: Mapping[str, Any], sto
   relative = (kvstore.get("path") if isinstance(kvstore, Mapping) else None) or spec.get("path")
   full = _full_spec(step_dir, spec["driver"], relative, strict=False)
   return ts.open(full, open=True, read=True, context=TS_CONTEXT).result()
-
-
-def read_metadata(step_dir: epath.Path, fmt: str) -> dict[Path, _Stored]:
-  """Every array of the T5X checkpoint in `step_dir` of format `fmt` (`locate`'s pair)."""
-  return read_legacy_metadata(step_dir) if fmt == "legacy" else read_orbax_metadata(step_dir)
 
 
 def read_legacy_metadata(step_dir: epath.Path) -> dict[Path, _Stored]:
@@ -532,8 +529,35 @@ def restore_t5x_checkpoint(
   The public `t5x_optim.restore_t5x_checkpoint` (`api.py`) calls this one
   and has the example.
   """
+  return restore_opened(open_step(path, step), target)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedStep:
+  """One step of a T5X checkpoint, located and its arrays opened (`open_step`).
+
+  Attributes:
+    step_dir: its ``checkpoint_<step>`` directory.
+    fmt: ``'legacy'`` or ``'orbax'``.
+    stored: every array by state-dict path: shape and dtype, and how to read
+      it (a legacy file's inline values are decoded once, here).
+  """
+
+  step_dir: epath.Path
+  fmt: str
+  stored: dict[Path, _Stored]
+
+
+def open_step(path: str | os.PathLike[str], step: int | None) -> OpenedStep:
+  """The step `path` (and `step`; None: the latest) names, its arrays opened, no data read."""
   step_dir, fmt = locate(path, step)
-  stored = read_metadata(step_dir, fmt)
+  read = read_legacy_metadata if fmt == "legacy" else read_orbax_metadata
+  return OpenedStep(step_dir, fmt, read(step_dir))
+
+
+def restore_opened(opened: OpenedStep, target: T5XState) -> T5XState:
+  """`restore_t5x_checkpoint` of a step already opened."""
+  step_dir, fmt, stored = opened.step_dir, opened.fmt, opened.stored
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
   expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
   problems = _problems(expected, stored) + _class_problems(step_dir, target)
