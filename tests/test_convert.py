@@ -856,6 +856,74 @@ def test_schedule_free_step_count_goes_on_from_the_source_step():
   assert int(state.base_optimizer_state[0].count) == int(native.base_optimizer_state[0].count)
 
 
+def _plateau(inner):
+  return optax.chain(
+    inner, optax.contrib.reduce_on_plateau(patience=1, accumulation_size=1, factor=0.5)
+  )
+
+
+def _plateaued():
+  """Adam and reduce_on_plateau after 5 rising losses: its scale halved 4 times, to 1/16."""
+  params, grads = {"w": jnp.ones(3)}, {"w": jnp.full(3, 0.5)}
+  opt = OptaxWrapper(_plateau(optax.adam(1e-2))).create(params)
+  for loss in (1.0, 2.0, 3.0, 4.0, 5.0):
+    opt = opt.apply_gradient(grads, value=jnp.asarray(loss))
+  assert float(opt.state.param_states[1].scale) == 0.0625
+  return opt, grads
+
+
+_PLATEAU = ("scale", "best_value", "plateau_count", "cooldown_count")
+
+
+@pytest.mark.slow
+def test_reduce_on_plateau_carries_its_cut_into_another_plateau_and_is_reported_elsewhere():
+  """Converting kept reduce_on_plateau's initial scale 1, best value inf and counts, and
+  reported nothing: the learning rate it had cut to 1/16 came back whole (the next update
+  16 times the uninterrupted run's). Into another optimizer with one, in the same
+  sub-optimizer, they carry over (its losses towards the next check start fresh with its
+  count, reported); into one without, they are reported dropped; out of one without, the
+  new optimizer's are reported initialised."""
+  source, grads = _plateaued()
+  converted, report = t5x_optim.convert_state(source, OptaxWrapper(_plateau(optax.adam(1e-2))))
+  for name in _PLATEAU:
+    np.testing.assert_array_equal(
+      getattr(converted.state.param_states[1], name), getattr(source.state.param_states[1], name)
+    )
+  assert any("ReduceLROnPlateauState" in line and "scale" in line for line in report.converted)
+  assert any("ReduceLROnPlateauState.avg_value" in line for line in report.initialised), report
+  want = source.apply_gradient(grads, value=jnp.asarray(6.0)).target["w"]
+  _assert_close(converted.apply_gradient(grads, value=jnp.asarray(6.0)).target["w"], want)
+  _, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-2)))
+  assert any(
+    "ReduceLROnPlateauState" in line and "learning-rate scale" in line for line in report.dropped
+  ), report
+  adam = OptaxWrapper(optax.adam(1e-2)).create({"w": jnp.ones(3)}).apply_gradient(grads)
+  _, report = t5x_optim.convert_state(adam, OptaxWrapper(_plateau(optax.adam(1e-2))))
+  assert any(
+    "ReduceLROnPlateauState" in line and "learning-rate scale" in line
+    for line in report.initialised
+  ), report
+
+
+@pytest.mark.slow
+def test_schedule_free_averaging_weights_are_reported_initialised_and_dropped():
+  """Schedule-free's weight_sum and max_lr (the weights of its average so far) kept their
+  initial values unreported when converted into it, and were dropped unreported out of it;
+  its b1 is a setting, in neither list."""
+  params, grads = {"w": jnp.ones(3)}, {"w": jnp.full(3, 0.5)}
+  adam = OptaxWrapper(optax.adam(1e-2)).create(params).apply_gradient(grads)
+  free = OptaxWrapper(optax.contrib.schedule_free_adamw(1e-2))
+  converted, report = t5x_optim.convert_state(adam, free, missing="init")
+  for name in ("weight_sum", "max_lr"):
+    assert any(f"ScheduleFreeState.{name}" in line for line in report.initialised), report
+  _, report = t5x_optim.convert_state(
+    converted.apply_gradient(grads), OptaxWrapper(optax.adam(1e-2)), missing="init"
+  )
+  for name in ("weight_sum", "max_lr"):
+    assert any(f"ScheduleFreeState.{name}" in line for line in report.dropped), report
+  assert not any("ScheduleFreeState.b1" in line for line in (*report.dropped, *report.initialised))
+
+
 def test_multi_optimizer_sub_states_are_converted():
   filters = [t5x_optim.PathFilter("kernel"), t5x_optim.PathFilter("bias")]
   target = t5x_optim.MultiOptimizer(

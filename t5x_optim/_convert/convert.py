@@ -41,8 +41,11 @@ losses towards its next check, apply_every's accumulated gradients, GaLore's
 projector and Sophia's Hessian refreshes, Novograd's first step, L-BFGS's memory
 slot), starts at 0 with it: set to the clock, the event would fall out of step
 with that state or, compared for equality, never come. ``optax.apply_if_finite``'s
-counts of non-finite updates go over as they are where each side holds one guard, in
-the same sub-optimizer (`_CARRIED_WHOLE`), so its guard does not start over.
+counts of non-finite updates and ``reduce_on_plateau``'s learning-rate scale, best loss and
+plateau counts go over as they are where each side holds one such state, in the same
+sub-optimizer (`_CARRIED_WHOLE`), so its guard does not start over and the learning rate it
+cut stays cut. Any other scalar field of a state without a converter that is neither set
+nor carried is reported as initialised or dropped (`_unset_scalars`).
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -178,7 +181,23 @@ def _has_tensors(tree: Any) -> bool:
 _FRESH_FIELDS = {
   (optax.MultiStepsState, "acc_grads"): "the gradients accumulated towards the next update",
   (optax.contrib.GaLoreState, "projector"): "recomputed at the state's count 0",
+  (optax.contrib.ReduceLROnPlateauState, "avg_value"): (
+    "the losses averaged towards its next check, which starts over with its count 0"
+  ),
 }
+
+_UNREPORTED_SCALARS = {
+  (optax.MultiStepsState, "mini_step"): "counts the accumulated gradients (acc_grads)",
+  (optax.MultiStepsState, "skip_state"): "what its last update's skip function returned",
+  (optax.MultiStepsState, "gradient_step"): "a clock (`_clock_of`, `_with_clock`)",
+  (optax.contrib.ScheduleFreeState, "b1"): "a setting",
+  (optax.contrib.ScheduleFreeState, "step_count"): "a clock (`_with_clock`)",
+  (optax.LookaheadState, "steps_since_sync"): "carried with the params (`_carry_sync_count`)",
+  (OptimizerState, "step"): "a clock (`_clock_of`, `_with_clock`)",
+}
+"""Scalar fields of a state without a converter that are not reported as initialised or
+dropped where the conversion does not set or carry them, and why: every other one is (a
+state's ``count`` goes by its clock; see the module docstring)."""
 
 _EVENT_COUNTS = frozenset(
   {
@@ -192,6 +211,33 @@ _EVENT_COUNTS = frozenset(
 )
 """States whose ``count`` times an event of their own state, which starts fresh, rather
 than feed a schedule: converted, it starts at 0 with that state (see the module docstring)."""
+
+
+def _unset_scalars(node: Any, key: str, child: Any) -> bool:
+  """Whether field `key` of state `node` holds scalars only (not per-param statistics, nor
+  states) that the conversion neither sets nor carries: the written state keeps its
+  initial value, a read one is left behind (reported as initialised or dropped)."""
+  if not (is_namedtuple(node) or dataclasses.is_dataclass(node)):
+    return False
+  if not jax.tree.leaves(child) or _has_tensors(child) or _has_state_nodes(child):
+    return False
+  if key == "count" and _is_integer_scalar(child):
+    return False
+  if (type(node), key) in _UNREPORTED_SCALARS or (type(node), key) in _FRESH_FIELDS:
+    return False
+  if type(node) in _CARRIED_WHOLE and key in _CARRIED_WHOLE[type(node)][0]:
+    return False
+  return not (key == "hyperparams" and _injects_hyperparams(node))
+
+
+def _injects_hyperparams(node: Any) -> bool:
+  """Whether `node` is an ``inject_hyperparams`` state (its ``hyperparams`` are settings),
+  recognised by structure: a NamedTuple with a mapping ``hyperparams`` and an ``inner_state``."""
+  return (
+    is_namedtuple(node)
+    and {"hyperparams", "inner_state"} <= set(node._fields)
+    and isinstance(node.hyperparams, Mapping)
+  )
 
 
 def _loose_arrays(node: Any, where: str) -> str | None:
@@ -321,14 +367,19 @@ _CARRIED_WHOLE = {
     ("notfinite_count", "last_finite", "total_notfinite"),
     "its counts of non-finite updates",
   ),
+  optax.contrib.ReduceLROnPlateauState: (
+    ("scale", "best_value", "plateau_count", "cooldown_count"),
+    "its learning-rate scale, best loss and counts towards its next cut",
+  ),
 }
 """States whose scalar fields (not per-param moments) are the run's history, by type: each
 field goes over as it is where each side holds one state of the type, in the same
 sub-optimizer (`_Carried`), and is reported dropped where the target holds none. With more,
 a state's place does not say which params it guards (`MultiOptimizer` groups may be listed
-in another order), so they start at their initial values, reported. ``apply_if_finite``
-started over would skip as many non-finite updates in a row again before it lets one
-through."""
+in another order), so they start at their initial values, reported, as where the source
+holds none. ``apply_if_finite`` started over would skip as many non-finite updates in a row
+again before it lets one through; ``reduce_on_plateau`` would give back the learning rate
+it had cut."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +491,7 @@ def _read_source(
       if (
         (is_namedtuple(node) or dataclasses.is_dataclass(node))
         and not _has_state_nodes(child)
-        and _has_tensors(child)
+        and (_has_tensors(child) or _unset_scalars(node, key, child))
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
@@ -529,9 +580,7 @@ def _node_hparams(node: Any, hparams: ReadHparams) -> ReadHparams:
     )
   ):
     return hparams.updated({"decay": hparams.get("b2", 0.999)})
-  if not (is_namedtuple(node) and {"hyperparams", "inner_state"} <= set(node._fields)):
-    return hparams
-  if not isinstance(node.hyperparams, Mapping):
+  if not _injects_hyperparams(node):
     return hparams
   injected = {name: _on_host(value) for name, value in node.hyperparams.items()}
   for alias, name in HPARAM_ALIASES.items():
@@ -665,14 +714,16 @@ def _write_target(
     label = f"{where} ({type(node).__name__})"
     if len(sources) == 1 and len(mine) == 1 and sources[0].group == mine[0].group:
       old = sources[0]
+    elif sources:
+      held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(mine))]
+      fresh.append(
+        f"{label}: {what} at the initial value (of its type, the old optimizer holds "
+        f"{held[0]} and the new one {held[1]}, or they are in other sub-optimizers: "
+        "which was whose is not known)"
+      )
+      return node
     else:
-      if sources:
-        held = [f"{n} state{'s' * (n != 1)}" for n in (len(sources), len(mine))]
-        fresh.append(
-          f"{label}: {what} at the initial value (of its type, the old optimizer holds "
-          f"{held[0]} and the new one {held[1]}, or they are in other sub-optimizers: "
-          "which was whose is not known)"
-        )
+      fresh.append(f"{label}: {what} at the initial value (the old optimizer holds none)")
       return node
     carried.append(f"{label}: {', '.join(fields)}, from {old.where}")
     return node._replace(**{f: _placed(getattr(old.node, f), getattr(node, f)) for f in fields})
@@ -727,12 +778,15 @@ def _write_target(
       label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
       if state_node and key == "count" and _is_integer_scalar(child):
         new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
-      elif state_node and (type(node), key) in _FRESH_FIELDS and _has_tensors(child):
+      elif state_node and (type(node), key) in _FRESH_FIELDS and jax.tree.leaves(child):
         # Whole, whatever it holds (flax boxes of a boxed params' tree, too).
         fresh.append(f"{label}: at the initial value by design ({_FRESH_FIELDS[type(node), key]})")
         new.append(child)
       elif state_node and not _has_state_nodes(child) and _has_tensors(child):
         no_converter.append(label)
+        new.append(child)
+      elif _unset_scalars(node, key, child):
+        fresh.append(f"{label}: at the initial value (no converter sets it)")
         new.append(child)
       else:
         new.append(
