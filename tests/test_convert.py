@@ -1008,6 +1008,66 @@ def test_a_plain_state_converts_into_multisteps_over_its_own_count():
   _assert_close(state.inner_opt_state[0].trace, _scaled(M, _decay(0.9, T) / 0.1))
 
 
+_LINEAR = optax.linear_schedule(1.0, 0.0, 100)
+
+
+def _after(tx, params, n):
+  """`tx` over `n` gradients from `params`, as an `OptaxWrapper` optimizer."""
+  opt = OptaxWrapper(tx).create(params)
+  for i in range(n):
+    opt = opt.apply_gradient(jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, opt.target))
+  return opt
+
+
+def _schedule_counts(state):
+  """The counts of the scale_by_schedule and inject_hyperparams states in `state`."""
+  kinds = (
+    optax.ScaleByScheduleState,
+    optax.InjectHyperparamsState,
+    optax.InjectStatefulHyperparamsState,
+  )
+  nodes = [n for kind in kinds for n in _of_type(state, kind)]
+  return [int(n.count) for n in nodes]
+
+
+@pytest.mark.parametrize(
+  "target",
+  [
+    lambda: optax.adamw(_LINEAR),
+    lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=_LINEAR),
+    lambda: optax.MultiSteps(optax.adamw(_LINEAR), every_k_schedule=1),
+  ],
+  ids=["adamw", "inject_hyperparams", "multisteps_k1"],
+)
+@pytest.mark.slow
+def test_schedules_go_on_from_the_updates_a_multisteps_source_applied(target):
+  """Out of MultiSteps(every 4) after 40 gradients (10 updates), plain adamw's schedule was
+  set to 40 (lr 0.6 where the run was at 0.9: 30 updates of its schedule skipped) while
+  Adam's moments counted 10; its schedules now go on from the 10 updates, as the
+  uninterrupted run's, and the optimizer's step stays 40."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  source = _after(optax.MultiSteps(optax.adamw(_LINEAR), every_k_schedule=4), params, 40)
+  assert int(source.state.param_states.gradient_step) == 10
+  new, _ = t5x_optim.convert_state(source, OptaxWrapper(target()))
+  assert int(new.state.step) == 40
+  assert _schedule_counts(new.state.param_states)
+  assert set(_schedule_counts(new.state.param_states)) == {10}
+  (adam,) = _of_type(new.state.param_states, optax.ScaleByAdamState)
+  assert int(adam.count) == 10
+
+
+@pytest.mark.slow
+def test_a_multisteps_target_schedule_goes_on_from_a_plain_sources_updates():
+  """A plain source's 12 updates are the MultiSteps target's 12 inner updates: its schedule
+  is where the plain run's is."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  source = _after(optax.adamw(_LINEAR), params, 12)
+  target = OptaxWrapper(optax.MultiSteps(optax.adamw(_LINEAR), every_k_schedule=4))
+  new, _ = t5x_optim.convert_state(source, target)
+  assert (int(new.state.step), int(new.state.param_states.gradient_step)) == (12, 12)
+  assert _schedule_counts(new.state.param_states) == [12]
+
+
 def _warm_up(step):
   return 0.01 * step
 

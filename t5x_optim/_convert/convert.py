@@ -23,10 +23,13 @@ source node that held them, or that node's clock), and each state stores its
 moments scaled as its own update expects after that many steps. Adam's bias
 correction at the next step divides by ``1 - b^(count+1)``, close to
 ``1 - b^count``, so it sees the source's estimates and does not re-amplify a
-converted ``nu``. In the new state, the root's clock is the source optimizer's
-step; a sub-optimizer's step and a `LowPrecisionState`'s count are their
-parent's clock (they update once per step of it; T5X's ``MultiOptimizer``
-passes its own step to its sub-optimizers); a ``MultiSteps``'
+converted ``nu``. In the new state, the root's clock is the number of updates the
+source applied (`_updates_applied`): its optimizer's step, or the ``gradient_step``
+of the ``MultiSteps`` that wraps it (its mini-steps accumulate into one update).
+The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
+``MultiOptimizer`` passes its own step to its sub-optimizers); a
+`LowPrecisionState`'s count is its parent's clock (it updates once per step of
+it); a ``MultiSteps``'
 ``gradient_step`` is the source's count for its params (its inner optimizer
 goes on from as many updates as its moments were gathered over), with
 ``mini_step`` 0 and no accumulated gradient; an ``optax.lookahead`` state's
@@ -278,10 +281,28 @@ def _clock_of(node: Any, clock: Any) -> Any:
   return clock
 
 
-def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
+def _updates_applied(param_states: Any, step: Any) -> Any:
+  """How many updates a source state applied to its params: the ``gradient_step`` of an
+  ``optax.MultiSteps`` whose updates are the ones applied (the whole state, the last of a
+  chain's, or the state a transformation that wraps one optimizer keeps as its
+  ``inner_state``), else the optimizer's `step`."""
+  node = param_states
+  while True:
+    if isinstance(node, optax.MultiStepsState):
+      return node.gradient_step
+    if type(node) is tuple and node:
+      node = node[-1]
+    elif hasattr(node, "inner_state"):
+      node = node.inner_state
+    else:
+      return step
+
+
+def _with_clock(node: Any, clock: Any, moments: Moments, step: Any) -> tuple[Any, Any]:
   """A target `node` with its own step count set, and the clock of the states inside it.
 
-  A sub-optimizer's `OptimizerState` takes its parent's clock. A
+  A sub-optimizer's `OptimizerState` takes the optimizer's `step` (T5X's
+  ``MultiOptimizer`` passes its own step down) and its parent's clock. A
   ``MultiSteps`` state's inner optimizer has made as many updates as the
   source's moments for its params were gathered over (the parent's clock
   when the source has none); ``mini_step`` stays 0, as the accumulated
@@ -293,7 +314,7 @@ def _with_clock(node: Any, clock: Any, moments: Moments) -> tuple[Any, Any]:
     inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
     return node._replace(gradient_step=inner), inner
   if isinstance(node, OptimizerState):
-    return node.replace(step=_as_count(clock, node.step)), clock
+    return node.replace(step=_as_count(step, node.step)), clock
   if isinstance(node, optax.contrib.ScheduleFreeState):
     return node._replace(step_count=_as_count(clock + 1, node.step_count)), clock
   return node, clock
@@ -687,6 +708,7 @@ def _write_target(
   template: Any,
   source: _Source,
   step: Any,
+  updates: Any,
   params: Mapping[str, Any],
   hparams: ReadHparams,
   missing: str,
@@ -694,9 +716,10 @@ def _write_target(
   held: Mapping[str, tuple[str, ...]],
   axes: Mapping[str, tuple[Any, ...] | None],
 ) -> tuple[Any, ConversionReport]:
-  """`template` written from `source`, and the report; `held` names the params a stacked
-  buffer's path holds, so that the report counts and names params; `axes` are the params'
-  logical axes (`ConversionContext.axes`)."""
+  """`template` written from `source`, and the report; `step` is the optimizer's, `updates`
+  the updates the source applied (the clock of the target's states); `held` names the params
+  a stacked buffer's path holds, so that the report counts and names params; `axes` are the
+  params' logical axes (`ConversionContext.axes`)."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -762,7 +785,7 @@ def _write_target(
     if loose is not None:
       no_converter.append(loose)
       return node
-    node, clock = _with_clock(node, clock, counts)
+    node, clock = _with_clock(node, clock, counts, step)
     if type(node) in _CARRIED_WHOLE:
       node = carry(node, where)
     children = _children(node)
@@ -794,7 +817,7 @@ def _write_target(
         )
     return _rebuild(node, new)
 
-  written = visit(template, (), hparams, (), step)
+  written = visit(template, (), hparams, (), updates)
   converted, initialised, refused = [], [], []
 
   def count(paths: list[str]) -> int:
@@ -1441,6 +1464,7 @@ def convert_state(
     template.param_states,
     source_stats,
     step,
+    _updates_applied(param_states, step),
     flat_params,
     given["target_hparams"],
     missing,
