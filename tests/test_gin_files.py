@@ -305,33 +305,41 @@ def test_an_include_of_a_name_beside_the_including_file_that_gin_finds_elsewhere
 
 
 @pytest.mark.parametrize("search_path", [False, True])
+@pytest.mark.parametrize(
+  "including, included",
+  [
+    ("optimizers/adamw_8bit.gin", "optimizers/adamw.gin"),
+    ("examples/lion_1d.gin", "optimizers/lion.gin"),
+  ],
+)
 def test_a_shipped_files_include_that_gin_finds_in_a_users_file_is_refused(
-  search_path, tmp_path, monkeypatch
+  including, included, search_path, tmp_path, monkeypatch
 ):
   """The shipped ``optimizers/adamw_8bit.gin`` includes ``optimizers/adamw.gin`` from the
   package's gin folder; a user's ``optimizers/adamw.gin`` in the current directory or a search
   path took its place without a word, its learning rate with it. A copy of the including file
-  beside it takes it."""
-  shipped = GIN_DIR / "optimizers"
+  at its shipped name under the folder the include was found in takes it; the refusal names
+  that place (``examples/lion_1d.gin``'s copy beside the found ``optimizers/lion.gin`` was
+  refused the same way)."""
   mine = tmp_path / "mine" if search_path else tmp_path
   (mine / "optimizers").mkdir(parents=True)
-  (mine / "optimizers" / "adamw.gin").write_text(
-    (shipped / "adamw.gin").read_text() + "TOTAL_STEPS = 3\n"
-  )
+  (mine / included).write_text((GIN_DIR / included).read_text() + "TOTAL_STEPS = 3\n")
   monkeypatch.chdir(tmp_path)
   search_paths = [mine] if search_path else []
   with pytest.raises(
     ValueError,
     match=re.escape(
-      f"{shipped / 'adamw_8bit.gin'} includes 'optimizers/adamw.gin', which gin finds as "
-      f"{mine / 'optimizers' / 'adamw.gin'}"
+      f"{GIN_DIR / including} includes {included!r}, which gin finds as {mine / included}"
     )
     + ".*"
-    + re.escape(f"not as the shipped {shipped / 'adamw.gin'}"),
+    + re.escape(f"not as the shipped {GIN_DIR / included}")
+    + ".*"
+    + re.escape(f"give a copy of {Path(including).name} of your own as {mine / including} and"),
   ):
-    _config.parse_config(gin_files=["optimizers/adamw_8bit.gin"], search_paths=search_paths)
-  shutil.copy(shipped / "adamw_8bit.gin", mine / "optimizers")
-  _config.parse_config(gin_files=["optimizers/adamw_8bit.gin"], search_paths=search_paths)
+    _config.parse_config(gin_files=[including], search_paths=search_paths)
+  (mine / including).parent.mkdir(exist_ok=True)
+  shutil.copy(GIN_DIR / including, mine / including)
+  _config.parse_config(gin_files=[including], search_paths=search_paths)
   assert gin.query_parameter("%TOTAL_STEPS") == 3
 
 

@@ -605,6 +605,19 @@ def _check_includes(files: Sequence[str], directories: Sequence[Path]) -> None:
       pending.append(str(found))
 
 
+def _gin_root(found: Path, name: str) -> Path:
+  """The folder that the relative `name` was looked up in to find `found` (the current
+  directory or a search path): `found` without the parts of `name`.
+
+  Example:
+    >>> _gin_root(Path('/my/optimizers/lion.gin'), 'optimizers/lion.gin')
+    PosixPath('/my')
+    >>> _gin_root(Path('/my/lion.gin'), './lion.gin')
+    PosixPath('/my')
+  """
+  return found.parents[len(Path(os.path.normpath(name)).parts) - 1]
+
+
 def _own_include(file: Path, name: str) -> Path:
   """The file that `file`'s ``include`` of the relative `name` means: the shipped one for a
   shipped file (the package's includes are relative to its gin folder, `GIN_DIR`), else the
@@ -629,9 +642,11 @@ def _shadowed_include(file: Path, name: str, found: Path, own: Path) -> str:
     "directory, the search paths and the package's gin files, in that order"
   )
   if own.is_relative_to(GIN_DIR):
+    copy = _gin_root(found, name) / file.relative_to(GIN_DIR)
     return (
       f"{where}), not as the shipped {own}: rename or move {found}, or to take it in place of "
-      f"the shipped one give a copy of {file.name} of your own beside it."
+      f"the shipped one give a copy of {file.name} of your own as {copy} and use it by that "
+      f"name ({str(file.relative_to(GIN_DIR))!r}) or by its path."
     )
   return (
     f"{where}, not beside the including file), not as {own}: include one of them by a path "
