@@ -201,31 +201,44 @@ def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():
 
 
 @pytest.mark.parametrize(
-  "param_modes, warned",
+  "param_modes, min_size, warned",
   [
-    ((("embeddng", "float32"),), "'embeddng' selects no param"),
+    ((("embeddng", "float32"),), 4096, "'embeddng' selects no param"),
     (
       (("mlp|bias", "4bit"), ("bias$", "bfloat16")),
-      "'bias$' selects only params an earlier pattern takes (bias)",
+      4096,
+      "'bias$' selects only params an earlier pattern takes (bias),",
     ),
     (
       (("bias$", "bfloat16"),),
-      "'bias$' selects only params that min_size=4096 keeps as they are, as it does 0-d "
-      "ones, before param_modes (bias)",
+      4096,
+      "'bias$' selects only params that min_size=4096 keeps as they are before param_modes (bias),",
     ),
     (
       (("embed", "float32"), ("embed|bias", "4bit")),
-      "'embed|bias' selects only params an earlier pattern takes (embed) or that "
-      "min_size=4096 keeps as they are, as it does 0-d ones, before param_modes (bias)",
+      4096,
+      "'embed|bias' selects only params an earlier pattern takes (embed) or params that "
+      "min_size=4096 keeps as they are before param_modes (bias),",
+    ),
+    ((("scale", "8bit"),), 0, "'scale' selects only 0-d params (scale), which keep their state,"),
+    ((("scale", "8bit"),), 1, "'scale' selects only 0-d params (scale), which keep their state,"),
+    (
+      (("bias|scale", "8bit"),),
+      4096,
+      "'bias|scale' selects only params that min_size=4096 keeps as they are before "
+      "param_modes (bias) or 0-d params (scale), which keep their state,",
     ),
   ],
 )
-def test_a_pattern_that_sets_no_params_mode_warns(param_modes, warned):
+def test_a_pattern_that_sets_no_params_mode_warns(param_modes, min_size, warned):
   """A mistyped pattern, one after a pattern that takes all it selects, or one whose params
-  are all below min_size changed nothing without a word: the embedding's state stayed in 8
-  bits, the bias's in float32."""
+  are all below min_size or 0-d changed nothing without a word: the embedding's state stayed
+  in 8 bits, the bias's in float32. A pattern of 0-d params only blamed min_size, even one
+  (0 or 1) that keeps none."""
+  params = _params(shapes={**SHAPES, "scale": ()})
+  tx = low_precision(optax.adam(1e-3), "8bit", min_size=min_size, param_modes=param_modes)
   with pytest.warns(UserWarning, match=re.escape(warned) + ".*the params are attn, bias, embed"):
-    low_precision(optax.adam(1e-3), "8bit", param_modes=param_modes).init(_params())
+    tx.init(params)
 
 
 def test_patterns_that_each_set_some_params_mode_do_not_warn(recwarn):

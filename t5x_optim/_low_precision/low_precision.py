@@ -668,26 +668,24 @@ def _warn_of_unused_rules(
   min_size: int,
 ) -> None:
   """Warns of each of ``param_modes`` that decides no param's mode: it selects no param, or
-  only params an earlier pattern takes or that `min_size` keeps as they are (`_kept_by_size`,
-  which applies before the patterns' modes); a warning, not an error: one policy may be given
-  to several transformations, each over its own params, as `MultiOptimizer`'s groups."""
+  only params an earlier pattern takes or that `_kept_by_size` keeps as they are (below
+  `min_size`, which applies before the patterns' modes, or 0-d: `_kept_reasons`); a warning,
+  not an error: one policy may be given to several transformations, each over its own
+  params, as `MultiOptimizer`'s groups."""
   leaves = _trained_leaves(params)
   paths = [path for path, _ in leaves]
   small = {path for path, leaf in leaves if _kept_by_size(leaf, min_size)}
+  shapes = {path: jnp.shape(leaf) for path, leaf in leaves}
   taken: set[str] = set()
   for rule in rules:
     selected = [path for path in paths if rule.matches(path, axes.get(path, ()))]
     kept = [path for path in selected if path in small and path not in taken]
     if not selected:
       why = "selects no param"
-    elif taken.issuperset(selected):
-      why = f"selects only params an earlier pattern takes ({format_paths(selected)})"
     elif taken.union(kept).issuperset(selected):
       earlier = [path for path in selected if path in taken]
-      takes = f"an earlier pattern takes ({format_paths(earlier)}) or " if earlier else ""
-      why = (
-        f"selects only params {takes}that min_size={min_size} keeps as they are, as it does "
-        f"0-d ones, before param_modes ({format_paths(kept)})"
+      why = "selects only " + _kept_reasons(
+        earlier, {path: shapes[path] for path in kept}, min_size
       )
     else:
       why = None
@@ -711,6 +709,33 @@ def _kept_by_size(leaf: Any, min_size: int) -> bool:
   """
   shape = jnp.shape(leaf)
   return math.prod(shape) < max(min_size, 1) or not shape
+
+
+def _kept_reasons(
+  earlier: Sequence[str], kept: Mapping[str, tuple[int, ...]], min_size: int
+) -> str:
+  """Why a pattern's params get no mode from it: the paths of them that an `earlier` pattern
+  takes, and the shapes (by path) of those `_kept_by_size` keeps, below `min_size` or 0-d or
+  empty (kept whatever `min_size`).
+
+  Example:
+    >>> _kept_reasons(['embed'], {'bias': (8,)}, 4096)
+    'params an earlier pattern takes (embed) or params that min_size=4096 keeps as they are before param_modes (bias)'
+    >>> _kept_reasons([], {'scale': ()}, 0)
+    '0-d params (scale), which keep their state'
+  """
+  reasons = [f"params an earlier pattern takes ({format_paths(earlier)})"] if earlier else []
+  sized = [path for path, shape in kept.items() if shape and 0 not in shape]
+  if sized:
+    reasons.append(
+      f"params that min_size={min_size} keeps as they are before param_modes "
+      f"({format_paths(sized)})"
+    )
+  bare = [path for path, shape in kept.items() if not shape or 0 in shape]
+  if bare:
+    kind = "0-d" if all(not kept[path] for path in bare) else "0-d or empty"
+    reasons.append(f"{kind} params ({format_paths(bare)}), which keep their state")
+  return " or ".join(reasons)
 
 
 def _in_own_dtype(kept: str, leaf: Any) -> str:
