@@ -22,6 +22,7 @@ from t5x_optim._keypaths import key_path_str
 __all__ = [
   "first_nnx_path",
   "is_nnx",
+  "nnx_kinds",
   "partition_specs",
   "refuse",
   "refuse_non_params",
@@ -52,6 +53,24 @@ def first_nnx_path(tree: Any) -> str | None:
     return None
   found = jax.tree.flatten_with_path(tree, is_leaf=is_nnx)[0]
   return next((key_path_str(path) for path, leaf in found if is_nnx(leaf)), None)
+
+
+def nnx_kinds(tree: Any) -> dict[str, str]:
+  """The '/'-joined path of each outermost NNX object in `tree` (``'<root>'`` for the tree
+  itself), with its kind: ``'State'`` or ``'Variable'``.
+
+  Example:
+    >>> nnx_kinds({"w": 1.0})
+    {}
+  """
+  if _nnx() is None:
+    return {}
+  found = jax.tree.flatten_with_path(tree, is_leaf=is_nnx)[0]
+  return {
+    key_path_str(path): "State" if isinstance(leaf, _nnx().State) else "Variable"
+    for path, leaf in found
+    if is_nnx(leaf)
+  }
 
 
 def _stored(x: Any) -> Any:

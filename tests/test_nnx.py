@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import flax
 import jax
@@ -259,6 +260,20 @@ def test_a_converting_restore_refuses_an_nnx_target_naming_the_call(tmp_path):
     restore_converted(tmp_path / "t5x", target, source=optimizers.adamw(1e-2))
 
 
+def _forms() -> dict[str, Any]:
+  """A linear layer's params as an nnx.State, its pure dict, each of them below the root
+  (beside a plain array), and a dict of its bare Variables."""
+  state = _linear()
+  pure = nnx.to_pure_dict(state)
+  return {
+    "state": state,
+    "pure": pure,
+    "state below": {"a": state, "b": np.ones(2, np.float32)},
+    "pure below": {"a": pure, "b": np.ones(2, np.float32)},
+    "variables": {name: nnx.Param(value) for name, value in pure.items()},
+  }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   ("params_form", "grads_form", "message"),
@@ -266,24 +281,50 @@ def test_a_converting_restore_refuses_an_nnx_target_naming_the_call(tmp_path):
     (
       "state",
       "pure",
-      r"the params are an nnx.State and the grads a pure dict of the same arrays: pass the "
+      r"the params are an nnx.State and the grads a pure dict of the same paths: pass the "
       r"grads as an nnx.State \(nnx.grad, or jax.grad with respect to the State\), or create "
       r"the optimizer over nnx.to_pure_dict\(state\)\.$",
     ),
     (
       "pure",
       "state",
-      r"the grads are an nnx.State and the params a pure dict of the same arrays: pass "
+      r"the grads are an nnx.State and the params a pure dict of the same paths: pass "
       r"nnx.to_pure_dict\(grads\), or create the optimizer over the nnx.State\.$",
+    ),
+    (
+      "pure below",
+      "state below",
+      r"the grads hold an nnx.State at 'a' and the params a pure dict there, at the same "
+      r"paths: replace the nnx.State at 'a' in the grads with nnx.to_pure_dict of it, or "
+      r"create the optimizer over params with the nnx.State there\.$",
+    ),
+    (
+      "state below",
+      "pure below",
+      r"the params hold an nnx.State at 'a' and the grads a pure dict there, at the same "
+      r"paths: replace the pure dict at 'a' in the grads with an nnx.State \(nnx.grad, or "
+      r"jax.grad with respect to the State\), or create the optimizer over params with "
+      r"nnx.to_pure_dict of the nnx.State there\.$",
+    ),
+    (
+      "pure",
+      "variables",
+      r"the grads hold nnx.Variables at 'bias', 'kernel' and the params plain values there, "
+      r"at the same paths: unwrap the Variables at 'bias', 'kernel' in the grads \(each to its "
+      r"value\)\.$",
     ),
   ],
 )
 def test_grads_in_the_other_form_than_an_nnx_params_say_so(params_form, grads_form, message):
-  forms = {"state": _linear(), "pure": nnx.to_pure_dict(_linear())}
+  """Where the nnx.State sat below the root, the advice to pass nnx.to_pure_dict(grads)
+  failed (the grads are no State); it names the path, and the Variables to unwrap."""
+  forms = _forms()
   opt = optimizers.adamw(1e-2).create(forms[params_form])
   grads = jax.tree.map(np.ones_like, forms[grads_form])
   with pytest.raises(ValueError, match=r"^The grads do not fit the params: " + message):
     opt.apply_gradient(grads)
+  if grads_form == "state below":
+    opt.apply_gradient({**grads, "a": nnx.to_pure_dict(grads["a"])})
 
 
 class _LM(nnx.Module):

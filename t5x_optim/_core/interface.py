@@ -16,7 +16,7 @@ from flax import struct
 from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._core import state_dict as _state_dict
 from t5x_optim._keypaths import key_path_str
-from t5x_optim._nnx import first_nnx_path, refuse_non_params, to_pure
+from t5x_optim._nnx import nnx_kinds, refuse_non_params, to_pure
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState", "trained_params"]
 
@@ -482,8 +482,9 @@ def check_grads(grads: Any, params: Any) -> None:
 
   Raises:
     ValueError: naming the paths only one side has, or each leaf whose shape
-      or kind differs, with both sides; where only one side is a flax
-      ``nnx.State`` around the same arrays, saying so and what to pass.
+      or kind differs, with both sides; where only one side holds flax NNX
+      objects (an ``nnx.State``, bare Variables) where the other holds their
+      pure form at the same paths, saying where and what to pass.
 
   Example:
     >>> import jax.numpy as jnp
@@ -508,32 +509,67 @@ def check_grads(grads: Any, params: Any) -> None:
 
 
 def _nnx_form(grads: Any, params: Any) -> str | None:
-  """How `grads` and `params` differ when only one side holds flax NNX nodes around the
-  same arrays (an ``nnx.State`` and its ``nnx.to_pure_dict``), with what to pass; else None.
+  """How `grads` and `params` differ when only one side holds flax NNX nodes at paths where
+  the other holds their pure form (an ``nnx.State``'s ``nnx.to_pure_dict``, a Variable's
+  value), with what to pass; else None.
 
   Example:
     >>> _nnx_form({"w": 1.0}, {"w": 2.0}) is None
     True
   """
-  grads_path, params_path = first_nnx_path(grads), first_nnx_path(params)
-  if (grads_path is None) == (params_path is None):
+  grads_kinds, params_kinds = nnx_kinds(grads), nnx_kinds(params)
+  if bool(grads_kinds) == bool(params_kinds):
     return None
   if structure_mismatch(to_pure(grads), to_pure(params), name="grads") is not None:
     return None
-  if params_path is not None:
-    return (
-      f"the params {_nnx_at(params_path)} and the grads a pure dict of the same arrays: pass "
-      "the grads as an nnx.State (nnx.grad, or jax.grad with respect to the State), or create "
-      "the optimizer over nnx.to_pure_dict(state)"
+  if params_kinds:
+    return _nnx_advice("params", "grads", params_kinds)
+  return _nnx_advice("grads", "params", grads_kinds)
+
+
+def _nnx_advice(side: str, other: str, kinds: Mapping[str, str]) -> str:
+  """What to pass where `side` (grads or params) holds the NNX objects `kinds` (by path,
+  `nnx_kinds`) and `other` their pure form, at the same paths.
+
+  Example:
+    >>> _nnx_advice("grads", "params", {"a": "State"})
+    "the grads hold an nnx.State at 'a' and the params a pure dict there, at the same paths: replace the nnx.State at 'a' in the grads with nnx.to_pure_dict of it, or create the optimizer over params with the nnx.State there"
+  """
+  if dict(kinds) == {"<root>": "State"}:
+    fix = {
+      "grads": "pass nnx.to_pure_dict(grads), or create the optimizer over the nnx.State",
+      "params": "pass the grads as an nnx.State (nnx.grad, or jax.grad with respect to the "
+      "State), or create the optimizer over nnx.to_pure_dict(state)",
+    }[side]
+    return f"the {side} are an nnx.State and the {other} a pure dict of the same paths: {fix}"
+  states = ", ".join(f"'{path}'" for path, kind in kinds.items() if kind == "State")
+  variables = ", ".join(f"'{path}'" for path, kind in kinds.items() if kind == "Variable")
+  held, fixes = [], []
+  if states:
+    held.append(f"an nnx.State at {states}")
+    fixes.append(
+      {
+        "grads": f"replace the nnx.State at {states} in the grads with nnx.to_pure_dict of it, "
+        "or create the optimizer over params with the nnx.State there",
+        "params": f"replace the pure dict at {states} in the grads with an nnx.State (nnx.grad, "
+        "or jax.grad with respect to the State), or create the optimizer over params with "
+        "nnx.to_pure_dict of the nnx.State there",
+      }[side]
+    )
+  if variables:
+    held.append(f"nnx.Variables at {variables}")
+    fixes.append(
+      {
+        "grads": f"unwrap the Variables at {variables} in the grads (each to its value)",
+        "params": f"wrap the grads at {variables} in the same Variables, or create the "
+        "optimizer over the Variables' values",
+      }[side]
     )
   return (
-    f"the grads {_nnx_at(grads_path)} and the params a pure dict of the same arrays: pass "
-    "nnx.to_pure_dict(grads), or create the optimizer over the nnx.State"
+    f"the {side} hold {' and '.join(held)} and the {other} "
+    f"{'a pure dict' if not variables else 'plain values'} there, at the same paths: "
+    f"{'; '.join(fixes)}"
   )
-
-
-def _nnx_at(path: str) -> str:
-  return "are an nnx.State" if path == "<root>" else f"hold flax NNX state at '{path}'"
 
 
 def trained_params(params: Any) -> Any:
