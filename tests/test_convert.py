@@ -844,6 +844,29 @@ def test_reduce_on_plateau_converted_still_reduces_its_scale():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.conditionally_transform(optax.adam(1e-2), lambda step: step >= 20),
+    lambda: optax.conditionally_mask(optax.adam(1e-2), lambda step: step >= 20),
+  ],
+  ids=["conditionally_transform", "conditionally_mask"],
+)
+def test_a_gate_on_the_step_goes_on_from_the_source_step(make):
+  """The gate's own step is a clock: converted into the same optimizer after 40 updates, it
+  started again at 0, so a gate opened at step 20 closed again and the next update differed."""
+  params, grads = {"w": jnp.ones(3)}, {"w": jnp.full(3, 0.5)}
+  old = OptaxWrapper(make()).create(params)
+  for _ in range(40):
+    old = old.apply_gradient(grads)
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(make()))
+  assert int(new.state.param_states.step) == 40
+  assert not any("step" in line for line in report.initialised), report.initialised
+  np.testing.assert_array_equal(
+    new.apply_gradient(grads).target["w"], old.apply_gradient(grads).target["w"]
+  )
+
+
 def test_schedule_free_step_count_goes_on_from_the_source_step():
   """optax's schedule-free counts from 1, one ahead of its base optimizer's counts."""
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=100)

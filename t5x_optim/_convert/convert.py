@@ -189,7 +189,13 @@ _FRESH_FIELDS = {
   ),
 }
 
+_GATES = (optax.ConditionallyTransformState, optax.ConditionallyMaskState)
+"""States of a gate decided by their own step, which `_with_clock` sets."""
+
 _UNREPORTED_SCALARS = {
+  (optax.ConditionallyTransformState, "step"): "a clock (`_with_clock`)",
+  (optax.ConditionallyMaskState, "step"): "a clock (`_with_clock`)",
+  (optax.AddNoiseState, "rng_key"): "the key of the noise's random draws, of the same law fresh",
   (optax.MultiStepsState, "mini_step"): "counts the accumulated gradients (acc_grads)",
   (optax.MultiStepsState, "skip_state"): "what its last update's skip function returned",
   (optax.MultiStepsState, "gradient_step"): "a clock (`_clock_of`, `_with_clock`)",
@@ -308,7 +314,8 @@ def _with_clock(node: Any, clock: Any, moments: Moments, step: Any) -> tuple[Any
   when the source has none); ``mini_step`` stays 0, as the accumulated
   gradient starts empty. A schedule-free state's ``step_count`` (read by its
   own learning-rate schedule) counts from 1, one ahead of its base optimizer's
-  counts.
+  counts. The step a ``conditionally_transform`` or ``conditionally_mask``
+  gate is decided by is the clock.
   """
   if isinstance(node, optax.MultiStepsState):
     inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
@@ -317,6 +324,8 @@ def _with_clock(node: Any, clock: Any, moments: Moments, step: Any) -> tuple[Any
     return node.replace(step=_as_count(step, node.step)), clock
   if isinstance(node, optax.contrib.ScheduleFreeState):
     return node._replace(step_count=_as_count(clock + 1, node.step_count)), clock
+  if isinstance(node, _GATES):
+    return node._replace(step=_as_count(clock, node.step)), clock
   return node, clock
 
 
