@@ -189,6 +189,22 @@ def test_a_0d_params_state_is_labelled_0d_where_min_size_would_compress_it(mode)
   assert leaf_storage(state)[("inner_state", "0", "mu", "temp")] == "bfloat16: below min_size"
 
 
+@pytest.mark.parametrize(
+  ("states", "min_size", "reason"),
+  [("small", 256, "below min_size"), ("temp", 0, "0-d"), ("small|temp", 256, "below min_size")],
+)
+def test_a_states_pattern_selecting_only_leaves_kept_for_their_size_warns(states, min_size, reason):
+  """``states=`` selecting only leaves that min_size keeps (or 0-d ones) compressed nothing
+  and said nothing; a pattern that also selects a leaf it compresses says nothing."""
+  params = {"big": jnp.ones((64, 64)), "small": jnp.ones((4, 4)), "temp": jnp.ones(())}
+  tx = low_precision(optax.adam(1e-3), "8bit", min_size=min_size, states=states)
+  with pytest.warns(UserWarning, match=r"selects only state leaves kept as they are: " + reason):
+    tx.init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    low_precision(optax.adam(1e-3), "8bit", min_size=min_size, states=f"big|{states}").init(params)
+
+
 def test_a_pattern_over_a_real_param_with_a_bool_state_leaf_is_taken():
   """zero_nans keeps a bool per param: the mode compresses the param's floating leaves and
   keeps the bool, for the param is real; only a param that is not real is refused."""

@@ -794,6 +794,7 @@ def _plan_storage(
   ]
   storage, rules = [], []
   matched = False
+  selected_kinds = []
 
   def rule_of(j: int) -> _ParamRule | None:
     names = axes.get(param_paths[j], ()) if axes else ()
@@ -844,13 +845,43 @@ def _plan_storage(
         storage.append(_in_own_dtype(_CODECS[leaf_mode].no_block, leaf))
       else:
         storage.append(leaf_mode)
+    if selected and kept is None:
+      selected_kinds.append((where, storage[-1]))
     rules.append("" if rule is None else rule.pattern)
   if pattern is not None and not matched:
     raise ValueError(
       f"low_precision({mode!r}, states={states!r}) selects no state leaf; the state's "
       f"leaves are {[_state_dict.key_path_str(p) for p, _ in flat]}."
     )
+  if pattern is not None:
+    _warn_of_a_pattern_kept_by_size(f"low_precision({mode!r}, states={states!r})", selected_kinds)
   return tuple(storage), tuple(mirrors), tuple(rules)
+
+
+def _warn_of_a_pattern_kept_by_size(what: str, kinds: Sequence[tuple[str, str]]) -> None:
+  """Warns where every state leaf ``states=`` selects that a mode applies to is kept for its
+  size (`kinds`: each one's path and storage): the pattern then compresses nothing.
+
+  Example:
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _warn_of_a_pattern_kept_by_size("states='b'", [("0/mu/b", "float32: below min_size")])
+    >>> str(caught[0].message).split(":")[0]
+    "states='b' selects only state leaves kept as they are"
+  """
+  by_size = {_KEPT_SMALL.split(": ", 1)[1], _KEPT_0D.split(": ", 1)[1]}
+  size_kept = [(where, kind.split(": ", 1)[-1]) for where, kind in kinds]
+  if not kinds or any(reason not in by_size for _, reason in size_kept):
+    return
+  reasons = sorted({reason for _, reason in size_kept})
+  paths = [where for where, _ in size_kept]
+  more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+  warn(
+    f"{what} selects only state leaves kept as they are: {' or '.join(reasons)} "
+    f"({', '.join(paths[:3])}{more}), so it compresses none; min_size applies before "
+    "states=, and 0-d leaves keep their dtype."
+  )
 
 
 def _decode(kind: str, stored: Any, flat: bool = False) -> jax.Array:
