@@ -544,9 +544,9 @@ def parse_config(
     NotADirectoryError: a search path is not a local directory (a mistyped one
       would leave a file to be found in the package's directory instead).
     ValueError: a file includes a name that gin finds in another file than
-      the one of that name beside it (for a shipped file, the shipped one); a `gin_bindings` entry does not parse,
-      or names a parameter, configurable or module gin cannot bind (the entry
-      named with gin's reason).
+      the one of that name beside it (for a shipped file, the shipped one); a
+      `gin_bindings` entry does not parse, or names a parameter, configurable
+      or module gin cannot bind (the entry named with gin's reason).
     Exception: whatever gin raises for a bad config file (unknown names,
       syntax); gin adds the file and line to the message.
 
