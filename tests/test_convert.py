@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
-from t5x_optim._checkpoint import converting, t5x_read
+from t5x_optim._checkpoint import converting, store, t5x_read
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
@@ -1396,6 +1396,36 @@ def test_a_legacy_t5x_source_is_read_once(tmp_path, monkeypatch):
   target = OptaxWrapper(optax.adamw(0.1, mu_dtype=jnp.float32)).create(params)
   t5x_optim.restore_converted(tmp_path, target, source=adam)
   assert len(calls) == 1
+
+
+def test_our_source_step_is_resolved_and_opened_once(tmp_path, monkeypatch):
+  """The latest step was looked up twice, once for its stored dtypes and once for its data, with
+  its headers opened each time: a step saved in between by another process was restored with
+  the dtypes read from the one before."""
+  params = {"w": jnp.ones((4, 8), jnp.bfloat16)}
+  adam = OptaxWrapper(optax.adam(0.1))
+  first = adam.create(params).apply_gradient({"w": jnp.ones((4, 8))})
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(1, first)
+  second = first.apply_gradient({"w": jnp.full((4, 8), 2.0)})
+  opened, open_stored = [], store.open_stored
+
+  def opening_while_another_saves(item, where, step, wanted):
+    opened.append(step)
+    if len(opened) == 1:
+      with t5x_optim.Checkpointer(tmp_path, async_save=False) as other:
+        other.save(2, second)
+    return open_stored(item, where, step, wanted)
+
+  monkeypatch.setattr(store, "open_stored", opening_while_another_saves)
+  target = OptaxWrapper(optax.adamw(0.1, mu_dtype=jnp.float32)).create(params)
+  state, _ = t5x_optim.restore_converted(tmp_path, target, source=adam)
+  assert opened == [1]
+  converted, _ = t5x_optim.convert_state(first, target)
+  np.testing.assert_array_equal(state.target["w"], first.target["w"])
+  np.testing.assert_array_equal(
+    state.state.param_states[0].mu["w"], converted.state.param_states[0].mu["w"]
+  )
 
 
 def test_stored_leaves_of_a_directory_of_t5x_checkpoints(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -178,7 +179,7 @@ def _read_source(
       return _t5x.restore_opened(opened, source)
     with _checkpoints.Checkpointer(path) as checkpointer:
       if built:
-        source = _in_stored_dtypes(source, checkpointer.stored_leaves(step))
+        return checkpointer.restore_fitted(functools.partial(_in_stored_dtypes, source), step)
       return checkpointer.restore(source, step)
   except _checkpoints.CheckpointError:
     raise

@@ -712,8 +712,51 @@ class Checkpointer:
       stored = t5x_checkpoints.open_step(self._directory, step).stored
       return {path: jax.ShapeDtypeStruct(x.shape, x.dtype) for path, x in stored.items()}
     step = self._resolve_step(step)
-    stored = open_stored(self._item(step), self._where(step), step, _any_path)
-    return {**stored, **self._recorded_zero_size(step)}
+    arrays, empty = self._opened(step, _any_path)
+    return {**arrays, **empty}
+
+  @_taking_turns
+  def restore_fitted(
+    self,
+    fit: Callable[[Mapping[Path, jax.ShapeDtypeStruct]], CheckpointState],
+    step: int | None = None,
+  ) -> CheckpointState:
+    """`restore` of checkpoint `step` (None: the latest) into the target `fit` makes of it.
+
+    `fit` gets the step's `stored_leaves` and returns the target, for
+    instance one whose optimizer state is in the dtypes saved. The step is
+    looked up once and its headers opened once, so the target is made from
+    the very step restored, also while other processes save newer ones.
+    For a directory of t5x_optim checkpoints; every array is verified.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> from t5x_optim import Checkpointer, OptaxWrapper
+      >>> sgd = OptaxWrapper(optax.sgd(0.1))
+      >>> def fit(stored):  # params of the shape and dtype saved
+      ...   w = stored[('target', 'w')]
+      ...   return sgd.create({'w': jnp.zeros(w.shape, w.dtype)})
+      >>> with Checkpointer(tempfile.mkdtemp(), async_save=False) as checkpointer:
+      ...   checkpointer.save(1, sgd.create({'w': jnp.ones(3, jnp.bfloat16)}))
+      ...   checkpointer.restore_fitted(fit).target['w']
+      Array([1, 1, 1], dtype=bfloat16)
+    """
+    step = self._resolve_step(step)
+    opened = self._opened(step, _any_path)
+    restored = self._restore_step(
+      fit({**opened[0], **opened[1]}), step, params_only=False, verify=True, opened=opened
+    )
+    self._restored_step = step
+    return restored
+
+  def _opened(
+    self, step: int, wanted: Callable[[Path], bool]
+  ) -> tuple[dict[Path, jax.ShapeDtypeStruct], dict[Path, jax.ShapeDtypeStruct]]:
+    """The `wanted` arrays of step `step`: those in its orbax item (headers opened, no data
+    read), and the zero-size ones it recorded."""
+    arrays = open_stored(self._item(step), self._where(step), step, wanted)
+    empty = {p: x for p, x in self._recorded_zero_size(step).items() if wanted(p)}
+    return arrays, empty
 
   def _recorded_zero_size(self, step: int) -> dict[Path, Any]:
     """The zero-size arrays saved with step `step` (`zero_size_record`), as stored arrays."""
@@ -827,17 +870,23 @@ class Checkpointer:
       )
 
   def _restore_step(
-    self, target: CheckpointState, step: int, *, params_only: bool, verify: bool
+    self,
+    target: CheckpointState,
+    step: int,
+    *,
+    params_only: bool,
+    verify: bool,
+    opened: tuple[dict[Path, Any], dict[Path, Any]] | None = None,
   ) -> CheckpointState:
     """`restore` of exactly `step`: check, read, build the state, verify.
 
+    `opened` is the step's `_opened` arrays when they were already opened.
     The checksums of the arrays read are computed on their devices while the
     state is built; a mismatch discards that state.
     """
     wanted = _is_params_only_path if params_only else _any_path
-    stored = open_stored(self._item(step), self._where(step), step, wanted)
-    empty = {p: x for p, x in self._recorded_zero_size(step).items() if wanted(p)}
-    stored.update(empty)
+    arrays, empty = self._opened(step, wanted) if opened is None else opened
+    stored = {**arrays, **empty}
     target_leaves = {p: x for p, x in flatten(target.state_dict()).items() if wanted(p)}
     expected = {path: as_stored(leaf) for path, leaf in target_leaves.items()}
     classes = None if params_only else optimizer_state_classes(target)
