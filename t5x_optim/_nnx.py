@@ -13,9 +13,11 @@ caller has imported flax.nnx, so each check looks the module up in
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+from flax import traverse_util
 
 from t5x_optim._keypaths import key_path_str
 
@@ -109,12 +111,47 @@ def to_pure(tree: Any) -> Any:
   return jax.tree.map(lambda x: _pure(x) if is_nnx(x) else x, tree, is_leaf=is_nnx)
 
 
+def _at(pure: Any, path: tuple[Any, ...]) -> Any:
+  """The subtree of the pure dict `pure` at the State path `path` (an int key of the State
+  may be its str in `pure`, as a state dict has it)."""
+  node = pure
+  for depth, key in enumerate(path):
+    if not isinstance(node, Mapping) or (key not in node and str(key) not in node):
+      where = "/".join(str(k) for k in path[: depth + 1])
+      raise ValueError(f"The pure dict has no value at '{where}', where the nnx.State has one.")
+    node = node[key] if key in node else node[str(key)]
+  return node
+
+
+def _replaced(state: Any, pure: Any) -> Any:
+  """A copy of the ``nnx.State`` `state` with each Variable holding the subtree of `pure` at
+  its path: a whole dict where the Variable's value is one (``nnx.replace_by_pure_dict``
+  looks for a Variable per key of it).
+
+  Raises:
+    ValueError: `pure` lacks a Variable's path, or has a path under no Variable, naming it.
+  """
+  flat = list(_nnx().to_flat_state(state))
+  held = {tuple(str(key) for key in path) for path, _ in flat}
+  for path in traverse_util.flatten_dict(pure):
+    keys = tuple(str(key) for key in path)
+    if not any(keys[:size] in held for size in range(1, len(keys) + 1)):
+      raise ValueError(
+        f"The pure dict has a value at '{'/'.join(keys)}', where the nnx.State has none."
+      )
+  copy = jax.tree.map(lambda x: x, state)
+  replaced = {
+    path: leaf.replace(_at(pure, path)) if isinstance(leaf, _nnx().Variable) else _at(pure, path)
+    for path, leaf in flat
+  }
+  copy.update(traverse_util.unflatten_dict(replaced))
+  return copy
+
+
 def _rebuilt(reference: Any, pure: Any) -> Any:
   """`reference` holding `pure`; ``nnx.Variable.replace`` stores a value as it is given."""
   if isinstance(reference, _nnx().State):
-    state = jax.tree.map(lambda x: x, reference)
-    _nnx().replace_by_pure_dict(state, pure)
-    return state
+    return _replaced(reference, pure)
   return reference.replace(pure)
 
 
@@ -174,11 +211,13 @@ def refuse(tree: Any, argument: str, where: str, *, how: str = _PLAIN) -> None:
 
 def refuse_non_params(params: Any, where: str) -> None:
   """Raises a TypeError when `params` hold an ``nnx.Variable`` that is not an
-  ``nnx.Param`` (a subclass of ``nnx.Param`` is one), naming the first.
+  ``nnx.Param`` (a subclass of ``nnx.Param`` is one), or one whose value is an
+  array ref (made with ``ref=True``), naming the first.
 
   An optimizer trains every leaf of its params: given ``nnx.state(model)``,
   it would move BatchNorm's running statistics (``nnx.BatchStat``) and the
-  model's RNG state as if they were weights.
+  model's RNG state as if they were weights. Its update returns new arrays,
+  which a ref, written in place, does not take.
 
   Args:
     params: the params an optimizer is created for.
@@ -201,4 +240,11 @@ def refuse_non_params(params: Any, where: str) -> None:
         "nnx.Variable that is not an nnx.Param, and an optimizer trains every leaf of its "
         "params; pass nnx.state(model, nnx.Param), or a pure dict of exactly the arrays to "
         "train."
+      )
+    if isinstance(leaf, nnx.Variable) and nnx.variablelib.is_array_ref(leaf.get_raw_value()):
+      raise TypeError(
+        f"{where}: the params hold an array ref at '{key_path_str(path)}' (an nnx.Variable "
+        "made with ref=True), and an optimizer's update returns new arrays rather than "
+        "writing refs; pass nnx.to_pure_dict(state), whose leaves are the arrays, and put the "
+        "trained params back with nnx.replace_by_pure_dict."
       )

@@ -18,6 +18,7 @@ from t5x_optim import (
   Checkpointer,
   OptaxWrapper,
   TrainState,
+  _nnx,
   convert_state,
   leaf_storage,
   optimizers,
@@ -235,6 +236,43 @@ def test_an_optimizer_refuses_nnx_variables_that_are_not_params():
   optimizers.adamw(1e-2).create(nnx.state(model, nnx.Param))
   params = nnx.State({"w": _Kernel(np.ones(2, np.float32))})
   assert isinstance(optimizers.adamw(1e-2).create(params).target["w"], _Kernel)
+
+
+@pytest.mark.slow
+def test_a_param_holding_a_dict_saves_and_restores(tmp_path):
+  """A Param whose value is a dict trained and saved, but its state dict (a key per array of
+  the dict) did not restore into it: nnx.replace_by_pure_dict looks for a Variable per key."""
+  params = nnx.State({"s": nnx.Param({"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})})
+  opt = optimizers.adamw(1e-2).create(params)
+  opt = opt.apply_gradient(jax.tree.map(np.ones_like, opt.target))
+  restored = optimizers.adamw(1e-2).create(params).restore_state(opt.state_dict())
+  assert isinstance(restored.target["s"], nnx.Param)
+  assert_same_bits((restored.target, restored.state), (opt.target, opt.state))
+  with Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(1, opt)
+    from_disk = checkpointer.restore(optimizers.adamw(1e-2).create(params))
+  assert_same_bits((from_disk.target, from_disk.state), (opt.target, opt.state))
+  extra = opt.state_dict()
+  extra["target"]["s"]["c"] = np.ones(1, np.float32)
+  with pytest.raises(ValueError, match=r"Unexpected keys \['c'\] at 'target/s'.*\['a', 'b'\]"):
+    opt.restore_state(extra)
+
+
+def test_restoring_into_a_state_names_a_path_only_one_side_has():
+  state = nnx.State({"s": nnx.Param({"a": np.ones(2, np.float32)})})
+  with pytest.raises(ValueError, match="no value at 's', where the nnx.State has one"):
+    _nnx.restore_like(state, {})
+  with pytest.raises(ValueError, match="a value at 't/a', where the nnx.State has none"):
+    _nnx.restore_like(state, {"s": {"a": np.ones(2, np.float32)}, "t": {"a": 1.0}})
+
+
+@pytest.mark.slow
+def test_an_optimizer_refuses_params_held_in_array_refs():
+  """Params made with ref=True were taken, and the first apply_gradient failed adding a Ref to
+  an array."""
+  params = nnx.State({"w": nnx.Param(np.ones(3, np.float32), ref=True)})
+  with pytest.raises(TypeError, match=r"create: the params hold an array ref at 'w'.*to_pure_dict"):
+    optimizers.adamw(1e-2).create(params)
 
 
 @pytest.mark.slow
