@@ -4,8 +4,9 @@ A fixed ``stacklevel`` names the right line from one call path only: the same
 warning reached through `Optimizer.apply_gradient`, a `jax.jit` trace or a
 T5X train state names a line inside the package, inside jax, or ``sys:1``.
 `warn` walks out of the package and the libraries it calls back through
-(jax, flax, optax), so ``-W error::UserWarning:my_module`` filters and the
-printed location are the user's. It imports no other t5x_optim module.
+(jax, flax, optax, and gin, which calls what a config builds), so
+``-W error::UserWarning:my_module`` filters and the printed location are the
+user's. It imports no other t5x_optim module.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import warnings
 
 import flax
+import gin
 import jax
 import optax
 
@@ -24,14 +26,14 @@ __all__ = ["warn"]
 
 _INSIDE = (
   os.path.dirname(__file__) + os.sep,
-  *(os.path.dirname(module.__file__) + os.sep for module in (jax, flax, optax)),
+  *(os.path.dirname(module.__file__) + os.sep for module in (jax, flax, optax, gin)),
   contextlib.__file__,
   functools.__file__,
 )
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-  """``warnings.warn`` at the first frame outside the package, jax, flax and optax.
+  """``warnings.warn`` at the first frame outside the package, jax, flax, optax and gin.
 
   Example:
     >>> import warnings

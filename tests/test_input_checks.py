@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -317,6 +318,23 @@ def _warn_counter_restored_from_bfloat16() -> None:
   opt.restore_state(state_dict)
 
 
+def _warn_unused_block_size_of_a_gin_built_optimizer() -> None:
+  with gin.unlock_config():
+    gin.parse_config(
+      "from __gin__ import dynamic_registration\n"
+      "import optax\n"
+      "from t5x_optim import optimizers\n"
+      "optimizers.low_precision.inner = @optax.adam()\n"
+      "optax.adam.learning_rate = 0.1\n"
+      "optimizers.low_precision.state_dtype = 'bfloat16'\n"
+      "optimizers.low_precision.block_size = 64\n"
+    )
+  try:
+    gin.get_configurable(low_precision)()
+  finally:
+    gin.clear_config()
+
+
 @pytest.mark.parametrize(
   "warn",
   [
@@ -328,6 +346,7 @@ def _warn_counter_restored_from_bfloat16() -> None:
     _warn_unused_param_mode,
     _warn_unused_param_mode_in_a_wrapper_under_jit,
     _warn_counter_restored_from_bfloat16,
+    _warn_unused_block_size_of_a_gin_built_optimizer,
   ],
 )
 def test_each_warning_points_at_the_callers_line(warn):
