@@ -961,7 +961,9 @@ class Checkpointer:
     on their devices. Pending saves of this checkpointer are finished
     first. The directory is re-read, so checkpoints written by other
     processes are seen, unless `step` is one this checkpointer already
-    knows.
+    knows. The state comes back as saved, the settings it keeps included
+    (Muon's ``ns_coeffs``, schedule-free's ``b1``): `reapply_config` sets
+    those of a changed config.
 
     Args:
       target: a `TrainState` or `Optimizer` giving structure, dtypes and
