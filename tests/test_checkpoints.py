@@ -210,7 +210,8 @@ def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_w
   """`jax.eval_shape` of a state on a mesh with Explicit axes gives shardings over an abstract
   mesh: orbax failed to read onto it, which was reported as a corrupt step, and with
   ``fallback`` every intact step was declared bad. Under `jax.set_mesh` of that mesh it
-  restores onto its devices; without, it is refused as the target's fault, never retried. Any
+  restores onto its devices (also through `restore_fitted`); without, it is refused as the
+  target's fault, never retried. Any
   restore under `jax.set_mesh` failed where a leaf was on one device (as an eagerly created
   optimizer's step was): "Received incompatible devices for jitted computation"."""
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -233,9 +234,14 @@ def test_a_target_over_an_abstract_mesh_restores_under_its_mesh_and_is_refused_w
   one_device = state.replace(
     state=state.state.replace(step=jax.device_put(state.state.step, jax.devices()[0]))
   )
+  with pytest.raises(ValueError, match=r"leaf '[^']+' is sharded over an abstract mesh") as e:
+    Checkpointer(tmp_path).restore_fitted(lambda stored: target)
+  assert not isinstance(e.value, CheckpointError)
   with jax.set_mesh(mesh):
     restored = _restore(tmp_path, target)
     w.assert_same_state(_restore(tmp_path, one_device), one_device)
+    with Checkpointer(tmp_path) as checkpointer:
+      w.assert_same_state(checkpointer.restore_fitted(lambda stored: target), state)
   w.assert_same_state(restored, state)
   assert restored.target["w"].sharding == split
   assert Checkpointer(tmp_path).all_steps() == [1, 2]

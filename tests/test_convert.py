@@ -31,6 +31,7 @@ from flax import traverse_util
 from flax.core import FrozenDict
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
+from optimizer_table import assert_same_bits
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
@@ -1432,11 +1433,16 @@ def test_stored_leaves_of_a_directory_of_t5x_checkpoints(tmp_path):
   """`Checkpointer.restore` reads a directory of T5X checkpoints; `stored_leaves` said it held
   none."""
   state = OptaxWrapper(optax.adam(0.1)).create({"w": jnp.ones((4, 8), jnp.bfloat16)})
-  t5x_optim.save_t5x_checkpoint(tmp_path, state.apply_gradient({"w": jnp.ones((4, 8))}))
+  saved = state.apply_gradient({"w": jnp.ones((4, 8))})
+  t5x_optim.save_t5x_checkpoint(tmp_path, saved)
   with t5x_optim.Checkpointer(tmp_path) as checkpointer:
     stored = checkpointer.stored_leaves()
   assert stored[("target", "w")] == jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
   assert stored[("state", "param_states", "0", "mu", "w")].dtype == jnp.float32
+  with t5x_optim.Checkpointer(tmp_path) as checkpointer:
+    restored = checkpointer.restore_fitted(lambda stored: jax.eval_shape(lambda: saved))
+    assert checkpointer.restored_step == 1
+  assert_same_bits((restored.target, restored.state), (saved.target, saved.state))
 
 
 def test_a_converting_restore_into_other_params_is_said_not_to_fit_the_target(tmp_path):

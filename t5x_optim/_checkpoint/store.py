@@ -727,7 +727,8 @@ class Checkpointer:
     instance one whose optimizer state is in the dtypes saved. The step is
     looked up once and its headers opened once, so the target is made from
     the very step restored, also while other processes save newer ones.
-    For a directory of t5x_optim checkpoints; every array is verified.
+    Every array is verified; a directory of T5X checkpoints is read as
+    `restore` reads it.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax
@@ -741,12 +742,33 @@ class Checkpointer:
       ...   checkpointer.restore_fitted(fit).target['w']
       Array([1, 1, 1], dtype=bfloat16)
     """
+    if self._holds_only_t5x_checkpoints():
+      t5x_step = t5x_checkpoints.open_step(self._directory, step)
+      stored = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in t5x_step.stored.items()}
+      return self._restore_t5x_opened(fit(stored), t5x_step)
     step = self._resolve_step(step)
     opened = self._opened(step, _any_path)
-    restored = self._restore_step(
-      fit({**opened[0], **opened[1]}), step, params_only=False, verify=True, opened=opened
-    )
+    return self._restore_opened(fit({**opened[0], **opened[1]}), step, opened)
+
+  @placed_as_target
+  def _restore_opened(
+    self,
+    target: CheckpointState,
+    step: int,
+    opened: tuple[dict[Path, Any], dict[Path, Any]],
+  ) -> CheckpointState:
+    """`restore_fitted` of step `step`, whose arrays are `opened`, into `target`."""
+    restored = self._restore_step(target, step, params_only=False, verify=True, opened=opened)
     self._restored_step = step
+    return restored
+
+  @placed_as_target
+  def _restore_t5x_opened(
+    self, target: CheckpointState, opened: t5x_checkpoints.OpenedStep
+  ) -> CheckpointState:
+    """`restore_fitted` of a T5X step already opened into `target`."""
+    restored = t5x_checkpoints.restore_opened(opened, target)
+    self._restored_step = opened.step
     return restored
 
   def _opened(

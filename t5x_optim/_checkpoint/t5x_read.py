@@ -547,6 +547,12 @@ class OpenedStep:
   fmt: str
   stored: dict[Path, _Stored]
 
+  @property
+  def step(self) -> int | None:
+    """Its step, from its directory's name (None where the name holds none)."""
+    match = _STEP_DIR.fullmatch(self.step_dir.name)
+    return int(match.group(1)) if match else None
+
 
 def open_step(path: str | os.PathLike[str], step: int | None) -> OpenedStep:
   """The step `path` (and `step`; None: the latest) names, its arrays opened, no data read."""
