@@ -4,7 +4,8 @@ A fixed ``stacklevel`` names the right line from one call path only: the same
 warning reached through `Optimizer.apply_gradient`, a `jax.jit` trace or a
 T5X train state names a line inside the package, inside jax, or ``sys:1``.
 `warn` walks out of the package and the libraries it calls back through
-(jax, flax, optax, and gin, which calls what a config builds), so
+(jax, flax, optax, and gin, which calls what a config builds, through
+``copy.deepcopy`` for a reference's value), so
 ``-W error::UserWarning:my_module`` filters and the printed location are the
 user's. It imports no other t5x_optim module.
 """
@@ -12,6 +13,7 @@ user's. It imports no other t5x_optim module.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -28,6 +30,7 @@ _INSIDE = (
   os.path.dirname(__file__) + os.sep,
   *(os.path.dirname(module.__file__) + os.sep for module in (jax, flax, optax, gin)),
   contextlib.__file__,
+  copy.__file__,
   functools.__file__,
 )
 

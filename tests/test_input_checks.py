@@ -335,6 +335,25 @@ def _warn_unused_block_size_of_a_gin_built_optimizer() -> None:
     gin.clear_config()
 
 
+def _warn_unused_block_size_of_a_gin_reference() -> None:
+  """gin builds a reference's value (``[@optimizers.low_precision()]``) in ``copy.deepcopy``."""
+  with gin.unlock_config():
+    gin.parse_config(
+      "from __gin__ import dynamic_registration\n"
+      "import optax\n"
+      "from t5x_optim import optimizers\n"
+      "optimizers.chain.transformations = [@optimizers.low_precision()]\n"
+      "optimizers.low_precision.inner = @optax.adam()\n"
+      "optax.adam.learning_rate = 0.1\n"
+      "optimizers.low_precision.state_dtype = 'bfloat16'\n"
+      "optimizers.low_precision.block_size = 64\n"
+    )
+  try:
+    gin.get_configurable(optimizers.chain)()
+  finally:
+    gin.clear_config()
+
+
 @pytest.mark.parametrize(
   "warn",
   [
@@ -347,6 +366,7 @@ def _warn_unused_block_size_of_a_gin_built_optimizer() -> None:
     _warn_unused_param_mode_in_a_wrapper_under_jit,
     _warn_counter_restored_from_bfloat16,
     _warn_unused_block_size_of_a_gin_built_optimizer,
+    _warn_unused_block_size_of_a_gin_reference,
   ],
 )
 def test_each_warning_points_at_the_callers_line(warn):
