@@ -846,6 +846,33 @@ def test_a_checkpoint_of_an_earlier_version_with_a_compressed_accumulator_says_s
   assert "MultiSteps's sum of gradients" in err and "earlier versions compressed it" in err, err
 
 
+def test_a_checkpoint_of_an_earlier_version_with_a_compressed_galore_projector_says_so(
+  tmp_path, capsys, monkeypatch
+):
+  """Earlier versions compressed a GaLore projector of its param's shape (a kernel's at
+  galore's default rank 128) inside low_precision; their checkpoints were refused as "another
+  job" without a reason."""
+  galore = [
+    "--gin_file",
+    "optimizers/adamw_8bit.gin",
+    "--gin_bindings",
+    "optimizers.low_precision.inner = @optax.contrib.galore()",
+    "--gin_bindings",
+    "optax.contrib.galore.learning_rate = %LEARNING_RATE",
+    "--gin_bindings",
+    "optimizers.low_precision.min_size = 0",
+  ]
+  earlier = lambda state: [None] * len(jax.tree.leaves(state))  # noqa: E731
+  with monkeypatch.context() as patched:
+    patched.setattr(low_precision_module, "_kept_fields", earlier)
+    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *galore, capsys=capsys)
+  assert code == 0, err
+  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *galore, capsys=capsys)
+  err = _one_line_error(code, err)
+  assert "/projector/" in err and "is QuantizedLeaf there" in err, err
+  assert "GaLore's projector" in err and "earlier versions compressed it" in err, err
+
+
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   (model_dir / "checkpoints" / "6").mkdir()

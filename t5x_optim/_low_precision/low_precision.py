@@ -195,6 +195,28 @@ _KEPT_PARAM_COPY = "kept: a copy of its param"
 _KEPT_NOT_SELECTED = "kept: not selected by states="
 _KEPT_0D = "float32: 0-d"
 _KEPT_ACCUMULATOR = "float32: a gradient accumulator"
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptField:
+  """Why the leaves of a state field are kept whatever their shape: their `leaf_storage`
+  label, and the reason a ``states=`` refusal gives."""
+
+  storage: str
+  why: str
+
+
+_KEPT_FIELDS = {
+  (optax.contrib.GaLoreState, "projector"): _KeptField(
+    "kept: GaLore projector (a basis, not a moment)",
+    "it is GaLore's projector, an orthonormal basis it sets from the gradient every "
+    "update_proj_gap steps, not a moment (at a rank of at least a kernel's smaller "
+    "dimension it can have its param's shape)",
+  ),
+}
+"""State fields (by state type and field name) whose leaves no mode applies to, whatever
+their shape, and why (`_kept_fields`)."""
+_KEPT_FIELD_LABELS = frozenset(kept.storage for kept in _KEPT_FIELDS.values())
 _BY_AXIS = "axis:"
 """The prefix of a ``param_modes`` pattern that selects params by logical axis."""
 _SHARD_MULTIPLE = 8
@@ -489,6 +511,36 @@ def _accumulators(inner_state: Any) -> list[bool]:
   return jax.tree.leaves(marks(inner_state))
 
 
+def _kept_fields(inner_state: Any) -> list[_KeptField | None]:
+  """For each leaf of `inner_state`, the `_KEPT_FIELDS` entry of the state field it lies in,
+  or None.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> state = optax.contrib.galore(0.1, rank=4).init({'w': jnp.zeros((4, 4))})
+    >>> [None if k is None else k.storage for k in _kept_fields(state)]
+    [None, None, None, None, 'kept: GaLore projector (a basis, not a moment)']
+  """
+  types = tuple({state_type for state_type, _ in _KEPT_FIELDS})
+
+  def is_kept_type(node: Any) -> bool:
+    return isinstance(node, types)
+
+  def marks(tree: Any) -> Any:
+    def mark(node: Any) -> Any:
+      if not is_kept_type(node):
+        return False
+      fields = {}
+      for name, value in node._asdict().items():
+        kept = _KEPT_FIELDS.get((type(node), name))
+        fields[name] = marks(value) if kept is None else jax.tree.map(lambda _: kept, value)
+      return node._replace(**fields)
+
+    return jax.tree.map(mark, tree, is_leaf=is_kept_type)
+
+  return [m if isinstance(m, _KeptField) else None for m in jax.tree.leaves(marks(inner_state))]
+
+
 def _names_accumulator(pattern: re.Pattern[str] | None, where: str) -> bool:
   """Whether ``states=`` (`pattern`) names the accumulator at `where`: a match that covers
   part of its ``acc_grads`` key, not only its param's path.
@@ -504,8 +556,13 @@ def _names_accumulator(pattern: re.Pattern[str] | None, where: str) -> bool:
   return any(m.start() < key.end(1) and m.end() > key.start(1) for m in pattern.finditer(where))
 
 
-def _not_applicable(leaf: Any, param: Any | None, copy: bool) -> tuple[str, str] | None:
-  """(storage, why) of an inner leaf (its param or None) the modes do not apply to, or None."""
+def _not_applicable(
+  leaf: Any, param: Any | None, copy: bool, field: _KeptField | None
+) -> tuple[str, str] | None:
+  """(storage, why) of an inner leaf (its param or None, whether it copies it, the
+  `_KEPT_FIELDS` entry of its field or None) the modes do not apply to, or None."""
+  if field is not None:
+    return field.storage, field.why
   if param is None:
     return _KEPT_NOT_MIRROR, "mirrors no param"
   if jnp.shape(leaf) != jnp.shape(param):
@@ -760,6 +817,7 @@ def _plan_storage(
   mirrors: Sequence[int],
   copies: Sequence[bool],
   accumulators: Sequence[bool],
+  fields: Sequence[_KeptField | None],
   param_modes: Sequence[_ParamRule] = (),
   axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
@@ -773,7 +831,9 @@ def _plan_storage(
   would cost it more bytes. ``mirrors`` is each leaf's param index
   (`_mirror_params`, -1: none); a leaf that ``copies`` marks as a copy of
   its param keeps its dtype, as does a 0-d leaf, and a leaf that
-  ``accumulators`` marks unless ``states`` names it (`_names_accumulator`).
+  ``accumulators`` marks unless ``states`` names it (`_names_accumulator`). A leaf
+  of a field that ``fields`` marks (`_kept_fields`) is kept whatever its
+  shape (GaLore's projector).
 
   Raises:
     ValueError: naming the path, when ``states`` selects a leaf that is not a
@@ -800,12 +860,14 @@ def _plan_storage(
     names = axes.get(param_paths[j], ()) if axes else ()
     return next((r for r in param_modes if r.matches(param_paths[j], names)), None)
 
-  for (path, leaf), j, copy, summed in zip(flat, mirrors, copies, accumulators, strict=True):
+  for (path, leaf), j, copy, summed, field in zip(
+    flat, mirrors, copies, accumulators, fields, strict=True
+  ):
     where = _state_dict.key_path_str(path)
     selected = pattern is None or pattern.search(where) is not None
     matched |= selected
     rule = None
-    kept = _not_applicable(leaf, param_leaves[j] if j >= 0 else None, copy)
+    kept = _not_applicable(leaf, param_leaves[j] if j >= 0 else None, copy, field)
     if kept is not None and pattern is not None and selected:
       raise ValueError(
         f"low_precision({mode!r}, states={states!r}) selects the state leaf '{where}' "
@@ -1815,6 +1877,7 @@ def low_precision(
       mirrors=_mirror_params(inner.init, inner_state, params),
       copies=_param_copies(inner.init, params, inner_state),
       accumulators=_accumulators(inner_state),
+      fields=_kept_fields(inner_state),
       param_modes=rules,
       axes=axes,
     )
@@ -2239,7 +2302,11 @@ def _state_rule(
     if kind in _CODECS and 0 <= j < len(param_specs):
       codes = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf.codes)))
       spec = _quantized_spec(leaf, codes)
-    elif spec is specs_lib.UNDERIVED and kind not in (_KEPT_NOT_MIRROR, _KEPT_NOT_FLOAT):
+    elif spec is specs_lib.UNDERIVED and kind not in (
+      _KEPT_NOT_MIRROR,
+      _KEPT_NOT_FLOAT,
+      *_KEPT_FIELD_LABELS,
+    ):
       # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
     out.append(spec)

@@ -913,6 +913,9 @@ _KEPT_SINCE_EARLIER_VERSIONS = {
     "optax.MultiSteps's sum of gradients inside low_precision in its own dtype unless "
     "states= names it"
   ),
+  "kept: GaLore projector (a basis, not a moment)": (
+    "GaLore's projector inside low_precision in its own dtype, whatever its shape"
+  ),
 }
 """`leaf_storage` labels (or their ends) of the leaves earlier versions compressed, and
 what they are, in a refusal's words."""
