@@ -1080,6 +1080,43 @@ def test_schedules_go_on_from_the_updates_a_multisteps_source_applied(target):
   assert int(adam.count) == 10
 
 
+_NEXT_GRADS = {"w": jnp.linspace(0.5, -0.5, 4)}
+
+
+def _uninterrupted(tx, state, params, grads):
+  """The params after `tx`'s next update from `state`: the run a conversion goes on from."""
+  updates, _ = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize(
+  ("make", "inner"),
+  [
+    (
+      lambda tx: optax.named_chain(("accumulate", optax.MultiSteps(tx, every_k_schedule=4))),
+      lambda state: state["accumulate"].inner_opt_state,
+    ),
+    (
+      lambda tx: optax.chain(optax.MultiSteps(tx, every_k_schedule=4), optax.clip(10.0)),
+      lambda state: state[0].inner_opt_state,
+    ),
+  ],
+  ids=["named_chain", "before_clip"],
+)
+@pytest.mark.slow
+def test_schedules_go_on_from_the_updates_of_a_multisteps_inside_a_chain(make, inner):
+  """Out of MultiSteps(every 4) in a named_chain or before another transformation, after 40
+  gradients (10 updates), adamw's schedule was set to 40; it is now at 10, and the next
+  update is the one adamw makes from the old inner state."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  source = _after(make(optax.adamw(_LINEAR)), params, 40)
+  new, _ = t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(_LINEAR)))
+  assert _schedule_counts(new.state.param_states) == [10]
+  old = inner(source.state.param_states)
+  expected = _uninterrupted(optax.adamw(_LINEAR), old, source.target, _NEXT_GRADS)
+  _assert_close(new.apply_gradient(_NEXT_GRADS).target, expected)
+
+
 @pytest.mark.slow
 def test_a_multisteps_target_schedule_goes_on_from_a_plain_sources_updates():
   """A plain source's 12 updates are the MultiSteps target's 12 inner updates: its schedule

@@ -24,8 +24,11 @@ moments scaled as its own update expects after that many steps. Adam's bias
 correction at the next step divides by ``1 - b^(count+1)``, close to
 ``1 - b^count``, so it sees the source's estimates and does not re-amplify a
 converted ``nu``. In the new state, the root's clock is the number of updates the
-source applied (`_updates_applied`): its optimizer's step, or the ``gradient_step``
-of the ``MultiSteps`` that wraps it (its mini-steps accumulate into one update).
+source applied to its params' moments (`_applied_to`): the clock of the source nodes
+that held them where that is one clock for every param (the ``gradient_step`` of the
+``MultiSteps`` they were under, wherever it is placed: its mini-steps accumulate into
+one update), else, and where no param has moments, the clock of the state whose updates
+are applied (`_updates_applied`).
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
 ``MultiOptimizer`` passes its own step to its sub-optimizers); a
 `LowPrecisionState`'s count is its parent's clock (it updates once per step of
@@ -62,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -278,6 +281,11 @@ def _as_count(value: Any, like: Any) -> jax.Array:
   return jnp.asarray(value, jnp.result_type(like))
 
 
+_CLOCKED = (optax.MultiStepsState, OptimizerState)
+"""The source states that set the clock of the states inside them (`_clock_of`); a
+`LowPrecisionState` sets it to its ``count`` where it is decoded."""
+
+
 def _clock_of(node: Any, clock: Any) -> Any:
   """The step count the states inside a source `node` were built over (see the module docstring)."""
   if isinstance(node, optax.MultiStepsState):
@@ -390,6 +398,27 @@ class _Source:
   origin: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
   dropped: list[str] = dataclasses.field(default_factory=list)
   guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
+  applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+  """The updates applied to a param's moments: the clock of the source node that held them,
+  and where that clock was set (the path of the state that sets it, `_CLOCKED`; "" for the
+  optimizer's step), so that params whose clocks are one can be told apart by structure,
+  their values being traced under `jax.jit`."""
+
+  clock: Any
+  where: str
+
+
+def _applied_to(params: Iterable[str], applied: Mapping[str, _Applied], default: Any) -> Any:
+  """The updates applied to `params`' moments where every one of them had moments under one
+  clock (`_Applied`), else `default`."""
+  found = [applied.get(param) for param in params]
+  if not found or None in found or len({entry.where for entry in found}) > 1:
+    return default
+  return found[0].clock
 
 
 _CARRIED_WHOLE = {
@@ -460,16 +489,17 @@ def _read_source(
     hparams: ReadHparams,
     chain: tuple,
     clock: Any,
+    set_at: str,
     projected: frozenset[str] = frozenset(),
   ) -> None:
+    where = "/".join(path) or "<root>"
     if isinstance(node, LowPrecisionState):
       inner = low_precision_to_float32(node)
-      visit(inner, (*path, "inner_state"), hparams, chain, node.count, projected)
+      visit(inner, (*path, "inner_state"), hparams, chain, node.count, where, projected)
       return
     if path in adamax:
       node = AdamaxState(*node)
     converter = _converter(node, converters)
-    where = "/".join(path) or "<root>"
     if converter is not None or _is_quantized(node):
       _refuse_quantized(node, path, "source")
     if converter is not None and converter.read is not None:
@@ -504,6 +534,7 @@ def _read_source(
             )
           entry[quantity] = value
           entry.setdefault("count", _count_of(node, clock))
+          source.applied.setdefault(param, _Applied(clock, set_at))
           source.origin[(param, quantity)] = f"{where} ({_type_label(node)})"
       return
     loose = _loose_arrays(node, where)
@@ -515,6 +546,8 @@ def _read_source(
       return
     hparams = _node_hparams(node, hparams)
     clock = _clock_of(node, clock)
+    if isinstance(node, _CLOCKED):
+      set_at = where
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
     for i, (key, child) in enumerate(children):
@@ -525,9 +558,10 @@ def _read_source(
       ):
         source.dropped.append(f"{'/'.join((*path, key))} ({type(node).__name__}.{key})")
         continue
-      visit(child, (*path, key), hparams, _chained(node, children, i), clock, projected)
+      chained = _chained(node, children, i)
+      visit(child, (*path, key), hparams, chained, clock, set_at, projected)
 
-  visit(param_states, (), hparams, (), step)
+  visit(param_states, (), hparams, (), step, "")
   source.guards = _carried_whole(param_states)
   return source
 
@@ -1473,7 +1507,7 @@ def convert_state(
     template.param_states,
     source_stats,
     step,
-    _updates_applied(param_states, step),
+    _applied_to(flat_params, source_stats.applied, _updates_applied(param_states, step)),
     flat_params,
     given["target_hparams"],
     missing,
