@@ -1117,6 +1117,70 @@ def test_schedules_go_on_from_the_updates_of_a_multisteps_inside_a_chain(make, i
   _assert_close(new.apply_gradient(_NEXT_GRADS).target, expected)
 
 
+_TWO_PARAMS = {"a": jnp.linspace(-1.0, 1.0, 4), "b": jnp.linspace(0.0, 1.0, 3)}
+_TWO_GRADS = {"a": jnp.linspace(0.5, -0.5, 4), "b": jnp.linspace(-0.3, 0.3, 3)}
+
+
+def _partitioned(tx_a, tx_b):
+  return OptaxWrapper(optax.multi_transform({"a": tx_a, "b": tx_b}, {"a": "a", "b": "b"}))
+
+
+def _grouped(tx_a, tx_b):
+  return t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("a"), OptaxWrapper(tx_a)),
+      (t5x_optim.PathFilter("b"), OptaxWrapper(tx_b)),
+    ]
+  )
+
+
+def _inner_partitions(state):
+  """Per partition of a `multi_transform` state, the adamw state: inside its MultiSteps too."""
+  inner = {key: masked.inner_state for key, masked in state.inner_states.items()}
+  return {key: getattr(node, "inner_opt_state", node) for key, node in inner.items()}
+
+
+def _inner_groups(state):
+  """Per group of a `MultiOptimizer` state, the adamw state: inside its MultiSteps too."""
+  inner = {key: sub.param_states for key, sub in zip("ab", state, strict=True)}
+  return {key: getattr(node, "inner_opt_state", node) for key, node in inner.items()}
+
+
+@pytest.mark.parametrize(
+  ("make", "inner"),
+  [(_partitioned, _inner_partitions), (_grouped, _inner_groups)],
+  ids=["multi_transform", "multi_optimizer"],
+)
+@pytest.mark.slow
+def test_each_partitions_schedules_go_on_from_the_updates_its_moments_had(make, inner):
+  """MultiSteps(every 4) over partition or group 'a' only, after 40 gradients: the new
+  schedules of both were set to 40, 'a''s 30 updates ahead of its 10; now 'a''s is at 10,
+  'b''s at 40, and each param's next update is the one adamw makes from its old state."""
+  source = make(optax.MultiSteps(optax.adamw(_LINEAR), every_k_schedule=4), optax.adamw(_LINEAR))
+  source = source.create(_TWO_PARAMS)
+  for i in range(40):
+    source = source.apply_gradient(jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), _TWO_PARAMS))
+  new, _ = t5x_optim.convert_state(source, make(optax.adamw(_LINEAR), optax.adamw(_LINEAR)))
+  states = inner(new.state.param_states)
+  assert {key: _schedule_counts(state) for key, state in states.items()} == {"a": [10], "b": [40]}
+  got = new.apply_gradient(_TWO_GRADS).target
+  for key, old in inner(source.state.param_states).items():
+    part = lambda tree, key=key: {key: tree[key]}  # noqa: E731
+    expected = _uninterrupted(
+      optax.adamw(_LINEAR), _only(old, key), part(source.target), part(_TWO_GRADS)
+    )
+    _assert_close(part(got), expected, what=f"{key}: ")
+
+
+def _only(state, key):
+  """`state` (adamw's, over both params or one) with its per-param trees over `key` alone."""
+  return jax.tree.map(
+    lambda node: {key: node[key]} if isinstance(node, dict) else node,
+    state,
+    is_leaf=lambda x: isinstance(x, dict),
+  )
+
+
 @pytest.mark.slow
 def test_a_multisteps_target_schedule_goes_on_from_a_plain_sources_updates():
   """A plain source's 12 updates are the MultiSteps target's 12 inner updates: its schedule

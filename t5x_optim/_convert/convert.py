@@ -28,7 +28,10 @@ source applied to its params' moments (`_applied_to`): the clock of the source n
 that held them where that is one clock for every param (the ``gradient_step`` of the
 ``MultiSteps`` they were under, wherever it is placed: its mini-steps accumulate into
 one update), else, and where no param has moments, the clock of the state whose updates
-are applied (`_updates_applied`).
+are applied (`_updates_applied`). A target state over a part of the params (`_SCOPES`:
+``masked``'s, a ``multi_transform`` partition's, a `MultiOptimizer` group's) gives the
+states inside it the same clock over its own params' moments, so that each part goes on
+from its own updates; one whose states hold no param's statistics keeps its parent's.
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
 ``MultiOptimizer`` passes its own step to its sub-optimizers); a
 `LowPrecisionState`'s count is its parent's clock (it updates once per step of
@@ -310,6 +313,31 @@ def _updates_applied(param_states: Any, step: Any) -> Any:
       node = node.inner_state
     else:
       return step
+
+
+_SCOPES = (optax.MaskedState, OptimizerState)
+"""Target states over a part of the params (``optax.masked``'s and each ``multi_transform``
+partition's, each `MultiOptimizer` group's): the states inside one go on from the updates
+the source applied to the moments of its params (`_applied_to`)."""
+
+
+def _params_in(node: Any, params: Mapping[str, Any]) -> list[str]:
+  """The params whose statistics the states inside `node` hold: those at the end of the
+  paths of its nodes below it (masked holes aside; a `LowPrecisionState`'s encoded leaves
+  by their paths, not decoded)."""
+  found: list[str] = []
+
+  def walk(node: Any, path: tuple[str, ...]) -> None:
+    if isinstance(node, optax.MaskedNode):
+      return
+    param = _param_suffix(path, params) if path else None
+    if param is not None and param not in found:
+      found.append(param)
+    for key, child in _children(node) or ():
+      walk(child, (*path, key))
+
+  walk(node, ())
+  return found
 
 
 def _with_clock(node: Any, clock: Any, moments: Moments, step: Any) -> tuple[Any, Any]:
@@ -829,6 +857,8 @@ def _write_target(
       no_converter.append(loose)
       return node
     node, clock = _with_clock(node, clock, counts, step)
+    if isinstance(node, _SCOPES):
+      clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
       node = carry(node, where)
     children = _children(node)
