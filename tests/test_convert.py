@@ -1172,6 +1172,27 @@ def test_each_partitions_schedules_go_on_from_the_updates_its_moments_had(make, 
     _assert_close(part(got), expected, what=f"{key}: ")
 
 
+@pytest.mark.parametrize(
+  "inner", [lambda: optax.adamw(_LINEAR), lambda: optax.sgd(_LINEAR)], ids=["adamw", "sgd"]
+)
+@pytest.mark.slow
+def test_schedules_go_on_from_the_updates_of_the_innermost_of_nested_multisteps(inner):
+  """MultiSteps(every 3) around MultiSteps(every 2), after 36 gradients: the outer one made 12
+  updates of the inner one, which made 6 of its optimizer, the updates that reached the
+  params. The new schedule (set to 12 where no state holds moments) is at 6, and the next
+  update is the one the inner optimizer makes from its old state."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  nested = optax.MultiSteps(optax.MultiSteps(inner(), every_k_schedule=2), every_k_schedule=3)
+  source = _after(nested, params, 36)
+  outer = source.state.param_states
+  assert (int(outer.gradient_step), int(outer.inner_opt_state.gradient_step)) == (12, 6)
+  new, _ = t5x_optim.convert_state(source, OptaxWrapper(inner()))
+  assert _schedule_counts(new.state.param_states) == [6]
+  old = outer.inner_opt_state.inner_opt_state
+  expected = _uninterrupted(inner(), old, source.target, _NEXT_GRADS)
+  _assert_close(new.apply_gradient(_NEXT_GRADS).target, expected)
+
+
 def _only(state, key):
   """`state` (adamw's, over both params or one) with its per-param trees over `key` alone."""
   return jax.tree.map(

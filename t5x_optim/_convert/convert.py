@@ -26,9 +26,9 @@ correction at the next step divides by ``1 - b^(count+1)``, close to
 converted ``nu``. In the new state, the root's clock is the number of updates the
 source applied to its params' moments (`_applied_to`): the clock of the source nodes
 that held them where that is one clock for every param (the ``gradient_step`` of the
-``MultiSteps`` they were under, wherever it is placed: its mini-steps accumulate into
-one update), else, and where no param has moments, the clock of the state whose updates
-are applied (`_updates_applied`). A target state over a part of the params (`_SCOPES`:
+innermost ``MultiSteps`` they were under, wherever it is placed: its mini-steps
+accumulate into one update), else, and where no param has moments, the clock of the
+state whose updates are applied (`_updates_applied`). A target state over a part of the params (`_SCOPES`:
 ``masked``'s, a ``multi_transform`` partition's, a `MultiOptimizer` group's) gives the
 states inside it the same clock over its own params' moments, so that each part goes on
 from its own updates; one whose states hold no param's statistics keeps its parent's.
@@ -299,20 +299,21 @@ def _clock_of(node: Any, clock: Any) -> Any:
 
 
 def _updates_applied(param_states: Any, step: Any) -> Any:
-  """How many updates a source state applied to its params: the ``gradient_step`` of an
-  ``optax.MultiSteps`` whose updates are the ones applied (the whole state, the last of a
-  chain's, or the state a transformation that wraps one optimizer keeps as its
-  ``inner_state``), else the optimizer's `step`."""
-  node = param_states
+  """How many updates a source state applied to its params: the clock (`_clock_of`) of the
+  state whose updates are the ones applied, from the optimizer's `step` down through the
+  whole state, a chain's last, and the state a transformation that wraps one optimizer keeps
+  in one of `_WRAPPED_STATE_FIELDS`: the ``gradient_step`` of the innermost
+  ``optax.MultiSteps`` on that way (an outer one's counts the inner one's mini-steps)."""
+  node, clock = param_states, step
   while True:
-    if isinstance(node, optax.MultiStepsState):
-      return node.gradient_step
+    clock = _clock_of(node, clock)
     if type(node) is tuple and node:
       node = node[-1]
-    elif hasattr(node, "inner_state"):
-      node = node.inner_state
-    else:
-      return step
+      continue
+    inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(node, f)), None)
+    if inner is None:
+      return clock
+    node = getattr(node, inner)
 
 
 _SCOPES = (optax.MaskedState, OptimizerState)
