@@ -1146,6 +1146,15 @@ def _inner_groups(state):
   return {key: getattr(node, "inner_opt_state", node) for key, node in inner.items()}
 
 
+def _only(state, key):
+  """`state` (adamw's, over both params or one) with its per-param trees over `key` alone."""
+  return jax.tree.map(
+    lambda node: {key: node[key]} if isinstance(node, dict) else node,
+    state,
+    is_leaf=lambda x: isinstance(x, dict),
+  )
+
+
 @pytest.mark.parametrize(
   ("make", "inner"),
   [(_partitioned, _inner_partitions), (_grouped, _inner_groups)],
@@ -1193,13 +1202,37 @@ def test_schedules_go_on_from_the_updates_of_the_innermost_of_nested_multisteps(
   _assert_close(new.apply_gradient(_NEXT_GRADS).target, expected)
 
 
-def _only(state, key):
-  """`state` (adamw's, over both params or one) with its per-param trees over `key` alone."""
-  return jax.tree.map(
-    lambda node: {key: node[key]} if isinstance(node, dict) else node,
-    state,
-    is_leaf=lambda x: isinstance(x, dict),
-  )
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda: optax.adamw(_LINEAR),
+    lambda: optax.sgd(_LINEAR, momentum=0.9),
+    lambda: optax.sgd(_LINEAR),
+  ],
+  ids=["adamw", "sgd_momentum", "sgd"],
+)
+@pytest.mark.parametrize("guarded", [False, True], ids=["into_inner", "into_guarded"])
+@pytest.mark.slow
+def test_schedules_go_on_from_the_updates_apply_if_finite_let_through(inner, guarded):
+  """`apply_if_finite` over 12 gradients, 2 of them non-finite: it skipped those, so its inner
+  optimizer made 10 updates. The new schedules were set to 12; they are at 10, and the next
+  update is the one the inner optimizer (behind the carried guard) makes from its old state."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  guard = lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=5)  # noqa: E731
+  source = OptaxWrapper(guard(inner())).create(params)
+  for i in range(12):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, source.target)
+    if i in (3, 7):
+      grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+    source = source.apply_gradient(grads)
+  old = source.state.param_states
+  assert (int(source.state.step), int(old.total_notfinite)) == (12, 2)
+  assert _schedule_counts(old) == [10]
+  target = guard(inner()) if guarded else inner()
+  new, _ = t5x_optim.convert_state(source, OptaxWrapper(target))
+  assert _schedule_counts(new.state.param_states) == [10]
+  expected = _uninterrupted(target, old if guarded else old.inner_state, source.target, _NEXT_GRADS)
+  _assert_close(new.apply_gradient(_NEXT_GRADS).target, expected)
 
 
 @pytest.mark.slow

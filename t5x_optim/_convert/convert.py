@@ -14,9 +14,12 @@ pair of registered states converts (N converters, not N^2 conversions).
 Step counts. Every state node was built over some number of updates of its
 transformation, its *clock*: the optimizer's step at the root; inside a
 ``MultiSteps`` state its ``gradient_step`` (the inner optimizer's updates, not
-the mini-steps); inside a sub-optimizer's `OptimizerState` (`MultiOptimizer`)
-that sub-optimizer's step; inside a `LowPrecisionState` its ``count``. A state
-without a count of its own (SGD's trace) is read and written over its clock.
+the mini-steps); inside an ``apply_if_finite`` state its parent's clock less its
+``total_notfinite``, the updates it let through (it skips non-finite ones; those it
+lets through after more than ``max_consecutive_errors`` in a row are counted there too);
+inside a sub-optimizer's `OptimizerState` (`MultiOptimizer`) that sub-optimizer's step;
+inside a `LowPrecisionState` its ``count``. A state without a count of its own (SGD's
+trace) is read and written over its clock.
 
 A converted node's count is the source's count for its params (the count of the
 source node that held them, or that node's clock), and each state stores its
@@ -28,10 +31,11 @@ source applied to its params' moments (`_applied_to`): the clock of the source n
 that held them where that is one clock for every param (the ``gradient_step`` of the
 innermost ``MultiSteps`` they were under, wherever it is placed: its mini-steps
 accumulate into one update), else, and where no param has moments, the clock of the
-state whose updates are applied (`_updates_applied`). A target state over a part of the params (`_SCOPES`:
-``masked``'s, a ``multi_transform`` partition's, a `MultiOptimizer` group's) gives the
-states inside it the same clock over its own params' moments, so that each part goes on
-from its own updates; one whose states hold no param's statistics keeps its parent's.
+state whose updates are applied (`_updates_applied`). A target state over a part of the
+params (`_SCOPES`: ``masked``'s, a ``multi_transform`` partition's, a `MultiOptimizer`
+group's) gives the states inside it the same clock over its own params' moments, so that
+each part goes on from its own updates; one whose states hold no param's statistics keeps
+its parent's.
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
 ``MultiOptimizer`` passes its own step to its sub-optimizers); a
 `LowPrecisionState`'s count is its parent's clock (it updates once per step of
@@ -284,7 +288,7 @@ def _as_count(value: Any, like: Any) -> jax.Array:
   return jnp.asarray(value, jnp.result_type(like))
 
 
-_CLOCKED = (optax.MultiStepsState, OptimizerState)
+_CLOCKED = (optax.MultiStepsState, OptimizerState, optax.ApplyIfFiniteState)
 """The source states that set the clock of the states inside them (`_clock_of`); a
 `LowPrecisionState` sets it to its ``count`` where it is decoded."""
 
@@ -295,6 +299,8 @@ def _clock_of(node: Any, clock: Any) -> Any:
     return node.gradient_step
   if isinstance(node, OptimizerState):
     return node.step
+  if isinstance(node, optax.ApplyIfFiniteState):
+    return clock - node.total_notfinite
   return clock
 
 
