@@ -868,6 +868,60 @@ def test_a_gate_on_the_step_goes_on_from_the_source_step(make):
   )
 
 
+_LINEAR = optax.linear_schedule(1.0, 0.0, 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "make, nan_at",
+  [
+    (
+      lambda: optax.chain(
+        optax.MultiSteps(optax.adam(_LINEAR), 4).gradient_transformation(),
+        optax.scale_by_schedule(_LINEAR),
+      ),
+      (),
+    ),
+    (
+      lambda: optax.chain(
+        optax.MultiSteps(optax.adam(1e-2), 4).gradient_transformation(),
+        optax.conditionally_transform(optax.scale(0.5), lambda step: step >= 10),
+      ),
+      (),
+    ),
+    (
+      lambda: optax.chain(
+        optax.apply_if_finite(optax.adam(_LINEAR), 5), optax.scale_by_schedule(_LINEAR)
+      ),
+      (3, 7),
+    ),
+  ],
+  ids=["schedule_beside_multi_steps", "gate_beside_multi_steps", "schedule_beside_apply_if_finite"],
+)
+def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(make, nan_at):
+  """A schedule or gate beside a MultiSteps or apply_if_finite sees every gradient: converted
+  into the same optimizer, it goes on from the step, not from the wrapped optimizer's updates,
+  and the next updates are the uninterrupted run's."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  old = OptaxWrapper(make()).create(params)
+  for i in range(16):
+    grads = {"w": jnp.sin(params["w"] * (i + 1)) + 0.1}
+    old = old.apply_gradient(jax.tree.map(lambda g: g * jnp.nan, grads) if i in nan_at else grads)
+  new, _ = t5x_optim.convert_state(old, OptaxWrapper(make()))
+  counts = jax.tree.leaves(
+    jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else None, old.state.param_states)
+  )
+  assert (
+    jax.tree.leaves(jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else None, new.state.param_states))
+    == counts
+  )
+  grads = {"w": jnp.linspace(0.5, -0.5, 4)}
+  for _ in range(4):
+    old, new = old.apply_gradient(grads), new.apply_gradient(grads)
+  # Adam's moments go over through their estimates (mu / c * c): equal to an ulp.
+  np.testing.assert_allclose(new.target["w"], old.target["w"], rtol=1e-6)
+
+
 def test_schedule_free_step_count_goes_on_from_the_source_step():
   """optax's schedule-free counts from 1, one ahead of its base optimizer's counts."""
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=100)

@@ -35,7 +35,11 @@ state whose updates are applied (`_updates_applied`). A target state over a part
 params (`_SCOPES`: ``masked``'s, a ``multi_transform`` partition's, a `MultiOptimizer`
 group's) gives the states inside it the same clock over its own params' moments, so that
 each part goes on from its own updates; one whose states hold no param's statistics keeps
-its parent's.
+its parent's. Where the target, or the part, holds a state that counts apart
+(`_COUNTING`: a ``MultiSteps`` or ``apply_if_finite`` of its own), the states beside
+that one see every gradient: the root's clock is then the optimizer's step, a part keeps
+its parent's, and inside an ``apply_if_finite`` the clock is the source's count for the
+params it wraps (else its parent's less its ``total_notfinite``).
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
 ``MultiOptimizer`` passes its own step to its sub-optimizers); a
 `LowPrecisionState`'s count is its parent's clock (it updates once per step of
@@ -320,6 +324,18 @@ def _updates_applied(param_states: Any, step: Any) -> Any:
     if inner is None:
       return clock
     node = getattr(node, inner)
+
+
+_COUNTING = (optax.MultiStepsState, optax.ApplyIfFiniteState)
+"""Target states whose inner states count other updates than the states beside them: the
+updates a ``MultiSteps`` applies, or those ``apply_if_finite`` lets through."""
+
+
+def _counts_apart(node: Any) -> bool:
+  """Whether a target `node` holds a `_COUNTING` state: the states beside one see every
+  gradient, so they go on from the source's step, not from its updates applied."""
+  found = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, _COUNTING))
+  return any(isinstance(x, _COUNTING) for x in found)
 
 
 _SCOPES = (optax.MaskedState, OptimizerState)
@@ -864,10 +880,13 @@ def _write_target(
       no_converter.append(loose)
       return node
     node, clock = _with_clock(node, clock, counts, step)
-    if isinstance(node, _SCOPES):
+    if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
       node = carry(node, where)
+    if isinstance(node, optax.ApplyIfFiniteState):
+      held = dict.fromkeys(_params_in(node.inner_state, params), 0)
+      clock = counts.count(held, jnp.maximum(clock - node.total_notfinite, 0))
     children = _children(node)
     if children is None:
       return node
@@ -1544,7 +1563,9 @@ def convert_state(
     template.param_states,
     source_stats,
     step,
-    _applied_to(flat_params, source_stats.applied, _updates_applied(param_states, step)),
+    step
+    if _counts_apart(template.param_states)
+    else _applied_to(flat_params, source_stats.applied, _updates_applied(param_states, step)),
     flat_params,
     given["target_hparams"],
     missing,
