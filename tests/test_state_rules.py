@@ -23,7 +23,14 @@ from jax.sharding import PartitionSpec as P
 from optax import contrib
 from optimizer_table import DISCOVERED
 
-from t5x_optim import ExampleLibOptimizerDef, MultiOptimizer, OptaxWrapper
+from t5x_optim import (
+  ExampleLibOptimizerDef,
+  MultiOptimizer,
+  OptaxWrapper,
+  Quantized4Leaf,
+  QuantizedLeaf,
+  low_precision,
+)
 from t5x_optim.partitioning import (
   OptaxStatePartitionRules,
   StateRulesFallback,
@@ -402,6 +409,104 @@ def test_lbfgs_history_and_galore_projectors():
   assert galore.projector["dense"]["kernel"] == P("mlp", None)
   assert galore.base_optimizer_state.mu["dense"]["kernel"] == P("embed", None)
   assert galore.base_optimizer_state.mu["dense"]["bias"] == P("mlp")
+
+
+# GaLore inside low_precision: params of each orientation, a square one whose rank-16 proxy
+# has its param's shape (so 8-bit and 4-bit compress it), a bias they compress at any rank.
+GALORE_SHAPES = {"sq": (16, 16), "tall": (16, 4), "wide": (4, 16), "b": (16,)}
+GALORE_AXES = {
+  "sq": P("embed", "mlp"),
+  "tall": P("mlp", "embed"),
+  "wide": P("embed", "mlp"),
+  "b": P("mlp"),
+}
+
+
+def _galore_specs(mu, projector):
+  adam = optax.ScaleByAdamState(count=None, mu=mu, nu=mu)
+  return contrib.GaLoreState(count=None, base_optimizer_state=adam, projector=projector)
+
+
+_PROJECTED = {
+  "b": P("mlp"),
+  "sq": P(None, "mlp"),
+  "tall": P(None, "embed"),
+  "wide": P("embed", None),
+}
+_PROJECTORS = {"b": None, "sq": P("embed", None), "tall": P("mlp", None), "wide": P("mlp", None)}
+# GaLore's own specs by (rank, params given). Without params its rule cannot run: leaves of
+# the one shape their param's mirrors all share take the param's spec, the rest replicate.
+GALORE_ALONE = {
+  (16, True): _galore_specs(_PROJECTED, _PROJECTORS),
+  (4, True): _galore_specs(_PROJECTED, _PROJECTORS),
+  (16, False): _galore_specs(
+    {"b": P("mlp"), "sq": P("embed", "mlp"), "tall": None, "wide": None},
+    {"b": None, "sq": P("embed", "mlp"), "tall": None, "wide": None},
+  ),
+  (4, False): _galore_specs(
+    {"b": P("mlp"), "sq": None, "tall": None, "wide": None}, dict.fromkeys(GALORE_SHAPES)
+  ),
+}
+# The moments 8-bit and 4-bit compress, by (rank, params given): (codes, scales) specs, the
+# codes taking the spec GaLore gives the moment; one block spans a row of the scales.
+GALORE_COMPRESSED = {
+  (16, True): {"b": (P("mlp"), None), "sq": (P(None, "mlp"), None)},
+  (4, True): {"b": (P("mlp"), None)},
+  (16, False): {"b": (P("mlp"), None), "sq": (P("embed", "mlp"), P("embed", None))},
+  (4, False): {"b": (P("mlp"), None)},
+}
+COMPRESSED_LEAF = {"8bit": QuantizedLeaf, "4bit": Quantized4Leaf}
+
+
+def _galore_in_low_precision_specs(mode, rank, with_params):
+  alone = GALORE_ALONE[rank, with_params]
+  if mode not in COMPRESSED_LEAF:
+    return alone
+  moments = {**alone.base_optimizer_state.mu}
+  for name, specs in GALORE_COMPRESSED[rank, with_params].items():
+    moments[name] = COMPRESSED_LEAF[mode](*specs)
+  adam = alone.base_optimizer_state._replace(mu=moments, nu=moments)
+  return alone._replace(base_optimizer_state=adam)
+
+
+@pytest.mark.parametrize(
+  ("mode", "rank", "with_params"),
+  [
+    pytest.param(
+      mode, rank, with_params, marks=[pytest.mark.slow] if rank == 16 and with_params else []
+    )
+    for mode in ("8bit", "4bit", "bfloat16")
+    for rank in (16, 4)
+    for with_params in (True, False)
+  ],
+)
+def test_galore_in_low_precision_keeps_galores_specs(mode, rank, with_params):
+  """Each leaf kept as it is has GaLore's own spec; a compressed one's codes have it too."""
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GALORE_SHAPES.items()}
+
+  def specs(tx):
+    given = {"transformation": tx, "params": params} if with_params else {}
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # Without params, the leaves left replicate with a warning.
+      return derive(jax.eval_shape(tx.init, params), GALORE_AXES, **given)
+
+  empty = (optax.EmptyState(), optax.EmptyState())
+  assert specs(contrib.galore(1e-2, rank=rank)) == (GALORE_ALONE[rank, with_params], *empty)
+  got = specs(low_precision(contrib.galore(1e-2, rank=rank), mode, min_size=0))
+  assert got.count is None
+  assert got.inner_state == (_galore_in_low_precision_specs(mode, rank, with_params), *empty)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [16, 4])
+def test_galore_in_8bit_sharded_step_matches_unsharded(rank, mesh):
+  params = make_params(GALORE_SHAPES)
+  tx = low_precision(contrib.galore(1e-2, rank=rank), "8bit", min_size=0)
+  specs = check_sharded_step(tx, params, GALORE_AXES, mesh)
+  assert specs.inner_state == (
+    _galore_in_low_precision_specs("8bit", rank, True),
+    *specs.inner_state[1:],
+  )
 
 
 def test_masked_mirrors_resolve_without_transformation():

@@ -439,6 +439,50 @@ def _apply_rules(ruled, rules, state_leaves, specs, index, paths) -> None:
       ) from e
 
 
+def view_specs(view: Any, known: Sequence[Any], context: registry.StateRuleContext) -> list[Any]:
+  """Specs of the leaves of ``view``: a state node in the form its transformation sees.
+
+  A state rule whose node stores leaves in another form (``low_precision``'s
+  compressed moments) derives them here on the form the wrapped
+  transformation built, where its subtrees mirror the params and the rules
+  of its nodes (GaLore's) find what they expect: the structure step on
+  ``view``, then ``known`` where that gives no spec (or could be a transpose
+  and ``known`` names axes), then the rules of ``view``'s nodes.
+
+  Args:
+    view: the node's leaves (arrays or ``jax.ShapeDtypeStruct``s) in the
+      form the wrapped transformation built.
+    known: one spec per leaf of ``view``, as derived on the stored form
+      (``UNDERIVED`` where there is none).
+    context: the context the node's rule was given.
+
+  Returns:
+    one spec per leaf of ``view``, ``UNDERIVED`` where none was found.
+
+  >>> ctx = registry.StateRuleContext({'w': PartitionSpec('embed')}, None)
+  >>> view_specs({'w': jax.ShapeDtypeStruct((4,), 'float32')}, [specs_lib.UNDERIVED], ctx)
+  [P('embed',)]
+  """
+  index = _ParamIndex(context.param_specs, context.params)
+  leaves, view_def = jax.tree.flatten(view)
+  shapes = [specs_lib.leaf_shape(x) for x in leaves]
+  specs: list[Any] = [None if not s else specs_lib.UNDERIVED for s in shapes]
+  rules = registry.registered_rules()
+  mirrors, ruled = _scan(view_def, index, tuple(rules))
+  unsure = set(_mirror_specs(index, mirrors, shapes, specs))
+  specs = [
+    None if s is specs_lib.UNDERIVED and all(d == 1 for d in shape) else s
+    for s, shape in zip(specs, shapes)
+  ]
+  specs = [
+    k if s is specs_lib.UNDERIVED or (i in unsure and k not in (None, specs_lib.UNDERIVED)) else s
+    for i, (s, k) in enumerate(zip(specs, known, strict=True))
+  ]
+  if ruled:
+    _apply_rules(ruled, rules, leaves, specs, index, _lazy_paths(view, key_path_str))
+  return specs
+
+
 def _rule_at(state_node, node, paths, offset: int) -> str:
   """Names the rule of ``state_node`` and the path of its first leaf, for messages."""
   where = paths()[offset] if node.num_leaves else "(empty node)"

@@ -109,7 +109,7 @@ from t5x_optim._adapters.param_subsets import format_paths
 from t5x_optim._axes import registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.auto import auto_axes_call, auto_axes_like, explicit_mesh
-from t5x_optim._axes.engine import holey_mirror, logical_axes_from
+from t5x_optim._axes.engine import holey_mirror, logical_axes_from, view_specs
 from t5x_optim._axes.kernel_axes import axis_names, specs_by_path
 from t5x_optim._axes.rules import drop_indivisible_axes, is_spec_leaf
 from t5x_optim._core import state_dict as _state_dict
@@ -2285,32 +2285,47 @@ def _quantized_spec(leaf: Any, codes: Any) -> Any:
 def _state_rule(
   state: LowPrecisionState, specs: LowPrecisionState, context: registry.StateRuleContext
 ) -> LowPrecisionState:
-  """Codes get their param's spec; scales too, on their block dimension.
+  """Each inner leaf gets the spec it has in the inner state uncompressed.
 
-  A 4-bit leaf's column maxima get the spec of its param's last dimension.
-  Param-shaped leaves kept in float32 (or in bfloat16) get their param's
-  spec as well: once a sibling is quantized, their subtree no longer
-  mirrors the params.
+  Specs are derived on the float32 inner state (`_expanded_shapes`), where
+  the moments mirror the params and the inner state's rules (GaLore's
+  projected moments) see the state they were written for. A compressed
+  leaf's codes get that spec (its param's, if none is derived); its scales
+  too, on their block dimension; a 4-bit leaf's column maxima that of its
+  last dimension.
   """
   param_specs = jax.tree.leaves(context.param_specs, is_leaf=is_spec_leaf)
   leaves, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
-  spec_leaves = treedef.flatten_up_to(specs.inner_state)
+  stored = treedef.flatten_up_to(specs.inner_state)
+  # Without params no generic derivation ran: the structure step gave the stored specs, and
+  # the view's redoes it over the whole inner state.
+  known = [
+    specs_lib.UNDERIVED if kind in _CODECS or context.params is None else spec
+    for spec, kind in zip(stored, state.storage, strict=True)
+  ]
+  derived = view_specs(_expanded_shapes(state), known, context)
   out = []
-  for leaf, spec, kind, j in zip(
-    leaves, spec_leaves, state.storage, state.param_index, strict=True
-  ):
+  for leaf, spec, kind, j in zip(leaves, derived, state.storage, state.param_index, strict=True):
     if kind in _CODECS and 0 <= j < len(param_specs):
-      codes = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf.codes)))
-      spec = _quantized_spec(leaf, codes)
+      shape = specs_lib.leaf_shape(leaf.codes)
+      spec = _quantized_spec(leaf, _codes_spec(spec, param_specs[j], len(shape)))
     elif spec is specs_lib.UNDERIVED and kind not in (
       _KEPT_NOT_MIRROR,
       _KEPT_NOT_FLOAT,
       *_KEPT_FIELD_LABELS,
     ):
-      # A param-shaped leaf whose subtree no longer mirrors the params (8-bit siblings).
       spec = specs_lib.canonical(param_specs[j], len(specs_lib.leaf_shape(leaf)))
     out.append(spec)
   return specs.replace(count=None, inner_state=treedef.unflatten(out))
+
+
+def _codes_spec(derived: Any, param_spec: Any, rank: int) -> Any:
+  """A compressed leaf's codes' spec: the one derived for the leaf, else its param's.
+
+  >>> _codes_spec(specs_lib.UNDERIVED, PartitionSpec('embed'), 2)
+  P('embed', None)
+  """
+  return specs_lib.canonical(param_spec if derived is specs_lib.UNDERIVED else derived, rank)
 
 
 registry.register_state_rule(LowPrecisionState, _state_rule)
