@@ -816,61 +816,52 @@ def test_a_checkpoint_of_an_earlier_version_with_compressed_param_copies_says_so
   assert "earlier versions compressed it" in err, err
 
 
-def test_a_checkpoint_of_an_earlier_version_with_a_compressed_accumulator_says_so(
-  tmp_path, capsys, monkeypatch
-):
-  """Earlier versions compressed optax.MultiSteps's sum of gradients inside low_precision;
-  their checkpoints were refused as "another job" without a reason."""
-  multi_steps = [
-    "--gin_file",
-    "optimizers/adamw_8bit.gin",
-    "--gin_bindings",
-    "optimizers.low_precision.inner = @optax.MultiSteps()",
-    "--gin_bindings",
-    "optax.MultiSteps.opt = @optax.adamw()",
-    "--gin_bindings",
-    "optax.adamw.learning_rate = %LEARNING_RATE",
-    "--gin_bindings",
-    "optax.MultiSteps.every_k_schedule = 2",
-    "--gin_bindings",
-    "optimizers.low_precision.min_size = 0",
-  ]
-  earlier = lambda state: [False] * len(jax.tree.leaves(state))  # noqa: E731
-  with monkeypatch.context() as patched:
-    patched.setattr(low_precision_module, "_accumulators", earlier)
-    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *multi_steps, capsys=capsys)
-  assert code == 0, err
-  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *multi_steps, capsys=capsys)
-  err = _one_line_error(code, err)
-  assert "/acc_grads/" in err and "is QuantizedLeaf there" in err, err
-  assert "MultiSteps's sum of gradients" in err and "earlier versions compressed it" in err, err
+_EARLIER_COMPRESSED = {
+  "accumulator": (
+    [
+      "optimizers.low_precision.inner = @optax.MultiSteps()",
+      "optax.MultiSteps.opt = @optax.adamw()",
+      "optax.adamw.learning_rate = %LEARNING_RATE",
+      "optax.MultiSteps.every_k_schedule = 2",
+    ],
+    "_accumulators",
+    False,
+    "/acc_grads/",
+    "MultiSteps's sum of gradients",
+  ),
+  "galore_projector": (
+    [
+      "optimizers.low_precision.inner = @optax.contrib.galore()",
+      "optax.contrib.galore.learning_rate = %LEARNING_RATE",
+    ],
+    "_kept_fields",
+    None,
+    "/projector/",
+    "GaLore's projector",
+  ),
+}
 
 
-def test_a_checkpoint_of_an_earlier_version_with_a_compressed_galore_projector_says_so(
-  tmp_path, capsys, monkeypatch
+@pytest.mark.parametrize("kind", sorted(_EARLIER_COMPRESSED))
+def test_a_checkpoint_of_an_earlier_version_with_a_leaf_it_compressed_says_so(
+  kind, tmp_path, capsys, monkeypatch
 ):
-  """Earlier versions compressed a GaLore projector of its param's shape (a kernel's at
-  galore's default rank 128) inside low_precision; their checkpoints were refused as "another
-  job" without a reason."""
-  galore = [
-    "--gin_file",
-    "optimizers/adamw_8bit.gin",
-    "--gin_bindings",
-    "optimizers.low_precision.inner = @optax.contrib.galore()",
-    "--gin_bindings",
-    "optax.contrib.galore.learning_rate = %LEARNING_RATE",
-    "--gin_bindings",
-    "optimizers.low_precision.min_size = 0",
-  ]
-  earlier = lambda state: [None] * len(jax.tree.leaves(state))  # noqa: E731
+  """Earlier versions compressed optax.MultiSteps's sum of gradients, and a GaLore projector of
+  its param's shape (a kernel's at galore's default rank 128), inside low_precision; their
+  checkpoints were refused as "another job" without a reason."""
+  bindings, helper, unmarked, where, what = _EARLIER_COMPRESSED[kind]
+  flags = ["--gin_file", "optimizers/adamw_8bit.gin"]
+  for binding in [*bindings, "optimizers.low_precision.min_size = 0"]:
+    flags += ["--gin_bindings", binding]
+  earlier = lambda state: [unmarked] * len(jax.tree.leaves(state))  # noqa: E731
   with monkeypatch.context() as patched:
-    patched.setattr(low_precision_module, "_kept_fields", earlier)
-    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *galore, capsys=capsys)
+    patched.setattr(low_precision_module, helper, earlier)
+    code, _, err = _train_run(tmp_path / "run", *_steps(2), *EVERY_2, *flags, capsys=capsys)
   assert code == 0, err
-  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *galore, capsys=capsys)
+  code, _, err = _train_run(tmp_path / "run", *_steps(4), *EVERY_2, *flags, capsys=capsys)
   err = _one_line_error(code, err)
-  assert "/projector/" in err and "is QuantizedLeaf there" in err, err
-  assert "GaLore's projector" in err and "earlier versions compressed it" in err, err
+  assert where in err and "is QuantizedLeaf there" in err, err
+  assert what in err and "earlier versions compressed it" in err, err
 
 
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
