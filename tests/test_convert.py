@@ -868,43 +868,59 @@ def test_a_gate_on_the_step_goes_on_from_the_source_step(make):
   )
 
 
-_LINEAR = optax.linear_schedule(1.0, 0.0, 100)
+def _ms(inner: optax.GradientTransformation, k: int) -> optax.GradientTransformation:
+  return optax.MultiSteps(inner, k).gradient_transformation()
+
+
+_BESIDE = {
+  "schedule_beside_multi_steps": (
+    lambda: optax.chain(_ms(optax.adam(_LINEAR), 4), optax.scale_by_schedule(_LINEAR)),
+    (),
+  ),
+  "gate_beside_multi_steps": (
+    lambda: optax.chain(
+      _ms(optax.adam(1e-2), 4),
+      optax.conditionally_transform(optax.scale(0.5), lambda step: step >= 10),
+    ),
+    (),
+  ),
+  "schedule_beside_apply_if_finite": (
+    lambda: optax.chain(
+      optax.apply_if_finite(optax.adam(_LINEAR), 5), optax.scale_by_schedule(_LINEAR)
+    ),
+    (3, 7),
+  ),
+  "multi_steps_without_moments": (lambda: _ms(optax.sgd(_LINEAR), 4), ()),
+  "schedule_beside_multi_steps_without_moments": (
+    lambda: optax.chain(_ms(optax.sgd(_LINEAR), 4), optax.scale_by_schedule(_LINEAR)),
+    (),
+  ),
+  "schedule_beside_apply_if_finite_without_moments": (
+    lambda: optax.chain(
+      optax.apply_if_finite(optax.sgd(_LINEAR), 5), optax.scale_by_schedule(_LINEAR)
+    ),
+    (3, 7),
+  ),
+  "nested_multi_steps": (lambda: _ms(_ms(optax.adam(_LINEAR), 2), 3), ()),
+  "apply_if_finite_in_multi_steps": (
+    lambda: _ms(optax.apply_if_finite(optax.adam(_LINEAR), 5), 2),
+    (3,),
+  ),
+}
+"""Optimizers with a MultiSteps or apply_if_finite, and the gradients made non-finite."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  "make, nan_at",
-  [
-    (
-      lambda: optax.chain(
-        optax.MultiSteps(optax.adam(_LINEAR), 4).gradient_transformation(),
-        optax.scale_by_schedule(_LINEAR),
-      ),
-      (),
-    ),
-    (
-      lambda: optax.chain(
-        optax.MultiSteps(optax.adam(1e-2), 4).gradient_transformation(),
-        optax.conditionally_transform(optax.scale(0.5), lambda step: step >= 10),
-      ),
-      (),
-    ),
-    (
-      lambda: optax.chain(
-        optax.apply_if_finite(optax.adam(_LINEAR), 5), optax.scale_by_schedule(_LINEAR)
-      ),
-      (3, 7),
-    ),
-  ],
-  ids=["schedule_beside_multi_steps", "gate_beside_multi_steps", "schedule_beside_apply_if_finite"],
-)
-def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(make, nan_at):
+@pytest.mark.parametrize("name", sorted(_BESIDE))
+def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(name):
   """A schedule or gate beside a MultiSteps or apply_if_finite sees every gradient: converted
   into the same optimizer, it goes on from the step, not from the wrapped optimizer's updates,
-  and the next updates are the uninterrupted run's."""
+  and those inside from the updates applied (also without moments: sgd), so the next updates
+  are the uninterrupted run's."""
+  make, nan_at = _BESIDE[name]
   params = {"w": jnp.linspace(-1.0, 1.0, 4)}
   old = OptaxWrapper(make()).create(params)
-  for i in range(16):
+  for i in range(24):  # every MultiSteps' mini-step back at 0, as a conversion leaves it
     grads = {"w": jnp.sin(params["w"] * (i + 1)) + 0.1}
     old = old.apply_gradient(jax.tree.map(lambda g: g * jnp.nan, grads) if i in nan_at else grads)
   new, _ = t5x_optim.convert_state(old, OptaxWrapper(make()))

@@ -39,7 +39,11 @@ its parent's. Where the target, or the part, holds a state that counts apart
 (`_COUNTING`: a ``MultiSteps`` or ``apply_if_finite`` of its own), the states beside
 that one see every gradient: the root's clock is then the optimizer's step, a part keeps
 its parent's, and inside an ``apply_if_finite`` the clock is the source's count for the
-params it wraps (else its parent's less its ``total_notfinite``).
+params it wraps. Where the source has no moments for its params, a new ``MultiSteps``
+(its ``gradient_step``) or ``apply_if_finite`` takes the clock inside the source's state of
+its type at the same path (`_Source.clocks`), else the updates the source applied
+(`_updates_applied`; for ``apply_if_finite``, no more than its parent's clock less its
+``total_notfinite``).
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
 ``MultiOptimizer`` passes its own step to its sub-optimizers); a
 `LowPrecisionState`'s count is its parent's clock (it updates once per step of
@@ -363,21 +367,27 @@ def _params_in(node: Any, params: Mapping[str, Any]) -> list[str]:
   return found
 
 
-def _with_clock(node: Any, clock: Any, moments: Moments, step: Any) -> tuple[Any, Any]:
+def _with_clock(
+  node: Any, clock: Any, moments: Moments, step: Any, applied: Any, counted: Any
+) -> tuple[Any, Any]:
   """A target `node` with its own step count set, and the clock of the states inside it.
 
   A sub-optimizer's `OptimizerState` takes the optimizer's `step` (T5X's
   ``MultiOptimizer`` passes its own step down) and its parent's clock. A
   ``MultiSteps`` state's inner optimizer has made as many updates as the
-  source's moments for its params were gathered over (the parent's clock
-  when the source has none); ``mini_step`` stays 0, as the accumulated
+  source's ``MultiSteps`` at the same path (`counted`, None where there is
+  none), else as the source's moments for its params were gathered over,
+  else the updates the source `applied`; ``mini_step`` stays 0, as the accumulated
   gradient starts empty. A schedule-free state's ``step_count`` (read by its
   own learning-rate schedule) counts from 1, one ahead of its base optimizer's
   counts. The step a ``conditionally_transform`` or ``conditionally_mask``
   gate is decided by is the clock.
   """
   if isinstance(node, optax.MultiStepsState):
-    inner = moments.count(node.acc_grads, _as_count(clock, node.gradient_step))
+    if counted is not None and isinstance(counted.node, optax.MultiStepsState):
+      inner = _as_count(counted.clock, node.gradient_step)
+    else:
+      inner = moments.count(node.acc_grads, _as_count(applied, node.gradient_step))
     return node._replace(gradient_step=inner), inner
   if isinstance(node, OptimizerState):
     return node.replace(step=_as_count(step, node.step)), clock
@@ -450,6 +460,16 @@ class _Source:
   dropped: list[str] = dataclasses.field(default_factory=list)
   guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
+  clocks: dict[str, _Counted] = dataclasses.field(default_factory=dict)
+  """Each `_COUNTING` state and the clock inside it, by its path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+  """A source `_COUNTING` state (`node`) and the clock inside it."""
+
+  node: Any
+  clock: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,6 +619,8 @@ def _read_source(
     clock = _clock_of(node, clock)
     if isinstance(node, _CLOCKED):
       set_at = where
+    if isinstance(node, _COUNTING):
+      source.clocks[where] = _Counted(node, clock)
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
     for i, (key, child) in enumerate(children):
@@ -803,6 +825,7 @@ def _write_target(
   source: _Source,
   step: Any,
   updates: Any,
+  applied: Any,
   params: Mapping[str, Any],
   hparams: ReadHparams,
   missing: str,
@@ -811,7 +834,9 @@ def _write_target(
   axes: Mapping[str, tuple[Any, ...] | None],
 ) -> tuple[Any, ConversionReport]:
   """`template` written from `source`, and the report; `step` is the optimizer's, `updates`
-  the updates the source applied (the clock of the target's states); `held` names the params
+  the clock of the target's states, `applied` the updates the source applied
+  (`_updates_applied`: where the source holds no moments for the params of a new
+  ``MultiSteps`` or ``apply_if_finite``, its inner states go on from these); `held` names the params
   a stacked buffer's path holds, so that the report counts and names params; `axes` are the
   params' logical axes (`ConversionContext.axes`)."""
   converters = registered_converters()
@@ -879,14 +904,17 @@ def _write_target(
     if loose is not None:
       no_converter.append(loose)
       return node
-    node, clock = _with_clock(node, clock, counts, step)
+    counted = source.clocks.get(where)
+    node, clock = _with_clock(node, clock, counts, step, applied, counted)
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
       node = carry(node, where)
     if isinstance(node, optax.ApplyIfFiniteState):
       held = dict.fromkeys(_params_in(node.inner_state, params), 0)
-      clock = counts.count(held, jnp.maximum(clock - node.total_notfinite, 0))
+      let_through = jnp.maximum(clock - node.total_notfinite, 0)
+      own = counted.clock if counted is not None else jnp.minimum(let_through, applied)
+      clock = counts.count(held, own)
     children = _children(node)
     if children is None:
       return node
@@ -1566,6 +1594,7 @@ def convert_state(
     step
     if _counts_apart(template.param_states)
     else _applied_to(flat_params, source_stats.applied, _updates_applied(param_states, step)),
+    _updates_applied(param_states, step),
     flat_params,
     given["target_hparams"],
     missing,
