@@ -81,7 +81,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -464,8 +464,7 @@ class _Source:
   """Each `_COUNTING` state and the clock inside it, by its path."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Counted:
+class _Counted(NamedTuple):
   """A source `_COUNTING` state (`node`) and the clock inside it."""
 
   node: Any
