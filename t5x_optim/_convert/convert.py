@@ -1586,14 +1586,15 @@ def convert_state(
     axes,
   )
   source_stats.dropped.extend(notes)
+  applied = _updates_applied(param_states, step)
   written, report = _write_target(
     template.param_states,
     source_stats,
     step,
     step
     if _counts_apart(template.param_states)
-    else _applied_to(flat_params, source_stats.applied, _updates_applied(param_states, step)),
-    _updates_applied(param_states, step),
+    else _applied_to(flat_params, source_stats.applied, applied),
+    applied,
     flat_params,
     given["target_hparams"],
     missing,
