@@ -518,7 +518,9 @@ def test_plan_shows_each_leafs_storage_and_bytes():
     )
     assert row.bytes_per_device * devices == row.total_bytes, row
     assert devices == 8 or row.storage == "4bit cols", row
-  assert "4bit cols" in plan_lib.format_table(plan)
+    assert row.dropped_axes == (), "a part of a compressed moment, not a factored moment"
+  table = plan_lib.format_table(plan)
+  assert "4bit cols" in table and "factored" not in table
 
 
 @pytest.mark.slow

@@ -218,7 +218,7 @@ def build_plan(state: Any, *, logical: Any, warn_replicated_bytes: int = 1 << 20
     param = _match_param(path[:-1] if part else path, params)
     group = path[: len(path) - len(param) - part] if param else path[:-1]
     param_logical = _spec_tuple(param_axes.get(param), len(params[param].shape)) if param else ()
-    factored = param and logical_axes is not None and len(shape) < len(param_logical)
+    factored = not part and param and logical_axes is not None and len(shape) < len(param_logical)
     dropped = _dropped(param_logical, logical_axes) if factored else ()
     rows.append(
       LeafRow(
