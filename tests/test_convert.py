@@ -938,6 +938,80 @@ def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(name
   np.testing.assert_allclose(new.target["w"], old.target["w"], rtol=1e-6)
 
 
+def _in_groups(*groups: tuple[str, optax.GradientTransformation]) -> t5x_optim.MultiOptimizer:
+  return t5x_optim.MultiOptimizer(
+    [(t5x_optim.PathFilter(name), OptaxWrapper(tx)) for name, tx in groups]
+  )
+
+
+def _renamed(inner: Callable[..., optax.GradientTransformation]) -> tuple[Any, Any]:
+  """A MultiSteps of 2 over 'w' and one of 4 over 'v', and the same with the labels swapped."""
+
+  def make(w: str, v: str) -> Any:
+    return lambda: OptaxWrapper(
+      optax.multi_transform(
+        {w: _ms(inner(_LINEAR), 2), v: _ms(inner(_LINEAR), 4)}, {"w": w, "v": v}
+      )
+    )
+
+  return make("x", "y"), make("y", "x")
+
+
+_MOVED = {
+  "partitions_renamed": _renamed(optax.adam),
+  "partitions_renamed_without_moments": _renamed(optax.sgd),
+  "groups_reordered": (
+    lambda: _in_groups(("w", _ms(optax.adam(_LINEAR), 2)), ("v", _ms(optax.adam(_LINEAR), 4))),
+    lambda: _in_groups(("v", _ms(optax.adam(_LINEAR), 4)), ("w", _ms(optax.adam(_LINEAR), 2))),
+  ),
+  "nested_multi_steps_flattened": (
+    lambda: OptaxWrapper(_ms(_ms(optax.adam(_LINEAR), 2), 3)),
+    lambda: OptaxWrapper(_ms(optax.adam(_LINEAR), 6)),
+  ),
+  "multi_steps_into_apply_if_finite": (
+    lambda: OptaxWrapper(
+      optax.multi_transform({"x": _ms(optax.sgd(_LINEAR), 4)}, {"w": "x", "v": "x"})
+    ),
+    lambda: OptaxWrapper(
+      optax.multi_transform(
+        {"x": optax.apply_if_finite(optax.sgd(_LINEAR), 5)}, {"w": "x", "v": "x"}
+      )
+    ),
+  ),
+}
+"""Optimizers whose MultiSteps or apply_if_finite another holds elsewhere, or of another
+build, with the optimizer they are converted into."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_MOVED))
+def test_a_wrapper_goes_on_from_the_old_one_over_the_same_params_built_alike(name):
+  """A new MultiSteps took the count of the old state's MultiSteps at the same path, though
+  that one counted for other params (partitions renamed, groups reordered) or wrapped another
+  MultiSteps; an apply_if_finite took a MultiSteps' count. Each goes on as an uninterrupted
+  run of the new optimizer fed the same gradients."""
+  make_source, make_target = _MOVED[name]
+  params = {"w": jnp.linspace(-1.0, 1.0, 4), "v": jnp.linspace(-2.0, 0.5, 3)}
+  old, uninterrupted = make_source().create(params), make_target().create(params)
+  for i in range(24):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, params)
+    old, uninterrupted = old.apply_gradient(grads), uninterrupted.apply_gradient(grads)
+  new, _ = t5x_optim.convert_state(old, make_target())
+
+  def counts(optimizer: Any) -> list[Any]:
+    scalars = jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else None, optimizer.state)
+    return jax.tree.leaves(scalars)
+
+  assert counts(new) == counts(uninterrupted)
+  uninterrupted = uninterrupted.replace(target=new.target)
+  grads = jax.tree.map(lambda p: jnp.linspace(0.5, -0.5, p.size), params)
+  for _ in range(12):
+    new, uninterrupted = new.apply_gradient(grads), uninterrupted.apply_gradient(grads)
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=1e-6), new.target, uninterrupted.target
+  )
+
+
 def test_schedule_free_step_count_goes_on_from_the_source_step():
   """optax's schedule-free counts from 1, one ahead of its base optimizer's counts."""
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=100)

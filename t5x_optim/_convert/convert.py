@@ -39,9 +39,10 @@ its parent's. Where the target, or the part, holds a state that counts apart
 (`_COUNTING`: a ``MultiSteps`` or ``apply_if_finite`` of its own), the states beside
 that one see every gradient: the root's clock is then the optimizer's step, a part keeps
 its parent's, and inside an ``apply_if_finite`` the clock is the source's count for the
-params it wraps. Where the source has no moments for its params, a new ``MultiSteps``
-(its ``gradient_step``) or ``apply_if_finite`` takes the clock inside the source's state of
-its type at the same path (`_Source.clocks`), else the updates the source applied
+params it wraps. A new ``MultiSteps`` (its ``gradient_step``) or ``apply_if_finite`` takes
+the clock inside the source's state of its type over the same params and built of the same
+states, wherever that one sits (`_counting_key`); where the source has none, the count of
+its params' moments, else the updates the source applied
 (`_updates_applied`; for ``apply_if_finite``, no more than its parent's clock less its
 ``total_notfinite``).
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
@@ -81,7 +82,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -375,8 +376,9 @@ def _with_clock(
   A sub-optimizer's `OptimizerState` takes the optimizer's `step` (T5X's
   ``MultiOptimizer`` passes its own step down) and its parent's clock. A
   ``MultiSteps`` state's inner optimizer has made as many updates as the
-  source's ``MultiSteps`` at the same path (`counted`, None where there is
-  none), else as the source's moments for its params were gathered over,
+  source's ``MultiSteps`` over the same params and of the same build (`counted`,
+  its clock; None where there is none), else as the source's moments for its
+  params were gathered over,
   else the updates the source `applied`; ``mini_step`` stays 0, as the accumulated
   gradient starts empty. A schedule-free state's ``step_count`` (read by its
   own learning-rate schedule) counts from 1, one ahead of its base optimizer's
@@ -384,8 +386,8 @@ def _with_clock(
   gate is decided by is the clock.
   """
   if isinstance(node, optax.MultiStepsState):
-    if counted is not None and isinstance(counted.node, optax.MultiStepsState):
-      inner = _as_count(counted.clock, node.gradient_step)
+    if counted is not None:
+      inner = _as_count(counted, node.gradient_step)
     else:
       inner = moments.count(node.acc_grads, _as_count(applied, node.gradient_step))
     return node._replace(gradient_step=inner), inner
@@ -460,15 +462,34 @@ class _Source:
   dropped: list[str] = dataclasses.field(default_factory=list)
   guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
-  clocks: dict[str, _Counted] = dataclasses.field(default_factory=dict)
-  """Each `_COUNTING` state and the clock inside it, by its path."""
+  clocks: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
+  """The clock inside each `_COUNTING` state, by `_counting_key` (None where two states
+  share one: neither can be told for a target's)."""
 
 
-class _Counted(NamedTuple):
-  """A source `_COUNTING` state (`node`) and the clock inside it."""
+def _state_layout(node: Any) -> tuple[tuple[str, str], ...]:
+  """The states inside `node` (NamedTuples and dataclasses; a quantized leaf's parts aside),
+  each as its path and type name: how the state is built, whatever its arrays hold."""
+  found: list[tuple[str, str]] = []
 
-  node: Any
-  clock: Any
+  def walk(node: Any, path: tuple[str, ...]) -> None:
+    if _is_quantized(node):
+      return
+    if is_namedtuple(node) or dataclasses.is_dataclass(node):
+      found.append(("/".join(path), type(node).__name__))
+    for key, child in _children(node) or ():
+      walk(child, (*path, key))
+
+  walk(node, ())
+  return tuple(found)
+
+
+def _counting_key(node: Any, params: Mapping[str, Any]) -> tuple[Any, ...]:
+  """What a source and a target `_COUNTING` state share when the target's clock is the
+  source's: their type, the params they count for and how the states inside are built
+  (`_state_layout`), wherever either sits in its optimizer (a partition renamed, a
+  `MultiOptimizer` group moved)."""
+  return type(node), frozenset(_params_in(node, params)), _state_layout(node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,7 +640,8 @@ def _read_source(
     if isinstance(node, _CLOCKED):
       set_at = where
     if isinstance(node, _COUNTING):
-      source.clocks[where] = _Counted(node, clock)
+      key = _counting_key(node, params)
+      source.clocks[key] = None if key in source.clocks else clock
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
     for i, (key, child) in enumerate(children):
@@ -903,7 +925,9 @@ def _write_target(
     if loose is not None:
       no_converter.append(loose)
       return node
-    counted = source.clocks.get(where)
+    counted = (
+      source.clocks.get(_counting_key(node, params)) if isinstance(node, _COUNTING) else None
+    )
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
@@ -912,7 +936,7 @@ def _write_target(
     if isinstance(node, optax.ApplyIfFiniteState):
       held = dict.fromkeys(_params_in(node.inner_state, params), 0)
       let_through = jnp.maximum(clock - node.total_notfinite, 0)
-      own = counted.clock if counted is not None else jnp.minimum(let_through, applied)
+      own = counted if counted is not None else jnp.minimum(let_through, applied)
       clock = counts.count(held, own)
     children = _children(node)
     if children is None:
