@@ -112,6 +112,28 @@ def test_init_from_gin_of_another_optimizer_names_both(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_init_from_gin_of_the_same_optimizer_laid_out_otherwise_says_so_briefly(tmp_path, capsys):
+  """--init_from_gin with the shipped 8-bit file, the run having compressed every leaf
+  (min_size 0): one line of 7,704 characters, every missing and unexpected key, that never
+  named --init_from_gin or the settings."""
+  old, new = str(tmp_path / "old"), str(tmp_path / "new")
+  every_leaf = ["--gin_file", "optimizers/adamw_8bit.gin"]
+  every_leaf += ["--gin_bindings", "optimizers.low_precision.min_size = 0"]
+  steps = ["--gin_bindings", "TOTAL_STEPS = 2", "--model_dir", old]
+  assert main(["train", *TINY, *every_leaf, *steps]) == 0
+  capsys.readouterr()
+  flags = ["--init_from", old, "--init_from_gin", "optimizers/adamw_8bit.gin", "--model_dir", new]
+  assert main(["train", *TINY, "--gin_bindings", "TOTAL_STEPS = 3", *flags]) == 2
+  err = capsys.readouterr().err
+  assert len(err) < 2500 and len(err.splitlines()) == 1, err
+  assert re.search(r"; and \d+ more \(\d+ missing keys, \d+ unexpected keys\)", err), err
+  assert (
+    "--init_from_gin optimizers/adamw_8bit.gin builds the optimizer the run names, with a state "
+    "laid out otherwise: give the settings the run had (e.g. low_precision's min_size"
+  ) in err, err
+
+
+@pytest.mark.slow
 def test_init_from_into_injected_hyperparams(tmp_path, capsys):
   """The new optimizer's injected b1 and b2 (replicated on the mesh) met the count of the
   restored step on one device: "Received incompatible devices for jitted computation"."""

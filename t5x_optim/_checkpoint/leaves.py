@@ -1,7 +1,7 @@
 """The leaves of a checkpoint: as stored, as expected, and how one becomes the other.
 
 `Checkpointer` compares the shape and dtype of every stored array with the
-target's before reading any data (`leaf_problems` names every mismatch at once),
+target's before reading any data (`leaf_problems` finds every mismatch at once),
 writes typed PRNG keys as their raw key data, and fits what it read to the
 target's dtypes and shardings. Paths are tuples of state-dict keys.
 
@@ -13,9 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +44,7 @@ __all__ = [
   "fit_read",
   "flatten",
   "leaf_problems",
+  "listed",
   "optimizer_state_classes",
   "orbax_restore_args",
   "place",
@@ -203,6 +205,32 @@ def leaf_problems(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> l
       if problem is not None:
         problems.append(problem)
   return problems
+
+
+SHOWN_PROBLEMS = 8
+"""How many problems a refusal lists before it counts the rest."""
+
+
+def listed(problems: Sequence[str]) -> list[str]:
+  """`problems`, at most `SHOWN_PROBLEMS` of them and then a count of the rest by kind: a
+  checkpoint of another layout can differ at every leaf, and thousands of characters of
+  paths bury what the first few say.
+
+  Example:
+    >>> listed([f"missing key '{i}' (...)" for i in range(9)] + ["unexpected key 'x' (...)"])[-1]
+    'and 2 more (1 missing key, 1 unexpected key)'
+  """
+  if len(problems) <= SHOWN_PROBLEMS:
+    return list(problems)
+  kinds = collections.Counter(
+    next((kind for kind in _KINDS if problem.startswith(kind)), "other mismatch")
+    for problem in problems[SHOWN_PROBLEMS:]
+  )
+  counted = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items())
+  return [*problems[:SHOWN_PROBLEMS], f"and {len(problems) - SHOWN_PROBLEMS} more ({counted})"]
+
+
+_KINDS = ("missing key", "unexpected key")
 
 
 def rounded_floats(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:

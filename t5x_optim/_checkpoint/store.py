@@ -44,6 +44,7 @@ from t5x_optim._checkpoint.leaves import (
   fit_read,
   flatten,
   leaf_problems,
+  listed,
   optimizer_state_classes,
   orbax_restore_args,
   rewrap_keys,
@@ -837,7 +838,7 @@ class Checkpointer:
     classes: Mapping[str, str] | None,
   ) -> None:
     """Refuses a checkpoint whose leaves or optimizer state classes do not fit the target."""
-    problems = leaf_problems(expected, stored)
+    problems = listed(leaf_problems(expected, stored))
     if classes is not None:
       other = class_problems(self._recorded_classes(step), classes)
       if other:
@@ -938,7 +939,7 @@ class Checkpointer:
     if unfit:
       if verify:
         self._verify(step, pending, other_x64, recorded)  # Corrupt data is not the target's fault.
-      self._refuse(step, unfit)
+      self._refuse(step, listed(unfit))
     state_dict = traverse_util.unflatten_dict(rewrap_keys(restored, target_leaves))
     if params_only:
       state_dict[_STATE][_PARAM_STATES] = _fresh_param_states(target, state_dict[_TARGET])
@@ -1021,7 +1022,8 @@ class Checkpointer:
         the keys agree, such as adam's checkpoint restored into adabelief:
         each step records the classes of its optimizer state's nodes, see
         `state_classes`), checked on the metadata before any array
-        is read and naming every such path; or a stored array whose values
+        is read and naming the paths (the first `SHOWN_PROBLEMS`, then a
+        count of the rest by kind); or a stored array whose values
         are not all whole numbers within the target's integer dtype, which
         can only be checked once read (after its checksum). Never retried by
         `fallback`: it is the target that is wrong.

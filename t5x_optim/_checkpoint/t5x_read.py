@@ -20,6 +20,7 @@ from t5x_optim._checkpoint import storage
 from t5x_optim._checkpoint.leaves import (
   checked_step,
   class_problems,
+  listed,
   optimizer_state_classes,
 )
 from t5x_optim._core import state_dict as _state_dict
@@ -380,7 +381,7 @@ def _fit_host_leaves(
   """Checks the host-read leaves against the target (`state_dict.fit_on_host`), then places them.
 
   Raises:
-    ValueError: naming every leaf whose values do not fit; nothing is placed.
+    ValueError: naming the leaves whose values do not fit (`listed`); nothing is placed.
   """
   fitted, problems = dict(read), []
   for path in sorted(host):
@@ -390,8 +391,8 @@ def _fit_host_leaves(
       problems.append(str(e))
   if problems:
     raise ValueError(
-      f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "
-      "Nothing was restored."
+      f"The T5X checkpoint in {step_dir} does not fit the target: "
+      f"{'; '.join(listed(problems))}. Nothing was restored."
     )
   for path in host:
     sharding = _sharding(expected[path])
@@ -522,8 +523,9 @@ def restore_t5x_checkpoint(
     ValueError: the checkpoint does not fit the target (missing or unexpected
       keys, e.g. another model or optimizer; other shapes; an optimizer state
       of other classes where a step written by `save_t5x_checkpoint` records
-      them, such as adam's restored into adabelief), naming every such
-      path with both sides; an unreadable checkpoint; or what the target's
+      them, such as adam's restored into adabelief), naming the paths with
+      both sides (the first `SHOWN_PROBLEMS`, then a count of the rest by
+      kind); an unreadable checkpoint; or what the target's
       `restore_state` rejects.
 
   The public `t5x_optim.restore_t5x_checkpoint` (`api.py`) calls this one
@@ -566,7 +568,7 @@ def restore_opened(opened: OpenedStep, target: T5XState) -> T5XState:
   step_dir, fmt, stored = opened.step_dir, opened.fmt, opened.stored
   flat_target = traverse_util.flatten_dict(_state_dict.prune_empty(target.state_dict()))
   expected = {p: leaf for p, leaf in flat_target.items() if leaf is not None}
-  problems = _problems(expected, stored) + _class_problems(step_dir, target)
+  problems = listed(_problems(expected, stored)) + _class_problems(step_dir, target)
   if problems:
     raise ValueError(
       f"The T5X checkpoint in {step_dir} does not fit the target: {'; '.join(problems)}. "

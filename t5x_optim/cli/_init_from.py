@@ -321,6 +321,21 @@ def _another_optimizer(
   )
 
 
+def _settings_advice(
+  job: Mapping[str, Any] | None, given_gin: tuple[str, str | None] | None
+) -> str:
+  """Where ``--init_from_gin`` built the optimizer that the checkpoint's job record (`job`)
+  names, yet its state does not fit: the settings that lay the state out differ
+  (`low_precision`'s ``min_size``, ``state_dtype``, ``param_modes``), not the optimizer."""
+  if given_gin is None or not given_gin[1] or (job or {}).get("optimizer") != given_gin[1]:
+    return ""
+  return (
+    f" {given_gin[0]} builds the optimizer the run names, with a state laid out otherwise: "
+    "give the settings the run had (e.g. low_precision's min_size, state_dtype, param_modes), "
+    f"or no --init_from_gin (the run's {CONFIG_FILE} holds them)."
+  )
+
+
 def _refuse_another_model(
   init_from: Path, step: int, job: Mapping[str, Any] | None, model: Mapping[str, Any] | None
 ) -> None:
@@ -590,7 +605,9 @@ def initial_state_fn(
         raise
       text = " ".join(str(error).split())
       if step is not None and not isinstance(error, CheckpointError):
-        text = _another_optimizer(job, step, source.given_gin) or text
+        text = _another_optimizer(job, step, source.given_gin) or text + _settings_advice(
+          job, source.given_gin
+        )
       if source.optimizer is None:  # No config told which optimizer wrote it.
         text = _PYTHON_ADVICE.sub(
           f"it has no {CONFIG_FILE} that names the optimizer which wrote it: pass "
