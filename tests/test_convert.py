@@ -944,7 +944,7 @@ def _in_groups(*groups: tuple[str, optax.GradientTransformation]) -> t5x_optim.M
   )
 
 
-def _renamed(inner: Callable[..., optax.GradientTransformation]) -> tuple[Any, Any]:
+def _renamed(inner: Callable[..., optax.GradientTransformation]) -> tuple[Any, Any, tuple]:
   """A MultiSteps of 2 over 'w' and one of 4 over 'v', and the same with the labels swapped."""
 
   def make(w: str, v: str) -> Any:
@@ -954,7 +954,7 @@ def _renamed(inner: Callable[..., optax.GradientTransformation]) -> tuple[Any, A
       )
     )
 
-  return make("x", "y"), make("y", "x")
+  return make("x", "y"), make("y", "x"), ()
 
 
 _MOVED = {
@@ -963,10 +963,27 @@ _MOVED = {
   "groups_reordered": (
     lambda: _in_groups(("w", _ms(optax.adam(_LINEAR), 2)), ("v", _ms(optax.adam(_LINEAR), 4))),
     lambda: _in_groups(("v", _ms(optax.adam(_LINEAR), 4)), ("w", _ms(optax.adam(_LINEAR), 2))),
+    (),
   ),
   "nested_multi_steps_flattened": (
     lambda: OptaxWrapper(_ms(_ms(optax.adam(_LINEAR), 2), 3)),
     lambda: OptaxWrapper(_ms(optax.adam(_LINEAR), 6)),
+    (),
+  ),
+  "nested_multi_steps_around_another_optimizer": (
+    lambda: OptaxWrapper(_ms(_ms(optax.adam(_LINEAR), 2), 3)),
+    lambda: OptaxWrapper(_ms(_ms(optax.adamw(_LINEAR), 2), 3)),
+    (),
+  ),
+  "apply_if_finite_in_multi_steps_around_another_optimizer": (
+    lambda: OptaxWrapper(_ms(optax.apply_if_finite(optax.adam(_LINEAR), 5), 2)),
+    lambda: OptaxWrapper(_ms(optax.apply_if_finite(optax.adamw(_LINEAR), 5), 2)),
+    (3, 7),
+  ),
+  "two_multi_steps_alike_in_a_chain": (
+    lambda: OptaxWrapper(optax.chain(_ms(optax.sgd(_LINEAR), 2), _ms(optax.sgd(_LINEAR), 3))),
+    lambda: OptaxWrapper(optax.chain(_ms(optax.sgd(_LINEAR), 2), _ms(optax.sgd(_LINEAR), 3))),
+    (),
   ),
   "multi_steps_into_apply_if_finite": (
     lambda: OptaxWrapper(
@@ -977,10 +994,12 @@ _MOVED = {
         {"x": optax.apply_if_finite(optax.sgd(_LINEAR), 5)}, {"w": "x", "v": "x"}
       )
     ),
+    (),
   ),
 }
-"""Optimizers whose MultiSteps or apply_if_finite another holds elsewhere, or of another
-build, with the optimizer they are converted into."""
+"""Optimizers whose MultiSteps or apply_if_finite another holds elsewhere, around another
+optimizer, or nested otherwise, with the optimizer they are converted into and the
+gradients made non-finite."""
 
 
 @pytest.mark.slow
@@ -988,13 +1007,17 @@ build, with the optimizer they are converted into."""
 def test_a_wrapper_goes_on_from_the_old_one_over_the_same_params_built_alike(name):
   """A new MultiSteps took the count of the old state's MultiSteps at the same path, though
   that one counted for other params (partitions renamed, groups reordered) or wrapped another
-  MultiSteps; an apply_if_finite took a MultiSteps' count. Each goes on as an uninterrupted
-  run of the new optimizer fed the same gradients."""
-  make_source, make_target = _MOVED[name]
+  MultiSteps; an apply_if_finite took a MultiSteps' count; matched by params and nesting
+  instead, a wrapper around another optimizer, or one of two alike in a chain, took the
+  innermost one's count. Each goes on as an uninterrupted run of the new optimizer fed the
+  same gradients."""
+  make_source, make_target, nan_at = _MOVED[name]
   params = {"w": jnp.linspace(-1.0, 1.0, 4), "v": jnp.linspace(-2.0, 0.5, 3)}
   old, uninterrupted = make_source().create(params), make_target().create(params)
   for i in range(24):
     grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, params)
+    if i in nan_at:
+      grads = jax.tree.map(lambda g: g * jnp.nan, grads)
     old, uninterrupted = old.apply_gradient(grads), uninterrupted.apply_gradient(grads)
   new, _ = t5x_optim.convert_state(old, make_target())
 

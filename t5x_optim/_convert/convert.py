@@ -40,9 +40,10 @@ its parent's. Where the target, or the part, holds a state that counts apart
 that one see every gradient: the root's clock is then the optimizer's step, a part keeps
 its parent's, and inside an ``apply_if_finite`` the clock is the source's count for the
 params it wraps. A new ``MultiSteps`` (its ``gradient_step``) or ``apply_if_finite`` takes
-the clock inside the source's state of its type over the same params and built of the same
-states, wherever that one sits (`_counting_key`); where the source has none, the count of
-its params' moments, else the updates the source applied
+the clock inside the source's state of its type over the same params with the same
+wrappers nested inside, wherever that one sits (`_counting_key`; where two are alike, the
+one at the same path: `_Source.clock_for`); where the source has none, the count of its
+params' moments, else the updates the source applied
 (`_updates_applied`; for ``apply_if_finite``, no more than its parent's clock less its
 ``total_notfinite``).
 The optimizer's step stays the source's, and so does a sub-optimizer's (T5X's
@@ -78,6 +79,7 @@ An 8-bit or 4-bit leaf anywhere else cannot be decoded and is refused, with its 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import warnings
@@ -376,7 +378,7 @@ def _with_clock(
   A sub-optimizer's `OptimizerState` takes the optimizer's `step` (T5X's
   ``MultiOptimizer`` passes its own step down) and its parent's clock. A
   ``MultiSteps`` state's inner optimizer has made as many updates as the
-  source's ``MultiSteps`` over the same params and of the same build (`counted`,
+  source's ``MultiSteps`` over the same params and nesting (`counted`,
   its clock; None where there is none), else as the source's moments for its
   params were gathered over,
   else the updates the source `applied`; ``mini_step`` stays 0, as the accumulated
@@ -464,18 +466,28 @@ class _Source:
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
   clocks: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
   """The clock inside each `_COUNTING` state, by `_counting_key` (None where two states
-  share one: neither can be told for a target's)."""
+  share one: neither can be told for a target's by it)."""
+  placed: dict[str, tuple[tuple[Any, ...], Any]] = dataclasses.field(default_factory=dict)
+  """Each `_COUNTING` state's `_counting_key` and clock, by its path."""
+
+  def clock_for(self, key: tuple[Any, ...], where: str, *, unique: bool) -> Any:
+    """The clock of the source's `_COUNTING` state that a target's, of `key` at `where`,
+    goes on from: the one state of that key, where the target has one (`unique`), else
+    the one of that key at the same path (two ``MultiSteps`` alike in one chain); None
+    where there is none."""
+    if unique and self.clocks.get(key) is not None:
+      return self.clocks[key]
+    same_place = self.placed.get(where)
+    return same_place[1] if same_place is not None and same_place[0] == key else None
 
 
-def _state_layout(node: Any) -> tuple[tuple[str, str], ...]:
-  """The states inside `node` (NamedTuples and dataclasses; a quantized leaf's parts aside),
-  each as its path and type name: how the state is built, whatever its arrays hold."""
+def _wrappers_inside(node: Any) -> tuple[tuple[str, str], ...]:
+  """The `_COUNTING` states in `node`, itself included, each as its path and type name:
+  how its wrappers nest, whatever the states they wrap."""
   found: list[tuple[str, str]] = []
 
   def walk(node: Any, path: tuple[str, ...]) -> None:
-    if _is_quantized(node):
-      return
-    if is_namedtuple(node) or dataclasses.is_dataclass(node):
+    if isinstance(node, _COUNTING):
       found.append(("/".join(path), type(node).__name__))
     for key, child in _children(node) or ():
       walk(child, (*path, key))
@@ -484,12 +496,26 @@ def _state_layout(node: Any) -> tuple[tuple[str, str], ...]:
   return tuple(found)
 
 
+def _counting_keys(tree: Any, params: Mapping[str, Any]) -> collections.Counter:
+  """How many `_COUNTING` states in `tree` have each `_counting_key`."""
+  found: collections.Counter = collections.Counter()
+
+  def walk(node: Any) -> None:
+    if isinstance(node, _COUNTING):
+      found[_counting_key(node, params)] += 1
+    for _, child in _children(node) or ():
+      walk(child)
+
+  walk(tree)
+  return found
+
+
 def _counting_key(node: Any, params: Mapping[str, Any]) -> tuple[Any, ...]:
   """What a source and a target `_COUNTING` state share when the target's clock is the
-  source's: their type, the params they count for and how the states inside are built
-  (`_state_layout`), wherever either sits in its optimizer (a partition renamed, a
-  `MultiOptimizer` group moved)."""
-  return type(node), frozenset(_params_in(node, params)), _state_layout(node)
+  source's: their type, the params they count for and how the wrappers inside them nest
+  (`_wrappers_inside`), wherever either sits in its optimizer (a partition renamed, a
+  `MultiOptimizer` group moved) and whatever optimizer they wrap (adam or adamw)."""
+  return type(node), frozenset(_params_in(node, params)), _wrappers_inside(node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,6 +668,7 @@ def _read_source(
     if isinstance(node, _COUNTING):
       key = _counting_key(node, params)
       source.clocks[key] = None if key in source.clocks else clock
+      source.placed[where] = (key, clock)
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
     for i, (key, child) in enumerate(children):
@@ -867,6 +894,7 @@ def _write_target(
   counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
   targets = _carried_whole(template)
+  target_keys = _counting_keys(template, params)
   carried: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
@@ -925,9 +953,10 @@ def _write_target(
     if loose is not None:
       no_converter.append(loose)
       return node
-    counted = (
-      source.clocks.get(_counting_key(node, params)) if isinstance(node, _COUNTING) else None
-    )
+    counted = None
+    if isinstance(node, _COUNTING):
+      key = _counting_key(node, params)
+      counted = source.clock_for(key, where, unique=target_keys[key] == 1)
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
