@@ -23,7 +23,7 @@ from t5x_optim import optimizers, storage
 from t5x_optim._checkpoint import headers as checkpoint_headers
 from t5x_optim._checkpoint import store as checkpoints_impl
 from t5x_optim._checkpoint.checksums import dispatch_checksums, fetch
-from t5x_optim._checkpoint.leaves import array_key, flatten, saveable
+from t5x_optim._checkpoint.leaves import array_key, flatten, listed, saveable
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 
 
@@ -745,6 +745,18 @@ ERROR_CASES = {
     ["shape mismatch at 'target/dense/kernel'"],
   ),
 }
+
+
+def test_a_refusal_lists_the_params_and_mismatches_first_and_counts_the_rest_by_kind():
+  """A checkpoint of another layout was refused with every key, thousands of characters; the
+  count of the rest said "other mismatchs" for shape and dtype mismatches."""
+  missing = [f"missing key 'state/param_states/0/mu/p{i}' (...)" for i in range(9)]
+  other = ["dtype mismatch at 'state/count': ...", "shape mismatch at 'target/p1': ..."]
+  shown = listed([*missing, "unexpected key 'state/x' (...)", *other, "shape mismatch at 'a'"])
+  assert shown[:3] == [other[1], "shape mismatch at 'a'", other[0]]
+  assert shown[3:-1] == missing[:5]
+  assert shown[-1] == "and 5 more (4 missing keys, 1 unexpected key)"
+  assert listed(missing[:8]) == missing[:8]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)

@@ -1785,6 +1785,17 @@ def test_a_converting_restore_into_other_params_is_said_not_to_fit_the_target(tm
     assert "source" not in str(refused.value), refused.value
 
 
+def test_a_converting_restore_of_another_model_names_its_params_among_many_problems(tmp_path):
+  """A refusal lists a few problems: the params' shape mismatch, listed after 28 problems of
+  a wrongly given source's state, was cut off, and the refusal blamed the source."""
+  params = {f"p{i}": jnp.ones((4, 8)) for i in range(7)}
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(1, optimizers.adam(1e-3).create(params))
+  target = optimizers.sgd(1e-3).create({**params, "p6": jnp.ones((5, 8))})
+  with pytest.raises(ValueError, match="does not fit the target: shape mismatch at 'target/p6'"):
+    t5x_optim.restore_converted(tmp_path, target, source=optimizers.adafactor(1e-3))
+
+
 def test_state_dict_source_needs_its_definition():
   state_dict = _optimizer(BY_NAME["adam"]).state_dict()
   with pytest.raises(ValueError, match="pass source_def="):

@@ -214,7 +214,8 @@ SHOWN_PROBLEMS = 8
 def listed(problems: Sequence[str]) -> list[str]:
   """`problems`, at most `SHOWN_PROBLEMS` of them and then a count of the rest by kind: a
   checkpoint of another layout can differ at every leaf, and thousands of characters of
-  paths bury what the first few say.
+  paths bury what the first few say. Those at the params' paths (``'target/...'``: another
+  model) come first, then shape and dtype mismatches, then missing and unexpected keys.
 
   Example:
     >>> listed([f"missing key '{i}' (...)" for i in range(9)] + ["unexpected key 'x' (...)"])[-1]
@@ -222,15 +223,22 @@ def listed(problems: Sequence[str]) -> list[str]:
   """
   if len(problems) <= SHOWN_PROBLEMS:
     return list(problems)
-  kinds = collections.Counter(
-    next((kind for kind in _KINDS if problem.startswith(kind)), "other mismatch")
-    for problem in problems[SHOWN_PROBLEMS:]
+  ordered = sorted(
+    problems, key=lambda problem: ("'target/" not in problem, _KINDS.index(_kind(problem)))
   )
-  counted = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items())
-  return [*problems[:SHOWN_PROBLEMS], f"and {len(problems) - SHOWN_PROBLEMS} more ({counted})"]
+  kinds = collections.Counter(_kind(problem) for problem in ordered[SHOWN_PROBLEMS:])
+  counted = ", ".join(
+    f"{n} {kind}" if n == 1 else f"{n} {kind}{'es' if kind.endswith('ch') else 's'}"
+    for kind, n in sorted(kinds.items())
+  )
+  return [*ordered[:SHOWN_PROBLEMS], f"and {len(problems) - SHOWN_PROBLEMS} more ({counted})"]
 
 
-_KINDS = ("missing key", "unexpected key")
+_KINDS = ("shape mismatch", "dtype mismatch", "missing key", "unexpected key", "other problem")
+
+
+def _kind(problem: str) -> str:
+  return next((kind for kind in _KINDS[:-1] if problem.startswith(kind)), _KINDS[-1])
 
 
 def rounded_floats(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:

@@ -322,12 +322,15 @@ def _another_optimizer(
 
 
 def _settings_advice(
-  job: Mapping[str, Any] | None, given_gin: tuple[str, str | None] | None
+  job: Mapping[str, Any] | None, given_gin: tuple[str, str | None] | None, refusal: str
 ) -> str:
   """Where ``--init_from_gin`` built the optimizer that the checkpoint's job record (`job`)
-  names, yet its state does not fit: the settings that lay the state out differ
-  (`low_precision`'s ``min_size``, ``state_dtype``, ``param_modes``), not the optimizer."""
+  names, yet the `refusal` says its state does not fit the source: the settings that lay
+  the state out differ (`low_precision`'s ``min_size``, ``state_dtype``, ``param_modes``),
+  not the optimizer."""
   if given_gin is None or not given_gin[1] or (job or {}).get("optimizer") != given_gin[1]:
+    return ""
+  if "does not fit the source" not in refusal:
     return ""
   return (
     f" {given_gin[0]} builds the optimizer the run names, with a state laid out otherwise: "
@@ -606,7 +609,7 @@ def initial_state_fn(
       text = " ".join(str(error).split())
       if step is not None and not isinstance(error, CheckpointError):
         text = _another_optimizer(job, step, source.given_gin) or text + _settings_advice(
-          job, source.given_gin
+          job, source.given_gin, text
         )
       if source.optimizer is None:  # No config told which optimizer wrote it.
         text = _PYTHON_ADVICE.sub(
