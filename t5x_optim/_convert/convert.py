@@ -41,8 +41,9 @@ that one see every gradient: the root's clock is then the optimizer's step, a pa
 its parent's, and inside an ``apply_if_finite`` the clock is the source's count for the
 params it wraps. A new ``MultiSteps`` (its ``gradient_step``) or ``apply_if_finite`` takes
 the clock inside the source's state of its type over the same params with the same
-wrappers nested inside, wherever that one sits (`_counting_key`; where two are alike, the
-one at the same path: `_Source.clock_for`); where the source has none, the count of its
+wrappers nested inside, wherever that one sits (`_counting_key`; where several are alike,
+the one of the same rank among them where both hold as many, else the one at the same path:
+`_Source.clock_for`); where the source has none, the count of its
 params' moments, else the updates the source applied
 (`_updates_applied`; for ``apply_if_finite``, no more than its parent's clock less its
 ``total_notfinite``).
@@ -464,35 +465,38 @@ class _Source:
   dropped: list[str] = dataclasses.field(default_factory=list)
   guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
-  clocks: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
-  """The clock inside each `_COUNTING` state, by `_counting_key` (None where two states
-  share one: neither can be told for a target's by it)."""
+  clocks: dict[tuple[Any, ...], list[Any]] = dataclasses.field(default_factory=dict)
+  """The clocks inside the `_COUNTING` states of each `_counting_key`, in the order the
+  states are walked (two alike in one chain: in chain order)."""
   placed: dict[str, tuple[tuple[Any, ...], Any]] = dataclasses.field(default_factory=dict)
   """Each `_COUNTING` state's `_counting_key` and clock, by its path."""
 
-  def clock_for(self, key: tuple[Any, ...], where: str, *, unique: bool) -> Any:
-    """The clock of the source's `_COUNTING` state that a target's, of `key` at `where`,
-    goes on from: the one state of that key, where the target has one (`unique`), else
-    the one of that key at the same path (two ``MultiSteps`` alike in one chain); None
-    where there is none."""
-    if unique and self.clocks.get(key) is not None:
-      return self.clocks[key]
+  def clock_for(self, key: tuple[Any, ...], where: str, rank: int, alike: int) -> Any:
+    """The clock of the source's `_COUNTING` state that a target's goes on from: the
+    target's of `key` at `where`, the `rank`-th of the `alike` states of that key it holds.
+    Where the source holds as many of that key, the one of the same rank (wherever it
+    sits); else the one of that key at the same path; None where there is none."""
+    found = self.clocks.get(key, [])
+    if len(found) == alike:
+      return found[rank]
     same_place = self.placed.get(where)
     return same_place[1] if same_place is not None and same_place[0] == key else None
 
 
-def _wrappers_inside(node: Any) -> tuple[tuple[str, str], ...]:
-  """The `_COUNTING` states in `node`, itself included, each as its path and type name:
-  how its wrappers nest, whatever the states they wrap."""
-  found: list[tuple[str, str]] = []
+def _wrappers_inside(node: Any) -> tuple[tuple[int, str], ...]:
+  """The `_COUNTING` states in `node`, itself included, each as its depth among them and
+  its type name, in the order they are walked: how its wrappers nest, whatever they wrap
+  and whatever sits between them (a chain, a `low_precision`)."""
+  found: list[tuple[int, str]] = []
 
-  def walk(node: Any, path: tuple[str, ...]) -> None:
+  def walk(node: Any, depth: int) -> None:
     if isinstance(node, _COUNTING):
-      found.append(("/".join(path), type(node).__name__))
-    for key, child in _children(node) or ():
-      walk(child, (*path, key))
+      found.append((depth, type(node).__name__))
+      depth += 1
+    for _, child in _children(node) or ():
+      walk(child, depth)
 
-  walk(node, ())
+  walk(node, 0)
   return tuple(found)
 
 
@@ -667,7 +671,7 @@ def _read_source(
       set_at = where
     if isinstance(node, _COUNTING):
       key = _counting_key(node, params)
-      source.clocks[key] = None if key in source.clocks else clock
+      source.clocks.setdefault(key, []).append(clock)
       source.placed[where] = (key, clock)
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
@@ -895,6 +899,7 @@ def _write_target(
   schedules = hparams.schedules()
   targets = _carried_whole(template)
   target_keys = _counting_keys(template, params)
+  ranks: collections.Counter = collections.Counter()
   carried: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
@@ -956,7 +961,8 @@ def _write_target(
     counted = None
     if isinstance(node, _COUNTING):
       key = _counting_key(node, params)
-      counted = source.clock_for(key, where, unique=target_keys[key] == 1)
+      counted = source.clock_for(key, where, ranks[key], target_keys[key])
+      ranks[key] += 1
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
