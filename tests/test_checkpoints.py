@@ -757,6 +757,13 @@ def test_a_refusal_lists_the_params_and_mismatches_first_and_counts_the_rest_by_
   assert shown[3:-1] == missing[:5]
   assert shown[-1] == "and 5 more (4 missing keys, 1 unexpected key)"
   assert listed(missing[:8]) == missing[:8]
+  mutable = "unexpected key 'flax_mutables/batch_stats/old' (...)"
+  values = [f"Value mismatch at 'state/step{i}': ..." for i in range(2)]
+  shown = listed([*missing, *values, mutable])
+  assert shown[:3] == [mutable, *values], "another model's first, then mismatches"
+  assert shown[-1] == "and 4 more (4 missing keys)"
+  assert listed([*values, *values, *missing])[-1] == "and 5 more (5 missing keys)"
+  assert listed(values * 5)[-1] == "and 2 more (2 value mismatches)"
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)

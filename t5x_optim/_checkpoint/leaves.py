@@ -214,31 +214,50 @@ SHOWN_PROBLEMS = 8
 def listed(problems: Sequence[str]) -> list[str]:
   """`problems`, at most `SHOWN_PROBLEMS` of them and then a count of the rest by kind: a
   checkpoint of another layout can differ at every leaf, and thousands of characters of
-  paths bury what the first few say. Those at the params' paths (``'target/...'``: another
-  model) come first, then shape and dtype mismatches, then missing and unexpected keys.
+  paths bury what the first few say. Those outside the optimizer state (``'target/...'``,
+  ``'flax_mutables/...'``: another model) come first, then shape, dtype and value
+  mismatches, then missing and unexpected keys.
 
   Example:
-    >>> listed([f"missing key '{i}' (...)" for i in range(9)] + ["unexpected key 'x' (...)"])[-1]
-    'and 2 more (1 missing key, 1 unexpected key)'
+    >>> listed([f"missing key 'state/{i}' (...)" for i in range(9)] + ["unexpected key 'x'"])
+    ... # doctest: +ELLIPSIS
+    ["unexpected key 'x'", "missing key 'state/0' (...)", ..., 'and 2 more (2 missing keys)']
   """
   if len(problems) <= SHOWN_PROBLEMS:
     return list(problems)
-  ordered = sorted(
-    problems, key=lambda problem: ("'target/" not in problem, _KINDS.index(_kind(problem)))
-  )
+  ordered = sorted(problems, key=lambda problem: (_in_state(problem), _KINDS.index(_kind(problem))))
   kinds = collections.Counter(_kind(problem) for problem in ordered[SHOWN_PROBLEMS:])
   counted = ", ".join(
-    f"{n} {kind}" if n == 1 else f"{n} {kind}{'es' if kind.endswith('ch') else 's'}"
-    for kind, n in sorted(kinds.items())
+    f"{kinds[kind]} {kind}" if kinds[kind] == 1 else f"{kinds[kind]} {_plural(kind)}"
+    for kind in _KINDS
+    if kind in kinds
   )
   return [*ordered[:SHOWN_PROBLEMS], f"and {len(problems) - SHOWN_PROBLEMS} more ({counted})"]
 
 
-_KINDS = ("shape mismatch", "dtype mismatch", "missing key", "unexpected key", "other problem")
+_KINDS = (
+  "shape mismatch",
+  "dtype mismatch",
+  "value mismatch",
+  "missing key",
+  "unexpected key",
+  "other problem",
+)
 
 
 def _kind(problem: str) -> str:
-  return next((kind for kind in _KINDS[:-1] if problem.startswith(kind)), _KINDS[-1])
+  lowered = problem.lower()
+  return next((kind for kind in _KINDS[:-1] if lowered.startswith(kind)), _KINDS[-1])
+
+
+def _in_state(problem: str) -> bool:
+  """Whether the first path `problem` names is in the optimizer state (``'state/...'``)."""
+  quoted = problem.split("'")
+  return len(quoted) > 1 and quoted[1].startswith("state/")
+
+
+def _plural(kind: str) -> str:
+  return kind + ("es" if kind.endswith("ch") else "s")
 
 
 def rounded_floats(expected: Mapping[Path, Any], stored: Mapping[Path, Any]) -> list[str]:
