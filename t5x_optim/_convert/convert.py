@@ -471,7 +471,7 @@ class _Source:
   placed: dict[str, tuple[tuple[Any, ...], Any]] = dataclasses.field(default_factory=dict)
   """Each `_COUNTING` state's `_counting_key` and clock, by its path."""
 
-  def clock_for(self, key: tuple[Any, ...], where: str, rank: int, alike: int) -> Any:
+  def clock_for(self, where: str, key: tuple[Any, ...], rank: int, alike: int) -> Any:
     """The clock of the source's `_COUNTING` state that a target's goes on from: the
     target's of `key` at `where`, the `rank`-th of the `alike` states of that key it holds.
     Where the source holds as many of that key, the one of the same rank (wherever it
@@ -500,18 +500,27 @@ def _wrappers_inside(node: Any) -> tuple[tuple[int, str], ...]:
   return tuple(found)
 
 
-def _counting_keys(tree: Any, params: Mapping[str, Any]) -> collections.Counter:
-  """How many `_COUNTING` states in `tree` have each `_counting_key`."""
-  found: collections.Counter = collections.Counter()
+def _counting_places(
+  tree: Any, params: Mapping[str, Any]
+) -> dict[str, tuple[tuple[Any, ...], int, int]]:
+  """Each `_COUNTING` state in `tree`, by its path: its `_counting_key`, its rank among the
+  states of that key in the order they are walked, and how many states have that key."""
+  keys: dict[str, tuple[Any, ...]] = {}
 
-  def walk(node: Any) -> None:
+  def walk(node: Any, path: tuple[str, ...]) -> None:
     if isinstance(node, _COUNTING):
-      found[_counting_key(node, params)] += 1
-    for _, child in _children(node) or ():
-      walk(child)
+      keys["/".join(path) or "<root>"] = _counting_key(node, params)
+    for name, child in _children(node) or ():
+      walk(child, (*path, name))
 
-  walk(tree)
-  return found
+  walk(tree, ())
+  alike = collections.Counter(keys.values())
+  ranks: collections.Counter = collections.Counter()
+  places = {}
+  for where, key in keys.items():
+    places[where] = (key, ranks[key], alike[key])
+    ranks[key] += 1
+  return places
 
 
 def _counting_key(node: Any, params: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -898,8 +907,7 @@ def _write_target(
   counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
   targets = _carried_whole(template)
-  target_keys = _counting_keys(template, params)
-  ranks: collections.Counter = collections.Counter()
+  counting = _counting_places(template, params)
   carried: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
@@ -958,11 +966,7 @@ def _write_target(
     if loose is not None:
       no_converter.append(loose)
       return node
-    counted = None
-    if isinstance(node, _COUNTING):
-      key = _counting_key(node, params)
-      counted = source.clock_for(key, where, ranks[key], target_keys[key])
-      ranks[key] += 1
+    counted = source.clock_for(where, *counting[where]) if where in counting else None
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
