@@ -6,10 +6,13 @@ kfac-jax cannot be imported (tests/test_kfac.py then skips, saying why).
 """
 
 import atexit
+import gc
 import os
 import shutil
 import sys
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -40,3 +43,24 @@ def pytest_ignore_collect(collection_path, config):
   if collection_path.as_posix().endswith(_KFAC_MODULES) and kfac_jax_error():
     return True
   return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_dropped_after_each_module():
+  """Drops jax's compiled programs when a test module (or a module's examples) is done.
+
+  XLA:CPU maps the code of each program it compiles or loads into regions of
+  its own, a few per program, and keeps them while jax's caches hold the
+  program. A pytest worker that kept every module's programs reached the
+  kernel's limit on a process's mappings (``vm.max_map_count``, 65,530)
+  within the first quarter of the suite: the next compile crashed it, with a
+  segmentation fault inside XLA, or with a failed allocation that ended its
+  link to pytest-xdist's controller (which then interrupts and exits the
+  worker). A module's programs are of no use to the next module, which
+  builds its own functions.
+  """
+  yield
+  import jax  # noqa: PLC0415 - after the device count is set above
+
+  jax.clear_caches()
+  gc.collect()

@@ -782,6 +782,62 @@ def test_galore_projectors_stay_float32_galores_bit_for_bit(mode):
     assert_same_bits(to_numpy(state.inner_state[0].projector), to_numpy(want_state[0].projector))
 
 
+_LINE_SEARCHERS = {
+  "lbfgs": lambda: optax.lbfgs(),
+  "sgd_backtracking": lambda: optax.chain(
+    optax.sgd(1.0),
+    optax.scale_by_backtracking_linesearch(max_backtracking_steps=15, store_grad=True),
+  ),
+}
+
+
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
+@pytest.mark.parametrize("name", sorted(_LINE_SEARCHERS))
+def test_lbfgs_and_line_searches_keep_the_values_they_reuse(name, mode):
+  """L-BFGS keeps its last params and updates, whose differences with the next ones are its
+  curvature pairs, and a line search the gradient at the new params, which
+  `optax.value_and_grad_from_state` gives the next step: compressed, 30 L-BFGS steps on a
+  quadratic that float32 solves to 5e-11 ended at 18.5 (bfloat16) and 0.157 (8 bits), and
+  optax's own loop failed on the bfloat16 gradient. Kept, nothing else of these states
+  mirrors a param, and the run is float32's bit for bit."""
+  target = {"w": jnp.sin(jnp.arange(64 * 128.0)).reshape(64, 128) + 3.0, "b": jnp.ones(128)}
+  weight = jnp.linspace(1.0, 10.0, 64 * 128).reshape(64, 128)
+
+  def loss(params):
+    return 0.5 * jnp.sum(weight * (params["w"] - target["w"]) ** 2) + jnp.sum(
+      (params["b"] - target["b"]) ** 2
+    )
+
+  def run(tx):
+    params = jax.tree.map(jnp.zeros_like, target)
+    state = tx.init(params)
+    value_and_grad = optax.value_and_grad_from_state(loss)
+
+    @jax.jit
+    def step(params, state):
+      value, grad = value_and_grad(params, state=state)
+      updates, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=loss)
+      return optax.apply_updates(params, updates), state
+
+    for _ in range(30):
+      params, state = step(params, state)
+    return params, state
+
+  want, _ = run(_LINE_SEARCHERS[name]())
+  got, state = run(low_precision(_LINE_SEARCHERS[name](), mode, min_size=0))
+  storage = {"/".join(path): kind for path, kind in leaf_storage(state).items()}
+  kept = {where: kind for where, kind in storage.items() if where.endswith(("/w", "/b"))}
+  lbfgs = "kept: L-BFGS's last params or updates (a curvature pair's end, not a moment)"
+  searched = "kept: a line search's gradient (the next step's, not a moment)"
+  for leaf in ("w", "b"):
+    if name == "lbfgs":
+      assert kept.pop(f"inner_state/0/params/{leaf}") == lbfgs, storage
+      assert kept.pop(f"inner_state/0/updates/{leaf}") == lbfgs, storage
+    assert kept.pop(f"inner_state/{1 + (name == 'lbfgs')}/grad/{leaf}") == searched, storage
+  assert set(kept.values()) <= {"kept: not param-shaped"}, storage
+  assert_same_bits(got, want)
+
+
 def test_storage_names_the_dtype_a_kept_leaf_has():
   """bfloat16 params' adam state is bfloat16: a leaf left uncompressed is not float32."""
   params = {"emb": jnp.ones((64, 32), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}

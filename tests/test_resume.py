@@ -839,6 +839,13 @@ _EARLIER_COMPRESSED = {
     "/projector/",
     "GaLore's projector",
   ),
+  "lbfgs_last_params": (
+    ["optimizers.low_precision.inner = @optax.lbfgs()"],
+    "_kept_fields",
+    None,
+    "/0/params/",
+    "L-BFGS's last params and updates",
+  ),
 }
 
 

@@ -213,6 +213,25 @@ _KEPT_FIELDS = {
     "update_proj_gap steps, not a moment (at a rank of at least a kernel's smaller "
     "dimension it can have its param's shape)",
   ),
+  **dict.fromkeys(
+    [(optax.ScaleByLBFGSState, "params"), (optax.ScaleByLBFGSState, "updates")],
+    _KeptField(
+      "kept: L-BFGS's last params or updates (a curvature pair's end, not a moment)",
+      "it is L-BFGS's last params or updates, which it subtracts from the next ones for its "
+      "curvature pairs, not a moment (encoded, each difference is the codec's error)",
+    ),
+  ),
+  **dict.fromkeys(
+    [
+      (optax.ScaleByZoomLinesearchState, "grad"),
+      (optax.ScaleByBacktrackingLinesearchState, "grad"),
+    ],
+    _KeptField(
+      "kept: a line search's gradient (the next step's, not a moment)",
+      "it is a line search's gradient at the new params, which "
+      "optax.value_and_grad_from_state gives the next step as its gradient, not a moment",
+    ),
+  ),
 }
 """State fields (by state type and field name) whose leaves no mode applies to, whatever
 their shape, and why (`_kept_fields`)."""

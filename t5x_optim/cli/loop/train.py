@@ -916,6 +916,12 @@ _KEPT_SINCE_EARLIER_VERSIONS = {
   "kept: GaLore projector (a basis, not a moment)": (
     "GaLore's projector inside low_precision in its own dtype, whatever its shape"
   ),
+  "kept: L-BFGS's last params or updates (a curvature pair's end, not a moment)": (
+    "L-BFGS's last params and updates inside low_precision in their own dtype"
+  ),
+  "kept: a line search's gradient (the next step's, not a moment)": (
+    "a line search's gradient inside low_precision in its own dtype"
+  ),
 }
 """`leaf_storage` labels (or their ends) of the leaves earlier versions compressed, and
 what they are, in a refusal's words."""
