@@ -45,14 +45,40 @@ def pytest_ignore_collect(collection_path, config):
   return None
 
 
+def _mappings() -> int:
+  """How many memory regions this process has mapped (the lines of /proc/self/maps); 0 where
+  there is no /proc."""
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return maps.read().count(b"\n")
+  except OSError:
+    return 0
+
+
+def _mappings_allowed() -> int:
+  """The kernel's limit on a process's mappings (``vm.max_map_count``), 65,530 if unknown."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as limit:
+      return int(limit.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+def _drop_compiled_programs() -> None:
+  import jax  # noqa: PLC0415 - after the device count is set above
+
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_programs_dropped_after_each_module():
   """Drops jax's compiled programs when a test module (or a module's examples) is done.
 
   XLA:CPU maps the code of each program it compiles or loads into regions of
-  its own, a few per program, and keeps them while jax's caches hold the
-  program. A pytest worker that kept every module's programs reached the
-  kernel's limit on a process's mappings (``vm.max_map_count``, 65,530)
+  its own, a few for each program, and keeps them while jax's caches
+  hold the program. A pytest worker that kept every module's programs reached
+  the kernel's limit on a process's mappings (``vm.max_map_count``, 65,530)
   within the first quarter of the suite: the next compile crashed it, with a
   segmentation fault inside XLA, or with a failed allocation that ended its
   link to pytest-xdist's controller (which then interrupts and exits the
@@ -60,7 +86,14 @@ def _compiled_programs_dropped_after_each_module():
   builds its own functions.
   """
   yield
-  import jax  # noqa: PLC0415 - after the device count is set above
+  _drop_compiled_programs()
 
-  jax.clear_caches()
-  gc.collect()
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_dropped_before_the_mappings_run_out():
+  """Drops jax's compiled programs after a test that leaves the process with more than half
+  the mappings the kernel allows: a module of many large programs could reach the limit
+  alone (`_compiled_programs_dropped_after_each_module`)."""
+  yield
+  if _mappings() > _mappings_allowed() // 2:
+    _drop_compiled_programs()
