@@ -871,6 +871,15 @@ def test_a_checkpoint_of_an_earlier_version_with_a_leaf_it_compressed_says_so(
   assert what in err and "earlier versions compressed it" in err, err
 
 
+def test_every_field_low_precision_keeps_is_named_in_the_refusal_of_earlier_checkpoints():
+  """Each state field that low_precision keeps whatever its shape (L-BFGS's last params,
+  MADGRAD's sum of gradients...) was compressed by earlier versions: a resume of their
+  checkpoints says that earlier versions compressed it, naming the field, for the labels
+  `_KEPT_SINCE_EARLIER_VERSIONS` lists."""
+  labels = {kept.storage for kept in low_precision_module._KEPT_FIELDS.values()}
+  assert labels <= set(_train._KEPT_SINCE_EARLIER_VERSIONS), labels
+
+
 def test_an_empty_step_directory_is_not_a_checkpoint(four_steps, tmp_path, capsys):
   model_dir = _copy(four_steps, tmp_path)
   (model_dir / "checkpoints" / "6").mkdir()

@@ -221,6 +221,18 @@ _KEPT_FIELDS = {
       "curvature pairs, not a moment (encoded, each difference is the codec's error)",
     ),
   ),
+  (optax.contrib.MadgradState, "s"): _KeptField(
+    "kept: MADGRAD's sum of gradients (the params' offset from x0, not a moment)",
+    "it is MADGRAD's weighted sum of gradients, from which it sets the params as x0 minus "
+    "it over the cube root of the summed squares, not a moment (encoded, its error is the "
+    "params')",
+  ),
+  (optax.contrib.COCOBState, "reward"): _KeptField(
+    "kept: COCOB's reward (the wealth it bets, not a moment)",
+    "it is COCOB's reward, the wealth whose bet sets the params' offset from their start "
+    "and which each step adds that offset's gain to, not a moment (encoded, its error is "
+    "the params')",
+  ),
   **dict.fromkeys(
     [
       (optax.ScaleByZoomLinesearchState, "grad"),

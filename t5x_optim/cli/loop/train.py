@@ -922,6 +922,12 @@ _KEPT_SINCE_EARLIER_VERSIONS = {
   "kept: a line search's gradient (the next step's, not a moment)": (
     "a line search's gradient inside low_precision in its own dtype"
   ),
+  "kept: MADGRAD's sum of gradients (the params' offset from x0, not a moment)": (
+    "MADGRAD's sum of gradients inside low_precision in its own dtype"
+  ),
+  "kept: COCOB's reward (the wealth it bets, not a moment)": (
+    "COCOB's reward inside low_precision in its own dtype"
+  ),
 }
 """`leaf_storage` labels (or their ends) of the leaves earlier versions compressed, and
 what they are, in a refusal's words."""
