@@ -546,23 +546,58 @@ def test_jitted_update_stores_the_references_state_bit_for_bit(name, mode, stoch
     np.testing.assert_array_max_ulp(got, want, maxulp=4)
 
 
+_REUSED_FIELDS = {
+  (optax.contrib.GaLoreState, "projector"),
+  (optax.ScaleByLBFGSState, "params"),
+  (optax.ScaleByLBFGSState, "updates"),
+  (optax.ScaleByZoomLinesearchState, "grad"),
+  (optax.ScaleByBacktrackingLinesearchState, "grad"),
+  (optax.contrib.MadgradState, "s"),
+  (optax.contrib.COCOBState, "reward"),
+}
+"""The state fields that are not moments, whatever their shape: GaLore's projector, the values
+L-BFGS and the line searches reuse, and what MADGRAD and COCOB set the params from."""
+
+
+def _in_reused_fields(state: Any) -> list[bool]:
+  """For each leaf of `state`, whether it lies in one of the `_REUSED_FIELDS`."""
+  types = {state_type for state_type, _ in _REUSED_FIELDS}
+
+  def mark(node: Any) -> Any:
+    if type(node) not in types:
+      return False
+    return node._replace(
+      **{
+        name: jax.tree.map(lambda _: True, value)
+        if (type(node), name) in _REUSED_FIELDS
+        else jax.tree.map(mark, value, is_leaf=lambda x: type(x) in types)
+        for name, value in node._asdict().items()
+      }
+    )
+
+  return jax.tree.leaves(jax.tree.map(mark, state, is_leaf=lambda x: type(x) in types))
+
+
 def _check_compressed_where_param_shaped(case, state, params, mode):
   """Every floating leaf whose path ends with a param's path and whose shape is that param's
   is compressed, unless the inner init copies the param into it, it is MultiSteps's sum of
-  gradients or GaLore's projector (the out kernel's, at rank 128 of (16, 4)); nothing else is."""
+  gradients or lies in one of the `_REUSED_FIELDS` (GaLore's projector: the out kernel's, at
+  rank 128 of (16, 4)); nothing else is."""
   fast = params.fast if isinstance(params, optax.LookaheadParams) else params
   param_shapes = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree.leaves_with_path(fast)}
   inner = low_precision_to_float32(state)
   expected = []
-  for (path, leaf), copy in zip(
-    jax.tree.leaves_with_path(inner), _param_copies(case, params), strict=True
+  for (path, leaf), copy, reused in zip(
+    jax.tree.leaves_with_path(inner),
+    _param_copies(case, params),
+    _in_reused_fields(inner),
+    strict=True,
   ):
     name = jax.tree_util.keystr(path)
     shape = next((s for p, s in param_shapes.items() if name.endswith(p)), None)
     floating = jnp.issubdtype(leaf.dtype, jnp.floating)
     summed = ".acc_grads" in name
-    basis = ".projector" in name
-    compressed = shape == np.shape(leaf) and floating and not (copy or summed or basis)
+    compressed = shape == np.shape(leaf) and floating and not (copy or summed or reused)
     expected.append(mode if compressed else "kept")
   got = [kind if kind in MODES else "kept" for kind in state.storage]
   assert got == expected, case
