@@ -876,7 +876,7 @@ def test_every_field_low_precision_keeps_is_named_in_the_refusal_of_earlier_chec
   MADGRAD's sum of gradients...) was compressed by earlier versions: a resume of their
   checkpoints says that earlier versions compressed it, naming the field, for the labels
   `_KEPT_SINCE_EARLIER_VERSIONS` lists."""
-  labels = {kept.storage for kept in low_precision_module._KEPT_FIELDS.values()}
+  labels = low_precision_module._KEPT_FIELD_LABELS
   assert labels <= set(_train._KEPT_SINCE_EARLIER_VERSIONS), labels
 
 
