@@ -72,8 +72,9 @@ def _drop_compiled_programs() -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _compiled_programs_dropped_after_each_module():
-  """Drops jax's compiled programs when a test module (or a module's examples) is done.
+def _compiled_programs_dropped_after_a_module_that_leaves_many():
+  """Drops jax's compiled programs when a test module (or a module's examples) is done and
+  the process holds more than a quarter of the mappings the kernel allows.
 
   XLA:CPU maps the code of each program it compiles or loads into regions of
   its own, a few for each program, and keeps them while jax's caches
@@ -83,17 +84,19 @@ def _compiled_programs_dropped_after_each_module():
   segmentation fault inside XLA, or with a failed allocation that ended its
   link to pytest-xdist's controller (which then interrupts and exits the
   worker). A module's programs are of no use to the next module, which
-  builds its own functions.
+  builds its own functions. Dropping them takes most of a second (a full
+  garbage collection of the worker), so it waits until they are many.
   """
   yield
-  _drop_compiled_programs()
+  if _mappings() > _mappings_allowed() // 4:
+    _drop_compiled_programs()
 
 
 @pytest.fixture(autouse=True)
 def _compiled_programs_dropped_before_the_mappings_run_out():
   """Drops jax's compiled programs after a test that leaves the process with more than half
   the mappings the kernel allows: a module of many large programs could reach the limit
-  alone (`_compiled_programs_dropped_after_each_module`)."""
+  alone (`_compiled_programs_dropped_after_a_module_that_leaves_many`)."""
   yield
   if _mappings() > _mappings_allowed() // 2:
     _drop_compiled_programs()
