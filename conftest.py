@@ -94,7 +94,7 @@ def _compiled_programs_dropped_after_a_module_that_leaves_many():
 
 
 _MAPPINGS_CHECKED_EVERY_S = 1.0
-"""How often the mappings are counted between modules: reading ``/proc/self/maps`` takes
+"""How often the mappings are counted between tests: reading ``/proc/self/maps`` takes
 about 30 ms at 20,000 mappings, more than most tests, and a second of compiling adds a few
 hundred mappings, far from the limit's other half."""
 
@@ -104,8 +104,9 @@ _last_mappings_check = 0.0
 @pytest.fixture(autouse=True)
 def _compiled_programs_dropped_before_the_mappings_run_out():
   """Drops jax's compiled programs after a test that leaves the process with more than half
-  the mappings the kernel allows: a module of many large programs could reach the limit
-  alone (`_compiled_programs_dropped_after_a_module_that_leaves_many`)."""
+  the mappings the kernel allows, counted at most once every `_MAPPINGS_CHECKED_EVERY_S`: a
+  module of many large programs could reach the limit alone
+  (`_compiled_programs_dropped_after_a_module_that_leaves_many`)."""
   global _last_mappings_check
   yield
   if time.monotonic() - _last_mappings_check < _MAPPINGS_CHECKED_EVERY_S:

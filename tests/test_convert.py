@@ -922,7 +922,7 @@ def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(name
   old = OptaxWrapper(make()).create(params)
   for i in range(24):  # every MultiSteps' mini-step back at 0, as a conversion leaves it
     grads = {"w": jnp.sin(params["w"] * (i + 1)) + 0.1}
-    old = old.apply_gradient(jax.tree.map(lambda g: g * jnp.nan, grads) if i in nan_at else grads)
+    old = _step(old, jax.tree.map(lambda g: g * jnp.nan, grads) if i in nan_at else grads)
   new, _ = t5x_optim.convert_state(old, OptaxWrapper(make()))
   counts = jax.tree.leaves(
     jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else None, old.state.param_states)
@@ -933,7 +933,7 @@ def test_converting_into_itself_keeps_the_counts_of_states_beside_a_wrapper(name
   )
   grads = {"w": jnp.linspace(0.5, -0.5, 4)}
   for _ in range(4):
-    old, new = old.apply_gradient(grads), new.apply_gradient(grads)
+    old, new = _step(old, grads), _step(new, grads)
   # Adam's moments go over through their estimates (mu / c * c): equal to an ulp.
   np.testing.assert_allclose(new.target["w"], old.target["w"], rtol=1e-6)
 
@@ -1039,12 +1039,11 @@ def test_a_wrapper_goes_on_from_the_old_one_over_the_same_params_built_alike(nam
   make_source, make_target, nan_at = _MOVED[name]
   params = {"w": jnp.linspace(-1.0, 1.0, 4), "v": jnp.linspace(-2.0, 0.5, 3)}
   old, uninterrupted = make_source().create(params), make_target().create(params)
-  step = jax.jit(lambda optimizer, grads: optimizer.apply_gradient(grads))
   for i in range(24):
     grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, params)
     if i in nan_at:
       grads = jax.tree.map(lambda g: g * jnp.nan, grads)
-    old, uninterrupted = step(old, grads), step(uninterrupted, grads)
+    old, uninterrupted = _step(old, grads), _step(uninterrupted, grads)
   new, _ = t5x_optim.convert_state(old, make_target())
 
   def counts(optimizer: Any) -> list[Any]:
@@ -1055,7 +1054,7 @@ def test_a_wrapper_goes_on_from_the_old_one_over_the_same_params_built_alike(nam
   uninterrupted = uninterrupted.replace(target=new.target)
   grads = jax.tree.map(lambda p: jnp.linspace(0.5, -0.5, p.size), params)
   for _ in range(12):
-    new, uninterrupted = step(new, grads), step(uninterrupted, grads)
+    new, uninterrupted = _step(new, grads), _step(uninterrupted, grads)
   if not nan_at:
     rtol = 1e-2 if "low_precision" in name else 1e-6
     jax.tree.map(
@@ -1232,11 +1231,18 @@ def test_a_plain_state_converts_into_multisteps_over_its_own_count():
 _LINEAR = optax.linear_schedule(1.0, 0.0, 100)
 
 
+@jax.jit
+def _step(optimizer: Any, grads: Any) -> Any:
+  """One `apply_gradient`, jitted: stepped eagerly, the `lax.cond` of a MultiSteps or an
+  apply_if_finite traces and compiles its branches again at every call."""
+  return optimizer.apply_gradient(grads)
+
+
 def _after(tx, params, n):
   """`tx` over `n` gradients from `params`, as an `OptaxWrapper` optimizer."""
   opt = OptaxWrapper(tx).create(params)
   for i in range(n):
-    opt = opt.apply_gradient(jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, opt.target))
+    opt = _step(opt, jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, opt.target))
   return opt
 
 
@@ -1365,7 +1371,7 @@ def test_each_partitions_schedules_go_on_from_the_updates_its_moments_had(make, 
   source = make(optax.MultiSteps(optax.adamw(_LINEAR), every_k_schedule=4), optax.adamw(_LINEAR))
   source = source.create(_TWO_PARAMS)
   for i in range(40):
-    source = source.apply_gradient(jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), _TWO_PARAMS))
+    source = _step(source, jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), _TWO_PARAMS))
   new, _ = t5x_optim.convert_state(source, make(optax.adamw(_LINEAR), optax.adamw(_LINEAR)))
   states = inner(new.state.param_states)
   assert {key: _schedule_counts(state) for key, state in states.items()} == {"a": [10], "b": [40]}
@@ -1421,7 +1427,7 @@ def test_schedules_go_on_from_the_updates_apply_if_finite_let_through(inner, gua
     grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) + 0.1, source.target)
     if i in (3, 7):
       grads = jax.tree.map(lambda g: g * jnp.nan, grads)
-    source = source.apply_gradient(grads)
+    source = _step(source, grads)
   old = source.state.param_states
   assert (int(source.state.step), int(old.total_notfinite)) == (12, 2)
   assert _schedule_counts(old) == [10]
