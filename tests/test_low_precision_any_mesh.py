@@ -23,37 +23,30 @@ MODES = ["adamw_8bit", "adamw_4bit", "adamw_bfloat16"]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  """`saved(opt_name)`: a directory holding a checkpoint of 2 steps trained on 2x4, and a file
-  of the expected arrays (saved, and one step later); made once per optimizer, since the
-  tests only read them."""
-  made = {}
-
-  def get(opt_name):
-    if opt_name not in made:
-      root = tmp_path_factory.mktemp(opt_name)
-      part = w.partitioner(2, 4)
-      state = w.train(w.fresh_state(opt_name, part), 2)
-      with Checkpointer(root / "ckpt") as ckpt:
-        ckpt.save(2, state)
-      w.save_expected(str(root / "expected.npz"), saved=state, after=w.train(state, 1))
-      made[opt_name] = root / "ckpt", root / "expected.npz"
-    return made[opt_name]
-
-  return get
+def saved(tmp_path_factory, opt_name):
+  """A directory holding a checkpoint of 2 steps of `opt_name` trained on 2x4, and a file of
+  the expected arrays (saved, and one step later); made once per optimizer (the tests'
+  ``opt_name`` is module-scoped), since the tests only read them."""
+  root = tmp_path_factory.mktemp(opt_name)
+  part = w.partitioner(2, 4)
+  state = w.train(w.fresh_state(opt_name, part), 2)
+  with Checkpointer(root / "ckpt") as ckpt:
+    ckpt.save(2, state)
+  w.save_expected(str(root / "expected.npz"), saved=state, after=w.train(state, 1))
+  return root / "ckpt", root / "expected.npz"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opt_name", MODES)
+@pytest.mark.parametrize("opt_name", MODES, scope="module")
 def test_restores_onto_every_mesh_of_8_devices(saved, opt_name):
-  directory, expected = saved(opt_name)
+  directory, expected = saved
   w.any_mesh(opt_name, str(directory), str(expected), 0, 0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opt_name", MODES)
+@pytest.mark.parametrize("opt_name", MODES, scope="module")
 def test_restores_onto_16_devices(saved, opt_name):
-  directory, expected = saved(opt_name)
+  directory, expected = saved
   [(returncode, output)] = w.run_workers(
     [["any_mesh", opt_name, str(directory), str(expected), "0", "0"]], devices=16
   )
@@ -68,9 +61,9 @@ def test_restores_onto_16_devices(saved, opt_name):
   sys.platform == "win32",
   reason="jax.distributed CPU collectives (gloo) are not available on Windows",
 )
-@pytest.mark.parametrize("opt_name", MODES)
+@pytest.mark.parametrize("opt_name", MODES, scope="module")
 def test_restores_in_two_processes(saved, opt_name):
-  directory, expected = saved(opt_name)
+  directory, expected = saved
   port = free_port()
   results = w.run_workers(
     [["any_mesh", opt_name, str(directory), str(expected), str(port), str(i)] for i in range(2)],
