@@ -1,4 +1,5 @@
-"""Test configuration: 8 simulated CPU devices, set before jax is imported.
+"""Test configuration: 8 simulated CPU devices and XLA's quickest compiling, set before jax is
+imported.
 
 Here rather than in tests/ so that it holds for the docstring examples of the
 package too, and so that the K-FAC adapter's examples are left out where
@@ -19,6 +20,12 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's code generation at its lowest effort, in these processes and the ones they start (jax's
+# own switch for programs that cost more to compile than to run): the same optimized HLO and
+# memory analysis, a third less compiling, numbers that may differ from the default's in the
+# last bits. `JAX_DISABLE_MOST_OPTIMIZATIONS=0` runs the suite as users compile; the
+# `xla_optimized` fixture (tests/conftest.py) does so for one test.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 from _optional import kfac_jax_error  # noqa: E402

@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
 @contextlib.contextmanager
 def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
   """jax's config with `settings` inside, its previous values restored after."""
-  previous = {name: getattr(jax.config, name) for name in settings}
+  previous = {name: jax.config.values[name] for name in settings}
   for name, value in settings.items():
     jax.config.update(name, value)
   try:
@@ -69,6 +69,24 @@ def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
   finally:
     for name, value in previous.items():
       jax.config.update(name, value)
+
+
+@pytest.fixture
+def xla_optimized(monkeypatch):
+  """XLA's default optimizations for a test, in its process and the processes it starts.
+
+  The suite compiles with jax's ``jax_disable_most_optimizations`` (the repository's
+  conftest.py): XLA optimizes the same HLO but generates its code with the least effort,
+  and the numbers may differ from the default's in the last bits. A test that compares two
+  different programs bit for bit, as the documentation promises they agree, checks that with
+  the code users run. jax's caches do not tell programs of the two settings apart, so they
+  are emptied before and after.
+  """
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+  jax.clear_caches()
+  with _jax_settings({"jax_disable_most_optimizations": False}):
+    yield
+  jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

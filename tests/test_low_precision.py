@@ -505,6 +505,7 @@ def test_table_matches_reference_bit_for_bit(case, mode):
   _check_compressed_where_param_shaped(case, got_state, params, mode)
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.parametrize(
   "mode, stochastic",
   [pytest.param("8bit", True, marks=pytest.mark.slow), ("bfloat16", True), ("bfloat16", False)],

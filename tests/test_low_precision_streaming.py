@@ -125,6 +125,7 @@ def test_streamed_update_equals_the_whole_tree_update(case):
   _assert_same_state_and_updates(*_pair(case.make, "bfloat16"), params, jit=True)
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 @pytest.mark.parametrize("make", ELEMENTWISE, ids=ELEMENTWISE_IDS)
 @pytest.mark.slow

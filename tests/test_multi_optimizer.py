@@ -107,6 +107,7 @@ def with_frozen(transforms: dict[str, optax.GradientTransformation]) -> Any:
   return {**transforms, "frozen": optax.set_to_zero()}
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.parametrize("container", [dict, FrozenDict], ids=["dict", "frozendict"])
 def test_matches_multi_transform_bit_for_bit(container: type) -> None:

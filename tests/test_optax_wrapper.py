@@ -59,6 +59,7 @@ def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
 # Compiled over the whole table; eager (op by op, each operation compiled on its own:
 # about 2 CPU-minutes over the table) over the wrappers and the hand-made states, whose
 # structures differ. The wrapper runs the same code eagerly for every discovered factory.
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.parametrize(
   ("case", "jit"),

@@ -234,6 +234,7 @@ def test_first_step_is_read_from_t5x_log():
   assert lifecycle._first_step("no loop") is None
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_resumes_with_our_optimizers(tmp_path):
@@ -267,6 +268,7 @@ def _ours_only_cells(tmp_path, optimizers: str, stages: str) -> dict[tuple[str, 
   return {(row[0], row[1]): row[3] for row in rows[1:]}
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
@@ -283,6 +285,7 @@ def test_a_t5x_job_trains_resumes_and_evaluates_with_muon(tmp_path):
     assert cells[("eval", optimizer)].startswith("ok exact_match")
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.skipif(not t5x_at_hand(), reason="needs T5X_SRC and T5X's dependencies")
 def test_a_t5x_job_trains_resumes_and_finetunes_with_low_precision_states(tmp_path):
