@@ -79,8 +79,8 @@ def xla_optimized(monkeypatch):
   conftest.py): XLA optimizes the same HLO but generates its code with the least effort,
   and the numbers may differ from the default's in the last bits. A test that compares two
   different programs bit for bit, as the documentation promises they agree, checks that with
-  the code users run. jax's caches do not tell programs of the two settings apart, so they
-  are emptied before and after.
+  the code users run, and computes both sides itself. jax's in-memory caches do not tell
+  programs of the two settings apart, so they are emptied before and after.
   """
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
   jax.clear_caches()

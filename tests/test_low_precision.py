@@ -181,6 +181,7 @@ def ref_expand(compressed, storage):
   return treedef.unflatten(out)
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 def test_quantize_matches_reference_bit_for_bit():
   rng = np.random.default_rng(0)
@@ -797,6 +798,7 @@ def test_galore_projectors_are_kept_whatever_their_shape_and_say_why(shape, rank
     low_precision(inner, "bfloat16", min_size=0, states="projector/w").init(params)
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
 def test_galore_projectors_stay_float32_galores_bit_for_bit(mode):

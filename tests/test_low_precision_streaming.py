@@ -125,7 +125,6 @@ def test_streamed_update_equals_the_whole_tree_update(case):
   _assert_same_state_and_updates(*_pair(case.make, "bfloat16"), params, jit=True)
 
 
-@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.parametrize("mode", [pytest.param("8bit", marks=pytest.mark.slow), "bfloat16"])
 @pytest.mark.parametrize("make", ELEMENTWISE, ids=ELEMENTWISE_IDS)
 @pytest.mark.slow
@@ -166,6 +165,7 @@ def _adamw_updates(tx, params, grads, steps=2):
   return {k: np.asarray(v) for k, v in updates.items()}
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "bfloat16"])
 def test_whole_tree_rounding_depends_on_the_other_leaves(mode):

@@ -176,6 +176,7 @@ MIXED_CASES = {
 }
 
 
+@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.parametrize(
   "case",
   [
