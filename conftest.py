@@ -23,8 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's code generation at its lowest effort, in these processes and the ones they start (jax's
 # own switch for programs that cost more to compile than to run): the same optimized HLO and
 # memory analysis, about 45% less compiling for a tiny `t5x-optim train`, numbers that may
-# differ from the default's in the last bits. `JAX_DISABLE_MOST_OPTIMIZATIONS=0` runs the suite as users compile; the
-# `xla_optimized` fixture (tests/conftest.py) does so for one test.
+# differ from the default's in the last bits. `JAX_DISABLE_MOST_OPTIMIZATIONS=0` runs the
+# suite as users compile; the `xla_optimized` fixture (tests/conftest.py) does so for one test.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
