@@ -160,16 +160,12 @@ EMPTY_PARAMS = {
 """Params with zero-size leaves (a layer of width 0): orbax cannot store a zero-size array."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "tx",
   [
     pytest.param(optax.adamw(0.1), id="adamw"),
-    # The 8-bit codec takes seconds to compile: with the slow tests.
-    pytest.param(
-      optimizers.low_precision(optax.adamw(0.1), "8bit", min_size=0),
-      id="adamw_8bit",
-      marks=pytest.mark.slow,
-    ),
+    pytest.param(optimizers.low_precision(optax.adamw(0.1), "8bit", min_size=0), id="adamw_8bit"),
   ],
 )
 def test_zero_size_leaves_round_trip_on_a_mesh(tmp_path, tx):
@@ -833,6 +829,7 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   w.assert_same_state(restored, w.train(w.fresh_state("adamw", part_1x8), w.MP_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_restore_that_narrows_the_optimizer_states_floats_says_so(tmp_path):
   """bfloat16 params with float32 gradients: optax's adam holds ``mu`` in float32 after its
   first update, and a restore into a freshly created optimizer (``mu`` in bfloat16) rounded it

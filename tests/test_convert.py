@@ -1064,6 +1064,7 @@ def test_a_wrapper_goes_on_from_the_old_one_over_the_same_params_built_alike(nam
     )
 
 
+@pytest.mark.slow
 def test_schedule_free_step_count_goes_on_from_the_source_step():
   """optax's schedule-free counts from 1, one ahead of its base optimizer's counts."""
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=100)

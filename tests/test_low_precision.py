@@ -343,7 +343,7 @@ def test_multisteps_mini_steps_leave_the_stored_moments_as_they_are(mode):
     assert_same_bits(later, moments[3])
 
 
-@pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 def test_multisteps_accumulator_is_kept_unless_states_selects_it(mode):
   """MultiSteps's summed gradients were stored in the mode and encoded again at each
   mini-step, so the applied mean drifted with the number of mini-steps (4 bits, 32
@@ -843,7 +843,10 @@ _LINE_SEARCHERS = {
 
 
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
-@pytest.mark.parametrize("name", sorted(_LINE_SEARCHERS))
+@pytest.mark.parametrize(
+  "name",
+  [n if n != "lbfgs" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(_LINE_SEARCHERS)],
+)
 def test_lbfgs_and_line_searches_keep_the_values_they_reuse(name, mode):
   """L-BFGS keeps its last params and updates, whose differences with the next ones are its
   curvature pairs, and a line search the gradient at the new params, which
@@ -897,7 +900,13 @@ _FROM_THEIR_STATE = {
 
 
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
-@pytest.mark.parametrize("name", sorted(_FROM_THEIR_STATE))
+@pytest.mark.parametrize(
+  "name",
+  [
+    n if n != "cocob" else pytest.param(n, marks=pytest.mark.slow)
+    for n in sorted(_FROM_THEIR_STATE)
+  ],
+)
 def test_madgrad_and_cocob_keep_what_they_set_the_params_from(name, mode):
   """MADGRAD sets the params from their start and its sum of gradients `s`, COCOB from its
   reward: compressed, 300 steps on a quadratic that float32 takes to a loss of 4e-9 (MADGRAD)

@@ -78,6 +78,18 @@ CASES = {
     False,
   ),
 }
+QUICK_CASES = {
+  "f32 params into bf16",
+  "int32 count into int8, too big",
+  "float32 count into int32, whole",
+  "float32 count into int32, fractional",
+  "complex params into real",
+  "f32 mu into f16, nan and inf stay",
+  "f32 mu into f16, beyond its range",
+  "f32 mu into bf16, half an ulp beyond",
+}
+"""One case of each kind of verdict in the quick loop; the other boundaries with the slow tests."""
+assert QUICK_CASES <= CASES.keys(), QUICK_CASES - CASES.keys()
 
 
 def _with_leaf(optimizer, path, value):
@@ -103,7 +115,9 @@ def _leaf(optimizer, path):
   return leaf
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+  "case", [c if c in QUICK_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_restore_state_and_checkpointer_give_the_same_verdict(tmp_path, case):
   path, saved_value, dtype, restores = CASES[case]
   saved, target = _pair(path, saved_value, dtype)
