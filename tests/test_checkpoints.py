@@ -829,7 +829,6 @@ def test_two_processes_restore_and_save(tmp_path, part_2x4):
   w.assert_same_state(restored, w.train(w.fresh_state("adamw", part_1x8), w.MP_STEPS + 1))
 
 
-@pytest.mark.slow
 def test_a_restore_that_narrows_the_optimizer_states_floats_says_so(tmp_path):
   """bfloat16 params with float32 gradients: optax's adam holds ``mu`` in float32 after its
   first update, and a restore into a freshly created optimizer (``mu`` in bfloat16) rounded it

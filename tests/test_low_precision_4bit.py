@@ -612,8 +612,14 @@ def test_a_4bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
     convert_state(bare, OptaxWrapper(optax.lion(1e-3)))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape, block", [((16, 64), (1, 16)), ((12, 16), (4, 8)), ((48,), (1, 8))])
+@pytest.mark.parametrize(
+  "shape, block",
+  [
+    pytest.param((16, 64), (1, 16), marks=pytest.mark.slow),
+    ((12, 16), (4, 8)),
+    pytest.param((48,), (1, 8), marks=pytest.mark.slow),
+  ],
+)
 def test_the_lanes_codec_is_the_interleaved_one(shape, block):
   """`quantize4_lanes` of the even and odd columns stores what `quantize4` does, and
   `dequantize4_lane` reads back those columns of `dequantize4`, bit for bit."""

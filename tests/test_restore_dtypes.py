@@ -80,6 +80,8 @@ CASES = {
 }
 QUICK_CASES = {
   "f32 params into bf16",
+  "bf16 params into f32",
+  "int32 count into int8, fits",
   "int32 count into int8, too big",
   "float32 count into int32, whole",
   "float32 count into int32, fractional",
@@ -88,7 +90,10 @@ QUICK_CASES = {
   "f32 mu into f16, beyond its range",
   "f32 mu into bf16, half an ulp beyond",
 }
-"""One case of each kind of verdict in the quick loop; the other boundaries with the slow tests."""
+"""The cases the quick loop runs: a widening, a narrowing of params, an integer that fits and
+one that does not, a float count whole and fractional, complex into real, and a float state
+narrowed in range (non-finite values included) and beyond it; the other boundaries run with
+the slow tests."""
 assert QUICK_CASES <= CASES.keys(), QUICK_CASES - CASES.keys()
 
 
