@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -883,6 +884,36 @@ def test_lbfgs_and_line_searches_keep_the_values_they_reuse(name, mode):
     assert kept.pop(f"inner_state/{1 + (name == 'lbfgs')}/grad/{leaf}") == searched, storage
   assert set(kept.values()) <= {"kept: not param-shaped"}, storage
   assert_same_bits(got, want)
+
+
+def test_a_state_it_stores_nothing_of_in_low_precision_is_a_warning():
+  """L-BFGS keeps its history (not param-shaped), its last params and updates and its line
+  search's gradient, and a GaLore that projects every kernel keeps moments of another shape
+  and its projector: 8 bits of either stored nothing in 8 bits, without a word. Leaves kept
+  by ``min_size`` (0-d ones too) or under a ``param_modes`` policy are the caller's choice,
+  and a state with one compressed leaf saves memory."""
+  params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros(128)}
+  with pytest.warns(UserWarning) as record:
+    low_precision(optax.lbfgs(), "8bit", min_size=0).init(params)
+  [message] = [str(w.message) for w in record]
+  assert message.startswith(
+    "low_precision: '8bit' stores none of the inner transformation's state in low precision, "
+    "so it saves no memory; it keeps its leaves of min_size=0 values or more as they are: "
+  ), message
+  assert "0/params/b, 0/params/w, 0/updates/b, 0/updates/w (16,640 values)" in message
+  assert "'kept: not param-shaped': 0/diff_params_memory/b" in message
+  assert "line search's gradient" in message
+  with pytest.warns(UserWarning, match=r"'kept: GaLore projector .*': 0/projector/w \(8,192"):
+    low_precision(optax.contrib.galore(1e-3), "8bit", min_size=0).init({"w": params["w"]})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    low_precision(optax.contrib.galore(1e-3), "8bit", min_size=0).init(params)  # b's moments
+    low_precision(optax.adamw(1e-3), "8bit").init(params)  # every leaf below min_size
+    low_precision(optax.lbfgs(), "8bit", min_size=10**6).init(params)
+    low_precision(optax.inject_hyperparams(optax.sgd)(0.1), "8bit", min_size=0).init(params)
+    low_precision(optax.adafactor(1e-3), "8bit", param_modes=[(".", "float32")]).init(
+      {"w": jnp.zeros((4096, 1024))}
+    )
 
 
 _FROM_THEIR_STATE = {

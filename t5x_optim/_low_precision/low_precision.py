@@ -785,6 +785,42 @@ def _warn_of_unused_rules(
     taken.update(selected)
 
 
+def _warn_if_nothing_is_compressed(
+  mode: str,
+  inner_state: Any,
+  storage: Sequence[str],
+  *,
+  min_size: int,
+  states: str | None,
+  param_modes: Sequence[_ParamRule],
+) -> None:
+  """Warns when no leaf of the inner state is stored in a low-precision mode while some
+  floating leaf that `_kept_by_size` does not keep is kept for what it is (``"kept: ..."``:
+  not param-shaped, L-BFGS's last params, the moments of a GaLore that projects every
+  kernel): the transformation then saves no memory. Under a ``param_modes`` policy or
+  ``states=``, what is kept is the caller's choice, which warns of nothing here."""
+  if states is not None or param_modes or any(k in LOW_PRECISION_MODES for k in storage):
+    return
+  kept: dict[str, list[tuple[str, int]]] = {}
+  flat = jax.tree_util.tree_leaves_with_path(inner_state)
+  for (path, leaf), kind in zip(flat, storage, strict=True):
+    floating = jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+    if kind.startswith("kept: ") and floating and not _kept_by_size(leaf, min_size):
+      size = math.prod(jnp.shape(leaf))
+      kept.setdefault(kind, []).append((_state_dict.key_path_str(path), size))
+  if kept:
+    reasons = "; ".join(
+      f"{kind!r}: {format_paths([p for p, _ in leaves])} "
+      f"({sum(size for _, size in leaves):,} values)"
+      for kind, leaves in kept.items()
+    )
+    warn(
+      f"low_precision: {mode!r} stores none of the inner transformation's state in low "
+      f"precision, so it saves no memory; it keeps its leaves of min_size={min_size} values "
+      f"or more as they are: {reasons}. `leaf_storage` gives every leaf's reason."
+    )
+
+
 def _kept_by_size(leaf: Any, min_size: int) -> bool:
   """Whether the state of the param `leaf` stays as it is whatever its mode: it is below
   `min_size` elements, or 0-d.
@@ -1911,6 +1947,9 @@ def low_precision(
       fields=_kept_fields(inner_state),
       param_modes=rules,
       axes=axes,
+    )
+    _warn_if_nothing_is_compressed(
+      state_dtype, inner_state, storage, min_size=min_size, states=states, param_modes=rules
     )
     blocks = tuple(
       block(kind, jnp.shape(leaf)) if kind in _CODECS else None
