@@ -802,7 +802,7 @@ def _warn_if_nothing_is_compressed(
   if states is not None or param_modes or any(k in LOW_PRECISION_MODES for k in storage):
     return
   kept: dict[str, list[tuple[str, int]]] = {}
-  flat = jax.tree_util.tree_leaves_with_path(inner_state)
+  flat = jax.tree.leaves_with_path(inner_state)
   for (path, leaf), kind in zip(flat, storage, strict=True):
     floating = jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
     if kind.startswith("kept: ") and floating and not _kept_by_size(leaf, min_size):
