@@ -10,6 +10,7 @@ import atexit
 import gc
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +30,29 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 from _optional import kfac_jax_error  # noqa: E402
-from _subprocesses import RUN_CACHE  # noqa: E402
+from _subprocesses import QUICK_EMITTERS, RUN_CACHE  # noqa: E402
+
+# XLA:CPU's earlier fusion emitters (`QUICK_EMITTERS`), in these processes and the ones they
+# start: a third less compiling in the low-precision and conversion modules, with the same
+# memory analysis (docs/development.md). XLA ends a process at start on a flag it does not
+# know, so the run's first process asks a fresh interpreter first; a jaxlib without them runs
+# the suite with its own. An ``XLA_FLAGS`` that names the flag is left as it is
+# (``--xla_cpu_use_fusion_emitters=true`` runs the suite with XLA's default emitters); the
+# `default_emitters` fixture (tests/conftest.py) gives them to one test.
+_EMITTERS_ASKED = "T5X_OPTIM_TESTS_EMITTERS_ASKED"
+if (
+  "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _EMITTERS_ASKED not in os.environ
+):
+  os.environ[_EMITTERS_ASKED] = "1"
+  _probe = subprocess.run(
+    [sys.executable, "-c", "import jax; jax.devices()"],
+    env=dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {QUICK_EMITTERS}"),
+    capture_output=True,
+    check=False,
+    timeout=300,
+  )
+  if _probe.returncode == 0:
+    os.environ["XLA_FLAGS"] += f" {QUICK_EMITTERS}"
 
 # The test run's compilation cache (`_subprocesses.with_run_compilation_cache` and the
 # `run_compilation_cache` fixture): made by the first process of the run (xdist's controller),

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _subprocesses import communicate_all
+from _subprocesses import communicate_all, with_xla_flags
 
 from t5x_optim import (
   MultiOptimizer,
@@ -63,8 +63,8 @@ def run_workers(argvs: Sequence[Sequence[str]], *, devices: int) -> list[tuple[i
   Returns one (returncode, output tail) pair per worker; on timeout every
   worker still running is killed and its output says so.
   """
-  env = dict(
-    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+  env = with_xla_flags(
+    dict(os.environ, JAX_PLATFORMS="cpu"), f"--xla_force_host_platform_device_count={devices}"
   )
   procs = [
     subprocess.Popen(

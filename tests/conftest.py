@@ -2,13 +2,15 @@
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import gin
 import jax
 import pytest
-from _subprocesses import RUN_CACHE, RUN_CACHE_SETTINGS
+from _subprocesses import QUICK_EMITTERS, RUN_CACHE, RUN_CACHE_SETTINGS
+from jax._src import compiler
 
 
 @pytest.fixture
@@ -71,17 +73,55 @@ def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
       jax.config.update(name, value)
 
 
+def _with_default_emitters(get_compile_options: Callable[..., Any]) -> Callable[..., Any]:
+  """jax's `get_compile_options`, with XLA's default fusion emitters in every compile."""
+
+  def compile_options(*args: Any, env_options_overrides=None, **kwargs: Any) -> Any:
+    overrides = {"xla_cpu_use_fusion_emitters": True, **(env_options_overrides or {})}
+    return get_compile_options(*args, env_options_overrides=overrides, **kwargs)
+
+  return compile_options
+
+
 @pytest.fixture
-def xla_optimized(monkeypatch):
+def default_emitters(monkeypatch):
+  """XLA's default fusion emitters for a test, in its process and the processes it starts.
+
+  The suite compiles with XLA:CPU's earlier emitters (`_subprocesses.QUICK_EMITTERS`, set for
+  the run by the repository's conftest.py), whose code may round the last bit otherwise: a
+  test that compares two different programs bit for bit, as the documentation promises they
+  agree, checks that with the emitters users run. The flag is process-wide, so it is left out
+  of the processes the test starts and overridden in each compile of its own; jax's
+  in-memory caches do not tell programs of the two emitters apart, so they are emptied
+  before and after.
+  """
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if QUICK_EMITTERS not in flags:
+    yield
+    return
+  with monkeypatch.context() as patch:
+    patch.setenv("XLA_FLAGS", " ".join(flag for flag in flags if flag != QUICK_EMITTERS))
+    patch.setattr(
+      compiler, "get_compile_options", _with_default_emitters(compiler.get_compile_options)
+    )
+    jax.clear_caches()
+    yield
+  jax.clear_caches()
+
+
+@pytest.fixture
+def xla_optimized(monkeypatch, default_emitters):
   """XLA's default optimizations for a test, in its process and the processes it starts.
 
   The suite compiles with jax's ``jax_disable_most_optimizations`` (the repository's
   conftest.py): XLA optimizes the same HLO but generates its code with the least effort,
   and the numbers may differ from the default's in the last bits. A test that compares two
   different programs bit for bit, as the documentation promises they agree, checks that with
-  the code users run, and computes both sides itself. jax's in-memory caches do not tell
-  programs of the two settings apart, so they are emptied before and after.
+  the code users run (XLA's default emitters included, `default_emitters`), and computes both
+  sides itself. jax's in-memory caches do not tell programs of the two settings apart, so
+  they are emptied before and after.
   """
+  del default_emitters
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
   jax.clear_caches()
   with _jax_settings({"jax_disable_most_optimizations": False}):

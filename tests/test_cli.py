@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _subprocesses import with_run_compilation_cache
+from _subprocesses import with_run_compilation_cache, with_xla_flags
 from tensorboard.backend.event_processing import event_accumulator
 
 import t5x_optim
@@ -57,7 +57,7 @@ OPTIMIZER_FILES = sorted(p.name for p in (_config.GIN_DIR / "optimizers").glob("
 
 
 def _env() -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = with_xla_flags(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   return with_run_compilation_cache(env)
 

@@ -843,6 +843,7 @@ _LINE_SEARCHERS = {
 }
 
 
+@pytest.mark.usefixtures("default_emitters")
 @pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
 @pytest.mark.parametrize(
   "name",

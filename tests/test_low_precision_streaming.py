@@ -432,6 +432,7 @@ def _chunked_equals_whole(monkeypatch, update_c, update_w, grads, state_c, state
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("default_emitters")
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, guard):
   """Leaves under ``stream_chunk`` that store column maxima walk at least 16 chunks of rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _subprocesses import communicate_all, free_port, with_run_compilation_cache
+from _subprocesses import communicate_all, free_port, with_run_compilation_cache, with_xla_flags
 from test_cli import _scalars
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,9 @@ HEARTBEAT_BOUND_S = 60
 
 
 def _env(devices: int, *, run_cache: bool = True) -> dict[str, str]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env = with_xla_flags(
+    dict(os.environ, JAX_PLATFORMS="cpu"), f"--xla_force_host_platform_device_count={devices}"
+  )
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   return with_run_compilation_cache(env) if run_cache else env
 
@@ -338,7 +339,7 @@ def test_processes_may_wait_for_each_other_for_different_times(tmp_path):
 def test_processes_with_other_device_counts_stop_before_the_first_step(tmp_path):
   """Process 0 with 4 devices, process 1 with 2: both ended in a traceback from the gather that
   compares their jobs ("cannot reshape array of size 6 into shape (2,4)")."""
-  two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  two = {"XLA_FLAGS": with_xla_flags({}, "--xla_force_host_platform_device_count=2")["XLA_FLAGS"]}
   for code, out, err in _two_processes(tmp_path, [[], []], envs=({}, two)):
     assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
     assert len(err.splitlines()) == 1, err
@@ -438,8 +439,7 @@ def _run_recipe(model_dir: Path, steps: int, cwd: Path) -> str:
       "$i &", f"$i --gin_bindings 'TOTAL_STEPS = {steps}' --gin_bindings 'LEARNING_RATE = 5e-3' &"
     )
   )
-  env = _env(8, run_cache=False)  # the recipe's own cache, under MODEL_DIR
-  del env["XLA_FLAGS"]
+  env = with_xla_flags(_env(8, run_cache=False))  # the recipe's own cache, under MODEL_DIR
   env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   result = subprocess.run(

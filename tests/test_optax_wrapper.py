@@ -59,14 +59,15 @@ def run(case: Case, jit: bool) -> tuple[Any, Any, t5x_optim.Optimizer]:
 # Compiled over the whole table; eager (op by op, each operation compiled on its own:
 # about 2 CPU-minutes over the table) over the wrappers and the hand-made states, whose
 # structures differ. The wrapper runs the same code eagerly for every discovered factory.
-@pytest.mark.usefixtures("xla_optimized")
 @pytest.mark.slow
 @pytest.mark.parametrize(
   ("case", "jit"),
   [(case, jit) for case in TABLE for jit in (False, True) if jit or case not in DISCOVERED],
   ids=lambda x: {False: "eager", True: "jit"}[x] if isinstance(x, bool) else repr(x),
 )
-def test_matches_plain_optax_loop_bit_for_bit(case: Case, jit: bool):
+def test_matches_plain_optax_loop_bit_for_bit(case: Case, jit: bool, request):
+  if jit:  # two programs, bit-identical as users compile; eagerly, the same operations
+    request.getfixturevalue("xla_optimized")
   params, state, opt = run(case, jit)
   assert tree_equal(opt.target, params)
   assert tree_equal(opt.state.param_states, state)

@@ -19,6 +19,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from _subprocesses import with_xla_flags
 
 # Builds the wheel and installs it in a fresh environment: minutes.
 pytestmark = pytest.mark.slow
@@ -53,7 +54,7 @@ def _readme_commands() -> list[list[str]]:
 
 
 def _run(command: list[str], *, cwd: Path) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env = with_xla_flags({k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
   return subprocess.run(
     command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
   )

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _subprocesses import with_xla_flags
 
 # Runs the README's and the manual's examples in fresh processes.
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def test_readme_and_docs_have_python_blocks():
   "index", range(len(BLOCKS)), ids=[f"{document}-{i}" for i, (document, _) in enumerate(SOURCES)]
 )
 def test_python_block_runs_as_shown(index, tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = with_xla_flags(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   result = subprocess.run(
     [sys.executable, "-c", BLOCKS[index]],
