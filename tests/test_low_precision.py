@@ -917,6 +917,28 @@ def test_a_state_it_stores_nothing_of_in_low_precision_is_a_warning():
     )
 
 
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_a_state_that_no_block_tiles_is_a_warning(mode):
+  """Params whose last dimensions no block tiles (prime, 1) keep adam's moments in float32:
+  8 or 4 bits then store nothing of the state in low precision, which `leaf_storage` said
+  and `init` did not. One compressed leaf saves memory and warns of nothing."""
+  params = {"w": jnp.zeros((64, 257)), "v": jnp.zeros((8192, 1)), "b": jnp.zeros(7)}
+  with pytest.warns(UserWarning) as record:
+    state = low_precision(optax.adam(1e-3), mode).init(params)
+  [message] = [str(w.message) for w in record]
+  no_block = {kind for kind in leaf_storage(state).values() if kind.startswith("float32: no ")}
+  [kind] = no_block
+  assert message.startswith(
+    f"low_precision: '{mode}' stores none of the inner transformation's state in low precision, "
+    "so it saves no memory; it keeps its leaves of min_size=4096 values or more as they are: "
+  ), message
+  assert f"{kind!r}: 0/mu/v, 0/mu/w, 0/nu/v, 0/nu/w (49,280 values)" in message, message
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    low_precision(optax.adam(1e-3), mode).init({**params, "k": jnp.zeros((64, 256))})
+    low_precision(optax.adam(1e-3), mode, min_size=20_000).init(params)
+
+
 _FROM_THEIR_STATE = {
   "madgrad": (
     lambda: optax.contrib.madgrad(0.05),

@@ -797,15 +797,18 @@ def _warn_if_nothing_is_compressed(
   """Warns when no leaf of the inner state is stored in a low-precision mode while some
   floating leaf that `_kept_by_size` does not keep is kept for what it is (``"kept: ..."``:
   not param-shaped, L-BFGS's last params, the moments of a GaLore that projects every
-  kernel): the transformation then saves no memory. Under a ``param_modes`` policy or
-  ``states=``, what is kept is the caller's choice, which warns of nothing here."""
+  kernel) or because no block of the mode tiles it: the transformation then saves no
+  memory. Under a ``param_modes`` policy or ``states=``, what is kept is the caller's
+  choice, which warns of nothing here."""
   if states is not None or param_modes or any(k in LOW_PRECISION_MODES for k in storage):
     return
+  no_block = {_reason(codec.no_block) for codec in _CODECS.values()}
   kept: dict[str, list[tuple[str, int]]] = {}
   flat = jax.tree.leaves_with_path(inner_state)
   for (path, leaf), kind in zip(flat, storage, strict=True):
     floating = jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
-    if kind.startswith("kept: ") and floating and not _kept_by_size(leaf, min_size):
+    unsaved = kind.startswith("kept: ") or _reason(kind) in no_block
+    if unsaved and floating and not _kept_by_size(leaf, min_size):
       size = math.prod(jnp.shape(leaf))
       kept.setdefault(kind, []).append((_state_dict.key_path_str(path), size))
   if kept:
@@ -819,6 +822,11 @@ def _warn_if_nothing_is_compressed(
       f"precision, so it saves no memory; it keeps its leaves of min_size={min_size} values "
       f"or more as they are: {reasons}. `leaf_storage` gives every leaf's reason."
     )
+
+
+def _reason(kind: str) -> str:
+  """A storage label without its dtype: ``"float32: 0-d"`` -> ``"0-d"``."""
+  return kind.partition(": ")[2]
 
 
 def _kept_by_size(leaf: Any, min_size: int) -> bool:
@@ -999,8 +1007,8 @@ def _warn_of_a_pattern_kept_by_size(what: str, kinds: Sequence[tuple[str, str]])
     >>> str(caught[0].message).split(":")[0]
     "states='b' selects only state leaves kept as they are"
   """
-  by_size = {_KEPT_SMALL.split(": ", 1)[1], _KEPT_0D.split(": ", 1)[1]}
-  size_kept = [(where, kind.split(": ", 1)[-1]) for where, kind in kinds]
+  by_size = {_reason(_KEPT_SMALL), _reason(_KEPT_0D)}
+  size_kept = [(where, _reason(kind)) for where, kind in kinds]
   if not kinds or any(reason not in by_size for _, reason in size_kept):
     return
   reasons = sorted({reason for _, reason in size_kept})
