@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _subprocesses import with_run_compilation_cache, with_xla_flags
+from _subprocesses import communicate_all, with_run_compilation_cache, with_xla_flags
 from tensorboard.backend.event_processing import event_accumulator
 
 import t5x_optim
@@ -940,6 +940,27 @@ def test_help_says_gin_files_are_code(capsys):
     with pytest.raises(SystemExit):
       main(argv)
     assert "gin files are code" in " ".join(capsys.readouterr().out.split()).lower()
+
+
+@pytest.mark.slow
+def test_the_packages_warnings_are_one_line_of_the_command():
+  """The package names its caller's line in a warning; as the command line, that was the
+  launcher's (``t5x_optim_launcher.py:48: UserWarning: ...``) or ``<frozen runpy>:88``."""
+  flags = ["plan", *TINY, "--gin_file", "optimizers/adamw_8bit.gin"]
+  flags += ["--gin_bindings", "optimizers.low_precision.block_size = 4"]
+  flags += ["--gin_bindings", "optimizers.low_precision.state_dtype = 'bfloat16'"]
+  entries = [_command(*flags), [sys.executable, "-m", "t5x_optim", *flags]]
+  procs = [
+    subprocess.Popen(
+      command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for command in entries
+  ]
+  message = "low_precision: block_size=4 is unused: it sizes 8-bit and 4-bit blocks"
+  for code, out, err in communicate_all(procs, TIMEOUT):
+    assert code == 0 and "Optimizer state on mesh" in out, err
+    [line] = [line for line in err.splitlines() if message in line]
+    assert line.startswith(f"t5x-optim: warning: {message}"), err
 
 
 @pytest.mark.slow

@@ -866,5 +866,40 @@ def console_main(pending_signals: list[int] | None = None) -> None:
   """The command of ``sys.argv`` as the process, ended by `exit_process`: ``python -m
   t5x_optim``, and the `t5x-optim` script, which passes the signals it recorded while the
   package was imported (see ``t5x_optim_launcher``). The command's signal handlers stay until
-  the process ends: a second Ctrl-C while it shuts down quits at once."""
+  the process ends: a second Ctrl-C while it shuts down quits at once. A warning that names
+  a line of what started the command (the script, ``runpy``) shows as one line of its own,
+  ``t5x-optim: warning: ...``: the package's warnings name their caller's line, and here the
+  caller is the command line."""
+  entry, frame = {"sys"}, sys._getframe(1)
+  while frame is not None:
+    entry.add(frame.f_code.co_filename)
+    frame = frame.f_back
+  warnings.showwarning = _shown_as_the_commands(warnings.showwarning, frozenset(entry))
   exit_process(_main(None, [] if pending_signals is None else pending_signals, keep_handlers=True))
+
+
+def _shown_as_the_commands(show, entry: frozenset[str]):
+  """`warnings.showwarning` that shows a warning attributed to a file of `entry` as
+  ``t5x-optim: warning: <message>`` (``t5x-optim: <Category>: ...`` unless a
+  ``UserWarning``), and others as `show` does.
+
+  Example:
+    >>> python = lambda message, category, filename, lineno, *_: print(f"{filename}:{lineno}: ...")
+    >>> shown = _shown_as_the_commands(python, frozenset({"<frozen runpy>"}))
+    >>> shown(UserWarning("careful"), UserWarning, "<frozen runpy>", 88, sys.stdout)
+    t5x-optim: warning: careful
+    >>> shown(UserWarning("mine"), UserWarning, "/home/me/job.py", 3)
+    /home/me/job.py:3: ...
+  """
+
+  def showwarning(message, category, filename, lineno, file=None, line=None):
+    if filename not in entry:
+      show(message, category, filename, lineno, file, line)
+      return
+    kind = "warning" if category is UserWarning else category.__name__
+    try:
+      print(f"t5x-optim: {kind}: {message}", file=sys.stderr if file is None else file)
+    except OSError:  # Python's own ignores a stream that is gone (a closed terminal)
+      pass
+
+  return showwarning
