@@ -31,7 +31,7 @@ from flax import traverse_util
 from flax.core import FrozenDict
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
-from optimizer_table import assert_same_bits
+from optimizer_table import TABLE, assert_same_bits, initial_params, tree_equal, wrapper_step
 
 import t5x_optim
 from t5x_optim import OptaxWrapper, optimizers, partitioning
@@ -1581,6 +1581,94 @@ def test_a_state_without_converter_is_named():
   source = OptaxWrapper(optax.adabelief(1e-3)).create(PARAMS)
   _, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adam(1e-3)), missing="init")
   assert report.dropped == ("0/mu (ScaleByBeliefState.mu)", "0/nu (ScaleByBeliefState.nu)")
+
+
+_STEP = jax.jit(wrapper_step)
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    case if case.name == "madgrad" else pytest.param(case, marks=pytest.mark.slow) for case in TABLE
+  ],
+  ids=repr,
+)
+def test_every_optimizer_converts_into_itself_and_a_state_of_its_type_goes_on_as_it_was(case):
+  """Converted into itself, a state without a converter (L-BFGS's memory, MADGRAD's sum of
+  gradients, COCOB's wealth, adabelief's moments) started fresh, or was refused: "no
+  converter", though the new optimizer holds a state of the same type over the same params.
+  It goes over as it is, and where every state did, the run goes on bit for bit as if never
+  converted. Schedule-free's ``z`` is the exception: the new optimizer's params are the
+  evaluation params, not the point ``z`` was averaged with."""
+  old = OptaxWrapper(case.make()).create(initial_params(case))
+  for _ in range(3):
+    old = _STEP(old)
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(case.make()), missing="init")
+  fresh = [line for line in report.initialised if line.endswith(": no converter")]
+  assert all(line.startswith("z (ScheduleFreeState.z)") for line in fresh), report
+  carried = [line for line in report.converted if line.endswith("a state of its type")]
+  if carried and len(carried) == len(report.converted) and not report.initialised:
+    assert not report.dropped, report
+    for _ in range(3):
+      old, new = _STEP(old), _STEP(new)
+    assert tree_equal(new.target, old.target) and tree_equal(new.state, old.state), report
+
+
+def test_states_of_their_type_go_on_across_storages_and_places():
+  """adabelief's moments go over as they are from float32 into 8 bits and back, from one
+  `MultiOptimizer` group into the group over the same params listed elsewhere, and from a
+  chain's first place into a state of its own."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 256).reshape(2, 128), "v": jnp.linspace(0.5, 2.0, 3)}
+  grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
+  float32 = OptaxWrapper(optax.adabelief(1e-2)).create(params)
+  float32 = float32.apply_gradient(grads).apply_gradient(grads)
+  eight = OptaxWrapper(t5x_optim.low_precision(optax.adabelief(1e-2), "8bit", min_size=0))
+  encoded, report = t5x_optim.convert_state(float32, eight)
+  assert report.converted == (
+    "inner_state/0 (ScaleByBeliefState): as it is, from 0, a state of its type",
+  ), report
+  assert (report.initialised, report.dropped) == ((), ())
+  back, report = t5x_optim.convert_state(encoded, OptaxWrapper(optax.adabelief(1e-2)))
+  assert report.converted == (
+    "0 (ScaleByBeliefState): as it is, from inner_state/0, a state of its type",
+  ), report
+  decoded = t5x_optim.low_precision_to_float32(encoded.state.param_states)
+  assert tree_equal(back.state.param_states, decoded)
+  nu = float32.state.param_states[0].nu
+  np.testing.assert_allclose(back.state.param_states[0].nu["w"], nu["w"], rtol=0.05)
+  assert int(back.state.param_states[0].count) == 2
+
+  def groups(*names):
+    return t5x_optim.MultiOptimizer(
+      [(t5x_optim.PathFilter(name), OptaxWrapper(optax.adabelief(1e-2))) for name in names]
+    )
+
+  old = groups("w", "v").create(params).apply_gradient(grads)
+  new, report = t5x_optim.convert_state(old, groups("v", "w"))
+  assert len(report.converted) == 2 and not report.initialised, report
+  assert tree_equal(new.apply_gradient(grads).target, old.apply_gradient(grads).target)
+
+  chained = OptaxWrapper(optax.chain(optax.scale_by_belief(), optax.scale(-1e-2)))
+  old = chained.create(params).apply_gradient(grads)
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(optax.scale_by_belief()))
+  assert report.converted == ("<root> (ScaleByBeliefState): as it is, from 0, a state of its type",)
+
+
+def test_a_state_of_its_type_in_other_shapes_or_twice_starts_fresh():
+  """L-BFGS with a shorter memory holds its memory in other shapes, and a chain of two
+  adabelief scalings holds two states of one type over the same params, of which either
+  could be either: each starts fresh, reported (refused unless told)."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 6)}
+  grads = {"w": jnp.sin(3 * params["w"])}
+  old = OptaxWrapper(optax.lbfgs(memory_size=10)).create(params)
+  with pytest.raises(ValueError, match=r"0/diff_params_memory \(ScaleByLBFGSState.*no converter"):
+    t5x_optim.convert_state(old, OptaxWrapper(optax.lbfgs(memory_size=5)))
+  twice = lambda: OptaxWrapper(optax.chain(optax.scale_by_belief(), optax.scale_by_belief()))  # noqa: E731
+  old = twice().create(params).apply_gradient(grads)
+  new, report = t5x_optim.convert_state(old, twice(), missing="init")
+  assert report.converted == () and len(report.initialised) == 4, report
+  for state in new.state.param_states:
+    assert tree_equal((state.mu, state.nu), ({"w": jnp.zeros(6)},) * 2)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["acc"], meta_fields=[])

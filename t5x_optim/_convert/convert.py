@@ -71,6 +71,10 @@ sub-optimizer (`_CARRIED_WHOLE`), so its guard does not start over and the learn
 cut stays cut. Any other scalar field of a state without a converter that is neither set
 nor carried is reported as initialised or dropped (`_unset_scalars`).
 
+States of their type. A state without a converter (`_of_its_type`: L-BFGS's memory,
+adabelief's moments) goes over as it is, its count too, where each side holds one state of
+its type over the same params in the same shapes (`_same_type_states`), whatever its place.
+
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
 and a target's is written in float32 and encoded again
@@ -464,6 +468,10 @@ class _Source:
   origin: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
   dropped: list[str] = dataclasses.field(default_factory=list)
   guards: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
+  of_its_type: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
+  """Its states that `_same_type_states` carries, each with its node decoded to float32."""
+  dropped_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  """The lines of `dropped` that each of those states, by its path, made."""
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
   clocks: dict[tuple[Any, ...], list[Any]] = dataclasses.field(default_factory=dict)
   """The clocks inside the `_COUNTING` states of each `_counting_key`, in the order the
@@ -602,6 +610,98 @@ def _carried_whole(tree: Any) -> dict[type, list[_Carried]]:
   return found
 
 
+_NOT_CARRIED_AS_OF_ITS_TYPE = (
+  *_CLOCKED,
+  *_COUNTING,
+  *_SCOPES,
+  *_GATES,
+  *_CARRIED_WHOLE,
+  LowPrecisionState,
+  optax.contrib.GaLoreState,
+  optax.contrib.ScheduleFreeState,
+  optax.LookaheadState,
+  AdamaxState,
+  StackedParams,
+)
+"""State types the walks treat apart (clocks, scopes, guards, storage, the params a
+conversion gives, a stacked layout's buffers), never carried as states of their type
+(`_same_type_states`)."""
+
+
+def _holds_states(tree: Any) -> bool:
+  """`_has_state_nodes`, an 8-bit or 4-bit leaf counted as an array (a `LowPrecisionState`'s
+  inner state, encoded)."""
+  if _is_quantized(tree):
+    return False
+  children = _children(tree)
+  if children is None:
+    return False
+  if is_namedtuple(tree) or dataclasses.is_dataclass(tree):
+    return True
+  return any(_holds_states(child) for _, child in children)
+
+
+def _of_its_type(node: Any, converters: Mapping[type, StateConverter]) -> bool:
+  """Whether `node` is a state that no converter reads or writes and that goes over as it
+  is into the target's one state of its type (`_same_type_states`): a NamedTuple or
+  dataclass holding per-param arrays, and no other state but records of scalars (a line
+  search's ``info``) and states of this kind in fields of their own (Sophia's Hessian
+  estimator's); not a state of `_NOT_CARRIED_AS_OF_ITS_TYPE`, nor an
+  ``inject_hyperparams`` state."""
+  if not (is_namedtuple(node) or dataclasses.is_dataclass(node)) or _is_quantized(node):
+    return False
+  if isinstance(node, _NOT_CARRIED_AS_OF_ITS_TYPE) or _injects_hyperparams(node):
+    return False
+  if _converter(node, converters) is not None or not _has_tensors(node):
+    return False
+  return all(
+    not (_holds_states(child) and _has_tensors(child))
+    or (
+      (is_namedtuple(child) or dataclasses.is_dataclass(child)) and _of_its_type(child, converters)
+    )
+    for _, child in _children(node)
+  )
+
+
+def _same_type_states(tree: Any, params: Mapping[str, Any]) -> dict[type, list[_Carried]]:
+  """Every state of `tree` that `_of_its_type` carries, the outermost, by type; each
+  `_Carried` with its node as `tree` holds it (encoded inside a `LowPrecisionState`) and,
+  as its group, the params it holds (`_params_in`), one a line.
+
+  Such a state holds what no moments express (L-BFGS's memory of updates, MADGRAD's sum
+  of gradients, COCOB's wealth, adabelief's moments): where the source and the target
+  each hold one state of its type over the same params, in the same shapes, wherever it
+  sits (a chain's other place, another `MultiOptimizer` group, another storage), the
+  target's goes on from the source's as it is, its count too, and its settings and clocks
+  (`_UNREPORTED_SCALARS`) are the target's."""
+  converters = registered_converters()
+  found: dict[type, list[_Carried]] = {}
+
+  def walk(node: Any, path: tuple[str, ...]) -> None:
+    if isinstance(node, LowPrecisionState):
+      walk(node.inner_state, (*path, "inner_state"))
+      return
+    if _of_its_type(node, converters):
+      where, held = "/".join(path) or "<root>", "\n".join(sorted(_params_in(node, params)))
+      found.setdefault(type(node), []).append(_Carried(where, held, node))
+      return
+    if _converter(node, converters) is not None or _is_quantized(node):
+      return  # Read and written by its converter, or refused.
+    for key, child in _children(node) or ():
+      walk(child, (*path, key))
+
+  walk(tree, ())
+  return found
+
+
+def _shaped_alike(old: Any, new: Any) -> bool:
+  """Whether two states have one structure and leaves of the same shapes."""
+  if jax.tree.structure(old) != jax.tree.structure(new):
+    return False
+  shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(old)]
+  return shapes == [jnp.shape(leaf) for leaf in jax.tree.leaves(new)]
+
+
 def _read_source(
   param_states: Any,
   step: Any,
@@ -612,6 +712,9 @@ def _read_source(
 ) -> _Source:
   source = _Source()
   converters = registered_converters()
+  of_its_type = _same_type_states(param_states, params)
+  carried = {state.where for states in of_its_type.values() for state in states}
+  decoded: dict[str, Any] = {}
 
   def visit(
     node: Any,
@@ -684,6 +787,7 @@ def _read_source(
       source.placed[where] = (key, clock)
     if isinstance(node, optax.contrib.GaLoreState):
       projected = galore_projected(node)
+    before = len(source.dropped)
     for i, (key, child) in enumerate(children):
       if (
         (is_namedtuple(node) or dataclasses.is_dataclass(node))
@@ -694,9 +798,16 @@ def _read_source(
         continue
       chained = _chained(node, children, i)
       visit(child, (*path, key), hparams, chained, clock, set_at, projected)
+    if where in carried:
+      decoded[where] = node
+      source.dropped_with[where] = source.dropped[before:]
 
   visit(param_states, (), hparams, (), step, "")
   source.guards = _carried_whole(param_states)
+  source.of_its_type = {
+    kind: [dataclasses.replace(state, node=decoded[state.where]) for state in states]
+    for kind, states in of_its_type.items()
+  }
   return source
 
 
@@ -907,8 +1018,10 @@ def _write_target(
   counts = Moments(source.stats, lambda field, param, quantities, by_design: None)
   schedules = hparams.schedules()
   targets = _carried_whole(template)
+  of_its_type = _same_type_states(template, params)
   counting = _counting_places(template, params)
   carried: list[str] = []
+  carried_from: list[str] = []
 
   def carry(node: Any, where: str) -> Any:
     """`node` with its `_CARRIED_WHOLE` fields from the source's one state of its type,
@@ -931,6 +1044,23 @@ def _write_target(
       return node
     carried.append(f"{label}: {', '.join(fields)}, from {old.where}")
     return node._replace(**{f: _placed(getattr(old.node, f), getattr(node, f)) for f in fields})
+
+  def carry_of_its_type(node: Any, where: str) -> Any | None:
+    """`node` as the source's one state of its type (`_same_type_states`), or None."""
+    [mine] = [state for state in of_its_type[type(node)] if state.where == where]
+    sources = [s for s in source.of_its_type.get(type(node), []) if s.group == mine.group]
+    twins = [state for state in of_its_type[type(node)] if state.group == mine.group]
+    if len(sources) != 1 or len(twins) != 1 or not _shaped_alike(sources[0].node, node):
+      return None
+    old = sources[0]
+    label = f"{where} ({type(node).__name__})"
+    carried.append(f"{label}: as it is, from {old.where}, a state of its type")
+    carried_from.append(old.where)
+    children = []
+    for (key, child), (_, value) in zip(_children(node), _children(old.node), strict=True):
+      ours = (type(node), key) in _UNREPORTED_SCALARS or (type(node), key) in _FRESH_FIELDS
+      children.append(child if ours else jax.tree.map(_placed, value, child))
+    return _rebuild(node, children)
 
   def visit(
     node: Any,
@@ -972,6 +1102,10 @@ def _write_target(
       clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
       node = carry(node, where)
+    if any(state.where == where for state in of_its_type.get(type(node), ())):
+      whole = carry_of_its_type(node, where)
+      if whole is not None:
+        return whole
     if isinstance(node, optax.ApplyIfFiniteState):
       held = dict.fromkeys(_params_in(node.inner_state, params), 0)
       let_through = jnp.maximum(clock - node.total_notfinite, 0)
@@ -1035,7 +1169,8 @@ def _write_target(
     for quantity in entry.keys() - {"count"}:
       if (param, quantity) not in used:
         unused.setdefault((source.origin[(param, quantity)], quantity), []).append(param)
-  dropped = [*source.dropped] + [
+  gone = {line for where in carried_from for line in source.dropped_with[where]}
+  dropped = [line for line in source.dropped if line not in gone] + [
     f"{origin}: {quantity} of {count(paths)} params, not used by the new optimizer "
     f"(e.g. {held.get(min(paths), (min(paths),))[0]})"
     for (origin, quantity), paths in sorted(unused.items())
@@ -1498,7 +1633,9 @@ def convert_state(
   ``FactoredState``) and T5X's legacy ``adafactor.Adafactor`` (its state
   dict's layout, or T5X's own param state class, matched by its fields);
   see the module docstring for the step-count rule and each converter for
-  its formula. Other states (adabelief's, say) need a registered converter.
+  its formula. A state of another type (adabelief's, L-BFGS's, say) goes over
+  as it is into the new optimizer's one state of its type over the same params
+  in the same shapes; into another type it needs a registered converter.
 
   Args:
     source: the old optimizer, or its T5X-layout state dict (ours, or a T5X
