@@ -191,14 +191,18 @@ def _rebuild(node: Any, children: list[Any]) -> Any:
   )
 
 
-def _has_state_nodes(tree: Any) -> bool:
-  """Whether `tree` holds a NamedTuple or dataclass state (other than masked holes)."""
+def _has_state_nodes(tree: Any, *, encoded: bool = False) -> bool:
+  """Whether `tree` holds a NamedTuple or dataclass state (other than masked holes); with
+  `encoded`, an 8-bit or 4-bit leaf counts as an array (a `LowPrecisionState`'s inner
+  state as stored)."""
+  if encoded and _is_quantized(tree):
+    return False
   children = _children(tree)
   if children is None:
     return False
   if is_namedtuple(tree) or dataclasses.is_dataclass(tree):
     return True
-  return any(_has_state_nodes(child) for _, child in children)
+  return any(_has_state_nodes(child, encoded=encoded) for _, child in children)
 
 
 def _has_tensors(tree: Any) -> bool:
@@ -628,19 +632,6 @@ conversion gives, a stacked layout's buffers), never carried as states of their 
 (`_same_type_states`)."""
 
 
-def _holds_states(tree: Any) -> bool:
-  """`_has_state_nodes`, an 8-bit or 4-bit leaf counted as an array (a `LowPrecisionState`'s
-  inner state, encoded)."""
-  if _is_quantized(tree):
-    return False
-  children = _children(tree)
-  if children is None:
-    return False
-  if is_namedtuple(tree) or dataclasses.is_dataclass(tree):
-    return True
-  return any(_holds_states(child) for _, child in children)
-
-
 def _of_its_type(node: Any, converters: Mapping[type, StateConverter]) -> bool:
   """Whether `node` is a state that no converter reads or writes and that goes over as it
   is into the target's one state of its type (`_same_type_states`): a NamedTuple or
@@ -655,7 +646,7 @@ def _of_its_type(node: Any, converters: Mapping[type, StateConverter]) -> bool:
   if _converter(node, converters) is not None or not _has_tensors(node):
     return False
   return all(
-    not (_holds_states(child) and _has_tensors(child))
+    not (_has_state_nodes(child, encoded=True) and _has_tensors(child))
     or (
       (is_namedtuple(child) or dataclasses.is_dataclass(child)) and _of_its_type(child, converters)
     )
