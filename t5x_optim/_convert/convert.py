@@ -796,7 +796,11 @@ def _read_source(
   visit(param_states, (), hparams, (), step, "")
   source.guards = _carried_whole(param_states)
   source.of_its_type = {
-    kind: [dataclasses.replace(state, node=decoded[state.where]) for state in states]
+    kind: [
+      dataclasses.replace(state, node=decoded[state.where])
+      for state in states
+      if state.where in decoded  # a state the visit did not reach is not read, nor carried
+    ]
     for kind, states in of_its_type.items()
   }
   return source

@@ -25,7 +25,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -878,7 +878,7 @@ def console_main(pending_signals: list[int] | None = None) -> None:
   exit_process(_main(None, [] if pending_signals is None else pending_signals, keep_handlers=True))
 
 
-def _shown_as_the_commands(show, entry: frozenset[str]):
+def _shown_as_the_commands(show: Callable[..., None], entry: frozenset[str]) -> Callable[..., None]:
   """`warnings.showwarning` that shows a warning attributed to a file of `entry` as
   ``t5x-optim: warning: <message>`` (``t5x-optim: <Category>: ...`` unless a
   ``UserWarning``), and others as `show` does.
