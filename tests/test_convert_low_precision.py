@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -165,6 +166,20 @@ def test_four_bit_blocks_of_one_row_convert_into_blocks_of_several():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_telling_adamax_from_adam_warns_of_nothing_the_caller_gave():
+  """Adam's state type is told from adamax's by updating a copy of the params with two values
+  per dimension; in 8 bits no block tiles those, and low_precision warned that its mode saves
+  no memory, naming the caller's params, at every conversion of an 8-bit adamw (as an error
+  under ``-W error``, which failed the conversion and `--init_from`)."""
+  params = {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
+  source = OptaxWrapper(low_precision(optax.adamw(1e-3), "8bit", min_size=0)).create(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    new, report = t5x_optim.convert_state(source, OptaxWrapper(optax.adamw(1e-3)))
+  assert report.converted[0].startswith("0 (ScaleByAdamState).mu: 2 params"), report
+
+
 def test_an_eight_bit_leaf_outside_a_low_precision_state_is_refused_with_its_path():
   source = _trained("8bit")
   inner = source.state.param_states.inner_state  # 8-bit leaves without their wrapper

@@ -1308,12 +1308,16 @@ def _adamax_paths(
     names = getattr(optimizer_def, "extra_arg_names", ())
     extra_args = loss_extra_args(names, loss(trained), grads, loss)
     try:
-      opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
-      step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))
-      for _ in range(_PROBE_GRADIENTS - 1):
-        if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
-          break
-        opt = step(opt)
+      # What the optimizer says of the copy (low_precision: nothing of leaves of two values
+      # compressed) is not said of the caller's params.
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = optimizer_def.create(small).apply_gradient(grads, **extra_args)
+        step = jax.jit(lambda opt: opt.apply_gradient(grads, **extra_args))
+        for _ in range(_PROBE_GRADIENTS - 1):
+          if all(int(node.count) > 0 for _, node in _adam_states(opt.state.param_states)):
+            break
+          opt = step(opt)
     except Exception as error:
       paths = ", ".join(
         f"{'/'.join(path) or '<root>'} (ScaleByAdamState)" for path, _ in _adam_states(param_states)
