@@ -282,6 +282,31 @@ def test_an_eight_bit_checkpoint_restores_converted_into_sharded_low_precision_s
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_a_state_without_converter_restores_into_its_type_sharded(tmp_path):
+  """adabelief's state has no converter: a float32 checkpoint of it on a 2x4 mesh restores
+  into 8-bit adabelief as it is, encoded on the target's shardings, as convert_state gives
+  it in memory; until then its moments started fresh."""
+  partitioner = _partitioner()
+  source_def = OptaxWrapper(optax.adabelief(1e-3))
+  old = partitioning.init_sharded(partitioner, source_def, lambda key: _variables(), None)
+  for grads in GRADS:
+    old = old.apply_gradient(grads)
+  with t5x_optim.Checkpointer(tmp_path, async_save=False) as checkpointer:
+    checkpointer.save(STEPS, old)
+  abstract_old = partitioning.abstract_train_state(partitioner, source_def, _variables)
+  target_def = OptaxWrapper(_stored(optax.adabelief(1e-3), "8bit"))
+  target = partitioning.abstract_train_state(partitioner, target_def, _variables)
+  state, report = t5x_optim.restore_converted(tmp_path, target, source=abstract_old)
+  assert report.converted == (
+    "inner_state/0 (ScaleByBeliefState): as it is, from 0, a state of its type",
+  ), report
+  assert (report.initialised, report.dropped) == ((), ())
+  like = jax.tree.map(np.asarray, state.param_states)
+  encoded = t5x_optim.float32_to_low_precision(old.optimizer.state.param_states, like)
+  _assert_placed(state.param_states, encoded, target.param_states, "8bit")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "source_storage, target_storage", [("float32", "8bit"), ("8bit", "float32"), ("8bit", "4bit")]
 )
