@@ -626,6 +626,67 @@ def test_reapply_config_sets_the_settings_kept_inside_multi_steps(wrap):
   assert [float(state.b1) for state in states if isinstance(state, kind)] == [0.5]
 
 
+def _free(b1: float) -> optax.GradientTransformation:
+  return optax.contrib.schedule_free_sgd(0.1, b1=b1)
+
+
+_FREE_LAYOUTS = {
+  "whole": lambda b1: OptaxWrapper(_free(b1)),
+  "MultiSteps": lambda b1: OptaxWrapper(optax.MultiSteps(_free(b1), 2)),
+  "low_precision": lambda b1: OptaxWrapper(t5x_optim.low_precision(_free(b1), "bfloat16")),
+  "partition": lambda b1: OptaxWrapper(
+    optax.multi_transform({"free": _free(b1), "sgd": optax.sgd(0.1)}, {"a": "free", "b": "sgd"})
+  ),
+  "MultiOptimizer": lambda b1: t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), OptaxWrapper(_free(b1))),
+      (t5x_optim.PathFilter("bias"), OptaxWrapper(optax.sgd(0.1))),
+    ]
+  ),
+  "lookahead": lambda b1: OptaxWrapper(optax.lookahead(_free(b1), 2, 0.5)),
+}
+
+
+def _free_average(opt) -> list[Any]:
+  """Each schedule-free state's average x of its params, ``(y - (1 - b1) z) / b1``, by path."""
+  kind = optax.contrib.ScheduleFreeState
+  found = []
+  trained = dict(
+    (jax.tree_util.keystr(path), leaf)
+    for path, leaf in jax.tree.flatten_with_path(t5x_optim.trained_params(opt.target))[0]
+  )
+  for state in jax.tree.leaves(opt.state.param_states, is_leaf=lambda x: isinstance(x, kind)):
+    if isinstance(state, kind):
+      for path, z in jax.tree.flatten_with_path(state.z)[0]:
+        y = trained[jax.tree_util.keystr(path)]
+        found.append((y - (1 - state.b1) * z) / state.b1)
+  return found
+
+
+@pytest.mark.parametrize("layout", sorted(_FREE_LAYOUTS))
+def test_reapply_config_with_another_b1_keeps_schedule_frees_average(layout):
+  """optax's schedule-free stores its params y and z, and its update recovers its average x
+  from them by the b1 it is built with: a resume with another b1 kept y, which moved x (the
+  params it is evaluated at; here by up to 0.13). The params it takes gradients at are now
+  ``b1 x + (1 - b1) z`` by the new b1; x and z stay the run's."""
+  make = _FREE_LAYOUTS[layout]
+  params = {"a": {"kernel": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}, "b": {"bias": jnp.ones(3)}}
+  lookahead = optax.LookaheadParams.init_synced(params)
+  saved = make(0.9).create(lookahead if layout == "lookahead" else params)
+  step = jax.jit(lambda opt, i: opt.apply_gradient(jax.tree.map(lambda p: jnp.sin(p * i), params)))
+  for i in range(1, 6):
+    saved = step(saved, i + 1.0)
+  before = _free_average(saved)
+  now = t5x_optim.reapply_config(saved.replace(optimizer_def=make(0.5)))
+  assert len(before) in (1, 2)
+  for got, want in zip(_free_average(now), before, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert not tree_equal(now.target, saved.target)
+  assert tree_equal(now.state.step, saved.state.step)
+  again = t5x_optim.reapply_config(now)
+  assert tree_equal(again.target, now.target) and tree_equal(again.state, now.state)
+
+
 def test_reapply_config_makes_its_grads_for_a_lookahead_optimizer():
   """Without grads, reapply_config made zeros like the target, which for optax.lookahead holds
   the fast and the slow copy: the grads did not fit the params the update trains."""

@@ -4,7 +4,9 @@ Some optax states keep a setting among their leaves and read it there at each up
 Muon's Newton-Schulz coefficients (``ns_coeffs``), schedule-free's ``b1``, momo's
 lower bound, the constants of ``inject_hyperparams``. A restored state holds them as
 the config that wrote it gave them, so a resume under a changed config would update
-with the old values. `reapply_config` sets them anew.
+with the old values. `reapply_config` sets them anew, and moves the params a
+schedule-free state takes gradients at where its ``b1`` changed, so that its average
+stays the one trained.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from t5x_optim._core.interface import Optimizer, trained_params
 
@@ -115,7 +119,11 @@ def reapply_config(optimizer: Optimizer, grads: Any = None, **extra: Any) -> Opt
   definition's ``init_state`` gives them now, in each leaf's dtype and sharding.
 
   For a state restored under a changed config. The new values are computed
-  in one jitted init whose moments XLA leaves out.
+  in one jitted init whose moments XLA leaves out. Where a schedule-free
+  state's ``b1`` changed, the params it takes gradients at become
+  ``b1 x + (1 - b1) z`` by the new ``b1``, with its average ``x`` by the old
+  one: optax recovers ``x`` from the params and ``z`` by the ``b1`` it is
+  built with, so params kept as they were would move the average.
 
   Args:
     optimizer: the optimizer, e.g. just restored.
@@ -131,6 +139,10 @@ def reapply_config(optimizer: Optimizer, grads: Any = None, **extra: Any) -> Opt
     >>> now = OptaxWrapper(optax.contrib.schedule_free_adamw(1e-3, b1=0.5))
     >>> float(reapply_config(saved.replace(optimizer_def=now)).state.param_states.b1)
     0.5
+
+  Raises:
+    ValueError: a schedule-free state whose ``b1`` changed holds a ``z`` of no
+      param (no param of its path and shape), naming it.
   """
   configured = configured_leaves(optimizer, grads, **extra)
   if not any(configured):
@@ -150,4 +162,71 @@ def reapply_config(optimizer: Optimizer, grads: Any = None, **extra: Any) -> Opt
     for leaf, chosen in zip(leaves, configured, strict=True)
   ]
   state = optimizer.state.replace(param_states=jax.tree.unflatten(treedef, leaves))
-  return optimizer.replace(state=state)
+  target = _schedule_free_params(optimizer.target, optimizer.state.param_states, state.param_states)
+  return optimizer.replace(state=state, target=target)
+
+
+def _is_schedule_free(node: Any) -> bool:
+  return isinstance(node, optax.contrib.ScheduleFreeState)
+
+
+def _schedule_free_params(target: Any, old_states: Any, new_states: Any) -> Any:
+  """`target` with the params of each schedule-free state whose ``b1`` the config changed at
+  ``y = b1 x + (1 - b1) z`` by the new ``b1``, ``x = (y - (1 - b1) z) / b1`` by the old one.
+
+  optax's schedule-free keeps its params ``y`` and its ``z`` and recovers its average ``x``
+  from them by the ``b1`` it is built with: kept as they were, the params would move ``x``,
+  the params it is evaluated at. A param is matched to ``z`` by its path in the params it
+  trains (`trained_params`: lookahead's fast ones), ``z`` over all of them or part
+  (``optax.masked``' holes, a `MultiOptimizer` group's).
+
+  Raises:
+    ValueError: a changed ``b1`` in a state whose ``z`` has a path or shape that none of
+      the params has, naming it.
+  """
+  pairs = [
+    (old, new)
+    for old, new in zip(
+      jax.tree.leaves(old_states, is_leaf=_is_schedule_free),
+      jax.tree.leaves(new_states, is_leaf=_is_schedule_free),
+      strict=True,
+    )
+    if _is_schedule_free(old) and not _same_setting(old.b1, new.b1)
+  ]
+  if not pairs:
+    return target
+  flat, treedef = jax.tree.flatten_with_path(trained_params(target))
+  leaves = [leaf for _, leaf in flat]
+  index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
+  for old, new in pairs:
+    for path, z in jax.tree.flatten_with_path(old.z, is_leaf=_is_hole)[0]:
+      if _is_hole(z):
+        continue
+      i = index.get(jax.tree_util.keystr(path))
+      if i is None or jnp.shape(leaves[i]) != jnp.shape(z):
+        raise ValueError(
+          f"Schedule-free's b1 changed ({old.b1} -> {new.b1}), but its z at "
+          f"'{jax.tree_util.keystr(path)}' {jnp.shape(z)} is of no param of that path and shape: "
+          "the params it takes gradients at cannot be moved to keep its average."
+        )
+      leaves[i] = _moved(leaves[i], z, old.b1, new.b1)
+  moved = jax.tree.unflatten(treedef, leaves)
+  return target._replace(fast=moved) if isinstance(target, optax.LookaheadParams) else moved
+
+
+def _is_hole(node: Any) -> bool:
+  return isinstance(node, optax.MaskedNode)
+
+
+def _same_setting(old: Any, new: Any) -> bool:
+  """Whether two values of a setting are known to be equal (traced ones are not known)."""
+  if isinstance(old, jax.core.Tracer) or isinstance(new, jax.core.Tracer):
+    return False
+  return bool(np.all(np.asarray(old) == np.asarray(new)))
+
+
+@jax.jit
+def _moved(y: Any, z: Any, b1_old: Any, b1_new: Any) -> Any:
+  """``y``, of the old ``b1``, as the point of the new ``b1`` between the same ``x`` and ``z``."""
+  x = (y - (1 - b1_old) * z) / b1_old
+  return jnp.where(b1_old == b1_new, y, b1_new * x + (1 - b1_new) * z).astype(y.dtype)
