@@ -75,6 +75,11 @@ States of their type. A state without a converter (`_of_its_type`: L-BFGS's memo
 adabelief's moments) goes over as it is, its count too, where each side holds one state of
 its type over the same params in the same shapes (`_same_type_states`), whatever its place.
 
+Schedule-free. A schedule-free source gives its evaluation params ``x``
+(`schedule_free_evaluation_params`), except into a schedule-free target, which goes on
+from its ``z``, ``weight_sum`` and ``max_lr`` and the params it took gradients at
+(`_schedule_free_continued`; by the target's ``b1`` where it is another).
+
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
 and a target's is written in float32 and encoded again
@@ -999,13 +1004,15 @@ def _write_target(
   adamax: frozenset[tuple[str, ...]],
   held: Mapping[str, tuple[str, ...]],
   axes: Mapping[str, tuple[Any, ...] | None],
+  continued: _ScheduleFree | None,
 ) -> tuple[Any, ConversionReport]:
   """`template` written from `source`, and the report; `step` is the optimizer's, `updates`
   the clock of the target's states, `applied` the updates the source applied
   (`_updates_applied`: where the source holds no moments for the params of a new
   ``MultiSteps`` or ``apply_if_finite``, its inner states go on from these); `held` names the params
   a stacked buffer's path holds, so that the report counts and names params; `axes` are the
-  params' logical axes (`ConversionContext.axes`)."""
+  params' logical axes (`ConversionContext.axes`); `continued` is the source's schedule-free
+  state that the target's goes on from (`_schedule_free_continued`), or None."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -1093,6 +1100,10 @@ def _write_target(
       return node
     counted = source.clock_for(where, *counting[where]) if where in counting else None
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
+    goes_on = continued is not None and path == continued.target_path
+    if goes_on:
+      node = _carry_schedule_free(node, continued)
+      carried.append(continued.line())
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
@@ -1117,7 +1128,9 @@ def _write_target(
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
       label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
-      if state_node and key == "count" and _is_integer_scalar(child):
+      if goes_on and key in _SCHEDULE_FREE_HISTORY:
+        new.append(child)
+      elif state_node and key == "count" and _is_integer_scalar(child):
         new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
       elif state_node and (type(node), key) in _FRESH_FIELDS and jax.tree.leaves(child):
         # Whole, whatever it holds (flax boxes of a boxed params' tree, too).
@@ -1399,14 +1412,88 @@ def _last_of_chain(states: Any) -> Any:
   """The state of the transformation whose updates are applied: a chain's last, through
   nested chains and the transformations that wrap one optimizer (its state in one of
   `_WRAPPED_STATE_FIELDS`; `low_precision`'s still compressed); another state as given."""
+  return _last_of_chain_at(states)[1]
+
+
+def _last_of_chain_at(states: Any) -> tuple[tuple[str, ...], Any]:
+  """`_last_of_chain` and its path, in the keys the conversion's walks name it by."""
+  path: tuple[str, ...] = ()
   while True:
     if type(states) is tuple and states:
-      states = states[-1]
+      path, states = (*path, str(len(states) - 1)), states[-1]
       continue
     inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(states, f)), None)
     if inner is None:
-      return states
-    states = getattr(states, inner)
+      return path, states
+    path, states = (*path, inner), getattr(states, inner)
+
+
+_SCHEDULE_FREE_HISTORY = ("z", "weight_sum", "max_lr")
+"""The fields of a schedule-free state that a schedule-free target goes on from: its ``z``
+and the weights of its average so far (``b1`` is a setting, ``step_count`` a clock)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScheduleFree:
+  """A schedule-free source state that the target's schedule-free state goes on from: the
+  paths of both (`_last_of_chain_at`) and the source's node, decoded."""
+
+  source_path: tuple[str, ...]
+  target_path: tuple[str, ...]
+  node: Any
+
+  def line(self) -> str:
+    where = ["/".join(path) or "<root>" for path in (self.target_path, self.source_path)]
+    return (
+      f"{where[0]} (ScheduleFreeState): {', '.join(_SCHEDULE_FREE_HISTORY[:-1])}, "
+      f"{_SCHEDULE_FREE_HISTORY[-1]} and the params it takes gradients at (y), from {where[1]}"
+    )
+
+  def dropped(self) -> set[str]:
+    """The source's fields it carries, as the source's walk lists them (`_read_source`)."""
+    return {
+      f"{'/'.join((*self.source_path, key))} (ScheduleFreeState.{key})"
+      for key in _SCHEDULE_FREE_HISTORY
+    }
+
+
+def _schedule_free_continued(
+  source_states: Any, source_params: Any, target_states: Any, params: Any
+) -> _ScheduleFree | None:
+  """The source's schedule-free state, where the target is schedule-free over the same
+  params too (`schedule_free_evaluation_params` of each), else None."""
+  found = []
+  for states, over in (source_states, source_params), (target_states, params):
+    if schedule_free_evaluation_params(states, over) is None:
+      return None
+    found.append((_last_of_chain_at(states)[0], _last_of_chain(low_precision_to_float32(states))))
+  return _ScheduleFree(found[0][0], found[1][0], found[0][1])
+
+
+def _schedule_free_params(
+  continued: _ScheduleFree, source_params: Any, evaluated: Any, target_states: Any
+) -> Any:
+  """The params a schedule-free target takes gradients at, in `evaluated`'s structure, dtypes
+  and shardings: the source's ``y`` where the ``b1`` of both is one, else ``b1 x + (1 - b1) z``
+  by the target's ``b1``, with `evaluated` the source's ``x`` and ``z`` the source's."""
+  target = _last_of_chain(low_precision_to_float32(target_states))
+  b1 = _on_host(target.b1)
+  same = b1 == _on_host(continued.node.b1)
+  y, z = _params_like(source_params, evaluated), _params_like(continued.node.z, target.z)
+
+  def one(x: Any, y: Any, z: Any) -> Any:
+    return _placed(jnp.where(same, y, b1 * x + (1 - b1) * z), x)
+
+  return jax.tree.map(one, evaluated, y, z)
+
+
+def _carry_schedule_free(node: Any, continued: _ScheduleFree) -> Any:
+  """A target's schedule-free `node` with the source's `_SCHEDULE_FREE_HISTORY`."""
+  old = continued.node
+  return node._replace(
+    z=_params_like(old.z, node.z),
+    **{key: _placed(getattr(old, key), getattr(node, key)) for key in _SCHEDULE_FREE_HISTORY[1:]},
+  )
 
 
 def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
@@ -1684,7 +1771,11 @@ def convert_state(
     ``optax.lookahead`` (two copies of the params, `optax.LookaheadParams`)
     and another optimizer (either way, into an `Optimizer` or a definition),
     the params are the slow copy (the report's ``dropped`` names the fast
-    one), or both copies are the source's params.
+    one), or both copies are the source's params. A schedule-free source
+    gives its evaluation params ``x`` (the report's ``dropped`` says so), but
+    into schedule-free the params it took gradients at, ``y = b1 x + (1 - b1) z``
+    by the target's ``b1`` (the source's ``y`` where ``b1`` is the same), with its
+    ``z`` and averaging weights.
     Stacked params (`t5x_optim.stack_params`) with a definition `target` get
     the stacked layer its ``create`` would put around it; between an optimizer
     of stacked params and an `Optimizer` target of per-leaf ones (or back), or
@@ -1753,6 +1844,7 @@ def convert_state(
     param_states,
     "source",
   )
+  source_params = params
   params, notes = _evaluation_params(params, param_states)
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
@@ -1769,6 +1861,10 @@ def convert_state(
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
       optimizer_def = jax.eval_shape(optimizer_def.create, params).optimizer_def
   template = fresh_state(optimizer_def, params, like_state)
+  continued = _schedule_free_continued(param_states, source_params, template.param_states, params)
+  if continued is not None:  # Schedule-free into schedule-free: from y, not x.
+    params = _schedule_free_params(continued, source_params, params, template.param_states)
+    notes = tuple(note for note in notes if "ScheduleFreeState" not in note)
   trained = trained_params(params)
   flat_params = _flat_params(trained)
   axes = _axes_by_path(param_axes)
@@ -1785,6 +1881,10 @@ def convert_state(
     axes,
   )
   source_stats.dropped.extend(notes)
+  if continued is not None:
+    source_stats.dropped = [
+      line for line in source_stats.dropped if line not in continued.dropped()
+    ]
   applied = _updates_applied(param_states, step)
   written, report = _write_target(
     template.param_states,
@@ -1800,6 +1900,7 @@ def convert_state(
     _adamax_paths(optimizer_def, params, template.param_states, "target"),
     _held_params(trained),
     axes,
+    continued,
   )
   _refuse_unread(given)
   written, carried = _carry_sync_count(param_states, written)
