@@ -2497,7 +2497,7 @@ def _schedule_free_run(make, storage=None):
   return OptaxWrapper(tx if storage is None else t5x_optim.low_precision(tx, storage, min_size=0))
 
 
-@pytest.mark.parametrize("kind", sorted(_SCHEDULE_FREE_KINDS))
+@pytest.mark.parametrize("kind", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_schedule_free_converted_into_itself_goes_on_as_if_never_converted(kind):
   """Converted into schedule-free, a schedule-free run started over from its evaluation
   params x, with z = x and its averaging weights fresh (refused without ``missing="init"``):
