@@ -67,7 +67,8 @@ def test_init_from_converts_another_runs_adafactor_state_into_adamw(source_flags
 
 @pytest.mark.slow
 def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
-  """adamw_8bit (every leaf 8-bit) -> adamw: mu and nu of every param, not of codes and scales.
+  """adamw_8bit (every leaf 8-bit) -> adamw with another b2: mu and nu of every param, not of
+  codes and scales (with the same settings the state goes over as it is, decoded).
 
   Both directories are named relative to the working directory, as on a shell.
   """
@@ -80,7 +81,8 @@ def test_init_from_decodes_an_8bit_runs_state(tmp_path, capsys, monkeypatch):
   capsys.readouterr()
   adamw = [*TINY, "--gin_file", "optimizers/adamw.gin"]
   flags = ["--init_from", "old", "--model_dir", "new"]
-  assert main(["train", *adamw, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 0
+  other = ["--gin_bindings", "optax.adamw.b2 = 0.95"]
+  assert main(["train", *adamw, *other, "--gin_bindings", "TOTAL_STEPS = 4", *flags]) == 0
   out = capsys.readouterr().out
   assert f"init_from:       {old_dir} at step 3" in out, out
   _, new = _params(new_dir, adamw)

@@ -332,10 +332,10 @@ def _read_trace(state: Any, ctx: ConversionContext) -> dict[str, Any]:
   holds no gradient and mu is 0. A trace after a stateful transformation in
   its chain (`_scaled_trace`) is not read.
   """
+  m = ctx.hparam("momentum", 0.9)  # Read either way: the trace's setting.
   why = _scaled_trace(ctx)
   if why is not None:
     return {"unread": why}
-  m = ctx.hparam("momentum", 0.9)
   corrected = _corrected(m, ctx.step)
   return {MU: jax.tree.map(lambda x: corrected(x * (1.0 - m)), state.trace)}
 
@@ -346,10 +346,10 @@ def _write_trace(template: Any, moments: Moments, ctx: ConversionContext) -> Any
   A trace after a stateful transformation in its chain (`_scaled_trace`)
   starts fresh.
   """
+  m = ctx.hparam("momentum", 0.9)  # Read either way: the trace's setting.
   why = _scaled_trace(ctx)
   if why is not None:
     return template._replace(trace=moments.keep(template.trace, f"trace ({why})"))
-  m = ctx.hparam("momentum", 0.9)
   scale = _decay(m, ctx.step) / (1.0 - m)
   trace = moments.fill(template.trace, MU, lambda v, leaf, p: v * scale, field="trace")
   return template._replace(trace=trace)

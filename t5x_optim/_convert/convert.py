@@ -74,6 +74,10 @@ nor carried is reported as initialised or dropped (`_unset_scalars`).
 States of their type. A state without a converter (`_of_its_type`: L-BFGS's memory,
 adabelief's moments) goes over as it is, its count too, where each side holds one state of
 its type over the same params in the same shapes (`_same_type_states`), whatever its place.
+So does a state with a converter where each side holds one of its type over the same params,
+after states of the same types in its chain (`_twin_key`), that its converter reads and
+writes with the same settings over the same clock (`_same_settings`): its converter's round
+trip would give it to within an ulp, or not where it cannot read or write some of it.
 
 Schedule-free. A schedule-free source gives its evaluation params ``x``
 (`schedule_free_evaluation_params`), except into a schedule-free target, which goes on
@@ -469,6 +473,16 @@ def _refuse_quantized(node: Any, path: tuple[str, ...], side: str) -> None:
       )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Read:
+  """A source state its converter read: the node (decoded to float32), its clock, and the
+  value of each hyper-parameter the converter read."""
+
+  node: Any
+  clock: Any
+  hparams: dict[str, Any]
+
+
 @dataclasses.dataclass
 class _Source:
   """The moments read from a source state, by param path."""
@@ -480,7 +494,12 @@ class _Source:
   of_its_type: dict[type, list[_Carried]] = dataclasses.field(default_factory=dict)
   """Its states that `_same_type_states` carries, each with its node decoded to float32."""
   dropped_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-  """The lines of `dropped` that each of those states, by its path, made."""
+  """The lines of `dropped` that each of those states, by its path, made, and that each
+  state its converter read made where it did not read all of it."""
+  read_nodes: dict[str, _Read] = dataclasses.field(default_factory=dict)
+  """Each state its converter read, by its path."""
+  twins: dict[tuple[Any, ...], list[str]] = dataclasses.field(default_factory=dict)
+  """The paths of its states with a converter, by `_twin_key`."""
   applied: dict[str, _Applied] = dataclasses.field(default_factory=dict)
   clocks: dict[tuple[Any, ...], list[Any]] = dataclasses.field(default_factory=dict)
   """The clocks inside the `_COUNTING` states of each `_counting_key`, in the order the
@@ -690,6 +709,92 @@ def _same_type_states(tree: Any, params: Mapping[str, Any]) -> dict[type, list[_
   return found
 
 
+def _twin_key(node: Any, chain: tuple, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+  """What a source's and a target's state with a converter share when the target's may go on
+  from the source's as it is (`_converted_states`): its type, the params it holds, and the
+  types of the states before it in its chain (lars's trace sums updates its trust ratio
+  scaled, SGD's the gradients); None for a state of no param's arrays."""
+  held = frozenset(_params_in(node, params))
+  if not held or not _has_tensors(node):
+    return None
+  return type(node), held, tuple(type(state) for state in chain)
+
+
+def _converted_states(
+  tree: Any, params: Mapping[str, Any], adamax: frozenset[tuple[str, ...]]
+) -> dict[tuple[Any, ...], list[str]]:
+  """The paths of the states of `tree` that a converter reads or writes (as the conversion's
+  walks reach them), by `_twin_key`."""
+  converters = registered_converters()
+  found: dict[tuple[Any, ...], list[str]] = {}
+
+  def walk(node: Any, path: tuple[str, ...], chain: tuple) -> None:
+    if isinstance(node, LowPrecisionState):
+      walk(node.inner_state, (*path, "inner_state"), chain)
+      return
+    if path in adamax:
+      node = AdamaxState(*node)
+    if _converter(node, converters) is not None:
+      key = _twin_key(node, chain, params)
+      if key is not None:
+        found.setdefault(key, []).append("/".join(path) or "<root>")
+      return
+    children = _children(node) or []
+    for i, (key, child) in enumerate(children):
+      walk(child, (*path, key), _chained(node, children, i))
+
+  walk(tree, (), ())
+  return found
+
+
+def _same_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+  """Whether two records of settings name the same ones with values known to be equal: a
+  schedule the same function, numbers the same on the host (traced ones are not known)."""
+  if old.keys() != new.keys():
+    return False
+  for name, value in old.items():
+    other = new[name]
+    if callable(value) or callable(other):
+      if value is not other:
+        return False
+      continue
+    values = [_on_host(v) for v in (value, other)]
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+      return False
+    if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in values):
+      return False
+    if not np.array_equal(np.asarray(values[0]), np.asarray(values[1])):
+      return False
+  return True
+
+
+def _as_it_was(node: Any, old: Any) -> Any:
+  """A target's state `node` with the fields of the source's state `old` of its type, placed
+  as the node's; its clocks and settings (`_UNREPORTED_SCALARS`) and the fields a conversion
+  never carries (`_FRESH_FIELDS`) stay the node's."""
+  children = []
+  for (key, child), (_, value) in zip(_children(node), _children(old), strict=True):
+    ours = (type(node), key) in _UNREPORTED_SCALARS or (type(node), key) in _FRESH_FIELDS
+    children.append(child if ours else jax.tree.map_with_path(_fitted(node, key), value, child))
+  return _rebuild(node, children)
+
+
+def _fitted(node: Any, key: str) -> Callable[[Any, Any, Any], Any]:
+  """Places a value of field `key` of `node`'s type as the new state's leaf (`_placed`),
+  refusing one beyond that leaf's range (7e4 into float16), naming the field and leaf."""
+
+  def place(path: Any, value: Any, like: Any) -> Any:
+    problem = _state_dict.range_problem(value, getattr(like, "dtype", None))
+    if problem is not None:
+      raise ValueError(
+        f"{type(node).__name__}.{key}{jax.tree_util.keystr(path)} does not fit the new "
+        f"state: {problem}."
+      )
+    return _placed(value, like)
+
+  return place
+
+
 def _shaped_alike(old: Any, new: Any) -> bool:
   """Whether two states have one structure and leaves of the same shapes."""
   if jax.tree.structure(old) != jax.tree.structure(new):
@@ -733,14 +838,18 @@ def _read_source(
       _refuse_quantized(node, path, "source")
     if converter is not None and converter.read is not None:
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
+      noting, noted = hparams.noting()
+      ctx = ConversionContext(where, clock, params, noting, own, chain, axes)
       read = converter.read(node, ctx)
+      source.read_nodes[where] = _Read(node, clock, noted)
       if "unread" in read:
-        source.dropped.append(f"{where} ({_type_label(node)}: {read['unread']})")
+        source.dropped_with[where] = [f"{where} ({_type_label(node)}: {read['unread']})"]
+        source.dropped += source.dropped_with[where]
         return
-      source.dropped += [
+      source.dropped_with[where] = [
         f"{where}/{field} ({_type_label(node)}.{field})" for field in read.get("unread_fields", ())
       ]
+      source.dropped += source.dropped_with[where]
       for quantity, tree in read.items():
         if quantity in ("count", "unread_fields"):
           continue
@@ -799,6 +908,7 @@ def _read_source(
       source.dropped_with[where] = source.dropped[before:]
 
   visit(param_states, (), hparams, (), step, "")
+  source.twins = _converted_states(param_states, params, adamax)
   source.guards = _carried_whole(param_states)
   source.of_its_type = {
     kind: [
@@ -1021,6 +1131,8 @@ def _write_target(
   schedules = hparams.schedules()
   targets = _carried_whole(template)
   of_its_type = _same_type_states(template, params)
+  twins = _converted_states(template, params, adamax)
+  carried_origins: set[str] = set()
   counting = _counting_places(template, params)
   carried: list[str] = []
   carried_from: list[str] = []
@@ -1058,11 +1170,17 @@ def _write_target(
     label = f"{where} ({type(node).__name__})"
     carried.append(f"{label}: as it is, from {old.where}, a state of its type")
     carried_from.append(old.where)
-    children = []
-    for (key, child), (_, value) in zip(_children(node), _children(old.node), strict=True):
-      ours = (type(node), key) in _UNREPORTED_SCALARS or (type(node), key) in _FRESH_FIELDS
-      children.append(child if ours else jax.tree.map(_placed, value, child))
-    return _rebuild(node, children)
+    return _as_it_was(node, old.node)
+
+  def twin_of(node: Any, where: str, chain: tuple) -> str | None:
+    """The path of the source's one state that the target's `node` may go on from as it is
+    (`_twin_key`), where each side holds one such state; else None."""
+    key = _twin_key(node, chain, params)
+    if key is None or twins.get(key) != [where] or len(source.twins.get(key, ())) != 1:
+      return None
+    [old] = source.twins[key]
+    found = source.read_nodes.get(old)
+    return old if found is not None and _shaped_alike(found.node, node) else None
 
   def visit(
     node: Any,
@@ -1090,9 +1208,26 @@ def _write_target(
         return node
       label = f"{where} ({_type_label(node)})"
       own = _own_param(node, converter, path, params)
-      ctx = ConversionContext(where, clock, params, hparams, own, chain, axes)
-      moments = Moments(source.stats, recorder.record(label), projected=projected)
+      noting, noted = hparams.noting()
+      ctx = ConversionContext(where, clock, params, noting, own, chain, axes)
+      trial = _Recorder()
+      moments = Moments(source.stats, trial.record(label), projected=projected)
       written = converter.write(node, moments, ctx)
+      old = None if own or projected else twin_of(node, where, chain)
+      if old is not None and _same_settings(
+        {**source.read_nodes[old].hparams, "(clock)": source.read_nodes[old].clock},
+        {**noted, "(clock)": clock},
+      ):
+        # Read and written with the same settings over the same clock: the source's state
+        # as it is, which its converter's round trip gives to within an ulp, or not at all
+        # where it cannot read or write some of it (a trace after another state, Adan's
+        # gradient differences, AMSGrad's maximum).
+        carried.append(f"{label}: as it is, from {old}, a state of its type")
+        carried_from.append(old)
+        carried_origins.add(f"{old} ({_type_label(source.read_nodes[old].node)})")
+        written = _as_it_was(node, source.read_nodes[old].node)
+      else:
+        recorder.fields.update(trial.fields)
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
     if loose is not None:
@@ -1175,7 +1310,7 @@ def _write_target(
   used = recorder.used()
   for param, entry in source.stats.items():
     for quantity in entry.keys() - {"count"}:
-      if (param, quantity) not in used:
+      if (param, quantity) not in used and source.origin[(param, quantity)] not in carried_origins:
         unused.setdefault((source.origin[(param, quantity)], quantity), []).append(param)
   gone = {line for where in carried_from for line in source.dropped_with[where]}
   dropped = [line for line in source.dropped if line not in gone] + [

@@ -65,17 +65,33 @@ class ReadHparams(Mapping[str, Any]):
     (0.7, ['b1'])
   """
 
-  def __init__(self, values: Mapping[str, Any], read: set[str] | None = None):
+  def __init__(
+    self,
+    values: Mapping[str, Any],
+    read: set[str] | None = None,
+    noted: dict[str, Any] | None = None,
+  ):
     self._values = dict(values)
     self.read = set() if read is None else read
+    self._noted = noted
 
   def __getitem__(self, name: str) -> Any:
     self.read.add(name)
-    return self._values[name]
+    return self._note(name, self._values[name])
 
   def get(self, name: str, default: Any = None) -> Any:
     self.read.add(name)
-    return self._values.get(name, default)
+    return self._note(name, self._values.get(name, default))
+
+  def _note(self, name: str, value: Any) -> Any:
+    if self._noted is not None:
+      self._noted[name] = value
+    return value
+
+  def noting(self) -> tuple[ReadHparams, dict[str, Any]]:
+    """A copy that also notes the value each read gave (a default included), and that record."""
+    noted: dict[str, Any] = {}
+    return ReadHparams(self._values, self.read, noted), noted
 
   def __iter__(self):
     return iter(self._values)
@@ -93,7 +109,7 @@ class ReadHparams(Mapping[str, Any]):
 
   def updated(self, values: Mapping[str, Any]) -> ReadHparams:
     """These hyper-parameters with `values` over them, noting reads in the same record."""
-    return ReadHparams({**self._values, **values}, self.read)
+    return ReadHparams({**self._values, **values}, self.read, self._noted)
 
 
 class T5XAdafactorParamState(NamedTuple):
@@ -351,6 +367,11 @@ def register_state_converter(
   replace: bool = False,
 ) -> None:
   """Registers how states of `state_type` are read into moments and written from them.
+
+  A converter reads its settings through its context (``context.hparam``): where the old
+  and the new optimizer each hold one state of the type over the same params, and the
+  converter reads and writes it with the same settings over the same clock, the state goes
+  over as it is (its round trip is taken to be the identity).
 
   Args:
     state_type: the exact type of the state node (e.g. a NamedTuple class).
