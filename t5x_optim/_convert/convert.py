@@ -769,30 +769,31 @@ def _same_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 
 
 def _as_it_was(node: Any, old: Any) -> Any:
-  """A target's state `node` with the fields of the source's state `old` of its type, placed
-  as the node's; its clocks and settings (`_UNREPORTED_SCALARS`) and the fields a conversion
-  never carries (`_FRESH_FIELDS`) stay the node's."""
+  """A target's state `node` with the fields of the source's state `old` of its type (placed
+  as the template's with the rest of the written state); its clocks and settings
+  (`_UNREPORTED_SCALARS`) and the fields a conversion never carries (`_FRESH_FIELDS`) stay the
+  node's."""
   children = []
   for (key, child), (_, value) in zip(_children(node), _children(old), strict=True):
     ours = (type(node), key) in _UNREPORTED_SCALARS or (type(node), key) in _FRESH_FIELDS
-    children.append(child if ours else jax.tree.map_with_path(_fitted(node, key), value, child))
+    children.append(child if ours else jax.tree.map_with_path(_fitting(node, key), value, child))
   return _rebuild(node, children)
 
 
-def _fitted(node: Any, key: str) -> Callable[[Any, Any, Any], Any]:
-  """Places a value of field `key` of `node`'s type as the new state's leaf (`_placed`),
-  refusing one beyond that leaf's range (7e4 into float16), naming the field and leaf."""
+def _fitting(node: Any, key: str) -> Callable[[Any, Any, Any], Any]:
+  """Gives a value of field `key` of `node`'s type for the new state's leaf, refusing one
+  beyond that leaf's range (7e4 into float16), naming the field and leaf."""
 
-  def place(path: Any, value: Any, like: Any) -> Any:
+  def fit(path: Any, value: Any, like: Any) -> Any:
     problem = _state_dict.range_problem(value, getattr(like, "dtype", None))
     if problem is not None:
       raise ValueError(
         f"{type(node).__name__}.{key}{jax.tree_util.keystr(path)} does not fit the new "
         f"state: {problem}."
       )
-    return _placed(value, like)
+    return value
 
-  return place
+  return fit
 
 
 def _shaped_alike(old: Any, new: Any) -> bool:
