@@ -132,8 +132,9 @@ from t5x_optim._convert.registry import (
   state_field,
 )
 from t5x_optim._core import state_dict as _state_dict
+from t5x_optim._core.configured import same_setting
 from t5x_optim._core.interface import Optimizer, OptimizerDef, OptimizerState, trained_params
-from t5x_optim._core.placement import placed_as_target
+from t5x_optim._core.placement import host_scalar, placed_as_target
 from t5x_optim._keypaths import key_path_str
 from t5x_optim._layouts.stacked import StackedLayout, StackedParams, per_leaf, stacked_like
 from t5x_optim._low_precision.low_precision import (
@@ -748,24 +749,8 @@ def _converted_states(
 
 
 def _same_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-  """Whether two records of settings name the same ones with values known to be equal: a
-  schedule the same function, numbers the same on the host (traced ones are not known)."""
-  if old.keys() != new.keys():
-    return False
-  for name, value in old.items():
-    other = new[name]
-    if callable(value) or callable(other):
-      if value is not other:
-        return False
-      continue
-    values = [_on_host(v) for v in (value, other)]
-    if any(isinstance(v, jax.core.Tracer) for v in values):
-      return False
-    if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in values):
-      return False
-    if not np.array_equal(np.asarray(values[0]), np.asarray(values[1])):
-      return False
-  return True
+  """Whether two records of settings name the same ones, each `same_setting` on both sides."""
+  return old.keys() == new.keys() and all(same_setting(old[name], new[name]) for name in old)
 
 
 def _as_it_was(node: Any, old: Any) -> Any:
@@ -1002,24 +987,11 @@ def _node_hparams(node: Any, hparams: ReadHparams) -> ReadHparams:
     return hparams.updated({"decay": hparams.get("b2", 0.999)})
   if not _injects_hyperparams(node):
     return hparams
-  injected = {name: _on_host(value) for name, value in node.hyperparams.items()}
+  injected = {name: host_scalar(value) for name, value in node.hyperparams.items()}
   for alias, name in HPARAM_ALIASES.items():
     if alias in injected and name not in injected:
       injected[name] = injected[alias]
   return hparams.updated(injected)
-
-
-def _on_host(value: Any) -> Any:
-  """A replicated scalar of a state as a host value, to combine with values on any device (a
-  count on one device); anything else as it is."""
-  if (
-    isinstance(value, jax.Array)
-    and not isinstance(value, jax.core.Tracer)
-    and value.ndim == 0
-    and value.is_fully_replicated
-  ):
-    return np.asarray(value.addressable_data(0))
-  return value
 
 
 def _chained(node: Any, children: list[tuple[str, Any]], i: int) -> tuple[Any, ...]:
@@ -1613,8 +1585,8 @@ def _schedule_free_params(
   and shardings: the source's ``y`` where the ``b1`` of both is one, else ``b1 x + (1 - b1) z``
   by the target's ``b1``, with `evaluated` the source's ``x`` and ``z`` the source's."""
   target = _last_of_chain(low_precision_to_float32(target_states))
-  b1 = _on_host(target.b1)
-  same = b1 == _on_host(continued.node.b1)
+  b1 = host_scalar(target.b1)
+  same = b1 == host_scalar(continued.node.b1)
   y, z = _params_like(source_params, evaluated), _params_like(continued.node.z, target.z)
 
   def one(x: Any, y: Any, z: Any) -> Any:

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from t5x_optim._core.interface import Optimizer, trained_params
+from t5x_optim._core.placement import host_scalar
 
-__all__ = ["configured_leaves", "reapply_config"]
+__all__ = ["configured_leaves", "reapply_config", "same_setting"]
 
 
 def _dependents(jaxpr: Any) -> set:
@@ -191,7 +192,7 @@ def _schedule_free_params(target: Any, old_states: Any, new_states: Any) -> Any:
       jax.tree.leaves(new_states, is_leaf=_is_schedule_free),
       strict=True,
     )
-    if _is_schedule_free(old) and not _same_setting(old.b1, new.b1)
+    if _is_schedule_free(old) and not same_setting(old.b1, new.b1)
   ]
   if not pairs:
     return target
@@ -218,11 +219,26 @@ def _is_hole(node: Any) -> bool:
   return isinstance(node, optax.MaskedNode)
 
 
-def _same_setting(old: Any, new: Any) -> bool:
-  """Whether two values of a setting are known to be equal (traced ones are not known)."""
-  if isinstance(old, jax.core.Tracer) or isinstance(new, jax.core.Tracer):
+def same_setting(old: Any, new: Any) -> bool:
+  """Whether two values of one setting are known to be equal: a schedule the same function,
+  numbers the same in shape and value on the host. A traced value, or an array not all in this
+  process, is not known, so not equal.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> same_setting(jnp.float32(0.9), jnp.float32(0.9)), same_setting(0.9, 0.5)
+    (True, False)
+    >>> same_setting(optax.constant_schedule(1.0), optax.constant_schedule(1.0))
+    False
+  """
+  if callable(old) or callable(new):
+    return old is new
+  values = [host_scalar(value) for value in (old, new)]
+  if any(isinstance(value, jax.core.Tracer) for value in values):
     return False
-  return bool(np.all(np.asarray(old) == np.asarray(new)))
+  if any(isinstance(value, jax.Array) and not value.is_fully_addressable for value in values):
+    return False
+  return bool(np.array_equal(np.asarray(values[0]), np.asarray(values[1])))
 
 
 @jax.jit

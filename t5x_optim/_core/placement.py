@@ -15,10 +15,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from t5x_optim._keypaths import key_path_str
 
-__all__ = ["on_context_mesh", "placed_as_target"]
+__all__ = ["host_scalar", "on_context_mesh", "placed_as_target"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -61,6 +62,25 @@ def on_context_mesh(target: Any) -> Any:
   except ValueError:  # Under jax.jit, which places traced values by their types.
     return target
   return jax.tree.map_with_path(place, target)
+
+
+def host_scalar(value: Any) -> Any:
+  """A replicated scalar array as a host value, to combine with values on any device (a count
+  on one device) or to compare in any process; anything else as it is.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> type(host_scalar(jnp.float32(0.9))).__name__, host_scalar([1, 2])
+    ('ndarray', [1, 2])
+  """
+  if (
+    isinstance(value, jax.Array)
+    and not isinstance(value, jax.core.Tracer)
+    and value.ndim == 0
+    and value.is_fully_replicated
+  ):
+    return np.asarray(value.addressable_data(0))
+  return value
 
 
 def placed_as_target(fn: _F) -> _F:
