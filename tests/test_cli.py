@@ -587,11 +587,25 @@ def test_the_summary_gives_the_train_loss_of_the_first_and_the_last_step(tmp_pat
   )
 
 
+def _group_x(states, params):
+  """Schedule-free's x for the params of the first `MultiOptimizer` group (those its ``z``
+  holds), the others' params as they are."""
+  free = states[0].param_states
+  z = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree.flatten_with_path(free.z)[0]}
+  assert 0 < len(z) < len(jax.tree.leaves(params)), sorted(z)
+
+  def one(path, y):
+    at = z.get(jax.tree_util.keystr(path))
+    return y if at is None else optax.contrib.schedule_free_eval_params(free._replace(z=at), y)
+
+  return jax.tree.map_with_path(one, params)
+
+
 _SCHEDULE_FREE = {
   "alone": (
     ["OPTIMIZER = @optimizers.schedule_free_adamw()"],
     "optimizers.schedule_free_adamw",
-    lambda states: states,
+    optax.contrib.schedule_free_eval_params,
   ),
   "in MultiSteps": (
     [
@@ -601,7 +615,21 @@ _SCHEDULE_FREE = {
       "optax.MultiSteps.every_k_schedule = 2",
     ],
     "optax.contrib.schedule_free_adamw",
-    lambda states: states.inner_opt_state,
+    lambda states, params: optax.contrib.schedule_free_eval_params(states.inner_opt_state, params),
+  ),
+  "in a MultiOptimizer group": (
+    [
+      "OPTIMIZER = @optimizers.MultiOptimizer()",
+      "optimizers.MultiOptimizer.traversals_and_optimizers = ["
+      "(@matrices/optimizers.PathFilter(), @optimizers.schedule_free_adamw()), "
+      "(@scales/optimizers.PathFilter(), @optimizers.adam())]",
+      "matrices/optimizers.PathFilter.patterns = 'scale$'",
+      "matrices/optimizers.PathFilter.invert = True",
+      "scales/optimizers.PathFilter.patterns = 'scale$'",
+      "optimizers.adam.learning_rate = 0.01",
+    ],
+    "optimizers.schedule_free_adamw",
+    _group_x,
   ),
 }
 
@@ -611,9 +639,9 @@ _SCHEDULE_FREE = {
 def test_schedule_free_is_evaluated_at_its_evaluation_params_too(case, tmp_path, capsys):
   """Schedule-free takes gradients at y and is evaluated at its average x (optax's
   ``schedule_free_eval_params``): the eval line showed y's loss alone, and nothing else
-  where schedule-free was wrapped (in optax.MultiSteps). It shows x's as ``loss_x``, the
-  loss of x computed from the checkpoint."""
-  bindings, factory, inner = _SCHEDULE_FREE[case]
+  where schedule-free was wrapped (in optax.MultiSteps) or trained a `MultiOptimizer` group.
+  It shows x's as ``loss_x``, the loss of x computed from the checkpoint."""
+  bindings, factory, evaluated = _SCHEDULE_FREE[case]
   bindings = [*bindings, "TOTAL_STEPS = 4", f"{factory}.learning_rate = 0.01"]
   flags = [f for binding in bindings for f in ("--gin_bindings", binding)]
   assert main(["train", *TINY, "--model_dir", str(tmp_path), *flags]) == 0
@@ -622,7 +650,7 @@ def test_schedule_free_is_evaluated_at_its_evaluation_params_too(case, tmp_path,
     float, re.search(r"^eval step 4  loss (\S+)  loss_x (\S+)$", out, re.M).groups()
   )
   setup, state = _restored(tmp_path, TINY[1::2], bindings)
-  x = optax.contrib.schedule_free_eval_params(inner(state.param_states), state.params)
+  x = evaluated(state.param_states, state.params)
   losses = [setup.eval_fn(x, setup.eval_batch(i)) for i in range(setup.job.eval_batches)]
   assert loss_x == pytest.approx(float(np.mean(jax.device_get(losses))), abs=1e-4)
   assert loss_x != loss

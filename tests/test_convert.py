@@ -2518,6 +2518,77 @@ def test_schedule_free_evaluation_params_are_found_inside_a_wrapper(wrapper):
     assert "evaluation params x = (y - (1 - b1) z) / b1" in report.dropped[-1]
 
 
+_SCHEDULE_FREE_IN_PART = {
+  "partition": lambda: OptaxWrapper(
+    optax.partition(
+      {"free": optax.contrib.schedule_free_adamw(0.1), "sgd": optax.sgd(0.1)},
+      {"dense": {"kernel": "free", "bias": "sgd"}},
+    )
+  ),
+  "masked": lambda: OptaxWrapper(
+    optax.chain(
+      optax.masked(optax.sgd(0.1), {"dense": {"kernel": False, "bias": True}}),
+      optax.masked(
+        optax.contrib.schedule_free_adamw(0.1), {"dense": {"kernel": True, "bias": False}}
+      ),
+    )
+  ),
+  "MultiOptimizer": lambda: t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), OptaxWrapper(optax.contrib.schedule_free_adamw(0.1))),
+      (t5x_optim.PathFilter("bias"), OptaxWrapper(optax.sgd(0.1))),
+    ]
+  ),
+  "MultiOptimizer, 8-bit": lambda: t5x_optim.MultiOptimizer(
+    [
+      (
+        t5x_optim.PathFilter("kernel"),
+        OptaxWrapper(
+          t5x_optim.low_precision(optax.contrib.schedule_free_adamw(0.1), "8bit", min_size=0)
+        ),
+      ),
+      (t5x_optim.PathFilter("bias"), OptaxWrapper(optax.sgd(0.1))),
+    ]
+  ),
+}
+
+
+def _free_kernel_state(param_states):
+  """The one schedule-free state of a `_SCHEDULE_FREE_IN_PART` optimizer's state."""
+  kind = optax.contrib.ScheduleFreeState
+  (state,) = [
+    node
+    for node in jax.tree.leaves(param_states, is_leaf=lambda n: isinstance(n, kind))
+    if isinstance(node, kind)
+  ]
+  return state
+
+
+@pytest.mark.parametrize("layout", sorted(_SCHEDULE_FREE_IN_PART))
+def test_schedule_free_over_part_of_the_params_gives_its_evaluation_params(layout):
+  """Schedule-free over some params only (a partition's part, optax.masked, a MultiOptimizer
+  group, in 8 bits too) was not found: a conversion started the kernel from the y it took
+  gradients at, without a word, and the eval line had no loss_x. The params it trains give
+  its average x, the others are as they are, and the report says so."""
+  old = _SCHEDULE_FREE_IN_PART[layout]().create(PARAMS)
+  for scale in (1.0, -2.0, 3.0):
+    old = old.apply_gradient(_scaled(M, scale))
+  state = _free_kernel_state(t5x_optim.low_precision_to_float32(old.state.param_states))
+  kernel = old.target["dense"]["kernel"]
+  x = optax.contrib.schedule_free_eval_params(state._replace(z=state.z["dense"]["kernel"]), kernel)
+  assert not np.allclose(x, kernel)
+  want = {"dense": {"kernel": x, "bias": old.target["dense"]["bias"]}}
+  got = t5x_optim.schedule_free_evaluation_params(old.state.param_states, old.target)
+  assert got is not None and tree_equal(got, want)
+  new, report = t5x_optim.convert_state(old, OptaxWrapper(optax.adamw(1e-3)), missing="init")
+  assert tree_equal(new.target, want)
+  assert report.dropped[-1] == (
+    "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
+    "evaluation params x = (y - (1 - b1) z) / b1 for the 1 of 2 params it trains, not the y "
+    "it took gradients at"
+  )
+
+
 _SCHEDULE_FREE_KINDS = {
   "sgd": lambda b1: optax.contrib.schedule_free_sgd(0.1, warmup_steps=3, b1=b1),
   "adamw": lambda b1: optax.contrib.schedule_free_adamw(0.05, warmup_steps=3, b1=b1),
@@ -2606,10 +2677,14 @@ def test_a_schedule_free_state_whose_updates_are_not_applied_starts_from_x():
   assert "evaluation params x = (y - (1 - b1) z) / b1" in report.dropped[-1], report
 
 
-def test_schedule_free_evaluation_params_are_not_taken_of_part_of_the_params():
-  """Schedule-free under optax.masked trains some params only: it has no evaluation params
-  of all of them."""
-  tx = optax.masked(optax.contrib.schedule_free_sgd(1.0), {"w": True, "b": False})
+def test_schedule_free_before_another_masked_transformation_has_no_evaluation_params():
+  """Schedule-free under optax.masked before another masked transformation: the last one's
+  state does not say which params it transforms (SGD's holds none), so the params schedule-free
+  holds may not be its y, and there are no evaluation params."""
+  tx = optax.chain(
+    optax.masked(optax.contrib.schedule_free_sgd(1.0), {"w": True, "b": False}),
+    optax.masked(optax.sgd(1.0), {"w": False, "b": True}),
+  )
   params = {"w": jnp.ones(2), "b": jnp.ones(2)}
   assert t5x_optim.schedule_free_evaluation_params(tx.init(params), params) is None
 

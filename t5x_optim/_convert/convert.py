@@ -80,9 +80,11 @@ writes with the same settings over the same clock (`_same_settings`): its conver
 trip would give it to within an ulp, or not where it cannot read or write some of it.
 
 Schedule-free. A schedule-free source gives its evaluation params ``x``
-(`schedule_free_evaluation_params`), except into a schedule-free target, which goes on
-from its ``z``, ``weight_sum`` and ``max_lr`` and the params it took gradients at
-(`_schedule_free_continued`; by the target's ``b1`` where it is another).
+(`schedule_free_evaluation_params`; in a partition's part or a `MultiOptimizer` group, for
+the params it trains), except into a schedule-free target, which goes on from its ``z``,
+``weight_sum`` and ``max_lr`` and the params it took gradients at
+(`_schedule_free_continued`, for a whole state's schedule-free over all the params; by the
+target's ``b1`` where it is another).
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -1472,14 +1474,17 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
 
   ``optax.contrib.schedule_free`` takes gradients at its params ``y`` and is
   evaluated at its average ``x = (y - (1 - b1) z) / b1``
-  (``optax.contrib.schedule_free_eval_params``). Its state is the optimizer's
-  whole state or the last of a chain's (``chain(clip_by_global_norm,
-  schedule_free_adamw)``), so that its updates are the ones applied, also
-  inside a transformation that wraps one optimizer and keeps its state as its
-  own state's ``inner_state`` or ``inner_opt_state`` (`low_precision`, decoded
-  only once found; ``optax.MultiSteps``, ``inject_hyperparams``,
-  ``apply_if_finite``). One elsewhere, or one whose state holds part of the
-  params only (under ``optax.masked``), gives None.
+  (``optax.contrib.schedule_free_eval_params``). A schedule-free state counts
+  where its updates are the ones applied (`_applied_schedule_free`): the
+  optimizer's whole state or the last of a chain's (``chain(clip_by_global_norm,
+  schedule_free_adamw)``), also inside a transformation that wraps one
+  optimizer and keeps its state as its own state's ``inner_state`` or
+  ``inner_opt_state`` (`low_precision`, decoded only once found;
+  ``optax.MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``,
+  ``optax.masked``), and in each part of ``optax.partition`` and each group of a
+  `MultiOptimizer`. The params each holds (its ``z``'s, by path) are its ``x``;
+  the others are as they are. None where there is none, or where a ``z`` is of
+  no param of its path and shape (``optax.lookahead``'s two copies).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -1498,16 +1503,63 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
     {'w': Array([0., 0.], dtype=float32)}
     >>> schedule_free_evaluation_params(optax.MultiSteps(tx, 2).init(params), params)
     {'w': Array([0., 0.], dtype=float32)}
+    >>> part = optax.partition({'free': tx, 'sgd': optax.sgd(1.0)}, {'w': 'free', 'b': 'sgd'})
+    >>> both = {'w': jnp.zeros(2), 'b': jnp.ones(1)}
+    >>> updates, state = part.update({'w': jnp.ones(2), 'b': jnp.ones(1)}, part.init(both), both)
+    >>> schedule_free_evaluation_params(state, optax.apply_updates(both, updates))
+    {'b': Array([0.], dtype=float32), 'w': Array([-1., -1.], dtype=float32)}
     >>> schedule_free_evaluation_params(optax.sgd(1.0).init(params), params) is None
     True
   """
+  evaluated = _evaluated(param_states, params)
+  return None if evaluated is None else evaluated[0]
+
+
+def _evaluated(param_states: Any, params: Any) -> tuple[Any, int] | None:
+  """`schedule_free_evaluation_params`, and how many params it evaluates at an ``x``."""
   # Told by its type, so that another optimizer's compressed state is not decoded.
+  if not _applied_schedule_free(param_states):
+    return None
+  flat, treedef = jax.tree.flatten_with_path(params)
+  leaves = [leaf for _, leaf in flat]
+  index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
+  evaluated: set[int] = set()
+  for state in _applied_schedule_free(low_precision_to_float32(param_states)):
+    for path, z in jax.tree.flatten_with_path(state.z)[0]:
+      i = index.get(jax.tree_util.keystr(path))
+      if i is None or i in evaluated or jnp.shape(leaves[i]) != jnp.shape(z):
+        return None
+      leaves[i] = optax.contrib.schedule_free_eval_params(state._replace(z=z), leaves[i])
+      evaluated.add(i)
+  return (jax.tree.unflatten(treedef, leaves), len(evaluated)) if evaluated else None
+
+
+def _applied_schedule_free(states: Any) -> list[Any]:
+  """The schedule-free states in `states` whose updates are the ones applied to the params
+  they hold: the whole state, a chain's last (through the transformations that wrap one
+  optimizer, `_WRAPPED_STATE_FIELDS`), each part of ``optax.partition`` and each group of a
+  `MultiOptimizer` (a tuple of `OptimizerState`)."""
+  if isinstance(states, optax.contrib.ScheduleFreeState):
+    return [states]
+  if isinstance(states, optax.transforms.PartitionState):
+    return [
+      found for part in states.inner_states.values() for found in _applied_schedule_free(part)
+    ]
+  if type(states) is tuple and states and all(isinstance(s, OptimizerState) for s in states):
+    return [found for group in states for found in _applied_schedule_free(group.param_states)]
+  if type(states) is tuple and states:
+    return _applied_schedule_free(states[-1])
+  inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(states, f)), None)
+  return [] if inner is None else _applied_schedule_free(getattr(states, inner))
+
+
+def _whole_schedule_free(param_states: Any, params: Any) -> bool:
+  """Whether `param_states` is one schedule-free state's over all of `params`, or a chain's
+  whose last is (`_last_of_chain`), the one kind a schedule-free target goes on from."""
   if not isinstance(_last_of_chain(param_states), optax.contrib.ScheduleFreeState):
-    return None
+    return False
   states = _last_of_chain(low_precision_to_float32(param_states))
-  if jax.tree.structure(states.z) != jax.tree.structure(params):
-    return None
-  return optax.contrib.schedule_free_eval_params(states, params)
+  return jax.tree.structure(states.z) == jax.tree.structure(params)
 
 
 _WRAPPED_STATE_FIELDS = ("inner_state", "inner_opt_state")
@@ -1568,11 +1620,11 @@ class _ScheduleFree:
 def _schedule_free_continued(
   source_states: Any, source_params: Any, target_states: Any, params: Any
 ) -> _ScheduleFree | None:
-  """The source's schedule-free state, where the target is schedule-free over the same
-  params too (`schedule_free_evaluation_params` of each), else None."""
+  """The source's schedule-free state, where the source and the target are each one
+  schedule-free state's over all of their params (`_whole_schedule_free`), else None."""
   found = []
   for states, over in (source_states, source_params), (target_states, params):
-    if schedule_free_evaluation_params(states, over) is None:
+    if not _whole_schedule_free(states, over):
       return None
     found.append((_last_of_chain_at(states)[0], _last_of_chain(low_precision_to_float32(states))))
   return _ScheduleFree(found[0][0], found[1][0], found[0][1])
@@ -1609,12 +1661,15 @@ def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, 
 
   The new optimizer starts from ``x`` (``z`` is listed as dropped too).
   """
-  evaluated = schedule_free_evaluation_params(param_states, params)
-  if evaluated is None:
+  found = _evaluated(param_states, params)
+  if found is None:
     return params, ()
+  evaluated, count = found
+  total = len(jax.tree.leaves(params))
+  which = "" if count == total else f" for the {count} of {total} params it trains"
   return evaluated, (
     "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
-    "evaluation params x = (y - (1 - b1) z) / b1, not the y it took gradients at",
+    f"evaluation params x = (y - (1 - b1) z) / b1{which}, not the y it took gradients at",
   )
 
 
