@@ -40,6 +40,7 @@ from t5x_optim import (
   TrainState,
   distributed,
   low_precision,
+  reapply_config,
 )
 from t5x_optim.checkpoints import Checkpointer, CheckpointError
 from t5x_optim.partitioning import (
@@ -94,6 +95,8 @@ OPTIMIZERS = {
   "adamw_8bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "8bit", min_size=0)),
   "adamw_4bit": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "4bit", min_size=0)),
   "adamw_bfloat16": lambda: OptaxWrapper(low_precision(optax.adamw(1e-2), "bfloat16", min_size=0)),
+  "schedule_free": lambda: OptaxWrapper(optax.contrib.schedule_free_sgd(1e-2, b1=0.9)),
+  "schedule_free_b1_0.5": lambda: OptaxWrapper(optax.contrib.schedule_free_sgd(1e-2, b1=0.5)),
 }
 ANY_MESHES = {8: [(1, 1), (2, 4), (4, 2), (8, 1)], 16: [(4, 4), (2, 8), (16, 1), (1, 16)]}
 """The meshes (data, model) a checkpoint written on 2x4 restores onto, by device count.
@@ -211,7 +214,8 @@ def resume_then_crash(resume_dir: str, crash_dir: str) -> None:
 def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
   """One of two processes: restore `in_dir`, check it, train, save to `out_dir`.
 
-  Also restores `in_dir` params-only into another optimizer's state.
+  Also restores `in_dir` params-only into another optimizer's state, and sets a config's
+  settings again in a state spread over both processes (`reapply_across_processes`).
   """
   distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
@@ -230,7 +234,42 @@ def multiprocess(in_dir: str, out_dir: str, port: int, process_id: int) -> None:
   )
   with Checkpointer(out_dir, async_save=True) as ckpt:
     ckpt.save(MP_STEPS + 1, train(restored, 1))
+  reapply_across_processes(part)
   jax.distributed.shutdown()
+
+
+def reapply_across_processes(part: Partitioner) -> None:
+  """`reapply_config` of a schedule-free state on `part`'s mesh over both processes, whose
+  ``b1`` is a scalar replicated over them: the same ``b1`` changes nothing, bit for bit;
+  another moves the params as it does for the state in this process alone (one device)."""
+  saved, spread = _reapplied_b1(part)
+  assert not saved.param_states.b1.is_fully_addressable, saved.param_states.b1.sharding
+  _, alone = _reapplied_b1(partitioner(1, 1, devices=jax.local_devices()[:1]))
+  for (path, leaf), want in zip(
+    jax.tree.leaves_with_path(spread), jax.tree.leaves(alone), strict=True
+  ):
+    for shard in leaf.addressable_shards:
+      np.testing.assert_allclose(
+        np.asarray(shard.data),
+        np.asarray(want)[shard.index],
+        rtol=1e-6,
+        err_msg=jax.tree_util.keystr(path),
+      )
+
+
+def _reapplied_b1(part: Partitioner) -> tuple[TrainState, Any]:
+  """A schedule-free state trained on `part`, and its params after `reapply_config` with
+  another ``b1``; checks first that the same ``b1`` changes nothing."""
+  saved = train(fresh_state("schedule_free", part), MP_STEPS)
+  assert_same_state(saved.replace(_optimizer=reapply_config(saved.optimizer)), saved)
+  other = saved.optimizer.replace(optimizer_def=optimizer_def("schedule_free_b1_0.5"))
+  moved = reapply_config(other).target
+  assert not all(
+    np.array_equal(np.asarray(s.data), np.asarray(t.data))
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(saved.params), strict=True)
+    for s, t in zip(a.addressable_shards, b.addressable_shards, strict=True)
+  ), "another b1 moves the params"
+  return saved, moved
 
 
 def state_arrays(state: TrainState) -> dict[str, np.ndarray]:
