@@ -2589,6 +2589,88 @@ def test_schedule_free_over_part_of_the_params_gives_its_evaluation_params(layou
   )
 
 
+def _free_in_part(layout, b1=0.9, storage=None):
+  """Schedule-free AdamW over the kernel of `_FREE_PARAMS`-like params only, SGD over the bias,
+  laid out as `layout` ("partition" or "MultiOptimizer"), its state in `storage`."""
+  free = optax.contrib.schedule_free_adamw(0.05, warmup_steps=3, b1=b1)
+  if storage is not None:
+    free = t5x_optim.low_precision(free, storage, min_size=0)
+  if layout == "partition":
+    return OptaxWrapper(
+      optax.partition({"free": free, "sgd": optax.sgd(0.1)}, {"w": "free", "b": "sgd"})
+    )
+  return t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("w"), OptaxWrapper(free)),
+      (t5x_optim.PathFilter("b"), OptaxWrapper(optax.sgd(0.1))),
+    ]
+  )
+
+
+_FREE_PART_PATHS = {
+  "partition": "inner_states/free/inner_state",
+  "MultiOptimizer": "0/param_states",
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_FREE_PART_PATHS))
+def test_schedule_free_over_part_of_the_params_converted_into_itself_goes_on(layout):
+  """A partition's part or a MultiOptimizer group of schedule-free, converted into the same
+  optimizer: its z had no converter (refused, or started at x with ``missing="init"``). It
+  goes on as the whole state's does: the same params y, z and weights, bit for bit after."""
+  old = _free_in_part(layout).create(_FREE_PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5, -1.0):
+    old = _step(old, _scaled(_FREE_GRADS, scale))
+  new, report = t5x_optim.convert_state(old, _free_in_part(layout))
+  where = _FREE_PART_PATHS[layout]
+  assert (
+    f"{where} (ScheduleFreeState): z, weight_sum, max_lr and the params it takes gradients at "
+    f"(y), from {where}"
+  ) in report.converted, report
+  assert not [line for line in report.dropped if "ScheduleFree" in line], report
+  assert tree_equal(new.target, old.target)
+  for scale in (2.0, -0.5, 1.5):
+    old, new = _step(old, _scaled(_FREE_GRADS, scale)), _step(new, _scaled(_FREE_GRADS, scale))
+  assert_same_bits(new.target, old.target)
+  assert_same_bits(new.state, old.state)
+
+
+@pytest.mark.parametrize(
+  ("source", "target", "storages"),
+  [
+    ("MultiOptimizer", "partition", (None, None)),
+    ("partition", "MultiOptimizer", ("8bit", None)),
+  ],
+)
+def test_schedule_free_over_part_of_the_params_goes_on_in_another_layout_and_b1(
+  source, target, storages
+):
+  """Schedule-free over the same params in another layout, storage and ``b1``: its x and z
+  are the old ones, y = b1 x + (1 - b1) z by the new b1, and the other params are as they
+  were."""
+  old = _free_in_part(source, storage=storages[0]).create(_FREE_PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5):
+    old = _step(old, _scaled(_FREE_GRADS, scale))
+  x = t5x_optim.schedule_free_evaluation_params(old.state.param_states, old.target)
+  new, report = t5x_optim.convert_state(old, _free_in_part(target, 0.8, storages[1]))
+  into, of = [
+    _FREE_PART_PATHS[layout] + ("/inner_state" if storage else "")
+    for layout, storage in zip((target, source), reversed(storages), strict=True)
+  ]
+  assert (
+    f"{into} (ScheduleFreeState): z, weight_sum, max_lr and the params it takes gradients at "
+    f"(y), from {of}"
+  ) in report.converted, report
+  _assert_close(t5x_optim.schedule_free_evaluation_params(new.state.param_states, new.target), x)
+  assert not np.allclose(new.target["w"], old.target["w"])
+  assert tree_equal(new.target["b"], old.target["b"])
+  old_free = _free_kernel_state(t5x_optim.low_precision_to_float32(old.state.param_states))
+  new_free = _free_kernel_state(t5x_optim.low_precision_to_float32(new.state.param_states))
+  assert tree_equal(new_free.z["w"], old_free.z["w"]) and float(new_free.b1) == pytest.approx(0.8)
+  for name in ("weight_sum", "max_lr"):
+    assert getattr(new_free, name) == getattr(old_free, name), name
+
+
 _SCHEDULE_FREE_KINDS = {
   "sgd": lambda b1: optax.contrib.schedule_free_sgd(0.1, warmup_steps=3, b1=b1),
   "adamw": lambda b1: optax.contrib.schedule_free_adamw(0.05, warmup_steps=3, b1=b1),

@@ -81,10 +81,9 @@ trip would give it to within an ulp, or not where it cannot read or write some o
 
 Schedule-free. A schedule-free source gives its evaluation params ``x``
 (`schedule_free_evaluation_params`; in a partition's part or a `MultiOptimizer` group, for
-the params it trains), except into a schedule-free target, which goes on from its ``z``,
-``weight_sum`` and ``max_lr`` and the params it took gradients at
-(`_schedule_free_continued`, for a whole state's schedule-free over all the params; by the
-target's ``b1`` where it is another).
+the params it trains), except into a schedule-free target over the same params, which goes
+on from its ``z``, ``weight_sum`` and ``max_lr`` and the params it took gradients at
+(`_schedule_free_continued`; by the target's ``b1`` where it is another).
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -99,7 +98,7 @@ import collections
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -1089,15 +1088,15 @@ def _write_target(
   adamax: frozenset[tuple[str, ...]],
   held: Mapping[str, tuple[str, ...]],
   axes: Mapping[str, tuple[Any, ...] | None],
-  continued: _ScheduleFree | None,
+  continued: Sequence[_ScheduleFree],
 ) -> tuple[Any, ConversionReport]:
   """`template` written from `source`, and the report; `step` is the optimizer's, `updates`
   the clock of the target's states, `applied` the updates the source applied
   (`_updates_applied`: where the source holds no moments for the params of a new
   ``MultiSteps`` or ``apply_if_finite``, its inner states go on from these); `held` names the params
   a stacked buffer's path holds, so that the report counts and names params; `axes` are the
-  params' logical axes (`ConversionContext.axes`); `continued` is the source's schedule-free
-  state that the target's goes on from (`_schedule_free_continued`), or None."""
+  params' logical axes (`ConversionContext.axes`); `continued` are the source's schedule-free
+  states that target's go on from (`_schedule_free_continued`)."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -1210,10 +1209,10 @@ def _write_target(
       return node
     counted = source.clock_for(where, *counting[where]) if where in counting else None
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
-    goes_on = continued is not None and path == continued.target_path
-    if goes_on:
-      node = _carry_schedule_free(node, continued)
-      carried.append(continued.line())
+    goes_on = next((state for state in continued if path == state.target_path), None)
+    if goes_on is not None:
+      node = _carry_schedule_free(node, goes_on)
+      carried.append(goes_on.line())
     if isinstance(node, _SCOPES) and not _counts_apart(node):
       clock = _applied_to(_params_in(node, params), source.applied, clock)
     if type(node) in _CARRIED_WHOLE:
@@ -1238,7 +1237,7 @@ def _write_target(
     for i, (key, child) in enumerate(children):
       state_node = is_namedtuple(node) or dataclasses.is_dataclass(node)
       label = f"{'/'.join((*path, key))} ({type(node).__name__}.{key})"
-      if goes_on and key in _SCHEDULE_FREE_HISTORY:
+      if goes_on is not None and key in _SCHEDULE_FREE_HISTORY:
         new.append(child)
       elif state_node and key == "count" and _is_integer_scalar(child):
         new.append(child if type(node) in _EVENT_COUNTS else _as_count(clock, child))
@@ -1515,8 +1514,9 @@ def schedule_free_evaluation_params(param_states: Any, params: Any) -> Any | Non
   return None if evaluated is None else evaluated[0]
 
 
-def _evaluated(param_states: Any, params: Any) -> tuple[Any, int] | None:
-  """`schedule_free_evaluation_params`, and how many params it evaluates at an ``x``."""
+def _evaluated(param_states: Any, params: Any) -> tuple[Any, frozenset[str]] | None:
+  """`schedule_free_evaluation_params`, and the paths of the params it evaluates at an
+  ``x``."""
   # Told by its type, so that another optimizer's compressed state is not decoded.
   if not _applied_schedule_free(param_states):
     return None
@@ -1531,61 +1531,53 @@ def _evaluated(param_states: Any, params: Any) -> tuple[Any, int] | None:
         return None
       leaves[i] = optax.contrib.schedule_free_eval_params(state._replace(z=z), leaves[i])
       evaluated.add(i)
-  return (jax.tree.unflatten(treedef, leaves), len(evaluated)) if evaluated else None
+  if not evaluated:
+    return None
+  return jax.tree.unflatten(treedef, leaves), frozenset(
+    jax.tree_util.keystr(flat[i][0]) for i in evaluated
+  )
 
 
 def _applied_schedule_free(states: Any) -> list[Any]:
   """The schedule-free states in `states` whose updates are the ones applied to the params
-  they hold: the whole state, a chain's last (through the transformations that wrap one
-  optimizer, `_WRAPPED_STATE_FIELDS`), each part of ``optax.partition`` and each group of a
+  they hold (`_applied_schedule_free_at`)."""
+  return [node for _, node in _applied_schedule_free_at(states)]
+
+
+def _applied_schedule_free_at(
+  states: Any, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], Any]]:
+  """The schedule-free states in `states` whose updates are the ones applied to the params
+  they hold, with their paths in the keys the conversion's walks name them by: the whole
+  state, a chain's last (through the transformations that wrap one optimizer,
+  `_WRAPPED_STATE_FIELDS`), each part of ``optax.partition`` and each group of a
   `MultiOptimizer` (a tuple of `OptimizerState`)."""
   if isinstance(states, optax.contrib.ScheduleFreeState):
-    return [states]
+    return [(path, states)]
   if isinstance(states, optax.transforms.PartitionState):
     return [
-      found for part in states.inner_states.values() for found in _applied_schedule_free(part)
+      found
+      for key, part in states.inner_states.items()
+      for found in _applied_schedule_free_at(part, (*path, "inner_states", str(key)))
     ]
   if type(states) is tuple and states and all(isinstance(s, OptimizerState) for s in states):
-    return [found for group in states for found in _applied_schedule_free(group.param_states)]
+    return [
+      found
+      for i, group in enumerate(states)
+      for found in _applied_schedule_free_at(group.param_states, (*path, str(i), "param_states"))
+    ]
   if type(states) is tuple and states:
-    return _applied_schedule_free(states[-1])
+    return _applied_schedule_free_at(states[-1], (*path, str(len(states) - 1)))
   inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(states, f)), None)
-  return [] if inner is None else _applied_schedule_free(getattr(states, inner))
-
-
-def _whole_schedule_free(param_states: Any, params: Any) -> bool:
-  """Whether `param_states` is one schedule-free state's over all of `params`, or a chain's
-  whose last is (`_last_of_chain`), the one kind a schedule-free target goes on from."""
-  if not isinstance(_last_of_chain(param_states), optax.contrib.ScheduleFreeState):
-    return False
-  states = _last_of_chain(low_precision_to_float32(param_states))
-  return jax.tree.structure(states.z) == jax.tree.structure(params)
+  if inner is None:
+    return []
+  return _applied_schedule_free_at(getattr(states, inner), (*path, inner))
 
 
 _WRAPPED_STATE_FIELDS = ("inner_state", "inner_opt_state")
 """The fields in which a transformation that wraps one optimizer keeps that optimizer's state:
 `LowPrecisionState`'s, optax's inject_hyperparams', apply_if_finite's, masked's and
 conditionally_transform's ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``."""
-
-
-def _last_of_chain(states: Any) -> Any:
-  """The state of the transformation whose updates are applied: a chain's last, through
-  nested chains and the transformations that wrap one optimizer (its state in one of
-  `_WRAPPED_STATE_FIELDS`; `low_precision`'s still compressed); another state as given."""
-  return _last_of_chain_at(states)[1]
-
-
-def _last_of_chain_at(states: Any) -> tuple[tuple[str, ...], Any]:
-  """`_last_of_chain` and its path, in the keys the conversion's walks name it by."""
-  path: tuple[str, ...] = ()
-  while True:
-    if type(states) is tuple and states:
-      path, states = (*path, str(len(states) - 1)), states[-1]
-      continue
-    inner = next((f for f in _WRAPPED_STATE_FIELDS if hasattr(states, f)), None)
-    if inner is None:
-      return path, states
-    path, states = (*path, inner), getattr(states, inner)
 
 
 _SCHEDULE_FREE_HISTORY = ("z", "weight_sum", "max_lr")
@@ -1595,12 +1587,13 @@ and the weights of its average so far (``b1`` is a setting, ``step_count`` a clo
 
 @dataclasses.dataclass(frozen=True)
 class _ScheduleFree:
-  """A schedule-free source state that the target's schedule-free state goes on from: the
-  paths of both (`_last_of_chain_at`) and the source's node, decoded."""
+  """A schedule-free source state that a target's schedule-free state goes on from: the
+  paths of both (`_applied_schedule_free_at`) and both nodes, decoded."""
 
   source_path: tuple[str, ...]
   target_path: tuple[str, ...]
   node: Any
+  target: Any
 
   def line(self) -> str:
     where = ["/".join(path) or "<root>" for path in (self.target_path, self.source_path)]
@@ -1608,6 +1601,10 @@ class _ScheduleFree:
       f"{where[0]} (ScheduleFreeState): {', '.join(_SCHEDULE_FREE_HISTORY[:-1])}, "
       f"{_SCHEDULE_FREE_HISTORY[-1]} and the params it takes gradients at (y), from {where[1]}"
     )
+
+  def held(self) -> set[str]:
+    """The paths of the params it holds (its ``z``'s)."""
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(self.node.z)[0]}
 
   def dropped(self) -> set[str]:
     """The source's fields it carries, as the source's walk lists them (`_read_source`)."""
@@ -1619,32 +1616,62 @@ class _ScheduleFree:
 
 def _schedule_free_continued(
   source_states: Any, source_params: Any, target_states: Any, params: Any
-) -> _ScheduleFree | None:
-  """The source's schedule-free state, where the source and the target are each one
-  schedule-free state's over all of their params (`_whole_schedule_free`), else None."""
-  found = []
+) -> list[_ScheduleFree]:
+  """Each source schedule-free state that a target's goes on from: both applied
+  (`_applied_schedule_free_at`), holding the same params (their ``z``'s, by path and shape),
+  and each the only one of its side that does: the whole state's over all the params, a
+  partition's part or a `MultiOptimizer` group over the same params on both sides. None
+  where a side has a ``z`` of no param of its path and shape (``optax.lookahead``'s)."""
+  sides = []
   for states, over in (source_states, source_params), (target_states, params):
-    if not _whole_schedule_free(states, over):
-      return None
-    found.append((_last_of_chain_at(states)[0], _last_of_chain(low_precision_to_float32(states))))
-  return _ScheduleFree(found[0][0], found[1][0], found[0][1])
+    shapes = {
+      jax.tree_util.keystr(path): jnp.shape(leaf)
+      for path, leaf in jax.tree.flatten_with_path(over)[0]
+    }
+    paths = [path for path, _ in _applied_schedule_free_at(states)]
+    if not paths:
+      return []
+    by_params: dict[frozenset, list[tuple[tuple[str, ...], Any]]] = {}
+    decoded = _applied_schedule_free(low_precision_to_float32(states))
+    for path, node in zip(paths, decoded, strict=True):
+      held = frozenset(
+        (jax.tree_util.keystr(at), jnp.shape(z)) for at, z in jax.tree.flatten_with_path(node.z)[0]
+      )
+      if not held or any(shapes.get(at) != shape for at, shape in held):
+        return []
+      by_params.setdefault(held, []).append((path, node))
+    sides.append(by_params)
+  source, target = sides
+  return [
+    _ScheduleFree(old[0][0], target[held][0][0], old[0][1], target[held][0][1])
+    for held, old in source.items()
+    if len(old) == 1 and len(target.get(held, ())) == 1
+  ]
 
 
 def _schedule_free_params(
-  continued: _ScheduleFree, source_params: Any, evaluated: Any, target_states: Any
+  continued: Iterable[_ScheduleFree], source_params: Any, evaluated: Any
 ) -> Any:
-  """The params a schedule-free target takes gradients at, in `evaluated`'s structure, dtypes
-  and shardings: the source's ``y`` where the ``b1`` of both is one, else ``b1 x + (1 - b1) z``
-  by the target's ``b1``, with `evaluated` the source's ``x`` and ``z`` the source's."""
-  target = _last_of_chain(low_precision_to_float32(target_states))
-  b1 = host_scalar(target.b1)
-  same = b1 == host_scalar(continued.node.b1)
-  y, z = _params_like(source_params, evaluated), _params_like(continued.node.z, target.z)
-
-  def one(x: Any, y: Any, z: Any) -> Any:
-    return _placed(jnp.where(same, y, b1 * x + (1 - b1) * z), x)
-
-  return jax.tree.map(one, evaluated, y, z)
+  """The params schedule-free targets take gradients at, in `evaluated`'s structure, dtypes
+  and shardings: for the params each target's state holds, the source's ``y`` where the
+  ``b1`` of both is one, else ``b1 x + (1 - b1) z`` by the target's ``b1``, with `evaluated`
+  the source's ``x`` and ``z`` the source's; the others as in `evaluated`."""
+  flat, treedef = jax.tree.flatten_with_path(evaluated)
+  leaves = [x for _, x in flat]
+  index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
+  y = {
+    jax.tree_util.keystr(path): leaf for path, leaf in jax.tree.flatten_with_path(source_params)[0]
+  }
+  for state in continued:
+    b1 = host_scalar(state.target.b1)
+    same = b1 == host_scalar(state.node.b1)
+    z = _params_like(state.node.z, state.target.z)
+    for path, z_leaf in jax.tree.flatten_with_path(z)[0]:
+      at = jax.tree_util.keystr(path)
+      x = leaves[index[at]]
+      moved = jnp.where(same, _placed(y[at], x), b1 * x + (1 - b1) * z_leaf)
+      leaves[index[at]] = _placed(moved, x)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _carry_schedule_free(node: Any, continued: _ScheduleFree) -> Any:
@@ -1656,18 +1683,24 @@ def _carry_schedule_free(node: Any, continued: _ScheduleFree) -> Any:
   )
 
 
-def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, tuple[str, ...]]:
-  """Schedule-free's evaluation params (its average ``x``) where it is the source, with a report line.
-
-  The new optimizer starts from ``x`` (``z`` is listed as dropped too).
-  """
+def _evaluation_params(params: Any, param_states: Any) -> tuple[Any, frozenset[str]]:
+  """Schedule-free's evaluation params (its average ``x``) where it is the source
+  (`schedule_free_evaluation_params`), and the paths of the params at their ``x``; else
+  `params` and none."""
   found = _evaluated(param_states, params)
-  if found is None:
-    return params, ()
-  evaluated, count = found
+  return (params, frozenset()) if found is None else found
+
+
+def _evaluation_notes(params: Any, evaluated: frozenset[str]) -> tuple[str, ...]:
+  """The report's line for the params at schedule-free's ``x`` (`_evaluation_params`), paths
+  of `params`; none without any (``z`` is listed as dropped too)."""
+  if not evaluated:
+    return ()
   total = len(jax.tree.leaves(params))
-  which = "" if count == total else f" for the {count} of {total} params it trains"
-  return evaluated, (
+  which = (
+    "" if len(evaluated) == total else f" for the {len(evaluated)} of {total} params it trains"
+  )
+  return (
     "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
     f"evaluation params x = (y - (1 - b1) z) / b1{which}, not the y it took gradients at",
   )
@@ -2008,7 +2041,8 @@ def convert_state(
     "source",
   )
   source_params = params
-  params, notes = _evaluation_params(params, param_states)
+  params, evaluated = _evaluation_params(params, param_states)
+  notes: tuple[str, ...] = ()
   if isinstance(target, Optimizer):
     optimizer_def, like_params, like_state = target.optimizer_def, target.target, target.state
     params, copies = _copies_for(params, lookahead=isinstance(like_params, optax.LookaheadParams))
@@ -2025,9 +2059,10 @@ def convert_state(
       optimizer_def = jax.eval_shape(optimizer_def.create, params).optimizer_def
   template = fresh_state(optimizer_def, params, like_state)
   continued = _schedule_free_continued(param_states, source_params, template.param_states, params)
-  if continued is not None:  # Schedule-free into schedule-free: from y, not x.
-    params = _schedule_free_params(continued, source_params, params, template.param_states)
-    notes = tuple(note for note in notes if "ScheduleFreeState" not in note)
+  if continued:  # Schedule-free into schedule-free: from y, not x.
+    params = _schedule_free_params(continued, source_params, params)
+    evaluated -= {path for state in continued for path in state.held()}
+  notes = _evaluation_notes(source_params, evaluated) + notes
   trained = trained_params(params)
   flat_params = _flat_params(trained)
   axes = _axes_by_path(param_axes)
@@ -2044,10 +2079,8 @@ def convert_state(
     axes,
   )
   source_stats.dropped.extend(notes)
-  if continued is not None:
-    source_stats.dropped = [
-      line for line in source_stats.dropped if line not in continued.dropped()
-    ]
+  carried_fields = {line for state in continued for line in state.dropped()}
+  source_stats.dropped = [line for line in source_stats.dropped if line not in carried_fields]
   applied = _updates_applied(param_states, step)
   written, report = _write_target(
     template.param_states,
