@@ -1622,15 +1622,20 @@ def _schedule_free_continued(
   and each the only one of its side that does: the whole state's over all the params, a
   partition's part or a `MultiOptimizer` group over the same params on both sides. None
   where a side has a ``z`` of no param of its path and shape (``optax.lookahead``'s)."""
+  found = [
+    [path for path, _ in _applied_schedule_free_at(states)]
+    for states in (source_states, target_states)
+  ]
+  if not all(found):  # Told by type, so that neither side is decoded for nothing.
+    return []
   sides = []
-  for states, over in (source_states, source_params), (target_states, params):
+  for states, over, paths in zip(
+    (source_states, target_states), (source_params, params), found, strict=True
+  ):
     shapes = {
       jax.tree_util.keystr(path): jnp.shape(leaf)
       for path, leaf in jax.tree.flatten_with_path(over)[0]
     }
-    paths = [path for path, _ in _applied_schedule_free_at(states)]
-    if not paths:
-      return []
     by_params: dict[frozenset, list[tuple[tuple[str, ...], Any]]] = {}
     decoded = _applied_schedule_free(low_precision_to_float32(states))
     for path, node in zip(paths, decoded, strict=True):
