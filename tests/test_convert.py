@@ -2584,8 +2584,8 @@ def test_schedule_free_over_part_of_the_params_gives_its_evaluation_params(layou
   assert tree_equal(new.target, want)
   assert report.dropped[-1] == (
     "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
-    "evaluation params x = (y - (1 - b1) z) / b1 for the 1 of 2 params it trains, not the y "
-    "it took gradients at"
+    "evaluation params x = (y - (1 - b1) z) / b1 for 1 of the 2 params, not the y it "
+    "took gradients at"
   )
 
 
@@ -2669,6 +2669,97 @@ def test_schedule_free_over_part_of_the_params_goes_on_in_another_layout_and_b1(
   assert tree_equal(new_free.z["w"], old_free.z["w"]) and float(new_free.b1) == pytest.approx(0.8)
   for name in ("weight_sum", "max_lr"):
     assert getattr(new_free, name) == getattr(old_free, name), name
+
+
+def _free_split(layout, storage=None, lrs=(0.05, 0.05)):
+  """Schedule-free AdamW over all of `_FREE_PARAMS`: one state (``"whole"``), or one per
+  param as `MultiOptimizer` groups (``"groups"``) or ``optax.partition`` parts (``"parts"``),
+  with the learning rates `lrs` (w's, b's), in `storage`."""
+
+  def free(lr):
+    tx = optax.contrib.schedule_free_adamw(lr, warmup_steps=3)
+    return tx if storage is None else t5x_optim.low_precision(tx, storage, min_size=0)
+
+  if layout == "whole":
+    return OptaxWrapper(free(lrs[0]))
+  if layout == "parts":
+    return OptaxWrapper(
+      optax.partition({"w": free(lrs[0]), "b": free(lrs[1])}, {"w": "w", "b": "b"})
+    )
+  return t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("w"), OptaxWrapper(free(lrs[0]))),
+      (t5x_optim.PathFilter("b"), OptaxWrapper(free(lrs[1]))),
+    ]
+  )
+
+
+def _free_z(optimizer):
+  """The z of every schedule-free state in `optimizer`'s state, decoded, by param path."""
+  kind = optax.contrib.ScheduleFreeState
+  states = t5x_optim.low_precision_to_float32(optimizer.state.param_states)
+  return {
+    jax.tree_util.keystr(path): z
+    for node in jax.tree.leaves(states, is_leaf=lambda n: isinstance(n, kind))
+    if isinstance(node, kind)
+    for path, z in jax.tree.flatten_with_path(node.z)[0]
+  }
+
+
+_FREE_SPLIT_LINES = {
+  ("whole", "groups"): ["0/param_states", "<root>", "1/param_states", "<root>"],
+  ("parts", "whole"): [
+    "inner_state",
+    "inner_states/b/inner_state/inner_state and inner_states/w/inner_state/inner_state",
+  ],
+}
+
+
+@pytest.mark.parametrize(
+  ("source", "target", "storage"), [("whole", "groups", None), ("parts", "whole", "8bit")]
+)
+def test_schedule_free_split_into_groups_or_merged_into_one_goes_on(source, target, storage):
+  """One schedule-free state converted into schedule-free groups (or partition parts), or
+  those into one: its z had no converter (refused, or started at x with ``missing="init"``).
+  Each target state goes on from the source states that hold its params: y, x, z and the
+  weights of the average as they were, and 3 steps later where the unconverted run is."""
+  old = _free_split(source, storage).create(_FREE_PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5):
+    old = _step(old, _scaled(_FREE_GRADS, scale))
+  x = t5x_optim.schedule_free_evaluation_params(old.state.param_states, old.target)
+  new, report = t5x_optim.convert_state(old, _free_split(target, storage))
+  where = _FREE_SPLIT_LINES[source, target]
+  assert [line for line in report.converted if "(ScheduleFreeState)" in line] == [
+    f"{into} (ScheduleFreeState): z, weight_sum, max_lr and the params it takes gradients at "
+    f"(y), from {of}"
+    for into, of in zip(where[::2], where[1::2], strict=True)
+  ], report
+  assert not [line for line in report.dropped if "ScheduleFree" in line], report
+  assert tree_equal(new.target, old.target)
+  _assert_close(t5x_optim.schedule_free_evaluation_params(new.state.param_states, new.target), x)
+  assert tree_equal(_free_z(new), _free_z(old))
+  for scale in (2.0, -0.5, 1.5):
+    old, new = _step(old, _scaled(_FREE_GRADS, scale)), _step(new, _scaled(_FREE_GRADS, scale))
+  _assert_close(new.target, old.target)
+
+
+def test_schedule_free_groups_averaged_with_other_weights_are_not_merged():
+  """Groups of other learning rates weigh their averages otherwise (weight_sum, max_lr): one
+  state cannot go on from both. Refused naming both groups and their weights; with
+  ``missing="init"`` the params start from their x, as into another optimizer."""
+  old = _free_split("groups", lrs=(0.05, 0.01)).create(_FREE_PARAMS)
+  for scale in (1.0, -2.0, 3.0):
+    old = _step(old, _scaled(_FREE_GRADS, scale))
+  with pytest.raises(
+    ValueError,
+    match=r"z \(ScheduleFreeState.z\): no converter, the old optimizer's schedule-free states "
+    r"over its params averaged with other weights, 0/param_states \(weight_sum [0-9.e-]+, "
+    r"max_lr 0.05\) and 1/param_states \(weight_sum [0-9.e-]+, max_lr 0.01\)\.",
+  ):
+    t5x_optim.convert_state(old, _free_split("whole"))
+  x = t5x_optim.schedule_free_evaluation_params(old.state.param_states, old.target)
+  new, _ = t5x_optim.convert_state(old, _free_split("whole"), missing="init")
+  _assert_close(new.target, x)
 
 
 _SCHEDULE_FREE_KINDS = {

@@ -81,9 +81,10 @@ trip would give it to within an ulp, or not where it cannot read or write some o
 
 Schedule-free. A schedule-free source gives its evaluation params ``x``
 (`schedule_free_evaluation_params`; in a partition's part or a `MultiOptimizer` group, for
-the params it trains), except into a schedule-free target over the same params, which goes
-on from its ``z``, ``weight_sum`` and ``max_lr`` and the params it took gradients at
-(`_schedule_free_continued`; by the target's ``b1`` where it is another).
+the params it trains), except into schedule-free states over the same params, in any
+grouping (one state split into groups, groups merged into one where their averages were
+weighted alike), which go on from its ``z``, ``weight_sum`` and ``max_lr`` and the params it
+took gradients at (`_schedule_free_continued`; by the target's ``b1`` where it is another).
 
 Low precision. A `LowPrecisionState` (`low_precision`'s bfloat16, 8-bit or
 4-bit state) is decoded to float32 (`low_precision_to_float32`) before it is read,
@@ -1089,14 +1090,16 @@ def _write_target(
   held: Mapping[str, tuple[str, ...]],
   axes: Mapping[str, tuple[Any, ...] | None],
   continued: Sequence[_ScheduleFree],
+  unmerged: Mapping[tuple[str, ...], str],
 ) -> tuple[Any, ConversionReport]:
   """`template` written from `source`, and the report; `step` is the optimizer's, `updates`
   the clock of the target's states, `applied` the updates the source applied
   (`_updates_applied`: where the source holds no moments for the params of a new
   ``MultiSteps`` or ``apply_if_finite``, its inner states go on from these); `held` names the params
   a stacked buffer's path holds, so that the report counts and names params; `axes` are the
-  params' logical axes (`ConversionContext.axes`); `continued` are the source's schedule-free
-  states that target's go on from (`_schedule_free_continued`)."""
+  params' logical axes (`ConversionContext.axes`); `continued` are the target's schedule-free
+  states that go on from the source's, `unmerged` why others do not, by path
+  (`_schedule_free_continued`)."""
   converters = registered_converters()
   recorder = _Recorder()
   no_converter: list[str] = []
@@ -1178,7 +1181,9 @@ def _write_target(
       _refuse_quantized(node, path, "target")
     if converter is not None:
       if converter.write is None:
-        no_converter.append(f"{where} ({_type_label(node)}: its converter only reads)")
+        no_converter.append(
+          f"{where} ({_type_label(node)}: its converter only reads): no converter"
+        )
         return node
       label = f"{where} ({_type_label(node)})"
       own = _own_param(node, converter, path, params)
@@ -1205,7 +1210,7 @@ def _write_target(
       return optax.ScaleByAdamState(*written) if path in adamax else written
     loose = _loose_arrays(node, where)
     if loose is not None:
-      no_converter.append(loose)
+      no_converter.append(f"{loose}: no converter")
       return node
     counted = source.clock_for(where, *counting[where]) if where in counting else None
     node, clock = _with_clock(node, clock, counts, step, applied, counted)
@@ -1246,7 +1251,8 @@ def _write_target(
         fresh.append(f"{label}: at the initial value by design ({_FRESH_FIELDS[type(node), key]})")
         new.append(child)
       elif state_node and not _has_state_nodes(child) and _has_tensors(child):
-        no_converter.append(label)
+        why = unmerged.get(path) if key == "z" else None
+        no_converter.append(f"{label}: no converter" + ("" if why is None else f", {why}"))
         new.append(child)
       elif _unset_scalars(node, key, child):
         fresh.append(f"{label}: at the initial value (no converter sets it)")
@@ -1277,7 +1283,7 @@ def _write_target(
     if record.by_design:
       initialised.append(kept(field, record.by_design, "at the initial value by design"))
   converted += carried
-  unconverted = [f"{entry}: no converter" for entry in no_converter]
+  unconverted = no_converter
   refused += unconverted
   initialised += unconverted + fresh
   unused: dict[tuple[str, str], list[str]] = {}
@@ -1525,8 +1531,8 @@ def _evaluated(param_states: Any, params: Any) -> tuple[Any, frozenset[str]] | N
   index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
   evaluated: set[int] = set()
   for state in _applied_schedule_free(low_precision_to_float32(param_states)):
-    for path, z in jax.tree.flatten_with_path(state.z)[0]:
-      i = index.get(jax.tree_util.keystr(path))
+    for at, z in _z_leaves(state).items():
+      i = index.get(at)
       if i is None or i in evaluated or jnp.shape(leaves[i]) != jnp.shape(z):
         return None
       leaves[i] = optax.contrib.schedule_free_eval_params(state._replace(z=z), leaves[i])
@@ -1587,47 +1593,68 @@ and the weights of its average so far (``b1`` is a setting, ``step_count`` a clo
 
 @dataclasses.dataclass(frozen=True)
 class _ScheduleFree:
-  """A schedule-free source state that a target's schedule-free state goes on from: the
-  paths of both (`_applied_schedule_free_at`) and both nodes, decoded."""
+  """A target's schedule-free state and the source schedule-free states it goes on from:
+  paths (`_applied_schedule_free_at`) and nodes, decoded; each of the target's params is held
+  by one of `sources`, which may hold others too (a whole state split into groups) or be
+  several (groups merged into one state, their averages weighted alike)."""
 
-  source_path: tuple[str, ...]
   target_path: tuple[str, ...]
-  node: Any
   target: Any
+  sources: tuple[tuple[tuple[str, ...], Any], ...]
 
   def line(self) -> str:
-    where = ["/".join(path) or "<root>" for path in (self.target_path, self.source_path)]
+    where = "/".join(self.target_path) or "<root>"
+    old = " and ".join("/".join(path) or "<root>" for path, _ in self.sources)
     return (
-      f"{where[0]} (ScheduleFreeState): {', '.join(_SCHEDULE_FREE_HISTORY[:-1])}, "
-      f"{_SCHEDULE_FREE_HISTORY[-1]} and the params it takes gradients at (y), from {where[1]}"
+      f"{where} (ScheduleFreeState): {', '.join(_SCHEDULE_FREE_HISTORY[:-1])}, "
+      f"{_SCHEDULE_FREE_HISTORY[-1]} and the params it takes gradients at (y), from {old}"
     )
 
   def held(self) -> set[str]:
-    """The paths of the params it holds (its ``z``'s)."""
-    return {jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(self.node.z)[0]}
+    """The paths of the params it holds (the target's ``z``'s)."""
+    return set(_z_leaves(self.target))
+
+  def source_at(self, path: str) -> tuple[Any, Any]:
+    """The source state that holds the param at `path` (a path of `held`), and its ``z``."""
+    return self._by_param[path]
+
+  @functools.cached_property
+  def _by_param(self) -> dict[str, tuple[Any, Any]]:
+    return {at: (node, z) for _, node in self.sources for at, z in _z_leaves(node).items()}
 
   def dropped(self) -> set[str]:
-    """The source's fields it carries, as the source's walk lists them (`_read_source`)."""
+    """The sources' fields it carries, as the source's walk lists them (`_read_source`)."""
     return {
-      f"{'/'.join((*self.source_path, key))} (ScheduleFreeState.{key})"
+      f"{'/'.join((*path, key))} (ScheduleFreeState.{key})"
+      for path, _ in self.sources
       for key in _SCHEDULE_FREE_HISTORY
     }
 
 
+def _z_leaves(node: Any) -> dict[str, Any]:
+  """A schedule-free state's ``z`` by the paths of the params it holds."""
+  return {jax.tree_util.keystr(path): z for path, z in jax.tree.flatten_with_path(node.z)[0]}
+
+
 def _schedule_free_continued(
   source_states: Any, source_params: Any, target_states: Any, params: Any
-) -> list[_ScheduleFree]:
-  """Each source schedule-free state that a target's goes on from: both applied
-  (`_applied_schedule_free_at`), holding the same params (their ``z``'s, by path and shape),
-  and each the only one of its side that does: the whole state's over all the params, a
-  partition's part or a `MultiOptimizer` group over the same params on both sides. None
-  where a side has a ``z`` of no param of its path and shape (``optax.lookahead``'s)."""
+) -> tuple[list[_ScheduleFree], dict[tuple[str, ...], str]]:
+  """The target's schedule-free states that go on from the source's, and why each of those
+  whose params the source's hold does not.
+
+  Both sides' states are those applied (`_applied_schedule_free_at`), matched by the params
+  their ``z``'s hold (path and shape): a target's goes on where each of its params is held by
+  exactly one source state and by no other target state, whatever the layouts (the whole
+  state, a partition's part, a `MultiOptimizer` group). Several sources merge only where
+  their averages were weighted alike (equal ``weight_sum`` and ``max_lr``); otherwise the
+  second value names them, by the target's path. None where a side has a ``z`` of no param of
+  its path and shape (``optax.lookahead``'s)."""
   found = [
     [path for path, _ in _applied_schedule_free_at(states)]
     for states in (source_states, target_states)
   ]
   if not all(found):  # Told by type, so that neither side is decoded for nothing.
-    return []
+    return [], {}
   sides = []
   for states, over, paths in zip(
     (source_states, target_states), (source_params, params), found, strict=True
@@ -1636,22 +1663,39 @@ def _schedule_free_continued(
       jax.tree_util.keystr(path): jnp.shape(leaf)
       for path, leaf in jax.tree.flatten_with_path(over)[0]
     }
-    by_params: dict[frozenset, list[tuple[tuple[str, ...], Any]]] = {}
-    decoded = _applied_schedule_free(low_precision_to_float32(states))
-    for path, node in zip(paths, decoded, strict=True):
-      held = frozenset(
-        (jax.tree_util.keystr(at), jnp.shape(z)) for at, z in jax.tree.flatten_with_path(node.z)[0]
+    holders: dict[str, list[tuple[tuple[str, ...], Any]]] = {}
+    decoded = list(
+      zip(paths, _applied_schedule_free(low_precision_to_float32(states)), strict=True)
+    )
+    for path, node in decoded:
+      held = {at: jnp.shape(z) for at, z in _z_leaves(node).items()}
+      if not held or any(shapes.get(at) != shape for at, shape in held.items()):
+        return [], {}
+      for at in held:
+        holders.setdefault(at, []).append((path, node))
+    sides.append((holders, decoded))
+  (source, sources), (target, targets) = sides
+  continued, unmerged = [], {}
+  for path, node in targets:
+    held = _z_leaves(node)
+    if any(len(target[at]) != 1 or len(source.get(at, ())) != 1 for at in held):
+      continue
+    holding = {source[at][0][0] for at in held}
+    old = [(at, n) for at, n in sources if at in holding]
+    weights = [
+      tuple(float(host_scalar(getattr(n, k))) for k in ("weight_sum", "max_lr")) for _, n in old
+    ]
+    if len(set(weights)) == 1:
+      continued.append(_ScheduleFree(path, node, tuple(old)))
+    else:
+      unmerged[path] = "the old optimizer's schedule-free states over its params averaged with " + (
+        "other weights, "
+        + " and ".join(
+          f"{'/'.join(at) or '<root>'} (weight_sum {w:g}, max_lr {m:g})"
+          for (at, _), (w, m) in zip(old, weights, strict=True)
+        )
       )
-      if not held or any(shapes.get(at) != shape for at, shape in held):
-        return []
-      by_params.setdefault(held, []).append((path, node))
-    sides.append(by_params)
-  source, target = sides
-  return [
-    _ScheduleFree(old[0][0], target[held][0][0], old[0][1], target[held][0][1])
-    for held, old in source.items()
-    if len(old) == 1 and len(target.get(held, ())) == 1
-  ]
+  return continued, unmerged
 
 
 def _schedule_free_params(
@@ -1659,8 +1703,9 @@ def _schedule_free_params(
 ) -> Any:
   """The params schedule-free targets take gradients at, in `evaluated`'s structure, dtypes
   and shardings: for the params each target's state holds, the source's ``y`` where the
-  ``b1`` of both is one, else ``b1 x + (1 - b1) z`` by the target's ``b1``, with `evaluated`
-  the source's ``x`` and ``z`` the source's; the others as in `evaluated`."""
+  ``b1`` of the target and of the source state holding the param are one, else ``b1 x + (1 -
+  b1) z`` by the target's ``b1``, with `evaluated` the source's ``x`` and ``z`` the source's;
+  the others as in `evaluated`."""
   flat, treedef = jax.tree.flatten_with_path(evaluated)
   leaves = [x for _, x in flat]
   index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
@@ -1669,21 +1714,24 @@ def _schedule_free_params(
   }
   for state in continued:
     b1 = host_scalar(state.target.b1)
-    same = b1 == host_scalar(state.node.b1)
-    z = _params_like(state.node.z, state.target.z)
-    for path, z_leaf in jax.tree.flatten_with_path(z)[0]:
-      at = jax.tree_util.keystr(path)
+    for at, like in _z_leaves(state.target).items():
+      old, z = state.source_at(at)
+      z = _placed(z, like)
       x = leaves[index[at]]
-      moved = jnp.where(same, _placed(y[at], x), b1 * x + (1 - b1) * z_leaf)
+      same = b1 == host_scalar(old.b1)
+      moved = jnp.where(same, _placed(y[at], x), b1 * x + (1 - b1) * z)
       leaves[index[at]] = _placed(moved, x)
   return jax.tree.unflatten(treedef, leaves)
 
 
 def _carry_schedule_free(node: Any, continued: _ScheduleFree) -> Any:
-  """A target's schedule-free `node` with the source's `_SCHEDULE_FREE_HISTORY`."""
-  old = continued.node
+  """A target's schedule-free `node` with its sources' `_SCHEDULE_FREE_HISTORY`: the ``z`` of
+  each param from the source holding it, the weights from any (all are alike)."""
+  wanted, treedef = jax.tree.flatten_with_path(node.z)
+  z = [_placed(continued.source_at(jax.tree_util.keystr(at))[1], leaf) for at, leaf in wanted]
+  old = continued.sources[0][1]
   return node._replace(
-    z=_params_like(old.z, node.z),
+    z=jax.tree.unflatten(treedef, z),
     **{key: _placed(getattr(old, key), getattr(node, key)) for key in _SCHEDULE_FREE_HISTORY[1:]},
   )
 
@@ -1702,9 +1750,7 @@ def _evaluation_notes(params: Any, evaluated: frozenset[str]) -> tuple[str, ...]
   if not evaluated:
     return ()
   total = len(jax.tree.leaves(params))
-  which = (
-    "" if len(evaluated) == total else f" for the {len(evaluated)} of {total} params it trains"
-  )
+  which = "" if len(evaluated) == total else f" for {len(evaluated)} of the {total} params"
   return (
     "target (optax.contrib.ScheduleFreeState): the new optimizer starts from schedule-free's "
     f"evaluation params x = (y - (1 - b1) z) / b1{which}, not the y it took gradients at",
@@ -2063,7 +2109,9 @@ def convert_state(
     if isinstance(params, StackedParams):  # The stacked layer `create` puts around it.
       optimizer_def = jax.eval_shape(optimizer_def.create, params).optimizer_def
   template = fresh_state(optimizer_def, params, like_state)
-  continued = _schedule_free_continued(param_states, source_params, template.param_states, params)
+  continued, unmerged = _schedule_free_continued(
+    param_states, source_params, template.param_states, params
+  )
   if continued:  # Schedule-free into schedule-free: from y, not x.
     params = _schedule_free_params(continued, source_params, params)
     evaluated -= {path for state in continued for path in state.held()}
@@ -2102,6 +2150,7 @@ def convert_state(
     _held_params(trained),
     axes,
     continued,
+    unmerged,
   )
   _refuse_unread(given)
   written, carried = _carry_sync_count(param_states, written)
