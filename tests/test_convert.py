@@ -2762,6 +2762,55 @@ def test_schedule_free_groups_averaged_with_other_weights_are_not_merged():
   _assert_close(new.target, x)
 
 
+def _adam_groups(make=optax.adam):
+  """Adam over the kernel with b2 0.95 and over the bias with b2 0.98, as `MultiOptimizer`
+  groups, each built by `make` (``optax.adam``, or it injected)."""
+  return t5x_optim.MultiOptimizer(
+    [
+      (t5x_optim.PathFilter("kernel"), OptaxWrapper(make(learning_rate=1e-2, b2=0.95))),
+      (t5x_optim.PathFilter("bias"), OptaxWrapper(make(learning_rate=1e-2, b2=0.98))),
+    ]
+  )
+
+
+_TWO_B2 = t5x_optim.SeveralValues((0.95, 0.98), ("k", "s"))
+
+
+def test_a_hparam_of_several_values_is_not_guessed():
+  """Groups of Adam with b2 0.95 and 0.98 have no one source b2: given none, the kernel's nu
+  was read with optax's 0.999 and written with 0.95 (32 times too large after 20 steps). Given
+  as `SeveralValues`, a converter that reads it is refused, naming the state and the values;
+  both sides giving the same ones go over as they are; and values injected into each state
+  (inject_hyperparams) are read, not guessed."""
+  old = _after_groups(_adam_groups())
+  target = OptaxWrapper(optax.adam(1e-2, b2=0.95))
+  with pytest.raises(
+    ValueError,
+    match=r"^0/param_states/0: its converter reads b2, which the optimizer's config binds to "
+    r"several values, 0.95 \(k\) or 0.98 \(s\), one of them this state's",
+  ):
+    t5x_optim.convert_state(old, target, source_hparams={"b2": _TWO_B2})
+  same, _ = t5x_optim.convert_state(
+    old, _adam_groups(), source_hparams={"b2": _TWO_B2}, target_hparams={"b2": _TWO_B2}
+  )
+  assert_same_bits(same.state, old.state)
+  injected = _after_groups(_adam_groups(optax.inject_hyperparams(optax.adam)))
+  new, _ = t5x_optim.convert_state(
+    injected, target, source_hparams={"b2": _TWO_B2}, target_hparams={"b2": 0.95}
+  )
+  inner = [group.param_states.inner_state[0] for group in injected.state.param_states]
+  _assert_close(new.state.param_states[0].nu["dense"]["kernel"], inner[0].nu["dense"]["kernel"])
+  bias = new.state.param_states[0].nu["dense"]["bias"]
+  assert not np.allclose(bias, inner[1].nu["dense"]["bias"])  # 0.98 into 0.95
+
+
+def _after_groups(optimizer_def):
+  old = optimizer_def.create(PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5):
+    old = _step(old, _scaled(M, scale))
+  return old
+
+
 _SCHEDULE_FREE_KINDS = {
   "sgd": lambda b1: optax.contrib.schedule_free_sgd(0.1, warmup_steps=3, b1=b1),
   "adamw": lambda b1: optax.contrib.schedule_free_adamw(0.05, warmup_steps=3, b1=b1),

@@ -260,6 +260,62 @@ def test_bound_hparams_read_muons_beta_and_the_b1_and_b2_of_its_adam():
   assert _init_from.CONVERSION_HPARAMS == t5x_optim.BUILTIN_HPARAMS
 
 
+_GROUPS_OF_TWO_B2 = [
+  "OPTIMIZER = @optimizers.MultiOptimizer()",
+  "optimizers.MultiOptimizer.traversals_and_optimizers = ["
+  "(@matrices/optimizers.PathFilter(), @k/optimizers.adam()), "
+  "(@scales/optimizers.PathFilter(), @s/optimizers.adam())]",
+  "matrices/optimizers.PathFilter.patterns = 'scale$'",
+  "matrices/optimizers.PathFilter.invert = True",
+  "scales/optimizers.PathFilter.patterns = 'scale$'",
+  "optimizers.adam.learning_rate = 0.01",
+  "k/optimizers.adam.b2 = 0.95",
+  "s/optimizers.adam.b2 = 0.98",
+]
+"""A `MultiOptimizer` of two Adam groups, each with its own ``b2``."""
+
+
+def test_bound_hparams_of_groups_bound_otherwise_are_several_values():
+  """Two groups' b2 (0.95, 0.98) were left out, so a conversion read the groups' second
+  moments with optax's 0.999. They are `SeveralValues`, each with its scope and binding."""
+  _config.parse_config(gin_bindings=_GROUPS_OF_TWO_B2, macros=_config.device_macros(8))
+  hparams = _init_from.bound_hparams()
+  assert hparams["learning_rate"] == 0.01
+  assert hparams["b2"] == t5x_optim.SeveralValues((0.95, 0.98), ("k", "s"))
+  assert str(hparams["b2"]) == "0.95 (k/optimizers.adam.b2) or 0.98 (s/optimizers.adam.b2)"
+
+
+@pytest.mark.slow
+def test_init_from_groups_of_other_b2_refuses_to_guess_it(tmp_path, capsys):
+  """Groups of Adam with b2 0.95 and 0.98 into one Adam with b2 0.95: the groups' b2 were
+  left to optax's 0.999, and the kernels' second moments came out 32 times too large
+  (0.999 against 0.95 in the bias correction after 3 steps), without a word. Refused, naming
+  the state and both bindings; into the same groups, each state goes over as it is."""
+  flags = [f for binding in _GROUPS_OF_TWO_B2 for f in ("--gin_bindings", binding)]
+  old_dir = tmp_path / "old"
+  total = ["--gin_bindings", "TOTAL_STEPS = 3"]
+  assert main(["train", *TINY, *flags, *total, "--model_dir", str(old_dir)]) == 0
+  capsys.readouterr()
+  more = ["--gin_bindings", "TOTAL_STEPS = 5", "--init_from", str(old_dir)]
+  one = ["--gin_bindings", "OPTIMIZER = @optimizers.adam()"]
+  one += ["--gin_bindings", "optimizers.adam.b2 = 0.95"]
+  one += ["--gin_bindings", "optimizers.adam.learning_rate = 0.01"]
+  assert main(["train", *TINY, *one, *more, "--model_dir", str(tmp_path / "one")]) == 2
+  err = capsys.readouterr().err
+  assert (
+    f"--init_from {old_dir}: 0/param_states/0: its converter reads b2, which the optimizer's "
+    "config binds to several values, 0.95 (k/optimizers.adam.b2) or 0.98 "
+    "(s/optimizers.adam.b2), one of them this state's"
+  ) in err, err
+  assert not list((tmp_path / "one").glob("checkpoints/[0-9]*")), "nothing is saved"
+  assert main(["train", *TINY, *flags, *more, "--model_dir", str(tmp_path / "same")]) == 0
+  out = capsys.readouterr().out
+  assert "hparams: old b2=0.95 or 0.98, learning_rate=0.01, new b2=0.95 or 0.98" in out, out
+  for group in (0, 1):
+    where = f"{group}/param_states/0 (ScaleByAdamState)"
+    assert f"{where}: as it is, from {group}/param_states/0, a state of its type" in out, out
+
+
 T5X_CONFIG = pathlib.Path(__file__).parent / "data" / "t5x_config" / "config.gin"
 
 

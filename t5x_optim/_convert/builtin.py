@@ -582,7 +582,7 @@ def _adafactor_momentum(ctx: ConversionContext) -> tuple[Any, str | None]:
   factored = next((s for s in reversed(ctx.chain) if isinstance(s, optax.FactoredState)), None)
   if factored is None:
     return None, "an EMA after no FactoredState in its chain: not Adafactor's momentum"
-  missing = [name for name in ("learning_rate", "momentum") if ctx.hparams.get(name) is None]
+  missing = [name for name in ("learning_rate", "momentum") if ctx.hparam(name, None) is None]
   if missing:
     return None, f"Adafactor's momentum, which needs the hyper-parameters {missing}"
   return factored, None

@@ -124,6 +124,7 @@ from t5x_optim._convert.registry import (
   ConversionReport,
   Moments,
   ReadHparams,
+  SeveralValues,
   StateConverter,
   T5XAdafactorParamState,
   by_param,
@@ -154,6 +155,7 @@ __all__ = [
   "ConversionContext",
   "ConversionReport",
   "Moments",
+  "SeveralValues",
   "StateConverter",
   "T5XAdafactorParamState",
   "check_missing",
@@ -950,6 +952,23 @@ def _own_param(
   return own
 
 
+def _without_agreed(
+  source: Mapping[str, Any], target: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Both sides' hyper-parameters without the names both give as equal `SeveralValues`: each
+  state reads the same value on both sides, so leaving them to optax's default on both keeps
+  what the value would keep (an optimizer converted into itself goes over as it is)."""
+  agreed = {
+    name
+    for name, value in source.items()
+    if isinstance(value, SeveralValues) and target.get(name) == value
+  }
+  return (
+    {name: value for name, value in source.items() if name not in agreed},
+    {name: value for name, value in target.items() if name not in agreed},
+  )
+
+
 def _refuse_unread(given: Mapping[str, ReadHparams]) -> None:
   """Refuses hyper-parameter names that no converter read and no built-in one reads (a
   mistyped ``beta_1`` would leave its converter on optax's default)."""
@@ -986,7 +1005,10 @@ def _node_hparams(node: Any, hparams: ReadHparams) -> ReadHparams:
       )
     )
   ):
-    return hparams.updated({"decay": hparams.get("b2", 0.999)})
+    b2 = hparams.get("b2", 0.999)
+    if isinstance(b2, SeveralValues):
+      b2 = dataclasses.replace(b2, name="b2")
+    return hparams.updated({"decay": b2})
   if not _injects_hyperparams(node):
     return hparams
   injected = {name: host_scalar(value) for name, value in node.hyperparams.items()}
@@ -1987,7 +2009,10 @@ def convert_state(
       called at the step; also ``beta1`` 0.9, ``epsilon2`` 1e-3,
       ``multiply_by_parameter_scale`` True), optax Adafactor's only with
       ``learning_rate`` and ``momentum``. Values an ``inject_hyperparams``
-      state holds override these for the states inside it.
+      state holds override these for the states inside it. A name whose
+      value differs between states that the optimizer does not tell apart
+      (its groups' ``b2``) is given as `SeveralValues`: a converter that
+      would read it is refused rather than given a guess.
     target_hparams: the same for the new optimizer.
     missing: ``"raise"`` (default) when some state of the new optimizer would
       keep its initial value (no source value for a param's moment, or a
@@ -2119,9 +2144,10 @@ def convert_state(
   trained = trained_params(params)
   flat_params = _flat_params(trained)
   axes = _axes_by_path(param_axes)
+  source_hparams, target_hparams = _without_agreed(source_hparams or {}, target_hparams or {})
   given = {
-    "source_hparams": ReadHparams(source_hparams or {}),
-    "target_hparams": ReadHparams(target_hparams or {}),
+    "source_hparams": ReadHparams(source_hparams),
+    "target_hparams": ReadHparams(target_hparams),
   }
   source_stats = _read_source(
     param_states,

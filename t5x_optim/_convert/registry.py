@@ -27,6 +27,7 @@ __all__ = [
   "ConversionContext",
   "ReadHparams",
   "ConversionReport",
+  "SeveralValues",
   "Moments",
   "StateConverter",
   "T5XAdafactorParamState",
@@ -51,6 +52,48 @@ and Lion's ``b1``/``b2``, Adan's ``b3``, Muon's ``beta``, SGD's ``momentum``, RM
 HPARAM_ALIASES = types.MappingProxyType({"adam_b1": "b1", "adam_b2": "b2"})
 """Arguments of another name that set a built-in converter's hyper-parameter: Muon's
 (``optax.contrib.muon``) for the Adam it runs on the params it does not orthogonalise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SeveralValues:
+  """A hyper-parameter bound to several values, one of them each state's, and which is whose
+  not known: a config whose `MultiOptimizer` groups (or ``optax.partition`` parts) run Adam
+  with another ``b2`` each.
+
+  Given in ``source_hparams`` or ``target_hparams`` of `convert_state`, a converter that reads
+  the name with a default (`ConversionContext.hparam`: Adam's ``b2``) is refused, naming its
+  state and the values, where one value for every state, or optax's default, would convert
+  some states wrongly; a reader that does without (`ConversionContext.rate`, a default of
+  None: Adafactor's momentum) goes without. Where both sides give equal `SeveralValues` (the
+  same values at the same places), each state reads the same value on both sides and the
+  name is left out of both, so an optimizer converts into itself as it is.
+
+  Attributes:
+    values: the values, each where `places` names it.
+    places: where each value applies (a gin scope), compared for equality.
+    bindings: what binds each value, as an error shows it (not compared).
+    name: the name the values are bound as, where a converter reads them as another
+      (schedule-free AdamW's ``b2`` as its RMS's ``decay``), else None (not compared).
+
+  Example:
+    >>> b2 = SeveralValues((0.95, 0.98), ("k", "s"), ("k/optax.adam.b2", "s/optax.adam.b2"))
+    >>> str(b2)
+    '0.95 (k/optax.adam.b2) or 0.98 (s/optax.adam.b2)'
+    >>> b2 == SeveralValues((0.95, 0.98), ("k", "s"))
+    True
+  """
+
+  values: tuple[Any, ...]
+  places: tuple[str, ...] = ()
+  bindings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+  name: str | None = dataclasses.field(default=None, compare=False)
+
+  def __str__(self) -> str:
+    where = self.bindings or self.places
+    return " or ".join(
+      f"{value} ({at})" if at else f"{value}"
+      for value, at in zip(self.values, (*where, *[""] * len(self.values)), strict=False)
+    )
 
 
 class ReadHparams(Mapping[str, Any]):
@@ -170,12 +213,31 @@ class ConversionContext:
   axes: Mapping[str, tuple[Any, ...] | None] = dataclasses.field(default_factory=dict)
 
   def hparam(self, name: str, default: Any) -> Any:
-    """``hparams[name]``, or `default` (optax's default for the state's factory)."""
-    return self.hparams.get(name, default)
+    """``hparams[name]``, or `default` (optax's default for the state's factory).
+
+    Raises:
+      ValueError: `name` is given as `SeveralValues` and `default` is not None: which value
+        is this state's is not known, and the default would be a guess. With a default of
+        None, the reader does without: None.
+    """
+    value = self.hparams.get(name, default)
+    if not isinstance(value, SeveralValues):
+      return value
+    if default is None:
+      return None
+    bound = value.name or name
+    read = name if bound == name else f"{name} ({bound})"
+    raise ValueError(
+      f"{self.path}: its converter reads {read}, which the optimizer's config binds to "
+      f"several values, {value}, one of them this state's; converting it with another would "
+      f"be wrong. Give one {bound} (source_hparams or target_hparams, --init_from_gin), or "
+      "inject it into each state (inject_hyperparams)."
+    )
 
   def rate(self, name: str = "learning_rate") -> Any:
-    """The hyper-parameter `name` at the current step (a schedule is called), or None."""
-    value = self.hparams.get(name)
+    """The hyper-parameter `name` at the current step (a schedule is called), or None (not
+    given, or given as `SeveralValues`)."""
+    value = self.hparam(name, None)
     return value(self.step) if callable(value) else value
 
 

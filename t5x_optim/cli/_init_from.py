@@ -16,7 +16,8 @@ old one learned.
 The hyper-parameters a conversion needs and a state does not hold (Adam's ``b1``
 and ``b2``, SGD's ``momentum``, ...) are read from each side's gin config, where
 it binds them (``optax.adamw.b2 = 0.98``, through macros too; a learning-rate
-schedule is kept as one); the others are optax's defaults.
+schedule is kept as one); the others are optax's defaults. One bound to several values
+(groups of another ``b2`` each) refuses a conversion that would read it, naming them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from t5x_optim import (
   BUILTIN_HPARAMS,
   HPARAM_ALIASES,
   Checkpointer,
+  SeveralValues,
   TrainState,
   restore_converted,
   storage,
@@ -131,9 +133,10 @@ def bound_hparams() -> dict[str, Any]:
   A binding to a macro (``%LEARNING_RATE``) or to a configurable's call
   (``@optax.linear_schedule()``) is evaluated as gin would evaluate it. A
   number is kept, and a schedule for ``learning_rate`` (converters call it at
-  the step); a name bound to two different values (two optimizers in one
-  config) or to anything else is left out, so its converter uses optax's
-  default.
+  the step); a name bound to anything else is left out, so its converter
+  uses optax's default. A name bound to several values (a `MultiOptimizer`'s
+  groups with another ``b2`` each) is `SeveralValues`, with the scope and
+  binding of each: a converter that would read it refuses rather than guess.
 
   Example:
     >>> import gin
@@ -158,18 +161,35 @@ def bound_hparams() -> dict[str, Any]:
       if HPARAM_ALIASES.get(binding.arg_name, binding.arg_name) in CONVERSION_HPARAMS
     ]
   values: dict[str, dict[Any, Any]] = {}
+  places: dict[str, dict[tuple[str, Any], str]] = {}
   for argument in arguments:
     name = HPARAM_ALIASES.get(argument.name, argument.name)
     if name not in CONVERSION_HPARAMS:
       continue
     value = _conversion_value(argument)
     if isinstance(value, bool | int | float):
-      values.setdefault(name, {})[value] = value
+      key = value
     elif callable(value) and name == "learning_rate":  # one schedule per reference
-      values.setdefault(name, {})[_evaluated_as(argument)] = value
+      key = _evaluated_as(argument)
+    else:
+      continue
+    values.setdefault(name, {})[key] = value
+    places.setdefault(name, {}).setdefault(("/".join(argument.scope), key), argument.binding)
   return {
-    name: next(iter(found.values())) for name, found in sorted(values.items()) if len(found) == 1
+    name: next(iter(found.values())) if len(found) == 1 else _several(found, places[name])
+    for name, found in sorted(values.items())
   }
+
+
+def _several(values: Mapping[Any, Any], places: Mapping[tuple[str, Any], str]) -> SeveralValues:
+  """The values of one name (by key) and where each is bound (the scope gin calls it in, and
+  the binding, by scope and key) as `SeveralValues`, in the order of their scopes."""
+  found = sorted(places.items(), key=lambda item: (item[0][0], repr(item[0][1])))
+  return SeveralValues(
+    tuple(values[key] for (_, key), _ in found),
+    tuple(scope for (scope, _), _ in found),
+    tuple(binding for _, binding in found),
+  )
 
 
 def _selector(binding: Any) -> str:
@@ -203,8 +223,14 @@ def _as_path(init_from: Path | str) -> Path:
 
 
 def _describe(hparams: Mapping[str, Any] | None) -> str:
-  shown = [f"{k}={'a schedule' if callable(v) else v}" for k, v in (hparams or {}).items()]
+  shown = [f"{k}={_shown(v)}" for k, v in (hparams or {}).items()]
   return ", ".join(shown) or "optax's defaults"
+
+
+def _shown(value: Any) -> str:
+  if isinstance(value, SeveralValues):
+    return " or ".join(dict.fromkeys(map(_shown, value.values)))
+  return "a schedule" if callable(value) else f"{value}"
 
 
 def _located(path: Path) -> tuple[Path, int | None]:
