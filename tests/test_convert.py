@@ -2780,8 +2780,8 @@ def test_a_hparam_of_several_values_is_not_guessed():
   """Groups of Adam with b2 0.95 and 0.98 have no one source b2: given none, the kernel's nu
   was read with optax's 0.999 and written with 0.95 (32 times too large after 20 steps). Given
   as `SeveralValues`, a converter that reads it is refused, naming the state and the values;
-  both sides giving the same ones go over as they are; and values injected into each state
-  (inject_hyperparams) are read, not guessed."""
+  each state reads the value known to be its own (``at``); both sides giving the same ones go
+  over as they are; and values injected into each state (inject_hyperparams) are read."""
   old = _after_groups(_adam_groups())
   target = OptaxWrapper(optax.adam(1e-2, b2=0.95))
   with pytest.raises(
@@ -2794,6 +2794,15 @@ def test_a_hparam_of_several_values_is_not_guessed():
     old, _adam_groups(), source_hparams={"b2": _TWO_B2}, target_hparams={"b2": _TWO_B2}
   )
   assert_same_bits(same.state, old.state)
+  groups = (("0/param_states",), ("1/param_states",))
+  known = dataclasses.replace(_TWO_B2, at=groups)
+  new, _ = t5x_optim.convert_state(
+    old, target, source_hparams={"b2": known}, target_hparams={"b2": 0.95}
+  )
+  nu = new.state.param_states[0].nu["dense"]
+  olds = [group.param_states[0].nu["dense"] for group in old.state.param_states]
+  _assert_close(nu["kernel"], olds[0]["kernel"])
+  _assert_close(nu["bias"], olds[1]["bias"] * (1 - 0.95**4) / (1 - 0.98**4))
   injected = _after_groups(_adam_groups(optax.inject_hyperparams(optax.adam)))
   new, _ = t5x_optim.convert_state(
     injected, target, source_hparams={"b2": _TWO_B2}, target_hparams={"b2": 0.95}

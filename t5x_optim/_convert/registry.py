@@ -60,11 +60,13 @@ class SeveralValues:
   not known: a config whose `MultiOptimizer` groups (or ``optax.partition`` parts) run Adam
   with another ``b2`` each.
 
-  Given in ``source_hparams`` or ``target_hparams`` of `convert_state`, a converter that reads
-  the name with a default (`ConversionContext.hparam`: Adam's ``b2``) is refused, naming its
-  state and the values, where one value for every state, or optax's default, would convert
-  some states wrongly; a reader that does without (`ConversionContext.rate`, a default of
-  None: Adafactor's momentum) goes without. Where both sides give equal `SeveralValues` (the
+  Given in ``source_hparams`` or ``target_hparams`` of `convert_state`, a converter of a
+  state under one of the paths `at` gives a value (a `MultiOptimizer` group's,
+  ``"1/param_states"``) reads that value; one elsewhere that reads the name with a default
+  (`ConversionContext.hparam`: Adam's ``b2``) is refused, naming its state and the values,
+  where one value for every state, or optax's default, would convert some states wrongly; a
+  reader that does without (`ConversionContext.rate`, a default of None: Adafactor's
+  momentum) goes without. Where both sides give equal `SeveralValues` (the
   same values at the same places), each state reads the same value on both sides and the
   name is left out of both, so an optimizer converts into itself as it is.
 
@@ -74,6 +76,8 @@ class SeveralValues:
     bindings: what binds each value, as an error shows it (not compared).
     name: the name the values are bound as, where a converter reads them as another
       (schedule-free AdamW's ``b2`` as its RMS's ``decay``), else None (not compared).
+    at: for each value, the paths of the states it is known to be the value of (a state
+      and those under it), or none.
 
   Example:
     >>> b2 = SeveralValues((0.95, 0.98), ("k", "s"), ("k/optax.adam.b2", "s/optax.adam.b2"))
@@ -87,6 +91,20 @@ class SeveralValues:
   places: tuple[str, ...] = ()
   bindings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   name: str | None = dataclasses.field(default=None, compare=False)
+  at: tuple[tuple[str, ...], ...] = ()
+
+  def value_at(self, path: str) -> Any:
+    """The value of the state at `path` (`at`), or self where none is known to be.
+
+    Example:
+      >>> b2 = SeveralValues((0.95, 0.98), at=(("0/param_states",), ("1/param_states",)))
+      >>> b2.value_at("1/param_states/0"), b2.value_at("10/param_states") is b2
+      (0.98, True)
+    """
+    for value, paths in zip(self.values, self.at, strict=False):
+      if any(path == under or path.startswith(f"{under}/") for under in paths):
+        return value
+    return self
 
   def __str__(self) -> str:
     where = self.bindings or self.places
@@ -221,6 +239,8 @@ class ConversionContext:
         None, the reader does without: None.
     """
     value = self.hparams.get(name, default)
+    if isinstance(value, SeveralValues):
+      value = value.value_at(self.path)
     if not isinstance(value, SeveralValues):
       return value
     if default is None:

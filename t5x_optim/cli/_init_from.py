@@ -17,7 +17,8 @@ The hyper-parameters a conversion needs and a state does not hold (Adam's ``b1``
 and ``b2``, SGD's ``momentum``, ...) are read from each side's gin config, where
 it binds them (``optax.adamw.b2 = 0.98``, through macros too; a learning-rate
 schedule is kept as one); the others are optax's defaults. One bound to several values
-(groups of another ``b2`` each) refuses a conversion that would read it, naming them.
+(`MultiOptimizer` groups of another ``b2`` each) converts each group's states with its own,
+or, where which is whose is not told, refuses a conversion that would read it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,12 @@ def bound_hparams() -> dict[str, Any]:
   the step); a name bound to anything else is left out, so its converter
   uses optax's default. A name bound to several values (a `MultiOptimizer`'s
   groups with another ``b2`` each) is `SeveralValues`, with the scope and
-  binding of each: a converter that would read it refuses rather than guess.
+  binding of each, and the group whose states it is of where the job's
+  optimizer is a `MultiOptimizer` whose groups each reach one value; a
+  converter elsewhere that would read it refuses rather than guess.
+  Where a name is bound, a configurable reached that takes it with a number
+  default and leaves it unbound counts that default (one group's ``b2`` bound
+  to 0.98, the other's left at optax's 0.999).
 
   Example:
     >>> import gin
@@ -148,7 +154,7 @@ def bound_hparams() -> dict[str, Any]:
     >>> gin.clear_config()
   """
   if _config.binds_optimizer():
-    arguments = list(_config.optimizer_arguments())
+    arguments = list(_config.optimizer_arguments(defaults=True))
   else:
     arguments = [
       _config.OptimizerArgument(
@@ -162,9 +168,11 @@ def bound_hparams() -> dict[str, Any]:
     ]
   values: dict[str, dict[Any, Any]] = {}
   places: dict[str, dict[tuple[str, Any], str]] = {}
+  groups: dict[str, dict[tuple[str, Any], set[int | None]]] = {}
+  bound = {HPARAM_ALIASES.get(a.name, a.name) for a in arguments if not a.default}
   for argument in arguments:
     name = HPARAM_ALIASES.get(argument.name, argument.name)
-    if name not in CONVERSION_HPARAMS:
+    if name not in CONVERSION_HPARAMS or (argument.default and name not in bound):
       continue
     value = _conversion_value(argument)
     if isinstance(value, bool | int | float):
@@ -174,21 +182,39 @@ def bound_hparams() -> dict[str, Any]:
     else:
       continue
     values.setdefault(name, {})[key] = value
-    places.setdefault(name, {}).setdefault(("/".join(argument.scope), key), argument.binding)
+    binding = argument.binding
+    if argument.default:  # Named by the scope it is called in: no binding names it.
+      binding = "/".join((*argument.scope, binding.rsplit("/", 1)[-1])) + "'s default"
+    place = ("/".join(argument.scope), key)
+    places.setdefault(name, {}).setdefault(place, binding)
+    groups.setdefault(name, {}).setdefault(place, set()).add(argument.group)
   return {
-    name: next(iter(found.values())) if len(found) == 1 else _several(found, places[name])
+    name: next(iter(found.values()))
+    if len(found) == 1
+    else _several(found, places[name], groups[name])
     for name, found in sorted(values.items())
   }
 
 
-def _several(values: Mapping[Any, Any], places: Mapping[tuple[str, Any], str]) -> SeveralValues:
+def _several(
+  values: Mapping[Any, Any],
+  places: Mapping[tuple[str, Any], str],
+  groups: Mapping[tuple[str, Any], set[int | None]],
+) -> SeveralValues:
   """The values of one name (by key) and where each is bound (the scope gin calls it in, and
-  the binding, by scope and key) as `SeveralValues`, in the order of their scopes."""
+  the binding, by scope and key) as `SeveralValues`, in the order of their scopes; each value
+  known to be the state's of the `MultiOptimizer` groups whose optimizers alone reach it."""
   found = sorted(places.items(), key=lambda item: (item[0][0], repr(item[0][1])))
+  owners = [groups[place] for place, _ in found]
+  every = [group for own in owners for group in own]
+  known = None not in every and len(every) == len(set(every))  # one value per group
   return SeveralValues(
     tuple(values[key] for (_, key), _ in found),
     tuple(scope for (scope, _), _ in found),
     tuple(binding for _, binding in found),
+    at=tuple(tuple(f"{group}/param_states" for group in sorted(own)) for own in owners)
+    if known
+    else (),
   )
 
 

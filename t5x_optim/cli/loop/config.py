@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from t5x_optim import partitioning, storage
 from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
 from t5x_optim.cli.demo.text import BYTE_VOCAB_SIZE, TextTask
 from t5x_optim.cli.loop.interrupt import DEFAULT_GRACE_SECONDS
-from t5x_optim.optimizers import OptimizerDef
+from t5x_optim.optimizers import MultiOptimizer, OptimizerDef
 from t5x_optim.partitioning import Partitioner
 
 # gin reads its files with `open`; a path with a scheme (gs://) is read through epath.
@@ -1028,12 +1029,18 @@ class OptimizerArgument(NamedTuple):
     name: the argument's name, e.g. ``b1``.
     value: the bound value, a macro or reference unevaluated.
     scope: the scope gin evaluates `value` in.
+    default: whether nothing binds it and `value` is the configurable's default
+      (`optimizer_arguments`' ``defaults``).
+    group: where the job's optimizer is a `MultiOptimizer`, the index of the group whose
+      optimizer it is bound in (its ``traversals_and_optimizers`` item), else None.
   """
 
   binding: str
   name: str
   value: Any
   scope: tuple[str, ...]
+  default: bool = False
+  group: int | None = None
 
 
 _OPTIMIZER_SCOPE = ("OPTIMIZER",)
@@ -1244,7 +1251,9 @@ def earlier_optimizer_identities() -> set[str]:
   }
 
 
-def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[OptimizerArgument]:
+def optimizer_arguments(
+  *, stop: frozenset[str] = frozenset(), defaults: bool = False
+) -> Iterator[OptimizerArgument]:
   """Each argument gin binds in the configurables the job's optimizer
   (``cli.TrainJob.optimizer``, ``%OPTIMIZER`` unless bound otherwise) reaches, as gin builds it.
 
@@ -1253,7 +1262,8 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
   (``@fast/optax.adamw()``) for it, where a scoped binding wins over an
   unscoped one. Lists, tuples and dicts (``optax.multi_transform``'s
   ``transforms``) are looked into item by item. Arguments named in `stop`
-  are yielded but not looked into.
+  are yielded but not looked into. With `defaults`, so is each argument of a
+  number (or bool) default that nothing binds, marked ``default``.
 
   Example:
     >>> parse_config(gin_bindings=['OPTIMIZER/optax.adamw.b1 = 0.8'])
@@ -1261,27 +1271,47 @@ def optimizer_arguments(*, stop: frozenset[str] = frozenset()) -> Iterator[Optim
     ['OPTIMIZER/optax.adamw.b1']
   """
 
-  def visit(value: Any, depth: int, scope: Sequence[str]) -> Iterator[OptimizerArgument]:
+  def visit(
+    value: Any, depth: int, scope: Sequence[str], trail: tuple[Any, ...]
+  ) -> Iterator[OptimizerArgument]:
     if depth == 0:
       return
     items = _items(value)
     if items is not None:
-      for _, item in items:
-        yield from visit(item, depth, scope)
+      for index, item in items:
+        yield from visit(item, depth, scope, (*trail, index))
       return
     if not isinstance(value, gin.config.ConfigurableReference):
       return
     scope = _called_in(value, scope)
     bound = _bound(value, scope)
     if value.configurable.wrapped is gin.config.macro:
-      yield from visit(bound.get("value"), depth - 1, scope)
+      yield from visit(bound.get("value"), depth - 1, scope, trail)
       return
+    if trail is None:  # The job's optimizer: its groups' arguments are told apart.
+      trail = () if value.configurable.wrapped is MultiOptimizer else (None,)
+    group = trail[1] if trail[:1] == ("traversals_and_optimizers",) and len(trail) > 1 else None
     for key, argument in bound.items():
-      yield OptimizerArgument(_binding_name(value, scope, key), key, argument, tuple(scope))
+      name = _binding_name(value, scope, key)
+      yield OptimizerArgument(name, key, argument, tuple(scope), group=group)
       if key not in stop:
-        yield from visit(argument, depth - 1, scope)
+        yield from visit(argument, depth - 1, scope, (*trail, key))
+    if defaults:
+      for key, argument in _number_defaults(value.configurable.wrapped).items():
+        if key not in bound:
+          name = _binding_name(value, scope, key)
+          yield OptimizerArgument(name, key, argument, tuple(scope), default=True, group=group)
 
-  yield from visit(job_optimizer(), _IDENTITY_DEPTH, ())
+  yield from visit(job_optimizer(), _IDENTITY_DEPTH, (), None)
+
+
+def _number_defaults(function: Any) -> dict[str, Any]:
+  """The arguments of `function` (a configurable) whose default is a number or a bool."""
+  try:
+    parameters = inspect.signature(function).parameters.values()
+  except (TypeError, ValueError):  # a builtin without a signature
+    return {}
+  return {p.name: p.default for p in parameters if isinstance(p.default, bool | int | float)}
 
 
 def binds_optimizer() -> bool:
