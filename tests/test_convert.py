@@ -2813,6 +2813,30 @@ def test_a_hparam_of_several_values_is_not_guessed():
   assert not np.allclose(bias, inner[1].nu["dense"]["bias"])  # 0.98 into 0.95
 
 
+def test_schedule_free_groups_of_other_b2_into_one_and_back_go_on():
+  """Schedule-free AdamW groups of b2 0.95 and 0.98 merged into one state of b2 0.95 and
+  split back, each group's second moment converted with its own b2 (`SeveralValues` known
+  per group): 3 steps later where the groups never converted are."""
+  free = lambda b2: OptaxWrapper(optax.contrib.schedule_free_adamw(0.01, b2=b2))  # noqa: E731
+  groups = t5x_optim.MultiOptimizer(
+    [(t5x_optim.PathFilter("w"), free(0.95)), (t5x_optim.PathFilter("b"), free(0.98))]
+  )
+  b2 = dataclasses.replace(_TWO_B2, at=(("0/param_states",), ("1/param_states",)))
+  old = groups.create(_FREE_PARAMS)
+  for scale in (1.0, -2.0, 3.0, 0.5):
+    old = _step(old, _scaled(_FREE_GRADS, scale))
+  one, _ = t5x_optim.convert_state(
+    old, free(0.95), source_hparams={"b2": b2}, target_hparams={"b2": 0.95}
+  )
+  back, _ = t5x_optim.convert_state(
+    one, groups, source_hparams={"b2": 0.95}, target_hparams={"b2": b2}
+  )
+  for scale in (2.0, -0.5, 1.5):
+    old, back = _step(old, _scaled(_FREE_GRADS, scale)), _step(back, _scaled(_FREE_GRADS, scale))
+  _assert_close(back.target, old.target)
+  _assert_close(back.state, old.state)
+
+
 def _after_groups(optimizer_def):
   old = optimizer_def.create(PARAMS)
   for scale in (1.0, -2.0, 3.0, 0.5):
