@@ -955,13 +955,14 @@ def _own_param(
 def _without_agreed(
   source: Mapping[str, Any], target: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Both sides' hyper-parameters without the names both give as equal `SeveralValues`: each
-  state reads the same value on both sides, so leaving them to optax's default on both keeps
-  what the value would keep (an optimizer converted into itself goes over as it is)."""
+  """Both sides' hyper-parameters without the names both give as equal `SeveralValues` that
+  do not say which value is whose (`SeveralValues.at`): each state reads the same value on
+  both sides, so leaving them to optax's default on both keeps what the value would keep (an
+  optimizer converted into itself goes over as it is)."""
   agreed = {
     name
     for name, value in source.items()
-    if isinstance(value, SeveralValues) and target.get(name) == value
+    if isinstance(value, SeveralValues) and not value.at and target.get(name) == value
   }
   return (
     {name: value for name, value in source.items() if name not in agreed},
@@ -2010,9 +2011,10 @@ def convert_state(
       ``multiply_by_parameter_scale`` True), optax Adafactor's only with
       ``learning_rate`` and ``momentum``. Values an ``inject_hyperparams``
       state holds override these for the states inside it. A name whose
-      value differs between states that the optimizer does not tell apart
-      (its groups' ``b2``) is given as `SeveralValues`: a converter that
-      would read it is refused rather than given a guess.
+      value differs between states (a `MultiOptimizer`'s groups' ``b2``) is
+      given as `SeveralValues`: each state reads its own value where
+      `SeveralValues.at` tells it, and a converter that would read it
+      elsewhere is refused rather than given a guess.
     target_hparams: the same for the new optimizer.
     missing: ``"raise"`` (default) when some state of the new optimizer would
       keep its initial value (no source value for a param's moment, or a

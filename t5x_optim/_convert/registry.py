@@ -56,9 +56,8 @@ HPARAM_ALIASES = types.MappingProxyType({"adam_b1": "b1", "adam_b2": "b2"})
 
 @dataclasses.dataclass(frozen=True)
 class SeveralValues:
-  """A hyper-parameter bound to several values, one of them each state's, and which is whose
-  not known: a config whose `MultiOptimizer` groups (or ``optax.partition`` parts) run Adam
-  with another ``b2`` each.
+  """A hyper-parameter bound to several values, one of them each state's: a config whose
+  `MultiOptimizer` groups (or ``optax.partition`` parts) run Adam with another ``b2`` each.
 
   Given in ``source_hparams`` or ``target_hparams`` of `convert_state`, a converter of a
   state under one of the paths `at` gives a value (a `MultiOptimizer` group's,
@@ -66,7 +65,7 @@ class SeveralValues:
   (`ConversionContext.hparam`: Adam's ``b2``) is refused, naming its state and the values,
   where one value for every state, or optax's default, would convert some states wrongly; a
   reader that does without (`ConversionContext.rate`, a default of None: Adafactor's
-  momentum) goes without. Where both sides give equal `SeveralValues` (the
+  momentum) goes without. Where both sides give equal `SeveralValues` without `at` (the
   same values at the same places), each state reads the same value on both sides and the
   name is left out of both, so an optimizer converts into itself as it is.
 
