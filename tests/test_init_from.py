@@ -9,6 +9,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import t5x_optim
@@ -292,17 +293,52 @@ def test_bound_hparams_of_groups_bound_otherwise_are_several_values():
   assert str(_init_from.bound_hparams()["b2"]) == (
     "0.95 (k/optimizers.adam.b2) or 0.999 (s/optimizers.adam.b2's default)"
   )
-  _config.parse_config(  # Parts of optax.partition: which value is whose is not told.
+  _config.parse_config(  # Under a wrapper that keeps its state its own way: not told.
     gin_bindings=[
-      "OPTIMIZER = @optimizers.OptaxWrapper()",
-      "optimizers.OptaxWrapper.optax_optimizer = @optax.multi_transform()",
+      "optimizers.chain.transformations = [@optax.apply_if_finite(), @optax.scale_by_adam()]",
+      "optax.apply_if_finite.inner = @a/optax.adam()",
+      "optax.apply_if_finite.max_consecutive_errors = 3",
+      "a/optax.adam.b2 = 0.95",
+      "optax.scale_by_adam.b2 = 0.98",
+    ],
+    macros=_config.device_macros(8),
+  )
+  assert _init_from.bound_hparams()["b2"].at == ()
+
+
+def test_bound_hparams_of_partition_parts_convert_each_part_with_its_own():
+  """The parts of an optax.partition in a chain, Adam with b2 0.95 and 0.98: each value is
+  tied to its part's state path, and a conversion of that state reads each part's own."""
+  _config.parse_config(
+    gin_bindings=[
+      "optimizers.chain.transformations = [@optax.clip(), @optax.multi_transform()]",
+      "optax.clip.max_delta = 1.0",
       "optax.multi_transform.transforms = {'x': @a/optax.adam(), 'y': @b/optax.adam()}",
+      "optax.adam.learning_rate = 0.01",
       "a/optax.adam.b2 = 0.95",
       "b/optax.adam.b2 = 0.98",
     ],
     macros=_config.device_macros(8),
   )
-  assert _init_from.bound_hparams()["b2"].at == ()
+  b2 = _init_from.bound_hparams()["b2"]
+  assert b2.at == (("1/inner_states/x",), ("1/inner_states/y",))
+  parts = {"x": optax.adam(0.01, b2=0.95), "y": optax.adam(0.01, b2=0.98)}
+  params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+  tx = optax.chain(optax.clip(1.0), optax.partition(parts, {"w": "x", "b": "y"}))
+  old = t5x_optim.OptaxWrapper(tx).create(params)
+  for scale in (1.0, -2.0, 0.5):
+    old = old.apply_gradient(jax.tree.map(lambda p: scale * jnp.cos(p), params))  # noqa: B023
+  new, _ = t5x_optim.convert_state(
+    old,
+    t5x_optim.OptaxWrapper(optax.adam(0.01, b2=0.95)),
+    source_hparams={"b2": b2},
+    target_hparams={"b2": 0.95},
+  )
+  olds = old.state.param_states[1].inner_states
+  nu = new.state.param_states[0].nu
+  np.testing.assert_allclose(nu["w"], olds["x"].inner_state[0].nu["w"], rtol=1e-6)
+  scaled = olds["y"].inner_state[0].nu["b"] * (1 - 0.95**3) / (1 - 0.98**3)
+  np.testing.assert_allclose(nu["b"], scaled, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ The hyper-parameters a conversion needs and a state does not hold (Adam's ``b1``
 and ``b2``, SGD's ``momentum``, ...) are read from each side's gin config, where
 it binds them (``optax.adamw.b2 = 0.98``, through macros too; a learning-rate
 schedule is kept as one); the others are optax's defaults. One bound to several values
-(`MultiOptimizer` groups of another ``b2`` each) converts each group's states with its own,
-or, where which is whose is not told, refuses a conversion that would read it.
+(`MultiOptimizer` groups or ``optax.partition`` parts of another ``b2`` each) converts each
+state with its own, or, where which is whose is not told, refuses a conversion that would
+read it.
 """
 
 from __future__ import annotations
@@ -137,9 +138,10 @@ def bound_hparams() -> dict[str, Any]:
   the step); a name bound to anything else is left out, so its converter
   uses optax's default. A name bound to several values (a `MultiOptimizer`'s
   groups with another ``b2`` each) is `SeveralValues`, with the scope and
-  binding of each, and the group whose states it is of where the job's
-  optimizer is a `MultiOptimizer` whose groups each reach one value; a
-  converter elsewhere that would read it refuses rather than guess.
+  binding of each, and the paths of the states it is bound for where the
+  walk tells them (a `MultiOptimizer` group's, an ``optax.partition``
+  part's; `config.OptimizerArgument.at`); a converter elsewhere that would
+  read it refuses rather than guess.
   Where a name is bound, a configurable reached that takes it with a number
   default and leaves it unbound counts that default (one group's ``b2`` bound
   to 0.98, the other's left at optax's 0.999).
@@ -168,7 +170,7 @@ def bound_hparams() -> dict[str, Any]:
     ]
   values: dict[str, dict[Any, Any]] = {}
   places: dict[str, dict[tuple[str, Any], str]] = {}
-  groups: dict[str, dict[tuple[str, Any], set[int | None]]] = {}
+  states: dict[str, dict[tuple[str, Any], set[str | None]]] = {}
   bound = {HPARAM_ALIASES.get(a.name, a.name) for a in arguments if not a.default}
   for argument in arguments:
     name = HPARAM_ALIASES.get(argument.name, argument.name)
@@ -187,11 +189,11 @@ def bound_hparams() -> dict[str, Any]:
       binding = "/".join((*argument.scope, binding.rsplit("/", 1)[-1])) + "'s default"
     place = ("/".join(argument.scope), key)
     places.setdefault(name, {}).setdefault(place, binding)
-    groups.setdefault(name, {}).setdefault(place, set()).add(argument.group)
+    states.setdefault(name, {}).setdefault(place, set()).add(argument.at)
   return {
     name: next(iter(found.values()))
     if len(found) == 1
-    else _several(found, places[name], groups[name])
+    else _several(found, places[name], states[name])
     for name, found in sorted(values.items())
   }
 
@@ -199,22 +201,25 @@ def bound_hparams() -> dict[str, Any]:
 def _several(
   values: Mapping[Any, Any],
   places: Mapping[tuple[str, Any], str],
-  groups: Mapping[tuple[str, Any], set[int | None]],
+  states: Mapping[tuple[str, Any], set[str | None]],
 ) -> SeveralValues:
   """The values of one name (by key) and where each is bound (the scope gin calls it in, and
   the binding, by scope and key) as `SeveralValues`, in the order of their scopes; each value
-  known to be the state's of the `MultiOptimizer` groups whose optimizers alone reach it."""
+  tied to the paths of the states it is bound for (`OptimizerArgument.at`) where every one is
+  told and no state lies under another of another value."""
   found = sorted(places.items(), key=lambda item: (item[0][0], repr(item[0][1])))
-  owners = [groups[place] for place, _ in found]
-  every = [group for own in owners for group in own]
-  known = None not in every and len(every) == len(set(every))  # one value per group
+  owners = [states[place] for place, _ in found]
+  tied = [(key, at) for ((_, key), _), own in zip(found, owners, strict=True) for at in own]
+  known = all(at for _, at in tied) and not any(
+    key != other and (at == under or at.startswith(f"{under}/"))
+    for key, at in tied
+    for other, under in tied
+  )
   return SeveralValues(
     tuple(values[key] for (_, key), _ in found),
     tuple(scope for (scope, _), _ in found),
     tuple(binding for _, binding in found),
-    at=tuple(tuple(f"{group}/param_states" for group in sorted(own)) for own in owners)
-    if known
-    else (),
+    at=tuple(tuple(sorted(own)) for own in owners) if known else (),
   )
 
 

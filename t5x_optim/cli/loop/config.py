@@ -35,7 +35,7 @@ from t5x_optim import partitioning, storage
 from t5x_optim.cli.demo.model import SyntheticTask, TransformerConfig
 from t5x_optim.cli.demo.text import BYTE_VOCAB_SIZE, TextTask
 from t5x_optim.cli.loop.interrupt import DEFAULT_GRACE_SECONDS
-from t5x_optim.optimizers import MultiOptimizer, OptimizerDef
+from t5x_optim.optimizers import MultiOptimizer, OptaxWrapper, OptimizerDef, chain, low_precision
 from t5x_optim.partitioning import Partitioner
 
 # gin reads its files with `open`; a path with a scheme (gs://) is read through epath.
@@ -1031,8 +1031,10 @@ class OptimizerArgument(NamedTuple):
     scope: the scope gin evaluates `value` in.
     default: whether nothing binds it and `value` is the configurable's default
       (`optimizer_arguments`' ``defaults``).
-    group: where the job's optimizer is a `MultiOptimizer`, the index of the group whose
-      optimizer it is bound in (its ``traversals_and_optimizers`` item), else None.
+    at: the path, in the job's optimizer's state (its ``param_states``), of the state of
+      the configurable it is bound in, where the walk can tell it (`_STATE_PATHS`): ``""``
+      for the job's optimizer, ``"1/param_states"`` for a `MultiOptimizer`'s second
+      group's, ``"inner_states/x"`` for an ``optax.partition`` part's; else None.
   """
 
   binding: str
@@ -1040,7 +1042,7 @@ class OptimizerArgument(NamedTuple):
   value: Any
   scope: tuple[str, ...]
   default: bool = False
-  group: int | None = None
+  at: str | None = None
 
 
 _OPTIMIZER_SCOPE = ("OPTIMIZER",)
@@ -1272,37 +1274,64 @@ def optimizer_arguments(
   """
 
   def visit(
-    value: Any, depth: int, scope: Sequence[str], trail: tuple[Any, ...]
+    value: Any, depth: int, scope: Sequence[str], at: str | None, items_at: Any = None
   ) -> Iterator[OptimizerArgument]:
     if depth == 0:
       return
     items = _items(value)
     if items is not None:
-      for index, item in items:
-        yield from visit(item, depth, scope, (*trail, index))
+      for key, item in items:
+        inner = items_at(at, key) if items_at is not None and at is not None else (None, None)
+        yield from visit(item, depth, scope, *inner)
       return
     if not isinstance(value, gin.config.ConfigurableReference):
       return
     scope = _called_in(value, scope)
     bound = _bound(value, scope)
     if value.configurable.wrapped is gin.config.macro:
-      yield from visit(bound.get("value"), depth - 1, scope, trail)
+      yield from visit(bound.get("value"), depth - 1, scope, at, items_at)
       return
-    if trail is None:  # The job's optimizer: its groups' arguments are told apart.
-      trail = () if value.configurable.wrapped is MultiOptimizer else (None,)
-    group = trail[1] if trail[:1] == ("traversals_and_optimizers",) and len(trail) > 1 else None
+    paths = _STATE_PATHS.get(value.configurable.wrapped, {})
     for key, argument in bound.items():
       name = _binding_name(value, scope, key)
-      yield OptimizerArgument(name, key, argument, tuple(scope), group=group)
+      yield OptimizerArgument(name, key, argument, tuple(scope), at=at)
       if key not in stop:
-        yield from visit(argument, depth - 1, scope, (*trail, key))
+        suffix, inner_items = paths.get(key, (None, None))
+        inner_at = None if at is None or suffix is None else _under(at, suffix)
+        yield from visit(argument, depth - 1, scope, inner_at, inner_items)
     if defaults:
       for key, argument in _number_defaults(value.configurable.wrapped).items():
         if key not in bound:
           name = _binding_name(value, scope, key)
-          yield OptimizerArgument(name, key, argument, tuple(scope), default=True, group=group)
+          yield OptimizerArgument(name, key, argument, tuple(scope), default=True, at=at)
 
-  yield from visit(job_optimizer(), _IDENTITY_DEPTH, (), None)
+  yield from visit(job_optimizer(), _IDENTITY_DEPTH, (), "")
+
+
+def _under(at: str, *keys: Any) -> str:
+  return "/".join(str(key) for key in (at, *keys) if str(key))
+
+
+def _group(at: str, index: Any) -> tuple[str | None, Any]:
+  """A `MultiOptimizer` group's ``(traversal, optimizer)`` pair: the optimizer's state is
+  the group's ``param_states``."""
+  return at, lambda _, key: (_under(at, index, "param_states"), None) if key == 1 else (None, None)
+
+
+_STATE_PATHS: dict[Any, dict[str, tuple[str, Any]]] = {
+  MultiOptimizer: {"traversals_and_optimizers": ("", _group)},
+  OptaxWrapper: {"optax_optimizer": ("", None)},
+  chain: {"transformations": ("", lambda at, index: (_under(at, index), None))},
+  optax.partition: {"transforms": ("", lambda at, key: (_under(at, "inner_states", key), None))},
+  low_precision: {"inner": ("inner_state", None)},
+  optax.MultiSteps: {"opt": ("inner_opt_state", None)},
+  optax.masked: {"inner": ("inner_state", None)},
+}
+"""How an argument of a configurable that composes optimizers reaches the state of what it is
+bound to, for `OptimizerArgument.at`: by configurable and argument name, the path of that
+state under the configurable's own (``""``: the same, an `OptaxWrapper`'s optax
+transformation's; ``"inner_state"``: `low_precision`'s), and for a list, tuple or dict, each
+item's path and how its own items go on. Any other argument tells no path."""
 
 
 def _number_defaults(function: Any) -> dict[str, Any]:
