@@ -1306,9 +1306,8 @@ def _write_target(
     if record.by_design:
       initialised.append(kept(field, record.by_design, "at the initial value by design"))
   converted += carried
-  unconverted = no_converter
-  refused += unconverted
-  initialised += unconverted + fresh
+  refused += no_converter
+  initialised += no_converter + fresh
   unused: dict[tuple[str, str], list[str]] = {}
   used = recorder.used()
   for param, entry in source.stats.items():
@@ -1549,22 +1548,17 @@ def _evaluated(param_states: Any, params: Any) -> tuple[Any, frozenset[str]] | N
   # Told by its type, so that another optimizer's compressed state is not decoded.
   if not _applied_schedule_free(param_states):
     return None
-  flat, treedef = jax.tree.flatten_with_path(params)
-  leaves = [leaf for _, leaf in flat]
-  index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
-  evaluated: set[int] = set()
+  leaves = by_param(params)
+  evaluated: set[str] = set()
   for state in _applied_schedule_free(low_precision_to_float32(param_states)):
-    for at, z in _z_leaves(state).items():
-      i = index.get(at)
-      if i is None or i in evaluated or jnp.shape(leaves[i]) != jnp.shape(z):
+    for at, z in by_param(state.z).items():
+      if at not in leaves or at in evaluated or jnp.shape(leaves[at]) != jnp.shape(z):
         return None
-      leaves[i] = optax.contrib.schedule_free_eval_params(state._replace(z=z), leaves[i])
-      evaluated.add(i)
+      leaves[at] = optax.contrib.schedule_free_eval_params(state._replace(z=z), leaves[at])
+      evaluated.add(at)
   if not evaluated:
     return None
-  return jax.tree.unflatten(treedef, leaves), frozenset(
-    jax.tree_util.keystr(flat[i][0]) for i in evaluated
-  )
+  return jax.tree.unflatten(jax.tree.structure(params), leaves.values()), frozenset(evaluated)
 
 
 def _applied_schedule_free(states: Any) -> list[Any]:
@@ -1635,7 +1629,7 @@ class _ScheduleFree:
 
   def held(self) -> set[str]:
     """The paths of the params it holds (the target's ``z``'s)."""
-    return set(_z_leaves(self.target))
+    return set(by_param(self.target.z))
 
   def source_at(self, path: str) -> tuple[Any, Any]:
     """The source state that holds the param at `path` (a path of `held`), and its ``z``."""
@@ -1643,7 +1637,7 @@ class _ScheduleFree:
 
   @functools.cached_property
   def _by_param(self) -> dict[str, tuple[Any, Any]]:
-    return {at: (node, z) for _, node in self.sources for at, z in _z_leaves(node).items()}
+    return {at: (node, z) for _, node in self.sources for at, z in by_param(node.z).items()}
 
   def dropped(self) -> set[str]:
     """The sources' fields it carries, as the source's walk lists them (`_read_source`)."""
@@ -1652,11 +1646,6 @@ class _ScheduleFree:
       for path, _ in self.sources
       for key in _SCHEDULE_FREE_HISTORY
     }
-
-
-def _z_leaves(node: Any) -> dict[str, Any]:
-  """A schedule-free state's ``z`` by the paths of the params it holds."""
-  return {jax.tree_util.keystr(path): z for path, z in jax.tree.flatten_with_path(node.z)[0]}
 
 
 def _schedule_free_continued(
@@ -1682,16 +1671,13 @@ def _schedule_free_continued(
   for states, over, paths in zip(
     (source_states, target_states), (source_params, params), found, strict=True
   ):
-    shapes = {
-      jax.tree_util.keystr(path): jnp.shape(leaf)
-      for path, leaf in jax.tree.flatten_with_path(over)[0]
-    }
+    shapes = {at: jnp.shape(leaf) for at, leaf in by_param(over).items()}
     holders: dict[str, list[tuple[tuple[str, ...], Any]]] = {}
     decoded = list(
       zip(paths, _applied_schedule_free(low_precision_to_float32(states)), strict=True)
     )
     for path, node in decoded:
-      held = {at: jnp.shape(z) for at, z in _z_leaves(node).items()}
+      held = {at: jnp.shape(z) for at, z in by_param(node.z).items()}
       if not held or any(shapes.get(at) != shape for at, shape in held.items()):
         return [], {}
       for at in held:
@@ -1700,7 +1686,7 @@ def _schedule_free_continued(
   (source, sources), (target, targets) = sides
   continued, unmerged = [], {}
   for path, node in targets:
-    held = _z_leaves(node)
+    held = by_param(node.z)
     if any(len(target[at]) != 1 or len(source.get(at, ())) != 1 for at in held):
       continue
     holding = {source[at][0][0] for at in held}
@@ -1729,32 +1715,24 @@ def _schedule_free_params(
   ``b1`` of the target and of the source state holding the param are one, else ``b1 x + (1 -
   b1) z`` by the target's ``b1``, with `evaluated` the source's ``x`` and ``z`` the source's;
   the others as in `evaluated`."""
-  flat, treedef = jax.tree.flatten_with_path(evaluated)
-  leaves = [x for _, x in flat]
-  index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
-  y = {
-    jax.tree_util.keystr(path): leaf for path, leaf in jax.tree.flatten_with_path(source_params)[0]
-  }
+  leaves, y = by_param(evaluated), by_param(source_params)
   for state in continued:
     b1 = host_scalar(state.target.b1)
-    for at, like in _z_leaves(state.target).items():
+    for at, like in by_param(state.target.z).items():
       old, z = state.source_at(at)
-      z = _placed(z, like)
-      x = leaves[index[at]]
+      z, x = _placed(z, like), leaves[at]
       same = b1 == host_scalar(old.b1)
-      moved = jnp.where(same, _placed(y[at], x), b1 * x + (1 - b1) * z)
-      leaves[index[at]] = _placed(moved, x)
-  return jax.tree.unflatten(treedef, leaves)
+      leaves[at] = _placed(jnp.where(same, _placed(y[at], x), b1 * x + (1 - b1) * z), x)
+  return jax.tree.unflatten(jax.tree.structure(evaluated), leaves.values())
 
 
 def _carry_schedule_free(node: Any, continued: _ScheduleFree) -> Any:
   """A target's schedule-free `node` with its sources' `_SCHEDULE_FREE_HISTORY`: the ``z`` of
   each param from the source holding it, the weights from any (all are alike)."""
-  wanted, treedef = jax.tree.flatten_with_path(node.z)
-  z = [_placed(continued.source_at(jax.tree_util.keystr(at))[1], leaf) for at, leaf in wanted]
+  z = [_placed(continued.source_at(at)[1], leaf) for at, leaf in by_param(node.z).items()]
   old = continued.sources[0][1]
   return node._replace(
-    z=jax.tree.unflatten(treedef, z),
+    z=jax.tree.unflatten(jax.tree.structure(node.z), z),
     **{key: _placed(getattr(old, key), getattr(node, key)) for key in _SCHEDULE_FREE_HISTORY[1:]},
   )
 
