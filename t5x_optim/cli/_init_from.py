@@ -168,9 +168,8 @@ def bound_hparams() -> dict[str, Any]:
       for binding in binding_statements(gin.config_str())
       if HPARAM_ALIASES.get(binding.arg_name, binding.arg_name) in CONVERSION_HPARAMS
     ]
-  values: dict[str, dict[Any, Any]] = {}
-  places: dict[str, dict[tuple[str, Any], str]] = {}
-  states: dict[str, dict[tuple[str, Any], set[str | None]]] = {}
+  # By name, then by (scope, key): the value, its binding, the paths of its states.
+  found: dict[str, dict[tuple[str, Any], tuple[Any, str, set[str | None]]]] = {}
   bound = {HPARAM_ALIASES.get(a.name, a.name) for a in arguments if not a.default}
   for argument in arguments:
     name = HPARAM_ALIASES.get(argument.name, argument.name)
@@ -183,43 +182,35 @@ def bound_hparams() -> dict[str, Any]:
       key = _evaluated_as(argument)
     else:
       continue
-    values.setdefault(name, {})[key] = value
     binding = argument.binding
     if argument.default:  # Named by the scope it is called in: no binding names it.
       binding = "/".join((*argument.scope, binding.rsplit("/", 1)[-1])) + "'s default"
     place = ("/".join(argument.scope), key)
-    places.setdefault(name, {}).setdefault(place, binding)
-    states.setdefault(name, {}).setdefault(place, set()).add(argument.at)
-  return {
-    name: next(iter(found.values()))
-    if len(found) == 1
-    else _several(found, places[name], states[name])
-    for name, found in sorted(values.items())
-  }
+    found.setdefault(name, {}).setdefault(place, (value, binding, set()))[2].add(argument.at)
+  return {name: _one_or_several(places) for name, places in sorted(found.items())}
 
 
-def _several(
-  values: Mapping[Any, Any],
-  places: Mapping[tuple[str, Any], str],
-  states: Mapping[tuple[str, Any], set[str | None]],
-) -> SeveralValues:
-  """The values of one name (by key) and where each is bound (the scope gin calls it in, and
-  the binding, by scope and key) as `SeveralValues`, in the order of their scopes; each value
-  tied to the paths of the states it is bound for (`OptimizerArgument.at`) where every one is
-  told and no state lies under another of another value."""
-  found = sorted(places.items(), key=lambda item: (item[0][0], repr(item[0][1])))
-  owners = [states[place] for place, _ in found]
-  tied = [(key, at) for ((_, key), _), own in zip(found, owners, strict=True) for at in own]
+def _one_or_several(
+  places: Mapping[tuple[str, Any], tuple[Any, str, set[str | None]]],
+) -> Any:
+  """A name's value, where all its places (scope, key) give one key; else `SeveralValues`,
+  in the order of their scopes, each value tied to the paths of the states it is bound for
+  (`OptimizerArgument.at`) where every one is told and no state lies under another of
+  another value."""
+  if len({key for _, key in places}) == 1:
+    return next(iter(places.values()))[0]
+  entries = sorted(places.items(), key=lambda item: (item[0][0], repr(item[0][1])))
+  tied = [(key, at) for (_, key), (_, _, ats) in entries for at in ats]
   known = all(at for _, at in tied) and not any(
     key != other and (at == under or at.startswith(f"{under}/"))
     for key, at in tied
     for other, under in tied
   )
   return SeveralValues(
-    tuple(values[key] for (_, key), _ in found),
-    tuple(scope for (scope, _), _ in found),
-    tuple(binding for _, binding in found),
-    at=tuple(tuple(sorted(own)) for own in owners) if known else (),
+    tuple(value for _, (value, _, _) in entries),
+    tuple(scope for (scope, _), _ in entries),
+    tuple(binding for _, (_, binding, _) in entries),
+    at=tuple(tuple(sorted(ats)) for _, (_, _, ats) in entries) if known else (),
   )
 
 

@@ -1312,10 +1312,10 @@ def _under(at: str, *keys: Any) -> str:
   return "/".join(str(key) for key in (at, *keys) if str(key))
 
 
-def _group(at: str, index: Any) -> tuple[str | None, Any]:
-  """A `MultiOptimizer` group's ``(traversal, optimizer)`` pair: the optimizer's state is
-  the group's ``param_states``."""
-  return at, lambda _, key: (_under(at, index, "param_states"), None) if key == 1 else (None, None)
+def _group(at: str, index: Any) -> tuple[str, Any]:
+  """A `MultiOptimizer`'s group `index`: its ``param_states``, where the second item of its
+  ``(traversal, optimizer)`` pair keeps its state."""
+  return _under(at, index, "param_states"), lambda at, key: (at, None) if key == 1 else (None, None)
 
 
 _STATE_PATHS: dict[Any, dict[str, tuple[str, Any]]] = {
