@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from test_cli import REPO, TIMEOUT, TINY, _checkpoint_steps, _command, _env, _run, _scalars
 
 from t5x_optim import Checkpointer, OptaxWrapper, optimizers, partitioning
-from t5x_optim.cli import SyntheticTask, TransformerConfig, main
+from t5x_optim.cli import SyntheticTask, TransformerConfig, _main, main
 from t5x_optim.cli.loop import config as _config
 from t5x_optim.cli.loop import job as _job
 from t5x_optim.cli.loop import train as _train
@@ -555,6 +555,23 @@ def test_a_save_that_fails_names_the_latest_committed_step(tmp_path, keep):
   assert "File too large" in line, line
   assert f"the latest checkpoint is step 2 in {model_dir}/checkpoints (not the last state" in line
   assert _checkpoint_steps(model_dir) == [2]
+
+
+def test_the_line_of_a_failed_save_stands_on_its_own_line(tmp_path, capsys):
+  """After a save that failed, orbax's writer threads go on printing "Event loop is closed"
+  tracebacks; one had written its indentation and not yet the rest when the run printed its
+  line, so the line began with four spaces (test_a_save_that_fails_names_the_latest_committed_
+  step missed it now and then)."""
+  sys.stderr.write("    ")  # a traceback's line half written by another thread
+  error = ValueError("OUT_OF_RANGE: File too large")
+  failure = _train.LoopFailed(4, error, saved=2, note=f"saving it failed too: {error}")
+  args = _main._parser().parse_args(["train"])
+  assert _main._loop_failed(args, failure, tmp_path, primary=True) == _main.EXIT_FAILED
+  assert capsys.readouterr().err.splitlines()[1:] == [
+    f"t5x-optim train: error at step 4: ValueError: OUT_OF_RANGE: File too large; the latest "
+    f"checkpoint is step 2 in {tmp_path}/checkpoints (not the last state: saving it failed "
+    f"too: OUT_OF_RANGE: File too large); traceback in {tmp_path}/traceback.txt"
+  ]
 
 
 @pytest.mark.slow

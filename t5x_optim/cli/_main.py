@@ -384,10 +384,12 @@ def _loop_failed(args: argparse.Namespace, failure: Exception, model_dir, primar
   if args.traceback:
     print(text, file=sys.stderr, end="")
   saved = _saved_text(failure.saved, str(model_dir / "checkpoints"), failure.note)
-  print(
-    f"t5x-optim train: error at step {failure.step}: {type(error).__name__}: "
-    f"{' '.join(str(error).split())}; {saved}{where}",
-    file=sys.stderr,
+  # After a save that failed, orbax's writer threads go on printing tracebacks for a while:
+  # the line goes out in one write, and on a line of its own whatever they left half written.
+  lead = "\n" if failure.note else ""
+  sys.stderr.write(
+    f"{lead}t5x-optim train: error at step {failure.step}: {type(error).__name__}: "
+    f"{' '.join(str(error).split())}; {saved}{where}\n"
   )
   return EXIT_FAILED
 
