@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import re
 import shutil
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ import pytest
 
 import t5x_optim
 from t5x_optim import Checkpointer
+from t5x_optim._convert.convert import _state_paths
 from t5x_optim.cli import _init_from, main
 from t5x_optim.cli._t5x_config import optimizer_config
 from t5x_optim.cli.loop import config as _config
@@ -293,7 +297,7 @@ def test_bound_hparams_of_groups_bound_otherwise_are_several_values():
   assert str(_init_from.bound_hparams()["b2"]) == (
     "0.95 (k/optimizers.adam.b2) or 0.999 (s/optimizers.adam.b2's default)"
   )
-  _config.parse_config(  # Under a wrapper that keeps its state its own way: not told.
+  _config.parse_config(  # Inside optax.apply_if_finite (not told before: refused).
     gin_bindings=[
       "optimizers.chain.transformations = [@optax.apply_if_finite(), @optax.scale_by_adam()]",
       "optax.apply_if_finite.inner = @a/optax.adam()",
@@ -303,7 +307,8 @@ def test_bound_hparams_of_groups_bound_otherwise_are_several_values():
     ],
     macros=_config.device_macros(8),
   )
-  assert _init_from.bound_hparams()["b2"].at == ()
+  b2 = _init_from.bound_hparams()["b2"]
+  assert (b2.value_at("0/inner_state/0"), b2.value_at("1")) == (0.95, 0.98)
 
 
 def test_bound_hparams_of_partition_parts_convert_each_part_with_its_own():
@@ -339,6 +344,152 @@ def test_bound_hparams_of_partition_parts_convert_each_part_with_its_own():
   np.testing.assert_allclose(nu["w"], olds["x"].inner_state[0].nu["w"], rtol=1e-6)
   scaled = olds["y"].inner_state[0].nu["b"] * (1 - 0.95**3) / (1 - 0.98**3)
   np.testing.assert_allclose(nu["b"], scaled, rtol=1e-5)
+
+
+class _Marker(NamedTuple):
+  tag: jax.Array
+
+
+def _marker(tag: int) -> optax.GradientTransformation:
+  """A transformation whose state is its tag alone, to be found in the state of what holds it."""
+  return optax.GradientTransformation(
+    lambda _: _Marker(jnp.int32(tag)), lambda u, s, _=None: (u, s)
+  )
+
+
+_LABELS = {"w": "x", "b": "y"}
+_MAKE: dict[Any, Callable[[Callable[[int], Any]], tuple[Any, dict[str, tuple]]]] = {
+  # Each builds the configurable with a marker (tag n) in each of its optimizer arguments, and
+  # says where in that argument's value each tag is.
+  t5x_optim.MultiOptimizer: lambda m: (
+    t5x_optim.MultiOptimizer(
+      [(t5x_optim.PathFilter(k), t5x_optim.OptaxWrapper(m(n))) for n, k in enumerate(_LABELS)]
+    ),
+    {"traversals_and_optimizers": ((0, 1), (1, 1))},
+  ),
+  t5x_optim.OptaxWrapper: lambda m: (t5x_optim.OptaxWrapper(m(0)), {"optax_optimizer": ((),)}),
+  t5x_optim.chain: lambda m: (
+    t5x_optim.chain([optax.clip(1.0), m(0), m(1)]),
+    {"transformations": ((1,), (2,))},
+  ),
+  optax.partition: lambda m: (
+    optax.partition({"x": m(0), "y": m(1)}, _LABELS),
+    {"transforms": (("x",), ("y",))},
+  ),
+  t5x_optim.low_precision: lambda m: (t5x_optim.low_precision(m(0), "8bit"), {"inner": ((),)}),
+  optax.MultiSteps: lambda m: (optax.MultiSteps(m(0), 2), {"opt": ((),)}),
+  optax.masked: lambda m: (optax.masked(m(0), {"w": True, "b": False}), {"inner": ((),)}),
+  optax.apply_if_finite: lambda m: (optax.apply_if_finite(m(0), 3), {"inner": ((),)}),
+  optax.conditionally_mask: lambda m: (
+    optax.conditionally_mask(m(0), lambda step: step > 2),
+    {"inner": ((),)},
+  ),
+  optax.conditionally_transform: lambda m: (
+    optax.conditionally_transform(m(0), lambda step: step > 2),
+    {"inner": ((),)},
+  ),
+  optax.flatten: lambda m: (optax.flatten(m(0)), {"inner": ((),)}),
+  optax.with_extra_args_support: lambda m: (optax.with_extra_args_support(m(0)), {"tx": ((),)}),
+  optax.lookahead: lambda m: (optax.lookahead(m(0), 2, 0.5), {"fast_optimizer": ((),)}),
+  optax.selective_transform: lambda m: (
+    optax.selective_transform(m(0), freeze_mask={"w": False, "b": True}),
+    {"optimizer": ((),)},
+  ),
+  optax.contrib.galore: lambda m: (
+    optax.contrib.galore(0.1, base_optimizer=m(0)),
+    {"base_optimizer": ((),)},
+  ),
+  optax.contrib.scale_by_galore: lambda m: (
+    optax.contrib.scale_by_galore(base_optimizer=m(0)),
+    {"base_optimizer": ((),)},
+  ),
+  optax.contrib.mechanize: lambda m: (optax.contrib.mechanize(m(0)), {"base_optimizer": ((),)}),
+  optax.contrib.sam: lambda m: (
+    optax.contrib.sam(m(0), m(1)),
+    {"optimizer": ((),), "adv_optimizer": ((),)},
+  ),
+  optax.contrib.schedule_free: lambda m: (
+    optax.contrib.schedule_free(m(0), 0.1),
+    {"base_optimizer": ((),)},
+  ),
+  optax.contrib.split_real_and_imaginary: lambda m: (
+    optax.contrib.split_real_and_imaginary(m(0)),
+    {"inner": ((),)},
+  ),
+}
+_NO_PATH = {
+  # Arguments of an optimizer that the gin walk ties no value to, and why.
+  (optax.chain, "args"): "gin binds no *args: a config chains with optimizers.chain",
+  (optax.named_chain, "args"): "gin binds no *args",
+  (optax.lbfgs, "linesearch"): "a line search: no converter reads a value of its state",
+  (optax.contrib.sophia, "hessian_diagonal_fn"): "an estimator: no converter reads its values",
+  (t5x_optim.with_param_axes, "opt_def"): "called in Python on a definition already made",
+}
+
+
+def _made_from_optimizers() -> set[tuple[Any, str]]:
+  """(configurable, argument) for every optimizer of optax, optax.contrib and this package
+  made from another one given as an argument (a transformation or an `OptimizerDef`; not a
+  factory of one)."""
+  kinds = ("GradientTransformation", "OptimizerDef")
+  found = set()
+  for module in (optax, optax.contrib, t5x_optim, t5x_optim.optimizers):
+    for name in (name for name in dir(module) if not name.startswith("_")):
+      function = getattr(module, name)
+      try:
+        signature = inspect.signature(function)
+      except (TypeError, ValueError):
+        continue
+      if isinstance(function, type):
+        makes = issubclass(function, t5x_optim.OptimizerDef) or hasattr(function, "update")
+      else:
+        makes = any(kind in str(signature.return_annotation) for kind in kinds)
+      for parameter in signature.parameters.values() if makes else ():
+        annotation = str(parameter.annotation)
+        factory = re.match(r"(collections\.abc\.|typing\.)?Callable\[", annotation)
+        if any(kind in annotation for kind in kinds) and not factory:
+          found.add((function, parameter.name))
+  return found
+
+
+def test_every_optimizer_made_of_others_ties_their_values_to_their_states():
+  """A value bound inside optax.apply_if_finite, lookahead, schedule_free (and the rest but
+  masked, MultiSteps, partition) told no state, so one b2 of two there was refused. Every
+  optimizer made of others (found in optax, optax.contrib and this package) has its
+  arguments' state paths, each where the real state keeps that argument's state, or says
+  why not."""
+  params = {"w": jnp.ones((4, 6)), "b": jnp.ones(6)}
+  untold = {(f, a) for f, a in _made_from_optimizers() if a not in _config.state_paths_of(f)}
+  assert {(inspect.unwrap(f), a) for f, a in untold} == set(_NO_PATH)
+  assert set(_MAKE) == set(_config._STATE_PATHS)
+  for function, make in _MAKE.items():
+    tags = iter(range(100))
+    optimizer, where = make(lambda _: _marker(next(tags)))  # noqa: B023
+    state = (
+      optimizer.create(params).state.param_states
+      if isinstance(optimizer, t5x_optim.OptimizerDef)
+      else optimizer.init(
+        optax.LookaheadParams(params, params) if function is optax.lookahead else params
+      )
+    )
+    found_at = {
+      int(node.tag): "/".join(path)
+      for path, node in _state_paths(state)
+      if isinstance(node, _Marker)
+    }
+    assert set(where) == set(_config._STATE_PATHS[function]), function
+    tag = 0
+    for argument, items in where.items():
+      suffix, items_at = _config._STATE_PATHS[function][argument]
+      for keys in items:
+        at, inner = _config._under("", suffix), items_at
+        for key in keys:
+          at, inner = inner(at, key)
+        # The tag's state is at `at` or under it, and no other tag's is.
+        under = {n for n, path in found_at.items() if f"{path}/".startswith(f"{at}/".lstrip("/"))}
+        assert under == {tag}, (function, argument, keys, at, found_at)
+        tag += 1
+    assert tag == len(found_at), function
 
 
 @pytest.mark.slow

@@ -1291,7 +1291,7 @@ def optimizer_arguments(
     if value.configurable.wrapped is gin.config.macro:
       yield from visit(bound.get("value"), depth - 1, scope, at, items_at)
       return
-    paths = _STATE_PATHS.get(value.configurable.wrapped, {})
+    paths = state_paths_of(value.configurable.wrapped)
     for key, argument in bound.items():
       name = _binding_name(value, scope, key)
       yield OptimizerArgument(name, key, argument, tuple(scope), at=at)
@@ -1326,12 +1326,42 @@ _STATE_PATHS: dict[Any, dict[str, tuple[str, Any]]] = {
   low_precision: {"inner": ("inner_state", None)},
   optax.MultiSteps: {"opt": ("inner_opt_state", None)},
   optax.masked: {"inner": ("inner_state", None)},
+  optax.apply_if_finite: {"inner": ("inner_state", None)},
+  optax.conditionally_mask: {"inner": ("inner_state", None)},
+  optax.conditionally_transform: {"inner": ("inner_state", None)},
+  optax.flatten: {"inner": ("", None)},
+  optax.with_extra_args_support: {"tx": ("", None)},
+  optax.lookahead: {"fast_optimizer": ("fast_state", None)},
+  optax.selective_transform: {"optimizer": ("inner_states/train/inner_state", None)},
+  optax.contrib.galore: {"base_optimizer": ("0/base_optimizer_state", None)},
+  optax.contrib.scale_by_galore: {"base_optimizer": ("base_optimizer_state", None)},
+  optax.contrib.mechanize: {"base_optimizer": ("base_optimizer_state", None)},
+  optax.contrib.sam: {"optimizer": ("opt_state", None), "adv_optimizer": ("adv_state", None)},
+  optax.contrib.schedule_free: {"base_optimizer": ("base_optimizer_state", None)},
+  optax.contrib.split_real_and_imaginary: {"inner": ("inner_state", None)},
 }
 """How an argument of a configurable that composes optimizers reaches the state of what it is
-bound to, for `OptimizerArgument.at`: by configurable and argument name, the path of that
+bound to, for `OptimizerArgument.at`: by configurable (`state_paths_of`: a wrapper, as this
+package's ``optimizers.schedule_free``, by what it wraps) and argument name, the path of that
 state under the configurable's own (``""``: the same, an `OptaxWrapper`'s optax
 transformation's; ``"inner_state"``: `low_precision`'s), and for a list, tuple or dict, each
 item's path and how its own items go on. Any other argument tells no path."""
+
+
+def state_paths_of(function: Any) -> dict[str, tuple[str, Any]]:
+  """`function`'s row of `_STATE_PATHS`, or that of what it wraps (``__wrapped__``, or the
+  ``optax_factory`` of this package's optimizers), or none.
+
+  Example:
+    >>> from t5x_optim import optimizers
+    >>> state_paths_of(optimizers.schedule_free)
+    {'base_optimizer': ('base_optimizer_state', None)}
+  """
+  while function is not None:
+    if function in _STATE_PATHS:
+      return _STATE_PATHS[function]
+    function = getattr(function, "optax_factory", getattr(function, "__wrapped__", None))
+  return {}
 
 
 def _number_defaults(function: Any) -> dict[str, Any]:
