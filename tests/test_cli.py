@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import json
@@ -961,6 +962,55 @@ def test_a_flag_out_of_range_is_named_as_the_flag(flag, value, message, capsys):
   assert exit_status.value.code == 2
   err = capsys.readouterr().err
   assert err.splitlines()[-1].endswith(message) and "TrainJob" not in err, err
+
+
+def _path_flags() -> list[tuple[str, str]]:
+  """(command, flag) of every flag of the parser whose value is a path."""
+  from t5x_optim.cli import _main  # noqa: PLC0415
+
+  parser = _main._parser()
+  commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  return [
+    (command, action.option_strings[0])
+    for command, sub in commands.choices.items()
+    for action in sub._actions
+    if action.type in (_main._path_arg, _main._given)
+  ]
+
+
+def test_the_flags_of_paths_are_found():
+  found = {flag for _, flag in _path_flags()}
+  assert {"--model_dir", "--data", "--init_from", "--init_from_gin", "--gin_file"} <= found
+
+
+@pytest.mark.parametrize("command, flag", _path_flags())
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(
+  command, flag, tmp_path, monkeypatch, capsys
+):
+  """A job's command with an unset variable (``--model_dir="$DIR"``): --model_dir wrote the
+  run into the working directory and resumed the run there, --data trained on every file
+  there, --init_from started from the run there, --compilation_cache filled it with entries."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as exit_status:
+    main([command, "--gin_file", str(_config.GIN_DIR / "examples" / "tiny.gin"), f"{flag}="])
+  assert exit_status.value.code == 2
+  err = capsys.readouterr().err
+  message = f"argument {flag}: empty, which would be the current directory (is a variable"
+  assert message in err.splitlines()[-1], err
+  assert not list(tmp_path.iterdir())
+
+
+def test_init_from_gin_without_init_from_is_refused(tmp_path, capsys):
+  """--init_from_gin alone (the job's --init_from dropped) trained from scratch, exit 0, without
+  a word, even for a file that does not exist."""
+  argv = ["train", *TINY, "--init_from_gin", str(tmp_path / "old.gin")]
+  assert main([*argv, "--model_dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert err == (
+    "t5x-optim train: error: --init_from_gin configures the optimizer that wrote "
+    "--init_from, which is not given: give --init_from too, or leave --init_from_gin out.\n"
+  )
+  assert not (tmp_path / "run").exists()
 
 
 def test_help_says_gin_files_are_code(capsys):

@@ -134,7 +134,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     "--gin_file",
     action="append",
     default=[],
-    type=os.path.expanduser,
+    type=_given,
     metavar="PATH",
     help="gin file to parse after the default config (repeatable); "
     "gin files are code: use only trusted ones",
@@ -150,7 +150,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     "--gin_search_paths",
     action="append",
     default=[],
-    type=os.path.expanduser,
+    type=_given,
     metavar="DIR",
     help="directory searched for gin files and includes (repeatable)",
   )
@@ -177,6 +177,16 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
   )
 
 
+def _given(text: str) -> str:
+  """A path flag's value, ``~`` expanded; an empty one (an unset variable in a job's
+  command) is refused: it would be the current directory."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError(
+      "empty, which would be the current directory (is a variable in the command unset?)"
+    )
+  return os.path.expanduser(text)
+
+
 def _path_arg(text: str) -> Path | str:
   """A path flag's value: a `pathlib.Path`, or an `epath.Path` for ``gs://...`` and other schemes.
 
@@ -189,6 +199,7 @@ def _path_arg(text: str) -> Path | str:
   """
   from t5x_optim import storage  # noqa: PLC0415
 
+  _given(text)
   try:
     path = storage.as_path(text)
   except storage.StorageError:
@@ -201,7 +212,8 @@ _PATH_FLAGS = ("model_dir", "init_from", "data", "compilation_cache")
 
 
 def _check_path_flags(args: argparse.Namespace) -> None:
-  """Refuses a path flag whose value `_path_arg` left as text: the storage layer refuses it.
+  """Refuses a path flag whose value `_path_arg` left as text (the storage layer refuses it),
+  and ``--init_from_gin`` without ``--init_from``.
 
   Raises:
     ValueError: the flag and the storage layer's reason, in one line.
@@ -215,6 +227,11 @@ def _check_path_flags(args: argparse.Namespace) -> None:
         storage.as_path(value)
       except storage.StorageError as error:
         raise ValueError(f"--{name} {error}") from error
+  if getattr(args, "init_from_gin", None) and args.init_from is None:
+    raise ValueError(
+      "--init_from_gin configures the optimizer that wrote --init_from, which is not given: "
+      "give --init_from too, or leave --init_from_gin out."
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -258,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
     "--init_from_gin",
     action="append",
     default=[],
-    type=os.path.expanduser,
+    type=_given,
     metavar="PATH",
     help="gin file(s) configuring the optimizer that wrote --init_from (default: its "
     "config.gin; for a T5X directory, the optimizer bindings of the config.gin T5X wrote)",
