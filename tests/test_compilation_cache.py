@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import zlib
 from pathlib import Path
@@ -177,7 +178,7 @@ def test_an_entry_that_cannot_be_deleted_is_logged_and_jax_compiles_anew(
   from t5x_optim.cli.loop import compilation_cache as module  # noqa: PLC0415
 
   def refuse(directory):
-    raise PermissionError(13, "Permission denied", str(directory / "jit_a-1-cache"))
+    raise PermissionError(13, "Permission denied", str(directory / _entry("a")))
 
   monkeypatch.setattr(module, "remove_damaged", refuse)
   with caplog.at_level("WARNING"), compilation_cache(tmp_path) as use:
@@ -185,23 +186,40 @@ def test_an_entry_that_cannot_be_deleted_is_logged_and_jax_compiles_anew(
   assert "could not delete a damaged compilation-cache entry" in caplog.text
 
 
+def _entry(name: str) -> str:
+  """The name jax gives a cache entry: module name, key's SHA-256, ``-cache``."""
+  return f"jit_{name}-{hashlib.sha256(name.encode()).hexdigest()}-cache"
+
+
+def test_remove_damaged_reads_and_deletes_jaxs_entries_alone(tmp_path):
+  """--compilation_cache pointed at a directory shared with other files deleted any file named
+  ``*-cache`` that was not compressed data, and said "1 damaged entry deleted"."""
+  (tmp_path / "build-cache").write_text("the user's own")
+  (tmp_path / "jit_a-1-cache").write_bytes(b"")
+  (tmp_path / _entry("b")).write_bytes(b"")
+  assert remove_damaged(tmp_path) == 1
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "build-cache",
+    "intact-entries.json",
+    "jit_a-1-cache",
+  ]
+
+
 def test_remove_damaged_keeps_intact_entries_and_other_files(tmp_path):
   """jax compresses every entry (zstd, else zlib): an entry in neither format, such as one a
   crash left filled with zeros, was kept and recorded intact, and jax warned at every start
   that it could not read it and never cached that program again."""
   intact = zlib.compress(b"executable" * 100)
-  (tmp_path / "jit_a-1-cache").write_bytes(intact)
-  (tmp_path / "jit_b-2-cache").write_bytes(intact[:-3])
-  (tmp_path / "jit_c-3-cache").write_bytes(b"")
-  (tmp_path / "jit_d-4-cache").write_bytes(b"\x00unknown format")
-  (tmp_path / "jit_f-6-cache").write_bytes(bytes(len(intact)))
+  (tmp_path / _entry("a")).write_bytes(intact)
+  (tmp_path / _entry("b")).write_bytes(intact[:-3])
+  (tmp_path / _entry("c")).write_bytes(b"")
+  (tmp_path / _entry("d")).write_bytes(b"\x00unknown format")
+  (tmp_path / _entry("f")).write_bytes(bytes(len(intact)))
   (tmp_path / "jit_e-5-atime").write_bytes(b"\x00" * 8)
   assert remove_damaged(tmp_path) == 4
-  assert sorted(p.name for p in tmp_path.iterdir()) == [
-    "intact-entries.json",
-    "jit_a-1-cache",
-    "jit_e-5-atime",
-  ]
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+    ["intact-entries.json", _entry("a"), "jit_e-5-atime"]
+  )
   assert remove_damaged(tmp_path / "absent") == 0
 
 
@@ -221,12 +239,12 @@ def _reads(monkeypatch) -> list[bytes]:
 
 def test_an_entry_found_intact_is_not_read_at_the_next_start(tmp_path, monkeypatch):
   """Each start reads only the entries written since the last: jax never rewrites an entry."""
-  (tmp_path / "jit_a-1-cache").write_bytes(zlib.compress(b"a" * 100))
-  (tmp_path / "jit_b-2-cache").write_bytes(zlib.compress(b"b" * 100))
+  (tmp_path / _entry("a")).write_bytes(zlib.compress(b"a" * 100))
+  (tmp_path / _entry("b")).write_bytes(zlib.compress(b"b" * 100))
   read = _reads(monkeypatch)
   assert remove_damaged(tmp_path) == 0
   assert len(read) == 2
-  (tmp_path / "jit_c-3-cache").write_bytes(zlib.compress(b"c" * 100))
+  (tmp_path / _entry("c")).write_bytes(zlib.compress(b"c" * 100))
   assert remove_damaged(tmp_path) == 0
   assert read[2:] == [zlib.compress(b"c" * 100)]
   assert remove_damaged(tmp_path) == 0
@@ -235,7 +253,7 @@ def test_an_entry_found_intact_is_not_read_at_the_next_start(tmp_path, monkeypat
 
 def test_an_entry_whose_size_changed_is_checked_again(tmp_path):
   """Deleted and written again (cut short this time): its size differs from the one checked."""
-  entry = tmp_path / "jit_a-1-cache"
+  entry = tmp_path / _entry("a")
   entry.write_bytes(zlib.compress(b"a" * 100))
   assert remove_damaged(tmp_path) == 0
   entry.write_bytes(zlib.compress(b"a" * 100)[:-3])
@@ -244,16 +262,16 @@ def test_an_entry_whose_size_changed_is_checked_again(tmp_path):
   assert json.loads((tmp_path / "intact-entries.json").read_text()) == {}
 
 
-@pytest.mark.parametrize("record", ["{not json", '["a list"]', '{"jit_a-1-cache": "big"}'])
+@pytest.mark.parametrize("record", ["{not json", '["a list"]', '{_entry("a"): "big"}'])
 def test_an_unreadable_record_of_checked_entries_checks_every_entry(tmp_path, record):
-  (tmp_path / "jit_a-1-cache").write_bytes(zlib.compress(b"a" * 100)[:-3])
+  (tmp_path / _entry("a")).write_bytes(zlib.compress(b"a" * 100)[:-3])
   (tmp_path / "intact-entries.json").write_text(record)
   assert remove_damaged(tmp_path) == 1
   assert json.loads((tmp_path / "intact-entries.json").read_text()) == {}
 
 
 def test_a_record_that_cannot_be_written_is_logged_and_entries_still_checked(tmp_path, caplog):
-  (tmp_path / "jit_a-1-cache").write_bytes(b"")
+  (tmp_path / _entry("a")).write_bytes(b"")
   (tmp_path / "intact-entries.json").mkdir()
   with caplog.at_level("WARNING"):
     assert remove_damaged(tmp_path) == 1

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +40,9 @@ __all__ = ["CacheUse", "compilation_cache", "remove_damaged"]
 _log = logging.getLogger(__name__)
 _HITS = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
-_ENTRY_SUFFIX = "-cache"
+_ENTRY_NAME = re.compile(r".+-[0-9a-f]{64}-cache")
+"""A jax cache entry's name: its program's module name, the SHA-256 of its key, ``-cache``.
+Nothing else is read or deleted, since the directory may hold the user's own files too."""
 _INTACT = "intact-entries.json"
 _ZLIB_FIRST_BYTE = 0x78
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -146,10 +149,11 @@ def remove_damaged(directory: Any) -> int:
     >>> import tempfile, zlib
     >>> from pathlib import Path
     >>> d = Path(tempfile.mkdtemp())
-    >>> _ = (d / "jit_step-1-cache").write_bytes(zlib.compress(b"x" * 1000))
-    >>> _ = (d / "jit_step-2-cache").write_bytes(zlib.compress(b"x" * 1000)[:5])
-    >>> remove_damaged(d), sorted(p.name for p in d.iterdir())
-    (1, ['intact-entries.json', 'jit_step-1-cache'])
+    >>> _ = (d / f"jit_step-{'1' * 64}-cache").write_bytes(zlib.compress(b"x" * 1000))
+    >>> _ = (d / f"jit_step-{'2' * 64}-cache").write_bytes(zlib.compress(b"x" * 1000)[:5])
+    >>> _ = (d / "build-cache").write_text("the user's own")
+    >>> remove_damaged(d), [p.name[:10] for p in sorted(d.iterdir())]
+    (1, ['build-cach', 'intact-ent', 'jit_step-1'])
   """
   if not directory.exists():
     return 0
@@ -158,7 +162,7 @@ def remove_damaged(directory: Any) -> int:
   intact = {}
   removed = 0
   for entry in directory.iterdir():
-    if not entry.name.endswith(_ENTRY_SUFFIX):
+    if not _ENTRY_NAME.fullmatch(entry.name):
       continue
     size = storage.file_size(entry)
     if known.get(entry.name) == size:
