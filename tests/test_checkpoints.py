@@ -651,6 +651,31 @@ def test_each_step_records_the_job_and_only_committed_steps_count(tmp_path):
     Checkpointer(tmp_path, job={"f": print})
 
 
+def test_a_step_that_lost_a_record_its_metadata_lists_is_not_whole(tmp_path):
+  """A copy of a run that left out each step's small job/metadata (an interrupted rsync):
+  `recorded_job` said None, "saved before records existed", so a resume into another model
+  of the same shapes and --init_from compared nothing and went on. So with state_classes,
+  whose loss skipped the check of the state's classes on restore."""
+  params = {"w": jnp.ones(2)}
+  opt = optimizers.adam(0.1).create(params)
+  with Checkpointer(tmp_path, async_save=False) as plain:
+    plain.save(1, opt)  # no job given: none recorded, none listed
+  with Checkpointer(tmp_path, async_save=False, job={"model": "a"}) as ckpt:
+    ckpt.save(2, opt)
+  (tmp_path / "2" / "job" / "metadata").unlink()
+  shutil.rmtree(tmp_path / "2" / "state_classes")
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.recorded_job(1) is None
+    lost = f"Checkpoint step 2 in {tmp_path} has lost its record of its "
+    with pytest.raises(CheckpointError, match=f"{lost}job .*the step's metadata lists it"):
+      ckpt.recorded_job(2)
+    with pytest.raises(CheckpointError, match=f"{lost}optimizer") as error:
+      ckpt.restore(opt)
+    assert error.value.step == 2
+    assert ckpt.restore(opt, fallback=True).state.step == opt.state.step
+    assert ckpt.restored_step == 1
+
+
 def test_restore_neither_copies_nor_rereads_needlessly(tmp_path, part_2x4, monkeypatch):
   state, target = w.fresh_state("adamw", part_2x4), w.abstract_state("adamw", part_2x4)
   read, reloads = [], []

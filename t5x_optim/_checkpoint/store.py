@@ -802,9 +802,20 @@ class Checkpointer:
     return {} if recorded is None else {str(k): str(v) for k, v in recorded.items()}
 
   def _json_record(self, step: int, item: str, what: str) -> dict[str, Any] | None:
-    """The JSON object of `item` saved with step `step`; None when it has none."""
+    """The JSON object of `item` saved with step `step`; None when it was saved without one.
+
+    Raises:
+      CheckpointError: the record is unreadable, or the step's metadata lists it and it is
+        gone (a copy of the step that left it out): the step is not whole.
+    """
     path = self._item(step, item) / _JSON_FILE
     if not path.exists():
+      if item in self._saved_items(step):
+        raise CheckpointError(
+          f"{self._where(step)} has lost its record of {what} ({path}): the step's metadata "
+          "lists it, but it is not there (a copy of the step that left files out?).",
+          step=step,
+        )
       return None
     try:
       recorded = json.loads(path.read_text())
@@ -815,6 +826,14 @@ class Checkpointer:
         f"{self._where(step)} has an unreadable record of {what} ({path}): {e}.", step=step
       ) from e
     return recorded
+
+  def _saved_items(self, step: int) -> frozenset[str]:
+    """The items the step's metadata says its save wrote; none where it cannot be read."""
+    try:
+      handlers = self._manager.metadata(step).item_handlers
+    except Exception:  # noqa: BLE001 - orbax raises its own types; the step's arrays decide
+      return frozenset()
+    return frozenset(handlers or ())
 
   def recorded_job(self, step: int) -> dict[str, Any] | None:
     """The `job` recorded with checkpoint `step`; None for a step saved without one.
