@@ -2299,6 +2299,30 @@ def test_a_sharded_state_converts_into_a_definition_sharded_as_create_gives_it(p
   jax.jit(lambda o, g: o.apply_gradient(g))(new, jax.tree.map(jnp.ones_like, new.target))
 
 
+@pytest.mark.slow
+def test_a_zero_size_param_converts_into_a_sharded_state_whose_shards_fit(partitioner):
+  """A (0, 16) param sharded over both mesh axes: its converted moments held on every device a
+  shard of the global shape (0, 16) where the sharding says (0, 4), so device_get of the
+  state (metrics, a look at it) raised "could not broadcast (0,16) into (0,4)"."""
+
+  def variables():
+    box = nn.LogicallyPartitioned
+    params = {"empty": box(jnp.zeros((0, 16)), ("vocab", "embed"))}
+    return {"params": {**params, "w": box(jnp.ones((8, 16)), ("vocab", "embed"))}}
+
+  other = partitioning.Partitioner(
+    partitioning.create_mesh(shape={"data": 4, "model": 2}), partitioner.logical_axis_rules
+  )
+  old = partitioning.init_sharded(partitioner, optimizers.adamw(1e-3), variables)
+  old = old.apply_gradient(jax.tree.map(jnp.ones_like, old.params))
+  target = partitioning.init_sharded(other, optimizers.lion(1e-3), variables)
+  new, _ = t5x_optim.convert_state(old.optimizer, target.optimizer)
+  mu = new.state.param_states[0].mu["empty"]
+  assert mu.sharding.shard_shape(mu.shape) == (0, 4)
+  assert {shard.data.shape for shard in mu.addressable_shards} == {(0, 4)}
+  assert jax.device_get(new.state).param_states[0].mu["empty"].shape == (0, 16)
+
+
 def _buffers(tree):
   """`(path, buffer address)` of every device buffer of the concrete arrays in `tree`."""
   return [

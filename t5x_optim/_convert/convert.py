@@ -1910,6 +1910,11 @@ def _placed(value: Any, like: Any) -> Any:
   dtype = getattr(like, "dtype", None)
   if sharding is None:
     return jnp.array(value, dtype, copy=True)
+  if not isinstance(value, jax.core.Tracer) and not np.size(value):
+    # A jitted copy of a zero-size array into a sharding gives each device a shard of the
+    # global shape (jax 0.10, CPU), which device_get and np.asarray then refuse.
+    empty = np.zeros(np.shape(value), dtype)
+    return jax.make_array_from_callback(empty.shape, sharding, lambda index: empty[index])
   concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
   if concrete and (
     not value.is_fully_addressable or value.sharding.device_set == sharding.device_set
