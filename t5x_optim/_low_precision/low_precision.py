@@ -1303,6 +1303,7 @@ def _stream_plan(
       extra_args,
       bounded_groups=False,
       apply_updates=False,
+      uniform=False,
     )
   except NotFusible:
     return None

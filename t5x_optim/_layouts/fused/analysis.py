@@ -144,16 +144,48 @@ def _per_param_slots(state: Any, params_def: Any, shapes: Sequence[tuple]) -> li
   """For each state leaf, the index of the param leaf it mirrors, or None.
 
   A subtree mirrors the params when it has their tree structure and every
-  leaf their shape (optax's ``mu``, ``nu``, ``trace``...); other leaves are
-  global (step counts, injected hyper-parameters).
+  leaf their shape (optax's ``mu``, ``nu``, ``trace``...), a param or a
+  subtree of them perhaps an ``optax.MaskedNode`` instead (the state of a
+  transformation inside ``optax.masked``, or a part of ``optax.partition``,
+  whose mask may be a prefix of the params); other leaves are global (step
+  counts, injected hyper-parameters).
+
+  Example:
+    >>> params = {'b': jnp.ones(3), 'w': {'k': jnp.ones((2, 3)), 'v': jnp.ones(2)}}
+    >>> mu = {'b': optax.MaskedNode(), 'w': {'k': jnp.zeros((2, 3)), 'v': jnp.zeros(2)}}
+    >>> shapes = [(3,), (2, 3), (2,)]
+    >>> _per_param_slots((jnp.int32(0), mu), jax.tree.structure(params), shapes)
+    [None, 1, 2]
+    >>> prefix = {'b': jnp.zeros(3), 'w': optax.MaskedNode()}
+    >>> _per_param_slots(prefix, jax.tree.structure(params), shapes)
+    [0]
   """
   slots: list[int | None] = []
+  template = params_def.unflatten(range(len(shapes)))
+  is_hole = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
+
+  def mirrored(node: Any) -> list[int] | None:
+    """The param index of each of ``node``'s leaves, where ``node`` mirrors the params."""
+    pairs: list[tuple[Any, Any]] = []
+    try:
+      jax.tree.map(lambda leaf, sub: pairs.append((leaf, sub)), node, template, is_leaf=is_hole)
+    except (ValueError, TypeError):  # not a prefix of the params' structure
+      return None
+    if not any(isinstance(sub, int) and not is_hole(leaf) for leaf, sub in pairs):
+      return None
+    if any(
+      not is_hole(leaf) and not (isinstance(sub, int) and np.shape(leaf) == shapes[sub])
+      for leaf, sub in pairs
+    ):
+      return None
+    return [sub for leaf, sub in pairs if not is_hole(leaf)]
 
   def walk(node: Any) -> None:
-    leaves, treedef = jax.tree.flatten(node)
-    if treedef == params_def and [np.shape(leaf) for leaf in leaves] == list(shapes):
-      slots.extend(range(len(leaves)))
+    indices = mirrored(node)
+    if indices is not None:
+      slots.extend(indices)
       return
+    leaves = jax.tree.leaves(node)
     children = jax.tree.flatten(node, is_leaf=lambda child: child is not node)[0]
     if not children or (len(children) == 1 and children[0] is node):
       slots.extend([None] * len(leaves))
@@ -532,6 +564,7 @@ def plan_fused_update(
   platform: str | None = None,
   bounded_groups: bool = True,
   apply_updates: bool = True,
+  uniform: bool = True,
 ) -> FusedPlan:
   """Analyses ``tx.update`` on these trees (arrays or abstract values).
 
@@ -553,6 +586,9 @@ def plan_fused_update(
     apply_updates: each leaf's program returns its new param
       (``optax.apply_updates``); False: its update, as ``tx.update`` does
       (what a transformation that wraps ``tx`` streams, `low_precision`).
+    uniform: every param leaf has as many state components as the others, as a
+      fused kernel needs; False: each its own (a param ``optax.masked`` leaves
+      out has none), for leaf-by-leaf programs alone (`low_precision`).
 
   Returns:
     The `FusedPlan`.
@@ -579,8 +615,6 @@ def plan_fused_update(
   s_leaves, state_def = jax.tree.flatten(state)
   slots = _per_param_slots(state, params_def, [a.shape for a in p_avals])
   per_leaf = [[k for k, slot in enumerate(slots) if slot == i] for i in range(len(paths))]
-  if any(len(ks) != len(per_leaf[0]) for ks in per_leaf):
-    raise NotFusible("the state's per-param components do not cover every leaf alike")
   traced = _trace(
     tx,
     params_def,
@@ -593,6 +627,9 @@ def plan_fused_update(
   )
   sizes = [math.prod(a.shape) for a in p_avals]
   groups = _groups(traced, per_leaf, paths, sizes, _GROUP_ELEMENTS if bounded_groups else None)
+  if uniform and any(len(ks) != len(per_leaf[0]) for ks in per_leaf):
+    # After the analysis, whose reasons (an update that is not elementwise) say more.
+    raise NotFusible("the state's per-param components do not cover every leaf alike")
   if kernel == "pallas":
     # Pallas loads here, with the first plan for its GPU kernel.
     from t5x_optim._layouts.fused.kernel import check_lowering
@@ -607,7 +644,7 @@ def plan_fused_update(
     global_outs=global_outs,
     residual_ids=residual_ids,
     slots=tuple(slots),
-    components=len(per_leaf[0]),
+    components=len(per_leaf[0]) if uniform else None,
     groups=groups,
     paths=paths,
     tx=tx,

@@ -212,7 +212,7 @@ class FusedPlan:
   global_outs: tuple[int | Lit, ...]  # new global state leaves
   residual_ids: tuple[int, ...]  # every scalar residual used by some group
   slots: tuple[int | None, ...]  # per state leaf: its param-leaf index or None
-  components: int  # per-param state leaves per param leaf
+  components: int | None  # per-param state leaves per param leaf; None: not alike
   groups: tuple[Group, ...]
   paths: tuple[str, ...]
   tx: Any  # the transformation, for the plain path under `jax.vmap`
