@@ -295,6 +295,21 @@ def test_eager_calls_on_explicit_mesh_axes(mode):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-6)
 
 
+def test_a_replicated_four_bit_matrix_initializes_on_explicit_mesh_axes():
+  """A (64, 32) param replicated (``P()``) and a stack sharded on its first axis alone
+  (``P('model')``), 4-bit on a mesh of Explicit axes: init raised IndexError, the column
+  maxima's spec read the last entry of a spec that stops before it."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  params = {
+    "w": jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P())),
+    "stack": jax.device_put(jnp.ones((8, 64, 32)), NamedSharding(mesh, P("model"))),
+  }
+  state = low_precision(optax.adamw(1e-2), "4bit", min_size=0).init(params)
+  mu = state.inner_state[0].mu
+  assert mu["w"].cols.sharding.spec == P(None)
+  assert mu["stack"].codes.sharding.spec == P("model", None, None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])
 def test_converters_on_explicit_mesh_axes(mode):

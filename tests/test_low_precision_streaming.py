@@ -314,6 +314,15 @@ def test_streamed_step_temporaries_are_one_leafs_not_the_trees(mode):
   )
 
 
+@pytest.mark.parametrize("shape", [(8, 512, 512), (2, 1024, 1024)])
+def test_a_stack_of_few_leaves_holds_a_chunk_not_a_stripe(shape):
+  """8 experts (or layers) stacked first: the 4-bit statistics walked the first axis alone,
+  whose 8 stripes left one chunk each, and held the whole leaf's new moments (8.1 bytes per
+  value; (2, 1024, 1024): 8.2). They walk the second axis: 0.1 and 0.6."""
+  memory = _step_memory(low_precision(optax.adamw(1e-3), "4bit"), [shape])
+  assert memory.temp_size_in_bytes <= 0.7 * math.prod(shape)
+
+
 _MASKED_INNERS = {
   "masked": lambda: optax.masked(optax.adamw(1e-3), {"l0": True, "l1": False, "l2": True}),
   "multi_transform": lambda: optax.multi_transform(
@@ -381,13 +390,19 @@ def test_a_small_4bit_leafs_step_holds_a_chunk_not_a_float32_copy_of_the_leaf():
 @pytest.mark.parametrize(
   ("shape", "column_maxima", "want"),
   [
-    ((768, 768), True, (8, 16, 6)),  # under stream_chunk: 16 chunks of rows
+    ((768, 768), True, (8, 16, 6, 0)),  # under stream_chunk: 16 chunks of rows
     ((768, 768), False, None),  # fits in a chunk: whole
     ((4099, 16), True, None),  # prime rows: 4,099 chunks of one row walked, whole instead
-    ((61, 16), True, (1, 61, 1)),  # prime rows, a few more chunks than 16: walked
-    ((4096, 16), True, (8, 16, 32)),
-    ((769, 768), True, (1, 769, 1)),  # prime rows of a larger leaf: a row at a time
-    ((4099, 4096), True, (1, 4099, 1)),  # over stream_chunk: a row at a time, never whole
+    ((61, 16), True, (1, 61, 1, 0)),  # prime rows, a few more chunks than 16: walked
+    ((4096, 16), True, (8, 16, 32, 0)),
+    ((769, 768), True, (1, 769, 1, 0)),  # prime rows of a larger leaf: a row at a time
+    ((4099, 4096), True, (1, 4099, 1, 0)),
+    ((8, 512, 512), True, (8, 16, 4, 1)),  # 8 stacked: their second axis walked
+    (
+      (12, 768, 2048),
+      False,
+      (8, 24, 4, 1),
+    ),  # along the first, 4 layers (6.3M values) a chunk  # over stream_chunk: a row at a time, never whole
   ],
 )
 def test_column_maxima_walk_at_least_16_chunks_unless_a_small_leafs_rows_divide_poorly(
@@ -463,9 +478,12 @@ def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, gu
   """Leaves under ``stream_chunk`` that store column maxima walk at least 16 chunks of rows:
   with inf, -inf and NaN gradients, the same updates and states, bit for bit, as their
   statistics computed whole (at least one chunk); beside a 1-D and an empty leaf, with
-  blocks of two rows, and rows of a prime count (61 chunks of one row)."""
+  blocks of two rows, and rows of a prime count (61 chunks of one row); a stack of 8 leaves
+  (8 experts or layers first), whose first axis holds one stripe of 4 per shard and so walks
+  its second (split along the first, a stripe of (8, 512, 512) took 8.1 bytes per value)."""
   rng = np.random.default_rng(0)
   shapes = {"w": (64, 32), "prime": (61, 16), "narrow": (96, 4), "vec": (48,), "empty": (0,)}
+  shapes["stack"] = (8, 64, 32)
   params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
   options = dict(block_size=8, shard_multiple=2, min_size=0, guard_nonfinite=guard)
   chunked = low_precision(optax.adamw(1e-2), "4bit", **options)
@@ -474,6 +492,7 @@ def test_a_small_4bit_leafs_statistics_in_chunks_change_no_value(monkeypatch, gu
   state_c = state_w = chunked.init(params)
   assert isinstance(state_c.inner_state[0].mu["w"], Rank1Quantized4Leaf)
   assert _row_split((64, 32), 1, 64 * 32 // 16, 2) is not None
+  assert _stats_split((8, 64, 32), 1, 1 << 20, 2, column_maxima=True).axis == 1
   for i in range(STEPS):
     grads = jax.tree.map(lambda x: jnp.cos(x * (i + 1)), params)
     grads["w"] = grads["w"].at[5, 3].set(jnp.inf).at[40, 7].set(jnp.nan)

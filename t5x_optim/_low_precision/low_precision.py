@@ -95,7 +95,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core
@@ -1471,10 +1471,55 @@ def _largest_divisor(n: int, most: int) -> int:
   return best
 
 
+class _Split(NamedTuple):
+  """How streamed statistics walk a leaf: along ``axis``, ``stripes x chunks x rows`` long
+  (`_row_split`), chunk ``b`` holding rows ``b * rows`` to ``(b + 1) * rows - 1`` of every
+  stripe and the whole of every axis before ``axis``."""
+
+  stripes: int
+  chunks: int
+  rows: int
+  axis: int = 0
+
+
+def _leaf_split(
+  shape: tuple[int, ...], unit: int, limit: int, shard_multiple: int
+) -> _Split | None:
+  """`_row_split` along the first axis (but the last) whose chunks hold at most ``limit``
+  values, the axes before it whole in each chunk; where none is, the axis of the smallest
+  chunks; None where the leaf fits in ``limit`` values or no axis splits.
+
+  ``unit`` is the rows of a block along the axis before the last, which chunks never cut.
+  A leaf whose first axis is short (8 experts, a few stacked layers) walks its second
+  one: split along the first alone, a chunk held a whole stripe of it.
+
+  Example:
+    >>> _leaf_split((32128, 768), 1, 1 << 20, 8)
+    _Split(stripes=8, chunks=251, rows=16, axis=0)
+    >>> _leaf_split((8, 512, 512), 1, 1 << 20, 8)
+    _Split(stripes=8, chunks=2, rows=32, axis=1)
+  """
+  if len(shape) < 2 or math.prod(shape) <= limit:
+    return None
+  best = None
+  for axis in range(len(shape) - 1):
+    lead = math.prod(shape[:axis])
+    rows = unit if axis == len(shape) - 2 else 1
+    split = _row_split(shape[axis:], rows, max(1, limit // lead), shard_multiple)
+    if split is None:
+      continue
+    size = math.prod(shape) // split[1]
+    if size <= limit:
+      return _Split(*split, axis)
+    if best is None or size < best[0]:
+      best = (size, _Split(*split, axis))
+  return None if best is None else best[1]
+
+
 def _stats_split(
   shape: tuple[int, ...], unit: int, chunk: int, shard_multiple: int, *, column_maxima: bool
-) -> tuple[int, int, int] | None:
-  """`_row_split` of a leaf's streamed statistics: chunks of at most ``chunk`` values, and for
+) -> _Split | None:
+  """`_leaf_split` of a leaf's streamed statistics: chunks of at most ``chunk`` values, and for
   a leaf that stores column maxima at least `_COLUMN_CHUNKS` of them.
 
   A small leaf (at most `_WHOLE_STATS_MOST` values) whose rows divide only into far more,
@@ -1484,36 +1529,39 @@ def _stats_split(
 
   Example:
     >>> _stats_split((4096, 16), 1, 1 << 20, 8, column_maxima=True)
-    (8, 16, 32)
+    _Split(stripes=8, chunks=16, rows=32, axis=0)
     >>> _stats_split((4099, 16), 1, 1 << 20, 8, column_maxima=True) is None  # 4,099 rows
     True
   """
   if not column_maxima:
-    return _row_split(shape, unit, chunk, shard_multiple)
+    return _leaf_split(shape, unit, chunk, shard_multiple)
   floor = min(chunk, max(1, math.prod(shape) // _COLUMN_CHUNKS))
-  split = _row_split(shape, unit, floor, shard_multiple)
+  split = _leaf_split(shape, unit, floor, shard_multiple)
   if split is None or split[1] <= _COLUMN_CHUNKS_MOST or math.prod(shape) > _WHOLE_STATS_MOST:
     return split
   return None
 
 
-def _chunk(x: jax.Array, split: tuple[int, int, int], rows: int, b: jax.Array) -> jax.Array:
-  """Chunk ``b`` of `_row_split` of an array whose first dimension holds ``rows`` leaf rows
-  per row (a block's scales) or, with fewer dimensions than the leaf, all of them."""
-  stripes, chunks, chunk_rows = split
-  if jnp.ndim(x) < 2 or jnp.shape(x)[0] * rows != stripes * chunks * chunk_rows:
+def _chunk(x: jax.Array, split: _Split, rows: int, b: jax.Array) -> jax.Array:
+  """Chunk ``b`` of `_leaf_split` of an array whose split axis holds ``rows`` leaf rows
+  per row (a block's scales)."""
+  stripes, chunks, chunk_rows, axis = split
+  shape = jnp.shape(x)
+  if shape[axis] * rows != stripes * chunks * chunk_rows:
     return x
-  tail = jnp.shape(x)[1:]
-  x = jnp.reshape(x, (stripes, chunks, chunk_rows // rows, *tail))
-  return jax.lax.dynamic_index_in_dim(x, b, axis=1, keepdims=False).reshape(-1, *tail)
+  lead, tail = shape[:axis], shape[axis + 1 :]
+  x = jnp.reshape(x, (*lead, stripes, chunks, chunk_rows // rows, *tail))
+  x = jax.lax.dynamic_index_in_dim(x, b, axis=axis + 1, keepdims=False)
+  return x.reshape(*lead, -1, *tail)
 
 
-def _chunk_field(x: Any, split: tuple[int, int, int], shape: tuple[int, ...], b: jax.Array) -> Any:
-  """Chunk ``b`` of `_row_split` of an array of a leaf of ``shape`` (the leaf itself or
+def _chunk_field(x: Any, split: _Split, shape: tuple[int, ...], b: jax.Array) -> Any:
+  """Chunk ``b`` of `_leaf_split` of an array of a leaf of ``shape`` (the leaf itself or
   a stored field of it); one with fewer dimensions than the leaf (or None) whole."""
   if x is None or jnp.ndim(x) < len(shape):
     return x
-  return _chunk(x, split, shape[0] // jnp.shape(x)[0], b)
+  axis = split.axis
+  return _chunk(x, split, shape[axis] // jnp.shape(x)[axis], b)
 
 
 def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, split: Any) -> Any:
@@ -1525,7 +1573,7 @@ def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, spli
   """
   if split is None:
     return fn(p, g, leaves, *rest)
-  stripes, chunks, chunk_rows = split
+  stripes, chunks, _, axis = split
 
   def of(b: jax.Array) -> tuple:
     cut = functools.partial(_chunk_field, split=split, shape=jnp.shape(g), b=b)
@@ -1547,8 +1595,11 @@ def _chunked_stats(fn: Callable, p: Any, g: Any, leaves: list, rest: tuple, spli
     if w:
       out.append(next(maxima))
       continue
-    per = next(rows).reshape(chunks, stripes, -1, *s.shape[1:])
-    out.append(jnp.swapaxes(per, 0, 1).reshape(-1, *s.shape[1:]))
+    # A chunk's (*lead, stripes x rows, *tail), stacked over the chunks, in the leaf's order:
+    # (*lead, stripes, chunks, rows, *tail).
+    lead, tail = s.shape[:axis], s.shape[axis + 1 :]
+    per = next(rows).reshape(chunks, *lead, stripes, -1, *tail)
+    out.append(jnp.moveaxis(per, 0, axis + 1).reshape(*lead, -1, *tail))
   return tree.unflatten(out)
 
 
@@ -1575,12 +1626,13 @@ def _state_reads_param(program: Program) -> bool:
 
 
 def _block_rows(g: Any, stored: list) -> int:
-  """The rows of a block of ``stored`` leaves (the least common multiple), as `_chunk` needs;
-  1 for a leaf without rows (a first dimension of 0), which has nothing to walk."""
+  """The rows of a block of ``stored`` leaves along the axis before the last (the least
+  common multiple), as `_leaf_split` needs; 1 for a leaf without rows (that axis of length
+  0), which has nothing to walk."""
   rows = [
-    jnp.shape(g)[0] // jnp.shape(x)[0]
+    jnp.shape(g)[-2] // jnp.shape(x)[-2]
     for x in jax.tree.leaves(stored)
-    if jnp.ndim(x) == jnp.ndim(g) >= 2 and jnp.shape(x)[0]
+    if jnp.ndim(x) == jnp.ndim(g) >= 2 and jnp.shape(x)[-2]
   ]
   return math.lcm(1, *rows)
 
@@ -1591,7 +1643,7 @@ def _leaf_functions(
   rounded: tuple[bool, ...],
   blocks: tuple[Any, ...],
   guard: bool,
-  split: tuple[int, int, int] | None,
+  split: _Split | None,
 ) -> tuple[Callable, Callable, Callable]:
   """``(step, branch, encoders)``: one leaf's streamed update, jitted, for `_streamed_update`.
 
@@ -1726,8 +1778,8 @@ def _streamed_update(
     removes them before scheduling); a leaf larger than ``chunk`` values,
     or one that stores column maxima (in `_COLUMN_CHUNKS` chunks at least,
     `_stats_split`),
-    computes them a chunk of rows at a time (`_row_split`,
-    `_chunked_stats`), in stripes that follow the first dimension's
+    computes them a chunk of rows at a time (`_leaf_split`,
+    `_chunked_stats`), in stripes that follow the walked dimension's
     shards;
   * its encoders, which read the branch's statistics and the gradient
     through a select on the new param, compute the new state again, elementwise, and
@@ -2122,9 +2174,9 @@ def low_precision_sum_squares(param_states: Any, *, chunk: int = 1 << 20) -> Any
   """The sum of squares of each leaf of `low_precision_to_float32`'s result, in float32.
 
   Each compressed leaf is decoded at most ``chunk`` values at a time (rows of
-  whole blocks, in stripes along its first dimension's shards, as the
-  streamed update walks it; at least a block of rows per stripe, which for a
-  leaf with a short first dimension is more; a 1-D leaf's runs of whole
+  whole blocks, in stripes along the shards of its first dimension, or of its
+  second where the first is short, as the streamed update walks it; at least a
+  block of rows per stripe; a 1-D leaf's runs of whole
   blocks, as many per stripe as fit), and one leaf after another: each leaf's sum is
   computed in a conditional whose predicate reads the previous one's, so the
   temporaries stay within one chunk in float32 whatever order the compiler's
@@ -2211,7 +2263,7 @@ def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
     stored = _rows_of_blocks(stored)
     shape = _CODECS[kind].shape(stored)
   rows = _block_rows(jax.ShapeDtypeStruct(shape, jnp.float32), [stored])
-  split = _row_split(shape, rows, chunk, _SHARD_MULTIPLE)
+  split = _leaf_split(shape, rows, chunk, _SHARD_MULTIPLE)
   if split is None:
     return _sum_squares(_decode(kind, stored))
 
@@ -2219,7 +2271,7 @@ def _streamed_sum_squares(kind: str, chunk: int, stored: Any) -> jax.Array:
     cut = functools.partial(_chunk_field, split=split, shape=shape, b=b)
     return total + _sum_squares(_decode(kind, jax.tree.map(cut, stored))), None
 
-  chunks = jnp.arange(split[1], dtype=jnp.int32)
+  chunks = jnp.arange(split.chunks, dtype=jnp.int32)
   return jax.lax.scan(body, jnp.zeros([], jnp.float32), chunks)[0]
 
 
@@ -2349,7 +2401,9 @@ def _cols_spec(spec: Any, rank: int) -> Any:
   """The spec of a 4-bit leaf's column maxima: its codes' last dimension's."""
   if spec is None or spec is specs_lib.UNDERIVED:
     return spec
-  return specs_lib.canonical(PartitionSpec(spec[rank - 1]), 1)
+  # A spec may stop before the last dimension (``P()``: replicated), which it leaves whole.
+  last = spec[rank - 1] if len(spec) >= rank else None
+  return specs_lib.canonical(PartitionSpec(last), 1)
 
 
 def _quantized_spec(leaf: Any, codes: Any) -> Any:
