@@ -567,6 +567,38 @@ def test_init_from_skips_an_incomplete_or_corrupt_newest_checkpoint_and_changes_
   assert _tree(source) == before
 
 
+def test_init_from_a_run_still_training_lists_its_steps_again(
+  four_steps, tmp_path, capsys, monkeypatch
+):
+  """The source still trains, keeping one checkpoint: its rotation deleted step 4 while
+  --init_from read it, after saving step 6, and the start stopped with "holds no intact
+  checkpoint (step 4: ... could not be read)". A step gone when its read fails is skipped as
+  deleted, the steps are listed again, and the newest is read."""
+  from t5x_optim.cli import _init_from  # noqa: PLC0415
+
+  source = _copy(four_steps, tmp_path)
+  checkpoints = source / "checkpoints"
+  shutil.rmtree(checkpoints / "2")  # one checkpoint kept
+  real = _init_from.restore_converted
+
+  def rotated_under_the_read(directory, *args, step=None, **kwargs):
+    if step == 4:  # the run saves step 6 (here a copy of 4) and deletes 4 while it is read
+      shutil.copytree(checkpoints / "4", checkpoints / "6")
+      shutil.rmtree(checkpoints / "4")
+      raise t5x_optim.CheckpointError(f"Checkpoint step 4 in {directory} could not be read", step=4)
+    return real(directory, *args, step=step, **kwargs)
+
+  monkeypatch.setattr(_init_from, "restore_converted", rotated_under_the_read)
+  flags = [*_steps(7), *ADAM, "--init_from", str(source)]
+  code, out, err = _train_run(tmp_path / "new", *flags, capsys=capsys)
+  assert code == 0, err
+  assert (
+    f"init_from:       skipped checkpoint step 4 of {source}: deleted while it was read (is "
+    "the run that wrote it still training?)\n" in out
+  ), out
+  assert f"init_from:       {source} at step 4\n" in out, out
+
+
 def test_init_from_a_step_directory_restores_that_step_or_refuses(four_steps, tmp_path, capsys):
   flags = [*_steps(3), *ADAM, "--init_from", str(four_steps / "checkpoints" / "2")]
   code, out, err = _train_run(tmp_path / "new", *flags, capsys=capsys)

@@ -579,6 +579,12 @@ def _parsed(
     gin.clear_config()
 
 
+_LISTINGS = 3
+"""How many times `--init_from` lists a run's steps, listing them again after a step was
+deleted while it was read (the run still training there, its rotation removing it)."""
+VANISHED = "deleted while it was read (is the run that wrote it still training?)"
+"""Why `--init_from` skipped a step that was gone when its read failed."""
+
 _PYTHON_ADVICE = re.compile(r"pass source(_def)?= \([^)]*\)( to [^.;]*)?")
 
 
@@ -611,20 +617,34 @@ def initial_state_fn(
   def restore() -> TrainState:
     if source.step is not None or not ours:
       return restore_step(source.step)
-    with Checkpointer(directory) as reader:
-      steps = reader.all_steps()
-      committed = {step for step in steps if reader.is_committed(step)}
-    skipped = []
-    for step in reversed(steps):
-      if step not in committed:
-        skipped.append((step, INCOMPLETE))
-        continue
-      try:
-        return restore_step(step, skipped=skipped)
-      except CheckpointError as error:
-        skipped.append((step, skip_reason(error)))
+    skipped: list[tuple[int, str]] = []
+    for _ in range(_LISTINGS):
+      with Checkpointer(directory) as reader:
+        steps = reader.all_steps()
+        committed = {step for step in steps if reader.is_committed(step)}
+      tried = {step for step, _ in skipped}
+      vanished = False
+      for step in (step for step in reversed(steps) if step not in tried):
+        if step not in committed:
+          skipped.append((step, INCOMPLETE))
+          continue
+        try:
+          return restore_step(step, skipped=skipped)
+        except UsageError:
+          raise
+        except (ValueError, FileNotFoundError) as error:  # a CheckpointError, or a step gone
+          vanished = not committed_now(step)
+          skipped.append((step, VANISHED if vanished else skip_reason(error)))
+          if vanished:  # Newer steps may have come: the directory is listed again.
+            break
+      if not vanished:
+        break
     tried = "; ".join(f"step {step}: {why}" for step, why in skipped) or "no steps"
     raise UsageError(f"--init_from {init_from} holds no intact checkpoint ({tried}).")
+
+  def committed_now(step: int) -> bool:
+    with Checkpointer(directory) as reader:
+      return reader.is_committed(step)
 
   def restore_step(
     step: int | None, *, skipped: Sequence[tuple[int, str]] | None = None
@@ -652,7 +672,7 @@ def initial_state_fn(
     except UsageError:
       raise
     except (ValueError, FileNotFoundError) as error:
-      if skipped is not None and isinstance(error, CheckpointError):
+      if skipped is not None and (isinstance(error, CheckpointError) or not committed_now(step)):
         raise
       text = " ".join(str(error).split())
       if step is not None and not isinstance(error, CheckpointError):
