@@ -266,6 +266,11 @@ def _edit(state_dict: dict, path: str, value: Any = None, *, delete: bool = Fals
       lambda sd: _edit(sd, "state/param_states/0/count", {"x": np.zeros(())}),
       r"State dict mismatch at 'state/param_states/0/count'",
     ),
+    (  # A checkpoint written with x64 on: the param came back inf, without a word.
+      lambda sd: _edit(sd, "target/dense/bias", np.array([1e39, 1.0, 2.0])),
+      r"Dtype mismatch at 'target/dense/bias': the state dict has float64, which the devices "
+      r"hold as float32 \(jax_enable_x64 is off\), and a finite value is beyond its range",
+    ),
   ],
   ids=[
     "missing",
@@ -275,6 +280,7 @@ def _edit(state_dict: dict, path: str, value: Any = None, *, delete: bool = Fals
     "float_count",
     "int_overflow",
     "subtree_for_leaf",
+    "float64_param_overflow",
   ],
 )
 def test_bad_restore_names_path_and_leaves_optimizer_unchanged(adamw_opt, edit, message):

@@ -583,6 +583,16 @@ def _convert_array(
       f"be cast safely to the optimizer's {ref_dtype}{why}."
     )
   out_dtype = dtype if keeps_dtype else ref_dtype
+  on_devices = isinstance(reference, jax.Array | jax.ShapeDtypeStruct)
+  held = jax.dtypes.canonicalize_dtype(out_dtype) if on_devices else out_dtype
+  if keeps_dtype and held != out_dtype and not values_fit(value, held):
+    # The devices hold 64-bit data in 32 bits (jax_enable_x64 off): a value beyond float32's
+    # range would come back inf, without a word.
+    raise ValueError(
+      f"Dtype mismatch at '{where}': the state dict has {dtype}, which the devices hold as "
+      f"{held} (jax_enable_x64 is off), and a finite value is beyond its range and would not "
+      "stay finite."
+    )
   note = None if keeps_dtype else _narrowing(value, dtype, ref_dtype, path)
   if note is not None:
     narrowed.append(note)
