@@ -322,6 +322,20 @@ def test_a_restore_into_another_mask_names_every_masked_out_slot():
     ) in lines
 
 
+def test_a_state_dict_holding_one_array_twice_restores_into_own_buffers(adamw_opt):
+  """One array as both moments (a state dict built by hand, or converted): the restored
+  optimizer held it twice, and a jitted step that donates the optimizer refused it ("donate
+  the same buffer twice"). Each leaf gets its own buffer, as `create` gives it."""
+  zeros = jnp.zeros((2, 3))
+  state_dict = jax.tree.map(jnp.copy, adamw_opt.state_dict())  # the fixture's stay undonated
+  state_dict = _edit(state_dict, "state/param_states/0/mu/dense/kernel", zeros)
+  state_dict = _edit(state_dict, "state/param_states/0/nu/dense/kernel", zeros)
+  restored = adamw_opt.restore_state(state_dict)
+  step = jax.jit(lambda o, g: o.apply_gradient(g), donate_argnums=0)
+  stepped = step(restored, jax.tree.map(jnp.ones_like, adamw_opt.target))
+  assert int(stepped.state.step) == int(adamw_opt.state.step) + 1
+
+
 def test_restore_dtype_rule(adamw_opt):
   state_dict = to_numpy(adamw_opt.state_dict())
   state_dict = _edit(state_dict, "state/step", np.asarray(1, np.int64))

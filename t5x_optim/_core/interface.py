@@ -83,6 +83,9 @@ class Optimizer(struct.PyTreeNode):
     target, new_state = self.optimizer_def.restore_state(
       self.target, self.state, _state_dict.optimizer_part(state)
     )
+    # A state dict may hold one array in two places (built by hand, or converted): each leaf
+    # gets its own buffer, as `create` gives it, so that a jitted step may donate them all.
+    target, new_state = own_buffers(target, new_state)
     return self.replace(target=target, state=new_state)
 
 
