@@ -513,6 +513,9 @@ def test_filter_matching_nothing_is_allowed_with_a_warning() -> None:
   ):
     opt = run_multi(opt_def, make_params())
   assert opt.state.param_states[1].param_states[0].mu == {}
+  with pytest.warns(UserWarning) as caught:  # no params at all: it said "the params are ."
+    opt_def.create({})
+  assert [str(w.message).split("; ")[-1] for w in caught] == ["the params tree is empty."] * 2
 
 
 @pytest.mark.parametrize("mode", ["8bit", "4bit", "bfloat16"])

@@ -237,7 +237,8 @@ class MultiOptimizer(OptimizerDef):
       if not group:
         warn(
           f"MultiOptimizer {describe_traversal(i, self.traversals[i])} selects no params, so its "
-          f"optimizer gets an empty tree; the params are {format_paths(paths)}."
+          "optimizer gets an empty tree; "
+          + (f"the params are {format_paths(paths)}." if paths else "the params tree is empty.")
         )
     index_tree = treedef.unflatten(range(len(paths)))
     subtrees = [subset(index_tree, frozenset(group), ()) for group in groups]
