@@ -59,6 +59,17 @@ def test_grads_of_wrong_structure_name_the_paths(opt):
     opt.apply_gradient({"dense": {**PARAMS["dense"], "extra": jnp.ones(2)}})
 
 
+def test_params_axes_of_another_structure_name_the_paths(opt):
+  """Only the two tree definitions were shown, where the grads' check names the paths."""
+  axes = {"dense": {"kernel": P("embed", "mlp"), "scale": P("mlp")}}
+  with pytest.raises(
+    ValueError,
+    match=r"paths only in params_axes: \['dense/scale'\]; paths only in the params: "
+    r"\['dense/bias'\]",
+  ):
+    opt.optimizer_def.derive_logical_axes(opt, axes)
+
+
 @pytest.mark.parametrize(
   "grads, message",
   [

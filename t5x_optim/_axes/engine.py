@@ -256,8 +256,12 @@ class _ParamIndex:
         # A None param holds no array, so it has no axes: what params_axes has there is unused.
         self.specs = [s for s, p in zip(self.specs, with_nones) if p is not None]
       elif jax.tree.structure(thawed) != spec_def:
+        axes_paths = _leaf_paths(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
+        params_paths = _leaf_paths(thawed)
         raise ValueError(
-          f"params_axes does not have the structure of params: {spec_def} vs {params_def}"
+          "params_axes does not have the structure of params: paths only in params_axes: "
+          f"{sorted(axes_paths - params_paths)}; paths only in the params: "
+          f"{sorted(params_paths - axes_paths)}; {spec_def} vs {params_def}"
         )
     self.leaves = leaves
     self.params_def = params_def
@@ -714,3 +718,9 @@ class OptaxStatePartitionRules:
     return derive_state_specs(
       optax_state, params_axes, transformation=transformation, params=params, fallback=fallback
     )
+
+
+def _leaf_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> set[str]:
+  """The '/'-joined paths of `tree`'s leaves."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return {key_path_str(path) for path, _ in leaves}
