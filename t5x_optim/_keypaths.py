@@ -7,12 +7,12 @@ imports no other t5x_optim module, so every layer may import it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-__all__ = ["key_path_str"]
+__all__ = ["key_path_str", "leaf_paths"]
 
 
 def key_path_str(path: Sequence[Any]) -> str:
@@ -30,3 +30,13 @@ def key_path_str(path: Sequence[Any]) -> str:
     ('state/step', '<root>')
   """
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
+
+
+def leaf_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> set[str]:
+  """The paths of `tree`'s leaves, as `key_path_str` writes them.
+
+  Example:
+    >>> sorted(leaf_paths({"a": [1, 2], "b": 3}))
+    ['a/0', 'a/1', 'b']
+  """
+  return {key_path_str(path) for path, _ in jax.tree.flatten_with_path(tree, is_leaf=is_leaf)[0]}

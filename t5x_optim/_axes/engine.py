@@ -42,7 +42,7 @@ from t5x_optim._axes import builtin as _state_rules_builtin  # noqa: F401  (regi
 from t5x_optim._axes import generic, registry
 from t5x_optim._axes import specs as specs_lib
 from t5x_optim._axes.rules import is_spec_leaf
-from t5x_optim._keypaths import key_path_str
+from t5x_optim._keypaths import key_path_str, leaf_paths
 from t5x_optim._nnx import first_nnx_path, partition_specs
 from t5x_optim._warn import warn
 
@@ -256,8 +256,8 @@ class _ParamIndex:
         # A None param holds no array, so it has no axes: what params_axes has there is unused.
         self.specs = [s for s, p in zip(self.specs, with_nones) if p is not None]
       elif jax.tree.structure(thawed) != spec_def:
-        axes_paths = _leaf_paths(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
-        params_paths = _leaf_paths(thawed)
+        axes_paths = leaf_paths(specs_lib.thaw(spec_tree), is_leaf=is_spec_leaf)
+        params_paths = leaf_paths(thawed)
         raise ValueError(
           "params_axes does not have the structure of params: paths only in params_axes: "
           f"{sorted(axes_paths - params_paths)}; paths only in the params: "
@@ -718,9 +718,3 @@ class OptaxStatePartitionRules:
     return derive_state_specs(
       optax_state, params_axes, transformation=transformation, params=params, fallback=fallback
     )
-
-
-def _leaf_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> set[str]:
-  """The '/'-joined paths of `tree`'s leaves."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-  return {key_path_str(path) for path, _ in leaves}

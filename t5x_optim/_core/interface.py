@@ -15,7 +15,7 @@ from flax import struct
 
 from t5x_optim._axes.engine import StateRulesFallback
 from t5x_optim._core import state_dict as _state_dict
-from t5x_optim._keypaths import key_path_str
+from t5x_optim._keypaths import key_path_str, leaf_paths
 from t5x_optim._nnx import nnx_kinds, refuse_non_params, to_pure
 
 __all__ = ["Optimizer", "OptimizerDef", "OptimizerState", "trained_params"]
@@ -390,10 +390,6 @@ def _article(word: str) -> str:
   return "an" if word[:1].lower() in "aeiou" else "a"
 
 
-def _leaf_paths(tree: Any) -> set[str]:
-  return {key_path_str(path) for path, _ in jax.tree.flatten_with_path(flax.core.unfreeze(tree))[0]}
-
-
 def tree_like(value: Any, reference: Any) -> Any:
   """Returns `value` in `reference`'s container types (dict vs FrozenDict).
 
@@ -426,7 +422,7 @@ def structure_mismatch(
   value_def, ref_def = jax.tree.structure(value), jax.tree.structure(reference)
   if value_def == ref_def:
     return None
-  value_paths, ref_paths = _leaf_paths(value), _leaf_paths(reference)
+  value_paths, ref_paths = leaf_paths(value), leaf_paths(reference)
   if value_paths != ref_paths:
     return (
       f"paths only in the {name}: {sorted(value_paths - ref_paths)}; paths only in "

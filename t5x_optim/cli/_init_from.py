@@ -622,9 +622,9 @@ def initial_state_fn(
       with Checkpointer(directory) as reader:
         steps = reader.all_steps()
         committed = {step for step in steps if reader.is_committed(step)}
-      tried = {step for step, _ in skipped}
+      seen = {step for step, _ in skipped}
       vanished = False
-      for step in (step for step in reversed(steps) if step not in tried):
+      for step in (step for step in reversed(steps) if step not in seen):
         if step not in committed:
           skipped.append((step, INCOMPLETE))
           continue
@@ -633,7 +633,8 @@ def initial_state_fn(
         except UsageError:
           raise
         except (ValueError, FileNotFoundError) as error:  # a CheckpointError, or a step gone
-          vanished = not committed_now(step)
+          # `restore_step` raises any other error here only for a step it found gone.
+          vanished = not isinstance(error, CheckpointError) or not committed_now(step)
           skipped.append((step, VANISHED if vanished else skip_reason(error)))
           if vanished:  # Newer steps may have come: the directory is listed again.
             break

@@ -199,12 +199,12 @@ def _path_arg(text: str) -> Path | str:
   """
   from t5x_optim import storage  # noqa: PLC0415
 
-  _given(text)
+  expanded = _given(text)
   try:
     path = storage.as_path(text)
   except storage.StorageError:
     return text
-  return Path(os.path.expanduser(text)) if storage.scheme_of(text) is None else path
+  return Path(expanded) if storage.scheme_of(text) is None else path
 
 
 _PATH_FLAGS = ("model_dir", "init_from", "data", "compilation_cache")

@@ -166,19 +166,17 @@ def _per_param_slots(state: Any, params_def: Any, shapes: Sequence[tuple]) -> li
 
   def mirrored(node: Any) -> list[int] | None:
     """The param index of each of ``node``'s leaves, where ``node`` mirrors the params."""
-    pairs: list[tuple[Any, Any]] = []
+    leaves, node_def = jax.tree.flatten(node, is_leaf=is_hole)
     try:
-      jax.tree.map(lambda leaf, sub: pairs.append((leaf, sub)), node, template, is_leaf=is_hole)
+      subs = node_def.flatten_up_to(template)  # the params' subtree at each of its leaves
     except (ValueError, TypeError):  # not a prefix of the params' structure
       return None
-    if not any(isinstance(sub, int) and not is_hole(leaf) for leaf, sub in pairs):
-      return None
-    if any(
-      not is_hole(leaf) and not (isinstance(sub, int) and np.shape(leaf) == shapes[sub])
-      for leaf, sub in pairs
+    kept = [(leaf, sub) for leaf, sub in zip(leaves, subs, strict=True) if not is_hole(leaf)]
+    if not kept or any(
+      not isinstance(sub, int) or np.shape(leaf) != shapes[sub] for leaf, sub in kept
     ):
       return None
-    return [sub for leaf, sub in pairs if not is_hole(leaf)]
+    return [sub for _, sub in kept]
 
   def walk(node: Any) -> None:
     indices = mirrored(node)
